@@ -1,0 +1,313 @@
+"""Kernel registry and the one compiled-kernel cache every kernel goes through.
+
+A kernel module registers a :class:`KernelDef`: a name, the source files whose text
+defines it, a ``build(arch, **config) -> (jit_object, compile_args)`` function that
+returns the ``@cute.jit`` callable and the fake (CPU-only) arguments to compile it with,
+and the configurations the AOT build covers. :func:`get_kernel` then returns a callable
+compiled for ``(kernel, source hash, config, arch, options, DSL version)``:
+
+1. in-process cache hit -> the same function object (no host work beyond a dict lookup);
+2. else the on-disk artifact cache (:mod:`cute_kernels.artifact_cache`) is asked; a
+   valid entry is loaded with ``cute.runtime.load_module`` -- the compiler is not run;
+3. else ``cute.compile`` runs, and the result is exported into the artifact cache.
+
+Calling convention. Kernels are compiled against raw global-memory pointers
+(``cute.runtime.make_ptr``) plus ``Int32`` runtime extents, with static extents (hidden
+size, tile shapes) in the config. One compile therefore serves every batch size, the
+exported object has a plain C ABI, and a call costs no DLPack conversion (45-86 us per
+tensor on the H200 host, see the device README); :func:`gmem_ptr` caches pointer
+wrappers so steady-state decode calls build nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+from .arch import normalize_arch
+
+_REGISTRY: dict[str, "KernelDef"] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelDef:
+    name: str
+    #: build(arch, **config) -> (jit_callable, tuple_of_compile_args)
+    build: Callable[..., tuple[Any, tuple]]
+    #: files whose contents define the kernel (hashed into the cache key)
+    sources: tuple[str, ...]
+    #: archs this kernel has code for
+    archs: tuple[str, ...]
+    #: configs compiled by ``python -m cute_kernels build``
+    aot_configs: tuple[dict, ...] = ()
+    description: str = ""
+
+    def source_hash(self) -> str:
+        return _source_hash(self.sources)
+
+
+_src_hash_cache: dict[tuple[str, ...], tuple[tuple, str]] = {}
+
+
+def _source_hash(paths: tuple[str, ...]) -> str:
+    stamp = tuple((p, os.stat(p).st_mtime_ns, os.stat(p).st_size) for p in paths)
+    hit = _src_hash_cache.get(paths)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(os.path.basename(p).encode())
+        with open(p, "rb") as f:
+            h.update(f.read())
+    digest = h.hexdigest()[:16]
+    _src_hash_cache[paths] = (stamp, digest)
+    return digest
+
+
+def register(kdef: KernelDef) -> KernelDef:
+    prev = _REGISTRY.get(kdef.name)
+    if prev is not None and prev.sources != kdef.sources:
+        raise ValueError(f"kernel name {kdef.name!r} registered twice from different sources")
+    _REGISTRY[kdef.name] = kdef
+    return kdef
+
+
+def registry() -> dict[str, KernelDef]:
+    """All registered kernels (importing the packages that define them)."""
+    from . import kernels  # noqa: F401  (side effect: registration)
+
+    return dict(_REGISTRY)
+
+
+def dsl_version() -> str:
+    from importlib.metadata import version
+
+    return version("nvidia-cutlass-dsl")
+
+
+def default_options(arch: str) -> str:
+    return f"--gpu-arch={arch}"
+
+
+def _canon(v: Any) -> Any:
+    """JSON-stable form of a config value (dtypes and DSL types by name)."""
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    if isinstance(v, (tuple, list)):
+        return [_canon(x) for x in v]
+    if hasattr(v, "__name__"):
+        return v.__name__
+    return str(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheKey:
+    kernel: str
+    source_hash: str
+    config: str  # canonical JSON
+    arch: str
+    options: str
+    dsl_version: str
+
+    @classmethod
+    def make(cls, kdef: KernelDef, arch: str, config: dict, options: str | None = None) -> "CacheKey":
+        arch = normalize_arch(arch)
+        cfg = json.dumps({k: _canon(v) for k, v in sorted(config.items())}, sort_keys=True)
+        return cls(
+            kernel=kdef.name,
+            source_hash=kdef.source_hash(),
+            config=cfg,
+            arch=arch,
+            options=options if options is not None else default_options(arch),
+            dsl_version=dsl_version(),
+        )
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    compiles: int = 0
+    compile_seconds: float = 0.0
+    disk_loads: int = 0
+    disk_load_seconds: float = 0.0
+    disk_writes: int = 0
+
+
+class KernelCache:
+    """Thread-safe in-process cache of compiled kernels.
+
+    A per-key lock makes concurrent first calls of the same kernel compile once; other
+    keys compile in parallel.
+    """
+
+    def __init__(self) -> None:
+        self._fns: dict[CacheKey, Any] = {}
+        self._keep_alive: dict[CacheKey, Any] = {}
+        self._locks: dict[CacheKey, threading.Lock] = {}
+        self._lock = threading.Lock()
+        self.stats = CacheStats()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._fns.clear()
+            self._keep_alive.clear()
+            self._locks.clear()
+            self.stats = CacheStats()
+
+    def __len__(self) -> int:
+        return len(self._fns)
+
+    def get(self, kdef: KernelDef, arch: str, config: dict, *, options: str | None = None,
+            artifact_cache=None, use_disk: bool = True):
+        key = CacheKey.make(kdef, arch, config, options)
+        fn = self._fns.get(key)
+        if fn is not None:
+            with self._lock:
+                self.stats.hits += 1
+            return fn
+        with self._lock:
+            klock = self._locks.setdefault(key, threading.Lock())
+        with klock:
+            fn = self._fns.get(key)
+            if fn is not None:
+                with self._lock:
+                    self.stats.hits += 1
+                return fn
+            with self._lock:
+                self.stats.misses += 1
+            fn = None
+            store = None
+            if use_disk:
+                from .artifact_cache import default_cache
+
+                store = artifact_cache if artifact_cache is not None else default_cache()
+                t0 = time.perf_counter()
+                loaded = store.load(key)
+                if loaded is not None:
+                    module, fn = loaded
+                    with self._lock:
+                        self.stats.disk_loads += 1
+                        self.stats.disk_load_seconds += time.perf_counter() - t0
+                    self._keep_alive[key] = module
+            if fn is None:
+                compiled = compile_now(kdef, key.arch, config, options=key.options)
+                fn = compiled.fn
+                with self._lock:
+                    self.stats.compiles += 1
+                    self.stats.compile_seconds += compiled.seconds
+                if store is not None and store.put(key, compiled.fn):
+                    with self._lock:
+                        self.stats.disk_writes += 1
+            self._fns[key] = fn
+            return fn
+
+
+@dataclasses.dataclass
+class Compiled:
+    fn: Any
+    seconds: float
+
+
+def compile_now(kdef: KernelDef, arch: str, config: dict, *, options: str | None = None) -> Compiled:
+    """Run ``cute.compile`` for ``arch`` (works without a GPU: fake args, ``--gpu-arch``)."""
+    import cutlass.cute as cute
+
+    arch = normalize_arch(arch)
+    if arch not in kdef.archs:
+        raise ValueError(f"kernel {kdef.name} has no code for arch {arch} (it supports {', '.join(kdef.archs)})")
+    jit_obj, args = kdef.build(arch, **config)
+    t0 = time.perf_counter()
+    fn = cute.compile(jit_obj, *args, options=options or default_options(arch))
+    return Compiled(fn, time.perf_counter() - t0)
+
+
+#: The one process-wide cache.
+CACHE = KernelCache()
+
+
+def get_kernel(name: str, arch: str, *, use_disk: bool = True, artifact_cache=None, **config):
+    """Compiled function for ``name`` built for ``arch`` with static ``config``."""
+    reg = _REGISTRY if name in _REGISTRY else registry()
+    if name not in reg:
+        raise KeyError(f"unknown kernel {name!r}; registered: {', '.join(sorted(reg))}")
+    return CACHE.get(reg[name], arch, config, artifact_cache=artifact_cache, use_disk=use_disk)
+
+
+# --------------------------------------------------------------------------------------
+# Runtime argument helpers (hot path: keep them to dict lookups).
+# --------------------------------------------------------------------------------------
+_ptr_cache: dict[tuple, Any] = {}
+_stream_cache: dict[int, Any] = {}
+_PTR_CACHE_MAX = 4096
+
+
+def gmem_ptr(dtype, t, align: int = 16):
+    """CuTe global-memory pointer to a torch tensor's data, cached by (dtype, address, align)."""
+    addr = t.data_ptr()
+    k = (dtype, addr, align)
+    p = _ptr_cache.get(k)
+    if p is None:
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_ptr
+
+        if len(_ptr_cache) >= _PTR_CACHE_MAX:
+            _ptr_cache.clear()
+        p = _ptr_cache[k] = make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
+    return p
+
+
+def cu_stream(stream=None):
+    """``cuda.CUstream`` for a torch stream (default: the current stream), cached by handle.
+
+    Kernels must be launched on an explicit stream: a launch on the legacy default
+    stream is silently left out of a CUDA graph being captured on another stream.
+    """
+    import torch
+
+    if stream is None:
+        handle = torch.cuda.current_stream().cuda_stream
+    elif isinstance(stream, int):
+        handle = stream
+    else:
+        handle = stream.cuda_stream
+    s = _stream_cache.get(handle)
+    if s is None:
+        import cuda.bindings.driver as cuda
+
+        s = _stream_cache[handle] = cuda.CUstream(handle)
+    return s
+
+
+def fake_gmem_ptr(dtype, align: int = 16):
+    """Placeholder pointer for compiling without a GPU."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def fake_stream():
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_stream()
+
+
+def iter_aot(names: Iterable[str] | None = None):
+    """(KernelDef, config) pairs for the AOT build."""
+    reg = registry()
+    for n in sorted(reg) if names is None else names:
+        kdef = reg[n]
+        for cfg in kdef.aot_configs or ({},):
+            yield kdef, cfg

@@ -1,0 +1,7 @@
+"""Imports every kernel module so that each registers itself with :mod:`cute_kernels.jit`.
+
+Add a line here for each new kernel; the AOT build (``python -m cute_kernels build``) and
+the machine-code tests iterate over the registry.
+"""
+
+from . import row_rms  # noqa: F401

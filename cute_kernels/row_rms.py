@@ -1,0 +1,168 @@
+"""Row-wise RMS statistic: ``rstd[t] = rsqrt(mean(x[t, :]^2) + eps)`` -- the template kernel.
+
+Used by mHC (``r`` over the flattened ``n*C`` residual streams) and by every RMSNorm; it is
+also the pattern the other kernels copy: config class -> ``@cute.jit __call__`` -> ``@cute.kernel``
+-> registry entry -> validated torch-facing function.
+
+Algorithm. One CTA per row. Thread ``i`` loads 16-byte vectors ``i, i+nt, i+2nt, ...``
+(8 bf16 each) into registers -- all loads are issued before the first use, so a thread keeps
+``iters`` 16-byte requests in flight -- squares and sums in FP32, then a warp shuffle
+reduction and a cross-warp reduction through shared memory. Thread 0 writes
+``rsqrt(sum / C + eps)`` in FP32.
+
+Numerics. Inputs are upcast exactly to FP32; the sum is FP32 in a fixed tree order (per
+thread, then butterfly, then warps), so the result is deterministic run to run; against an
+FP64 reference the relative error is O(sqrt(C) * 2^-24).
+
+Constraints. ``x`` is ``[T, C]`` bf16 or fp16, row-major and contiguous, 16-byte aligned,
+``C % 8 == 0`` and ``8 <= C <= 65536`` (static: one compile per hidden size); ``T`` is a
+runtime value (one compile serves every batch size), ``T * C < 2**31``. Works on sm_90a and
+sm_100a (no tensor cores; the same source compiles for both).
+
+Run the tests / benchmark::
+
+    pytest tests/test_row_rms.py
+    python bench/bench_row_rms.py          # on a GPU; prints the table for bench/RESULTS.md
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from . import jit
+from .arch import dispatch, current_arch
+from .validate import check_tensor, check_cuda
+
+_TORCH2CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
+_NAME2CUTE = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+MAX_HIDDEN = 65536
+
+
+class RowRms:
+    """Compile-time configuration: element type and the (static) row length."""
+
+    def __init__(self, dtype: type[cutlass.Numeric], hidden: int):
+        self.dtype = dtype
+        self.hidden = hidden
+        self.vec = 128 // dtype.width  # elements per 16-byte load
+        self.n_vec = hidden // self.vec
+        # Enough threads that each keeps <= 8 loads in flight; at least 4 warps.
+        self.threads = min(1024, max(128, -(-self.n_vec // 8 + 31) // 32 * 32))
+        self.iters = -(-self.n_vec // self.threads)
+        self.warps = self.threads // 32
+
+    @cute.jit
+    def __call__(self, x_ptr: cute.Pointer, rstd_ptr: cute.Pointer, num_tokens: Int32, eps: Float32,
+                 stream: cuda.CUstream):
+        mX = cute.make_tensor(x_ptr, cute.make_layout((num_tokens, self.hidden), stride=(self.hidden, 1)))
+        mR = cute.make_tensor(rstd_ptr, cute.make_layout((num_tokens,)))
+        self.kernel(mX, mR, eps).launch(grid=[num_tokens, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mR: cute.Tensor, eps: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        # ((vec), (n_vec)): mode 0 is one 16-byte vector, contiguous and 16-byte aligned
+        # because hidden % vec == 0 and the base pointer is 16-byte aligned.
+        gX = cute.zipped_divide(mX[row, None], (self.vec,))
+        tXrX = cute.make_rmem_tensor(cute.make_layout((self.vec, self.iters)), self.dtype)
+        tXrX.fill(0.0)
+        for i in cutlass.range_constexpr(self.iters):
+            v = tidx + i * self.threads
+            if v < self.n_vec:
+                cute.autovec_copy(gX[(None, v)], tXrX[None, i])
+        x = tXrX.load().to(Float32)
+        partial = (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        partial = cute.arch.warp_reduction_sum(partial)
+
+        smem = cutlass.memory.SmemAllocator()
+        sPartial = smem.allocate_tensor(Float32, cute.make_layout(self.warps), 4)
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        if lane == 0:
+            sPartial[warp] = partial
+        # Every warp's partial must be in shared memory before warp 0 reads them.
+        cute.arch.barrier()
+        if warp == 0:
+            total = Float32(0.0)
+            if lane < self.warps:
+                total = sPartial[lane]
+            total = cute.arch.warp_reduction_sum(total)
+            if lane == 0:
+                mR[row] = cute.math.rsqrt(total / Float32(self.hidden) + eps)
+
+    @staticmethod
+    def compile(arch: str, hidden: int, dtype: str = "bfloat16"):
+        """The compiled function (through the shared cache) for one hidden size."""
+        return jit.get_kernel("row_rms", arch, hidden=hidden, dtype=dtype)
+
+    @staticmethod
+    def can_implement(hidden: int, dtype: str = "bfloat16") -> bool:
+        return dtype in _NAME2CUTE and hidden % 8 == 0 and 8 <= hidden <= MAX_HIDDEN
+
+
+def _build(arch: str, *, hidden: int, dtype: str = "bfloat16"):
+    if not RowRms.can_implement(hidden, dtype):
+        raise ValueError(f"row_rms: unsupported hidden={hidden}, dtype={dtype}")
+    cdt = _NAME2CUTE[dtype]
+    args = (jit.fake_gmem_ptr(cdt, 16), jit.fake_gmem_ptr(Float32, 4), Int32(1), Float32(1e-6), jit.fake_stream())
+    return RowRms(cdt, hidden), args
+
+
+KERNEL = jit.register(
+    jit.KernelDef(
+        name="row_rms",
+        build=_build,
+        sources=(os.path.abspath(__file__),),
+        archs=("sm_90a", "sm_100a", "sm_103a"),
+        # hidden 7168 (DeepSeek-V3/V4 model dim) and 4*7168 (mHC n=4 flattened streams).
+        aot_configs=({"hidden": 7168, "dtype": "bfloat16"}, {"hidden": 28672, "dtype": "bfloat16"}),
+        description="rsqrt(mean(x^2)+eps) per row, bf16 -> fp32",
+    )
+)
+
+
+def _torch_path(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Fallback for devices without a CuTe path (not the test reference: tests/references.py)."""
+    xf = x.float()
+    return torch.rsqrt(xf.square().mean(dim=-1) + eps).float()
+
+
+def row_rms(x: torch.Tensor, eps: float = 1e-6, *, out: torch.Tensor | None = None, stream=None,
+            arch: str | None = None) -> torch.Tensor:
+    """``rsqrt(mean(x**2, -1) + eps)`` in FP32 for bf16/fp16 ``x [T, C]``.
+
+    ``out`` (fp32 ``[T]``) makes the call allocation-free; ``stream`` defaults to torch's
+    current stream. Capturable in a CUDA graph.
+    """
+    op = "row_rms"
+    check_tensor(op, "x", x, dtype=tuple(_TORCH2CUTE), ndim=2, contiguous=True, align_bytes=0)
+    T, C = x.shape
+    if C % 8 or not 8 <= C <= MAX_HIDDEN:
+        raise ValueError(f"{op}: x.shape[1]={C} must be a multiple of 8 in [8, {MAX_HIDDEN}]")
+    check_tensor(op, "x", x, align_bytes=16)
+    if T * C >= 2**31:
+        raise ValueError(f"{op}: x has {T * C} elements; 32-bit indexing needs fewer than 2**31")
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise TypeError(f"{op}: eps must be a non-negative float, got {eps!r}")
+    if out is None:
+        out = torch.empty(T, dtype=torch.float32, device=x.device)
+    else:
+        check_tensor(op, "out", out, dtype=torch.float32, shape=(T,), contiguous=True, align_bytes=4)
+    check_cuda(op, ("x", x), ("out", out))
+    a = arch if arch is not None else current_arch(x.device)
+    if dispatch(op, ("portable", "reference"), arch=a) == "reference":
+        out.copy_(_torch_path(x, eps))
+        return out
+    if T == 0:
+        return out
+    fn = RowRms.compile(a, C, str(x.dtype).replace("torch.", ""))
+    cdt = _TORCH2CUTE[x.dtype]
+    fn(jit.gmem_ptr(cdt, x, 16), jit.gmem_ptr(Float32, out, 4), Int32(T), Float32(eps), jit.cu_stream(stream))
+    return out

@@ -1,0 +1,75 @@
+"""Machine-code checks without a GPU: compile for an arch, disassemble, count instructions.
+
+``sass_histogram("row_rms", "sm_100a", hidden=7168)`` compiles the registered kernel with
+``--gpu-arch=sm_100a --keep-cubin`` on any machine (fake arguments), disassembles the cubin
+with ``nvdisasm`` (wheel ``nvidia-cuda-nvdisasm``) and returns ``Counter`` of mnemonics with
+their modifiers (``LDG.E.128``, ``UTCQMMA.2CTA``, ...). ``count(hist, "UTMALDG")`` sums every
+mnemonic that starts with a prefix. Mnemonics to expect per path: ``shared/device/sass.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+from .. import jit
+
+_INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
+
+
+@functools.lru_cache(maxsize=1)
+def find_nvdisasm() -> str:
+    exe = shutil.which("nvdisasm")
+    if exe:
+        return exe
+    for base in sys.path:
+        for cand in glob.glob(os.path.join(base, "nvidia", "cu1*", "bin", "nvdisasm")):
+            if os.access(cand, os.X_OK):
+                return cand
+    raise FileNotFoundError("nvdisasm not found: pip install nvidia-cuda-nvdisasm (the 'test' extra)")
+
+
+def compile_cubin(name: str, arch: str, **config) -> bytes:
+    kdef = jit.registry()[name]
+    with tempfile.TemporaryDirectory() as d:
+        compiled = jit.compile_now(kdef, arch, config,
+                                   options=f"{jit.default_options(arch)} --keep-cubin --dump-dir={d}")
+        cubin = compiled.fn.artifacts.CUBIN
+    if not cubin:
+        raise RuntimeError(f"{name}: the compiler kept no cubin for {arch}")
+    return cubin
+
+
+def disassemble(cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([find_nvdisasm(), "-c", f.name], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed: {res.stderr.strip()}")
+    return res.stdout
+
+
+def histogram(sass: str) -> Counter:
+    return Counter(m.group(1) for m in _INSN.finditer(sass))
+
+
+def sass_histogram(name: str, arch: str, **config) -> Counter:
+    return histogram(disassemble(compile_cubin(name, arch, **config)))
+
+
+def count(hist: Counter, prefix: str) -> int:
+    """Instructions whose mnemonic is ``prefix`` or starts with ``prefix.``."""
+    return sum(n for m, n in hist.items() if m == prefix or m.startswith(prefix + "."))
+
+
+def local_memory_ops(hist: Counter) -> int:
+    """Spill traffic: LDL/STL (local loads/stores)."""
+    return count(hist, "LDL") + count(hist, "STL")

@@ -1,0 +1,93 @@
+"""Argument checks shared by every torch-facing entry point.
+
+Each check raises before any launch: ``TypeError`` for a wrong Python type or dtype,
+``ValueError`` for a wrong device, shape, stride or alignment. Messages name the argument
+and say what was expected, e.g.::
+
+    ValueError: row_rms: x must be contiguous in its last dim (stride 1), got strides (1, 7168)
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+
+def _fmt(dtypes) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(
+    op: str,
+    name: str,
+    t,
+    *,
+    dtype: torch.dtype | Iterable[torch.dtype] | None = None,
+    ndim: int | None = None,
+    shape: Sequence[int | None] | None = None,
+    device: torch.device | str | None = None,
+    last_dim_contiguous: bool = True,
+    contiguous: bool = False,
+    align_bytes: int = 16,
+) -> torch.Tensor:
+    """Validate one tensor argument. ``shape`` entries of None are free."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        dts = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if t.dtype not in dts:
+            raise TypeError(f"{op}: {name} must have dtype {_fmt(dts)}, got {_fmt([t.dtype])}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{op}: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(e is not None and e != s for e, s in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
+            raise ValueError(f"{op}: {name} must have shape {want}, got {list(t.shape)}")
+    if device is not None:
+        dev = torch.device(device)
+        if t.device.type != dev.type or (dev.index is not None and t.device.index != dev.index):
+            raise ValueError(f"{op}: {name} must be on {dev}, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous, got strides {tuple(t.stride())}")
+    if last_dim_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(
+            f"{op}: {name} must be contiguous in its last dim (stride 1), got strides {tuple(t.stride())}"
+        )
+    if align_bytes and t.numel() > 0:
+        if t.data_ptr() % align_bytes:
+            raise ValueError(f"{op}: {name} data pointer must be {align_bytes}-byte aligned")
+        es = t.element_size()
+        for d in range(t.dim() - 1):
+            if t.shape[d] > 1 and (t.stride(d) * es) % align_bytes:
+                raise ValueError(
+                    f"{op}: {name} stride of dim {d} ({t.stride(d)} elements) must be a multiple of "
+                    f"{align_bytes} bytes"
+                )
+    return t
+
+
+def check_cuda(op: str, *named: tuple[str, torch.Tensor]) -> torch.device:
+    """All tensors on one CUDA device; returns it."""
+    dev = None
+    for name, t in named:
+        if t.device.type != "cuda":
+            raise ValueError(f"{op}: {name} must be a CUDA tensor, got device {t.device}")
+        if dev is None:
+            dev = t.device
+        elif t.device != dev:
+            raise ValueError(f"{op}: {name} is on {t.device} but the other arguments are on {dev}")
+    return dev
+
+
+def check_divisible(op: str, name: str, value: int, by: int, why: str = "") -> None:
+    if value % by:
+        raise ValueError(f"{op}: {name}={value} must be a multiple of {by}" + (f" ({why})" if why else ""))
+
+
+def check_arch_supported(op: str, arch: str | None, supported: Sequence[str]) -> str:
+    if arch is None:
+        raise ValueError(f"{op}: no supported CUDA device found (kernels target {', '.join(supported)})")
+    if arch not in supported:
+        raise ValueError(f"{op}: arch {arch} is not supported (supported: {', '.join(supported)})")
+    return arch

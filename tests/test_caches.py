@@ -1,0 +1,228 @@
+"""Compiled-kernel cache and on-disk artifact cache (CPU: compile for sm_100a/sm_90a, no GPU)."""
+
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import threading
+import warnings
+
+import pytest
+
+from cute_kernels import jit
+from cute_kernels.artifact_cache import ArtifactCache, function_prefix
+
+CFG = dict(hidden=7168, dtype="bfloat16")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def kdef():
+    return jit.registry()["row_rms"]
+
+
+@pytest.fixture
+def fresh_cache():
+    jit.CACHE.clear()
+    yield jit.CACHE
+    jit.CACHE.clear()
+
+
+# ----------------------------------------------------------------- cache key ----------
+def test_key_names_every_field(kdef):
+    k = jit.CacheKey.make(kdef, "sm_100a", CFG)
+    assert k.kernel == "row_rms" and k.arch == "sm_100a" and k.dsl_version == "4.8.1"
+    assert json.loads(k.config) == CFG and len(k.source_hash) == 16
+    digests = {
+        k.digest(),
+        jit.CacheKey.make(kdef, "sm_90a", CFG).digest(),
+        jit.CacheKey.make(kdef, "sm_100a", dict(CFG, hidden=28672)).digest(),
+        jit.CacheKey.make(kdef, "sm_100a", CFG, options="--gpu-arch=sm_100a --keep-cubin").digest(),
+    }
+    assert len(digests) == 4
+    # arch spellings normalise to one key
+    assert jit.CacheKey.make(kdef, "sm100", CFG) == k
+
+
+def test_source_change_changes_key(tmp_path, kdef):
+    src = tmp_path / "k.py"
+    src.write_text("a = 1\n")
+    d = jit.KernelDef("tmp_k", kdef.build, (str(src),), kdef.archs)
+    h1 = d.source_hash()
+    src.write_text("a = 2\n")
+    assert d.source_hash() != h1
+
+
+# -------------------------------------------------------------- in-process ------------
+def test_hits_misses_and_compile_seconds(fresh_cache, tmp_path):
+    store = ArtifactCache(str(tmp_path))
+    f1 = jit.get_kernel("row_rms", "sm_100a", artifact_cache=store, **CFG)
+    f2 = jit.get_kernel("row_rms", "sm_100a", artifact_cache=store, **CFG)
+    assert f1 is f2
+    s = fresh_cache.stats
+    assert (s.misses, s.hits, s.compiles, s.disk_writes) == (1, 1, 1, 1)
+    assert s.compile_seconds > 0
+
+
+def test_concurrent_first_calls_compile_once(fresh_cache):
+    out, errs = [], []
+
+    def worker():
+        try:
+            out.append(jit.get_kernel("row_rms", "sm_90a", use_disk=False, **CFG))
+        except Exception as e:  # pragma: no cover - surfaced below
+            errs.append(e)
+
+    ts = [threading.Thread(target=worker) for _ in range(6)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert not errs and len(out) == 6 and all(f is out[0] for f in out)
+    assert fresh_cache.stats.compiles == 1 and fresh_cache.stats.hits == 5
+
+
+def test_unknown_kernel_and_arch():
+    with pytest.raises(KeyError, match="unknown kernel"):
+        jit.get_kernel("nope", "sm_90a")
+    with pytest.raises(ValueError, match="not supported"):
+        jit.get_kernel("row_rms", "sm_80", **CFG)
+
+
+# --------------------------------------------------------------- artifact cache -------
+def test_round_trip_loads_without_compiling(fresh_cache, tmp_path, kdef):
+    store = ArtifactCache(str(tmp_path))
+    for arch in ("sm_90a", "sm_100a"):
+        jit.get_kernel("row_rms", arch, artifact_cache=store, **CFG)
+    assert fresh_cache.stats.compiles == 2
+    fresh_cache.clear()
+    for arch in ("sm_90a", "sm_100a"):
+        fn = jit.get_kernel("row_rms", arch, artifact_cache=store, **CFG)
+        assert fn is not None
+    assert fresh_cache.stats.compiles == 0 and fresh_cache.stats.disk_loads == 2
+    man = json.load(open(os.path.join(store.entry_dir(jit.CacheKey.make(kdef, "sm_90a", CFG)), "manifest.json")))
+    assert man["key"]["arch"] == "sm_90a" and man["key"]["dsl_version"] == "4.8.1"
+    assert set(man["files"]) == {"kernel.o", "kernel.h"}
+    assert all(len(v["sha256"]) == 64 for v in man["files"].values())
+
+
+def _corrupt_truncate(d):
+    p = os.path.join(d, "kernel.o")
+    data = open(p, "rb").read()
+    open(p, "wb").write(data[: len(data) // 2])
+
+
+def _corrupt_flip(d):
+    p = os.path.join(d, "kernel.o")
+    data = bytearray(open(p, "rb").read())
+    data[len(data) // 3] ^= 0x40
+    open(p, "wb").write(bytes(data))
+
+
+def _edit_manifest(field, value):
+    def f(d):
+        p = os.path.join(d, "manifest.json")
+        m = json.load(open(p))
+        m["key"][field] = value
+        json.dump(m, open(p, "w"))
+    return f
+
+
+def _garbage_manifest(d):
+    open(os.path.join(d, "manifest.json"), "w").write("{not json")
+
+
+def _no_object(d):
+    os.remove(os.path.join(d, "kernel.o"))
+
+
+@pytest.mark.parametrize(
+    "corrupt, why",
+    [
+        (_corrupt_truncate, "truncated"),
+        (_corrupt_flip, "sha256 mismatch"),
+        (_edit_manifest("arch", "sm_100a"), "manifest arch"),
+        (_edit_manifest("dsl_version", "4.7.0"), "manifest dsl_version"),
+        (_garbage_manifest, "unreadable"),
+        (_no_object, "kernel.o missing"),
+    ],
+)
+def test_bad_entry_is_reported_once_never_loaded_and_rebuilt(fresh_cache, tmp_path, kdef, corrupt, why):
+    store = ArtifactCache(str(tmp_path))
+    key = jit.CacheKey.make(kdef, "sm_90a", CFG)
+    jit.get_kernel("row_rms", "sm_90a", artifact_cache=store, **CFG)
+    d = store.entry_dir(key)
+    corrupt(d)
+    ok, reason, _ = store.check_entry(d, key)
+    assert not ok and why in reason
+    fresh_cache.clear()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        jit.get_kernel("row_rms", "sm_90a", artifact_cache=store, **CFG)
+    msgs = [str(x.message) for x in w if "artifact cache entry" in str(x.message)]
+    assert len(msgs) == 1 and why in msgs[0]
+    assert fresh_cache.stats.disk_loads == 0 and fresh_cache.stats.compiles == 1  # rebuilt, not loaded
+    assert store.check_entry(d, key)[0]  # the rebuilt entry is valid again
+    assert not [n for n in os.listdir(os.path.dirname(d)) if n.startswith(".")]  # no temp/trash left
+
+
+def _writer(root, q):
+    import cute_kernels.jit as j
+    from cute_kernels.artifact_cache import ArtifactCache as AC
+
+    kd = j.registry()["row_rms"]
+    c = j.compile_now(kd, "sm_100a", CFG)
+    q.put(AC(root).put(j.CacheKey.make(kd, "sm_100a", CFG), c.fn))
+
+
+def test_concurrent_writers_leave_one_valid_entry(tmp_path, kdef):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_writer, args=(str(tmp_path), q)) for _ in range(3)]
+    [p.start() for p in ps]
+    [p.join(120) for p in ps]
+    assert all(p.exitcode == 0 for p in ps)
+    wrote = [q.get(timeout=5) for _ in ps]
+    assert sum(wrote) >= 1
+    store = ArtifactCache(str(tmp_path))
+    res = store.verify()
+    assert len(res) == 1 and res[0][1], res
+    key = jit.CacheKey.make(kdef, "sm_100a", CFG)
+    assert store.check_entry(store.entry_dir(key), key)[0]
+    assert not [n for n in os.listdir(os.path.dirname(store.entry_dir(key))) if n.startswith(".")]
+
+
+def test_env_var_sets_default_root(monkeypatch, tmp_path):
+    from cute_kernels import artifact_cache as ac
+
+    monkeypatch.setenv(ac.ENV_VAR, str(tmp_path / "x"))
+    assert ac.default_cache().root == str(tmp_path / "x")
+
+
+def test_function_prefix_is_a_c_identifier(kdef):
+    p = function_prefix(jit.CacheKey.make(kdef, "sm_90a", CFG))
+    assert p.isidentifier() and p.startswith("ck_row_rms_")
+
+
+# ------------------------------------------------------------------------ CLI ---------
+def _cli(*args, cache):
+    return subprocess.run([sys.executable, "-m", "cute_kernels", *args, "--cache", cache],
+                          capture_output=True, text=True, cwd=REPO, timeout=600)
+
+
+def test_cli_build_warm_rebuild_list_verify_clear(tmp_path):
+    cache = str(tmp_path / "c")
+    cold = _cli("build", "--arch", "sm_100a", "--arch", "sm_90a", cache=cache)
+    assert cold.returncode == 0, cold.stderr
+    n = len(list(jit.iter_aot())) * 2
+    assert cold.stdout.count("compiled") == n
+    warm = _cli("build", "--arch", "sm_100a", "--arch", "sm_90a", cache=cache)
+    assert warm.returncode == 0 and warm.stdout.count("| cached") == n
+    secs = [float(line.split("|")[4]) for line in warm.stdout.splitlines() if "| cached" in line]
+    assert len(secs) == n and max(secs) < 0.5  # a warm entry is hashed, never recompiled
+    assert _cli("list", cache=cache).stdout.count("| ok") == n
+    assert _cli("verify", cache=cache).returncode == 0
+    obj = next(os.path.join(r, "kernel.o") for r, _, fs in os.walk(cache) if "kernel.o" in fs)
+    open(obj, "ab").write(b"x")
+    bad = _cli("verify", cache=cache)
+    assert bad.returncode == 1 and "BAD" in bad.stdout
+    assert _cli("clear", cache=cache).returncode == 0 and not os.path.exists(cache)

@@ -1,0 +1,9 @@
+# Source on the H200 device machine (repo root as cwd): unpack CuTe DSL from .devcache
+# (see ../shared/device/README.md) and put it and this checkout on PYTHONPATH.
+mkdir -p /tmp/site
+if [ ! -d /tmp/site/nvidia_cutlass_dsl ]; then
+  tar -xJf .devcache/cutedsl-4.8.1-cp312-cu13.tar.xz -C /tmp/site || return 1
+fi
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+export CUTE_KERNELS_CACHE_DIR=${CUTE_KERNELS_CACHE_DIR:-/tmp/cute_kernels_cache}
