@@ -59,15 +59,23 @@ def family(arch: str) -> str:
     return "sm90" if a == "sm_90a" else "sm100"
 
 
+_device_arch_cache: dict[int, str | None] = {}
+
+
 def device_arch(device=None) -> str | None:
     """Arch string of a CUDA device, or None without CUDA or for an arch we do not target."""
     import torch
 
     if not torch.cuda.is_available():
         return None
-    major, minor = torch.cuda.get_device_capability(device)
-    cand = f"sm_{major}{minor}a"
-    return cand if cand in SUPPORTED_ARCHS else None
+    idx = torch.cuda.current_device() if device is None else torch.device(device).index
+    if idx is None:
+        idx = torch.cuda.current_device()
+    if idx not in _device_arch_cache:
+        major, minor = torch.cuda.get_device_capability(idx)
+        cand = f"sm_{major}{minor}a"
+        _device_arch_cache[idx] = cand if cand in SUPPORTED_ARCHS else None
+    return _device_arch_cache[idx]
 
 
 def current_arch(device=None) -> str | None:

@@ -22,6 +22,7 @@ wrappers so steady-state decode calls build nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -84,6 +85,7 @@ def registry() -> dict[str, KernelDef]:
     return dict(_REGISTRY)
 
 
+@functools.lru_cache(maxsize=1)
 def dsl_version() -> str:
     from importlib.metadata import version
 
@@ -154,6 +156,8 @@ class KernelCache:
 
     def __init__(self) -> None:
         self._fns: dict[CacheKey, Any] = {}
+        #: (name, arch, config, ...) -> fn, filled by get_kernel after a full-key lookup
+        self.fast: dict[tuple, Any] = {}
         self._keep_alive: dict[CacheKey, Any] = {}
         self._locks: dict[CacheKey, threading.Lock] = {}
         self._lock = threading.Lock()
@@ -162,6 +166,7 @@ class KernelCache:
     def clear(self) -> None:
         with self._lock:
             self._fns.clear()
+            self.fast.clear()
             self._keep_alive.clear()
             self._locks.clear()
             self.stats = CacheStats()
@@ -238,11 +243,23 @@ CACHE = KernelCache()
 
 
 def get_kernel(name: str, arch: str, *, use_disk: bool = True, artifact_cache=None, **config):
-    """Compiled function for ``name`` built for ``arch`` with static ``config``."""
+    """Compiled function for ``name`` built for ``arch`` with static ``config``.
+
+    The hot path is one dict lookup on (name, arch, config): the full :class:`CacheKey`
+    (source hash, DSL version) is built only on the first call, so source edits made while
+    a process runs are picked up by the next process, not by the running one.
+    """
+    fast_key = (name, arch, tuple(sorted(config.items())), use_disk, id(artifact_cache))
+    fn = CACHE.fast.get(fast_key)
+    if fn is not None:
+        CACHE.stats.hits += 1  # racy increment is fine for a counter
+        return fn
     reg = _REGISTRY if name in _REGISTRY else registry()
     if name not in reg:
         raise KeyError(f"unknown kernel {name!r}; registered: {', '.join(sorted(reg))}")
-    return CACHE.get(reg[name], arch, config, artifact_cache=artifact_cache, use_disk=use_disk)
+    fn = CACHE.get(reg[name], arch, config, artifact_cache=artifact_cache, use_disk=use_disk)
+    CACHE.fast[fast_key] = fn
+    return fn
 
 
 # --------------------------------------------------------------------------------------
@@ -288,6 +305,35 @@ def cu_stream(stream=None):
 
         s = _stream_cache[handle] = cuda.CUstream(handle)
     return s
+
+
+_scalar_cache: dict[tuple, Any] = {}
+
+
+def i32(v: int):
+    """Cached ``cutlass.Int32`` (building one costs several microseconds)."""
+    k = ("i32", v)
+    r = _scalar_cache.get(k)
+    if r is None:
+        from cutlass import Int32
+
+        if len(_scalar_cache) >= _PTR_CACHE_MAX:
+            _scalar_cache.clear()
+        r = _scalar_cache[k] = Int32(v)
+    return r
+
+
+def f32(v: float):
+    """Cached ``cutlass.Float32``."""
+    k = ("f32", v)
+    r = _scalar_cache.get(k)
+    if r is None:
+        from cutlass import Float32
+
+        if len(_scalar_cache) >= _PTR_CACHE_MAX:
+            _scalar_cache.clear()
+        r = _scalar_cache[k] = Float32(v)
+    return r
 
 
 def fake_gmem_ptr(dtype, align: int = 16):

@@ -164,5 +164,5 @@ def row_rms(x: torch.Tensor, eps: float = 1e-6, *, out: torch.Tensor | None = No
         return out
     fn = RowRms.compile(a, C, str(x.dtype).replace("torch.", ""))
     cdt = _TORCH2CUTE[x.dtype]
-    fn(jit.gmem_ptr(cdt, x, 16), jit.gmem_ptr(Float32, out, 4), Int32(T), Float32(eps), jit.cu_stream(stream))
+    fn(jit.gmem_ptr(cdt, x, 16), jit.gmem_ptr(Float32, out, 4), jit.i32(T), jit.f32(eps), jit.cu_stream(stream))
     return out
