@@ -5,3 +5,5 @@ the machine-code tests iterate over the registry.
 """
 
 from . import row_rms  # noqa: F401
+from moe import quant  # noqa: F401,E402
+from moe import router  # noqa: F401,E402

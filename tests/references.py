@@ -12,3 +12,89 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64."""
     out, ref = out.double().cpu(), ref.double().cpu()
     return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+# ----------------------------------------------------------------------- MXFP8 ---------
+def mxfp8_quant_ref(x: torch.Tensor):
+    """OCP MX e4m3 quantization of bf16 x [R, K] (K % 32 == 0), the rule in moe/quant.py.
+
+    Returns (q uint8 [R, K] (e4m3 bit patterns), scale uint8 [R, K/32]).
+    """
+    R, K = x.shape
+    nb = K // 32
+    bits = (x.contiguous().view(torch.int16).to(torch.int32) & 0x7FFF).view(R, nb, 32)
+    amax = bits.amax(-1)
+    nonfinite = amax >= 0x7F80
+    e_b = (amax >> 7) - 8 + ((amax & 0x7F) > 0x60).to(torch.int32)
+    scale = e_b.clamp(0, 254)
+    # 2**-(scale-127) as fp32 from its exponent field (254 - scale)
+    mult = ((254 - scale) << 23).to(torch.int32).view(torch.float32)
+    q = (x.float().view(R, nb, 32) * mult[..., None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    q = torch.where(nonfinite[..., None], torch.full_like(q, 0x7F), q)
+    scale = torch.where(nonfinite, torch.full_like(scale, 0xFF), scale)
+    return q.view(R, K), scale.to(torch.uint8)
+
+
+def mxfp8_dequant_ref(q_bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 x' = e4m3(q) * 2**(scale - 127); scale 0xFF -> NaN."""
+    R, K = q_bits.shape
+    qf = q_bits.contiguous().view(torch.float8_e4m3fn).float().view(R, K // 32, 32)
+    s = torch.exp2(scale.float() - 127)
+    s = torch.where(scale == 0xFF, torch.full_like(s, float("nan")), s)
+    return (qf * s[..., None]).view(R, K)
+
+
+def swizzle_scales_ref(scale: torch.Tensor) -> torch.Tensor:
+    """[R, K/32] -> flat tcgen05/cuBLAS block-scale layout (128x4 atoms, K-atoms fastest, zero padded)."""
+    R, C = scale.shape
+    rb, cb = -(-R // 128), -(-C // 4)
+    p = torch.zeros(rb * 128, cb * 4, dtype=scale.dtype)
+    p[:R, :C] = scale
+    blocks = p.view(rb, 128, cb, 4).permute(0, 2, 1, 3)  # (rb, cb, 128, 4)
+    return blocks.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1).contiguous()
+
+
+def unswizzle_scales_ref(flat: torch.Tensor, R: int, C: int) -> torch.Tensor:
+    rb, cb = -(-R // 128), -(-C // 4)
+    blocks = flat.view(rb * cb, 32, 4, 4).transpose(1, 2).reshape(rb, cb, 128, 4).permute(0, 2, 1, 3)
+    return blocks.reshape(rb * 128, cb * 4)[:R, :C].contiguous()
+
+
+# ---------------------------------------------------------------------- router ---------
+def grouped_topk_ref(logits, bias, n_group, topk_group, k, scale):
+    """DeepSeek-V3/V4 sigmoid grouped top-k in FP32; ties -> lower index (stable sorts)."""
+    s = torch.sigmoid(logits.float())
+    b = s + bias.float() if bias is not None else s.clone()
+    T, E = b.shape
+    if n_group > 1:
+        gs = E // n_group
+        top2 = torch.sort(b.view(T, n_group, gs), dim=-1, descending=True, stable=True).values[..., :2]
+        gscore = top2[..., 0] + top2[..., 1]
+        order = torch.sort(gscore, dim=-1, descending=True, stable=True).indices[:, :topk_group]
+        keep = torch.zeros(T, n_group, dtype=torch.bool)
+        keep.scatter_(1, order, True)
+        b = torch.where(keep.repeat_interleave(gs, dim=1), b, torch.full_like(b, float("-inf")))
+    ids = torch.sort(b, dim=-1, descending=True, stable=True).indices[:, :k]
+    w = s.gather(1, ids)
+    ssum = torch.zeros(T)
+    for i in range(k):  # the kernel's summation order (selection order)
+        ssum = ssum + w[:, i]
+    w = w / (ssum[:, None] + 1e-20) * scale
+    return ids.to(torch.int32), w, b
+
+
+def align_ref(ids: torch.Tensor, E: int, tile: int):
+    """moe_align_block_size: counts, padded offsets, sorted routed rows (sentinel T*k), tile map."""
+    T, k = ids.shape
+    flat = ids.reshape(-1).long()
+    counts = torch.bincount(flat, minlength=E).to(torch.int32)
+    padded = (counts + tile - 1) // tile * tile
+    offsets = torch.zeros(E + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(padded, 0)
+    total = int(offsets[-1])
+    sorted_ids = torch.full((total,), T * k, dtype=torch.int32)
+    for e in range(E):
+        rows = torch.nonzero(flat == e).flatten().to(torch.int32)
+        sorted_ids[offsets[e]: offsets[e] + rows.numel()] = rows
+    tile_expert = torch.repeat_interleave(torch.arange(E, dtype=torch.int32), padded // tile)
+    return counts, offsets, sorted_ids, tile_expert, total

@@ -1,0 +1,284 @@
+"""Routed-input MXFP8 quantization: bf16 ``x [T, K]`` -> e4m3 ``q`` + UE8M0 scales per 32 elements.
+
+Scale rule (OCP MX, the rule that never clips). For each block of 32 consecutive elements of
+a row, with ``amax`` the largest magnitude, the scale is the smallest power of two
+``s = 2**e`` with ``amax / s <= 448`` (448 = e4m3's largest finite value). Writing
+``amax = m * 2**E`` with ``1 <= m < 2``::
+
+    e = E - 8 + (m > 1.75)          # 448 = 1.75 * 2**8
+    scale byte = clamp(e + 127, 0, 254)
+
+computed exactly from the bf16 bit pattern (exponent field and top mantissa bits), no
+floating-point log. ``q = e4m3(x * 2**-e)`` with round-to-nearest-even; the product is
+exact (power-of-two scaling of a bf16 value stays a normal fp32), and its magnitude is
+<= 448, so e4m3 saturation never triggers; results below e4m3's subnormal range follow
+e4m3's subnormal rounding.
+
+Special blocks:
+
+* all zero (or only bf16 subnormals so small that e < -127): ``e`` clamps to -127
+  (byte 0x00); zeros stay 0;
+* any NaN or +-Inf in the block: scale byte 0xFF (E8M0 NaN) and every element 0x7F
+  (e4m3 NaN) -- e4m3fn cannot encode Inf, and a NaN scale makes the whole block dequantize
+  to NaN;
+* padding rows of the routed variant (sentinel ids): q = 0, scale byte 0x00.
+
+Dequantization: ``x' = float(q) * 2**(byte - 127)``.
+
+Scale layouts:
+
+* ``plain``: row-major ``[rows, K/32]`` uint8;
+* ``swizzled``: the block-scale layout that Blackwell tcgen05 block-scaled MMA (and
+  cuBLAS) read -- CUTLASS's scale-factor atom of 128 rows x 4 scale columns, 512 bytes,
+  atoms ordered with the K direction fastest; rows padded to 128 and scale columns to 4
+  with zero bytes::
+
+      offset(r, c) = ((r // 128) * ceil(K/128) + c // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + c % 4
+
+Routed variant: output row ``r`` is the routed row ``sorted_token_ids[r]`` of the router
+(:mod:`moe.router`): token ``id // k`` (the same x row for each of its k experts), or a
+zero row for the padding sentinel ``T * k``. Only rows below the router's padded total
+(read from device memory, no host sync) are written; rows past it are never read.
+
+Kernel: one thread per 32-element block: four 16-byte loads, integer amax of the bf16
+magnitude bits, the scale byte, 32 multiplies and packed fp32->e4m3 conversions, two
+16-byte stores and one scale byte. A grid-stride loop over a fixed grid keeps launches
+graph-capturable when the live row count is a device value.
+
+Constraints: K % 32 == 0 (the MX block; other K raise ``ValueError``), 16-byte aligned
+rows; T * K < 2**31. The same source compiles for sm_90a and sm_100a (no tensor cores).
+
+Test / bench::
+
+    pytest tests/test_moe_quant.py
+    python bench/bench_moe.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint8, Uint16, Uint32
+
+from cute_kernels import jit
+from cute_kernels.arch import current_arch, dispatch
+from cute_kernels.validate import check_cuda, check_tensor
+
+MX_BLOCK = 32
+SF_ATOM_ROWS, SF_ATOM_COLS = 128, 4
+LAYOUTS = ("plain", "swizzled")
+
+
+def scale_buffer_size(rows: int, K: int, layout: str) -> int:
+    """Bytes of the scale buffer for ``rows`` x ``K`` in ``layout``."""
+    nb = K // MX_BLOCK
+    if layout == "plain":
+        return rows * nb
+    return -(-rows // SF_ATOM_ROWS) * SF_ATOM_ROWS * (-(-nb // SF_ATOM_COLS) * SF_ATOM_COLS)
+
+
+class MxQuant:
+    """Compile-time configuration: row length, scale layout, routed gather (and its top-k)."""
+
+    def __init__(self, K: int, layout: str, routed: bool, topk: int = 1, threads: int = 256, ctas: int = 1056):
+        self.K = K
+        self.nblk = K // MX_BLOCK
+        self.layout = layout
+        self.routed = routed
+        self.topk = topk
+        self.threads = threads
+        self.ctas = ctas  # fixed grid: 132 SMs x 8 (H200); grid-stride loop over the live work
+        self.ncb = -(-self.nblk // SF_ATOM_COLS)  # swizzled: scale-column atoms per row block
+
+    @cute.jit
+    def __call__(self, x_ptr: cute.Pointer, q_ptr: cute.Pointer, s_ptr: cute.Pointer, ids_ptr: cute.Pointer,
+                 total_ptr: cute.Pointer, num_tokens: Int32, out_rows: Int32, stream: cuda.CUstream):
+        # Routed: x has num_tokens rows, q has out_rows (capacity) rows and the live row count
+        # is *total_ptr. Plain: out_rows == num_tokens and ids/total are unused.
+        mX = cute.make_tensor(x_ptr, cute.make_layout((num_tokens, self.K), stride=(self.K, 1)))
+        mQ = cute.make_tensor(q_ptr, cute.make_layout((out_rows, self.K), stride=(self.K, 1)))
+        mS = cute.make_tensor(s_ptr, cute.make_layout((out_rows * self.nblk + (1 << 20),)))
+        mIds = cute.make_tensor(ids_ptr, cute.make_layout((out_rows,)))
+        mTotal = cute.make_tensor(total_ptr, cute.make_layout((1,)))
+        self.kernel(mX, mQ, mS, mIds, mTotal, num_tokens, out_rows).launch(
+            grid=[self.ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, mIds: cute.Tensor, mTotal: cute.Tensor,
+               num_tokens: Int32, out_rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        live_rows = num_tokens
+        if cutlass.const_expr(self.routed):
+            live_rows = cutlass.min(mTotal[0], out_rows)
+        # Swizzled scales also cover the zero padding of the last 128-row / 4-column atom.
+        rows = live_rows
+        cols = self.nblk
+        if cutlass.const_expr(self.layout == "swizzled"):
+            rows = (live_rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * SF_ATOM_ROWS
+            cols = self.ncb * SF_ATOM_COLS
+        # (32 elements, (row, block)) views of x and q.
+        gX = cute.zipped_divide(mX, (1, MX_BLOCK))
+        gQ = cute.zipped_divide(mQ, (1, MX_BLOCK))
+        sentinel = num_tokens * self.topk
+
+        for idx in cutlass.range(bidx * self.threads + tidx, rows * cols, self.ctas * self.threads):
+            r = idx // cols
+            c = idx - r * cols
+            scale = Int32(0)
+            if r < live_rows and c < self.nblk:
+                src = r
+                if cutlass.const_expr(self.routed):
+                    rid = mIds[r]
+                    src = -1
+                    if rid < sentinel and rid >= 0:
+                        src = rid // self.topk
+                tXrX = cute.make_rmem_tensor(cute.make_layout((MX_BLOCK,)), mX.element_type)
+                tXrX.fill(0.0)
+                if src >= 0:
+                    cute.autovec_copy(gX[(0, None), (src, c)], tXrX)
+                # amax as the integer max of the bf16 magnitude bits: monotonic for finite
+                # values, and any NaN/Inf (bits >= 0x7F80) dominates.
+                bits = cute.recast_tensor(tXrX, Uint16)
+                amax = Int32(0)
+                for i in cutlass.range_constexpr(MX_BLOCK):
+                    amax = cutlass.max(amax, Int32(bits[i]) & 0x7FFF)
+                nonfinite = amax >= 0x7F80
+                expfield = amax >> 7
+                # m > 1.75 <=> top two mantissa bits set and any lower bit set (mantissa7 > 0x60)
+                e_biased = expfield - 8 + cutlass.select_(Int32(amax & 0x7F) > 0x60, Int32(1), Int32(0))
+                scale = cutlass.max(cutlass.min(e_biased, Int32(254)), Int32(0))
+                # 2**-e as fp32: exponent field 254 - scale (scale <= 248 for finite bf16).
+                inv = cutlass.Uint32(254 - scale) << 23
+                inv_f = cute.make_rmem_tensor(cute.make_layout((1,)), Uint32)
+                inv_f[0] = inv
+                mult = cute.recast_tensor(inv_f, Float32)[0]
+                tQrQ = cute.make_rmem_tensor(cute.make_layout((MX_BLOCK,)), mQ.element_type)
+                tQrQ.store((tXrX.load().to(Float32) * mult).to(mQ.element_type))
+                if nonfinite:
+                    scale = Int32(0xFF)
+                    qbits = cute.recast_tensor(tQrQ, Uint8)
+                    qbits.fill(0x7F)
+                cute.autovec_copy(tQrQ, gQ[(0, None), (r, c)])
+            if cutlass.const_expr(self.layout == "plain"):
+                mS[r * self.nblk + c] = Uint8(scale)
+            else:
+                off = ((r // SF_ATOM_ROWS) * self.ncb + c // SF_ATOM_COLS) * 512 \
+                    + (r % 32) * 16 + ((r // 32) % 4) * 4 + c % 4
+                mS[off] = Uint8(scale)
+
+    @staticmethod
+    def can_implement(K: int) -> bool:
+        return K % MX_BLOCK == 0 and 0 < K <= 1 << 16
+
+
+def _build(arch: str, *, K: int, layout: str, routed: bool, topk: int = 1):
+    if not MxQuant.can_implement(K) or layout not in LAYOUTS:
+        raise ValueError(f"moe.quant: unsupported K={K}, layout={layout}")
+    args = (jit.fake_gmem_ptr(cutlass.BFloat16, 16), jit.fake_gmem_ptr(cutlass.Float8E4M3FN, 16),
+            jit.fake_gmem_ptr(Uint8, 1), jit.fake_gmem_ptr(Int32, 4), jit.fake_gmem_ptr(Int32, 4),
+            Int32(1), Int32(1), jit.fake_stream())
+    return MxQuant(K, layout, routed, topk), args
+
+
+KERNEL = jit.register(jit.KernelDef(
+    name="mxfp8_quant",
+    build=_build,
+    sources=(os.path.abspath(__file__),),
+    archs=("sm_90a", "sm_100a", "sm_103a"),
+    aot_configs=tuple(
+        {"K": 7168, "layout": lay, "routed": routed, "topk": 8 if routed else 1}
+        for lay in LAYOUTS for routed in (False, True)
+    ),
+    description="bf16 -> MXFP8 (e4m3 + UE8M0 per 32), plain or tcgen05-swizzled scales, optional routed gather",
+))
+
+
+def _check_x(op: str, x: torch.Tensor) -> tuple[int, int]:
+    check_tensor(op, "x", x, dtype=torch.bfloat16, ndim=2, contiguous=True, align_bytes=0)
+    T, K = x.shape
+    if K % MX_BLOCK:
+        raise ValueError(f"{op}: x.shape[1]={K} must be a multiple of {MX_BLOCK} (the MX block); pad K")
+    check_tensor(op, "x", x, align_bytes=16)
+    if T * K >= 2**31:
+        raise ValueError(f"{op}: x has {T * K} elements; 32-bit indexing needs fewer than 2**31")
+    return T, K
+
+
+def _launch(op, x, q, s, ids, total, T, out_rows, K, layout, routed, topk, stream, arch):
+    a = arch if arch is not None else current_arch(x.device)
+    if dispatch(op, ("portable",), arch=a) != "portable":  # pragma: no cover - portable always exists
+        raise RuntimeError(op)
+    fn = jit.get_kernel("mxfp8_quant", a, K=K, layout=layout, routed=routed, topk=topk)
+    fn(jit.gmem_ptr(cutlass.BFloat16, x, 16), jit.gmem_ptr(cutlass.Float8E4M3FN, q, 16), jit.gmem_ptr(Uint8, s, 1),
+       jit.gmem_ptr(Int32, ids, 4), jit.gmem_ptr(Int32, total, 4), jit.i32(T), jit.i32(out_rows),
+       jit.cu_stream(stream))
+
+
+def mxfp8_quantize(x: torch.Tensor, *, layout: str = "plain", q: torch.Tensor | None = None,
+                   scales: torch.Tensor | None = None, stream=None, arch: str | None = None):
+    """Quantize bf16 ``x [T, K]`` to MXFP8. Returns ``(q [T, K] float8_e4m3fn, scales uint8)``.
+
+    ``scales`` is ``[T, K/32]`` for ``layout='plain'`` and a flat buffer of
+    :func:`scale_buffer_size` bytes for ``'swizzled'``. Pass ``q``/``scales`` to allocate nothing.
+    """
+    op = "mxfp8_quantize"
+    if layout not in LAYOUTS:
+        raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
+    T, K = _check_x(op, x)
+    if q is None:
+        q = torch.empty(T, K, dtype=torch.float8_e4m3fn, device=x.device)
+    check_tensor(op, "q", q, dtype=torch.float8_e4m3fn, shape=(T, K), contiguous=True)
+    if scales is None:
+        shape = (T, K // MX_BLOCK) if layout == "plain" else (scale_buffer_size(T, K, layout),)
+        scales = torch.empty(shape, dtype=torch.uint8, device=x.device)
+    if scales.dtype != torch.uint8:
+        raise TypeError(f"{op}: scales must have dtype uint8, got {scales.dtype}")
+    if not scales.is_contiguous() or scales.numel() != scale_buffer_size(T, K, layout):
+        raise ValueError(f"{op}: scales must be contiguous with {scale_buffer_size(T, K, layout)} bytes "
+                         f"for layout={layout!r}, got shape {list(scales.shape)}")
+    check_cuda(op, ("x", x), ("q", q), ("scales", scales))
+    if T == 0:
+        return q, scales
+    _launch(op, x, q, scales, x, x, T, T, K, layout, False, 1, stream, arch)
+    return q, scales
+
+
+def mxfp8_quantize_routed(x: torch.Tensor, sorted_token_ids: torch.Tensor, total_rows: torch.Tensor, topk: int, *,
+                          layout: str = "swizzled", q: torch.Tensor | None = None,
+                          scales: torch.Tensor | None = None, stream=None, arch: str | None = None):
+    """Gather ``x`` rows through the router's ``sorted_token_ids`` and quantize them in
+    expert-sorted, tile-padded order. ``q`` is ``[capacity, K]`` with capacity =
+    ``sorted_token_ids.numel()``; rows at or past ``total_rows[0]`` are not written.
+    Padding slots (``id == T * topk``) become zero rows with scale byte 0.
+    """
+    op = "mxfp8_quantize_routed"
+    if layout not in LAYOUTS:
+        raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
+    T, K = _check_x(op, x)
+    if not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"{op}: topk must be a positive int, got {topk!r}")
+    check_tensor(op, "sorted_token_ids", sorted_token_ids, dtype=torch.int32, ndim=1, contiguous=True, align_bytes=4)
+    check_tensor(op, "total_rows", total_rows, dtype=torch.int32, contiguous=True, align_bytes=4)
+    if total_rows.numel() < 1:
+        raise ValueError(f"{op}: total_rows must hold at least one int32")
+    cap = sorted_token_ids.numel()
+    if q is None:
+        q = torch.empty(cap, K, dtype=torch.float8_e4m3fn, device=x.device)
+    check_tensor(op, "q", q, dtype=torch.float8_e4m3fn, shape=(cap, K), contiguous=True)
+    if scales is None:
+        shape = (cap, K // MX_BLOCK) if layout == "plain" else (scale_buffer_size(cap, K, layout),)
+        scales = torch.empty(shape, dtype=torch.uint8, device=x.device)
+    if scales.dtype != torch.uint8 or not scales.is_contiguous() or scales.numel() != scale_buffer_size(cap, K, layout):
+        raise ValueError(f"{op}: scales must be contiguous uint8 with {scale_buffer_size(cap, K, layout)} bytes")
+    check_cuda(op, ("x", x), ("sorted_token_ids", sorted_token_ids), ("total_rows", total_rows), ("q", q),
+               ("scales", scales))
+    if cap == 0:
+        return q, scales
+    _launch(op, x, q, scales, sorted_token_ids, total_rows, T, cap, K, layout, True, topk, stream, arch)
+    return q, scales

@@ -1,0 +1,469 @@
+"""MoE router: DeepSeek-V3/V4 grouped top-k with padded, packed outputs, in one launch.
+
+Scoring (per token ``t``, experts ``e < E``)::
+
+    s[e] = sigmoid(logits[t, e])                       # FP32
+    b[e] = s[e] + e_score_correction_bias[e]           # selection score
+    group score g = top1(b in g) + top2(b in g)        # n_group groups of E/n_group experts
+    keep the topk_group best groups; pick the k best b[e] among their experts
+    w[i] = s[id_i] / (s[id_0] + ... + s[id_{k-1}] + 1e-20) * routed_scaling_factor
+
+Ties (groups and experts): the lower index wins, everywhere -- the reference uses a stable
+descending sort, which implements the same rule. ``topk_ids[t]`` lists the experts in
+selection order (descending ``b``); the weight sum runs in that order.
+
+Packed outputs (what ``moe_align_block_size`` computes in vLLM/SGLang), for M-tile ``tile``:
+
+* ``expert_counts[e]``: routed rows of expert ``e``;
+* ``expert_offsets[e]`` (E+1 entries): start of expert ``e``'s rows, each expert padded to a
+  multiple of ``tile``; ``expert_offsets[E] == total_rows[0]``, the padded row count;
+* ``sorted_token_ids[p]`` for ``p < total``: the routed row ``t * k + i`` (token t's i-th
+  choice); rows of one expert in increasing order; padding slots hold the sentinel ``T * k``;
+* ``tile_expert[j]``: expert of M-tile ``j`` for ``j < total / tile``, else -1.
+
+Slots at or past ``total`` are not written (consumers never read them). Buffers have fixed
+capacities for a maximum T (:func:`capacity`), so a captured CUDA graph serves any T up to it.
+
+Kernel (one launch, no host sync): every warp routes whole tokens -- lane ``l`` holds experts
+``[l*V, (l+1)*V)`` with ``V = E/32``; group top-2 merges across the ``32/n_group`` lanes of a
+group with butterfly shuffles; each of the k picks is a warp arg-max (value, then lower
+index) -- and counts its experts with integer atomics in a workspace. The last CTA to
+finish (a release/acquire counter) builds the padded layout deterministically: a warp
+scan of padded counts, then rounds of 32 tokens per warp where one ballot per expert gives
+each row its rank among equal experts (``popc(mask & lanemask_lt)``) and a per-expert
+prefix over warps orders the rounds. It then zeroes the workspace, so graph replays need no
+host reset. ``workspace`` (int32, E+1 entries) must be zero before the first launch.
+
+Constraints: E % 32 == 0, E <= 512; n_group divides 32 and E; topk_group <= n_group;
+k <= 32 and k <= topk_group * E / n_group; tile a power of two <= 1024. Logits fp32 or bf16
+``[T, E]`` row-major; bias fp32 ``[E]`` or None.
+
+Test / bench::
+
+    pytest tests/test_moe_router.py
+    python bench/bench_moe.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import torch
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint32
+
+from cute_kernels import jit
+from cute_kernels.arch import current_arch, dispatch
+from cute_kernels.validate import check_cuda, check_tensor
+
+_LOGIT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+_NAME2CUTE = {"float32": Float32, "bfloat16": cutlass.BFloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    num_experts: int = 256
+    n_group: int = 8
+    topk_group: int = 4
+    top_k: int = 8
+    routed_scaling_factor: float = 2.5
+    tile_m: int = 128
+
+    def validate(self) -> None:
+        E, G, TG, k, tile = self.num_experts, self.n_group, self.topk_group, self.top_k, self.tile_m
+        for name in ("num_experts", "n_group", "topk_group", "top_k", "tile_m"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"router: {name} must be a positive int, got {v!r}")
+        if E % G:
+            raise ValueError(f"router: num_experts={E} is not divisible by n_group={G}")
+        if TG > G:
+            raise ValueError(f"router: topk_group={TG} exceeds n_group={G}")
+        if k > TG * (E // G):
+            raise ValueError(f"router: top_k={k} exceeds the {TG * (E // G)} experts in the kept groups")
+        if E % 32 or E > 512:
+            raise ValueError(f"router: num_experts={E} must be a multiple of 32 and <= 512 for the kernel")
+        if 32 % G:
+            raise ValueError(f"router: n_group={G} must divide 32 for the kernel")
+        if G > 1 and E // G < 2:
+            raise ValueError("router: groups need at least 2 experts (group score is a top-2 sum)")
+        if k > 32:
+            raise ValueError(f"router: top_k={k} must be <= 32")
+        if tile & (tile - 1) or tile > 1024:
+            raise ValueError(f"router: tile_m={tile} must be a power of two <= 1024")
+        if not isinstance(self.routed_scaling_factor, (int, float)) or not math.isfinite(self.routed_scaling_factor):
+            raise ValueError(f"router: routed_scaling_factor must be a finite float, got {self.routed_scaling_factor!r}")
+
+
+def capacity(cfg: RouterConfig, max_tokens: int) -> tuple[int, int]:
+    """(sorted_token_ids slots, tile_expert entries) that hold any T <= max_tokens."""
+    rows = max_tokens * cfg.top_k
+    slots = rows + min(cfg.num_experts, rows) * (cfg.tile_m - 1)
+    slots = -(-slots // cfg.tile_m) * cfg.tile_m
+    return slots, slots // cfg.tile_m
+
+
+class RouterTopkAlign:
+    """Compile-time configuration of the fused router kernel."""
+
+    def __init__(self, cfg: RouterConfig, logits_dtype, has_bias: bool, threads: int = 256, max_ctas: int = 132):
+        self.E, self.G, self.TG, self.k = cfg.num_experts, cfg.n_group, cfg.topk_group, cfg.top_k
+        self.tile = cfg.tile_m
+        self.scale = float(cfg.routed_scaling_factor)
+        self.logits_dtype = logits_dtype
+        self.has_bias = has_bias
+        self.threads = threads
+        self.warps = threads // 32
+        self.max_ctas = max_ctas
+        self.V = self.E // 32  # experts per lane
+        self.L = 32 // self.G  # lanes per group
+        self.log2E = max(1, math.ceil(math.log2(self.E + 1)))
+
+    @cute.jit
+    def __call__(self, logits_ptr: cute.Pointer, bias_ptr: cute.Pointer, ids_ptr: cute.Pointer,
+                 w_ptr: cute.Pointer, counts_ptr: cute.Pointer, offsets_ptr: cute.Pointer,
+                 sorted_ptr: cute.Pointer, tile_expert_ptr: cute.Pointer, total_ptr: cute.Pointer,
+                 ws_ptr: cute.Pointer, num_tokens: Int32, sorted_cap: Int32, tiles_cap: Int32,
+                 stream: cuda.CUstream):
+        E, k = self.E, self.k
+        mLogits = cute.make_tensor(logits_ptr, cute.make_layout((num_tokens, E), stride=(E, 1)))
+        mBias = cute.make_tensor(bias_ptr, cute.make_layout((E,)))
+        mIds = cute.make_tensor(ids_ptr, cute.make_layout((num_tokens, k), stride=(k, 1)))
+        mW = cute.make_tensor(w_ptr, cute.make_layout((num_tokens, k), stride=(k, 1)))
+        mCounts = cute.make_tensor(counts_ptr, cute.make_layout((E,)))
+        mOffsets = cute.make_tensor(offsets_ptr, cute.make_layout((E + 1,)))
+        mSorted = cute.make_tensor(sorted_ptr, cute.make_layout((sorted_cap,)))
+        mTileExpert = cute.make_tensor(tile_expert_ptr, cute.make_layout((tiles_cap,)))
+        mTotal = cute.make_tensor(total_ptr, cute.make_layout((1,)))
+        mWs = cute.make_tensor(ws_ptr, cute.make_layout((E + 1,)))
+        grid = cutlass.min((num_tokens + self.warps - 1) // self.warps, self.max_ctas)
+        self.kernel(mLogits, mBias, mIds, mW, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs,
+                    num_tokens, tiles_cap).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor,
+               mCounts: cute.Tensor, mOffsets: cute.Tensor, mSorted: cute.Tensor, mTileExpert: cute.Tensor,
+               mTotal: cute.Tensor, mWs: cute.Tensor, num_tokens: Int32, tiles_cap: Int32):
+        E, V, k, W = self.E, self.V, self.k, self.warps
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        neg_inf = Float32(-math.inf)
+
+        smem = cutlass.memory.SmemAllocator()
+        sOff = smem.allocate_tensor(Int32, cute.make_layout((E + 1,)), 16)
+        sCnt = smem.allocate_tensor(Int32, cute.make_layout((E,)), 16)
+        sCursor = smem.allocate_tensor(Int32, cute.make_layout((E,)), 16)
+        sMask = smem.allocate_tensor(Uint32, cute.make_layout((W, E), stride=(E, 1)), 16)
+        sPre = smem.allocate_tensor(Int32, cute.make_layout((W, E), stride=(E, 1)), 16)
+        sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
+
+        # ---------------- phase 1: route tokens, one warp per token ----------------------
+        rBias = cute.make_rmem_tensor(cute.make_layout((V,)), Float32)
+        rBias.fill(0.0)
+        if cutlass.const_expr(self.has_bias):
+            for j in cutlass.range_constexpr(V):
+                rBias[j] = mBias[lane * V + j]
+        gL = cute.zipped_divide(mLogits, (1, V))  # ((1, V), (T, 32))
+        for t in cutlass.range(bidx * W + warp, num_tokens, grid * W):
+            rL = cute.make_rmem_tensor(cute.make_layout((V,)), mLogits.element_type)
+            cute.autovec_copy(gL[(0, None), (t, lane)], rL)
+            rS = cute.make_rmem_tensor(cute.make_layout((V,)), Float32)
+            rCand = cute.make_rmem_tensor(cute.make_layout((V,)), Float32)
+            for j in cutlass.range_constexpr(V):
+                x = Float32(rL[j])
+                s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
+                rS[j] = s
+                rCand[j] = s + rBias[j]
+            if cutlass.const_expr(self.G > 1):
+                # Top-2 of the lane's experts, then merged across the lanes of the group.
+                a1, a2 = neg_inf, neg_inf
+                for j in cutlass.range_constexpr(V):
+                    v = rCand[j]
+                    a2 = cutlass.select_(v > a1, a1, cutlass.max(a2, v))
+                    a1 = cutlass.max(a1, v)
+                off = 1
+                while cutlass.const_expr(off < self.L):
+                    o1 = cute.arch.shuffle_sync_bfly(a1, offset=off)
+                    o2 = cute.arch.shuffle_sync_bfly(a2, offset=off)
+                    a2 = cutlass.max(cutlass.min(a1, o1), cutlass.max(a2, o2))
+                    a1 = cutlass.max(a1, o1)
+                    off *= 2
+                gscore = a1 + a2
+                my_group = lane // self.L
+                rank = Int32(0)
+                for g in cutlass.range_constexpr(self.G):
+                    og = cute.arch.shuffle_sync(gscore, g * self.L)
+                    beats = cutlass.select_(og > gscore, Int32(1),
+                                            cutlass.select_(og == gscore, cutlass.select_(my_group > g, Int32(1), Int32(0)),
+                                                            Int32(0)))
+                    rank += beats
+                for j in cutlass.range_constexpr(V):
+                    rCand[j] = cutlass.select_(rank < self.TG, rCand[j], neg_inf)
+
+            my_id = Int32(0)
+            my_s = Float32(0.0)
+            ssum = Float32(0.0)
+            for i in cutlass.range_constexpr(k):
+                bv, bi = neg_inf, Int32(E)
+                for j in cutlass.range_constexpr(V):
+                    take = rCand[j] > bv  # strict: the lower index wins a tie within the lane
+                    bv = cutlass.select_(take, rCand[j], bv)
+                    bi = cutlass.select_(take, lane * V + j, bi)
+                for sh in cutlass.range_constexpr(5):
+                    ov = cute.arch.shuffle_sync_bfly(bv, offset=1 << sh)
+                    oi = cute.arch.shuffle_sync_bfly(bi, offset=1 << sh)
+                    better = cutlass.select_(ov > bv, Int32(1),
+                                             cutlass.select_(ov == bv, cutlass.select_(oi < bi, Int32(1), Int32(0)),
+                                                             Int32(0)))
+                    bv = cutlass.select_(better == 1, ov, bv)
+                    bi = cutlass.select_(better == 1, oi, bi)
+                sv = Float32(0.0)
+                for j in cutlass.range_constexpr(V):
+                    hit = bi == lane * V + j
+                    sv = cutlass.select_(hit, rS[j], sv)
+                    rCand[j] = cutlass.select_(hit, neg_inf, rCand[j])
+                sw = cute.arch.shuffle_sync(sv, bi // V)
+                ssum = ssum + sw
+                my_id = cutlass.select_(lane == i, bi, my_id)
+                my_s = cutlass.select_(lane == i, sw, my_s)
+            if lane < k:
+                mIds[t, lane] = my_id
+                mW[t, lane] = my_s / (ssum + Float32(1e-20)) * Float32(self.scale)
+                cute.arch.atomic_add((mWs.iterator + my_id).llvm_ptr, Int32(1), sem="relaxed", scope="gpu")
+
+        # ---------------- last CTA: padded, packed layout --------------------------------
+        # Each thread's ids/weights/count atomics are ordered before the CTA's signal.
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier()
+        if tidx == 0:
+            sFlag[0] = cute.arch.atomic_add((mWs.iterator + E).llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
+        cute.arch.barrier()
+        if sFlag[0] == grid - 1:
+            cute.arch.fence_acq_rel_gpu()
+            self.align(mIds, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, sOff, sCnt, sCursor, sMask, sPre,
+                       num_tokens, tiles_cap)
+
+    @cute.jit
+    def align(self, mIds, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, sOff, sCnt, sCursor, sMask, sPre,
+              num_tokens: Int32, tiles_cap: Int32):
+        E, V, k, W, tile = self.E, self.V, self.k, self.warps, self.tile
+        tidx, _, _ = cute.arch.thread_idx()
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        # Exclusive scan of tile-padded counts by warp 0 (lane l owns experts [l*V, l*V+V)).
+        if warp == 0:
+            rLocal = cute.make_rmem_tensor(cute.make_layout((V,)), Int32)
+            run = Int32(0)
+            for j in cutlass.range_constexpr(V):
+                c = mWs[lane * V + j]
+                sCnt[lane * V + j] = c
+                rLocal[j] = run
+                run += (c + tile - 1) // tile * tile
+            incl = run
+            for sh in cutlass.range_constexpr(5):
+                o = cute.arch.shuffle_sync_up(incl, offset=1 << sh)
+                incl += cutlass.select_(lane >= (1 << sh), o, Int32(0))
+            excl = incl - run
+            for j in cutlass.range_constexpr(V):
+                sOff[lane * V + j] = excl + rLocal[j]
+            if lane == 31:
+                sOff[E] = incl
+                mTotal[0] = incl
+        cute.arch.barrier()
+        total = sOff[E]
+        for e in cutlass.range(tidx, E, self.threads):
+            mCounts[e] = sCnt[e]
+            mOffsets[e] = sOff[e]
+            mWs[e] = 0  # ready for the next launch (graph replay needs no host reset)
+            sCursor[e] = 0
+        if tidx == 0:
+            mOffsets[E] = total
+            mWs[E] = 0
+        ntiles = total // tile
+        for j in cutlass.range(tidx, tiles_cap, self.threads):
+            e = Int32(-1)
+            if j < ntiles:
+                # largest e with sOff[e] <= j * tile (empty experts never qualify as largest)
+                row = j * tile
+                lo, hi = Int32(0), Int32(E)
+                for _ in cutlass.range_constexpr(self.log2E):
+                    mid = (lo + hi + 1) // 2
+                    go = sOff[cutlass.min(mid, Int32(E))] <= row
+                    lo = cutlass.select_(go & (mid < E), mid, lo)
+                    hi = cutlass.select_(go & (mid < E), hi, mid - 1)
+                e = lo
+            mTileExpert[j] = e
+        sentinel = num_tokens * k
+        for p in cutlass.range(tidx, total, self.threads):
+            mSorted[p] = sentinel
+        # Sentinels land before the scatter below overwrites the live slots.
+        cute.arch.barrier()
+
+        for base in cutlass.range(0, num_tokens, W * 32):
+            t = base + warp * 32 + lane
+            rId = cute.make_rmem_tensor(cute.make_layout((k,)), Int32)
+            for i in cutlass.range_constexpr(k):
+                rId[i] = E
+                if t < num_tokens:
+                    rId[i] = mIds[t, i]
+            rMine = cute.make_rmem_tensor(cute.make_layout((V,)), Uint32)
+            for wd in cutlass.range_constexpr(V):
+                word = Uint32(0)
+                for i in cutlass.range_constexpr(k):
+                    bit = Uint32(1) << Uint32(rId[i] & 31)
+                    word = word | cutlass.select_((rId[i] >> 5) == wd, bit, Uint32(0))
+                rMine[wd] = Uint32(0)
+                for b in cutlass.range_constexpr(32):
+                    m = Uint32(cute.arch.vote_ballot_sync(((word >> b) & 1) != 0))
+                    rMine[wd] = cutlass.select_(lane == b, m, rMine[wd])
+            for wd in cutlass.range_constexpr(V):
+                sMask[warp, wd * 32 + lane] = rMine[wd]
+            cute.arch.barrier()
+            for e in cutlass.range(tidx, E, self.threads):
+                run = sCursor[e]
+                for w in cutlass.range_constexpr(W):
+                    sPre[w, e] = run
+                    run += Int32(cute.arch.popc(sMask[w, e]))
+                sCursor[e] = run
+            cute.arch.barrier()
+            if t < num_tokens:
+                lt = Uint32(cute.arch.lanemask_lt())
+                for i in cutlass.range_constexpr(k):
+                    e = rId[i]
+                    pos = sOff[e] + sPre[warp, e] + Int32(cute.arch.popc(sMask[warp, e] & lt))
+                    mSorted[pos] = t * k + i
+            cute.arch.barrier()
+
+    @staticmethod
+    def can_implement(cfg: RouterConfig) -> bool:
+        try:
+            cfg.validate()
+        except ValueError:
+            return False
+        return True
+
+
+def _build(arch: str, *, num_experts: int, n_group: int, topk_group: int, top_k: int, routed_scaling_factor: float,
+           tile_m: int, logits_dtype: str, has_bias: bool):
+    cfg = RouterConfig(num_experts, n_group, topk_group, top_k, routed_scaling_factor, tile_m)
+    cfg.validate()
+    cdt = _NAME2CUTE[logits_dtype]
+    P = jit.fake_gmem_ptr
+    args = (P(cdt, 16), P(Float32, 16), P(Int32, 4), P(Float32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 4),
+            P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(1), Int32(1), Int32(1), jit.fake_stream())
+    return RouterTopkAlign(cfg, cdt, has_bias), args
+
+
+KERNEL = jit.register(jit.KernelDef(
+    name="moe_router",
+    build=_build,
+    sources=(os.path.abspath(__file__),),
+    archs=("sm_90a", "sm_100a", "sm_103a"),
+    aot_configs=tuple(
+        dict(dataclasses.asdict(RouterConfig()), logits_dtype=dt, has_bias=True) for dt in ("float32", "bfloat16")
+    ),
+    description="sigmoid grouped top-k + moe_align_block_size in one launch",
+))
+
+
+@dataclasses.dataclass
+class RouterOutput:
+    """Views of T live tokens into fixed-capacity buffers (see module docstring)."""
+
+    topk_ids: torch.Tensor  # int32 [T, k]
+    topk_weights: torch.Tensor  # fp32 [T, k]
+    expert_counts: torch.Tensor  # int32 [E]
+    expert_offsets: torch.Tensor  # int32 [E + 1]
+    sorted_token_ids: torch.Tensor  # int32 [slots]  (valid below total_rows[0])
+    tile_expert: torch.Tensor  # int32 [slots / tile]
+    total_rows: torch.Tensor  # int32 [1]
+
+
+class MoeRouter:
+    """Router with preallocated outputs for up to ``max_tokens`` tokens (graph capturable).
+
+    ``router(logits, bias)`` returns a :class:`RouterOutput` whose ``topk_ids`` /
+    ``topk_weights`` are views of the first T rows.
+    """
+
+    def __init__(self, cfg: RouterConfig = RouterConfig(), max_tokens: int = 512, device="cuda"):
+        cfg.validate()
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"router: max_tokens must be a positive int, got {max_tokens!r}")
+        self.cfg, self.max_tokens = cfg, max_tokens
+        slots, tiles = capacity(cfg, max_tokens)
+        E, k = cfg.num_experts, cfg.top_k
+        i32 = dict(dtype=torch.int32, device=device)
+        self.topk_ids = torch.empty(max_tokens, k, **i32)
+        self.topk_weights = torch.empty(max_tokens, k, dtype=torch.float32, device=device)
+        self.expert_counts = torch.empty(E, **i32)
+        self.expert_offsets = torch.empty(E + 1, **i32)
+        self.sorted_token_ids = torch.empty(slots, **i32)
+        self.tile_expert = torch.empty(tiles, **i32)
+        self.total_rows = torch.empty(1, **i32)
+        self.workspace = torch.zeros(E + 1, **i32)  # counts + done counter; the kernel re-zeroes it
+
+    def __call__(self, logits: torch.Tensor, bias: torch.Tensor | None = None, *, stream=None,
+                 arch: str | None = None) -> RouterOutput:
+        T = logits.shape[0] if isinstance(logits, torch.Tensor) and logits.dim() == 2 else -1
+        if T > self.max_tokens:
+            raise ValueError(f"router: logits has {T} tokens, more than max_tokens={self.max_tokens}")
+        out = RouterOutput(self.topk_ids[:max(T, 0)], self.topk_weights[:max(T, 0)], self.expert_counts,
+                           self.expert_offsets, self.sorted_token_ids, self.tile_expert, self.total_rows)
+        route(logits, bias, self.cfg, out=out, workspace=self.workspace, stream=stream, arch=arch)
+        return out
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: RouterConfig, *, out: RouterOutput,
+          workspace: torch.Tensor, stream=None, arch: str | None = None) -> RouterOutput:
+    """Launch the fused router into ``out`` (validated; nothing allocated)."""
+    op = "moe_router"
+    cfg.validate()
+    E, k = cfg.num_experts, cfg.top_k
+    check_tensor(op, "logits", logits, dtype=tuple(_LOGIT_DTYPES), ndim=2, contiguous=True, align_bytes=16)
+    T = logits.shape[0]
+    if logits.shape[1] != E:
+        raise ValueError(f"{op}: logits must have shape [T, {E}], got {list(logits.shape)}")
+    if bias is not None:
+        check_tensor(op, "bias", bias, dtype=torch.float32, shape=(E,), contiguous=True, align_bytes=16)
+    check_tensor(op, "topk_ids", out.topk_ids, dtype=torch.int32, shape=(T, k), contiguous=True, align_bytes=4)
+    check_tensor(op, "topk_weights", out.topk_weights, dtype=torch.float32, shape=(T, k), contiguous=True,
+                 align_bytes=4)
+    check_tensor(op, "expert_counts", out.expert_counts, dtype=torch.int32, shape=(E,), contiguous=True)
+    check_tensor(op, "expert_offsets", out.expert_offsets, dtype=torch.int32, shape=(E + 1,), contiguous=True)
+    check_tensor(op, "total_rows", out.total_rows, dtype=torch.int32, shape=(1,), contiguous=True)
+    check_tensor(op, "workspace", workspace, dtype=torch.int32, shape=(E + 1,), contiguous=True)
+    slots, tiles = capacity(cfg, T)
+    check_tensor(op, "sorted_token_ids", out.sorted_token_ids, dtype=torch.int32, ndim=1, contiguous=True)
+    check_tensor(op, "tile_expert", out.tile_expert, dtype=torch.int32, ndim=1, contiguous=True)
+    if out.sorted_token_ids.numel() < slots:
+        raise ValueError(f"{op}: sorted_token_ids holds {out.sorted_token_ids.numel()} slots; T={T} needs {slots}")
+    if out.tile_expert.numel() < tiles:
+        raise ValueError(f"{op}: tile_expert holds {out.tile_expert.numel()} entries; T={T} needs {tiles}")
+    if T * max(E, k) >= 2**31:
+        raise ValueError(f"{op}: T={T} too large for 32-bit indexing")
+    tensors = [("logits", logits), ("topk_ids", out.topk_ids), ("topk_weights", out.topk_weights),
+               ("sorted_token_ids", out.sorted_token_ids), ("workspace", workspace)]
+    if bias is not None:
+        tensors.append(("bias", bias))
+    check_cuda(op, *tensors)
+    if T == 0:
+        return out
+    a = arch if arch is not None else current_arch(logits.device)
+    dispatch(op, ("portable",), arch=a)
+    fn = jit.get_kernel("moe_router", a, num_experts=E, n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=k,
+                        routed_scaling_factor=float(cfg.routed_scaling_factor), tile_m=cfg.tile_m,
+                        logits_dtype=_LOGIT_DTYPES[logits.dtype], has_bias=bias is not None)
+    P = jit.gmem_ptr
+    fn(P(_NAME2CUTE[_LOGIT_DTYPES[logits.dtype]], logits, 16), P(Float32, bias if bias is not None else logits, 16),
+       P(Int32, out.topk_ids, 4), P(Float32, out.topk_weights, 4), P(Int32, out.expert_counts, 4),
+       P(Int32, out.expert_offsets, 4), P(Int32, out.sorted_token_ids, 4), P(Int32, out.tile_expert, 4),
+       P(Int32, out.total_rows, 4), P(Int32, workspace, 4), jit.i32(T), jit.i32(out.sorted_token_ids.numel()),
+       jit.i32(out.tile_expert.numel()), jit.cu_stream(stream))
+    return out

@@ -1,0 +1,197 @@
+"""MXFP8 routed-input quantization: bit-exact against tests/references.py."""
+
+import pytest
+import torch
+
+from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size
+from references import (align_ref, mxfp8_dequant_ref, mxfp8_quant_ref, swizzle_scales_ref, unswizzle_scales_ref)
+from cute_kernels.testing import sass
+
+
+def make_x(T, K, device="cpu", specials=True):
+    """bf16 rows whose 32-blocks span many binades, with zero blocks, subnormals, scale-rule
+    boundaries (amax = 1.75 * 2^k and the next bf16 up), NaN and Inf blocks."""
+    nb = K // 32
+    x = torch.randn(T, nb, 32) * torch.exp2(torch.randint(-30, 30, (T, nb, 1)).float())
+    if specials and T * nb >= 8:
+        flat = x.view(-1, 32)
+        n = flat.shape[0]
+        idx = torch.randperm(n)[:8]
+        flat[idx[0]] = 0.0
+        flat[idx[1]] = torch.randn(32) * 2.0**-130  # bf16 subnormals
+        flat[idx[2], 3] = 448.0 * 2.0**5  # m == 1.75 exactly: no bump
+        flat[idx[3], 7] = -1.7578125 * 2.0**-3  # mantissa7 = 0x61: bump
+        flat[idx[4], 1] = float("nan")
+        flat[idx[5], 9] = float("inf")
+        flat[idx[6], 0] = -float("inf")
+        flat[idx[7]] = 2.0**120  # large
+    return x.view(T, K).bfloat16().to(device)
+
+
+# ------------------------------------------------------------- reference checks (CPU) --
+def test_reference_never_clips_and_is_tight():
+    x = make_x(64, 1024, specials=False)
+    q, s = mxfp8_quant_ref(x)
+    deq = mxfp8_dequant_ref(q, s)
+    amax = x.float().view(64, 32, 32).abs().amax(-1)
+    qmax = q.view(torch.float8_e4m3fn).float().view(64, 32, 32).abs().amax(-1)
+    assert (qmax <= 448).all()
+    # tight: with a scale one binade smaller the block would clip (amax/s > 448)
+    assert ((amax / torch.exp2(s.float() - 128)) > 448).all()
+    rel = ((deq - x.float()).abs() / x.float().abs().clamp_min(1e-30))[x.float().abs() > amax.repeat_interleave(32, 1) / 16]
+    assert rel.max() <= 2.0**-4 + 1e-7  # e4m3 has 3 mantissa bits: half-ulp 2^-4
+
+
+def test_reference_special_blocks():
+    x = torch.zeros(1, 128).bfloat16()
+    x[0, 32 + 5] = float("nan")
+    x[0, 64 + 2] = float("inf")
+    x[0, 96:128] = 2.0**-140  # below every scale: clamps to 2^-127, quantizes to 0
+    q, s = mxfp8_quant_ref(x)
+    assert s.tolist() == [[0, 0xFF, 0xFF, 0]]
+    assert (q[0, 32:96] == 0x7F).all() and (q[0, :32] == 0).all()
+
+
+def test_swizzle_round_trip_and_offsets():
+    for R, C in [(1, 1), (130, 7), (256, 224), (5, 4)]:
+        sc = torch.randint(0, 255, (R, C), dtype=torch.uint8)
+        flat = swizzle_scales_ref(sc)
+        assert flat.numel() == scale_buffer_size(R, C * 32, "swizzled")
+        assert torch.equal(unswizzle_scales_ref(flat, R, C), sc)
+        ncb = -(-C // 4)
+        for r, c in [(0, 0), (R - 1, C - 1), (R // 2, C // 2)]:
+            off = ((r // 128) * ncb + c // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + c % 4
+            assert flat[off] == sc[r, c]
+
+
+# ------------------------------------------------------------------- GPU, bit exact ----
+def _check_plain(x, q, s):
+    qr, sr = mxfp8_quant_ref(x.cpu())
+    assert torch.equal(s.cpu(), sr), "scales differ"
+    assert torch.equal(q.cpu().view(torch.uint8), qr), "q differs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5, 64, 77, 320, 4096])
+@pytest.mark.parametrize("K", [7168, 32, 160])
+def test_plain_bit_exact(seed, T, K):
+    x = make_x(T, K, "cuda")
+    q = torch.full((T, K), 0xAB, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    s = torch.full((T, K // 32), 0xAB, dtype=torch.uint8, device="cuda")
+    mxfp8_quantize(x, q=q, scales=s)
+    torch.cuda.synchronize()
+    _check_plain(x, q, s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, K", [(1, 7168), (130, 224), (256, 7168), (5, 96)])
+def test_swizzled_bit_exact_with_padding(seed, T, K):
+    x = make_x(T, K, "cuda")
+    s = torch.full((scale_buffer_size(T, K, "swizzled"),), 0xAB, dtype=torch.uint8, device="cuda")
+    q, s = mxfp8_quantize(x, layout="swizzled", scales=s)
+    torch.cuda.synchronize()
+    qr, sr = mxfp8_quant_ref(x.cpu())
+    assert torch.equal(s.cpu(), swizzle_scales_ref(sr))  # padding bytes are zero too
+    assert torch.equal(q.cpu().view(torch.uint8), qr)
+    # layout round trip: dequantize(swizzled) == dequantize(plain)
+    d1 = mxfp8_dequant_ref(q.cpu().view(torch.uint8), unswizzle_scales_ref(s.cpu(), T, K // 32))
+    assert torch.equal(torch.nan_to_num(d1, nan=7.0), torch.nan_to_num(mxfp8_dequant_ref(qr, sr), nan=7.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+@pytest.mark.parametrize("T", [1, 5, 64])
+def test_routed_gather_bit_exact(seed, layout, T):
+    E, k, tile, K = 256, 8, 128, 7168
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(torch.int32)
+    _, _, sorted_ids, _, total = align_ref(ids, E, tile)
+    cap = total + 2 * tile  # slack rows past total must stay untouched
+    sorted_full = torch.full((cap,), -7, dtype=torch.int32)
+    sorted_full[:total] = sorted_ids
+    x = make_x(T, K, "cuda")
+    q = torch.full((cap, K), 0xAB, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    s = torch.full((scale_buffer_size(cap, K, layout),), 0xAB, dtype=torch.uint8, device="cuda")
+    mxfp8_quantize_routed(x, sorted_full.cuda(), torch.tensor([total], dtype=torch.int32, device="cuda"), k,
+                          layout=layout, q=q, scales=s)
+    torch.cuda.synchronize()
+    src = sorted_ids.long()
+    pad = src >= T * k
+    xg = x.cpu()[torch.where(pad, 0, src // k)]
+    xg[pad] = 0
+    qr, sr = mxfp8_quant_ref(xg)
+    qb = q.cpu().view(torch.uint8)
+    assert torch.equal(qb[:total], qr)
+    assert (qb[total:] == 0xAB).all()  # rows past the live total are never written
+    if layout == "plain":
+        sp = s.cpu().view(cap, K // 32)
+        assert torch.equal(sp[:total], sr) and (sp[total:] == 0xAB).all()
+    else:
+        got = unswizzle_scales_ref(s.cpu()[: scale_buffer_size(total, K, "swizzled")], total, K // 32)
+        assert torch.equal(got, sr)
+    assert (qb[:total][pad] == 0).all() and (sr[pad] == 0).all()
+
+
+@pytest.mark.gpu
+def test_side_stream_eager_and_graph(seed):
+    from moe.streams import SideStream
+
+    T, K = 64, 7168
+    x = make_x(T, K, "cuda", specials=False)
+    q = torch.empty(T, K, dtype=torch.float8_e4m3fn, device="cuda")
+    s = torch.empty(T, K // 32, dtype=torch.uint8, device="cuda")
+    y = torch.empty(T, K, device="cuda")
+    side = SideStream()
+    with side.fork():
+        mxfp8_quantize(x, q=q, scales=s)
+    y.copy_(x.float() * 2)
+    side.join()
+    torch.cuda.synchronize()
+    _check_plain(x, q, s)
+
+    g = torch.cuda.CUDAGraph()
+    cap = torch.cuda.Stream()
+    cap.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(cap), torch.cuda.graph(g, stream=cap):
+        with side.fork():
+            mxfp8_quantize(x, q=q, scales=s)
+        y.copy_(x.float() * 2)
+        side.join()
+    for _ in range(3):
+        x.copy_(make_x(T, K, "cuda", specials=False))
+        q.view(torch.uint8).fill_(0xAB)
+        g.replay()
+        torch.cuda.synchronize()
+        _check_plain(x, q, s)
+
+
+# -------------------------------------------------------------- validation (CPU) ------
+@pytest.mark.parametrize("kw, exc, words", [
+    (dict(x=torch.randn(4, 64)), TypeError, "x must have dtype bfloat16"),
+    (dict(x=torch.randn(4, 48).bfloat16()), ValueError, "multiple of 32"),
+    (dict(x=torch.randn(4, 64).bfloat16(), layout="zigzag"), ValueError, "layout"),
+    (dict(x=torch.randn(4, 64).bfloat16(), scales=torch.empty(4, 3, dtype=torch.uint8)), ValueError, "scales"),
+    (dict(x=torch.randn(4, 64).bfloat16(), q=torch.empty(4, 64, dtype=torch.uint8)), TypeError, "q must have dtype"),
+    (dict(x=torch.randn(4, 64).bfloat16()), ValueError, "CUDA"),
+])
+def test_bad_arguments(kw, exc, words):
+    with pytest.raises(exc, match=words):
+        mxfp8_quantize(**kw)
+
+
+def test_routed_bad_arguments():
+    x = torch.randn(4, 64).bfloat16()
+    with pytest.raises(TypeError, match="sorted_token_ids"):
+        mxfp8_quantize_routed(x, torch.zeros(8, dtype=torch.int64), torch.zeros(1, dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="topk"):
+        mxfp8_quantize_routed(x, torch.zeros(8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 0)
+
+
+# ------------------------------------------------------------ machine code (CPU) ------
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("layout, routed", [("plain", False), ("swizzled", True)])
+def test_machine_code(arch, layout, routed):
+    h = sass.sass_histogram("mxfp8_quant", arch, K=7168, layout=layout, routed=routed, topk=8 if routed else 1)
+    assert h["LDG.E.128"] == 4  # 32 bf16 = four 16-byte loads
+    assert h["STG.E.128"] == 2  # 32 e4m3 = two 16-byte stores
+    assert sass.count(h, "F2FP") == 16  # packed fp32x2 -> e4m3x2 conversions
+    assert sass.local_memory_ops(h) == 0
