@@ -102,15 +102,21 @@ class MxQuant:
         # is *total_ptr. Plain: out_rows == num_tokens and ids/total are unused.
         mX = cute.make_tensor(x_ptr, cute.make_layout((num_tokens, self.K), stride=(self.K, 1)))
         mQ = cute.make_tensor(q_ptr, cute.make_layout((out_rows, self.K), stride=(self.K, 1)))
-        mS = cute.make_tensor(s_ptr, cute.make_layout((out_rows * self.nblk + (1 << 20),)))
+        mS = cute.make_tensor(s_ptr, cute.make_layout(((out_rows + SF_ATOM_ROWS) * self.ncb * SF_ATOM_COLS,)))
         mIds = cute.make_tensor(ids_ptr, cute.make_layout((out_rows,)))
         mTotal = cute.make_tensor(total_ptr, cute.make_layout((1,)))
-        self.kernel(mX, mQ, mS, mIds, mTotal, num_tokens, out_rows).launch(
-            grid=[self.ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
+        # Size the grid by the (upper bound of the) work so that a small quantization
+        # leaves SMs free for work running beside it on another stream.
+        work = out_rows * self.nblk
+        if cutlass.const_expr(self.layout == "swizzled"):
+            work = (out_rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * SF_ATOM_ROWS * (self.ncb * SF_ATOM_COLS)
+        grid = cutlass.min((work + self.threads - 1) // self.threads, self.ctas)
+        self.kernel(mX, mQ, mS, mIds, mTotal, num_tokens, out_rows, grid).launch(
+            grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, mIds: cute.Tensor, mTotal: cute.Tensor,
-               num_tokens: Int32, out_rows: Int32):
+               num_tokens: Int32, out_rows: Int32, grid: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         live_rows = num_tokens
@@ -127,7 +133,7 @@ class MxQuant:
         gQ = cute.zipped_divide(mQ, (1, MX_BLOCK))
         sentinel = num_tokens * self.topk
 
-        for idx in cutlass.range(bidx * self.threads + tidx, rows * cols, self.ctas * self.threads):
+        for idx in cutlass.range(bidx * self.threads + tidx, rows * cols, grid * self.threads):
             r = idx // cols
             c = idx - r * cols
             scale = Int32(0)

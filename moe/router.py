@@ -111,7 +111,7 @@ def capacity(cfg: RouterConfig, max_tokens: int) -> tuple[int, int]:
 class RouterTopkAlign:
     """Compile-time configuration of the fused router kernel."""
 
-    def __init__(self, cfg: RouterConfig, logits_dtype, has_bias: bool, threads: int = 256, max_ctas: int = 132):
+    def __init__(self, cfg: RouterConfig, logits_dtype, has_bias: bool, threads: int = 512, max_ctas: int = 132):
         self.E, self.G, self.TG, self.k = cfg.num_experts, cfg.n_group, cfg.topk_group, cfg.top_k
         self.tile = cfg.tile_m
         self.scale = float(cfg.routed_scaling_factor)
@@ -239,10 +239,12 @@ class RouterTopkAlign:
                 cute.arch.atomic_add((mWs.iterator + my_id).llvm_ptr, Int32(1), sem="relaxed", scope="gpu")
 
         # ---------------- last CTA: padded, packed layout --------------------------------
-        # Each thread's ids/weights/count atomics are ordered before the CTA's signal.
-        cute.arch.fence_acq_rel_gpu()
+        # bar.sync orders every thread's ids/weights/count atomics before thread 0's
+        # cumulative release fence; the acq_rel counter makes the last CTA see them all
+        # (the cooperative-groups grid-sync pattern).
         cute.arch.barrier()
         if tidx == 0:
+            cute.arch.fence_acq_rel_gpu()
             sFlag[0] = cute.arch.atomic_add((mWs.iterator + E).llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
         cute.arch.barrier()
         if sFlag[0] == grid - 1:
@@ -300,8 +302,16 @@ class RouterTopkAlign:
                 e = lo
             mTileExpert[j] = e
         sentinel = num_tokens * k
-        for p in cutlass.range(tidx, total, self.threads):
-            mSorted[p] = sentinel
+        if cutlass.const_expr(tile % 4 == 0):
+            # total is a multiple of tile: fill with 16-byte stores
+            gSorted4 = cute.zipped_divide(mSorted, (4,))
+            rSent = cute.make_rmem_tensor(cute.make_layout((4,)), Int32)
+            rSent.fill(sentinel)
+            for p in cutlass.range(tidx, total // 4, self.threads):
+                cute.autovec_copy(rSent, gSorted4[(None, p)])
+        else:
+            for p in cutlass.range(tidx, total, self.threads):
+                mSorted[p] = sentinel
         # Sentinels land before the scatter below overwrites the live slots.
         cute.arch.barrier()
 
@@ -313,15 +323,10 @@ class RouterTopkAlign:
                 if t < num_tokens:
                     rId[i] = mIds[t, i]
             rMine = cute.make_rmem_tensor(cute.make_layout((V,)), Uint32)
-            for wd in cutlass.range_constexpr(V):
-                word = Uint32(0)
-                for i in cutlass.range_constexpr(k):
-                    bit = Uint32(1) << Uint32(rId[i] & 31)
-                    word = word | cutlass.select_((rId[i] >> 5) == wd, bit, Uint32(0))
-                rMine[wd] = Uint32(0)
-                for b in cutlass.range_constexpr(32):
-                    m = Uint32(cute.arch.vote_ballot_sync(((word >> b) & 1) != 0))
-                    rMine[wd] = cutlass.select_(lane == b, m, rMine[wd])
+            rMine.fill(0)
+            # Warps with no live token skip the ballots (their masks stay zero).
+            if base + warp * 32 < num_tokens:
+                self.ballot_masks(rId, rMine)
             for wd in cutlass.range_constexpr(V):
                 sMask[warp, wd * 32 + lane] = rMine[wd]
             cute.arch.barrier()
@@ -340,6 +345,19 @@ class RouterTopkAlign:
                     mSorted[pos] = t * k + i
             cute.arch.barrier()
 
+    @cute.jit
+    def ballot_masks(self, rId: cute.Tensor, rMine: cute.Tensor):
+        """rMine[wd] on lane l = mask of this warp's tokens that chose expert 32*wd + l."""
+        lane = cute.arch.lane_idx()
+        for wd in cutlass.range_constexpr(self.V):
+            word = Uint32(0)  # bit b: this lane's token chose expert 32*wd + b
+            for i in cutlass.range_constexpr(self.k):
+                bit = Uint32(1) << Uint32(rId[i] & 31)
+                word = word | cutlass.select_((rId[i] >> 5) == wd, bit, Uint32(0))
+            for b in cutlass.range_constexpr(32):
+                m = Uint32(cute.arch.vote_ballot_sync(((word >> b) & 1) != 0))
+                rMine[wd] = cutlass.select_(lane == b, m, rMine[wd])
+
     @staticmethod
     def can_implement(cfg: RouterConfig) -> bool:
         try:
@@ -355,7 +373,7 @@ def _build(arch: str, *, num_experts: int, n_group: int, topk_group: int, top_k:
     cfg.validate()
     cdt = _NAME2CUTE[logits_dtype]
     P = jit.fake_gmem_ptr
-    args = (P(cdt, 16), P(Float32, 16), P(Int32, 4), P(Float32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 4),
+    args = (P(cdt, 16), P(Float32, 16), P(Int32, 4), P(Float32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 16),
             P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(1), Int32(1), Int32(1), jit.fake_stream())
     return RouterTopkAlign(cfg, cdt, has_bias), args
 
@@ -440,7 +458,8 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: RouterConfig, *,
     check_tensor(op, "total_rows", out.total_rows, dtype=torch.int32, shape=(1,), contiguous=True)
     check_tensor(op, "workspace", workspace, dtype=torch.int32, shape=(E + 1,), contiguous=True)
     slots, tiles = capacity(cfg, T)
-    check_tensor(op, "sorted_token_ids", out.sorted_token_ids, dtype=torch.int32, ndim=1, contiguous=True)
+    check_tensor(op, "sorted_token_ids", out.sorted_token_ids, dtype=torch.int32, ndim=1, contiguous=True,
+                 align_bytes=16)
     check_tensor(op, "tile_expert", out.tile_expert, dtype=torch.int32, ndim=1, contiguous=True)
     if out.sorted_token_ids.numel() < slots:
         raise ValueError(f"{op}: sorted_token_ids holds {out.sorted_token_ids.numel()} slots; T={T} needs {slots}")
@@ -463,7 +482,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: RouterConfig, *,
     P = jit.gmem_ptr
     fn(P(_NAME2CUTE[_LOGIT_DTYPES[logits.dtype]], logits, 16), P(Float32, bias if bias is not None else logits, 16),
        P(Int32, out.topk_ids, 4), P(Float32, out.topk_weights, 4), P(Int32, out.expert_counts, 4),
-       P(Int32, out.expert_offsets, 4), P(Int32, out.sorted_token_ids, 4), P(Int32, out.tile_expert, 4),
+       P(Int32, out.expert_offsets, 4), P(Int32, out.sorted_token_ids, 16), P(Int32, out.tile_expert, 4),
        P(Int32, out.total_rows, 4), P(Int32, workspace, 4), jit.i32(T), jit.i32(out.sorted_token_ids.numel()),
        jit.i32(out.tile_expert.numel()), jit.cu_stream(stream))
     return out
