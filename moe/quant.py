@@ -72,6 +72,7 @@ from cute_kernels.validate import check_cuda, check_tensor
 MX_BLOCK = 32
 SF_ATOM_ROWS, SF_ATOM_COLS = 128, 4
 LAYOUTS = ("plain", "swizzled")
+DEFAULT_MAX_CTAS = 132 * 8  # H200 SMs x resident CTAs; the kernel grid-strides over the rest
 
 
 def scale_buffer_size(rows: int, K: int, layout: str) -> int:
@@ -85,19 +86,19 @@ def scale_buffer_size(rows: int, K: int, layout: str) -> int:
 class MxQuant:
     """Compile-time configuration: row length, scale layout, routed gather (and its top-k)."""
 
-    def __init__(self, K: int, layout: str, routed: bool, topk: int = 1, threads: int = 256, ctas: int = 1056):
+    def __init__(self, K: int, layout: str, routed: bool, topk: int = 1, threads: int = 256):
         self.K = K
         self.nblk = K // MX_BLOCK
         self.layout = layout
         self.routed = routed
         self.topk = topk
         self.threads = threads
-        self.ctas = ctas  # fixed grid: 132 SMs x 8 (H200); grid-stride loop over the live work
         self.ncb = -(-self.nblk // SF_ATOM_COLS)  # swizzled: scale-column atoms per row block
 
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, q_ptr: cute.Pointer, s_ptr: cute.Pointer, ids_ptr: cute.Pointer,
-                 total_ptr: cute.Pointer, num_tokens: Int32, out_rows: Int32, stream: cuda.CUstream):
+                 total_ptr: cute.Pointer, num_tokens: Int32, out_rows: Int32, max_ctas: Int32,
+                 stream: cuda.CUstream):
         # Routed: x has num_tokens rows, q has out_rows (capacity) rows and the live row count
         # is *total_ptr. Plain: out_rows == num_tokens and ids/total are unused.
         mX = cute.make_tensor(x_ptr, cute.make_layout((num_tokens, self.K), stride=(self.K, 1)))
@@ -110,7 +111,7 @@ class MxQuant:
         work = out_rows * self.nblk
         if cutlass.const_expr(self.layout == "swizzled"):
             work = (out_rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * SF_ATOM_ROWS * (self.ncb * SF_ATOM_COLS)
-        grid = cutlass.min((work + self.threads - 1) // self.threads, self.ctas)
+        grid = cutlass.min((work + self.threads - 1) // self.threads, max_ctas)
         self.kernel(mX, mQ, mS, mIds, mTotal, num_tokens, out_rows, grid).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
@@ -188,7 +189,7 @@ def _build(arch: str, *, K: int, layout: str, routed: bool, topk: int = 1):
         raise ValueError(f"moe.quant: unsupported K={K}, layout={layout}")
     args = (jit.fake_gmem_ptr(cutlass.BFloat16, 16), jit.fake_gmem_ptr(cutlass.Float8E4M3FN, 16),
             jit.fake_gmem_ptr(Uint8, 1), jit.fake_gmem_ptr(Int32, 4), jit.fake_gmem_ptr(Int32, 4),
-            Int32(1), Int32(1), jit.fake_stream())
+            Int32(1), Int32(1), Int32(1), jit.fake_stream())
     return MxQuant(K, layout, routed, topk), args
 
 
@@ -216,22 +217,29 @@ def _check_x(op: str, x: torch.Tensor) -> tuple[int, int]:
     return T, K
 
 
-def _launch(op, x, q, s, ids, total, T, out_rows, K, layout, routed, topk, stream, arch):
+def _launch(op, x, q, s, ids, total, T, out_rows, K, layout, routed, topk, stream, arch, max_ctas):
+    if max_ctas is None:
+        max_ctas = DEFAULT_MAX_CTAS
+    if not isinstance(max_ctas, int) or max_ctas < 1:
+        raise ValueError(f"{op}: max_ctas must be a positive int, got {max_ctas!r}")
     a = arch if arch is not None else current_arch(x.device)
     if dispatch(op, ("portable",), arch=a) != "portable":  # pragma: no cover - portable always exists
         raise RuntimeError(op)
     fn = jit.get_kernel("mxfp8_quant", a, K=K, layout=layout, routed=routed, topk=topk)
     fn(jit.gmem_ptr(cutlass.BFloat16, x, 16), jit.gmem_ptr(cutlass.Float8E4M3FN, q, 16), jit.gmem_ptr(Uint8, s, 1),
        jit.gmem_ptr(Int32, ids, 4), jit.gmem_ptr(Int32, total, 4), jit.i32(T), jit.i32(out_rows),
-       jit.cu_stream(stream))
+       jit.i32(max_ctas), jit.cu_stream(stream))
 
 
 def mxfp8_quantize(x: torch.Tensor, *, layout: str = "plain", q: torch.Tensor | None = None,
-                   scales: torch.Tensor | None = None, stream=None, arch: str | None = None):
+                   scales: torch.Tensor | None = None, stream=None, arch: str | None = None,
+                   max_ctas: int | None = None):
     """Quantize bf16 ``x [T, K]`` to MXFP8. Returns ``(q [T, K] float8_e4m3fn, scales uint8)``.
 
     ``scales`` is ``[T, K/32]`` for ``layout='plain'`` and a flat buffer of
     :func:`scale_buffer_size` bytes for ``'swizzled'``. Pass ``q``/``scales`` to allocate nothing.
+    ``max_ctas`` caps the grid (default 132 SMs x 8): on a side stream, a small cap leaves
+    SMs to the kernels it should overlap with.
     """
     op = "mxfp8_quantize"
     if layout not in LAYOUTS:
@@ -251,13 +259,14 @@ def mxfp8_quantize(x: torch.Tensor, *, layout: str = "plain", q: torch.Tensor | 
     check_cuda(op, ("x", x), ("q", q), ("scales", scales))
     if T == 0:
         return q, scales
-    _launch(op, x, q, scales, x, x, T, T, K, layout, False, 1, stream, arch)
+    _launch(op, x, q, scales, x, x, T, T, K, layout, False, 1, stream, arch, max_ctas)
     return q, scales
 
 
 def mxfp8_quantize_routed(x: torch.Tensor, sorted_token_ids: torch.Tensor, total_rows: torch.Tensor, topk: int, *,
                           layout: str = "swizzled", q: torch.Tensor | None = None,
-                          scales: torch.Tensor | None = None, stream=None, arch: str | None = None):
+                          scales: torch.Tensor | None = None, stream=None, arch: str | None = None,
+                          max_ctas: int | None = None):
     """Gather ``x`` rows through the router's ``sorted_token_ids`` and quantize them in
     expert-sorted, tile-padded order. ``q`` is ``[capacity, K]`` with capacity =
     ``sorted_token_ids.numel()``; rows at or past ``total_rows[0]`` are not written.
@@ -286,5 +295,5 @@ def mxfp8_quantize_routed(x: torch.Tensor, sorted_token_ids: torch.Tensor, total
                ("scales", scales))
     if cap == 0:
         return q, scales
-    _launch(op, x, q, scales, sorted_token_ids, total_rows, T, cap, K, layout, True, topk, stream, arch)
+    _launch(op, x, q, scales, sorted_token_ids, total_rows, T, cap, K, layout, True, topk, stream, arch, max_ctas)
     return q, scales

@@ -84,6 +84,19 @@ def test_plain_bit_exact(seed, T, K):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+def test_tiny_grid_strides_over_all_work(seed, layout):
+    T, K = 300, 2048
+    x = make_x(T, K, "cuda")
+    q, s = mxfp8_quantize(x, layout=layout, max_ctas=1)
+    q2, s2 = mxfp8_quantize(x, layout=layout)
+    torch.cuda.synchronize()
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+    if layout == "plain":
+        _check_plain(x, q2, s2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T, K", [(1, 7168), (130, 224), (256, 7168), (5, 96)])
 def test_swizzled_bit_exact_with_padding(seed, T, K):
     x = make_x(T, K, "cuda")
