@@ -39,6 +39,8 @@ def normalize_arch(arch: str) -> str:
     Hopper and Blackwell kernels use arch-specific instructions (wgmma, tcgen05), so the
     'a' suffix is always implied.
     """
+    if arch in SUPPORTED_ARCHS:  # fast path: already canonical
+        return arch
     if not isinstance(arch, str):
         raise TypeError(f"arch must be a str like 'sm_90a', got {type(arch).__name__}")
     s = arch.strip().lower()
@@ -64,6 +66,8 @@ _device_arch_cache: dict[int, str | None] = {}
 
 def device_arch(device=None) -> str | None:
     """Arch string of a CUDA device, or None without CUDA or for an arch we do not target."""
+    if device is not None and getattr(device, "type", None) == "cuda" and device.index in _device_arch_cache:
+        return _device_arch_cache[device.index]
     import torch
 
     if not torch.cuda.is_available():
