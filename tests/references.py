@@ -98,3 +98,12 @@ def align_ref(ids: torch.Tensor, E: int, tile: int):
         sorted_ids[offsets[e]: offsets[e] + rows.numel()] = rows
     tile_expert = torch.repeat_interleave(torch.arange(E, dtype=torch.int32), padded // tile)
     return counts, offsets, sorted_ids, tile_expert, total
+
+
+# ------------------------------------------------------------------------ WO-A ---------
+def wo_a_ref(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y[t, g*R + r] = sum_d w[g, r, d] * o[t, g-th head group].flatten()[d], float64."""
+    T = o.shape[0]
+    G, R, Dg = w.shape
+    y = torch.einsum("tgd,grd->tgr", o.reshape(T, G, Dg).double().cpu(), w.double().cpu())
+    return y.reshape(T, G * R)

@@ -21,7 +21,8 @@ from collections import Counter
 
 from .. import jit
 
-_INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
+# mnemonic with modifiers; modifiers may hold a lowercase 'x' (HGMMA.64x128x16.F32.BF16, LDTM.x32)
+_INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)")
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,0 +1,1 @@
+"""GEMM engines shared by the tensor-core kernels (vendored from CUTLASS examples)."""

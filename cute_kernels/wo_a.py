@@ -1,0 +1,115 @@
+"""WO-A: the first half of the attention output projection, token-major output.
+
+The attention output ``o [T, H, Dv]`` (bf16) is split into ``G`` head groups; group ``g`` has
+its own low-rank projection ``wo_a[g] : [R, Dg]`` with ``Dg = (H/G) * Dv``::
+
+    y[t, g*R + r] = sum_d wo_a[g, r, d] * o[t, g*(H/G):(g+1)*(H/G), :].flatten()[d]
+
+FP32 accumulation, one rounding to bf16. WO-B consumes ``y [T, G*R]`` token-major; the
+unfused path computes group-major ``[G, T, R]`` with a batched GEMM and then transposes with
+a contiguous copy. Here the GEMM epilogue stores through a token-major view of ``y``
+(:mod:`cute_kernels.wo_a_sm90` explains the views), so that copy does not exist.
+
+Paths: sm_90a -> :mod:`.wo_a_sm90` (TMA + wgmma), sm_100a/sm_103a -> :mod:`.wo_a_sm100`
+(TMA + tcgen05); any other device -> the PyTorch reference, with one warning.
+
+Constraints: bf16 ``o`` and ``wo_a``, contiguous; ``H % G == 0``; ``R % 64 == 0``,
+``Dg % 64 == 0`` (16-byte TMA rows, whole K tiles); any ``T >= 1`` (one compile per tile
+class serves every T). Supported and tested: G in {8, 16}, Dg in {1024, 2048}, R in {512, 1024}.
+
+Run / bench::
+
+    pytest tests/test_wo_a.py
+    python bench/bench_wo_a.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import cutlass
+from cutlass import Int32
+
+from . import jit
+from .arch import current_arch, dispatch
+from .validate import check_cuda, check_tensor
+from .wo_a_sm90 import WoASm90
+from .wo_a_sm100 import WoASm100
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_PATHS = {"sm90": WoASm90, "sm100": WoASm100}
+
+
+def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int):
+    from .arch import family
+
+    cls = _PATHS[family(arch)]
+    if not cls.can_implement(G, R, Dg):
+        raise ValueError(f"wo_a: unsupported G={G}, R={R}, Dg={Dg} on {arch}")
+    P = jit.fake_gmem_ptr
+    args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), Int32(1), jit.fake_stream())
+    return cls(G, R, Dg, (tile_m, tile_n)), args
+
+
+def _aot():
+    cfgs = []
+    for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048)]:
+        for T in (1, 4096):
+            for cls in (WoASm90, WoASm100):
+                tm, tn = cls.tile_for(T, G, R)
+                cfgs.append(dict(G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn))
+    # de-duplicate, keeping order
+    return tuple({tuple(sorted(c.items())): c for c in cfgs}.values())
+
+
+KERNEL = jit.register(jit.KernelDef(
+    name="wo_a",
+    build=_build,
+    sources=tuple(os.path.join(_HERE, f) for f in ("wo_a.py", "wo_a_sm90.py", "wo_a_sm100.py",
+                                                   "gemm/hopper_wgmma.py", "gemm/blackwell_tcgen05.py")),
+    archs=("sm_90a", "sm_100a", "sm_103a"),
+    aot_configs=_aot(),
+    description="grouped low-rank output projection, token-major epilogue (wgmma / tcgen05)",
+))
+
+
+def _torch_path(o, w, out):
+    T, H, Dv = o.shape
+    G, R, Dg = w.shape
+    y = torch.einsum("tgd,grd->tgr", o.reshape(T, G, Dg).float(), w.float())
+    out.copy_(y.reshape(T, G * R))
+    return out
+
+
+def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None = None, stream=None,
+         arch: str | None = None) -> torch.Tensor:
+    """``y [T, G*R]`` (bf16, token-major) from ``o [T, H, Dv]`` and ``wo_a_weight [G, R, (H/G)*Dv]``."""
+    op = "wo_a"
+    check_tensor(op, "o", o, dtype=torch.bfloat16, ndim=3, contiguous=True)
+    check_tensor(op, "wo_a_weight", wo_a_weight, dtype=torch.bfloat16, ndim=3, contiguous=True)
+    T, H, Dv = o.shape
+    G, R, Dg = wo_a_weight.shape
+    if H % G:
+        raise ValueError(f"{op}: o has H={H} heads, not divisible by G={G} groups (wo_a_weight.shape[0])")
+    if Dg != (H // G) * Dv:
+        raise ValueError(f"{op}: wo_a_weight.shape[2]={Dg} must equal (H/G)*Dv = {(H // G) * Dv}")
+    if R % 64 or Dg % 64:
+        raise ValueError(f"{op}: R={R} and Dg={Dg} must be multiples of 64")
+    if out is None:
+        out = torch.empty(T, G * R, dtype=torch.bfloat16, device=o.device)
+    check_tensor(op, "out", out, dtype=torch.bfloat16, shape=(T, G * R), contiguous=True)
+    check_cuda(op, ("o", o), ("wo_a_weight", wo_a_weight), ("out", out))
+    if T == 0:
+        return out
+    a = arch if arch is not None else current_arch(o.device)
+    path = dispatch(op, ("sm100", "sm90", "reference"), arch=a)
+    if path == "reference":
+        return _torch_path(o, wo_a_weight, out)
+    tm, tn = _PATHS[path].tile_for(T, G, R)
+    fn = jit.get_kernel(op, a, G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn)
+    P = jit.gmem_ptr
+    fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 16), jit.i32(T),
+       jit.cu_stream(stream))
+    return out

@@ -1,0 +1,46 @@
+"""WO-A on Blackwell (sm_100a): TMA + tcgen05 (tensor-memory accumulator) batched GEMM,
+token-major output.
+
+Same strided views as the Hopper path (:func:`cute_kernels.wo_a_sm90.wo_a_views`) on the
+vendored Blackwell engine (:mod:`cute_kernels.gemm.blackwell_tcgen05`): TMA loads into a
+multi-stage mbarrier pipeline, a single MMA warp issuing tcgen05.mma into tensor memory,
+epilogue warps reading it with tcgen05.ld, converting to bf16 and TMA-storing through the
+token-major C view. Decode uses 1-CTA 128x128 MMA tiles; prefill 2-CTA 256x256 (cluster 2x1),
+where the pair of CTAs shares B tiles.
+
+No Blackwell GPU is available to this project: this path is proven by compiling for sm_100a
+on the CPU and asserting its machine code (UTCHMMA, LDTM, UTMALDG, UTMASTG), and its
+numerics by a CPU emulation of the same views and by the Hopper path on the H200.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from .gemm.blackwell_tcgen05 import DenseGemmKernel
+from .wo_a_sm90 import wo_a_views
+
+
+class WoASm100:
+    def __init__(self, G: int, R: int, Dg: int, tile_mn: tuple[int, int]):
+        self.G, self.R, self.Dg = G, R, Dg
+        two_cta = tile_mn[0] == 256
+        self.gemm = DenseGemmKernel(Float32, two_cta, tile_mn, (2 if two_cta else 1, 1), True)
+
+    @cute.jit
+    def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, num_tokens: Int32,
+                 stream: cuda.CUstream):
+        a, b, c = wo_a_views(o_ptr, w_ptr, y_ptr, num_tokens, self.G, self.R, self.Dg)
+        self.gemm(a, b, c, stream)
+
+    @staticmethod
+    def tile_for(T: int, G: int, R: int) -> tuple[int, int]:
+        if T <= 128:
+            return (128, 128) if G * (R // 128) >= 96 else (128, 64)
+        return (256, 256) if R % 256 == 0 else (256, 128)
+
+    @staticmethod
+    def can_implement(G: int, R: int, Dg: int) -> bool:
+        return G >= 1 and R % 64 == 0 and Dg % 64 == 0

@@ -1,0 +1,134 @@
+"""WO-A (token-major grouped low-rank projection): Hopper path on the H200, Blackwell path
+by machine code + CPU emulation of its operand views, validation on the CPU."""
+
+import pytest
+import torch
+
+from cute_kernels.testing import sass
+from cute_kernels.wo_a import wo_a
+from cute_kernels.wo_a_sm90 import WoASm90, wo_a_layouts
+from cute_kernels.wo_a_sm100 import WoASm100
+from references import rel_err, wo_a_ref
+
+# bf16 output rounding dominates: ||err||/||ref|| ~ 2^-9 / sqrt(3) ~ 1.1e-3 for an exact
+# accumulation; 4e-3 leaves room for FP32 accumulation over K <= 2048.
+TOL = 4e-3
+SHAPES = [(16, 8, 128, 1024), (8, 16, 128, 512), (8, 8, 256, 512), (16, 16, 128, 1024)]  # (G, H/G, Dv, R)
+
+
+def make(T, G, HG, Dv, R, device):
+    o = torch.randn(T, G * HG, Dv, device=device).bfloat16()
+    w = (torch.randn(G, R, HG * Dv, device=device) / (HG * Dv) ** 0.5).bfloat16()
+    return o, w
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G, HG, Dv, R", SHAPES)
+@pytest.mark.parametrize("T", [1, 5, 64, 77, 300])
+def test_hopper_matches_fp64(seed, G, HG, Dv, R, T):
+    o, w = make(T, G, HG, Dv, R, "cuda")
+    out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
+    wo_a(o, w, out=out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert out.stride() == (G * R, 1)
+    assert rel_err(out, wo_a_ref(o, w)) < TOL
+
+
+@pytest.mark.gpu
+def test_single_kernel_no_transpose_copy(seed):
+    from torch.profiler import ProfilerActivity, profile
+
+    o, w = make(64, 16, 8, 128, 1024, "cuda")
+    out = torch.empty(64, 16 * 1024, device="cuda", dtype=torch.bfloat16)
+    wo_a(o, w, out=out)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        wo_a(o, w, out=out)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0]
+    assert len(kernels) == 1, [k.name for k in kernels]
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay(seed):
+    o, w = make(5, 8, 16, 128, 512, "cuda")
+    out = torch.empty(5, 8 * 512, device="cuda", dtype=torch.bfloat16)
+    wo_a(o, w, out=out)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        wo_a(o, w, out=out)
+    for _ in range(3):
+        o.copy_(torch.randn_like(o, dtype=torch.float32).bfloat16())
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, wo_a_ref(o, w)) < TOL
+
+
+# --------------------------------------------------- Blackwell path on the CPU ---------
+def emulate_tiled(o, w, tile_mn, k_tile=64):
+    """CPU emulation of the kernels' data layout: operands read through the same strided
+    views the kernels build (wo_a_layouts), C tiles of tile_mn accumulated in FP32 over
+    K tiles in order, one bf16 rounding, written through the token-major C view."""
+    T, H, Dv = o.shape
+    G, R, Dg = w.shape
+    (sa, da), (sb, db), (sc, dc) = wo_a_layouts(T, G, R, Dg)
+    A = torch.as_strided(o, sa, da)
+    B = torch.as_strided(w, sb, db)
+    y = torch.full((T * G * R,), float("nan"), dtype=torch.bfloat16)
+    C = torch.as_strided(y, sc, dc)
+    tm, tn = tile_mn
+    for g in range(G):
+        for m0 in range(0, T, tm):
+            for n0 in range(0, R, tn):
+                acc = torch.zeros(min(tm, T - m0), min(tn, R - n0))
+                for k0 in range(0, Dg, k_tile):
+                    acc += A[m0:m0 + tm, k0:k0 + k_tile, g].float() @ B[n0:n0 + tn, k0:k0 + k_tile, g].float().T
+                C[m0:m0 + tm, n0:n0 + tn, g] = acc.bfloat16()
+    return y.view(T, G * R)
+
+
+@pytest.mark.parametrize("T", [1, 5, 130])
+def test_blackwell_layout_emulation(seed, T):
+    G, HG, Dv, R = 8, 8, 128, 512
+    o, w = make(T, G, HG, Dv, R, "cpu")
+    y = emulate_tiled(o, w, WoASm100.tile_for(T, G, R))
+    assert not torch.isnan(y.float()).any()  # every element written through the C view
+    assert rel_err(y, wo_a_ref(o, w)) < TOL
+
+
+@pytest.mark.parametrize("arch, tile, expect", [
+    ("sm_100a", (128, 128), {"UTCHMMA": 1, "LDTM": 1, "UTMALDG": 1, "UTMASTG": 1}),
+    ("sm_100a", (256, 256), {"UTCHMMA.2CTA": 1, "UTMALDG.3D.2CTA": 1, "LDTM": 1, "UTMASTG": 1}),
+    ("sm_90a", (64, 128), {"HGMMA.64x128x16.F32.BF16": 1, "UTMALDG": 1, "UTMASTG": 1}),
+    ("sm_90a", (128, 256), {"HGMMA.64x256x16.F32.BF16": 1, "UTMALDG": 1, "UTMASTG": 1}),
+])
+def test_machine_code(arch, tile, expect):
+    h = sass.sass_histogram("wo_a", arch, G=16, R=1024, Dg=1024, tile_m=tile[0], tile_n=tile[1])
+    for mnemonic, at_least in expect.items():
+        assert sass.count(h, mnemonic) >= at_least, (mnemonic, h)
+    assert sass.local_memory_ops(h) == 0
+
+
+# ------------------------------------------------------------ validation (CPU) --------
+@pytest.mark.parametrize("o, w, words", [
+    (torch.zeros(2, 16, 128), torch.zeros(8, 512, 256).bfloat16(), "o must have dtype bfloat16"),
+    (torch.zeros(2, 16, 128).bfloat16(), torch.zeros(3, 512, 256).bfloat16(), "not divisible by G"),
+    (torch.zeros(2, 16, 128).bfloat16(), torch.zeros(8, 512, 512).bfloat16(), r"must equal \(H/G\)\*Dv"),
+    (torch.zeros(2, 16, 128).bfloat16(), torch.zeros(8, 500, 256).bfloat16(), "multiples of 64"),
+    (torch.zeros(2, 16, 128).bfloat16(), torch.zeros(8, 512, 256).bfloat16(), "CUDA"),
+    (torch.zeros(2, 128, 16).bfloat16().transpose(1, 2), torch.zeros(8, 512, 256).bfloat16(), "contiguous"),
+])
+def test_bad_arguments(o, w, words):
+    with pytest.raises((TypeError, ValueError), match=words):
+        wo_a(o, w)
+
+
+def test_tile_heuristics():
+    assert WoASm90.tile_for(1, 16, 1024) == (64, 128)  # 128 CTAs for 132 SMs
+    assert WoASm90.tile_for(1, 8, 512) == (64, 64)
+    assert WoASm90.tile_for(4096, 16, 1024) == (128, 256)
+    assert WoASm100.tile_for(4096, 16, 1024) == (256, 256)
