@@ -43,7 +43,7 @@ def cmd_build(args) -> int:
 
     archs = [normalize_arch(a) for a in (args.arch or ["sm_100a", "sm_90a"])]
     store = ArtifactCache(args.cache)
-    work = [(kdef, cfg, a) for a in archs for kdef, cfg in jit.iter_aot(args.kernel or None) if a in kdef.archs]
+    work = [(kdef, cfg, a) for a in archs for kdef, cfg in jit.iter_aot(args.kernel or None, a) if a in kdef.archs]
     rows, failed = [], 0
     t_all = time.perf_counter()
     for i, (kdef, cfg, a) in enumerate(work):

@@ -44,8 +44,9 @@ class KernelDef:
     sources: tuple[str, ...]
     #: archs this kernel has code for
     archs: tuple[str, ...]
-    #: configs compiled by ``python -m cute_kernels build``
-    aot_configs: tuple[dict, ...] = ()
+    #: configs compiled by ``python -m cute_kernels build``: a tuple, or ``f(arch) -> tuple``
+    #: where the static config (tile shapes) depends on the arch
+    aot_configs: tuple[dict, ...] | Callable[[str], tuple[dict, ...]] = ()
     description: str = ""
 
     def source_hash(self) -> str:
@@ -368,10 +369,11 @@ def fake_stream():
     return cute.runtime.make_fake_stream()
 
 
-def iter_aot(names: Iterable[str] | None = None):
-    """(KernelDef, config) pairs for the AOT build."""
+def iter_aot(names: Iterable[str] | None = None, arch: str = "sm_100a"):
+    """(KernelDef, config) pairs that the AOT build compiles for ``arch``."""
     reg = registry()
     for n in sorted(reg) if names is None else names:
         kdef = reg[n]
-        for cfg in kdef.aot_configs or ({},):
+        cfgs = kdef.aot_configs(normalize_arch(arch)) if callable(kdef.aot_configs) else kdef.aot_configs
+        for cfg in cfgs or ({},):
             yield kdef, cfg

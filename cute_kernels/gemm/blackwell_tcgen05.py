@@ -29,8 +29,9 @@
 """Blackwell (sm_100a) TMA + tcgen05 batched GEMM engine, vendored from NVIDIA CUTLASS.
 
 Source: NVIDIA/cutlass ``examples/python/CuTeDSL/cute/blackwell/kernel/dense_gemm/dense_gemm.py``
-(commit 7107b05535f8977f5ecb9d01ee203205b1fd9bc4), kernel class unchanged; the example's
-command-line runner was dropped. ``C[m, n, l] = sum_k A[m, k, l] * B[n, k, l]`` over
+(commit 7107b05535f8977f5ecb9d01ee203205b1fd9bc4), kernel class unchanged except one line
+(``_compute_grid`` sizes the batch mode with ``cute.size`` so it may be hierarchical); the
+example's command-line runner was dropped. ``C[m, n, l] = sum_k A[m, k, l] * B[n, k, l]`` over
 arbitrary-stride (M, K, L) / (N, K, L) / (M, N, L) tensors: TMA loads into a multi-stage
 mbarrier pipeline, tcgen05 MMA (1- or 2-CTA) accumulating in tensor memory, tcgen05.ld
 to registers, TMA-store epilogue.
@@ -42,6 +43,8 @@ own ``@cute.jit``.
 from typing import Optional, Type, Tuple, Union
 import cuda.bindings.driver as cuda
 import cutlass
+import cutlass.memory
+import cutlass.tensor_utils
 import cutlass.cute as cute
 import cutlass.utils as utils
 import cutlass.pipeline as pipeline
@@ -293,9 +296,9 @@ class DenseGemmKernel:
         self.a_dtype: Type[cutlass.Numeric] = a.element_type
         self.b_dtype: Type[cutlass.Numeric] = b.element_type
         self.c_dtype: Type[cutlass.Numeric] = c.element_type
-        self.a_major_mode = utils.LayoutEnum.from_tensor(a).mma_major_mode()
-        self.b_major_mode = utils.LayoutEnum.from_tensor(b).mma_major_mode()
-        self.c_layout = utils.LayoutEnum.from_tensor(c)
+        self.a_major_mode = cutlass.tensor_utils.LayoutEnum.from_tensor(a).mma_major_mode()
+        self.b_major_mode = cutlass.tensor_utils.LayoutEnum.from_tensor(b).mma_major_mode()
+        self.c_layout = cutlass.tensor_utils.LayoutEnum.from_tensor(c)
 
         # Check if input data types are compatible with MMA instruction
         if cutlass.const_expr(self.a_dtype != self.b_dtype):
@@ -460,7 +463,7 @@ class DenseGemmKernel:
             tmem_dealloc_mbar: cutlass.Int64
             tmem_holding_buf: cutlass.Int32
 
-        smem = utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
 
         # Initialize mainloop ab_pipeline (barrier) and states
@@ -1064,7 +1067,7 @@ class DenseGemmKernel:
         b_dtype: Type[cutlass.Numeric],
         epi_tile: cute.Tile,
         c_dtype: Type[cutlass.Numeric],
-        c_layout: utils.LayoutEnum,
+        c_layout: cutlass.tensor_utils.LayoutEnum,
         smem_capacity: int,
         occupancy: int,
         use_tma_store: bool,
@@ -1084,7 +1087,7 @@ class DenseGemmKernel:
         :param c_dtype: Data type of operand C (output).
         :type c_dtype: type[cutlass.Numeric]
         :param c_layout: Layout enum of operand C in global memory.
-        :type c_layout: utils.LayoutEnum
+        :type c_layout: cutlass.tensor_utils.LayoutEnum
         :param smem_capacity: Total available shared memory capacity in bytes.
         :type smem_capacity: int
         :param occupancy: Target number of CTAs per SM (occupancy).
@@ -1179,7 +1182,7 @@ class DenseGemmKernel:
             (
                 cute.ceil_div(c.layout.shape[0], cta_tile_shape_mnk[0]),
                 cute.ceil_div(c.layout.shape[1], cta_tile_shape_mnk[1]),
-                c.layout.shape[2],
+                cute.size(c.layout, mode=[2]),  # cute_kernels: L may be hierarchical (split-K x groups)
             ),
             cluster_shape_mnl,
         )
@@ -1409,9 +1412,9 @@ class DenseGemmKernel:
         m, n, k, l = a.shape[0], b.shape[0], a.shape[1], a.shape[2]
 
         # infer a_major, b_major, c_major
-        is_m_major_a = utils.LayoutEnum.from_tensor(a).is_m_major_a()
-        is_n_major_b = utils.LayoutEnum.from_tensor(b).is_n_major_b()
-        is_m_major_c = utils.LayoutEnum.from_tensor(c).is_m_major_c()
+        is_m_major_a = cutlass.tensor_utils.LayoutEnum.from_tensor(a).is_m_major_a()
+        is_n_major_b = cutlass.tensor_utils.LayoutEnum.from_tensor(b).is_n_major_b()
+        is_m_major_c = cutlass.tensor_utils.LayoutEnum.from_tensor(c).is_m_major_c()
         a_major = "m" if is_m_major_a else "k"
         b_major = "n" if is_n_major_b else "k"
         c_major = "m" if is_m_major_c else "n"

@@ -42,6 +42,8 @@ from typing import Tuple, Type
 import math
 import cuda.bindings.driver as cuda
 import cutlass
+import cutlass.memory
+import cutlass.tensor_utils
 import cutlass.cute as cute
 import cutlass.utils as utils
 import cutlass.pipeline as pipeline
@@ -249,9 +251,9 @@ class HopperWgmmaGemmKernel:
         self.a_dtype = a.element_type
         self.b_dtype = b.element_type
         self.c_dtype = c.element_type
-        self.a_layout = utils.LayoutEnum.from_tensor(a)
-        self.b_layout = utils.LayoutEnum.from_tensor(b)
-        self.c_layout = utils.LayoutEnum.from_tensor(c)
+        self.a_layout = cutlass.tensor_utils.LayoutEnum.from_tensor(a)
+        self.b_layout = cutlass.tensor_utils.LayoutEnum.from_tensor(b)
+        self.c_layout = cutlass.tensor_utils.LayoutEnum.from_tensor(c)
 
         if cutlass.const_expr(
             self.a_dtype.width == 16 and self.a_dtype != self.b_dtype
@@ -446,7 +448,7 @@ class HopperWgmmaGemmKernel:
         # /////////////////////////////////////////////////////////////////////////////
         #  Alloc and init AB full/empty + ACC full mbar (pipeline)
         # /////////////////////////////////////////////////////////////////////////////
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
         # mbar arrays
@@ -926,12 +928,12 @@ class HopperWgmmaGemmKernel:
         tile_shape_mnk: tuple[int, int, int],
         epi_tile: tuple[int, int],
         a_dtype: type[cutlass.Numeric],
-        a_layout: utils.LayoutEnum,
+        a_layout: cutlass.tensor_utils.LayoutEnum,
         b_dtype: type[cutlass.Numeric],
-        b_layout: utils.LayoutEnum,
+        b_layout: cutlass.tensor_utils.LayoutEnum,
         ab_stage: int,
         c_dtype: type[cutlass.Numeric],
-        c_layout: utils.LayoutEnum,
+        c_layout: cutlass.tensor_utils.LayoutEnum,
         epi_stage: int,
     ) -> tuple[cute.ComposedLayout, cute.ComposedLayout, cute.ComposedLayout]:
         """Create shared memory layouts for A, B, and C tensors.
@@ -943,17 +945,17 @@ class HopperWgmmaGemmKernel:
         :param a_dtype: Data type for matrix A
         :type a_dtype: type[cutlass.Numeric]
         :param a_layout: Layout enum for matrix A
-        :type a_layout: utils.LayoutEnum
+        :type a_layout: cutlass.tensor_utils.LayoutEnum
         :param b_dtype: Data type for matrix B
         :type b_dtype: type[cutlass.Numeric]
         :param b_layout: Layout enum for matrix B
-        :type b_layout: utils.LayoutEnum
+        :type b_layout: cutlass.tensor_utils.LayoutEnum
         :param ab_stage: Number of stages for A/B tensors
         :type ab_stage: int
         :param c_dtype: Data type for output matrix C
         :type c_dtype: type[cutlass.Numeric]
         :param c_layout: Layout enum for the output matrix C
-        :type c_layout: utils.LayoutEnum
+        :type c_layout: cutlass.tensor_utils.LayoutEnum
         :param epi_stage: Number of epilogue stages
         :type epi_stage: int
 
