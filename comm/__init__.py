@@ -1,1 +1,3 @@
-"""(planned: see the open issues)"""
+"""Communication: one-shot push all-reduce (optionally fused with the MoE finalize), its
+buffers and simulated group (:mod:`.buffers`), backend selection (:mod:`.backend`), and a
+CPU model of the protocol (:mod:`.protocol_model`)."""

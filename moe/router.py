@@ -19,7 +19,9 @@ Packed outputs (what ``moe_align_block_size`` computes in vLLM/SGLang), for M-ti
   multiple of ``tile``; ``expert_offsets[E] == total_rows[0]``, the padded row count;
 * ``sorted_token_ids[p]`` for ``p < total``: the routed row ``t * k + i`` (token t's i-th
   choice); rows of one expert in increasing order; padding slots hold the sentinel ``T * k``;
-* ``tile_expert[j]``: expert of M-tile ``j`` for ``j < total / tile``, else -1.
+* ``tile_expert[j]``: expert of M-tile ``j`` for ``j < total / tile``, else -1;
+* ``routed_row_pos[t*k + i]``: the slot ``p`` with ``sorted_token_ids[p] == t*k + i`` -- where
+  the finalize (:mod:`moe.finalize`) finds routed row ``(t, i)`` in the expert outputs.
 
 Slots at or past ``total`` are not written (consumers never read them). Buffers have fixed
 capacities for a maximum T (:func:`capacity`), so a captured CUDA graph serves any T up to it.
@@ -128,8 +130,8 @@ class RouterTopkAlign:
     def __call__(self, logits_ptr: cute.Pointer, bias_ptr: cute.Pointer, ids_ptr: cute.Pointer,
                  w_ptr: cute.Pointer, counts_ptr: cute.Pointer, offsets_ptr: cute.Pointer,
                  sorted_ptr: cute.Pointer, tile_expert_ptr: cute.Pointer, total_ptr: cute.Pointer,
-                 ws_ptr: cute.Pointer, num_tokens: Int32, sorted_cap: Int32, tiles_cap: Int32,
-                 stream: cuda.CUstream):
+                 ws_ptr: cute.Pointer, pos_ptr: cute.Pointer, num_tokens: Int32, sorted_cap: Int32,
+                 tiles_cap: Int32, stream: cuda.CUstream):
         E, k = self.E, self.k
         mLogits = cute.make_tensor(logits_ptr, cute.make_layout((num_tokens, E), stride=(E, 1)))
         mBias = cute.make_tensor(bias_ptr, cute.make_layout((E,)))
@@ -141,14 +143,15 @@ class RouterTopkAlign:
         mTileExpert = cute.make_tensor(tile_expert_ptr, cute.make_layout((tiles_cap,)))
         mTotal = cute.make_tensor(total_ptr, cute.make_layout((1,)))
         mWs = cute.make_tensor(ws_ptr, cute.make_layout((E + 1,)))
+        mPos = cute.make_tensor(pos_ptr, cute.make_layout((num_tokens * k,)))
         grid = cutlass.min((num_tokens + self.warps - 1) // self.warps, self.max_ctas)
-        self.kernel(mLogits, mBias, mIds, mW, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs,
+        self.kernel(mLogits, mBias, mIds, mW, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos,
                     num_tokens, tiles_cap).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor,
                mCounts: cute.Tensor, mOffsets: cute.Tensor, mSorted: cute.Tensor, mTileExpert: cute.Tensor,
-               mTotal: cute.Tensor, mWs: cute.Tensor, num_tokens: Int32, tiles_cap: Int32):
+               mTotal: cute.Tensor, mWs: cute.Tensor, mPos: cute.Tensor, num_tokens: Int32, tiles_cap: Int32):
         E, V, k, W = self.E, self.V, self.k, self.warps
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -249,12 +252,12 @@ class RouterTopkAlign:
         cute.arch.barrier()
         if sFlag[0] == grid - 1:
             cute.arch.fence_acq_rel_gpu()
-            self.align(mIds, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, sOff, sCnt, sCursor, sMask, sPre,
-                       num_tokens, tiles_cap)
+            self.align(mIds, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos, sOff, sCnt, sCursor, sMask,
+                       sPre, num_tokens, tiles_cap)
 
     @cute.jit
-    def align(self, mIds, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, sOff, sCnt, sCursor, sMask, sPre,
-              num_tokens: Int32, tiles_cap: Int32):
+    def align(self, mIds, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos, sOff, sCnt, sCursor, sMask,
+              sPre, num_tokens: Int32, tiles_cap: Int32):
         E, V, k, W, tile = self.E, self.V, self.k, self.warps, self.tile
         tidx, _, _ = cute.arch.thread_idx()
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
@@ -343,6 +346,7 @@ class RouterTopkAlign:
                     e = rId[i]
                     pos = sOff[e] + sPre[warp, e] + Int32(cute.arch.popc(sMask[warp, e] & lt))
                     mSorted[pos] = t * k + i
+                    mPos[t * k + i] = pos
             cute.arch.barrier()
 
     @cute.jit
@@ -374,7 +378,7 @@ def _build(arch: str, *, num_experts: int, n_group: int, topk_group: int, top_k:
     cdt = _NAME2CUTE[logits_dtype]
     P = jit.fake_gmem_ptr
     args = (P(cdt, 16), P(Float32, 16), P(Int32, 4), P(Float32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 16),
-            P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(1), Int32(1), Int32(1), jit.fake_stream())
+            P(Int32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(1), Int32(1), Int32(1), jit.fake_stream())
     return RouterTopkAlign(cfg, cdt, has_bias), args
 
 
@@ -401,6 +405,7 @@ class RouterOutput:
     sorted_token_ids: torch.Tensor  # int32 [slots]  (valid below total_rows[0])
     tile_expert: torch.Tensor  # int32 [slots / tile]
     total_rows: torch.Tensor  # int32 [1]
+    routed_row_pos: torch.Tensor  # int32 [T * k]: slot in sorted order of routed row t*k+i (finalize reads it)
 
 
 class MoeRouter:
@@ -425,6 +430,7 @@ class MoeRouter:
         self.sorted_token_ids = torch.empty(slots, **i32)
         self.tile_expert = torch.empty(tiles, **i32)
         self.total_rows = torch.empty(1, **i32)
+        self.routed_row_pos = torch.empty(max_tokens * k, **i32)
         self.workspace = torch.zeros(E + 1, **i32)  # counts + done counter; the kernel re-zeroes it
 
     def __call__(self, logits: torch.Tensor, bias: torch.Tensor | None = None, *, stream=None,
@@ -432,8 +438,10 @@ class MoeRouter:
         T = logits.shape[0] if isinstance(logits, torch.Tensor) and logits.dim() == 2 else -1
         if T > self.max_tokens:
             raise ValueError(f"router: logits has {T} tokens, more than max_tokens={self.max_tokens}")
-        out = RouterOutput(self.topk_ids[:max(T, 0)], self.topk_weights[:max(T, 0)], self.expert_counts,
-                           self.expert_offsets, self.sorted_token_ids, self.tile_expert, self.total_rows)
+        Tv = max(T, 0)
+        out = RouterOutput(self.topk_ids[:Tv], self.topk_weights[:Tv], self.expert_counts, self.expert_offsets,
+                           self.sorted_token_ids, self.tile_expert, self.total_rows,
+                           self.routed_row_pos[:Tv * self.cfg.top_k])
         route(logits, bias, self.cfg, out=out, workspace=self.workspace, stream=stream, arch=arch)
         return out
 
@@ -457,6 +465,8 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: RouterConfig, *,
     check_tensor(op, "expert_offsets", out.expert_offsets, dtype=torch.int32, shape=(E + 1,), contiguous=True)
     check_tensor(op, "total_rows", out.total_rows, dtype=torch.int32, shape=(1,), contiguous=True)
     check_tensor(op, "workspace", workspace, dtype=torch.int32, shape=(E + 1,), contiguous=True)
+    check_tensor(op, "routed_row_pos", out.routed_row_pos, dtype=torch.int32, shape=(T * k,), contiguous=True,
+                 align_bytes=4)
     slots, tiles = capacity(cfg, T)
     check_tensor(op, "sorted_token_ids", out.sorted_token_ids, dtype=torch.int32, ndim=1, contiguous=True,
                  align_bytes=16)
@@ -483,6 +493,6 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: RouterConfig, *,
     fn(P(_NAME2CUTE[_LOGIT_DTYPES[logits.dtype]], logits, 16), P(Float32, bias if bias is not None else logits, 16),
        P(Int32, out.topk_ids, 4), P(Float32, out.topk_weights, 4), P(Int32, out.expert_counts, 4),
        P(Int32, out.expert_offsets, 4), P(Int32, out.sorted_token_ids, 16), P(Int32, out.tile_expert, 4),
-       P(Int32, out.total_rows, 4), P(Int32, workspace, 4), jit.i32(T), jit.i32(out.sorted_token_ids.numel()),
+       P(Int32, out.total_rows, 4), P(Int32, workspace, 4), P(Int32, out.routed_row_pos, 4), jit.i32(T), jit.i32(out.sorted_token_ids.numel()),
        jit.i32(out.tile_expert.numel()), jit.cu_stream(stream))
     return out

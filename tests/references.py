@@ -107,3 +107,27 @@ def wo_a_ref(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     G, R, Dg = w.shape
     y = torch.einsum("tgd,grd->tgr", o.reshape(T, G, Dg).double().cpu(), w.double().cpu())
     return y.reshape(T, G * R)
+
+
+# ----------------------------------------------------------- finalize / all-reduce -----
+def finalize_shared_ref(y, w, pos, shared=None):
+    """routed = bf16(sum_i (w[:, i] * y[pos[:, i]]) in FP32, in order i, each product and sum
+    rounded separately); out = bf16(float(routed) + float(shared))."""
+    T, k = w.shape
+    pos = pos.view(T, k).long()
+    acc = torch.zeros(T, y.shape[1])
+    for i in range(k):
+        prod = w[:, i:i + 1].float() * y[pos[:, i]].float()
+        acc = acc + prod
+    routed = acc.bfloat16()
+    if shared is None:
+        return routed
+    return (routed.float() + shared.float()).bfloat16()
+
+
+def allreduce_ref(parts):
+    """bf16(sum over ranks in rank order, FP32)."""
+    acc = torch.zeros_like(parts[0], dtype=torch.float32)
+    for p in parts:
+        acc = acc + p.float()
+    return acc.bfloat16()

@@ -42,10 +42,13 @@ def check_align(out, T, cfg):
     nt = total // cfg.tile_m
     te = out.tile_expert.cpu()
     assert torch.equal(te[:nt], tile_expert) and (te[nt:] == -1).all()
+    pos = out.routed_row_pos[: T * cfg.top_k].cpu().long()
+    assert torch.equal(sorted_ids[pos], torch.arange(T * cfg.top_k, dtype=torch.int32))
 
 
 def poison(r: MoeRouter):
-    for t in (r.topk_ids, r.expert_counts, r.expert_offsets, r.sorted_token_ids, r.tile_expert, r.total_rows):
+    for t in (r.topk_ids, r.expert_counts, r.expert_offsets, r.sorted_token_ids, r.tile_expert, r.total_rows,
+              r.routed_row_pos):
         t.fill_(-12345)
     r.topk_weights.fill_(float("nan"))
 

@@ -1,0 +1,159 @@
+"""Deferred MoE finalize fused with the shared-expert add.
+
+Per token ``t`` and hidden column ``c`` (``y`` = expert outputs in expert-sorted order,
+``pos[t, i]`` = the slot of routed row ``(t, i)``, from :mod:`moe.router`)::
+
+    acc = 0.0 (FP32);  for i in 0..k-1:  acc = acc + rn(w[t, i] * y[pos[t, i], c])
+    routed[t, c] = bf16(acc)                                   # finalize's rounding
+    out[t, c]    = bf16(float(routed[t, c]) + float(shared[t, c]))   # the add's rounding
+
+Every product is rounded on its own (``mul.rn``, never contracted into an FMA) and the sum
+runs in the fixed order i = 0..k-1, so the unfused path (standalone finalize launch, then
+the bf16 add) and the fused launch here are bit-identical, and so is the PyTorch reference
+``acc = acc + w * y`` in FP32 (tests/references.py).
+
+"Deferred": the finalize is not a launch of its own after the expert GEMM; it runs where
+the shared expert's output is ready, in the launch that adds it -- and :mod:`comm.push_allreduce`
+reuses :func:`finalize_shared_vec` so the same per-vector computation feeds its all-reduce.
+
+Kernel: one thread per 8 consecutive columns of one token: k 16-byte gathers of ``y`` rows,
+one 16-byte load of ``shared``, one 16-byte store. ``H % 8 == 0``; T is a runtime value.
+
+Test / bench::
+
+    pytest tests/test_moe_finalize.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from cute_kernels import jit
+from cute_kernels.arch import current_arch, dispatch
+from cute_kernels.validate import check_cuda, check_tensor
+
+VEC = 8  # bf16 per 16-byte vector
+
+
+@cute.jit
+def finalize_shared_vec(mY: cute.Tensor, mW: cute.Tensor, mPos: cute.Tensor, mShared: cute.Tensor, t: Int32,
+                        c: Int32, topk: cutlass.Constexpr[int], add_shared: cutlass.Constexpr[bool],
+                        out: cute.Tensor):
+    """Fill the bf16 register vector ``out`` with columns ``[8c, 8c+8)`` of token ``t``."""
+    gY = cute.zipped_divide(mY, (1, VEC))
+    acc = cute.make_rmem_tensor(cute.make_layout((VEC,)), Float32)
+    acc.fill(0.0)
+    rY = cute.make_rmem_tensor(cute.make_layout((VEC,)), mY.element_type)
+    for i in cutlass.range_constexpr(topk):
+        p = mPos[t * topk + i]
+        w = mW[t, i]
+        cute.autovec_copy(gY[(0, None), (p, c)], rY)
+        for j in cutlass.range_constexpr(VEC):
+            # rounded product, then rounded sum: no FMA contraction (bit-exact with the unfused path)
+            acc[j] = acc[j] + cute.math.mul(w, Float32(rY[j]), rounding=cute.math.RoundingMode.NEAREST_EVEN)
+    routed = cute.make_rmem_tensor(cute.make_layout((VEC,)), mY.element_type)
+    routed.store(acc.load().to(mY.element_type))
+    if cutlass.const_expr(add_shared):
+        rS = cute.make_rmem_tensor(cute.make_layout((VEC,)), mShared.element_type)
+        cute.autovec_copy(cute.zipped_divide(mShared, (1, VEC))[(0, None), (t, c)], rS)
+        out.store((routed.load().to(Float32) + rS.load().to(Float32)).to(out.element_type))
+    else:
+        out.store(routed.load())
+
+
+class FinalizeShared:
+    def __init__(self, hidden: int, topk: int, add_shared: bool, threads: int = 256):
+        self.H, self.k, self.add_shared, self.threads = hidden, topk, add_shared, threads
+        self.nvec = hidden // VEC
+
+    @cute.jit
+    def __call__(self, y_ptr: cute.Pointer, w_ptr: cute.Pointer, pos_ptr: cute.Pointer, shared_ptr: cute.Pointer,
+                 out_ptr: cute.Pointer, num_tokens: Int32, y_rows: Int32, stream: cuda.CUstream):
+        mY = cute.make_tensor(y_ptr, cute.make_layout((y_rows, self.H), stride=(self.H, 1)))
+        mW = cute.make_tensor(w_ptr, cute.make_layout((num_tokens, self.k), stride=(self.k, 1)))
+        mPos = cute.make_tensor(pos_ptr, cute.make_layout((num_tokens * self.k,)))
+        mShared = cute.make_tensor(shared_ptr, cute.make_layout((num_tokens, self.H), stride=(self.H, 1)))
+        mOut = cute.make_tensor(out_ptr, cute.make_layout((num_tokens, self.H), stride=(self.H, 1)))
+        total = num_tokens * self.nvec
+        self.kernel(mY, mW, mPos, mShared, mOut, total).launch(
+            grid=[(total + self.threads - 1) // self.threads, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mY: cute.Tensor, mW: cute.Tensor, mPos: cute.Tensor, mShared: cute.Tensor, mOut: cute.Tensor,
+               total: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        v = bidx * self.threads + tidx
+        if v < total:
+            t = v // self.nvec
+            c = v - t * self.nvec
+            out = cute.make_rmem_tensor(cute.make_layout((VEC,)), mOut.element_type)
+            finalize_shared_vec(mY, mW, mPos, mShared, t, c, self.k, self.add_shared, out)
+            cute.autovec_copy(out, cute.zipped_divide(mOut, (1, VEC))[(0, None), (t, c)])
+
+
+def _build(arch: str, *, hidden: int, topk: int, add_shared: bool):
+    if hidden % VEC or topk < 1:
+        raise ValueError(f"moe.finalize: hidden={hidden} must be a multiple of {VEC}, topk={topk} >= 1")
+    P = jit.fake_gmem_ptr
+    args = (P(cutlass.BFloat16, 16), P(Float32, 4), P(Int32, 4), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16),
+            Int32(1), Int32(1), jit.fake_stream())
+    return FinalizeShared(hidden, topk, add_shared), args
+
+
+KERNEL = jit.register(jit.KernelDef(
+    name="moe_finalize",
+    build=_build,
+    sources=(os.path.abspath(__file__),),
+    archs=("sm_90a", "sm_100a", "sm_103a"),
+    aot_configs=({"hidden": 7168, "topk": 8, "add_shared": True}, {"hidden": 7168, "topk": 8, "add_shared": False}),
+    description="weighted top-k combine of expert rows (+ shared-expert add), bf16",
+))
+
+
+def _check(op, y, topk_weights, routed_row_pos, T_expected=None):
+    check_tensor(op, "y", y, dtype=torch.bfloat16, ndim=2, contiguous=True)
+    H = y.shape[1]
+    if H % VEC:
+        raise ValueError(f"{op}: hidden size y.shape[1]={H} must be a multiple of {VEC}")
+    check_tensor(op, "topk_weights", topk_weights, dtype=torch.float32, ndim=2, contiguous=True, align_bytes=4)
+    T, k = topk_weights.shape
+    check_tensor(op, "routed_row_pos", routed_row_pos, dtype=torch.int32, shape=(T * k,), contiguous=True,
+                 align_bytes=4)
+    return T, k, H
+
+
+def moe_finalize(y: torch.Tensor, topk_weights: torch.Tensor, routed_row_pos: torch.Tensor,
+                 shared: torch.Tensor | None = None, *, out: torch.Tensor | None = None, stream=None,
+                 arch: str | None = None) -> torch.Tensor:
+    """``bf16(sum_i w[t,i] * y[pos[t,i]])`` (+ ``shared`` with its own bf16 rounding when given).
+
+    ``shared=None`` is the standalone (unfused) finalize; the unfused add is then
+    ``routed + shared`` in bf16. ``routed_row_pos`` entries must index rows of ``y``.
+    """
+    op = "moe_finalize"
+    T, k, H = _check(op, y, topk_weights, routed_row_pos)
+    if shared is not None:
+        check_tensor(op, "shared", shared, dtype=torch.bfloat16, shape=(T, H), contiguous=True)
+    if out is None:
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=y.device)
+    check_tensor(op, "out", out, dtype=torch.bfloat16, shape=(T, H), contiguous=True)
+    named = [("y", y), ("topk_weights", topk_weights), ("routed_row_pos", routed_row_pos), ("out", out)]
+    check_cuda(op, *named, *([("shared", shared)] if shared is not None else []))
+    if T == 0:
+        return out
+    a = arch if arch is not None else current_arch(y.device)
+    dispatch(op, ("portable",), arch=a)
+    fn = jit.get_kernel("moe_finalize", a, hidden=H, topk=k, add_shared=shared is not None)
+    P = jit.gmem_ptr
+    fn(P(cutlass.BFloat16, y, 16), P(Float32, topk_weights, 4), P(Int32, routed_row_pos, 4),
+       P(cutlass.BFloat16, shared if shared is not None else out, 16), P(cutlass.BFloat16, out, 16), jit.i32(T),
+       jit.i32(y.shape[0]), jit.cu_stream(stream))
+    return out
