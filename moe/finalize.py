@@ -119,10 +119,11 @@ KERNEL = jit.register(jit.KernelDef(
 
 
 def _check(op, y, topk_weights, routed_row_pos, T_expected=None):
-    check_tensor(op, "y", y, dtype=torch.bfloat16, ndim=2, contiguous=True)
+    check_tensor(op, "y", y, dtype=torch.bfloat16, ndim=2, contiguous=True, align_bytes=0)
     H = y.shape[1]
     if H % VEC:
         raise ValueError(f"{op}: hidden size y.shape[1]={H} must be a multiple of {VEC}")
+    check_tensor(op, "y", y, align_bytes=16)
     check_tensor(op, "topk_weights", topk_weights, dtype=torch.float32, ndim=2, contiguous=True, align_bytes=4)
     T, k = topk_weights.shape
     check_tensor(op, "routed_row_pos", routed_row_pos, dtype=torch.int32, shape=(T * k,), contiguous=True,
