@@ -35,23 +35,22 @@ from cutlass import Int32
 from . import jit
 from .arch import current_arch, dispatch
 from .validate import check_cuda, check_tensor
-from .wo_a_sm90 import WoASm90, split_k_for
+from .wo_a_sm90 import WoASm90
 from .wo_a_sm100 import WoASm100
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _PATHS = {"sm90": WoASm90, "sm100": WoASm100}
 
 
-def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, split_k: int = 1):
+def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int):
     from .arch import family
 
     cls = _PATHS[family(arch)]
-    if not cls.can_implement(G, R, Dg) or (Dg // 64) % split_k:
-        raise ValueError(f"wo_a: unsupported G={G}, R={R}, Dg={Dg}, split_k={split_k} on {arch}")
+    if not cls.can_implement(G, R, Dg):
+        raise ValueError(f"wo_a: unsupported G={G}, R={R}, Dg={Dg} on {arch}")
     P = jit.fake_gmem_ptr
-    c_dtype = cutlass.BFloat16 if split_k == 1 else cutlass.Float32
-    args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(c_dtype, 16), Int32(1), jit.fake_stream())
-    return cls(G, R, Dg, (tile_m, tile_n), split_k), args
+    args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), Int32(1), jit.fake_stream())
+    return cls(G, R, Dg, (tile_m, tile_n)), args
 
 
 def _aot(arch: str):
@@ -63,14 +62,14 @@ def _aot(arch: str):
     for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048)]:
         for T in (1, 4096):
             tm, tn = cls.tile_for(T, G, R)
-            cfgs.append(dict(G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, split_k=split_k_for(T, G, R, Dg, (tm, tn))))
+            cfgs.append(dict(G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn))
     return tuple(cfgs)
 
 
 KERNEL = jit.register(jit.KernelDef(
     name="wo_a",
     build=_build,
-    sources=tuple(os.path.join(_HERE, f) for f in ("wo_a.py", "wo_a_sm90.py", "wo_a_sm100.py", "splitk_reduce.py",
+    sources=tuple(os.path.join(_HERE, f) for f in ("wo_a.py", "wo_a_sm90.py", "wo_a_sm100.py",
                                                    "gemm/hopper_wgmma.py", "gemm/blackwell_tcgen05.py")),
     archs=("sm_90a", "sm_100a", "sm_103a"),
     aot_configs=_aot,
@@ -86,27 +85,9 @@ def _torch_path(o, w, out):
     return out
 
 
-_workspaces: dict[tuple, torch.Tensor] = {}
-
-
-def _workspace(device, numel: int) -> torch.Tensor:
-    """Grow-only FP32 split-K workspace per device (call once before graph capture)."""
-    key = (device.type, device.index)
-    ws = _workspaces.get(key)
-    if ws is None or ws.numel() < numel:
-        ws = _workspaces[key] = torch.empty(numel, dtype=torch.float32, device=device)
-    return ws
-
-
 def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None = None, stream=None,
-         arch: str | None = None, split_k: int | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
-    """``y [T, G*R]`` (bf16, token-major) from ``o [T, H, Dv]`` and ``wo_a_weight [G, R, (H/G)*Dv]``.
-
-    At decode sizes the K dimension is split (``split_k``, default chosen so ~128 CTAs run)
-    into FP32 partials of a ``[S, T, G*R]`` workspace (``workspace``, else a per-device
-    grow-only buffer) and summed by a second launch; the result is the same bf16 rounding
-    of an FP32 sum, in a different (fixed) order.
-    """
+         arch: str | None = None) -> torch.Tensor:
+    """``y [T, G*R]`` (bf16, token-major) from ``o [T, H, Dv]`` and ``wo_a_weight [G, R, (H/G)*Dv]``."""
     op = "wo_a"
     check_tensor(op, "o", o, dtype=torch.bfloat16, ndim=3, contiguous=True)
     check_tensor(op, "wo_a_weight", wo_a_weight, dtype=torch.bfloat16, ndim=3, contiguous=True)
@@ -129,24 +110,8 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     if path == "reference":
         return _torch_path(o, wo_a_weight, out)
     tm, tn = _PATHS[path].tile_for(T, G, R)
-    S = split_k_for(T, G, R, Dg, (tm, tn)) if split_k is None else split_k
-    if not isinstance(S, int) or S < 1 or (Dg // 64) % S:
-        raise ValueError(f"{op}: split_k={S!r} must be a positive int dividing Dg/64={Dg // 64}")
-    fn = jit.get_kernel(op, a, G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, split_k=S)
+    fn = jit.get_kernel(op, a, G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn)
     P = jit.gmem_ptr
-    s = jit.cu_stream(stream)
-    if S == 1:
-        fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 16),
-           jit.i32(T), s)
-        return out
-    need = S * T * G * R
-    if workspace is None:
-        workspace = _workspace(o.device, need)
-    check_tensor(op, "workspace", workspace, dtype=torch.float32, contiguous=True)
-    if workspace.numel() < need:
-        raise ValueError(f"{op}: workspace holds {workspace.numel()} floats; split_k={S} needs {need}")
-    fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.Float32, workspace, 16),
-       jit.i32(T), s)
-    red = jit.get_kernel("splitk_reduce", a, splits=S, N=G * R)
-    red(P(cutlass.Float32, workspace, 16), P(cutlass.BFloat16, out, 16), jit.i32(T), s)
+    fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 16), jit.i32(T),
+       jit.cu_stream(stream))
     return out

@@ -24,15 +24,15 @@ from .wo_a_sm90 import wo_a_views
 
 
 class WoASm100:
-    def __init__(self, G: int, R: int, Dg: int, tile_mn: tuple[int, int], split_k: int = 1):
-        self.G, self.R, self.Dg, self.S = G, R, Dg, split_k
+    def __init__(self, G: int, R: int, Dg: int, tile_mn: tuple[int, int]):
+        self.G, self.R, self.Dg = G, R, Dg
         two_cta = tile_mn[0] == 256
         self.gemm = DenseGemmKernel(Float32, two_cta, tile_mn, (2 if two_cta else 1, 1), True)
 
     @cute.jit
     def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, num_tokens: Int32,
                  stream: cuda.CUstream):
-        a, b, c = wo_a_views(o_ptr, w_ptr, y_ptr, num_tokens, self.G, self.R, self.Dg, self.S)
+        a, b, c = wo_a_views(o_ptr, w_ptr, y_ptr, num_tokens, self.G, self.R, self.Dg)
         self.gemm(a, b, c, stream)
 
     @staticmethod

@@ -24,43 +24,18 @@ from cutlass import Float32, Int32
 from .gemm.hopper_wgmma import HopperWgmmaGemmKernel
 
 
-def wo_a_layouts(T, G: int, R: int, Dg: int, S: int = 1):
+def wo_a_layouts(T, G: int, R: int, Dg: int):
     """(shape, stride) of the A, B, C operand views -- shared by the kernels and the CPU
-    emulation in tests/test_wo_a.py (torch.as_strided with the same numbers).
-
-    Split-K by S (decode): K splits become a second batch mode, L = (S, G). Split ``s`` of
-    group ``g`` reads K range ``[s*Dg/S, (s+1)*Dg/S)`` and writes FP32 partials to
-    ``ws[s]`` (a ``[S, T, G*R]`` workspace, still token-major), summed by
-    :mod:`cute_kernels.splitk_reduce`.
-    """
-    if S == 1:
-        return (
-            ((T, Dg, G), (G * Dg, 1, Dg)),  # A = o as (M, K, L)
-            ((R, Dg, G), (Dg, 1, R * Dg)),  # B = wo_a as (N, K, L)
-            ((T, R, G), (G * R, 1, R)),  # C = y as (M, N, L): token-major
-        )
-    Ks = Dg // S
+    emulation in tests/test_wo_a.py (torch.as_strided with the same numbers)."""
     return (
-        ((T, Ks, (S, G)), (G * Dg, 1, (Ks, Dg))),
-        ((R, Ks, (S, G)), (Dg, 1, (Ks, R * Dg))),
-        ((T, R, (S, G)), (G * R, 1, (T * G * R, R))),
+        ((T, Dg, G), (G * Dg, 1, Dg)),  # A = o as (M, K, L)
+        ((R, Dg, G), (Dg, 1, R * Dg)),  # B = wo_a as (N, K, L)
+        ((T, R, G), (G * R, 1, R)),  # C = y as (M, N, L): token-major
     )
 
 
-def split_k_for(T: int, G: int, R: int, Dg: int, tile_mn: tuple[int, int], target_ctas: int = 128) -> int:
-    """Smallest power-of-two split that brings the CTA count near ``target_ctas`` (132 SMs),
-    keeping whole 64-wide K tiles per split; 1 outside decode (T > 64)."""
-    if T > 64:
-        return 1
-    ctas = -(-T // tile_mn[0]) * (R // tile_mn[1]) * G
-    S = 1
-    while ctas * S * 2 <= target_ctas * 1.25 and (Dg // 64) % (S * 2) == 0 and S < 8:
-        S *= 2
-    return S
-
-
-def wo_a_views(o_ptr, w_ptr, y_ptr, T, G: int, R: int, Dg: int, S: int = 1):
-    (sa, da), (sb, db), (sc, dc) = wo_a_layouts(T, G, R, Dg, S)
+def wo_a_views(o_ptr, w_ptr, y_ptr, T, G: int, R: int, Dg: int):
+    (sa, da), (sb, db), (sc, dc) = wo_a_layouts(T, G, R, Dg)
     a = cute.make_tensor(o_ptr, cute.make_layout(sa, stride=da))
     b = cute.make_tensor(w_ptr, cute.make_layout(sb, stride=db))
     c = cute.make_tensor(y_ptr, cute.make_layout(sc, stride=dc))
@@ -70,15 +45,14 @@ def wo_a_views(o_ptr, w_ptr, y_ptr, T, G: int, R: int, Dg: int, S: int = 1):
 class WoASm90:
     """Compile-time configuration: group count, rank, per-group K, CTA tile."""
 
-    def __init__(self, G: int, R: int, Dg: int, tile_mn: tuple[int, int], split_k: int = 1):
-        self.G, self.R, self.Dg, self.S = G, R, Dg, split_k
+    def __init__(self, G: int, R: int, Dg: int, tile_mn: tuple[int, int]):
+        self.G, self.R, self.Dg = G, R, Dg
         self.gemm = HopperWgmmaGemmKernel(Float32, tile_mn, (1, 1))
 
     @cute.jit
     def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, num_tokens: Int32,
                  stream: cuda.CUstream):
-        # y_ptr: bf16 y [T, G*R] (split_k == 1) or the FP32 workspace [S, T, G*R]
-        a, b, c = wo_a_views(o_ptr, w_ptr, y_ptr, num_tokens, self.G, self.R, self.Dg, self.S)
+        a, b, c = wo_a_views(o_ptr, w_ptr, y_ptr, num_tokens, self.G, self.R, self.Dg)
         self.gemm(a, b, c, stream)
 
     @staticmethod

@@ -29,9 +29,9 @@
 """Blackwell (sm_100a) TMA + tcgen05 batched GEMM engine, vendored from NVIDIA CUTLASS.
 
 Source: NVIDIA/cutlass ``examples/python/CuTeDSL/cute/blackwell/kernel/dense_gemm/dense_gemm.py``
-(commit 7107b05535f8977f5ecb9d01ee203205b1fd9bc4), kernel class unchanged except one line
-(``_compute_grid`` sizes the batch mode with ``cute.size`` so it may be hierarchical); the
-example's command-line runner was dropped. ``C[m, n, l] = sum_k A[m, k, l] * B[n, k, l]`` over
+(commit 7107b05535f8977f5ecb9d01ee203205b1fd9bc4), kernel class unchanged apart from the
+DSL's current names for ``LayoutEnum``/``SmemAllocator``; the example's command-line runner
+was dropped. ``C[m, n, l] = sum_k A[m, k, l] * B[n, k, l]`` over
 arbitrary-stride (M, K, L) / (N, K, L) / (M, N, L) tensors: TMA loads into a multi-stage
 mbarrier pipeline, tcgen05 MMA (1- or 2-CTA) accumulating in tensor memory, tcgen05.ld
 to registers, TMA-store epilogue.
@@ -1182,7 +1182,7 @@ class DenseGemmKernel:
             (
                 cute.ceil_div(c.layout.shape[0], cta_tile_shape_mnk[0]),
                 cute.ceil_div(c.layout.shape[1], cta_tile_shape_mnk[1]),
-                cute.size(c.layout, mode=[2]),  # cute_kernels: L may be hierarchical (split-K x groups)
+                c.layout.shape[2],
             ),
             cluster_shape_mnl,
         )

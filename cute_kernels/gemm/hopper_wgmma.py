@@ -29,8 +29,9 @@
 """Hopper (sm_90a) TMA + wgmma batched GEMM engine, vendored from NVIDIA CUTLASS.
 
 Source: NVIDIA/cutlass ``examples/python/CuTeDSL/cute/hopper/kernel/dense_gemm/dense_gemm.py``
-(commit 7107b05535f8977f5ecb9d01ee203205b1fd9bc4), kernel class unchanged; the example's
-command-line runner was dropped. ``C[m, n, l] = sum_k A[m, k, l] * B[n, k, l]`` over
+(commit 7107b05535f8977f5ecb9d01ee203205b1fd9bc4), kernel class unchanged apart from the
+DSL's current names for ``LayoutEnum``/``SmemAllocator``; the example's command-line runner
+was dropped. ``C[m, n, l] = sum_k A[m, k, l] * B[n, k, l]`` over
 arbitrary-stride (M, K, L) / (N, K, L) / (M, N, L) tensors: warp-specialised TMA producer,
 multi-stage mbarrier pipeline, wgmma consumers, TMA-store epilogue through shared memory.
 Callers (e.g. :mod:`cute_kernels.wo_a_sm90`) build the strided views and call it from their
@@ -135,7 +136,7 @@ class HopperWgmmaGemmKernel:
         self.mma_warp_groups = math.prod(self.atom_layout_mnk)
         self.num_threads_per_warp_group = 128
         self.threads_per_cta = self.mma_warp_groups * self.num_threads_per_warp_group
-        self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
+        self.smem_capacity = cutlass.memory.get_smem_capacity_in_bytes("sm_90")
 
         self.ab_stage = None
         self.epi_stage = None
