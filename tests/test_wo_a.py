@@ -49,8 +49,9 @@ def test_single_kernel_no_transpose_copy(seed, T):
         wo_a(o, w, out=out)
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0]
-    assert len(kernels) == 1, kernels
-    assert not any("copy" in k.lower() or "transpose" in k.lower() for k in kernels), kernels
+    # exactly one launch, and it is the CuTe GEMM (its mangled name mentions CopyAtom, so
+    # identify it by its prefix rather than by the absence of "copy")
+    assert len(kernels) == 1 and kernels[0].startswith("kernel_cutlass"), kernels
 
 
 @pytest.mark.gpu
