@@ -1,0 +1,71 @@
+"""Model and engine configuration for the decode runtime."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab: int = 128
+    hidden: int = 64  # C
+    layers: int = 2
+    mhc_n: int = 4  # residual streams
+    mhc_sinkhorn_iters: int = 20
+    heads: int = 4
+    head_dim: int = 16  # qk and v head dim
+    rope_dim: int = 8  # leading dims of each head rotated by RoPE
+    q_lora: int = 32
+    kv_lora: int = 32
+    wo_groups: int = 2  # G
+    wo_rank: int = 32  # R
+    indexer_heads: int = 2  # H_I
+    indexer_dim: int = 16  # D_I
+    index_topk: int = 64  # keys selected per query by the indexer
+    experts: int = 16
+    n_group: int = 4
+    topk_group: int = 2
+    top_k: int = 4
+    routed_scaling_factor: float = 2.5
+    expert_inter: int = 32  # I
+    shared_inter: int = 32
+    eps: float = 1e-6
+
+    def validate(self) -> None:
+        if self.heads % self.wo_groups:
+            raise ValueError(f"heads={self.heads} must be divisible by wo_groups={self.wo_groups}")
+        if self.rope_dim % 2 or self.rope_dim > self.head_dim:
+            raise ValueError(f"rope_dim={self.rope_dim} must be even and <= head_dim={self.head_dim}")
+        if self.experts % self.n_group or self.topk_group > self.n_group:
+            raise ValueError("experts must be divisible by n_group and topk_group <= n_group")
+        if self.top_k > self.topk_group * (self.experts // self.n_group):
+            raise ValueError("top_k exceeds the experts of the kept groups")
+
+
+TINY = ModelConfig()
+#: real per-layer sizes of a DeepSeek-V4-class model with few layers (for the H200)
+SLICE = ModelConfig(vocab=129280, hidden=7168, layers=2, heads=128, head_dim=128, rope_dim=64, q_lora=1536,
+                    kv_lora=512, wo_groups=16, wo_rank=1024, indexer_heads=64, indexer_dim=128, index_topk=2048,
+                    experts=256, n_group=8, topk_group=4, top_k=8, expert_inter=2048, shared_inter=2048)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = TINY
+    block_size: int = 5  # draft tokens per verify
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    max_seq_len: int = 512  # KV slots per request in the preallocated pool
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    @property
+    def max_batch(self) -> int:
+        return max(self.graph_batch_sizes)
+
+    def padded_batch(self, b: int) -> int:
+        """Smallest captured batch size >= b."""
+        for s in sorted(self.graph_batch_sizes):
+            if s >= b:
+                return s
+        raise ValueError(f"batch of {b} requests exceeds the largest captured batch size {self.max_batch}")

@@ -1,0 +1,130 @@
+"""Decode engine: batched greedy decoding, plain or speculative (block size 5).
+
+``Engine(config).generate(input_ids, max_new_tokens)`` -> one list of new token ids per
+request. Speculative step for every live request (last accepted token ``t`` at position
+``n``, KV holding positions ``< n``)::
+
+    drafts d1..d5      = draft.propose(hidden(t), t)
+    target logits      = forward([t, d1, ..., d5] at positions n..n+5)   # one verify pass
+    g_i                = argmax(logits[i])                                # greedy targets
+    accept j           = longest prefix with d_{i+1} == g_i  (0 <= j <= 5)
+    emit               d1..dj, then the bonus token g_j                    # j + 1 tokens
+    KV valid length    = n + 1 + j   (later slots are overwritten by the next verify)
+
+Acceptance length = tokens emitted per verify. With the reference backend the output equals
+plain greedy decoding token for token (tests/test_spec_decode.py). Requests have their own
+lengths and finish independently; impossible requests are refused before any work (a batch
+above the largest captured graph size, a KV pool too small for prompt + output + one block).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import torch
+
+from .config import EngineConfig
+from .draft import DraftModel
+from .model import KVPool, TargetModel
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    verify_steps: int = 0
+    acceptance_lengths: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def median_acceptance(self) -> float:
+        return statistics.median(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig = EngineConfig()):
+        self.config = config
+        dtype = getattr(torch, config.dtype)
+        self.model = TargetModel(config.model, seed=config.seed, dtype=dtype, device=config.device)
+        self.draft = DraftModel(config.model, self.model, config.block_size, seed=config.seed + 1, dtype=dtype,
+                                device=config.device)
+        self.kv = KVPool(config.model, config.max_batch, config.max_seq_len, dtype, config.device)
+        self.stats = GenerationStats()
+
+    def _check(self, input_ids, max_new_tokens: int) -> None:
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if not input_ids:
+            raise ValueError("input_ids is empty")
+        self.config.padded_batch(len(input_ids))  # raises above the largest graph size
+        need = max(len(p) for p in input_ids) + max_new_tokens + self.config.block_size + 1
+        if need > self.config.max_seq_len:
+            raise ValueError(f"KV pool too small: a request needs {need} positions, the pool holds "
+                             f"{self.config.max_seq_len} per request (raise max_seq_len)")
+        for i, p in enumerate(input_ids):
+            if not p or any((not isinstance(t, int)) or t < 0 or t >= self.config.model.vocab for t in p):
+                raise ValueError(f"input_ids[{i}] must be a non-empty list of token ids in [0, {self.config.model.vocab})")
+
+    def _prefill(self, input_ids):
+        """Per request: run the prompt, return (first new token, its hidden state source)."""
+        dev = self.config.device
+        first, hidden = [], []
+        for r, prompt in enumerate(input_ids):
+            toks = torch.tensor([prompt], device=dev)
+            pos = torch.arange(len(prompt), device=dev)[None]
+            logits, h = self.model.forward(toks, pos, torch.tensor([r], device=dev), self.kv)
+            first.append(int(logits[0, -1].argmax()))
+            hidden.append(h[0, -1])
+        return first, hidden
+
+    def generate(self, input_ids: list[list[int]], max_new_tokens: int, speculative: bool = True) -> list[list[int]]:
+        self._check(input_ids, max_new_tokens)
+        B, dev = len(input_ids), self.config.device
+        first, hidden = self._prefill(input_ids)
+        out = [[t] for t in first]
+        last = list(first)
+        length = [len(p) for p in input_ids]  # KV valid length; `last` sits at position length
+        live = [r for r in range(B) if len(out[r]) < max_new_tokens]
+        while live:
+            slots = torch.tensor(live, device=dev)
+            last_t = torch.tensor([last[r] for r in live], device=dev)
+            if not speculative:
+                pos = torch.tensor([[length[r]] for r in live], device=dev)
+                logits, h = self.model.forward(last_t[:, None], pos, slots, self.kv)
+                for i, r in enumerate(live):
+                    length[r] += 1
+                    last[r] = int(logits[i, 0].argmax())
+                    out[r].append(last[r])
+            else:
+                K = self.config.block_size
+                hid = torch.stack([hidden[r] for r in live])
+                drafts = self.draft.propose(hid, last_t, oracle_ctx=lambda: self._oracle(live, last, length, K))
+                block = torch.cat([last_t[:, None], drafts], 1)  # [b, K+1]
+                pos = torch.tensor([[length[r] + j for j in range(K + 1)] for r in live], device=dev)
+                logits, h = self.model.forward(block, pos, slots, self.kv)
+                greedy = logits.argmax(-1)  # [b, K+1]
+                self.stats.verify_steps += 1
+                for i, r in enumerate(live):
+                    j = 0
+                    while j < K and int(drafts[i, j]) == int(greedy[i, j]):
+                        j += 1
+                    emitted = [int(t) for t in drafts[i, :j]] + [int(greedy[i, j])]
+                    self.stats.acceptance_lengths.append(len(emitted))
+                    out[r].extend(emitted)
+                    length[r] += 1 + j
+                    last[r] = emitted[-1]
+                    hidden[r] = h[i, j]
+            live = [r for r in live if len(out[r]) < max_new_tokens]
+        return [o[:max_new_tokens] for o in out]
+
+    def _oracle(self, live, last, length, K):
+        """Target's own greedy continuation (test-only draft); does not disturb the KV state
+        the verify pass relies on: it writes positions the verify pass then overwrites."""
+        dev = self.config.device
+        slots = torch.tensor(live, device=dev)
+        tok = torch.tensor([last[r] for r in live], device=dev)
+        res = []
+        for j in range(K):
+            pos = torch.tensor([[length[r] + j] for r in live], device=dev)
+            logits, _ = self.model.forward(tok[:, None], pos, slots, self.kv)
+            tok = logits[:, 0].argmax(-1)
+            res.append(tok)
+        return torch.stack(res, 1)
