@@ -30,7 +30,7 @@ from cute_kernels.validate import check_tensor
 
 from .push_allreduce import MAX_WORLD, VEC, WORLDS
 
-DEFAULT_CTAS = 8
+DEFAULT_CTAS = 16
 #: ~1-2 s of polling on an H200 before a wait gives up
 DEFAULT_MAX_SPINS = 1 << 21
 

@@ -45,7 +45,7 @@ reduction (its output slice is left as it was); the host API raises when it sees
 ``st``/``ld`` to peer memory only (no ``multimem``, no ``cuMulticastCreate``).
 
 Constraints: world in {2, 4, 8}; hidden % 8 == 0; T <= the group's ``max_tokens``; all of one
-launch's ranks run the same T and the same number of CTAs (``ctas``, default 8) and must be
+launch's ranks run the same T and the same number of CTAs (``ctas``, default 16) and must be
 co-resident (true across GPUs; for the one-GPU simulation, world * ctas <= the SM count).
 """
 
