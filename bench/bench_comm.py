@@ -15,39 +15,20 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table  # noqa: E402
+from common import markdown_table, time_graph  # noqa: E402
 
 from comm.buffers import PushAllReduceGroup  # noqa: E402
 from moe.finalize import moe_finalize  # noqa: E402
 
 
-def time_group_step(step, steps=20, trials=30):
-    cur = torch.cuda.current_stream()
-    step()
-    torch.cuda.synchronize()
-    cap = torch.cuda.Stream()
-    cap.wait_stream(cur)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(cap), torch.cuda.graph(g, stream=cap):
-        for _ in range(steps):
-            step()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e-3 / steps)
-    return statistics.median(ts)
+def time_group_step(step, steps=20):
+    """Seconds per group step: ``steps`` steps captured in one graph (common.time_graph)."""
+    return time_graph(lambda i: step(), 1, steps)
 
 
 def main():

@@ -329,30 +329,26 @@ def cu_stream(stream=None):
 _scalar_cache: dict[tuple, Any] = {}
 
 
-def i32(v: int):
-    """Cached ``cutlass.Int32`` (building one costs several microseconds)."""
-    k = ("i32", v)
+def _scalar(kind: str, v):
+    k = (kind, v)
     r = _scalar_cache.get(k)
     if r is None:
-        from cutlass import Int32
+        import cutlass
 
         if len(_scalar_cache) >= _PTR_CACHE_MAX:
             _scalar_cache.clear()
-        r = _scalar_cache[k] = Int32(v)
+        r = _scalar_cache[k] = (cutlass.Int32 if kind == "i32" else cutlass.Float32)(v)
     return r
+
+
+def i32(v: int):
+    """Cached ``cutlass.Int32`` (building one costs several microseconds)."""
+    return _scalar("i32", v)
 
 
 def f32(v: float):
     """Cached ``cutlass.Float32``."""
-    k = ("f32", v)
-    r = _scalar_cache.get(k)
-    if r is None:
-        from cutlass import Float32
-
-        if len(_scalar_cache) >= _PTR_CACHE_MAX:
-            _scalar_cache.clear()
-        r = _scalar_cache[k] = Float32(v)
-    return r
+    return _scalar("f32", v)
 
 
 def fake_gmem_ptr(dtype, align: int = 16):
