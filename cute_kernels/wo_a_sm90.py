@@ -58,10 +58,16 @@ class WoASm90:
     @staticmethod
     def tile_for(T: int, G: int, R: int) -> tuple[int, int]:
         """Decode (T <= 64): one 64-row tile; 128-wide N tiles unless that leaves most of the
-        132 SMs idle. Prefill: 128x256 cooperative tiles (two consumer warp groups)."""
+        132 SMs idle. Prefill: 128x256 cooperative tiles (two consumer warp groups), except
+        mid-size T with few output columns (G*R < 8192), where 64x256 keeps more CTAs busy.
+        Chosen from tools/probe_wo_a_tiles.py on the H200 (bench/RESULTS.md)."""
         if T <= 64:
             return (64, 128) if G * (R // 128) >= 96 else (64, 64)
-        return (128, 256) if R % 256 == 0 else (128, 128)
+        if R % 256:
+            return (128, 128)
+        if T <= 512 and G * R < 8192:
+            return (64, 256)
+        return (128, 256)
 
     @staticmethod
     def can_implement(G: int, R: int, Dg: int) -> bool:
