@@ -109,6 +109,7 @@ def test_blackwell_layout_emulation(seed, T):
     ("sm_100a", (256, 256), {"UTCHMMA.2CTA": 1, "UTMALDG": 1, "LDTM": 1, "UTMASTG": 1}),
     ("sm_90a", (64, 128), {"HGMMA.64x128x16.F32.BF16": 1, "UTMALDG": 1, "UTMASTG": 1}),
     ("sm_90a", (128, 256), {"HGMMA.64x256x16.F32.BF16": 1, "UTMALDG": 1, "UTMASTG": 1}),
+    ("sm_90a", (64, 256), {"HGMMA.64x256x16.F32.BF16": 1, "UTMALDG": 1, "UTMASTG": 1}),
 ])
 def test_machine_code(arch, tile, expect):
     h = sass.sass_histogram("wo_a", arch, G=16, R=1024, Dg=1024, tile_m=tile[0], tile_n=tile[1])
