@@ -44,6 +44,10 @@ reduction (its output slice is left as it was); the host API raises when it sees
 (:meth:`comm.buffers.PushAllReduceGroup.check`). No NVLink multicast is used: plain
 ``st``/``ld`` to peer memory only (no ``multimem``, no ``cuMulticastCreate``).
 
+Supported batches: T up to the group's ``max_tokens`` (buffers are sized for it); the
+backend selector (:mod:`comm.backend`) routes messages up to 8 MiB here -- T <= 585 tokens at
+hidden 7168 -- and larger ones to NCCL.
+
 Constraints: world in {2, 4, 8}; hidden % 8 == 0; T <= the group's ``max_tokens``; all of one
 launch's ranks run the same T and the same number of CTAs (``ctas``, default 16) and must be
 co-resident (true across GPUs; for the one-GPU simulation, world * ctas <= the SM count).
