@@ -17,7 +17,6 @@ drop), so any T >= 1 works.
 from __future__ import annotations
 
 import cuda.bindings.driver as cuda
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
