@@ -217,6 +217,23 @@ def _check_x(op: str, x: torch.Tensor) -> tuple[int, int]:
     return T, K
 
 
+def _outputs(op: str, x: torch.Tensor, rows: int, K: int, layout: str, q, scales):
+    """Allocate (when None) and validate ``q [rows, K]`` and the scale buffer of ``layout``."""
+    if q is None:
+        q = torch.empty(rows, K, dtype=torch.float8_e4m3fn, device=x.device)
+    check_tensor(op, "q", q, dtype=torch.float8_e4m3fn, shape=(rows, K), contiguous=True)
+    nbytes = scale_buffer_size(rows, K, layout)
+    if scales is None:
+        shape = (rows, K // MX_BLOCK) if layout == "plain" else (nbytes,)
+        scales = torch.empty(shape, dtype=torch.uint8, device=x.device)
+    if scales.dtype != torch.uint8:
+        raise TypeError(f"{op}: scales must have dtype uint8, got {scales.dtype}")
+    if not scales.is_contiguous() or scales.numel() != nbytes:
+        raise ValueError(f"{op}: scales must be contiguous with {nbytes} bytes for layout={layout!r}, "
+                         f"got shape {list(scales.shape)}")
+    return q, scales
+
+
 def _launch(op, x, q, s, ids, total, T, out_rows, K, layout, routed, topk, stream, arch, max_ctas):
     if max_ctas is None:
         max_ctas = DEFAULT_MAX_CTAS
@@ -245,17 +262,7 @@ def mxfp8_quantize(x: torch.Tensor, *, layout: str = "plain", q: torch.Tensor | 
     if layout not in LAYOUTS:
         raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
     T, K = _check_x(op, x)
-    if q is None:
-        q = torch.empty(T, K, dtype=torch.float8_e4m3fn, device=x.device)
-    check_tensor(op, "q", q, dtype=torch.float8_e4m3fn, shape=(T, K), contiguous=True)
-    if scales is None:
-        shape = (T, K // MX_BLOCK) if layout == "plain" else (scale_buffer_size(T, K, layout),)
-        scales = torch.empty(shape, dtype=torch.uint8, device=x.device)
-    if scales.dtype != torch.uint8:
-        raise TypeError(f"{op}: scales must have dtype uint8, got {scales.dtype}")
-    if not scales.is_contiguous() or scales.numel() != scale_buffer_size(T, K, layout):
-        raise ValueError(f"{op}: scales must be contiguous with {scale_buffer_size(T, K, layout)} bytes "
-                         f"for layout={layout!r}, got shape {list(scales.shape)}")
+    q, scales = _outputs(op, x, T, K, layout, q, scales)
     check_cuda(op, ("x", x), ("q", q), ("scales", scales))
     if T == 0:
         return q, scales
@@ -283,14 +290,7 @@ def mxfp8_quantize_routed(x: torch.Tensor, sorted_token_ids: torch.Tensor, total
     if total_rows.numel() < 1:
         raise ValueError(f"{op}: total_rows must hold at least one int32")
     cap = sorted_token_ids.numel()
-    if q is None:
-        q = torch.empty(cap, K, dtype=torch.float8_e4m3fn, device=x.device)
-    check_tensor(op, "q", q, dtype=torch.float8_e4m3fn, shape=(cap, K), contiguous=True)
-    if scales is None:
-        shape = (cap, K // MX_BLOCK) if layout == "plain" else (scale_buffer_size(cap, K, layout),)
-        scales = torch.empty(shape, dtype=torch.uint8, device=x.device)
-    if scales.dtype != torch.uint8 or not scales.is_contiguous() or scales.numel() != scale_buffer_size(cap, K, layout):
-        raise ValueError(f"{op}: scales must be contiguous uint8 with {scale_buffer_size(cap, K, layout)} bytes")
+    q, scales = _outputs(op, x, cap, K, layout, q, scales)
     check_cuda(op, ("x", x), ("sorted_token_ids", sorted_token_ids), ("total_rows", total_rows), ("q", q),
                ("scales", scales))
     if cap == 0:
