@@ -15,25 +15,17 @@ numerics by a CPU emulation of the same views and by the Hopper path on the H200
 
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
-import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32
 
 from .gemm.blackwell_tcgen05 import DenseGemmKernel
-from .wo_a_sm90 import wo_a_views
+from .wo_a_sm90 import WoAGemm
 
 
-class WoASm100:
+class WoASm100(WoAGemm):
     def __init__(self, G: int, R: int, Dg: int, tile_mn: tuple[int, int]):
-        self.G, self.R, self.Dg = G, R, Dg
+        super().__init__(G, R, Dg)
         two_cta = tile_mn[0] == 256
         self.gemm = DenseGemmKernel(Float32, two_cta, tile_mn, (2 if two_cta else 1, 1), True)
-
-    @cute.jit
-    def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, num_tokens: Int32,
-                 stream: cuda.CUstream):
-        a, b, c = wo_a_views(o_ptr, w_ptr, y_ptr, num_tokens, self.G, self.R, self.Dg)
-        self.gemm(a, b, c, stream)
 
     @staticmethod
     def tile_for(T: int, G: int, R: int) -> tuple[int, int]:

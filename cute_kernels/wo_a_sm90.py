@@ -41,18 +41,26 @@ def wo_a_views(o_ptr, w_ptr, y_ptr, T, G: int, R: int, Dg: int):
     return a, b, c
 
 
-class WoASm90:
-    """Compile-time configuration: group count, rank, per-group K, CTA tile."""
+class WoAGemm:
+    """Shared launch of both paths: build the strided views, hand them to ``self.gemm``
+    (the arch's engine, set by the subclass)."""
 
-    def __init__(self, G: int, R: int, Dg: int, tile_mn: tuple[int, int]):
+    def __init__(self, G: int, R: int, Dg: int):
         self.G, self.R, self.Dg = G, R, Dg
-        self.gemm = HopperWgmmaGemmKernel(Float32, tile_mn, (1, 1))
 
     @cute.jit
     def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, num_tokens: Int32,
                  stream: cuda.CUstream):
         a, b, c = wo_a_views(o_ptr, w_ptr, y_ptr, num_tokens, self.G, self.R, self.Dg)
         self.gemm(a, b, c, stream)
+
+
+class WoASm90(WoAGemm):
+    """Compile-time configuration: group count, rank, per-group K, CTA tile."""
+
+    def __init__(self, G: int, R: int, Dg: int, tile_mn: tuple[int, int]):
+        super().__init__(G, R, Dg)
+        self.gemm = HopperWgmmaGemmKernel(Float32, tile_mn, (1, 1))
 
     @staticmethod
     def tile_for(T: int, G: int, R: int) -> tuple[int, int]:
