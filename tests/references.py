@@ -131,3 +131,46 @@ def allreduce_ref(parts):
     for p in parts:
         acc = acc + p.float()
     return acc.bfloat16()
+
+
+# ------------------------------------------------------------------------- mHC ---------
+def mhc_stats_ref(x, phi, alpha, bias, eps, iters):
+    """H [T, 2n + n*n] = [H_pre | H_post | H_res] in float64 (issue 7's formulas).
+
+    x [T, n, C] bf16, phi [2n + n*n, n*C] (row j is column j of the issue's phi [n*C, m]).
+    """
+    T, n, C = x.shape
+    xf = x.double().reshape(T, n * C)
+    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    P = (xf * r) @ phi.double().T
+    a, b = alpha.double(), bias.double()
+    h_pre = torch.sigmoid(a[0] * P[:, :n] + b[:n])
+    h_post = 2 * torch.sigmoid(a[1] * P[:, n:2 * n] + b[n:2 * n])
+    M = torch.exp(a[2] * P[:, 2 * n:] + b[2 * n:]).view(T, n, n)
+    for _ in range(iters):  # Sinkhorn-Knopp: rows, then columns
+        M = M / M.sum(-1, keepdim=True)
+        M = M / M.sum(-2, keepdim=True)
+    return torch.cat([h_pre, h_post, M.reshape(T, n * n)], -1)
+
+
+def mhc_pre_mix_ref(x, h):
+    """u = bf16(sum_i rn(h_pre_i * x_i)) with FP32 products and sums in stream order."""
+    T, n, C = x.shape
+    acc = torch.zeros(T, C, dtype=torch.float32)
+    for i in range(n):
+        acc = acc + h[:, i:i + 1].float() * x[:, i].float()
+    return acc.bfloat16()
+
+
+def mhc_post_mix_ref(x, h, f):
+    """X'_i = bf16(sum_j rn(H_res_ij * X_j) + rn(H_post_i * F)), FP32, in that order."""
+    T, n, C = x.shape
+    h = h.float()
+    out = torch.empty_like(x)
+    for i in range(n):
+        acc = torch.zeros(T, C, dtype=torch.float32)
+        for j in range(n):
+            acc = acc + h[:, 2 * n + i * n + j, None] * x[:, j].float()
+        acc = acc + h[:, n + i, None] * f.float()
+        out[:, i] = acc.bfloat16()
+    return out

@@ -1,0 +1,131 @@
+"""mHC pre-mix: the sublayer input ``u[t] = sum_i H_pre[t, i] * X[t, i]`` (bf16 out).
+
+Rounding (matched bit for bit by ``tests/references.py::mhc_pre_mix_ref``)::
+
+    acc = 0.0 (FP32);  for i in 0..n-1:  acc = acc + rn(H_pre[t, i] * float(X[t, i, c]))
+    u[t, c] = bf16(acc)
+
+Products are rounded on their own (``mul.rn``, never contracted into an FMA) and summed
+in stream order, so the PyTorch reference reproduces the kernel exactly.
+
+Kernel: one thread per 8 consecutive columns of one token: ``n`` 16-byte loads, one
+16-byte store; grid ``(ceil(C / 8 / 128), T)``. ``H`` is the fp32 ``[T, 2n + n*n]``
+output of :mod:`cute_kernels.mhc_stats` (its first ``n`` columns are ``H_pre``).
+Constraints: bf16 ``X [T, n, C]`` contiguous, ``C % 8 == 0``; ``(n, C)`` static, T runtime.
+
+Tests::
+
+    pytest tests/test_mhc.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from . import jit
+from .arch import current_arch, dispatch
+from .mhc_stats import MAX_STREAMS, num_maps
+from .validate import check_cuda, check_tensor
+
+VEC = 8
+RN = cute.math.RoundingMode.NEAREST_EVEN
+
+
+class MhcPreMix:
+    def __init__(self, n: int, hidden: int, threads: int = 128):
+        self.n, self.C, self.threads = n, hidden, threads
+        self.m = num_maps(n)
+        self.nvec = hidden // VEC
+
+    @cute.jit
+    def __call__(self, x_ptr: cute.Pointer, h_ptr: cute.Pointer, u_ptr: cute.Pointer, num_tokens: Int32,
+                 stream: cuda.CUstream):
+        n, C = self.n, self.C
+        mX = cute.make_tensor(x_ptr, cute.make_layout((num_tokens, n, C), stride=(n * C, C, 1)))
+        mH = cute.make_tensor(h_ptr, cute.make_layout((num_tokens, self.m), stride=(self.m, 1)))
+        mU = cute.make_tensor(u_ptr, cute.make_layout((num_tokens, C), stride=(C, 1)))
+        self.kernel(mX, mH, mU).launch(grid=[(self.nvec + self.threads - 1) // self.threads, num_tokens, 1],
+                                       block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mH: cute.Tensor, mU: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, t, _ = cute.arch.block_idx()
+        v = bx * self.threads + tidx
+        if v < self.nvec:
+            gX = cute.zipped_divide(mX, (1, 1, VEC))
+            rX = cute.make_rmem_tensor(cute.make_layout((VEC, self.n)), mX.element_type)
+            for i in cutlass.range_constexpr(self.n):
+                cute.autovec_copy(gX[(0, 0, None), (t, i, v)], rX[None, i])
+            acc = cute.make_rmem_tensor(cute.make_layout((VEC,)), Float32)
+            acc.fill(0.0)
+            for i in cutlass.range_constexpr(self.n):
+                h = mH[t, i]
+                for e in cutlass.range_constexpr(VEC):
+                    acc[e] = acc[e] + cute.math.mul(h, Float32(rX[e, i]), rounding=RN)
+            rU = cute.make_rmem_tensor(cute.make_layout((VEC,)), mU.element_type)
+            rU.store(acc.load().to(mU.element_type))
+            cute.autovec_copy(rU, cute.zipped_divide(mU, (1, VEC))[(0, None), (t, v)])
+
+    @staticmethod
+    def can_implement(n: int, hidden: int) -> bool:
+        return 1 <= n <= MAX_STREAMS and hidden > 0 and hidden % VEC == 0
+
+
+def _build(arch: str, *, n: int, hidden: int):
+    if not MhcPreMix.can_implement(n, hidden):
+        raise ValueError(f"mhc_pre_mix: unsupported n={n}, hidden={hidden}")
+    P = jit.fake_gmem_ptr
+    args = (P(cutlass.BFloat16, 16), P(Float32, 4), P(cutlass.BFloat16, 16), Int32(1), jit.fake_stream())
+    return MhcPreMix(n, hidden), args
+
+
+KERNEL = jit.register(jit.KernelDef(
+    name="mhc_pre_mix",
+    build=_build,
+    sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "mhc_stats.py")),
+    archs=("sm_90a", "sm_100a", "sm_103a"),
+    aot_configs=({"n": 4, "hidden": 7168},),
+    description="mHC pre-mix u = sum_i H_pre[i] X[i], bf16",
+))
+
+
+def check_mappings(op: str, x: torch.Tensor, h: torch.Tensor):
+    """Shared checks of ``x [T, n, C]`` bf16 and the mappings ``h [T, 2n + n*n]`` fp32."""
+    check_tensor(op, "x", x, dtype=torch.bfloat16, ndim=3, contiguous=True, align_bytes=0)
+    T, n, C = x.shape
+    if not 1 <= n <= MAX_STREAMS:
+        raise ValueError(f"{op}: x.shape[1] (streams n) = {n} must be in [1, {MAX_STREAMS}]")
+    if C % VEC:
+        raise ValueError(f"{op}: x.shape[2] (hidden C) = {C} must be a multiple of {VEC}")
+    check_tensor(op, "x", x, align_bytes=16)
+    if T * n * C >= 2**31:
+        raise ValueError(f"{op}: x has {T * n * C} elements; 32-bit indexing needs fewer than 2**31")
+    check_tensor(op, "h", h, dtype=torch.float32, shape=(T, num_maps(n)), contiguous=True, align_bytes=4)
+    return T, n, C
+
+
+def mhc_pre_mix(x: torch.Tensor, h: torch.Tensor, *, out: torch.Tensor | None = None, stream=None,
+                arch: str | None = None) -> torch.Tensor:
+    """``u [T, C]`` bf16 from ``x [T, n, C]`` and the mappings ``h`` of :func:`mhc_stats`."""
+    op = "mhc_pre_mix"
+    T, n, C = check_mappings(op, x, h)
+    if out is None:
+        out = torch.empty(T, C, dtype=torch.bfloat16, device=x.device)
+    check_tensor(op, "out", out, dtype=torch.bfloat16, shape=(T, C), contiguous=True, align_bytes=16)
+    check_cuda(op, ("x", x), ("h", h), ("out", out))
+    a = arch if arch is not None else current_arch(x.device)
+    dispatch(op, ("portable",), arch=a)
+    if T == 0:
+        return out
+    fn = jit.get_kernel("mhc_pre_mix", a, n=n, hidden=C)
+    P = jit.gmem_ptr
+    fn(P(cutlass.BFloat16, x, 16), P(Float32, h, 4), P(cutlass.BFloat16, out, 16), jit.i32(T), jit.cu_stream(stream))
+    return out

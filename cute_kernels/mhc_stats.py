@@ -1,0 +1,352 @@
+"""mHC statistics and mappings in one launch: ``X [T, n, C]`` -> ``H [T, 2n + n*n]``.
+
+For every token ``t`` (``x = X[t].flatten()``, length ``K = n*C``, ``m = 2n + n*n``)::
+
+    r        = rsqrt(sum(x*x) / K + eps)                    # the RMS statistic
+    P[j]     = r * (x . phi[j])          j < m             # phi is [m, K] (rows = outputs)
+    H_pre    = sigmoid(a_pre  * P[0:n]   + b[0:n])
+    H_post   = 2 sigmoid(a_post * P[n:2n]  + b[n:2n])
+    H_res    = Sinkhorn_iters(exp(a_res * P[2n:].view(n, n) + b[2n:].view(n, n)))
+    H[t]     = [H_pre | H_post | H_res (row-major)]        # fp32
+
+``(x * r) @ phi`` is computed as ``r * (x @ phi)``: ``r`` is one scalar per token, so the two
+differ only by FP32 rounding (inside the tolerance the tests state). Sinkhorn alternates
+row and column normalisation (rows first), like ``spec_decode.model.sinkhorn``.
+
+Algorithm (a split-K skinny GEMM with a last-CTA epilogue). The product is
+``[T, K] x [K, m]`` with K = 28672 and m = 24 at the model's size: far too narrow for tensor
+cores to matter (m = 24 would fill a third of one wgmma N-tile, and at decode T the time
+is the read of X and phi), so it runs on the FP32 pipes. Grid ``(splits, ceil(T / 32))``.
+A CTA owns 32 tokens and a contiguous range of 256-wide K chunks; lane ``l`` of every warp
+holds the 8 K-elements ``[256c + 8l, +8)``, warp ``w`` owns outputs ``[3w, 3w+3)`` (so the
+8 warps read X through L1 once and each phi element once per token tile) and the sum of
+squares of tokens ``tt % 8 == w``. Lanes are reduced by butterfly shuffles and each CTA
+writes FP32 partials ``[split, t, 0..m]`` to a workspace; the last CTA of a token tile (an
+acq_rel counter, as in :mod:`moe.router`) sums the partials in split order -- so the result
+is deterministic -- and evaluates the mappings; it re-zeroes its counter, so a replayed
+CUDA graph needs no reset. ``splits`` is a runtime value chosen by the host (more splits at
+small T so ~2 CTAs per SM read phi; one split when the token tiles alone fill the GPU).
+
+Constraints: bf16 ``X`` contiguous, ``C % 8 == 0``, ``n`` in 1..8 (static, one compile per
+``(n, C)``), fp32 ``phi [m, n*C]`` contiguous, ``alpha = (a_pre, a_post, a_res)`` fp32 [3]
+and ``bias`` fp32 [m] on the device (weights: no host sync). ``T`` is a runtime value.
+Works on sm_90a and sm_100a (no tensor cores; the same source compiles for both).
+
+Tests / benchmark::
+
+    pytest tests/test_mhc.py
+    python bench/bench_mhc.py        # on a GPU; includes the side-stream overlap figure
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from . import jit
+from .arch import current_arch, dispatch
+from .validate import check_cuda, check_tensor
+
+VEC = 8  # bf16 per 16-byte load
+CHUNK = 32 * VEC  # K elements per warp-wide step
+TOKEN_TILE = 32
+WARPS = 8
+MAX_SPLITS = 64
+MAX_STREAMS = 8
+
+
+def num_maps(n: int) -> int:
+    return 2 * n + n * n
+
+
+class MhcStats:
+    """Compile-time configuration: streams ``n``, hidden ``C``, Sinkhorn iterations."""
+
+    def __init__(self, n: int, hidden: int, sinkhorn_iters: int):
+        self.n, self.C, self.iters = n, hidden, sinkhorn_iters
+        self.K = n * hidden
+        self.m = num_maps(n)
+        self.nvec = self.K // VEC
+        self.nchunks = -(-self.K // CHUNK)
+        self.opw = -(-self.m // WARPS)  # outputs per warp
+        self.threads = 32 * WARPS
+        self.xg = 4  # tokens whose X vectors are in registers at once (register budget)
+
+    @cute.jit
+    def __call__(self, x_ptr: cute.Pointer, phi_ptr: cute.Pointer, alpha_ptr: cute.Pointer, bias_ptr: cute.Pointer,
+                 h_ptr: cute.Pointer, part_ptr: cute.Pointer, count_ptr: cute.Pointer, num_tokens: Int32,
+                 splits: Int32, chunks_per_split: Int32, eps: Float32, stream: cuda.CUstream):
+        m1 = self.m + 1
+        mX = cute.make_tensor(x_ptr, cute.make_layout((num_tokens, self.K), stride=(self.K, 1)))
+        mPhi = cute.make_tensor(phi_ptr, cute.make_layout((self.m, self.K), stride=(self.K, 1)))
+        mAlpha = cute.make_tensor(alpha_ptr, cute.make_layout((3,)))
+        mBias = cute.make_tensor(bias_ptr, cute.make_layout((self.m,)))
+        mH = cute.make_tensor(h_ptr, cute.make_layout((num_tokens, self.m), stride=(self.m, 1)))
+        mPart = cute.make_tensor(part_ptr, cute.make_layout((splits, num_tokens, m1),
+                                                            stride=(num_tokens * m1, m1, 1)))
+        tiles = (num_tokens + TOKEN_TILE - 1) // TOKEN_TILE
+        mCount = cute.make_tensor(count_ptr, cute.make_layout((tiles,)))
+        self.kernel(mX, mPhi, mAlpha, mBias, mH, mPart, mCount, num_tokens, splits, chunks_per_split, eps).launch(
+            grid=[splits, tiles, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mPhi: cute.Tensor, mAlpha: cute.Tensor, mBias: cute.Tensor, mH: cute.Tensor,
+               mPart: cute.Tensor, mCount: cute.Tensor, num_tokens: Int32, splits: Int32, chunks_per_split: Int32,
+               eps: Float32):
+        TT, OPW, m, XG = TOKEN_TILE, self.opw, self.m, self.xg
+        tidx, _, _ = cute.arch.thread_idx()
+        split, tile, _ = cute.arch.block_idx()
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        tok0 = tile * TT
+
+        gX = cute.zipped_divide(mX, (1, VEC))  # ((1, 8), (T, K/8))
+        gPhi = cute.zipped_divide(mPhi, (1, VEC))
+        acc = cute.make_rmem_tensor(cute.make_layout((TT, OPW)), Float32)
+        acc.fill(0.0)
+        ssq = cute.make_rmem_tensor(cute.make_layout((TT // WARPS,)), Float32)
+        ssq.fill(0.0)
+        rPhi = cute.make_rmem_tensor(cute.make_layout((VEC, OPW)), Float32)
+        rX = cute.make_rmem_tensor(cute.make_layout((VEC, XG)), mX.element_type)
+
+        c_begin = split * chunks_per_split
+        c_end = cutlass.min(c_begin + chunks_per_split, self.nchunks)
+        for c in cutlass.range(c_begin, c_end, 1):
+            kv = c * 32 + lane
+            if kv < self.nvec:
+                rPhi.fill(0.0)
+                for o in cutlass.range_constexpr(OPW):
+                    j = warp * OPW + o
+                    if j < m:
+                        cute.autovec_copy(gPhi[(0, None), (j, kv)], rPhi[None, o])
+                for g in cutlass.range_constexpr(TT // XG):
+                    # All XG loads are issued before the first FMA (latency hiding); tokens
+                    # past T load as zeros and are never written.
+                    rX.fill(0.0)
+                    for u in cutlass.range_constexpr(XG):
+                        if tok0 + g * XG + u < num_tokens:
+                            cute.autovec_copy(gX[(0, None), (tok0 + g * XG + u, kv)], rX[None, u])
+                    for u in cutlass.range_constexpr(XG):
+                        tt = g * XG + u
+                        xs = cute.make_rmem_tensor(cute.make_layout((VEC,)), Float32)
+                        xs.store(rX[None, u].load().to(Float32))
+                        for o in cutlass.range_constexpr(OPW):
+                            a = acc[tt, o]
+                            for e in cutlass.range_constexpr(VEC):
+                                a = a + xs[e] * rPhi[e, o]
+                            acc[tt, o] = a
+                        if warp == tt % WARPS:
+                            s = ssq[tt // WARPS]
+                            for e in cutlass.range_constexpr(VEC):
+                                s = s + xs[e] * xs[e]
+                            ssq[tt // WARPS] = s
+
+        # Butterfly: every lane ends with the warp's total; lane tt stores token tt.
+        for tt in cutlass.range_constexpr(TT):
+            for o in cutlass.range_constexpr(OPW):
+                acc[tt, o] = cute.arch.warp_reduction_sum(acc[tt, o])
+        for q in cutlass.range_constexpr(TT // WARPS):
+            ssq[q] = cute.arch.warp_reduction_sum(ssq[q])
+        for tt in cutlass.range_constexpr(TT):
+            tok = tok0 + tt
+            if lane == tt and tok < num_tokens:
+                for o in cutlass.range_constexpr(OPW):
+                    j = warp * OPW + o
+                    if j < m:
+                        mPart[split, tok, j] = acc[tt, o]
+                if warp == tt % WARPS:
+                    mPart[split, tok, m] = ssq[tt // WARPS]
+
+        # bar.sync orders every thread's partial stores before thread 0's cumulative
+        # release fence; the acq_rel counter makes the last CTA of the tile see them all.
+        smem = cutlass.memory.SmemAllocator()
+        sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
+        sP = smem.allocate_tensor(Float32, cute.make_layout((TT, m + 1), stride=(m + 1, 1)), 16)
+        cute.arch.barrier()
+        if tidx == 0:
+            cute.arch.fence_acq_rel_gpu()
+            sFlag[0] = cute.arch.atomic_add((mCount.iterator + tile).llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
+        cute.arch.barrier()
+        if sFlag[0] == splits - 1:
+            cute.arch.fence_acq_rel_gpu()
+            self.epilogue(mAlpha, mBias, mH, mPart, sP, tok0, num_tokens, splits, eps)
+            if tidx == 0:
+                mCount[tile] = 0  # ready for the next launch (graph replay needs no host reset)
+
+    @cute.jit
+    def epilogue(self, mAlpha: cute.Tensor, mBias: cute.Tensor, mH: cute.Tensor, mPart: cute.Tensor,
+                 sP: cute.Tensor, tok0: Int32, num_tokens: Int32, splits: Int32, eps: Float32):
+        TT, m, n = TOKEN_TILE, self.m, self.n
+        tidx, _, _ = cute.arch.thread_idx()
+        # Sum the split partials in split order (deterministic), all threads in parallel.
+        for idx in cutlass.range(tidx, TT * (m + 1), self.threads):
+            tt = idx // (m + 1)
+            j = idx - tt * (m + 1)
+            if tok0 + tt < num_tokens:
+                s = Float32(0.0)
+                for q in cutlass.range(splits, unroll=4):
+                    s = s + mPart[q, tok0 + tt, j]
+                sP[tt, j] = s
+        cute.arch.barrier()
+        tok = tok0 + tidx
+        if tidx < TT and tok < num_tokens:
+            r = cute.math.rsqrt(sP[tidx, m] / Float32(self.K) + eps)
+            a_pre, a_post, a_res = mAlpha[0], mAlpha[1], mAlpha[2]
+            one = Float32(1.0)
+            for i in cutlass.range_constexpr(n):
+                z = a_pre * (r * sP[tidx, i]) + mBias[i]
+                mH[tok, i] = one / (one + cute.math.exp(-z))
+                z = a_post * (r * sP[tidx, n + i]) + mBias[n + i]
+                mH[tok, n + i] = Float32(2.0) / (one + cute.math.exp(-z))
+            M = cute.make_rmem_tensor(cute.make_layout((n, n), stride=(n, 1)), Float32)
+            for i in cutlass.range_constexpr(n * n):
+                M[i] = cute.math.exp(a_res * (r * sP[tidx, 2 * n + i]) + mBias[2 * n + i])
+            for _ in cutlass.range_constexpr(self.iters):
+                # One IEEE reciprocal per row / column, then products (vs the reference's
+                # quotients: <= 1 ulp per step, far inside the stated tolerance).
+                for i in cutlass.range_constexpr(n):
+                    s = Float32(0.0)
+                    for j in cutlass.range_constexpr(n):
+                        s = s + M[i, j]
+                    inv = one / s
+                    for j in cutlass.range_constexpr(n):
+                        M[i, j] = M[i, j] * inv
+                for j in cutlass.range_constexpr(n):
+                    s = Float32(0.0)
+                    for i in cutlass.range_constexpr(n):
+                        s = s + M[i, j]
+                    inv = one / s
+                    for i in cutlass.range_constexpr(n):
+                        M[i, j] = M[i, j] * inv
+            for i in cutlass.range_constexpr(n * n):
+                mH[tok, 2 * n + i] = M[i]
+
+    @staticmethod
+    def can_implement(n: int, hidden: int, sinkhorn_iters: int) -> bool:
+        return 1 <= n <= MAX_STREAMS and hidden % VEC == 0 and hidden > 0 and 0 <= sinkhorn_iters <= 100
+
+    @staticmethod
+    def compile(arch: str, n: int, hidden: int, sinkhorn_iters: int = 20):
+        return jit.get_kernel("mhc_stats", arch, n=n, hidden=hidden, sinkhorn_iters=sinkhorn_iters)
+
+
+def _build(arch: str, *, n: int, hidden: int, sinkhorn_iters: int):
+    if not MhcStats.can_implement(n, hidden, sinkhorn_iters):
+        raise ValueError(f"mhc_stats: unsupported n={n}, hidden={hidden}, sinkhorn_iters={sinkhorn_iters}")
+    P = jit.fake_gmem_ptr
+    args = (P(cutlass.BFloat16, 16), P(Float32, 16), P(Float32, 4), P(Float32, 4), P(Float32, 4), P(Float32, 4),
+            P(Int32, 4), Int32(1), Int32(1), Int32(1), Float32(1e-6), jit.fake_stream())
+    return MhcStats(n, hidden, sinkhorn_iters), args
+
+
+KERNEL = jit.register(jit.KernelDef(
+    name="mhc_stats",
+    build=_build,
+    sources=(os.path.abspath(__file__),),
+    archs=("sm_90a", "sm_100a", "sm_103a"),
+    aot_configs=({"n": 4, "hidden": 7168, "sinkhorn_iters": 20},),
+    description="mHC r, P = (X r) phi, sigmoid / Sinkhorn mappings; split-K, one launch",
+))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def plan_splits(num_tokens: int, K: int, max_ctas: int) -> tuple[int, int]:
+    """``(splits, chunks_per_split)``: about ``max_ctas`` CTAs, at most MAX_SPLITS partials."""
+    nchunks = -(-K // CHUNK)
+    tiles = -(-num_tokens // TOKEN_TILE)
+    want = max(1, min(MAX_SPLITS, nchunks, max_ctas // tiles))
+    per = -(-nchunks // want)
+    return -(-nchunks // per), per
+
+
+class MhcStatsWorkspace:
+    """Split partials + per-tile counters for up to ``max_tokens`` tokens (graph capturable)."""
+
+    def __init__(self, n: int, max_tokens: int, device="cuda"):
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"mhc_stats: max_tokens must be a positive int, got {max_tokens!r}")
+        self.n, self.max_tokens = n, max_tokens
+        self.partials = torch.empty(MAX_SPLITS * max_tokens * (num_maps(n) + 1), dtype=torch.float32, device=device)
+        self.counters = torch.zeros(-(-max_tokens // TOKEN_TILE), dtype=torch.int32, device=device)
+
+
+def _reference_path(x, phi, alpha, bias, eps, iters, out):
+    """Fallback for devices without a CuTe path (not the test reference: tests/references.py)."""
+    T, n, C = x.shape
+    xf = x.float().reshape(T, n * C)
+    P = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * (xf @ phi.T)
+    h_pre = torch.sigmoid(alpha[0] * P[:, :n] + bias[:n])
+    h_post = 2 * torch.sigmoid(alpha[1] * P[:, n:2 * n] + bias[n:2 * n])
+    M = torch.exp(alpha[2] * P[:, 2 * n:] + bias[2 * n:]).view(T, n, n)
+    for _ in range(iters):
+        M = M / M.sum(-1, keepdim=True)
+        M = M / M.sum(-2, keepdim=True)
+    out.copy_(torch.cat([h_pre, h_post, M.reshape(T, n * n)], -1))
+    return out
+
+
+def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, *, eps: float = 1e-6,
+              sinkhorn_iters: int = 20, workspace: MhcStatsWorkspace | None = None, out: torch.Tensor | None = None,
+              max_ctas: int | None = None, stream=None, arch: str | None = None) -> torch.Tensor:
+    """mHC mappings ``H [T, 2n + n*n]`` (fp32: ``[H_pre | H_post | H_res row-major]``) from ``x [T, n, C]``.
+
+    ``phi`` is fp32 ``[2n + n*n, n*C]`` (one row per mapping coefficient), ``alpha`` fp32
+    ``[3]`` = ``(a_pre, a_post, a_res)``, ``bias`` fp32 ``[2n + n*n]``. Pass a
+    :class:`MhcStatsWorkspace` and ``out`` to make the call allocation-free (graph capture).
+    ``max_ctas`` (default: two per SM) bounds the split-K grid -- fewer CTAs leave SMs to
+    the kernels a side-stream launch should overlap.
+    """
+    op = "mhc_stats"
+    check_tensor(op, "x", x, dtype=torch.bfloat16, ndim=3, contiguous=True, align_bytes=0)
+    T, n, C = x.shape
+    if not 1 <= n <= MAX_STREAMS:
+        raise ValueError(f"{op}: x.shape[1] (streams n) = {n} must be in [1, {MAX_STREAMS}]")
+    if C % VEC:
+        raise ValueError(f"{op}: x.shape[2] (hidden C) = {C} must be a multiple of {VEC}")
+    check_tensor(op, "x", x, align_bytes=16)
+    m, K = num_maps(n), n * C
+    if T * K >= 2**31:
+        raise ValueError(f"{op}: x has {T * K} elements; 32-bit indexing needs fewer than 2**31")
+    check_tensor(op, "phi", phi, dtype=torch.float32, shape=(m, K), contiguous=True, align_bytes=16)
+    check_tensor(op, "alpha", alpha, dtype=torch.float32, shape=(3,), contiguous=True, align_bytes=4)
+    check_tensor(op, "bias", bias, dtype=torch.float32, shape=(m,), contiguous=True, align_bytes=4)
+    if not isinstance(sinkhorn_iters, int) or not 0 <= sinkhorn_iters <= 100:
+        raise ValueError(f"{op}: sinkhorn_iters must be an int in [0, 100], got {sinkhorn_iters!r}")
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise TypeError(f"{op}: eps must be a non-negative float, got {eps!r}")
+    if out is None:
+        out = torch.empty(T, m, dtype=torch.float32, device=x.device)
+    check_tensor(op, "out", out, dtype=torch.float32, shape=(T, m), contiguous=True, align_bytes=4)
+    check_cuda(op, ("x", x), ("phi", phi), ("alpha", alpha), ("bias", bias), ("out", out))
+    a = arch if arch is not None else current_arch(x.device)
+    if dispatch(op, ("portable", "reference"), arch=a) == "reference":
+        return _reference_path(x, phi, alpha, bias, eps, sinkhorn_iters, out)
+    if T == 0:
+        return out
+    if workspace is None:
+        workspace = MhcStatsWorkspace(n, T, device=x.device)
+    if not isinstance(workspace, MhcStatsWorkspace):
+        raise TypeError(f"{op}: workspace must be an MhcStatsWorkspace, got {type(workspace).__name__}")
+    if workspace.n != n or workspace.max_tokens < T:
+        raise ValueError(f"{op}: workspace is for n={workspace.n}, max_tokens={workspace.max_tokens}; "
+                         f"x needs n={n}, T={T}")
+    check_cuda(op, ("x", x), ("workspace.partials", workspace.partials))
+    if max_ctas is not None and (not isinstance(max_ctas, int) or max_ctas < 1):
+        raise ValueError(f"{op}: max_ctas must be a positive int, got {max_ctas!r}")
+    splits, per = plan_splits(T, K, max_ctas or 2 * _num_sms(x.device.index or 0))
+    fn = MhcStats.compile(a, n, C, sinkhorn_iters)
+    P = jit.gmem_ptr
+    fn(P(cutlass.BFloat16, x, 16), P(Float32, phi, 16), P(Float32, alpha, 4), P(Float32, bias, 4),
+       P(Float32, out, 4), P(Float32, workspace.partials, 4), P(Int32, workspace.counters, 4), jit.i32(T),
+       jit.i32(splits), jit.i32(per), jit.f32(eps), jit.cu_stream(stream))
+    return out

@@ -1,0 +1,204 @@
+"""mHC statistics / mappings (vs FP64), pre-mix and post-mix (bit-exact vs the FP32 rounding
+sequence), side-stream use inside a CUDA graph; validation and machine code on the CPU."""
+
+import pytest
+import torch
+
+from cute_kernels.mhc_pre_mix import mhc_pre_mix
+from cute_kernels.mhc_post_mix import mhc_post_mix
+from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_stats, num_maps, plan_splits
+from cute_kernels.testing import sass
+from references import mhc_post_mix_ref, mhc_pre_mix_ref, mhc_stats_ref
+
+# Tolerance on H (values in (0, 2)): P carries the FP32 error of a K-long dot product
+# (~sqrt(K) * 2^-24 relative, K = 28672 -> ~1e-5 of |P| ~ 1 in the worst tested case);
+# sigmoid has slope <= 1/2 and exp/Sinkhorn amplify by O(1). Measured errors are ~1e-6.
+ATOL = 2e-5
+EPS = 1e-6
+
+
+def make_inputs(T, n, C, device="cuda"):
+    m, K = num_maps(n), n * C
+    x = (torch.randn(T, n, C, device=device) * 2 + 0.3).bfloat16()
+    phi = torch.randn(m, K, device=device) / K**0.5  # P ~ N(0, 1): the mappings see all of sigmoid/exp
+    alpha = torch.rand(3, device=device) + 0.5
+    bias = torch.randn(m, device=device) * 0.5
+    return x, phi, alpha, bias
+
+
+def check_stats(x, phi, alpha, bias, H, iters=20):
+    ref = mhc_stats_ref(x.cpu(), phi.cpu(), alpha.cpu(), bias.cpu(), EPS, iters)
+    err = (H.double().cpu() - ref).abs().max().item()
+    assert err < ATOL, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5, 32, 33, 64, 320])
+@pytest.mark.parametrize("n, C", [(4, 7168), (4, 64), (2, 1000), (1, 8)])
+def test_stats_match_fp64(seed, T, n, C):
+    x, phi, alpha, bias = make_inputs(T, n, C)
+    H = torch.full((T, num_maps(n)), float("nan"), device="cuda")  # poison: every entry written
+    mhc_stats(x, phi, alpha, bias, eps=EPS, out=H)
+    torch.cuda.synchronize()
+    assert torch.isfinite(H).all()
+    check_stats(x, phi, alpha, bias, H)
+    res = H[:, 2 * n:].view(T, n, n).double()
+    assert (res.sum(-2) - 1).abs().max() < 1e-5  # columns: the last Sinkhorn step
+    assert (res.sum(-1) - 1).abs().max() < 1e-3  # rows: converged after 20 iterations
+
+
+@pytest.mark.gpu
+def test_stats_workspace_reuse_and_graph_replay(seed):
+    """One workspace serves many T (counters self-reset); replay with fresh inputs in place."""
+    n, C = 4, 7168
+    ws = MhcStatsWorkspace(n, 128)
+    for T in (128, 1, 77, 5):
+        x, phi, alpha, bias = make_inputs(T, n, C)
+        H = torch.full((T, num_maps(n)), float("nan"), device="cuda")
+        mhc_stats(x, phi, alpha, bias, eps=EPS, workspace=ws, out=H)
+        torch.cuda.synchronize()
+        check_stats(x, phi, alpha, bias, H)
+    assert int(ws.counters.abs().sum()) == 0
+
+    T = 64
+    x, phi, alpha, bias = make_inputs(T, n, C)
+    H = torch.empty(T, num_maps(n), device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        mhc_stats(x, phi, alpha, bias, eps=EPS, workspace=ws, out=H)  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        mhc_stats(x, phi, alpha, bias, eps=EPS, workspace=ws, out=H)
+    for _ in range(3):
+        x2, phi2, alpha2, bias2 = make_inputs(T, n, C)
+        x.copy_(x2), phi.copy_(phi2), alpha.copy_(alpha2), bias.copy_(bias2)
+        H.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check_stats(x, phi, alpha, bias, H)
+
+
+@pytest.mark.gpu
+def test_stats_extreme_inputs(seed):
+    """Large activations (r small) and a zero token (r = rsqrt(eps)) stay finite and exact."""
+    T, n, C = 9, 4, 7168
+    x, phi, alpha, bias = make_inputs(T, n, C)
+    x[0] *= 1000
+    x[3] = 0
+    H = mhc_stats(x, phi, alpha, bias, eps=EPS)
+    torch.cuda.synchronize()
+    assert torch.isfinite(H).all()
+    check_stats(x, phi, alpha, bias, H)
+
+
+def _mappings(T, n, device="cuda"):
+    h = torch.rand(T, num_maps(n), device=device)
+    h[:, n:2 * n] *= 2
+    return h
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5, 77, 320])
+@pytest.mark.parametrize("n, C", [(4, 7168), (4, 1032), (3, 8)])
+def test_pre_and_post_mix_bit_exact(seed, T, n, C):
+    x = torch.randn(T, n, C, device="cuda").bfloat16()
+    h = _mappings(T, n)
+    f = torch.randn(T, C, device="cuda").bfloat16()
+    u = torch.full((T, C), float("nan"), device="cuda").bfloat16()
+    mhc_pre_mix(x, h, out=u)
+    out = torch.full_like(x, float("nan"))
+    mhc_post_mix(x, h, f, out=out)
+    torch.cuda.synchronize()
+    assert torch.equal(u.cpu(), mhc_pre_mix_ref(x.cpu(), h.cpu()))
+    ref = mhc_post_mix_ref(x.cpu(), h.cpu(), f.cpu())
+    assert torch.equal(out.cpu(), ref)
+    mhc_post_mix(x, h, f, out=x)  # the residual update in place
+    torch.cuda.synchronize()
+    assert torch.equal(x.cpu(), ref)
+
+
+@pytest.mark.gpu
+def test_mhc_sublayer_against_model_reference(seed):
+    """stats -> pre-mix -> F -> post-mix equals the model's fp32 mHC within bf16 rounding."""
+    from spec_decode.model import TargetModel
+
+    T, n, C = 6, 4, 7168
+    x, phi, alpha, bias = make_inputs(T, n, C)
+    H = mhc_stats(x, phi, alpha, bias, eps=EPS)
+    u = mhc_pre_mix(x, H)
+    f = (u.float() * 0.5).bfloat16()  # a stand-in sublayer
+    X2 = mhc_post_mix(x, H, f)
+    torch.cuda.synchronize()
+    Hr = mhc_stats_ref(x.cpu(), phi.cpu(), alpha.cpu(), bias.cpu(), EPS, 20).float()
+    hp, hq, hr = Hr[:, :n], Hr[:, n:2 * n], Hr[:, 2 * n:].view(T, n, n)
+    u_ref = TargetModel.pre_mix(x.cpu().float()[None], hp[None])[0]
+    X2_ref = TargetModel.post_mix(x.cpu().float()[None], hq[None], hr[None], (u_ref * 0.5)[None])[0]
+    assert (u.float().cpu() - u_ref).norm() / u_ref.norm() < 2**-8
+    assert (X2.float().cpu() - X2_ref).norm() / X2_ref.norm() < 2**-8
+
+
+def test_plan_splits_covers_k_and_bounds_workspace():
+    for T in (1, 5, 64, 320, 4096):
+        for K in (8, 256, 4000, 28672):
+            s, per = plan_splits(T, K, 264)
+            nchunks = -(-K // 256)
+            assert 1 <= s <= 64 and (s - 1) * per < nchunks <= s * per
+
+
+def _cpu_args(**over):
+    x = torch.zeros(2, 4, 64).bfloat16()
+    kw = dict(x=x, phi=torch.zeros(24, 256), alpha=torch.zeros(3), bias=torch.zeros(24))
+    kw.update(over)
+    return kw
+
+
+@pytest.mark.parametrize("over, exc, words", [
+    (dict(x=torch.zeros(2, 4, 64)), TypeError, "x must have dtype bfloat16"),
+    (dict(x=torch.zeros(2, 4, 60).bfloat16()), ValueError, "multiple of 8"),
+    (dict(x=torch.zeros(2, 9, 64).bfloat16()), ValueError, "streams n"),
+    (dict(phi=torch.zeros(256, 24)), ValueError, "phi must have shape [24, 256]"),
+    (dict(phi=torch.zeros(24, 256).double()), TypeError, "phi must have dtype float32"),
+    (dict(alpha=torch.zeros(2)), ValueError, "alpha must have shape [3]"),
+    (dict(bias=torch.zeros(20)), ValueError, "bias must have shape [24]"),
+    (dict(), ValueError, "CUDA"),
+])
+def test_stats_validation(over, exc, words):
+    with pytest.raises(exc, match=words.replace("[", r"\[").replace("]", r"\]")):
+        mhc_stats(**_cpu_args(**over))
+
+
+def test_stats_rejects_bad_options():
+    with pytest.raises(ValueError, match="sinkhorn_iters"):
+        mhc_stats(**_cpu_args(), sinkhorn_iters=-1)
+    with pytest.raises(TypeError, match="eps"):
+        mhc_stats(**_cpu_args(), eps="1e-6")
+
+
+def test_mix_validation():
+    x = torch.zeros(2, 4, 64).bfloat16()
+    with pytest.raises(ValueError, match=r"h must have shape \[2, 24\]"):
+        mhc_pre_mix(x, torch.zeros(2, 4))
+    with pytest.raises(TypeError, match="h must have dtype float32"):
+        mhc_post_mix(x, torch.zeros(2, 24).bfloat16(), torch.zeros(2, 64).bfloat16())
+    with pytest.raises(ValueError, match=r"f must have shape \[2, 64\]"):
+        mhc_post_mix(x, torch.zeros(2, 24), torch.zeros(2, 32).bfloat16())
+    with pytest.raises(ValueError, match="overlap"):  # a shifted view of x's own storage
+        buf = torch.zeros(2 * 4 * 64 + 8).bfloat16()
+        mhc_post_mix(buf[:512].view(2, 4, 64), torch.zeros(2, 24), torch.zeros(2, 64).bfloat16(),
+                     out=buf[8:].view(2, 4, 64))
+    with pytest.raises(ValueError, match="CUDA"):
+        mhc_pre_mix(x, torch.zeros(2, 24))
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_machine_code(arch):
+    h = sass.sass_histogram("mhc_stats", arch, n=4, hidden=7168, sinkhorn_iters=20)
+    assert sass.local_memory_ops(h) == 0  # accumulators stay in registers
+    assert sass.count(h, "FFMA") >= 32 * 3 * 8  # the unrolled 32-token x 3-output x 8-wide body
+    assert sass.count(h, "ATOMG") >= 1  # the last-CTA counter
+    for name in ("mhc_pre_mix", "mhc_post_mix"):
+        h = sass.sass_histogram(name, arch, n=4, hidden=7168)
+        assert sass.local_memory_ops(h) == 0
+        assert sass.count(h, "FFMA") == 0  # rounded products: bit-exact with the reference
+        assert sass.count(h, "LDG.E.128") >= 4 and sass.count(h, "STG.E.128") >= 1
