@@ -59,7 +59,8 @@ CHUNK = 32 * VEC  # K elements per warp-wide step
 TOKEN_TILE = 32
 WARPS = 8
 MAX_SPLITS = 64
-MAX_STREAMS = 8
+MAX_STREAMS = 8  # pre/post-mix; the statistics kernel takes n <= 4 (Sinkhorn lane groups)
+MAX_STATS_STREAMS = 4
 
 
 def num_maps(n: int) -> int:
@@ -69,7 +70,7 @@ def num_maps(n: int) -> int:
 class MhcStats:
     """Compile-time configuration: streams ``n``, hidden ``C``, Sinkhorn iterations."""
 
-    def __init__(self, n: int, hidden: int, sinkhorn_iters: int):
+    def __init__(self, n: int, hidden: int, sinkhorn_iters: int, stages: int = 3):
         self.n, self.C, self.iters = n, hidden, sinkhorn_iters
         self.K = n * hidden
         self.m = num_maps(n)
@@ -77,7 +78,9 @@ class MhcStats:
         self.nchunks = -(-self.K // CHUNK)
         self.opw = -(-self.m // WARPS)  # outputs per warp
         self.threads = 32 * WARPS
-        self.xg = 4  # tokens whose X vectors are in registers at once (register budget)
+        self.stages = stages
+        self.np2 = 1 << (n - 1).bit_length()  # H_res rows padded to a power of two for shuffles
+        self.group = self.np2 * self.np2  # lanes per token in the Sinkhorn epilogue
 
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, phi_ptr: cute.Pointer, alpha_ptr: cute.Pointer, bias_ptr: cute.Pointer,
@@ -89,8 +92,9 @@ class MhcStats:
         mAlpha = cute.make_tensor(alpha_ptr, cute.make_layout((3,)))
         mBias = cute.make_tensor(bias_ptr, cute.make_layout((self.m,)))
         mH = cute.make_tensor(h_ptr, cute.make_layout((num_tokens, self.m), stride=(self.m, 1)))
-        mPart = cute.make_tensor(part_ptr, cute.make_layout((splits, num_tokens, m1),
-                                                            stride=(num_tokens * m1, m1, 1)))
+        # [t, j, split]: the epilogue's warp reads one (t, j) column's splits contiguously
+        mPart = cute.make_tensor(part_ptr, cute.make_layout((num_tokens, m1, splits),
+                                                            stride=(m1 * splits, splits, 1)))
         tiles = (num_tokens + TOKEN_TILE - 1) // TOKEN_TILE
         mCount = cute.make_tensor(count_ptr, cute.make_layout((tiles,)))
         self.kernel(mX, mPhi, mAlpha, mBias, mH, mPart, mCount, num_tokens, splits, chunks_per_split, eps).launch(
@@ -100,74 +104,94 @@ class MhcStats:
     def kernel(self, mX: cute.Tensor, mPhi: cute.Tensor, mAlpha: cute.Tensor, mBias: cute.Tensor, mH: cute.Tensor,
                mPart: cute.Tensor, mCount: cute.Tensor, num_tokens: Int32, splits: Int32, chunks_per_split: Int32,
                eps: Float32):
-        TT, OPW, m, XG = TOKEN_TILE, self.opw, self.m, self.xg
+        TT, OPW, m, S = TOKEN_TILE, self.opw, self.m, self.stages
         tidx, _, _ = cute.arch.thread_idx()
         split, tile, _ = cute.arch.block_idx()
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         tok0 = tile * TT
+        live = cutlass.min(num_tokens - tok0, TT)  # tokens of this tile
 
-        gX = cute.zipped_divide(mX, (1, VEC))  # ((1, 8), (T, K/8))
-        gPhi = cute.zipped_divide(mPhi, (1, VEC))
+        smem = cutlass.memory.SmemAllocator()
+        # Stage s holds chunk c: X [TT, 256] bf16 and phi [m, 256] fp32, both K-contiguous.
+        sX = smem.allocate_tensor(mX.element_type, cute.make_layout((TT, CHUNK, S), stride=(CHUNK, 1, TT * CHUNK)),
+                                  16)
+        sPhi = smem.allocate_tensor(Float32, cute.make_layout((m, CHUNK, S), stride=(CHUNK, 1, m * CHUNK)), 16)
+        sP = smem.allocate_tensor(Float32, cute.make_layout((TT, m + 1), stride=(m + 1, 1)), 16)
+        sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
+
+        # cp.async (16 B per copy): the loads of chunk c+S-1 are in flight while chunk c is
+        # multiplied -- one CTA per SM (registers) cannot hide HBM latency any other way.
+        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
+        gX4 = cute.zipped_divide(cute.recast_tensor(mX, Float32), (1, 4))  # 16-byte vectors
+        gPhi4 = cute.zipped_divide(mPhi, (1, 4))
+        sX4 = cute.zipped_divide(cute.recast_tensor(sX, Float32), (1, 4, 1))
+        sPhi4 = cute.zipped_divide(sPhi, (1, 4, 1))
+        c_begin = split * chunks_per_split
+        c_end = cutlass.min(c_begin + chunks_per_split, self.nchunks)
+
+        for s0 in cutlass.range_constexpr(S - 1):
+            if c_begin + s0 < c_end:
+                self.issue(gX4, gPhi4, sX4, sPhi4, atom, c_begin + s0, s0, tok0, live)
+            cute.arch.cp_async_commit_group()
+
         acc = cute.make_rmem_tensor(cute.make_layout((TT, OPW)), Float32)
         acc.fill(0.0)
         ssq = cute.make_rmem_tensor(cute.make_layout((TT // WARPS,)), Float32)
         ssq.fill(0.0)
         rPhi = cute.make_rmem_tensor(cute.make_layout((VEC, OPW)), Float32)
-        rX = cute.make_rmem_tensor(cute.make_layout((VEC, XG)), mX.element_type)
-
-        c_begin = split * chunks_per_split
-        c_end = cutlass.min(c_begin + chunks_per_split, self.nchunks)
+        rX = cute.make_rmem_tensor(cute.make_layout((VEC,)), mX.element_type)
+        sXv = cute.zipped_divide(sX, (1, VEC, 1))
+        sPhiv = cute.zipped_divide(sPhi, (1, VEC, 1))
         for c in cutlass.range(c_begin, c_end, 1):
-            kv = c * 32 + lane
-            if kv < self.nvec:
+            it = c - c_begin
+            slot = it % S
+            cute.arch.cp_async_wait_group(S - 2)
+            # Chunk c has landed for every thread's copies; and every warp has finished
+            # chunk c-1, whose slot the next issue overwrites.
+            cute.arch.barrier()
+            if c + S - 1 < c_end:
+                self.issue(gX4, gPhi4, sX4, sPhi4, atom, c + S - 1, (it + S - 1) % S, tok0, live)
+            cute.arch.cp_async_commit_group()
+            if c * (CHUNK // VEC) + lane < self.nvec:
                 rPhi.fill(0.0)
                 for o in cutlass.range_constexpr(OPW):
                     j = warp * OPW + o
                     if j < m:
-                        cute.autovec_copy(gPhi[(0, None), (j, kv)], rPhi[None, o])
-                for g in cutlass.range_constexpr(TT // XG):
-                    # All XG loads are issued before the first FMA (latency hiding); tokens
-                    # past T load as zeros and are never written.
-                    rX.fill(0.0)
-                    for u in cutlass.range_constexpr(XG):
-                        if tok0 + g * XG + u < num_tokens:
-                            cute.autovec_copy(gX[(0, None), (tok0 + g * XG + u, kv)], rX[None, u])
-                    for u in cutlass.range_constexpr(XG):
-                        tt = g * XG + u
-                        xs = cute.make_rmem_tensor(cute.make_layout((VEC,)), Float32)
-                        xs.store(rX[None, u].load().to(Float32))
-                        for o in cutlass.range_constexpr(OPW):
-                            a = acc[tt, o]
-                            for e in cutlass.range_constexpr(VEC):
-                                a = a + xs[e] * rPhi[e, o]
-                            acc[tt, o] = a
-                        if warp == tt % WARPS:
-                            s = ssq[tt // WARPS]
-                            for e in cutlass.range_constexpr(VEC):
-                                s = s + xs[e] * xs[e]
-                            ssq[tt // WARPS] = s
+                        cute.autovec_copy(sPhiv[(0, None, 0), (j, lane, slot)], rPhi[None, o])
+                for g in cutlass.range_constexpr(TT // WARPS):
+                    if g * WARPS < live:  # skip whole groups of absent tokens (small T)
+                        for u in cutlass.range_constexpr(WARPS):
+                            tt = g * WARPS + u
+                            cute.autovec_copy(sXv[(0, None, 0), (tt, lane, slot)], rX)
+                            xs = rX.load().to(Float32)
+                            for o in cutlass.range_constexpr(OPW):
+                                a = acc[tt, o]
+                                for e in cutlass.range_constexpr(VEC):
+                                    a = a + xs[e] * rPhi[e, o]
+                                acc[tt, o] = a
+                            if warp == u:
+                                sq = ssq[g]
+                                for e in cutlass.range_constexpr(VEC):
+                                    sq = sq + xs[e] * xs[e]
+                                ssq[g] = sq
 
         # Butterfly: every lane ends with the warp's total; lane tt stores token tt.
         for tt in cutlass.range_constexpr(TT):
             for o in cutlass.range_constexpr(OPW):
                 acc[tt, o] = cute.arch.warp_reduction_sum(acc[tt, o])
-        for q in cutlass.range_constexpr(TT // WARPS):
-            ssq[q] = cute.arch.warp_reduction_sum(ssq[q])
+        for g in cutlass.range_constexpr(TT // WARPS):
+            ssq[g] = cute.arch.warp_reduction_sum(ssq[g])
         for tt in cutlass.range_constexpr(TT):
-            tok = tok0 + tt
-            if lane == tt and tok < num_tokens:
+            if lane == tt and tt < live:
                 for o in cutlass.range_constexpr(OPW):
                     j = warp * OPW + o
                     if j < m:
-                        mPart[split, tok, j] = acc[tt, o]
+                        mPart[tok0 + tt, j, split] = acc[tt, o]
                 if warp == tt % WARPS:
-                    mPart[split, tok, m] = ssq[tt // WARPS]
+                    mPart[tok0 + tt, m, split] = ssq[tt // WARPS]
 
         # bar.sync orders every thread's partial stores before thread 0's cumulative
         # release fence; the acq_rel counter makes the last CTA of the tile see them all.
-        smem = cutlass.memory.SmemAllocator()
-        sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
-        sP = smem.allocate_tensor(Float32, cute.make_layout((TT, m + 1), stride=(m + 1, 1)), 16)
         cute.arch.barrier()
         if tidx == 0:
             cute.arch.fence_acq_rel_gpu()
@@ -175,61 +199,85 @@ class MhcStats:
         cute.arch.barrier()
         if sFlag[0] == splits - 1:
             cute.arch.fence_acq_rel_gpu()
-            self.epilogue(mAlpha, mBias, mH, mPart, sP, tok0, num_tokens, splits, eps)
+            self.epilogue(mAlpha, mBias, mH, mPart, sP, tok0, live, splits, eps)
             if tidx == 0:
                 mCount[tile] = 0  # ready for the next launch (graph replay needs no host reset)
 
     @cute.jit
-    def epilogue(self, mAlpha: cute.Tensor, mBias: cute.Tensor, mH: cute.Tensor, mPart: cute.Tensor,
-                 sP: cute.Tensor, tok0: Int32, num_tokens: Int32, splits: Int32, eps: Float32):
-        TT, m, n = TOKEN_TILE, self.m, self.n
+    def issue(self, gX4: cute.Tensor, gPhi4: cute.Tensor, sX4: cute.Tensor, sPhi4: cute.Tensor, atom: cute.CopyAtom,
+              c: Int32, slot: Int32, tok0: Int32, live: Int32):
+        """cp.async chunk ``c`` (X rows of the live tokens, all phi rows) into stage ``slot``."""
         tidx, _, _ = cute.arch.thread_idx()
-        # Sum the split partials in split order (deterministic), all threads in parallel.
-        for idx in cutlass.range(tidx, TT * (m + 1), self.threads):
-            tt = idx // (m + 1)
-            j = idx - tt * (m + 1)
-            if tok0 + tt < num_tokens:
-                s = Float32(0.0)
-                for q in cutlass.range(splits, unroll=4):
-                    s = s + mPart[q, tok0 + tt, j]
+        XV, PV = TOKEN_TILE * CHUNK // VEC, self.m * CHUNK // 4  # 16-byte copies per stage
+        for i in cutlass.range_constexpr(-(-XV // self.threads)):
+            idx = tidx + i * self.threads
+            tt = idx // (CHUNK // VEC)
+            v = idx - tt * (CHUNK // VEC)
+            kv = c * (CHUNK // VEC) + v
+            if idx < XV and tt < live and kv < self.nvec:
+                cute.copy(atom, gX4[(0, None), (tok0 + tt, kv)], sX4[(0, None, 0), (tt, v, slot)])
+        for i in cutlass.range_constexpr(-(-PV // self.threads)):
+            idx = tidx + i * self.threads
+            j = idx // (CHUNK // 4)
+            q = idx - j * (CHUNK // 4)
+            k4 = c * (CHUNK // 4) + q
+            if idx < PV and k4 * 4 < self.K:
+                cute.copy(atom, gPhi4[(0, None), (j, k4)], sPhi4[(0, None, 0), (j, q, slot)])
+
+    @cute.jit
+    def epilogue(self, mAlpha: cute.Tensor, mBias: cute.Tensor, mH: cute.Tensor, mPart: cute.Tensor,
+                 sP: cute.Tensor, tok0: Int32, live: Int32, splits: Int32, eps: Float32):
+        m, n, NP, GS = self.m, self.n, self.np2, self.group
+        tidx, _, _ = cute.arch.thread_idx()
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        # Split partials: one warp per (token, column), lanes stride over the splits, a
+        # fixed shuffle tree -- deterministic, and no single thread walks all the splits.
+        for col in cutlass.range(warp, live * (m + 1), WARPS):
+            tt = col // (m + 1)
+            j = col - tt * (m + 1)
+            s = Float32(0.0)
+            for q in cutlass.range(lane, splits, 32):
+                s = s + mPart[tok0 + tt, j, q]
+            s = cute.arch.warp_reduction_sum(s)
+            if lane == 0:
                 sP[tt, j] = s
         cute.arch.barrier()
-        tok = tok0 + tidx
-        if tidx < TT and tok < num_tokens:
-            r = cute.math.rsqrt(sP[tidx, m] / Float32(self.K) + eps)
-            a_pre, a_post, a_res = mAlpha[0], mAlpha[1], mAlpha[2]
-            one = Float32(1.0)
-            for i in cutlass.range_constexpr(n):
-                z = a_pre * (r * sP[tidx, i]) + mBias[i]
-                mH[tok, i] = one / (one + cute.math.exp(-z))
-                z = a_post * (r * sP[tidx, n + i]) + mBias[n + i]
-                mH[tok, n + i] = Float32(2.0) / (one + cute.math.exp(-z))
-            M = cute.make_rmem_tensor(cute.make_layout((n, n), stride=(n, 1)), Float32)
-            for i in cutlass.range_constexpr(n * n):
-                M[i] = cute.math.exp(a_res * (r * sP[tidx, 2 * n + i]) + mBias[2 * n + i])
+        a_pre, a_post, a_res = mAlpha[0], mAlpha[1], mAlpha[2]
+        one = Float32(1.0)
+        for idx in cutlass.range(tidx, live * 2 * n, self.threads):
+            tt = idx // (2 * n)
+            i = idx - tt * (2 * n)
+            r = cute.math.rsqrt(sP[tt, m] / Float32(self.K) + eps)
+            z = cutlass.select_(i < n, a_pre, a_post) * (r * sP[tt, i]) + mBias[i]
+            mH[tok0 + tt, i] = cutlass.select_(i < n, one, Float32(2.0)) / (one + cute.math.exp(-z))
+        # Sinkhorn: a group of NP*NP lanes per token, lane (i, j) = i*NP + j holds one entry;
+        # row sums are xor-shuffles over the j bits, column sums over the i bits.
+        for base in cutlass.range(0, live * GS, self.threads):
+            idx = base + tidx
+            tt = idx // GS
+            e = idx - tt * GS
+            i = e // NP
+            j = e - i * NP
+            valid = tt < live and i < n and j < n
+            v = Float32(0.0)
+            if valid:
+                r = cute.math.rsqrt(sP[tt, m] / Float32(self.K) + eps)
+                v = cute.math.exp(a_res * (r * sP[tt, 2 * n + i * n + j]) + mBias[2 * n + i * n + j])
             for _ in cutlass.range_constexpr(self.iters):
-                # One IEEE reciprocal per row / column, then products (vs the reference's
-                # quotients: <= 1 ulp per step, far inside the stated tolerance).
-                for i in cutlass.range_constexpr(n):
-                    s = Float32(0.0)
-                    for j in cutlass.range_constexpr(n):
-                        s = s + M[i, j]
-                    inv = one / s
-                    for j in cutlass.range_constexpr(n):
-                        M[i, j] = M[i, j] * inv
-                for j in cutlass.range_constexpr(n):
-                    s = Float32(0.0)
-                    for i in cutlass.range_constexpr(n):
-                        s = s + M[i, j]
-                    inv = one / s
-                    for i in cutlass.range_constexpr(n):
-                        M[i, j] = M[i, j] * inv
-            for i in cutlass.range_constexpr(n * n):
-                mH[tok, 2 * n + i] = M[i]
+                s = v
+                for b in cutlass.range_constexpr((NP - 1).bit_length()):
+                    s = s + cute.arch.shuffle_sync_bfly(s, offset=1 << b)
+                v = cutlass.select_(valid, v * (one / s), Float32(0.0))
+                s = v
+                for b in cutlass.range_constexpr((NP - 1).bit_length()):
+                    s = s + cute.arch.shuffle_sync_bfly(s, offset=NP << b)
+                v = cutlass.select_(valid, v * (one / s), Float32(0.0))
+            if valid:
+                mH[tok0 + tt, 2 * n + i * n + j] = v
 
     @staticmethod
     def can_implement(n: int, hidden: int, sinkhorn_iters: int) -> bool:
-        return 1 <= n <= MAX_STREAMS and hidden % VEC == 0 and hidden > 0 and 0 <= sinkhorn_iters <= 100
+        return 1 <= n <= MAX_STATS_STREAMS and hidden % VEC == 0 and hidden > 0 and 0 <= sinkhorn_iters <= 100
 
     @staticmethod
     def compile(arch: str, n: int, hidden: int, sinkhorn_iters: int = 20):
@@ -309,8 +357,8 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
     op = "mhc_stats"
     check_tensor(op, "x", x, dtype=torch.bfloat16, ndim=3, contiguous=True, align_bytes=0)
     T, n, C = x.shape
-    if not 1 <= n <= MAX_STREAMS:
-        raise ValueError(f"{op}: x.shape[1] (streams n) = {n} must be in [1, {MAX_STREAMS}]")
+    if not 1 <= n <= MAX_STATS_STREAMS:
+        raise ValueError(f"{op}: x.shape[1] (streams n) = {n} must be in [1, {MAX_STATS_STREAMS}]")
     if C % VEC:
         raise ValueError(f"{op}: x.shape[2] (hidden C) = {C} must be a multiple of {VEC}")
     check_tensor(op, "x", x, align_bytes=16)
