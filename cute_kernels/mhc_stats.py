@@ -17,17 +17,21 @@ Algorithm (a split-K skinny GEMM with a last-CTA epilogue). The product is
 ``[T, K] x [K, m]`` with K = 28672 and m = 24 at the model's size: far too narrow for tensor
 cores to matter (m = 24 would fill a third of one wgmma N-tile, and at decode T the time
 is the read of X and phi), so it runs on the FP32 pipes. Grid ``(splits, ceil(T / 32))``.
-A CTA owns 32 tokens and a contiguous range of 256-wide K chunks; lane ``l`` of every warp
-holds the 8 K-elements ``[256c + 8l, +8)``, warp ``w`` owns outputs ``[3w, 3w+3)`` (so the
-8 warps read X through L1 once and each phi element once per token tile) and the sum of
-squares of tokens ``tt % 8 == w``. Lanes are reduced by butterfly shuffles and each CTA
-writes FP32 partials ``[split, t, 0..m]`` to a workspace; the last CTA of a token tile (an
-acq_rel counter, as in :mod:`moe.router`) sums the partials in split order -- so the result
-is deterministic -- and evaluates the mappings; it re-zeroes its counter, so a replayed
-CUDA graph needs no reset. ``splits`` is a runtime value chosen by the host (more splits at
-small T so ~2 CTAs per SM read phi; one split when the token tiles alone fill the GPU).
+A CTA owns 32 tokens and a contiguous range of 256-wide K chunks, streamed through a
+3-stage cp.async pipeline into shared memory (X ``[32, 256]`` bf16 + phi ``[m, 256]``
+fp32 per stage; one CTA fills an SM's registers, so latency is hidden by the pipeline, not
+by occupancy). Lane ``l`` of every warp takes the 8 K-elements ``[256c + 8l, +8)``, warp
+``w`` owns outputs ``[3w, 3w+3)`` and the sum of squares of tokens ``tt % 8 == w``; groups
+of 8 absent tokens are skipped (small T). Lanes are reduced by butterfly shuffles and each
+CTA writes FP32 partials ``[t, 0..m, split]`` to a workspace; the last CTA of a token tile
+(an acq_rel counter, as in :mod:`moe.router`) loads all of the tile's partials in one
+latency round, sums them in split order -- so the result is deterministic -- and evaluates
+the mappings (sigmoids by (token, i) threads; Sinkhorn by groups of 16 lanes per token, row
+and column sums as xor-shuffles). It re-zeroes its counter, so a replayed CUDA graph needs
+no reset. ``splits`` (<= 32) is a runtime value chosen by the host: about one CTA per SM at
+small T, one split when the token tiles alone fill the GPU.
 
-Constraints: bf16 ``X`` contiguous, ``C % 8 == 0``, ``n`` in 1..8 (static, one compile per
+Constraints: bf16 ``X`` contiguous, ``C % 8 == 0``, ``n`` in 1..4 (static, one compile per
 ``(n, C)``), fp32 ``phi [m, n*C]`` contiguous, ``alpha = (a_pre, a_post, a_res)`` fp32 [3]
 and ``bias`` fp32 [m] on the device (weights: no host sync). ``T`` is a runtime value.
 Works on sm_90a and sm_100a (no tensor cores; the same source compiles for both).
@@ -58,7 +62,7 @@ VEC = 8  # bf16 per 16-byte load
 CHUNK = 32 * VEC  # K elements per warp-wide step
 TOKEN_TILE = 32
 WARPS = 8
-MAX_SPLITS = 64
+MAX_SPLITS = 32  # partials per (token, column): the last CTA reads them all
 MAX_STREAMS = 8  # pre/post-mix; the statistics kernel takes n <= 4 (Sinkhorn lane groups)
 MAX_STATS_STREAMS = 4
 
@@ -92,9 +96,10 @@ class MhcStats:
         mAlpha = cute.make_tensor(alpha_ptr, cute.make_layout((3,)))
         mBias = cute.make_tensor(bias_ptr, cute.make_layout((self.m,)))
         mH = cute.make_tensor(h_ptr, cute.make_layout((num_tokens, self.m), stride=(self.m, 1)))
-        # [t, j, split]: the epilogue's warp reads one (t, j) column's splits contiguously
-        mPart = cute.make_tensor(part_ptr, cute.make_layout((num_tokens, m1, splits),
-                                                            stride=(m1 * splits, splits, 1)))
+        # [t, j, split] with a fixed MAX_SPLITS pitch: one (t, j) column's splits are
+        # contiguous 16-byte vectors for the epilogue
+        mPart = cute.make_tensor(part_ptr, cute.make_layout((num_tokens, m1, MAX_SPLITS),
+                                                            stride=(m1 * MAX_SPLITS, MAX_SPLITS, 1)))
         tiles = (num_tokens + TOKEN_TILE - 1) // TOKEN_TILE
         mCount = cute.make_tensor(count_ptr, cute.make_layout((tiles,)))
         self.kernel(mX, mPhi, mAlpha, mBias, mH, mPart, mCount, num_tokens, splits, chunks_per_split, eps).launch(
@@ -230,16 +235,28 @@ class MhcStats:
         m, n, NP, GS = self.m, self.n, self.np2, self.group
         tidx, _, _ = cute.arch.thread_idx()
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
-        # Split partials: one warp per (token, column), lanes stride over the splits, a
-        # fixed shuffle tree -- deterministic, and no single thread walks all the splits.
-        for col in cutlass.range(warp, live * (m + 1), WARPS):
+        # Split partials: thread -> (token, column); all of a thread's loads (up to
+        # COLS_PER_THREAD x MAX_SPLITS floats, 16-byte vectors) are issued before the first
+        # add, so the tile's partials stream in one latency round; summed in split order.
+        CPT = -(-TOKEN_TILE * (m + 1) // self.threads)
+        gPart = cute.zipped_divide(mPart, (1, 1, 4))
+        rS = cute.make_rmem_tensor(cute.make_layout(((4, MAX_SPLITS // 4), CPT), stride=((1, 4), MAX_SPLITS)), Float32)
+        rS.fill(0.0)
+        for k in cutlass.range_constexpr(CPT):
+            col = tidx + k * self.threads
+            tt = col // (m + 1)
+            j = col - tt * (m + 1)
+            for v in cutlass.range_constexpr(MAX_SPLITS // 4):
+                if tt < live and v * 4 < splits:
+                    cute.autovec_copy(gPart[(0, 0, None), (tok0 + tt, j, v)], rS[(None, v), k])
+        for k in cutlass.range_constexpr(CPT):
+            col = tidx + k * self.threads
             tt = col // (m + 1)
             j = col - tt * (m + 1)
             s = Float32(0.0)
-            for q in cutlass.range(lane, splits, 32):
-                s = s + mPart[tok0 + tt, j, q]
-            s = cute.arch.warp_reduction_sum(s)
-            if lane == 0:
+            for q in cutlass.range_constexpr(MAX_SPLITS):
+                s = s + cutlass.select_(q < splits, rS[(q % 4, q // 4), k], Float32(0.0))
+            if tt < live:
                 sP[tt, j] = s
         cute.arch.barrier()
         a_pre, a_post, a_res = mAlpha[0], mAlpha[1], mAlpha[2]
@@ -288,7 +305,7 @@ def _build(arch: str, *, n: int, hidden: int, sinkhorn_iters: int):
     if not MhcStats.can_implement(n, hidden, sinkhorn_iters):
         raise ValueError(f"mhc_stats: unsupported n={n}, hidden={hidden}, sinkhorn_iters={sinkhorn_iters}")
     P = jit.fake_gmem_ptr
-    args = (P(cutlass.BFloat16, 16), P(Float32, 16), P(Float32, 4), P(Float32, 4), P(Float32, 4), P(Float32, 4),
+    args = (P(cutlass.BFloat16, 16), P(Float32, 16), P(Float32, 4), P(Float32, 4), P(Float32, 4), P(Float32, 16),
             P(Int32, 4), Int32(1), Int32(1), Int32(1), Float32(1e-6), jit.fake_stream())
     return MhcStats(n, hidden, sinkhorn_iters), args
 
@@ -351,7 +368,7 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
     ``phi`` is fp32 ``[2n + n*n, n*C]`` (one row per mapping coefficient), ``alpha`` fp32
     ``[3]`` = ``(a_pre, a_post, a_res)``, ``bias`` fp32 ``[2n + n*n]``. Pass a
     :class:`MhcStatsWorkspace` and ``out`` to make the call allocation-free (graph capture).
-    ``max_ctas`` (default: two per SM) bounds the split-K grid -- fewer CTAs leave SMs to
+    ``max_ctas`` (default: one per SM -- a CTA's registers and pipeline fill one SM) bounds the split-K grid -- fewer CTAs leave SMs to
     the kernels a side-stream launch should overlap.
     """
     op = "mhc_stats"
@@ -391,10 +408,10 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
     check_cuda(op, ("x", x), ("workspace.partials", workspace.partials))
     if max_ctas is not None and (not isinstance(max_ctas, int) or max_ctas < 1):
         raise ValueError(f"{op}: max_ctas must be a positive int, got {max_ctas!r}")
-    splits, per = plan_splits(T, K, max_ctas or 2 * _num_sms(x.device.index or 0))
+    splits, per = plan_splits(T, K, max_ctas or _num_sms(x.device.index or 0))
     fn = MhcStats.compile(a, n, C, sinkhorn_iters)
     P = jit.gmem_ptr
     fn(P(cutlass.BFloat16, x, 16), P(Float32, phi, 16), P(Float32, alpha, 4), P(Float32, bias, 4),
-       P(Float32, out, 4), P(Float32, workspace.partials, 4), P(Int32, workspace.counters, 4), jit.i32(T),
+       P(Float32, out, 4), P(Float32, workspace.partials, 16), P(Int32, workspace.counters, 4), jit.i32(T),
        jit.i32(splits), jit.i32(per), jit.f32(eps), jit.cu_stream(stream))
     return out

@@ -43,8 +43,10 @@ def test_stats_match_fp64(seed, T, n, C):
     assert torch.isfinite(H).all()
     check_stats(x, phi, alpha, bias, H)
     res = H[:, 2 * n:].view(T, n, n).double()
-    assert (res.sum(-2) - 1).abs().max() < 1e-5  # columns: the last Sinkhorn step
-    assert (res.sum(-1) - 1).abs().max() < 1e-3  # rows: converged after 20 iterations
+    assert (res.sum(-2) - 1).abs().max() < 1e-5  # columns: the last Sinkhorn step normalises them
+    # rows: as converged as 20 iterations of the exact algorithm get (an input property)
+    ref_rows = mhc_stats_ref(x.cpu(), phi.cpu(), alpha.cpu(), bias.cpu(), EPS, 20)[:, 2 * n:].view(T, n, n).sum(-1)
+    assert (res.sum(-1).cpu() - ref_rows).abs().max() < 1e-4
 
 
 @pytest.mark.gpu
@@ -143,7 +145,7 @@ def test_plan_splits_covers_k_and_bounds_workspace():
         for K in (8, 256, 4000, 28672):
             s, per = plan_splits(T, K, 264)
             nchunks = -(-K // 256)
-            assert 1 <= s <= 64 and (s - 1) * per < nchunks <= s * per
+            assert 1 <= s <= 32 and (s - 1) * per < nchunks <= s * per
 
 
 def _cpu_args(**over):
