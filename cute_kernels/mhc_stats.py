@@ -18,7 +18,7 @@ Algorithm (a split-K skinny GEMM with a last-CTA epilogue). The product is
 cores to matter (m = 24 would fill a third of one wgmma N-tile, and at decode T the time
 is the read of X and phi), so it runs on the FP32 pipes. Grid ``(splits, ceil(T / 32))``.
 A CTA owns 32 tokens and a contiguous range of 256-wide K chunks, streamed through a
-3-stage cp.async pipeline into shared memory (X ``[32, 256]`` bf16 + phi ``[m, 256]``
+5-stage cp.async pipeline into shared memory (200 KB) (X ``[32, 256]`` bf16 + phi ``[m, 256]``
 fp32 per stage; one CTA fills an SM's registers, so latency is hidden by the pipeline, not
 by occupancy). Lane ``l`` of every warp takes the 8 K-elements ``[256c + 8l, +8)``, warp
 ``w`` owns outputs ``[3w, 3w+3)`` and the sum of squares of tokens ``tt % 8 == w``; groups
@@ -26,8 +26,8 @@ of 8 absent tokens are skipped (small T). Lanes are reduced by butterfly shuffle
 CTA writes FP32 partials ``[t, 0..m, split]`` to a workspace; the last CTA of a token tile
 (an acq_rel counter, as in :mod:`moe.router`) loads all of the tile's partials in one
 latency round, sums them in split order -- so the result is deterministic -- and evaluates
-the mappings (sigmoids by (token, i) threads; Sinkhorn by groups of 16 lanes per token, row
-and column sums as xor-shuffles). It re-zeroes its counter, so a replayed CUDA graph needs
+the mappings (sigmoids by (token, i) threads; Sinkhorn by one thread per token with the
+matrix in registers and approximate reciprocals). It re-zeroes its counter, so a replayed CUDA graph needs
 no reset. ``splits`` (<= 32) is a runtime value chosen by the host: about one CTA per SM at
 small T, one split when the token tiles alone fill the GPU.
 
@@ -63,7 +63,7 @@ CHUNK = 32 * VEC  # K elements per warp-wide step
 TOKEN_TILE = 32
 WARPS = 8
 MAX_SPLITS = 32  # partials per (token, column): the last CTA reads them all
-MAX_STREAMS = 8  # pre/post-mix; the statistics kernel takes n <= 4 (Sinkhorn lane groups)
+MAX_STREAMS = 8  # pre/post-mix; the statistics kernel takes n <= 4 (its accumulators)
 MAX_STATS_STREAMS = 4
 
 
@@ -74,7 +74,7 @@ def num_maps(n: int) -> int:
 class MhcStats:
     """Compile-time configuration: streams ``n``, hidden ``C``, Sinkhorn iterations."""
 
-    def __init__(self, n: int, hidden: int, sinkhorn_iters: int, stages: int = 3):
+    def __init__(self, n: int, hidden: int, sinkhorn_iters: int, stages: int = 5):
         self.n, self.C, self.iters = n, hidden, sinkhorn_iters
         self.K = n * hidden
         self.m = num_maps(n)
@@ -83,8 +83,6 @@ class MhcStats:
         self.opw = -(-self.m // WARPS)  # outputs per warp
         self.threads = 32 * WARPS
         self.stages = stages
-        self.np2 = 1 << (n - 1).bit_length()  # H_res rows padded to a power of two for shuffles
-        self.group = self.np2 * self.np2  # lanes per token in the Sinkhorn epilogue
 
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, phi_ptr: cute.Pointer, alpha_ptr: cute.Pointer, bias_ptr: cute.Pointer,
@@ -232,7 +230,7 @@ class MhcStats:
     @cute.jit
     def epilogue(self, mAlpha: cute.Tensor, mBias: cute.Tensor, mH: cute.Tensor, mPart: cute.Tensor,
                  sP: cute.Tensor, tok0: Int32, live: Int32, splits: Int32, eps: Float32):
-        m, n, NP, GS = self.m, self.n, self.np2, self.group
+        m, n = self.m, self.n
         tidx, _, _ = cute.arch.thread_idx()
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         # Split partials: thread -> (token, column); all of a thread's loads (up to
@@ -267,30 +265,35 @@ class MhcStats:
             r = cute.math.rsqrt(sP[tt, m] / Float32(self.K) + eps)
             z = cutlass.select_(i < n, a_pre, a_post) * (r * sP[tt, i]) + mBias[i]
             mH[tok0 + tt, i] = cutlass.select_(i < n, one, Float32(2.0)) / (one + cute.math.exp(-z))
-        # Sinkhorn: a group of NP*NP lanes per token, lane (i, j) = i*NP + j holds one entry;
-        # row sums are xor-shuffles over the j bits, column sums over the i bits.
-        for base in cutlass.range(0, live * GS, self.threads):
-            idx = base + tidx
-            tt = idx // GS
-            e = idx - tt * GS
-            i = e // NP
-            j = e - i * NP
-            valid = tt < live and i < n and j < n
-            v = Float32(0.0)
-            if valid:
-                r = cute.math.rsqrt(sP[tt, m] / Float32(self.K) + eps)
-                v = cute.math.exp(a_res * (r * sP[tt, 2 * n + i * n + j]) + mBias[2 * n + i * n + j])
+        # Sinkhorn: one thread per token, the n x n matrix in registers. rcp.approx (rel.
+        # error <= 2^-23) instead of IEEE division: the iterations are a serial latency
+        # chain, and an IEEE divide costs ~10x an MUFU.RCP; the n row (column) sums and
+        # reciprocals of a step are independent, so a step is ~one add chain + one RCP.
+        if tidx < live:
+            r = cute.math.rsqrt(sP[tidx, m] / Float32(self.K) + eps)
+            M = cute.make_rmem_tensor(cute.make_layout((n, n), stride=(n, 1)), Float32)
+            for e in cutlass.range_constexpr(n * n):
+                M[e] = cute.math.exp(a_res * (r * sP[tidx, 2 * n + e]) + mBias[2 * n + e])
+            inv = cute.make_rmem_tensor(cute.make_layout((n,)), Float32)
             for _ in cutlass.range_constexpr(self.iters):
-                s = v
-                for b in cutlass.range_constexpr((NP - 1).bit_length()):
-                    s = s + cute.arch.shuffle_sync_bfly(s, offset=1 << b)
-                v = cutlass.select_(valid, v * (one / s), Float32(0.0))
-                s = v
-                for b in cutlass.range_constexpr((NP - 1).bit_length()):
-                    s = s + cute.arch.shuffle_sync_bfly(s, offset=NP << b)
-                v = cutlass.select_(valid, v * (one / s), Float32(0.0))
-            if valid:
-                mH[tok0 + tt, 2 * n + i * n + j] = v
+                for i in cutlass.range_constexpr(n):
+                    s = M[i, 0]
+                    for j in cutlass.range_constexpr(1, n):
+                        s = s + M[i, j]
+                    inv[i] = cute.arch.rcp_approx(s)
+                for i in cutlass.range_constexpr(n):
+                    for j in cutlass.range_constexpr(n):
+                        M[i, j] = M[i, j] * inv[i]
+                for j in cutlass.range_constexpr(n):
+                    s = M[0, j]
+                    for i in cutlass.range_constexpr(1, n):
+                        s = s + M[i, j]
+                    inv[j] = cute.arch.rcp_approx(s)
+                for i in cutlass.range_constexpr(n):
+                    for j in cutlass.range_constexpr(n):
+                        M[i, j] = M[i, j] * inv[j]
+            for e in cutlass.range_constexpr(n * n):
+                mH[tok0 + tidx, 2 * n + e] = M[e]
 
     @staticmethod
     def can_implement(n: int, hidden: int, sinkhorn_iters: int) -> bool:
