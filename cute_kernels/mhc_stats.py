@@ -14,27 +14,34 @@ differ only by FP32 rounding (inside the tolerance the tests state). Sinkhorn al
 row and column normalisation (rows first), like ``spec_decode.model.sinkhorn``.
 
 Algorithm (a split-K skinny GEMM with a last-CTA epilogue). The product is
-``[T, K] x [K, m]`` with K = 28672 and m = 24 at the model's size: far too narrow for tensor
-cores to matter (m = 24 would fill a third of one wgmma N-tile, and at decode T the time
-is the read of X and phi), so it runs on the FP32 pipes. Grid ``(splits, ceil(T / 32))``.
-A CTA owns 32 tokens and a contiguous range of 256-wide K chunks, streamed through a
-5-stage cp.async pipeline into shared memory (200 KB) (X ``[32, 256]`` bf16 + phi ``[m, 256]``
-fp32 per stage; one CTA fills an SM's registers, so latency is hidden by the pipeline, not
-by occupancy). Lane ``l`` of every warp takes the 8 K-elements ``[256c + 8l, +8)``, warp
-``w`` owns outputs ``[3w, 3w+3)`` and the sum of squares of tokens ``tt % 8 == w``; groups
-of 8 absent tokens are skipped (small T). Lanes are reduced by butterfly shuffles and each
-CTA writes FP32 partials ``[t, 0..m, split]`` to a workspace; the last CTA of a token tile
-(an acq_rel counter, as in :mod:`moe.router`) loads all of the tile's partials in one
-latency round, sums them in split order -- so the result is deterministic -- and evaluates
-the mappings (sigmoids by (token, i) threads; Sinkhorn by one thread per token with the
-matrix in registers and approximate reciprocals). It re-zeroes its counter, so a replayed CUDA graph needs
-no reset. ``splits`` (<= 32) is a runtime value chosen by the host: about one CTA per SM at
-small T, one split when the token tiles alone fill the GPU.
+``[T, K] x [K, m]`` with K = 28672 and m = 24 at the model's size. On FP32 pipes it was
+issue-bound (measured: ~3 us per 256-wide chunk of 32 tokens per SM, 42 us at T = 320), so
+it runs on the tensor cores with warp-level ``mma.sync m16n8k16`` (bf16 in, FP32 accumulate):
+phi is pre-split once into two bf16 planes ``hi = bf16(phi)``, ``lo = bf16(phi - hi)``
+(:func:`mhc_split_phi`), both planes are the MMA's N rows (``2 * mp = 48``), and
+``P = X hi + X lo`` carries 16 significant bits of every weight (X is bf16, so exact). The
+N = 48 shape is too narrow for a wgmma / tcgen05 tile to pay (one 64-row tile of tokens
+would be mostly padding at decode T, and the time is the read of X and phi): the same
+warp-MMA code is the Hopper and the Blackwell path.
+
+Grid ``(splits, ceil(T / 32))``, 128 threads (2 x 2 warps: 16 tokens x 24 plane rows
+each). A CTA owns 32 tokens and a contiguous range of 128-wide K chunks, streamed by a
+4-stage cp.async pipeline into shared memory (rows padded to 272 B so ldmatrix is
+conflict-free; a K tail is zero-filled); the sum of squares is taken from the same stage on
+the FP32 pipes. Each CTA writes FP32 partials ``[t, 0..m, split]`` to a workspace; the last
+CTA of a token tile (an acq_rel counter, as in :mod:`moe.router`) loads the tile's partials
+a few columns per thread at once, sums them in split order -- so the result is
+deterministic -- and evaluates the mappings (sigmoids by (token, i) threads; Sinkhorn by
+one thread per token with the matrix in registers and approximate reciprocals). It
+re-zeroes its counter, so a replayed CUDA graph needs no reset. ``splits`` (<= 32) is a
+runtime value chosen by the host: about one CTA per SM at small T, one split when the token
+tiles alone fill the GPU.
 
 Constraints: bf16 ``X`` contiguous, ``C % 8 == 0``, ``n`` in 1..4 (static, one compile per
-``(n, C)``), fp32 ``phi [m, n*C]`` contiguous, ``alpha = (a_pre, a_post, a_res)`` fp32 [3]
-and ``bias`` fp32 [m] on the device (weights: no host sync). ``T`` is a runtime value.
-Works on sm_90a and sm_100a (no tensor cores; the same source compiles for both).
+``(n, C)``), phi fp32 ``[m, n*C]`` (split per call, allocating) or pre-split bf16
+``[2 mp, n*C]``, ``alpha = (a_pre, a_post, a_res)`` fp32 [3] and ``bias`` fp32 [m] on the
+device (weights: no host sync). ``T`` is a runtime value. The same source compiles for
+sm_90a and sm_100a.
 
 Tests / benchmark::
 
@@ -59,9 +66,11 @@ from .arch import current_arch, dispatch
 from .validate import check_cuda, check_tensor
 
 VEC = 8  # bf16 per 16-byte load
-CHUNK = 32 * VEC  # K elements per warp-wide step
+CHUNK = 128  # K elements per pipeline stage
+PITCH = CHUNK + 8  # shared-memory row pitch (elements): conflict-free ldmatrix
+STAGES = 4
 TOKEN_TILE = 32
-WARPS = 8
+COLS_PER_PASS = 4  # epilogue: (token, column) sums whose partials are loaded at once
 MAX_SPLITS = 32  # partials per (token, column): the last CTA reads them all
 MAX_STREAMS = 8  # pre/post-mix; the statistics kernel takes n <= 4 (its accumulators)
 MAX_STATS_STREAMS = 4
@@ -71,26 +80,31 @@ def num_maps(n: int) -> int:
     return 2 * n + n * n
 
 
+def padded_maps(n: int) -> int:
+    """Rows per phi plane: m rounded up to a multiple of 8 (the MMA's N granularity)."""
+    return -(-num_maps(n) // 8) * 8
+
+
 class MhcStats:
     """Compile-time configuration: streams ``n``, hidden ``C``, Sinkhorn iterations."""
 
-    def __init__(self, n: int, hidden: int, sinkhorn_iters: int, stages: int = 5):
+    def __init__(self, n: int, hidden: int, sinkhorn_iters: int, stages: int = STAGES):
         self.n, self.C, self.iters = n, hidden, sinkhorn_iters
         self.K = n * hidden
         self.m = num_maps(n)
+        self.mp = padded_maps(n)  # rows per phi plane (multiple of 8)
         self.nvec = self.K // VEC
         self.nchunks = -(-self.K // CHUNK)
-        self.opw = -(-self.m // WARPS)  # outputs per warp
-        self.threads = 32 * WARPS
+        self.threads = 128
         self.stages = stages
 
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, phi_ptr: cute.Pointer, alpha_ptr: cute.Pointer, bias_ptr: cute.Pointer,
                  h_ptr: cute.Pointer, part_ptr: cute.Pointer, count_ptr: cute.Pointer, num_tokens: Int32,
                  splits: Int32, chunks_per_split: Int32, eps: Float32, stream: cuda.CUstream):
-        m1 = self.m + 1
+        m1, N2 = self.m + 1, 2 * self.mp
         mX = cute.make_tensor(x_ptr, cute.make_layout((num_tokens, self.K), stride=(self.K, 1)))
-        mPhi = cute.make_tensor(phi_ptr, cute.make_layout((self.m, self.K), stride=(self.K, 1)))
+        mPhi = cute.make_tensor(phi_ptr, cute.make_layout((N2, self.K), stride=(self.K, 1)))  # [hi; lo] planes
         mAlpha = cute.make_tensor(alpha_ptr, cute.make_layout((3,)))
         mBias = cute.make_tensor(bias_ptr, cute.make_layout((self.m,)))
         mH = cute.make_tensor(h_ptr, cute.make_layout((num_tokens, self.m), stride=(self.m, 1)))
@@ -100,98 +114,108 @@ class MhcStats:
                                                             stride=(m1 * MAX_SPLITS, MAX_SPLITS, 1)))
         tiles = (num_tokens + TOKEN_TILE - 1) // TOKEN_TILE
         mCount = cute.make_tensor(count_ptr, cute.make_layout((tiles,)))
-        self.kernel(mX, mPhi, mAlpha, mBias, mH, mPart, mCount, num_tokens, splits, chunks_per_split, eps).launch(
-            grid=[splits, tiles, 1], block=[self.threads, 1, 1], stream=stream)
+        # 2 x 2 warps of m16n8k16 bf16 MMAs: warps split the 32 tokens and the phi rows.
+        tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, Float32, (16, 8, 16)),
+                                        cute.make_layout((2, 2, 1)))
+        self.kernel(mX, mPhi, mAlpha, mBias, mH, mPart, mCount, tiled_mma, num_tokens, splits, chunks_per_split,
+                    eps).launch(grid=[splits, tiles, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mPhi: cute.Tensor, mAlpha: cute.Tensor, mBias: cute.Tensor, mH: cute.Tensor,
-               mPart: cute.Tensor, mCount: cute.Tensor, num_tokens: Int32, splits: Int32, chunks_per_split: Int32,
-               eps: Float32):
-        TT, OPW, m, S = TOKEN_TILE, self.opw, self.m, self.stages
+               mPart: cute.Tensor, mCount: cute.Tensor, tiled_mma: cute.TiledMma, num_tokens: Int32, splits: Int32,
+               chunks_per_split: Int32, eps: Float32):
+        TT, m, S, N2, MP = TOKEN_TILE, self.m, self.stages, 2 * self.mp, self.mp
         tidx, _, _ = cute.arch.thread_idx()
         split, tile, _ = cute.arch.block_idx()
-        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         tok0 = tile * TT
         live = cutlass.min(num_tokens - tok0, TT)  # tokens of this tile
 
         smem = cutlass.memory.SmemAllocator()
-        # Stage s holds chunk c: X [TT, 256] bf16 and phi [m, 256] fp32, both K-contiguous.
-        sX = smem.allocate_tensor(mX.element_type, cute.make_layout((TT, CHUNK, S), stride=(CHUNK, 1, TT * CHUNK)),
+        # Stage s holds chunk c: X [TT, 128] and both phi planes [N2, 128], bf16, K-contiguous
+        # rows padded to PITCH (272 B): the 8 rows an ldmatrix reads hit 8 distinct 16-B
+        # bank groups.
+        sX = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((TT, CHUNK, S), stride=(PITCH, 1, TT * PITCH)),
                                   16)
-        sPhi = smem.allocate_tensor(Float32, cute.make_layout((m, CHUNK, S), stride=(CHUNK, 1, m * CHUNK)), 16)
+        sB = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((N2, CHUNK, S), stride=(PITCH, 1, N2 * PITCH)),
+                                  16)
+        sC = smem.allocate_tensor(Float32, cute.make_layout((TT, N2), stride=(N2, 1)), 16)
+        sSsq = smem.allocate_tensor(Float32, cute.make_layout((TT,)), 16)
         sP = smem.allocate_tensor(Float32, cute.make_layout((TT, m + 1), stride=(m + 1, 1)), 16)
         sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
 
-        # cp.async (16 B per copy): the loads of chunk c+S-1 are in flight while chunk c is
-        # multiplied -- one CTA per SM (registers) cannot hide HBM latency any other way.
-        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
-        gX4 = cute.zipped_divide(cute.recast_tensor(mX, Float32), (1, 4))  # 16-byte vectors
-        gPhi4 = cute.zipped_divide(mPhi, (1, 4))
-        sX4 = cute.zipped_divide(cute.recast_tensor(sX, Float32), (1, 4, 1))
-        sPhi4 = cute.zipped_divide(sPhi, (1, 4, 1))
+        # cp.async (16 B per copy), STAGES-1 chunks in flight ahead of the MMAs.
+        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.BFloat16, num_bits_per_copy=128)
+        gXv = cute.zipped_divide(mX, (1, VEC))
+        gBv = cute.zipped_divide(mPhi, (1, VEC))
+        sXv = cute.zipped_divide(sX, (1, VEC, 1))
+        sBv = cute.zipped_divide(sB, (1, VEC, 1))
         c_begin = split * chunks_per_split
         c_end = cutlass.min(c_begin + chunks_per_split, self.nchunks)
-
         for s0 in cutlass.range_constexpr(S - 1):
             if c_begin + s0 < c_end:
-                self.issue(gX4, gPhi4, sX4, sPhi4, atom, c_begin + s0, s0, tok0, live)
+                self.issue(gXv, gBv, sXv, sBv, atom, c_begin + s0, s0, tok0, live)
             cute.arch.cp_async_commit_group()
 
-        acc = cute.make_rmem_tensor(cute.make_layout((TT, OPW)), Float32)
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCsA = thr_mma.partition_A(sX)
+        tCsB = thr_mma.partition_B(sB)
+        tCrA = tiled_mma.make_fragment_A(tCsA[None, None, None, 0])
+        tCrB = tiled_mma.make_fragment_B(tCsB[None, None, None, 0])
+        tCsC = thr_mma.partition_C(sC)
+        acc = tiled_mma.make_fragment_C(tCsC)
         acc.fill(0.0)
-        ssq = cute.make_rmem_tensor(cute.make_layout((TT // WARPS,)), Float32)
-        ssq.fill(0.0)
-        rPhi = cute.make_rmem_tensor(cute.make_layout((VEC, OPW)), Float32)
-        rX = cute.make_rmem_tensor(cute.make_layout((VEC,)), mX.element_type)
-        sXv = cute.zipped_divide(sX, (1, VEC, 1))
-        sPhiv = cute.zipped_divide(sPhi, (1, VEC, 1))
+        s2r_A = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4),
+                                                           cutlass.BFloat16), tiled_mma)
+        s2r_B = cute.make_tiled_copy_B(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 2),
+                                                           cutlass.BFloat16), tiled_mma)
+        thr_s2r_A, thr_s2r_B = s2r_A.get_slice(tidx), s2r_B.get_slice(tidx)
+        tAsA = thr_s2r_A.partition_S(sX)
+        tArA = thr_s2r_A.retile(tCrA)
+        tBsB = thr_s2r_B.partition_S(sB)
+        tBrB = thr_s2r_B.retile(tCrB)
+
+        # Sum of squares on the FP32 pipes from the same stage: thread -> (token tidx / 4,
+        # a quarter of the chunk).
+        ssq = Float32(0.0)
+        rX = cute.make_rmem_tensor(cute.make_layout((VEC,)), cutlass.BFloat16)
+        q_tt, q_seg = tidx // 4, tidx % 4
         for c in cutlass.range(c_begin, c_end, 1):
             it = c - c_begin
             slot = it % S
             cute.arch.cp_async_wait_group(S - 2)
-            # Chunk c has landed for every thread's copies; and every warp has finished
+            # Chunk c has landed for every thread's copies, and every warp has finished
             # chunk c-1, whose slot the next issue overwrites.
             cute.arch.barrier()
             if c + S - 1 < c_end:
-                self.issue(gX4, gPhi4, sX4, sPhi4, atom, c + S - 1, (it + S - 1) % S, tok0, live)
+                self.issue(gXv, gBv, sXv, sBv, atom, c + S - 1, (it + S - 1) % S, tok0, live)
             cute.arch.cp_async_commit_group()
-            if c * (CHUNK // VEC) + lane < self.nvec:
-                rPhi.fill(0.0)
-                for o in cutlass.range_constexpr(OPW):
-                    j = warp * OPW + o
-                    if j < m:
-                        cute.autovec_copy(sPhiv[(0, None, 0), (j, lane, slot)], rPhi[None, o])
-                for g in cutlass.range_constexpr(TT // WARPS):
-                    if g * WARPS < live:  # skip whole groups of absent tokens (small T)
-                        for u in cutlass.range_constexpr(WARPS):
-                            tt = g * WARPS + u
-                            cute.autovec_copy(sXv[(0, None, 0), (tt, lane, slot)], rX)
-                            xs = rX.load().to(Float32)
-                            for o in cutlass.range_constexpr(OPW):
-                                a = acc[tt, o]
-                                for e in cutlass.range_constexpr(VEC):
-                                    a = a + xs[e] * rPhi[e, o]
-                                acc[tt, o] = a
-                            if warp == u:
-                                sq = ssq[g]
-                                for e in cutlass.range_constexpr(VEC):
-                                    sq = sq + xs[e] * xs[e]
-                                ssq[g] = sq
+            for kb in cutlass.range_constexpr(CHUNK // 16):
+                cute.copy(s2r_A, tAsA[None, None, kb, slot], tArA[None, None, kb])
+                cute.copy(s2r_B, tBsB[None, None, kb, slot], tBrB[None, None, kb])
+                cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
+            if q_tt < live:
+                for v in cutlass.range_constexpr(CHUNK // VEC // 4):
+                    kv = q_seg * (CHUNK // VEC // 4) + v
+                    if c * (CHUNK // VEC) + kv < self.nvec:
+                        cute.autovec_copy(sXv[(0, None, 0), (q_tt, kv, slot)], rX)
+                        xs = rX.load().to(Float32)
+                        for e in cutlass.range_constexpr(VEC):
+                            ssq = ssq + xs[e] * xs[e]
 
-        # Butterfly: every lane ends with the warp's total; lane tt stores token tt.
-        for tt in cutlass.range_constexpr(TT):
-            for o in cutlass.range_constexpr(OPW):
-                acc[tt, o] = cute.arch.warp_reduction_sum(acc[tt, o])
-        for g in cutlass.range_constexpr(TT // WARPS):
-            ssq[g] = cute.arch.warp_reduction_sum(ssq[g])
-        for tt in cutlass.range_constexpr(TT):
-            if lane == tt and tt < live:
-                for o in cutlass.range_constexpr(OPW):
-                    j = warp * OPW + o
-                    if j < m:
-                        mPart[tok0 + tt, j, split] = acc[tt, o]
-                if warp == tt % WARPS:
-                    mPart[tok0 + tt, m, split] = ssq[tt // WARPS]
+        # P partial = hi-plane + lo-plane products; sum of squares over the 4 quarter lanes.
+        tCsC.store(acc.load())
+        ssq = ssq + cute.arch.shuffle_sync_bfly(ssq, offset=1)
+        ssq = ssq + cute.arch.shuffle_sync_bfly(ssq, offset=2)
+        if q_seg == 0:
+            sSsq[q_tt] = ssq
+        cute.arch.barrier()
+        for idx in cutlass.range(tidx, live * (m + 1), self.threads):
+            tt = idx // (m + 1)
+            j = idx - tt * (m + 1)
+            if j < m:
+                mPart[tok0 + tt, j, split] = sC[tt, j] + sC[tt, MP + j]
+            else:
+                mPart[tok0 + tt, m, split] = sSsq[tt]
 
         # bar.sync orders every thread's partial stores before thread 0's cumulative
         # release fence; the acq_rel counter makes the last CTA of the tile see them all.
@@ -207,25 +231,32 @@ class MhcStats:
                 mCount[tile] = 0  # ready for the next launch (graph replay needs no host reset)
 
     @cute.jit
-    def issue(self, gX4: cute.Tensor, gPhi4: cute.Tensor, sX4: cute.Tensor, sPhi4: cute.Tensor, atom: cute.CopyAtom,
+    def issue(self, gXv: cute.Tensor, gBv: cute.Tensor, sXv: cute.Tensor, sBv: cute.Tensor, atom: cute.CopyAtom,
               c: Int32, slot: Int32, tok0: Int32, live: Int32):
-        """cp.async chunk ``c`` (X rows of the live tokens, all phi rows) into stage ``slot``."""
+        """cp.async chunk ``c`` (X rows of the live tokens, both phi planes) into stage ``slot``."""
         tidx, _, _ = cute.arch.thread_idx()
-        XV, PV = TOKEN_TILE * CHUNK // VEC, self.m * CHUNK // 4  # 16-byte copies per stage
+        VPR = CHUNK // VEC  # 16-byte vectors per row
+        XV, BV = TOKEN_TILE * VPR, 2 * self.mp * VPR
         for i in cutlass.range_constexpr(-(-XV // self.threads)):
             idx = tidx + i * self.threads
-            tt = idx // (CHUNK // VEC)
-            v = idx - tt * (CHUNK // VEC)
-            kv = c * (CHUNK // VEC) + v
-            if idx < XV and tt < live and kv < self.nvec:
-                cute.copy(atom, gX4[(0, None), (tok0 + tt, kv)], sX4[(0, None, 0), (tt, v, slot)])
-        for i in cutlass.range_constexpr(-(-PV // self.threads)):
+            tt = idx // VPR
+            v = idx - tt * VPR
+            kv = c * VPR + v
+            if idx < XV and tt < live:
+                if kv < self.nvec:
+                    cute.copy(atom, gXv[(0, None), (tok0 + tt, kv)], sXv[(0, None, 0), (tt, v, slot)])
+                else:
+                    sXv[(0, None, 0), (tt, v, slot)].fill(0.0)  # K tail: zeros, not stale chunks
+        for i in cutlass.range_constexpr(-(-BV // self.threads)):
             idx = tidx + i * self.threads
-            j = idx // (CHUNK // 4)
-            q = idx - j * (CHUNK // 4)
-            k4 = c * (CHUNK // 4) + q
-            if idx < PV and k4 * 4 < self.K:
-                cute.copy(atom, gPhi4[(0, None), (j, k4)], sPhi4[(0, None, 0), (j, q, slot)])
+            j = idx // VPR
+            v = idx - j * VPR
+            kv = c * VPR + v
+            if idx < BV:
+                if kv < self.nvec:
+                    cute.copy(atom, gBv[(0, None), (j, kv)], sBv[(0, None, 0), (j, v, slot)])
+                else:
+                    sBv[(0, None, 0), (j, v, slot)].fill(0.0)
 
     @cute.jit
     def epilogue(self, mAlpha: cute.Tensor, mBias: cute.Tensor, mH: cute.Tensor, mPart: cute.Tensor,
@@ -238,24 +269,26 @@ class MhcStats:
         # add, so the tile's partials stream in one latency round; summed in split order.
         CPT = -(-TOKEN_TILE * (m + 1) // self.threads)
         gPart = cute.zipped_divide(mPart, (1, 1, 4))
-        rS = cute.make_rmem_tensor(cute.make_layout(((4, MAX_SPLITS // 4), CPT), stride=((1, 4), MAX_SPLITS)), Float32)
-        rS.fill(0.0)
-        for k in cutlass.range_constexpr(CPT):
-            col = tidx + k * self.threads
-            tt = col // (m + 1)
-            j = col - tt * (m + 1)
-            for v in cutlass.range_constexpr(MAX_SPLITS // 4):
-                if tt < live and v * 4 < splits:
-                    cute.autovec_copy(gPart[(0, 0, None), (tok0 + tt, j, v)], rS[(None, v), k])
-        for k in cutlass.range_constexpr(CPT):
-            col = tidx + k * self.threads
-            tt = col // (m + 1)
-            j = col - tt * (m + 1)
-            s = Float32(0.0)
-            for q in cutlass.range_constexpr(MAX_SPLITS):
-                s = s + cutlass.select_(q < splits, rS[(q % 4, q // 4), k], Float32(0.0))
-            if tt < live:
-                sP[tt, j] = s
+        rS = cute.make_rmem_tensor(cute.make_layout(((4, MAX_SPLITS // 4), COLS_PER_PASS),
+                                                    stride=((1, 4), MAX_SPLITS)), Float32)
+        for p0 in cutlass.range_constexpr(0, CPT, COLS_PER_PASS):
+            rS.fill(0.0)
+            for k in cutlass.range_constexpr(COLS_PER_PASS):
+                col = tidx + (p0 + k) * self.threads
+                tt = col // (m + 1)
+                j = col - tt * (m + 1)
+                for v in cutlass.range_constexpr(MAX_SPLITS // 4):
+                    if tt < live and v * 4 < splits:
+                        cute.autovec_copy(gPart[(0, 0, None), (tok0 + tt, j, v)], rS[(None, v), k])
+            for k in cutlass.range_constexpr(COLS_PER_PASS):
+                col = tidx + (p0 + k) * self.threads
+                tt = col // (m + 1)
+                j = col - tt * (m + 1)
+                s = Float32(0.0)
+                for q in cutlass.range_constexpr(MAX_SPLITS):
+                    s = s + cutlass.select_(q < splits, rS[(q % 4, q // 4), k], Float32(0.0))
+                if tt < live:
+                    sP[tt, j] = s
         cute.arch.barrier()
         a_pre, a_post, a_res = mAlpha[0], mAlpha[1], mAlpha[2]
         one = Float32(1.0)
@@ -308,7 +341,8 @@ def _build(arch: str, *, n: int, hidden: int, sinkhorn_iters: int):
     if not MhcStats.can_implement(n, hidden, sinkhorn_iters):
         raise ValueError(f"mhc_stats: unsupported n={n}, hidden={hidden}, sinkhorn_iters={sinkhorn_iters}")
     P = jit.fake_gmem_ptr
-    args = (P(cutlass.BFloat16, 16), P(Float32, 16), P(Float32, 4), P(Float32, 4), P(Float32, 4), P(Float32, 16),
+    args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(Float32, 4), P(Float32, 4), P(Float32, 4),
+            P(Float32, 16),
             P(Int32, 4), Int32(1), Int32(1), Int32(1), Float32(1e-6), jit.fake_stream())
     return MhcStats(n, hidden, sinkhorn_iters), args
 
@@ -348,9 +382,32 @@ class MhcStatsWorkspace:
         self.counters = torch.zeros(-(-max_tokens // TOKEN_TILE), dtype=torch.int32, device=device)
 
 
+def mhc_split_phi(phi: torch.Tensor) -> torch.Tensor:
+    """fp32 ``phi [m, K]`` -> the kernel's bf16 ``[2 * mp, K]``: a high and a low plane.
+
+    ``hi = bf16(phi)``, ``lo = bf16(phi - hi)`` (rows ``m..mp-1`` of each plane are zero), so
+    ``hi + lo`` carries 16 significant bits of every weight (relative error <= 2^-17) and
+    one bf16 MMA pass over both planes with FP32 accumulation gives ``x . phi`` to about
+    FP32 quality. phi is a weight: split it once at load time, not per call.
+    """
+    check_tensor("mhc_split_phi", "phi", phi, dtype=torch.float32, ndim=2, contiguous=True, align_bytes=0)
+    m, K = phi.shape
+    n = next((k for k in range(1, MAX_STATS_STREAMS + 1) if num_maps(k) == m), None)
+    if n is None:
+        raise ValueError(f"mhc_split_phi: phi.shape[0] = {m} is not 2n + n*n for n in 1..{MAX_STATS_STREAMS}")
+    mp = padded_maps(n)
+    out = torch.zeros(2, mp, K, dtype=torch.bfloat16, device=phi.device)
+    out[0, :m] = phi.bfloat16()
+    out[1, :m] = (phi - out[0, :m].float()).bfloat16()
+    return out.view(2 * mp, K)
+
+
 def _reference_path(x, phi, alpha, bias, eps, iters, out):
     """Fallback for devices without a CuTe path (not the test reference: tests/references.py)."""
     T, n, C = x.shape
+    if phi.dtype == torch.bfloat16:
+        mp = phi.shape[0] // 2
+        phi = (phi[:mp].float() + phi[mp:].float())[:num_maps(n)]
     xf = x.float().reshape(T, n * C)
     P = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * (xf @ phi.T)
     h_pre = torch.sigmoid(alpha[0] * P[:, :n] + bias[:n])
@@ -368,11 +425,12 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
               max_ctas: int | None = None, stream=None, arch: str | None = None) -> torch.Tensor:
     """mHC mappings ``H [T, 2n + n*n]`` (fp32: ``[H_pre | H_post | H_res row-major]``) from ``x [T, n, C]``.
 
-    ``phi`` is fp32 ``[2n + n*n, n*C]`` (one row per mapping coefficient), ``alpha`` fp32
+    ``phi`` is fp32 ``[2n + n*n, n*C]`` (one row per mapping coefficient) or, for the hot
+    path, its split planes from :func:`mhc_split_phi` (bf16 ``[2 mp, n*C]``), ``alpha`` fp32
     ``[3]`` = ``(a_pre, a_post, a_res)``, ``bias`` fp32 ``[2n + n*n]``. Pass a
     :class:`MhcStatsWorkspace` and ``out`` to make the call allocation-free (graph capture).
-    ``max_ctas`` (default: one per SM -- a CTA's registers and pipeline fill one SM) bounds the split-K grid -- fewer CTAs leave SMs to
-    the kernels a side-stream launch should overlap.
+    ``max_ctas`` (default: one per SM) bounds the split-K grid -- fewer CTAs leave SMs to the
+    kernels a side-stream launch should overlap.
     """
     op = "mhc_stats"
     check_tensor(op, "x", x, dtype=torch.bfloat16, ndim=3, contiguous=True, align_bytes=0)
@@ -385,7 +443,11 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
     m, K = num_maps(n), n * C
     if T * K >= 2**31:
         raise ValueError(f"{op}: x has {T * K} elements; 32-bit indexing needs fewer than 2**31")
-    check_tensor(op, "phi", phi, dtype=torch.float32, shape=(m, K), contiguous=True, align_bytes=16)
+    check_tensor(op, "phi", phi, dtype=(torch.float32, torch.bfloat16), ndim=2, contiguous=True, align_bytes=16)
+    if phi.dtype == torch.float32:
+        check_tensor(op, "phi", phi, shape=(m, K))
+    else:
+        check_tensor(op, "phi", phi, shape=(2 * padded_maps(n), K))
     check_tensor(op, "alpha", alpha, dtype=torch.float32, shape=(3,), contiguous=True, align_bytes=4)
     check_tensor(op, "bias", bias, dtype=torch.float32, shape=(m,), contiguous=True, align_bytes=4)
     if not isinstance(sinkhorn_iters, int) or not 0 <= sinkhorn_iters <= 100:
@@ -412,9 +474,11 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
     if max_ctas is not None and (not isinstance(max_ctas, int) or max_ctas < 1):
         raise ValueError(f"{op}: max_ctas must be a positive int, got {max_ctas!r}")
     splits, per = plan_splits(T, K, max_ctas or _num_sms(x.device.index or 0))
+    if phi.dtype == torch.float32:
+        phi = mhc_split_phi(phi)  # allocates: callers on the hot path pass the split planes
     fn = MhcStats.compile(a, n, C, sinkhorn_iters)
     P = jit.gmem_ptr
-    fn(P(cutlass.BFloat16, x, 16), P(Float32, phi, 16), P(Float32, alpha, 4), P(Float32, bias, 4),
+    fn(P(cutlass.BFloat16, x, 16), P(cutlass.BFloat16, phi, 16), P(Float32, alpha, 4), P(Float32, bias, 4),
        P(Float32, out, 4), P(Float32, workspace.partials, 16), P(Int32, workspace.counters, 4), jit.i32(T),
        jit.i32(splits), jit.i32(per), jit.f32(eps), jit.cu_stream(stream))
     return out
