@@ -311,27 +311,27 @@ class MhcStats:
         # reciprocals of a step are independent, so a step is ~one add chain + one RCP.
         if tidx < live:
             r = cute.math.rsqrt(sP[tidx, m] / Float32(self.K) + eps)
-            M = cute.make_rmem_tensor(cute.make_layout((n, n), stride=(n, 1)), Float32)
+            # Flat, row-major: M[i * n + j]. (A 2-D CuTe tensor indexed with one integer
+            # walks its coordinates column-major, which would transpose H_res.)
+            M = cute.make_rmem_tensor(cute.make_layout((n * n,)), Float32)
             for e in cutlass.range_constexpr(n * n):
                 M[e] = cute.math.exp(a_res * (r * sP[tidx, 2 * n + e]) + mBias[2 * n + e])
             inv = cute.make_rmem_tensor(cute.make_layout((n,)), Float32)
             for _ in cutlass.range_constexpr(self.iters):
                 for i in cutlass.range_constexpr(n):
-                    s = M[i, 0]
+                    s = M[i * n]
                     for j in cutlass.range_constexpr(1, n):
-                        s = s + M[i, j]
+                        s = s + M[i * n + j]
                     inv[i] = cute.arch.rcp_approx(s)
-                for i in cutlass.range_constexpr(n):
-                    for j in cutlass.range_constexpr(n):
-                        M[i, j] = M[i, j] * inv[i]
+                for e in cutlass.range_constexpr(n * n):
+                    M[e] = M[e] * inv[e // n]
                 for j in cutlass.range_constexpr(n):
-                    s = M[0, j]
+                    s = M[j]
                     for i in cutlass.range_constexpr(1, n):
-                        s = s + M[i, j]
+                        s = s + M[i * n + j]
                     inv[j] = cute.arch.rcp_approx(s)
-                for i in cutlass.range_constexpr(n):
-                    for j in cutlass.range_constexpr(n):
-                        M[i, j] = M[i, j] * inv[j]
+                for e in cutlass.range_constexpr(n * n):
+                    M[e] = M[e] * inv[e % n]
             for e in cutlass.range_constexpr(n * n):
                 mH[tok0 + tidx, 2 * n + e] = M[e]
 
