@@ -174,3 +174,22 @@ def mhc_post_mix_ref(x, h, f):
         acc = acc + h[:, n + i, None] * f.float()
         out[:, i] = acc.bfloat16()
     return out
+
+
+# --------------------------------------------------------------------- indexer ---------
+def indexer_scores_ref(q, w, k_cache, kv_offset, kv_len, pos, max_keys, slot_valid=None):
+    """float64 scores [T, max_keys] with the candidate mask applied (-inf = not a candidate)."""
+    T, H, D = q.shape
+    R = k_cache.shape[0]
+    out = torch.full((T, max_keys), float("-inf"), dtype=torch.float64)
+    for t in range(T):
+        off = int(kv_offset[t])
+        lim = min(int(pos[t]) + 1, int(kv_len[t]), max_keys, R - off) if off >= 0 else 0
+        if lim <= 0:
+            continue
+        keys = k_cache[off:off + lim].double()
+        s = (torch.relu(keys @ q[t].double().T) * w[t].double()).sum(-1)
+        if slot_valid is not None:
+            s = torch.where(slot_valid[off:off + lim].bool(), s, torch.full_like(s, float("-inf")))
+        out[t, :lim] = s
+    return out

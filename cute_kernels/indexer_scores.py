@@ -1,0 +1,174 @@
+"""Lightning-indexer scores with the candidate mask applied in the same kernel.
+
+For query token ``t`` (absolute position ``pos[t]``, its sequence's keys at rows
+``kv_offset[t] + s`` of ``k_cache``, ``kv_len[t]`` of them cached)::
+
+    score[t, s] = sum_h w[t, h] * relu(q[t, h, :] . k_cache[kv_offset[t] + s, :])   (FP32)
+    score[t, s] = -inf   unless  s <= pos[t]  and  s < kv_len[t]  and  slot_valid[row]
+                                 (and the row lies inside k_cache: bad offsets mask, never fault)
+
+The mask is evaluated in the epilogue from those per-token integers (and the optional
+per-slot byte array of the paged pool): no ``[T, S]`` mask is materialised and no second
+pass rewrites the scores. Keys past ``min(pos + 1, kv_len)`` are never loaded; a tile with
+no candidate key writes ``-inf`` without touching the cache. NaN scores are written as
+``-inf`` (never selected). :mod:`cute_kernels.indexer_topk` turns the rows into indices.
+
+Kernel (tensor cores, ``mma.sync m16n8k16``, bf16 in, FP32 accumulate): one CTA per
+``(128-key tile, token)``; ``q[t]`` (``[H, D] = [64, 128]``) and the key tile ``[128, D]``
+arrive by cp.async into padded shared-memory rows (conflict-free ldmatrix), 2 x 2 warps
+compute ``C = q k^T [64, 128]``; C goes to shared memory and thread ``s`` reduces column
+``s`` over the heads in a fixed order (deterministic). The warp-MMA path is the same
+source on sm_90a and sm_100a; a wgmma / tcgen05 variant is not written (issue 7).
+
+Constraints: ``H % 32 == 0`` and ``D % 16 == 0`` (static; 64 x 128 as in DeepSeek's
+indexer), bf16 ``q``/``k_cache``, fp32 ``w``, int32 metadata. T and S are runtime.
+
+Tests / bench::
+
+    pytest tests/test_indexer.py
+    python bench/bench_indexer.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from . import jit
+
+VEC = 8
+KEY_TILE = 128
+
+
+class IndexerScores:
+    """Compile-time configuration: heads ``H``, head dim ``D``, whether a slot mask exists."""
+
+    def __init__(self, heads: int, dim: int, has_slot_mask: bool):
+        self.H, self.D, self.has_slot_mask = heads, dim, has_slot_mask
+        self.pitch = dim + 8  # shared-memory row pitch: ldmatrix rows land in distinct banks
+        self.threads = 128
+
+    @cute.jit
+    def __call__(self, q_ptr: cute.Pointer, w_ptr: cute.Pointer, k_ptr: cute.Pointer, off_ptr: cute.Pointer,
+                 len_ptr: cute.Pointer, pos_ptr: cute.Pointer, valid_ptr: cute.Pointer, score_ptr: cute.Pointer,
+                 num_tokens: Int32, num_rows: Int32, s_max: Int32, stream: cuda.CUstream):
+        H, D = self.H, self.D
+        mQ = cute.make_tensor(q_ptr, cute.make_layout((num_tokens, H, D), stride=(H * D, D, 1)))
+        mW = cute.make_tensor(w_ptr, cute.make_layout((num_tokens, H), stride=(H, 1)))
+        mK = cute.make_tensor(k_ptr, cute.make_layout((num_rows, D), stride=(D, 1)))
+        mOff = cute.make_tensor(off_ptr, cute.make_layout((num_tokens,)))
+        mLen = cute.make_tensor(len_ptr, cute.make_layout((num_tokens,)))
+        mPos = cute.make_tensor(pos_ptr, cute.make_layout((num_tokens,)))
+        mValid = cute.make_tensor(valid_ptr, cute.make_layout((num_rows,)))
+        mScore = cute.make_tensor(score_ptr, cute.make_layout((num_tokens, s_max), stride=(s_max, 1)))
+        tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, Float32, (16, 8, 16)),
+                                        cute.make_layout((2, 2, 1)))
+        self.kernel(mQ, mW, mK, mOff, mLen, mPos, mValid, mScore, tiled_mma, num_rows, s_max).launch(
+            grid=[(s_max + KEY_TILE - 1) // KEY_TILE, num_tokens, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mW: cute.Tensor, mK: cute.Tensor, mOff: cute.Tensor, mLen: cute.Tensor,
+               mPos: cute.Tensor, mValid: cute.Tensor, mScore: cute.Tensor, tiled_mma: cute.TiledMma,
+               num_rows: Int32, s_max: Int32):
+        H, D, P = self.H, self.D, self.pitch
+        tidx, _, _ = cute.arch.thread_idx()
+        kt, t, _ = cute.arch.block_idx()
+        s0 = kt * KEY_TILE
+        # Candidates of token t: keys [0, limit) (causal and within the cached length).
+        off = mOff[t]
+        # ... and rows inside the cache: a bad offset masks keys, never reads out of bounds.
+        limit = cutlass.min(cutlass.min(mPos[t] + 1, mLen[t]), num_rows - off)
+        limit = cutlass.select_(off < 0, Int32(0), limit)
+        neg_inf = Float32(float("-inf"))
+        if s0 >= limit:
+            for s in cutlass.range(tidx, cutlass.min(KEY_TILE, s_max - s0), self.threads):
+                mScore[t, s0 + s] = neg_inf
+        else:
+            smem = cutlass.memory.SmemAllocator()
+            sQ = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((H, D), stride=(P, 1)), 16)
+            sK = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((KEY_TILE, D), stride=(P, 1)), 16)
+            sC = smem.allocate_tensor(Float32, cute.make_layout((H, KEY_TILE), stride=(KEY_TILE, 1)), 16)
+            sW = smem.allocate_tensor(Float32, cute.make_layout((H,)), 16)
+
+            atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.BFloat16, num_bits_per_copy=128)
+            gQv = cute.zipped_divide(mQ[t, None, None], (1, VEC))
+            gKv = cute.zipped_divide(mK, (1, VEC))
+            sQv = cute.zipped_divide(sQ, (1, VEC))
+            sKv = cute.zipped_divide(sK, (1, VEC))
+            VPR = D // VEC
+            for i in cutlass.range_constexpr(H * VPR // self.threads):
+                idx = tidx + i * self.threads
+                cute.copy(atom, gQv[(0, None), (idx // VPR, idx % VPR)], sQv[(0, None), (idx // VPR, idx % VPR)])
+            for i in cutlass.range_constexpr(KEY_TILE * VPR // self.threads):
+                idx = tidx + i * self.threads
+                s = idx // VPR
+                # Keys past the limit are not loaded: their columns are masked below, and a
+                # column of C depends on its own key row only.
+                if s0 + s < limit:
+                    cute.copy(atom, gKv[(0, None), (off + s0 + s, idx % VPR)], sKv[(0, None), (s, idx % VPR)])
+            for h in cutlass.range(tidx, H, self.threads):
+                sW[h] = mW[t, h]
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+
+            thr_mma = tiled_mma.get_slice(tidx)
+            tCsA = thr_mma.partition_A(sQ)
+            tCsB = thr_mma.partition_B(sK)
+            tCrA = tiled_mma.make_fragment_A(tCsA)
+            tCrB = tiled_mma.make_fragment_B(tCsB)
+            tCsC = thr_mma.partition_C(sC)
+            acc = tiled_mma.make_fragment_C(tCsC)
+            acc.fill(0.0)
+            s2r_A = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4),
+                                                               cutlass.BFloat16), tiled_mma)
+            s2r_B = cute.make_tiled_copy_B(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 2),
+                                                               cutlass.BFloat16), tiled_mma)
+            thr_A, thr_B = s2r_A.get_slice(tidx), s2r_B.get_slice(tidx)
+            tAsA, tArA = thr_A.partition_S(sQ), thr_A.retile(tCrA)
+            tBsB, tBrB = thr_B.partition_S(sK), thr_B.retile(tCrB)
+            for kb in cutlass.range_constexpr(D // 16):
+                cute.copy(s2r_A, tAsA[None, None, kb], tArA[None, None, kb])
+                cute.copy(s2r_B, tBsB[None, None, kb], tBrB[None, None, kb])
+                cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
+            tCsC.store(acc.load())
+            cute.arch.barrier()
+
+            # Thread s owns key column s: FP32 weighted ReLU sum over the heads in order.
+            for s in cutlass.range(tidx, cutlass.min(KEY_TILE, s_max - s0), self.threads):
+                acc_s = Float32(0.0)
+                for h in cutlass.range(H, unroll_full=True):
+                    acc_s = acc_s + sW[h] * cutlass.max(sC[h, s], Float32(0.0))
+                ok = s0 + s < limit
+                if cutlass.const_expr(self.has_slot_mask):
+                    if ok:
+                        ok = mValid[off + s0 + s] != 0
+                # acc_s != acc_s is NaN: ranked as masked
+                mScore[t, s0 + s] = cutlass.select_(ok and acc_s == acc_s, acc_s, neg_inf)
+
+    @staticmethod
+    def can_implement(heads: int, dim: int) -> bool:
+        return heads % 32 == 0 and 32 <= heads <= 128 and dim % 16 == 0 and 16 <= dim <= 256
+
+
+def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool):
+    if not IndexerScores.can_implement(heads, dim):
+        raise ValueError(f"indexer_scores: unsupported heads={heads}, dim={dim}")
+    P = jit.fake_gmem_ptr
+    args = (P(cutlass.BFloat16, 16), P(Float32, 16), P(cutlass.BFloat16, 16), P(Int32, 4), P(Int32, 4),
+            P(Int32, 4), P(cutlass.Uint8, 1), P(Float32, 16), Int32(1), Int32(1), Int32(4), jit.fake_stream())
+    return IndexerScores(heads, dim, has_slot_mask), args
+
+
+KERNEL = jit.register(jit.KernelDef(
+    name="indexer_scores",
+    build=_build,
+    sources=(os.path.abspath(__file__),),
+    archs=("sm_90a", "sm_100a", "sm_103a"),
+    aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False}, {"heads": 64, "dim": 128, "has_slot_mask": True}),
+    description="lightning-indexer scores (warp MMA) with causal / length / slot masking in the epilogue",
+))

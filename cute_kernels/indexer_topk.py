@@ -1,0 +1,315 @@
+"""Indexer top-k: the ``topk`` best candidate keys per query token, masking fused upstream.
+
+``indexer_topk(q, w, k_cache, kv_offset, kv_len, pos, slot_valid, topk)`` runs two launches:
+:mod:`cute_kernels.indexer_scores` (scores with the causal / length / slot mask applied in
+its epilogue: masked keys are ``-inf``) and the radix select here. Output: int32
+``indices [T, topk]``, the selected key positions of each token **in ascending order**,
+then ``-1`` where the token has fewer than ``topk`` candidates. Ties at the k-th score are
+broken towards the lower key index, so the result is deterministic.
+
+Radix select (one CTA of 512 threads per token). Scores map to order-preserving uint32 keys
+(``-inf`` -> 0x007FFFFF, every finite score above it). Three counting passes over the row
+(11 + 11 + 10 bits; shared-memory histograms, each pass counting only keys that match the
+digits found so far) find the exact k-th largest key ``K*`` and how many keys equal to it
+are taken. A last pass compacts in index order: chunks of 8192 scores (16 per thread,
+four 16-byte loads), a block-wide exclusive scan of per-thread counts, and each selected
+key written at its rank. With at most ``topk`` candidates the passes are skipped and every
+candidate is written.
+
+Constraints: ``topk`` static (default 2048), ``topk <= 65535``; the score row pitch is a
+multiple of 4 (the host pads it). Same source on sm_90a and sm_100a.
+
+Tests / bench::
+
+    pytest tests/test_indexer.py
+    python bench/bench_indexer.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint32
+
+from . import jit
+from .arch import current_arch, dispatch
+from .indexer_scores import KEY_TILE, IndexerScores
+from .validate import check_cuda, check_tensor
+
+NEG_INF_KEY = 0x007FFFFF  # order-preserving key of -inf
+ITEMS = 16  # scores per thread per compaction chunk
+BINS = 2048
+
+
+@cute.jit
+def order_key(bits: Uint32) -> Uint32:
+    """Float bits -> uint32 whose unsigned order is the float order (NaN excluded upstream)."""
+    return cutlass.select_((bits >> 31) == Uint32(1), ~bits, bits | Uint32(0x80000000))
+
+
+class IndexerTopk:
+    def __init__(self, topk: int, threads: int = 512):
+        self.k, self.threads = topk, threads
+        self.warps = threads // 32
+
+    @cute.jit
+    def __call__(self, score_ptr: cute.Pointer, len_ptr: cute.Pointer, pos_ptr: cute.Pointer, idx_ptr: cute.Pointer,
+                 num_tokens: Int32, s_pitch: Int32, s_max: Int32, stream: cuda.CUstream):
+        pitch = cute.assume(s_pitch, divby=4)
+        mScore = cute.make_tensor(score_ptr, cute.make_layout((num_tokens, pitch), stride=(pitch, 1)))
+        mLen = cute.make_tensor(len_ptr, cute.make_layout((num_tokens,)))
+        mPos = cute.make_tensor(pos_ptr, cute.make_layout((num_tokens,)))
+        mIdx = cute.make_tensor(idx_ptr, cute.make_layout((num_tokens, self.k), stride=(self.k, 1)))
+        self.kernel(mScore, mLen, mPos, mIdx, s_max).launch(grid=[num_tokens, 1, 1], block=[self.threads, 1, 1],
+                                                            stream=stream)
+
+    @cute.kernel
+    def kernel(self, mScore: cute.Tensor, mLen: cute.Tensor, mPos: cute.Tensor, mIdx: cute.Tensor, s_max: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        t, _, _ = cute.arch.block_idx()
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        limit = cutlass.min(cutlass.min(mPos[t] + 1, mLen[t]), s_max)  # keys past it are -inf
+        mBits = cute.recast_tensor(mScore, Uint32)
+        row = mBits[t, None]
+
+        smem = cutlass.memory.SmemAllocator()
+        sHist = smem.allocate_tensor(Int32, cute.make_layout((BINS,)), 16)
+        sWarp = smem.allocate_tensor(Int32, cute.make_layout((self.warps,)), 16)
+        sState = smem.allocate_tensor(Int32, cute.make_layout((4,)), 16)
+
+        # ---- pass 0: top 11 bits; also counts the candidates (keys above -inf's) -------------
+        self.histogram(row, limit, sHist, Uint32(0), 21, 0x7FF, 32)
+        if warp == 0:
+            self.find_digit(sHist, sState, Int32(self.k), 11, True)
+        cute.arch.barrier()
+        thr = Uint32(NEG_INF_KEY)  # K*: the k-th largest key (or -inf's when all are taken)
+        take_eq = Int32(0)
+        if sState[2] > self.k:
+            d0 = Uint32(sState[0])
+            self.histogram(row, limit, sHist, d0, 10, 0x7FF, 21)
+            if warp == 0:
+                self.find_digit(sHist, sState, sState[1], 11, False)
+            cute.arch.barrier()
+            d1 = (d0 << 11) | Uint32(sState[0])
+            self.histogram(row, limit, sHist, d1, 0, 0x3FF, 10)
+            if warp == 0:
+                self.find_digit(sHist, sState, sState[1], 10, False)
+            cute.arch.barrier()
+            thr = (d1 << 10) | Uint32(sState[0])
+            take_eq = sState[1]
+        self.compact(row, limit, thr, take_eq, sWarp, mIdx, t)
+
+    @cute.jit
+    def histogram(self, row: cute.Tensor, limit: Int32, sHist: cute.Tensor, prefix: Uint32, shift: int, dmask: int,
+                  pshift: int):
+        """Count digit ``(key >> shift) & dmask`` of the keys whose ``key >> pshift == prefix``."""
+        tidx, _, _ = cute.arch.thread_idx()
+        for b in cutlass.range(tidx, BINS, self.threads):
+            sHist[b] = 0
+        cute.arch.barrier()
+        for i in cutlass.range(tidx, limit, self.threads, unroll=4):
+            key = order_key(row[i])
+            match = True
+            if cutlass.const_expr(pshift < 32):
+                match = (key >> pshift) == prefix
+            if match:
+                cute.arch.atomic_add((sHist.iterator + Int32((key >> shift) & Uint32(dmask))).llvm_ptr, Int32(1))
+        cute.arch.barrier()
+
+    @cute.jit
+    def find_digit(self, sHist: cute.Tensor, sState: cute.Tensor, k_rem: Int32, bits: int, first: bool):
+        """Warp 0: the digit holding the k_rem-th largest key -> sState[0], how many of that
+        digit's keys are still to take -> sState[1]; on the first pass also the number of
+        candidates (keys above -inf's, digit > 3) -> sState[2]."""
+        lane = cute.arch.lane_idx()
+        nb = 1 << bits
+        per = nb // 32
+        top = nb - 1 - lane * per  # lane l owns bins top, top-1, ..., top-per+1 (descending)
+        c = Int32(0)
+        for j in cutlass.range(per, unroll_full=True):
+            c = c + sHist[top - j]
+        incl = c
+        for sh in cutlass.range_constexpr(5):
+            o = cute.arch.shuffle_sync_up(incl, offset=1 << sh)
+            incl = incl + cutlass.select_(lane >= (1 << sh), o, Int32(0))
+        if cutlass.const_expr(first):
+            valid = Int32(0)
+            for j in cutlass.range(per, unroll_full=True):
+                valid = valid + cutlass.select_(top - j > 3, sHist[top - j], Int32(0))
+            valid = cute.arch.warp_reduction_sum(valid)
+            if lane == 0:
+                sState[2] = valid
+        # incl is non-decreasing in the lane: the crossing lane is the count of lanes below k_rem
+        below = Int32(cute.arch.popc(cute.arch.vote_ballot_sync(incl < k_rem)))
+        if lane == below:
+            run = incl - c
+            found = Int32(0)
+            for j in cutlass.range(per, unroll_full=True):
+                h = sHist[top - j]
+                if found == 0 and run + h >= k_rem:
+                    sState[0] = top - j
+                    sState[1] = k_rem - run
+                    found = Int32(1)
+                run = run + h
+
+    @cute.jit
+    def compact(self, row: cute.Tensor, limit: Int32, thr: Uint32, take_eq: Int32, sWarp: cute.Tensor,
+                mIdx: cute.Tensor, t: Int32):
+        """Write, in index order, keys > thr and the first take_eq keys == thr; pad with -1."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        CH = self.threads * ITEMS
+        gRow = cute.zipped_divide(row, (4,))
+        rB = cute.make_rmem_tensor(cute.make_layout((ITEMS,)), Uint32)
+        gt_run, eq_run = Int32(0), Int32(0)
+        for base in cutlass.range(0, limit, CH):
+            first = base + tidx * ITEMS
+            for v in cutlass.range_constexpr(ITEMS // 4):
+                if first + v * 4 < limit:
+                    cute.autovec_copy(gRow[None, first // 4 + v], cute.zipped_divide(rB, (4,))[None, v])
+            n_gt, n_eq = Int32(0), Int32(0)
+            for j in cutlass.range_constexpr(ITEMS):
+                key = order_key(rB[j])
+                live = first + j < limit
+                n_gt = n_gt + cutlass.select_(live and key > thr, Int32(1), Int32(0))
+                n_eq = n_eq + cutlass.select_(live and key == thr, Int32(1), Int32(0))
+            # Block exclusive scan of the packed (eq << 16 | gt) counts: a chunk holds < 2^16.
+            packed = (n_eq << 16) | n_gt
+            incl = packed
+            for sh in cutlass.range_constexpr(5):
+                o = cute.arch.shuffle_sync_up(incl, offset=1 << sh)
+                incl = incl + cutlass.select_(lane >= (1 << sh), o, Int32(0))
+            if lane == 31:
+                sWarp[warp] = incl
+            cute.arch.barrier()
+            before, total = Int32(0), Int32(0)
+            for w in cutlass.range_constexpr(self.warps):
+                x = sWarp[w]
+                before = before + cutlass.select_(w < warp, x, Int32(0))
+                total = total + x
+            cute.arch.barrier()  # sWarp is rewritten by the next chunk
+            excl = before + incl - packed
+            gt_before = gt_run + (excl & 0xFFFF)
+            eq_before = eq_run + (excl >> 16)
+            for j in cutlass.range_constexpr(ITEMS):
+                key = order_key(rB[j])
+                live = first + j < limit
+                is_gt = live and key > thr
+                is_eq = live and key == thr
+                if is_gt or (is_eq and eq_before < take_eq):
+                    mIdx[t, gt_before + cutlass.min(eq_before, take_eq)] = first + j
+                gt_before = gt_before + cutlass.select_(is_gt, Int32(1), Int32(0))
+                eq_before = eq_before + cutlass.select_(is_eq, Int32(1), Int32(0))
+            gt_run = gt_run + (total & 0xFFFF)
+            eq_run = eq_run + (total >> 16)
+        n_sel = gt_run + cutlass.min(eq_run, take_eq)
+        for p in cutlass.range(n_sel + tidx, self.k, self.threads):
+            mIdx[t, p] = -1
+
+    @staticmethod
+    def can_implement(topk: int) -> bool:
+        return 1 <= topk <= 65535
+
+
+def _build(arch: str, *, topk: int):
+    if not IndexerTopk.can_implement(topk):
+        raise ValueError(f"indexer_topk: unsupported topk={topk}")
+    P = jit.fake_gmem_ptr
+    args = (P(Float32, 16), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(1), Int32(4), Int32(4), jit.fake_stream())
+    return IndexerTopk(topk), args
+
+
+KERNEL = jit.register(jit.KernelDef(
+    name="indexer_topk",
+    build=_build,
+    sources=(os.path.abspath(__file__),),
+    archs=("sm_90a", "sm_100a", "sm_103a"),
+    aot_configs=({"topk": 2048},),
+    description="radix-select top-k of masked indexer scores, ascending indices, -1 padded",
+))
+
+
+class IndexerWorkspace:
+    """Score rows for up to ``max_tokens`` tokens and ``max_keys`` keys (graph capturable)."""
+
+    def __init__(self, max_tokens: int, max_keys: int, device="cuda"):
+        if not isinstance(max_tokens, int) or max_tokens < 1 or not isinstance(max_keys, int) or max_keys < 1:
+            raise ValueError(f"indexer_topk: max_tokens and max_keys must be positive ints, got "
+                             f"{max_tokens!r}, {max_keys!r}")
+        self.max_tokens, self.max_keys = max_tokens, max_keys
+        self.pitch = -(-max_keys // 4) * 4
+        self.scores = torch.empty(max_tokens, self.pitch, dtype=torch.float32, device=device)
+
+
+def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_offset: torch.Tensor,
+                 kv_len: torch.Tensor, pos: torch.Tensor, *, topk: int = 2048, max_keys: int | None = None,
+                 slot_valid: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 workspace: IndexerWorkspace | None = None, stream=None, arch: str | None = None) -> torch.Tensor:
+    """Top-``topk`` candidate keys per token: int32 ``[T, topk]``, ascending, ``-1`` padded.
+
+    ``q [T, H, D]`` bf16, ``w [T, H]`` fp32, ``k_cache [R, D]`` bf16 (all sequences' index
+    keys; token t's key s is row ``kv_offset[t] + s``), int32 ``kv_offset``, ``kv_len``,
+    ``pos`` of shape ``[T]``, optional ``slot_valid [R]`` (bool / uint8; 0 = padded or
+    invalid slot). ``max_keys`` bounds every ``min(pos + 1, kv_len)`` (default: R); it sizes
+    the grid, so no host sync reads the lengths. Key s of token t is a candidate iff
+    ``s <= pos[t]``, ``s < kv_len[t]``, ``s < max_keys``, its row is inside ``k_cache`` and
+    its slot is valid.
+    """
+    op = "indexer_topk"
+    check_tensor(op, "q", q, dtype=torch.bfloat16, ndim=3, contiguous=True, align_bytes=16)
+    T, H, D = q.shape
+    if not IndexerScores.can_implement(H, D):
+        raise ValueError(f"{op}: q has H={H} heads of D={D}; supported: H % 32 == 0 in [32, 128], "
+                         f"D % 16 == 0 in [16, 256]")
+    check_tensor(op, "w", w, dtype=torch.float32, shape=(T, H), contiguous=True, align_bytes=16)
+    check_tensor(op, "k_cache", k_cache, dtype=torch.bfloat16, ndim=2, contiguous=True, align_bytes=16)
+    R = k_cache.shape[0]
+    if k_cache.shape[1] != D:
+        raise ValueError(f"{op}: k_cache must have shape [R, {D}] (q's head dim), got {list(k_cache.shape)}")
+    for name, t in (("kv_offset", kv_offset), ("kv_len", kv_len), ("pos", pos)):
+        check_tensor(op, name, t, dtype=torch.int32, shape=(T,), contiguous=True, align_bytes=4)
+    if slot_valid is not None:
+        check_tensor(op, "slot_valid", slot_valid, dtype=(torch.bool, torch.uint8), shape=(R,), contiguous=True,
+                     align_bytes=0)
+    if not isinstance(topk, int) or not IndexerTopk.can_implement(topk):
+        raise ValueError(f"{op}: topk must be an int in [1, 65535], got {topk!r}")
+    max_keys = R if max_keys is None else max_keys
+    if not isinstance(max_keys, int) or max_keys < 1:
+        raise ValueError(f"{op}: max_keys must be a positive int, got {max_keys!r}")
+    if T * max(H * D, max_keys) >= 2**31 or R * D >= 2**31:
+        raise ValueError(f"{op}: problem too large for 32-bit indexing")
+    if out is None:
+        out = torch.empty(T, topk, dtype=torch.int32, device=q.device)
+    check_tensor(op, "out", out, dtype=torch.int32, shape=(T, topk), contiguous=True, align_bytes=4)
+    named = [("q", q), ("w", w), ("k_cache", k_cache), ("kv_offset", kv_offset), ("kv_len", kv_len), ("pos", pos),
+             ("out", out)] + ([("slot_valid", slot_valid)] if slot_valid is not None else [])
+    check_cuda(op, *named)
+    a = arch if arch is not None else current_arch(q.device)
+    dispatch(op, ("portable",), arch=a)
+    if T == 0:
+        return out
+    if workspace is None:
+        workspace = IndexerWorkspace(T, max_keys, device=q.device)
+    if not isinstance(workspace, IndexerWorkspace):
+        raise TypeError(f"{op}: workspace must be an IndexerWorkspace, got {type(workspace).__name__}")
+    if workspace.max_tokens < T or workspace.max_keys < max_keys:
+        raise ValueError(f"{op}: workspace holds {workspace.max_tokens} tokens x {workspace.max_keys} keys; "
+                         f"need {T} x {max_keys}")
+    check_cuda(op, ("q", q), ("workspace.scores", workspace.scores))
+    P, cs = jit.gmem_ptr, jit.cu_stream(stream)
+    has_mask = slot_valid is not None
+    scores_fn = jit.get_kernel("indexer_scores", a, heads=H, dim=D, has_slot_mask=has_mask)
+    mask = slot_valid.view(torch.uint8) if has_mask else kv_len  # any valid pointer when unused
+    pitch = workspace.pitch
+    scores_fn(P(cutlass.BFloat16, q, 16), P(Float32, w, 16), P(cutlass.BFloat16, k_cache, 16),
+              P(Int32, kv_offset, 4), P(Int32, kv_len, 4), P(Int32, pos, 4), P(cutlass.Uint8, mask, 1),
+              P(Float32, workspace.scores, 16), jit.i32(T), jit.i32(R), jit.i32(pitch), cs)
+    topk_fn = jit.get_kernel("indexer_topk", a, topk=topk)
+    topk_fn(P(Float32, workspace.scores, 16), P(Int32, kv_len, 4), P(Int32, pos, 4), P(Int32, out, 4), jit.i32(T),
+            jit.i32(pitch), jit.i32(max_keys), cs)
+    return out

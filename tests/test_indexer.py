@@ -1,0 +1,141 @@
+"""Indexer scores + fused candidate masking + top-k: against an FP64 reference on the H200,
+validation and machine code on the CPU."""
+
+import pytest
+import torch
+
+from cute_kernels.indexer_topk import IndexerWorkspace, indexer_topk
+from cute_kernels.testing import sass
+from references import indexer_scores_ref
+
+# Score tolerance: bf16 inputs are exact in the FP32 MMA; the sum over D = 128 products and
+# 64 heads in FP32 is good to ~1e-6 relative to the score's scale (|w| ~ 1, |q.k| ~ 10).
+# A selected key may trail the reference k-th score by this much (near-ties).
+ATOL = 1e-3
+
+
+def make(T, S, n_seq=1, H=64, D=128, device="cuda"):
+    """n_seq sequences of S cached keys in one offset-indexed cache; T tokens spread over them."""
+    k_cache = (torch.randn(n_seq * S + 7, D, device=device)).bfloat16()
+    q = (torch.randn(T, H, D, device=device) / 4).bfloat16()
+    w = torch.randn(T, H, device=device)
+    seq = torch.arange(T, device=device) % n_seq
+    kv_offset = (seq * S).int()
+    kv_len = torch.full((T,), S, dtype=torch.int32, device=device)
+    # a verify block: the last 6 tokens of each sequence sit at positions S-6 .. S-1
+    pos = (S - 6 + (torch.arange(T, device=device) // n_seq) % 6).int().clamp_min(0)
+    return q, w, k_cache, kv_offset, kv_len, pos
+
+
+def check(idx, ref_scores, topk):
+    idx, ref = idx.cpu(), ref_scores
+    T = idx.shape[0]
+    for t in range(T):
+        cand = torch.isfinite(ref[t])
+        n_valid = int(cand.sum())
+        want = min(topk, n_valid)
+        sel = idx[t, :want]
+        assert (idx[t, want:] == -1).all(), f"token {t}: padding after {want}"
+        assert (sel >= 0).all() and (sel[1:] > sel[:-1]).all(), f"token {t}: not ascending / unique"
+        assert cand[sel.long()].all(), f"token {t}: a masked key was selected"
+        if n_valid > topk:
+            kth = ref[t][cand].topk(topk).values[-1]
+            assert (ref[t][sel.long()] >= kth - ATOL).all(), f"token {t}: selected score below the k-th"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, S, n_seq, topk", [
+    (6, 4096, 1, 2048),      # one verify block
+    (1, 2048, 1, 2048),      # T = 1, fewer candidates than k: all taken, -1 padded
+    (12, 5000, 2, 2048),     # two sequences, S not a multiple of the key tile
+    (6, 33000, 1, 2048),
+    (7, 300, 3, 64),         # small k
+])
+def test_matches_reference(seed, T, S, n_seq, topk):
+    q, w, kc, off, ln, pos = make(T, S, n_seq)
+    out = torch.full((T, topk), -7, dtype=torch.int32, device="cuda")  # poison
+    indexer_topk(q, w, kc, off, ln, pos, topk=topk, max_keys=S, out=out)
+    torch.cuda.synchronize()
+    check(out, indexer_scores_ref(q.cpu(), w.cpu(), kc.cpu(), off.cpu(), ln.cpu(), pos.cpu(), S), topk)
+
+
+@pytest.mark.gpu
+def test_masking_causal_lengths_and_slots(seed):
+    """Verify-block causality, a short sequence, invalid slots, an out-of-range offset."""
+    T, S, topk = 8, 3000, 256
+    q, w, kc, off, ln, pos = make(T, S)
+    pos[:6] = torch.arange(100, 106, dtype=torch.int32)  # token j sees one key more than token j-1
+    ln[6] = 50  # a short sequence: 50 < topk candidates
+    off[7] = kc.shape[0] - 10  # only 10 rows left in the cache: the rest masked, never read
+    slot_valid = torch.rand(kc.shape[0], device="cuda") > 0.3
+    out = indexer_topk(q, w, kc, off, ln, pos, topk=topk, max_keys=S, slot_valid=slot_valid)
+    torch.cuda.synchronize()
+    ref = indexer_scores_ref(q.cpu(), w.cpu(), kc.cpu(), off.cpu(), ln.cpu(), pos.cpu(), S, slot_valid.cpu())
+    check(out, ref, topk)
+    assert int((out[6] >= 0).sum()) == int(slot_valid[off[6]:off[6] + 50].sum())
+    assert int((out[7] >= 0).sum()) <= 10
+    o = out.cpu()
+    for j in range(6):
+        assert o[j][o[j] >= 0].max() <= 100 + j  # causal within the verify block
+
+
+@pytest.mark.gpu
+def test_ties_prefer_lower_index_and_graph_replay(seed):
+    """All-equal scores: the k lowest positions win; a replayed graph reproduces the result."""
+    T, S, topk = 3, 5000, 2048
+    q, w, kc, off, ln, pos = make(T, S)
+    kc.fill_(1.0)  # every key scores the same
+    ws = IndexerWorkspace(T, S)
+    out = torch.empty(T, topk, dtype=torch.int32, device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        indexer_topk(q, w, kc, off, ln, pos, topk=topk, max_keys=S, out=out, workspace=ws)
+    torch.cuda.synchronize()
+    expect = torch.arange(topk, dtype=torch.int32).expand(T, -1)
+    assert torch.equal(out.cpu(), expect)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        indexer_topk(q, w, kc, off, ln, pos, topk=topk, max_keys=S, out=out, workspace=ws)
+    q2, w2, kc2, *_ = make(T, S)
+    q.copy_(q2), w.copy_(w2), kc.copy_(kc2)
+    out.fill_(-7)
+    g.replay()
+    torch.cuda.synchronize()
+    check(out, indexer_scores_ref(q.cpu(), w.cpu(), kc.cpu(), off.cpu(), ln.cpu(), pos.cpu(), S), topk)
+
+
+def _cpu(**over):
+    kw = dict(q=torch.zeros(2, 64, 128).bfloat16(), w=torch.zeros(2, 64), k_cache=torch.zeros(100, 128).bfloat16(),
+              kv_offset=torch.zeros(2, dtype=torch.int32), kv_len=torch.zeros(2, dtype=torch.int32),
+              pos=torch.zeros(2, dtype=torch.int32))
+    kw.update(over)
+    return kw
+
+
+@pytest.mark.parametrize("over, exc, words", [
+    (dict(q=torch.zeros(2, 64, 128)), TypeError, "q must have dtype bfloat16"),
+    (dict(q=torch.zeros(2, 48, 128).bfloat16(), w=torch.zeros(2, 48)), ValueError, "H=48"),
+    (dict(w=torch.zeros(2, 64).bfloat16()), TypeError, "w must have dtype float32"),
+    (dict(k_cache=torch.zeros(100, 64).bfloat16()), ValueError, "k_cache must have shape"),
+    (dict(pos=torch.zeros(2, dtype=torch.int64)), TypeError, "pos must have dtype int32"),
+    (dict(kv_len=torch.zeros(3, dtype=torch.int32)), ValueError, "kv_len must have shape"),
+    (dict(slot_valid=torch.zeros(99, dtype=torch.bool)), ValueError, "slot_valid must have shape"),
+    (dict(topk=0), ValueError, "topk"),
+    (dict(max_keys=0), ValueError, "max_keys"),
+    (dict(), ValueError, "CUDA"),
+])
+def test_validation(over, exc, words):
+    with pytest.raises(exc, match=words):
+        indexer_topk(**_cpu(**over))
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_machine_code(arch):
+    h = sass.sass_histogram("indexer_scores", arch, heads=64, dim=128, has_slot_mask=True)
+    assert sass.local_memory_ops(h) == 0
+    assert sass.count(h, "HMMA") >= 128  # 64 x 128 x 128 per CTA in m16n8k16 steps over 4 warps
+    assert sass.count(h, "LDSM") >= 1 and sass.count(h, "LDGSTS") >= 1
+    h = sass.sass_histogram("indexer_topk", arch, topk=2048)
+    assert sass.local_memory_ops(h) == 0
+    assert sass.count(h, "ATOMS") >= 1  # shared-memory histograms
+    assert sass.count(h, "LDG.E.128") >= 1  # vectorised compaction reads
