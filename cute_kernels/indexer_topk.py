@@ -112,13 +112,23 @@ class IndexerTopk:
         for b in cutlass.range(tidx, BINS, self.threads):
             sHist[b] = 0
         cute.arch.barrier()
-        for i in cutlass.range(tidx, limit, self.threads, unroll=4):
-            key = order_key(row[i])
-            match = True
-            if cutlass.const_expr(pshift < 32):
-                match = (key >> pshift) == prefix
-            if match:
-                cute.arch.atomic_add((sHist.iterator + Int32((key >> shift) & Uint32(dmask))).llvm_ptr, Int32(1))
+        # Same traversal as the compaction: 16 consecutive scores per thread, 16-byte loads,
+        # a static inner loop with an explicit bound check (no dynamic-trip unrolling).
+        gRow = cute.zipped_divide(row, (4,))
+        rB = cute.make_rmem_tensor(cute.make_layout((ITEMS,)), Uint32)
+        for base in cutlass.range(0, limit, self.threads * ITEMS):
+            first = base + tidx * ITEMS
+            for v in cutlass.range_constexpr(ITEMS // 4):
+                if first + v * 4 < limit:
+                    cute.autovec_copy(gRow[None, first // 4 + v], cute.zipped_divide(rB, (4,))[None, v])
+            for j in cutlass.range_constexpr(ITEMS):
+                key = order_key(rB[j])
+                match = first + j < limit
+                if cutlass.const_expr(pshift < 32):
+                    match = match and (key >> pshift) == prefix
+                if match:
+                    cute.arch.atomic_add((sHist.iterator + Int32((key >> shift) & Uint32(dmask))).llvm_ptr,
+                                         Int32(1))
         cute.arch.barrier()
 
     @cute.jit
