@@ -33,8 +33,8 @@ CTA of a token tile (an acq_rel counter, as in :mod:`moe.router`) loads the tile
 a few columns per thread at once, sums them in split order -- so the result is
 deterministic -- and evaluates the mappings (sigmoids by (token, i) threads; Sinkhorn by
 one thread per token with the matrix in registers and approximate reciprocals). It
-re-zeroes its counter, so a replayed CUDA graph needs no reset. ``splits`` (<= 32) is a
-runtime value chosen by the host: about one CTA per SM at small T, one split when the token
+re-zeroes its counter, so a replayed CUDA graph needs no reset. ``splits`` (<= 64) is a
+runtime value chosen by the host: about two CTAs per SM at small T, one split when the token
 tiles alone fill the GPU.
 
 Constraints: bf16 ``X`` contiguous, ``C % 8 == 0``, ``n`` in 1..4 (static, one compile per
@@ -70,8 +70,8 @@ CHUNK = 128  # K elements per pipeline stage
 PITCH = CHUNK + 8  # shared-memory row pitch (elements): conflict-free ldmatrix
 STAGES = 4
 TOKEN_TILE = 32
-COLS_PER_PASS = 4  # epilogue: (token, column) sums whose partials are loaded at once
-MAX_SPLITS = 32  # partials per (token, column): the last CTA reads them all
+COLS_PER_PASS = 2  # epilogue: (token, column) sums whose partials are loaded at once
+MAX_SPLITS = 64  # partials per (token, column): the last CTA reads them all
 MAX_STREAMS = 8  # pre/post-mix; the statistics kernel takes n <= 4 (its accumulators)
 MAX_STATS_STREAMS = 4
 
@@ -372,13 +372,14 @@ def _num_sms(index: int) -> int:
 def plan_splits(num_tokens: int, K: int, max_ctas: int) -> tuple[int, int]:
     """``(splits, chunks_per_split)``: about ``max_ctas`` CTAs, at most MAX_SPLITS partials.
 
-    The last CTA of a tile reads ``live tokens x (m+1) x splits`` partials; 32 splits keep
-    that to a few latency rounds per thread (measured on the H200: one CTA per SM and <= 32
-    splits beat two per SM and <= 64 splits at T = 64 and 320, and tie at T <= 5).
+    The last CTA of a tile reads ``live tokens x (m+1) x splits`` partials: with few tokens
+    that is cheap and up to 64 splits spread phi's read over more SMs; with a full tile
+    32 splits keep it to two latency rounds per thread.
     """
     nchunks = -(-K // CHUNK)
     tiles = -(-num_tokens // TOKEN_TILE)
-    want = max(1, min(MAX_SPLITS, nchunks, max_ctas // tiles))
+    cap = MAX_SPLITS if num_tokens <= 8 else MAX_SPLITS // 2
+    want = max(1, min(cap, nchunks, max_ctas // tiles))
     per = -(-nchunks // want)
     return -(-nchunks // per), per
 
@@ -441,7 +442,7 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
     path, its split planes from :func:`mhc_split_phi` (bf16 ``[2 mp, n*C]``), ``alpha`` fp32
     ``[3]`` = ``(a_pre, a_post, a_res)``, ``bias`` fp32 ``[2n + n*n]``. Pass a
     :class:`MhcStatsWorkspace` and ``out`` to make the call allocation-free (graph capture).
-    ``max_ctas`` (default: one per SM) bounds the split-K grid -- fewer CTAs leave SMs to the
+    ``max_ctas`` (default: two per SM, what fits) bounds the split-K grid -- fewer CTAs leave SMs to the
     kernels a side-stream launch should overlap.
     """
     op = "mhc_stats"
@@ -485,7 +486,7 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
     check_cuda(op, ("x", x), ("workspace.partials", workspace.partials))
     if max_ctas is not None and (not isinstance(max_ctas, int) or max_ctas < 1):
         raise ValueError(f"{op}: max_ctas must be a positive int, got {max_ctas!r}")
-    splits, per = plan_splits(T, K, max_ctas or _num_sms(x.device.index or 0))
+    splits, per = plan_splits(T, K, max_ctas or 2 * _num_sms(x.device.index or 0))
     if phi.dtype == torch.float32:
         phi = mhc_split_phi(phi)  # allocates: callers on the hot path pass the split planes
     fn = MhcStats.compile(a, n, C, sinkhorn_iters)
