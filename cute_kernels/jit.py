@@ -370,6 +370,8 @@ def iter_aot(names: Iterable[str] | None = None, arch: str = "sm_100a"):
     reg = registry()
     for n in sorted(reg) if names is None else names:
         kdef = reg[n]
+        if normalize_arch(arch) not in kdef.archs:
+            continue  # e.g. a Blackwell-only engine in an sm_90a build
         cfgs = kdef.aot_configs(normalize_arch(arch)) if callable(kdef.aot_configs) else kdef.aot_configs
         for cfg in cfgs or ({},):
             yield kdef, cfg

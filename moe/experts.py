@@ -1,0 +1,140 @@
+"""Routed-expert GEMM on MXFP8 operands: the torch-facing entry point and its weight prep.
+
+    w_q, w_scales = quantize_expert_weights(w)             # once, at weight load
+    y = moe_expert_gemm(a_q, a_scales, w_q, w_scales, router_out.expert_offsets)
+
+``a_q [rows, K]`` / ``a_scales`` come from :func:`moe.quant.mxfp8_quantize_routed`
+(expert-sorted, 128-row-padded, swizzled scales); ``expert_offsets`` is the router's
+``[E + 1]`` padded prefix. Row ``r`` of the bf16 result is ``A[r] @ W[e]^T`` for the expert
+``e`` whose padded range holds ``r``; rows past ``expert_offsets[E]`` are not written.
+
+Paths: sm_100a runs :mod:`moe.experts_sm100` (tcgen05 block-scaled MMA; compiled and
+machine-code checked in CI, never run here -- no Blackwell GPU). Every other device gets
+the PyTorch reference (exact dequantisation, then a bf16 grouped matmul with FP32
+accumulation), with one warning: **the Hopper tensor-core path of issue 5 is not written
+yet**.
+
+Not yet here (issue 5): the SiLU(gate) * up epilogue with MXFP8 requantisation for the
+down projection; the Hopper kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cute_kernels import jit
+from cute_kernels.arch import current_arch, dispatch
+from cute_kernels.validate import check_cuda, check_tensor
+
+from .quant import MX_BLOCK, SF_ATOM_COLS, SF_ATOM_ROWS, mxfp8_quantize, scale_buffer_size
+
+F8 = torch.float8_e4m3fn
+
+
+def expert_scale_bytes(N: int, K: int) -> int:
+    """Bytes of one expert's swizzled weight scales (``[N, K/32]`` in 128 x 4 atoms)."""
+    return scale_buffer_size(N, K, "swizzled")
+
+
+def unswizzle_scales(flat: torch.Tensor, rows: int, K: int) -> torch.Tensor:
+    """Swizzled block-scale bytes -> ``[rows, K/32]`` (torch ops only; any device)."""
+    C = K // MX_BLOCK
+    rb, cb = -(-rows // SF_ATOM_ROWS), -(-C // SF_ATOM_COLS)
+    blocks = flat[: rb * cb * 512].view(rb * cb, 32, 4, 4).transpose(1, 2).reshape(rb, cb, 128, 4)
+    return blocks.permute(0, 2, 1, 3).reshape(rb * 128, cb * 4)[:rows, :C]
+
+
+def dequantize(q: torch.Tensor, flat_scales: torch.Tensor, rows: int, K: int) -> torch.Tensor:
+    """FP32 ``e4m3(q) * 2^(s - 127)`` (scale byte 0xFF -> NaN, the E8M0 rule)."""
+    s = unswizzle_scales(flat_scales, rows, K)
+    f = torch.exp2(s.float() - 127)
+    f = torch.where(s == 0xFF, torch.full_like(f, float("nan")), f)
+    return (q[:rows].view(F8).float().view(rows, K // MX_BLOCK, MX_BLOCK) * f[..., None]).view(rows, K)
+
+
+def quantize_expert_weights(w: torch.Tensor, *, stream=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 ``w [E, N, K]`` -> (``w_q [E, N, K]`` e4m3, ``w_scales [E, expert_scale_bytes]`` uint8)."""
+    op = "quantize_expert_weights"
+    check_tensor(op, "w", w, dtype=torch.bfloat16, ndim=3, contiguous=True, align_bytes=16)
+    E, N, K = w.shape
+    if K % 32:
+        raise ValueError(f"{op}: K = w.shape[2] = {K} must be a multiple of 32")
+    w_q = torch.empty(E, N, K, dtype=F8, device=w.device)
+    w_s = torch.empty(E, expert_scale_bytes(N, K), dtype=torch.uint8, device=w.device)
+    for e in range(E):  # offline, once per weight load
+        mxfp8_quantize(w[e], layout="swizzled", q=w_q[e], scales=w_s[e], stream=stream)
+    return w_q, w_s
+
+
+class MoeExpertWorkspace:
+    """Per-expert TMA descriptors written on the device by the Blackwell kernel."""
+
+    def __init__(self, E: int, device="cuda"):
+        from .experts_sm100 import MoeExpertGemmSm100
+
+        self.E = E
+        self.buffer = torch.zeros(MoeExpertGemmSm100(E, 128, 128).workspace_bytes, dtype=torch.uint8, device=device)
+
+
+def _reference(a_q, a_scales, w_q, w_scales, expert_offsets, out):
+    rows, K = a_q.shape
+    E, N, _ = w_q.shape
+    a = dequantize(a_q, a_scales, rows, K)
+    offs = expert_offsets.long()
+    w = torch.stack([dequantize(w_q[e], w_scales[e], N, K) for e in range(E)])
+    if a.is_cuda and hasattr(torch, "_grouped_mm"):
+        # bf16 operands, FP32 accumulation; rows past the last offset are left alone.
+        total = offs[-1:]
+        y = torch._grouped_mm(a.bfloat16(), w.bfloat16().transpose(1, 2), offs=expert_offsets[1:].int())
+        keep = (torch.arange(rows, device=a.device) < total)[:, None]
+        out.copy_(torch.where(keep, y, out))
+        return out
+    for e in range(E):  # CPU: a host loop is fine
+        lo, hi = int(offs[e]), int(offs[e + 1])
+        if hi > lo:
+            out[lo:hi] = (a[lo:hi] @ w[e].T).to(out.dtype)
+    return out
+
+
+def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor, w_scales: torch.Tensor,
+                    expert_offsets: torch.Tensor, *, out: torch.Tensor | None = None,
+                    workspace: MoeExpertWorkspace | None = None, stream=None, arch: str | None = None) -> torch.Tensor:
+    """bf16 ``[rows, N]``: expert-sorted rows of ``a`` times their expert's ``W^T``."""
+    op = "moe_expert_gemm"
+    for name, t in (("a_q", a_q), ("w_q", w_q)):
+        check_tensor(op, name, t, dtype=(F8, torch.uint8), contiguous=True, align_bytes=16)
+    if a_q.dim() != 2 or w_q.dim() != 3:
+        raise ValueError(f"{op}: a_q must be [rows, K] and w_q [E, N, K], got {list(a_q.shape)}, {list(w_q.shape)}")
+    rows, K = a_q.shape
+    E, N, Kw = w_q.shape
+    if Kw != K:
+        raise ValueError(f"{op}: w_q.shape[2] = {Kw} must equal a_q.shape[1] = {K}")
+    if K % 128 or N % 16:
+        raise ValueError(f"{op}: need K % 128 == 0 and N % 16 == 0, got K={K}, N={N}")
+    check_tensor(op, "a_scales", a_scales, dtype=torch.uint8, shape=(scale_buffer_size(rows, K, "swizzled"),),
+                 contiguous=True, align_bytes=16)
+    check_tensor(op, "w_scales", w_scales, dtype=torch.uint8, shape=(E, expert_scale_bytes(N, K)), contiguous=True,
+                 align_bytes=16)
+    check_tensor(op, "expert_offsets", expert_offsets, dtype=torch.int32, shape=(E + 1,), contiguous=True,
+                 align_bytes=4)
+    if out is None:
+        out = torch.empty(rows, N, dtype=torch.bfloat16, device=a_q.device)
+    check_tensor(op, "out", out, dtype=torch.bfloat16, shape=(rows, N), contiguous=True, align_bytes=16)
+    check_cuda(op, ("a_q", a_q), ("a_scales", a_scales), ("w_q", w_q), ("w_scales", w_scales),
+               ("expert_offsets", expert_offsets), ("out", out))
+    a = arch if arch is not None else current_arch(a_q.device)
+    if dispatch(op, ("sm100", "reference"), arch=a) == "reference" or rows == 0:
+        return _reference(a_q, a_scales, w_q, w_scales, expert_offsets, out) if rows else out
+    if workspace is None:
+        workspace = MoeExpertWorkspace(E, device=a_q.device)
+    if not isinstance(workspace, MoeExpertWorkspace) or workspace.E != E:
+        raise ValueError(f"{op}: workspace must be an MoeExpertWorkspace for E={E}")
+    import cutlass
+    from cutlass import Int32
+
+    fn = jit.get_kernel("moe_expert_gemm", a, E=E, N=N, K=K)
+    P = jit.gmem_ptr
+    f8, sf = cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU
+    fn(P(f8, a_q, 16), P(f8, w_q, 16), P(sf, a_scales, 16), P(sf, w_scales, 16), P(cutlass.BFloat16, out, 16),
+       P(Int32, expert_offsets[1:], 4), P(cutlass.Uint8, workspace.buffer, 128), jit.i32(rows), jit.cu_stream(stream))
+    return out

@@ -1,0 +1,143 @@
+"""MXFP8 routed-expert GEMM: the Blackwell kernel's data layout and machine code on the CPU,
+the block-scaled math against an FP64 reference, and the GPU entry point (reference path
+off Blackwell)."""
+
+import pytest
+import torch
+
+import cutlass.cute as cute
+import cutlass.utils.blockscaled_layout as blockscaled_utils
+
+from cute_kernels.testing import sass
+from moe.experts import _reference, dequantize, expert_scale_bytes, moe_expert_gemm, unswizzle_scales
+from moe.experts_sm100 import MoeExpertGemmSm100
+from references import mxfp8_dequant_ref, mxfp8_quant_ref, swizzle_scales_ref
+
+
+def _sf_offsets(shape, coords):
+    """Offsets CuTe's tile_atom_to_shape_SF layout (what the kernel's TMA reads) gives coords."""
+    out = []
+
+    @cute.jit
+    def trace():
+        layout = blockscaled_utils.tile_atom_to_shape_SF(shape, 32)
+        for c in coords:
+            out.append(int(cute.crd2idx(c, layout)))
+
+    trace()
+    return out
+
+
+@pytest.mark.parametrize("rows, K", [(256, 512), (128, 2048), (384, 7168)])
+def test_activation_scale_layout_is_what_the_kernel_reads(rows, K):
+    """Byte (r, k-block) of our swizzled buffer is the byte the kernel's SFA view maps there."""
+    kb = K // 32
+    g = torch.Generator().manual_seed(rows + K)
+    raw = torch.randint(0, 255, (rows, kb), dtype=torch.uint8, generator=g)
+    flat = swizzle_scales_ref(raw)
+    kb_pad = -(-kb // 4) * 4
+    rs = list(range(0, rows, 7)) + [rows - 1]
+    ks = list(range(0, kb, 5)) + [kb - 1]
+    coords = [(r, k * 32, 0) for r in rs for k in ks]
+    offs = _sf_offsets((rows, kb_pad * 32, 1), coords)
+    got = torch.tensor([int(flat[o]) for o in offs])
+    want = torch.tensor([int(raw[r, k]) for r in rs for k in ks])
+    assert torch.equal(got, want)
+    assert torch.equal(unswizzle_scales(flat, rows, K), raw)
+
+
+def test_weight_scale_layout_is_what_the_kernel_reads():
+    """The SFB view over [E, N_pad * K_pad / 32]: per-expert blocks in the same atom layout."""
+    E, N, K = 3, 256, 512
+    kb = K // 32
+    raw = torch.randint(0, 255, (E, N, kb), dtype=torch.uint8)
+    flat = torch.stack([swizzle_scales_ref(raw[e]) for e in range(E)])
+    assert flat.shape[1] == expert_scale_bytes(N, K)
+    coords = [(n, k * 32, e) for e in range(E) for n in (0, 1, 33, 127, 128, 255) for k in (0, 3, 4, 15)]
+    offs = _sf_offsets((N, K, E), coords)
+    got = torch.tensor([int(flat.view(-1)[o]) for o in offs])
+    want = torch.tensor([int(raw[e, n, k // 32]) for (n, k, e) in coords])
+    assert torch.equal(got, want)
+
+
+def _quantized_problem(E, N, K, counts, gen):
+    """Router-like padded layout: expert e's rows at [offs[e], offs[e] + counts[e]), 128-aligned."""
+    padded = [-(-c // 128) * 128 for c in counts]
+    offs = torch.tensor([0] + list(torch.tensor(padded).cumsum(0)), dtype=torch.int32)
+    rows = int(offs[-1]) + 128  # capacity beyond the live total
+    a = torch.randn(rows, K, generator=gen).bfloat16()
+    for e in range(E):  # padding rows are zero, as mxfp8_quantize_routed writes them
+        a[int(offs[e]) + counts[e]:int(offs[e + 1])] = 0
+    a[int(offs[-1]):] = 0
+    w = (torch.randn(E, N, K, generator=gen) / K**0.5).bfloat16()
+    aq, asc = mxfp8_quant_ref(a)
+    wq, wsc = zip(*(mxfp8_quant_ref(w[e]) for e in range(E)))
+    return (a, w, aq, swizzle_scales_ref(asc), torch.stack(wq), torch.stack([swizzle_scales_ref(s) for s in wsc]),
+            offs, asc, wsc)
+
+
+def test_block_scaled_math_against_fp64():
+    """Dequantise-then-FP32 (what tcgen05 block_scale computes, up to summation order) equals
+    the FP64 product of the exactly dequantised operands, and is within MXFP8 error of bf16."""
+    E, N, K = 4, 128, 256
+    gen = torch.Generator().manual_seed(0)
+    counts = [5, 0, 130, 1]  # an empty expert, a two-tile expert, single rows
+    a, w, aq, asw, wq, wsw, offs, asc, wsc = _quantized_problem(E, N, K, counts, gen)
+    rows = aq.shape[0]
+    assert torch.equal(dequantize(aq, asw, rows, K), mxfp8_dequant_ref(aq, asc))
+    out = torch.full((rows, N), float("nan")).bfloat16()
+    _reference(aq, asw, wq, wsw, offs, out)
+    for e in range(E):
+        lo, hi = int(offs[e]), int(offs[e]) + counts[e]
+        ref = mxfp8_dequant_ref(aq[lo:hi], asc[lo:hi]).double() @ mxfp8_dequant_ref(wq[e], wsc[e]).double().T
+        assert torch.allclose(out[lo:hi].double(), ref, rtol=2**-7, atol=1e-3)
+        exact = a[lo:hi].double() @ w[e].double().T
+        if hi > lo:
+            assert (out[lo:hi].double() - exact).norm() / exact.norm() < 0.06  # two e4m3 roundings
+        assert (out[hi:int(offs[e + 1])] == 0).all()  # padding rows: zero inputs -> zero
+    assert torch.isnan(out[int(offs[-1]):].float()).all()  # past the total: never written
+
+
+@pytest.mark.parametrize("cfg", [dict(E=256, N=4096, K=7168), dict(E=256, N=7168, K=2048),
+                                 dict(E=8, N=256, K=512, tile_n=256, two_cta=True)])
+def test_machine_code(cfg):
+    h = sass.sass_histogram("moe_expert_gemm", "sm_100a", **cfg)
+    assert sass.count(h, "UTCQMMA") >= 1  # tcgen05 MMA on 8-bit operands ...
+    assert sass.count(h, "UTCCP") >= 1  # ... with scale factors copied to tensor memory: block-scaled
+    assert sass.count(h, "UTMALDG") >= 2 and sass.count(h, "LDTM") >= 1 and sass.count(h, "UTMASTG") >= 1
+    assert sass.local_memory_ops(h) == 0
+
+
+def test_can_implement_and_validation():
+    assert MoeExpertGemmSm100.can_implement(256, 4096, 7168)
+    assert not MoeExpertGemmSm100.can_implement(256, 4096, 7000)
+    aq = torch.zeros(256, 512, dtype=torch.float8_e4m3fn)
+    wq = torch.zeros(4, 128, 512, dtype=torch.float8_e4m3fn)
+    asc = torch.zeros(256 * 16, dtype=torch.uint8)
+    wsc = torch.zeros(4, expert_scale_bytes(128, 512), dtype=torch.uint8)
+    offs = torch.zeros(5, dtype=torch.int32)
+    with pytest.raises(TypeError, match="a_q must have dtype"):
+        moe_expert_gemm(aq.float(), asc, wq, wsc, offs)
+    with pytest.raises(ValueError, match="K % 128"):
+        moe_expert_gemm(aq[:, :480].contiguous(), asc, wq[:, :, :480].contiguous(), wsc, offs)
+    with pytest.raises(ValueError, match="w_scales must have shape"):
+        moe_expert_gemm(aq, asc, wq, wsc[:, :10].contiguous(), offs)
+    with pytest.raises(ValueError, match="expert_offsets must have shape"):
+        moe_expert_gemm(aq, asc, wq, wsc, offs[:4].contiguous())
+    with pytest.raises(ValueError, match="CUDA"):
+        moe_expert_gemm(aq, asc, wq, wsc, offs)
+
+
+@pytest.mark.gpu
+def test_gpu_entry_point_matches_emulation(seed):
+    """On the H200 this is the reference path (no Hopper kernel yet): same numbers as the CPU."""
+    E, N, K = 4, 256, 512
+    gen = torch.Generator().manual_seed(seed)
+    a, w, aq, asw, wq, wsw, offs, asc, wsc = _quantized_problem(E, N, K, [3, 0, 129, 64], gen)
+    cpu = torch.zeros(aq.shape[0], N).bfloat16()
+    _reference(aq, asw, wq, wsw, offs, cpu)
+    out = torch.zeros(aq.shape[0], N, device="cuda").bfloat16()
+    moe_expert_gemm(aq.cuda(), asw.cuda(), wq.cuda(), wsw.cuda(), offs.cuda(), out=out)
+    torch.cuda.synchronize()
+    live = int(offs[-1])
+    assert torch.allclose(out[:live].float().cpu(), cpu[:live].float(), rtol=2**-7, atol=1e-2)
