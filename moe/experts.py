@@ -9,13 +9,13 @@
 ``e`` whose padded range holds ``r``; rows past ``expert_offsets[E]`` are not written.
 
 Paths: sm_100a runs :mod:`moe.experts_sm100` (tcgen05 block-scaled MMA; compiled and
-machine-code checked in CI, never run here -- no Blackwell GPU). Every other device gets
-the PyTorch reference (exact dequantisation, then a bf16 grouped matmul with FP32
-accumulation), with one warning: **the Hopper tensor-core path of issue 5 is not written
-yet**.
+machine-code checked in CI, never run here -- no Blackwell GPU); sm_90a runs
+:mod:`moe.experts_sm90` (FP8 warp MMA per 32-block with scale promotion; compiled and
+machine-code checked, **not yet run on the H200**). Other devices get the PyTorch reference
+(exact dequantisation, then a bf16 grouped matmul with FP32 accumulation), with one warning.
 
 Not yet here (issue 5): the SiLU(gate) * up epilogue with MXFP8 requantisation for the
-down projection; the Hopper kernel.
+down projection.
 """
 
 from __future__ import annotations
@@ -97,9 +97,15 @@ def _reference(a_q, a_scales, w_q, w_scales, expert_offsets, out):
 
 
 def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor, w_scales: torch.Tensor,
-                    expert_offsets: torch.Tensor, *, out: torch.Tensor | None = None,
+                    expert_offsets: torch.Tensor, expert_counts: torch.Tensor | None = None,
+                    tile_expert: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                     workspace: MoeExpertWorkspace | None = None, stream=None, arch: str | None = None) -> torch.Tensor:
-    """bf16 ``[rows, N]``: expert-sorted rows of ``a`` times their expert's ``W^T``."""
+    """bf16 ``[rows, N]``: expert-sorted rows of ``a`` times their expert's ``W^T``.
+
+    ``expert_offsets`` / ``expert_counts`` / ``tile_expert`` are the router's outputs
+    (:class:`moe.router.RouterOutput`); the Hopper kernel needs all three, the Blackwell
+    kernel the offsets. Padding rows of ``out`` are unspecified.
+    """
     op = "moe_expert_gemm"
     for name, t in (("a_q", a_q), ("w_q", w_q)):
         check_tensor(op, name, t, dtype=(F8, torch.uint8), contiguous=True, align_bytes=16)
@@ -123,18 +129,36 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     check_cuda(op, ("a_q", a_q), ("a_scales", a_scales), ("w_q", w_q), ("w_scales", w_scales),
                ("expert_offsets", expert_offsets), ("out", out))
     a = arch if arch is not None else current_arch(a_q.device)
-    if dispatch(op, ("sm100", "reference"), arch=a) == "reference" or rows == 0:
+    path = dispatch(op, ("sm100", "sm90", "reference"), arch=a)
+    if path == "reference" or rows == 0:
         return _reference(a_q, a_scales, w_q, w_scales, expert_offsets, out) if rows else out
+    import cutlass
+    from cutlass import Int32
+
+    P = jit.gmem_ptr
+    f8, sf = cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU
+    if path == "sm90":
+        if expert_counts is None or tile_expert is None:
+            raise ValueError(f"{op}: the Hopper kernel needs the router's expert_counts and tile_expert")
+        check_tensor(op, "expert_counts", expert_counts, dtype=torch.int32, shape=(E,), contiguous=True,
+                     align_bytes=4)
+        check_tensor(op, "tile_expert", tile_expert, dtype=torch.int32, ndim=1, contiguous=True, align_bytes=4)
+        if tile_expert.numel() * 128 < rows - 127 or tile_expert.numel() * 128 > rows + 127:
+            raise ValueError(f"{op}: tile_expert has {tile_expert.numel()} tiles of 128 rows; a_q has {rows} rows")
+        if N % 64:
+            raise ValueError(f"{op}: the Hopper kernel needs N % 64 == 0, got N={N}")
+        check_cuda(op, ("a_q", a_q), ("expert_counts", expert_counts), ("tile_expert", tile_expert))
+        fn = jit.get_kernel("moe_expert_gemm_sm90", a, E=E, N=N, K=K)
+        fn(P(f8, a_q, 16), P(f8, w_q, 16), P(cutlass.Uint8, a_scales, 16), P(cutlass.Uint8, w_scales, 16),
+           P(cutlass.BFloat16, out, 16), P(Int32, expert_offsets, 4), P(Int32, expert_counts, 4),
+           P(Int32, tile_expert, 4), jit.i32(rows), jit.i32(min(tile_expert.numel(), -(-rows // 128))),
+           jit.cu_stream(stream))
+        return out
     if workspace is None:
         workspace = MoeExpertWorkspace(E, device=a_q.device)
     if not isinstance(workspace, MoeExpertWorkspace) or workspace.E != E:
         raise ValueError(f"{op}: workspace must be an MoeExpertWorkspace for E={E}")
-    import cutlass
-    from cutlass import Int32
-
     fn = jit.get_kernel("moe_expert_gemm", a, E=E, N=N, K=K)
-    P = jit.gmem_ptr
-    f8, sf = cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU
     fn(P(f8, a_q, 16), P(f8, w_q, 16), P(sf, a_scales, 16), P(sf, w_scales, 16), P(cutlass.BFloat16, out, 16),
        P(Int32, expert_offsets[1:], 4), P(cutlass.Uint8, workspace.buffer, 128), jit.i32(rows), jit.cu_stream(stream))
     return out

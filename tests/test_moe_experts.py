@@ -76,6 +76,16 @@ def _quantized_problem(E, N, K, counts, gen):
             offs, asc, wsc)
 
 
+def _router_maps(offs, counts, rows):
+    """The router's expert_counts and tile_expert for a padded layout."""
+    tiles = -(-rows // 128)
+    te = torch.full((tiles,), -1, dtype=torch.int32)
+    for e in range(len(counts)):
+        for j in range(int(offs[e]) // 128, int(offs[e + 1]) // 128):
+            te[j] = e
+    return torch.tensor(counts, dtype=torch.int32), te
+
+
 def test_block_scaled_math_against_fp64():
     """Dequantise-then-FP32 (what tcgen05 block_scale computes, up to summation order) equals
     the FP64 product of the exactly dequantised operands, and is within MXFP8 error of bf16."""
@@ -129,15 +139,30 @@ def test_can_implement_and_validation():
 
 
 @pytest.mark.gpu
-def test_gpu_entry_point_matches_emulation(seed):
-    """On the H200 this is the reference path (no Hopper kernel yet): same numbers as the CPU."""
-    E, N, K = 4, 256, 512
+@pytest.mark.parametrize("E, N, K, counts", [
+    (4, 256, 512, [3, 0, 129, 64]),           # empty expert, a two-tile expert
+    (8, 4096, 7168, [1, 0, 0, 2, 0, 1, 5, 0]),  # decode-like gate/up, K = hidden
+    (3, 7168, 2048, [128, 7, 0]),             # down projection, a full tile
+])
+def test_gpu_kernel_matches_emulation(seed, E, N, K, counts):
+    """H200: the Hopper kernel; live rows equal the block-scaled CPU emulation."""
     gen = torch.Generator().manual_seed(seed)
-    a, w, aq, asw, wq, wsw, offs, asc, wsc = _quantized_problem(E, N, K, [3, 0, 129, 64], gen)
+    a, w, aq, asw, wq, wsw, offs, asc, wsc = _quantized_problem(E, N, K, counts, gen)
+    cnt, te = _router_maps(offs, counts, aq.shape[0])
     cpu = torch.zeros(aq.shape[0], N).bfloat16()
     _reference(aq, asw, wq, wsw, offs, cpu)
-    out = torch.zeros(aq.shape[0], N, device="cuda").bfloat16()
-    moe_expert_gemm(aq.cuda(), asw.cuda(), wq.cuda(), wsw.cuda(), offs.cuda(), out=out)
+    out = torch.full((aq.shape[0], N), float("nan"), device="cuda").bfloat16()
+    moe_expert_gemm(aq.cuda(), asw.cuda(), wq.cuda(), wsw.cuda(), offs.cuda(), cnt.cuda(), te.cuda(), out=out)
     torch.cuda.synchronize()
-    live = int(offs[-1])
-    assert torch.allclose(out[:live].float().cpu(), cpu[:live].float(), rtol=2**-7, atol=1e-2)
+    o = out.float().cpu()
+    for e in range(E):
+        lo, hi = int(offs[e]), int(offs[e]) + counts[e]
+        assert torch.allclose(o[lo:hi], cpu[lo:hi].float(), rtol=2**-7, atol=1e-2), f"expert {e}"
+
+
+@pytest.mark.parametrize("cfg", [dict(E=256, N=4096, K=7168), dict(E=256, N=7168, K=2048)])
+def test_machine_code_sm90(cfg):
+    h = sass.sass_histogram("moe_expert_gemm_sm90", "sm_90a", **cfg)
+    assert sass.count(h, "HMMA") >= 1 and sass.count(h, "LDSM") >= 1 and sass.count(h, "LDGSTS") >= 1
+    assert sass.count(h, "FFMA") >= 32 * 4  # per-block scale promotion of the 32 accumulators, 4 blocks
+    assert sass.local_memory_ops(h) == 0

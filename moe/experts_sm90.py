@@ -1,0 +1,236 @@
+"""MXFP8 routed-expert GEMM, Hopper path: ``out[r] = A[r] @ W[expert(r)]^T`` (bf16 out).
+
+Hopper has no block-scaled MMA. Scheme: FP8 ``mma.sync m16n8k32`` -- its K step is exactly
+one MX block -- into a zeroed FP32 fragment per 32-wide block, then
+``acc += frag * 2^(sa[m] - 127) * 2^(sb[n] - 127)`` on the FP32 pipes ("promotion" per
+block, as DeepSeek's FP8 GEMMs promote per 128). The product of two e4m3 values is exact in
+FP32 and a 32-term block sum is within the MMA's accumulator precision, so the result is the
+block-scaled dot product up to FP32 summation order -- the same numbers the Blackwell path
+computes. Why not wgmma: its FP8 form needs K = 32 per instruction too but accumulates
+across instructions in the same registers, so per-block scales would need one wgmma per
+32-wide block with a register round trip each -- the warp MMA keeps the fragment in the
+thread that applies the scale; and decode is bound by streaming W, not by MMA rate.
+
+Tiling: one CTA per (router tile of 128 rows, 64 output columns); rows past the expert's
+live count are never multiplied (16-row granularity) nor written. A 4-stage cp.async
+pipeline brings 128-wide K slices of A (128 x 128 B) and W (64 x 128 B) into padded shared
+rows (conflict-free ldmatrix) plus the two 512-byte scale atoms that cover them (the
+swizzled layout stores a 128-row x 4-block atom contiguously). 4 x 2 warps, each 32 x 32
+(32 accumulator + 32 block-fragment registers per thread: no spills).
+
+Status: written for issue 5 in a session whose GPU time was spent -- compiled for sm_90a
+and machine-code checked on the CPU, **not yet run on the H200**.
+
+Inputs beyond the Blackwell path's: the router's ``expert_counts`` (live rows per expert)
+and ``tile_expert`` (expert of each 128-row tile, -1 past the total). Rows of ``out`` that
+are padding are not written (the finalize never reads them).
+
+Constraints: ``K % 128 == 0``, ``N % 64 == 0``, router tile 128 (``RouterConfig.tile_m``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint32
+
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+
+from cute_kernels import jit
+
+BM, BN, BK = 128, 64, 128
+PITCH = BK + 16  # bytes per shared row: ldmatrix rows land in distinct 16-byte bank groups
+STAGES = 4
+MX = 32
+
+
+@dsl_user_op
+def _u32_as_f32(x: Uint32, *, loc=None, ip=None) -> Float32:
+    return Float32(llvm.bitcast(Float32.mlir_type, Uint32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@cute.jit
+def e8m0_to_f32(s: Uint32) -> Float32:
+    """2^(s - 127) from its exponent field; 0xFF (E8M0 NaN) -> NaN; 0 -> 0 (zero blocks)."""
+    return _u32_as_f32(cutlass.select_(s == Uint32(0xFF), Uint32(0x7FC00000), s << 23))
+
+
+class MoeExpertGemmSm90:
+    def __init__(self, E: int, N: int, K: int):
+        self.E, self.N, self.K = E, N, K
+        self.kb_pad = -(-(K // MX) // 4) * 4
+        self.n_pad = -(-N // 128) * 128
+        self.threads = 256
+
+    @cute.jit
+    def __call__(self, a_ptr: cute.Pointer, w_ptr: cute.Pointer, sfa_ptr: cute.Pointer, sfw_ptr: cute.Pointer,
+                 out_ptr: cute.Pointer, offs_ptr: cute.Pointer, cnt_ptr: cute.Pointer, tile_ptr: cute.Pointer,
+                 rows: Int32, tiles: Int32, stream: cuda.CUstream):
+        E, N, K = self.E, self.N, self.K
+        mA = cute.make_tensor(a_ptr, cute.make_layout((rows, K), stride=(K, 1)))
+        mW = cute.make_tensor(w_ptr, cute.make_layout((E * N, K), stride=(K, 1)))
+        sfa_bytes = (rows + 127) // 128 * 128 * self.kb_pad
+        mSA = cute.make_tensor(sfa_ptr, cute.make_layout((sfa_bytes,)))
+        mSW = cute.make_tensor(sfw_ptr, cute.make_layout((E * self.n_pad * self.kb_pad,)))
+        mOut = cute.make_tensor(out_ptr, cute.make_layout((rows, N), stride=(N, 1)))
+        mOffs = cute.make_tensor(offs_ptr, cute.make_layout((E + 1,)))
+        mCnt = cute.make_tensor(cnt_ptr, cute.make_layout((E,)))
+        mTile = cute.make_tensor(tile_ptr, cute.make_layout((tiles,)))
+        tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaFP8Op(cutlass.Float8E4M3FN, Float32, (16, 8, 32)),
+                                        cute.make_layout((4, 2, 1)))
+        self.kernel(mA, mW, mSA, mSW, mOut, mOffs, mCnt, mTile, tiled_mma).launch(
+            grid=[N // BN, tiles, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mA: cute.Tensor, mW: cute.Tensor, mSA: cute.Tensor, mSW: cute.Tensor, mOut: cute.Tensor,
+               mOffs: cute.Tensor, mCnt: cute.Tensor, mTile: cute.Tensor, tiled_mma: cute.TiledMma):
+        tidx, _, _ = cute.arch.thread_idx()
+        nt, mt, _ = cute.arch.block_idx()
+        e = mTile[mt]
+        row0 = mt * BM
+        live = Int32(0)
+        if e >= 0:
+            live = cutlass.min(mOffs[e] + mCnt[e] - row0, BM)  # live rows of this router tile
+        if live > 0:
+            self.mainloop(mA, mW, mSA, mSW, mOut, tiled_mma, e, row0, nt * BN, live)
+
+    @cute.jit
+    def mainloop(self, mA: cute.Tensor, mW: cute.Tensor, mSA: cute.Tensor, mSW: cute.Tensor, mOut: cute.Tensor,
+                 tiled_mma: cute.TiledMma, e: Int32, row0: Int32, n0: Int32, live: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        f8 = cutlass.Float8E4M3FN
+        KT = self.K // BK
+        smem = cutlass.memory.SmemAllocator()
+        sA = smem.allocate_tensor(f8, cute.make_layout((BM, BK, STAGES), stride=(PITCH, 1, BM * PITCH)), 16)
+        sW = smem.allocate_tensor(f8, cute.make_layout((BN, BK, STAGES), stride=(PITCH, 1, BN * PITCH)), 16)
+        sSA = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((512, STAGES), stride=(1, 512)), 16)
+        sSW = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((512, STAGES), stride=(1, 512)), 16)
+
+        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=128)
+        gA16 = cute.zipped_divide(cute.recast_tensor(mA, cutlass.Uint8), (1, 16))
+        gW16 = cute.zipped_divide(cute.recast_tensor(mW, cutlass.Uint8), (1, 16))
+        sA16 = cute.zipped_divide(cute.recast_tensor(sA, cutlass.Uint8), (1, 16, 1))
+        sW16 = cute.zipped_divide(cute.recast_tensor(sW, cutlass.Uint8), (1, 16, 1))
+        gSA16 = cute.zipped_divide(mSA, (16,))
+        gSW16 = cute.zipped_divide(mSW, (16,))
+        sSA16 = cute.zipped_divide(sSA, (16, 1))
+        sSW16 = cute.zipped_divide(sSW, (16, 1))
+        wrow0 = e * self.N + n0
+        # Scale atoms: rows [row0, +128) x blocks [4 kt, +4) is one contiguous 512-byte atom;
+        # W's 64 rows sit inside the atom of rows [n0 - n0 % 128, +128).
+        cb = self.kb_pad // 4
+        sa_base = (row0 // 128) * cb * 512
+        sw_base = (e * self.n_pad + n0 // 128 * 128) // 128 * cb * 512
+
+        for s0 in cutlass.range_constexpr(STAGES - 1):
+            if s0 < KT:
+                self.issue(gA16, gW16, gSA16, gSW16, sA16, sW16, sSA16, sSW16, atom, s0, s0, row0, wrow0, live,
+                           sa_base, sw_base)
+            cute.arch.cp_async_commit_group()
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCsA = thr_mma.partition_A(sA)
+        tCsB = thr_mma.partition_B(sW)
+        tCrA = tiled_mma.make_fragment_A(tCsA[None, None, None, 0])
+        tCrB = tiled_mma.make_fragment_B(tCsB[None, None, None, 0])
+        cC = cute.make_identity_tensor((BM, BN))
+        tCcC = thr_mma.partition_C(cC)
+        frag = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((BM, BN)))
+        acc = cute.make_rmem_tensor(frag.layout, Float32)
+        acc.fill(0.0)
+        MR, NR = cute.size(frag, mode=[1]), cute.size(frag, mode=[2])
+        rSa = cute.make_rmem_tensor(cute.make_layout((2 * MR,)), Float32)
+        rSb = cute.make_rmem_tensor(cute.make_layout((2 * NR,)), Float32)
+        s2r_A = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), f8),
+                                       tiled_mma)
+        s2r_B = cute.make_tiled_copy_B(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 2), f8),
+                                       tiled_mma)
+        thr_A, thr_B = s2r_A.get_slice(tidx), s2r_B.get_slice(tidx)
+        tAsA, tArA = thr_A.partition_S(sA), thr_A.retile(tCrA)
+        tBsB, tBrB = thr_B.partition_S(sW), thr_B.retile(tCrB)
+
+        for kt in cutlass.range(0, KT, 1):
+            slot = kt % STAGES
+            cute.arch.cp_async_wait_group(STAGES - 2)
+            # K slice kt has landed for all threads' copies; every warp is done with kt-1.
+            cute.arch.barrier()
+            if kt + STAGES - 1 < KT:
+                self.issue(gA16, gW16, gSA16, gSW16, sA16, sW16, sSA16, sSW16, atom, kt + STAGES - 1,
+                           (kt + STAGES - 1) % STAGES, row0, wrow0, live, sa_base, sw_base)
+            cute.arch.cp_async_commit_group()
+            for kb in cutlass.range_constexpr(BK // MX):
+                cute.copy(s2r_A, tAsA[None, None, kb, slot], tArA[None, None, kb])
+                cute.copy(s2r_B, tBsB[None, None, kb, slot], tBrB[None, None, kb])
+                frag.fill(0.0)
+                cute.gemm(tiled_mma, frag, tCrA[None, None, kb], tCrB[None, None, kb], frag)
+                # Promotion: this block's FP32 partial times its two power-of-two scales.
+                # Fragment ((col pair, row +8), m repeat, n repeat): 8 rows and 8 columns
+                # per thread, so 16 scale bytes per block, not one pair per element.
+                for mi in cutlass.range_constexpr(MR):
+                    for r8 in cutlass.range_constexpr(2):
+                        m = tCcC[((0, r8), mi, 0)][0]
+                        rSa[mi * 2 + r8] = e8m0_to_f32(Uint32(sSA[(m % 32) * 16 + (m // 32) * 4 + kb, slot]))
+                for ni in cutlass.range_constexpr(NR):
+                    for c in cutlass.range_constexpr(2):
+                        nr = n0 % 128 + tCcC[((c, 0), 0, ni)][1]
+                        rSb[ni * 2 + c] = e8m0_to_f32(Uint32(sSW[(nr % 32) * 16 + (nr // 32) * 4 + kb, slot]))
+                for mi in cutlass.range_constexpr(MR):
+                    for ni in cutlass.range_constexpr(NR):
+                        for r8 in cutlass.range_constexpr(2):
+                            for c in cutlass.range_constexpr(2):
+                                crd = ((c, r8), mi, ni)
+                                acc[crd] = acc[crd] + frag[crd] * (rSa[mi * 2 + r8] * rSb[ni * 2 + c])
+
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            m, n = tCcC[i]
+            if m < live:
+                mOut[row0 + m, n0 + n] = acc[i].to(mOut.element_type)
+
+    @cute.jit
+    def issue(self, gA16: cute.Tensor, gW16: cute.Tensor, gSA16: cute.Tensor, gSW16: cute.Tensor, sA16: cute.Tensor,
+              sW16: cute.Tensor, sSA16: cute.Tensor, sSW16: cute.Tensor, atom: cute.CopyAtom, kt: Int32, slot: Int32,
+              row0: Int32, wrow0: Int32, live: Int32, sa_base: Int32, sw_base: Int32):
+        """cp.async K slice kt: A rows (live ones), W rows, and the two scale atoms."""
+        tidx, _, _ = cute.arch.thread_idx()
+        VPR = BK // 16
+        for i in cutlass.range_constexpr(BM * VPR // self.threads):
+            idx = tidx + i * self.threads
+            r, v = idx // VPR, idx % VPR
+            if r < live:
+                cute.copy(atom, gA16[(0, None), (row0 + r, kt * VPR + v)], sA16[(0, None, 0), (r, v, slot)])
+        for i in cutlass.range_constexpr(BN * VPR // self.threads):
+            idx = tidx + i * self.threads
+            r, v = idx // VPR, idx % VPR
+            cute.copy(atom, gW16[(0, None), (wrow0 + r, kt * VPR + v)], sW16[(0, None, 0), (r, v, slot)])
+        if tidx < 32:
+            cute.copy(atom, gSA16[None, sa_base // 16 + kt * 32 + tidx], sSA16[(None, 0), (tidx, slot)])
+        elif tidx < 64:
+            cute.copy(atom, gSW16[None, sw_base // 16 + kt * 32 + tidx - 32], sSW16[(None, 0), (tidx - 32, slot)])
+
+    @staticmethod
+    def can_implement(E: int, N: int, K: int) -> bool:
+        return 1 <= E <= 1024 and K % BK == 0 and K > 0 and N % BN == 0 and N > 0
+
+
+def _build(arch: str, *, E: int, N: int, K: int):
+    if not MoeExpertGemmSm90.can_implement(E, N, K):
+        raise ValueError(f"moe_expert_gemm_sm90: unsupported E={E}, N={N}, K={K} (K % 128, N % 64)")
+    P = jit.fake_gmem_ptr
+    f8 = cutlass.Float8E4M3FN
+    args = (P(f8, 16), P(f8, 16), P(cutlass.Uint8, 16), P(cutlass.Uint8, 16), P(cutlass.BFloat16, 16), P(Int32, 4),
+            P(Int32, 4), P(Int32, 4), Int32(128), Int32(1), jit.fake_stream())
+    return MoeExpertGemmSm90(E, N, K), args
+
+
+KERNEL = jit.register(jit.KernelDef(
+    name="moe_expert_gemm_sm90",
+    build=_build,
+    sources=(os.path.abspath(__file__),),
+    archs=("sm_90a",),
+    aot_configs=({"E": 256, "N": 4096, "K": 7168}, {"E": 256, "N": 7168, "K": 2048}),
+    description="MXFP8 routed-expert grouped GEMM, Hopper: FP8 mma.sync per 32-block + scale promotion",
+))
