@@ -96,6 +96,34 @@ def _reference(a_q, a_scales, w_q, w_scales, expert_offsets, out):
     return out
 
 
+
+def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out, fused,
+                 stream):
+    """The Hopper kernel: bf16 ``out``, or (``fused`` = (q, scales)) SiLU * up + MXFP8."""
+    import cutlass
+    from cutlass import Int32
+
+    rows, K = a_q.shape
+    E, N, _ = w_q.shape
+    if expert_counts is None or tile_expert is None:
+        raise ValueError(f"{op}: the Hopper kernel needs the router's expert_counts and tile_expert")
+    check_tensor(op, "expert_counts", expert_counts, dtype=torch.int32, shape=(E,), contiguous=True, align_bytes=4)
+    check_tensor(op, "tile_expert", tile_expert, dtype=torch.int32, ndim=1, contiguous=True, align_bytes=4)
+    if tile_expert.numel() * 128 < rows - 127:
+        raise ValueError(f"{op}: tile_expert has {tile_expert.numel()} tiles of 128 rows; a_q has {rows} rows")
+    if N % 64:
+        raise ValueError(f"{op}: the Hopper kernel needs N % 64 == 0, got N={N}")
+    check_cuda(op, ("a_q", a_q), ("expert_counts", expert_counts), ("tile_expert", tile_expert))
+    P = jit.gmem_ptr
+    f8 = cutlass.Float8E4M3FN
+    fn = jit.get_kernel("moe_expert_gemm_sm90", arch, E=E, N=N, K=K, silu_quant=fused is not None)
+    q_out, s_out = fused if fused is not None else (a_q, a_scales)  # not touched unless fused
+    out_t = out if out is not None else a_q  # not touched when fused
+    fn(P(f8, a_q, 16), P(f8, w_q, 16), P(cutlass.Uint8, a_scales, 16), P(cutlass.Uint8, w_scales, 16),
+       P(cutlass.BFloat16, out_t, 16), P(f8, q_out, 16), P(cutlass.Uint8, s_out, 1), P(Int32, expert_offsets, 4),
+       P(Int32, expert_counts, 4), P(Int32, tile_expert, 4), jit.i32(rows),
+       jit.i32(min(tile_expert.numel(), -(-rows // 128))), jit.cu_stream(stream))
+
 def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor, w_scales: torch.Tensor,
                     expert_offsets: torch.Tensor, expert_counts: torch.Tensor | None = None,
                     tile_expert: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
@@ -138,21 +166,7 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     P = jit.gmem_ptr
     f8, sf = cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU
     if path == "sm90":
-        if expert_counts is None or tile_expert is None:
-            raise ValueError(f"{op}: the Hopper kernel needs the router's expert_counts and tile_expert")
-        check_tensor(op, "expert_counts", expert_counts, dtype=torch.int32, shape=(E,), contiguous=True,
-                     align_bytes=4)
-        check_tensor(op, "tile_expert", tile_expert, dtype=torch.int32, ndim=1, contiguous=True, align_bytes=4)
-        if tile_expert.numel() * 128 < rows - 127 or tile_expert.numel() * 128 > rows + 127:
-            raise ValueError(f"{op}: tile_expert has {tile_expert.numel()} tiles of 128 rows; a_q has {rows} rows")
-        if N % 64:
-            raise ValueError(f"{op}: the Hopper kernel needs N % 64 == 0, got N={N}")
-        check_cuda(op, ("a_q", a_q), ("expert_counts", expert_counts), ("tile_expert", tile_expert))
-        fn = jit.get_kernel("moe_expert_gemm_sm90", a, E=E, N=N, K=K)
-        fn(P(f8, a_q, 16), P(f8, w_q, 16), P(cutlass.Uint8, a_scales, 16), P(cutlass.Uint8, w_scales, 16),
-           P(cutlass.BFloat16, out, 16), P(Int32, expert_offsets, 4), P(Int32, expert_counts, 4),
-           P(Int32, tile_expert, 4), jit.i32(rows), jit.i32(min(tile_expert.numel(), -(-rows // 128))),
-           jit.cu_stream(stream))
+        _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out, None, stream)
         return out
     if workspace is None:
         workspace = MoeExpertWorkspace(E, device=a_q.device)
@@ -162,3 +176,93 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     fn(P(f8, a_q, 16), P(f8, w_q, 16), P(sf, a_scales, 16), P(sf, w_scales, 16), P(cutlass.BFloat16, out, 16),
        P(Int32, expert_offsets[1:], 4), P(cutlass.Uint8, workspace.buffer, 128), jit.i32(rows), jit.cu_stream(stream))
     return out
+
+
+def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """``[E, I, K]`` gate and up weights -> ``[E, 2I, K]`` in blocks of 32 rows (gate, up, ...).
+
+    The fused gate/up kernel computes one 64-column tile per CTA: its first 32 columns are the
+    gates and its last 32 the ups of the same 32 features, so SiLU(gate) * up and the MXFP8
+    block of those 32 features stay inside the tile.
+    """
+    E, I, K = w_gate.shape
+    if w_up.shape != w_gate.shape or I % 32:
+        raise ValueError(f"interleave_gate_up: gate and up must both be [E, I, K] with I % 32 == 0, got "
+                         f"{list(w_gate.shape)}, {list(w_up.shape)}")
+    return torch.stack([w_gate.view(E, I // 32, 32, K), w_up.view(E, I // 32, 32, K)], 2).reshape(E, 2 * I, K)
+
+
+def silu_mul_interleaved(y: torch.Tensor) -> torch.Tensor:
+    """Reference epilogue on the gate/up GEMM's bf16 output (interleaved columns):
+    ``h = bf16(bf16(silu(g)) * u)`` -- the unfused path's rounding points."""
+    R, N = y.shape
+    blocks = y.view(R, N // 64, 2, 32)
+    g, u = blocks[:, :, 0].reshape(R, N // 2), blocks[:, :, 1].reshape(R, N // 2)
+    return torch.nn.functional.silu(g) * u  # bf16 in, bf16 out at each op
+
+
+def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor, w_scales: torch.Tensor,
+                       expert_offsets: torch.Tensor, expert_counts: torch.Tensor, tile_expert: torch.Tensor, *,
+                       q_out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None, stream=None,
+                       arch: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate/up projection with SiLU(gate) * up and MXFP8 requantisation fused in the epilogue.
+
+    ``w_q`` / ``w_scales`` are the quantised :func:`interleave_gate_up` weights ``[E, 2I, K]``.
+    Returns the down projection's input: ``q [rows, I]`` e4m3 and its swizzled scales (live
+    rows written; padding rows unspecified). Hopper: one fused launch. Elsewhere (Blackwell
+    until its epilogue is fused, CPU): expert GEMM -> bf16, SiLU * up, then the quantiser.
+    """
+    op = "moe_expert_gate_up"
+    rows, K = a_q.shape
+    E, N, _ = w_q.shape
+    if N % 64:
+        raise ValueError(f"{op}: w_q.shape[1] = 2I = {N} must be a multiple of 64")
+    I = N // 2
+    if q_out is None:
+        q_out = torch.empty(rows, I, dtype=F8, device=a_q.device)
+    if scales_out is None:
+        scales_out = torch.zeros(scale_buffer_size(rows, I, "swizzled"), dtype=torch.uint8, device=a_q.device)
+    check_tensor(op, "q_out", q_out, dtype=(F8, torch.uint8), shape=(rows, I), contiguous=True, align_bytes=16)
+    check_tensor(op, "scales_out", scales_out, dtype=torch.uint8, shape=(scale_buffer_size(rows, I, "swizzled"),),
+                 contiguous=True, align_bytes=0)
+    a = arch if arch is not None else (current_arch(a_q.device) if a_q.is_cuda else None)
+    if a is not None and a_q.is_cuda and dispatch(op, ("sm90", "portable"), arch=a) == "sm90":
+        check_cuda(op, ("a_q", a_q), ("a_scales", a_scales), ("w_q", w_q), ("w_scales", w_scales),
+                   ("expert_offsets", expert_offsets), ("q_out", q_out), ("scales_out", scales_out))
+        _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, None,
+                     (q_out, scales_out), stream)
+        return q_out, scales_out
+    y = moe_expert_gemm(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, arch=a,
+                        stream=stream) if a_q.is_cuda else _reference(
+        a_q, a_scales, w_q, w_scales, expert_offsets, torch.zeros(rows, N, dtype=torch.bfloat16))
+    h = silu_mul_interleaved(y)
+    if a_q.is_cuda:
+        mxfp8_quantize(h, layout="swizzled", q=q_out, scales=scales_out, stream=stream)
+    else:
+        q, sc = _mx_quant_torch(h)
+        q_out.view(torch.uint8).copy_(q)
+        scales_out.copy_(_swizzle_reference(sc))
+    return q_out, scales_out
+
+
+def _mx_quant_torch(x: torch.Tensor):
+    """CPU fallback of moe.quant's MX rule (bf16 [R, K] -> e4m3 bits, UE8M0 scales)."""
+    R, K = x.shape
+    nb = K // MX_BLOCK
+    bits = (x.contiguous().view(torch.int16).to(torch.int32) & 0x7FFF).view(R, nb, MX_BLOCK)
+    amax = bits.amax(-1)
+    scale = ((amax >> 7) - 8 + ((amax & 0x7F) > 0x60).to(torch.int32)).clamp(0, 254)
+    mult = ((254 - scale) << 23).to(torch.int32).view(torch.float32)
+    q = (x.float().view(R, nb, MX_BLOCK) * mult[..., None]).to(F8).view(torch.uint8)
+    bad = amax >= 0x7F80
+    q = torch.where(bad[..., None], torch.full_like(q, 0x7F), q)
+    scale = torch.where(bad, torch.full_like(scale, 0xFF), scale)
+    return q.view(R, K), scale.to(torch.uint8)
+
+
+def _swizzle_reference(scale: torch.Tensor) -> torch.Tensor:
+    R, C = scale.shape
+    rb, cb = -(-R // 128), -(-C // 4)
+    p = torch.zeros(rb * 128, cb * 4, dtype=scale.dtype)
+    p[:R, :C] = scale
+    return p.view(rb, 128, cb, 4).permute(0, 2, 1, 3).reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1)

@@ -59,17 +59,37 @@ def e8m0_to_f32(s: Uint32) -> Float32:
     return _u32_as_f32(cutlass.select_(s == Uint32(0xFF), Uint32(0x7FC00000), s << 23))
 
 
+@cute.jit
+def mx_quantize_block(rX: cute.Tensor, rQ: cute.Tensor) -> Int32:
+    """One 32-element bf16 block -> e4m3 ``rQ`` and its UE8M0 scale byte: the rule of
+    :mod:`moe.quant` (amax from the bf16 magnitude bits; NaN/Inf -> 0xFF and 0x7F elements)."""
+    bits = cute.recast_tensor(rX, cutlass.Uint16)
+    amax = Int32(0)
+    for i in cutlass.range_constexpr(MX):
+        amax = cutlass.max(amax, Int32(bits[i]) & 0x7FFF)
+    e_biased = (amax >> 7) - 8 + cutlass.select_(Int32(amax & 0x7F) > 0x60, Int32(1), Int32(0))
+    scale = cutlass.max(cutlass.min(e_biased, Int32(254)), Int32(0))
+    mult = _u32_as_f32(Uint32(254 - scale) << 23)
+    rQ.store((rX.load().to(Float32) * mult).to(rQ.element_type))
+    if amax >= 0x7F80:
+        scale = Int32(0xFF)
+        cute.recast_tensor(rQ, cutlass.Uint8).fill(0x7F)
+    return scale
+
+
 class MoeExpertGemmSm90:
-    def __init__(self, E: int, N: int, K: int):
-        self.E, self.N, self.K = E, N, K
+    def __init__(self, E: int, N: int, K: int, silu_quant: bool = False):
+        self.E, self.N, self.K, self.silu_quant = E, N, K, silu_quant
+        self.I = N // 2  # silu_quant: output features (gate / up interleaved by 32)
+        self.ncb_i = -(-(self.I // MX) // 4)  # scale-column atoms of the requantised output
         self.kb_pad = -(-(K // MX) // 4) * 4
         self.n_pad = -(-N // 128) * 128
         self.threads = 256
 
     @cute.jit
     def __call__(self, a_ptr: cute.Pointer, w_ptr: cute.Pointer, sfa_ptr: cute.Pointer, sfw_ptr: cute.Pointer,
-                 out_ptr: cute.Pointer, offs_ptr: cute.Pointer, cnt_ptr: cute.Pointer, tile_ptr: cute.Pointer,
-                 rows: Int32, tiles: Int32, stream: cuda.CUstream):
+                 out_ptr: cute.Pointer, q_ptr: cute.Pointer, sq_ptr: cute.Pointer, offs_ptr: cute.Pointer,
+                 cnt_ptr: cute.Pointer, tile_ptr: cute.Pointer, rows: Int32, tiles: Int32, stream: cuda.CUstream):
         E, N, K = self.E, self.N, self.K
         mA = cute.make_tensor(a_ptr, cute.make_layout((rows, K), stride=(K, 1)))
         mW = cute.make_tensor(w_ptr, cute.make_layout((E * N, K), stride=(K, 1)))
@@ -77,17 +97,20 @@ class MoeExpertGemmSm90:
         mSA = cute.make_tensor(sfa_ptr, cute.make_layout((sfa_bytes,)))
         mSW = cute.make_tensor(sfw_ptr, cute.make_layout((E * self.n_pad * self.kb_pad,)))
         mOut = cute.make_tensor(out_ptr, cute.make_layout((rows, N), stride=(N, 1)))
+        mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, self.I), stride=(self.I, 1)))
+        mSQ = cute.make_tensor(sq_ptr, cute.make_layout(((rows + 127) // 128 * 128 * self.ncb_i * 4,)))
         mOffs = cute.make_tensor(offs_ptr, cute.make_layout((E + 1,)))
         mCnt = cute.make_tensor(cnt_ptr, cute.make_layout((E,)))
         mTile = cute.make_tensor(tile_ptr, cute.make_layout((tiles,)))
         tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaFP8Op(cutlass.Float8E4M3FN, Float32, (16, 8, 32)),
                                         cute.make_layout((4, 2, 1)))
-        self.kernel(mA, mW, mSA, mSW, mOut, mOffs, mCnt, mTile, tiled_mma).launch(
+        self.kernel(mA, mW, mSA, mSW, mOut, mQ, mSQ, mOffs, mCnt, mTile, tiled_mma).launch(
             grid=[N // BN, tiles, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mA: cute.Tensor, mW: cute.Tensor, mSA: cute.Tensor, mSW: cute.Tensor, mOut: cute.Tensor,
-               mOffs: cute.Tensor, mCnt: cute.Tensor, mTile: cute.Tensor, tiled_mma: cute.TiledMma):
+               mQ: cute.Tensor, mSQ: cute.Tensor, mOffs: cute.Tensor, mCnt: cute.Tensor, mTile: cute.Tensor,
+               tiled_mma: cute.TiledMma):
         tidx, _, _ = cute.arch.thread_idx()
         nt, mt, _ = cute.arch.block_idx()
         e = mTile[mt]
@@ -96,11 +119,12 @@ class MoeExpertGemmSm90:
         if e >= 0:
             live = cutlass.min(mOffs[e] + mCnt[e] - row0, BM)  # live rows of this router tile
         if live > 0:
-            self.mainloop(mA, mW, mSA, mSW, mOut, tiled_mma, e, row0, nt * BN, live)
+            self.mainloop(mA, mW, mSA, mSW, mOut, mQ, mSQ, tiled_mma, e, row0, nt * BN, live)
 
     @cute.jit
     def mainloop(self, mA: cute.Tensor, mW: cute.Tensor, mSA: cute.Tensor, mSW: cute.Tensor, mOut: cute.Tensor,
-                 tiled_mma: cute.TiledMma, e: Int32, row0: Int32, n0: Int32, live: Int32):
+                 mQ: cute.Tensor, mSQ: cute.Tensor, tiled_mma: cute.TiledMma, e: Int32, row0: Int32, n0: Int32,
+                 live: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         f8 = cutlass.Float8E4M3FN
         KT = self.K // BK
@@ -109,6 +133,7 @@ class MoeExpertGemmSm90:
         sW = smem.allocate_tensor(f8, cute.make_layout((BN, BK, STAGES), stride=(PITCH, 1, BN * PITCH)), 16)
         sSA = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((512, STAGES), stride=(1, 512)), 16)
         sSW = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((512, STAGES), stride=(1, 512)), 16)
+        sH = smem.allocate_tensor(Float32, cute.make_layout((BM, BN + 1), stride=(BN + 1, 1)), 16)
 
         atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=128)
         gA16 = cute.zipped_divide(cute.recast_tensor(mA, cutlass.Uint8), (1, 16))
@@ -185,10 +210,42 @@ class MoeExpertGemmSm90:
                                 crd = ((c, r8), mi, ni)
                                 acc[crd] = acc[crd] + frag[crd] * (rSa[mi * 2 + r8] * rSb[ni * 2 + c])
 
+        if cutlass.const_expr(not self.silu_quant):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                m, n = tCcC[i]
+                if m < live:
+                    mOut[row0 + m, n0 + n] = acc[i].to(mOut.element_type)
+        else:
+            self.silu_quant_epilogue(acc, tCcC, sH, mQ, mSQ, row0, n0, live)
+
+    @cute.jit
+    def silu_quant_epilogue(self, acc: cute.Tensor, tCcC: cute.Tensor, sH: cute.Tensor, mQ: cute.Tensor,
+                            mSQ: cute.Tensor, row0: Int32, n0: Int32, live: Int32):
+        """Columns [n0, n0+32) are gate and [n0+32, n0+64) up of features f0 = n0/2 .. f0+31:
+        h = bf16(bf16(silu(g)) * u) from the bf16-rounded GEMM outputs (the unfused rounding
+        points), then one MXFP8 block per row (the rule of moe.quant), written in the
+        swizzled scale layout the down projection reads."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bf16 = cutlass.BFloat16
         for i in cutlass.range_constexpr(cute.size(acc)):
             m, n = tCcC[i]
-            if m < live:
-                mOut[row0 + m, n0 + n] = acc[i].to(mOut.element_type)
+            sH[m, n] = Float32(acc[i].to(bf16))  # the gate/up GEMM's bf16 output rounding
+        # Every warp's accumulators are in shared memory before a row's thread reads them.
+        cute.arch.barrier()
+        if tidx < live:
+            one = Float32(1.0)
+            rH = cute.make_rmem_tensor(cute.make_layout((MX,)), bf16)
+            for j in cutlass.range_constexpr(MX):
+                g = sH[tidx, j]
+                sg = (g / (one + cute.math.exp(-g))).to(bf16)
+                rH[j] = (Float32(sg) * sH[tidx, MX + j]).to(bf16)
+            rQ = cute.make_rmem_tensor(cute.make_layout((MX,)), cutlass.Float8E4M3FN)
+            scale = mx_quantize_block(rH, rQ)
+            fb = n0 // (2 * MX)  # output scale block = feature block
+            cute.autovec_copy(rQ, cute.zipped_divide(mQ, (1, MX))[(0, None), (row0 + tidx, fb)])
+            r = row0 + tidx
+            mSQ[((r // 128) * self.ncb_i + fb // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + fb % 4] = \
+                cutlass.Uint8(scale)
 
     @cute.jit
     def issue(self, gA16: cute.Tensor, gW16: cute.Tensor, gSA16: cute.Tensor, gSW16: cute.Tensor, sA16: cute.Tensor,
@@ -216,14 +273,14 @@ class MoeExpertGemmSm90:
         return 1 <= E <= 1024 and K % BK == 0 and K > 0 and N % BN == 0 and N > 0
 
 
-def _build(arch: str, *, E: int, N: int, K: int):
+def _build(arch: str, *, E: int, N: int, K: int, silu_quant: bool = False):
     if not MoeExpertGemmSm90.can_implement(E, N, K):
         raise ValueError(f"moe_expert_gemm_sm90: unsupported E={E}, N={N}, K={K} (K % 128, N % 64)")
     P = jit.fake_gmem_ptr
     f8 = cutlass.Float8E4M3FN
-    args = (P(f8, 16), P(f8, 16), P(cutlass.Uint8, 16), P(cutlass.Uint8, 16), P(cutlass.BFloat16, 16), P(Int32, 4),
-            P(Int32, 4), P(Int32, 4), Int32(128), Int32(1), jit.fake_stream())
-    return MoeExpertGemmSm90(E, N, K), args
+    args = (P(f8, 16), P(f8, 16), P(cutlass.Uint8, 16), P(cutlass.Uint8, 16), P(cutlass.BFloat16, 16), P(f8, 16),
+            P(cutlass.Uint8, 1), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(128), Int32(1), jit.fake_stream())
+    return MoeExpertGemmSm90(E, N, K, silu_quant), args
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -231,6 +288,7 @@ KERNEL = jit.register(jit.KernelDef(
     build=_build,
     sources=(os.path.abspath(__file__),),
     archs=("sm_90a",),
-    aot_configs=({"E": 256, "N": 4096, "K": 7168}, {"E": 256, "N": 7168, "K": 2048}),
+    aot_configs=({"E": 256, "N": 4096, "K": 7168, "silu_quant": True}, {"E": 256, "N": 4096, "K": 7168},
+                 {"E": 256, "N": 7168, "K": 2048}),
     description="MXFP8 routed-expert grouped GEMM, Hopper: FP8 mma.sync per 32-block + scale promotion",
 ))
