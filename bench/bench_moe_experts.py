@@ -1,0 +1,143 @@
+"""Benchmark one MoE layer: MXFP8 experts + fused finalize vs the unfused bf16 composite.
+
+    python bench/bench_moe_experts.py [--out FILE] [--experts 256]
+
+DeepSeek-like sizes: hidden 7168, E = 256, k = 8, I = 2048, one shared expert (I = 2048).
+T in {1, 64, 320, 4096}. Ours (H200 = Hopper path): router (one launch) -> routed MXFP8
+quantisation -> gate/up GEMM with SiLU * up + MXFP8 requantisation fused -> down GEMM ->
+finalize fused with the shared-expert add. Composite: the same router math in torch,
+argsort packing, ``torch._grouped_mm`` on bf16 weights for gate/up and down, SiLU * up,
+a standalone weighted finalize, a separate shared add. Same random weights (bf16 originals;
+ours quantised from them). Stage times are CUDA-graph replays of each stage alone; the layer
+time is one graph of the whole layer; launches per layer are counted from a profiled replay.
+Weight bandwidth at decode T counts the bytes of the experts the router actually selected.
+
+Written in a session without GPU time: first run pending (see bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import H200_COPY_BW, markdown_table, time_graph  # noqa: E402
+
+from moe.experts import interleave_gate_up, moe_expert_gate_up, moe_expert_gemm, quantize_expert_weights  # noqa: E402
+from moe.finalize import moe_finalize  # noqa: E402
+from moe.quant import mxfp8_quantize_routed  # noqa: E402
+from moe.router import MoeRouter, RouterConfig  # noqa: E402
+
+C, I, TOPK = 7168, 2048, 8
+
+
+def make_weights(E):
+    g = torch.randn(E, I, C, device="cuda").bfloat16() / C**0.5
+    u = torch.randn(E, I, C, device="cuda").bfloat16() / C**0.5
+    d = torch.randn(E, C, I, device="cuda").bfloat16() / I**0.5
+    gu = interleave_gate_up(g, u)
+    gu_q, gu_s = quantize_expert_weights(gu)
+    d_q, d_s = quantize_expert_weights(d)
+    sh = [torch.randn(I, C, device="cuda").bfloat16() / C**0.5 for _ in range(2)] + \
+        [torch.randn(C, I, device="cuda").bfloat16() / I**0.5]
+    return dict(g=g, u=u, d=d, gu_q=gu_q, gu_s=gu_s, d_q=d_q, d_s=d_s, sh=sh)
+
+
+def shared_expert(x, sh):
+    return (torch.nn.functional.silu(x @ sh[0].T) * (x @ sh[1].T)) @ sh[2].T
+
+
+def composite_layer(x, logits, bias, W, cfg):
+    T = x.shape[0]
+    E = cfg.num_experts
+    s = logits.float().sigmoid()
+    b = s + bias
+    gs = E // cfg.n_group
+    gscore = b.view(T, cfg.n_group, gs).topk(2, dim=-1).values.sum(-1)
+    gmask = torch.zeros_like(gscore).scatter_(1, gscore.topk(cfg.topk_group, dim=-1).indices, 1.0)
+    ids = b.masked_fill(gmask.repeat_interleave(gs, dim=1) == 0, float("-inf")).topk(TOPK, dim=-1).indices
+    w = s.gather(1, ids)
+    w = w / (w.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E)
+    offs = counts.cumsum(0).int()
+    xs = x[order // TOPK]
+    gate = torch._grouped_mm(xs, W["g"].transpose(1, 2), offs=offs)
+    up = torch._grouped_mm(xs, W["u"].transpose(1, 2), offs=offs)
+    y = torch._grouped_mm(torch.nn.functional.silu(gate) * up, W["d"].transpose(1, 2), offs=offs)
+    routed = torch.zeros(T * TOPK, C, device=x.device, dtype=y.dtype).index_copy_(0, order, y)
+    routed = (routed.view(T, TOPK, C).float() * w[..., None]).sum(1).bfloat16()  # standalone finalize
+    return routed + shared_expert(x, W["sh"])  # separate add
+
+
+class OursLayer:
+    def __init__(self, T, W, cfg):
+        self.cfg, self.W = cfg, W
+        self.router = MoeRouter(cfg, max_tokens=T)
+
+    def __call__(self, x, logits, bias):
+        r = self.router(logits, bias)
+        aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, TOPK)
+        hq, hs = moe_expert_gate_up(aq, asc, self.W["gu_q"], self.W["gu_s"], r.expert_offsets, r.expert_counts,
+                                    r.tile_expert)
+        y = moe_expert_gemm(hq, hs, self.W["d_q"], self.W["d_s"], r.expert_offsets, r.expert_counts, r.tile_expert)
+        return moe_finalize(y, r.topk_weights, r.routed_row_pos, shared_expert(x, self.W["sh"]))
+
+
+def count_launches(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        g.replay()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0]
+    return len(names), sum("Finalize" in n or "finalize" in n for n in names)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--experts", type=int, default=256)
+    args = ap.parse_args()
+    cfg = RouterConfig(num_experts=args.experts)
+    W = make_weights(args.experts)
+    bias = torch.randn(args.experts, device="cuda") * 0.1
+    rows = []
+    for T in (1, 64, 320, 4096):
+        x = torch.randn(T, C, device="cuda").bfloat16()
+        logits = torch.randn(T, args.experts, device="cuda") * 3
+        ours = OursLayer(T, W, cfg)
+        t_ours = time_graph(lambda i: ours(x, logits, bias), 1, 5, trials=20)
+        t_base = time_graph(lambda i: composite_layer(x, logits, bias, W, cfg), 1, 5, trials=20)
+        r = ours.router(logits, bias)
+        active = int((r.expert_counts > 0).sum())
+        wbytes = active * (2 * I * C + C * I)  # e4m3 weights of the selected experts (+ scales ~3%)
+        n_ours, fin_ours = count_launches(lambda: ours(x, logits, bias))
+        n_base, _ = count_launches(lambda: composite_layer(x, logits, bias, W, cfg))
+        rows.append([f"T={T}", f"{t_ours * 1e6:.1f}", f"{t_base * 1e6:.1f}", f"{t_base / t_ours:.2f}x", active,
+                     f"{100 * wbytes / t_ours / H200_COPY_BW:.0f}%", n_ours, n_base, fin_ours])
+        print(rows[-1], flush=True)
+    text = "\n".join([f"## MoE layer (E={args.experts}, k=8, hidden 7168, I=2048) -- {torch.cuda.get_device_name()}, "
+                      f"{datetime.date.today()}", "", "Command: `python bench/bench_moe_experts.py`", "",
+                      markdown_table(["shape", "ours us (layer graph)", "bf16 composite us", "speedup",
+                                      "experts hit", "ours weight GB/s as % of 4.3 TB/s", "launches ours",
+                                      "launches composite", "standalone finalize launches (ours)"], rows)])
+    print(text)
+    if args.out:
+        open(args.out, "w").write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
