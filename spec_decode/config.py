@@ -58,6 +58,9 @@ class EngineConfig:
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
+    #: "reference" (TargetModel's per-token loops, the spec), "baseline" (sync-free PyTorch
+    #: composites in captured CUDA graphs), "fused" (this project's kernels; not wired yet)
+    backend: str = "reference"
 
     @property
     def max_batch(self) -> int:

@@ -26,7 +26,11 @@ import torch
 
 from .config import EngineConfig
 from .draft import DraftModel
+from .graphs import StepGraphs
 from .model import KVPool, TargetModel
+from .step_model import Ops, StepModel
+
+BACKENDS = ("reference", "baseline", "fused")
 
 
 @dataclasses.dataclass
@@ -46,8 +50,36 @@ class Engine:
         self.model = TargetModel(config.model, seed=config.seed, dtype=dtype, device=config.device)
         self.draft = DraftModel(config.model, self.model, config.block_size, seed=config.seed + 1, dtype=dtype,
                                 device=config.device)
-        self.kv = KVPool(config.model, config.max_batch, config.max_seq_len, dtype, config.device)
+        if config.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {config.backend!r}")
+        if config.backend == "fused":
+            raise NotImplementedError("the fused backend (this project's kernels inside the step graphs) is not "
+                                      "wired yet (issue 8); use backend='baseline' or 'reference'")
+        # one extra slot: the scratch row that padded graph rows write into
+        self.scratch_slot = config.max_batch
+        self.kv = KVPool(config.model, config.max_batch + 1, config.max_seq_len, dtype, config.device)
         self.stats = GenerationStats()
+        if config.backend != "reference":
+            self.step = StepModel(self.model, Ops())
+            K, sizes, dev = config.block_size, config.graph_batch_sizes, config.device
+            fwd = lambda tok, pos, slots, _x: self.step.forward(tok, pos, slots, self.kv)  # noqa: E731
+            self.verify_graphs = StepGraphs(fwd, sizes, K + 1, self.scratch_slot, dev)
+            self.decode_graphs = StepGraphs(fwd, sizes, 1, self.scratch_slot, dev)
+            self.draft_graphs = StepGraphs(lambda tok, pos, slots, hid: (self.draft.propose(hid, tok[:, 0]),),
+                                           sizes, 1, self.scratch_slot, dev, hidden_dim=config.model.hidden)
+
+    def _target(self, tokens, pos, slots):
+        """Target forward of a decode (width 1) or verify (width K+1) step."""
+        if self.config.backend == "reference":
+            return self.model.forward(tokens, pos, slots, self.kv)
+        runner = self.decode_graphs if tokens.shape[1] == 1 else self.verify_graphs
+        return runner.run(tokens, pos, slots)
+
+    def _propose(self, hid, last_t, live, last, length, K):
+        if self.config.backend == "reference" or self.draft.oracle or self.draft.corrupt:
+            return self.draft.propose(hid, last_t, oracle_ctx=lambda: self._oracle(live, last, length, K))
+        zeros = torch.zeros_like(last_t)[:, None]
+        return self.draft_graphs.run(last_t[:, None], zeros, zeros[:, 0], hid)[0]
 
     def _check(self, input_ids, max_new_tokens: int) -> None:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -70,7 +102,8 @@ class Engine:
         for r, prompt in enumerate(input_ids):
             toks = torch.tensor([prompt], device=dev)
             pos = torch.arange(len(prompt), device=dev)[None]
-            logits, h = self.model.forward(toks, pos, torch.tensor([r], device=dev), self.kv)
+            fwd = self.model.forward if self.config.backend == "reference" else self.step.forward
+            logits, h = fwd(toks, pos, torch.tensor([r], device=dev), self.kv)  # eager, unoptimised prefill
             first.append(int(logits[0, -1].argmax()))
             hidden.append(h[0, -1])
         return first, hidden
@@ -88,7 +121,7 @@ class Engine:
             last_t = torch.tensor([last[r] for r in live], device=dev)
             if not speculative:
                 pos = torch.tensor([[length[r]] for r in live], device=dev)
-                logits, h = self.model.forward(last_t[:, None], pos, slots, self.kv)
+                logits, h = self._target(last_t[:, None], pos, slots)
                 for i, r in enumerate(live):
                     length[r] += 1
                     last[r] = int(logits[i, 0].argmax())
@@ -96,10 +129,10 @@ class Engine:
             else:
                 K = self.config.block_size
                 hid = torch.stack([hidden[r] for r in live])
-                drafts = self.draft.propose(hid, last_t, oracle_ctx=lambda: self._oracle(live, last, length, K))
+                drafts = self._propose(hid, last_t, live, last, length, K)
                 block = torch.cat([last_t[:, None], drafts], 1)  # [b, K+1]
                 pos = torch.tensor([[length[r] + j for j in range(K + 1)] for r in live], device=dev)
-                logits, h = self.model.forward(block, pos, slots, self.kv)
+                logits, h = self._target(block, pos, slots)
                 greedy = logits.argmax(-1)  # [b, K+1]
                 self.stats.verify_steps += 1
                 for i, r in enumerate(live):
@@ -124,7 +157,7 @@ class Engine:
         res = []
         for j in range(K):
             pos = torch.tensor([[length[r] + j] for r in live], device=dev)
-            logits, _ = self.model.forward(tok[:, None], pos, slots, self.kv)
+            logits, _ = self._target(tok[:, None], pos, slots)
             tok = logits[:, 0].argmax(-1)
             res.append(tok)
         return torch.stack(res, 1)

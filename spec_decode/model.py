@@ -159,7 +159,9 @@ class TargetModel:
                 vals = kv.v[li, slots[b], : p + 1]
                 # lightning indexer: candidate keys, masked to the causal range
                 score = (torch.relu(kv.k_idx[li, slots[b], : p + 1] @ q_idx[b, s].T) * w_idx[b, s]).sum(-1)
-                sel = torch.topk(score, min(cfg.index_topk, p + 1)).indices.sort().values
+                # ties (exact zeros after the ReLUs are common) -> the lower key index, as the
+                # indexer kernel's radix select breaks them
+                sel = torch.sort(score, descending=True, stable=True).indices[:cfg.index_topk].sort().values
                 att = torch.einsum("hd,thd->ht", q[b, s], keys[sel]) / math.sqrt(hd)
                 o[b, s] = torch.einsum("ht,thd->hd", att.softmax(-1), vals[sel])
         G = cfg.wo_groups

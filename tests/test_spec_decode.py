@@ -66,3 +66,59 @@ def test_mhc_residual_mixing_is_doubly_stochastic():
     _, h_post, h_res = eng.model.mhc_mappings(X, eng.model.layers[0], "attn")
     assert torch.allclose(h_res.sum(-2), torch.ones(2, 3, 4), atol=1e-5)
     assert ((h_post > 0) & (h_post < 2)).all()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("draft", ["model", "oracle_bad2"])
+def test_baseline_backend_speculative_equals_plain_and_reference(seed, draft):
+    """The sync-free step model through the graph runner (eager on the CPU): speculative ==
+    plain greedy, and the same tokens as the reference backend's per-token loops."""
+    ps = prompts(seed, 3)
+    ref = Engine(EngineConfig(seed=seed, max_seq_len=96)).generate(ps, 13, speculative=False)
+    eng = Engine(EngineConfig(seed=seed, max_seq_len=96, backend="baseline", graph_batch_sizes=(1, 2, 4)))
+    plain = eng.generate(ps, 13, speculative=False)
+    if draft != "model":
+        eng.draft.oracle, eng.draft.corrupt = True, {2}
+    spec = eng.generate(ps, 13, speculative=True)
+    assert spec == plain == ref
+    assert eng.verify_graphs.replays > 0 and eng.decode_graphs.replays > 0
+    if draft == "model":
+        assert eng.draft_graphs.replays > 0
+
+
+def test_step_model_matches_reference_logits():
+    """Indexer top-k below the candidate count (the masked-topk path) and verify blocks."""
+    from spec_decode.config import ModelConfig
+    from spec_decode.model import KVPool, TargetModel
+    from spec_decode.step_model import StepModel
+
+    cfg = ModelConfig(index_topk=8)
+    m = TargetModel(cfg, seed=4)
+    sm = StepModel(m)
+    kv1, kv2 = (KVPool(cfg, 3, 64, torch.float32, "cpu") for _ in range(2))
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        toks = torch.randint(0, cfg.vocab, (3, 6), generator=g)
+        pos = torch.arange(6)[None] + step * 6 + torch.tensor([0, 3, 7])[:, None]
+        slots = torch.tensor([2, 0, 1])
+        l1, h1 = m.forward(toks, pos, slots, kv1)
+        l2, h2 = sm.forward(toks, pos, slots, kv2)
+        assert (l1 - l2).abs().max() < 1e-4 * l1.abs().max()
+        assert torch.allclose(h1, h2, atol=1e-5)
+
+
+def test_graph_runner_pads_with_the_scratch_slot():
+    from spec_decode.graphs import StepGraphs
+
+    seen = {}
+
+    def fn(tok, pos, slots, extra):
+        seen["slots"] = slots.clone()
+        return (tok * 2, pos + 1)
+
+    g = StepGraphs(fn, (1, 4), 2, scratch_slot=9, device="cpu")
+    a, b = g.run(torch.tensor([[1, 2], [3, 4]]), torch.tensor([[5, 6], [7, 8]]), torch.tensor([0, 3]))
+    assert a.tolist() == [[2, 4], [6, 8]] and b.tolist() == [[6, 7], [8, 9]]
+    assert seen["slots"].tolist() == [0, 3, 9, 9]  # padded rows write only the scratch slot
+    with pytest.raises(ValueError, match="exceeds the largest"):
+        g.run(torch.zeros(5, 2, dtype=torch.long), torch.zeros(5, 2, dtype=torch.long), torch.zeros(5, dtype=torch.long))

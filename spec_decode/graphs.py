@@ -1,0 +1,95 @@
+"""Captured steps: one CUDA graph per (padded batch size, step kind), replayed each step.
+
+A :class:`StepGraphs` owns static input buffers (tokens, positions, KV slots) and the output
+tensors a capture produced. ``run(tokens, pos, slots)`` copies the live rows in, pads the
+rest of the batch with the pool's scratch slot (row ``pool.slots - 1``, never a request's),
+replays, and returns views of the live rows. On a CPU (tests) the same object runs the
+function eagerly through the same static buffers, so the padding and bookkeeping are the
+code the GPU runs.
+
+Kinds used by the engine: ``verify`` (target forward over ``block_size + 1`` positions),
+``decode`` (one position, plain greedy), ``draft`` (the three draft stages in one graph).
+Capture happens on first use of a batch size (warm-up call outside the capture first, so
+every kernel is compiled and every lazy allocation made before the graph records).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class StepGraphs:
+    def __init__(self, fn: Callable, batch_sizes: tuple[int, ...], width: int, scratch_slot: int, device,
+                 hidden_dim: int | None = None):
+        """``fn(tokens [b, width], pos [b, width], slots [b], extra) -> tuple of tensors``."""
+        self.fn, self.sizes, self.width = fn, tuple(sorted(batch_sizes)), width
+        self.scratch, self.device = scratch_slot, torch.device(device)
+        self.use_graphs = self.device.type == "cuda"
+        self.hidden_dim = hidden_dim
+        self._static: dict[int, dict] = {}
+        self.replays = 0
+
+    def padded(self, b: int) -> int:
+        for s in self.sizes:
+            if s >= b:
+                return s
+        raise ValueError(f"batch of {b} exceeds the largest captured batch size {self.sizes[-1]}")
+
+    def _buffers(self, n: int) -> dict:
+        st = self._static.get(n)
+        if st is None:
+            dev = self.device
+            st = {"tokens": torch.zeros(n, self.width, dtype=torch.long, device=dev),
+                  "pos": torch.zeros(n, self.width, dtype=torch.long, device=dev),
+                  "slots": torch.full((n,), self.scratch, dtype=torch.long, device=dev),
+                  "extra": (torch.zeros(n, self.hidden_dim, device=dev) if self.hidden_dim else None),
+                  "graph": None, "out": None}
+            self._static[n] = st
+        return st
+
+    def run(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, extra: torch.Tensor | None = None):
+        b = tokens.shape[0]
+        n = self.padded(b)
+        st = self._buffers(n)
+        st["tokens"][:b].copy_(tokens)
+        st["pos"][:b].copy_(pos)
+        st["slots"][:b].copy_(slots)
+        st["slots"][b:].fill_(self.scratch)
+        st["tokens"][b:].zero_()
+        st["pos"][b:].zero_()
+        if extra is not None:
+            st["extra"][:b].copy_(extra)
+        args = (st["tokens"], st["pos"], st["slots"], st["extra"])
+        if not self.use_graphs:
+            out = self.fn(*args)
+        else:
+            if st["graph"] is None:
+                s = torch.cuda.Stream(self.device)
+                s.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(s):
+                    self.fn(*args)  # warm-up: compile kernels, allocate lazily-created state
+                torch.cuda.current_stream(self.device).wait_stream(s)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    st["out"] = self.fn(*args)
+                st["graph"] = g
+            st["graph"].replay()
+            out = st["out"]
+        self.replays += 1
+        return tuple(o[:b] for o in out)
+
+    def graph_nodes(self, b: int) -> int | None:
+        """Kernel nodes of the captured graph for batch ``b`` (None before capture / on CPU)."""
+        st = self._static.get(self.padded(b))
+        if st is None or st["graph"] is None:
+            return None
+        try:
+            import cuda.bindings.runtime as cudart
+
+            raw = st["graph"].raw_cuda_graph()
+            err, _, n = cudart.cudaGraphGetNodes(raw, None, 0)
+            return int(n) if int(err) == 0 else None
+        except Exception:  # noqa: BLE001 - counting is a report, never a failure
+            return None

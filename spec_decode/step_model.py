@@ -1,0 +1,123 @@
+"""The target model's forward without host synchronisation: static shapes, tensor indexing
+only, so a CUDA graph can capture a decode / verify step.
+
+Same weights and math as :class:`spec_decode.model.TargetModel` (the specification, whose
+per-token Python loops read positions on the host). Differences, all exact in real
+arithmetic: the indexer scores every slot of the sequence's KV row and masks ``s > pos``
+to ``-inf`` before selecting ``min(index_topk, max_len)`` by a stable sort (the reference
+selects from the unmasked prefix; both break ties toward the lower key index -- the same
+set); attention then masks the unselected entries. Sums run in a different order, so logits agree to FP32
+rounding (tests/test_spec_decode.py bounds it), not bit for bit.
+
+Ops are grouped behind :class:`Ops` so the GPU runtime can swap the PyTorch composites
+(``baseline``) for this project's kernels (``fused``) one family at a time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .model import KVPool, TargetModel, grouped_topk, rmsnorm, rope, sinkhorn
+
+
+class Ops:
+    """PyTorch composites of every op family (the ``baseline`` path; runs on CPU and GPU)."""
+
+    def mhc_mappings(self, X, L, sub, cfg):
+        n = cfg.mhc_n
+        Xf = X.flatten(-2)
+        r = torch.rsqrt(Xf.square().mean(-1, keepdim=True) + cfg.eps)
+        P = (Xf * r) @ L[f"{sub}_phi"].T
+        a_pre, a_post, a_res = L[f"{sub}_a"]
+        h_pre = torch.sigmoid(a_pre * P[..., :n] + L[f"{sub}_b_pre"])
+        h_post = 2 * torch.sigmoid(a_post * P[..., n:2 * n] + L[f"{sub}_b_post"])
+        h_res = sinkhorn(torch.exp(a_res * P[..., 2 * n:].unflatten(-1, (n, n)) + L[f"{sub}_b_res"]),
+                         cfg.mhc_sinkhorn_iters)
+        return h_pre, h_post, h_res
+
+    def pre_mix(self, X, h_pre):
+        return torch.einsum("bsi,bsic->bsc", h_pre, X)
+
+    def post_mix(self, X, h_post, h_res, f):
+        return torch.einsum("bsij,bsjc->bsic", h_res, X) + h_post[..., None] * f[..., None, :]
+
+    def indexer_topk(self, q_idx, w_idx, k_idx_seq, pos, topk):
+        """q_idx [B,S,H,D], w_idx [B,S,H], k_idx_seq [B,L,D], pos [B,S] -> (idx [B,S,k], valid)."""
+        L = k_idx_seq.shape[1]
+        logits = torch.einsum("bshd,bld->bshl", q_idx, k_idx_seq)
+        score = (torch.relu(logits) * w_idx[..., None]).sum(2)  # [B, S, L]
+        cand = torch.arange(L, device=pos.device)[None, None, :] <= pos[..., None]
+        score = torch.where(cand, score, torch.full_like(score, float("-inf")))
+        # stable descending sort: ties go to the lower key index (the reference's and the
+        # indexer kernel's rule); masked keys sort last
+        vals, idx = torch.sort(score, dim=-1, descending=True, stable=True)
+        k = min(topk, L)
+        return idx[..., :k], torch.isfinite(vals[..., :k])
+
+    def wo_a(self, o, wo_a):
+        B, S, G = o.shape[0], o.shape[1], wo_a.shape[0]
+        return torch.einsum("bsgd,grd->bsgr", o.reshape(B, S, G, -1), wo_a).reshape(B, S, -1)
+
+    def moe(self, h, L, cfg):
+        """h [N, C] (normed) -> routed + shared [N, C]: per-choice weight gathers (small configs)."""
+        ids, w = grouped_topk(h @ L["router"].T, L["router_bias"], cfg)
+        out = torch.zeros_like(h)
+        for i in range(cfg.top_k):  # static loop over the k choices, fixed order (as the reference)
+            e = ids[:, i]
+            g = torch.einsum("nc,nic->ni", h, L["gate"][e])
+            up = torch.einsum("nc,nic->ni", h, L["up"][e])
+            y = torch.einsum("ni,nci->nc", torch.nn.functional.silu(g) * up, L["down"][e])
+            out = out + w[:, i:i + 1] * y
+        shared = (torch.nn.functional.silu(h @ L["sh_gate"].T) * (h @ L["sh_up"].T)) @ L["sh_down"].T
+        return out + shared
+
+
+class StepModel:
+    """Sync-free forward over a :class:`TargetModel`'s weights."""
+
+    def __init__(self, target: TargetModel, ops: Ops | None = None):
+        self.t, self.cfg = target, target.cfg
+        self.ops = ops or Ops()
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, kv: KVPool):
+        """tokens, pos [B, S] int64 (device), slots [B] -> logits [B, S, V], hidden [B, S, C]."""
+        cfg, ops, t = self.cfg, self.ops, self.t
+        X = t.embed[tokens][:, :, None, :].expand(-1, -1, cfg.mhc_n, -1).contiguous()
+        for li, L in enumerate(t.layers):
+            hp, hq, hr = ops.mhc_mappings(X, L, "attn", cfg)
+            X = ops.post_mix(X, hq, hr, self.attention(ops.pre_mix(X, hp), L, li, pos, slots, kv))
+            hp, hq, hr = ops.mhc_mappings(X, L, "moe", cfg)
+            u = ops.pre_mix(X, hp)
+            B, S, C = u.shape
+            f = ops.moe(rmsnorm(u, cfg.eps).reshape(-1, C), L, cfg).view(B, S, C)
+            X = ops.post_mix(X, hq, hr, f)
+        hidden = rmsnorm(X.mean(2), cfg.eps)
+        return hidden @ t.lm_head.T, hidden
+
+    def attention(self, u, L, li, pos, slots, kv: KVPool):
+        cfg, ops = self.cfg, self.ops
+        B, S, _ = u.shape
+        H, hd = cfg.heads, cfg.head_dim
+        h = rmsnorm(u, cfg.eps)
+        q = (rmsnorm(h @ L["q_a"].T, cfg.eps) @ L["q_b"].T).view(B, S, H, hd)
+        lat = rmsnorm(h @ L["kv_a"].T, cfg.eps)
+        k = (lat @ L["k_b"].T).view(B, S, H, hd)
+        v = (lat @ L["v_b"].T).view(B, S, H, hd)
+        q, k = rope(q, pos, cfg.rope_dim), rope(k, pos, cfg.rope_dim)
+        q_idx = (h @ L["idx_q"].T).view(B, S, cfg.indexer_heads, cfg.indexer_dim)
+        w_idx = h @ L["idx_w"].T
+        k_idx = h @ L["idx_k"].T
+        rows = slots[:, None].expand(B, S)
+        kv.k[li, rows, pos] = k  # tensor-indexed writes: no host sync
+        kv.v[li, rows, pos] = v
+        kv.k_idx[li, rows, pos] = k_idx
+        idx, valid = ops.indexer_topk(q_idx, w_idx, kv.k_idx[li, slots], pos, cfg.index_topk)  # [B, S, k]
+        keys = kv.k[li, slots[:, None, None], idx]  # [B, S, k, H, hd]
+        vals = kv.v[li, slots[:, None, None], idx]
+        att = torch.einsum("bshd,bskhd->bshk", q, keys) / math.sqrt(hd)
+        att = att.masked_fill(~valid[:, :, None, :], float("-inf"))
+        o = torch.einsum("bshk,bskhd->bshd", att.softmax(-1), vals)
+        return ops.wo_a(o, L["wo_a"]) @ L["wo_b"].T
