@@ -26,6 +26,7 @@ class Ops:
     """PyTorch composites of every op family (the ``baseline`` path; runs on CPU and GPU)."""
 
     def mhc_mappings(self, X, L, sub, cfg):
+        """-> the mappings object pre_mix / post_mix take (here the tuple (H_pre, H_post, H_res))."""
         n = cfg.mhc_n
         Xf = X.flatten(-2)
         r = torch.rsqrt(Xf.square().mean(-1, keepdim=True) + cfg.eps)
@@ -37,14 +38,17 @@ class Ops:
                          cfg.mhc_sinkhorn_iters)
         return h_pre, h_post, h_res
 
-    def pre_mix(self, X, h_pre):
-        return torch.einsum("bsi,bsic->bsc", h_pre, X)
+    def pre_mix(self, X, maps):
+        return torch.einsum("bsi,bsic->bsc", maps[0], X)
 
-    def post_mix(self, X, h_post, h_res, f):
+    def post_mix(self, X, maps, f):
+        _, h_post, h_res = maps
         return torch.einsum("bsij,bsjc->bsic", h_res, X) + h_post[..., None] * f[..., None, :]
 
-    def indexer_topk(self, q_idx, w_idx, k_idx_seq, pos, topk):
-        """q_idx [B,S,H,D], w_idx [B,S,H], k_idx_seq [B,L,D], pos [B,S] -> (idx [B,S,k], valid)."""
+    def indexer_topk(self, q_idx, w_idx, k_idx_layer, slots, pos, topk):
+        """q_idx [B,S,H,D], w_idx [B,S,H], k_idx_layer [pool slots, L, D] (one layer of the KV
+        pool), slots [B], pos [B,S] -> (idx [B,S,k] key positions, valid [B,S,k])."""
+        k_idx_seq = k_idx_layer[slots]
         L = k_idx_seq.shape[1]
         logits = torch.einsum("bshd,bld->bshl", q_idx, k_idx_seq)
         score = (torch.relu(logits) * w_idx[..., None]).sum(2)  # [B, S, L]
@@ -87,13 +91,13 @@ class StepModel:
         cfg, ops, t = self.cfg, self.ops, self.t
         X = t.embed[tokens][:, :, None, :].expand(-1, -1, cfg.mhc_n, -1).contiguous()
         for li, L in enumerate(t.layers):
-            hp, hq, hr = ops.mhc_mappings(X, L, "attn", cfg)
-            X = ops.post_mix(X, hq, hr, self.attention(ops.pre_mix(X, hp), L, li, pos, slots, kv))
-            hp, hq, hr = ops.mhc_mappings(X, L, "moe", cfg)
-            u = ops.pre_mix(X, hp)
+            maps = ops.mhc_mappings(X, L, "attn", cfg)
+            X = ops.post_mix(X, maps, self.attention(ops.pre_mix(X, maps), L, li, pos, slots, kv))
+            maps = ops.mhc_mappings(X, L, "moe", cfg)
+            u = ops.pre_mix(X, maps)
             B, S, C = u.shape
             f = ops.moe(rmsnorm(u, cfg.eps).reshape(-1, C), L, cfg).view(B, S, C)
-            X = ops.post_mix(X, hq, hr, f)
+            X = ops.post_mix(X, maps, f)
         hidden = rmsnorm(X.mean(2), cfg.eps)
         return hidden @ t.lm_head.T, hidden
 
@@ -114,7 +118,7 @@ class StepModel:
         kv.k[li, rows, pos] = k  # tensor-indexed writes: no host sync
         kv.v[li, rows, pos] = v
         kv.k_idx[li, rows, pos] = k_idx
-        idx, valid = ops.indexer_topk(q_idx, w_idx, kv.k_idx[li, slots], pos, cfg.index_topk)  # [B, S, k]
+        idx, valid = ops.indexer_topk(q_idx, w_idx, kv.k_idx[li], slots, pos, cfg.index_topk)  # [B, S, k]
         keys = kv.k[li, slots[:, None, None], idx]  # [B, S, k, H, hd]
         vals = kv.v[li, slots[:, None, None], idx]
         att = torch.einsum("bshd,bskhd->bshk", q, keys) / math.sqrt(hd)

@@ -1,0 +1,113 @@
+"""The ``fused`` op families: this project's kernels behind :class:`spec_decode.step_model.Ops`.
+
+Per op family (activations bf16 on the GPU; weights prepared once here):
+
+* mHC: :func:`mhc_stats` (inline: see ``mhc_mappings``), :func:`mhc_pre_mix`,
+  :func:`mhc_post_mix` (bit-exact rounding sequences);
+* indexer: :func:`indexer_topk` over the layer's KV pool rows (scores + fused causal mask +
+  radix top-k, ties to the lower index -- the reference's rule);
+* WO-A: :func:`wo_a` writing token-major;
+* MoE: :class:`MoeRouter` (one launch), :func:`mxfp8_quantize_routed`, the expert GEMMs
+  (gate/up with SiLU * up + MXFP8 requantisation fused on Hopper) and :func:`moe_finalize`
+  fused with the shared-expert add.
+
+Status: written in a session whose GPU time was spent; it has not run yet. The engine
+refuses ``backend="fused"`` until it has (issue 8); ``tests/test_spec_decode.py`` holds the
+GPU equivalence test to run first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cute_kernels.indexer_topk import IndexerWorkspace, indexer_topk
+from cute_kernels.mhc_post_mix import mhc_post_mix
+from cute_kernels.mhc_pre_mix import mhc_pre_mix
+from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_split_phi, mhc_stats
+from cute_kernels.wo_a import wo_a
+from moe.experts import interleave_gate_up, moe_expert_gate_up, moe_expert_gemm, quantize_expert_weights
+from moe.finalize import moe_finalize
+from moe.quant import mxfp8_quantize_routed
+from moe.router import MoeRouter, RouterConfig
+
+from .step_model import Ops
+
+
+class FusedOps(Ops):
+    """Kernels for a bf16 :class:`TargetModel` on a CUDA device (every activation is bf16)."""
+
+    def __init__(self, target, max_tokens: int, max_len: int):
+        cfg = target.cfg
+        if target.dtype != torch.bfloat16 or torch.device(target.device).type != "cuda":
+            raise ValueError("FusedOps needs a bfloat16 TargetModel on a CUDA device")
+        self.cfg, self.max_tokens, self.max_len = cfg, max_tokens, max_len
+        n = cfg.mhc_n
+        self.mhc_ws = MhcStatsWorkspace(n, max_tokens)
+        self.idx_ws = IndexerWorkspace(max_tokens, max_len)
+        self.router = MoeRouter(RouterConfig(num_experts=cfg.experts, n_group=cfg.n_group,
+                                             topk_group=cfg.topk_group, top_k=cfg.top_k,
+                                             routed_scaling_factor=cfg.routed_scaling_factor), max_tokens=max_tokens)
+        self.prep = []
+        for L in target.layers:
+            P = {}
+            for sub in ("attn", "moe"):
+                P[f"{sub}_planes"] = mhc_split_phi(L[f"{sub}_phi"].float().contiguous())
+                P[f"{sub}_alpha"] = L[f"{sub}_a"].float().contiguous()
+                P[f"{sub}_bias"] = torch.cat([L[f"{sub}_b_pre"], L[f"{sub}_b_post"],
+                                              L[f"{sub}_b_res"].flatten()]).float().contiguous()
+            P["gu_q"], P["gu_s"] = quantize_expert_weights(interleave_gate_up(L["gate"], L["up"]).contiguous())
+            P["d_q"], P["d_s"] = quantize_expert_weights(L["down"].contiguous())
+            self.prep.append(P)
+        self._layer = {}  # id(L) -> prepared weights
+        for L, P in zip(target.layers, self.prep):
+            self._layer[id(L)] = P
+
+    # ------------------------------------------------------------------ mHC --------------
+    def mhc_mappings(self, X, L, sub, cfg):
+        """-> the packed fp32 [T, 2n + n*n] mappings the mix kernels read."""
+        P, n = self._layer[id(L)], cfg.mhc_n
+        B, S = X.shape[:2]
+        x = X.reshape(B * S, n, cfg.hidden).contiguous()
+        H = torch.empty(B * S, 2 * n + n * n, device=X.device)
+        # In this layer order nothing independent of X is in flight here (X is the previous
+        # sublayer's output), so the statistics run inline; bench/bench_mhc.py measures the
+        # side-stream overlap where independent work exists.
+        mhc_stats(x, P[f"{sub}_planes"], P[f"{sub}_alpha"], P[f"{sub}_bias"], eps=cfg.eps,
+                  sinkhorn_iters=cfg.mhc_sinkhorn_iters, workspace=self.mhc_ws, out=H)
+        return H
+
+    def pre_mix(self, X, maps):
+        B, S, n, C = X.shape
+        return mhc_pre_mix(X.reshape(B * S, n, C).contiguous(), maps).view(B, S, C)
+
+    def post_mix(self, X, maps, f):
+        B, S, n, C = X.shape
+        x = X.reshape(B * S, n, C).contiguous()
+        return mhc_post_mix(x, maps, f.reshape(B * S, C).to(torch.bfloat16).contiguous()).view(B, S, n, C)
+
+    # -------------------------------------------------------------- indexer --------------
+    def indexer_topk(self, q_idx, w_idx, k_idx_layer, slots, pos, topk):
+        B, S, Hi, D = q_idx.shape
+        rows = k_idx_layer.reshape(-1, D)  # the pool's rows: token t's keys start at slot * max_len
+        off = (slots[:, None].expand(B, S) * self.max_len).reshape(-1).int().contiguous()
+        p = pos.reshape(-1).int().contiguous()
+        idx = indexer_topk(q_idx.reshape(B * S, Hi, D).contiguous(), w_idx.reshape(B * S, Hi).float().contiguous(),
+                           rows, off, p + 1, p, topk=topk, max_keys=self.max_len, workspace=self.idx_ws)
+        idx = idx.view(B, S, topk).long()
+        return idx.clamp_min(0), idx >= 0
+
+    # ------------------------------------------------------------------ WO-A -------------
+    def wo_a(self, o, w):
+        B, S, H, hd = o.shape
+        return wo_a(o.reshape(B * S, H, hd).contiguous(), w).view(B, S, -1)
+
+    # ------------------------------------------------------------------ MoE --------------
+    def moe(self, h, L, cfg):
+        P = self._layer[id(L)]
+        x = h.contiguous()
+        r = self.router((x @ L["router"].T).float().contiguous(), L["router_bias"].float().contiguous())
+        aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, cfg.top_k)
+        hq, hs = moe_expert_gate_up(aq, asc, P["gu_q"], P["gu_s"], r.expert_offsets, r.expert_counts, r.tile_expert)
+        y = moe_expert_gemm(hq, hs, P["d_q"], P["d_s"], r.expert_offsets, r.expert_counts, r.tile_expert)
+        shared = ((torch.nn.functional.silu(x @ L["sh_gate"].T) * (x @ L["sh_up"].T)) @ L["sh_down"].T)
+        return moe_finalize(y, r.topk_weights, r.routed_row_pos, shared.contiguous())
