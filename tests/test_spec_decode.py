@@ -134,7 +134,7 @@ def test_fused_ops_track_baseline_on_gpu(seed):
     from spec_decode.step_model import Ops, StepModel
 
     cfg = ModelConfig(vocab=512, hidden=1024, layers=2, heads=16, head_dim=128, rope_dim=64, q_lora=256, kv_lora=256,
-                      wo_groups=2, wo_rank=512, indexer_heads=64, indexer_dim=128, index_topk=64, experts=16,
+                      wo_groups=2, wo_rank=512, indexer_heads=64, indexer_dim=128, index_topk=64, experts=32,
                       n_group=4, topk_group=2, top_k=4, expert_inter=256, shared_inter=256)
     m = TargetModel(cfg, seed=seed % 1000, dtype=torch.bfloat16, device="cuda")
     B, S, max_len = 4, 6, 256
