@@ -61,6 +61,7 @@ class EngineConfig:
     #: "reference" (TargetModel's per-token loops, the spec), "baseline" (sync-free PyTorch
     #: composites in captured CUDA graphs), "fused" (this project's kernels; not wired yet)
     backend: str = "reference"
+    prefill_chunk: int = 512  # prompt positions per (eager) prefill forward: bounds the indexer's temporaries
 
     @property
     def max_batch(self) -> int:

@@ -25,10 +25,11 @@ class DraftModel:
     def __init__(self, cfg: ModelConfig, target, block_size: int = 5, seed: int = 1, dtype=torch.float32,
                  device="cpu"):
         self.cfg, self.target, self.block = cfg, target, block_size
-        g = torch.Generator().manual_seed(seed)
+        gdev = torch.device(device)
+        g = torch.Generator(device=gdev).manual_seed(seed)
         C = cfg.hidden
-        self.w_fuse = (torch.randn(C, 2 * C, generator=g) / math.sqrt(2 * C)).to(dtype=dtype, device=device)
-        self.w_rec = (torch.randn(C, 2 * C, generator=g) / math.sqrt(2 * C)).to(dtype=dtype, device=device)
+        self.w_fuse = torch.randn(C, 2 * C, generator=g, device=gdev, dtype=dtype) / math.sqrt(2 * C)
+        self.w_rec = torch.randn(C, 2 * C, generator=g, device=gdev, dtype=dtype) / math.sqrt(2 * C)
         self.oracle = False
         self.corrupt: set[int] = set()  # draft positions (0-based) to flip, for tests
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 
 import torch
 
@@ -37,6 +38,9 @@ BACKENDS = ("reference", "baseline", "fused")
 class GenerationStats:
     verify_steps: int = 0
     acceptance_lengths: list[int] = dataclasses.field(default_factory=list)
+    t_start: float = 0.0  # generate() entry
+    t_first: float = 0.0  # prefill done: every request has its first token
+    t_end: float = 0.0
 
     @property
     def median_acceptance(self) -> float:
@@ -99,11 +103,14 @@ class Engine:
         """Per request: run the prompt, return (first new token, its hidden state source)."""
         dev = self.config.device
         first, hidden = [], []
+        fwd = self.model.forward if self.config.backend == "reference" else self.step.forward
+        ch = self.config.prefill_chunk
         for r, prompt in enumerate(input_ids):
-            toks = torch.tensor([prompt], device=dev)
-            pos = torch.arange(len(prompt), device=dev)[None]
-            fwd = self.model.forward if self.config.backend == "reference" else self.step.forward
-            logits, h = fwd(toks, pos, torch.tensor([r], device=dev), self.kv)  # eager, unoptimised prefill
+            # eager and unoptimised; chunks are exact (causal attention over the cache so far)
+            for c0 in range(0, len(prompt), ch):
+                toks = torch.tensor([prompt[c0:c0 + ch]], device=dev)
+                pos = torch.arange(c0, c0 + toks.shape[1], device=dev)[None]
+                logits, h = fwd(toks, pos, torch.tensor([r], device=dev), self.kv)
             first.append(int(logits[0, -1].argmax()))
             hidden.append(h[0, -1])
         return first, hidden
@@ -111,7 +118,9 @@ class Engine:
     def generate(self, input_ids: list[list[int]], max_new_tokens: int, speculative: bool = True) -> list[list[int]]:
         self._check(input_ids, max_new_tokens)
         B, dev = len(input_ids), self.config.device
+        self.stats.t_start = time.perf_counter()
         first, hidden = self._prefill(input_ids)
+        self.stats.t_first = time.perf_counter()  # every request has its first token (host-synced)
         out = [[t] for t in first]
         last = list(first)
         length = [len(p) for p in input_ids]  # KV valid length; `last` sits at position length
@@ -146,6 +155,7 @@ class Engine:
                     last[r] = emitted[-1]
                     hidden[r] = h[i, j]
             live = [r for r in live if len(out[r]) < max_new_tokens]
+        self.stats.t_end = time.perf_counter()  # the last step's tokens were read on the host
         return [o[:max_new_tokens] for o in out]
 
     def _oracle(self, live, last, length, K):

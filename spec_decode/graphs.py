@@ -30,6 +30,14 @@ class StepGraphs:
         self.hidden_dim = hidden_dim
         self._static: dict[int, dict] = {}
         self.replays = 0
+        self.timing = False  # record CUDA events around each replay (benchmarks)
+        self._events: list = []
+
+    def replay_times_ms(self) -> list[float]:
+        """Per-replay GPU times recorded while ``timing`` was on (synchronises once)."""
+        if self._events:
+            self._events[-1][1].synchronize()
+        return [a.elapsed_time(z) for a, z in self._events]
 
     def padded(self, b: int) -> int:
         for s in self.sizes:
@@ -75,7 +83,14 @@ class StepGraphs:
                 with torch.cuda.graph(g):
                     st["out"] = self.fn(*args)
                 st["graph"] = g
-            st["graph"].replay()
+            if self.timing:
+                a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                st["graph"].replay()
+                z.record()
+                self._events.append((a, z))
+            else:
+                st["graph"].replay()
             out = st["out"]
         self.replays += 1
         return tuple(o[:b] for o in out)

@@ -79,12 +79,15 @@ class TargetModel:
     def __init__(self, cfg: ModelConfig, seed: int = 0, dtype=torch.float32, device="cpu"):
         cfg.validate()
         self.cfg, self.dtype, self.device = cfg, dtype, device
-        g = torch.Generator().manual_seed(seed)
+        # Generated where they live: a CUDA model's tens of GB of weights never touch the host
+        # (the CPU and CUDA generators give different, each deterministic, weights).
+        gdev = torch.device(device)
+        g = torch.Generator(device=gdev).manual_seed(seed)
 
         def w(*shape, scale=None):
             fan_in = shape[-1]
-            t = torch.randn(*shape, generator=g) * (scale if scale is not None else 1.0 / math.sqrt(fan_in))
-            return t.to(dtype=dtype, device=device)
+            t = torch.randn(*shape, generator=g, device=gdev, dtype=dtype)
+            return t.mul_(scale if scale is not None else 1.0 / math.sqrt(fan_in))
 
         C, n, H, hd = cfg.hidden, cfg.mhc_n, cfg.heads, cfg.head_dim
         G, R, E = cfg.wo_groups, cfg.wo_rank, cfg.experts

@@ -65,8 +65,11 @@ class Ops:
         return torch.einsum("bsgd,grd->bsgr", o.reshape(B, S, G, -1), wo_a).reshape(B, S, -1)
 
     def moe(self, h, L, cfg):
-        """h [N, C] (normed) -> routed + shared [N, C]: per-choice weight gathers (small configs)."""
+        """h [N, C] (normed) -> routed + shared [N, C]."""
         ids, w = grouped_topk(h @ L["router"].T, L["router_bias"], cfg)
+        if h.is_cuda and h.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+            return self._moe_grouped(h, L, cfg, ids, w)
+        # per-choice weight gathers: fine for the CPU's small configs, far too big on real ones
         out = torch.zeros_like(h)
         for i in range(cfg.top_k):  # static loop over the k choices, fixed order (as the reference)
             e = ids[:, i]
@@ -74,6 +77,23 @@ class Ops:
             up = torch.einsum("nc,nic->ni", h, L["up"][e])
             y = torch.einsum("ni,nci->nc", torch.nn.functional.silu(g) * up, L["down"][e])
             out = out + w[:, i:i + 1] * y
+        shared = (torch.nn.functional.silu(h @ L["sh_gate"].T) * (h @ L["sh_up"].T)) @ L["sh_down"].T
+        return out + shared
+
+
+    def _moe_grouped(self, h, L, cfg, ids, w):
+        """The unfused GPU composite: sort the routed rows by expert, bf16 grouped GEMMs,
+        SiLU * up, a standalone weighted finalize, then the separate shared add."""
+        N, k = ids.shape
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        offs = torch.bincount(flat, minlength=cfg.experts).cumsum(0).int()
+        xs = h[order // k]
+        g = torch._grouped_mm(xs, L["gate"].transpose(1, 2), offs=offs)
+        up = torch._grouped_mm(xs, L["up"].transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(torch.nn.functional.silu(g) * up, L["down"].transpose(1, 2), offs=offs)
+        routed = torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1)
+        out = (routed.float() * w[..., None].float()).sum(1).to(h.dtype)
         shared = (torch.nn.functional.silu(h @ L["sh_gate"].T) * (h @ L["sh_up"].T)) @ L["sh_down"].T
         return out + shared
 

@@ -153,3 +153,11 @@ def test_fused_ops_track_baseline_on_gpu(seed):
         assert (l1.float() - l2.float()).norm() / l1.float().norm() < 0.1
         agree.append((l1.argmax(-1) == l2.argmax(-1)).float().mean().item())
     assert min(agree) > 0.8, agree
+
+
+@pytest.mark.parametrize("backend", ["reference", "baseline"])
+def test_chunked_prefill_is_exact(backend):
+    ps = prompts(5, 2)
+    a = Engine(EngineConfig(seed=5, max_seq_len=96, backend=backend)).generate(ps, 9)
+    b = Engine(EngineConfig(seed=5, max_seq_len=96, backend=backend, prefill_chunk=3)).generate(ps, 9)
+    assert a == b
