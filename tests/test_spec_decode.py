@@ -161,3 +161,15 @@ def test_chunked_prefill_is_exact(backend):
     a = Engine(EngineConfig(seed=5, max_seq_len=96, backend=backend)).generate(ps, 9)
     b = Engine(EngineConfig(seed=5, max_seq_len=96, backend=backend, prefill_chunk=3)).generate(ps, 9)
     assert a == b
+
+
+def test_bench_cli_refuses_without_gpu_and_formats_progress(capsys):
+    from spec_decode import bench
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU-only behaviour")
+    assert bench.main(["--quick"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    ids, h = bench.prompts(2, 5, 128)
+    assert len(ids) == 2 and all(len(p) == 5 for p in ids) and len(h) == 16
+    assert bench.prompts(2, 5, 128) == (ids, h)  # fixed inputs: the hash is reproducible

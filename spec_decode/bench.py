@@ -1,0 +1,167 @@
+"""``python -m spec_decode.bench``: the decode runtime's benchmark tables (H200).
+
+    python -m spec_decode.bench [--model slice|tiny] [--backends baseline,fused] [--quick]
+                                [--out bench/spec_decode.md]
+
+Per backend, side by side (same seeded weights, same fixed input ids -- their hash is
+printed):
+
+* BS1, input 4096 / output 1024: output tok/s after the first token;
+* BS64, input 4096 / output 2048: decode tok/s (after every first token) and full-batch
+  tok/s including the (eager, unoptimised) prefill;
+* median acceptance length; median target-verify and draft graph replay times (CUDA events
+  around each replay); kernel nodes per captured verify / draft graph;
+* kernel launches per family over 20 verify + draft cycles (torch profiler on the
+  replayed graphs; families by kernel-name patterns).
+
+Random weights make the draft's proposals near-random, so the acceptance length is ~1 and
+both paths do the same number of verify steps -- tok/s compare the step costs. ``--quick``
+shrinks the runs (input 512 / output 64) for a smoke test. Written in a session without GPU
+time; first run pending. The ``fused`` backend is refused by the engine until its GPU test
+passes (issue 8); the table then says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import random
+import re
+import statistics
+import sys
+
+import torch
+
+from .config import SLICE, TINY, EngineConfig
+from .engine import Engine
+
+FAMILIES = {
+    "router top-k / padding": r"MoeRouter|RouterTopk|topk|cumsum|bincount|histc",
+    "ID packing (sort / scatter)": r"sort|scatter|index_copy|RouterTopkAlign",
+    "standalone finalize": r"(?<!Shared)Finalize(?!Shared)|sum_kernel|reduce_kernel",
+    "fused finalize (+ shared add)": r"FinalizeShared",
+    "all-reduce": r"PushAllreduce|allreduce|nccl",
+}
+
+
+def progress(i, n, label):
+    w = 30
+    done = int(w * i / max(n, 1))
+    sys.stderr.write(f"\r{label:<28} [{'#' * done}{'.' * (w - done)}] {i}/{n}")
+    if i >= n:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def prompts(n, length, vocab, seed=0):
+    rng = random.Random(seed)
+    ids = [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+    return ids, hashlib.sha256(repr(ids).encode()).hexdigest()[:16]
+
+
+def run_case(backend, model, batch, n_in, n_out):
+    cfg = EngineConfig(model=model, device="cuda", dtype="bfloat16", backend=backend,
+                       max_seq_len=n_in + n_out + 16, graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64))
+    eng = Engine(cfg)
+    ids, digest = prompts(batch, n_in, model.vocab)
+    eng.verify_graphs.timing = eng.draft_graphs.timing = True
+    out = eng.generate(ids, n_out)
+    torch.cuda.synchronize()
+    st = eng.stats
+    n = sum(len(o) for o in out)
+    res = dict(hash=digest, decode_tps=(n - batch) / (st.t_end - st.t_first), full_tps=n / (st.t_end - st.t_start),
+               acceptance=st.median_acceptance,
+               verify_ms=statistics.median(eng.verify_graphs.replay_times_ms() or [float("nan")]),
+               draft_ms=statistics.median(eng.draft_graphs.replay_times_ms() or [float("nan")]),
+               verify_nodes=eng.verify_graphs.graph_nodes(batch), draft_nodes=eng.draft_graphs.graph_nodes(batch))
+    res["launches"] = count_families(eng, batch)
+    return res
+
+
+def count_families(eng, batch, cycles=20):
+    from torch.profiler import ProfilerActivity, profile
+
+    K = eng.config.block_size
+    dev = "cuda"
+    tok = torch.zeros(batch, K + 1, dtype=torch.long, device=dev)
+    pos = torch.arange(K + 1, device=dev)[None].expand(batch, -1).contiguous()
+    slots = torch.arange(batch, device=dev)
+    hid = torch.zeros(batch, eng.config.model.hidden, device=dev, dtype=eng.model.dtype)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(cycles):
+            eng.draft_graphs.run(tok[:, :1], pos[:, :1], slots, hid)
+            eng.verify_graphs.run(tok, pos, slots)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0]
+    return {fam: sum(bool(re.search(pat, nm)) for nm in names) for fam, pat in FAMILIES.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m spec_decode.bench")
+    ap.add_argument("--model", choices=("slice", "tiny"), default="slice")
+    ap.add_argument("--backends", default="baseline,fused")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("spec_decode.bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    model = SLICE if args.model == "slice" else TINY
+    cases = [("BS1 in 4096 / out 1024", 1, 4096, 1024), ("BS64 in 4096 / out 2048", 64, 4096, 2048)]
+    if args.quick:
+        cases = [("BS1 in 512 / out 64", 1, 512, 64), ("BS64 in 512 / out 64", 64, 512, 64)]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    results = {}
+    total = len(cases) * len(backends)
+    i = 0
+    for b in backends:
+        for name, bs, n_in, n_out in cases:
+            progress(i, total, f"{b}: {name}")
+            try:
+                results[(b, name)] = run_case(b, model, bs, n_in, n_out)
+            except NotImplementedError as e:
+                results[(b, name)] = {"error": str(e).split(";")[0]}
+            i += 1
+            progress(i, total, f"{b}: {name}")
+    lines = [f"## Decode runtime ({args.model}) -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
+             f"Command: `python -m spec_decode.bench --model {args.model} --backends {args.backends}"
+             f"{' --quick' if args.quick else ''}`", ""]
+    header = "| metric | " + " | ".join(backends) + " |"
+    lines += [header, "|" + "---|" * (len(backends) + 1)]
+
+    def cell(b, name, key, fmt="{:.1f}"):
+        r = results.get((b, name), {})
+        if "error" in r:
+            return "n/a"
+        v = r.get(key)
+        return "-" if v is None else (fmt.format(v) if isinstance(v, float) else str(v))
+
+    bs1, bs64 = cases[0][0], cases[1][0]
+    rows = [("input ids hash", bs64, "hash", "{}"), (f"{bs1}: output tok/s after first token", bs1, "decode_tps", None),
+            (f"{bs64}: decode tok/s", bs64, "decode_tps", None), (f"{bs64}: full-batch tok/s incl. prefill", bs64,
+                                                                   "full_tps", None),
+            ("median acceptance length", bs64, "acceptance", "{:.2f}"),
+            ("median verify graph ms (BS64)", bs64, "verify_ms", "{:.3f}"),
+            ("median draft graph ms (BS64)", bs64, "draft_ms", "{:.3f}"),
+            ("kernel nodes per verify graph", bs64, "verify_nodes", "{}"),
+            ("kernel nodes per draft graph", bs64, "draft_nodes", "{}")]
+    for label, case, key, fmt in rows:
+        lines.append(f"| {label} | " + " | ".join(cell(b, case, key, fmt or "{:.1f}") for b in backends) + " |")
+    for fam in FAMILIES:
+        lines.append(f"| launches / 20 cycles: {fam} | " + " | ".join(
+            str(results.get((b, bs64), {}).get("launches", {}).get(fam, "n/a")) for b in backends) + " |")
+    for b in backends:
+        for name, *_ in cases:
+            if "error" in results.get((b, name), {}):
+                lines.append(f"\n{b}: {results[(b, name)]['error']}")
+                break
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        open(args.out, "w").write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
