@@ -17,8 +17,9 @@ Kernel (tensor cores, ``mma.sync m16n8k16``, bf16 in, FP32 accumulate): one CTA 
 ``(128-key tile, token)``; ``q[t]`` (``[H, D] = [64, 128]``) and the key tile ``[128, D]``
 arrive by cp.async into padded shared-memory rows (conflict-free ldmatrix), 2 x 2 warps
 compute ``C = q k^T [64, 128]``; C goes to shared memory and thread ``s`` reduces column
-``s`` over the heads in a fixed order (deterministic). The warp-MMA path is the same
-source on sm_90a and sm_100a; a wgmma / tcgen05 variant is not written (issue 7).
+``s`` over the heads in a fixed order (deterministic). This warp-MMA kernel is the Hopper
+path (a wgmma variant is not written, issue 7); Blackwell uses
+:mod:`cute_kernels.indexer_scores_sm100` (tcgen05) when ``H = 64``.
 
 Constraints: ``H % 32 == 0`` and ``D % 16 == 0`` (static; 64 x 128 as in DeepSeek's
 indexer), bf16 ``q``/``k_cache``, fp32 ``w``, int32 metadata. T and S are runtime.

@@ -1,8 +1,10 @@
 """Indexer top-k: the ``topk`` best candidate keys per query token, masking fused upstream.
 
 ``indexer_topk(q, w, k_cache, kv_offset, kv_len, pos, slot_valid, topk)`` runs two launches:
-:mod:`cute_kernels.indexer_scores` (scores with the causal / length / slot mask applied in
-its epilogue: masked keys are ``-inf``) and the radix select here. Output: int32
+the scores with the causal / length / slot mask applied in their epilogue (masked keys are
+``-inf``; :mod:`cute_kernels.indexer_scores_sm100` on Blackwell -- tcgen05, compiled and
+machine-code checked only --, :mod:`cute_kernels.indexer_scores` elsewhere) and the radix
+select here. Output: int32
 ``indices [T, topk]``, the selected key positions of each token **in ascending order**,
 then ``-1`` where the token has fewer than ``topk`` candidates. Ties at the k-th score are
 broken towards the lower key index, so the result is deterministic.
@@ -313,7 +315,13 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
     check_cuda(op, ("q", q), ("workspace.scores", workspace.scores))
     P, cs = jit.gmem_ptr, jit.cu_stream(stream)
     has_mask = slot_valid is not None
-    scores_fn = jit.get_kernel("indexer_scores", a, heads=H, dim=D, has_slot_mask=has_mask)
+    # Blackwell: tcgen05 with keys as the MMA's M (needs H = 64); elsewhere the warp-MMA kernel.
+    from .indexer_scores_sm100 import IndexerScoresSm100
+
+    if dispatch(op, ("sm100", "portable"), arch=a) == "sm100" and IndexerScoresSm100.can_implement(H, D):
+        scores_fn = jit.get_kernel("indexer_scores_sm100", a, heads=H, dim=D, has_slot_mask=has_mask)
+    else:
+        scores_fn = jit.get_kernel("indexer_scores", a, heads=H, dim=D, has_slot_mask=has_mask)
     mask = slot_valid.view(torch.uint8) if has_mask else kv_len  # any valid pointer when unused
     pitch = workspace.pitch
     scores_fn(P(cutlass.BFloat16, q, 16), P(Float32, w, 16), P(cutlass.BFloat16, k_cache, 16),

@@ -139,3 +139,63 @@ def test_machine_code(arch):
     assert sass.local_memory_ops(h) == 0
     assert sass.count(h, "ATOMS") >= 1  # shared-memory histograms
     assert sass.count(h, "LDG.E.128") >= 1  # vectorised compaction reads
+
+
+def emulate_scores_sm100(q, w, k_cache, kv_offset, kv_len, pos, s_max, slot_valid=None):
+    """CPU emulation of the tcgen05 kernel's tiling: per (128-key tile, token), the
+    transposed product C'[key, head] (keys at the token's own row offset, rows past the
+    cache zero-filled as TMA does) in FP32, then per key -- one thread's registers -- the
+    weighted ReLU sum over the 64 heads in order, then the mask."""
+    T, H, D = q.shape
+    R = k_cache.shape[0]
+    out = torch.empty(T, s_max, dtype=torch.float32)
+    for t in range(T):
+        off = int(kv_offset[t])
+        limit = 0 if off < 0 else min(int(pos[t]) + 1, int(kv_len[t]), R - off)
+        for s0 in range(0, s_max, 128):
+            n = min(128, s_max - s0)
+            if s0 >= limit:
+                out[t, s0:s0 + n] = float("-inf")
+                continue
+            tile = torch.zeros(128, D)
+            lo, hi = off + s0, min(off + s0 + 128, R)
+            tile[:hi - lo] = k_cache[lo:hi].float()
+            c = tile @ q[t].float().T  # [keys, heads] in tensor memory
+            acc = torch.zeros(128)
+            for h in range(H):  # the per-thread head loop
+                acc = acc + w[t, h] * torch.relu(c[:, h])
+            sc = acc[:n]
+            ok = torch.arange(s0, s0 + n) < limit
+            if slot_valid is not None:
+                rows = (off + torch.arange(s0, s0 + n)).clamp(max=R - 1)
+                ok &= slot_valid[rows].bool()
+            out[t, s0:s0 + n] = torch.where(ok & ~torch.isnan(sc), sc, torch.full_like(sc, float("-inf")))
+    return out
+
+
+def test_sm100_tiling_emulation_matches_fp64():
+    """The Blackwell kernel's data layout on the CPU: offsets not multiples of the tile, a
+    row range past the cache end, invalid slots, causal limits, S not a multiple of 128."""
+    g = torch.Generator().manual_seed(0)
+    T, H, D, S = 5, 64, 128, 300
+    k_cache = torch.randn(2 * S + 3, D, generator=g).bfloat16()
+    q = (torch.randn(T, H, D, generator=g) / 4).bfloat16()
+    w = torch.randn(T, H, generator=g)
+    off = torch.tensor([0, 37, S + 3, 2 * S + 3 - 50, -1], dtype=torch.int32)
+    ln = torch.tensor([S, S, 130, S, S], dtype=torch.int32)
+    pos = torch.tensor([S - 1, 200, S - 6, S - 1, 10], dtype=torch.int32)
+    valid = torch.rand(k_cache.shape[0], generator=g) > 0.2
+    emu = emulate_scores_sm100(q, w, k_cache, off, ln, pos, S, valid)
+    ref = indexer_scores_ref(q, w, k_cache, off, ln, pos, S, valid)
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(emu), fin)  # the mask, exactly
+    assert (emu.double()[fin] - ref[fin]).abs().max() < 1e-4 * ref[fin].abs().max()
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_machine_code_sm100(mask):
+    h = sass.sass_histogram("indexer_scores_sm100", "sm_100a", heads=64, dim=128, has_slot_mask=mask)
+    assert sass.count(h, "UTCHMMA") >= 8  # D = 128 in K = 16 steps, keys x heads in tensor memory
+    assert sass.count(h, "UTMALDG") >= 2 and sass.count(h, "LDTM") >= 1
+    assert sass.count(h, "FFMA") >= 64  # the per-thread head reduction
+    assert sass.local_memory_ops(h) == 0
