@@ -10,7 +10,7 @@ printed):
 * BS64, input 4096 / output 2048: decode tok/s (after every first token) and full-batch
   tok/s including the (eager, unoptimised) prefill;
 * median acceptance length; median target-verify and draft graph replay times (CUDA events
-  around each replay); kernel nodes per captured verify / draft graph;
+  around each replay); kernels per verify / draft graph replay (profiled);
 * kernel launches per family over 20 verify + draft cycles (torch profiler on the
   replayed graphs; families by kernel-name patterns).
 
@@ -74,7 +74,8 @@ def run_case(backend, model, batch, n_in, n_out):
                acceptance=st.median_acceptance,
                verify_ms=statistics.median(eng.verify_graphs.replay_times_ms() or [float("nan")]),
                draft_ms=statistics.median(eng.draft_graphs.replay_times_ms() or [float("nan")]),
-               verify_nodes=eng.verify_graphs.graph_nodes(batch), draft_nodes=eng.draft_graphs.graph_nodes(batch))
+               verify_nodes=eng.verify_graphs.kernels_per_replay(batch),
+               draft_nodes=eng.draft_graphs.kernels_per_replay(batch))
     res["launches"] = count_families(eng, batch)
     return res
 
@@ -144,8 +145,8 @@ def main(argv=None) -> int:
             ("median acceptance length", bs64, "acceptance", "{:.2f}"),
             ("median verify graph ms (BS64)", bs64, "verify_ms", "{:.3f}"),
             ("median draft graph ms (BS64)", bs64, "draft_ms", "{:.3f}"),
-            ("kernel nodes per verify graph", bs64, "verify_nodes", "{}"),
-            ("kernel nodes per draft graph", bs64, "draft_nodes", "{}")]
+            ("kernels per verify graph replay", bs64, "verify_nodes", "{}"),
+            ("kernels per draft graph replay", bs64, "draft_nodes", "{}")]
     for label, case, key, fmt in rows:
         lines.append(f"| {label} | " + " | ".join(cell(b, case, key, fmt or "{:.1f}") for b in backends) + " |")
     for fam in FAMILIES:

@@ -95,16 +95,17 @@ class StepGraphs:
         self.replays += 1
         return tuple(o[:b] for o in out)
 
-    def graph_nodes(self, b: int) -> int | None:
-        """Kernel nodes of the captured graph for batch ``b`` (None before capture / on CPU)."""
+    def kernels_per_replay(self, b: int) -> int | None:
+        """GPU kernels one replay of the captured graph for batch ``b`` runs (profiled; None
+        before capture / on CPU). Memcpy / memset nodes are not counted."""
         st = self._static.get(self.padded(b))
         if st is None or st["graph"] is None:
             return None
-        try:
-            import cuda.bindings.runtime as cudart
+        from torch.profiler import ProfilerActivity, profile
 
-            raw = st["graph"].raw_cuda_graph()
-            err, _, n = cudart.cudaGraphGetNodes(raw, None, 0)
-            return int(n) if int(err) == 0 else None
-        except Exception:  # noqa: BLE001 - counting is a report, never a failure
-            return None
+        torch.cuda.synchronize(self.device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            st["graph"].replay()
+            torch.cuda.synchronize(self.device)
+        return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and "emcpy" not in e.name
+                   and "emset" not in e.name)
