@@ -261,7 +261,8 @@ class IndexerWorkspace:
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_offset: torch.Tensor,
                  kv_len: torch.Tensor, pos: torch.Tensor, *, topk: int = 2048, max_keys: int | None = None,
                  slot_valid: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                 workspace: IndexerWorkspace | None = None, stream=None, arch: str | None = None) -> torch.Tensor:
+                 workspace: IndexerWorkspace | None = None, stream=None, arch: str | None = None,
+                 use_wgmma: bool = False) -> torch.Tensor:
     """Top-``topk`` candidate keys per token: int32 ``[T, topk]``, ascending, ``-1`` padded.
 
     ``q [T, H, D]`` bf16, ``w [T, H]`` fp32, ``k_cache [R, D]`` bf16 (all sequences' index
@@ -270,7 +271,8 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
     invalid slot). ``max_keys`` bounds every ``min(pos + 1, kv_len)`` (default: R); it sizes
     the grid, so no host sync reads the lengths. Key s of token t is a candidate iff
     ``s <= pos[t]``, ``s < kv_len[t]``, ``s < max_keys``, its row is inside ``k_cache`` and
-    its slot is valid.
+    its slot is valid. ``use_wgmma`` selects the Hopper wgmma score kernel (not yet run on a
+    GPU) instead of the tested warp-MMA one.
     """
     op = "indexer_topk"
     check_tensor(op, "q", q, dtype=torch.bfloat16, ndim=3, contiguous=True, align_bytes=16)
@@ -316,10 +318,14 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
     P, cs = jit.gmem_ptr, jit.cu_stream(stream)
     has_mask = slot_valid is not None
     # Blackwell: tcgen05 with keys as the MMA's M (needs H = 64); elsewhere the warp-MMA kernel.
+    from .indexer_scores_sm90 import IndexerScoresSm90
     from .indexer_scores_sm100 import IndexerScoresSm100
 
-    if dispatch(op, ("sm100", "portable"), arch=a) == "sm100" and IndexerScoresSm100.can_implement(H, D):
+    path = dispatch(op, ("sm100", "sm90", "portable"), arch=a)
+    if path == "sm100" and IndexerScoresSm100.can_implement(H, D):
         scores_fn = jit.get_kernel("indexer_scores_sm100", a, heads=H, dim=D, has_slot_mask=has_mask)
+    elif path == "sm90" and use_wgmma and IndexerScoresSm90.can_implement(H, D):
+        scores_fn = jit.get_kernel("indexer_scores_sm90", a, heads=H, dim=D, has_slot_mask=has_mask)
     else:
         scores_fn = jit.get_kernel("indexer_scores", a, heads=H, dim=D, has_slot_mask=has_mask)
     mask = slot_valid.view(torch.uint8) if has_mask else kv_len  # any valid pointer when unused

@@ -199,3 +199,21 @@ def test_machine_code_sm100(mask):
     assert sass.count(h, "UTMALDG") >= 2 and sass.count(h, "LDTM") >= 1
     assert sass.count(h, "FFMA") >= 64  # the per-thread head reduction
     assert sass.local_memory_ops(h) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, S, n_seq", [(6, 4096, 1), (12, 5000, 2)])
+def test_wgmma_scores_path(seed, T, S, n_seq):
+    """H200: the wgmma score kernel (opt-in until this passes) through the same checks."""
+    q, w, kc, off, ln, pos = make(T, S, n_seq)
+    out = indexer_topk(q, w, kc, off, ln, pos, topk=2048, max_keys=S, use_wgmma=True)
+    torch.cuda.synchronize()
+    check(out, indexer_scores_ref(q.cpu(), w.cpu(), kc.cpu(), off.cpu(), ln.cpu(), pos.cpu(), S), 2048)
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_machine_code_sm90_wgmma(mask):
+    h = sass.sass_histogram("indexer_scores_sm90", "sm_90a", heads=64, dim=128, has_slot_mask=mask)
+    assert sass.count(h, "HGMMA") >= 8 and sass.count(h, "UTMALDG") >= 2
+    assert sass.count(h, "SHFL.BFLY") >= 4  # the quad's head-sum
+    assert sass.local_memory_ops(h) == 0

@@ -1,0 +1,173 @@
+"""Lightning-indexer scores with the candidate mask fused, Hopper wgmma path (TMA + wgmma).
+
+Same contract and the same transposed product as :mod:`cute_kernels.indexer_scores_sm100`:
+one CTA (one warpgroup) per (64-key tile, token), ``C'[key, head] = k[off + s0 + key] .
+q[t, head]`` with the keys as wgmma's M (A = the key tile, TMA-loaded at the token's own row
+offset) and the 64 heads as N (B = ``q[t]``), K = D in 16-wide steps, FP32 accumulators in
+registers. In wgmma's accumulator layout a row (key) lives in the 4 threads of a quad, 16
+head columns each: each thread folds ``w[h] * relu(C')`` over its 16 columns, two xor
+shuffles finish the head sum (a fixed order: deterministic), then the mask and the store.
+
+Status: compiled and machine-code checked (sm_90a) in a session whose GPU time was spent;
+**not yet run**. Until its GPU test passes, :func:`cute_kernels.indexer_topk.indexer_topk`
+keeps the tested warp-MMA kernel on Hopper (``use_wgmma=True`` opts in).
+
+Constraints: heads = 64, D % 16 == 0 and D <= 256.
+
+    pytest tests/test_indexer.py
+"""
+
+import os
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+
+from . import jit
+
+KEY_TILE = 64
+THREADS = 128
+
+
+class IndexerScoresSm90:
+    def __init__(self, heads: int, dim: int, has_slot_mask: bool):
+        self.H, self.D, self.has_slot_mask = heads, dim, has_slot_mask
+        self.tile = (KEY_TILE, heads, dim)
+
+    @cute.jit
+    def __call__(self, q_ptr: cute.Pointer, w_ptr: cute.Pointer, k_ptr: cute.Pointer, off_ptr: cute.Pointer,
+                 len_ptr: cute.Pointer, pos_ptr: cute.Pointer, valid_ptr: cute.Pointer, score_ptr: cute.Pointer,
+                 num_tokens: Int32, num_rows: Int32, s_max: Int32, stream: cuda.CUstream):
+        H, D = self.H, self.D
+        bf16 = cutlass.BFloat16
+        mK = cute.make_tensor(k_ptr, cute.make_layout((num_rows, D, 1), stride=(D, 1, num_rows * D)))
+        mQ = cute.make_tensor(q_ptr, cute.make_layout((num_tokens * H, D, 1), stride=(D, 1, num_tokens * H * D)))
+        mW = cute.make_tensor(w_ptr, cute.make_layout((num_tokens, H), stride=(H, 1)))
+        mOff = cute.make_tensor(off_ptr, cute.make_layout((num_tokens,)))
+        mLen = cute.make_tensor(len_ptr, cute.make_layout((num_tokens,)))
+        mPos = cute.make_tensor(pos_ptr, cute.make_layout((num_tokens,)))
+        mValid = cute.make_tensor(valid_ptr, cute.make_layout((num_rows,)))
+        mScore = cute.make_tensor(score_ptr, cute.make_layout((num_tokens, s_max), stride=(s_max, 1)))
+
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(bf16, bf16, cute.nvgpu.warpgroup.OperandMajorMode.K,
+                                                      cute.nvgpu.warpgroup.OperandMajorMode.K, Float32, (1, 1, 1),
+                                                      tiler_mn=(KEY_TILE, H))
+        a_smem = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, self.tile, bf16, 1)
+        b_smem = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, self.tile, bf16, 1)
+        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_a, tma_tensor_a = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mK, cute.slice_(a_smem, (None, None, 0)),
+                                                                     (KEY_TILE, D))
+        tma_b, tma_tensor_b = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mQ, cute.slice_(b_smem, (None, None, 0)),
+                                                                     (H, D))
+        self.kernel(tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, a_smem, b_smem, mW, mOff, mLen, mPos,
+                    mValid, mScore, num_rows, s_max).launch(
+            grid=[(s_max + KEY_TILE - 1) // KEY_TILE, num_tokens, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mK: cute.Tensor, tma_b: cute.CopyAtom,
+               mQ: cute.Tensor, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, mW: cute.Tensor,
+               mOff: cute.Tensor, mLen: cute.Tensor, mPos: cute.Tensor, mValid: cute.Tensor, mScore: cute.Tensor,
+               num_rows: Int32, s_max: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        kt, t, _ = cute.arch.block_idx()
+        s0 = kt * KEY_TILE
+        off = mOff[t]
+        limit = cutlass.min(cutlass.min(mPos[t] + 1, mLen[t]), num_rows - off)
+        limit = cutlass.select_(off < 0, Int32(0), limit)
+        neg_inf = Float32(float("-inf"))
+        if s0 >= limit:
+            for s in cutlass.range(tidx, cutlass.min(KEY_TILE, s_max - s0), THREADS):
+                mScore[t, s0 + s] = neg_inf
+        else:
+            smem = cutlass.memory.SmemAllocator()
+            mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((2,)), 8)
+            sA = smem.allocate_tensor(cutlass.BFloat16, a_smem.outer, 128, swizzle=a_smem.inner)
+            sB = smem.allocate_tensor(cutlass.BFloat16, b_smem.outer, 128, swizzle=b_smem.inner)
+            tx = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(a_smem, (None, None, 0))) + \
+                cute.size_in_bytes(cutlass.BFloat16, cute.slice_(b_smem, (None, None, 0)))
+            pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=mbar.iterator, num_stages=1,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32), tx_count=tx,
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+            cute.arch.barrier()  # barrier initialisation visible before any wait
+
+            # Keys at the token's own row offset (TMA zero-fills rows past the cache).
+            gA = cute.local_tile(cute.domain_offset((off + s0, 0, 0), mK), (KEY_TILE, self.D),
+                                 (None, None, None))[(None, None, 0, 0, 0)]
+            gB = cute.local_tile(mQ, (self.H, self.D), (None, None, None))[(None, None, t, 0, 0)]
+            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
+                                                          cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
+                                                          cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+            prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            if warp_idx == 0:
+                pipe.producer_acquire(prod)
+                cute.copy(tma_a, tAgA, tAsA[(None, 0)], tma_bar_ptr=pipe.producer_get_barrier(prod))
+                cute.copy(tma_b, tBgB, tBsB[(None, 0)], tma_bar_ptr=pipe.producer_get_barrier(prod))
+                pipe.producer_commit(prod)
+
+            thr_mma = tiled_mma.get_slice(tidx)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            cC = cute.make_identity_tensor((KEY_TILE, self.H))
+            tCcC = thr_mma.partition_C(cC)
+            acc = cute.make_rmem_tensor(tCcC.shape, Float32)
+            pipe.consumer_wait(cons)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, 0)], tCrB[(None, None, kb, 0)], acc)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+
+            # Per thread: two key rows (r and r + 8) x 16 head columns; fold, then the quad.
+            part = cute.make_rmem_tensor(cute.make_layout((2,)), Float32)
+            part.fill(0.0)
+            rows = cute.make_rmem_tensor(cute.make_layout((2,)), Int32)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                m, h = tCcC[i]
+                r8 = (i // 2) % 2  # accumulator mode 0 is (column pair, row + 8, n block)
+                rows[r8] = m
+                part[r8] = part[r8] + mW[t, h] * cutlass.max(acc[i], Float32(0.0))
+            for r8 in cutlass.range_constexpr(2):
+                v = part[r8]
+                v = v + cute.arch.shuffle_sync_bfly(v, offset=1)
+                v = v + cute.arch.shuffle_sync_bfly(v, offset=2)
+                s = s0 + rows[r8]
+                if cute.arch.lane_idx() % 4 == 0 and s < s_max:
+                    ok = s < limit
+                    if cutlass.const_expr(self.has_slot_mask):
+                        if ok:
+                            ok = mValid[off + s] != 0
+                    mScore[t, s] = cutlass.select_(ok and v == v, v, neg_inf)
+
+    @staticmethod
+    def can_implement(heads: int, dim: int) -> bool:
+        return heads == 64 and dim % 16 == 0 and 16 <= dim <= 256
+
+
+def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool):
+    if not IndexerScoresSm90.can_implement(heads, dim):
+        raise ValueError(f"indexer_scores_sm90: unsupported heads={heads}, dim={dim} (heads must be 64)")
+    P = jit.fake_gmem_ptr
+    args = (P(cutlass.BFloat16, 16), P(Float32, 16), P(cutlass.BFloat16, 16), P(Int32, 4), P(Int32, 4),
+            P(Int32, 4), P(cutlass.Uint8, 1), P(Float32, 16), Int32(1), Int32(1), Int32(4), jit.fake_stream())
+    return IndexerScoresSm90(heads, dim, has_slot_mask), args
+
+
+KERNEL = jit.register(jit.KernelDef(
+    name="indexer_scores_sm90",
+    build=_build,
+    sources=(os.path.abspath(__file__),),
+    archs=("sm_90a",),
+    aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False},),
+    description="lightning-indexer scores, wgmma (keys x heads) + fused candidate mask (not yet run)",
+))
