@@ -64,8 +64,8 @@ def composite_layer(x, logits, bias, W, cfg):
     w = w / (w.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=E)
-    offs = counts.cumsum(0).int()
+    counts = torch.zeros(E, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offs = counts.cumsum(0).int()  # (no bincount: it syncs to size its output; graphs forbid that)
     xs = x[order // TOPK]
     gate = torch._grouped_mm(xs, W["g"].transpose(1, 2), offs=offs)
     up = torch._grouped_mm(xs, W["u"].transpose(1, 2), offs=offs)

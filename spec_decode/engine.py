@@ -70,7 +70,8 @@ class Engine:
             self.verify_graphs = StepGraphs(fwd, sizes, K + 1, self.scratch_slot, dev)
             self.decode_graphs = StepGraphs(fwd, sizes, 1, self.scratch_slot, dev)
             self.draft_graphs = StepGraphs(lambda tok, pos, slots, hid: (self.draft.propose(hid, tok[:, 0]),),
-                                           sizes, 1, self.scratch_slot, dev, hidden_dim=config.model.hidden)
+                                           sizes, 1, self.scratch_slot, dev, hidden_dim=config.model.hidden,
+                                           hidden_dtype=dtype)
 
     def _target(self, tokens, pos, slots):
         """Target forward of a decode (width 1) or verify (width K+1) step."""

@@ -22,12 +22,12 @@ import torch
 
 class StepGraphs:
     def __init__(self, fn: Callable, batch_sizes: tuple[int, ...], width: int, scratch_slot: int, device,
-                 hidden_dim: int | None = None):
+                 hidden_dim: int | None = None, hidden_dtype: torch.dtype = torch.float32):
         """``fn(tokens [b, width], pos [b, width], slots [b], extra) -> tuple of tensors``."""
         self.fn, self.sizes, self.width = fn, tuple(sorted(batch_sizes)), width
         self.scratch, self.device = scratch_slot, torch.device(device)
         self.use_graphs = self.device.type == "cuda"
-        self.hidden_dim = hidden_dim
+        self.hidden_dim, self.hidden_dtype = hidden_dim, hidden_dtype
         self._static: dict[int, dict] = {}
         self.replays = 0
         self.timing = False  # record CUDA events around each replay (benchmarks)
@@ -52,7 +52,8 @@ class StepGraphs:
             st = {"tokens": torch.zeros(n, self.width, dtype=torch.long, device=dev),
                   "pos": torch.zeros(n, self.width, dtype=torch.long, device=dev),
                   "slots": torch.full((n,), self.scratch, dtype=torch.long, device=dev),
-                  "extra": (torch.zeros(n, self.hidden_dim, device=dev) if self.hidden_dim else None),
+                  "extra": (torch.zeros(n, self.hidden_dim, device=dev, dtype=self.hidden_dtype)
+                            if self.hidden_dim else None),
                   "graph": None, "out": None}
             self._static[n] = st
         return st

@@ -87,7 +87,9 @@ class Ops:
         N, k = ids.shape
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
-        offs = torch.bincount(flat, minlength=cfg.experts).cumsum(0).int()
+        # scatter_add, not bincount: bincount sizes its output on the host (a sync, uncapturable)
+        counts = torch.zeros(cfg.experts, dtype=torch.long, device=h.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offs = counts.cumsum(0).int()
         xs = h[order // k]
         g = torch._grouped_mm(xs, L["gate"].transpose(1, 2), offs=offs)
         up = torch._grouped_mm(xs, L["up"].transpose(1, 2), offs=offs)

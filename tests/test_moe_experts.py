@@ -242,3 +242,43 @@ def test_machine_code_sm90_fused():
     h = sass.sass_histogram("moe_expert_gemm_sm90", "sm_90a", E=256, N=4096, K=7168, silu_quant=True)
     assert sass.count(h, "HMMA") >= 1 and sass.count(h, "MUFU.EX2") >= 1  # SiLU's exp in the epilogue
     assert sass.local_memory_ops(h) == 0
+
+
+def test_sm90_scale_addressing_transcribed():
+    """The Hopper kernel's scale-byte addressing (sa_base / sw_base, the 512-byte atom copied per
+    K slice, the in-atom index), transcribed to Python, lands on the byte the quantiser wrote
+    for (row, k-block) -- for both operands, several experts, N-tiles and K slices."""
+    E, N, K, rows = 3, 256, 512, 384
+    kb_pad, n_pad = -(-(K // 32) // 4) * 4, -(-N // 128) * 128
+    cb = kb_pad // 4
+    g = torch.Generator().manual_seed(3)
+    raw_a = torch.randint(0, 255, (rows, K // 32), dtype=torch.uint8, generator=g)
+    raw_w = torch.randint(0, 255, (E, N, K // 32), dtype=torch.uint8, generator=g)
+    flat_a = swizzle_scales_ref(raw_a)
+    flat_w = torch.stack([swizzle_scales_ref(raw_w[e]) for e in range(E)]).view(-1)
+    for e in range(E):
+        for row0 in (0, 128, 256):
+            for n0 in (0, 64, 128, 192):
+                sa_base = (row0 // 128) * cb * 512
+                sw_base = (e * n_pad + n0 // 128 * 128) // 128 * cb * 512
+                for kt in range(K // 128):
+                    atom_a = flat_a[sa_base + kt * 512: sa_base + kt * 512 + 512]
+                    atom_w = flat_w[sw_base + kt * 512: sw_base + kt * 512 + 512]
+                    for kb in range(4):
+                        for m in (0, 5, 31, 32, 77, 127):
+                            assert atom_a[(m % 32) * 16 + (m // 32) * 4 + kb] == raw_a[row0 + m, kt * 4 + kb]
+                        for n in (0, 9, 31, 32, 63):
+                            nr = n0 % 128 + n
+                            assert atom_w[(nr % 32) * 16 + (nr // 32) * 4 + kb] == raw_w[e, n0 + n, kt * 4 + kb]
+
+
+def test_sm90_fused_scale_store_addressing_transcribed():
+    """The fused epilogue's scale store (row r, feature block fb) hits swizzle_scales_ref's byte."""
+    rows, I = 256, 256
+    ncb_i = -(-(I // 32) // 4)
+    raw = torch.randint(0, 255, (rows, I // 32), dtype=torch.uint8)
+    flat = swizzle_scales_ref(raw)
+    for r in (0, 1, 31, 32, 127, 128, 200, 255):
+        for fb in range(I // 32):
+            off = ((r // 128) * ncb_i + fb // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + fb % 4
+            assert flat[off] == raw[r, fb]
