@@ -36,17 +36,20 @@ from .step_model import Ops
 class FusedOps(Ops):
     """Kernels for a bf16 :class:`TargetModel` on a CUDA device (every activation is bf16)."""
 
-    def __init__(self, target, max_tokens: int, max_len: int):
+    def __init__(self, target, max_tokens: int, max_len: int, _cpu_for_tests: bool = False):
         cfg = target.cfg
-        if target.dtype != torch.bfloat16 or torch.device(target.device).type != "cuda":
+        on_cuda = torch.device(target.device).type == "cuda"
+        if target.dtype != torch.bfloat16 or not (on_cuda or _cpu_for_tests):
             raise ValueError("FusedOps needs a bfloat16 TargetModel on a CUDA device")
+        dev = target.device
         self.cfg, self.max_tokens, self.max_len = cfg, max_tokens, max_len
         n = cfg.mhc_n
-        self.mhc_ws = MhcStatsWorkspace(n, max_tokens)
-        self.idx_ws = IndexerWorkspace(max_tokens, max_len)
+        self.mhc_ws = MhcStatsWorkspace(n, max_tokens, device=dev)
+        self.idx_ws = IndexerWorkspace(max_tokens, max_len, device=dev)
         self.router = MoeRouter(RouterConfig(num_experts=cfg.experts, n_group=cfg.n_group,
                                              topk_group=cfg.topk_group, top_k=cfg.top_k,
-                                             routed_scaling_factor=cfg.routed_scaling_factor), max_tokens=max_tokens)
+                                             routed_scaling_factor=cfg.routed_scaling_factor), max_tokens=max_tokens,
+                                device=dev)
         self.prep = []
         for L in target.layers:
             P = {}

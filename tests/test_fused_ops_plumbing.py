@@ -1,0 +1,167 @@
+"""CPU check of the fused backend's glue (spec_decode.fused_ops): every kernel it calls is
+replaced by a PyTorch implementation of the same contract (built from tests/references.py),
+so what is tested is FusedOps itself -- shapes, dtypes, packing, argument order -- against
+the baseline ops on the same bf16 weights. The kernels are tested on their own elsewhere."""
+
+import pytest
+import torch
+
+import spec_decode.fused_ops as fo
+from moe.experts import _mx_quant_torch, _reference, _swizzle_reference, dequantize, silu_mul_interleaved
+from moe.router import RouterOutput, capacity
+from references import (align_ref, finalize_shared_ref, grouped_topk_ref, indexer_scores_ref, mhc_post_mix_ref,
+                        mhc_pre_mix_ref, mhc_stats_ref)
+from spec_decode.config import ModelConfig
+from spec_decode.model import KVPool, TargetModel
+from spec_decode.step_model import Ops, StepModel
+
+
+def fake_mhc_stats(x, planes, alpha, bias, *, eps, sinkhorn_iters, workspace, out):
+    mp = planes.shape[0] // 2
+    m = bias.shape[0]
+    phi = (planes[:mp].float() + planes[mp:].float())[:m]
+    out.copy_(mhc_stats_ref(x, phi, alpha, bias, eps, sinkhorn_iters).float())
+    return out
+
+
+def fake_indexer_topk(q, w, rows, off, kv_len, pos, *, topk, max_keys, workspace):
+    sc = indexer_scores_ref(q, w, rows, off, kv_len, pos, max_keys)
+    vals, idx = torch.sort(sc, dim=-1, descending=True, stable=True)
+    idx = idx[:, :topk].int()
+    idx[~torch.isfinite(vals[:, :topk])] = -1
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.int32)
+    out[:, :idx.shape[1]] = idx
+    return out
+
+
+def fake_wo_a(o, w):
+    T, H, hd = o.shape
+    G = w.shape[0]
+    return torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).float(), w.float()).reshape(T, -1).bfloat16()
+
+
+class FakeRouter:
+    def __init__(self, cfg, max_tokens, device=None):
+        self.cfg = cfg
+
+    def __call__(self, logits, bias):
+        c = self.cfg
+        ids, w, _ = grouped_topk_ref(logits, bias, c.n_group, c.topk_group, c.top_k, c.routed_scaling_factor)
+        counts, offsets, sorted_ids, tile_expert, total = align_ref(ids, c.num_experts, c.tile_m)
+        slots, tiles = capacity(c, logits.shape[0])
+        sid = torch.full((slots,), ids.numel(), dtype=torch.int32)
+        sid[:total] = sorted_ids
+        te = torch.full((tiles,), -1, dtype=torch.int32)
+        te[:tile_expert.numel()] = tile_expert
+        pos = torch.empty(ids.numel(), dtype=torch.int32)
+        pos[sorted_ids[sorted_ids < ids.numel()].long()] = torch.nonzero(sorted_ids < ids.numel()).flatten().int()
+        return RouterOutput(ids, w, counts, offsets, sid, te, torch.tensor([total], dtype=torch.int32), pos)
+
+
+def fake_quant_routed(x, sorted_ids, total, topk):
+    rows, K = sorted_ids.numel(), x.shape[1]
+    g = torch.zeros(rows, K, dtype=torch.bfloat16)
+    live = sorted_ids < x.shape[0] * topk
+    g[live] = x[(sorted_ids[live] // topk).long()]
+    q, s = _mx_quant_torch(g)
+    return q.view(torch.float8_e4m3fn), _swizzle_reference(s)
+
+
+def fake_gate_up(aq, asc, wq, ws, offs, counts, te):
+    rows, K = aq.shape
+    E, N, _ = wq.shape
+    y = _reference(aq.view(torch.uint8), asc, wq.view(torch.uint8), ws, offs, torch.zeros(rows, N).bfloat16())
+    q, s = _mx_quant_torch(silu_mul_interleaved(y))
+    return q.view(torch.float8_e4m3fn), _swizzle_reference(s)
+
+
+def fake_gemm(aq, asc, wq, ws, offs, counts, te):
+    rows = aq.shape[0]
+    return _reference(aq.view(torch.uint8), asc, wq.view(torch.uint8), ws, offs,
+                      torch.zeros(rows, wq.shape[1]).bfloat16())
+
+
+def fake_quantize_expert_weights(w):
+    E, N, K = w.shape
+    qs, ss = zip(*(_mx_quant_torch(w[e]) for e in range(E)))
+    return torch.stack(qs).view(torch.float8_e4m3fn), torch.stack([_swizzle_reference(s) for s in ss])
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    monkeypatch.setattr(fo, "mhc_stats", fake_mhc_stats)
+    monkeypatch.setattr(fo, "mhc_pre_mix", lambda x, H: mhc_pre_mix_ref(x, H))
+    monkeypatch.setattr(fo, "mhc_post_mix", lambda x, H, f: mhc_post_mix_ref(x, H, f))
+    monkeypatch.setattr(fo, "indexer_topk", fake_indexer_topk)
+    monkeypatch.setattr(fo, "wo_a", fake_wo_a)
+    monkeypatch.setattr(fo, "MoeRouter", FakeRouter)
+    monkeypatch.setattr(fo, "mxfp8_quantize_routed", fake_quant_routed)
+    monkeypatch.setattr(fo, "moe_expert_gate_up", fake_gate_up)
+    monkeypatch.setattr(fo, "moe_expert_gemm", fake_gemm)
+    monkeypatch.setattr(fo, "moe_finalize", lambda y, w, pos, shared: finalize_shared_ref(y, w, pos, shared))
+    monkeypatch.setattr(fo, "quantize_expert_weights", fake_quantize_expert_weights)
+
+
+CFG = ModelConfig(vocab=64, hidden=128, layers=1, heads=4, head_dim=32, rope_dim=16, q_lora=64, kv_lora=64,
+                  wo_groups=2, wo_rank=64, indexer_heads=64, indexer_dim=32, index_topk=16, experts=32,
+                  n_group=4, topk_group=2, top_k=4, expert_inter=64, shared_inter=64)
+
+
+def _models():
+    m = TargetModel(CFG, seed=2, dtype=torch.bfloat16)
+    m32 = TargetModel(CFG, seed=2, dtype=torch.float32)  # the same draws, unrounded
+    m32.embed, m32.lm_head = m.embed.float(), m.lm_head.float()
+    m32.layers = [{k: v.float() for k, v in L.items()} for L in m.layers]
+    return m, m32
+
+
+def test_each_fused_family_matches_its_baseline(fakes):
+    """Family by family on identical inputs: the glue passes the right tensors in the right
+    layout (a packing or argument-order slip shows up as an O(1) error)."""
+    m, m32 = _models()
+    fops, base = fo.FusedOps(m, max_tokens=12, max_len=64, _cpu_for_tests=True), Ops()
+    L, L32 = m.layers[0], m32.layers[0]
+    g = torch.Generator().manual_seed(1)
+    X = (torch.randn(2, 6, CFG.mhc_n, CFG.hidden, generator=g)).bfloat16()
+    H = fops.mhc_mappings(X, L, "attn", CFG)  # packed [T, 2n + n*n]
+    hp, hq, hr = base.mhc_mappings(X.float(), L32, "attn", CFG)
+    n = CFG.mhc_n
+    ref = torch.cat([hp, hq, hr.flatten(-2)], -1).reshape(12, -1)
+    assert (H - ref).abs().max() < 1e-3  # phi in bf16 planes vs fp32: same weights, FP32 math
+    u = fops.pre_mix(X, H)
+    assert (u.float() - base.pre_mix(X.float(), (hp, hq, hr))).abs().max() < 0.05 * X.float().abs().max()
+    f = torch.randn(2, 6, CFG.hidden, generator=g).bfloat16()
+    X2 = fops.post_mix(X, H, f)
+    X2_ref = base.post_mix(X.float(), (hp, hq, hr), f.float())
+    assert X2.shape == X.shape and (X2.float() - X2_ref).norm() / X2_ref.norm() < 0.01
+
+    kv = KVPool(CFG, 2, 64, torch.bfloat16, "cpu")
+    kv.k_idx.normal_(generator=g)
+    q_idx = torch.randn(2, 6, 64, 32, generator=g).bfloat16()
+    w_idx = torch.randn(2, 6, 64, generator=g).bfloat16()
+    slots, pos = torch.tensor([1, 0]), torch.arange(6)[None] + torch.tensor([[20], [3]])
+    i1, v1 = fops.indexer_topk(q_idx, w_idx, kv.k_idx[0], slots, pos, 16)
+    i2, v2 = base.indexer_topk(q_idx.float(), w_idx.float(), kv.k_idx[0].float(), slots, pos, 16)
+    for b in range(2):
+        for s_ in range(6):
+            assert set(i1[b, s_][v1[b, s_]].tolist()) == set(i2[b, s_][v2[b, s_]].tolist())
+
+    o = torch.randn(2, 6, CFG.heads, CFG.head_dim, generator=g).bfloat16()
+    y1, y2 = fops.wo_a(o, L["wo_a"]), base.wo_a(o.float(), L32["wo_a"])
+    assert (y1.float() - y2).norm() / y2.norm() < 0.01
+
+    h = torch.randn(12, CFG.hidden, generator=g).bfloat16()
+    z1, z2 = fops.moe(h, L, CFG), base.moe(h.float(), L32, CFG)
+    assert (z1.float() - z2).norm() / z2.norm() < 0.1  # MXFP8 activations and weights, twice
+
+
+def test_fused_step_model_runs_end_to_end(fakes):
+    m, _ = _models()
+    B, S, max_len = 2, 6, 64
+    fused = StepModel(m, fo.FusedOps(m, max_tokens=B * S, max_len=max_len, _cpu_for_tests=True))
+    kv = KVPool(CFG, B, max_len, torch.bfloat16, "cpu")
+    for step in range(2):
+        toks = torch.randint(0, CFG.vocab, (B, S))
+        pos = torch.arange(S)[None] + step * S + torch.tensor([0, 5])[:, None]
+        logits, hidden = fused.forward(toks, pos, torch.tensor([1, 0]), kv)
+        assert logits.shape == (B, S, CFG.vocab) and torch.isfinite(logits.float()).all()
