@@ -58,6 +58,8 @@ def main():
             t_ours = time_graph(lambda i: wo_a(o, ws[i], out=y), n, max(n, 8))
             t_ref = time_graph(lambda i: unfused(o, ws[i]), n, max(n, 8))
             t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
+            t_dec = (time_graph(lambda i: wo_a(o, ws[i], out=y, decode_kernel=True), n, max(n, 8))
+                     if T <= 64 else float("nan"))
             flops = 2 * T * G * R * Dg
             nbytes = wbytes + T * G * Dg * 2 + T * G * R * 2
             lim = (f"{100 * nbytes / t_ours / H200_COPY_BW:.0f}% of 4.3 TB/s" if T <= 64
@@ -65,12 +67,14 @@ def main():
             tile = WoASm90.tile_for(T, G, R)
             rows.append([f"T={T} G={G} R={R} Dg={Dg} tile {tile[0]}x{tile[1]}",
                          f"{t_ours * 1e6:.2f}", f"{t_ref * 1e6:.2f}", f"{t_bmm * 1e6:.2f}",
-                         f"{t_ref / t_ours:.2f}x", f"{t_bmm / t_ours:.2f}x", f"{nbytes / t_ours / 1e12:.2f}", f"{flops / t_ours / 1e12:.1f}", lim])
+                         f"{t_ref / t_ours:.2f}x", f"{t_bmm / t_ours:.2f}x", f"{nbytes / t_ours / 1e12:.2f}", f"{flops / t_ours / 1e12:.1f}", lim,
+                         "-" if T > 64 else f"{t_dec * 1e6:.2f} ({100 * nbytes / t_dec / H200_COPY_BW:.0f}%)"])
         del ws
     text = "\n".join([f"## WO-A token-major -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
                       "Command: `python bench/bench_wo_a.py`", "",
                       markdown_table(["shape", "ours us", "(a) bmm+transpose us", "(b) bmm alone us", "vs (a)",
-                                      "vs (b)", "TB/s", "TFLOP/s", "of limit"], rows)])
+                                      "vs (b)", "TB/s", "TFLOP/s", "of limit",
+                                      "decode kernel us (% of 4.3 TB/s)"], rows)])
     print(text)
     if args.out:
         open(args.out, "w").write(text + "\n")

@@ -86,8 +86,12 @@ def _torch_path(o, w, out):
 
 
 def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None = None, stream=None,
-         arch: str | None = None) -> torch.Tensor:
-    """``y [T, G*R]`` (bf16, token-major) from ``o [T, H, Dv]`` and ``wo_a_weight [G, R, (H/G)*Dv]``."""
+         arch: str | None = None, decode_kernel: bool = False) -> torch.Tensor:
+    """``y [T, G*R]`` (bf16, token-major) from ``o [T, H, Dv]`` and ``wo_a_weight [G, R, (H/G)*Dv]``.
+
+    ``decode_kernel=True`` routes T <= 64 to :mod:`cute_kernels.wo_a_decode` (the
+    weight-streaming decode kernel; opt-in until it has run on a GPU).
+    """
     op = "wo_a"
     check_tensor(op, "o", o, dtype=torch.bfloat16, ndim=3, contiguous=True)
     check_tensor(op, "wo_a_weight", wo_a_weight, dtype=torch.bfloat16, ndim=3, contiguous=True)
@@ -109,6 +113,14 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     path = dispatch(op, ("sm100", "sm90", "reference"), arch=a)
     if path == "reference":
         return _torch_path(o, wo_a_weight, out)
+    from .wo_a_decode import WoADecode
+
+    if decode_kernel and WoADecode.can_implement(T, G, R, Dg):
+        fn = jit.get_kernel("wo_a_decode", a, G=G, R=R, Dg=Dg)
+        P = jit.gmem_ptr
+        fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 4), jit.i32(T),
+           jit.cu_stream(stream))
+        return out
     tm, tn = _PATHS[path].tile_for(T, G, R)
     fn = jit.get_kernel(op, a, G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn)
     P = jit.gmem_ptr

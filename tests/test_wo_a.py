@@ -139,3 +139,23 @@ def test_tile_heuristics():
     assert WoASm90.tile_for(320, 8, 512) == (64, 256)  # measured 16.1 vs 23.7 us (128x256)
     assert WoASm90.tile_for(320, 8, 1024) == (128, 256)
     assert WoASm100.tile_for(4096, 16, 1024) == (256, 256)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G, HG, Dv, R", SHAPES)
+@pytest.mark.parametrize("T", [1, 5, 37, 64])
+def test_decode_kernel_matches_fp64(seed, G, HG, Dv, R, T):
+    """The weight-streaming decode kernel (opt-in until this passes on the H200)."""
+    o, w = make(T, G, HG, Dv, R, "cuda")
+    out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
+    wo_a(o, w, out=out, decode_kernel=True)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert rel_err(out, wo_a_ref(o, w)) < TOL
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_decode_kernel_machine_code(arch):
+    h = sass.sass_histogram("wo_a_decode", arch, G=16, R=1024, Dg=2048)
+    assert sass.count(h, "HMMA") >= 64 and sass.count(h, "LDSM") >= 1 and sass.count(h, "LDGSTS") >= 1
+    assert sass.local_memory_ops(h) == 0
