@@ -213,8 +213,12 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
     until its epilogue is fused, CPU): expert GEMM -> bf16, SiLU * up, then the quantiser.
     """
     op = "moe_expert_gate_up"
+    check_tensor(op, "a_q", a_q, dtype=(F8, torch.uint8), ndim=2, contiguous=True, align_bytes=16)
+    check_tensor(op, "w_q", w_q, dtype=(F8, torch.uint8), ndim=3, contiguous=True, align_bytes=16)
     rows, K = a_q.shape
-    E, N, _ = w_q.shape
+    E, N, Kw = w_q.shape
+    if Kw != K:
+        raise ValueError(f"{op}: w_q.shape[2] = {Kw} must equal a_q.shape[1] = {K}")
     if N % 64:
         raise ValueError(f"{op}: w_q.shape[1] = 2I = {N} must be a multiple of 64")
     I = N // 2

@@ -282,3 +282,17 @@ def test_sm90_fused_scale_store_addressing_transcribed():
         for fb in range(I // 32):
             off = ((r // 128) * ncb_i + fb // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + fb % 4
             assert flat[off] == raw[r, fb]
+
+
+def test_gate_up_validation():
+    aq = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
+    wq = torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn)
+    z = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(TypeError, match="a_q must be a torch.Tensor"):
+        moe_expert_gate_up([1], None, wq, None, z, z, z)
+    with pytest.raises(TypeError, match="w_q must have dtype"):
+        moe_expert_gate_up(aq, None, wq.float(), None, z, z, z)
+    with pytest.raises(ValueError, match="must equal a_q.shape"):
+        moe_expert_gate_up(aq, None, wq[:, :, :128].contiguous(), None, z, z, z)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        moe_expert_gate_up(aq, None, wq[:, :96].contiguous(), None, z, z, z)
