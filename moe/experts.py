@@ -221,6 +221,14 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
         raise ValueError(f"{op}: w_q.shape[2] = {Kw} must equal a_q.shape[1] = {K}")
     if N % 64:
         raise ValueError(f"{op}: w_q.shape[1] = 2I = {N} must be a multiple of 64")
+    if K % 128:
+        raise ValueError(f"{op}: K = {K} must be a multiple of 128")
+    check_tensor(op, "a_scales", a_scales, dtype=torch.uint8, shape=(scale_buffer_size(rows, K, "swizzled"),),
+                 contiguous=True, align_bytes=16)
+    check_tensor(op, "w_scales", w_scales, dtype=torch.uint8, shape=(E, expert_scale_bytes(N, K)), contiguous=True,
+                 align_bytes=16)
+    check_tensor(op, "expert_offsets", expert_offsets, dtype=torch.int32, shape=(E + 1,), contiguous=True,
+                 align_bytes=4)
     I = N // 2
     if q_out is None:
         q_out = torch.empty(rows, I, dtype=F8, device=a_q.device)

@@ -296,3 +296,8 @@ def test_gate_up_validation():
         moe_expert_gate_up(aq, None, wq[:, :, :128].contiguous(), None, z, z, z)
     with pytest.raises(ValueError, match="multiple of 64"):
         moe_expert_gate_up(aq, None, wq[:, :96].contiguous(), None, z, z, z)
+    with pytest.raises(TypeError, match="a_scales must be a torch.Tensor"):
+        moe_expert_gate_up(aq, None, wq, None, z, z, z)
+    asc = torch.zeros(128 * 8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="w_scales must have shape"):
+        moe_expert_gate_up(aq, asc, wq, torch.zeros(2, 7, dtype=torch.uint8), z, z, z)
