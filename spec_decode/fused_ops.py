@@ -30,6 +30,7 @@ from moe.finalize import moe_finalize
 from moe.quant import mxfp8_quantize_routed
 from moe.router import MoeRouter, RouterConfig
 
+from .model import shared_expert
 from .step_model import Ops
 
 
@@ -112,5 +113,4 @@ class FusedOps(Ops):
         aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, cfg.top_k)
         hq, hs = moe_expert_gate_up(aq, asc, P["gu_q"], P["gu_s"], r.expert_offsets, r.expert_counts, r.tile_expert)
         y = moe_expert_gemm(hq, hs, P["d_q"], P["d_s"], r.expert_offsets, r.expert_counts, r.tile_expert)
-        shared = ((torch.nn.functional.silu(x @ L["sh_gate"].T) * (x @ L["sh_up"].T)) @ L["sh_down"].T)
-        return moe_finalize(y, r.topk_weights, r.routed_row_pos, shared.contiguous())
+        return moe_finalize(y, r.topk_weights, r.routed_row_pos, shared_expert(x, L).contiguous())

@@ -64,6 +64,46 @@ def grouped_topk(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig):
     return ids, w
 
 
+def mhc_mappings(X: torch.Tensor, L: dict, sub: str, cfg: ModelConfig):
+    """(H_pre, H_post, H_res) of sublayer ``sub`` from the streams X [B, S, n, C]."""
+    n = cfg.mhc_n
+    Xf = X.flatten(-2)  # [B, S, n*C]
+    r = torch.rsqrt(Xf.square().mean(-1, keepdim=True) + cfg.eps)
+    P = (Xf * r) @ L[f"{sub}_phi"].T
+    a_pre, a_post, a_res = L[f"{sub}_a"]
+    h_pre = torch.sigmoid(a_pre * P[..., :n] + L[f"{sub}_b_pre"])
+    h_post = 2 * torch.sigmoid(a_post * P[..., n:2 * n] + L[f"{sub}_b_post"])
+    h_res = sinkhorn(torch.exp(a_res * P[..., 2 * n:].unflatten(-1, (n, n)) + L[f"{sub}_b_res"]),
+                     cfg.mhc_sinkhorn_iters)
+    return h_pre, h_post, h_res
+
+
+def pre_mix(X, h_pre):
+    return torch.einsum("bsi,bsic->bsc", h_pre, X)
+
+
+def post_mix(X, h_post, h_res, f):
+    return torch.einsum("bsij,bsjc->bsic", h_res, X) + h_post[..., None] * f[..., None, :]
+
+
+def shared_expert(h: torch.Tensor, L: dict) -> torch.Tensor:
+    return (torch.nn.functional.silu(h @ L["sh_gate"].T) * (h @ L["sh_up"].T)) @ L["sh_down"].T
+
+
+def moe_gathered(h: torch.Tensor, L: dict, cfg: ModelConfig) -> torch.Tensor:
+    """Routed + shared experts for normed h [N, C], gathering each choice's expert weights
+    (the spec; far too big for real sizes on a GPU)."""
+    ids, w = grouped_topk(h @ L["router"].T, L["router_bias"], cfg)
+    out = torch.zeros_like(h)
+    for i in range(cfg.top_k):  # finalize: weighted sum over the k choices, in order
+        e = ids[:, i]
+        g = torch.einsum("nc,nic->ni", h, L["gate"][e])
+        up = torch.einsum("nc,nic->ni", h, L["up"][e])
+        y = torch.einsum("ni,nci->nc", torch.nn.functional.silu(g) * up, L["down"][e])
+        out = out + w[:, i:i + 1] * y
+    return out + shared_expert(h, L)
+
+
 class KVPool:
     """Preallocated per-request KV slots: ``[layers, slots, max_len, ...]``."""
 
@@ -117,24 +157,10 @@ class TargetModel:
 
     # ---------------------------------------------------------------- mHC ---------------
     def mhc_mappings(self, X: torch.Tensor, L: dict, sub: str):
-        cfg, n = self.cfg, self.cfg.mhc_n
-        Xf = X.flatten(-2)  # [B, S, n*C]
-        r = torch.rsqrt(Xf.square().mean(-1, keepdim=True) + cfg.eps)
-        P = (Xf * r) @ L[f"{sub}_phi"].T
-        a_pre, a_post, a_res = L[f"{sub}_a"]
-        h_pre = torch.sigmoid(a_pre * P[..., :n] + L[f"{sub}_b_pre"])
-        h_post = 2 * torch.sigmoid(a_post * P[..., n:2 * n] + L[f"{sub}_b_post"])
-        h_res = sinkhorn(torch.exp(a_res * P[..., 2 * n:].unflatten(-1, (n, n)) + L[f"{sub}_b_res"]),
-                         cfg.mhc_sinkhorn_iters)
-        return h_pre, h_post, h_res
+        return mhc_mappings(X, L, sub, self.cfg)
 
-    @staticmethod
-    def pre_mix(X, h_pre):
-        return torch.einsum("bsi,bsic->bsc", h_pre, X)
-
-    @staticmethod
-    def post_mix(X, h_post, h_res, f):
-        return torch.einsum("bsij,bsjc->bsic", h_res, X) + h_post[..., None] * f[..., None, :]
+    pre_mix = staticmethod(pre_mix)
+    post_mix = staticmethod(post_mix)
 
     # ------------------------------------------------------------ attention -------------
     def attention(self, u, L, li, pos, slots, kv: KVPool):
@@ -174,19 +200,8 @@ class TargetModel:
 
     # ------------------------------------------------------------------ MoE -------------
     def moe(self, u, L):
-        cfg = self.cfg
         B, S, C = u.shape
-        h = rmsnorm(u, cfg.eps).reshape(-1, C)
-        ids, w = grouped_topk(h @ L["router"].T, L["router_bias"], cfg)
-        out = torch.zeros_like(h)
-        for i in range(cfg.top_k):  # finalize: weighted sum over the k choices, in order
-            e = ids[:, i]
-            g = torch.einsum("nc,nic->ni", h, L["gate"][e])
-            up = torch.einsum("nc,nic->ni", h, L["up"][e])
-            y = torch.einsum("ni,nci->nc", torch.nn.functional.silu(g) * up, L["down"][e])
-            out = out + w[:, i:i + 1] * y
-        shared = (torch.nn.functional.silu(h @ L["sh_gate"].T) * (h @ L["sh_up"].T)) @ L["sh_down"].T
-        return (out + shared).view(B, S, C)
+        return moe_gathered(rmsnorm(u, self.cfg.eps).reshape(-1, C), L, self.cfg).view(B, S, C)
 
     # -------------------------------------------------------------- forward -------------
     @torch.no_grad()

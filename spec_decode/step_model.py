@@ -19,7 +19,8 @@ import math
 
 import torch
 
-from .model import KVPool, TargetModel, grouped_topk, rmsnorm, rope, sinkhorn
+from .model import (KVPool, TargetModel, grouped_topk, mhc_mappings, moe_gathered, post_mix, pre_mix, rmsnorm,
+                    rope, shared_expert)
 
 
 class Ops:
@@ -27,23 +28,13 @@ class Ops:
 
     def mhc_mappings(self, X, L, sub, cfg):
         """-> the mappings object pre_mix / post_mix take (here the tuple (H_pre, H_post, H_res))."""
-        n = cfg.mhc_n
-        Xf = X.flatten(-2)
-        r = torch.rsqrt(Xf.square().mean(-1, keepdim=True) + cfg.eps)
-        P = (Xf * r) @ L[f"{sub}_phi"].T
-        a_pre, a_post, a_res = L[f"{sub}_a"]
-        h_pre = torch.sigmoid(a_pre * P[..., :n] + L[f"{sub}_b_pre"])
-        h_post = 2 * torch.sigmoid(a_post * P[..., n:2 * n] + L[f"{sub}_b_post"])
-        h_res = sinkhorn(torch.exp(a_res * P[..., 2 * n:].unflatten(-1, (n, n)) + L[f"{sub}_b_res"]),
-                         cfg.mhc_sinkhorn_iters)
-        return h_pre, h_post, h_res
+        return mhc_mappings(X, L, sub, cfg)
 
     def pre_mix(self, X, maps):
-        return torch.einsum("bsi,bsic->bsc", maps[0], X)
+        return pre_mix(X, maps[0])
 
     def post_mix(self, X, maps, f):
-        _, h_post, h_res = maps
-        return torch.einsum("bsij,bsjc->bsic", h_res, X) + h_post[..., None] * f[..., None, :]
+        return post_mix(X, maps[1], maps[2], f)
 
     def indexer_topk(self, q_idx, w_idx, k_idx_layer, slots, pos, topk):
         """q_idx [B,S,H,D], w_idx [B,S,H], k_idx_layer [pool slots, L, D] (one layer of the KV
@@ -66,20 +57,10 @@ class Ops:
 
     def moe(self, h, L, cfg):
         """h [N, C] (normed) -> routed + shared [N, C]."""
-        ids, w = grouped_topk(h @ L["router"].T, L["router_bias"], cfg)
         if h.is_cuda and h.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+            ids, w = grouped_topk(h @ L["router"].T, L["router_bias"], cfg)
             return self._moe_grouped(h, L, cfg, ids, w)
-        # per-choice weight gathers: fine for the CPU's small configs, far too big on real ones
-        out = torch.zeros_like(h)
-        for i in range(cfg.top_k):  # static loop over the k choices, fixed order (as the reference)
-            e = ids[:, i]
-            g = torch.einsum("nc,nic->ni", h, L["gate"][e])
-            up = torch.einsum("nc,nic->ni", h, L["up"][e])
-            y = torch.einsum("ni,nci->nc", torch.nn.functional.silu(g) * up, L["down"][e])
-            out = out + w[:, i:i + 1] * y
-        shared = (torch.nn.functional.silu(h @ L["sh_gate"].T) * (h @ L["sh_up"].T)) @ L["sh_down"].T
-        return out + shared
-
+        return moe_gathered(h, L, cfg)  # the spec's per-choice gathers: fine for the CPU's small configs
 
     def _moe_grouped(self, h, L, cfg, ids, w):
         """The unfused GPU composite: sort the routed rows by expert, bf16 grouped GEMMs,
@@ -96,8 +77,7 @@ class Ops:
         y = torch._grouped_mm(torch.nn.functional.silu(g) * up, L["down"].transpose(1, 2), offs=offs)
         routed = torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1)
         out = (routed.float() * w[..., None].float()).sum(1).to(h.dtype)
-        shared = (torch.nn.functional.silu(h @ L["sh_gate"].T) * (h @ L["sh_up"].T)) @ L["sh_down"].T
-        return out + shared
+        return out + shared_expert(h, L)
 
 
 class StepModel:
