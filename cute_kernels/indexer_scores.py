@@ -45,6 +45,34 @@ VEC = 8
 KEY_TILE = 128
 
 
+@cute.jit
+def candidate_limit(mOff: cute.Tensor, mLen: cute.Tensor, mPos: cute.Tensor, t: Int32, num_rows: Int32) -> Int32:
+    """Token t's candidates are keys [0, limit): causal (<= pos), cached (< kv_len), and rows
+    inside the cache -- a bad offset masks keys, it never reads out of bounds."""
+    off = mOff[t]
+    limit = cutlass.min(cutlass.min(mPos[t] + 1, mLen[t]), num_rows - off)
+    return cutlass.select_(off < 0, Int32(0), limit)
+
+
+@cute.jit
+def store_masked_score(mScore: cute.Tensor, mValid: cute.Tensor, t: Int32, s: Int32, row: Int32, limit: Int32,
+                       score: Float32, has_slot_mask: cutlass.Constexpr[bool]):
+    """score[t, s], or -inf when key s (cache row ``row``) is not a candidate or the score is NaN."""
+    ok = s < limit
+    if cutlass.const_expr(has_slot_mask):
+        if ok:
+            ok = mValid[row] != 0
+    # score != score is NaN: ranked as masked
+    mScore[t, s] = cutlass.select_(ok and score == score, score, Float32(float("-inf")))
+
+
+def fake_args():
+    """Compile-time stand-ins for the score kernels' common launch signature."""
+    P = jit.fake_gmem_ptr
+    return (P(cutlass.BFloat16, 16), P(Float32, 16), P(cutlass.BFloat16, 16), P(Int32, 4), P(Int32, 4),
+            P(Int32, 4), P(cutlass.Uint8, 1), P(Float32, 16), Int32(1), Int32(1), Int32(4), jit.fake_stream())
+
+
 class IndexerScores:
     """Compile-time configuration: heads ``H``, head dim ``D``, whether a slot mask exists."""
 
@@ -81,9 +109,7 @@ class IndexerScores:
         s0 = kt * KEY_TILE
         # Candidates of token t: keys [0, limit) (causal and within the cached length).
         off = mOff[t]
-        # ... and rows inside the cache: a bad offset masks keys, never reads out of bounds.
-        limit = cutlass.min(cutlass.min(mPos[t] + 1, mLen[t]), num_rows - off)
-        limit = cutlass.select_(off < 0, Int32(0), limit)
+        limit = candidate_limit(mOff, mLen, mPos, t, num_rows)
         neg_inf = Float32(float("-inf"))
         if s0 >= limit:
             for s in cutlass.range(tidx, cutlass.min(KEY_TILE, s_max - s0), self.threads):
@@ -144,12 +170,7 @@ class IndexerScores:
                 acc_s = Float32(0.0)
                 for h in cutlass.range(H, unroll_full=True):
                     acc_s = acc_s + sW[h] * cutlass.max(sC[h, s], Float32(0.0))
-                ok = s0 + s < limit
-                if cutlass.const_expr(self.has_slot_mask):
-                    if ok:
-                        ok = mValid[off + s0 + s] != 0
-                # acc_s != acc_s is NaN: ranked as masked
-                mScore[t, s0 + s] = cutlass.select_(ok and acc_s == acc_s, acc_s, neg_inf)
+                store_masked_score(mScore, mValid, t, s0 + s, off + s0 + s, limit, acc_s, self.has_slot_mask)
 
     @staticmethod
     def can_implement(heads: int, dim: int) -> bool:
@@ -159,10 +180,7 @@ class IndexerScores:
 def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool):
     if not IndexerScores.can_implement(heads, dim):
         raise ValueError(f"indexer_scores: unsupported heads={heads}, dim={dim}")
-    P = jit.fake_gmem_ptr
-    args = (P(cutlass.BFloat16, 16), P(Float32, 16), P(cutlass.BFloat16, 16), P(Int32, 4), P(Int32, 4),
-            P(Int32, 4), P(cutlass.Uint8, 1), P(Float32, 16), Int32(1), Int32(1), Int32(4), jit.fake_stream())
-    return IndexerScores(heads, dim, has_slot_mask), args
+    return IndexerScores(heads, dim, has_slot_mask), fake_args()
 
 
 KERNEL = jit.register(jit.KernelDef(

@@ -32,6 +32,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from . import jit
+from .indexer_scores import candidate_limit, fake_args, store_masked_score
 
 KEY_TILE = 128
 THREADS = 128
@@ -91,9 +92,7 @@ class IndexerScoresSm100:
         kt, t, _ = cute.arch.block_idx()
         s0 = kt * KEY_TILE
         off = mOff[t]
-        # candidates: keys [0, limit) -- causal, cached, and inside the cache
-        limit = cutlass.min(cutlass.min(mPos[t] + 1, mLen[t]), num_rows - off)
-        limit = cutlass.select_(off < 0, Int32(0), limit)
+        limit = candidate_limit(mOff, mLen, mPos, t, num_rows)
         neg_inf = Float32(float("-inf"))
         s = s0 + tidx
         if s0 >= limit:
@@ -173,11 +172,7 @@ class IndexerScoresSm100:
                 acc_s = acc_s + mW[t, h] * cutlass.max(rAcc[i], Float32(0.0))
             s = s0 + key
             if s < s_max:
-                ok = s < limit
-                if cutlass.const_expr(self.has_slot_mask):
-                    if ok:
-                        ok = mValid[off + s] != 0
-                mScore[t, s] = cutlass.select_(ok and acc_s == acc_s, acc_s, neg_inf)
+                store_masked_score(mScore, mValid, t, s, off + s, limit, acc_s, self.has_slot_mask)
             pipeline.sync(barrier_id=1)
             tmem.free(tCtAcc.iterator)
 
@@ -189,16 +184,13 @@ class IndexerScoresSm100:
 def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool):
     if not IndexerScoresSm100.can_implement(heads, dim):
         raise ValueError(f"indexer_scores_sm100: unsupported heads={heads}, dim={dim} (heads must be 64)")
-    P = jit.fake_gmem_ptr
-    args = (P(cutlass.BFloat16, 16), P(Float32, 16), P(cutlass.BFloat16, 16), P(Int32, 4), P(Int32, 4),
-            P(Int32, 4), P(cutlass.Uint8, 1), P(Float32, 16), Int32(1), Int32(1), Int32(4), jit.fake_stream())
-    return IndexerScoresSm100(heads, dim, has_slot_mask), args
+    return IndexerScoresSm100(heads, dim, has_slot_mask), fake_args()
 
 
 KERNEL = jit.register(jit.KernelDef(
     name="indexer_scores_sm100",
     build=_build,
-    sources=(os.path.abspath(__file__),),
+    sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "indexer_scores.py")),
     archs=("sm_100a",),
     aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False}, {"heads": 64, "dim": 128, "has_slot_mask": True}),
     description="lightning-indexer scores, tcgen05 (keys x heads in TMEM) + fused candidate mask",

@@ -28,6 +28,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 
 from . import jit
+from .indexer_scores import candidate_limit, fake_args, store_masked_score
 
 KEY_TILE = 64
 THREADS = 128
@@ -77,8 +78,7 @@ class IndexerScoresSm90:
         kt, t, _ = cute.arch.block_idx()
         s0 = kt * KEY_TILE
         off = mOff[t]
-        limit = cutlass.min(cutlass.min(mPos[t] + 1, mLen[t]), num_rows - off)
-        limit = cutlass.select_(off < 0, Int32(0), limit)
+        limit = candidate_limit(mOff, mLen, mPos, t, num_rows)
         neg_inf = Float32(float("-inf"))
         if s0 >= limit:
             for s in cutlass.range(tidx, cutlass.min(KEY_TILE, s_max - s0), THREADS):
@@ -143,11 +143,7 @@ class IndexerScoresSm90:
                 v = v + cute.arch.shuffle_sync_bfly(v, offset=2)
                 s = s0 + rows[r8]
                 if cute.arch.lane_idx() % 4 == 0 and s < s_max:
-                    ok = s < limit
-                    if cutlass.const_expr(self.has_slot_mask):
-                        if ok:
-                            ok = mValid[off + s] != 0
-                    mScore[t, s] = cutlass.select_(ok and v == v, v, neg_inf)
+                    store_masked_score(mScore, mValid, t, s, off + s, limit, v, self.has_slot_mask)
 
     @staticmethod
     def can_implement(heads: int, dim: int) -> bool:
@@ -157,16 +153,13 @@ class IndexerScoresSm90:
 def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool):
     if not IndexerScoresSm90.can_implement(heads, dim):
         raise ValueError(f"indexer_scores_sm90: unsupported heads={heads}, dim={dim} (heads must be 64)")
-    P = jit.fake_gmem_ptr
-    args = (P(cutlass.BFloat16, 16), P(Float32, 16), P(cutlass.BFloat16, 16), P(Int32, 4), P(Int32, 4),
-            P(Int32, 4), P(cutlass.Uint8, 1), P(Float32, 16), Int32(1), Int32(1), Int32(4), jit.fake_stream())
-    return IndexerScoresSm90(heads, dim, has_slot_mask), args
+    return IndexerScoresSm90(heads, dim, has_slot_mask), fake_args()
 
 
 KERNEL = jit.register(jit.KernelDef(
     name="indexer_scores_sm90",
     build=_build,
-    sources=(os.path.abspath(__file__),),
+    sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "indexer_scores.py")),
     archs=("sm_90a",),
     aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False},),
     description="lightning-indexer scores, wgmma (keys x heads) + fused candidate mask (not yet run)",
