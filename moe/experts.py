@@ -20,6 +20,8 @@ down projection.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from cute_kernels import jit
@@ -66,14 +68,19 @@ def quantize_expert_weights(w: torch.Tensor, *, stream=None) -> tuple[torch.Tens
     return w_q, w_s
 
 
+@functools.lru_cache(maxsize=None)
+def _workspace_bytes(E: int) -> int:
+    from .experts_sm100 import MoeExpertGemmSm100  # builds the engine's host-side object once per E
+
+    return MoeExpertGemmSm100(E, 128, 128).workspace_bytes
+
+
 class MoeExpertWorkspace:
     """Per-expert TMA descriptors written on the device by the Blackwell kernel."""
 
     def __init__(self, E: int, device="cuda"):
-        from .experts_sm100 import MoeExpertGemmSm100
-
         self.E = E
-        self.buffer = torch.zeros(MoeExpertGemmSm100(E, 128, 128).workspace_bytes, dtype=torch.uint8, device=device)
+        self.buffer = torch.zeros(_workspace_bytes(E), dtype=torch.uint8, device=device)
 
 
 def _reference(a_q, a_scales, w_q, w_scales, expert_offsets, out):
@@ -95,6 +102,27 @@ def _reference(a_q, a_scales, w_q, w_scales, expert_offsets, out):
             out[lo:hi] = (a[lo:hi] @ w[e].T).to(out.dtype)
     return out
 
+
+
+def _check_operand_shapes(op, a_q, w_q):
+    """e4m3 ``a_q [rows, K]`` and ``w_q [E, N, K]`` -> (rows, K, E, N)."""
+    check_tensor(op, "a_q", a_q, dtype=(F8, torch.uint8), ndim=2, contiguous=True, align_bytes=16)
+    check_tensor(op, "w_q", w_q, dtype=(F8, torch.uint8), ndim=3, contiguous=True, align_bytes=16)
+    rows, K = a_q.shape
+    E, N, Kw = w_q.shape
+    if Kw != K:
+        raise ValueError(f"{op}: w_q.shape[2] = {Kw} must equal a_q.shape[1] = {K}")
+    return rows, K, E, N
+
+
+def _check_scales(op, a_scales, w_scales, expert_offsets, rows, K, E, N):
+    """Swizzled block scales of both operands and the router's [E + 1] padded offsets."""
+    check_tensor(op, "a_scales", a_scales, dtype=torch.uint8, shape=(scale_buffer_size(rows, K, "swizzled"),),
+                 contiguous=True, align_bytes=16)
+    check_tensor(op, "w_scales", w_scales, dtype=torch.uint8, shape=(E, expert_scale_bytes(N, K)), contiguous=True,
+                 align_bytes=16)
+    check_tensor(op, "expert_offsets", expert_offsets, dtype=torch.int32, shape=(E + 1,), contiguous=True,
+                 align_bytes=4)
 
 
 def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out, fused,
@@ -135,22 +163,10 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     kernel the offsets. Padding rows of ``out`` are unspecified.
     """
     op = "moe_expert_gemm"
-    for name, t in (("a_q", a_q), ("w_q", w_q)):
-        check_tensor(op, name, t, dtype=(F8, torch.uint8), contiguous=True, align_bytes=16)
-    if a_q.dim() != 2 or w_q.dim() != 3:
-        raise ValueError(f"{op}: a_q must be [rows, K] and w_q [E, N, K], got {list(a_q.shape)}, {list(w_q.shape)}")
-    rows, K = a_q.shape
-    E, N, Kw = w_q.shape
-    if Kw != K:
-        raise ValueError(f"{op}: w_q.shape[2] = {Kw} must equal a_q.shape[1] = {K}")
+    rows, K, E, N = _check_operand_shapes(op, a_q, w_q)
     if K % 128 or N % 16:
         raise ValueError(f"{op}: need K % 128 == 0 and N % 16 == 0, got K={K}, N={N}")
-    check_tensor(op, "a_scales", a_scales, dtype=torch.uint8, shape=(scale_buffer_size(rows, K, "swizzled"),),
-                 contiguous=True, align_bytes=16)
-    check_tensor(op, "w_scales", w_scales, dtype=torch.uint8, shape=(E, expert_scale_bytes(N, K)), contiguous=True,
-                 align_bytes=16)
-    check_tensor(op, "expert_offsets", expert_offsets, dtype=torch.int32, shape=(E + 1,), contiguous=True,
-                 align_bytes=4)
+    _check_scales(op, a_scales, w_scales, expert_offsets, rows, K, E, N)
     if out is None:
         out = torch.empty(rows, N, dtype=torch.bfloat16, device=a_q.device)
     check_tensor(op, "out", out, dtype=torch.bfloat16, shape=(rows, N), contiguous=True, align_bytes=16)
@@ -213,22 +229,12 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
     until its epilogue is fused, CPU): expert GEMM -> bf16, SiLU * up, then the quantiser.
     """
     op = "moe_expert_gate_up"
-    check_tensor(op, "a_q", a_q, dtype=(F8, torch.uint8), ndim=2, contiguous=True, align_bytes=16)
-    check_tensor(op, "w_q", w_q, dtype=(F8, torch.uint8), ndim=3, contiguous=True, align_bytes=16)
-    rows, K = a_q.shape
-    E, N, Kw = w_q.shape
-    if Kw != K:
-        raise ValueError(f"{op}: w_q.shape[2] = {Kw} must equal a_q.shape[1] = {K}")
+    rows, K, E, N = _check_operand_shapes(op, a_q, w_q)
     if N % 64:
         raise ValueError(f"{op}: w_q.shape[1] = 2I = {N} must be a multiple of 64")
     if K % 128:
         raise ValueError(f"{op}: K = {K} must be a multiple of 128")
-    check_tensor(op, "a_scales", a_scales, dtype=torch.uint8, shape=(scale_buffer_size(rows, K, "swizzled"),),
-                 contiguous=True, align_bytes=16)
-    check_tensor(op, "w_scales", w_scales, dtype=torch.uint8, shape=(E, expert_scale_bytes(N, K)), contiguous=True,
-                 align_bytes=16)
-    check_tensor(op, "expert_offsets", expert_offsets, dtype=torch.int32, shape=(E + 1,), contiguous=True,
-                 align_bytes=4)
+    _check_scales(op, a_scales, w_scales, expert_offsets, rows, K, E, N)
     I = N // 2
     if q_out is None:
         q_out = torch.empty(rows, I, dtype=F8, device=a_q.device)
