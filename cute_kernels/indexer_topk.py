@@ -40,7 +40,9 @@ from cutlass import Float32, Int32, Uint32
 
 from . import jit
 from .arch import current_arch, dispatch
-from .indexer_scores import KEY_TILE, IndexerScores
+from .indexer_scores import IndexerScores
+from .indexer_scores_sm90 import IndexerScoresSm90
+from .indexer_scores_sm100 import IndexerScoresSm100
 from .validate import check_cuda, check_tensor
 
 NEG_INF_KEY = 0x007FFFFF  # order-preserving key of -inf
@@ -318,9 +320,6 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
     P, cs = jit.gmem_ptr, jit.cu_stream(stream)
     has_mask = slot_valid is not None
     # Blackwell: tcgen05 with keys as the MMA's M (needs H = 64); elsewhere the warp-MMA kernel.
-    from .indexer_scores_sm90 import IndexerScoresSm90
-    from .indexer_scores_sm100 import IndexerScoresSm100
-
     path = dispatch(op, ("sm100", "sm90", "portable"), arch=a)
     if path == "sm100" and IndexerScoresSm100.can_implement(H, D):
         scores_fn = jit.get_kernel("indexer_scores_sm100", a, heads=H, dim=D, has_slot_mask=has_mask)

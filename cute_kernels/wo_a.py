@@ -37,6 +37,7 @@ from .arch import current_arch, dispatch
 from .validate import check_cuda, check_tensor
 from .wo_a_sm90 import WoASm90
 from .wo_a_sm100 import WoASm100
+from .wo_a_decode import WoADecode
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _PATHS = {"sm90": WoASm90, "sm100": WoASm100}
@@ -113,8 +114,6 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     path = dispatch(op, ("sm100", "sm90", "reference"), arch=a)
     if path == "reference":
         return _torch_path(o, wo_a_weight, out)
-    from .wo_a_decode import WoADecode
-
     if decode_kernel and WoADecode.can_implement(T, G, R, Dg):
         fn = jit.get_kernel("wo_a_decode", a, G=G, R=R, Dg=Dg)
         P = jit.gmem_ptr

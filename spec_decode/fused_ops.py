@@ -51,7 +51,7 @@ class FusedOps(Ops):
                                              topk_group=cfg.topk_group, top_k=cfg.top_k,
                                              routed_scaling_factor=cfg.routed_scaling_factor), max_tokens=max_tokens,
                                 device=dev)
-        self.prep = []
+        self._layer = {}  # id(layer dict) -> its prepared kernel weights
         for L in target.layers:
             P = {}
             for sub in ("attn", "moe"):
@@ -61,9 +61,6 @@ class FusedOps(Ops):
                                               L[f"{sub}_b_res"].flatten()]).float().contiguous()
             P["gu_q"], P["gu_s"] = quantize_expert_weights(interleave_gate_up(L["gate"], L["up"]).contiguous())
             P["d_q"], P["d_s"] = quantize_expert_weights(L["down"].contiguous())
-            self.prep.append(P)
-        self._layer = {}  # id(L) -> prepared weights
-        for L, P in zip(target.layers, self.prep):
             self._layer[id(L)] = P
 
     # ------------------------------------------------------------------ mHC --------------
