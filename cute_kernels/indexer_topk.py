@@ -53,13 +53,21 @@ BINS = 2048
 @cute.jit
 def order_key(bits: Uint32) -> Uint32:
     """Float bits -> uint32 whose unsigned order is the float order (NaN excluded upstream)."""
-    return cutlass.select_((bits >> 31) == Uint32(1), ~bits, bits | Uint32(0x80000000))
+    # select_ returns a signless value: re-type it, or `>>` and `>` on keys would be signed
+    # (positive scores' keys have the top bit set; the H200 run lost them in the digit passes).
+    # -0.0 ranks as +0.0 (they compare equal; ties then go to the lower index).
+    b = Uint32(cutlass.select_(bits == Uint32(0x80000000), Uint32(0), bits))
+    return Uint32(cutlass.select_((b >> 31) == Uint32(1), ~b, b | Uint32(0x80000000)))
 
 
 class IndexerTopk:
-    def __init__(self, topk: int, threads: int = 512):
+    def __init__(self, topk: int, threads: int = 512, debug: bool = False):
         self.k, self.threads = topk, threads
         self.warps = threads // 32
+        # debug: each output row has 16 extra words after the k indices holding the select's
+        # state (pass digits, remaining counts, candidates, final run counts) -- for probes.
+        self.debug = debug
+        self.row_words = topk + (16 if debug else 0)
 
     @cute.jit
     def __call__(self, score_ptr: cute.Pointer, len_ptr: cute.Pointer, pos_ptr: cute.Pointer, idx_ptr: cute.Pointer,
@@ -68,7 +76,7 @@ class IndexerTopk:
         mScore = cute.make_tensor(score_ptr, cute.make_layout((num_tokens, pitch), stride=(pitch, 1)))
         mLen = cute.make_tensor(len_ptr, cute.make_layout((num_tokens,)))
         mPos = cute.make_tensor(pos_ptr, cute.make_layout((num_tokens,)))
-        mIdx = cute.make_tensor(idx_ptr, cute.make_layout((num_tokens, self.k), stride=(self.k, 1)))
+        mIdx = cute.make_tensor(idx_ptr, cute.make_layout((num_tokens, self.row_words), stride=(self.row_words, 1)))
         self.kernel(mScore, mLen, mPos, mIdx, s_max).launch(grid=[num_tokens, 1, 1], block=[self.threads, 1, 1],
                                                             stream=stream)
 
@@ -91,6 +99,7 @@ class IndexerTopk:
         if warp == 0:
             self.find_digit(sHist, sState, Int32(self.k), 11, True)
         cute.arch.barrier()
+        self.debug_state(mIdx, t, sState, 0, 3)
         thr = Uint32(NEG_INF_KEY)  # K*: the k-th largest key (or -inf's when all are taken)
         take_eq = Int32(0)
         if sState[2] > self.k:
@@ -99,14 +108,24 @@ class IndexerTopk:
             if warp == 0:
                 self.find_digit(sHist, sState, sState[1], 11, False)
             cute.arch.barrier()
+            self.debug_state(mIdx, t, sState, 3, 2)
             d1 = (d0 << 11) | Uint32(sState[0])
             self.histogram(row, limit, sHist, d1, 0, 0x3FF, 10)
             if warp == 0:
                 self.find_digit(sHist, sState, sState[1], 10, False)
             cute.arch.barrier()
+            self.debug_state(mIdx, t, sState, 5, 2)
             thr = (d1 << 10) | Uint32(sState[0])
             take_eq = sState[1]
         self.compact(row, limit, thr, take_eq, sWarp, mIdx, t)
+
+    @cute.jit
+    def debug_state(self, mIdx: cute.Tensor, t: Int32, sState: cute.Tensor, at: int, n: int):
+        if cutlass.const_expr(self.debug):
+            tidx, _, _ = cute.arch.thread_idx()
+            if tidx == 0:
+                for i in cutlass.range_constexpr(n):
+                    mIdx[t, self.k + at + i] = sState[i]
 
     @cute.jit
     def histogram(self, row: cute.Tensor, limit: Int32, sHist: cute.Tensor, prefix: Uint32, shift: int, dmask: int,
@@ -222,6 +241,11 @@ class IndexerTopk:
             gt_run = gt_run + (total & 0xFFFF)
             eq_run = eq_run + (total >> 16)
         n_sel = gt_run + cutlass.min(eq_run, take_eq)
+        if cutlass.const_expr(self.debug):
+            if tidx == 0:
+                mIdx[t, self.k + 7] = gt_run
+                mIdx[t, self.k + 8] = eq_run
+                mIdx[t, self.k + 9] = Int32(thr)
         for p in cutlass.range(n_sel + tidx, self.k, self.threads):
             mIdx[t, p] = -1
 
@@ -230,12 +254,12 @@ class IndexerTopk:
         return 1 <= topk <= 65535
 
 
-def _build(arch: str, *, topk: int):
+def _build(arch: str, *, topk: int, debug: bool = False):
     if not IndexerTopk.can_implement(topk):
         raise ValueError(f"indexer_topk: unsupported topk={topk}")
     P = jit.fake_gmem_ptr
     args = (P(Float32, 16), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(1), Int32(4), Int32(4), jit.fake_stream())
-    return IndexerTopk(topk), args
+    return IndexerTopk(topk, debug=debug), args
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -258,6 +282,45 @@ class IndexerWorkspace:
         self.max_tokens, self.max_keys = max_tokens, max_keys
         self.pitch = -(-max_keys // 4) * 4
         self.scores = torch.empty(max_tokens, self.pitch, dtype=torch.float32, device=device)
+
+
+def indexer_select(workspace: IndexerWorkspace, kv_len: torch.Tensor, pos: torch.Tensor, *, topk: int = 2048,
+                   max_keys: int | None = None, out: torch.Tensor | None = None, stream=None,
+                   arch: str | None = None) -> torch.Tensor:
+    """The radix select alone, on score rows already in ``workspace.scores`` (``-inf`` =
+    masked): int32 ``[T, topk]`` ascending, ``-1`` padded, over keys
+    ``[0, min(pos + 1, kv_len, max_keys))`` of each row. :func:`indexer_topk` is the
+    scores kernel followed by this."""
+    op = "indexer_select"
+    if not isinstance(workspace, IndexerWorkspace):
+        raise TypeError(f"{op}: workspace must be an IndexerWorkspace, got {type(workspace).__name__}")
+    T = kv_len.shape[0] if isinstance(kv_len, torch.Tensor) else 0
+    for name, t in (("kv_len", kv_len), ("pos", pos)):
+        check_tensor(op, name, t, dtype=torch.int32, shape=(T,), contiguous=True, align_bytes=4)
+    if not isinstance(topk, int) or not IndexerTopk.can_implement(topk):
+        raise ValueError(f"{op}: topk must be an int in [1, 65535], got {topk!r}")
+    max_keys = workspace.max_keys if max_keys is None else max_keys
+    if not isinstance(max_keys, int) or not 1 <= max_keys <= workspace.max_keys:
+        raise ValueError(f"{op}: max_keys must be an int in [1, {workspace.max_keys}], got {max_keys!r}")
+    if T > workspace.max_tokens:
+        raise ValueError(f"{op}: {T} tokens but the workspace holds {workspace.max_tokens}")
+    if out is None:
+        out = torch.empty(T, topk, dtype=torch.int32, device=kv_len.device)
+    check_tensor(op, "out", out, dtype=torch.int32, shape=(T, topk), contiguous=True, align_bytes=4)
+    check_cuda(op, ("kv_len", kv_len), ("pos", pos), ("out", out), ("workspace.scores", workspace.scores))
+    a = arch if arch is not None else current_arch(kv_len.device)
+    dispatch(op, ("portable",), arch=a)
+    if T == 0:
+        return out
+    _select(workspace, kv_len, pos, out, T, topk, max_keys, a, jit.cu_stream(stream))
+    return out
+
+
+def _select(workspace, kv_len, pos, out, T, topk, max_keys, arch, cs):
+    P = jit.gmem_ptr
+    topk_fn = jit.get_kernel("indexer_topk", arch, topk=topk)
+    topk_fn(P(Float32, workspace.scores, 16), P(Int32, kv_len, 4), P(Int32, pos, 4), P(Int32, out, 4), jit.i32(T),
+            jit.i32(workspace.pitch), jit.i32(max_keys), cs)
 
 
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_offset: torch.Tensor,
@@ -332,7 +395,5 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
     scores_fn(P(cutlass.BFloat16, q, 16), P(Float32, w, 16), P(cutlass.BFloat16, k_cache, 16),
               P(Int32, kv_offset, 4), P(Int32, kv_len, 4), P(Int32, pos, 4), P(cutlass.Uint8, mask, 1),
               P(Float32, workspace.scores, 16), jit.i32(T), jit.i32(R), jit.i32(pitch), cs)
-    topk_fn = jit.get_kernel("indexer_topk", a, topk=topk)
-    topk_fn(P(Float32, workspace.scores, 16), P(Int32, kv_len, 4), P(Int32, pos, 4), P(Int32, out, 4), jit.i32(T),
-            jit.i32(pitch), jit.i32(max_keys), cs)
+    _select(workspace, kv_len, pos, out, T, topk, max_keys, a, cs)
     return out

@@ -4,7 +4,7 @@ validation and machine code on the CPU."""
 import pytest
 import torch
 
-from cute_kernels.indexer_topk import IndexerWorkspace, indexer_topk
+from cute_kernels.indexer_topk import IndexerWorkspace, indexer_select, indexer_topk
 from cute_kernels.testing import sass
 from references import indexer_scores_ref
 
@@ -102,6 +102,42 @@ def test_ties_prefer_lower_index_and_graph_replay(seed):
     g.replay()
     torch.cuda.synchronize()
     check(out, indexer_scores_ref(q.cpu(), w.cpu(), kc.cpu(), off.cpu(), ln.cpu(), pos.cpu(), S), topk)
+
+
+def select_ref_check(out, scores, limits, topk):
+    """The select on given rows: exactly the reference's set when the k-th score is unique
+    among the row, else every strict winner plus the lowest-index ties."""
+    for t in range(out.shape[0]):
+        row = scores[t, : limits[t]].double()
+        n = min(topk, row.numel())
+        sel = out[t, :n].long()
+        assert (out[t, n:] == -1).all() and (sel >= 0).all() and (sel[1:] > sel[:-1]).all(), f"row {t}"
+        kth = row.topk(n).values[-1]
+        gt = torch.nonzero(row > kth).flatten()
+        eq = torch.nonzero(row == kth).flatten()[: n - gt.numel()]
+        assert torch.equal(sel, torch.cat([gt, eq]).sort().values), f"row {t}: selection differs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, S, topk", [(7, 300, 64), (5, 4096, 2048), (3, 33000, 2048), (2, 70000, 2048)])
+@pytest.mark.parametrize("kind", ["randn", "positive", "negative", "rounded", "ties"])
+def test_select_on_given_rows(seed, T, S, topk, kind):
+    """The radix select alone: sign classes (positive scores' keys have the top bit set --
+    a signed shift once lost them), many ties at the k-th score, all-equal rows, rows cut
+    short by kv_len (fewer than k), and chunk boundaries (8192 scores per pass)."""
+    x = torch.randn(T, S, device="cuda")
+    x = {"randn": x, "positive": x.abs() + 1e-3, "negative": -x.abs() - 1e-3, "rounded": x.round(),
+         "ties": torch.full_like(x, 1.5)}[kind]
+    ws = IndexerWorkspace(T, S)
+    ws.scores.fill_(float("nan"))  # poison past each row's limit: never read
+    ws.scores[:, :S].copy_(x)
+    ln = torch.full((T,), S, dtype=torch.int32, device="cuda")
+    ln[-1] = max(1, topk // 2)  # a row with fewer candidates than k
+    pos = torch.full((T,), S + 5, dtype=torch.int32, device="cuda")
+    out = torch.full((T, topk), -7, dtype=torch.int32, device="cuda")
+    indexer_select(ws, ln, pos, topk=topk, max_keys=S, out=out)
+    torch.cuda.synchronize()
+    select_ref_check(out.cpu(), x.cpu(), ln.tolist(), topk)
 
 
 def _cpu(**over):
