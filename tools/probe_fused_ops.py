@@ -1,0 +1,81 @@
+"""Device probe: which op family makes FusedOps drift from the baseline ops?
+
+Runs one verify step with the baseline ops, the fused ops, each family alone fused, and the
+baseline with MXFP8-rounded expert weights + activations (what the fused MoE computes, in torch).
+    device run (carry .devcache): source tools/device-env.sh && python tools/probe_fused_ops.py
+"""
+import torch
+
+from moe.experts import _mx_quant_torch
+from spec_decode.config import ModelConfig
+from spec_decode.fused_ops import FusedOps
+from spec_decode.model import KVPool, TargetModel
+from spec_decode.step_model import Ops, StepModel
+
+FAMILIES = {"mhc": ("mhc_mappings", "pre_mix", "post_mix"), "indexer": ("indexer_topk",), "wo_a": ("wo_a",),
+            "moe": ("moe",)}
+
+
+def qdq(x):
+    """bf16 [R, K] -> MXFP8 round trip (fp32 -> bf16)."""
+    sh = x.shape
+    x2 = x.reshape(-1, sh[-1]).contiguous()
+    q, s = _mx_quant_torch(x2)
+    f = torch.exp2(s.float() - 127)
+    return (q.view(torch.float8_e4m3fn).float().view(x2.shape[0], -1, 32) * f[..., None]).view(sh).bfloat16()
+
+
+class MxBaseline(Ops):
+    """Baseline MoE on MXFP8-rounded operands: the fused MoE's numbers in torch."""
+
+    def _moe_grouped(self, h, L, cfg, ids, w):
+        L2 = dict(L)
+        L2["gate"], L2["up"], L2["down"] = qdq(L["gate"]), qdq(L["up"]), qdq(L["down"])
+        N, k = ids.shape
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(cfg.experts, dtype=torch.long, device=h.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offs = counts.cumsum(0).int()
+        xs = qdq(h[order // k])
+        g = torch._grouped_mm(xs, L2["gate"].transpose(1, 2), offs=offs)
+        up = torch._grouped_mm(xs, L2["up"].transpose(1, 2), offs=offs)
+        hh = qdq((torch.nn.functional.silu(g) * up).bfloat16())
+        y = torch._grouped_mm(hh, L2["down"].transpose(1, 2), offs=offs)
+        routed = torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1)
+        out = (routed.float() * w[..., None].float()).sum(1).to(h.dtype)
+        from spec_decode.model import shared_expert
+        return out + shared_expert(h, L)
+
+
+def hybrid(fused, fams):
+    class H(Ops):
+        pass
+    h = H()
+    for f in fams:
+        for name in FAMILIES[f]:
+            setattr(h, name, getattr(fused, name))
+    return h
+
+
+cfg = ModelConfig(vocab=512, hidden=1024, layers=2, heads=16, head_dim=128, rope_dim=64, q_lora=256, kv_lora=256,
+                  wo_groups=2, wo_rank=512, indexer_heads=64, indexer_dim=128, index_topk=64, experts=32,
+                  n_group=4, topk_group=2, top_k=4, expert_inter=256, shared_inter=256)
+m = TargetModel(cfg, seed=3, dtype=torch.bfloat16, device="cuda")
+B, S, max_len = 4, 6, 256
+fused_ops = FusedOps(m, max_tokens=B * S, max_len=max_len)
+variants = {"baseline": Ops(), "fused": fused_ops, "mx_baseline": MxBaseline()}
+for f in FAMILIES:
+    variants[f"only {f}"] = hybrid(fused_ops, [f])
+g = torch.Generator(device="cuda").manual_seed(1)
+toks = torch.randint(0, cfg.vocab, (B, S), device="cuda", generator=g)
+pos = torch.arange(S, device="cuda")[None] + torch.arange(B, device="cuda")[:, None] * 5
+slots = torch.arange(B, device="cuda")
+out = {}
+for name, ops in variants.items():
+    kv = KVPool(cfg, B, max_len, torch.bfloat16, "cuda")
+    out[name], _ = StepModel(m, ops).forward(toks, pos, slots, kv)
+torch.cuda.synchronize()
+ref = out["baseline"].float()
+for name, l in out.items():
+    print(f"{name:14s} rel {float((l.float() - ref).norm() / ref.norm()):.4f}  argmax agree "
+          f"{float((l.argmax(-1) == ref.argmax(-1)).float().mean()):.3f}")
