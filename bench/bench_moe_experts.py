@@ -12,7 +12,6 @@ ours quantised from them). Stage times are CUDA-graph replays of each stage alon
 time is one graph of the whole layer; launches per layer are counted from a profiled replay.
 Weight bandwidth at decode T counts the bytes of the experts the router actually selected.
 
-Written in a session without GPU time: first run pending (see bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -89,6 +88,42 @@ class OursLayer:
         return moe_finalize(y, r.topk_weights, r.routed_row_pos, shared_expert(x, self.W["sh"]))
 
 
+def stage_times(T, x, logits, bias, W, cfg, ours):
+    """Each stage alone as a replayed graph (inputs produced once beforehand), in us."""
+    t = {}
+    r = ours.router(logits, bias)
+    aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, TOPK)
+    hq, hs = moe_expert_gate_up(aq, asc, W["gu_q"], W["gu_s"], r.expert_offsets, r.expert_counts, r.tile_expert)
+    y = moe_expert_gemm(hq, hs, W["d_q"], W["d_s"], r.expert_offsets, r.expert_counts, r.tile_expert)
+    sh = shared_expert(x, W["sh"])
+    us = lambda f: time_graph(lambda i: f(), 1, 5, trials=15) * 1e6  # noqa: E731
+    t["router"] = us(lambda: ours.router(logits, bias))
+    t["quant"] = us(lambda: mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, TOPK, q=aq, scales=asc))
+    t["gate/up (+SiLU, requant)"] = us(lambda: moe_expert_gate_up(aq, asc, W["gu_q"], W["gu_s"], r.expert_offsets,
+                                                                   r.expert_counts, r.tile_expert))
+    t["down"] = us(lambda: moe_expert_gemm(hq, hs, W["d_q"], W["d_s"], r.expert_offsets, r.expert_counts,
+                                           r.tile_expert, out=y))
+    t["finalize + shared add"] = us(lambda: moe_finalize(y, r.topk_weights, r.routed_row_pos, sh))
+    t["shared expert (both)"] = us(lambda: shared_expert(x, W["sh"]))
+    # composite stages
+    ids = torch.randint(0, cfg.num_experts, (T, TOPK), device=x.device)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(cfg.num_experts, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offs = counts.cumsum(0).int()
+    xs = x[order // TOPK]
+    hh = torch.nn.functional.silu(torch._grouped_mm(xs, W["g"].transpose(1, 2), offs=offs)) * \
+        torch._grouped_mm(xs, W["u"].transpose(1, 2), offs=offs)
+    yy = torch._grouped_mm(hh, W["d"].transpose(1, 2), offs=offs)
+    w = torch.rand(T, TOPK, device=x.device)
+    t["c: gate/up + SiLU*up"] = us(lambda: torch.nn.functional.silu(torch._grouped_mm(xs, W["g"].transpose(1, 2), offs=offs))
+                                   * torch._grouped_mm(xs, W["u"].transpose(1, 2), offs=offs))
+    t["c: down"] = us(lambda: torch._grouped_mm(hh, W["d"].transpose(1, 2), offs=offs))
+    t["c: finalize + add"] = us(lambda: (torch.zeros(T * TOPK, C, device=x.device, dtype=yy.dtype).index_copy_(0, order, yy)
+                                         .view(T, TOPK, C).float() * w[..., None]).sum(1).bfloat16() + sh)
+    return t
+
+
 def count_launches(fn):
     from torch.profiler import ProfilerActivity, profile
 
@@ -114,7 +149,7 @@ def main():
     cfg = RouterConfig(num_experts=args.experts)
     W = make_weights(args.experts)
     bias = torch.randn(args.experts, device="cuda") * 0.1
-    rows = []
+    rows, stage_rows, stage_names = [], [], []
     for T in (1, 64, 320, 4096):
         x = torch.randn(T, C, device="cuda").bfloat16()
         logits = torch.randn(T, args.experts, device="cuda") * 3
@@ -129,11 +164,17 @@ def main():
         rows.append([f"T={T}", f"{t_ours * 1e6:.1f}", f"{t_base * 1e6:.1f}", f"{t_base / t_ours:.2f}x", active,
                      f"{100 * wbytes / t_ours / H200_COPY_BW:.0f}%", n_ours, n_base, fin_ours])
         print(rows[-1], flush=True)
+        st = stage_times(T, x, logits, bias, W, cfg, ours)
+        stage_rows.append([f"T={T}"] + [f"{v:.1f}" for v in st.values()])
+        stage_names = list(st)
+        print(stage_rows[-1], flush=True)
     text = "\n".join([f"## MoE layer (E={args.experts}, k=8, hidden 7168, I=2048) -- {torch.cuda.get_device_name()}, "
                       f"{datetime.date.today()}", "", "Command: `python bench/bench_moe_experts.py`", "",
                       markdown_table(["shape", "ours us (layer graph)", "bf16 composite us", "speedup",
                                       "experts hit", "ours weight GB/s as % of 4.3 TB/s", "launches ours",
-                                      "launches composite", "finalize launches (ours: the fused finalize + shared add)"], rows)])
+                                      "launches composite", "finalize launches (ours: the fused finalize + shared add)"], rows),
+                      "", "Per stage, each alone as a replayed graph, us (c: = the composite's stage):", "",
+                      markdown_table(["shape"] + stage_names, stage_rows)])
     print(text)
     if args.out:
         open(args.out, "w").write(text + "\n")

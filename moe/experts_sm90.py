@@ -77,6 +77,12 @@ def mx_quantize_block(rX: cute.Tensor, rQ: cute.Tensor) -> Int32:
     return scale
 
 
+@cute.jit
+def _unit_modes(t: cute.Tensor, rank: cutlass.Constexpr[int]) -> cute.Tensor:
+    """The same registers with trailing size-1 modes: one MMA block as cute.gemm's (V, M[, N])."""
+    return cute.make_tensor(t.iterator, cute.append(t.layout, cute.make_layout(1), up_to_rank=rank))
+
+
 class MoeExpertGemmSm90:
     def __init__(self, E: int, N: int, K: int, silu_quant: bool = False):
         self.E, self.N, self.K, self.silu_quant = E, N, K, silu_quant
@@ -188,27 +194,32 @@ class MoeExpertGemmSm90:
                            (kt + STAGES - 1) % STAGES, row0, wrow0, live, sa_base, sw_base)
             cute.arch.cp_async_commit_group()
             for kb in cutlass.range_constexpr(BK // MX):
-                cute.copy(s2r_A, tAsA[None, None, kb, slot], tArA[None, None, kb])
                 cute.copy(s2r_B, tBsB[None, None, kb, slot], tBrB[None, None, kb])
-                frag.fill(0.0)
-                cute.gemm(tiled_mma, frag, tCrA[None, None, kb], tCrB[None, None, kb], frag)
-                # Promotion: this block's FP32 partial times its two power-of-two scales.
-                # Fragment ((col pair, row +8), m repeat, n repeat): 8 rows and 8 columns
-                # per thread, so 16 scale bytes per block, not one pair per element.
-                for mi in cutlass.range_constexpr(MR):
-                    for r8 in cutlass.range_constexpr(2):
-                        m = tCcC[((0, r8), mi, 0)][0]
-                        rSa[mi * 2 + r8] = e8m0_to_f32(Uint32(sSA[(m % 32) * 16 + (m // 32) * 4 + kb, slot]))
                 for ni in cutlass.range_constexpr(NR):
                     for c in cutlass.range_constexpr(2):
                         nr = n0 % 128 + tCcC[((c, 0), 0, ni)][1]
                         rSb[ni * 2 + c] = e8m0_to_f32(Uint32(sSW[(nr % 32) * 16 + (nr // 32) * 4 + kb, slot]))
+                # Only 16-row MMA blocks that hold live rows do work: at decode a router tile
+                # holds a few rows of its 128, and multiplying the padding made the kernel
+                # compute-bound (the first H200 run: 14% of the copy bandwidth at T = 1).
+                # The condition is uniform per warp (a warp's m-block is 16 consecutive rows).
                 for mi in cutlass.range_constexpr(MR):
-                    for ni in cutlass.range_constexpr(NR):
+                    if tCcC[((0, 0), mi, 0)][0] < live:
+                        cute.copy(s2r_A, tAsA[None, mi, kb, slot], tArA[None, mi, kb])
                         for r8 in cutlass.range_constexpr(2):
-                            for c in cutlass.range_constexpr(2):
-                                crd = ((c, r8), mi, ni)
-                                acc[crd] = acc[crd] + frag[crd] * (rSa[mi * 2 + r8] * rSb[ni * 2 + c])
+                            m = tCcC[((0, r8), mi, 0)][0]
+                            rSa[mi * 2 + r8] = e8m0_to_f32(Uint32(sSA[(m % 32) * 16 + (m // 32) * 4 + kb, slot]))
+                        for ni in cutlass.range_constexpr(NR):
+                            frag[None, mi, ni].fill(0.0)
+                            c1 = _unit_modes(frag[None, mi, ni], 3)
+                            cute.gemm(tiled_mma, c1, _unit_modes(tCrA[None, mi, kb], 2),
+                                      _unit_modes(tCrB[None, ni, kb], 2), c1)
+                            # Promotion: this block's FP32 partial times its two power-of-two
+                            # scales (fragment ((col pair, row +8), m, n): 2 rows x 2 columns).
+                            for r8 in cutlass.range_constexpr(2):
+                                for c in cutlass.range_constexpr(2):
+                                    crd = ((c, r8), mi, ni)
+                                    acc[crd] = acc[crd] + frag[crd] * (rSa[mi * 2 + r8] * rSb[ni * 2 + c])
 
         if cutlass.const_expr(not self.silu_quant):
             for i in cutlass.range_constexpr(cute.size(acc)):
