@@ -202,9 +202,10 @@ class MoeExpertGemmSm90:
                 # Only 16-row MMA blocks that hold live rows do work: at decode a router tile
                 # holds a few rows of its 128, and multiplying the padding made the kernel
                 # compute-bound (the first H200 run: 14% of the copy bandwidth at T = 1).
-                # The condition is uniform per warp (a warp's m-block is 16 consecutive rows).
+                # The test must be uniform per warp (ldmatrix and mma.sync are warp-collective):
+                # it uses the m-block's first row, not the thread's own row (lane // 4 + ...).
                 for mi in cutlass.range_constexpr(MR):
-                    if tCcC[((0, 0), mi, 0)][0] < live:
+                    if tCcC[((0, 0), mi, 0)][0] // 16 * 16 < live:
                         cute.copy(s2r_A, tAsA[None, mi, kb, slot], tArA[None, mi, kb])
                         for r8 in cutlass.range_constexpr(2):
                             m = tCcC[((0, r8), mi, 0)][0]
