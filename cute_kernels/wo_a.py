@@ -30,14 +30,14 @@ import os
 import torch
 
 import cutlass
-from cutlass import Int32
+from cutlass import Float32, Int32
 
 from . import jit
 from .arch import current_arch, dispatch
 from .validate import check_cuda, check_tensor
 from .wo_a_sm90 import WoASm90
 from .wo_a_sm100 import WoASm100
-from .wo_a_decode import WoADecode
+from .wo_a_decode import WoADecode, WoADecodeWorkspace, plan as decode_plan
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _PATHS = {"sm90": WoASm90, "sm100": WoASm100}
@@ -86,12 +86,34 @@ def _torch_path(o, w, out):
     return out
 
 
+_WORKSPACES: dict = {}
+_SMS: dict = {}
+
+
+def _num_sms(device) -> int:
+    n = _SMS.get(device)
+    if n is None:
+        n = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
+def _default_workspace(device, G, R) -> WoADecodeWorkspace:
+    """One per (device, G, R), created on first use (do that outside graph capture: a warm-up)."""
+    key = (device, G, R)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = _WORKSPACES[key] = WoADecodeWorkspace(G, R, device=device)
+    return ws
+
+
 def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None = None, stream=None,
-         arch: str | None = None, decode_kernel: bool = False) -> torch.Tensor:
+         arch: str | None = None, decode_kernel: bool = False,
+         workspace: WoADecodeWorkspace | None = None) -> torch.Tensor:
     """``y [T, G*R]`` (bf16, token-major) from ``o [T, H, Dv]`` and ``wo_a_weight [G, R, (H/G)*Dv]``.
 
     ``decode_kernel=True`` routes T <= 64 to :mod:`cute_kernels.wo_a_decode` (the
-    weight-streaming decode kernel; opt-in until it has run on a GPU).
+    weight-streaming split-K decode kernel). Its split partials live in ``workspace`` (default:
+    one shared per device and shape -- pass your own for concurrent calls on several streams).
     """
     op = "wo_a"
     check_tensor(op, "o", o, dtype=torch.bfloat16, ndim=3, contiguous=True)
@@ -115,10 +137,18 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     if path == "reference":
         return _torch_path(o, wo_a_weight, out)
     if decode_kernel and WoADecode.can_implement(T, G, R, Dg):
-        fn = jit.get_kernel("wo_a_decode", a, G=G, R=R, Dg=Dg)
+        bm, splits = decode_plan(T, G, R, Dg, _num_sms(o.device))
+        if workspace is None:
+            workspace = _default_workspace(o.device, G, R)
+        if not isinstance(workspace, WoADecodeWorkspace) or (workspace.G, workspace.R) != (G, R) \
+                or workspace.max_splits < splits:
+            raise ValueError(f"{op}: workspace must be a WoADecodeWorkspace for G={G}, R={R} with max_splits >= "
+                             f"{splits}")
+        check_cuda(op, ("o", o), ("workspace.partials", workspace.partials))
+        fn = jit.get_kernel("wo_a_decode", a, G=G, R=R, Dg=Dg, bm=bm, splits=splits)
         P = jit.gmem_ptr
-        fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 4), jit.i32(T),
-           jit.cu_stream(stream))
+        fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 4),
+           P(Float32, workspace.partials, 4), P(Int32, workspace.counters, 4), jit.i32(T), jit.cu_stream(stream))
         return out
     tm, tn = _PATHS[path].tile_for(T, G, R)
     fn = jit.get_kernel(op, a, G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn)

@@ -1,26 +1,32 @@
-"""WO-A at decode T (<= 64 tokens): a weight-streaming kernel, token-major output.
+"""WO-A at decode T (<= 64 tokens): a weight-streaming split-K kernel, token-major output.
 
 ``y[t, g*R + r] = sum_d wo_a[g, r, d] * o[t, g-th head group].flatten()[d]`` (FP32
 accumulate, bf16 out), the contract of :func:`cute_kernels.wo_a.wo_a`.
 
 Why a second kernel: at decode T the product is ``G`` skinny GEMMs ``[T, Dg] x [Dg, R]``
 whose time is the read of the weights (8-64 MB); the TMA/wgmma engine's 64-128-row M tiles
-are mostly padding there and its grid has too few CTAs to keep 132 SMs streaming (issue 4:
-36-72% of 4.3 TB/s). Here one CTA owns (64 output columns r of one group g): it streams
-``wo_a[g, r0:r0+64, :]`` through a 4-stage cp.async pipeline (64 x 128 bf16 per stage,
-padded shared rows for conflict-free ldmatrix) together with the <= 64 live token rows of
-``o``, 2 x 2 warps of ``mma.sync m16n8k16`` accumulate in FP32, and the epilogue stores
-bf16 pairs straight into the token-major ``y``. Grid ``(R / 64, G)``: 64-256 CTAs at the
-model's shapes, each streaming ``64 * Dg * 2`` bytes.
+are mostly padding there and its grid has too few CTAs to keep 132 SMs streaming (H200:
+36-72% of 4.3 TB/s).
 
-Status: compiled and machine-code checked (sm_90a, sm_100a) in a session without GPU time;
-**not yet run**. :func:`wo_a` uses it only with ``decode_kernel=True`` until its staged GPU
-test and the benchmark have run.
+Schedule. One CTA owns 64 output columns of one group and a 1/``splits`` slice of K: it
+streams ``wo_a[g, r0:r0+64, k-slice]`` through a 4-stage cp.async pipeline (64 x 128 bf16 per
+stage, padded shared rows for conflict-free ldmatrix) with the live token rows of ``o``;
+warp ``mma.sync m16n8k16`` accumulates in FP32. The token tile ``bm`` is 16 for T <= 16
+(warps side by side along N: 4x less MMA work than a 64-row tile, whose padding made the
+first version compute-bound -- 24-53% of the copy bandwidth -- and 87 KB of shared memory,
+so 2 CTAs per SM) or 64. ``splits`` (host heuristic: enough CTAs for 2 per SM, bounded so
+the FP32 partial traffic stays small) divides K; with ``splits > 1`` each CTA writes its
+FP32 partial ``[T, 64]`` to a workspace and the last CTA of the tile (acq_rel counter, as
+in :mod:`cute_kernels.mhc_stats`) sums the splits in a fixed order -- deterministic -- rounds
+to bf16 once, stores token-major and re-zeroes the counter (graph replays need no reset).
 
-Constraints: T <= 64, R % 64 == 0, Dg % 128 == 0.
+Constraints: T <= 64, R % 64 == 0, Dg % 128 == 0, splits a power of two dividing Dg / 128.
+Run: ``pytest tests/test_wo_a.py -k decode``; bench: ``python bench/bench_wo_a.py``.
 """
 
 import os
+
+import torch
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -29,40 +35,49 @@ from cutlass import Float32, Int32
 
 from . import jit
 
-BM, BN, BK = 64, 64, 128
+BN, BK = 64, 128
 PITCH = BK + 8
 STAGES = 4
 VEC = 8
-MAX_T = BM
+MAX_T = 64
 
 
 class WoADecode:
-    def __init__(self, G: int, R: int, Dg: int):
-        self.G, self.R, self.Dg = G, R, Dg
+    def __init__(self, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1):
+        self.G, self.R, self.Dg, self.bm, self.splits = G, R, Dg, bm, splits
         self.threads = 128
+        # bm = 16: 4 warps along N (16 x 16 each); bm = 64: 2 x 2 warps (32 x 32 each)
+        self.warp_layout = (1, 4, 1) if bm == 16 else (2, 2, 1)
 
     @cute.jit
-    def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, num_tokens: Int32,
-                 stream: cuda.CUstream):
+    def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, part_ptr: cute.Pointer,
+                 count_ptr: cute.Pointer, num_tokens: Int32, stream: cuda.CUstream):
         G, R, Dg = self.G, self.R, self.Dg
         mO = cute.make_tensor(o_ptr, cute.make_layout((num_tokens, G * Dg), stride=(G * Dg, 1)))
         mW = cute.make_tensor(w_ptr, cute.make_layout((G * R, Dg), stride=(Dg, 1)))
         mY = cute.make_tensor(y_ptr, cute.make_layout((num_tokens, G * R), stride=(G * R, 1)))
+        mPart = cute.make_tensor(part_ptr, cute.make_layout((self.splits, num_tokens, G * R),
+                                                            stride=(num_tokens * G * R, G * R, 1)))
+        mCount = cute.make_tensor(count_ptr, cute.make_layout((G * R // BN,)))
         tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, Float32, (16, 8, 16)),
-                                        cute.make_layout((2, 2, 1)))
-        self.kernel(mO, mW, mY, tiled_mma, num_tokens).launch(grid=[R // BN, G, 1], block=[self.threads, 1, 1],
-                                                              stream=stream)
+                                        cute.make_layout(self.warp_layout))
+        self.kernel(mO, mW, mY, mPart, mCount, tiled_mma, num_tokens).launch(
+            grid=[R // BN, G, self.splits], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mO: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, tiled_mma: cute.TiledMma, num_tokens: Int32):
+    def kernel(self, mO: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mPart: cute.Tensor, mCount: cute.Tensor,
+               tiled_mma: cute.TiledMma, num_tokens: Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        nt, g, _ = cute.arch.block_idx()
+        nt, g, z = cute.arch.block_idx()
         bf16 = cutlass.BFloat16
+        BM = self.bm
         r0 = nt * BN
-        KT = self.Dg // BK
+        KT = self.Dg // BK // self.splits  # K slices of this split
+        kt0 = z * KT
         smem = cutlass.memory.SmemAllocator()
         sA = smem.allocate_tensor(bf16, cute.make_layout((BM, BK, STAGES), stride=(PITCH, 1, BM * PITCH)), 16)
         sB = smem.allocate_tensor(bf16, cute.make_layout((BN, BK, STAGES), stride=(PITCH, 1, BN * PITCH)), 16)
+        sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
         atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), bf16, num_bits_per_copy=128)
         gOv = cute.zipped_divide(mO, (1, VEC))
         gWv = cute.zipped_divide(mW, (1, VEC))
@@ -73,7 +88,7 @@ class WoADecode:
 
         for s0 in cutlass.range_constexpr(STAGES - 1):
             if s0 < KT:
-                self.issue(gOv, gWv, sAv, sBv, atom, s0, s0, a_col0, w_row0, num_tokens)
+                self.issue(gOv, gWv, sAv, sBv, atom, kt0 + s0, s0, a_col0, w_row0, num_tokens)
             cute.arch.cp_async_commit_group()
 
         thr_mma = tiled_mma.get_slice(tidx)
@@ -97,18 +112,45 @@ class WoADecode:
             # K slice kt has landed for all threads' copies; every warp is done with kt-1.
             cute.arch.barrier()
             if kt + STAGES - 1 < KT:
-                self.issue(gOv, gWv, sAv, sBv, atom, kt + STAGES - 1, (kt + STAGES - 1) % STAGES, a_col0, w_row0,
-                           num_tokens)
+                self.issue(gOv, gWv, sAv, sBv, atom, kt0 + kt + STAGES - 1, (kt + STAGES - 1) % STAGES, a_col0,
+                           w_row0, num_tokens)
             cute.arch.cp_async_commit_group()
             for kb in cutlass.range_constexpr(BK // 16):
                 cute.copy(s2r_A, tAsA[None, None, kb, slot], tArA[None, None, kb])
                 cute.copy(s2r_B, tBsB[None, None, kb, slot], tBrB[None, None, kb])
                 cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
 
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            m, n = tCcC[i]
-            if m < num_tokens:
-                mY[m, g * self.R + r0 + n] = acc[i].to(bf16)
+        col0 = g * self.R + r0
+        if cutlass.const_expr(self.splits == 1):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                m, n = tCcC[i]
+                if m < num_tokens:
+                    mY[m, col0 + n] = acc[i].to(bf16)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                m, n = tCcC[i]
+                if m < num_tokens:
+                    mPart[z, m, col0 + n] = acc[i]
+            # bar.sync orders every thread's partial stores before thread 0's release fence;
+            # the acq_rel counter makes the last split of the tile see all of them.
+            cute.arch.barrier()
+            tile = g * (self.R // BN) + nt
+            if tidx == 0:
+                cute.arch.fence_acq_rel_gpu()
+                sFlag[0] = cute.arch.atomic_add((mCount.iterator + tile).llvm_ptr, Int32(1), sem="acq_rel",
+                                                scope="gpu")
+            cute.arch.barrier()
+            if sFlag[0] == self.splits - 1:
+                cute.arch.fence_acq_rel_gpu()
+                for idx in cutlass.range(tidx, num_tokens * BN, self.threads):
+                    m = idx // BN
+                    n = idx - m * BN
+                    s = Float32(0.0)
+                    for zz in cutlass.range_constexpr(self.splits):  # fixed order: deterministic
+                        s = s + mPart[zz, m, col0 + n]
+                    mY[m, col0 + n] = s.to(bf16)
+                if tidx == 0:
+                    mCount[tile] = 0  # ready for the next launch (graph replay needs no host reset)
 
     @cute.jit
     def issue(self, gOv: cute.Tensor, gWv: cute.Tensor, sAv: cute.Tensor, sBv: cute.Tensor, atom: cute.CopyAtom,
@@ -116,7 +158,7 @@ class WoADecode:
         """cp.async K slice kt: the live token rows of o (group g's columns) and 64 weight rows."""
         tidx, _, _ = cute.arch.thread_idx()
         VPR = BK // VEC
-        for i in cutlass.range_constexpr(BM * VPR // self.threads):
+        for i in cutlass.range_constexpr(self.bm * VPR // self.threads):
             idx = tidx + i * self.threads
             r, v = idx // VPR, idx % VPR
             if r < num_tokens:
@@ -127,16 +169,45 @@ class WoADecode:
             cute.copy(atom, gWv[(0, None), (w_row0 + r, kt * VPR + v)], sBv[(0, None, 0), (r, v, slot)])
 
     @staticmethod
-    def can_implement(T: int, G: int, R: int, Dg: int) -> bool:
-        return 1 <= T <= MAX_T and G >= 1 and R % BN == 0 and Dg % BK == 0
+    def can_implement(T: int, G: int, R: int, Dg: int, splits: int = 1) -> bool:
+        kt = Dg // BK if Dg % BK == 0 else 0
+        return (1 <= T <= MAX_T and G >= 1 and R % BN == 0 and kt >= 1 and splits >= 1
+                and splits & (splits - 1) == 0 and kt % splits == 0)
 
 
-def _build(arch: str, *, G: int, R: int, Dg: int):
-    if not WoADecode.can_implement(1, G, R, Dg):
-        raise ValueError(f"wo_a_decode: unsupported G={G}, R={R}, Dg={Dg} (R % 64, Dg % 128)")
+def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> tuple[int, int]:
+    """(bm, splits) for a decode call: enough CTAs for every SM's CTA slots (2 per SM with the
+    16-row tile, 1 with the 64-row one), K splits only while the FP32 partials (written and
+    read once: 8 * splits * T bytes per weight row of Dg * 2 bytes) stay under 1/4 of the
+    weight bytes, i.e. 16 * splits * T <= Dg."""
+    bm = 16 if T <= 16 else 64
+    slots = num_sms * (2 if bm == 16 else 1)
+    tiles = G * R // BN
+    splits = 1
+    while (tiles * splits * 2 <= slots * 1.1 and Dg // BK % (splits * 2) == 0
+           and 16 * splits * 2 * T <= Dg):
+        splits *= 2
+    return bm, splits
+
+
+class WoADecodeWorkspace:
+    """FP32 split partials for up to 64 tokens and one counter per 64-column tile (self-resetting).
+    One in flight at a time: concurrent calls on different streams need their own."""
+
+    def __init__(self, G: int, R: int, max_splits: int = 8, device="cuda"):
+        self.G, self.R, self.max_splits = G, R, max_splits
+        self.partials = torch.empty(max_splits * MAX_T * G * R, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(G * R // BN, dtype=torch.int32, device=device)
+
+
+def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1):
+    if bm not in (16, 64) or not WoADecode.can_implement(1, G, R, Dg, splits):
+        raise ValueError(f"wo_a_decode: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, splits={splits} "
+                         f"(R % 64, Dg % 128, splits a power of two dividing Dg / 128, bm 16 or 64)")
     P = jit.fake_gmem_ptr
-    args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 4), Int32(1), jit.fake_stream())
-    return WoADecode(G, R, Dg), args
+    args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 4), P(Float32, 4), P(Int32, 4),
+            Int32(1), jit.fake_stream())
+    return WoADecode(G, R, Dg, bm, splits), args
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -144,6 +215,8 @@ KERNEL = jit.register(jit.KernelDef(
     build=_build,
     sources=(os.path.abspath(__file__),),
     archs=("sm_90a", "sm_100a", "sm_103a"),
-    aot_configs=tuple({"G": G, "R": R, "Dg": Dg} for G in (8, 16) for R in (512, 1024) for Dg in (1024, 2048)),
-    description="WO-A decode (T <= 64): weight-streaming warp-MMA, token-major bf16 out (not yet run)",
+    aot_configs=tuple({"G": G, "R": R, "Dg": Dg, "bm": bm, "splits": plan(t, G, R, Dg)[1]}
+                      for G in (8, 16) for R in (512, 1024) for Dg in (1024, 2048)
+                      for bm, t in ((16, 16), (64, 64))),
+    description="WO-A decode (T <= 64): weight-streaming split-K warp-MMA, token-major bf16 out",
 ))

@@ -1,6 +1,7 @@
 """WO-A (token-major grouped low-rank projection): Hopper path on the H200, Blackwell path
 by machine code + CPU emulation of its operand views, validation on the CPU."""
 
+import cutlass
 import pytest
 import torch
 
@@ -143,9 +144,9 @@ def test_tile_heuristics():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("G, HG, Dv, R", SHAPES)
-@pytest.mark.parametrize("T", [1, 5, 37, 64])
+@pytest.mark.parametrize("T", [1, 5, 16, 17, 37, 64])
 def test_decode_kernel_matches_fp64(seed, G, HG, Dv, R, T):
-    """The weight-streaming decode kernel (opt-in until this passes on the H200)."""
+    """The weight-streaming decode kernel through wo_a (its own (bm, splits) plan)."""
     o, w = make(T, G, HG, Dv, R, "cuda")
     out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
     wo_a(o, w, out=out, decode_kernel=True)
@@ -154,8 +155,54 @@ def test_decode_kernel_matches_fp64(seed, G, HG, Dv, R, T):
     assert rel_err(out, wo_a_ref(o, w)) < TOL
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bm, splits", [(16, 1), (16, 2), (16, 8), (64, 1), (64, 4)])
+def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits):
+    """Each token tile and split count, launched twice eagerly and replayed in a graph with
+    fresh inputs: the last-CTA counters re-zero themselves and the sums stay exact."""
+    from cute_kernels import jit
+    from cute_kernels.wo_a_decode import WoADecodeWorkspace
+
+    G, HG, Dv, R, T = 8, 8, 128, 512, (3 if bm == 16 else 41)
+    fn = jit.get_kernel("wo_a_decode", "sm_90a", G=G, R=R, Dg=HG * Dv, bm=bm, splits=splits)
+    ws = WoADecodeWorkspace(G, R, max_splits=8)
+    o, w = make(T, G, HG, Dv, R, "cuda")
+    out = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
+    P = jit.gmem_ptr
+
+    def launch(stream):
+        fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, w, 16), P(cutlass.BFloat16, out, 4),
+           P(cutlass.Float32, ws.partials, 4), P(cutlass.Int32, ws.counters, 4), jit.i32(T), jit.cu_stream(stream))
+
+    for _ in range(2):
+        out.fill_(float("nan"))
+        launch(None)
+        torch.cuda.synchronize()
+        assert rel_err(out, wo_a_ref(o, w)) < TOL
+    assert int(ws.counters.abs().sum()) == 0
+    s = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        launch(s)
+    o2, w2 = make(T, G, HG, Dv, R, "cuda")
+    o.copy_(o2), w.copy_(w2)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, wo_a_ref(o, w)) < TOL
+
+
+def test_decode_plan():
+    from cute_kernels.wo_a_decode import plan
+    assert plan(1, 16, 1024, 1024) == (16, 1)  # 256 tiles fill 2 CTAs per SM alone
+    assert plan(5, 8, 512, 2048) == (16, 4)  # 64 tiles: split K four ways
+    assert plan(64, 8, 512, 2048) == (64, 2)  # partial traffic bounds the split at T = 64
+    assert plan(64, 16, 1024, 1024) == (64, 1)
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_decode_kernel_machine_code(arch):
-    h = sass.sass_histogram("wo_a_decode", arch, G=16, R=1024, Dg=2048)
-    assert sass.count(h, "HMMA") >= 64 and sass.count(h, "LDSM") >= 1 and sass.count(h, "LDGSTS") >= 1
+@pytest.mark.parametrize("bm, splits", [(16, 4), (64, 1)])
+def test_decode_kernel_machine_code(arch, bm, splits):
+    h = sass.sass_histogram("wo_a_decode", arch, G=16, R=1024, Dg=2048, bm=bm, splits=splits)
+    assert sass.count(h, "HMMA") >= 16 and sass.count(h, "LDSM") >= 1 and sass.count(h, "LDGSTS") >= 1
     assert sass.local_memory_ops(h) == 0
