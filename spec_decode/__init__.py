@@ -4,5 +4,5 @@ engine (block size 5). Backends: ``reference`` (the spec's per-token loops) and 
 ``fused`` backend (this project's kernels in those graphs) is still to come (issue 8).
 ``from spec_decode import Engine, EngineConfig``."""
 
-from .config import SLICE, TINY, EngineConfig, ModelConfig  # noqa: F401
+from .config import SLICE, SMALL, TINY, EngineConfig, ModelConfig  # noqa: F401
 from .engine import Engine  # noqa: F401

@@ -1,6 +1,6 @@
 """``python -m spec_decode.bench``: the decode runtime's benchmark tables (H200).
 
-    python -m spec_decode.bench [--model slice|tiny] [--backends baseline,fused] [--quick]
+    python -m spec_decode.bench [--model slice|small|tiny] [--backends baseline,fused] [--quick]
                                 [--out bench/spec_decode.md]
 
 Per backend, side by side (same seeded weights, same fixed input ids -- their hash is
@@ -16,9 +16,8 @@ printed):
 
 Random weights make the draft's proposals near-random, so the acceptance length is ~1 and
 both paths do the same number of verify steps -- tok/s compare the step costs. ``--quick``
-shrinks the runs (input 512 / output 64) for a smoke test. Written in a session without GPU
-time; first run pending. The ``fused`` backend is refused by the engine until its GPU test
-passes (issue 8); the table then says so.
+shrinks the runs (input 512 / output 64) for a smoke test. ``--model small`` is the smallest
+config every fused kernel accepts (``tiny`` is CPU-test sized: baseline only).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ import sys
 
 import torch
 
-from .config import SLICE, TINY, EngineConfig
+from .config import SLICE, SMALL, TINY, EngineConfig
 from .engine import Engine
 
 FAMILIES = {
@@ -100,7 +99,7 @@ def count_families(eng, batch, cycles=20):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m spec_decode.bench")
-    ap.add_argument("--model", choices=("slice", "tiny"), default="slice")
+    ap.add_argument("--model", choices=("slice", "small", "tiny"), default="slice")
     ap.add_argument("--backends", default="baseline,fused")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
@@ -108,7 +107,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("spec_decode.bench needs a CUDA GPU", file=sys.stderr)
         return 2
-    model = SLICE if args.model == "slice" else TINY
+    model = {"slice": SLICE, "small": SMALL, "tiny": TINY}[args.model]
     cases = [("BS1 in 4096 / out 1024", 1, 4096, 1024), ("BS64 in 4096 / out 2048", 64, 4096, 2048)]
     if args.quick:
         cases = [("BS1 in 512 / out 64", 1, 512, 64), ("BS64 in 512 / out 64", 64, 512, 64)]

@@ -43,6 +43,11 @@ class ModelConfig:
 
 
 TINY = ModelConfig()
+#: the smallest config every fused kernel accepts (hidden % 128, 64 indexer heads of 128,
+#: WO-A R % 64 and group width % 128, expert dims % 128): the fused backend's test size
+SMALL = ModelConfig(vocab=512, hidden=1024, layers=2, heads=16, head_dim=128, rope_dim=64, q_lora=256, kv_lora=256,
+                    wo_groups=2, wo_rank=512, indexer_heads=64, indexer_dim=128, index_topk=64, experts=32,
+                    n_group=4, topk_group=2, top_k=4, expert_inter=256, shared_inter=256)
 #: real per-layer sizes of a DeepSeek-V4-class model with few layers (for the H200)
 SLICE = ModelConfig(vocab=129280, hidden=7168, layers=2, heads=128, head_dim=128, rope_dim=64, q_lora=1536,
                     kv_lora=512, wo_groups=16, wo_rank=1024, indexer_heads=64, indexer_dim=128, index_topk=2048,

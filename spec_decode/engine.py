@@ -56,15 +56,22 @@ class Engine:
                                 device=config.device)
         if config.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {config.backend!r}")
-        if config.backend == "fused":
-            raise NotImplementedError("the fused backend (this project's kernels inside the step graphs) is not "
-                                      "wired yet (issue 8); use backend='baseline' or 'reference'")
+        if config.backend == "fused" and (dtype != torch.bfloat16 or torch.device(config.device).type != "cuda"):
+            raise ValueError("backend='fused' runs this project's kernels: it needs dtype='bfloat16' and a CUDA "
+                             f"device (got {config.dtype!r} on {config.device!r})")
         # one extra slot: the scratch row that padded graph rows write into
         self.scratch_slot = config.max_batch
         self.kv = KVPool(config.model, config.max_batch + 1, config.max_seq_len, dtype, config.device)
         self.stats = GenerationStats()
         if config.backend != "reference":
-            self.step = StepModel(self.model, Ops())
+            if config.backend == "fused":
+                from .fused_ops import FusedOps  # imports the CuTe DSL kernels: only when asked for
+
+                width = max(max(config.graph_batch_sizes) * (config.block_size + 1), config.prefill_chunk)
+                ops = FusedOps(self.model, max_tokens=width, max_len=config.max_seq_len)
+            else:
+                ops = Ops()
+            self.step = StepModel(self.model, ops)
             K, sizes, dev = config.block_size, config.graph_batch_sizes, config.device
             fwd = lambda tok, pos, slots, _x: self.step.forward(tok, pos, slots, self.kv)  # noqa: E731
             self.verify_graphs = StepGraphs(fwd, sizes, K + 1, self.scratch_slot, dev)

@@ -7,6 +7,7 @@ import torch
 
 from spec_decode import Engine, EngineConfig
 from spec_decode.model import sinkhorn
+from spec_decode.step_model import Ops
 
 
 def prompts(seed, n, vocab=128):
@@ -124,35 +125,98 @@ def test_graph_runner_pads_with_the_scratch_slot():
         g.run(torch.zeros(5, 2, dtype=torch.long), torch.zeros(5, 2, dtype=torch.long), torch.zeros(5, dtype=torch.long))
 
 
+class MxBaselineOps(Ops):
+    """The baseline composite with the experts' operands rounded through MXFP8 (weights, the
+    routed input, the SiLU * up activation) in torch: the numbers the fused MoE is meant to
+    compute, from unfused ops. The yardstick for the fused path's error."""
+
+    @staticmethod
+    def _qdq(x):
+        from moe.experts import _mx_quant_torch
+
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        q, s = _mx_quant_torch(x2)
+        f = torch.exp2(s.float() - 127)
+        return (q.view(torch.float8_e4m3fn).float().view(x2.shape[0], -1, 32) * f[..., None]).view(x.shape).to(x.dtype)
+
+    def _moe_grouped(self, h, L, cfg, ids, w):
+        from spec_decode.model import shared_expert
+
+        N, k = ids.shape
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(cfg.experts, dtype=torch.long, device=h.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offs = counts.cumsum(0).int()
+        xs = self._qdq(h[order // k])
+        g = torch._grouped_mm(xs, self._qdq(L["gate"]).transpose(1, 2), offs=offs)
+        up = torch._grouped_mm(xs, self._qdq(L["up"]).transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(self._qdq(torch.nn.functional.silu(g) * up), self._qdq(L["down"]).transpose(1, 2),
+                              offs=offs)
+        routed = torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1)
+        return (routed.float() * w[..., None].float()).sum(1).to(h.dtype) + shared_expert(h, L)
+
+
 @pytest.mark.gpu
-def test_fused_ops_track_baseline_on_gpu(seed):
-    """The kernels behind the step model (staged: first run pending) against the baseline ops
-    on the same bf16 weights: logits close, greedy tokens mostly equal (MXFP8 experts)."""
-    from spec_decode.config import ModelConfig
+def test_fused_ops_track_fp32_reference_on_gpu(seed):
+    """The kernels behind the step model against an FP32 run of the same (bf16-valued) weights.
+
+    Why not fused vs baseline directly: the baseline computes mHC mappings, Sinkhorn and the
+    mixes in bf16 arithmetic where the kernels use FP32, and the fused experts are MXFP8; a
+    random 2-layer model's discrete steps (expert choice) amplify either difference (the H200
+    probe, tools/probe_fused_ops.py: mHC alone moved the logits 14%, MoE alone 17%, the
+    MXFP8-rounded baseline 11%). So each path is measured against the FP32 truth and the
+    fused path must be no worse than the unfused composite on MXFP8-rounded expert operands."""
+    from spec_decode.config import SMALL
     from spec_decode.fused_ops import FusedOps
     from spec_decode.model import KVPool, TargetModel
-    from spec_decode.step_model import Ops, StepModel
+    from spec_decode.step_model import StepModel
 
-    cfg = ModelConfig(vocab=512, hidden=1024, layers=2, heads=16, head_dim=128, rope_dim=64, q_lora=256, kv_lora=256,
-                      wo_groups=2, wo_rank=512, indexer_heads=64, indexer_dim=128, index_topk=64, experts=32,
-                      n_group=4, topk_group=2, top_k=4, expert_inter=256, shared_inter=256)
+    cfg = SMALL
     m = TargetModel(cfg, seed=seed % 1000, dtype=torch.bfloat16, device="cuda")
+    m32 = TargetModel(cfg, seed=seed % 1000, dtype=torch.bfloat16, device="cuda")
+    m32.dtype = torch.float32
+    m32.embed, m32.lm_head = m.embed.float(), m.lm_head.float()
+    m32.layers = [{k: v.float() for k, v in L.items()} for L in m.layers]
     B, S, max_len = 4, 6, 256
-    base, fused = StepModel(m, Ops()), StepModel(m, FusedOps(m, max_tokens=B * S, max_len=max_len))
-    kv1, kv2 = (KVPool(cfg, B, max_len, torch.bfloat16, "cuda") for _ in range(2))
+    paths = {"fp32": (StepModel(m32, Ops()), torch.float32), "baseline": (StepModel(m, Ops()), torch.bfloat16),
+             "mx_baseline": (StepModel(m, MxBaselineOps()), torch.bfloat16),
+             "fused": (StepModel(m, FusedOps(m, max_tokens=B * S, max_len=max_len)), torch.bfloat16)}
+    kv = {k: KVPool(cfg, B, max_len, dt, "cuda") for k, (_, dt) in paths.items()}
     g = torch.Generator(device="cuda").manual_seed(seed)
+    err = {k: [] for k in paths}
     agree = []
     for step in range(4):
         toks = torch.randint(0, cfg.vocab, (B, S), device="cuda", generator=g)
         pos = (torch.arange(S, device="cuda")[None] + step * S + torch.arange(B, device="cuda")[:, None] * 5)
         slots = torch.arange(B, device="cuda")
-        l1, _ = base.forward(toks, pos, slots, kv1)
-        l2, _ = fused.forward(toks, pos, slots, kv2)
+        out = {k: sm.forward(toks, pos, slots, kv[k])[0].float() for k, (sm, _) in paths.items()}
         torch.cuda.synchronize()
-        assert torch.isfinite(l2).all()
-        assert (l1.float() - l2.float()).norm() / l1.float().norm() < 0.1
-        agree.append((l1.argmax(-1) == l2.argmax(-1)).float().mean().item())
+        assert torch.isfinite(out["fused"]).all()
+        for k in paths:
+            err[k].append(float((out[k] - out["fp32"]).norm() / out["fp32"].norm()))
+        agree.append(float((out["fused"].argmax(-1) == out["baseline"].argmax(-1)).float().mean()))
+    print({k: [round(e, 4) for e in v] for k, v in err.items()}, "token agreement fused/baseline", agree)
+    for step in range(4):
+        assert err["fused"][step] <= 1.5 * err["mx_baseline"][step] + 0.02, (step, err)
     assert min(agree) > 0.8, agree
+
+
+@pytest.mark.gpu
+def test_fused_engine_generates_on_gpu():
+    """backend='fused': the kernels inside the captured verify / draft graphs; greedy tokens
+    mostly agree with the baseline backend on the same weights and prompts."""
+    from spec_decode.config import SMALL
+
+    outs = {}
+    for backend in ("baseline", "fused"):
+        eng = Engine(EngineConfig(model=SMALL, device="cuda", dtype="bfloat16", backend=backend, max_seq_len=128,
+                                  graph_batch_sizes=(1, 2, 4)))
+        outs[backend] = eng.generate([[1, 2, 3, 4, 5], [7, 8, 9]], 12)
+    a, b = outs["baseline"], outs["fused"]
+    assert [len(x) for x in a] == [len(x) for x in b] == [12, 12]
+    same = sum(x == y for p, q in zip(a, b) for x, y in zip(p, q)) / 24
+    print("token agreement", same)
+    assert same >= 0.5, (a, b)
 
 
 @pytest.mark.parametrize("backend", ["reference", "baseline"])
@@ -173,3 +237,8 @@ def test_bench_cli_refuses_without_gpu_and_formats_progress(capsys):
     ids, h = bench.prompts(2, 5, 128)
     assert len(ids) == 2 and all(len(p) == 5 for p in ids) and len(h) == 16
     assert bench.prompts(2, 5, 128) == (ids, h)  # fixed inputs: the hash is reproducible
+
+
+def test_fused_backend_needs_bf16_cuda():
+    with pytest.raises(ValueError, match="bfloat16"):
+        Engine(EngineConfig(backend="fused"))
