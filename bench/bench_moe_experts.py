@@ -82,9 +82,11 @@ class OursLayer:
     def __call__(self, x, logits, bias):
         r = self.router(logits, bias)
         aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, TOPK)
+        n = x.shape[0] * TOPK
         hq, hs = moe_expert_gate_up(aq, asc, self.W["gu_q"], self.W["gu_s"], r.expert_offsets, r.expert_counts,
-                                    r.tile_expert)
-        y = moe_expert_gemm(hq, hs, self.W["d_q"], self.W["d_s"], r.expert_offsets, r.expert_counts, r.tile_expert)
+                                    r.tile_expert, routed_rows=n)
+        y = moe_expert_gemm(hq, hs, self.W["d_q"], self.W["d_s"], r.expert_offsets, r.expert_counts, r.tile_expert,
+                            routed_rows=n)
         return moe_finalize(y, r.topk_weights, r.routed_row_pos, shared_expert(x, self.W["sh"]))
 
 
@@ -93,16 +95,18 @@ def stage_times(T, x, logits, bias, W, cfg, ours):
     t = {}
     r = ours.router(logits, bias)
     aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, TOPK)
-    hq, hs = moe_expert_gate_up(aq, asc, W["gu_q"], W["gu_s"], r.expert_offsets, r.expert_counts, r.tile_expert)
-    y = moe_expert_gemm(hq, hs, W["d_q"], W["d_s"], r.expert_offsets, r.expert_counts, r.tile_expert)
+    n = T * TOPK
+    hq, hs = moe_expert_gate_up(aq, asc, W["gu_q"], W["gu_s"], r.expert_offsets, r.expert_counts, r.tile_expert,
+                                routed_rows=n)
+    y = moe_expert_gemm(hq, hs, W["d_q"], W["d_s"], r.expert_offsets, r.expert_counts, r.tile_expert, routed_rows=n)
     sh = shared_expert(x, W["sh"])
     us = lambda f: time_graph(lambda i: f(), 1, 5, trials=15) * 1e6  # noqa: E731
     t["router"] = us(lambda: ours.router(logits, bias))
     t["quant"] = us(lambda: mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, TOPK, q=aq, scales=asc))
     t["gate/up (+SiLU, requant)"] = us(lambda: moe_expert_gate_up(aq, asc, W["gu_q"], W["gu_s"], r.expert_offsets,
-                                                                   r.expert_counts, r.tile_expert))
+                                                                   r.expert_counts, r.tile_expert, routed_rows=n))
     t["down"] = us(lambda: moe_expert_gemm(hq, hs, W["d_q"], W["d_s"], r.expert_offsets, r.expert_counts,
-                                           r.tile_expert, out=y))
+                                           r.tile_expert, out=y, routed_rows=n))
     t["finalize + shared add"] = us(lambda: moe_finalize(y, r.topk_weights, r.routed_row_pos, sh))
     t["shared expert (both)"] = us(lambda: shared_expert(x, W["sh"]))
     # composite stages

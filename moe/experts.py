@@ -126,7 +126,7 @@ def _check_scales(op, a_scales, w_scales, expert_offsets, rows, K, E, N):
 
 
 def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out, fused,
-                 stream):
+                 stream, routed_rows=None):
     """The Hopper kernel: bf16 ``out``, or (``fused`` = (q, scales)) SiLU * up + MXFP8."""
     import cutlass
     from cutlass import Int32
@@ -150,17 +150,34 @@ def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_
     fn(P(f8, a_q, 16), P(f8, w_q, 16), P(cutlass.Uint8, a_scales, 16), P(cutlass.Uint8, w_scales, 16),
        P(cutlass.BFloat16, out_t, 16), P(f8, q_out, 16), P(cutlass.Uint8, s_out, 1), P(Int32, expert_offsets, 4),
        P(Int32, expert_counts, 4), P(Int32, tile_expert, 4), jit.i32(rows),
-       jit.i32(min(tile_expert.numel(), -(-rows // 128))), jit.cu_stream(stream))
+       jit.i32(_grid_tiles(op, rows, tile_expert.numel(), E, routed_rows)), jit.cu_stream(stream))
+
+
+def _grid_tiles(op, rows, tile_capacity, E, routed_rows):
+    """Router tiles the grid covers. The router packs live tiles first and each expert adds at
+    most one partial tile, so ``ceil(routed_rows / 128) + min(E, routed_rows)`` tiles hold every
+    live row. Without ``routed_rows`` the grid spans the whole capacity (``E * 127`` padding
+    rows): at decode that is ~250 tiles of which ~9 are live, and the early-exiting CTAs
+    cost more than the work (H200, T = 1: gate/up 346 us against 178 us for the bf16 composite)."""
+    tiles = min(tile_capacity, -(-rows // 128))
+    if routed_rows is None:
+        return tiles
+    if not isinstance(routed_rows, int) or routed_rows < 0:
+        raise ValueError(f"{op}: routed_rows must be a non-negative int (tokens x top-k), got {routed_rows!r}")
+    return max(1, min(tiles, -(-routed_rows // 128) + min(E, routed_rows)))
 
 def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor, w_scales: torch.Tensor,
                     expert_offsets: torch.Tensor, expert_counts: torch.Tensor | None = None,
                     tile_expert: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                    workspace: MoeExpertWorkspace | None = None, stream=None, arch: str | None = None) -> torch.Tensor:
+                    workspace: MoeExpertWorkspace | None = None, stream=None, arch: str | None = None,
+                    routed_rows: int | None = None) -> torch.Tensor:
     """bf16 ``[rows, N]``: expert-sorted rows of ``a`` times their expert's ``W^T``.
 
     ``expert_offsets`` / ``expert_counts`` / ``tile_expert`` are the router's outputs
     (:class:`moe.router.RouterOutput`); the Hopper kernel needs all three, the Blackwell
-    kernel the offsets. Padding rows of ``out`` are unspecified.
+    kernel the offsets. ``routed_rows`` (tokens x top-k, known on the host without a sync)
+    bounds the Hopper grid to the tiles that can hold live rows; pass it at decode. Padding
+    rows of ``out`` are unspecified.
     """
     op = "moe_expert_gemm"
     rows, K, E, N = _check_operand_shapes(op, a_q, w_q)
@@ -182,7 +199,8 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     P = jit.gmem_ptr
     f8, sf = cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU
     if path == "sm90":
-        _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out, None, stream)
+        _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out, None, stream,
+                     routed_rows)
         return out
     if workspace is None:
         workspace = MoeExpertWorkspace(E, device=a_q.device)
@@ -220,7 +238,7 @@ def silu_mul_interleaved(y: torch.Tensor) -> torch.Tensor:
 def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor, w_scales: torch.Tensor,
                        expert_offsets: torch.Tensor, expert_counts: torch.Tensor, tile_expert: torch.Tensor, *,
                        q_out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None, stream=None,
-                       arch: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       arch: str | None = None, routed_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate/up projection with SiLU(gate) * up and MXFP8 requantisation fused in the epilogue.
 
     ``w_q`` / ``w_scales`` are the quantised :func:`interleave_gate_up` weights ``[E, 2I, K]``.
@@ -248,10 +266,10 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
         check_cuda(op, ("a_q", a_q), ("a_scales", a_scales), ("w_q", w_q), ("w_scales", w_scales),
                    ("expert_offsets", expert_offsets), ("q_out", q_out), ("scales_out", scales_out))
         _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, None,
-                     (q_out, scales_out), stream)
+                     (q_out, scales_out), stream, routed_rows)
         return q_out, scales_out
     y = moe_expert_gemm(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, arch=a,
-                        stream=stream) if a_q.is_cuda else _reference(
+                        stream=stream, routed_rows=routed_rows) if a_q.is_cuda else _reference(
         a_q, a_scales, w_q, w_scales, expert_offsets, torch.zeros(rows, N, dtype=torch.bfloat16))
     h = silu_mul_interleaved(y)
     if a_q.is_cuda:

@@ -108,6 +108,9 @@ class FusedOps(Ops):
         x = h.contiguous()
         r = self.router((x @ L["router"].T).float().contiguous(), L["router_bias"].float().contiguous())
         aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, cfg.top_k)
-        hq, hs = moe_expert_gate_up(aq, asc, P["gu_q"], P["gu_s"], r.expert_offsets, r.expert_counts, r.tile_expert)
-        y = moe_expert_gemm(hq, hs, P["d_q"], P["d_s"], r.expert_offsets, r.expert_counts, r.tile_expert)
+        n = x.shape[0] * cfg.top_k  # routed rows: bounds the expert grids to the live tiles
+        hq, hs = moe_expert_gate_up(aq, asc, P["gu_q"], P["gu_s"], r.expert_offsets, r.expert_counts, r.tile_expert,
+                                    routed_rows=n)
+        y = moe_expert_gemm(hq, hs, P["d_q"], P["d_s"], r.expert_offsets, r.expert_counts, r.tile_expert,
+                            routed_rows=n)
         return moe_finalize(y, r.topk_weights, r.routed_row_pos, shared_expert(x, L).contiguous())

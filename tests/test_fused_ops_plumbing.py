@@ -67,7 +67,8 @@ def fake_quant_routed(x, sorted_ids, total, topk):
     return q.view(torch.float8_e4m3fn), _swizzle_reference(s)
 
 
-def fake_gate_up(aq, asc, wq, ws, offs, counts, te):
+def fake_gate_up(aq, asc, wq, ws, offs, counts, te, routed_rows=None):
+    assert routed_rows is not None and routed_rows >= int(counts.sum())  # the grid bound covers every live row
     rows, K = aq.shape
     E, N, _ = wq.shape
     y = _reference(aq.view(torch.uint8), asc, wq.view(torch.uint8), ws, offs, torch.zeros(rows, N).bfloat16())
@@ -75,7 +76,8 @@ def fake_gate_up(aq, asc, wq, ws, offs, counts, te):
     return q.view(torch.float8_e4m3fn), _swizzle_reference(s)
 
 
-def fake_gemm(aq, asc, wq, ws, offs, counts, te):
+def fake_gemm(aq, asc, wq, ws, offs, counts, te, routed_rows=None):
+    assert routed_rows is not None and routed_rows >= int(counts.sum())
     rows = aq.shape[0]
     return _reference(aq.view(torch.uint8), asc, wq.view(torch.uint8), ws, offs,
                       torch.zeros(rows, wq.shape[1]).bfloat16())

@@ -153,13 +153,25 @@ def test_gpu_kernel_matches_emulation(seed, E, N, K, counts):
     cnt, te = _router_maps(offs, counts, aq.shape[0])
     cpu = torch.zeros(aq.shape[0], N).bfloat16()
     _reference(aq, asw, wq, wsw, offs, cpu)
-    out = torch.full((aq.shape[0], N), float("nan"), device="cuda").bfloat16()
-    moe_expert_gemm(aq.cuda(), asw.cuda(), wq.cuda(), wsw.cuda(), offs.cuda(), cnt.cuda(), te.cuda(), out=out)
-    torch.cuda.synchronize()
-    o = out.float().cpu()
-    for e in range(E):
-        lo, hi = int(offs[e]), int(offs[e]) + counts[e]
-        assert torch.allclose(o[lo:hi], cpu[lo:hi].float(), rtol=2**-7, atol=1e-2), f"expert {e}"
+    for routed_rows in (None, sum(counts)):  # whole capacity / the live-tile bound
+        out = torch.full((aq.shape[0], N), float("nan"), device="cuda").bfloat16()
+        moe_expert_gemm(aq.cuda(), asw.cuda(), wq.cuda(), wsw.cuda(), offs.cuda(), cnt.cuda(), te.cuda(), out=out,
+                        routed_rows=routed_rows)
+        torch.cuda.synchronize()
+        o = out.float().cpu()
+        for e in range(E):
+            lo, hi = int(offs[e]), int(offs[e]) + counts[e]
+            assert torch.allclose(o[lo:hi], cpu[lo:hi].float(), rtol=2**-7, atol=1e-2), f"expert {e}"
+
+
+def test_grid_tile_bound():
+    from moe.experts import _grid_tiles
+    # T = 1, k = 8, E = 256: capacity 8 + 256 * 127 rows -> 255 tiles; 8 live rows need <= 9
+    assert _grid_tiles("op", 8 + 256 * 127, 10**6, 256, 8) == 9
+    assert _grid_tiles("op", 8 + 256 * 127, 10**6, 256, None) == 255
+    assert _grid_tiles("op", 1000, 10**6, 4, 10**6) == 8  # never above the capacity
+    with pytest.raises(ValueError, match="routed_rows"):
+        _grid_tiles("op", 1000, 10, 4, -1)
 
 
 @pytest.mark.parametrize("cfg", [dict(E=256, N=4096, K=7168), dict(E=256, N=7168, K=2048)])
