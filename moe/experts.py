@@ -28,6 +28,7 @@ from cute_kernels import jit
 from cute_kernels.arch import current_arch, dispatch
 from cute_kernels.validate import check_cuda, check_tensor
 
+from .experts_sm90 import TILE_K, MoeExpertGemmSm90
 from .quant import MX_BLOCK, SF_ATOM_COLS, SF_ATOM_ROWS, mxfp8_quantize, scale_buffer_size
 
 F8 = torch.float8_e4m3fn
@@ -126,7 +127,7 @@ def _check_scales(op, a_scales, w_scales, expert_offsets, rows, K, E, N):
 
 
 def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out, fused,
-                 stream, routed_rows=None):
+                 stream, routed_rows=None, tile_k=None, stages=None, ctas_per_sm=1):
     """The Hopper kernel: bf16 ``out``, or (``fused`` = (q, scales)) SiLU * up + MXFP8."""
     import cutlass
     from cutlass import Int32
@@ -144,13 +145,25 @@ def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_
     check_cuda(op, ("a_q", a_q), ("expert_counts", expert_counts), ("tile_expert", tile_expert))
     P = jit.gmem_ptr
     f8 = cutlass.Float8E4M3FN
-    fn = jit.get_kernel("moe_expert_gemm_sm90", arch, E=E, N=N, K=K, silu_quant=fused is not None)
+    tile_k = default_tile_k(K) if tile_k is None else tile_k
+    if tile_k not in TILE_K or K % tile_k:
+        raise ValueError(f"{op}: tile_k must be one of {sorted(TILE_K)} dividing K={K}, got {tile_k!r}")
+    if not MoeExpertGemmSm90.can_implement(E, N, K, tile_k, stages, ctas_per_sm):
+        raise ValueError(f"{op}: tile_k={tile_k}, stages={stages}, ctas_per_sm={ctas_per_sm} unsupported (stages in "
+                         f"{STAGE_RANGE}; ctas_per_sm 1 or 2 with both CTAs' shared memory within 227 KB)")
+    fn = jit.get_kernel("moe_expert_gemm_sm90", arch, E=E, N=N, K=K, silu_quant=fused is not None, tile_k=tile_k,
+                        stages=stages, ctas_per_sm=ctas_per_sm)
     q_out, s_out = fused if fused is not None else (a_q, a_scales)  # not touched unless fused
     out_t = out if out is not None else a_q  # not touched when fused
     fn(P(f8, a_q, 16), P(f8, w_q, 16), P(cutlass.Uint8, a_scales, 16), P(cutlass.Uint8, w_scales, 16),
        P(cutlass.BFloat16, out_t, 16), P(f8, q_out, 16), P(cutlass.Uint8, s_out, 1), P(Int32, expert_offsets, 4),
        P(Int32, expert_counts, 4), P(Int32, tile_expert, 4), jit.i32(rows),
        jit.i32(_grid_tiles(op, rows, tile_expert.numel(), E, routed_rows)), jit.cu_stream(stream))
+
+
+def default_tile_k(K: int) -> int:
+    """The Hopper kernel's K tile (see moe.experts_sm90.TILE_K)."""
+    return 128
 
 
 def _grid_tiles(op, rows, tile_capacity, E, routed_rows):
@@ -170,14 +183,18 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
                     expert_offsets: torch.Tensor, expert_counts: torch.Tensor | None = None,
                     tile_expert: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                     workspace: MoeExpertWorkspace | None = None, stream=None, arch: str | None = None,
-                    routed_rows: int | None = None) -> torch.Tensor:
+                    routed_rows: int | None = None, tile_k: int | None = None,
+                    stages: int | None = None, ctas_per_sm: int = 1) -> torch.Tensor:
     """bf16 ``[rows, N]``: expert-sorted rows of ``a`` times their expert's ``W^T``.
 
     ``expert_offsets`` / ``expert_counts`` / ``tile_expert`` are the router's outputs
     (:class:`moe.router.RouterOutput`); the Hopper kernel needs all three, the Blackwell
     kernel the offsets. ``routed_rows`` (tokens x top-k, known on the host without a sync)
-    bounds the Hopper grid to the tiles that can hold live rows; pass it at decode. Padding
-    rows of ``out`` are unspecified.
+    bounds the Hopper grid to the tiles that can hold live rows; pass it at decode.
+    ``tile_k`` / ``stages`` pick the Hopper kernel's K tile (128 or 256; default
+    :func:`default_tile_k`), pipeline depth (2-4; default per tile, see ``TILE_K``) and
+    ``ctas_per_sm`` (2: a launch bound capping registers so two CTAs share an SM).
+    Padding rows of ``out`` are unspecified.
     """
     op = "moe_expert_gemm"
     rows, K, E, N = _check_operand_shapes(op, a_q, w_q)
@@ -200,7 +217,7 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     f8, sf = cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU
     if path == "sm90":
         _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out, None, stream,
-                     routed_rows)
+                     routed_rows, tile_k, stages, ctas_per_sm)
         return out
     if workspace is None:
         workspace = MoeExpertWorkspace(E, device=a_q.device)
@@ -238,7 +255,9 @@ def silu_mul_interleaved(y: torch.Tensor) -> torch.Tensor:
 def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor, w_scales: torch.Tensor,
                        expert_offsets: torch.Tensor, expert_counts: torch.Tensor, tile_expert: torch.Tensor, *,
                        q_out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None, stream=None,
-                       arch: str | None = None, routed_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       arch: str | None = None, routed_rows: int | None = None,
+                       tile_k: int | None = None, stages: int | None = None,
+                       ctas_per_sm: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate/up projection with SiLU(gate) * up and MXFP8 requantisation fused in the epilogue.
 
     ``w_q`` / ``w_scales`` are the quantised :func:`interleave_gate_up` weights ``[E, 2I, K]``.
@@ -266,7 +285,7 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
         check_cuda(op, ("a_q", a_q), ("a_scales", a_scales), ("w_q", w_q), ("w_scales", w_scales),
                    ("expert_offsets", expert_offsets), ("q_out", q_out), ("scales_out", scales_out))
         _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, None,
-                     (q_out, scales_out), stream, routed_rows)
+                     (q_out, scales_out), stream, routed_rows, tile_k, stages, ctas_per_sm)
         return q_out, scales_out
     y = moe_expert_gemm(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, arch=a,
                         stream=stream, routed_rows=routed_rows) if a_q.is_cuda else _reference(

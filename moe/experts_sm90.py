@@ -42,9 +42,12 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from cute_kernels import jit
 
-BM, BN, BK = 128, 64, 128
-PITCH = BK + 16  # bytes per shared row: ldmatrix rows land in distinct 16-byte bank groups
-STAGES = 4
+BM, BN = 128, 64
+#: K tiles and their default stage counts: 128 x 4, or 256 x 3 (256-byte row segments per
+#: stage: better DRAM locality, half the barriers per K). Fewer stages fit 2 CTAs per SM
+#: (128 x 3: 86 KB, 256 x 2: 108 KB). The bench sweeps them.
+TILE_K = {128: 4, 256: 3}
+STAGE_RANGE = (2, 3, 4)
 MX = 32
 
 
@@ -84,8 +87,15 @@ def _unit_modes(t: cute.Tensor, rank: cutlass.Constexpr[int]) -> cute.Tensor:
 
 
 class MoeExpertGemmSm90:
-    def __init__(self, E: int, N: int, K: int, silu_quant: bool = False):
+    def __init__(self, E: int, N: int, K: int, silu_quant: bool = False, tile_k: int = 128,
+                 stages: int | None = None, ctas_per_sm: int = 1):
         self.E, self.N, self.K, self.silu_quant = E, N, K, silu_quant
+        self.bk, self.stages = tile_k, stages or TILE_K[tile_k]
+        self.pitch = tile_k + 16  # bytes per shared row: ldmatrix rows land in distinct 16-byte bank groups
+        self.apk = tile_k // 128  # 512-byte scale atoms (128 rows x 4 blocks) per operand per stage
+        # ctas_per_sm = 2 is a launch bound: registers capped at 128 per thread (the kernel uses
+        # ~144 uncapped, so some spill) so that two CTAs' registers fit beside their shared memory.
+        self.ctas_per_sm = ctas_per_sm
         self.I = N // 2  # silu_quant: output features (gate / up interleaved by 32)
         self.ncb_i = -(-(self.I // MX) // 4)  # scale-column atoms of the requantised output
         self.kb_pad = -(-(K // MX) // 4) * 4
@@ -111,7 +121,8 @@ class MoeExpertGemmSm90:
         tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaFP8Op(cutlass.Float8E4M3FN, Float32, (16, 8, 32)),
                                         cute.make_layout((4, 2, 1)))
         self.kernel(mA, mW, mSA, mSW, mOut, mQ, mSQ, mOffs, mCnt, mTile, tiled_mma).launch(
-            grid=[N // BN, tiles, 1], block=[self.threads, 1, 1], stream=stream)
+            grid=[N // BN, tiles, 1], block=[self.threads, 1, 1], stream=stream,
+            min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=100)  # carveout given: no device query
 
     @cute.kernel
     def kernel(self, mA: cute.Tensor, mW: cute.Tensor, mSA: cute.Tensor, mSW: cute.Tensor, mOut: cute.Tensor,
@@ -133,13 +144,17 @@ class MoeExpertGemmSm90:
                  live: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         f8 = cutlass.Float8E4M3FN
+        BK, STAGES, PITCH, SB = self.bk, self.stages, self.pitch, 512 * self.apk
         KT = self.K // BK
         smem = cutlass.memory.SmemAllocator()
         sA = smem.allocate_tensor(f8, cute.make_layout((BM, BK, STAGES), stride=(PITCH, 1, BM * PITCH)), 16)
         sW = smem.allocate_tensor(f8, cute.make_layout((BN, BK, STAGES), stride=(PITCH, 1, BN * PITCH)), 16)
-        sSA = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((512, STAGES), stride=(1, 512)), 16)
-        sSW = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((512, STAGES), stride=(1, 512)), 16)
-        sH = smem.allocate_tensor(Float32, cute.make_layout((BM, BN + 1), stride=(BN + 1, 1)), 16)
+        sSA = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((SB, STAGES), stride=(1, SB)), 16)
+        sSW = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((SB, STAGES), stride=(1, SB)), 16)
+        # The SiLU epilogue's staging tile reuses the A stages (free once the mainloop is done):
+        # 33 KB less shared memory per CTA.
+        sH = cute.make_tensor(cute.recast_ptr(sA.iterator, dtype=Float32),
+                              cute.make_layout((BM, BN + 1), stride=(BN + 1, 1)))
 
         atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=128)
         gA16 = cute.zipped_divide(cute.recast_tensor(mA, cutlass.Uint8), (1, 16))
@@ -198,7 +213,8 @@ class MoeExpertGemmSm90:
                 for ni in cutlass.range_constexpr(NR):
                     for c in cutlass.range_constexpr(2):
                         nr = n0 % 128 + tCcC[((c, 0), 0, ni)][1]
-                        rSb[ni * 2 + c] = e8m0_to_f32(Uint32(sSW[(nr % 32) * 16 + (nr // 32) * 4 + kb, slot]))
+                        rSb[ni * 2 + c] = e8m0_to_f32(Uint32(sSW[(kb // 4) * 512 + (nr % 32) * 16 + (nr // 32) * 4
+                                                                 + kb % 4, slot]))
                 # Only 16-row MMA blocks that hold live rows do work: at decode a router tile
                 # holds a few rows of its 128, and multiplying the padding made the kernel
                 # compute-bound (the first H200 run: 14% of the copy bandwidth at T = 1).
@@ -209,7 +225,8 @@ class MoeExpertGemmSm90:
                         cute.copy(s2r_A, tAsA[None, mi, kb, slot], tArA[None, mi, kb])
                         for r8 in cutlass.range_constexpr(2):
                             m = tCcC[((0, r8), mi, 0)][0]
-                            rSa[mi * 2 + r8] = e8m0_to_f32(Uint32(sSA[(m % 32) * 16 + (m // 32) * 4 + kb, slot]))
+                            rSa[mi * 2 + r8] = e8m0_to_f32(Uint32(sSA[(kb // 4) * 512 + (m % 32) * 16
+                                                                      + (m // 32) * 4 + kb % 4, slot]))
                         for ni in cutlass.range_constexpr(NR):
                             frag[None, mi, ni].fill(0.0)
                             c1 = _unit_modes(frag[None, mi, ni], 3)
@@ -239,6 +256,7 @@ class MoeExpertGemmSm90:
         swizzled scale layout the down projection reads."""
         tidx, _, _ = cute.arch.thread_idx()
         bf16 = cutlass.BFloat16
+        cute.arch.barrier()  # sH aliases the A stages: every warp is done reading them
         for i in cutlass.range_constexpr(cute.size(acc)):
             m, n = tCcC[i]
             sH[m, n] = Float32(acc[i].to(bf16))  # the gate/up GEMM's bf16 output rounding
@@ -265,7 +283,8 @@ class MoeExpertGemmSm90:
               row0: Int32, wrow0: Int32, live: Int32, sa_base: Int32, sw_base: Int32):
         """cp.async K slice kt: A rows (live ones), W rows, and the two scale atoms."""
         tidx, _, _ = cute.arch.thread_idx()
-        VPR = BK // 16
+        VPR = self.bk // 16
+        A32 = 32 * self.apk  # 16-byte scale vectors per operand per stage
         for i in cutlass.range_constexpr(BM * VPR // self.threads):
             idx = tidx + i * self.threads
             r, v = idx // VPR, idx % VPR
@@ -275,24 +294,32 @@ class MoeExpertGemmSm90:
             idx = tidx + i * self.threads
             r, v = idx // VPR, idx % VPR
             cute.copy(atom, gW16[(0, None), (wrow0 + r, kt * VPR + v)], sW16[(0, None, 0), (r, v, slot)])
-        if tidx < 32:
-            cute.copy(atom, gSA16[None, sa_base // 16 + kt * 32 + tidx], sSA16[(None, 0), (tidx, slot)])
-        elif tidx < 64:
-            cute.copy(atom, gSW16[None, sw_base // 16 + kt * 32 + tidx - 32], sSW16[(None, 0), (tidx - 32, slot)])
+        # A tile's scale atoms for consecutive K blocks of one 128-row block are contiguous.
+        if tidx < A32:
+            cute.copy(atom, gSA16[None, sa_base // 16 + kt * A32 + tidx], sSA16[(None, 0), (tidx, slot)])
+        elif tidx < 2 * A32:
+            cute.copy(atom, gSW16[None, sw_base // 16 + kt * A32 + tidx - A32], sSW16[(None, 0), (tidx - A32, slot)])
 
     @staticmethod
-    def can_implement(E: int, N: int, K: int) -> bool:
-        return 1 <= E <= 1024 and K % BK == 0 and K > 0 and N % BN == 0 and N > 0
+    def can_implement(E: int, N: int, K: int, tile_k: int = 128, stages: int | None = None,
+                      ctas_per_sm: int = 1) -> bool:
+        st = stages or TILE_K.get(tile_k, 0)
+        smem = (BM + BN) * (tile_k + 16) * st + 2 * 512 * (tile_k // 128) * st
+        return (1 <= E <= 1024 and tile_k in TILE_K and K % tile_k == 0 and K > 0 and N % BN == 0 and N > 0
+                and st in STAGE_RANGE and ctas_per_sm in (1, 2) and ctas_per_sm * (smem + 1024) <= 227 * 1024)
 
 
-def _build(arch: str, *, E: int, N: int, K: int, silu_quant: bool = False):
-    if not MoeExpertGemmSm90.can_implement(E, N, K):
-        raise ValueError(f"moe_expert_gemm_sm90: unsupported E={E}, N={N}, K={K} (K % 128, N % 64)")
+def _build(arch: str, *, E: int, N: int, K: int, silu_quant: bool = False, tile_k: int = 128,
+           stages: int | None = None, ctas_per_sm: int = 1):
+    if not MoeExpertGemmSm90.can_implement(E, N, K, tile_k, stages, ctas_per_sm):
+        raise ValueError(f"moe_expert_gemm_sm90: unsupported E={E}, N={N}, K={K}, tile_k={tile_k}, stages={stages}, "
+                         f"ctas_per_sm={ctas_per_sm} (K % tile_k, N % 64, tile_k in {sorted(TILE_K)}, stages in "
+                         f"{STAGE_RANGE}, shared memory of ctas_per_sm CTAs within 227 KB)")
     P = jit.fake_gmem_ptr
     f8 = cutlass.Float8E4M3FN
     args = (P(f8, 16), P(f8, 16), P(cutlass.Uint8, 16), P(cutlass.Uint8, 16), P(cutlass.BFloat16, 16), P(f8, 16),
             P(cutlass.Uint8, 1), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(128), Int32(1), jit.fake_stream())
-    return MoeExpertGemmSm90(E, N, K, silu_quant), args
+    return MoeExpertGemmSm90(E, N, K, silu_quant, tile_k, stages, ctas_per_sm), args
 
 
 KERNEL = jit.register(jit.KernelDef(

@@ -153,15 +153,25 @@ def test_gpu_kernel_matches_emulation(seed, E, N, K, counts):
     cnt, te = _router_maps(offs, counts, aq.shape[0])
     cpu = torch.zeros(aq.shape[0], N).bfloat16()
     _reference(aq, asw, wq, wsw, offs, cpu)
-    for routed_rows in (None, sum(counts)):  # whole capacity / the live-tile bound
+    n = sum(counts)  # routed rows; None: the grid spans the whole capacity
+    for routed_rows, tile_k, stages, ctas in ((None, 128, None, 1), (n, 128, None, 1), (n, 256, None, 1),
+                                              (n, 128, 3, 2), (n, 256, 2, 2)):
         out = torch.full((aq.shape[0], N), float("nan"), device="cuda").bfloat16()
         moe_expert_gemm(aq.cuda(), asw.cuda(), wq.cuda(), wsw.cuda(), offs.cuda(), cnt.cuda(), te.cuda(), out=out,
-                        routed_rows=routed_rows)
+                        routed_rows=routed_rows, tile_k=tile_k, stages=stages, ctas_per_sm=ctas)
         torch.cuda.synchronize()
         o = out.float().cpu()
         for e in range(E):
             lo, hi = int(offs[e]), int(offs[e]) + counts[e]
             assert torch.allclose(o[lo:hi], cpu[lo:hi].float(), rtol=2**-7, atol=1e-2), f"expert {e}"
+
+
+def test_tile_config_validation():
+    from moe.experts_sm90 import MoeExpertGemmSm90
+    assert MoeExpertGemmSm90.can_implement(256, 4096, 7168, 128, 4, 2)  # 113 KB x 2 fits 227 KB
+    assert not MoeExpertGemmSm90.can_implement(256, 4096, 7168, 256, 3, 2)  # 162 KB x 2 does not
+    assert MoeExpertGemmSm90.can_implement(256, 4096, 7168, 256, None, 1)
+    assert not MoeExpertGemmSm90.can_implement(256, 4096, 7040, 256)  # K % 256
 
 
 def test_grid_tile_bound():
@@ -231,13 +241,16 @@ def test_gate_up_fallback_matches_spec():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("E, I, K, counts", [(4, 64, 256, [3, 0, 129, 64]), (8, 2048, 7168, [1, 0, 2, 0, 1, 5, 0, 3])])
-def test_gpu_fused_gate_up_matches_spec(seed, E, I, K, counts):
-    """H200: the fused Hopper epilogue. Its exp differs from the CPU's by an ulp at times, so a
-    rare h (and its e4m3 byte) may differ by one step: compare dequantised values."""
+@pytest.mark.parametrize("tile_k, stages, ctas", [(128, None, 1), (256, None, 1), (128, 3, 2)])
+def test_gpu_fused_gate_up_matches_spec(seed, E, I, K, counts, tile_k, stages, ctas):
+    """H200: the fused Hopper epilogue (its staging tile aliases the A stages). Its exp differs
+    from the CPU's by an ulp at times, so a rare h (and its e4m3 byte) may differ by one step:
+    compare dequantised values."""
     gen = torch.Generator().manual_seed(seed)
     aq, asw, wq, wsw, offs, cnt, te = _gate_up_problem(E, I, K, counts, gen)
     q_ref, s_ref = _gate_up_reference(aq, asw, wq, wsw, offs, counts, I)
-    q, s = moe_expert_gate_up(aq.cuda(), asw.cuda(), wq.cuda(), wsw.cuda(), offs.cuda(), cnt.cuda(), te.cuda())
+    q, s = moe_expert_gate_up(aq.cuda(), asw.cuda(), wq.cuda(), wsw.cuda(), offs.cuda(), cnt.cuda(), te.cuda(),
+                              routed_rows=sum(counts), tile_k=tile_k, stages=stages, ctas_per_sm=ctas)
     torch.cuda.synchronize()
     q, s = q.cpu(), s.cpu()
     got = dequantize(q.view(torch.uint8), s, aq.shape[0], I)
@@ -256,11 +269,13 @@ def test_machine_code_sm90_fused():
     assert sass.local_memory_ops(h) == 0
 
 
-def test_sm90_scale_addressing_transcribed():
-    """The Hopper kernel's scale-byte addressing (sa_base / sw_base, the 512-byte atom copied per
-    K slice, the in-atom index), transcribed to Python, lands on the byte the quantiser wrote
-    for (row, k-block) -- for both operands, several experts, N-tiles and K slices."""
-    E, N, K, rows = 3, 256, 512, 384
+@pytest.mark.parametrize("tile_k", [128, 256])
+def test_sm90_scale_addressing_transcribed(tile_k):
+    """The Hopper kernel's scale-byte addressing (sa_base / sw_base, the tile_k / 128 atoms of
+    512 bytes copied per K slice, the in-atom index), transcribed to Python, lands on the byte
+    the quantiser wrote for (row, k-block) -- both operands, several experts, N-tiles, K slices."""
+    E, N, K, rows = 3, 256, 1024, 384
+    SB = 512 * (tile_k // 128)
     kb_pad, n_pad = -(-(K // 32) // 4) * 4, -(-N // 128) * 128
     cb = kb_pad // 4
     g = torch.Generator().manual_seed(3)
@@ -273,15 +288,18 @@ def test_sm90_scale_addressing_transcribed():
             for n0 in (0, 64, 128, 192):
                 sa_base = (row0 // 128) * cb * 512
                 sw_base = (e * n_pad + n0 // 128 * 128) // 128 * cb * 512
-                for kt in range(K // 128):
-                    atom_a = flat_a[sa_base + kt * 512: sa_base + kt * 512 + 512]
-                    atom_w = flat_w[sw_base + kt * 512: sw_base + kt * 512 + 512]
-                    for kb in range(4):
+                for kt in range(K // tile_k):
+                    st_a = flat_a[sa_base + kt * SB: sa_base + kt * SB + SB]  # one stage's scale bytes
+                    st_w = flat_w[sw_base + kt * SB: sw_base + kt * SB + SB]
+                    nb = tile_k // 32
+                    for kb in range(nb):
                         for m in (0, 5, 31, 32, 77, 127):
-                            assert atom_a[(m % 32) * 16 + (m // 32) * 4 + kb] == raw_a[row0 + m, kt * 4 + kb]
+                            got = st_a[(kb // 4) * 512 + (m % 32) * 16 + (m // 32) * 4 + kb % 4]
+                            assert got == raw_a[row0 + m, kt * nb + kb]
                         for n in (0, 9, 31, 32, 63):
                             nr = n0 % 128 + n
-                            assert atom_w[(nr % 32) * 16 + (nr // 32) * 4 + kb] == raw_w[e, n0 + n, kt * 4 + kb]
+                            got = st_w[(kb // 4) * 512 + (nr % 32) * 16 + (nr // 32) * 4 + kb % 4]
+                            assert got == raw_w[e, n0 + n, kt * nb + kb]
 
 
 def test_sm90_fused_scale_store_addressing_transcribed():
