@@ -160,12 +160,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--tokens", default="1,64,320,4096", help="comma-separated T values")
     args = ap.parse_args()
     cfg = RouterConfig(num_experts=args.experts)
     W = make_weights(args.experts)
     bias = torch.randn(args.experts, device="cuda") * 0.1
     rows, stage_rows, stage_names = [], [], []
-    for T in (1, 64, 320, 4096):
+    for T in [int(v) for v in args.tokens.split(",")]:
         x = torch.randn(T, C, device="cuda").bfloat16()
         logits = torch.randn(T, args.experts, device="cuda") * 3
         ours = OursLayer(T, W, cfg)
