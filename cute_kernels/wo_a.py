@@ -86,6 +86,15 @@ def _torch_path(o, w, out):
     return out
 
 
+#: tokens up to which wo_a() uses the decode kernel by default (H200, bench_wo_a: faster than
+#: the engine at T = 1 and 5 for all four shapes; its 64-row variant is slower at T = 64)
+DECODE_MAX_T = 16
+
+
+def use_decode_kernel(T: int, decode_kernel: bool | None) -> bool:
+    return T <= DECODE_MAX_T if decode_kernel is None else bool(decode_kernel)
+
+
 _WORKSPACES: dict = {}
 _SMS: dict = {}
 
@@ -107,12 +116,14 @@ def _default_workspace(device, G, R) -> WoADecodeWorkspace:
 
 
 def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None = None, stream=None,
-         arch: str | None = None, decode_kernel: bool = False,
+         arch: str | None = None, decode_kernel: bool | None = None,
          workspace: WoADecodeWorkspace | None = None) -> torch.Tensor:
     """``y [T, G*R]`` (bf16, token-major) from ``o [T, H, Dv]`` and ``wo_a_weight [G, R, (H/G)*Dv]``.
 
-    ``decode_kernel=True`` routes T <= 64 to :mod:`cute_kernels.wo_a_decode` (the
-    weight-streaming split-K decode kernel). Its split partials live in ``workspace`` (default:
+    ``decode_kernel`` routes the call to :mod:`cute_kernels.wo_a_decode` (the weight-streaming
+    split-K decode kernel): ``None`` (default) for T <= 16 -- where the H200 measured it faster
+    than the TMA/wgmma engine at every shape (bench/RESULTS.md) --, ``True`` for any T <= 64,
+    ``False`` never. Its split partials live in ``workspace`` (default:
     one shared per device and shape -- pass your own for concurrent calls on several streams).
     """
     op = "wo_a"
@@ -136,7 +147,7 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     path = dispatch(op, ("sm100", "sm90", "reference"), arch=a)
     if path == "reference":
         return _torch_path(o, wo_a_weight, out)
-    if decode_kernel and WoADecode.can_implement(T, G, R, Dg):
+    if use_decode_kernel(T, decode_kernel) and WoADecode.can_implement(T, G, R, Dg):
         bm, splits = decode_plan(T, G, R, Dg, _num_sms(o.device))
         if workspace is None:
             workspace = _default_workspace(o.device, G, R)

@@ -26,10 +26,11 @@ def make(T, G, HG, Dv, R, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("G, HG, Dv, R", SHAPES)
 @pytest.mark.parametrize("T", [1, 5, 64, 77, 300])
-def test_hopper_matches_fp64(seed, G, HG, Dv, R, T):
+@pytest.mark.parametrize("decode", [None, False])  # default path (decode kernel at T <= 16) / the engine
+def test_hopper_matches_fp64(seed, G, HG, Dv, R, T, decode):
     o, w = make(T, G, HG, Dv, R, "cuda")
     out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
-    wo_a(o, w, out=out)
+    wo_a(o, w, out=out, decode_kernel=decode)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
     assert out.stride() == (G * R, 1)
@@ -190,6 +191,12 @@ def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits):
     g.replay()
     torch.cuda.synchronize()
     assert rel_err(out, wo_a_ref(o, w)) < TOL
+
+
+def test_decode_kernel_default_range():
+    from cute_kernels.wo_a import use_decode_kernel
+    assert use_decode_kernel(1, None) and use_decode_kernel(16, None) and not use_decode_kernel(17, None)
+    assert use_decode_kernel(64, True) and not use_decode_kernel(1, False)
 
 
 def test_decode_plan():
