@@ -11,8 +11,9 @@ printed):
   tok/s including the (eager, unoptimised) prefill;
 * median acceptance length; median target-verify and draft graph replay times (CUDA events
   around each replay); kernels per verify / draft graph replay (profiled);
-* kernel launches per family over 20 verify + draft cycles (torch profiler on the
-  replayed graphs; families by kernel-name patterns).
+* kernel launches per family over 20 verify + draft cycles (the kernels the torch profiler
+  attributes to each family's range in an eager verify step -- what its graph replays --
+  times 20; the draft step has no MoE families).
 
 Random weights make the draft's proposals near-random, so the acceptance length is ~1 and
 both paths do the same number of verify steps -- tok/s compare the step costs. ``--quick``
@@ -35,13 +36,8 @@ import torch
 from .config import SLICE, SMALL, TINY, EngineConfig
 from .engine import Engine
 
-FAMILIES = {
-    "router top-k / padding": r"MoeRouter|RouterTopk|topk|cumsum|bincount|histc",
-    "ID packing (sort / scatter)": r"sort|scatter|index_copy|RouterTopkAlign",
-    "standalone finalize": r"(?<!Shared)Finalize(?!Shared)|sum_kernel|reduce_kernel",
-    "fused finalize (+ shared add)": r"FinalizeShared",
-    "all-reduce": r"PushAllreduce|allreduce|nccl",
-}
+FAMILIES = ("router top-k / padding", "ID packing (sort / scatter)", "standalone finalize", "shared-expert add",
+            "fused finalize (+ shared add)", "all-reduce")
 
 
 def progress(i, n, label):
@@ -80,6 +76,9 @@ def run_case(backend, model, batch, n_in, n_out):
 
 
 def count_families(eng, batch, cycles=20):
+    """Kernels launched inside each op family's profiler range (spec_decode.step_model.family)
+    during one eager verify step at ``batch``, times ``cycles``: a replayed verify graph runs
+    exactly the kernels its eager capture launched. The draft step has no MoE families."""
     from torch.profiler import ProfilerActivity, profile
 
     K = eng.config.block_size
@@ -87,14 +86,21 @@ def count_families(eng, batch, cycles=20):
     tok = torch.zeros(batch, K + 1, dtype=torch.long, device=dev)
     pos = torch.arange(K + 1, device=dev)[None].expand(batch, -1).contiguous()
     slots = torch.arange(batch, device=dev)
-    hid = torch.zeros(batch, eng.config.model.hidden, device=dev, dtype=eng.model.dtype)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(cycles):
-            eng.draft_graphs.run(tok[:, :1], pos[:, :1], slots, hid)
-            eng.verify_graphs.run(tok, pos, slots)
+    eng.step.forward(tok, pos, slots, eng.kv)  # warm (compiles) outside the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        eng.step.forward(tok, pos, slots, eng.kv)
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0]
-    return {fam: sum(bool(re.search(pat, nm)) for nm in names) for fam, pat in FAMILIES.items()}
+
+    def kernels(ev):
+        return len(ev.kernels) + sum(kernels(c) for c in ev.cpu_children)
+
+    counts = dict.fromkeys(FAMILIES, 0)
+    for ev in prof.events():
+        if ev.name.startswith("family::") and (ev.cpu_parent is None or not ev.cpu_parent.name.startswith("family::")):
+            fam = ev.name[len("family::"):]
+            counts[fam] = counts.get(fam, 0) + kernels(ev)
+    return {fam: n * cycles for fam, n in counts.items()}
 
 
 def main(argv=None) -> int:

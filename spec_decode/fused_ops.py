@@ -31,7 +31,7 @@ from moe.quant import mxfp8_quantize_routed
 from moe.router import MoeRouter, RouterConfig
 
 from .model import shared_expert
-from .step_model import Ops
+from .step_model import Ops, family
 
 
 class FusedOps(Ops):
@@ -106,11 +106,15 @@ class FusedOps(Ops):
     def moe(self, h, L, cfg):
         P = self._layer[id(L)]
         x = h.contiguous()
-        r = self.router((x @ L["router"].T).float().contiguous(), L["router_bias"].float().contiguous())
+        logits = (x @ L["router"].T).float().contiguous()
+        with family("router top-k / padding"):  # one kernel: top-k, padding and ID packing
+            r = self.router(logits, L["router_bias"].float().contiguous())
         aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, cfg.top_k)
         n = x.shape[0] * cfg.top_k  # routed rows: bounds the expert grids to the live tiles
         hq, hs = moe_expert_gate_up(aq, asc, P["gu_q"], P["gu_s"], r.expert_offsets, r.expert_counts, r.tile_expert,
                                     routed_rows=n)
         y = moe_expert_gemm(hq, hs, P["d_q"], P["d_s"], r.expert_offsets, r.expert_counts, r.tile_expert,
                             routed_rows=n)
-        return moe_finalize(y, r.topk_weights, r.routed_row_pos, shared_expert(x, L).contiguous())
+        sh = shared_expert(x, L).contiguous()
+        with family("fused finalize (+ shared add)"):
+            return moe_finalize(y, r.topk_weights, r.routed_row_pos, sh)

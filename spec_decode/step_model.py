@@ -23,6 +23,12 @@ from .model import (KVPool, TargetModel, grouped_topk, mhc_mappings, moe_gathere
                     rope, shared_expert)
 
 
+def family(name: str):
+    """A profiler range naming an op family; spec_decode.bench counts the kernels launched
+    inside each (a no-op for graph replay, which runs no Python)."""
+    return torch.profiler.record_function(f"family::{name}")
+
+
 class Ops:
     """PyTorch composites of every op family (the ``baseline`` path; runs on CPU and GPU)."""
 
@@ -58,7 +64,9 @@ class Ops:
     def moe(self, h, L, cfg):
         """h [N, C] (normed) -> routed + shared [N, C]."""
         if h.is_cuda and h.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-            ids, w = grouped_topk(h @ L["router"].T, L["router_bias"], cfg)
+            logits = h @ L["router"].T
+            with family("router top-k / padding"):
+                ids, w = grouped_topk(logits, L["router_bias"], cfg)
             return self._moe_grouped(h, L, cfg, ids, w)
         return moe_gathered(h, L, cfg)  # the spec's per-choice gathers: fine for the CPU's small configs
 
@@ -66,18 +74,23 @@ class Ops:
         """The unfused GPU composite: sort the routed rows by expert, bf16 grouped GEMMs,
         SiLU * up, a standalone weighted finalize, then the separate shared add."""
         N, k = ids.shape
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)
-        # scatter_add, not bincount: bincount sizes its output on the host (a sync, uncapturable)
-        counts = torch.zeros(cfg.experts, dtype=torch.long, device=h.device).scatter_add_(0, flat, torch.ones_like(flat))
-        offs = counts.cumsum(0).int()
-        xs = h[order // k]
+        with family("ID packing (sort / scatter)"):
+            flat = ids.flatten()
+            order = torch.argsort(flat, stable=True)
+            # scatter_add, not bincount: bincount sizes its output on the host (a sync, uncapturable)
+            counts = torch.zeros(cfg.experts, dtype=torch.long, device=h.device).scatter_add_(
+                0, flat, torch.ones_like(flat))
+            offs = counts.cumsum(0).int()
+            xs = h[order // k]
         g = torch._grouped_mm(xs, L["gate"].transpose(1, 2), offs=offs)
         up = torch._grouped_mm(xs, L["up"].transpose(1, 2), offs=offs)
         y = torch._grouped_mm(torch.nn.functional.silu(g) * up, L["down"].transpose(1, 2), offs=offs)
-        routed = torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1)
-        out = (routed.float() * w[..., None].float()).sum(1).to(h.dtype)
-        return out + shared_expert(h, L)
+        with family("standalone finalize"):
+            routed = torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1)
+            out = (routed.float() * w[..., None].float()).sum(1).to(h.dtype)
+        sh = shared_expert(h, L)
+        with family("shared-expert add"):
+            return out + sh
 
 
 class StepModel:
