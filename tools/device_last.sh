@@ -8,5 +8,7 @@ timeout 90 python -m pytest -q -rf --tb=line -p no:cacheprovider tests/test_moe_
 echo "moe tests rc=$?"; tail -4 "$OUT/moe_tests.log"
 timeout 130 python bench/bench_moe_experts.py --tokens 1,64,4096 --out "$OUT/bench_moe.md" > "$OUT/bench_moe.log" 2>&1
 echo "bench_moe rc=$?"; grep "^|" "$OUT/bench_moe.log" | tail -12
+timeout 80 python -m spec_decode.bench --model small --backends baseline,fused --quick --out "$OUT/spec_small.md" > "$OUT/spec_small.log" 2>&1
+echo "spec bench rc=$?"; grep "^|" "$OUT/spec_small.log" | tail -20
 timeout 70 python bench/bench_indexer.py --out "$OUT/bench_indexer.md" > "$OUT/bench_indexer.log" 2>&1
 echo "bench_indexer rc=$?"; grep "^|" "$OUT/bench_indexer.log" | tail -8
