@@ -51,6 +51,9 @@ class FusedOps(Ops):
                                              topk_group=cfg.topk_group, top_k=cfg.top_k,
                                              routed_scaling_factor=cfg.routed_scaling_factor), max_tokens=max_tokens,
                                 device=dev)
+        # The shared expert needs only h: it runs on this side stream, forked and joined with
+        # events (captured into the step graphs as parallel branches), beside the routed path.
+        self.side = torch.cuda.Stream(device=dev) if on_cuda else None
         self._layer = {}  # id(layer dict) -> its prepared kernel weights
         for L in target.layers:
             P = {}
@@ -106,6 +109,11 @@ class FusedOps(Ops):
     def moe(self, h, L, cfg):
         P = self._layer[id(L)]
         x = h.contiguous()
+        main = torch.cuda.current_stream() if self.side is not None else None
+        if main is not None:
+            self.side.wait_stream(main)  # fork: x is ready
+            with torch.cuda.stream(self.side):
+                sh = shared_expert(x, L).contiguous()
         logits = (x @ L["router"].T).float().contiguous()
         with family("router top-k / padding"):  # one kernel: top-k, padding and ID packing
             r = self.router(logits, L["router_bias"].float().contiguous())
@@ -115,6 +123,10 @@ class FusedOps(Ops):
                                     routed_rows=n)
         y = moe_expert_gemm(hq, hs, P["d_q"], P["d_s"], r.expert_offsets, r.expert_counts, r.tile_expert,
                             routed_rows=n)
-        sh = shared_expert(x, L).contiguous()
+        if main is not None:
+            main.wait_stream(self.side)  # join before the add reads sh (every later side-stream
+            # op waits on main first, so sh's memory is not reused while main reads it)
+        else:
+            sh = shared_expert(x, L).contiguous()
         with family("fused finalize (+ shared add)"):
             return moe_finalize(y, r.topk_weights, r.routed_row_pos, sh)

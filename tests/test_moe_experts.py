@@ -155,7 +155,7 @@ def test_gpu_kernel_matches_emulation(seed, E, N, K, counts):
     _reference(aq, asw, wq, wsw, offs, cpu)
     n = sum(counts)  # routed rows; None: the grid spans the whole capacity
     for routed_rows, tile_k, stages, ctas in ((None, 128, None, 1), (n, 128, None, 1), (n, 256, None, 1),
-                                              (n, 128, 3, 2), (n, 256, 2, 2)):
+                                              (n, 128, 4, 2), (n, 128, 3, 2), (n, 256, 2, 2)):
         out = torch.full((aq.shape[0], N), float("nan"), device="cuda").bfloat16()
         moe_expert_gemm(aq.cuda(), asw.cuda(), wq.cuda(), wsw.cuda(), offs.cuda(), cnt.cuda(), te.cuda(), out=out,
                         routed_rows=routed_rows, tile_k=tile_k, stages=stages, ctas_per_sm=ctas)

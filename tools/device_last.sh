@@ -4,7 +4,7 @@
 #   device run (carry .devcache):  bash tools/device_last.sh
 source tools/device-env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-timeout 90 python -m pytest -q -rf --tb=line -p no:cacheprovider tests/test_moe_experts.py -m gpu > "$OUT/moe_tests.log" 2>&1
+timeout 110 python -m pytest -q -rf --tb=line -p no:cacheprovider tests/test_moe_experts.py tests/test_spec_decode.py -m gpu > "$OUT/moe_tests.log" 2>&1
 echo "moe tests rc=$?"; tail -4 "$OUT/moe_tests.log"
 timeout 130 python bench/bench_moe_experts.py --tokens 1,64,4096 --out "$OUT/bench_moe.md" > "$OUT/bench_moe.log" 2>&1
 echo "bench_moe rc=$?"; grep "^|" "$OUT/bench_moe.log" | tail -12
