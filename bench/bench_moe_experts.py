@@ -33,7 +33,7 @@ from moe.router import MoeRouter, RouterConfig  # noqa: E402
 
 C, I, TOPK = 7168, 2048, 8
 #: Hopper expert-kernel (K tile, stages, CTAs per SM) swept per stage
-TILES = ((128, 4, 1), (256, 3, 1), (128, 4, 2), (128, 3, 2), (256, 2, 2))
+TILES = ((128, 4, 1), (256, 3, 1), (128, 4, 2), (256, 2, 2))
 
 
 def make_weights(E):
