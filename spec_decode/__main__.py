@@ -1,7 +1,9 @@
 """``python -m spec_decode run [--batch B] [--prompt-len N] [--new M] [--plain]``: decode demo.
 
-Runs the chosen backend (``--backend reference|baseline``; baseline replays CUDA graphs on a
-GPU) with speculative decoding and prints tokens/s and the median acceptance length.
+Runs the chosen backend (``--backend reference|baseline|fused``; baseline and fused replay
+CUDA graphs on a GPU; fused needs ``--device cuda`` and runs in bf16 on the ``small`` model
+unless ``--model`` says otherwise) with speculative decoding and prints tokens/s and the
+median acceptance length.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import hashlib
 import random
 import time
 
-from .config import EngineConfig
+from .config import SLICE, SMALL, TINY, EngineConfig
 from .engine import Engine
 
 
@@ -25,9 +27,15 @@ def main(argv=None) -> int:
     run.add_argument("--plain", action="store_true", help="plain greedy decoding instead of speculative")
     run.add_argument("--device", default="cpu")
     run.add_argument("--backend", default="reference", choices=("reference", "baseline", "fused"),
-                     help="reference: the spec's per-token loops; baseline: sync-free torch ops in step graphs")
+                     help="reference: the spec's per-token loops; baseline: sync-free torch ops in step graphs; "
+                          "fused: this project's kernels in step graphs (bf16, CUDA)")
+    run.add_argument("--model", choices=("tiny", "small", "slice"), default=None,
+                     help="default: small for the fused backend, tiny otherwise")
     args = ap.parse_args(argv)
-    cfg = EngineConfig(device=args.device, max_seq_len=args.prompt_len + args.new + 16, backend=args.backend)
+    name = args.model or ("small" if args.backend == "fused" else "tiny")
+    model = {"tiny": TINY, "small": SMALL, "slice": SLICE}[name]
+    cfg = EngineConfig(model=model, device=args.device, max_seq_len=args.prompt_len + args.new + 16,
+                       backend=args.backend, dtype="bfloat16" if args.backend == "fused" else "float32")
     eng = Engine(cfg)
     rng = random.Random(0)
     ids = [[rng.randrange(cfg.model.vocab) for _ in range(args.prompt_len)] for _ in range(args.batch)]
