@@ -5,9 +5,9 @@
 #   device run (carry .devcache):  bash tools/device_last.sh
 source tools/device-env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-timeout 90 python -m pytest -q -rf --tb=line -p no:cacheprovider tests/test_moe_experts.py tests/test_spec_decode.py -m gpu > "$OUT/gpu_tests.log" 2>&1
+timeout 75 python -m pytest -q -rf --tb=line -p no:cacheprovider tests/test_moe_experts.py tests/test_spec_decode.py -m gpu > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.log"
-timeout 85 python bench/bench_moe_experts.py --tokens 1,64 --out "$OUT/bench_moe.md" > "$OUT/bench_moe.log" 2>&1
+timeout 70 python bench/bench_moe_experts.py --tokens 1,64 --out "$OUT/bench_moe.md" > "$OUT/bench_moe.log" 2>&1
 echo "bench_moe rc=$?"; grep "^|" "$OUT/bench_moe.log" | tail -8
-timeout 65 python -m spec_decode.bench --model small --backends baseline,fused --quick --out "$OUT/spec_small.md" > "$OUT/spec_small.log" 2>&1
+timeout 55 python -m spec_decode.bench --model small --backends baseline,fused --quick --out "$OUT/spec_small.md" > "$OUT/spec_small.log" 2>&1
 echo "spec bench rc=$?"; grep "^|" "$OUT/spec_small.log" | tail -20
