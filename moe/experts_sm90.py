@@ -327,7 +327,9 @@ KERNEL = jit.register(jit.KernelDef(
     build=_build,
     sources=(os.path.abspath(__file__),),
     archs=("sm_90a",),
-    aot_configs=({"E": 256, "N": 4096, "K": 7168, "silu_quant": True}, {"E": 256, "N": 4096, "K": 7168},
-                 {"E": 256, "N": 7168, "K": 2048}),
+    # the configs moe.experts launches by default (moe.experts.default_tile) at the model's sizes
+    aot_configs=({"E": 256, "N": 4096, "K": 7168, "silu_quant": True, "tile_k": 128, "stages": None, "ctas_per_sm": 1},
+                 {"E": 256, "N": 4096, "K": 7168, "silu_quant": False, "tile_k": 256, "stages": 2, "ctas_per_sm": 2},
+                 {"E": 256, "N": 7168, "K": 2048, "silu_quant": False, "tile_k": 256, "stages": 2, "ctas_per_sm": 2}),
     description="MXFP8 routed-expert grouped GEMM, Hopper: FP8 mma.sync per 32-block + scale promotion",
 ))

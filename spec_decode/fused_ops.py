@@ -62,6 +62,7 @@ class FusedOps(Ops):
                 P[f"{sub}_alpha"] = L[f"{sub}_a"].float().contiguous()
                 P[f"{sub}_bias"] = torch.cat([L[f"{sub}_b_pre"], L[f"{sub}_b_post"],
                                               L[f"{sub}_b_res"].flatten()]).float().contiguous()
+            P["router_bias"] = L["router_bias"].float().contiguous()
             P["gu_q"], P["gu_s"] = quantize_expert_weights(interleave_gate_up(L["gate"], L["up"]).contiguous())
             P["d_q"], P["d_s"] = quantize_expert_weights(L["down"].contiguous())
             self._layer[id(L)] = P
@@ -116,7 +117,7 @@ class FusedOps(Ops):
                 sh = shared_expert(x, L).contiguous()
         logits = (x @ L["router"].T).float().contiguous()
         with family("router top-k / padding"):  # one kernel: top-k, padding and ID packing
-            r = self.router(logits, L["router_bias"].float().contiguous())
+            r = self.router(logits, P["router_bias"])
         aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, cfg.top_k)
         n = x.shape[0] * cfg.top_k  # routed rows: bounds the expert grids to the live tiles
         hq, hs = moe_expert_gate_up(aq, asc, P["gu_q"], P["gu_s"], r.expert_offsets, r.expert_counts, r.tile_expert,
