@@ -41,6 +41,7 @@ from cutlass import Float32, Int32, Uint32
 from . import jit
 from .arch import current_arch, dispatch
 from .indexer_scores import IndexerScores
+from .indexer_scores_fp8 import IndexerScoresFp8
 from .indexer_scores_sm90 import IndexerScoresSm90
 from .indexer_scores_sm100 import IndexerScoresSm100
 from .validate import check_cuda, check_tensor
@@ -327,7 +328,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
                  kv_len: torch.Tensor, pos: torch.Tensor, *, topk: int = 2048, max_keys: int | None = None,
                  slot_valid: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  workspace: IndexerWorkspace | None = None, stream=None, arch: str | None = None,
-                 use_wgmma: bool = False) -> torch.Tensor:
+                 use_wgmma: bool = False, k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Top-``topk`` candidate keys per token: int32 ``[T, topk]``, ascending, ``-1`` padded.
 
     ``q [T, H, D]`` bf16, ``w [T, H]`` fp32, ``k_cache [R, D]`` bf16 (all sequences' index
@@ -336,20 +337,32 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
     invalid slot). ``max_keys`` bounds every ``min(pos + 1, kv_len)`` (default: R); it sizes
     the grid, so no host sync reads the lengths. Key s of token t is a candidate iff
     ``s <= pos[t]``, ``s < kv_len[t]``, ``s < max_keys``, its row is inside ``k_cache`` and
-    its slot is valid. ``use_wgmma`` selects the Hopper wgmma score kernel (not yet run on a
-    GPU) instead of the tested warp-MMA one.
+    its slot is valid. ``use_wgmma`` selects the Hopper wgmma score kernel instead of the
+    warp-MMA one (both GPU-tested; the warp-MMA kernel is the measured default).
+
+    FP8 variant: ``q`` and ``k_cache`` in ``torch.float8_e4m3fn`` with ``k_scale [R]`` fp32
+    (positive, per key row) and ``w`` carrying each query head's scale (DeepSeek's
+    formulation, :mod:`cute_kernels.indexer_scores_fp8`; compiled, not yet run on a GPU).
     """
     op = "indexer_topk"
-    check_tensor(op, "q", q, dtype=torch.bfloat16, ndim=3, contiguous=True, align_bytes=16)
+    fp8 = isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn
+    qdt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    check_tensor(op, "q", q, dtype=(torch.bfloat16, torch.float8_e4m3fn), ndim=3, contiguous=True, align_bytes=16)
     T, H, D = q.shape
-    if not IndexerScores.can_implement(H, D):
+    if not (IndexerScoresFp8.can_implement(H, D) if fp8 else IndexerScores.can_implement(H, D)):
         raise ValueError(f"{op}: q has H={H} heads of D={D}; supported: H % 32 == 0 in [32, 128], "
-                         f"D % 16 == 0 in [16, 256]")
+                         f"D % {32 if fp8 else 16} == 0 in [{32 if fp8 else 16}, 256]")
     check_tensor(op, "w", w, dtype=torch.float32, shape=(T, H), contiguous=True, align_bytes=16)
-    check_tensor(op, "k_cache", k_cache, dtype=torch.bfloat16, ndim=2, contiguous=True, align_bytes=16)
+    check_tensor(op, "k_cache", k_cache, dtype=qdt, ndim=2, contiguous=True, align_bytes=16)
     R = k_cache.shape[0]
     if k_cache.shape[1] != D:
         raise ValueError(f"{op}: k_cache must have shape [R, {D}] (q's head dim), got {list(k_cache.shape)}")
+    if fp8:
+        if k_scale is None:
+            raise ValueError(f"{op}: FP8 q / k_cache need k_scale [R] (fp32 per key row)")
+        check_tensor(op, "k_scale", k_scale, dtype=torch.float32, shape=(R,), contiguous=True, align_bytes=4)
+    elif k_scale is not None:
+        raise ValueError(f"{op}: k_scale is only for FP8 q / k_cache (got bf16 q)")
     for name, t in (("kv_offset", kv_offset), ("kv_len", kv_len), ("pos", pos)):
         check_tensor(op, name, t, dtype=torch.int32, shape=(T,), contiguous=True, align_bytes=4)
     if slot_valid is not None:
@@ -366,7 +379,8 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
         out = torch.empty(T, topk, dtype=torch.int32, device=q.device)
     check_tensor(op, "out", out, dtype=torch.int32, shape=(T, topk), contiguous=True, align_bytes=4)
     named = [("q", q), ("w", w), ("k_cache", k_cache), ("kv_offset", kv_offset), ("kv_len", kv_len), ("pos", pos),
-             ("out", out)] + ([("slot_valid", slot_valid)] if slot_valid is not None else [])
+             ("out", out)] + ([("slot_valid", slot_valid)] if slot_valid is not None else []) \
+        + ([("k_scale", k_scale)] if fp8 else [])
     check_cuda(op, *named)
     a = arch if arch is not None else current_arch(q.device)
     dispatch(op, ("portable",), arch=a)
@@ -384,14 +398,22 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
     has_mask = slot_valid is not None
     # Blackwell: tcgen05 with keys as the MMA's M (needs H = 64); elsewhere the warp-MMA kernel.
     path = dispatch(op, ("sm100", "sm90", "portable"), arch=a)
+    mask = slot_valid.view(torch.uint8) if has_mask else kv_len  # any valid pointer when unused
+    pitch = workspace.pitch
+    if fp8:
+        f8 = cutlass.Float8E4M3FN
+        scores_fn = jit.get_kernel("indexer_scores_fp8", a, heads=H, dim=D, has_slot_mask=has_mask)
+        scores_fn(P(f8, q, 16), P(Float32, w, 16), P(f8, k_cache, 16), P(Float32, k_scale, 4), P(Int32, kv_offset, 4),
+                  P(Int32, kv_len, 4), P(Int32, pos, 4), P(cutlass.Uint8, mask, 1), P(Float32, workspace.scores, 16),
+                  jit.i32(T), jit.i32(R), jit.i32(pitch), cs)
+        _select(workspace, kv_len, pos, out, T, topk, max_keys, a, cs)
+        return out
     if path == "sm100" and IndexerScoresSm100.can_implement(H, D):
         scores_fn = jit.get_kernel("indexer_scores_sm100", a, heads=H, dim=D, has_slot_mask=has_mask)
     elif path == "sm90" and use_wgmma and IndexerScoresSm90.can_implement(H, D):
         scores_fn = jit.get_kernel("indexer_scores_sm90", a, heads=H, dim=D, has_slot_mask=has_mask)
     else:
         scores_fn = jit.get_kernel("indexer_scores", a, heads=H, dim=D, has_slot_mask=has_mask)
-    mask = slot_valid.view(torch.uint8) if has_mask else kv_len  # any valid pointer when unused
-    pitch = workspace.pitch
     scores_fn(P(cutlass.BFloat16, q, 16), P(Float32, w, 16), P(cutlass.BFloat16, k_cache, 16),
               P(Int32, kv_offset, 4), P(Int32, kv_len, 4), P(Int32, pos, 4), P(cutlass.Uint8, mask, 1),
               P(Float32, workspace.scores, 16), jit.i32(T), jit.i32(R), jit.i32(pitch), cs)

@@ -140,6 +140,36 @@ def test_select_on_given_rows(seed, T, S, topk, kind):
     select_ref_check(out.cpu(), x.cpu(), ln.tolist(), topk)
 
 
+def make_fp8(T, S, n_seq=1, H=64, D=128):
+    """FP8 operands in DeepSeek's form: e4m3 q and keys, a positive scale per key row, the
+    query heads' scales folded into w. Returns the FP8 tensors and the dequantised keys."""
+    q, w, kc, off, ln, pos = make(T, S, n_seq, H, D)
+    ks = (kc.float().abs().amax(-1) / 448).clamp_min(1e-4)  # per-row e4m3 scale
+    k8 = (kc.float() / ks[:, None]).to(torch.float8_e4m3fn)
+    qs = (q.float().abs().amax(-1) / 448).clamp_min(1e-4)  # per (token, head)
+    q8 = (q.float() / qs[..., None]).to(torch.float8_e4m3fn)
+    w8 = (w * qs).contiguous()
+    return q8, w8, k8, ks.contiguous(), off, ln, pos
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, S, n_seq, topk", [(6, 4096, 1, 2048), (12, 5000, 2, 2048), (7, 300, 3, 64)])
+def test_fp8_matches_reference(seed, T, S, n_seq, topk):
+    """FP8 scores: the dequantised FP64 reference (k_scale commutes with the ReLU), mask exact."""
+    q8, w8, k8, ks, off, ln, pos = make_fp8(T, S, n_seq)
+    ws = IndexerWorkspace(T, S)
+    out = torch.full((T, topk), -7, dtype=torch.int32, device="cuda")
+    indexer_topk(q8, w8, k8, off, ln, pos, topk=topk, max_keys=S, out=out, workspace=ws, k_scale=ks)
+    torch.cuda.synchronize()
+    k_deq = (k8.float() * ks[:, None]).cpu()
+    ref = indexer_scores_ref(q8.float().cpu(), w8.cpu(), k_deq, off.cpu(), ln.cpu(), pos.cpu(), S)
+    got = ws.scores[:, :S].cpu().double()
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(got))  # the mask, exactly
+    assert (got[fin] - ref[fin]).abs().max() <= 1e-4 * ref[fin].abs().max()
+    check(out, ref, topk)
+
+
 def _cpu(**over):
     kw = dict(q=torch.zeros(2, 64, 128).bfloat16(), w=torch.zeros(2, 64), k_cache=torch.zeros(100, 128).bfloat16(),
               kv_offset=torch.zeros(2, dtype=torch.int32), kv_len=torch.zeros(2, dtype=torch.int32),
@@ -159,6 +189,12 @@ def _cpu(**over):
     (dict(topk=0), ValueError, "topk"),
     (dict(max_keys=0), ValueError, "max_keys"),
     (dict(), ValueError, "CUDA"),
+    (dict(q=torch.zeros(2, 64, 128).to(torch.float8_e4m3fn)), TypeError, "k_cache must have dtype float8"),
+    (dict(q=torch.zeros(2, 64, 128).to(torch.float8_e4m3fn), k_cache=torch.zeros(100, 128).to(torch.float8_e4m3fn)),
+     ValueError, "need k_scale"),
+    (dict(q=torch.zeros(2, 64, 128).to(torch.float8_e4m3fn), k_cache=torch.zeros(100, 128).to(torch.float8_e4m3fn),
+          k_scale=torch.ones(99)), ValueError, "k_scale must have shape"),
+    (dict(k_scale=torch.ones(100)), ValueError, "only for FP8"),
 ])
 def test_validation(over, exc, words):
     with pytest.raises(exc, match=words):
@@ -253,3 +289,36 @@ def test_machine_code_sm90_wgmma(mask):
     assert sass.count(h, "HGMMA") >= 8 and sass.count(h, "UTMALDG") >= 2
     assert sass.count(h, "SHFL.BFLY") >= 4  # the quad's head-sum
     assert sass.local_memory_ops(h) == 0
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_fp8_machine_code(arch):
+    """FP8 scores: mma.sync e4m3 (ptxas lowers it to e4m3 -> f16 unpacks + HMMA.16816 on these
+    archs), cp.async loads, no spills."""
+    h = sass.sass_histogram("indexer_scores_fp8", arch, heads=64, dim=128, has_slot_mask=True)
+    assert sass.local_memory_ops(h) == 0
+    assert sass.count(h, "HMMA") >= 64 and sass.count(h, "LDSM") >= 1 and sass.count(h, "LDGSTS") >= 1
+
+
+def test_fp8_formulation_equals_dequantised_spec():
+    """The FP8 kernel's order of operations -- k_scale applied after the head-weighted ReLU
+    sum of raw e4m3 dot products -- equals the spec on dequantised operands (k_scale > 0)."""
+    T, S, H, D = 3, 40, 64, 128
+    q8, w8, k8, ks, *_ = _fp8_cpu(T, S, H, D)
+    kernel_form = torch.stack([ks[:S].double() * (torch.relu(k8[:S].double() @ q8[t].double().T)
+                                                   * w8[t].double()).sum(-1) for t in range(T)])
+    spec = torch.stack([(torch.relu((k8[:S].double() * ks[:S, None].double()) @ q8[t].double().T)
+                         * w8[t].double()).sum(-1) for t in range(T)])
+    assert torch.allclose(kernel_form, spec, rtol=1e-12, atol=0)
+
+
+def _fp8_cpu(T, S, H, D):
+    g = torch.Generator().manual_seed(5)
+    kc = torch.randn(S + 3, D, generator=g)
+    q = torch.randn(T, H, D, generator=g) / 4
+    ks = kc.abs().amax(-1) / 448
+    qs = q.abs().amax(-1) / 448
+    k8 = (kc / ks[:, None]).to(torch.float8_e4m3fn).float()
+    q8 = (q / qs[..., None]).to(torch.float8_e4m3fn).float()
+    w8 = torch.randn(T, H, generator=g) * qs
+    return q8, w8, k8, ks, None, None, None
