@@ -18,8 +18,9 @@ Kernel (tensor cores, ``mma.sync m16n8k16``, bf16 in, FP32 accumulate): one CTA 
 arrive by cp.async into padded shared-memory rows (conflict-free ldmatrix), 2 x 2 warps
 compute ``C = q k^T [64, 128]``; C goes to shared memory and thread ``s`` reduces column
 ``s`` over the heads in a fixed order (deterministic). This warp-MMA kernel is the Hopper
-path (a wgmma variant is not written, issue 7); Blackwell uses
-:mod:`cute_kernels.indexer_scores_sm100` (tcgen05) when ``H = 64``.
+default (the TMA + wgmma variant, :mod:`cute_kernels.indexer_scores_sm90`, is GPU-tested and
+opt-in until it is measured faster); Blackwell uses :mod:`cute_kernels.indexer_scores_sm100`
+(tcgen05) when ``H = 64``; FP8 operands use :mod:`cute_kernels.indexer_scores_fp8`.
 
 Constraints: ``H % 32 == 0`` and ``D % 16 == 0`` (static; 64 x 128 as in DeepSeek's
 indexer), bf16 ``q``/``k_cache``, fp32 ``w``, int32 metadata. T and S are runtime.
