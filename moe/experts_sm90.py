@@ -6,20 +6,26 @@ one MX block -- into a zeroed FP32 fragment per 32-wide block, then
 block, as DeepSeek's FP8 GEMMs promote per 128). The product of two e4m3 values is exact in
 FP32 and a 32-term block sum is within the MMA's accumulator precision, so the result is the
 block-scaled dot product up to FP32 summation order -- the same numbers the Blackwell path
-computes. Why not wgmma: its FP8 form needs K = 32 per instruction too but accumulates
-across instructions in the same registers, so per-block scales would need one wgmma per
-32-wide block with a register round trip each -- the warp MMA keeps the fragment in the
-thread that applies the scale; and decode is bound by streaming W, not by MMA rate.
+computes. Why not wgmma (first choice): its FP8 form accumulates across instructions in the
+same registers, so per-block scales need one wgmma per 32-wide block with a register round
+trip each; the warp MMA keeps the fragment in the thread that applies the scale. Measured
+cost of that choice (H200, 2026-12-02): ptxas lowers e4m3 ``mma.sync`` on sm_90 to
+``F2FP.F16.E4M3.UNPACK_B`` conversions + ``HMMA.16816`` (192 unpacks per 128-wide K slice),
+and the layer runs at 0.49-0.74x a bf16 grouped-mm composite (14-16% of the copy bandwidth at
+decode, bench/RESULTS.md). The next step is a TMA + mbarrier, warp-specialised mainloop with
+native FP8 wgmma per 32-block (promotion in registers), not this cp.async one.
 
-Tiling: one CTA per (router tile of 128 rows, 64 output columns); rows past the expert's
-live count are never multiplied (16-row granularity) nor written. A 4-stage cp.async
-pipeline brings 128-wide K slices of A (128 x 128 B) and W (64 x 128 B) into padded shared
-rows (conflict-free ldmatrix) plus the two 512-byte scale atoms that cover them (the
-swizzled layout stores a 128-row x 4-block atom contiguously). 4 x 2 warps, each 32 x 32
-(32 accumulator + 32 block-fragment registers per thread: no spills).
+Tiling: one CTA per (router tile of 128 rows, 64 output columns); only 16-row blocks holding
+live rows are multiplied (decode: one of eight) and only live rows written. A cp.async
+pipeline (``tile_k`` 128 or 256 bytes of K per stage, 2-4 stages, ``TILE_K``) brings K slices
+of A (128 rows) and W (64 rows) into padded shared rows (conflict-free ldmatrix) plus the
+512-byte scale atoms that cover them (the swizzled layout stores a 128-row x 4-block atom
+contiguously). 4 x 2 warps, each 32 x 32. ``ctas_per_sm = 2`` is a launch bound (registers
+capped at 128, some spill). The SiLU epilogue stages its tile in the A stages' memory.
+The grid's tile count is bounded by ``routed_rows`` when the caller passes it.
 
-Status: written for issue 5 in a session whose GPU time was spent -- compiled for sm_90a
-and machine-code checked on the CPU, **not yet run on the H200**.
+Status: GPU-tested on the H200 (block-scaled CPU emulation, five tile configurations; the
+fused SiLU * up + MXFP8 requantisation against the spec).
 
 Inputs beyond the Blackwell path's: the router's ``expert_counts`` (live rows per expert)
 and ``tile_expert`` (expert of each 128-row tile, -1 past the total). Rows of ``out`` that

@@ -4,9 +4,13 @@ Runs one verify step with the baseline ops, the fused ops, each family alone fus
 baseline with MXFP8-rounded expert weights + activations (what the fused MoE computes, in torch).
     device run (carry .devcache): source tools/device-env.sh && python tools/probe_fused_ops.py
 """
+import os
+import sys
+
 import torch
 
-from moe.experts import _mx_quant_torch
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from test_spec_decode import MxBaselineOps as MxBaseline  # noqa: E402  (the test's yardstick)
 from spec_decode.config import ModelConfig
 from spec_decode.fused_ops import FusedOps
 from spec_decode.model import KVPool, TargetModel
@@ -14,37 +18,6 @@ from spec_decode.step_model import Ops, StepModel
 
 FAMILIES = {"mhc": ("mhc_mappings", "pre_mix", "post_mix"), "indexer": ("indexer_topk",), "wo_a": ("wo_a",),
             "moe": ("moe",)}
-
-
-def qdq(x):
-    """bf16 [R, K] -> MXFP8 round trip (fp32 -> bf16)."""
-    sh = x.shape
-    x2 = x.reshape(-1, sh[-1]).contiguous()
-    q, s = _mx_quant_torch(x2)
-    f = torch.exp2(s.float() - 127)
-    return (q.view(torch.float8_e4m3fn).float().view(x2.shape[0], -1, 32) * f[..., None]).view(sh).bfloat16()
-
-
-class MxBaseline(Ops):
-    """Baseline MoE on MXFP8-rounded operands: the fused MoE's numbers in torch."""
-
-    def _moe_grouped(self, h, L, cfg, ids, w):
-        L2 = dict(L)
-        L2["gate"], L2["up"], L2["down"] = qdq(L["gate"]), qdq(L["up"]), qdq(L["down"])
-        N, k = ids.shape
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(cfg.experts, dtype=torch.long, device=h.device).scatter_add_(0, flat, torch.ones_like(flat))
-        offs = counts.cumsum(0).int()
-        xs = qdq(h[order // k])
-        g = torch._grouped_mm(xs, L2["gate"].transpose(1, 2), offs=offs)
-        up = torch._grouped_mm(xs, L2["up"].transpose(1, 2), offs=offs)
-        hh = qdq((torch.nn.functional.silu(g) * up).bfloat16())
-        y = torch._grouped_mm(hh, L2["down"].transpose(1, 2), offs=offs)
-        routed = torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1)
-        out = (routed.float() * w[..., None].float()).sum(1).to(h.dtype)
-        from spec_decode.model import shared_expert
-        return out + shared_expert(h, L)
 
 
 def hybrid(fused, fams):
