@@ -8,9 +8,9 @@ registers. In wgmma's accumulator layout a row (key) lives in the 4 threads of a
 head columns each: each thread folds ``w[h] * relu(C')`` over its 16 columns, two xor
 shuffles finish the head sum (a fixed order: deterministic), then the mask and the store.
 
-Status: compiled and machine-code checked (sm_90a) in a session whose GPU time was spent;
-**not yet run**. Until its GPU test passes, :func:`cute_kernels.indexer_topk.indexer_topk`
-keeps the tested warp-MMA kernel on Hopper (``use_wgmma=True`` opts in).
+Status: GPU-tested on the H200 (2026-12-02, `tests/test_indexer.py -k wgmma`); not yet
+timed against the warp-MMA kernel, which stays the Hopper default until the bench's wgmma
+column says otherwise (``use_wgmma=True`` opts in).
 
 Constraints: heads = 64, D % 16 == 0 and D <= 256.
 
@@ -162,5 +162,5 @@ KERNEL = jit.register(jit.KernelDef(
     sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "indexer_scores.py")),
     archs=("sm_90a",),
     aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False},),
-    description="lightning-indexer scores, wgmma (keys x heads) + fused candidate mask (not yet run)",
+    description="lightning-indexer scores, wgmma (keys x heads) + fused candidate mask",
 ))

@@ -10,12 +10,14 @@
 
 Paths: sm_100a runs :mod:`moe.experts_sm100` (tcgen05 block-scaled MMA; compiled and
 machine-code checked in CI, never run here -- no Blackwell GPU); sm_90a runs
-:mod:`moe.experts_sm90` (FP8 warp MMA per 32-block with scale promotion; compiled and
-machine-code checked, **not yet run on the H200**). Other devices get the PyTorch reference
-(exact dequantisation, then a bf16 grouped matmul with FP32 accumulation), with one warning.
+:mod:`moe.experts_sm90` (FP8 warp MMA per 32-block with scale promotion; GPU-tested on the
+H200, correct but slower than a bf16 grouped matmul -- see its docstring). Other devices get
+the PyTorch reference (exact dequantisation, then a bf16 grouped matmul with FP32
+accumulation), with one warning.
 
-Not yet here (issue 5): the SiLU(gate) * up epilogue with MXFP8 requantisation for the
-down projection.
+:func:`moe_expert_gate_up` fuses SiLU(gate) * up and the MXFP8 requantisation into the Hopper
+kernel's epilogue; on Blackwell it is still the GEMM, then SiLU * up and the quantiser
+(the tcgen05 epilogue fusion is open, issue 5).
 """
 
 from __future__ import annotations

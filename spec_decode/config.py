@@ -64,8 +64,10 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     #: "reference" (TargetModel's per-token loops, the spec), "baseline" (sync-free PyTorch
-    #: composites in captured CUDA graphs), "fused" (this project's kernels; not wired yet)
+    #: composites in captured CUDA graphs), "fused" (this project's kernels in the step graphs)
     backend: str = "reference"
+    #: safetensors file with the model's weights (name map: spec_decode.weights); None = seeded random
+    weights: str | None = None
     prefill_chunk: int = 512  # prompt positions per (eager) prefill forward: bounds the indexer's temporaries
 
     @property

@@ -54,6 +54,10 @@ class Engine:
         self.model = TargetModel(config.model, seed=config.seed, dtype=dtype, device=config.device)
         self.draft = DraftModel(config.model, self.model, config.block_size, seed=config.seed + 1, dtype=dtype,
                                 device=config.device)
+        if config.weights is not None:
+            from .weights import load_weights
+
+            load_weights(config.weights, self.model, self.draft)
         if config.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {config.backend!r}")
         if config.backend == "fused" and (dtype != torch.bfloat16 or torch.device(config.device).type != "cuda"):

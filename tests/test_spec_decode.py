@@ -245,3 +245,40 @@ def test_bench_cli_refuses_without_gpu_and_formats_progress(capsys):
 def test_fused_backend_needs_bf16_cuda():
     with pytest.raises(ValueError, match="bfloat16"):
         Engine(EngineConfig(backend="fused"))
+
+
+def test_weights_file_round_trip_and_strict_loading(tmp_path):
+    """save -> load into an engine of another seed: same tensors, same generated tokens;
+    a missing, unexpected or mis-shaped tensor is refused before any weight is replaced."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file, save_file
+
+    from spec_decode.weights import named_tensors, save_weights
+
+    src = Engine(EngineConfig(seed=3))
+    path = str(tmp_path / "w.safetensors")
+    save_weights(path, src.model, src.draft)
+    dst = Engine(EngineConfig(seed=11, weights=path))
+    a, b = named_tensors(src.model, src.draft), named_tensors(dst.model, dst.draft)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ids = prompts(2, 5)
+    assert src.generate(ids, 6) == dst.generate(ids, 6)
+
+    full = load_file(path)
+    bad = dict(full)
+    del bad["layers.1.down"]
+    save_file(bad, str(tmp_path / "missing.safetensors"))
+    with pytest.raises(ValueError, match="lacks 1 tensor.*layers.1.down"):
+        Engine(EngineConfig(weights=str(tmp_path / "missing.safetensors")))
+    bad = dict(full, **{"layers.0.extra": torch.zeros(2)})
+    save_file(bad, str(tmp_path / "extra.safetensors"))
+    with pytest.raises(ValueError, match="unexpected tensor.*layers.0.extra"):
+        Engine(EngineConfig(weights=str(tmp_path / "extra.safetensors")))
+    bad = dict(full, embed=torch.zeros(3, 3))
+    save_file(bad, str(tmp_path / "shape.safetensors"))
+    eng = Engine(EngineConfig(seed=3))
+    before = eng.model.layers[0]["q_a"].clone()
+    from spec_decode.weights import load_weights
+    with pytest.raises(ValueError, match="embed has shape"):
+        load_weights(str(tmp_path / "shape.safetensors"), eng.model, eng.draft)
+    assert torch.equal(eng.model.layers[0]["q_a"], before)  # nothing replaced
