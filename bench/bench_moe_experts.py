@@ -119,6 +119,15 @@ def stage_times(T, x, logits, bias, W, cfg, ours):
         t[f"down {tk}x{st} {c}cta"] = us(lambda: moe_expert_gemm(hq, hs, W["d_q"], W["d_s"], r.expert_offsets,
                                                                  r.expert_counts, r.tile_expert, out=y, routed_rows=n,
                                                                  tile_k=tk, stages=st, ctas_per_sm=c))
+    if T <= 64:  # the swap-AB TMA + FP8 wgmma decode kernel (moe.experts_sm90_decode)
+        t["gate/up decode kernel"] = us(lambda: moe_expert_gate_up(
+            aq, asc, W["gu_q"], W["gu_s"], r.expert_offsets, r.expert_counts, r.tile_expert, routed_rows=n,
+            max_expert_rows=T))
+        t["down decode kernel"] = us(lambda: moe_expert_gemm(hq, hs, W["d_q"], W["d_s"], r.expert_offsets,
+                                                             r.expert_counts, r.tile_expert, out=y, routed_rows=n,
+                                                             max_expert_rows=T))
+    else:
+        t["gate/up decode kernel"] = t["down decode kernel"] = float("nan")
     t["finalize + shared add"] = us(lambda: moe_finalize(y, r.topk_weights, r.routed_row_pos, sh))
     t["shared expert (both)"] = us(lambda: shared_expert(x, W["sh"]))
     # composite stages

@@ -30,7 +30,8 @@ from cute_kernels import jit
 from cute_kernels.arch import current_arch, dispatch
 from cute_kernels.validate import check_cuda, check_tensor
 
-from .experts_sm90 import TILE_K, MoeExpertGemmSm90
+from .experts_sm90 import STAGE_RANGE, TILE_K, MoeExpertGemmSm90
+from .experts_sm90_decode import tok_n_for
 from .quant import MX_BLOCK, SF_ATOM_COLS, SF_ATOM_ROWS, mxfp8_quantize, scale_buffer_size
 
 F8 = torch.float8_e4m3fn
@@ -129,7 +130,7 @@ def _check_scales(op, a_scales, w_scales, expert_offsets, rows, K, E, N):
 
 
 def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out, fused,
-                 stream, routed_rows=None, tile_k=None, stages=None, ctas_per_sm=None):
+                 stream, routed_rows=None, tile_k=None, stages=None, ctas_per_sm=None, max_expert_rows=None):
     """The Hopper kernel: bf16 ``out``, or (``fused`` = (q, scales)) SiLU * up + MXFP8."""
     import cutlass
     from cutlass import Int32
@@ -147,18 +148,28 @@ def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_
     check_cuda(op, ("a_q", a_q), ("expert_counts", expert_counts), ("tile_expert", tile_expert))
     P = jit.gmem_ptr
     f8 = cutlass.Float8E4M3FN
-    if tile_k is None:
-        tile_k, d_stages, d_ctas = default_tile(K, fused is not None)
-        stages = d_stages if stages is None else stages
-        ctas_per_sm = d_ctas if ctas_per_sm is None else ctas_per_sm
-    ctas_per_sm = 1 if ctas_per_sm is None else ctas_per_sm
-    if tile_k not in TILE_K or K % tile_k:
-        raise ValueError(f"{op}: tile_k must be one of {sorted(TILE_K)} dividing K={K}, got {tile_k!r}")
-    if not MoeExpertGemmSm90.can_implement(E, N, K, tile_k, stages, ctas_per_sm):
-        raise ValueError(f"{op}: tile_k={tile_k}, stages={stages}, ctas_per_sm={ctas_per_sm} unsupported (stages in "
-                         f"{STAGE_RANGE}; ctas_per_sm 1 or 2 with both CTAs' shared memory within 227 KB)")
-    fn = jit.get_kernel("moe_expert_gemm_sm90", arch, E=E, N=N, K=K, silu_quant=fused is not None, tile_k=tile_k,
-                        stages=stages, ctas_per_sm=ctas_per_sm)
+    tok_n = None
+    if max_expert_rows is not None:
+        if not isinstance(max_expert_rows, int) or max_expert_rows < 1:
+            raise ValueError(f"{op}: max_expert_rows must be a positive int (an upper bound on any expert's rows, "
+                             f"e.g. the token count), got {max_expert_rows!r}")
+        tok_n = tok_n_for(max_expert_rows)
+    if tok_n is not None:  # the swap-AB TMA + wgmma decode kernel (moe.experts_sm90_decode; opt-in, not yet run)
+        fn = jit.get_kernel("moe_expert_decode_sm90", arch, E=E, N=N, K=K, tok_n=tok_n, silu_quant=fused is not None)
+    else:
+        if tile_k is None:
+            tile_k, d_stages, d_ctas = default_tile(K, fused is not None)
+            stages = d_stages if stages is None else stages
+            ctas_per_sm = d_ctas if ctas_per_sm is None else ctas_per_sm
+        ctas_per_sm = 1 if ctas_per_sm is None else ctas_per_sm
+        if tile_k not in TILE_K or K % tile_k:
+            raise ValueError(f"{op}: tile_k must be one of {sorted(TILE_K)} dividing K={K}, got {tile_k!r}")
+        if not MoeExpertGemmSm90.can_implement(E, N, K, tile_k, stages, ctas_per_sm):
+            raise ValueError(f"{op}: tile_k={tile_k}, stages={stages}, ctas_per_sm={ctas_per_sm} unsupported (stages "
+                             f"in {STAGE_RANGE}; ctas_per_sm 1 or 2 with both CTAs' shared memory within 227 KB)")
+        fn = jit.get_kernel("moe_expert_gemm_sm90", arch, E=E, N=N, K=K, silu_quant=fused is not None, tile_k=tile_k,
+                            stages=stages, ctas_per_sm=ctas_per_sm)
+    # both kernels take the same arguments
     q_out, s_out = fused if fused is not None else (a_q, a_scales)  # not touched unless fused
     out_t = out if out is not None else a_q  # not touched when fused
     fn(P(f8, a_q, 16), P(f8, w_q, 16), P(cutlass.Uint8, a_scales, 16), P(cutlass.Uint8, w_scales, 16),
@@ -197,7 +208,8 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
                     tile_expert: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                     workspace: MoeExpertWorkspace | None = None, stream=None, arch: str | None = None,
                     routed_rows: int | None = None, tile_k: int | None = None,
-                    stages: int | None = None, ctas_per_sm: int | None = None) -> torch.Tensor:
+                    stages: int | None = None, ctas_per_sm: int | None = None,
+                    max_expert_rows: int | None = None) -> torch.Tensor:
     """bf16 ``[rows, N]``: expert-sorted rows of ``a`` times their expert's ``W^T``.
 
     ``expert_offsets`` / ``expert_counts`` / ``tile_expert`` are the router's outputs
@@ -207,6 +219,9 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     ``tile_k`` / ``stages`` pick the Hopper kernel's K tile (128 or 256; default
     :func:`default_tile`), pipeline depth (2-4; default per tile, see ``TILE_K``) and
     ``ctas_per_sm`` (2: a launch bound capping registers so two CTAs share an SM).
+    ``max_expert_rows`` (an upper bound on any expert's live rows -- the token count, since a
+    token routes to an expert once) <= 64 selects the Hopper swap-AB TMA + FP8 wgmma decode
+    kernel (:mod:`moe.experts_sm90_decode`; opt-in, compiled but not yet run on a GPU).
     Padding rows of ``out`` are unspecified.
     """
     op = "moe_expert_gemm"
@@ -230,7 +245,7 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     f8, sf = cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU
     if path == "sm90":
         _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out, None, stream,
-                     routed_rows, tile_k, stages, ctas_per_sm)
+                     routed_rows, tile_k, stages, ctas_per_sm, max_expert_rows)
         return out
     if workspace is None:
         workspace = MoeExpertWorkspace(E, device=a_q.device)
@@ -270,7 +285,8 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
                        q_out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None, stream=None,
                        arch: str | None = None, routed_rows: int | None = None,
                        tile_k: int | None = None, stages: int | None = None,
-                       ctas_per_sm: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       ctas_per_sm: int | None = None,
+                       max_expert_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate/up projection with SiLU(gate) * up and MXFP8 requantisation fused in the epilogue.
 
     ``w_q`` / ``w_scales`` are the quantised :func:`interleave_gate_up` weights ``[E, 2I, K]``.
@@ -298,7 +314,7 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
         check_cuda(op, ("a_q", a_q), ("a_scales", a_scales), ("w_q", w_q), ("w_scales", w_scales),
                    ("expert_offsets", expert_offsets), ("q_out", q_out), ("scales_out", scales_out))
         _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, None,
-                     (q_out, scales_out), stream, routed_rows, tile_k, stages, ctas_per_sm)
+                     (q_out, scales_out), stream, routed_rows, tile_k, stages, ctas_per_sm, max_expert_rows)
         return q_out, scales_out
     y = moe_expert_gemm(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, arch=a,
                         stream=stream, routed_rows=routed_rows) if a_q.is_cuda else _reference(
