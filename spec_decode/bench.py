@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import hashlib
 import random
 import re
@@ -55,9 +56,33 @@ def prompts(n, length, vocab, seed=0):
     return ids, hashlib.sha256(repr(ids).encode()).hexdigest()[:16]
 
 
+GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def estimate_bytes(m, slots: int, max_len: int, backend: str) -> int:
+    """Device memory of one engine, roughly: bf16 weights (target + draft), the fused path's
+    MXFP8 expert copies (+3% scales), and the KV pool. Activations and graphs come on top."""
+    C, E, I = m.hidden, m.experts, m.expert_inter
+    H, hd, G, R = m.heads, m.head_dim, m.wo_groups, m.wo_rank
+    mp = 2 * m.mhc_n + m.mhc_n ** 2
+    n = 2 * (mp * m.mhc_n * C + 3 + mp)  # mHC phi, alphas and biases of both sublayers
+    n += m.q_lora * C + H * hd * m.q_lora + m.kv_lora * C + 2 * H * hd * m.kv_lora
+    n += m.indexer_heads * m.indexer_dim * C + m.indexer_heads * C + m.indexer_dim * C
+    n += G * R * (H // G) * hd + C * G * R + E * C + E + 3 * E * I * C + 3 * m.shared_inter * C
+    weights = 2 * (m.layers * n + 2 * m.vocab * C + 4 * C * C)
+    fused = int(1.03 * m.layers * 3 * E * I * C) if backend == "fused" else 0
+    kv = 2 * m.layers * slots * max_len * (2 * H * hd + m.indexer_dim)
+    return weights + fused + kv
+
+
 def run_case(backend, model, batch, n_in, n_out):
+    sizes = tuple(s for s in GRAPH_SIZES if s < batch) + (next(s for s in GRAPH_SIZES if s >= batch),)
     cfg = EngineConfig(model=model, device="cuda", dtype="bfloat16", backend=backend,
-                       max_seq_len=n_in + n_out + 16, graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64))
+                       max_seq_len=n_in + n_out + 16, graph_batch_sizes=sizes)
+    need = estimate_bytes(model, cfg.max_batch + 1, cfg.max_seq_len, backend)
+    have = torch.cuda.get_device_properties(0).total_memory
+    if need > 0.92 * have:
+        return {"error": f"needs ~{need / 2**30:.0f} GiB of the device's {have / 2**30:.0f} GiB (weights + KV pool)"}
     eng = Engine(cfg)
     ids, digest = prompts(batch, n_in, model.vocab)
     eng.verify_graphs.timing = eng.draft_graphs.timing = True
@@ -72,6 +97,9 @@ def run_case(backend, model, batch, n_in, n_out):
                verify_nodes=eng.verify_graphs.kernels_per_replay(batch),
                draft_nodes=eng.draft_graphs.kernels_per_replay(batch))
     res["launches"] = count_families(eng, batch)
+    del eng  # free the weights, KV pool and graph pools before the next case
+    gc.collect()
+    torch.cuda.empty_cache()
     return res
 
 

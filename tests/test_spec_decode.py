@@ -282,3 +282,20 @@ def test_weights_file_round_trip_and_strict_loading(tmp_path):
     with pytest.raises(ValueError, match="embed has shape"):
         load_weights(str(tmp_path / "shape.safetensors"), eng.model, eng.draft)
     assert torch.equal(eng.model.layers[0]["q_a"], before)  # nothing replaced
+
+
+def test_bench_memory_estimate_matches_the_model():
+    """The bench's up-front memory estimate counts exactly the tensors a TargetModel + DraftModel
+    + KVPool allocate (checked on the tiny config, where they can be built on the CPU)."""
+    from spec_decode.bench import estimate_bytes
+    from spec_decode.config import TINY
+    from spec_decode.draft import DraftModel
+    from spec_decode.model import KVPool, TargetModel
+
+    m = TargetModel(TINY, dtype=torch.bfloat16)
+    d = DraftModel(TINY, m, dtype=torch.bfloat16)
+    kv = KVPool(TINY, 3, 40, torch.bfloat16, "cpu")
+    tensors = [m.embed, m.lm_head, d.w_fuse, d.w_rec, kv.k, kv.v, kv.k_idx]
+    tensors += [t for L in m.layers for t in L.values()]
+    exact = sum(t.numel() * t.element_size() for t in tensors)
+    assert estimate_bytes(TINY, 3, 40, "baseline") == exact
