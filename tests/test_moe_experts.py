@@ -140,19 +140,31 @@ def test_can_implement_and_validation():
         moe_expert_gemm(aq, asc, wq, wsc, offs)
 
 
+def _poison_padding(aq, offs, counts):
+    """e4m3 NaN (0x7F) in every padding row of A: a kernel that mixed rows would leak it."""
+    aq = aq.clone()
+    for e in range(len(counts)):
+        aq.view(torch.uint8)[int(offs[e]) + counts[e]:int(offs[e + 1])] = 0x7F
+    aq.view(torch.uint8)[int(offs[-1]):] = 0x7F
+    return aq
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("E, N, K, counts", [
     (4, 256, 512, [3, 0, 129, 64]),           # empty expert, a two-tile expert
     (8, 4096, 7168, [1, 0, 0, 2, 0, 1, 5, 0]),  # decode-like gate/up, K = hidden
     (3, 7168, 2048, [128, 7, 0]),             # down projection, a full tile
+    (4, 512, 1024, [0, 0, 301, 0]),           # every token on one expert, three tiles, odd count
 ])
 def test_gpu_kernel_matches_emulation(seed, E, N, K, counts):
-    """H200: the Hopper kernel; live rows equal the block-scaled CPU emulation."""
+    """H200: the Hopper kernel; live rows equal the block-scaled CPU emulation, with NaN in
+    every padding row of A (padding never leaks into live rows)."""
     gen = torch.Generator().manual_seed(seed)
     a, w, aq, asw, wq, wsw, offs, asc, wsc = _quantized_problem(E, N, K, counts, gen)
     cnt, te = _router_maps(offs, counts, aq.shape[0])
     cpu = torch.zeros(aq.shape[0], N).bfloat16()
     _reference(aq, asw, wq, wsw, offs, cpu)
+    aq = _poison_padding(aq, offs, counts)
     n = sum(counts)  # routed rows; None: the grid spans the whole capacity
     for routed_rows, tile_k, stages, ctas in ((None, 128, None, 1), (n, 128, None, 1), (n, 256, None, 1),
                                               (n, 128, 4, 2), (n, 128, 3, 2), (n, 256, 2, 2)):
@@ -340,12 +352,14 @@ def test_gate_up_validation():
     (3, 7168, 2048, [40, 7, 0], 64),          # down projection, the 64-wide token tile
 ])
 def test_gpu_decode_kernel_matches_emulation(seed, E, N, K, counts, max_rows):
-    """H200: the swap-AB TMA + FP8 wgmma decode kernel (staged: not yet run)."""
+    """H200: the swap-AB TMA + FP8 wgmma decode kernel (staged: not yet run); NaN padding
+    rows of A are loaded by its token tile and must stay in their own output columns."""
     gen = torch.Generator().manual_seed(seed)
     a, w, aq, asw, wq, wsw, offs, asc, wsc = _quantized_problem(E, N, K, counts, gen)
     cnt, te = _router_maps(offs, counts, aq.shape[0])
     cpu = torch.zeros(aq.shape[0], N).bfloat16()
     _reference(aq, asw, wq, wsw, offs, cpu)
+    aq = _poison_padding(aq, offs, counts)
     out = torch.full((aq.shape[0], N), float("nan"), device="cuda").bfloat16()
     moe_expert_gemm(aq.cuda(), asw.cuda(), wq.cuda(), wsw.cuda(), offs.cuda(), cnt.cuda(), te.cuda(), out=out,
                     routed_rows=sum(counts), max_expert_rows=max_rows)
