@@ -402,3 +402,37 @@ def test_machine_code_sm90_decode(tok_n, silu_quant):
 def test_decode_kernel_selection():
     from moe.experts_sm90_decode import tok_n_for
     assert [tok_n_for(n) for n in (1, 16, 17, 64, 65)] == [16, 16, 32, 64, None]
+
+
+def test_sm90_decode_scale_words_transcribed():
+    """The decode kernel's scale reads -- one 4-byte word per (row, K slice) at word
+    ``(atom + kt) * 128 + (r % 32) * 4 + r // 32``, block ``kb`` in byte ``kb`` -- transcribed
+    to Python, land on the quantiser's byte for (row, k-block): weight rows of several experts
+    and 64-row halves, token rows of several router tiles."""
+    E, N, K, rows = 3, 256, 1024, 384
+    kb_pad, n_pad = -(-(K // 32) // 4) * 4, -(-N // 128) * 128
+    cb = kb_pad // 4
+    g = torch.Generator().manual_seed(4)
+    raw_a = torch.randint(0, 255, (rows, K // 32), dtype=torch.uint8, generator=g)
+    raw_w = torch.randint(0, 255, (E, N, K // 32), dtype=torch.uint8, generator=g)
+    words_a = swizzle_scales_ref(raw_a).contiguous().view(torch.int32)
+    words_w = torch.stack([swizzle_scales_ref(raw_w[e]) for e in range(E)]).contiguous().view(-1).view(torch.int32)
+
+    def byte(word, kb):
+        return (int(word) >> (8 * kb)) & 0xFF
+
+    for kt in range(K // 128):
+        for e in range(E):
+            for n0 in (0, 64, 128, 192):  # CTA tiles of 64 weight rows
+                sw_atom = (e * n_pad + n0 // 128 * 128) // 128 * cb
+                for r in (0, 7, 8, 31, 32, 63):
+                    nr = n0 % 128 + r
+                    wd = words_w[(sw_atom + kt) * 128 + (nr % 32) * 4 + nr // 32]
+                    for kb in range(4):
+                        assert byte(wd, kb) == raw_w[e, n0 + r, kt * 4 + kb]
+        for row0 in (0, 128, 256):
+            sa_atom = (row0 // 128) * cb
+            for m in (0, 1, 15, 16, 33, 63):
+                wd = words_a[(sa_atom + kt) * 128 + (m % 32) * 4 + m // 32]
+                for kb in range(4):
+                    assert byte(wd, kb) == raw_a[row0 + m, kt * 4 + kb]
