@@ -15,9 +15,10 @@ H200, correct but slower than a bf16 grouped matmul -- see its docstring). Other
 the PyTorch reference (exact dequantisation, then a bf16 grouped matmul with FP32
 accumulation), with one warning.
 
-:func:`moe_expert_gate_up` fuses SiLU(gate) * up and the MXFP8 requantisation into the Hopper
-kernel's epilogue; on Blackwell it is still the GEMM, then SiLU * up and the quantiser
-(the tcgen05 epilogue fusion is open, issue 5).
+:func:`moe_expert_gate_up` fuses SiLU(gate) * up and the MXFP8 requantisation into the GEMM's
+epilogue on both paths (Blackwell: the vendored kernel's epilogue gained a constexpr-gated
+mode that computes them from the tensor-memory loads instead of storing C; compile + SASS
+checked only).
 """
 
 from __future__ import annotations
@@ -253,7 +254,8 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
         raise ValueError(f"{op}: workspace must be an MoeExpertWorkspace for E={E}")
     fn = jit.get_kernel("moe_expert_gemm", a, E=E, N=N, K=K)
     fn(P(f8, a_q, 16), P(f8, w_q, 16), P(sf, a_scales, 16), P(sf, w_scales, 16), P(cutlass.BFloat16, out, 16),
-       P(Int32, expert_offsets[1:], 4), P(cutlass.Uint8, workspace.buffer, 128), jit.i32(rows), jit.cu_stream(stream))
+       P(Int32, expert_offsets[1:], 4), P(cutlass.Uint8, workspace.buffer, 128), P(f8, a_q, 16),
+       P(cutlass.Uint8, a_scales, 1), jit.i32(rows), jit.cu_stream(stream))  # the last two: unused (not fused)
     return out
 
 
@@ -286,13 +288,15 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
                        arch: str | None = None, routed_rows: int | None = None,
                        tile_k: int | None = None, stages: int | None = None,
                        ctas_per_sm: int | None = None,
-                       max_expert_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       max_expert_rows: int | None = None,
+                       workspace: MoeExpertWorkspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate/up projection with SiLU(gate) * up and MXFP8 requantisation fused in the epilogue.
 
     ``w_q`` / ``w_scales`` are the quantised :func:`interleave_gate_up` weights ``[E, 2I, K]``.
     Returns the down projection's input: ``q [rows, I]`` e4m3 and its swizzled scales (live
-    rows written; padding rows unspecified). Hopper: one fused launch. Elsewhere (Blackwell
-    until its epilogue is fused, CPU): expert GEMM -> bf16, SiLU * up, then the quantiser.
+    rows written; padding rows unspecified). One fused launch on Hopper (GPU-tested) and on
+    Blackwell (the tcgen05 GEMM's epilogue: compile + SASS checked only, no Blackwell GPU
+    here); the CPU fallback runs expert GEMM -> bf16, SiLU * up, then the quantiser.
     """
     op = "moe_expert_gate_up"
     rows, K, E, N = _check_operand_shapes(op, a_q, w_q)
@@ -310,7 +314,25 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
     check_tensor(op, "scales_out", scales_out, dtype=torch.uint8, shape=(scale_buffer_size(rows, I, "swizzled"),),
                  contiguous=True, align_bytes=0)
     a = arch if arch is not None else (current_arch(a_q.device) if a_q.is_cuda else None)
-    if a is not None and a_q.is_cuda and dispatch(op, ("sm90", "portable"), arch=a) == "sm90":
+    path = dispatch(op, ("sm100", "sm90", "portable"), arch=a) if a is not None and a_q.is_cuda else "portable"
+    if path == "sm100":  # tcgen05 GEMM with the SiLU * up + MXFP8 epilogue (compile + SASS checked only)
+        check_cuda(op, ("a_q", a_q), ("a_scales", a_scales), ("w_q", w_q), ("w_scales", w_scales),
+                   ("expert_offsets", expert_offsets), ("q_out", q_out), ("scales_out", scales_out))
+        import cutlass
+        from cutlass import Int32
+
+        ws = MoeExpertWorkspace(E, device=a_q.device) if workspace is None else workspace
+        if not isinstance(ws, MoeExpertWorkspace) or ws.E != E:
+            raise ValueError(f"{op}: workspace must be an MoeExpertWorkspace for E={E}")
+        P = jit.gmem_ptr
+        f8, sf = cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU
+        fn = jit.get_kernel("moe_expert_gemm", a, E=E, N=N, K=K, silu_quant=True)
+        # C is not written in the fused mode: a_q stands in for its (never used) address
+        fn(P(f8, a_q, 16), P(f8, w_q, 16), P(sf, a_scales, 16), P(sf, w_scales, 16), P(cutlass.BFloat16, a_q, 16),
+           P(Int32, expert_offsets[1:], 4), P(cutlass.Uint8, ws.buffer, 128), P(f8, q_out, 16),
+           P(cutlass.Uint8, scales_out, 1), jit.i32(rows), jit.cu_stream(stream))
+        return q_out, scales_out
+    if path == "sm90":
         check_cuda(op, ("a_q", a_q), ("a_scales", a_scales), ("w_q", w_q), ("w_scales", w_scales),
                    ("expert_offsets", expert_offsets), ("q_out", q_out), ("scales_out", scales_out))
         _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, None,

@@ -69,6 +69,27 @@ def e8m0_to_f32(s: Uint32) -> Float32:
 
 
 @cute.jit
+def silu_mul_mx_block(rG: cute.Tensor, rU: cute.Tensor, rQ: cute.Tensor) -> Int32:
+    """32 features of one row: ``h = bf16(bf16(silu(g)) * u)`` from the bf16-rounded gate and
+    up GEMM outputs (fp32 registers; the unfused path's rounding points), then one MXFP8
+    block -> e4m3 ``rQ`` and the UE8M0 scale byte (returned). Used by the decode and
+    Blackwell epilogues."""
+    one = Float32(1.0)
+    rH = cute.make_rmem_tensor(cute.make_layout((MX,)), cutlass.BFloat16)
+    for j in cutlass.range_constexpr(MX):
+        g = rG[j]
+        sg = (g / (one + cute.math.exp(-g))).to(cutlass.BFloat16)
+        rH[j] = (Float32(sg) * rU[j]).to(cutlass.BFloat16)
+    return mx_quantize_block(rH, rQ)
+
+
+def mx_scale_index(r, fb, ncb):
+    """Byte of (row r, 32-wide block fb) in the tcgen05-swizzled scale layout with ncb column
+    atoms per 128-row block (the layout moe.quant writes)."""
+    return ((r // 128) * ncb + fb // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + fb % 4
+
+
+@cute.jit
 def mx_quantize_block(rX: cute.Tensor, rQ: cute.Tensor) -> Int32:
     """One 32-element bf16 block -> e4m3 ``rQ`` and its UE8M0 scale byte: the rule of
     :mod:`moe.quant` (amax from the bf16 magnitude bits; NaN/Inf -> 0xFF and 0x7F elements)."""

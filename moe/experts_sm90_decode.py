@@ -49,7 +49,7 @@ from cutlass import Float32, Int32, Uint32
 
 from cute_kernels import jit
 
-from .experts_sm90 import MX, e8m0_to_f32, mx_quantize_block
+from .experts_sm90 import MX, e8m0_to_f32, mx_scale_index, silu_mul_mx_block
 
 BM = 64  # weight rows per CTA (wgmma M)
 BK = 128  # bytes of K per pipeline stage: 4 MX blocks
@@ -216,19 +216,16 @@ class MoeExpertDecodeSm90:
                 mOut[row0 + c, n0 + r] = sOut[c, r].to(bf16)
         else:
             if tidx < live:
-                one = Float32(1.0)
-                rH = cute.make_rmem_tensor(cute.make_layout((MX,)), bf16)
+                rG = cute.make_rmem_tensor(cute.make_layout((MX,)), Float32)
+                rU = cute.make_rmem_tensor(cute.make_layout((MX,)), Float32)
                 for j in cutlass.range_constexpr(MX):
-                    g = sOut[tidx, j]
-                    sg = (g / (one + cute.math.exp(-g))).to(bf16)
-                    rH[j] = (Float32(sg) * sOut[tidx, MX + j]).to(bf16)
+                    rG[j] = sOut[tidx, j]
+                    rU[j] = sOut[tidx, MX + j]
                 rQ = cute.make_rmem_tensor(cute.make_layout((MX,)), cutlass.Float8E4M3FN)
-                scale = mx_quantize_block(rH, rQ)
+                scale = silu_mul_mx_block(rG, rU, rQ)
                 fb = n0 // (2 * MX)  # output scale block = feature block
                 cute.autovec_copy(rQ, cute.zipped_divide(mQ, (1, MX))[(0, None), (row0 + tidx, fb)])
-                r = row0 + tidx
-                mSQ[((r // 128) * self.ncb_i + fb // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + fb % 4] = \
-                    cutlass.Uint8(scale)
+                mSQ[mx_scale_index(row0 + tidx, fb, self.ncb_i)] = cutlass.Uint8(scale)
 
     @cute.jit
     def load(self, pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, tma_w: cute.CopyAtom,

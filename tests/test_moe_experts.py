@@ -10,7 +10,7 @@ import cutlass.utils.blockscaled_layout as blockscaled_utils
 
 from cute_kernels.testing import sass
 from moe.experts import (_reference, dequantize, expert_scale_bytes, moe_expert_gate_up, moe_expert_gemm,
-                         unswizzle_scales)
+                         silu_mul_interleaved, unswizzle_scales)
 from moe.experts import interleave_gate_up as moe_interleave
 from moe.experts_sm100 import MoeExpertGemmSm100
 from references import mxfp8_dequant_ref, mxfp8_quant_ref, swizzle_scales_ref
@@ -118,6 +118,46 @@ def test_machine_code(cfg):
     assert sass.count(h, "UTCCP") >= 1  # ... with scale factors copied to tensor memory: block-scaled
     assert sass.count(h, "UTMALDG") >= 2 and sass.count(h, "LDTM") >= 1 and sass.count(h, "UTMASTG") >= 1
     assert sass.local_memory_ops(h) == 0
+
+
+@pytest.mark.parametrize("cfg", [dict(E=256, N=4096, K=7168), dict(E=8, N=256, K=512, tile_n=256, two_cta=True)])
+def test_machine_code_fused_silu_sm100(cfg):
+    """Blackwell gate/up with the SiLU * up + MXFP8 epilogue: the same block-scaled tcgen05
+    mainloop, tensor-memory loads feeding SiLU's exp, and no C store (UTMASTG) at all."""
+    h = sass.sass_histogram("moe_expert_gemm", "sm_100a", silu_quant=True, **cfg)
+    assert sass.count(h, "UTCQMMA") >= 1 and sass.count(h, "UTCCP") >= 1 and sass.count(h, "UTMALDG") >= 2
+    assert sass.count(h, "LDTM") >= 1 and sass.count(h, "MUFU.EX2") >= 32
+    assert sass.count(h, "UTMASTG") == 0
+    assert sass.local_memory_ops(h) == 0
+
+
+def _emulate_sm100_silu_epilogue(acc_tile, reverse):
+    """The fused Blackwell epilogue's data flow for one 128-row tile, in Python: 32-column
+    subtiles (processed backwards when the accumulators overlap), the first of each
+    gate/up pair stashed bf16-rounded, the second completing SiLU * up -> h (bf16)."""
+    rows, n = acc_tile.shape
+    cnt = n // 32
+    h = torch.zeros(rows, n // 2, dtype=torch.bfloat16)
+    stash = None
+    for idx in range(cnt):
+        real = cnt - 1 - idx if reverse else idx
+        cur = acc_tile[:, real * 32:(real + 1) * 32].bfloat16().float()
+        if idx % 2 == 0:
+            stash = cur
+        else:
+            g, u = (stash, cur) if real % 2 == 1 else (cur, stash)
+            sg = (g / (1 + torch.exp(-g))).bfloat16().float()
+            h[:, (real // 2) * 32:(real // 2 + 1) * 32] = (sg * u).bfloat16()
+    return h
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_sm100_silu_epilogue_pairing_matches_spec(reverse):
+    """Forward and reversed subtile order both pair each feature block's gate with its up and
+    give the unfused path's h = bf16(bf16(silu(g)) * u) on the interleaved layout."""
+    acc = torch.randn(128, 256) * 3
+    spec = silu_mul_interleaved(acc.bfloat16())
+    assert torch.equal(_emulate_sm100_silu_epilogue(acc, reverse), spec)
 
 
 def test_can_implement_and_validation():

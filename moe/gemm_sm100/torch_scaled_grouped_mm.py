@@ -58,6 +58,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from .moe_utils import (
     MoEScaledGroupedGemmTensormapConstructor,
+    compute_expert_token_range,
 )
 from .moe_persistent_scheduler import (
     MoEStaticSchedulerParams,
@@ -567,6 +568,9 @@ class ScaledGroupedGemmKernel:
         global_scale_a: Optional[cute.Tensor] = None,  # NVFP4: per-expert f32 scalar
         global_scale_b: Optional[cute.Tensor] = None,  # NVFP4: per-expert f32 scalar
         bias: Optional[cute.Tensor] = None,
+        # cute_kernels addition (not in CUTLASS): fused SiLU(gate) * up + MXFP8 epilogue
+        silu_q: Optional[cute.Tensor] = None,  # (tokens_sum, N / 2) e4m3 out
+        silu_sq: Optional[cute.Tensor] = None,  # its UE8M0 scales, tcgen05 swizzled, flat uint8
     ) -> None:
         """Launch the scaled grouped GEMM kernel."""
         if cutlass.const_expr(bias is not None):
@@ -877,6 +881,8 @@ class ScaledGroupedGemmKernel:
             offs_padded,
             global_scale_a,
             global_scale_b,
+            silu_q,
+            silu_sq,
         ).launch(
             grid=grid,
             block=[self.threads_per_cta, 1, 1],
@@ -884,6 +890,60 @@ class ScaledGroupedGemmKernel:
             stream=stream,
             min_blocks_per_mp=self.occupancy,
         )
+
+    # -----------------------------------------------------------------
+    # cute_kernels addition: fused SiLU(gate) * up + MXFP8 epilogue
+    # -----------------------------------------------------------------
+
+    @cute.jit
+    def silu_quant_subtile(
+        self,
+        tTR_rAcc: cute.Tensor,
+        rStash: cute.Tensor,
+        tTR_cC: cute.Tensor,
+        subtile_idx: cutlass.Int32,
+        real_subtile_idx: cutlass.Int32,
+        tok_off: cutlass.Int32,
+        tok_cnt: cutlass.Int32,
+        silu_q: cute.Tensor,
+        silu_sq: cute.Tensor,
+    ):
+        """Epilogue subtiles are 32 columns and the gate/up weights are interleaved by 32
+        (moe.experts.interleave_gate_up), so subtiles 2f and 2f+1 are the gate and up of
+        features 32f..32f+31; the 32x32b tensor-memory load gives each thread one row's 32
+        columns. The first of a pair (in processing order: overlapping accumulators run the
+        subtiles backwards) is stashed bf16-rounded; the second completes the row's block:
+        h = bf16(bf16(silu(g)) * u), one MXFP8 block, written with its swizzled scale."""
+        from moe.experts_sm90 import MX, mx_scale_index, silu_mul_mx_block
+
+        if cutlass.const_expr(cute.size(tTR_rAcc) != MX or self.epi_tile_n != MX):
+            raise NotImplementedError(
+                "fused SiLU/MXFP8 epilogue needs 32-column epilogue subtiles held one row per "
+                f"thread (got {cute.size(tTR_rAcc)} values per thread, epi_tile_n={self.epi_tile_n})"
+            )
+        if subtile_idx % 2 == 0:
+            for j in cutlass.range_constexpr(MX):
+                rStash[j] = cutlass.Float32(tTR_rAcc[j].to(cutlass.BFloat16))
+        else:
+            rG = cute.make_rmem_tensor(cute.make_layout((MX,)), cutlass.Float32)
+            rU = cute.make_rmem_tensor(cute.make_layout((MX,)), cutlass.Float32)
+            up_now = real_subtile_idx % 2 == 1
+            for j in cutlass.range_constexpr(MX):
+                cur = cutlass.Float32(tTR_rAcc[j].to(cutlass.BFloat16))
+                rG[j] = cutlass.select_(up_now, rStash[j], cur)
+                rU[j] = cutlass.select_(up_now, cur, rStash[j])
+            crd = tTR_cC[0]  # (row, column, batch) in the expert's C
+            m, n = crd[0], crd[1]
+            if m < tok_cnt:
+                rQ = cute.make_rmem_tensor(cute.make_layout((MX,)), cutlass.Float8E4M3FN)
+                scale = silu_mul_mx_block(rG, rU, rQ)
+                r = tok_off + m
+                fb = n // (2 * MX)
+                cute.autovec_copy(
+                    rQ, cute.zipped_divide(silu_q, (1, MX))[(0, None), (r, fb)]
+                )
+                ncb = (cute.size(silu_q, mode=[1]) // MX + 3) // 4
+                silu_sq[mx_scale_index(r, fb, ncb)] = cutlass.Uint8(scale)
 
     # -----------------------------------------------------------------
     # desc_init_kernel (GPU device kernel)
@@ -1259,6 +1319,9 @@ class ScaledGroupedGemmKernel:
         # ── Optional: NVFP4 per-expert global scales ──
         global_scale_a: Optional[cute.Tensor],
         global_scale_b: Optional[cute.Tensor],
+        # ── cute_kernels addition: fused SiLU * up + MXFP8 outputs ──
+        silu_q: Optional[cute.Tensor],
+        silu_sq: Optional[cute.Tensor],
     ):
         """
         GPU device kernel for MoE Scaled Grouped GEMM with block scaling.
@@ -2090,6 +2153,29 @@ class ScaledGroupedGemmKernel:
                 tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
                 bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
 
+                # cute_kernels addition (fused SiLU * up + MXFP8): the (row, column) of every
+                # t2r register in the expert's C coordinates, partitioned exactly as C is.
+                tTR_cC = None
+                rStash = None
+                tok_off = cutlass.Int32(0)
+                tok_cnt = cutlass.Int32(0)
+                if cutlass.const_expr(silu_q is not None):
+                    cC_mnl = cute.local_tile(
+                        cute.make_identity_tensor(real_c.shape),
+                        cute.slice_(self.mma_tiler, (None, None, 0)),
+                        (None, None, None),
+                    )
+                    tCcC = transform_partitioned_tensor_layout(thr_mma.partition_C(cC_mnl))
+                    tTR_cC = tiled_copy_t2r.get_slice(tidx).partition_D(
+                        cute.flat_divide(tCcC, epi_tile)
+                    )
+                    tTR_cC = tTR_cC[(None, None, None, None, None, *mma_tile_coord_mnl)]
+                    tTR_cC = cute.group_modes(tTR_cC, 3, cute.rank(tTR_cC))
+                    tok_off, tok_cnt = compute_expert_token_range(
+                        offs, work_tile_info.expert_idx
+                    )
+                    rStash = cute.make_rmem_tensor(tTR_rAcc.shape, cutlass.Float32)
+
                 # Compute per-expert global_scale alpha for NVFP4
                 if cutlass.const_expr(global_scale_a is not None):
                     expert_idx = work_tile_info.expert_idx
@@ -2133,37 +2219,51 @@ class ScaledGroupedGemmKernel:
                                 acc_pipeline.consumer_release(acc_consumer_state)
                                 acc_consumer_state.advance()
 
-                    # Convert to output dtype, apply global_scale
-                    acc_vec = cute.zeros_like(tiled_copy_r2s.retile(tTR_rAcc))
-                    if cutlass.const_expr(self.scenario == "2Dx2D"):
-                        if k_tile_cnt > 0:
-                            acc_vec = tiled_copy_r2s.retile(tTR_rAcc).load()
-                    else:
-                        acc_vec = tiled_copy_r2s.retile(tTR_rAcc).load()
-                    if cutlass.const_expr(global_scale_a is not None):
-                        acc_vec = acc_vec * alpha
-                    acc_vec = acc_vec.to(self.c_dtype)
-                    tRS_rC.store(acc_vec)
-
-                    # RMEM → SMEM
-                    c_buffer = (num_prev_subtiles + subtile_idx) % self.num_c_stage
-                    cute.copy(
-                        tiled_copy_r2s, tRS_rC, tRS_sC[(None, None, None, c_buffer)]
-                    )
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    epilog_sync_barrier.arrive_and_wait()
-
-                    # SMEM → GMEM (TMA store or TMA reduce)
-                    if warp_idx == self.epilogue_warp_id[0]:
-                        cute.copy(
-                            tma_atom_c,
-                            bSG_sC[(None, c_buffer)],
-                            bSG_gC[(None, real_subtile_idx)],
-                            tma_desc_ptr=desc_ptr_c,
+                    if cutlass.const_expr(silu_q is not None):
+                        # cute_kernels addition: no C store; SiLU * up + MXFP8 from registers.
+                        self.silu_quant_subtile(
+                            tTR_rAcc,
+                            rStash,
+                            tTR_cC[(None, None, None, real_subtile_idx)],
+                            subtile_idx,
+                            real_subtile_idx,
+                            tok_off,
+                            tok_cnt,
+                            silu_q,
+                            silu_sq,
                         )
-                        c_pipeline.producer_commit()
-                        c_pipeline.producer_acquire()
-                    epilog_sync_barrier.arrive_and_wait()
+                    else:
+                        # Convert to output dtype, apply global_scale
+                        acc_vec = cute.zeros_like(tiled_copy_r2s.retile(tTR_rAcc))
+                        if cutlass.const_expr(self.scenario == "2Dx2D"):
+                            if k_tile_cnt > 0:
+                                acc_vec = tiled_copy_r2s.retile(tTR_rAcc).load()
+                        else:
+                            acc_vec = tiled_copy_r2s.retile(tTR_rAcc).load()
+                        if cutlass.const_expr(global_scale_a is not None):
+                            acc_vec = acc_vec * alpha
+                        acc_vec = acc_vec.to(self.c_dtype)
+                        tRS_rC.store(acc_vec)
+
+                        # RMEM → SMEM
+                        c_buffer = (num_prev_subtiles + subtile_idx) % self.num_c_stage
+                        cute.copy(
+                            tiled_copy_r2s, tRS_rC, tRS_sC[(None, None, None, c_buffer)]
+                        )
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        epilog_sync_barrier.arrive_and_wait()
+
+                        # SMEM → GMEM (TMA store or TMA reduce)
+                        if warp_idx == self.epilogue_warp_id[0]:
+                            cute.copy(
+                                tma_atom_c,
+                                bSG_sC[(None, c_buffer)],
+                                bSG_gC[(None, real_subtile_idx)],
+                                tma_desc_ptr=desc_ptr_c,
+                            )
+                            c_pipeline.producer_commit()
+                            c_pipeline.producer_acquire()
+                        epilog_sync_barrier.arrive_and_wait()
 
                 # Release accumulator buffer (non-overlapping path)
                 if cutlass.const_expr(not self.overlapping_accum):
