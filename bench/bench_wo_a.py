@@ -60,7 +60,7 @@ def main():
             t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
             t_dec = (time_graph(lambda i: wo_a(o, ws[i], out=y, decode_kernel=True), n, max(n, 8))
                      if T <= 64 else float("nan"))
-            t_ours = t_dec if use_decode_kernel(T, None) else t_eng  # the path wo_a() takes by default
+            t_ours = t_dec if use_decode_kernel(T, None, "sm90") else t_eng  # wo_a()'s default on Hopper
             flops = 2 * T * G * R * Dg
             nbytes = wbytes + T * G * Dg * 2 + T * G * R * 2
             lim = (f"{100 * nbytes / t_ours / H200_COPY_BW:.0f}% of 4.3 TB/s" if T <= 64

@@ -86,13 +86,16 @@ def _torch_path(o, w, out):
     return out
 
 
-#: tokens up to which wo_a() uses the decode kernel by default (H200, bench_wo_a: faster than
-#: the engine at T = 1 and 5 for all four shapes; its 64-row variant is slower at T = 64)
+#: tokens up to which wo_a() uses the decode kernel by default on Hopper (H200, bench_wo_a:
+#: faster than the wgmma engine at T = 1 and 5 for all four shapes; its 64-row variant is
+#: slower at T = 64). Blackwell keeps its tcgen05 engine unless asked (nothing measured there).
 DECODE_MAX_T = 16
 
 
-def use_decode_kernel(T: int, decode_kernel: bool | None) -> bool:
-    return T <= DECODE_MAX_T if decode_kernel is None else bool(decode_kernel)
+def use_decode_kernel(T: int, decode_kernel: bool | None, path: str = "sm90") -> bool:
+    if decode_kernel is None:
+        return path == "sm90" and T <= DECODE_MAX_T
+    return bool(decode_kernel)
 
 
 _WORKSPACES: dict = {}
@@ -121,9 +124,9 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     """``y [T, G*R]`` (bf16, token-major) from ``o [T, H, Dv]`` and ``wo_a_weight [G, R, (H/G)*Dv]``.
 
     ``decode_kernel`` routes the call to :mod:`cute_kernels.wo_a_decode` (the weight-streaming
-    split-K decode kernel): ``None`` (default) for T <= 16 -- where the H200 measured it faster
-    than the TMA/wgmma engine at every shape (bench/RESULTS.md) --, ``True`` for any T <= 64,
-    ``False`` never. Its split partials live in ``workspace`` (default:
+    split-K decode kernel): ``None`` (default) for T <= 16 on Hopper -- where the H200 measured
+    it faster than the TMA/wgmma engine at every shape (bench/RESULTS.md) --, ``True`` for any
+    T <= 64 on any arch, ``False`` never. Its split partials live in ``workspace`` (default:
     one shared per device and shape -- pass your own for concurrent calls on several streams).
     """
     op = "wo_a"
@@ -147,7 +150,7 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     path = dispatch(op, ("sm100", "sm90", "reference"), arch=a)
     if path == "reference":
         return _torch_path(o, wo_a_weight, out)
-    if use_decode_kernel(T, decode_kernel) and WoADecode.can_implement(T, G, R, Dg):
+    if use_decode_kernel(T, decode_kernel, path) and WoADecode.can_implement(T, G, R, Dg):
         bm, splits = decode_plan(T, G, R, Dg, _num_sms(o.device))
         if workspace is None:
             workspace = _default_workspace(o.device, G, R)

@@ -197,6 +197,8 @@ def test_decode_kernel_default_range():
     from cute_kernels.wo_a import use_decode_kernel
     assert use_decode_kernel(1, None) and use_decode_kernel(16, None) and not use_decode_kernel(17, None)
     assert use_decode_kernel(64, True) and not use_decode_kernel(1, False)
+    assert not use_decode_kernel(1, None, "sm100")  # Blackwell keeps tcgen05 unless asked
+    assert use_decode_kernel(1, True, "sm100")
 
 
 def test_decode_plan():
