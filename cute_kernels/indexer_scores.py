@@ -34,6 +34,7 @@ Tests / bench::
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -42,7 +43,6 @@ from cutlass import Float32, Int32
 
 from . import jit
 
-VEC = 8
 KEY_TILE = 128
 
 
@@ -75,11 +75,19 @@ def fake_args():
 
 
 class IndexerScores:
-    """Compile-time configuration: heads ``H``, head dim ``D``, whether a slot mask exists."""
+    """Compile-time configuration: heads ``H``, head dim ``D``, whether a slot mask exists.
+
+    The operand type is a class attribute: :class:`cute_kernels.indexer_scores_fp8.IndexerScoresFp8`
+    runs this kernel body on e4m3 operands (and a per-key scale)."""
+
+    dtype = cutlass.BFloat16
+    k_step = 16  # K of one mma.sync
 
     def __init__(self, heads: int, dim: int, has_slot_mask: bool):
         self.H, self.D, self.has_slot_mask = heads, dim, has_slot_mask
-        self.pitch = dim + 8  # shared-memory row pitch: ldmatrix rows land in distinct banks
+        self.vec = 128 // self.dtype.width  # elements per 16-byte copy
+        # shared-memory row pitch: 16 bytes of padding, so ldmatrix rows land in distinct banks
+        self.pitch = dim + self.vec
         self.threads = 128
 
     @cute.jit
@@ -97,14 +105,15 @@ class IndexerScores:
         mScore = cute.make_tensor(score_ptr, cute.make_layout((num_tokens, s_max), stride=(s_max, 1)))
         tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, Float32, (16, 8, 16)),
                                         cute.make_layout((2, 2, 1)))
-        self.kernel(mQ, mW, mK, mOff, mLen, mPos, mValid, mScore, tiled_mma, num_rows, s_max).launch(
+        self.kernel(mQ, mW, mK, None, mOff, mLen, mPos, mValid, mScore, tiled_mma, num_rows, s_max).launch(
             grid=[(s_max + KEY_TILE - 1) // KEY_TILE, num_tokens, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mW: cute.Tensor, mK: cute.Tensor, mOff: cute.Tensor, mLen: cute.Tensor,
-               mPos: cute.Tensor, mValid: cute.Tensor, mScore: cute.Tensor, tiled_mma: cute.TiledMma,
-               num_rows: Int32, s_max: Int32):
-        H, D, P = self.H, self.D, self.pitch
+    def kernel(self, mQ: cute.Tensor, mW: cute.Tensor, mK: cute.Tensor, mKs: Optional[cute.Tensor],
+               mOff: cute.Tensor, mLen: cute.Tensor, mPos: cute.Tensor, mValid: cute.Tensor, mScore: cute.Tensor,
+               tiled_mma: cute.TiledMma, num_rows: Int32, s_max: Int32):
+        """``mKs``: per-key-row scales applied after the head sum (FP8 keys), or None."""
+        H, D, P, VEC, dt = self.H, self.D, self.pitch, self.vec, self.dtype
         tidx, _, _ = cute.arch.thread_idx()
         kt, t, _ = cute.arch.block_idx()
         s0 = kt * KEY_TILE
@@ -117,20 +126,25 @@ class IndexerScores:
                 mScore[t, s0 + s] = neg_inf
         else:
             smem = cutlass.memory.SmemAllocator()
-            sQ = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((H, D), stride=(P, 1)), 16)
-            sK = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((KEY_TILE, D), stride=(P, 1)), 16)
+            sQ = smem.allocate_tensor(dt, cute.make_layout((H, D), stride=(P, 1)), 16)
+            sK = smem.allocate_tensor(dt, cute.make_layout((KEY_TILE, D), stride=(P, 1)), 16)
             sC = smem.allocate_tensor(Float32, cute.make_layout((H, KEY_TILE), stride=(KEY_TILE, 1)), 16)
             sW = smem.allocate_tensor(Float32, cute.make_layout((H,)), 16)
 
-            atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.BFloat16, num_bits_per_copy=128)
+            atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), dt, num_bits_per_copy=128)
             gQv = cute.zipped_divide(mQ[t, None, None], (1, VEC))
             gKv = cute.zipped_divide(mK, (1, VEC))
             sQv = cute.zipped_divide(sQ, (1, VEC))
             sKv = cute.zipped_divide(sK, (1, VEC))
             VPR = D // VEC
-            for i in cutlass.range_constexpr(H * VPR // self.threads):
+            for i in cutlass.range_constexpr(-(-H * VPR // self.threads)):
                 idx = tidx + i * self.threads
-                cute.copy(atom, gQv[(0, None), (idx // VPR, idx % VPR)], sQv[(0, None), (idx // VPR, idx % VPR)])
+                if cutlass.const_expr(H * VPR % self.threads == 0):
+                    cute.copy(atom, gQv[(0, None), (idx // VPR, idx % VPR)], sQv[(0, None), (idx // VPR, idx % VPR)])
+                else:  # fewer 16-byte vectors than threads x rounds: the last round is partial
+                    if idx < H * VPR:
+                        cute.copy(atom, gQv[(0, None), (idx // VPR, idx % VPR)],
+                                  sQv[(0, None), (idx // VPR, idx % VPR)])
             for i in cutlass.range_constexpr(KEY_TILE * VPR // self.threads):
                 idx = tidx + i * self.threads
                 s = idx // VPR
@@ -152,25 +166,31 @@ class IndexerScores:
             tCsC = thr_mma.partition_C(sC)
             acc = tiled_mma.make_fragment_C(tCsC)
             acc.fill(0.0)
-            s2r_A = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4),
-                                                               cutlass.BFloat16), tiled_mma)
-            s2r_B = cute.make_tiled_copy_B(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 2),
-                                                               cutlass.BFloat16), tiled_mma)
+            s2r_A = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), dt),
+                                           tiled_mma)
+            s2r_B = cute.make_tiled_copy_B(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 2), dt),
+                                           tiled_mma)
             thr_A, thr_B = s2r_A.get_slice(tidx), s2r_B.get_slice(tidx)
             tAsA, tArA = thr_A.partition_S(sQ), thr_A.retile(tCrA)
             tBsB, tBrB = thr_B.partition_S(sK), thr_B.retile(tCrB)
-            for kb in cutlass.range_constexpr(D // 16):
+            for kb in cutlass.range_constexpr(D // self.k_step):
                 cute.copy(s2r_A, tAsA[None, None, kb], tArA[None, None, kb])
                 cute.copy(s2r_B, tBsB[None, None, kb], tBrB[None, None, kb])
                 cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
             tCsC.store(acc.load())
             cute.arch.barrier()
 
-            # Thread s owns key column s: FP32 weighted ReLU sum over the heads in order.
+            # Thread s owns key column s: FP32 weighted ReLU sum over the heads in order (then the
+            # key row's scale, if any: positive, so it commutes with the ReLU).
             for s in cutlass.range(tidx, cutlass.min(KEY_TILE, s_max - s0), self.threads):
                 acc_s = Float32(0.0)
                 for h in cutlass.range(H, unroll_full=True):
                     acc_s = acc_s + sW[h] * cutlass.max(sC[h, s], Float32(0.0))
+                if cutlass.const_expr(mKs is not None):
+                    ks = Float32(1.0)
+                    if s0 + s < limit:  # rows past the limit may lie outside the cache
+                        ks = mKs[off + s0 + s]
+                    acc_s = acc_s * ks
                 store_masked_score(mScore, mValid, t, s0 + s, off + s0 + s, limit, acc_s, self.has_slot_mask)
 
     @staticmethod

@@ -11,11 +11,13 @@ outputs), in DeepSeek's formulation of the FP8 indexer::
 for ``c > 0``. The mask rule is :func:`cute_kernels.indexer_scores.candidate_limit` /
 :func:`~cute_kernels.indexer_scores.store_masked_score`.
 
-Kernel: one CTA per ``(128-key tile, token)``; ``q8[t]`` (``[64, 128]`` bytes) and the key
-tile (``[128, 128]`` bytes) arrive by cp.async into shared rows padded to 144 bytes
-(conflict-free ldmatrix, as in :mod:`moe.experts_sm90`); 2 x 2 warps of FP8
-``mma.sync m16n8k32`` accumulate ``C = q8 k8^T`` in FP32 (e4m3 products are exact in FP32);
-thread ``s`` reduces column ``s`` over the heads in a fixed order and scales by ``k_scale``.
+Kernel: the body of :class:`cute_kernels.indexer_scores.IndexerScores` on e4m3 operands --
+one CTA per ``(128-key tile, token)``; ``q8[t]`` (``[64, 128]`` bytes) and the key tile
+(``[128, 128]`` bytes) arrive by cp.async into shared rows padded by 16 bytes (conflict-free
+ldmatrix); 2 x 2 warps of FP8 ``mma.sync m16n8k32`` accumulate ``C = q8 k8^T`` in FP32
+(e4m3 products are exact in FP32; ptxas lowers the e4m3 MMA to f16 unpacks + HMMA on these
+archs); thread ``s`` reduces column ``s`` over the heads in a fixed order and scales by
+``k_scale``.
 Half the bytes of the bf16 kernel per key; the same select (:mod:`cute_kernels.indexer_topk`)
 follows. Same source on sm_90a and sm_100a (a tcgen05 FP8 variant is not written).
 
@@ -35,18 +37,14 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import jit
-from .indexer_scores import KEY_TILE, candidate_limit, store_masked_score
-
-VEC = 16  # fp8 elements per 16-byte copy
+from .indexer_scores import KEY_TILE, IndexerScores
 
 
-class IndexerScoresFp8:
-    """Compile-time configuration: heads ``H``, head dim ``D``, whether a slot mask exists."""
+class IndexerScoresFp8(IndexerScores):
+    """The bf16 kernel's body on e4m3 q / keys, with the keys' scales (``mKs``) in the epilogue."""
 
-    def __init__(self, heads: int, dim: int, has_slot_mask: bool):
-        self.H, self.D, self.has_slot_mask = heads, dim, has_slot_mask
-        self.pitch = dim + 16  # bytes per shared row: ldmatrix rows land in distinct 16-byte bank groups
-        self.threads = 128
+    dtype = cutlass.Float8E4M3FN
+    k_step = 32  # K of one e4m3 mma.sync: exactly one 32-wide block
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, w_ptr: cute.Pointer, k_ptr: cute.Pointer, ks_ptr: cute.Pointer,
@@ -66,85 +64,6 @@ class IndexerScoresFp8:
                                         cute.make_layout((2, 2, 1)))
         self.kernel(mQ, mW, mK, mKs, mOff, mLen, mPos, mValid, mScore, tiled_mma, num_rows, s_max).launch(
             grid=[(s_max + KEY_TILE - 1) // KEY_TILE, num_tokens, 1], block=[self.threads, 1, 1], stream=stream)
-
-    @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mW: cute.Tensor, mK: cute.Tensor, mKs: cute.Tensor, mOff: cute.Tensor,
-               mLen: cute.Tensor, mPos: cute.Tensor, mValid: cute.Tensor, mScore: cute.Tensor,
-               tiled_mma: cute.TiledMma, num_rows: Int32, s_max: Int32):
-        H, D, P = self.H, self.D, self.pitch
-        f8 = cutlass.Float8E4M3FN
-        tidx, _, _ = cute.arch.thread_idx()
-        kt, t, _ = cute.arch.block_idx()
-        s0 = kt * KEY_TILE
-        off = mOff[t]
-        limit = candidate_limit(mOff, mLen, mPos, t, num_rows)
-        neg_inf = Float32(float("-inf"))
-        if s0 >= limit:
-            for s in cutlass.range(tidx, cutlass.min(KEY_TILE, s_max - s0), self.threads):
-                mScore[t, s0 + s] = neg_inf
-        else:
-            smem = cutlass.memory.SmemAllocator()
-            sQ = smem.allocate_tensor(f8, cute.make_layout((H, D), stride=(P, 1)), 16)
-            sK = smem.allocate_tensor(f8, cute.make_layout((KEY_TILE, D), stride=(P, 1)), 16)
-            sC = smem.allocate_tensor(Float32, cute.make_layout((H, KEY_TILE), stride=(KEY_TILE, 1)), 16)
-            sW = smem.allocate_tensor(Float32, cute.make_layout((H,)), 16)
-
-            atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=128)
-            gQv = cute.zipped_divide(cute.recast_tensor(mQ[t, None, None], cutlass.Uint8), (1, VEC))
-            gKv = cute.zipped_divide(cute.recast_tensor(mK, cutlass.Uint8), (1, VEC))
-            sQv = cute.zipped_divide(cute.recast_tensor(sQ, cutlass.Uint8), (1, VEC))
-            sKv = cute.zipped_divide(cute.recast_tensor(sK, cutlass.Uint8), (1, VEC))
-            VPR = D // VEC
-            for i in cutlass.range_constexpr(-(-H * VPR // self.threads)):
-                idx = tidx + i * self.threads
-                if idx < H * VPR:
-                    cute.copy(atom, gQv[(0, None), (idx // VPR, idx % VPR)], sQv[(0, None), (idx // VPR, idx % VPR)])
-            for i in cutlass.range_constexpr(-(-KEY_TILE * VPR // self.threads)):
-                idx = tidx + i * self.threads
-                s = idx // VPR
-                # Keys past the limit are not loaded: their columns are masked below, and a
-                # column of C depends on its own key row only.
-                if idx < KEY_TILE * VPR and s0 + s < limit:
-                    cute.copy(atom, gKv[(0, None), (off + s0 + s, idx % VPR)], sKv[(0, None), (s, idx % VPR)])
-            for h in cutlass.range(tidx, H, self.threads):
-                sW[h] = mW[t, h]
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.barrier()
-
-            thr_mma = tiled_mma.get_slice(tidx)
-            tCsA = thr_mma.partition_A(sQ)
-            tCsB = thr_mma.partition_B(sK)
-            tCrA = tiled_mma.make_fragment_A(tCsA)
-            tCrB = tiled_mma.make_fragment_B(tCsB)
-            tCsC = thr_mma.partition_C(sC)
-            acc = tiled_mma.make_fragment_C(tCsC)
-            acc.fill(0.0)
-            s2r_A = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), f8),
-                                           tiled_mma)
-            s2r_B = cute.make_tiled_copy_B(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 2), f8),
-                                           tiled_mma)
-            thr_A, thr_B = s2r_A.get_slice(tidx), s2r_B.get_slice(tidx)
-            tAsA, tArA = thr_A.partition_S(sQ), thr_A.retile(tCrA)
-            tBsB, tBrB = thr_B.partition_S(sK), thr_B.retile(tCrB)
-            for kb in cutlass.range_constexpr(D // 32):
-                cute.copy(s2r_A, tAsA[None, None, kb], tArA[None, None, kb])
-                cute.copy(s2r_B, tBsB[None, None, kb], tBrB[None, None, kb])
-                cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
-            tCsC.store(acc.load())
-            cute.arch.barrier()
-
-            # Thread s owns key column s: FP32 weighted ReLU sum over the heads in order, then
-            # the key row's scale (positive, so it commutes with the ReLU).
-            for s in cutlass.range(tidx, cutlass.min(KEY_TILE, s_max - s0), self.threads):
-                acc_s = Float32(0.0)
-                for h in cutlass.range(H, unroll_full=True):
-                    acc_s = acc_s + sW[h] * cutlass.max(sC[h, s], Float32(0.0))
-                row = off + s0 + s
-                ks = Float32(1.0)
-                if s0 + s < limit:  # rows past the limit may lie outside the cache
-                    ks = mKs[row]
-                store_masked_score(mScore, mValid, t, s0 + s, row, limit, acc_s * ks, self.has_slot_mask)
 
     @staticmethod
     def can_implement(heads: int, dim: int) -> bool:
