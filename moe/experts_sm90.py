@@ -290,19 +290,16 @@ class MoeExpertGemmSm90:
         # Every warp's accumulators are in shared memory before a row's thread reads them.
         cute.arch.barrier()
         if tidx < live:
-            one = Float32(1.0)
-            rH = cute.make_rmem_tensor(cute.make_layout((MX,)), bf16)
+            rG = cute.make_rmem_tensor(cute.make_layout((MX,)), Float32)
+            rU = cute.make_rmem_tensor(cute.make_layout((MX,)), Float32)
             for j in cutlass.range_constexpr(MX):
-                g = sH[tidx, j]
-                sg = (g / (one + cute.math.exp(-g))).to(bf16)
-                rH[j] = (Float32(sg) * sH[tidx, MX + j]).to(bf16)
+                rG[j] = sH[tidx, j]
+                rU[j] = sH[tidx, MX + j]
             rQ = cute.make_rmem_tensor(cute.make_layout((MX,)), cutlass.Float8E4M3FN)
-            scale = mx_quantize_block(rH, rQ)
+            scale = silu_mul_mx_block(rG, rU, rQ)
             fb = n0 // (2 * MX)  # output scale block = feature block
             cute.autovec_copy(rQ, cute.zipped_divide(mQ, (1, MX))[(0, None), (row0 + tidx, fb)])
-            r = row0 + tidx
-            mSQ[((r // 128) * self.ncb_i + fb // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + fb % 4] = \
-                cutlass.Uint8(scale)
+            mSQ[mx_scale_index(row0 + tidx, fb, self.ncb_i)] = cutlass.Uint8(scale)
 
     @cute.jit
     def issue(self, gA16: cute.Tensor, gW16: cute.Tensor, gSA16: cute.Tensor, gSW16: cute.Tensor, sA16: cute.Tensor,
