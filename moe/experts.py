@@ -239,24 +239,37 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     path = dispatch(op, ("sm100", "sm90", "reference"), arch=a)
     if path == "reference" or rows == 0:
         return _reference(a_q, a_scales, w_q, w_scales, expert_offsets, out) if rows else out
-    import cutlass
-    from cutlass import Int32
-
-    P = jit.gmem_ptr
-    f8, sf = cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU
     if path == "sm90":
         _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out, None, stream,
                      routed_rows, tile_k, stages, ctas_per_sm, max_expert_rows)
         return out
+    _launch_sm100(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, out, None, workspace, stream)
+    return out
+
+
+def _launch_sm100(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, out, fused, workspace, stream):
+    """The Blackwell kernel: bf16 ``out``, or (``fused`` = (q, scales)) the SiLU * up + MXFP8
+    epilogue, which writes no C (``a_q`` then stands in for C's never-used address)."""
+    import cutlass
+    from cutlass import Int32
+
+    rows, K = a_q.shape
+    E, N, _ = w_q.shape
     if workspace is None:
         workspace = MoeExpertWorkspace(E, device=a_q.device)
     if not isinstance(workspace, MoeExpertWorkspace) or workspace.E != E:
         raise ValueError(f"{op}: workspace must be an MoeExpertWorkspace for E={E}")
-    fn = jit.get_kernel("moe_expert_gemm", a, E=E, N=N, K=K)
-    fn(P(f8, a_q, 16), P(f8, w_q, 16), P(sf, a_scales, 16), P(sf, w_scales, 16), P(cutlass.BFloat16, out, 16),
-       P(Int32, expert_offsets[1:], 4), P(cutlass.Uint8, workspace.buffer, 128), P(f8, a_q, 16),
-       P(cutlass.Uint8, a_scales, 1), jit.i32(rows), jit.cu_stream(stream))  # the last two: unused (not fused)
-    return out
+    P = jit.gmem_ptr
+    f8, sf = cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU
+    if fused is None:
+        fn = jit.get_kernel("moe_expert_gemm", arch, E=E, N=N, K=K)
+        c, (q, s) = out, (a_q, a_scales)  # q / s: unused without the fused epilogue
+    else:
+        fn = jit.get_kernel("moe_expert_gemm", arch, E=E, N=N, K=K, silu_quant=True)
+        c, (q, s) = a_q, fused
+    fn(P(f8, a_q, 16), P(f8, w_q, 16), P(sf, a_scales, 16), P(sf, w_scales, 16), P(cutlass.BFloat16, c, 16),
+       P(Int32, expert_offsets[1:], 4), P(cutlass.Uint8, workspace.buffer, 128), P(f8, q, 16),
+       P(cutlass.Uint8, s, 1), jit.i32(rows), jit.cu_stream(stream))
 
 
 def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -318,19 +331,8 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
     if path == "sm100":  # tcgen05 GEMM with the SiLU * up + MXFP8 epilogue (compile + SASS checked only)
         check_cuda(op, ("a_q", a_q), ("a_scales", a_scales), ("w_q", w_q), ("w_scales", w_scales),
                    ("expert_offsets", expert_offsets), ("q_out", q_out), ("scales_out", scales_out))
-        import cutlass
-        from cutlass import Int32
-
-        ws = MoeExpertWorkspace(E, device=a_q.device) if workspace is None else workspace
-        if not isinstance(ws, MoeExpertWorkspace) or ws.E != E:
-            raise ValueError(f"{op}: workspace must be an MoeExpertWorkspace for E={E}")
-        P = jit.gmem_ptr
-        f8, sf = cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU
-        fn = jit.get_kernel("moe_expert_gemm", a, E=E, N=N, K=K, silu_quant=True)
-        # C is not written in the fused mode: a_q stands in for its (never used) address
-        fn(P(f8, a_q, 16), P(f8, w_q, 16), P(sf, a_scales, 16), P(sf, w_scales, 16), P(cutlass.BFloat16, a_q, 16),
-           P(Int32, expert_offsets[1:], 4), P(cutlass.Uint8, ws.buffer, 128), P(f8, q_out, 16),
-           P(cutlass.Uint8, scales_out, 1), jit.i32(rows), jit.cu_stream(stream))
+        _launch_sm100(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, None, (q_out, scales_out), workspace,
+                      stream)
         return q_out, scales_out
     if path == "sm90":
         check_cuda(op, ("a_q", a_q), ("a_scales", a_scales), ("w_q", w_q), ("w_scales", w_scales),
