@@ -82,6 +82,23 @@ def device_arch(device=None) -> str | None:
     return _device_arch_cache[idx]
 
 
+_sm_count_cache: dict[int, int] = {}
+
+
+def num_sms(device) -> int:
+    """Streaming multiprocessors of a CUDA device (a ``torch.device`` or an index), cached:
+    the split-K / grid planners call it on the hot path."""
+    idx = device if isinstance(device, int) else device.index
+    n = _sm_count_cache.get(idx)
+    if n is None:
+        import torch
+
+        if idx is None:
+            idx = torch.cuda.current_device()
+        n = _sm_count_cache[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return n
+
+
 def current_arch(device=None) -> str | None:
     """The override if one is active, else the device's arch (None on CPU/unknown GPUs)."""
     ov = getattr(_override, "arch", None)

@@ -54,7 +54,6 @@ Tests / benchmark::
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -65,7 +64,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import jit
-from .arch import current_arch, dispatch
+from .arch import current_arch, dispatch, num_sms
 from .validate import check_cuda, check_tensor
 
 VEC = 8  # bf16 per 16-byte load
@@ -367,9 +366,6 @@ KERNEL = jit.register(jit.KernelDef(
 ))
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def plan_splits(num_tokens: int, K: int, max_ctas: int) -> tuple[int, int]:
@@ -489,7 +485,7 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
     check_cuda(op, ("x", x), ("workspace.partials", workspace.partials))
     if max_ctas is not None and (not isinstance(max_ctas, int) or max_ctas < 1):
         raise ValueError(f"{op}: max_ctas must be a positive int, got {max_ctas!r}")
-    splits, per = plan_splits(T, K, max_ctas or 2 * _num_sms(x.device.index or 0))
+    splits, per = plan_splits(T, K, max_ctas or 2 * num_sms(x.device.index or 0))
     if phi.dtype == torch.float32:
         phi = mhc_split_phi(phi)  # allocates: callers on the hot path pass the split planes
     fn = MhcStats.compile(a, n, C, sinkhorn_iters)

@@ -33,7 +33,7 @@ import cutlass
 from cutlass import Float32, Int32
 
 from . import jit
-from .arch import current_arch, dispatch
+from .arch import current_arch, dispatch, num_sms
 from .validate import check_cuda, check_tensor
 from .wo_a_sm90 import WoASm90
 from .wo_a_sm100 import WoASm100
@@ -99,14 +99,6 @@ def use_decode_kernel(T: int, decode_kernel: bool | None, path: str = "sm90") ->
 
 
 _WORKSPACES: dict = {}
-_SMS: dict = {}
-
-
-def _num_sms(device) -> int:
-    n = _SMS.get(device)
-    if n is None:
-        n = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return n
 
 
 def _default_workspace(device, G, R) -> WoADecodeWorkspace:
@@ -151,7 +143,7 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     if path == "reference":
         return _torch_path(o, wo_a_weight, out)
     if use_decode_kernel(T, decode_kernel, path) and WoADecode.can_implement(T, G, R, Dg):
-        bm, splits = decode_plan(T, G, R, Dg, _num_sms(o.device))
+        bm, splits = decode_plan(T, G, R, Dg, num_sms(o.device))
         if workspace is None:
             workspace = _default_workspace(o.device, G, R)
         if not isinstance(workspace, WoADecodeWorkspace) or (workspace.G, workspace.R) != (G, R) \
