@@ -130,30 +130,13 @@ class MxBaselineOps(Ops):
     routed input, the SiLU * up activation) in torch: the numbers the fused MoE is meant to
     compute, from unfused ops. The yardstick for the fused path's error."""
 
-    @staticmethod
-    def _qdq(x):
+    def expert_operand(self, x):
         from moe.experts import _mx_quant_torch
 
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         q, s = _mx_quant_torch(x2)
         f = torch.exp2(s.float() - 127)
         return (q.view(torch.float8_e4m3fn).float().view(x2.shape[0], -1, 32) * f[..., None]).view(x.shape).to(x.dtype)
-
-    def _moe_grouped(self, h, L, cfg, ids, w):
-        from spec_decode.model import shared_expert
-
-        N, k = ids.shape
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(cfg.experts, dtype=torch.long, device=h.device).scatter_add_(0, flat, torch.ones_like(flat))
-        offs = counts.cumsum(0).int()
-        xs = self._qdq(h[order // k])
-        g = torch._grouped_mm(xs, self._qdq(L["gate"]).transpose(1, 2), offs=offs)
-        up = torch._grouped_mm(xs, self._qdq(L["up"]).transpose(1, 2), offs=offs)
-        y = torch._grouped_mm(self._qdq(torch.nn.functional.silu(g) * up), self._qdq(L["down"]).transpose(1, 2),
-                              offs=offs)
-        routed = torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1)
-        return (routed.float() * w[..., None].float()).sum(1).to(h.dtype) + shared_expert(h, L)
 
 
 @pytest.mark.gpu
