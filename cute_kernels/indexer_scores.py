@@ -55,6 +55,16 @@ def candidate_limit(mOff: cute.Tensor, mLen: cute.Tensor, mPos: cute.Tensor, t: 
     return cutlass.select_(off < 0, Int32(0), limit)
 
 
+def candidate_tensors(off_ptr, len_ptr, pos_ptr, valid_ptr, score_ptr, num_tokens, num_rows, s_max):
+    """Every score kernel's per-token metadata (kv_offset, kv_len, pos), per-row slot mask and
+    score rows: ``(mOff, mLen, mPos, mValid, mScore)``."""
+    return (cute.make_tensor(off_ptr, cute.make_layout((num_tokens,))),
+            cute.make_tensor(len_ptr, cute.make_layout((num_tokens,))),
+            cute.make_tensor(pos_ptr, cute.make_layout((num_tokens,))),
+            cute.make_tensor(valid_ptr, cute.make_layout((num_rows,))),
+            cute.make_tensor(score_ptr, cute.make_layout((num_tokens, s_max), stride=(s_max, 1))))
+
+
 @cute.jit
 def store_masked_score(mScore: cute.Tensor, mValid: cute.Tensor, t: Int32, s: Int32, row: Int32, limit: Int32,
                        score: Float32, has_slot_mask: cutlass.Constexpr[bool]):
@@ -98,11 +108,8 @@ class IndexerScores:
         mQ = cute.make_tensor(q_ptr, cute.make_layout((num_tokens, H, D), stride=(H * D, D, 1)))
         mW = cute.make_tensor(w_ptr, cute.make_layout((num_tokens, H), stride=(H, 1)))
         mK = cute.make_tensor(k_ptr, cute.make_layout((num_rows, D), stride=(D, 1)))
-        mOff = cute.make_tensor(off_ptr, cute.make_layout((num_tokens,)))
-        mLen = cute.make_tensor(len_ptr, cute.make_layout((num_tokens,)))
-        mPos = cute.make_tensor(pos_ptr, cute.make_layout((num_tokens,)))
-        mValid = cute.make_tensor(valid_ptr, cute.make_layout((num_rows,)))
-        mScore = cute.make_tensor(score_ptr, cute.make_layout((num_tokens, s_max), stride=(s_max, 1)))
+        mOff, mLen, mPos, mValid, mScore = candidate_tensors(off_ptr, len_ptr, pos_ptr, valid_ptr, score_ptr,
+                                                             num_tokens, num_rows, s_max)
         tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, Float32, (16, 8, 16)),
                                         cute.make_layout((2, 2, 1)))
         self.kernel(mQ, mW, mK, None, mOff, mLen, mPos, mValid, mScore, tiled_mma, num_rows, s_max).launch(

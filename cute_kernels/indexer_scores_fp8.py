@@ -37,7 +37,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import jit
-from .indexer_scores import KEY_TILE, IndexerScores
+from .indexer_scores import KEY_TILE, IndexerScores, candidate_tensors
 
 
 class IndexerScoresFp8(IndexerScores):
@@ -55,11 +55,8 @@ class IndexerScoresFp8(IndexerScores):
         mW = cute.make_tensor(w_ptr, cute.make_layout((num_tokens, H), stride=(H, 1)))
         mK = cute.make_tensor(k_ptr, cute.make_layout((num_rows, D), stride=(D, 1)))
         mKs = cute.make_tensor(ks_ptr, cute.make_layout((num_rows,)))
-        mOff = cute.make_tensor(off_ptr, cute.make_layout((num_tokens,)))
-        mLen = cute.make_tensor(len_ptr, cute.make_layout((num_tokens,)))
-        mPos = cute.make_tensor(pos_ptr, cute.make_layout((num_tokens,)))
-        mValid = cute.make_tensor(valid_ptr, cute.make_layout((num_rows,)))
-        mScore = cute.make_tensor(score_ptr, cute.make_layout((num_tokens, s_max), stride=(s_max, 1)))
+        mOff, mLen, mPos, mValid, mScore = candidate_tensors(off_ptr, len_ptr, pos_ptr, valid_ptr, score_ptr,
+                                                             num_tokens, num_rows, s_max)
         tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaFP8Op(cutlass.Float8E4M3FN, Float32, (16, 8, 32)),
                                         cute.make_layout((2, 2, 1)))
         self.kernel(mQ, mW, mK, mKs, mOff, mLen, mPos, mValid, mScore, tiled_mma, num_rows, s_max).launch(

@@ -28,7 +28,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 
 from . import jit
-from .indexer_scores import candidate_limit, fake_args, store_masked_score
+from .indexer_scores import candidate_limit, candidate_tensors, fake_args, store_masked_score
 
 KEY_TILE = 64
 THREADS = 128
@@ -48,11 +48,8 @@ class IndexerScoresSm90:
         mK = cute.make_tensor(k_ptr, cute.make_layout((num_rows, D, 1), stride=(D, 1, num_rows * D)))
         mQ = cute.make_tensor(q_ptr, cute.make_layout((num_tokens * H, D, 1), stride=(D, 1, num_tokens * H * D)))
         mW = cute.make_tensor(w_ptr, cute.make_layout((num_tokens, H), stride=(H, 1)))
-        mOff = cute.make_tensor(off_ptr, cute.make_layout((num_tokens,)))
-        mLen = cute.make_tensor(len_ptr, cute.make_layout((num_tokens,)))
-        mPos = cute.make_tensor(pos_ptr, cute.make_layout((num_tokens,)))
-        mValid = cute.make_tensor(valid_ptr, cute.make_layout((num_rows,)))
-        mScore = cute.make_tensor(score_ptr, cute.make_layout((num_tokens, s_max), stride=(s_max, 1)))
+        mOff, mLen, mPos, mValid, mScore = candidate_tensors(off_ptr, len_ptr, pos_ptr, valid_ptr, score_ptr,
+                                                             num_tokens, num_rows, s_max)
 
         tiled_mma = sm90_utils.make_trivial_tiled_mma(bf16, bf16, cute.nvgpu.warpgroup.OperandMajorMode.K,
                                                       cute.nvgpu.warpgroup.OperandMajorMode.K, Float32, (1, 1, 1),
