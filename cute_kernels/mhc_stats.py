@@ -65,6 +65,7 @@ from cutlass import Float32, Int32
 
 from . import jit
 from .arch import current_arch, dispatch, num_sms
+from .grid_sync import last_arrival
 from .validate import check_cuda, check_tensor
 
 VEC = 8  # bf16 per 16-byte load
@@ -225,15 +226,8 @@ class MhcStats:
             else:
                 mPart[tok0 + tt, m, split] = sSsq[tt]
 
-        # bar.sync orders every thread's partial stores before thread 0's cumulative
-        # release fence; the acq_rel counter makes the last CTA of the tile see them all.
-        cute.arch.barrier()
-        if tidx == 0:
-            cute.arch.fence_acq_rel_gpu()
-            sFlag[0] = cute.arch.atomic_add((mCount.iterator + tile).llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
-        cute.arch.barrier()
-        if sFlag[0] == splits - 1:
-            cute.arch.fence_acq_rel_gpu()
+        # The last CTA of the tile sees every split's partials (cute_kernels.grid_sync).
+        if last_arrival(mCount.iterator + tile, sFlag, splits):
             self.epilogue(mAlpha, mBias, mH, mPart, sP, tok0, live, splits, eps)
             if tidx == 0:
                 mCount[tile] = 0  # ready for the next launch (graph replay needs no host reset)

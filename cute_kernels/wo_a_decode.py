@@ -34,6 +34,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import jit
+from .grid_sync import last_arrival
 
 BN, BK = 64, 128
 PITCH = BK + 8
@@ -131,17 +132,9 @@ class WoADecode:
                 m, n = tCcC[i]
                 if m < num_tokens:
                     mPart[z, m, col0 + n] = acc[i]
-            # bar.sync orders every thread's partial stores before thread 0's release fence;
-            # the acq_rel counter makes the last split of the tile see all of them.
-            cute.arch.barrier()
+            # The last split of the tile sees every split's partials (cute_kernels.grid_sync).
             tile = g * (self.R // BN) + nt
-            if tidx == 0:
-                cute.arch.fence_acq_rel_gpu()
-                sFlag[0] = cute.arch.atomic_add((mCount.iterator + tile).llvm_ptr, Int32(1), sem="acq_rel",
-                                                scope="gpu")
-            cute.arch.barrier()
-            if sFlag[0] == self.splits - 1:
-                cute.arch.fence_acq_rel_gpu()
+            if last_arrival(mCount.iterator + tile, sFlag, self.splits):
                 for idx in cutlass.range(tidx, num_tokens * BN, self.threads):
                     m = idx // BN
                     n = idx - m * BN

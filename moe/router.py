@@ -61,6 +61,7 @@ from cutlass import Float32, Int32, Uint32
 
 from cute_kernels import jit
 from cute_kernels.arch import current_arch, dispatch
+from cute_kernels.grid_sync import last_arrival
 from cute_kernels.validate import check_cuda, check_tensor
 
 _LOGIT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -242,16 +243,8 @@ class RouterTopkAlign:
                 cute.arch.atomic_add((mWs.iterator + my_id).llvm_ptr, Int32(1), sem="relaxed", scope="gpu")
 
         # ---------------- last CTA: padded, packed layout --------------------------------
-        # bar.sync orders every thread's ids/weights/count atomics before thread 0's
-        # cumulative release fence; the acq_rel counter makes the last CTA see them all
-        # (the cooperative-groups grid-sync pattern).
-        cute.arch.barrier()
-        if tidx == 0:
-            cute.arch.fence_acq_rel_gpu()
-            sFlag[0] = cute.arch.atomic_add((mWs.iterator + E).llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
-        cute.arch.barrier()
-        if sFlag[0] == grid - 1:
-            cute.arch.fence_acq_rel_gpu()
+        # The last CTA sees every CTA's ids / weights / count atomics (cute_kernels.grid_sync).
+        if last_arrival(mWs.iterator + E, sFlag, grid):
             self.align(mIds, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos, sOff, sCnt, sCursor, sMask,
                        sPre, num_tokens, tiles_cap)
 
