@@ -44,6 +44,17 @@ def mxfp8_dequant_ref(q_bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return (qf * s[..., None]).view(R, K)
 
 
+def e4m3_step_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """One e4m3 step (ulp) at |x| [R, K] in blocks of 32 with E8M0 ``scale`` [R, K/32]: 2^-3 of
+    x's binade for normals, 2^-9 (the subnormal quantum) below 2^-6, times the block scale.
+    A bf16 ulp of difference before the MX quantiser (FP32 summation order, the GPU's exp) may
+    move a byte by at most this much."""
+    R, K = x.shape
+    s = torch.exp2(scale.float() - 127)[..., None]
+    y = (x.float().abs().view(R, K // 32, 32) / s).clamp_min(2.0**-6)
+    return (torch.exp2(torch.floor(torch.log2(y)) - 3) * s).view(R, K)
+
+
 def swizzle_scales_ref(scale: torch.Tensor) -> torch.Tensor:
     """[R, K/32] -> flat tcgen05/cuBLAS block-scale layout (128x4 atoms, K-atoms fastest, zero padded)."""
     R, C = scale.shape

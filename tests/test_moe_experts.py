@@ -13,7 +13,7 @@ from moe.experts import (_reference, dequantize, expert_scale_bytes, moe_expert_
                          silu_mul_interleaved, unswizzle_scales)
 from moe.experts import interleave_gate_up as moe_interleave
 from moe.experts_sm100 import MoeExpertGemmSm100
-from references import mxfp8_dequant_ref, mxfp8_quant_ref, swizzle_scales_ref
+from references import e4m3_step_ref, mxfp8_dequant_ref, mxfp8_quant_ref, swizzle_scales_ref
 
 
 def _sf_offsets(shape, coords):
@@ -308,9 +308,10 @@ def test_gpu_fused_gate_up_matches_spec(seed, E, I, K, counts, tile_k, stages, c
 
 
 def _gate_up_matches_spec(seed, E, I, K, counts, **kw):
-    """moe_expert_gate_up (keywords ``kw``) against the spec. The GPU's exp differs from the
-    CPU's by an ulp at times, so a rare h (and its e4m3 byte) may differ by one step: compare
-    dequantised values, and require 99% of the bytes to match exactly."""
+    """moe_expert_gate_up (keywords ``kw``) against the spec. The GPU's FP32 summation order
+    and exp differ from the CPU's, so a rare bf16 g, u or h differs by an ulp and its e4m3 byte
+    by one step (relatively large for the block's subnormals): compare dequantised values to
+    one e4m3 step, and require 99% of the bytes to match exactly."""
     gen = torch.Generator().manual_seed(seed)
     aq, asw, wq, wsw, offs, cnt, te = _gate_up_problem(E, I, K, counts, gen)
     q_ref, s_ref = _gate_up_reference(aq, asw, wq, wsw, offs, counts, I)
@@ -320,10 +321,16 @@ def _gate_up_matches_spec(seed, E, I, K, counts, **kw):
     q, s = q.cpu(), s.cpu()
     got = dequantize(q.view(torch.uint8), s, aq.shape[0], I)
     ref = mxfp8_dequant_ref(q_ref, s_ref)
+    got_s = unswizzle_scales(s, aq.shape[0], I)
     for e in range(E):
         lo, hi = int(offs[e]), int(offs[e]) + counts[e]
         if hi > lo:
-            assert torch.allclose(got[lo:hi], ref[lo:hi], rtol=2**-3, atol=0), f"expert {e}"
+            mag = torch.maximum(got[lo:hi].abs(), ref[lo:hi].abs())
+            step = torch.maximum(e4m3_step_ref(mag, s_ref[lo:hi]), e4m3_step_ref(mag, got_s[lo:hi]))
+            err = (got[lo:hi] - ref[lo:hi]).abs()
+            assert bool((err <= step).all()), (
+                f"expert {e}: {int((err > step).sum())} values beyond one e4m3 step, "
+                f"worst |err| / step = {float((err / step).max()):.2f}")
             same = (q.view(torch.uint8)[lo:hi] == q_ref[lo:hi]).float().mean()
             assert same > 0.99, f"expert {e}: only {same:.3f} of the e4m3 bytes match"
 
