@@ -6,7 +6,8 @@ Shapes: S keys per sequence in {4096, 32768, 131072}; T = 6 (one verify block) a
 T = 64 * 6 (64 sequences, a block each); H_I = 64, D_I = 128, k = 2048. The composite is
 what an unfused implementation runs: per-sequence bf16 bmm of the block's queries with the
 keys, FP32 upcast, ReLU, head-weighted sum, then a separate causal/length mask pass
-(``torch.where`` against ``arange``) and ``torch.topk``. CUDA-graph replay, median of 30.
+(``torch.where`` against ``arange``) and ``torch.topk``. The FP8 column runs the e4m3 variant
+(per-key-row scales) on the same shapes. CUDA-graph replay, median of 30.
 """
 
 from __future__ import annotations
@@ -60,22 +61,28 @@ def main():
             ws = IndexerWorkspace(T, S)
             out = torch.empty(T, K, dtype=torch.int32, device="cuda")
             ours = time_graph(lambda i: indexer_topk(q, w, kc, off, ln, pos, topk=K, max_keys=S, out=out,
-                                                     workspace=ws), 1, 3, trials=20)
+                                                     workspace=ws, use_wgmma=False), 1, 3, trials=20)
             wg = time_graph(lambda i: indexer_topk(q, w, kc, off, ln, pos, topk=K, max_keys=S, out=out,
                                                    workspace=ws, use_wgmma=True), 1, 3, trials=20)
+            # FP8 variant (DeepSeek's): e4m3 q and keys, a per-key-row scale, the heads' scales in w
+            q8, kc8 = q.to(torch.float8_e4m3fn), kc.to(torch.float8_e4m3fn)
+            ks = torch.rand(n_seq * S, device="cuda") + 0.5
+            f8 = time_graph(lambda i: indexer_topk(q8, w, kc8, off, ln, pos, topk=K, max_keys=S, out=out,
+                                                   workspace=ws, k_scale=ks), 1, 3, trials=20)
             base = time_graph(lambda i: composite(q, w, kc, n_seq, S, pos, K), 1, 3, trials=20)
             flops = 2.0 * T * H * D * S
             best = min(ours, wg)
-            rows.append([f"S={S} T={T}", f"{ours * 1e6:.1f}", f"{wg * 1e6:.1f}", f"{base * 1e6:.1f}",
+            rows.append([f"S={S} T={T}", f"{ours * 1e6:.1f}", f"{wg * 1e6:.1f}", f"{f8 * 1e6:.1f}", f"{base * 1e6:.1f}",
                          f"{base / best:.2f}x", f"{flops / best / 1e12:.0f}",
                          f"{100 * flops / best / H200_BF16_FLOPS:.0f}%"])
             print(rows[-1], flush=True)
-            del kc, ws
+            del kc, kc8, ws
             torch.cuda.empty_cache()
     text = "\n".join([f"## Lightning indexer (scores + masking + top-2048) -- {torch.cuda.get_device_name()}, "
                       f"{datetime.date.today()}", "", "Command: `python bench/bench_indexer.py`", "",
                       markdown_table(["shape (H_I=64, D_I=128)", "ours us (warp-MMA scores + select)",
-                                      "ours us (wgmma scores + select)", "torch composite us", "speedup (best)",
+                                      "ours us (wgmma scores + select)", "ours us (FP8 scores + select)",
+                                      "torch composite us", "speedup (best bf16)",
                                       "score TFLOP/s (best)", "% of 790 TFLOP/s"], rows)])
     print(text)
     if args.out:

@@ -328,7 +328,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
                  kv_len: torch.Tensor, pos: torch.Tensor, *, topk: int = 2048, max_keys: int | None = None,
                  slot_valid: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  workspace: IndexerWorkspace | None = None, stream=None, arch: str | None = None,
-                 use_wgmma: bool = False, k_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 use_wgmma: bool | None = None, k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Top-``topk`` candidate keys per token: int32 ``[T, topk]``, ascending, ``-1`` padded.
 
     ``q [T, H, D]`` bf16, ``w [T, H]`` fp32, ``k_cache [R, D]`` bf16 (all sequences' index
@@ -337,12 +337,14 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
     invalid slot). ``max_keys`` bounds every ``min(pos + 1, kv_len)`` (default: R); it sizes
     the grid, so no host sync reads the lengths. Key s of token t is a candidate iff
     ``s <= pos[t]``, ``s < kv_len[t]``, ``s < max_keys``, its row is inside ``k_cache`` and
-    its slot is valid. ``use_wgmma`` selects the Hopper wgmma score kernel instead of the
-    warp-MMA one (both GPU-tested; the warp-MMA kernel is the measured default).
+    its slot is valid. ``use_wgmma`` picks the Hopper score kernel: ``None`` (default) the
+    TMA + wgmma one where it applies (H = 64; 1.1-1.6x faster than the warp-MMA kernel on the
+    H200, bench/RESULTS.md), ``False`` the warp-MMA one (any supported H), ``True`` requires
+    wgmma.
 
     FP8 variant: ``q`` and ``k_cache`` in ``torch.float8_e4m3fn`` with ``k_scale [R]`` fp32
     (positive, per key row) and ``w`` carrying each query head's scale (DeepSeek's
-    formulation, :mod:`cute_kernels.indexer_scores_fp8`; compiled, not yet run on a GPU).
+    formulation, :mod:`cute_kernels.indexer_scores_fp8`; GPU-tested on the H200).
     """
     op = "indexer_topk"
     fp8 = isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn
@@ -381,6 +383,11 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
     named = [("q", q), ("w", w), ("k_cache", k_cache), ("kv_offset", kv_offset), ("kv_len", kv_len), ("pos", pos),
              ("out", out)] + ([("slot_valid", slot_valid)] if slot_valid is not None else []) \
         + ([("k_scale", k_scale)] if fp8 else [])
+    if not (use_wgmma is None or isinstance(use_wgmma, bool)):
+        raise TypeError(f"{op}: use_wgmma must be None, False or True, got {use_wgmma!r}")
+    if use_wgmma and not (not fp8 and IndexerScoresSm90.can_implement(H, D)):
+        raise ValueError(f"{op}: use_wgmma=True needs bf16 q / k_cache with H = 64 heads (got "
+                         f"{q.dtype}, H={H}); pass use_wgmma=None to pick the kernel")
     check_cuda(op, *named)
     a = arch if arch is not None else current_arch(q.device)
     dispatch(op, ("portable",), arch=a)
@@ -410,7 +417,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
         return out
     if path == "sm100" and IndexerScoresSm100.can_implement(H, D):
         scores_fn = jit.get_kernel("indexer_scores_sm100", a, heads=H, dim=D, has_slot_mask=has_mask)
-    elif path == "sm90" and use_wgmma and IndexerScoresSm90.can_implement(H, D):
+    elif path == "sm90" and use_wgmma is not False and IndexerScoresSm90.can_implement(H, D):
         scores_fn = jit.get_kernel("indexer_scores_sm90", a, heads=H, dim=D, has_slot_mask=has_mask)
     else:
         scores_fn = jit.get_kernel("indexer_scores", a, heads=H, dim=D, has_slot_mask=has_mask)

@@ -195,6 +195,8 @@ def _cpu(**over):
     (dict(q=torch.zeros(2, 64, 128).to(torch.float8_e4m3fn), k_cache=torch.zeros(100, 128).to(torch.float8_e4m3fn),
           k_scale=torch.ones(99)), ValueError, "k_scale must have shape"),
     (dict(k_scale=torch.ones(100)), ValueError, "only for FP8"),
+    (dict(use_wgmma=1), TypeError, "use_wgmma must be"),
+    (dict(q=torch.zeros(2, 32, 128).bfloat16(), w=torch.zeros(2, 32), use_wgmma=True), ValueError, "H = 64"),
 ])
 def test_validation(over, exc, words):
     with pytest.raises(exc, match=words):
@@ -274,11 +276,12 @@ def test_machine_code_sm100(mask):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("use_wgmma", [False, True])
 @pytest.mark.parametrize("T, S, n_seq", [(6, 4096, 1), (12, 5000, 2)])
-def test_wgmma_scores_path(seed, T, S, n_seq):
-    """H200: the wgmma score kernel (opt-in until this passes) through the same checks."""
+def test_both_hopper_score_kernels(seed, T, S, n_seq, use_wgmma):
+    """H200: the warp-MMA and the wgmma score kernels (the default for H = 64) through the same checks."""
     q, w, kc, off, ln, pos = make(T, S, n_seq)
-    out = indexer_topk(q, w, kc, off, ln, pos, topk=2048, max_keys=S, use_wgmma=True)
+    out = indexer_topk(q, w, kc, off, ln, pos, topk=2048, max_keys=S, use_wgmma=use_wgmma)
     torch.cuda.synchronize()
     check(out, indexer_scores_ref(q.cpu(), w.cpu(), kc.cpu(), off.cpu(), ln.cpu(), pos.cpu(), S), 2048)
 
