@@ -22,9 +22,9 @@ case "${1:-1}" in
   ;;
 2)
   step 90 fused_gate_up_tests bash -c "for i in 1 2 3; do $PYT tests/test_moe_experts.py -m gpu -k gate_up || exit 1; done"
-  step 100 bench_indexer python bench/bench_indexer.py --out "$OUT/bench_indexer.md"
   step 300 bench_moe python bench/bench_moe_experts.py --out "$OUT/bench_moe.md"
   step 120 spec_small python -m spec_decode.bench --model small --backends baseline,fused --quick --out "$OUT/spec_small.md"
+  step 100 bench_indexer python bench/bench_indexer.py --out "$OUT/bench_indexer.md"
   ;;
 3)
   step 580 spec_slice python -m spec_decode.bench --model slice --backends baseline,fused --out "$OUT/spec_slice.md"
