@@ -54,6 +54,9 @@ from .experts_sm90 import MX, e8m0_to_f32, mx_scale_index, silu_mul_mx_block
 BM = 64  # weight rows per CTA (wgmma M)
 BK = 128  # bytes of K per pipeline stage: 4 MX blocks
 TOK_N = (16, 32, 64)
+#: pipeline stages per token tile: the deepest that keeps 3 / 2 / 2 CTAs per SM (227 KB of
+#: shared memory; a stage is 8 KB of weights + tok_n * 128 B of tokens, plus the epilogue tile)
+STAGES = {16: 6, 32: 8, 64: 5}
 THREADS = 128
 
 
@@ -161,7 +164,8 @@ class MoeExpertDecodeSm90:
         tCcC = thr_mma.partition_C(cC)
         acc = cute.make_rmem_tensor(tCcC.shape, Float32)
         acc.fill(0.0)
-        frag = cute.make_rmem_tensor(tCcC.shape, Float32)
+        # Two block partials in flight: the wgmma of block kb runs while block kb - 1 is promoted.
+        frags = [cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(2)]
         NV = cute.size(acc)  # (column pair, row + 8, TN / 8 column blocks) per thread
         NC = NV // 2  # token columns per thread: 2 per 8-column block
         # Scale words: a row's 4 blocks of one K slice are one aligned 4-byte word of its
@@ -183,20 +187,17 @@ class MoeExpertDecodeSm90:
                 m = tCcC[(j // 2) * 4 + j % 2][1]
                 rSa[j] = mSA32[(sa_atom + kt) * 128 + (m % 32) * 4 + m // 32]
             pipe.consumer_wait(cons)
-            for kb in cutlass.range_constexpr(BK // MX):
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                cute.nvgpu.warpgroup.fence()
-                cute.gemm(tiled_mma, frag, tCrW[(None, None, kb, cons.index)], tCrA[(None, None, kb, cons.index)],
-                          frag)
-                cute.nvgpu.warpgroup.commit_group()
-                cute.nvgpu.warpgroup.wait_group(0)
-                # Promotion: this block's FP32 partial times its weight-row and token scales.
-                for i in cutlass.range_constexpr(NV):
-                    r8 = (i // 2) % 2
-                    j = (i // 4) * 2 + i % 2
-                    sw = e8m0_to_f32((rSw[r8] >> (8 * kb)) & Uint32(0xFF))
-                    sa = e8m0_to_f32((rSa[j] >> (8 * kb)) & Uint32(0xFF))
-                    acc[i] = acc[i] + frag[i] * (sw * sa)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+            for kb in cutlass.range_constexpr(BK // MX + 1):
+                if cutlass.const_expr(kb < BK // MX):
+                    # the fence orders this wgmma after the promotion's reads of the same registers
+                    cute.nvgpu.warpgroup.fence()
+                    cute.gemm(tiled_mma, frags[kb % 2], tCrW[(None, None, kb, cons.index)],
+                              tCrA[(None, None, kb, cons.index)], frags[kb % 2])
+                    cute.nvgpu.warpgroup.commit_group()
+                if cutlass.const_expr(kb > 0):
+                    cute.nvgpu.warpgroup.wait_group(1 if kb < BK // MX else 0)
+                    self.promote(acc, frags[(kb - 1) % 2], rSw, rSa, kb - 1, NV)
             pipe.consumer_release(cons)
             cons.advance()
             if warp_idx == 0 and prod.count < KT:
@@ -228,6 +229,18 @@ class MoeExpertDecodeSm90:
                 mSQ[mx_scale_index(row0 + tidx, fb, self.ncb_i)] = cutlass.Uint8(scale)
 
     @cute.jit
+    def promote(self, acc: cute.Tensor, frag: cute.Tensor, rSw: cute.Tensor, rSa: cute.Tensor, kb: cutlass.Constexpr,
+                NV: cutlass.Constexpr):
+        """acc += one 32-wide K block's FP32 partial times its weight-row and token scales
+        (flat fragment index i = (column pair, row + 8, column block))."""
+        for i in cutlass.range_constexpr(NV):
+            r8 = (i // 2) % 2
+            j = (i // 4) * 2 + i % 2
+            sw = e8m0_to_f32((rSw[r8] >> (8 * kb)) & Uint32(0xFF))
+            sa = e8m0_to_f32((rSa[j] >> (8 * kb)) & Uint32(0xFF))
+            acc[i] = acc[i] + frag[i] * (sw * sa)
+
+    @cute.jit
     def load(self, pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, tma_w: cute.CopyAtom,
              tWgW: cute.Tensor, tWsW: cute.Tensor, tma_a: cute.CopyAtom, tAgA: cute.Tensor, tAsA: cute.Tensor):
         """One K slice of both tiles into stage prod.index (one thread issues; tx-count barrier)."""
@@ -257,7 +270,7 @@ def _build(arch: str, *, E: int, N: int, K: int, tok_n: int, silu_quant: bool = 
     f8 = cutlass.Float8E4M3FN
     args = (P(f8, 16), P(f8, 16), P(cutlass.Uint8, 16), P(cutlass.Uint8, 16), P(cutlass.BFloat16, 16), P(f8, 16),
             P(cutlass.Uint8, 1), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(128), Int32(1), jit.fake_stream())
-    return MoeExpertDecodeSm90(E, N, K, tok_n, silu_quant), args
+    return MoeExpertDecodeSm90(E, N, K, tok_n, silu_quant, STAGES[tok_n]), args
 
 
 KERNEL = jit.register(jit.KernelDef(

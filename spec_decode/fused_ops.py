@@ -120,10 +120,12 @@ class FusedOps(Ops):
             r = self.router(logits, P["router_bias"])
         aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, cfg.top_k)
         n = x.shape[0] * cfg.top_k  # routed rows: bounds the expert grids to the live tiles
+        # a token routes to an expert at most once: T bounds every expert's rows, which selects
+        # the Hopper decode kernel (weights as wgmma's M) for T <= 64
         hq, hs = moe_expert_gate_up(aq, asc, P["gu_q"], P["gu_s"], r.expert_offsets, r.expert_counts, r.tile_expert,
-                                    routed_rows=n)
+                                    routed_rows=n, max_expert_rows=x.shape[0])
         y = moe_expert_gemm(hq, hs, P["d_q"], P["d_s"], r.expert_offsets, r.expert_counts, r.tile_expert,
-                            routed_rows=n)
+                            routed_rows=n, max_expert_rows=x.shape[0])
         if main is not None:
             main.wait_stream(self.side)  # join before the add reads sh (every later side-stream
             # op waits on main first, so sh's memory is not reused while main reads it)

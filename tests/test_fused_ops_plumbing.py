@@ -67,8 +67,14 @@ def fake_quant_routed(x, sorted_ids, total, topk):
     return q.view(torch.float8_e4m3fn), _swizzle_reference(s)
 
 
-def fake_gate_up(aq, asc, wq, ws, offs, counts, te, routed_rows=None):
+def _check_bounds(counts, routed_rows, max_expert_rows):
     assert routed_rows is not None and routed_rows >= int(counts.sum())  # the grid bound covers every live row
+    # the decode kernel's token tile holds max_expert_rows: it must bound every expert's rows
+    assert max_expert_rows is not None and max_expert_rows >= int(counts.max())
+
+
+def fake_gate_up(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert_rows=None):
+    _check_bounds(counts, routed_rows, max_expert_rows)
     rows, K = aq.shape
     E, N, _ = wq.shape
     y = _reference(aq.view(torch.uint8), asc, wq.view(torch.uint8), ws, offs, torch.zeros(rows, N).bfloat16())
@@ -76,8 +82,8 @@ def fake_gate_up(aq, asc, wq, ws, offs, counts, te, routed_rows=None):
     return q.view(torch.float8_e4m3fn), _swizzle_reference(s)
 
 
-def fake_gemm(aq, asc, wq, ws, offs, counts, te, routed_rows=None):
-    assert routed_rows is not None and routed_rows >= int(counts.sum())
+def fake_gemm(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert_rows=None):
+    _check_bounds(counts, routed_rows, max_expert_rows)
     rows = aq.shape[0]
     return _reference(aq.view(torch.uint8), asc, wq.view(torch.uint8), ws, offs,
                       torch.zeros(rows, wq.shape[1]).bfloat16())

@@ -26,6 +26,13 @@ case "${1:-1}" in
   step 120 spec_small python -m spec_decode.bench --model small --backends baseline,fused --quick --out "$OUT/spec_small.md"
   step 100 bench_indexer python bench/bench_indexer.py --out "$OUT/bench_indexer.md"
   ;;
+4)  # the decode expert kernel as the default at T <= 64 (ping-pong promotion, stages per token tile)
+  step 150 decode_kernel_tests bash -c "for i in 1 2; do $PYT tests/test_moe_experts.py -m gpu -k 'decode or gate_up' || exit 1; done"
+  step 40 probe_precision python tools/probe_decode_precision.py
+  step 120 runtime_tests $PYT tests/test_spec_decode.py -m gpu
+  step 150 bench_moe python bench/bench_moe_experts.py --tokens 1,64 --out "$OUT/bench_moe.md"
+  step 100 spec_small python -m spec_decode.bench --model small --backends baseline,fused --quick --out "$OUT/spec_small.md"
+  ;;
 3)
   step 580 spec_slice python -m spec_decode.bench --model slice --backends baseline,fused --out "$OUT/spec_slice.md"
   ;;
