@@ -30,6 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import H200_COPY_BW, markdown_table, time_graph  # noqa: E402
 
 from moe.experts import interleave_gate_up, moe_expert_gate_up, moe_expert_gemm, quantize_expert_weights  # noqa: E402
+from moe.experts_sm90_decode import STAGES as DEFAULT_DECODE_STAGES  # noqa: E402
+from moe.experts_sm90_decode import MoeExpertDecodeSm90, tok_n_for  # noqa: E402
 from moe.finalize import moe_finalize  # noqa: E402
 from moe.quant import mxfp8_quantize_routed  # noqa: E402
 from moe.router import MoeRouter, RouterConfig  # noqa: E402
@@ -37,6 +39,8 @@ from moe.router import MoeRouter, RouterConfig  # noqa: E402
 C, I, TOPK = 7168, 2048, 8
 #: Hopper expert-kernel (K tile, stages, CTAs per SM) swept per stage
 TILES = ((128, 4, 1), (256, 3, 1), (128, 4, 2), (256, 2, 2))
+#: decode-kernel pipeline depths swept at T <= 64 (* marks the default for the token tile)
+DECODE_STAGES = (3, 4, 5, 6)
 
 
 def make_weights(E):
@@ -123,15 +127,22 @@ def stage_times(T, x, logits, bias, W, cfg, ours):
         t[f"down {tk}x{st} {c}cta"] = us(lambda: moe_expert_gemm(hq, hs, W["d_q"], W["d_s"], r.expert_offsets,
                                                                  r.expert_counts, r.tile_expert, out=y, routed_rows=n,
                                                                  tile_k=tk, stages=st, ctas_per_sm=c))
-    if T <= 64:  # the swap-AB TMA + FP8 wgmma decode kernel (moe.experts_sm90_decode)
-        t["gate/up decode kernel"] = us(lambda: moe_expert_gate_up(
-            aq, asc, W["gu_q"], W["gu_s"], r.expert_offsets, r.expert_counts, r.tile_expert, routed_rows=n,
-            max_expert_rows=T))
-        t["down decode kernel"] = us(lambda: moe_expert_gemm(hq, hs, W["d_q"], W["d_s"], r.expert_offsets,
-                                                             r.expert_counts, r.tile_expert, out=y, routed_rows=n,
-                                                             max_expert_rows=T))
-    else:
-        t["gate/up decode kernel"] = t["down decode kernel"] = float("nan")
+    # the swap-AB TMA + FP8 wgmma decode kernel (moe.experts_sm90_decode) at T <= 64, by pipeline depth
+    tn = tok_n_for(T)
+    for name, N, K in (("gate/up", 2 * I, C), ("down", C, I)):
+        for st in DECODE_STAGES:
+            ok = tn is not None and MoeExpertDecodeSm90.can_implement(cfg.num_experts, N, K, tn, st)
+            mark = "*" if tn is not None and st == DEFAULT_DECODE_STAGES[tn] else ""
+            key = f"{name} decode kernel, {st} stages{mark}"
+            if not ok:
+                t[key] = float("nan")
+            elif name == "gate/up":
+                t[key] = us(lambda: moe_expert_gate_up(aq, asc, W["gu_q"], W["gu_s"], r.expert_offsets,
+                                                       r.expert_counts, r.tile_expert, routed_rows=n,
+                                                       max_expert_rows=T, stages=st))
+            else:
+                t[key] = us(lambda: moe_expert_gemm(hq, hs, W["d_q"], W["d_s"], r.expert_offsets, r.expert_counts,
+                                                    r.tile_expert, out=y, routed_rows=n, max_expert_rows=T, stages=st))
     t["finalize + shared add"] = us(lambda: moe_finalize(y, r.topk_weights, r.routed_row_pos, sh))
     t["shared expert (both)"] = us(lambda: shared_expert(x, W["sh"]))
     # composite stages

@@ -27,10 +27,13 @@ memory so that a token's 64 output columns are stored contiguously; the fused va
 h = bf16(bf16(silu(g)) * u) for the tile's 32 features (gate rows n0..n0+31, up rows
 n0+32..n0+63 of :func:`moe.experts.interleave_gate_up`) and one MXFP8 block per token.
 
-Status: written after the session's device time was spent -- compiled for sm_90a and
-machine-code checked (HGMMA e4m3, UTMALDG) on the CPU; **not yet run**. Opt-in:
-``moe_expert_gemm(..., max_expert_rows=T)`` / ``moe_expert_gate_up(..., max_expert_rows=T)``
-with ``T <= 64``; its GPU tests are staged in ``tests/test_moe_experts.py``.
+Status: GPU-tested on the H200 (2026-12-02: the GEMM against the block-scaled emulation at
+three shapes with NaN-poisoned padding rows, the fused epilogue against the spec) and the
+default wherever the caller passes ``max_expert_rows <= 64`` (the decode runtime passes its
+token count). Precision: FP8 wgmma sums each 32-wide block's products at reduced precision
+before the FP32 promotion (``tools/probe_decode_precision.py`` measures it against the tiled
+kernel's exact f16-HMMA sums); outputs differ from the FP32-exact emulation by bf16-ulp
+amounts, which the MX requantisation hides except where g cancels to near zero.
 
 Constraints: ``K % 128 == 0``, ``N % 64 == 0``; rows per expert <= ``tok_n`` (the caller's
 bound; a larger count would drop rows, so the host only selects this kernel from a token
@@ -54,10 +57,19 @@ from .experts_sm90 import MX, e8m0_to_f32, mx_scale_index, silu_mul_mx_block
 BM = 64  # weight rows per CTA (wgmma M)
 BK = 128  # bytes of K per pipeline stage: 4 MX blocks
 TOK_N = (16, 32, 64)
-#: pipeline stages per token tile: the deepest that keeps 3 / 2 / 2 CTAs per SM (227 KB of
-#: shared memory; a stage is 8 KB of weights + tok_n * 128 B of tokens, plus the epilogue tile)
-STAGES = {16: 6, 32: 8, 64: 5}
 THREADS = 128
+#: default pipeline stages per token tile: deep enough to keep ~40 KB in flight per SM, shallow
+#: enough for at least 4 / 2 / 2 CTAs per SM (228 KB
+#: of shared memory per SM, 1 KB reserved per CTA; a stage is 8 KB of weights + tok_n * 128 B of
+#: tokens, plus the epilogue tile). At T = 1 the gate/up grid is 8 experts x 64 weight tiles =
+#: 512 CTAs: 4 per SM (528 slots) runs them in one wave, 3 per SM leaves a 30% second wave.
+STAGES = {16: 4, 32: 8, 64: 5}
+SMEM_PER_SM = 228 * 1024
+
+
+def smem_bytes(tok_n: int, stages: int) -> int:
+    """Shared memory of one CTA (+ the 1 KB the hardware reserves per CTA)."""
+    return stages * (BM * BK + tok_n * BK) + tok_n * (BM + 1) * 4 + 2 * stages * 8 + 3 * 128 + 1024
 
 
 class MoeExpertDecodeSm90:
@@ -250,8 +262,10 @@ class MoeExpertDecodeSm90:
         pipe.producer_commit(prod)
 
     @staticmethod
-    def can_implement(E: int, N: int, K: int, tok_n: int) -> bool:
-        return 1 <= E <= 1024 and K % BK == 0 and K > 0 and N % BM == 0 and N > 0 and tok_n in TOK_N
+    def can_implement(E: int, N: int, K: int, tok_n: int, stages: int | None = None) -> bool:
+        stages = STAGES.get(tok_n, 0) if stages is None else stages
+        return (1 <= E <= 1024 and K % BK == 0 and K > 0 and N % BM == 0 and N > 0 and tok_n in TOK_N
+                and 2 <= stages <= 12 and smem_bytes(tok_n, stages) <= SMEM_PER_SM)
 
 
 def tok_n_for(max_expert_rows: int) -> int | None:
@@ -262,15 +276,15 @@ def tok_n_for(max_expert_rows: int) -> int | None:
     return None
 
 
-def _build(arch: str, *, E: int, N: int, K: int, tok_n: int, silu_quant: bool = False):
-    if not MoeExpertDecodeSm90.can_implement(E, N, K, tok_n):
-        raise ValueError(f"moe_expert_decode_sm90: unsupported E={E}, N={N}, K={K}, tok_n={tok_n} "
-                         f"(K % 128, N % 64, tok_n in {TOK_N})")
+def _build(arch: str, *, E: int, N: int, K: int, tok_n: int, silu_quant: bool = False, stages: int | None = None):
+    if not MoeExpertDecodeSm90.can_implement(E, N, K, tok_n, stages):
+        raise ValueError(f"moe_expert_decode_sm90: unsupported E={E}, N={N}, K={K}, tok_n={tok_n}, stages={stages} "
+                         f"(K % 128, N % 64, tok_n in {TOK_N}, 2 <= stages <= 12 within shared memory)")
     P = jit.fake_gmem_ptr
     f8 = cutlass.Float8E4M3FN
     args = (P(f8, 16), P(f8, 16), P(cutlass.Uint8, 16), P(cutlass.Uint8, 16), P(cutlass.BFloat16, 16), P(f8, 16),
             P(cutlass.Uint8, 1), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(128), Int32(1), jit.fake_stream())
-    return MoeExpertDecodeSm90(E, N, K, tok_n, silu_quant, STAGES[tok_n]), args
+    return MoeExpertDecodeSm90(E, N, K, tok_n, silu_quant, STAGES[tok_n] if stages is None else stages), args
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -280,5 +294,5 @@ KERNEL = jit.register(jit.KernelDef(
     archs=("sm_90a",),
     aot_configs=({"E": 256, "N": 4096, "K": 7168, "tok_n": 16, "silu_quant": True},
                  {"E": 256, "N": 7168, "K": 2048, "tok_n": 16, "silu_quant": False}),
-    description="MXFP8 routed-expert GEMM at decode, Hopper: TMA + FP8 wgmma, weights as M (not yet run)",
+    description="MXFP8 routed-expert GEMM at decode, Hopper: TMA + FP8 wgmma, weights as M",
 ))
