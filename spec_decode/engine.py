@@ -84,6 +84,25 @@ class Engine:
                                            sizes, 1, self.scratch_slot, dev, hidden_dim=config.model.hidden,
                                            hidden_dtype=dtype)
 
+    def warm_up(self, batch: int, speculative: bool = True) -> None:
+        """Compile the kernels and capture the graphs a ``batch``-request ``generate`` replays.
+        Otherwise the first step of each padded size compiles and captures inside ``generate``
+        (seconds on a cold kernel cache) -- call this before timing. Runs on the scratch slot
+        only, so no request's KV state changes."""
+        if self.config.backend == "reference" or not self.verify_graphs.use_graphs:
+            return
+        dev = self.config.device
+        slots = torch.full((batch,), self.scratch_slot, dtype=torch.long, device=dev)
+        one = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        if speculative:
+            block = torch.zeros(batch, self.config.block_size + 1, dtype=torch.long, device=dev)
+            self.verify_graphs.run(block, block.clone(), slots)
+            hid = torch.zeros(batch, self.draft_graphs.hidden_dim, dtype=self.draft_graphs.hidden_dtype, device=dev)
+            self.draft_graphs.run(one, one.clone(), slots, hid)
+        else:
+            self.decode_graphs.run(one, one.clone(), slots)
+        torch.cuda.synchronize(dev)
+
     def _target(self, tokens, pos, slots):
         """Target forward of a decode (width 1) or verify (width K+1) step."""
         if self.config.backend == "reference":
