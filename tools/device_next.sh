@@ -34,6 +34,6 @@ case "${1:-1}" in
   step 100 spec_small python -m spec_decode.bench --model small --backends baseline,fused --quick --out "$OUT/spec_small.md"
   ;;
 3)
-  step 580 spec_slice python -m spec_decode.bench --model slice --backends baseline,fused --out "$OUT/spec_slice.md"
+  step 560 spec_slice python -m spec_decode.bench --model slice --backends baseline,fused --quick --out "$OUT/spec_slice.md"
   ;;
 esac
