@@ -32,7 +32,7 @@ from cute_kernels.arch import current_arch, dispatch
 from cute_kernels.validate import check_cuda, check_tensor
 
 from .experts_sm90 import STAGE_RANGE, TILE_K, MoeExpertGemmSm90
-from .experts_sm90_decode import tok_n_for
+from .experts_sm90_decode import MoeExpertDecodeSm90, tok_n_for
 from .quant import MX_BLOCK, SF_ATOM_COLS, SF_ATOM_ROWS, mxfp8_quantize, scale_buffer_size
 
 F8 = torch.float8_e4m3fn
