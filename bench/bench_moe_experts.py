@@ -30,7 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import H200_COPY_BW, markdown_table, time_graph  # noqa: E402
 
 from moe.experts import interleave_gate_up, moe_expert_gate_up, moe_expert_gemm, quantize_expert_weights  # noqa: E402
-from moe.experts_sm90_decode import STAGES as DEFAULT_DECODE_STAGES  # noqa: E402
 from moe.experts_sm90_decode import MoeExpertDecodeSm90, tok_n_for  # noqa: E402
 from moe.finalize import moe_finalize  # noqa: E402
 from moe.quant import mxfp8_quantize_routed  # noqa: E402
@@ -39,7 +38,7 @@ from moe.router import MoeRouter, RouterConfig  # noqa: E402
 C, I, TOPK = 7168, 2048, 8
 #: Hopper expert-kernel (K tile, stages, CTAs per SM) swept per stage
 TILES = ((128, 4, 1), (256, 3, 1), (128, 4, 2), (256, 2, 2))
-#: decode-kernel pipeline depths swept at T <= 64 (* marks the default for the token tile)
+#: decode-kernel pipeline depths swept at T <= 64 (the default: moe.experts_sm90_decode.STAGES)
 DECODE_STAGES = (3, 4, 5, 6)
 
 
@@ -132,8 +131,7 @@ def stage_times(T, x, logits, bias, W, cfg, ours):
     for name, N, K in (("gate/up", 2 * I, C), ("down", C, I)):
         for st in DECODE_STAGES:
             ok = tn is not None and MoeExpertDecodeSm90.can_implement(cfg.num_experts, N, K, tn, st)
-            mark = "*" if tn is not None and st == DEFAULT_DECODE_STAGES[tn] else ""
-            key = f"{name} decode kernel, {st} stages{mark}"
+            key = f"{name} decode kernel, {st} stages"
             if not ok:
                 t[key] = float("nan")
             elif name == "gate/up":

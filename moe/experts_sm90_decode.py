@@ -58,12 +58,11 @@ BM = 64  # weight rows per CTA (wgmma M)
 BK = 128  # bytes of K per pipeline stage: 4 MX blocks
 TOK_N = (16, 32, 64)
 THREADS = 128
-#: default pipeline stages per token tile: deep enough to keep ~40 KB in flight per SM, shallow
-#: enough for at least 4 / 2 / 2 CTAs per SM (228 KB
-#: of shared memory per SM, 1 KB reserved per CTA; a stage is 8 KB of weights + tok_n * 128 B of
-#: tokens, plus the epilogue tile). At T = 1 the gate/up grid is 8 experts x 64 weight tiles =
-#: 512 CTAs: 4 per SM (528 slots) runs them in one wave, 3 per SM leaves a 30% second wave.
-STAGES = {16: 4, 32: 8, 64: 5}
+#: default pipeline stages per token tile. H200, bench_moe_experts (E=256, hidden 7168, I=2048),
+#: stages 3 / 4 / 5 / 6: gate/up 74.7 / 79.4 / 76.5 / 104.6 us at T=1 and 1188 / 1415 / 1308 /
+#: 1313 us at T=64, down 43.6 / 43.6 / 43.9 / 50.1 and 584 / 696 / 664 / 666 us: 3 is fastest
+#: everywhere -- more CTAs per SM (6 / 5 / 3 at tok_n 16 / 32 / 64) beat deeper pipelines.
+STAGES = {16: 3, 32: 3, 64: 3}
 SMEM_PER_SM = 228 * 1024
 
 
@@ -73,7 +72,7 @@ def smem_bytes(tok_n: int, stages: int) -> int:
 
 
 class MoeExpertDecodeSm90:
-    def __init__(self, E: int, N: int, K: int, tok_n: int, silu_quant: bool = False, stages: int = 6):
+    def __init__(self, E: int, N: int, K: int, tok_n: int, silu_quant: bool = False, stages: int = 3):
         self.E, self.N, self.K, self.tok_n, self.silu_quant, self.stages = E, N, K, tok_n, silu_quant, stages
         self.I = N // 2
         self.ncb_i = -(-(self.I // MX) // 4)

@@ -159,12 +159,15 @@ class Engine:
         while live:
             slots = torch.tensor(live, device=dev)
             last_t = torch.tensor([last[r] for r in live], device=dev)
+            # Host logic reads each step's tokens with one device-to-host copy: a per-element
+            # int(tensor) is a synchronising copy each, ~K x batch of them per step.
             if not speculative:
                 pos = torch.tensor([[length[r]] for r in live], device=dev)
                 logits, h = self._target(last_t[:, None], pos, slots)
+                nxt = logits[:, 0].argmax(-1).tolist()
                 for i, r in enumerate(live):
                     length[r] += 1
-                    last[r] = int(logits[i, 0].argmax())
+                    last[r] = nxt[i]
                     out[r].append(last[r])
             else:
                 K = self.config.block_size
@@ -173,18 +176,25 @@ class Engine:
                 block = torch.cat([last_t[:, None], drafts], 1)  # [b, K+1]
                 pos = torch.tensor([[length[r] + j for j in range(K + 1)] for r in live], device=dev)
                 logits, h = self._target(block, pos, slots)
-                greedy = logits.argmax(-1)  # [b, K+1]
+                # [b, 2K + 1] on the host in one copy: the drafts, then the target's greedy tokens
+                both = torch.cat([drafts, logits.argmax(-1)], 1).tolist()
                 self.stats.verify_steps += 1
+                accepted = []
                 for i, r in enumerate(live):
+                    d, g = both[i][:K], both[i][K:]
                     j = 0
-                    while j < K and int(drafts[i, j]) == int(greedy[i, j]):
+                    while j < K and d[j] == g[j]:
                         j += 1
-                    emitted = [int(t) for t in drafts[i, :j]] + [int(greedy[i, j])]
+                    emitted = d[:j] + [g[j]]
                     self.stats.acceptance_lengths.append(len(emitted))
                     out[r].extend(emitted)
                     length[r] += 1 + j
                     last[r] = emitted[-1]
-                    hidden[r] = h[i, j]
+                    accepted.append(j)
+                # the next draft starts from the hidden state of each request's last accepted token
+                h_next = h[torch.arange(len(live), device=dev), torch.tensor(accepted, device=dev)]
+                for i, r in enumerate(live):
+                    hidden[r] = h_next[i]
             live = [r for r in live if len(out[r]) < max_new_tokens]
         self.stats.t_end = time.perf_counter()  # the last step's tokens were read on the host
         return [o[:max_new_tokens] for o in out]

@@ -33,6 +33,12 @@ case "${1:-1}" in
   step 150 bench_moe python bench/bench_moe_experts.py --tokens 1,64 --out "$OUT/bench_moe.md"
   step 100 spec_small python -m spec_decode.bench --model small --backends baseline,fused --quick --out "$OUT/spec_small.md"
   ;;
+5)  # stages 3 default, the engine's one-copy host logic, then the slice runtime (quick form)
+  step 60 decode_and_runtime_tests $PYT tests/test_moe_experts.py tests/test_spec_decode.py -m gpu -k "decode or gate_up or engine or fused_ops"
+  step 90 bench_moe python bench/bench_moe_experts.py --tokens 1,64 --out "$OUT/bench_moe.md"
+  step 70 spec_small python -m spec_decode.bench --model small --backends baseline,fused --quick --out "$OUT/spec_small.md"
+  step 300 spec_slice python -m spec_decode.bench --model slice --backends baseline,fused --quick --out "$OUT/spec_slice.md"
+  ;;
 3)
   step 560 spec_slice python -m spec_decode.bench --model slice --backends baseline,fused --quick --out "$OUT/spec_slice.md"
   ;;
