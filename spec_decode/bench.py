@@ -75,10 +75,10 @@ def estimate_bytes(m, slots: int, max_len: int, backend: str) -> int:
     return weights + fused + kv
 
 
-def run_case(backend, model, batch, n_in, n_out):
+def run_case(backend, model, batch, n_in, n_out, prefill_chunk=512):
     sizes = tuple(s for s in GRAPH_SIZES if s < batch) + (next(s for s in GRAPH_SIZES if s >= batch),)
     cfg = EngineConfig(model=model, device="cuda", dtype="bfloat16", backend=backend,
-                       max_seq_len=n_in + n_out + 16, graph_batch_sizes=sizes)
+                       max_seq_len=n_in + n_out + 16, graph_batch_sizes=sizes, prefill_chunk=prefill_chunk)
     need = estimate_bytes(model, cfg.max_batch + 1, cfg.max_seq_len, backend)
     have = torch.cuda.get_device_properties(0).total_memory
     if need > 0.92 * have:
@@ -151,6 +151,9 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", default="baseline,fused")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--prefill-chunk", type=int, default=512,
+                    help="prompt positions per eager prefill forward (its reference attention gathers "
+                         "[chunk, top-k, heads, head_dim] keys and values: 32 GiB each at slice size and 512)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("spec_decode.bench needs a CUDA GPU", file=sys.stderr)
@@ -167,14 +170,19 @@ def main(argv=None) -> int:
         for name, bs, n_in, n_out in cases:
             progress(i, total, f"{b}: {name}")
             try:
-                results[(b, name)] = run_case(b, model, bs, n_in, n_out)
+                results[(b, name)] = run_case(b, model, bs, n_in, n_out, args.prefill_chunk)
             except NotImplementedError as e:
                 results[(b, name)] = {"error": str(e).split(";")[0]}
+            except torch.OutOfMemoryError as e:  # keep the other cases' results
+                results[(b, name)] = {"error": "out of memory: " + str(e).split(".")[0]}
+                gc.collect()
+                torch.cuda.empty_cache()
             i += 1
             progress(i, total, f"{b}: {name}")
     lines = [f"## Decode runtime ({args.model}) -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
              f"Command: `python -m spec_decode.bench --model {args.model} --backends {args.backends}"
-             f"{' --quick' if args.quick else ''}`", ""]
+             f"{' --quick' if args.quick else ''}"
+             f"{f' --prefill-chunk {args.prefill_chunk}' if args.prefill_chunk != 512 else ''}`", ""]
     header = "| metric | " + " | ".join(backends) + " |"
     lines += [header, "|" + "---|" * (len(backends) + 1)]
 

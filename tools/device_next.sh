@@ -39,6 +39,9 @@ case "${1:-1}" in
   step 70 spec_small python -m spec_decode.bench --model small --backends baseline,fused --quick --out "$OUT/spec_small.md"
   step 300 spec_slice python -m spec_decode.bench --model slice --backends baseline,fused --quick --out "$OUT/spec_slice.md"
   ;;
+6)  # the slice runtime, quick form, smaller prefill chunks (512 gathers 32 GiB of K and of V)
+  step 400 spec_slice python -m spec_decode.bench --model slice --backends baseline,fused --quick --prefill-chunk 64 --out "$OUT/spec_slice.md"
+  ;;
 3)
   step 560 spec_slice python -m spec_decode.bench --model slice --backends baseline,fused --quick --out "$OUT/spec_slice.md"
   ;;
