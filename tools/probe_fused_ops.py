@@ -16,19 +16,7 @@ from spec_decode.fused_ops import FusedOps
 from spec_decode.model import KVPool, TargetModel
 from spec_decode.step_model import Ops, StepModel
 
-FAMILIES = {"mhc": ("mhc_mappings", "pre_mix", "post_mix"), "indexer": ("indexer_topk",), "wo_a": ("wo_a",),
-            "moe": ("moe",)}
-
-
-def hybrid(fused, fams):
-    class H(Ops):
-        pass
-    h = H()
-    for f in fams:
-        for name in FAMILIES[f]:
-            setattr(h, name, getattr(fused, name))
-    return h
-
+from probe_fused_ops_families import FAMILIES, hybrid  # noqa: E402
 
 cfg = ModelConfig(vocab=512, hidden=1024, layers=2, heads=16, head_dim=128, rope_dim=64, q_lora=256, kv_lora=256,
                   wo_groups=2, wo_rank=512, indexer_heads=64, indexer_dim=128, index_topk=64, experts=32,
