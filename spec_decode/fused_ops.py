@@ -96,9 +96,14 @@ class FusedOps(Ops):
         rows = k_idx_layer.reshape(-1, D)  # the pool's rows: token t's keys start at slot * max_len
         off = (slots[:, None].expand(B, S) * self.max_len).reshape(-1).int().contiguous()
         p = pos.reshape(-1).int().contiguous()
+        # a token has at most max_len candidates: columns past that are always -1, and the
+        # attention would gather (and mask) their keys and values -- at the slice config with
+        # top-2048 over 592 positions, 3.5x the attention's gathers (H200 probe: the verify
+        # graph 12.4 ms against 6.9 ms). Same width as the baseline's min(topk, L).
+        k = min(topk, self.max_len)
         idx = indexer_topk(q_idx.reshape(B * S, Hi, D).contiguous(), w_idx.reshape(B * S, Hi).float().contiguous(),
-                           rows, off, p + 1, p, topk=topk, max_keys=self.max_len, workspace=self.idx_ws)
-        idx = idx.view(B, S, topk).long()
+                           rows, off, p + 1, p, topk=k, max_keys=self.max_len, workspace=self.idx_ws)
+        idx = idx.view(B, S, k).long()
         return idx.clamp_min(0), idx >= 0
 
     # ------------------------------------------------------------------ WO-A -------------

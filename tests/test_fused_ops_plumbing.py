@@ -153,6 +153,11 @@ def test_each_fused_family_matches_its_baseline(fakes):
     for b in range(2):
         for s_ in range(6):
             assert set(i1[b, s_][v1[b, s_]].tolist()) == set(i2[b, s_][v2[b, s_]].tolist())
+    # top-k wider than the pool's positions: both return min(topk, positions) columns, so the
+    # attention gathers no always-masked keys (slice config: top-2048 over 592 positions)
+    i1, v1 = fops.indexer_topk(q_idx, w_idx, kv.k_idx[0], slots, pos, 4096)
+    i2, v2 = base.indexer_topk(q_idx.float(), w_idx.float(), kv.k_idx[0].float(), slots, pos, 4096)
+    assert i1.shape == i2.shape == (2, 6, fops.max_len) and torch.equal(v1, v2)
 
     o = torch.randn(2, 6, CFG.heads, CFG.head_dim, generator=g).bfloat16()
     y1, y2 = fops.wo_a(o, L["wo_a"]), base.wo_a(o.float(), L32["wo_a"])
