@@ -59,8 +59,8 @@ BK = 128  # bytes of K per pipeline stage: 4 MX blocks
 TOK_N = (16, 32, 64)
 THREADS = 128
 #: default pipeline stages per token tile. H200, bench_moe_experts (E=256, hidden 7168, I=2048),
-#: stages 3 / 4 / 5 / 6: gate/up 74.7 / 79.4 / 76.5 / 104.6 us at T=1 and 1188 / 1415 / 1308 /
-#: 1313 us at T=64, down 43.6 / 43.6 / 43.9 / 50.1 and 584 / 696 / 664 / 666 us: 3 is fastest
+#: stages 3 / 4 / 5 / 6: gate/up 72.9 / 77.9 / 74.3 / 100.7 us at T=1 and 1216 / 1450 / 1344 /
+#: 1349 us at T=64, down 40.9 / 40.9 / 41.5 / 48.0 and 591 / 703 / 670 / 669 us: 3 is fastest
 #: everywhere -- more CTAs per SM (6 / 5 / 3 at tok_n 16 / 32 / 64) beat deeper pipelines.
 STAGES = {16: 3, 32: 3, 64: 3}
 SMEM_PER_SM = 228 * 1024
