@@ -52,6 +52,22 @@ class KernelDef:
     def source_hash(self) -> str:
         return _source_hash(self.sources)
 
+    def canonical_config(self, config: dict) -> dict:
+        """``config`` without the entries equal to ``build``'s keyword defaults: a caller that
+        spells a default out (``stages=None``) and an AOT config that leaves it out name the
+        same compiled artifact."""
+        defaults = _build_defaults(self.build)
+        return {k: v for k, v in config.items() if not (k in defaults and defaults[k] == v
+                                                        and type(defaults[k]) is type(v))}
+
+
+@functools.lru_cache(maxsize=None)
+def _build_defaults(build: Callable) -> dict:
+    import inspect
+
+    return {n: p.default for n, p in inspect.signature(build).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
 
 _src_hash_cache: dict[tuple[str, ...], tuple[tuple, str]] = {}
 
@@ -120,6 +136,7 @@ class CacheKey:
     @classmethod
     def make(cls, kdef: KernelDef, arch: str, config: dict, options: str | None = None) -> "CacheKey":
         arch = normalize_arch(arch)
+        config = kdef.canonical_config(config)
         cfg = json.dumps({k: _canon(v) for k, v in sorted(config.items())}, sort_keys=True)
         return cls(
             kernel=kdef.name,

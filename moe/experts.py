@@ -32,7 +32,7 @@ from cute_kernels.arch import current_arch, dispatch
 from cute_kernels.validate import check_cuda, check_tensor
 
 from .experts_sm90 import STAGE_RANGE, TILE_K, MoeExpertGemmSm90
-from .experts_sm90_decode import MoeExpertDecodeSm90, tok_n_for
+from .experts_sm90_decode import TOK_N, MoeExpertDecodeSm90, tok_n_for
 from .quant import MX_BLOCK, SF_ATOM_COLS, SF_ATOM_ROWS, mxfp8_quantize, scale_buffer_size
 
 F8 = torch.float8_e4m3fn
@@ -131,7 +131,8 @@ def _check_scales(op, a_scales, w_scales, expert_offsets, rows, K, E, N):
 
 
 def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out, fused,
-                 stream, routed_rows=None, tile_k=None, stages=None, ctas_per_sm=None, max_expert_rows=None):
+                 stream, routed_rows=None, tile_k=None, stages=None, ctas_per_sm=None, max_expert_rows=None,
+                 expert_row_tile=None):
     """The Hopper kernel: bf16 ``out``, or (``fused`` = (q, scales)) SiLU * up + MXFP8."""
     import cutlass
     from cutlass import Int32
@@ -155,15 +156,20 @@ def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_
             raise ValueError(f"{op}: max_expert_rows must be a positive int (an upper bound on any expert's rows, "
                              f"e.g. the token count), got {max_expert_rows!r}")
         tok_n = tok_n_for(max_expert_rows)
+    row_passes = expert_row_tile is not None
+    if row_passes:
+        if expert_row_tile not in TOK_N:
+            raise ValueError(f"{op}: expert_row_tile must be one of {TOK_N}, got {expert_row_tile!r}")
+        tok_n = expert_row_tile
     if tok_n is not None:  # the swap-AB TMA + wgmma decode kernel (moe.experts_sm90_decode)
         if tile_k is not None or ctas_per_sm is not None:
-            raise ValueError(f"{op}: tile_k / ctas_per_sm configure the tiled kernel; max_expert_rows="
-                             f"{max_expert_rows} selects the decode kernel (only stages applies)")
+            raise ValueError(f"{op}: tile_k / ctas_per_sm configure the tiled kernel; max_expert_rows / "
+                             f"expert_row_tile select the decode kernel (only stages applies)")
         if not MoeExpertDecodeSm90.can_implement(E, N, K, tok_n, stages):
             raise ValueError(f"{op}: the decode kernel (token tile {tok_n}) cannot run stages={stages} "
                              f"(2-12 within shared memory) or E={E}, N={N}, K={K}")
         fn = jit.get_kernel("moe_expert_decode_sm90", arch, E=E, N=N, K=K, tok_n=tok_n, silu_quant=fused is not None,
-                            stages=stages)
+                            stages=stages, row_passes=row_passes)
     else:
         if tile_k is None:
             tile_k, d_stages, d_ctas = default_tile(K, fused is not None)
@@ -217,7 +223,7 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
                     workspace: MoeExpertWorkspace | None = None, stream=None, arch: str | None = None,
                     routed_rows: int | None = None, tile_k: int | None = None,
                     stages: int | None = None, ctas_per_sm: int | None = None,
-                    max_expert_rows: int | None = None) -> torch.Tensor:
+                    max_expert_rows: int | None = None, expert_row_tile: int | None = None) -> torch.Tensor:
     """bf16 ``[rows, N]``: expert-sorted rows of ``a`` times their expert's ``W^T``.
 
     ``expert_offsets`` / ``expert_counts`` / ``tile_expert`` are the router's outputs
@@ -231,6 +237,10 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     token routes to an expert once) <= 64 selects the Hopper swap-AB TMA + FP8 wgmma decode
     kernel (:mod:`moe.experts_sm90_decode`, 2.0-3.3x faster than the tiled kernel at T <= 64 on
     the H200; ``stages`` then sets its pipeline depth); pass the token count at decode.
+    ``expert_row_tile`` (16 / 32 / 64) runs the decode kernel for any rows per expert: a CTA
+    covers its router tile's live rows in passes of that many token columns (staged: compiled
+    and machine-code checked, its GPU test not yet run; meant for T = 64-320, where an expert's
+    rows are usually <= 16 but not bounded by it).
     Padding rows of ``out`` are unspecified.
     """
     op = "moe_expert_gemm"
@@ -249,7 +259,7 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
         return _reference(a_q, a_scales, w_q, w_scales, expert_offsets, out) if rows else out
     if path == "sm90":
         _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out, None, stream,
-                     routed_rows, tile_k, stages, ctas_per_sm, max_expert_rows)
+                     routed_rows, tile_k, stages, ctas_per_sm, max_expert_rows, expert_row_tile)
         return out
     _launch_sm100(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, out, None, workspace, stream)
     return out
@@ -309,7 +319,7 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
                        arch: str | None = None, routed_rows: int | None = None,
                        tile_k: int | None = None, stages: int | None = None,
                        ctas_per_sm: int | None = None,
-                       max_expert_rows: int | None = None,
+                       max_expert_rows: int | None = None, expert_row_tile: int | None = None,
                        workspace: MoeExpertWorkspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate/up projection with SiLU(gate) * up and MXFP8 requantisation fused in the epilogue.
 
@@ -346,7 +356,8 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
         check_cuda(op, ("a_q", a_q), ("a_scales", a_scales), ("w_q", w_q), ("w_scales", w_scales),
                    ("expert_offsets", expert_offsets), ("q_out", q_out), ("scales_out", scales_out))
         _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, None,
-                     (q_out, scales_out), stream, routed_rows, tile_k, stages, ctas_per_sm, max_expert_rows)
+                     (q_out, scales_out), stream, routed_rows, tile_k, stages, ctas_per_sm, max_expert_rows,
+                     expert_row_tile)
         return q_out, scales_out
     y = moe_expert_gemm(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, arch=a,
                         stream=stream, routed_rows=routed_rows) if a_q.is_cuda else _reference(

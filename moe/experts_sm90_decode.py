@@ -72,8 +72,13 @@ def smem_bytes(tok_n: int, stages: int) -> int:
 
 
 class MoeExpertDecodeSm90:
-    def __init__(self, E: int, N: int, K: int, tok_n: int, silu_quant: bool = False, stages: int = 3):
+    def __init__(self, E: int, N: int, K: int, tok_n: int, silu_quant: bool = False, stages: int = 3,
+                 row_passes: bool = False):
         self.E, self.N, self.K, self.tok_n, self.silu_quant, self.stages = E, N, K, tok_n, silu_quant, stages
+        # row_passes: a CTA covers every live row of its router tile (up to 128) in passes of
+        # tok_n token columns, re-streaming its weight tile per pass; otherwise the caller
+        # bounds every expert's rows by tok_n and there is one pass
+        self.row_passes = row_passes
         self.I = N // 2
         self.ncb_i = -(-(self.I // MX) // 4)
         self.kb_pad = -(-(K // MX) // 4) * 4
@@ -121,7 +126,10 @@ class MoeExpertDecodeSm90:
         row0 = mt * 128
         live = Int32(0)
         if e >= 0:
-            live = cutlass.min(mOffs[e] + mCnt[e] - row0, self.tok_n)  # <= tok_n by the host's contract
+            if cutlass.const_expr(self.row_passes):
+                live = cutlass.min(mOffs[e] + mCnt[e] - row0, 128)  # the router tile's live rows
+            else:
+                live = cutlass.min(mOffs[e] + mCnt[e] - row0, self.tok_n)  # <= tok_n by the host's contract
         if live > 0:
             self.mainloop(tiled_mma, tma_w, mW, tma_a, mA, w_smem, a_smem, mSA, mSW, mOut, mQ, mSQ, e, row0,
                           nt * BM, live)
@@ -155,8 +163,8 @@ class MoeExpertDecodeSm90:
         # (rows past the tensor are zero-filled by TMA; token columns past `live` are never stored).
         gW = cute.local_tile(cute.domain_offset((wrow0, 0, 0), mW), (BM, BK), (None, None, None))[
             (None, None, 0, None, 0)]
-        gA = cute.local_tile(cute.domain_offset((row0, 0, 0), mA), (TN, BK), (None, None, None))[
-            (None, None, 0, None, 0)]
+        gA = cute.local_tile(cute.domain_offset((row0, 0, 0), mA), (TN, BK), (None, None, None))
+        gA = gA[(None, None, None, None, 0)] if cutlass.const_expr(self.row_passes) else gA[(None, None, 0, None, 0)]
         tWsW, tWgW = cute.nvgpu.cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
                                                       cute.group_modes(gW, 0, 2))
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
@@ -165,7 +173,7 @@ class MoeExpertDecodeSm90:
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         if warp_idx == 0:
             for _ in cutlass.range_constexpr(min(STAGES, KT)):
-                self.load(pipe, prod, tma_w, tWgW, tWsW, tma_a, tAgA, tAsA)
+                self.load(pipe, prod, tma_w, tWgW, tWsW, tma_a, tAgA, tAsA, KT)
                 prod.advance()
 
         thr_mma = tiled_mma.get_slice(tidx)
@@ -189,33 +197,63 @@ class MoeExpertDecodeSm90:
         rSw = cute.make_rmem_tensor(cute.make_layout((2,)), Uint32)
         rSa = cute.make_rmem_tensor(cute.make_layout((NC,)), Uint32)
 
-        for kt in cutlass.range(KT, unroll=1):
-            # Flat fragment index i = (column pair, row + 8, column block): i = 2 r8 (+ 4 nb + cp).
-            for r8 in cutlass.range_constexpr(2):
-                nr = n0 % 128 + tCcC[2 * r8][0]
-                rSw[r8] = mSW32[(sw_atom + kt) * 128 + (nr % 32) * 4 + nr // 32]
-            for j in cutlass.range_constexpr(NC):
-                m = tCcC[(j // 2) * 4 + j % 2][1]
-                rSa[j] = mSA32[(sa_atom + kt) * 128 + (m % 32) * 4 + m // 32]
-            pipe.consumer_wait(cons)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-            for kb in cutlass.range_constexpr(BK // MX + 1):
-                if cutlass.const_expr(kb < BK // MX):
-                    # the fence orders this wgmma after the promotion's reads of the same registers
-                    cute.nvgpu.warpgroup.fence()
-                    cute.gemm(tiled_mma, frags[kb % 2], tCrW[(None, None, kb, cons.index)],
-                              tCrA[(None, None, kb, cons.index)], frags[kb % 2])
-                    cute.nvgpu.warpgroup.commit_group()
-                if cutlass.const_expr(kb > 0):
-                    cute.nvgpu.warpgroup.wait_group(1 if kb < BK // MX else 0)
-                    self.promote(acc, frags[(kb - 1) % 2], rSw, rSa, kb - 1, NV)
-            pipe.consumer_release(cons)
-            cons.advance()
-            if warp_idx == 0 and prod.count < KT:
-                self.load(pipe, prod, tma_w, tWgW, tWsW, tma_a, tAgA, tAsA)
-                prod.advance()
+        if cutlass.const_expr(not self.row_passes):
+            for kt in cutlass.range(KT, unroll=1):
+                self.k_slice(pipe, cons, tiled_mma, tCrW, tCrA, tCcC, acc, frags, rSw, rSa, mSW32, mSA32, sw_atom,
+                             sa_atom, n0, 0, kt, NV, NC)
+                cons.advance()
+                if warp_idx == 0 and prod.count < KT:
+                    self.load(pipe, prod, tma_w, tWgW, tWsW, tma_a, tAgA, tAsA, KT)
+                    prod.advance()
+            self.epilogue(acc, tCcC, sOut, mOut, mQ, mSQ, tidx, row0, n0, live, NV)
+        else:
+            n_pass = (live + TN - 1) // TN
+            for p in cutlass.range(n_pass, unroll=1):
+                for kt in cutlass.range(KT, unroll=1):
+                    self.k_slice(pipe, cons, tiled_mma, tCrW, tCrA, tCcC, acc, frags, rSw, rSa, mSW32, mSA32,
+                                 sw_atom, sa_atom, n0, p * TN, kt, NV, NC)
+                    cons.advance()
+                    if warp_idx == 0 and prod.count < n_pass * KT:
+                        self.load(pipe, prod, tma_w, tWgW, tWsW, tma_a, tAgA, tAsA, KT)
+                        prod.advance()
+                self.epilogue(acc, tCcC, sOut, mOut, mQ, mSQ, tidx, row0 + p * TN, n0,
+                              cutlass.min(live - p * TN, TN), NV)
+                acc.fill(0.0)
+                cute.arch.barrier()  # every thread has read sOut before the next pass rewrites it
 
-        # Epilogue through shared memory: token-major rows of the tile, bf16-rounded.
+    @cute.jit
+    def k_slice(self, pipe: pipeline.PipelineTmaAsync, cons: pipeline.PipelineState, tiled_mma: cute.TiledMma,
+                tCrW: cute.Tensor, tCrA: cute.Tensor, tCcC: cute.Tensor, acc: cute.Tensor, frags: list,
+                rSw: cute.Tensor, rSa: cute.Tensor, mSW32: cute.Tensor, mSA32: cute.Tensor, sw_atom: Int32,
+                sa_atom: Int32, n0: Int32, m0: Int32, kt: Int32, NV: cutlass.Constexpr, NC: cutlass.Constexpr):
+        """acc += one 128-wide K slice (stage cons.index) for token columns m0 .. m0 + tok_n of
+        the router tile: 4 MX blocks, each an FP8 wgmma promoted with its scales."""
+        # Flat fragment index i = (column pair, row + 8, column block): i = 2 r8 (+ 4 nb + cp).
+        for r8 in cutlass.range_constexpr(2):
+            nr = n0 % 128 + tCcC[2 * r8][0]
+            rSw[r8] = mSW32[(sw_atom + kt) * 128 + (nr % 32) * 4 + nr // 32]
+        for j in cutlass.range_constexpr(NC):
+            m = m0 + tCcC[(j // 2) * 4 + j % 2][1]
+            rSa[j] = mSA32[(sa_atom + kt) * 128 + (m % 32) * 4 + m // 32]
+        pipe.consumer_wait(cons)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        for kb in cutlass.range_constexpr(BK // MX + 1):
+            if cutlass.const_expr(kb < BK // MX):
+                # the fence orders this wgmma after the promotion's reads of the same registers
+                cute.nvgpu.warpgroup.fence()
+                cute.gemm(tiled_mma, frags[kb % 2], tCrW[(None, None, kb, cons.index)],
+                          tCrA[(None, None, kb, cons.index)], frags[kb % 2])
+                cute.nvgpu.warpgroup.commit_group()
+            if cutlass.const_expr(kb > 0):
+                cute.nvgpu.warpgroup.wait_group(1 if kb < BK // MX else 0)
+                self.promote(acc, frags[(kb - 1) % 2], rSw, rSa, kb - 1, NV)
+        pipe.consumer_release(cons)
+
+    @cute.jit
+    def epilogue(self, acc: cute.Tensor, tCcC: cute.Tensor, sOut: cute.Tensor, mOut: cute.Tensor, mQ: cute.Tensor,
+                 mSQ: cute.Tensor, tidx: Int32, rbase: Int32, n0: Int32, live: Int32, NV: cutlass.Constexpr):
+        """Token-major rows rbase .. rbase + live of the tile through shared memory, bf16-rounded;
+        or (silu_quant) h = bf16(bf16(silu(g)) * u) and one MXFP8 block per token."""
         bf16 = cutlass.BFloat16
         for i in cutlass.range_constexpr(NV):
             r, c = tCcC[i]
@@ -225,7 +263,7 @@ class MoeExpertDecodeSm90:
             for idx in cutlass.range(tidx, live * BM, THREADS):
                 c = idx // BM
                 r = idx - c * BM
-                mOut[row0 + c, n0 + r] = sOut[c, r].to(bf16)
+                mOut[rbase + c, n0 + r] = sOut[c, r].to(bf16)
         else:
             if tidx < live:
                 rG = cute.make_rmem_tensor(cute.make_layout((MX,)), Float32)
@@ -236,8 +274,8 @@ class MoeExpertDecodeSm90:
                 rQ = cute.make_rmem_tensor(cute.make_layout((MX,)), cutlass.Float8E4M3FN)
                 scale = silu_mul_mx_block(rG, rU, rQ)
                 fb = n0 // (2 * MX)  # output scale block = feature block
-                cute.autovec_copy(rQ, cute.zipped_divide(mQ, (1, MX))[(0, None), (row0 + tidx, fb)])
-                mSQ[mx_scale_index(row0 + tidx, fb, self.ncb_i)] = cutlass.Uint8(scale)
+                cute.autovec_copy(rQ, cute.zipped_divide(mQ, (1, MX))[(0, None), (rbase + tidx, fb)])
+                mSQ[mx_scale_index(rbase + tidx, fb, self.ncb_i)] = cutlass.Uint8(scale)
 
     @cute.jit
     def promote(self, acc: cute.Tensor, frag: cute.Tensor, rSw: cute.Tensor, rSa: cute.Tensor, kb: cutlass.Constexpr,
@@ -253,11 +291,20 @@ class MoeExpertDecodeSm90:
 
     @cute.jit
     def load(self, pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, tma_w: cute.CopyAtom,
-             tWgW: cute.Tensor, tWsW: cute.Tensor, tma_a: cute.CopyAtom, tAgA: cute.Tensor, tAsA: cute.Tensor):
-        """One K slice of both tiles into stage prod.index (one thread issues; tx-count barrier)."""
+             tWgW: cute.Tensor, tWsW: cute.Tensor, tma_a: cute.CopyAtom, tAgA: cute.Tensor, tAsA: cute.Tensor,
+             KT: cutlass.Constexpr):
+        """One K slice of both tiles into stage prod.index (one thread issues; tx-count barrier):
+        slice prod.count of the single pass, or (row_passes) slice count % KT of token tile
+        count // KT."""
         pipe.producer_acquire(prod)
-        cute.copy(tma_w, tWgW[(None, prod.count)], tWsW[(None, prod.index)], tma_bar_ptr=pipe.producer_get_barrier(prod))
-        cute.copy(tma_a, tAgA[(None, prod.count)], tAsA[(None, prod.index)], tma_bar_ptr=pipe.producer_get_barrier(prod))
+        if cutlass.const_expr(self.row_passes):
+            kt = prod.count % KT
+            a_coord = (None, prod.count // KT, kt)
+        else:
+            kt = prod.count
+            a_coord = (None, prod.count)
+        cute.copy(tma_w, tWgW[(None, kt)], tWsW[(None, prod.index)], tma_bar_ptr=pipe.producer_get_barrier(prod))
+        cute.copy(tma_a, tAgA[a_coord], tAsA[(None, prod.index)], tma_bar_ptr=pipe.producer_get_barrier(prod))
         pipe.producer_commit(prod)
 
     @staticmethod
@@ -275,7 +322,8 @@ def tok_n_for(max_expert_rows: int) -> int | None:
     return None
 
 
-def _build(arch: str, *, E: int, N: int, K: int, tok_n: int, silu_quant: bool = False, stages: int | None = None):
+def _build(arch: str, *, E: int, N: int, K: int, tok_n: int, silu_quant: bool = False, stages: int | None = None,
+           row_passes: bool = False):
     if not MoeExpertDecodeSm90.can_implement(E, N, K, tok_n, stages):
         raise ValueError(f"moe_expert_decode_sm90: unsupported E={E}, N={N}, K={K}, tok_n={tok_n}, stages={stages} "
                          f"(K % 128, N % 64, tok_n in {TOK_N}, 2 <= stages <= 12 within shared memory)")
@@ -283,7 +331,8 @@ def _build(arch: str, *, E: int, N: int, K: int, tok_n: int, silu_quant: bool = 
     f8 = cutlass.Float8E4M3FN
     args = (P(f8, 16), P(f8, 16), P(cutlass.Uint8, 16), P(cutlass.Uint8, 16), P(cutlass.BFloat16, 16), P(f8, 16),
             P(cutlass.Uint8, 1), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(128), Int32(1), jit.fake_stream())
-    return MoeExpertDecodeSm90(E, N, K, tok_n, silu_quant, STAGES[tok_n] if stages is None else stages), args
+    return MoeExpertDecodeSm90(E, N, K, tok_n, silu_quant, STAGES[tok_n] if stages is None else stages,
+                               row_passes), args
 
 
 KERNEL = jit.register(jit.KernelDef(

@@ -33,7 +33,7 @@ def fresh_cache():
 def test_key_names_every_field(kdef):
     k = jit.CacheKey.make(kdef, "sm_100a", CFG)
     assert k.kernel == "row_rms" and k.arch == "sm_100a" and k.dsl_version == "4.8.1"
-    assert json.loads(k.config) == CFG and len(k.source_hash) == 16
+    assert json.loads(k.config) == kdef.canonical_config(CFG) and len(k.source_hash) == 16
     digests = {
         k.digest(),
         jit.CacheKey.make(kdef, "sm_90a", CFG).digest(),
@@ -43,6 +43,17 @@ def test_key_names_every_field(kdef):
     assert len(digests) == 4
     # arch spellings normalise to one key
     assert jit.CacheKey.make(kdef, "sm100", CFG) == k
+
+
+def test_spelled_out_defaults_name_the_same_artifact():
+    """A launch that passes build()'s defaults explicitly (the MoE decode kernel's stages=None,
+    row_passes=False) hits the AOT entry built from a config that leaves them out."""
+    k = jit.registry()["moe_expert_decode_sm90"]
+    aot = {"E": 256, "N": 4096, "K": 7168, "tok_n": 16, "silu_quant": True}
+    assert jit.CacheKey.make(k, "sm_90a", dict(aot, stages=None, row_passes=False)) == \
+        jit.CacheKey.make(k, "sm_90a", aot)
+    assert jit.CacheKey.make(k, "sm_90a", dict(aot, stages=3)) != jit.CacheKey.make(k, "sm_90a", aot)
+    assert jit.CacheKey.make(k, "sm_90a", dict(aot, row_passes=0)) != jit.CacheKey.make(k, "sm_90a", aot)
 
 
 def test_source_change_changes_key(tmp_path, kdef):

@@ -436,11 +436,30 @@ def test_gpu_decode_kernel_fused_gate_up(seed, E, I, K, counts, max_rows):
     _gate_up_matches_spec(seed, E, I, K, counts, own_gemm=True, max_expert_rows=max_rows)
 
 
-@pytest.mark.parametrize("tok_n, silu_quant", [(16, False), (16, True), (64, False)])
-def test_machine_code_sm90_decode(tok_n, silu_quant):
+@pytest.mark.gpu
+@pytest.mark.parametrize("E, N, K, counts, row_tile", [
+    (4, 256, 512, [3, 0, 40, 130], 16),  # one pass, three passes, an expert over two router tiles
+    (3, 4096, 7168, [17, 1, 64], 16),  # gate/up-like: a second pass of one row
+    (3, 7168, 2048, [65, 0, 5], 64),  # down-like, the 64-wide token tile
+])
+def test_gpu_decode_kernel_row_passes(seed, E, N, K, counts, row_tile):
+    """H200 (staged): the decode kernel covering any rows per expert in passes of ``row_tile``
+    token columns; NaN padding rows inside the last pass stay in their own columns."""
+    _gemm_matches_emulation(seed, E, N, K, counts, [dict(routed_rows=sum(counts), expert_row_tile=row_tile)])
+
+
+@pytest.mark.gpu
+def test_gpu_decode_kernel_row_passes_fused(seed):
+    """H200 (staged): the fused epilogue once per pass (its staging tile reused across passes)."""
+    _gate_up_matches_spec(seed, 4, 1024, 2048, [33, 0, 129, 17], own_gemm=True, expert_row_tile=16)
+
+
+@pytest.mark.parametrize("tok_n, silu_quant, row_passes", [(16, False, False), (16, True, False), (64, False, False),
+                                                           (16, True, True)])
+def test_machine_code_sm90_decode(tok_n, silu_quant, row_passes):
     """Native FP8 wgmma (QGMMA e4m3, not mma.sync's f16 unpacks) fed by TMA, no spills."""
     h = sass.sass_histogram("moe_expert_decode_sm90", "sm_90a", E=256, N=4096, K=7168, tok_n=tok_n,
-                            silu_quant=silu_quant)
+                            silu_quant=silu_quant, row_passes=row_passes)
     assert sass.count(h, f"QGMMA.64x{tok_n}x32.F32.E4M3.E4M3") >= 1 and sass.count(h, "UTMALDG") >= 1
     assert sass.count(h, "F2FP.F16.E4M3.UNPACK_B") == 0
     assert sass.local_memory_ops(h) == 0
