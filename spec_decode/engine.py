@@ -13,8 +13,17 @@ request. Speculative step for every live request (last accepted token ``t`` at p
 
 Acceptance length = tokens emitted per verify. With the reference backend the output equals
 plain greedy decoding token for token (tests/test_spec_decode.py). Requests have their own
-lengths and finish independently; impossible requests are refused before any work (a batch
-above the largest captured graph size, a KV pool too small for prompt + output + one block).
+lengths (and output lengths) and finish independently; impossible requests are refused
+before any work (a batch above the largest captured graph size, a KV pool too small for
+prompt + output + one block).
+
+Host path (baseline / fused backends, speculative): the acceptance above also runs on the
+device (``j = sum(cumprod(d == g))``), so step s + 1 -- draft graph, verify graph -- is
+enqueued from device state before step s's tokens are read back; the host's bookkeeping for
+step s overlaps step s + 1 on the GPU, and each step costs one device-to-host copy. A request
+that finished in step s rides along in step s + 1 (positions clamped into its own KV slot,
+tokens dropped). A step whose padded batch size has no captured graph yet is enqueued only
+after the read-back, so a capture never overlaps a step in flight.
 """
 
 from __future__ import annotations
@@ -116,19 +125,25 @@ class Engine:
         zeros = torch.zeros_like(last_t)[:, None]
         return self.draft_graphs.run(last_t[:, None], zeros, zeros[:, 0], hid)[0]
 
-    def _check(self, input_ids, max_new_tokens: int) -> None:
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    def _check(self, input_ids, max_new_tokens) -> list[int]:
+        """Validates a request batch; returns each request's max_new_tokens."""
         if not input_ids:
             raise ValueError("input_ids is empty")
+        per = [max_new_tokens] * len(input_ids) if isinstance(max_new_tokens, int) else max_new_tokens
+        if not isinstance(per, (list, tuple)) or len(per) != len(input_ids) or \
+                any(not isinstance(m, int) or isinstance(m, bool) or m < 1 for m in per):
+            raise ValueError(f"max_new_tokens must be a positive int or one per request, got {max_new_tokens!r}")
         self.config.padded_batch(len(input_ids))  # raises above the largest graph size
-        need = max(len(p) for p in input_ids) + max_new_tokens + self.config.block_size + 1
+        # (the pipelined loop may run one verify step past a request's last: its positions are
+        # clamped into the pool and its tokens discarded, so no extra room is needed)
+        need = max(len(p) + m for p, m in zip(input_ids, per)) + self.config.block_size + 1
         if need > self.config.max_seq_len:
             raise ValueError(f"KV pool too small: a request needs {need} positions, the pool holds "
                              f"{self.config.max_seq_len} per request (raise max_seq_len)")
         for i, p in enumerate(input_ids):
             if not p or any((not isinstance(t, int)) or t < 0 or t >= self.config.model.vocab for t in p):
                 raise ValueError(f"input_ids[{i}] must be a non-empty list of token ids in [0, {self.config.model.vocab})")
+        return list(per)
 
     def _prefill(self, input_ids):
         """Per request: run the prompt, return (first new token, its hidden state source)."""
@@ -146,16 +161,37 @@ class Engine:
             hidden.append(h[0, -1])
         return first, hidden
 
-    def generate(self, input_ids: list[list[int]], max_new_tokens: int, speculative: bool = True) -> list[list[int]]:
-        self._check(input_ids, max_new_tokens)
-        B, dev = len(input_ids), self.config.device
+    def generate(self, input_ids: list[list[int]], max_new_tokens: int | list[int],
+                 speculative: bool = True, pipelined: bool | None = None) -> list[list[int]]:
+        """Greedy continuation of every request: ``max_new_tokens`` new ids each (an int, or one
+        per request). ``pipelined`` (default: on wherever it applies -- speculative decoding
+        with the captured draft graph) enqueues each verify step before reading the previous
+        step's tokens back, so the host's bookkeeping overlaps the GPU."""
+        per = self._check(input_ids, max_new_tokens)
+        self.stats = GenerationStats()  # this call's
         self.stats.t_start = time.perf_counter()
         first, hidden = self._prefill(input_ids)
         self.stats.t_first = time.perf_counter()  # every request has its first token (host-synced)
+        can_pipeline = speculative and self.config.backend != "reference" and not (self.draft.oracle or
+                                                                                   self.draft.corrupt)
+        if pipelined and not can_pipeline:
+            raise ValueError("pipelined=True needs speculative decoding with the model draft on the baseline or "
+                             "fused backend")
+        if can_pipeline and pipelined is not False:
+            out = self._decode_pipelined(input_ids, per, first, hidden)
+        else:
+            out = self._decode_sync(input_ids, per, first, hidden, speculative)
+        self.stats.t_end = time.perf_counter()  # the last step's tokens were read on the host
+        return [o[:m] for o, m in zip(out, per)]
+
+    def _decode_sync(self, input_ids, per, first, hidden, speculative):
+        """One step at a time: enqueue, read the tokens back, bookkeeping (the reference
+        backend, plain decoding and the test drafts)."""
+        B, dev = len(input_ids), self.config.device
         out = [[t] for t in first]
         last = list(first)
         length = [len(p) for p in input_ids]  # KV valid length; `last` sits at position length
-        live = [r for r in range(B) if len(out[r]) < max_new_tokens]
+        live = [r for r in range(B) if len(out[r]) < per[r]]
         while live:
             slots = torch.tensor(live, device=dev)
             last_t = torch.tensor([last[r] for r in live], device=dev)
@@ -179,25 +215,82 @@ class Engine:
                 # [b, 2K + 1] on the host in one copy: the drafts, then the target's greedy tokens
                 both = torch.cat([drafts, logits.argmax(-1)], 1).tolist()
                 self.stats.verify_steps += 1
-                accepted = []
+                accepted = [self._accept(both[i], out[r]) for i, r in enumerate(live)]
                 for i, r in enumerate(live):
-                    d, g = both[i][:K], both[i][K:]
-                    j = 0
-                    while j < K and d[j] == g[j]:
-                        j += 1
-                    emitted = d[:j] + [g[j]]
-                    self.stats.acceptance_lengths.append(len(emitted))
-                    out[r].extend(emitted)
-                    length[r] += 1 + j
-                    last[r] = emitted[-1]
-                    accepted.append(j)
+                    length[r] += 1 + accepted[i]
+                    last[r] = out[r][-1]
                 # the next draft starts from the hidden state of each request's last accepted token
                 h_next = h[torch.arange(len(live), device=dev), torch.tensor(accepted, device=dev)]
                 for i, r in enumerate(live):
                     hidden[r] = h_next[i]
-            live = [r for r in live if len(out[r]) < max_new_tokens]
-        self.stats.t_end = time.perf_counter()  # the last step's tokens were read on the host
-        return [o[:max_new_tokens] for o in out]
+            live = [r for r in live if len(out[r]) < per[r]]
+        return out
+
+    def _accept(self, both: list[int], out_r: list[int]) -> int:
+        """Greedy acceptance of one request's verify step (``both`` = its K drafts, then the
+        target's K + 1 greedy tokens): appends the accepted drafts and the bonus token to
+        ``out_r``, returns the number of accepted drafts."""
+        K = self.config.block_size
+        d, g = both[:K], both[K:]
+        j = 0
+        while j < K and d[j] == g[j]:
+            j += 1
+        out_r.extend(d[:j] + [g[j]])
+        self.stats.acceptance_lengths.append(j + 1)
+        return j
+
+    def _decode_pipelined(self, input_ids, per, first, hidden):
+        """Speculative decoding with the next verify step enqueued before this one's tokens
+        are read back. Everything a step needs from the previous one (last token, KV length,
+        hidden state: greedy acceptance on the device) stays on the device; the host reads
+        a step's drafts and greedy tokens once, a step late, for the output lists. A request
+        that finished in step s still runs step s + 1 (enqueued before s was read): its
+        positions are clamped into its own KV slot and its tokens dropped."""
+        B, dev = len(input_ids), self.config.device
+        out = [[t] for t in first]
+        live = [r for r in range(B) if len(out[r]) < per[r]]
+        if not live:
+            return out
+        state = (live, _to_device(live, dev), _to_device([first[r] for r in live], dev),
+                 _to_device([len(input_ids[r]) for r in live], dev), torch.stack([hidden[r] for r in live]))
+        pending = self._enqueue_verify(state)
+        while pending is not None:
+            # requests that may outlive `pending` (known: the outputs before it; it adds >= 1 token each)
+            keep = [i for i, r in enumerate(pending.live) if per[r] - len(out[r]) > 1]
+            nxt = None
+            if keep and self._captured(len(keep)):
+                nxt = self._enqueue_verify(_select(pending.next_state, keep, dev))
+            both = pending.tokens()  # the one device-to-host sync of the step
+            self.stats.verify_steps += 1
+            for i, r in enumerate(pending.live):
+                if len(out[r]) < per[r]:  # else it finished in an earlier step: drop these tokens
+                    self._accept(both[i], out[r])
+            if keep and nxt is None:
+                # a batch size with no captured graph yet: capture with nothing in flight, for
+                # exactly the requests still live
+                keep = [i for i, r in enumerate(pending.live) if len(out[r]) < per[r]]
+                nxt = self._enqueue_verify(_select(pending.next_state, keep, dev)) if keep else None
+            pending = nxt
+        return out
+
+    def _captured(self, b: int) -> bool:
+        return self.verify_graphs.captured(b) and self.draft_graphs.captured(b)
+
+    def _enqueue_verify(self, state):
+        """Enqueues one draft + verify step for ``state`` = (live request ids, slots, last
+        tokens, KV lengths, hidden states); returns a :class:`_Step`."""
+        live, slots, last_t, len_t, hid = state
+        K, b, dev = self.config.block_size, len(live), self.config.device
+        # the draft graph gets the real positions / slots (the model draft ignores them)
+        drafts = self.draft_graphs.run(last_t[:, None], len_t[:, None], slots, hid)[0]
+        block = torch.cat([last_t[:, None], drafts], 1)  # [b, K+1]
+        pos = (len_t[:, None] + torch.arange(K + 1, device=dev)).clamp_max(self.config.max_seq_len - 1)
+        logits, h = self._target(block, pos, slots)
+        greedy = logits.argmax(-1)  # [b, K+1]
+        j = (drafts == greedy[:, :K]).long().cumprod(1).sum(1)  # accepted drafts per request
+        rows = torch.arange(b, device=dev)
+        next_state = (live, slots, greedy[rows, j], len_t + 1 + j, h[rows, j])
+        return _Step(live, next_state, torch.cat([drafts, greedy], 1))
 
     def _oracle(self, live, last, length, K):
         """Target's own greedy continuation (test-only draft); does not disturb the KV state
@@ -212,3 +305,41 @@ class Engine:
             tok = logits[:, 0].argmax(-1)
             res.append(tok)
         return torch.stack(res, 1)
+
+
+def _to_device(values: list[int], dev) -> torch.Tensor:
+    """int64 ``values`` on ``dev`` without a stream sync (pinned staging for CUDA: a pageable
+    host-to-device copy waits for the stream to drain)."""
+    t = torch.tensor(values, dtype=torch.long)
+    if torch.device(dev).type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
+def _select(state, keep: list[int], dev):
+    """The rows ``keep`` of a step state (all rows: the state itself)."""
+    live = state[0]
+    if len(keep) == len(live):
+        return state
+    idx = _to_device(keep, dev)
+    return ([live[i] for i in keep],) + tuple(t[idx] for t in state[1:])
+
+
+class _Step:
+    """An enqueued verify step: its requests, the device state the next step starts from, and
+    its [b, 2K + 1] drafts + greedy tokens on their way to the host."""
+
+    def __init__(self, live, next_state, tokens: torch.Tensor):
+        self.live, self.next_state = live, next_state
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host, self._done = tokens, None
+
+    def tokens(self) -> list[list[int]]:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host.tolist()

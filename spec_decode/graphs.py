@@ -58,6 +58,13 @@ class StepGraphs:
             self._static[n] = st
         return st
 
+    def captured(self, b: int) -> bool:
+        """Whether a batch of ``b`` replays an existing graph (eager runners: always)."""
+        if not self.use_graphs:
+            return True
+        st = self._static.get(self.padded(b))
+        return st is not None and st["graph"] is not None
+
     def run(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, extra: torch.Tensor | None = None):
         b = tokens.shape[0]
         n = self.padded(b)

@@ -87,6 +87,57 @@ def test_baseline_backend_speculative_equals_plain_and_reference(seed, draft):
         assert eng.draft_graphs.replays > 0
 
 
+def _oracle_draft_graph(eng, corrupt):
+    """Stands in for the captured draft graph: the target's own greedy continuation from the
+    (token, position, slot) the pipelined loop hands the draft graph, one position flipped --
+    so every verify accepts exactly ``corrupt`` drafts, through the device-side acceptance."""
+    K, vocab, top = eng.config.block_size, eng.config.model.vocab, eng.config.max_seq_len - 1
+
+    def run(tok, pos, slots, hid):
+        t, res = tok[:, 0], []
+        for j in range(K):
+            logits, _ = eng._target(t[:, None], (pos + j).clamp_max(top), slots)
+            t = logits[:, 0].argmax(-1)
+            res.append(t)
+        d = torch.stack(res, 1)
+        d[:, corrupt] = (d[:, corrupt] + 1) % vocab
+        return (d,)
+    return run
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_pipelined_decoding_matches_plain_greedy(seed):
+    """The pipelined loop (next verify enqueued before this one's tokens are read; acceptance,
+    last token, KV length and hidden state carried on the device) against plain greedy, with
+    per-request output lengths so requests finish at different steps (one right after
+    prefill) and finished requests ride along one extra step."""
+    ps = prompts(seed, 4)
+    per = [1, 4, 9, 13]
+    ref = Engine(EngineConfig(seed=seed, max_seq_len=96)).generate(ps, per, speculative=False)
+    eng = Engine(EngineConfig(seed=seed, max_seq_len=96, backend="baseline", graph_batch_sizes=(1, 2, 4)))
+    assert eng.generate(ps, per) == eng.generate(ps, per, pipelined=False) == ref
+    assert [len(o) for o in ref] == per
+    eng.draft_graphs.run = _oracle_draft_graph(eng, corrupt=2)
+    spec = eng.generate(ps, per, pipelined=True)
+    assert spec == ref
+    assert set(eng.stats.acceptance_lengths) == {3}  # 2 accepted drafts + the bonus, every verify
+    # a batch size whose graph is not captured yet: that step is read back before the next is
+    # enqueued (the capture never overlaps a step in flight)
+    calls = []
+    eng._captured = lambda b: calls.append(b) or len(calls) % 2 == 0
+    assert eng.generate(ps, per, pipelined=True) == ref and len(calls) > 2
+
+
+def test_generate_argument_errors():
+    eng = Engine(EngineConfig(max_seq_len=32, graph_batch_sizes=(1, 2, 4)))
+    with pytest.raises(ValueError, match="one per request"):
+        eng.generate([[1], [2]], [3])
+    with pytest.raises(ValueError, match="positive int"):
+        eng.generate([[1]], [True])
+    with pytest.raises(ValueError, match="pipelined=True"):
+        eng.generate([[1]], 2, pipelined=True)  # the reference backend
+
+
 def test_step_model_matches_reference_logits():
     """Indexer top-k below the candidate count (the masked-topk path) and verify blocks."""
     from spec_decode.config import ModelConfig
