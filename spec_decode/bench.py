@@ -75,10 +75,11 @@ def estimate_bytes(m, slots: int, max_len: int, backend: str) -> int:
     return weights + fused + kv
 
 
-def run_case(backend, model, batch, n_in, n_out, prefill_chunk=512):
+def run_case(backend, model, batch, n_in, n_out, prefill_chunk=512, moe_row_tile=None):
     sizes = tuple(s for s in GRAPH_SIZES if s < batch) + (next(s for s in GRAPH_SIZES if s >= batch),)
     cfg = EngineConfig(model=model, device="cuda", dtype="bfloat16", backend=backend,
-                       max_seq_len=n_in + n_out + 16, graph_batch_sizes=sizes, prefill_chunk=prefill_chunk)
+                       max_seq_len=n_in + n_out + 16, graph_batch_sizes=sizes, prefill_chunk=prefill_chunk,
+                       moe_row_tile=moe_row_tile)
     need = estimate_bytes(model, cfg.max_batch + 1, cfg.max_seq_len, backend)
     have = torch.cuda.get_device_properties(0).total_memory
     if need > 0.92 * have:
@@ -154,6 +155,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=512,
                     help="prompt positions per eager prefill forward (its reference attention gathers "
                          "[chunk, top-k, heads, head_dim] keys and values: 32 GiB each at slice size and 512)")
+    ap.add_argument("--moe-row-tile", type=int, default=None, choices=(16, 32, 64),
+                    help="fused backend: the MoE decode kernel in row passes for steps of > 64 tokens")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("spec_decode.bench needs a CUDA GPU", file=sys.stderr)
@@ -170,7 +173,7 @@ def main(argv=None) -> int:
         for name, bs, n_in, n_out in cases:
             progress(i, total, f"{b}: {name}")
             try:
-                results[(b, name)] = run_case(b, model, bs, n_in, n_out, args.prefill_chunk)
+                results[(b, name)] = run_case(b, model, bs, n_in, n_out, args.prefill_chunk, args.moe_row_tile)
             except NotImplementedError as e:
                 results[(b, name)] = {"error": str(e).split(";")[0]}
             except torch.OutOfMemoryError as e:  # keep the other cases' results
@@ -182,7 +185,8 @@ def main(argv=None) -> int:
     lines = [f"## Decode runtime ({args.model}) -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
              f"Command: `python -m spec_decode.bench --model {args.model} --backends {args.backends}"
              f"{' --quick' if args.quick else ''}"
-             f"{f' --prefill-chunk {args.prefill_chunk}' if args.prefill_chunk != 512 else ''}`", ""]
+             f"{f' --prefill-chunk {args.prefill_chunk}' if args.prefill_chunk != 512 else ''}"
+             f"{f' --moe-row-tile {args.moe_row_tile}' if args.moe_row_tile else ''}`", ""]
     header = "| metric | " + " | ".join(backends) + " |"
     lines += [header, "|" + "---|" * (len(backends) + 1)]
 

@@ -69,6 +69,10 @@ class EngineConfig:
     #: safetensors file with the model's weights (name map: spec_decode.weights); None = seeded random
     weights: str | None = None
     prefill_chunk: int = 512  # prompt positions per (eager) prefill forward: bounds the indexer's temporaries
+    #: fused backend, steps of more than 64 tokens: run the MoE decode kernel in row passes of
+    #: this many token columns (16 / 32 / 64; moe.experts_sm90_decode) instead of the tiled
+    #: kernel. None (default) until its GPU test has run.
+    moe_row_tile: int | None = None
 
     @property
     def max_batch(self) -> int:

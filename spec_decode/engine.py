@@ -81,7 +81,8 @@ class Engine:
                 from .fused_ops import FusedOps  # imports the CuTe DSL kernels: only when asked for
 
                 width = max(max(config.graph_batch_sizes) * (config.block_size + 1), config.prefill_chunk)
-                ops = FusedOps(self.model, max_tokens=width, max_len=config.max_seq_len)
+                ops = FusedOps(self.model, max_tokens=width, max_len=config.max_seq_len,
+                               moe_row_tile=config.moe_row_tile)
             else:
                 ops = Ops()
             self.step = StepModel(self.model, ops)

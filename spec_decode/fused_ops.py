@@ -37,13 +37,17 @@ from .step_model import Ops, family
 class FusedOps(Ops):
     """Kernels for a bf16 :class:`TargetModel` on a CUDA device (every activation is bf16)."""
 
-    def __init__(self, target, max_tokens: int, max_len: int, _cpu_for_tests: bool = False):
+    def __init__(self, target, max_tokens: int, max_len: int, moe_row_tile: int | None = None,
+                 _cpu_for_tests: bool = False):
         cfg = target.cfg
         on_cuda = torch.device(target.device).type == "cuda"
         if target.dtype != torch.bfloat16 or not (on_cuda or _cpu_for_tests):
             raise ValueError("FusedOps needs a bfloat16 TargetModel on a CUDA device")
+        if moe_row_tile not in (None, 16, 32, 64):
+            raise ValueError(f"moe_row_tile must be None, 16, 32 or 64, got {moe_row_tile!r}")
         dev = target.device
         self.cfg, self.max_tokens, self.max_len = cfg, max_tokens, max_len
+        self.moe_row_tile = moe_row_tile
         n = cfg.mhc_n
         self.mhc_ws = MhcStatsWorkspace(n, max_tokens, device=dev)
         self.idx_ws = IndexerWorkspace(max_tokens, max_len, device=dev)
@@ -126,11 +130,15 @@ class FusedOps(Ops):
         aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, cfg.top_k)
         n = x.shape[0] * cfg.top_k  # routed rows: bounds the expert grids to the live tiles
         # a token routes to an expert at most once: T bounds every expert's rows, which selects
-        # the Hopper decode kernel (weights as wgmma's M) for T <= 64
+        # the Hopper decode kernel (weights as wgmma's M) for T <= 64; above, moe_row_tile
+        # (opt-in) runs that kernel in row passes
+        T = x.shape[0]
+        rows = dict(max_expert_rows=T) if T <= 64 or self.moe_row_tile is None else \
+            dict(expert_row_tile=self.moe_row_tile)
         hq, hs = moe_expert_gate_up(aq, asc, P["gu_q"], P["gu_s"], r.expert_offsets, r.expert_counts, r.tile_expert,
-                                    routed_rows=n, max_expert_rows=x.shape[0])
+                                    routed_rows=n, **rows)
         y = moe_expert_gemm(hq, hs, P["d_q"], P["d_s"], r.expert_offsets, r.expert_counts, r.tile_expert,
-                            routed_rows=n, max_expert_rows=x.shape[0])
+                            routed_rows=n, **rows)
         if main is not None:
             main.wait_stream(self.side)  # join before the add reads sh (every later side-stream
             # op waits on main first, so sh's memory is not reused while main reads it)

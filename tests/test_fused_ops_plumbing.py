@@ -67,14 +67,21 @@ def fake_quant_routed(x, sorted_ids, total, topk):
     return q.view(torch.float8_e4m3fn), _swizzle_reference(s)
 
 
-def _check_bounds(counts, routed_rows, max_expert_rows):
+EXPERT_CALLS = []  # (max_expert_rows, expert_row_tile) per expert-GEMM call
+
+
+def _check_bounds(counts, routed_rows, max_expert_rows, expert_row_tile):
     assert routed_rows is not None and routed_rows >= int(counts.sum())  # the grid bound covers every live row
-    # the decode kernel's token tile holds max_expert_rows: it must bound every expert's rows
-    assert max_expert_rows is not None and max_expert_rows >= int(counts.max())
+    EXPERT_CALLS.append((max_expert_rows, expert_row_tile))
+    if expert_row_tile is None:
+        # the decode kernel's token tile holds max_expert_rows: it must bound every expert's rows
+        assert max_expert_rows is not None and max_expert_rows >= int(counts.max())
+    else:  # row passes: any rows per expert
+        assert max_expert_rows is None and expert_row_tile in (16, 32, 64)
 
 
-def fake_gate_up(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert_rows=None):
-    _check_bounds(counts, routed_rows, max_expert_rows)
+def fake_gate_up(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert_rows=None, expert_row_tile=None):
+    _check_bounds(counts, routed_rows, max_expert_rows, expert_row_tile)
     rows, K = aq.shape
     E, N, _ = wq.shape
     y = _reference(aq.view(torch.uint8), asc, wq.view(torch.uint8), ws, offs, torch.zeros(rows, N).bfloat16())
@@ -82,8 +89,8 @@ def fake_gate_up(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert
     return q.view(torch.float8_e4m3fn), _swizzle_reference(s)
 
 
-def fake_gemm(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert_rows=None):
-    _check_bounds(counts, routed_rows, max_expert_rows)
+def fake_gemm(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert_rows=None, expert_row_tile=None):
+    _check_bounds(counts, routed_rows, max_expert_rows, expert_row_tile)
     rows = aq.shape[0]
     return _reference(aq.view(torch.uint8), asc, wq.view(torch.uint8), ws, offs,
                       torch.zeros(rows, wq.shape[1]).bfloat16())
@@ -166,6 +173,23 @@ def test_each_fused_family_matches_its_baseline(fakes):
     h = torch.randn(12, CFG.hidden, generator=g).bfloat16()
     z1, z2 = fops.moe(h, L, CFG), base.moe(h.float(), L32, CFG)
     assert (z1.float() - z2).norm() / z2.norm() < 0.1  # MXFP8 activations and weights, twice
+
+
+@pytest.mark.parametrize("row_tile", [None, 16])
+def test_moe_kernel_choice_by_step_tokens(fakes, row_tile):
+    """The expert GEMMs get the step's token count as the rows bound (<= 64: the decode
+    kernel; above: the tiled kernel) or, above 64 tokens with moe_row_tile, the decode
+    kernel's row passes."""
+    m, _ = _models()
+    fops = fo.FusedOps(m, max_tokens=80, max_len=64, moe_row_tile=row_tile, _cpu_for_tests=True)
+    L = m.layers[0]
+    for T in (6, 80):
+        EXPERT_CALLS.clear()
+        fops.moe(torch.randn(T, CFG.hidden).bfloat16(), L, CFG)
+        want = (T, None) if T <= 64 or row_tile is None else (None, row_tile)
+        assert EXPERT_CALLS == [want, want]  # gate/up, then down
+    with pytest.raises(ValueError, match="moe_row_tile"):
+        fo.FusedOps(m, max_tokens=8, max_len=64, moe_row_tile=8, _cpu_for_tests=True)
 
 
 def test_fused_step_model_runs_end_to_end(fakes):
