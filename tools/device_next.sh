@@ -5,7 +5,8 @@
 #   phase 2: the decode runtime at the slice config after the indexer-width fix (both backends,
 #            quick form), the small config's fused BS64 with MoE row passes (--moe-row-tile 16,
 #            if phase 1's row-pass tests pass), the per-family verify-graph probes;
-#   phase 3: the benches not re-run this session (row_rms, router/quant, mHC, all-reduce).
+#   phase 3: the indexer bench with rotated key caches, the benches not re-run this session
+#            (row_rms, router/quant, mHC, all-reduce).
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1, 2, 3)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start.
@@ -28,7 +29,7 @@ case "${1:-1}" in
   step 90 probe_small_bs64 env MODEL=small B=64 python tools/probe_slice_families.py
   ;;
 3)
-  for b in bench_row_rms bench_moe bench_mhc bench_comm; do
+  for b in bench_indexer bench_row_rms bench_moe bench_mhc bench_comm; do
     [ -f "bench/$b.py" ] && step 120 "$b" python "bench/$b.py" --out "$OUT/$b.md"
   done
   ;;
