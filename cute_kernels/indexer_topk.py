@@ -43,6 +43,7 @@ from .arch import current_arch, dispatch
 from .indexer_scores import IndexerScores
 from .indexer_scores_fp8 import IndexerScoresFp8
 from .indexer_scores_sm90 import IndexerScoresSm90
+from .indexer_scores_sm90_group import IndexerScoresSm90Group
 from .indexer_scores_sm100 import IndexerScoresSm100
 from .validate import check_cuda, check_tensor
 
@@ -328,7 +329,8 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
                  kv_len: torch.Tensor, pos: torch.Tensor, *, topk: int = 2048, max_keys: int | None = None,
                  slot_valid: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  workspace: IndexerWorkspace | None = None, stream=None, arch: str | None = None,
-                 use_wgmma: bool | None = None, k_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 use_wgmma: bool | None = None, k_scale: torch.Tensor | None = None,
+                 token_group: int = 1) -> torch.Tensor:
     """Top-``topk`` candidate keys per token: int32 ``[T, topk]``, ascending, ``-1`` padded.
 
     ``q [T, H, D]`` bf16, ``w [T, H]`` fp32, ``k_cache [R, D]`` bf16 (all sequences' index
@@ -341,6 +343,11 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
     TMA + wgmma one where it applies (H = 64; 1.1-1.6x faster than the warp-MMA kernel on the
     H200, bench/RESULTS.md), ``False`` the warp-MMA one (any supported H), ``True`` requires
     wgmma.
+
+    ``token_group`` (2-4; Hopper, bf16, H = 64): one CTA scores that many consecutive tokens
+    from one key tile -- for layouts where consecutive tokens share ``kv_offset`` (a verify
+    block's tokens); correct for any layout (:mod:`cute_kernels.indexer_scores_sm90_group`;
+    staged: compiled and machine-code checked, not yet run on a GPU).
 
     FP8 variant: ``q`` and ``k_cache`` in ``torch.float8_e4m3fn`` with ``k_scale [R]`` fp32
     (positive, per key row) and ``w`` carrying each query head's scale (DeepSeek's
@@ -385,6 +392,11 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
         + ([("k_scale", k_scale)] if fp8 else [])
     if not (use_wgmma is None or isinstance(use_wgmma, bool)):
         raise TypeError(f"{op}: use_wgmma must be None, False or True, got {use_wgmma!r}")
+    if not isinstance(token_group, int) or isinstance(token_group, bool) or not 1 <= token_group <= 4:
+        raise ValueError(f"{op}: token_group must be an int in [1, 4], got {token_group!r}")
+    if token_group > 1 and (fp8 or use_wgmma is False or not IndexerScoresSm90Group.can_implement(H, D, token_group)):
+        raise ValueError(f"{op}: token_group > 1 needs the wgmma score kernel: bf16 q / k_cache, H = 64 heads "
+                         f"(got {q.dtype}, H={H}, use_wgmma={use_wgmma})")
     if use_wgmma and not (not fp8 and IndexerScoresSm90.can_implement(H, D)):
         raise ValueError(f"{op}: use_wgmma=True needs bf16 q / k_cache with H = 64 heads (got "
                          f"{q.dtype}, H={H}); pass use_wgmma=None to pick the kernel")
@@ -417,6 +429,9 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
         return out
     if path == "sm100" and IndexerScoresSm100.can_implement(H, D):
         scores_fn = jit.get_kernel("indexer_scores_sm100", a, heads=H, dim=D, has_slot_mask=has_mask)
+    elif path == "sm90" and token_group > 1:
+        scores_fn = jit.get_kernel("indexer_scores_sm90_group", a, heads=H, dim=D, has_slot_mask=has_mask,
+                                   group=token_group)
     elif path == "sm90" and use_wgmma is not False and IndexerScoresSm90.can_implement(H, D):
         scores_fn = jit.get_kernel("indexer_scores_sm90", a, heads=H, dim=D, has_slot_mask=has_mask)
     else:

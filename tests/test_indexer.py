@@ -196,6 +196,9 @@ def _cpu(**over):
           k_scale=torch.ones(99)), ValueError, "k_scale must have shape"),
     (dict(k_scale=torch.ones(100)), ValueError, "only for FP8"),
     (dict(use_wgmma=1), TypeError, "use_wgmma must be"),
+    (dict(token_group=5), ValueError, "token_group must be"),
+    (dict(token_group=2, use_wgmma=False), ValueError, "token_group > 1 needs"),
+    (dict(q=torch.zeros(2, 32, 128).bfloat16(), w=torch.zeros(2, 32), token_group=2), ValueError, "token_group"),
     (dict(q=torch.zeros(2, 32, 128).bfloat16(), w=torch.zeros(2, 32), use_wgmma=True), ValueError, "H = 64"),
 ])
 def test_validation(over, exc, words):
@@ -284,6 +287,34 @@ def test_both_hopper_score_kernels(seed, T, S, n_seq, use_wgmma):
     out = indexer_topk(q, w, kc, off, ln, pos, topk=2048, max_keys=S, use_wgmma=use_wgmma)
     torch.cuda.synchronize()
     check(out, indexer_scores_ref(q.cpu(), w.cpu(), kc.cpu(), off.cpu(), ln.cpu(), pos.cpu(), S), 2048)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, S, n_seq, group, token_major", [
+    (12, 5000, 2, 3, True),   # verify blocks of 6 tokens, consecutive: groups share their keys
+    (12, 5000, 2, 2, False),  # interleaved sequences: every group mixes offsets (one pass per token)
+    (7, 4096, 1, 4, True),    # T not a multiple of the group: the last group is part empty
+    (8, 300, 2, 4, True),     # a group straddling two sequences; short sequences (< k candidates)
+])
+def test_token_group_kernel(seed, T, S, n_seq, group, token_major):
+    """H200 (staged): one CTA per group of tokens; same checks as the one-token kernels."""
+    q, w, kc, off, ln, pos = make(T, S, n_seq)
+    if token_major:
+        order = torch.sort(off, stable=True).indices
+        q, w, off, ln, pos = q[order].contiguous(), w[order].contiguous(), off[order].contiguous(), \
+            ln[order].contiguous(), pos[order].contiguous()
+    out = indexer_topk(q, w, kc, off, ln, pos, topk=2048, max_keys=S, token_group=group)
+    torch.cuda.synchronize()
+    check(out, indexer_scores_ref(q.cpu(), w.cpu(), kc.cpu(), off.cpu(), ln.cpu(), pos.cpu(), S), 2048)
+
+
+@pytest.mark.parametrize("group", [2, 3, 4])
+def test_machine_code_sm90_token_group(group):
+    h = sass.sass_histogram("indexer_scores_sm90_group", "sm_90a", heads=64, dim=128, has_slot_mask=True,
+                            group=group)
+    assert sass.count(h, f"HGMMA.64x{64 * group}x16.F32.BF16") >= 8 and sass.count(h, "UTMALDG") >= 2
+    assert sass.count(h, "SHFL.BFLY") >= 4 * group  # the quad's head-sum, per token
+    assert sass.local_memory_ops(h) == 0
 
 
 @pytest.mark.parametrize("mask", [False, True])

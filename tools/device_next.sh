@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Device calls of the next session (each phase fits one 600 s call), most important first:
-#   phase 1: staged code -- the MoE decode kernel's row passes (tests, then the layer bench at
-#            T = 1, 64, 320 with its columns); the whole GPU suite;
+#   phase 1: staged code -- the MoE decode kernel's row passes and the indexer's token-group
+#            kernel (tests, then the MoE layer bench at T = 1, 64, 320 and the indexer bench
+#            with their columns); the whole GPU suite;
 #   phase 2: the decode runtime at the slice config after the indexer-width fix (both backends,
 #            quick form), the small config's fused BS64 with MoE row passes (--moe-row-tile 16,
 #            if phase 1's row-pass tests pass), the per-family verify-graph probes;
-#   phase 3: the indexer bench with rotated key caches, the benches not re-run this session
-#            (row_rms, router/quant, mHC, all-reduce).
+#   phase 3: the benches not re-run this session (row_rms, router/quant, mHC, all-reduce).
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1, 2, 3)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start.
@@ -18,9 +18,10 @@ step() { local t=$1 name=$2; shift 2; echo "== $name: $*"; timeout "$t" "$@" > "
 PYT="python -m pytest -q -rf --tb=short -p no:cacheprovider"
 case "${1:-1}" in
 1)
-  step 90 row_pass_tests $PYT tests/test_moe_experts.py -m gpu -k "row_passes or decode"
-  step 180 bench_moe python bench/bench_moe_experts.py --tokens 1,64,320 --out "$OUT/bench_moe.md"
-  step 260 gpu_suite $PYT tests -m gpu
+  step 90 staged_tests $PYT tests/test_moe_experts.py tests/test_indexer.py -m gpu -k "row_passes or decode or token_group"
+  step 150 bench_moe python bench/bench_moe_experts.py --tokens 1,64,320 --out "$OUT/bench_moe.md"
+  step 100 bench_indexer python bench/bench_indexer.py --out "$OUT/bench_indexer.md"
+  step 230 gpu_suite $PYT tests -m gpu
   ;;
 2)
   step 330 spec_slice python -m spec_decode.bench --model slice --backends baseline,fused --quick --prefill-chunk 64 --out "$OUT/spec_slice.md"
@@ -29,7 +30,7 @@ case "${1:-1}" in
   step 90 probe_small_bs64 env MODEL=small B=64 python tools/probe_slice_families.py
   ;;
 3)
-  for b in bench_indexer bench_row_rms bench_moe bench_mhc bench_comm; do
+  for b in bench_row_rms bench_moe bench_mhc bench_comm; do
     [ -f "bench/$b.py" ] && step 120 "$b" python "bench/$b.py" --out "$OUT/$b.md"
   done
   ;;

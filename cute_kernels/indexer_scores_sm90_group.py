@@ -1,0 +1,209 @@
+"""Lightning-indexer scores for groups of tokens sharing a key cache, Hopper (TMA + wgmma).
+
+The :mod:`cute_kernels.indexer_scores_sm90` kernel scores one token per CTA: each CTA loads a
+64-key tile and its token's ``q [64 heads, D]`` -- as many bytes of q as of keys -- and the
+6 tokens of a verify block each reload the same key tile. Here one CTA scores ``G``
+consecutive tokens (2-4; a verify block's tokens are consecutive in the runtime's layout):
+the key tile is loaded once and wgmma's N is the group's ``G * 64`` head columns
+(``C = K_tile q_group^T``, ``[64, G * 64]``), then each token's head-weighted ReLU sum and
+mask as in the one-token kernel (same helpers, same outputs).
+
+Any token layout is correct: the CTA compares the group's ``kv_offset`` values and, when they
+differ, runs one pass per token (each with that token's key tile, keeping only its columns)
+-- slower, never wrong. Tokens past ``T`` in the last group are loaded as zeros by TMA and
+never stored.
+
+Status: compiled and machine-code checked on the CPU (``tests/test_indexer.py -k group``);
+its GPU test is staged (same file, ``-m gpu -k group``) and the bench has its column; not
+yet run. Opt-in: ``indexer_topk(..., token_group=G)``.
+
+Constraints: heads = 64, ``D % 16 == 0`` and ``D <= 256``, ``G`` in 2..4 (N = 64 G <= 256).
+"""
+
+import os
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+
+from . import jit
+from .indexer_scores import candidate_limit, candidate_tensors, fake_args, store_masked_score
+
+KEY_TILE = 64
+THREADS = 128
+GROUPS = (2, 3, 4)
+
+
+class IndexerScoresSm90Group:
+    def __init__(self, heads: int, dim: int, has_slot_mask: bool, group: int):
+        self.H, self.D, self.has_slot_mask, self.G = heads, dim, has_slot_mask, group
+        self.N = group * heads
+        self.tile = (KEY_TILE, self.N, dim)
+
+    @cute.jit
+    def __call__(self, q_ptr: cute.Pointer, w_ptr: cute.Pointer, k_ptr: cute.Pointer, off_ptr: cute.Pointer,
+                 len_ptr: cute.Pointer, pos_ptr: cute.Pointer, valid_ptr: cute.Pointer, score_ptr: cute.Pointer,
+                 num_tokens: Int32, num_rows: Int32, s_max: Int32, stream: cuda.CUstream):
+        H, D, G = self.H, self.D, self.G
+        bf16 = cutlass.BFloat16
+        mK = cute.make_tensor(k_ptr, cute.make_layout((num_rows, D, 1), stride=(D, 1, num_rows * D)))
+        mQ = cute.make_tensor(q_ptr, cute.make_layout((num_tokens * H, D, 1), stride=(D, 1, num_tokens * H * D)))
+        mW = cute.make_tensor(w_ptr, cute.make_layout((num_tokens, H), stride=(H, 1)))
+        mOff, mLen, mPos, mValid, mScore = candidate_tensors(off_ptr, len_ptr, pos_ptr, valid_ptr, score_ptr,
+                                                             num_tokens, num_rows, s_max)
+
+        K_MAJOR = cute.nvgpu.warpgroup.OperandMajorMode.K
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(bf16, bf16, K_MAJOR, K_MAJOR, Float32, (1, 1, 1),
+                                                      tiler_mn=(KEY_TILE, self.N))
+        a_smem = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, self.tile, bf16, 1)
+        b_smem = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, self.tile, bf16, 1)
+        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_a, tma_tensor_a = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mK, cute.slice_(a_smem, (None, None, 0)),
+                                                                     (KEY_TILE, D))
+        tma_b, tma_tensor_b = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mQ, cute.slice_(b_smem, (None, None, 0)),
+                                                                     (self.N, D))
+        self.kernel(tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, a_smem, b_smem, mW, mOff, mLen, mPos,
+                    mValid, mScore, num_tokens, num_rows, s_max).launch(
+            grid=[(s_max + KEY_TILE - 1) // KEY_TILE, (num_tokens + G - 1) // G, 1], block=[THREADS, 1, 1],
+            stream=stream)
+
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mK: cute.Tensor, tma_b: cute.CopyAtom,
+               mQ: cute.Tensor, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, mW: cute.Tensor,
+               mOff: cute.Tensor, mLen: cute.Tensor, mPos: cute.Tensor, mValid: cute.Tensor, mScore: cute.Tensor,
+               num_tokens: Int32, num_rows: Int32, s_max: Int32):
+        G = self.G
+        tidx, _, _ = cute.arch.thread_idx()
+        kt, tg, _ = cute.arch.block_idx()
+        s0 = kt * KEY_TILE
+        t0 = tg * G
+        # The group's metadata (a token past T mirrors the last one: read, never stored).
+        offs = cute.make_rmem_tensor(cute.make_layout((G,)), Int32)
+        lims = cute.make_rmem_tensor(cute.make_layout((G,)), Int32)
+        same = Int32(1)
+        live = Int32(0)
+        for g in cutlass.range_constexpr(G):
+            t = cutlass.min(t0 + g, num_tokens - 1)
+            offs[g] = mOff[t]
+            lims[g] = candidate_limit(mOff, mLen, mPos, t, num_rows)
+            if t0 + g < num_tokens:
+                if offs[g] != offs[0]:
+                    same = Int32(0)
+                if s0 < lims[g]:
+                    live = Int32(1)
+        if live == 0:
+            # no token of the group has a candidate in this tile
+            for g in cutlass.range_constexpr(G):
+                if t0 + g < num_tokens:
+                    for s in cutlass.range(tidx, cutlass.min(KEY_TILE, s_max - s0), THREADS):
+                        mScore[t0 + g, s0 + s] = Float32(float("-inf"))
+        else:
+            self.score_group(tiled_mma, tma_a, mK, tma_b, mQ, a_smem, b_smem, mW, mValid, mScore, offs, lims, same,
+                             tidx, tg, t0, s0, num_tokens, s_max)
+
+    @cute.jit
+    def score_group(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mK: cute.Tensor, tma_b: cute.CopyAtom,
+                    mQ: cute.Tensor, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, mW: cute.Tensor,
+                    mValid: cute.Tensor, mScore: cute.Tensor, offs: cute.Tensor, lims: cute.Tensor, same: Int32,
+                    tidx: Int32, tg: Int32, t0: Int32, s0: Int32, num_tokens: Int32, s_max: Int32):
+        G, H, D = self.G, self.H, self.D
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        bf16 = cutlass.BFloat16
+        smem = cutlass.memory.SmemAllocator()
+        mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((2,)), 8)
+        sA = smem.allocate_tensor(bf16, a_smem.outer, 128, swizzle=a_smem.inner)
+        sB = smem.allocate_tensor(bf16, b_smem.outer, 128, swizzle=b_smem.inner)
+        tx = cute.size_in_bytes(bf16, cute.slice_(a_smem, (None, None, 0))) + \
+            cute.size_in_bytes(bf16, cute.slice_(b_smem, (None, None, 0)))
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=mbar.iterator, num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32), tx_count=tx,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+        cute.arch.barrier()  # barrier initialisation visible before any wait
+
+        gB = cute.local_tile(mQ, (self.N, D), (None, None, None))[(None, None, tg, 0, 0)]
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                                                      cute.group_modes(gB, 0, 2))
+        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        cC = cute.make_identity_tensor((KEY_TILE, self.N))
+        tCcC = thr_mma.partition_C(cC)
+        acc = cute.make_rmem_tensor(tCcC.shape, Float32)
+        part = cute.make_rmem_tensor(cute.make_layout((2 * G,)), Float32)
+        rows = cute.make_rmem_tensor(cute.make_layout((2,)), Int32)
+
+        # One pass when the group shares its keys; else pass p scores token p alone.
+        n_pass = cutlass.select_(same != 0, Int32(1), Int32(G))
+        for p in cutlass.range(n_pass, unroll=1):
+            key_off = offs[0]
+            for g in cutlass.range_constexpr(1, G):
+                key_off = cutlass.select_(p == g, offs[g], key_off)
+            gA = cute.local_tile(cute.domain_offset((key_off + s0, 0, 0), mK), (KEY_TILE, D),
+                                 (None, None, None))[(None, None, 0, 0, 0)]
+            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+                                                          cute.group_modes(gA, 0, 2))
+            if warp_idx == 0:
+                pipe.producer_acquire(prod)
+                cute.copy(tma_a, tAgA, tAsA[(None, 0)], tma_bar_ptr=pipe.producer_get_barrier(prod))
+                cute.copy(tma_b, tBgB, tBsB[(None, 0)], tma_bar_ptr=pipe.producer_get_barrier(prod))
+                pipe.producer_commit(prod)
+            prod.advance()
+            pipe.consumer_wait(cons)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, 0)], tCrB[(None, None, kb, 0)], acc)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+            pipe.consumer_release(cons)  # the wgmmas have read the stage: the next pass may refill it
+            cons.advance()
+
+            # Per thread: two key rows (r and r + 8) x 2 columns of every 8-column block; the
+            # block's token is static (g = 8 nb // H), the head is the column within the token.
+            part.fill(0.0)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                m, n = tCcC[i]
+                r8 = (i // 2) % 2  # accumulator mode 0 is (column pair, row + 8, n block)
+                g = (i // 4) * 8 // H
+                rows[r8] = m
+                part[r8 * G + g] = part[r8 * G + g] + \
+                    mW[cutlass.min(t0 + g, num_tokens - 1), n - g * H] * cutlass.max(acc[i], Float32(0.0))
+            for r8 in cutlass.range_constexpr(2):
+                s = s0 + rows[r8]
+                for g in cutlass.range_constexpr(G):
+                    v = part[r8 * G + g]
+                    v = v + cute.arch.shuffle_sync_bfly(v, offset=1)
+                    v = v + cute.arch.shuffle_sync_bfly(v, offset=2)
+                    mine = (same != 0) or (p == g)  # this pass scored token g with its own keys
+                    if cute.arch.lane_idx() % 4 == 0 and mine and t0 + g < num_tokens and s < s_max:
+                        store_masked_score(mScore, mValid, t0 + g, s, offs[g] + s, lims[g], v, self.has_slot_mask)
+
+    @staticmethod
+    def can_implement(heads: int, dim: int, group: int) -> bool:
+        return heads == 64 and dim % 16 == 0 and 16 <= dim <= 256 and group in GROUPS
+
+
+def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool, group: int):
+    if not IndexerScoresSm90Group.can_implement(heads, dim, group):
+        raise ValueError(f"indexer_scores_sm90_group: unsupported heads={heads}, dim={dim}, group={group} "
+                         f"(heads must be 64, group in {GROUPS})")
+    return IndexerScoresSm90Group(heads, dim, has_slot_mask, group), fake_args()
+
+
+KERNEL = jit.register(jit.KernelDef(
+    name="indexer_scores_sm90_group",
+    build=_build,
+    sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "indexer_scores.py")),
+    archs=("sm_90a",),
+    aot_configs=(),
+    description="lightning-indexer scores for groups of tokens sharing keys, wgmma (keys x G*heads) (not yet run)",
+))
