@@ -75,11 +75,11 @@ def estimate_bytes(m, slots: int, max_len: int, backend: str) -> int:
     return weights + fused + kv
 
 
-def run_case(backend, model, batch, n_in, n_out, prefill_chunk=512, moe_row_tile=None):
+def run_case(backend, model, batch, n_in, n_out, prefill_chunk=512, moe_row_tile=None, indexer_token_group=1):
     sizes = tuple(s for s in GRAPH_SIZES if s < batch) + (next(s for s in GRAPH_SIZES if s >= batch),)
     cfg = EngineConfig(model=model, device="cuda", dtype="bfloat16", backend=backend,
                        max_seq_len=n_in + n_out + 16, graph_batch_sizes=sizes, prefill_chunk=prefill_chunk,
-                       moe_row_tile=moe_row_tile)
+                       moe_row_tile=moe_row_tile, indexer_token_group=indexer_token_group)
     need = estimate_bytes(model, cfg.max_batch + 1, cfg.max_seq_len, backend)
     have = torch.cuda.get_device_properties(0).total_memory
     if need > 0.92 * have:
@@ -157,6 +157,8 @@ def main(argv=None) -> int:
                          "[chunk, top-k, heads, head_dim] keys and values: 32 GiB each at slice size and 512)")
     ap.add_argument("--moe-row-tile", type=int, default=None, choices=(16, 32, 64),
                     help="fused backend: the MoE decode kernel in row passes for steps of > 64 tokens")
+    ap.add_argument("--indexer-token-group", type=int, default=1, choices=(1, 2, 3, 4),
+                    help="fused backend: consecutive tokens of a request scored per indexer CTA")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("spec_decode.bench needs a CUDA GPU", file=sys.stderr)
@@ -173,7 +175,8 @@ def main(argv=None) -> int:
         for name, bs, n_in, n_out in cases:
             progress(i, total, f"{b}: {name}")
             try:
-                results[(b, name)] = run_case(b, model, bs, n_in, n_out, args.prefill_chunk, args.moe_row_tile)
+                results[(b, name)] = run_case(b, model, bs, n_in, n_out, args.prefill_chunk, args.moe_row_tile,
+                                              args.indexer_token_group)
             except NotImplementedError as e:
                 results[(b, name)] = {"error": str(e).split(";")[0]}
             except torch.OutOfMemoryError as e:  # keep the other cases' results
@@ -186,7 +189,8 @@ def main(argv=None) -> int:
              f"Command: `python -m spec_decode.bench --model {args.model} --backends {args.backends}"
              f"{' --quick' if args.quick else ''}"
              f"{f' --prefill-chunk {args.prefill_chunk}' if args.prefill_chunk != 512 else ''}"
-             f"{f' --moe-row-tile {args.moe_row_tile}' if args.moe_row_tile else ''}`", ""]
+             f"{f' --moe-row-tile {args.moe_row_tile}' if args.moe_row_tile else ''}"
+             f"{f' --indexer-token-group {args.indexer_token_group}' if args.indexer_token_group > 1 else ''}`", ""]
     header = "| metric | " + " | ".join(backends) + " |"
     lines += [header, "|" + "---|" * (len(backends) + 1)]
 

@@ -73,6 +73,10 @@ class EngineConfig:
     #: this many token columns (16 / 32 / 64; moe.experts_sm90_decode) instead of the tiled
     #: kernel. None (default) until its GPU test has run.
     moe_row_tile: int | None = None
+    #: fused backend: score this many consecutive tokens of a request per CTA in the indexer
+    #: (indexer_topk's token_group: one key tile per group; 1 = one token per CTA). 1 (default)
+    #: until its GPU test has run; 3 suits the 6-token verify block.
+    indexer_token_group: int = 1
 
     @property
     def max_batch(self) -> int:

@@ -82,7 +82,7 @@ class Engine:
 
                 width = max(max(config.graph_batch_sizes) * (config.block_size + 1), config.prefill_chunk)
                 ops = FusedOps(self.model, max_tokens=width, max_len=config.max_seq_len,
-                               moe_row_tile=config.moe_row_tile)
+                               moe_row_tile=config.moe_row_tile, indexer_token_group=config.indexer_token_group)
             else:
                 ops = Ops()
             self.step = StepModel(self.model, ops)

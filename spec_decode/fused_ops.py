@@ -38,16 +38,18 @@ class FusedOps(Ops):
     """Kernels for a bf16 :class:`TargetModel` on a CUDA device (every activation is bf16)."""
 
     def __init__(self, target, max_tokens: int, max_len: int, moe_row_tile: int | None = None,
-                 _cpu_for_tests: bool = False):
+                 indexer_token_group: int = 1, _cpu_for_tests: bool = False):
         cfg = target.cfg
         on_cuda = torch.device(target.device).type == "cuda"
         if target.dtype != torch.bfloat16 or not (on_cuda or _cpu_for_tests):
             raise ValueError("FusedOps needs a bfloat16 TargetModel on a CUDA device")
         if moe_row_tile not in (None, 16, 32, 64):
             raise ValueError(f"moe_row_tile must be None, 16, 32 or 64, got {moe_row_tile!r}")
+        if indexer_token_group not in (1, 2, 3, 4):
+            raise ValueError(f"indexer_token_group must be 1, 2, 3 or 4, got {indexer_token_group!r}")
         dev = target.device
         self.cfg, self.max_tokens, self.max_len = cfg, max_tokens, max_len
-        self.moe_row_tile = moe_row_tile
+        self.moe_row_tile, self.indexer_token_group = moe_row_tile, indexer_token_group
         n = cfg.mhc_n
         self.mhc_ws = MhcStatsWorkspace(n, max_tokens, device=dev)
         self.idx_ws = IndexerWorkspace(max_tokens, max_len, device=dev)
@@ -105,8 +107,10 @@ class FusedOps(Ops):
         # top-2048 over 592 positions, 3.5x the attention's gathers (H200 probe: the verify
         # graph 12.4 ms against 6.9 ms). Same width as the baseline's min(topk, L).
         k = min(topk, self.max_len)
+        # token t = b * S + s: a request's tokens are consecutive, so groups share their keys
+        group = dict(token_group=self.indexer_token_group) if self.indexer_token_group > 1 else {}
         idx = indexer_topk(q_idx.reshape(B * S, Hi, D).contiguous(), w_idx.reshape(B * S, Hi).float().contiguous(),
-                           rows, off, p + 1, p, topk=k, max_keys=self.max_len, workspace=self.idx_ws)
+                           rows, off, p + 1, p, topk=k, max_keys=self.max_len, workspace=self.idx_ws, **group)
         idx = idx.view(B, S, k).long()
         return idx.clamp_min(0), idx >= 0
 

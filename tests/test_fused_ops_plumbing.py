@@ -24,7 +24,14 @@ def fake_mhc_stats(x, planes, alpha, bias, *, eps, sinkhorn_iters, workspace, ou
     return out
 
 
-def fake_indexer_topk(q, w, rows, off, kv_len, pos, *, topk, max_keys, workspace):
+INDEXER_GROUPS = []  # token_group per indexer call
+
+
+def fake_indexer_topk(q, w, rows, off, kv_len, pos, *, topk, max_keys, workspace, token_group=1):
+    INDEXER_GROUPS.append(token_group)
+    if token_group > 1:  # the kernel is correct for any layout; fast when a group shares its offset
+        g = off[: off.numel() // token_group * token_group].view(-1, token_group)
+        assert (g == g[:, :1]).all(), "token groups should share kv_offset in the runtime's layout"
     sc = indexer_scores_ref(q, w, rows, off, kv_len, pos, max_keys)
     vals, idx = torch.sort(sc, dim=-1, descending=True, stable=True)
     idx = idx[:, :topk].int()
@@ -192,13 +199,17 @@ def test_moe_kernel_choice_by_step_tokens(fakes, row_tile):
         fo.FusedOps(m, max_tokens=8, max_len=64, moe_row_tile=8, _cpu_for_tests=True)
 
 
-def test_fused_step_model_runs_end_to_end(fakes):
+@pytest.mark.parametrize("group", [1, 3])
+def test_fused_step_model_runs_end_to_end(fakes, group):
     m, _ = _models()
     B, S, max_len = 2, 6, 64
-    fused = StepModel(m, fo.FusedOps(m, max_tokens=B * S, max_len=max_len, _cpu_for_tests=True))
+    INDEXER_GROUPS.clear()
+    fused = StepModel(m, fo.FusedOps(m, max_tokens=B * S, max_len=max_len, indexer_token_group=group,
+                                     _cpu_for_tests=True))
     kv = KVPool(CFG, B, max_len, torch.bfloat16, "cpu")
     for step in range(2):
         toks = torch.randint(0, CFG.vocab, (B, S))
         pos = torch.arange(S)[None] + step * S + torch.tensor([0, 5])[:, None]
         logits, hidden = fused.forward(toks, pos, torch.tensor([1, 0]), kv)
         assert logits.shape == (B, S, CFG.vocab) and torch.isfinite(logits.float()).all()
+    assert INDEXER_GROUPS and set(INDEXER_GROUPS) == {group}

@@ -4,8 +4,8 @@
 #            kernel (tests, then the MoE layer bench at T = 1, 64, 320 and the indexer bench
 #            with their columns); the whole GPU suite;
 #   phase 2: the decode runtime at the slice config after the indexer-width fix (both backends,
-#            quick form), the small config's fused BS64 with MoE row passes (--moe-row-tile 16,
-#            if phase 1's row-pass tests pass), the per-family verify-graph probes;
+#            quick form), the small config's fused path with both staged options (MoE row
+#            passes, indexer token groups; if phase 1's tests pass), the per-family probes;
 #   phase 3: the benches not re-run this session (row_rms, router/quant, mHC, all-reduce).
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1, 2, 3)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
@@ -25,7 +25,7 @@ case "${1:-1}" in
   ;;
 2)
   step 330 spec_slice python -m spec_decode.bench --model slice --backends baseline,fused --quick --prefill-chunk 64 --out "$OUT/spec_slice.md"
-  step 80 spec_small_rowtile python -m spec_decode.bench --model small --backends fused --quick --moe-row-tile 16 --out "$OUT/spec_small_rowtile.md"
+  step 80 spec_small_staged python -m spec_decode.bench --model small --backends fused --quick --moe-row-tile 16 --indexer-token-group 3 --out "$OUT/spec_small_staged.md"
   step 90 probe_slice python tools/probe_slice_families.py
   step 90 probe_small_bs64 env MODEL=small B=64 python tools/probe_slice_families.py
   ;;
