@@ -6,7 +6,8 @@
 #   phase 2: the decode runtime at the slice config after the indexer-width fix (both backends,
 #            quick form), the small config's fused path with both staged options (MoE row
 #            passes, indexer token groups; if phase 1's tests pass), the per-family probes;
-#   phase 3: the benches not re-run this session (row_rms, router/quant, mHC, all-reduce).
+#   phase 3: the runtime bench at the issue's full lengths on the small config (BS1 4096/1024,
+#            BS64 4096/2048; never run), the benches not re-run this session.
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1, 2, 3)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start.
@@ -30,6 +31,7 @@ case "${1:-1}" in
   step 90 probe_small_bs64 env MODEL=small B=64 python tools/probe_slice_families.py
   ;;
 3)
+  step 300 spec_small_full python -m spec_decode.bench --model small --backends baseline,fused --out "$OUT/spec_small_full.md"
   for b in bench_row_rms bench_moe bench_mhc bench_comm; do
     [ -f "bench/$b.py" ] && step 120 "$b" python "bench/$b.py" --out "$OUT/$b.md"
   done
