@@ -204,6 +204,6 @@ KERNEL = jit.register(jit.KernelDef(
     build=_build,
     sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "indexer_scores.py")),
     archs=("sm_90a",),
-    aot_configs=(),
+    aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False, "group": 3},),
     description="lightning-indexer scores for groups of tokens sharing keys, wgmma (keys x G*heads) (not yet run)",
 ))
