@@ -142,7 +142,7 @@ def stage_times(T, x, logits, bias, W, cfg, ours):
                 t[key] = us(lambda: moe_expert_gemm(hq, hs, W["d_q"], W["d_s"], r.expert_offsets, r.expert_counts,
                                                     r.tile_expert, out=y, routed_rows=n, max_expert_rows=T, stages=st))
     # the decode kernel in row passes of 16 token columns (any rows per expert; staged until its GPU test passes)
-    if T <= 320:
+    if T <= 320 and not os.environ.get("SKIP_STAGED"):  # set by tools/device_next.sh when their test failed
         t["gate/up decode kernel, row passes of 16"] = us(lambda: moe_expert_gate_up(
             aq, asc, W["gu_q"], W["gu_s"], r.expert_offsets, r.expert_counts, r.tile_expert, routed_rows=n,
             expert_row_tile=16))
