@@ -65,6 +65,15 @@ def candidate_tensors(off_ptr, len_ptr, pos_ptr, valid_ptr, score_ptr, num_token
             cute.make_tensor(score_ptr, cute.make_layout((num_tokens, s_max), stride=(s_max, 1))))
 
 
+def mma_operand_tensors(q_ptr, w_ptr, k_ptr, num_tokens, num_rows, H: int, D: int):
+    """The TMA-fed score kernels' operands (wgmma, tcgen05): the key cache as MMA A
+    ``(M = rows, K = D, L = 1)``, the queries as B ``(N = T * H, K = D, L = 1)`` -- a token's
+    heads are consecutive N rows -- and the head weights ``[T, H]``: ``(mK, mQ, mW)``."""
+    return (cute.make_tensor(k_ptr, cute.make_layout((num_rows, D, 1), stride=(D, 1, num_rows * D))),
+            cute.make_tensor(q_ptr, cute.make_layout((num_tokens * H, D, 1), stride=(D, 1, num_tokens * H * D))),
+            cute.make_tensor(w_ptr, cute.make_layout((num_tokens, H), stride=(H, 1))))
+
+
 @cute.jit
 def store_masked_score(mScore: cute.Tensor, mValid: cute.Tensor, t: Int32, s: Int32, row: Int32, limit: Int32,
                        score: Float32, has_slot_mask: cutlass.Constexpr[bool]):

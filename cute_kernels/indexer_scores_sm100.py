@@ -32,7 +32,8 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from . import jit
-from .indexer_scores import candidate_limit, candidate_tensors, fake_args, store_masked_score
+from .indexer_scores import (candidate_limit, candidate_tensors, fake_args, mma_operand_tensors,
+                             store_masked_score)
 
 KEY_TILE = 128
 THREADS = 128
@@ -57,10 +58,7 @@ class IndexerScoresSm100:
                  num_tokens: Int32, num_rows: Int32, s_max: Int32, stream: cuda.CUstream):
         H, D = self.H, self.D
         bf16 = cutlass.BFloat16
-        # A: the key cache as (M = rows, K = D, L = 1); B: the queries as (N = T * H, K = D, L = 1)
-        mK = cute.make_tensor(k_ptr, cute.make_layout((num_rows, D, 1), stride=(D, 1, num_rows * D)))
-        mQ = cute.make_tensor(q_ptr, cute.make_layout((num_tokens * H, D, 1), stride=(D, 1, num_tokens * H * D)))
-        mW = cute.make_tensor(w_ptr, cute.make_layout((num_tokens, H), stride=(H, 1)))
+        mK, mQ, mW = mma_operand_tensors(q_ptr, w_ptr, k_ptr, num_tokens, num_rows, H, D)
         mOff, mLen, mPos, mValid, mScore = candidate_tensors(off_ptr, len_ptr, pos_ptr, valid_ptr, score_ptr,
                                                              num_tokens, num_rows, s_max)
 

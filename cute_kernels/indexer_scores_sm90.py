@@ -28,10 +28,24 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 
 from . import jit
-from .indexer_scores import candidate_limit, candidate_tensors, fake_args, store_masked_score
+from .indexer_scores import (candidate_limit, candidate_tensors, fake_args, mma_operand_tensors,
+                             store_masked_score)
 
 KEY_TILE = 64
 THREADS = 128
+
+
+@cute.jit
+def wgmma_whole_k(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor):
+    """acc = A B^T over all of K held in shared-memory stage 0 (one wgmma per K step), waited
+    for: the score kernels' whole product is one stage."""
+    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+    cute.nvgpu.warpgroup.fence()
+    for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+        cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, 0)], tCrB[(None, None, kb, 0)], acc)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+    cute.nvgpu.warpgroup.commit_group()
+    cute.nvgpu.warpgroup.wait_group(0)
 
 
 class IndexerScoresSm90:
@@ -45,9 +59,7 @@ class IndexerScoresSm90:
                  num_tokens: Int32, num_rows: Int32, s_max: Int32, stream: cuda.CUstream):
         H, D = self.H, self.D
         bf16 = cutlass.BFloat16
-        mK = cute.make_tensor(k_ptr, cute.make_layout((num_rows, D, 1), stride=(D, 1, num_rows * D)))
-        mQ = cute.make_tensor(q_ptr, cute.make_layout((num_tokens * H, D, 1), stride=(D, 1, num_tokens * H * D)))
-        mW = cute.make_tensor(w_ptr, cute.make_layout((num_tokens, H), stride=(H, 1)))
+        mK, mQ, mW = mma_operand_tensors(q_ptr, w_ptr, k_ptr, num_tokens, num_rows, H, D)
         mOff, mLen, mPos, mValid, mScore = candidate_tensors(off_ptr, len_ptr, pos_ptr, valid_ptr, score_ptr,
                                                              num_tokens, num_rows, s_max)
 
@@ -117,13 +129,7 @@ class IndexerScoresSm90:
             tCcC = thr_mma.partition_C(cC)
             acc = cute.make_rmem_tensor(tCcC.shape, Float32)
             pipe.consumer_wait(cons)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, 0)], tCrB[(None, None, kb, 0)], acc)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(0)
+            wgmma_whole_k(tiled_mma, acc, tCrA, tCrB)
 
             # Per thread: two key rows (r and r + 8) x 16 head columns; fold, then the quad.
             part = cute.make_rmem_tensor(cute.make_layout((2,)), Float32)

@@ -31,7 +31,9 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 
 from . import jit
-from .indexer_scores import candidate_limit, candidate_tensors, fake_args, store_masked_score
+from .indexer_scores import (candidate_limit, candidate_tensors, fake_args, mma_operand_tensors,
+                             store_masked_score)
+from .indexer_scores_sm90 import wgmma_whole_k
 
 KEY_TILE = 64
 THREADS = 128
@@ -50,9 +52,7 @@ class IndexerScoresSm90Group:
                  num_tokens: Int32, num_rows: Int32, s_max: Int32, stream: cuda.CUstream):
         H, D, G = self.H, self.D, self.G
         bf16 = cutlass.BFloat16
-        mK = cute.make_tensor(k_ptr, cute.make_layout((num_rows, D, 1), stride=(D, 1, num_rows * D)))
-        mQ = cute.make_tensor(q_ptr, cute.make_layout((num_tokens * H, D, 1), stride=(D, 1, num_tokens * H * D)))
-        mW = cute.make_tensor(w_ptr, cute.make_layout((num_tokens, H), stride=(H, 1)))
+        mK, mQ, mW = mma_operand_tensors(q_ptr, w_ptr, k_ptr, num_tokens, num_rows, H, D)
         mOff, mLen, mPos, mValid, mScore = candidate_tensors(off_ptr, len_ptr, pos_ptr, valid_ptr, score_ptr,
                                                              num_tokens, num_rows, s_max)
 
@@ -157,13 +157,7 @@ class IndexerScoresSm90Group:
                 pipe.producer_commit(prod)
             prod.advance()
             pipe.consumer_wait(cons)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, 0)], tCrB[(None, None, kb, 0)], acc)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(0)
+            wgmma_whole_k(tiled_mma, acc, tCrA, tCrB)
             pipe.consumer_release(cons)  # the wgmmas have read the stage: the next pass may refill it
             cons.advance()
 
@@ -202,7 +196,8 @@ def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool, group: int):
 KERNEL = jit.register(jit.KernelDef(
     name="indexer_scores_sm90_group",
     build=_build,
-    sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "indexer_scores.py")),
+    sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
+                  for f in ("indexer_scores_sm90_group.py", "indexer_scores.py", "indexer_scores_sm90.py")),
     archs=("sm_90a",),
     aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False, "group": 3},),
     description="lightning-indexer scores for groups of tokens sharing keys, wgmma (keys x G*heads) (not yet run)",
