@@ -35,6 +35,24 @@ KEY_TILE = 64
 THREADS = 128
 
 
+def keys_by_queries(mK: cute.Tensor, mQ: cute.Tensor, tile: tuple):
+    """One-stage TMA + wgmma setup for ``tile = (keys, query rows, D)``: keys as A (M), query
+    rows as B (N), both K-major bf16 in 128B-swizzled shared memory. Returns the tiled MMA,
+    the two TMA atoms with their tensors, and the two shared-memory layouts."""
+    bf16 = cutlass.BFloat16
+    K_MAJOR = cute.nvgpu.warpgroup.OperandMajorMode.K
+    tiled_mma = sm90_utils.make_trivial_tiled_mma(bf16, bf16, K_MAJOR, K_MAJOR, Float32, (1, 1, 1),
+                                                  tiler_mn=(tile[0], tile[1]))
+    a_smem = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, tile, bf16, 1)
+    b_smem = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, tile, bf16, 1)
+    op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+    tma_a, tma_tensor_a = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mK, cute.slice_(a_smem, (None, None, 0)),
+                                                                 (tile[0], tile[2]))
+    tma_b, tma_tensor_b = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mQ, cute.slice_(b_smem, (None, None, 0)),
+                                                                 (tile[1], tile[2]))
+    return tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, a_smem, b_smem
+
+
 @cute.jit
 def wgmma_whole_k(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor):
     """acc = A B^T over all of K held in shared-memory stage 0 (one wgmma per K step), waited
@@ -58,21 +76,11 @@ class IndexerScoresSm90:
                  len_ptr: cute.Pointer, pos_ptr: cute.Pointer, valid_ptr: cute.Pointer, score_ptr: cute.Pointer,
                  num_tokens: Int32, num_rows: Int32, s_max: Int32, stream: cuda.CUstream):
         H, D = self.H, self.D
-        bf16 = cutlass.BFloat16
         mK, mQ, mW = mma_operand_tensors(q_ptr, w_ptr, k_ptr, num_tokens, num_rows, H, D)
         mOff, mLen, mPos, mValid, mScore = candidate_tensors(off_ptr, len_ptr, pos_ptr, valid_ptr, score_ptr,
                                                              num_tokens, num_rows, s_max)
 
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(bf16, bf16, cute.nvgpu.warpgroup.OperandMajorMode.K,
-                                                      cute.nvgpu.warpgroup.OperandMajorMode.K, Float32, (1, 1, 1),
-                                                      tiler_mn=(KEY_TILE, H))
-        a_smem = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, self.tile, bf16, 1)
-        b_smem = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, self.tile, bf16, 1)
-        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        tma_a, tma_tensor_a = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mK, cute.slice_(a_smem, (None, None, 0)),
-                                                                     (KEY_TILE, D))
-        tma_b, tma_tensor_b = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mQ, cute.slice_(b_smem, (None, None, 0)),
-                                                                     (H, D))
+        tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, a_smem, b_smem = keys_by_queries(mK, mQ, self.tile)
         self.kernel(tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, a_smem, b_smem, mW, mOff, mLen, mPos,
                     mValid, mScore, num_rows, s_max).launch(
             grid=[(s_max + KEY_TILE - 1) // KEY_TILE, num_tokens, 1], block=[THREADS, 1, 1], stream=stream)

@@ -26,14 +26,12 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 
 from . import jit
 from .indexer_scores import (candidate_limit, candidate_tensors, fake_args, mma_operand_tensors,
                              store_masked_score)
-from .indexer_scores_sm90 import wgmma_whole_k
+from .indexer_scores_sm90 import keys_by_queries, wgmma_whole_k
 
 KEY_TILE = 64
 THREADS = 128
@@ -51,21 +49,11 @@ class IndexerScoresSm90Group:
                  len_ptr: cute.Pointer, pos_ptr: cute.Pointer, valid_ptr: cute.Pointer, score_ptr: cute.Pointer,
                  num_tokens: Int32, num_rows: Int32, s_max: Int32, stream: cuda.CUstream):
         H, D, G = self.H, self.D, self.G
-        bf16 = cutlass.BFloat16
         mK, mQ, mW = mma_operand_tensors(q_ptr, w_ptr, k_ptr, num_tokens, num_rows, H, D)
         mOff, mLen, mPos, mValid, mScore = candidate_tensors(off_ptr, len_ptr, pos_ptr, valid_ptr, score_ptr,
                                                              num_tokens, num_rows, s_max)
 
-        K_MAJOR = cute.nvgpu.warpgroup.OperandMajorMode.K
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(bf16, bf16, K_MAJOR, K_MAJOR, Float32, (1, 1, 1),
-                                                      tiler_mn=(KEY_TILE, self.N))
-        a_smem = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, self.tile, bf16, 1)
-        b_smem = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, self.tile, bf16, 1)
-        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        tma_a, tma_tensor_a = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mK, cute.slice_(a_smem, (None, None, 0)),
-                                                                     (KEY_TILE, D))
-        tma_b, tma_tensor_b = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mQ, cute.slice_(b_smem, (None, None, 0)),
-                                                                     (self.N, D))
+        tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, a_smem, b_smem = keys_by_queries(mK, mQ, self.tile)
         self.kernel(tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, a_smem, b_smem, mW, mOff, mLen, mPos,
                     mValid, mScore, num_tokens, num_rows, s_max).launch(
             grid=[(s_max + KEY_TILE - 1) // KEY_TILE, (num_tokens + G - 1) // G, 1], block=[THREADS, 1, 1],
