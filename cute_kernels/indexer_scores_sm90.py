@@ -54,6 +54,26 @@ def keys_by_queries(mK: cute.Tensor, mQ: cute.Tensor, tile: tuple):
 
 
 @cute.jit
+def one_stage_buffers(a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout):
+    """Shared memory for one A (keys) and one B (query rows) bf16 tile, and the one-stage TMA
+    pipeline (tx-count mbarrier) that fills them: ``(sA, sB, pipe)``."""
+    bf16 = cutlass.BFloat16
+    smem = cutlass.memory.SmemAllocator()
+    mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((2,)), 8)
+    sA = smem.allocate_tensor(bf16, a_smem.outer, 128, swizzle=a_smem.inner)
+    sB = smem.allocate_tensor(bf16, b_smem.outer, 128, swizzle=b_smem.inner)
+    tx = cute.size_in_bytes(bf16, cute.slice_(a_smem, (None, None, 0))) + \
+        cute.size_in_bytes(bf16, cute.slice_(b_smem, (None, None, 0)))
+    pipe = pipeline.PipelineTmaAsync.create(
+        barrier_storage=mbar.iterator, num_stages=1,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32), tx_count=tx,
+        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+    cute.arch.barrier()  # barrier initialisation visible before any wait
+    return sA, sB, pipe
+
+
+@cute.jit
 def wgmma_whole_k(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor):
     """acc = A B^T over all of K held in shared-memory stage 0 (one wgmma per K step), waited
     for: the score kernels' whole product is one stage."""
@@ -101,18 +121,7 @@ class IndexerScoresSm90:
             for s in cutlass.range(tidx, cutlass.min(KEY_TILE, s_max - s0), THREADS):
                 mScore[t, s0 + s] = neg_inf
         else:
-            smem = cutlass.memory.SmemAllocator()
-            mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((2,)), 8)
-            sA = smem.allocate_tensor(cutlass.BFloat16, a_smem.outer, 128, swizzle=a_smem.inner)
-            sB = smem.allocate_tensor(cutlass.BFloat16, b_smem.outer, 128, swizzle=b_smem.inner)
-            tx = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(a_smem, (None, None, 0))) + \
-                cute.size_in_bytes(cutlass.BFloat16, cute.slice_(b_smem, (None, None, 0)))
-            pipe = pipeline.PipelineTmaAsync.create(
-                barrier_storage=mbar.iterator, num_stages=1,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32), tx_count=tx,
-                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
-            cute.arch.barrier()  # barrier initialisation visible before any wait
+            sA, sB, pipe = one_stage_buffers(a_smem, b_smem)
 
             # Keys at the token's own row offset (TMA zero-fills rows past the cache).
             gA = cute.local_tile(cute.domain_offset((off + s0, 0, 0), mK), (KEY_TILE, self.D),

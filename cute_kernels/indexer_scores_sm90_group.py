@@ -31,7 +31,7 @@ from cutlass import Float32, Int32
 from . import jit
 from .indexer_scores import (candidate_limit, candidate_tensors, fake_args, mma_operand_tensors,
                              store_masked_score)
-from .indexer_scores_sm90 import keys_by_queries, wgmma_whole_k
+from .indexer_scores_sm90 import keys_by_queries, one_stage_buffers, wgmma_whole_k
 
 KEY_TILE = 64
 THREADS = 128
@@ -100,19 +100,7 @@ class IndexerScoresSm90Group:
                     tidx: Int32, tg: Int32, t0: Int32, s0: Int32, num_tokens: Int32, s_max: Int32):
         G, H, D = self.G, self.H, self.D
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        bf16 = cutlass.BFloat16
-        smem = cutlass.memory.SmemAllocator()
-        mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((2,)), 8)
-        sA = smem.allocate_tensor(bf16, a_smem.outer, 128, swizzle=a_smem.inner)
-        sB = smem.allocate_tensor(bf16, b_smem.outer, 128, swizzle=b_smem.inner)
-        tx = cute.size_in_bytes(bf16, cute.slice_(a_smem, (None, None, 0))) + \
-            cute.size_in_bytes(bf16, cute.slice_(b_smem, (None, None, 0)))
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=mbar.iterator, num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32), tx_count=tx,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
-        cute.arch.barrier()  # barrier initialisation visible before any wait
+        sA, sB, pipe = one_stage_buffers(a_smem, b_smem)
 
         gB = cute.local_tile(mQ, (self.N, D), (None, None, None))[(None, None, tg, 0, 0)]
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
