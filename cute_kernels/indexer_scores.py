@@ -42,6 +42,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import jit
+from .warp_mma import ldmatrix_operands
 
 KEY_TILE = 128
 
@@ -182,13 +183,7 @@ class IndexerScores:
             tCsC = thr_mma.partition_C(sC)
             acc = tiled_mma.make_fragment_C(tCsC)
             acc.fill(0.0)
-            s2r_A = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), dt),
-                                           tiled_mma)
-            s2r_B = cute.make_tiled_copy_B(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 2), dt),
-                                           tiled_mma)
-            thr_A, thr_B = s2r_A.get_slice(tidx), s2r_B.get_slice(tidx)
-            tAsA, tArA = thr_A.partition_S(sQ), thr_A.retile(tCrA)
-            tBsB, tBrB = thr_B.partition_S(sK), thr_B.retile(tCrB)
+            s2r_A, tAsA, tArA, s2r_B, tBsB, tBrB = ldmatrix_operands(tiled_mma, dt, tidx, sQ, sK, tCrA, tCrB)
             for kb in cutlass.range_constexpr(D // self.k_step):
                 cute.copy(s2r_A, tAsA[None, None, kb], tArA[None, None, kb])
                 cute.copy(s2r_B, tBsB[None, None, kb], tBrB[None, None, kb])
@@ -223,7 +218,8 @@ def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool):
 KERNEL = jit.register(jit.KernelDef(
     name="indexer_scores",
     build=_build,
-    sources=(os.path.abspath(__file__),),
+    sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
+                  for f in ("indexer_scores.py", "warp_mma.py")),
     archs=("sm_90a", "sm_100a", "sm_103a"),
     aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False}, {"heads": 64, "dim": 128, "has_slot_mask": True}),
     description="lightning-indexer scores (warp MMA) with causal / length / slot masking in the epilogue",

@@ -80,8 +80,8 @@ def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool):
 KERNEL = jit.register(jit.KernelDef(
     name="indexer_scores_fp8",
     build=_build,
-    sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                     "indexer_scores.py")),
+    sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
+                  for f in ("indexer_scores_fp8.py", "indexer_scores.py", "warp_mma.py")),
     archs=("sm_90a", "sm_100a", "sm_103a"),
     aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False}, {"heads": 64, "dim": 128, "has_slot_mask": True}),
     description="lightning-indexer scores on FP8 q/k (warp FP8 MMA), k scale and candidate mask in the epilogue",

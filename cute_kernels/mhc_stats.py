@@ -67,6 +67,7 @@ from . import jit
 from .arch import current_arch, dispatch, num_sms
 from .grid_sync import last_arrival
 from .validate import check_cuda, check_tensor
+from .warp_mma import ldmatrix_operands
 
 VEC = 8  # bf16 per 16-byte load
 CHUNK = 128  # K elements per pipeline stage
@@ -171,15 +172,7 @@ class MhcStats:
         # then added to `total` with round-to-nearest FADDs ("promotion", as FP8 GEMMs do).
         total = cute.make_rmem_tensor(acc.layout, Float32)
         total.fill(0.0)
-        s2r_A = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4),
-                                                           cutlass.BFloat16), tiled_mma)
-        s2r_B = cute.make_tiled_copy_B(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 2),
-                                                           cutlass.BFloat16), tiled_mma)
-        thr_s2r_A, thr_s2r_B = s2r_A.get_slice(tidx), s2r_B.get_slice(tidx)
-        tAsA = thr_s2r_A.partition_S(sX)
-        tArA = thr_s2r_A.retile(tCrA)
-        tBsB = thr_s2r_B.partition_S(sB)
-        tBrB = thr_s2r_B.retile(tCrB)
+        s2r_A, tAsA, tArA, s2r_B, tBsB, tBrB = ldmatrix_operands(tiled_mma, cutlass.BFloat16, tidx, sX, sB, tCrA, tCrB)
 
         # Sum of squares on the FP32 pipes from the same stage: thread -> (token tidx / 4,
         # a quarter of the chunk).
@@ -353,7 +346,8 @@ def _build(arch: str, *, n: int, hidden: int, sinkhorn_iters: int):
 KERNEL = jit.register(jit.KernelDef(
     name="mhc_stats",
     build=_build,
-    sources=(os.path.abspath(__file__),),
+    sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
+                  for f in ("mhc_stats.py", "grid_sync.py", "warp_mma.py")),
     archs=("sm_90a", "sm_100a", "sm_103a"),
     aot_configs=({"n": 4, "hidden": 7168, "sinkhorn_iters": 20},),
     description="mHC r, P = (X r) phi, sigmoid / Sinkhorn mappings; split-K, one launch",

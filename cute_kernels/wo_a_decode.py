@@ -35,6 +35,7 @@ from cutlass import Float32, Int32
 
 from . import jit
 from .grid_sync import last_arrival
+from .warp_mma import ldmatrix_operands
 
 BN, BK = 64, 128
 PITCH = BK + 8
@@ -99,13 +100,7 @@ class WoADecode:
         tCcC = thr_mma.partition_C(cC)
         acc = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((BM, BN)))
         acc.fill(0.0)
-        s2r_A = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), bf16),
-                                       tiled_mma)
-        s2r_B = cute.make_tiled_copy_B(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 2), bf16),
-                                       tiled_mma)
-        thr_A, thr_B = s2r_A.get_slice(tidx), s2r_B.get_slice(tidx)
-        tAsA, tArA = thr_A.partition_S(sA), thr_A.retile(tCrA)
-        tBsB, tBrB = thr_B.partition_S(sB), thr_B.retile(tCrB)
+        s2r_A, tAsA, tArA, s2r_B, tBsB, tBrB = ldmatrix_operands(tiled_mma, bf16, tidx, sA, sB, tCrA, tCrB)
 
         for kt in cutlass.range(0, KT, 1):
             slot = kt % STAGES
@@ -206,7 +201,8 @@ def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1)
 KERNEL = jit.register(jit.KernelDef(
     name="wo_a_decode",
     build=_build,
-    sources=(os.path.abspath(__file__),),
+    sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
+                  for f in ("wo_a_decode.py", "grid_sync.py", "warp_mma.py")),
     archs=("sm_90a", "sm_100a", "sm_103a"),
     aot_configs=tuple({"G": G, "R": R, "Dg": Dg, "bm": bm, "splits": plan(t, G, R, Dg)[1]}
                       for G in (8, 16) for R in (512, 1024) for Dg in (1024, 2048)

@@ -46,7 +46,8 @@ from cutlass import Float32, Int32, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-from cute_kernels import jit
+from cute_kernels import jit, warp_mma
+from cute_kernels.warp_mma import ldmatrix_operands
 
 BM, BN = 128, 64
 #: K tiles and their default stage counts: 128 x 4, or 256 x 3 (256-byte row segments per
@@ -218,13 +219,7 @@ class MoeExpertGemmSm90:
         MR, NR = cute.size(frag, mode=[1]), cute.size(frag, mode=[2])
         rSa = cute.make_rmem_tensor(cute.make_layout((2 * MR,)), Float32)
         rSb = cute.make_rmem_tensor(cute.make_layout((2 * NR,)), Float32)
-        s2r_A = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), f8),
-                                       tiled_mma)
-        s2r_B = cute.make_tiled_copy_B(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 2), f8),
-                                       tiled_mma)
-        thr_A, thr_B = s2r_A.get_slice(tidx), s2r_B.get_slice(tidx)
-        tAsA, tArA = thr_A.partition_S(sA), thr_A.retile(tCrA)
-        tBsB, tBrB = thr_B.partition_S(sW), thr_B.retile(tCrB)
+        s2r_A, tAsA, tArA, s2r_B, tBsB, tBrB = ldmatrix_operands(tiled_mma, f8, tidx, sA, sW, tCrA, tCrB)
 
         for kt in cutlass.range(0, KT, 1):
             slot = kt % STAGES
@@ -349,7 +344,7 @@ def _build(arch: str, *, E: int, N: int, K: int, silu_quant: bool = False, tile_
 KERNEL = jit.register(jit.KernelDef(
     name="moe_expert_gemm_sm90",
     build=_build,
-    sources=(os.path.abspath(__file__),),
+    sources=(os.path.abspath(__file__), os.path.abspath(warp_mma.__file__)),
     archs=("sm_90a",),
     # the configs moe.experts launches by default (moe.experts.default_tile) at the model's sizes
     aot_configs=({"E": 256, "N": 4096, "K": 7168, "silu_quant": True, "tile_k": 128, "stages": None, "ctas_per_sm": 1},

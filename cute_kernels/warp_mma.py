@@ -1,0 +1,17 @@
+"""Shared-memory -> register operand copies for the warp-level ``mma.sync`` kernels
+(mhc_stats, wo_a_decode, indexer_scores, the Hopper MoE tiled kernel)."""
+
+import cutlass.cute as cute
+
+
+def ldmatrix_operands(tiled_mma: cute.TiledMma, dtype, tidx, sA: cute.Tensor, sB: cute.Tensor,
+                      tCrA: cute.Tensor, tCrB: cute.Tensor):
+    """ldmatrix x4 for A (an m16 x k fragment) and x2 for B (n8 x k), partitioned for thread
+    ``tidx``: ``(s2r_A, tAsA, tArA, s2r_B, tBsB, tBrB)`` -- per operand the tiled copy, its
+    shared-memory source and the MMA's register fragment retiled as its destination."""
+    s2r_A = cute.make_tiled_copy_A(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), dtype),
+                                   tiled_mma)
+    s2r_B = cute.make_tiled_copy_B(cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 2), dtype),
+                                   tiled_mma)
+    thr_A, thr_B = s2r_A.get_slice(tidx), s2r_B.get_slice(tidx)
+    return s2r_A, thr_A.partition_S(sA), thr_A.retile(tCrA), s2r_B, thr_B.partition_S(sB), thr_B.retile(tCrB)
