@@ -30,6 +30,7 @@ from cutlass import Float32, Int32
 from . import jit
 from .indexer_scores import (candidate_limit, candidate_tensors, fake_args, mma_operand_tensors,
                              store_masked_score)
+from .warp_mma import quad_sum
 
 KEY_TILE = 64
 THREADS = 128
@@ -158,9 +159,7 @@ class IndexerScoresSm90:
                 rows[r8] = m
                 part[r8] = part[r8] + mW[t, h] * cutlass.max(acc[i], Float32(0.0))
             for r8 in cutlass.range_constexpr(2):
-                v = part[r8]
-                v = v + cute.arch.shuffle_sync_bfly(v, offset=1)
-                v = v + cute.arch.shuffle_sync_bfly(v, offset=2)
+                v = quad_sum(part[r8])
                 s = s0 + rows[r8]
                 if cute.arch.lane_idx() % 4 == 0 and s < s_max:
                     store_masked_score(mScore, mValid, t, s, off + s, limit, v, self.has_slot_mask)
@@ -179,7 +178,8 @@ def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool):
 KERNEL = jit.register(jit.KernelDef(
     name="indexer_scores_sm90",
     build=_build,
-    sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "indexer_scores.py")),
+    sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
+                  for f in ("indexer_scores_sm90.py", "indexer_scores.py", "warp_mma.py")),
     archs=("sm_90a",),
     aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False},),
     description="lightning-indexer scores, wgmma (keys x heads) + fused candidate mask",

@@ -32,6 +32,7 @@ from . import jit
 from .indexer_scores import (candidate_limit, candidate_tensors, fake_args, mma_operand_tensors,
                              store_masked_score)
 from .indexer_scores_sm90 import keys_by_queries, one_stage_buffers, wgmma_whole_k
+from .warp_mma import quad_sum
 
 KEY_TILE = 64
 THREADS = 128
@@ -150,9 +151,7 @@ class IndexerScoresSm90Group:
             for r8 in cutlass.range_constexpr(2):
                 s = s0 + rows[r8]
                 for g in cutlass.range_constexpr(G):
-                    v = part[r8 * G + g]
-                    v = v + cute.arch.shuffle_sync_bfly(v, offset=1)
-                    v = v + cute.arch.shuffle_sync_bfly(v, offset=2)
+                    v = quad_sum(part[r8 * G + g])
                     mine = (same != 0) or (p == g)  # this pass scored token g with its own keys
                     if cute.arch.lane_idx() % 4 == 0 and mine and t0 + g < num_tokens and s < s_max:
                         store_masked_score(mScore, mValid, t0 + g, s, offs[g] + s, lims[g], v, self.has_slot_mask)
@@ -173,7 +172,8 @@ KERNEL = jit.register(jit.KernelDef(
     name="indexer_scores_sm90_group",
     build=_build,
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
-                  for f in ("indexer_scores_sm90_group.py", "indexer_scores.py", "indexer_scores_sm90.py")),
+                  for f in ("indexer_scores_sm90_group.py", "indexer_scores.py", "indexer_scores_sm90.py",
+                            "warp_mma.py")),
     archs=("sm_90a",),
     aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False, "group": 3},),
     description="lightning-indexer scores for groups of tokens sharing keys, wgmma (keys x G*heads) (not yet run)",

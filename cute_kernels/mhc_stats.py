@@ -67,7 +67,7 @@ from . import jit
 from .arch import current_arch, dispatch, num_sms
 from .grid_sync import last_arrival
 from .validate import check_cuda, check_tensor
-from .warp_mma import ldmatrix_operands
+from .warp_mma import ldmatrix_operands, quad_sum
 
 VEC = 8  # bf16 per 16-byte load
 CHUNK = 128  # K elements per pipeline stage
@@ -206,8 +206,7 @@ class MhcStats:
 
         # P partial = hi-plane + lo-plane products; sum of squares over the 4 quarter lanes.
         tCsC.store(total.load())
-        ssq = ssq + cute.arch.shuffle_sync_bfly(ssq, offset=1)
-        ssq = ssq + cute.arch.shuffle_sync_bfly(ssq, offset=2)
+        ssq = quad_sum(ssq)
         if q_seg == 0:
             sSsq[q_tt] = ssq
         cute.arch.barrier()

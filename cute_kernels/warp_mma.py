@@ -1,5 +1,6 @@
-"""Shared-memory -> register operand copies for the warp-level ``mma.sync`` kernels
-(mhc_stats, wo_a_decode, indexer_scores, the Hopper MoE tiled kernel)."""
+"""Warp-level helpers of the MMA kernels: shared-memory -> register operand copies for the
+``mma.sync`` kernels (mhc_stats, wo_a_decode, indexer_scores, the Hopper MoE tiled kernel),
+and the quad reduction over an accumulator row's 4 threads."""
 
 import cutlass.cute as cute
 
@@ -15,3 +16,11 @@ def ldmatrix_operands(tiled_mma: cute.TiledMma, dtype, tidx, sA: cute.Tensor, sB
                                    tiled_mma)
     thr_A, thr_B = s2r_A.get_slice(tidx), s2r_B.get_slice(tidx)
     return s2r_A, thr_A.partition_S(sA), thr_A.retile(tCrA), s2r_B, thr_B.partition_S(sB), thr_B.retile(tCrB)
+
+
+@cute.jit
+def quad_sum(v):
+    """Sum over the 4 threads of a quad (lanes 4q .. 4q + 3): in the m16n8 / wgmma accumulator
+    layouts they hold one row's columns. Every lane of the quad gets the sum."""
+    v = v + cute.arch.shuffle_sync_bfly(v, offset=1)
+    return v + cute.arch.shuffle_sync_bfly(v, offset=2)

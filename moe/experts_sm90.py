@@ -84,6 +84,26 @@ def silu_mul_mx_block(rG: cute.Tensor, rU: cute.Tensor, rQ: cute.Tensor) -> Int3
     return mx_quantize_block(rH, rQ)
 
 
+@cute.jit
+def store_silu_mul_mx_row(sH: cute.Tensor, srow: Int32, mQ: cute.Tensor, mSQ: cute.Tensor, row: Int32, n0: Int32,
+                          ncb: cutlass.Constexpr):
+    """The fused gate/up epilogue for one token: staging row ``srow`` of ``sH`` holds the bf16-
+    rounded GEMM outputs of weight rows n0 .. n0 + 63 (gate features in columns 0..31, up in
+    32..63, :func:`moe.experts.interleave_gate_up`); h = bf16(bf16(silu(g)) * u) becomes one
+    MXFP8 block of output row ``row`` in ``mQ`` and its scale byte in ``mSQ`` (swizzled, ``ncb``
+    column atoms)."""
+    rG = cute.make_rmem_tensor(cute.make_layout((MX,)), Float32)
+    rU = cute.make_rmem_tensor(cute.make_layout((MX,)), Float32)
+    for j in cutlass.range_constexpr(MX):
+        rG[j] = sH[srow, j]
+        rU[j] = sH[srow, MX + j]
+    rQ = cute.make_rmem_tensor(cute.make_layout((MX,)), cutlass.Float8E4M3FN)
+    scale = silu_mul_mx_block(rG, rU, rQ)
+    fb = n0 // (2 * MX)  # output scale block = feature block
+    cute.autovec_copy(rQ, cute.zipped_divide(mQ, (1, MX))[(0, None), (row, fb)])
+    mSQ[mx_scale_index(row, fb, ncb)] = cutlass.Uint8(scale)
+
+
 def mx_scale_index(r, fb, ncb):
     """Byte of (row r, 32-wide block fb) in the tcgen05-swizzled scale layout with ncb column
     atoms per 128-row block (the layout moe.quant writes)."""
@@ -285,16 +305,7 @@ class MoeExpertGemmSm90:
         # Every warp's accumulators are in shared memory before a row's thread reads them.
         cute.arch.barrier()
         if tidx < live:
-            rG = cute.make_rmem_tensor(cute.make_layout((MX,)), Float32)
-            rU = cute.make_rmem_tensor(cute.make_layout((MX,)), Float32)
-            for j in cutlass.range_constexpr(MX):
-                rG[j] = sH[tidx, j]
-                rU[j] = sH[tidx, MX + j]
-            rQ = cute.make_rmem_tensor(cute.make_layout((MX,)), cutlass.Float8E4M3FN)
-            scale = silu_mul_mx_block(rG, rU, rQ)
-            fb = n0 // (2 * MX)  # output scale block = feature block
-            cute.autovec_copy(rQ, cute.zipped_divide(mQ, (1, MX))[(0, None), (row0 + tidx, fb)])
-            mSQ[mx_scale_index(row0 + tidx, fb, self.ncb_i)] = cutlass.Uint8(scale)
+            store_silu_mul_mx_row(sH, tidx, mQ, mSQ, row0 + tidx, n0, self.ncb_i)
 
     @cute.jit
     def issue(self, gA16: cute.Tensor, gW16: cute.Tensor, gSA16: cute.Tensor, gSW16: cute.Tensor, sA16: cute.Tensor,

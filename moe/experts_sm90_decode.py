@@ -60,7 +60,7 @@ from cutlass import Float32, Int32, Uint32
 
 from cute_kernels import jit
 
-from .experts_sm90 import MX, e8m0_to_f32, mx_scale_index, silu_mul_mx_block
+from .experts_sm90 import MX, e8m0_to_f32, store_silu_mul_mx_row
 
 BM = 64  # weight rows per CTA (wgmma M)
 BK = 128  # bytes of K per pipeline stage: 4 MX blocks
@@ -274,16 +274,7 @@ class MoeExpertDecodeSm90:
                 mOut[rbase + c, n0 + r] = sOut[c, r].to(bf16)
         else:
             if tidx < live:
-                rG = cute.make_rmem_tensor(cute.make_layout((MX,)), Float32)
-                rU = cute.make_rmem_tensor(cute.make_layout((MX,)), Float32)
-                for j in cutlass.range_constexpr(MX):
-                    rG[j] = sOut[tidx, j]
-                    rU[j] = sOut[tidx, MX + j]
-                rQ = cute.make_rmem_tensor(cute.make_layout((MX,)), cutlass.Float8E4M3FN)
-                scale = silu_mul_mx_block(rG, rU, rQ)
-                fb = n0 // (2 * MX)  # output scale block = feature block
-                cute.autovec_copy(rQ, cute.zipped_divide(mQ, (1, MX))[(0, None), (rbase + tidx, fb)])
-                mSQ[mx_scale_index(rbase + tidx, fb, self.ncb_i)] = cutlass.Uint8(scale)
+                store_silu_mul_mx_row(sOut, tidx, mQ, mSQ, rbase + tidx, n0, self.ncb_i)
 
     @cute.jit
     def promote(self, acc: cute.Tensor, frag: cute.Tensor, rSw: cute.Tensor, rSa: cute.Tensor, kb: cutlass.Constexpr,
