@@ -118,39 +118,31 @@ def stage_times(T, x, logits, bias, W, cfg, ours):
     us = lambda f: time_graph(lambda i: f(), 1, 5, trials=15) * 1e6  # noqa: E731
     t["router"] = us(lambda: ours.router(logits, bias))
     t["quant"] = us(lambda: mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, TOPK, q=aq, scales=asc))
-    for tk, st, c in TILES:
-        t[f"gate/up (+SiLU, requant) {tk}x{st} {c}cta"] = us(lambda: moe_expert_gate_up(
-            aq, asc, W["gu_q"], W["gu_s"], r.expert_offsets, r.expert_counts, r.tile_expert, routed_rows=n, tile_k=tk,
-            stages=st, ctas_per_sm=c))
-    for tk, st, c in TILES:
-        t[f"down {tk}x{st} {c}cta"] = us(lambda: moe_expert_gemm(hq, hs, W["d_q"], W["d_s"], r.expert_offsets,
-                                                                 r.expert_counts, r.tile_expert, out=y, routed_rows=n,
-                                                                 tile_k=tk, stages=st, ctas_per_sm=c))
+
+    def gate_up(**kw):
+        return us(lambda: moe_expert_gate_up(aq, asc, W["gu_q"], W["gu_s"], r.expert_offsets, r.expert_counts,
+                                             r.tile_expert, routed_rows=n, **kw))
+
+    def down(**kw):
+        return us(lambda: moe_expert_gemm(hq, hs, W["d_q"], W["d_s"], r.expert_offsets, r.expert_counts,
+                                          r.tile_expert, out=y, routed_rows=n, **kw))
+
+    gemms = (("gate/up", gate_up, 2 * I, C), ("down", down, C, I))
+    for name, run, _, _ in gemms:  # the tiled kernel's configurations
+        label = "gate/up (+SiLU, requant)" if name == "gate/up" else name
+        for tk, st, c in TILES:
+            t[f"{label} {tk}x{st} {c}cta"] = run(tile_k=tk, stages=st, ctas_per_sm=c)
     # the swap-AB TMA + FP8 wgmma decode kernel (moe.experts_sm90_decode) at T <= 64, by pipeline depth
     tn = tok_n_for(T)
-    for name, N, K in (("gate/up", 2 * I, C), ("down", C, I)):
+    for name, run, N, K in gemms:
         for st in DECODE_STAGES:
             ok = tn is not None and MoeExpertDecodeSm90.can_implement(cfg.num_experts, N, K, tn, st)
-            key = f"{name} decode kernel, {st} stages"
-            if not ok:
-                t[key] = float("nan")
-            elif name == "gate/up":
-                t[key] = us(lambda: moe_expert_gate_up(aq, asc, W["gu_q"], W["gu_s"], r.expert_offsets,
-                                                       r.expert_counts, r.tile_expert, routed_rows=n,
-                                                       max_expert_rows=T, stages=st))
-            else:
-                t[key] = us(lambda: moe_expert_gemm(hq, hs, W["d_q"], W["d_s"], r.expert_offsets, r.expert_counts,
-                                                    r.tile_expert, out=y, routed_rows=n, max_expert_rows=T, stages=st))
-    # the decode kernel in row passes of 16 token columns (any rows per expert; staged until its GPU test passes)
-    if T <= 320 and not os.environ.get("SKIP_STAGED"):  # set by tools/device_next.sh when their test failed
-        t["gate/up decode kernel, row passes of 16"] = us(lambda: moe_expert_gate_up(
-            aq, asc, W["gu_q"], W["gu_s"], r.expert_offsets, r.expert_counts, r.tile_expert, routed_rows=n,
-            expert_row_tile=16))
-        t["down decode kernel, row passes of 16"] = us(lambda: moe_expert_gemm(
-            hq, hs, W["d_q"], W["d_s"], r.expert_offsets, r.expert_counts, r.tile_expert, out=y, routed_rows=n,
-            expert_row_tile=16))
-    else:
-        t["gate/up decode kernel, row passes of 16"] = t["down decode kernel, row passes of 16"] = float("nan")
+            t[f"{name} decode kernel, {st} stages"] = run(max_expert_rows=T, stages=st) if ok else float("nan")
+    # the decode kernel in row passes of 16 token columns (any rows per expert; staged until its
+    # GPU test passes -- SKIP_STAGED is set by tools/device_next.sh when that test failed)
+    staged = T <= 320 and not os.environ.get("SKIP_STAGED")
+    for name, run, _, _ in gemms:
+        t[f"{name} decode kernel, row passes of 16"] = run(expert_row_tile=16) if staged else float("nan")
     t["finalize + shared add"] = us(lambda: moe_finalize(y, r.topk_weights, r.routed_row_pos, sh))
     t["shared expert (both)"] = us(lambda: shared_expert(x, W["sh"]))
     # composite stages
