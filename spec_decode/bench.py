@@ -75,11 +75,11 @@ def estimate_bytes(m, slots: int, max_len: int, backend: str) -> int:
     return weights + fused + kv
 
 
-def run_case(backend, model, batch, n_in, n_out, prefill_chunk=512, moe_row_tile=None, indexer_token_group=1):
+def run_case(backend, model, batch, n_in, n_out, **engine):
+    """One (backend, case) run; ``engine``: further EngineConfig fields (prefill_chunk, ...)."""
     sizes = tuple(s for s in GRAPH_SIZES if s < batch) + (next(s for s in GRAPH_SIZES if s >= batch),)
     cfg = EngineConfig(model=model, device="cuda", dtype="bfloat16", backend=backend,
-                       max_seq_len=n_in + n_out + 16, graph_batch_sizes=sizes, prefill_chunk=prefill_chunk,
-                       moe_row_tile=moe_row_tile, indexer_token_group=indexer_token_group)
+                       max_seq_len=n_in + n_out + 16, graph_batch_sizes=sizes, **engine)
     need = estimate_bytes(model, cfg.max_batch + 1, cfg.max_seq_len, backend)
     have = torch.cuda.get_device_properties(0).total_memory
     if need > 0.92 * have:
@@ -168,6 +168,8 @@ def main(argv=None) -> int:
     if args.quick:
         cases = [("BS1 in 512 / out 64", 1, 512, 64), ("BS64 in 512 / out 64", 64, 512, 64)]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    engine = dict(prefill_chunk=args.prefill_chunk, moe_row_tile=args.moe_row_tile,
+                  indexer_token_group=args.indexer_token_group)
     results = {}
     total = len(cases) * len(backends)
     i = 0
@@ -175,8 +177,7 @@ def main(argv=None) -> int:
         for name, bs, n_in, n_out in cases:
             progress(i, total, f"{b}: {name}")
             try:
-                results[(b, name)] = run_case(b, model, bs, n_in, n_out, args.prefill_chunk, args.moe_row_tile,
-                                              args.indexer_token_group)
+                results[(b, name)] = run_case(b, model, bs, n_in, n_out, **engine)
             except NotImplementedError as e:
                 results[(b, name)] = {"error": str(e).split(";")[0]}
             except torch.OutOfMemoryError as e:  # keep the other cases' results
