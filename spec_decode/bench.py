@@ -28,7 +28,6 @@ import datetime
 import gc
 import hashlib
 import random
-import re
 import statistics
 import sys
 
