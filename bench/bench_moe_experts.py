@@ -10,9 +10,10 @@ argsort packing, ``torch._grouped_mm`` on bf16 weights for gate/up and down, SiL
 a standalone weighted finalize, a separate shared add. Same random weights (bf16 originals;
 ours quantised from them). Stage times are CUDA-graph replays of each stage alone; the layer
 time is one graph of the whole layer; launches per layer are counted from a profiled replay.
-The layer's default expert kernels: the swap-AB decode kernel (moe.experts_sm90_decode) at
-T <= 64, the tiled kernel (moe.experts_sm90, default tile) above; the second layer column
-forces the tiled kernel with tile_k 256.
+The layer's expert kernels are the runtime's choice (moe.experts.expert_kernel_args): the
+swap-AB decode kernel (moe.experts_sm90_decode) at T <= 16, in passes of 16 token columns
+up to T = 320, the tiled kernel (moe.experts_sm90, default tile) above; the second layer
+column forces the tiled kernel with tile_k 256.
 Weight bandwidth at decode T counts the bytes of the experts the router actually selected.
 
 """
@@ -29,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import H200_COPY_BW, markdown_table, time_graph  # noqa: E402
 
-from moe.experts import interleave_gate_up, moe_expert_gate_up, moe_expert_gemm, quantize_expert_weights  # noqa: E402
+from moe.experts import expert_kernel_args, interleave_gate_up, moe_expert_gate_up, moe_expert_gemm, quantize_expert_weights  # noqa: E402
 from moe.experts_sm90_decode import MoeExpertDecodeSm90, tok_n_for  # noqa: E402
 from moe.finalize import moe_finalize  # noqa: E402
 from moe.quant import mxfp8_quantize_routed  # noqa: E402
@@ -97,11 +98,13 @@ class OursLayer:
         r = self.router(logits, bias)
         aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, TOPK)
         n = x.shape[0] * TOPK
-        T = x.shape[0] if self.tile_k is None else None  # T <= 64: the decode kernel (weights as M)
+        # the runtime's choice by token count (decode kernel, in row passes above 16 tokens), or
+        # the tiled kernel with a fixed K tile
+        kw = expert_kernel_args(x.shape[0]) if self.tile_k is None else dict(tile_k=self.tile_k)
         hq, hs = moe_expert_gate_up(aq, asc, self.W["gu_q"], self.W["gu_s"], r.expert_offsets, r.expert_counts,
-                                    r.tile_expert, routed_rows=n, tile_k=self.tile_k, max_expert_rows=T)
+                                    r.tile_expert, routed_rows=n, **kw)
         y = moe_expert_gemm(hq, hs, self.W["d_q"], self.W["d_s"], r.expert_offsets, r.expert_counts, r.tile_expert,
-                            routed_rows=n, tile_k=self.tile_k, max_expert_rows=T)
+                            routed_rows=n, **kw)
         return moe_finalize(y, r.topk_weights, r.routed_row_pos, shared_expert(x, self.W["sh"]))
 
 
@@ -138,11 +141,9 @@ def stage_times(T, x, logits, bias, W, cfg, ours):
         for st in DECODE_STAGES:
             ok = tn is not None and MoeExpertDecodeSm90.can_implement(cfg.num_experts, N, K, tn, st)
             t[f"{name} decode kernel, {st} stages"] = run(max_expert_rows=T, stages=st) if ok else float("nan")
-    # the decode kernel in row passes of 16 token columns (any rows per expert; staged until its
-    # GPU test passes -- SKIP_STAGED is set by tools/device_next.sh when that test failed)
-    staged = T <= 320 and not os.environ.get("SKIP_STAGED")
+    # the decode kernel in row passes of 16 token columns (any rows per expert)
     for name, run, _, _ in gemms:
-        t[f"{name} decode kernel, row passes of 16"] = run(expert_row_tile=16) if staged else float("nan")
+        t[f"{name} decode kernel, row passes of 16"] = run(expert_row_tile=16)
     t["finalize + shared add"] = us(lambda: moe_finalize(y, r.topk_weights, r.routed_row_pos, sh))
     t["shared expert (both)"] = us(lambda: shared_expert(x, W["sh"]))
     # composite stages
@@ -213,7 +214,7 @@ def main():
         print(stage_rows[-1], flush=True)
     text = "\n".join([f"## MoE layer (E={args.experts}, k=8, hidden 7168, I=2048) -- {torch.cuda.get_device_name()}, "
                       f"{datetime.date.today()}", "", "Command: `python bench/bench_moe_experts.py`", "",
-                      markdown_table(["shape", "ours us (layer graph, default kernels)", "ours us (tiled kernel, tile_k 256)",
+                      markdown_table(["shape", "ours us (layer graph, expert_kernel_args)", "ours us (tiled kernel, tile_k 256)",
                                       "bf16 composite us", "speedup (best)",
                                       "experts hit", "ours weight bytes/s as % of 4.3 TB/s (best)", "launches ours",
                                       "launches composite", "finalize launches (ours: the fused finalize + shared add)"], rows),

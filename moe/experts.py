@@ -10,8 +10,10 @@
 
 Paths: sm_100a runs :mod:`moe.experts_sm100` (tcgen05 block-scaled MMA; compiled and
 machine-code checked in CI, never run here -- no Blackwell GPU); sm_90a runs
-:mod:`moe.experts_sm90` (FP8 warp MMA per 32-block with scale promotion; GPU-tested on the
-H200, correct but slower than a bf16 grouped matmul -- see its docstring). Other devices get
+:mod:`moe.experts_sm90_decode` (swap-AB TMA + FP8 wgmma, weights as M) for decode steps --
+:func:`expert_kernel_args` picks it from the token count -- and :mod:`moe.experts_sm90`
+(FP8 warp MMA per 32-block with scale promotion) for larger steps; both GPU-tested on the
+H200 (timings in ``bench/RESULTS.md``). Other devices get
 the PyTorch reference (exact dequantisation, then a bf16 grouped matmul with FP32
 accumulation), with one warning.
 
@@ -192,6 +194,35 @@ def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_
        jit.i32(_grid_tiles(op, rows, tile_expert.numel(), E, routed_rows)), jit.cu_stream(stream))
 
 
+#: Largest step (tokens) for which :func:`expert_kernel_args` picks the decode kernel's row
+#: passes; above it the tiled kernel (not measured with row passes beyond T = 320).
+ROW_PASS_MAX_TOKENS = 320
+
+
+def expert_kernel_args(tokens: int, row_tile: int | None = 16) -> dict:
+    """The Hopper kernel choice for a step of ``tokens`` tokens, as keyword arguments of
+    :func:`moe_expert_gemm` / :func:`moe_expert_gate_up`.
+
+    A token routes to an expert at most once, so ``tokens`` bounds every expert's rows:
+    ``tokens <= 16`` runs the decode kernel with that bound (one 16-column pass); up to
+    :data:`ROW_PASS_MAX_TOKENS` it runs in passes of ``row_tile`` columns. H200,
+    bench_moe_experts (E=256, hidden 7168, I=2048), gate/up + down: T=1 74 + 42 us either
+    way; T=64 625 + 307 us in passes of 16 against 1217 + 598 with one 64-column pass (81%
+    of 4.3 TB/s of weight bytes against 42%); T=320 1715 + 825 against 3696 + 1773 for the
+    best tiled configuration. ``row_tile=None`` keeps one pass up to 64 tokens (the earlier
+    default) and the tiled kernel above.
+    """
+    if not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(f"expert_kernel_args: tokens must be a non-negative int, got {tokens!r}")
+    if row_tile is not None and row_tile not in TOK_N:
+        raise ValueError(f"expert_kernel_args: row_tile must be None or one of {TOK_N}, got {row_tile!r}")
+    if tokens <= 16 or (row_tile is None and tokens <= TOK_N[-1]):
+        return dict(max_expert_rows=max(tokens, 1))
+    if row_tile is not None and tokens <= ROW_PASS_MAX_TOKENS:
+        return dict(expert_row_tile=row_tile)
+    return {}
+
+
 def default_tile(K: int, fused: bool) -> tuple[int, int | None, int]:
     """The Hopper kernel's (K tile, stages, CTAs per SM) by default. H200, bench_moe_experts
     (E=256, hidden 7168, I=2048, T = 1 and 64): 256 x 2 at 2 CTAs/SM was the fastest of four
@@ -238,9 +269,9 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     kernel (:mod:`moe.experts_sm90_decode`, 2.3-4.6x faster than the tiled kernel at T = 1 and 64 on
     the H200; ``stages`` then sets its pipeline depth); pass the token count at decode.
     ``expert_row_tile`` (16 / 32 / 64) runs the decode kernel for any rows per expert: a CTA
-    covers its router tile's live rows in passes of that many token columns (staged: compiled
-    and machine-code checked, its GPU test not yet run; meant for T = 64-320, where an expert's
-    rows are usually <= 16 but not bounded by it).
+    covers its router tile's live rows in passes of that many token columns (GPU-tested; for
+    T = 17-320, where an expert's rows are usually <= 16 but not bounded by it).
+    :func:`expert_kernel_args` picks between these from the token count.
     Padding rows of ``out`` are unspecified.
     """
     op = "moe_expert_gemm"

@@ -33,15 +33,14 @@ the FP32 promotion (``tools/probe_decode_precision.py``, H200: 2.6% of bf16 outp
 from the FP32-exact emulation, rel-norm 4.4e-4, against 0.008% for the tiled kernel's f16
 HMMA); the MX requantisation hides it except where g cancels to near zero.
 
-Status and speed (H200, 2026-12-02, ``python bench/bench_moe_experts.py --tokens 1,64``): GPU-
-tested (the GEMM against the block-scaled emulation with NaN-poisoned padding rows, the
-fused epilogue against the spec on the kernel's own GEMM output) and the default wherever
-the caller passes ``max_expert_rows <= 64`` (the decode runtime passes its token count).
-E=256, hidden 7168, I=2048: gate/up 72.9 us (75% of 4.3 TB/s on the 8 selected experts'
-bytes) and down 40.9 us (67%) at T = 1; 41-42% at T = 64, where the 64-wide token tile
-promotes 64 columns for experts holding ~2 rows -- what ``row_passes`` with ``tok_n = 16``
-is for (``expert_row_tile=16``; compiled and machine-code checked, its GPU tests staged in
-``tests/test_moe_experts.py -k row_passes``, not yet run).
+Status and speed (H200, 2026-12-02, ``python bench/bench_moe_experts.py --tokens 1,64,320``):
+GPU-tested (the GEMM against the block-scaled emulation with NaN-poisoned padding rows, the
+fused epilogue against the spec on the kernel's own GEMM output, both with and without
+``row_passes``) and the default for T <= 320 (:func:`moe.experts.expert_kernel_args`, which
+the decode runtime uses). E=256, hidden 7168, I=2048, % of 4.3 TB/s on the selected experts'
+weight bytes: T = 1 gate/up 74 us (75%), down 42 us (67%); T = 64 in passes of 16 columns
+625 + 307 us (81%, 82%; one 64-wide pass: 1217 + 598, since it promotes 64 columns for experts
+holding ~2 rows); T = 320 in passes of 16: 1715 + 825 us, 2.15x the best tiled configuration.
 
 Constraints: ``K % 128 == 0``, ``N % 64 == 0``; without ``row_passes``, rows per expert <=
 ``tok_n`` (the caller's bound; a larger count would drop rows, so the host only selects this

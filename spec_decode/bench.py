@@ -154,9 +154,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=512,
                     help="prompt positions per eager prefill forward (its reference attention gathers "
                          "[chunk, top-k, heads, head_dim] keys and values: 32 GiB each at slice size and 512)")
-    ap.add_argument("--moe-row-tile", type=int, default=None, choices=(16, 32, 64),
-                    help="fused backend: the MoE decode kernel in row passes for steps of > 64 tokens")
-    ap.add_argument("--indexer-token-group", type=int, default=1, choices=(1, 2, 3, 4),
+    ap.add_argument("--moe-row-tile", type=int, default=16, choices=(0, 16, 32, 64),
+                    help="fused backend: the MoE decode kernel in passes of this many token columns for "
+                         "steps of 17-320 tokens (0: one pass up to 64 tokens, the tiled kernel above)")
+    ap.add_argument("--indexer-token-group", type=int, default=3, choices=(1, 2, 3, 4),
                     help="fused backend: consecutive tokens of a request scored per indexer CTA")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -167,7 +168,7 @@ def main(argv=None) -> int:
     if args.quick:
         cases = [("BS1 in 512 / out 64", 1, 512, 64), ("BS64 in 512 / out 64", 64, 512, 64)]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    engine = dict(prefill_chunk=args.prefill_chunk, moe_row_tile=args.moe_row_tile,
+    engine = dict(prefill_chunk=args.prefill_chunk, moe_row_tile=args.moe_row_tile or None,
                   indexer_token_group=args.indexer_token_group)
     results = {}
     total = len(cases) * len(backends)
@@ -189,8 +190,8 @@ def main(argv=None) -> int:
              f"Command: `python -m spec_decode.bench --model {args.model} --backends {args.backends}"
              f"{' --quick' if args.quick else ''}"
              f"{f' --prefill-chunk {args.prefill_chunk}' if args.prefill_chunk != 512 else ''}"
-             f"{f' --moe-row-tile {args.moe_row_tile}' if args.moe_row_tile else ''}"
-             f"{f' --indexer-token-group {args.indexer_token_group}' if args.indexer_token_group > 1 else ''}`", ""]
+             f"{f' --moe-row-tile {args.moe_row_tile}' if args.moe_row_tile != 16 else ''}"
+             f"{f' --indexer-token-group {args.indexer_token_group}' if args.indexer_token_group != 3 else ''}`", ""]
     header = "| metric | " + " | ".join(backends) + " |"
     lines += [header, "|" + "---|" * (len(backends) + 1)]
 

@@ -69,14 +69,15 @@ class EngineConfig:
     #: safetensors file with the model's weights (name map: spec_decode.weights); None = seeded random
     weights: str | None = None
     prefill_chunk: int = 512  # prompt positions per (eager) prefill forward: bounds the indexer's temporaries
-    #: fused backend, steps of more than 64 tokens: run the MoE decode kernel in row passes of
-    #: this many token columns (16 / 32 / 64; moe.experts_sm90_decode) instead of the tiled
-    #: kernel. None (default) until its GPU test has run.
-    moe_row_tile: int | None = None
+    #: fused backend, steps of 17-320 tokens: run the MoE decode kernel in passes of this many
+    #: token columns (16 / 32 / 64; moe.experts.expert_kernel_args). None: one pass up to 64
+    #: tokens, the tiled kernel above. H200: passes of 16 halve the expert GEMMs at T = 64.
+    moe_row_tile: int | None = 16
     #: fused backend: score this many consecutive tokens of a request per CTA in the indexer
-    #: (indexer_topk's token_group: one key tile per group; 1 = one token per CTA). 1 (default)
-    #: until its GPU test has run; 3 suits the 6-token verify block.
-    indexer_token_group: int = 1
+    #: (indexer_topk's token_group: one key tile per group; 1 = one token per CTA). H200,
+    #: bench_indexer: groups of 3 were 1.43x the one-token wgmma kernel at T = 384 (6-token
+    #: verify blocks), 1.07x at T = 6.
+    indexer_token_group: int = 3
 
     @property
     def max_batch(self) -> int:

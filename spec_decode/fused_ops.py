@@ -25,7 +25,7 @@ from cute_kernels.mhc_post_mix import mhc_post_mix
 from cute_kernels.mhc_pre_mix import mhc_pre_mix
 from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_split_phi, mhc_stats
 from cute_kernels.wo_a import wo_a
-from moe.experts import interleave_gate_up, moe_expert_gate_up, moe_expert_gemm, quantize_expert_weights
+from moe.experts import expert_kernel_args, interleave_gate_up, moe_expert_gate_up, moe_expert_gemm, quantize_expert_weights
 from moe.finalize import moe_finalize
 from moe.quant import mxfp8_quantize_routed
 from moe.router import MoeRouter, RouterConfig
@@ -37,8 +37,8 @@ from .step_model import Ops, family
 class FusedOps(Ops):
     """Kernels for a bf16 :class:`TargetModel` on a CUDA device (every activation is bf16)."""
 
-    def __init__(self, target, max_tokens: int, max_len: int, moe_row_tile: int | None = None,
-                 indexer_token_group: int = 1, _cpu_for_tests: bool = False):
+    def __init__(self, target, max_tokens: int, max_len: int, moe_row_tile: int | None = 16,
+                 indexer_token_group: int = 3, _cpu_for_tests: bool = False):
         cfg = target.cfg
         on_cuda = torch.device(target.device).type == "cuda"
         if target.dtype != torch.bfloat16 or not (on_cuda or _cpu_for_tests):
@@ -107,8 +107,11 @@ class FusedOps(Ops):
         # top-2048 over 592 positions, 3.5x the attention's gathers (H200 probe: the verify
         # graph 12.4 ms against 6.9 ms). Same width as the baseline's min(topk, L).
         k = min(topk, self.max_len)
-        # token t = b * S + s: a request's tokens are consecutive, so groups share their keys
-        group = dict(token_group=self.indexer_token_group) if self.indexer_token_group > 1 else {}
+        # token t = b * S + s: a request's tokens are consecutive, so a group within one
+        # request shares its key tiles (groups no larger than a request's S tokens: a group
+        # spanning requests scores them in per-token passes, no saving)
+        g = min(self.indexer_token_group, S)
+        group = dict(token_group=g) if g > 1 else {}
         idx = indexer_topk(q_idx.reshape(B * S, Hi, D).contiguous(), w_idx.reshape(B * S, Hi).float().contiguous(),
                            rows, off, p + 1, p, topk=k, max_keys=self.max_len, workspace=self.idx_ws, **group)
         idx = idx.view(B, S, k).long()
@@ -133,12 +136,10 @@ class FusedOps(Ops):
             r = self.router(logits, P["router_bias"])
         aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, cfg.top_k)
         n = x.shape[0] * cfg.top_k  # routed rows: bounds the expert grids to the live tiles
-        # a token routes to an expert at most once: T bounds every expert's rows, which selects
-        # the Hopper decode kernel (weights as wgmma's M) for T <= 64; above, moe_row_tile
-        # (opt-in) runs that kernel in row passes
-        T = x.shape[0]
-        rows = dict(max_expert_rows=T) if T <= 64 or self.moe_row_tile is None else \
-            dict(expert_row_tile=self.moe_row_tile)
+        # a token routes to an expert at most once: T bounds every expert's rows, which picks
+        # the Hopper decode kernel (weights as wgmma's M), in passes of moe_row_tile columns
+        # above 16 tokens (moe.experts.expert_kernel_args: the measured choice)
+        rows = expert_kernel_args(x.shape[0], self.moe_row_tile)
         hq, hs = moe_expert_gate_up(aq, asc, P["gu_q"], P["gu_s"], r.expert_offsets, r.expert_counts, r.tile_expert,
                                     routed_rows=n, **rows)
         y = moe_expert_gemm(hq, hs, P["d_q"], P["d_s"], r.expert_offsets, r.expert_counts, r.tile_expert,

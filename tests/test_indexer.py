@@ -297,7 +297,7 @@ def test_both_hopper_score_kernels(seed, T, S, n_seq, use_wgmma):
     (8, 300, 2, 4, True),     # a group straddling two sequences; short sequences (< k candidates)
 ])
 def test_token_group_kernel(seed, T, S, n_seq, group, token_major):
-    """H200 (staged): one CTA per group of tokens; same checks as the one-token kernels."""
+    """H200: one CTA per group of tokens; same checks as the one-token kernels."""
     q, w, kc, off, ln, pos = make(T, S, n_seq)
     if token_major:
         order = torch.sort(off, stable=True).indices

@@ -244,6 +244,25 @@ def test_grid_tile_bound():
         _grid_tiles("op", 1000, 10, 4, -1)
 
 
+def test_expert_kernel_args_by_token_count():
+    """The runtime's kernel choice: one decode pass while the token count bounds every expert
+    at 16 rows, row passes up to ROW_PASS_MAX_TOKENS, the tiled kernel above."""
+    from moe.experts import ROW_PASS_MAX_TOKENS, expert_kernel_args
+    assert expert_kernel_args(0) == dict(max_expert_rows=1)
+    assert expert_kernel_args(1) == dict(max_expert_rows=1)
+    assert expert_kernel_args(16) == dict(max_expert_rows=16)
+    assert expert_kernel_args(17) == dict(expert_row_tile=16)
+    assert expert_kernel_args(64, 32) == dict(expert_row_tile=32)
+    assert expert_kernel_args(ROW_PASS_MAX_TOKENS) == dict(expert_row_tile=16)
+    assert expert_kernel_args(ROW_PASS_MAX_TOKENS + 1) == {}
+    assert expert_kernel_args(64, None) == dict(max_expert_rows=64)
+    assert expert_kernel_args(65, None) == {}
+    with pytest.raises(ValueError, match="row_tile"):
+        expert_kernel_args(64, 24)
+    with pytest.raises(ValueError, match="tokens"):
+        expert_kernel_args(-1)
+
+
 @pytest.mark.parametrize("cfg", [dict(E=256, N=4096, K=7168), dict(E=256, N=7168, K=2048)])
 def test_machine_code_sm90(cfg):
     h = sass.sass_histogram("moe_expert_gemm_sm90", "sm_90a", **cfg)
@@ -416,7 +435,7 @@ def test_gate_up_validation():
     (3, 7168, 2048, [40, 7, 0], 64),          # down projection, the 64-wide token tile
 ])
 def test_gpu_decode_kernel_matches_emulation(seed, E, N, K, counts, max_rows):
-    """H200: the swap-AB TMA + FP8 wgmma decode kernel (staged: not yet run); NaN padding
+    """H200: the swap-AB TMA + FP8 wgmma decode kernel; NaN padding
     rows of A are loaded by its token tile and must stay in their own output columns."""
     _gemm_matches_emulation(seed, E, N, K, counts, [dict(routed_rows=sum(counts), max_expert_rows=max_rows)])
 
@@ -443,14 +462,14 @@ def test_gpu_decode_kernel_fused_gate_up(seed, E, I, K, counts, max_rows):
     (3, 7168, 2048, [65, 0, 5], 64),  # down-like, the 64-wide token tile
 ])
 def test_gpu_decode_kernel_row_passes(seed, E, N, K, counts, row_tile):
-    """H200 (staged): the decode kernel covering any rows per expert in passes of ``row_tile``
+    """H200: the decode kernel covering any rows per expert in passes of ``row_tile``
     token columns; NaN padding rows inside the last pass stay in their own columns."""
     _gemm_matches_emulation(seed, E, N, K, counts, [dict(routed_rows=sum(counts), expert_row_tile=row_tile)])
 
 
 @pytest.mark.gpu
 def test_gpu_decode_kernel_row_passes_fused(seed):
-    """H200 (staged): the fused epilogue once per pass (its staging tile reused across passes)."""
+    """H200: the fused epilogue once per pass (its staging tile reused across passes)."""
     _gate_up_matches_spec(seed, 4, 1024, 2048, [33, 0, 129, 17], own_gemm=True, expert_row_tile=16)
 
 
