@@ -4,8 +4,9 @@
 #            MoE layer bench at T = 1, 64, 320, indexer bench), the whole GPU suite -- run;
 #   phase 2: with both now the runtime's defaults: the runtime's GPU tests, the small config
 #            (quick, both backends), the slice config after the indexer-width fix;
-#   phase 3: the small config at the full lengths (BS1 4096/1024, BS64 4096/2048;
-#            never run), the MoE layer bench with the row-pass policy in its layer graph.
+#   phase 3: the slice config's fused logits per family (its acceptance length was 6.00 against
+#            the baseline's 1.00), the small config at the full lengths (BS1 4096/1024,
+#            BS64 4096/2048; never run), the MoE layer bench at T = 384 (a BS64 verify step).
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1, 2, 3)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start.
@@ -30,7 +31,8 @@ case "${1:-1}" in
   step 300 spec_slice python -m spec_decode.bench --model slice --backends baseline,fused --quick --prefill-chunk 64 --out "$OUT/spec_slice.md"
   ;;
 3)
-  step 330 spec_small_full python -m spec_decode.bench --model small --backends baseline,fused --out "$OUT/spec_small_full.md"
-  step 150 bench_moe python bench/bench_moe_experts.py --tokens 1,64,320,4096 --out "$OUT/bench_moe.md"
+  step 150 probe_numerics python tools/probe_slice_numerics.py
+  step 280 spec_small_full python -m spec_decode.bench --model small --backends baseline,fused --out "$OUT/spec_small_full.md"
+  step 120 bench_moe python bench/bench_moe_experts.py --tokens 1,64,384 --out "$OUT/bench_moe.md"
   ;;
 esac
