@@ -12,7 +12,7 @@ ours quantised from them). Stage times are CUDA-graph replays of each stage alon
 time is one graph of the whole layer; launches per layer are counted from a profiled replay.
 The layer's expert kernels are the runtime's choice (moe.experts.expert_kernel_args): the
 swap-AB decode kernel (moe.experts_sm90_decode) at T <= 16, in passes of 16 token columns
-up to T = 320, the tiled kernel (moe.experts_sm90, default tile) above; the second layer
+up to T = 384, the tiled kernel (moe.experts_sm90, default tile) above; the second layer
 column forces the tiled kernel with tile_k 256.
 Weight bandwidth at decode T counts the bytes of the experts the router actually selected.
 

@@ -149,6 +149,9 @@ def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_
         raise ValueError(f"{op}: tile_expert has {tile_expert.numel()} tiles of 128 rows; a_q has {rows} rows")
     if N % 64:
         raise ValueError(f"{op}: the Hopper kernel needs N % 64 == 0, got N={N}")
+    if rows * max(K, N) >= 2**31:  # the kernels index A and out with 32-bit element offsets
+        raise ValueError(f"{op}: a_q has {rows} rows; rows * max(K={K}, N={N}) must stay below 2^31 (split the "
+                         f"tokens into several calls)")
     check_cuda(op, ("a_q", a_q), ("expert_counts", expert_counts), ("tile_expert", tile_expert))
     P = jit.gmem_ptr
     f8 = cutlass.Float8E4M3FN
@@ -195,8 +198,9 @@ def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_
 
 
 #: Largest step (tokens) for which :func:`expert_kernel_args` picks the decode kernel's row
-#: passes; above it the tiled kernel (not measured with row passes beyond T = 320).
-ROW_PASS_MAX_TOKENS = 320
+#: passes: a BS64 verify step (64 x 6 tokens); above it the tiled kernel (row passes not
+#: measured beyond T = 384).
+ROW_PASS_MAX_TOKENS = 384
 
 
 def expert_kernel_args(tokens: int, row_tile: int | None = 16) -> dict:
@@ -208,8 +212,8 @@ def expert_kernel_args(tokens: int, row_tile: int | None = 16) -> dict:
     :data:`ROW_PASS_MAX_TOKENS` it runs in passes of ``row_tile`` columns. H200,
     bench_moe_experts (E=256, hidden 7168, I=2048), gate/up + down: T=1 74 + 42 us either
     way; T=64 625 + 307 us in passes of 16 against 1217 + 598 with one 64-column pass (81%
-    of 4.3 TB/s of weight bytes against 42%); T=320 1715 + 825 against 3696 + 1773 for the
-    best tiled configuration. ``row_tile=None`` keeps one pass up to 64 tokens (the earlier
+    of 4.3 TB/s of weight bytes against 42%); T=320 1715 + 825 and T=384 1904 + 939 against
+    3696 + 1773 and 3852 + 1846 for the best tiled configuration. ``row_tile=None`` keeps one pass up to 64 tokens (the earlier
     default) and the tiled kernel above.
     """
     if not isinstance(tokens, int) or tokens < 0:
@@ -270,7 +274,7 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     the H200; ``stages`` then sets its pipeline depth); pass the token count at decode.
     ``expert_row_tile`` (16 / 32 / 64) runs the decode kernel for any rows per expert: a CTA
     covers its router tile's live rows in passes of that many token columns (GPU-tested; for
-    T = 17-320, where an expert's rows are usually <= 16 but not bounded by it).
+    T = 17-384, where an expert's rows are usually <= 16 but not bounded by it).
     :func:`expert_kernel_args` picks between these from the token count.
     Padding rows of ``out`` are unspecified.
     """

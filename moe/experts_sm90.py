@@ -41,7 +41,7 @@ import os
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
@@ -184,7 +184,14 @@ class MoeExpertGemmSm90:
         if e >= 0:
             live = cutlass.min(mOffs[e] + mCnt[e] - row0, BM)  # live rows of this router tile
         if live > 0:
-            self.mainloop(mA, mW, mSA, mSW, mOut, mQ, mSQ, tiled_mma, e, row0, nt * BN, live)
+            # Expert e's [N, K] weights, offset in 64 bits: E * N * K bytes exceed 2^31 at the
+            # model's sizes (256 x 4096 x 7168 = 7.5 GB), and an Int32 row index times K
+            # wrapped for e >= 74 (an illegal address, or a silent read of a neighbouring
+            # allocation). Within one expert, (n0 + r) * K stays below 2^31.
+            w_off = cute.assume(Int64(e) * (self.N * self.K), divby=16)  # N % 64, K % 128: 16-byte rows
+            mWe = cute.make_tensor(mW.iterator + w_off,
+                                   cute.make_layout((self.N, self.K), stride=(self.K, 1)))
+            self.mainloop(mA, mWe, mSA, mSW, mOut, mQ, mSQ, tiled_mma, e, row0, nt * BN, live)
 
     @cute.jit
     def mainloop(self, mA: cute.Tensor, mW: cute.Tensor, mSA: cute.Tensor, mSW: cute.Tensor, mOut: cute.Tensor,
@@ -213,7 +220,7 @@ class MoeExpertGemmSm90:
         gSW16 = cute.zipped_divide(mSW, (16,))
         sSA16 = cute.zipped_divide(sSA, (16, 1))
         sSW16 = cute.zipped_divide(sSW, (16, 1))
-        wrow0 = e * self.N + n0
+        wrow0 = n0  # mW is expert e's [N, K] view
         # Scale atoms: rows [row0, +128) x blocks [4 kt, +4) is one contiguous 512-byte atom;
         # W's 64 rows sit inside the atom of rows [n0 - n0 % 128, +128).
         cb = self.kb_pad // 4

@@ -36,11 +36,12 @@ HMMA); the MX requantisation hides it except where g cancels to near zero.
 Status and speed (H200, 2026-12-02, ``python bench/bench_moe_experts.py --tokens 1,64,320``):
 GPU-tested (the GEMM against the block-scaled emulation with NaN-poisoned padding rows, the
 fused epilogue against the spec on the kernel's own GEMM output, both with and without
-``row_passes``) and the default for T <= 320 (:func:`moe.experts.expert_kernel_args`, which
+``row_passes``) and the default for T <= 384 (:func:`moe.experts.expert_kernel_args`, which
 the decode runtime uses). E=256, hidden 7168, I=2048, % of 4.3 TB/s on the selected experts'
 weight bytes: T = 1 gate/up 74 us (75%), down 42 us (67%); T = 64 in passes of 16 columns
 625 + 307 us (81%, 82%; one 64-wide pass: 1217 + 598, since it promotes 64 columns for experts
-holding ~2 rows); T = 320 in passes of 16: 1715 + 825 us, 2.15x the best tiled configuration.
+holding ~2 rows); T = 320 and 384 in passes of 16: 1715 + 825 and 1904 + 939 us, 2.0-2.15x the
+best tiled configuration.
 
 Constraints: ``K % 128 == 0``, ``N % 64 == 0``; without ``row_passes``, rows per expert <=
 ``tok_n`` (the caller's bound; a larger count would drop rows, so the host only selects this

@@ -156,7 +156,7 @@ def main(argv=None) -> int:
                          "[chunk, top-k, heads, head_dim] keys and values: 32 GiB each at slice size and 512)")
     ap.add_argument("--moe-row-tile", type=int, default=16, choices=(0, 16, 32, 64),
                     help="fused backend: the MoE decode kernel in passes of this many token columns for "
-                         "steps of 17-320 tokens (0: one pass up to 64 tokens, the tiled kernel above)")
+                         "steps of 17-384 tokens (0: one pass up to 64 tokens, the tiled kernel above)")
     ap.add_argument("--indexer-token-group", type=int, default=3, choices=(1, 2, 3, 4),
                     help="fused backend: consecutive tokens of a request scored per indexer CTA")
     args = ap.parse_args(argv)

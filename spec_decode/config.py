@@ -69,7 +69,7 @@ class EngineConfig:
     #: safetensors file with the model's weights (name map: spec_decode.weights); None = seeded random
     weights: str | None = None
     prefill_chunk: int = 512  # prompt positions per (eager) prefill forward: bounds the indexer's temporaries
-    #: fused backend, steps of 17-320 tokens: run the MoE decode kernel in passes of this many
+    #: fused backend, steps of 17-384 tokens: run the MoE decode kernel in passes of this many
     #: token columns (16 / 32 / 64; moe.experts.expert_kernel_args). None: one pass up to 64
     #: tokens, the tiled kernel above. H200: passes of 16 halve the expert GEMMs at T = 64.
     moe_row_tile: int | None = 16

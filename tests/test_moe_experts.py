@@ -206,6 +206,50 @@ def test_gpu_kernel_matches_emulation(seed, E, N, K, counts):
                              (n, 128, 3, 2), (n, 256, 2, 2))])
 
 
+@pytest.mark.gpu
+def test_gpu_weights_past_2_gib(seed):
+    """H200: an expert whose weights start past 2^31 bytes (E = 76 experts of 4096 x 7168 e4m3,
+    2.2 GB; expert 75 at 2.2e9). The tiled kernel indexed W with a 32-bit row offset times K,
+    which wrapped for experts >= 74 (an illegal address at the slice config, B = 64); every
+    kernel must read expert 75's own weights. Experts 1..74 are empty, so their weights stay
+    zero and only experts 0 and 75 are quantised on the CPU."""
+    E, N, K, counts2 = 76, 4096, 7168, [2, 3]
+    gen = torch.Generator().manual_seed(seed)
+    a, w, aq, asw, wq2, wsw2, offs2, asc, wsc = _quantized_problem(2, N, K, counts2, gen)
+    cpu = torch.zeros(aq.shape[0], N).bfloat16()
+    _reference(aq, asw, wq2, wsw2, offs2, cpu)
+    wq = torch.zeros(E, N, K, dtype=torch.float8_e4m3fn, device="cuda")
+    wsw = torch.zeros(E, wsw2.shape[1], dtype=torch.uint8, device="cuda")
+    for src, dst in ((0, 0), (1, E - 1)):
+        wq[dst].copy_(wq2[src])
+        wsw[dst].copy_(wsw2[src])
+    counts = [2] + [0] * (E - 2) + [3]
+    offs = torch.tensor([0] + [128] * (E - 1) + [256], dtype=torch.int32)
+    cnt, te = _router_maps(offs, counts, aq.shape[0])
+    aq = _poison_padding(aq, offs2, counts2).cuda()
+    for kw in (dict(routed_rows=5), dict(tile_k=256, stages=2, ctas_per_sm=2, routed_rows=5),
+               dict(max_expert_rows=3, routed_rows=5), dict(expert_row_tile=16, routed_rows=5)):
+        out = torch.full((aq.shape[0], N), float("nan"), device="cuda").bfloat16()
+        moe_expert_gemm(aq, asw.cuda(), wq, wsw, offs.cuda(), cnt.cuda(), te.cuda(), out=out, **kw)
+        torch.cuda.synchronize()
+        o = out.float().cpu()
+        for lo, hi in ((0, 2), (128, 131)):
+            assert torch.allclose(o[lo:hi], cpu[lo:hi].float(), rtol=2**-7, atol=1e-2), f"rows {lo}..{hi} {kw}"
+
+
+def test_row_offset_bound_is_validated():
+    """rows * max(K, N) >= 2^31 would wrap the kernels' 32-bit A / out offsets: a ValueError
+    (checked before any launch; meta tensors need no memory)."""
+    from moe.experts import _launch_sm90
+    rows, K, E, N = 300_032, 7168, 2, 4096
+    m = dict(device="meta")
+    with pytest.raises(ValueError, match="2\\^31"):
+        _launch_sm90("moe_expert_gemm", "sm_90a", torch.empty(rows, K, dtype=torch.float8_e4m3fn, **m), None,
+                     torch.empty(E, N, K, dtype=torch.float8_e4m3fn, **m), None, None,
+                     torch.empty(E, dtype=torch.int32, **m), torch.empty(rows // 128, dtype=torch.int32, **m),
+                     None, None, None)
+
+
 def _gemm_matches_emulation(seed, E, N, K, counts, launches):
     """moe_expert_gemm with each keyword set in ``launches`` against the block-scaled CPU
     emulation, on live rows, with NaN-poisoned padding rows of A."""

@@ -35,4 +35,13 @@ case "${1:-1}" in
   step 280 spec_small_full python -m spec_decode.bench --model small --backends baseline,fused --out "$OUT/spec_small_full.md"
   step 120 bench_moe python bench/bench_moe_experts.py --tokens 1,64,384 --out "$OUT/bench_moe.md"
   ;;
+4)  # after the 64-bit expert-weight offset fix of the tiled kernel (and row passes up to T = 384)
+  step 120 moe_tests $PYT tests/test_moe_experts.py -m gpu
+  step 60 probe_fault env CUDA_LAUNCH_BLOCKING=1 python tools/probe_moe_fault.py
+  step 60 probe_numerics env BATCHES=1,64 python tools/probe_slice_numerics.py
+  step 150 spec_slice python -m spec_decode.bench --model slice --backends baseline,fused --quick --prefill-chunk 64 --out "$OUT/spec_slice.md"
+  step 80 spec_small python -m spec_decode.bench --model small --backends baseline,fused --quick --out "$OUT/spec_small.md"
+  step 100 spec_small_full python -m spec_decode.bench --model small --backends baseline,fused --out "$OUT/spec_small_full.md"
+  step 80 bench_moe python bench/bench_moe_experts.py --tokens 1,64,384 --out "$OUT/bench_moe.md"
+  ;;
 esac

@@ -1,7 +1,9 @@
 """Device probe: are the fused ops' logits sane at the slice config (which family is not)?
 
     device run (carry .devcache): source tools/device-env.sh && python tools/probe_slice_numerics.py
-    (env MODEL=small|slice, default slice; BATCHES = comma-separated request counts, default 1,11,64)
+    (env MODEL=small|slice, default slice; BATCHES = comma-separated request counts, default 1,11,64;
+    TRACE=1 synchronises after every kernel entry point of spec_decode.fused_ops and prints its
+    name first -- run with CUDA_LAUNCH_BLOCKING=1 to find a faulting kernel)
 
 Why: the slice bench (H200, 2026-12-02) measured a median acceptance length of 6.00 for the
 fused backend against 1.00 for the baseline on the same random model -- every draft accepted,
@@ -34,16 +36,35 @@ def summary(x, ref):
     return fin, rel, x.abs().max().item() if ok else float("nan")
 
 
+def trace_kernels():
+    """Wrap the kernel entry points FusedOps calls: print the name, call, synchronise."""
+    import spec_decode.fused_ops as fo
+
+    def wrap(name, fn):
+        def traced(*a, **k):
+            shapes = [tuple(x.shape) for x in a if isinstance(x, torch.Tensor)][:3]
+            print(f"  -> {name} {shapes} {k.get('token_group', '')}{k.get('expert_row_tile', '')}", flush=True)
+            out = fn(*a, **k)
+            torch.cuda.synchronize()
+            return out
+        return traced
+    for name in ("indexer_topk", "mhc_post_mix", "mhc_pre_mix", "mhc_stats", "wo_a", "moe_expert_gate_up",
+                 "moe_expert_gemm", "moe_finalize", "mxfp8_quantize_routed", "shared_expert"):
+        setattr(fo, name, wrap(name, getattr(fo, name)))
+    fo.MoeRouter.__call__ = wrap("router", fo.MoeRouter.__call__)
+
+
 def main():
+    if os.environ.get("TRACE"):
+        trace_kernels()
     name = os.environ.get("MODEL", "slice")
     cfg = {"slice": SLICE, "small": SMALL}[name]
     batches = [int(b) for b in os.environ.get("BATCHES", "1,11,64").split(",")]
     S, max_len = 6, 600
     m = TargetModel(cfg, seed=3, dtype=torch.bfloat16, device="cuda")
     fused = FusedOps(m, max_tokens=max(batches) * S, max_len=max_len)
-    variants = {"fused": fused}
-    for f in FAMILIES:
-        variants[f"baseline + fused {f}"] = hybrid(fused, [f])
+    variants = {f"baseline + fused {f}": hybrid(fused, [f]) for f in FAMILIES}
+    variants["fused"] = fused
     kv = KVPool(cfg, max(batches) + 1, max_len, torch.bfloat16, "cuda")
     kv.k.normal_()
     kv.v.normal_()
