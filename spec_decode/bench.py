@@ -200,7 +200,9 @@ def main(argv=None) -> int:
         if "error" in r:
             return "n/a"
         v = r.get(key)
-        return "-" if v is None else (fmt.format(v) if isinstance(v, float) else str(v))
+        # statistics.median of ints is an int when the count is odd: format numbers alike
+        return "-" if v is None else (fmt.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool)
+                                      else str(v))
 
     bs1, bs64 = cases[0][0], cases[1][0]
     rows = [("input ids hash", bs64, "hash", "{}"), (f"{bs1}: output tok/s after first token", bs1, "decode_tps", None),
