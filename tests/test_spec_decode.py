@@ -241,7 +241,8 @@ def test_fused_ops_track_fp32_reference_on_gpu(seed):
 @pytest.mark.gpu
 def test_fused_engine_generates_on_gpu():
     """backend='fused': the kernels inside the captured verify / draft graphs; greedy tokens
-    mostly agree with the baseline backend on the same weights and prompts."""
+    mostly agree with the baseline backend on the same weights and prompts; on each backend the
+    pipelined loop gives the step-at-a-time loop's tokens."""
     from spec_decode.config import SMALL
 
     outs = {}
@@ -249,6 +250,8 @@ def test_fused_engine_generates_on_gpu():
         eng = Engine(EngineConfig(model=SMALL, device="cuda", dtype="bfloat16", backend=backend, max_seq_len=128,
                                   graph_batch_sizes=(1, 2, 4)))
         outs[backend] = eng.generate([[1, 2, 3, 4, 5], [7, 8, 9]], 12)
+        # the pipelined loop (the default) gives the step-at-a-time loop's tokens
+        assert eng.generate([[1, 2, 3, 4, 5], [7, 8, 9]], 12, pipelined=False) == outs[backend]
         if backend == "fused":  # warm_up captures on the scratch slot only: same tokens after it
             eng = Engine(EngineConfig(model=SMALL, device="cuda", dtype="bfloat16", backend=backend,
                                       max_seq_len=128, graph_batch_sizes=(1, 2, 4)))
