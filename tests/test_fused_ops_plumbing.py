@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import spec_decode.fused_ops as fo
-from moe.experts import _mx_quant_torch, _reference, _swizzle_reference, dequantize, silu_mul_interleaved
+from moe.experts import _mx_quant_torch, _reference, _swizzle_reference, silu_mul_interleaved
 from moe.router import RouterOutput, capacity
 from references import (align_ref, finalize_shared_ref, grouped_topk_ref, indexer_scores_ref, mhc_post_mix_ref,
                         mhc_pre_mix_ref, mhc_stats_ref)
@@ -80,11 +80,12 @@ EXPERT_CALLS = []  # (max_expert_rows, expert_row_tile) per expert-GEMM call
 def _check_bounds(counts, routed_rows, max_expert_rows, expert_row_tile):
     assert routed_rows is not None and routed_rows >= int(counts.sum())  # the grid bound covers every live row
     EXPERT_CALLS.append((max_expert_rows, expert_row_tile))
-    if expert_row_tile is None:
+    if max_expert_rows is not None:
         # the decode kernel's token tile holds max_expert_rows: it must bound every expert's rows
-        assert max_expert_rows is not None and max_expert_rows >= int(counts.max())
-    else:  # row passes: any rows per expert
-        assert max_expert_rows is None and expert_row_tile in (16, 32, 64)
+        assert expert_row_tile is None and max_expert_rows >= int(counts.max())
+    elif expert_row_tile is not None:  # row passes: any rows per expert
+        assert expert_row_tile in (16, 32, 64)
+    # neither: the tiled kernel, any rows per expert
 
 
 def fake_gate_up(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert_rows=None, expert_row_tile=None):
@@ -147,7 +148,6 @@ def test_each_fused_family_matches_its_baseline(fakes):
     X = (torch.randn(2, 6, CFG.mhc_n, CFG.hidden, generator=g)).bfloat16()
     H = fops.mhc_mappings(X, L, "attn", CFG)  # packed [T, 2n + n*n]
     hp, hq, hr = base.mhc_mappings(X.float(), L32, "attn", CFG)
-    n = CFG.mhc_n
     ref = torch.cat([hp, hq, hr.flatten(-2)], -1).reshape(12, -1)
     assert (H - ref).abs().max() < 1e-3  # phi in bf16 planes vs fp32: same weights, FP32 math
     u = fops.pre_mix(X, H)
@@ -184,17 +184,20 @@ def test_each_fused_family_matches_its_baseline(fakes):
 
 @pytest.mark.parametrize("row_tile", [None, 16])
 def test_moe_kernel_choice_by_step_tokens(fakes, row_tile):
-    """The expert GEMMs get the step's token count as the rows bound (<= 64: the decode
-    kernel; above: the tiled kernel) or, above 64 tokens with moe_row_tile, the decode
-    kernel's row passes."""
+    """The expert GEMMs get moe.experts.expert_kernel_args's choice for the step's tokens: the
+    token count as the rows bound at <= 16 tokens (the decode kernel, one pass); above, the
+    decode kernel's row passes with moe_row_tile (the default, 16) -- or, with
+    moe_row_tile=None, one pass up to 64 tokens and the tiled kernel (neither keyword) above."""
     m, _ = _models()
     fops = fo.FusedOps(m, max_tokens=80, max_len=64, moe_row_tile=row_tile, _cpu_for_tests=True)
     L = m.layers[0]
-    for T in (6, 80):
+    want = {6: (6, None), 40: (40, None) if row_tile is None else (None, 16),
+            80: (None, None) if row_tile is None else (None, 16)}
+    for T, w in want.items():
         EXPERT_CALLS.clear()
         fops.moe(torch.randn(T, CFG.hidden).bfloat16(), L, CFG)
-        want = (T, None) if T <= 64 or row_tile is None else (None, row_tile)
-        assert EXPERT_CALLS == [want, want]  # gate/up, then down
+        assert EXPERT_CALLS == [w, w]  # gate/up, then down
+    assert fo.FusedOps(m, max_tokens=8, max_len=64, _cpu_for_tests=True).moe_row_tile == 16  # the default
     with pytest.raises(ValueError, match="moe_row_tile"):
         fo.FusedOps(m, max_tokens=8, max_len=64, moe_row_tile=8, _cpu_for_tests=True)
 
