@@ -290,6 +290,9 @@ def mxfp8_quantize_routed(x: torch.Tensor, sorted_token_ids: torch.Tensor, total
     if total_rows.numel() < 1:
         raise ValueError(f"{op}: total_rows must hold at least one int32")
     cap = sorted_token_ids.numel()
+    if cap * K >= 2**31:  # q rows are indexed with 32-bit element offsets
+        raise ValueError(f"{op}: q would have {cap} x {K} elements (sorted_token_ids.numel() rows); 32-bit "
+                         f"indexing needs fewer than 2**31")
     q, scales = _outputs(op, x, cap, K, layout, q, scales)
     check_cuda(op, ("x", x), ("sorted_token_ids", sorted_token_ids), ("total_rows", total_rows), ("q", q),
                ("scales", scales))

@@ -63,6 +63,13 @@ def test_bad_arguments(kw, exc, words):
         moe_finalize(**kw)
 
 
+def test_y_past_32_bit_offsets_is_refused():
+    m = dict(device="meta")
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        moe_finalize(torch.empty(300_000, 7168, dtype=torch.bfloat16, **m), torch.empty(8, 8, **m),
+                     torch.empty(64, dtype=torch.int32, **m))
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_machine_code_no_fma_contraction(arch):
     h = sass.sass_histogram("moe_finalize", arch, hidden=7168, topk=8, add_shared=True)

@@ -197,6 +197,11 @@ def test_routed_bad_arguments():
         mxfp8_quantize_routed(x, torch.zeros(8, dtype=torch.int64), torch.zeros(1, dtype=torch.int32), 2)
     with pytest.raises(ValueError, match="topk"):
         mxfp8_quantize_routed(x, torch.zeros(8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 0)
+    # q [capacity, K] past 2^31 elements would wrap the 32-bit offsets (meta tensors: no memory)
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        mxfp8_quantize_routed(torch.empty(8, 7168, dtype=torch.bfloat16, device="meta"),
+                              torch.empty(300_000, dtype=torch.int32, device="meta"),
+                              torch.empty(1, dtype=torch.int32, device="meta"), 8)
 
 
 # ------------------------------------------------------------ machine code (CPU) ------
