@@ -157,6 +157,9 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-row-tile", type=int, default=16, choices=(0, 16, 32, 64),
                     help="fused backend: the MoE decode kernel in passes of this many token columns for "
                          "steps of 17-384 tokens (0: one pass up to 64 tokens, the tiled kernel above)")
+    ap.add_argument("--attention-core", default="gather", choices=("gather", "masked_dense"),
+                    help="both backends: gather each token's selected K/V (default) or SDPA over the request's KV "
+                         "row with a mask of the selected keys")
     ap.add_argument("--indexer-token-group", type=int, default=3, choices=(1, 2, 3, 4),
                     help="fused backend: consecutive tokens of a request scored per indexer CTA")
     args = ap.parse_args(argv)
@@ -169,6 +172,7 @@ def main(argv=None) -> int:
         cases = [("BS1 in 512 / out 64", 1, 512, 64), ("BS64 in 512 / out 64", 64, 512, 64)]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     engine = dict(prefill_chunk=args.prefill_chunk, moe_row_tile=args.moe_row_tile or None,
+                  attention_core=args.attention_core,
                   indexer_token_group=args.indexer_token_group)
     results = {}
     total = len(cases) * len(backends)
@@ -191,7 +195,8 @@ def main(argv=None) -> int:
              f"{' --quick' if args.quick else ''}"
              f"{f' --prefill-chunk {args.prefill_chunk}' if args.prefill_chunk != 512 else ''}"
              f"{f' --moe-row-tile {args.moe_row_tile}' if args.moe_row_tile != 16 else ''}"
-             f"{f' --indexer-token-group {args.indexer_token_group}' if args.indexer_token_group != 3 else ''}`", ""]
+             f"{f' --indexer-token-group {args.indexer_token_group}' if args.indexer_token_group != 3 else ''}"
+             f"{f' --attention-core {args.attention_core}' if args.attention_core != 'gather' else ''}`", ""]
     header = "| metric | " + " | ".join(backends) + " |"
     lines += [header, "|" + "---|" * (len(backends) + 1)]
 

@@ -59,6 +59,8 @@ class GenerationStats:
 class Engine:
     def __init__(self, config: EngineConfig = EngineConfig()):
         self.config = config
+        if config.attention_core not in StepModel.ATTENTION_CORES:  # before tens of GB of weights are made
+            raise ValueError(f"attention_core must be one of {StepModel.ATTENTION_CORES}, got {config.attention_core!r}")
         dtype = getattr(torch, config.dtype)
         self.model = TargetModel(config.model, seed=config.seed, dtype=dtype, device=config.device)
         self.draft = DraftModel(config.model, self.model, config.block_size, seed=config.seed + 1, dtype=dtype,
@@ -85,7 +87,7 @@ class Engine:
                                moe_row_tile=config.moe_row_tile, indexer_token_group=config.indexer_token_group)
             else:
                 ops = Ops()
-            self.step = StepModel(self.model, ops)
+            self.step = StepModel(self.model, ops, attention_core=config.attention_core)
             K, sizes, dev = config.block_size, config.graph_batch_sizes, config.device
             fwd = lambda tok, pos, slots, _x: self.step.forward(tok, pos, slots, self.kv)  # noqa: E731
             self.verify_graphs = StepGraphs(fwd, sizes, K + 1, self.scratch_slot, dev)

@@ -159,6 +159,35 @@ def test_step_model_matches_reference_logits():
         assert torch.allclose(h1, h2, atol=1e-5)
 
 
+@pytest.mark.parametrize("topk", [8, 64])
+def test_masked_dense_attention_matches_gather(topk):
+    """attention_core="masked_dense" (SDPA over the KV row, unselected keys masked) against
+    "gather": the same softmax over the same keys, to FP32 rounding -- top-k below the
+    candidate count (a real selection) and above it (every candidate), verify blocks at
+    staggered positions, slots out of order."""
+    from spec_decode.config import ModelConfig
+    from spec_decode.model import KVPool, TargetModel
+    from spec_decode.step_model import StepModel
+
+    cfg = ModelConfig(index_topk=topk)
+    m = TargetModel(cfg, seed=5)
+    gather, dense = StepModel(m), StepModel(m, attention_core="masked_dense")
+    kv1, kv2 = (KVPool(cfg, 3, 64, torch.float32, "cpu") for _ in range(2))
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        toks = torch.randint(0, cfg.vocab, (3, 6), generator=g)
+        pos = torch.arange(6)[None] + step * 6 + torch.tensor([0, 3, 7])[:, None]
+        slots = torch.tensor([2, 0, 1])
+        l1, h1 = gather.forward(toks, pos, slots, kv1)
+        l2, h2 = dense.forward(toks, pos, slots, kv2)
+        assert (l1 - l2).abs().max() < 1e-4 * l1.abs().max()
+        assert torch.allclose(h1, h2, atol=1e-5)
+    with pytest.raises(ValueError, match="attention_core"):
+        StepModel(m, attention_core="flash")
+    with pytest.raises(ValueError, match="attention_core"):
+        Engine(EngineConfig(attention_core="flash"))
+
+
 def test_graph_runner_pads_with_the_scratch_slot():
     from spec_decode.graphs import StepGraphs
 
@@ -270,6 +299,43 @@ def test_chunked_prefill_is_exact(backend):
     ps = prompts(5, 2)
     a = Engine(EngineConfig(seed=5, max_seq_len=96, backend=backend)).generate(ps, 9)
     b = Engine(EngineConfig(seed=5, max_seq_len=96, backend=backend, prefill_chunk=3)).generate(ps, 9)
+    assert a == b
+
+
+@pytest.mark.gpu
+def test_masked_dense_attention_on_gpu():
+    """H200: the masked-dense core inside captured graphs (baseline backend, small config, bf16)
+    against the gather core: logits of one verify step within bf16 rounding of each other, and
+    greedy generations that mostly agree (bf16 near-ties may flip a token)."""
+    from spec_decode.config import SMALL
+    from spec_decode.model import KVPool, TargetModel
+    from spec_decode.step_model import StepModel
+
+    m = TargetModel(SMALL, seed=3, dtype=torch.bfloat16, device="cuda")
+    kv = KVPool(SMALL, 3, 128, torch.bfloat16, "cuda")
+    kv.k.normal_()
+    kv.v.normal_()
+    kv.k_idx.normal_()
+    toks = torch.randint(0, SMALL.vocab, (2, 6), device="cuda")
+    pos = (torch.arange(6, device="cuda")[None] + torch.tensor([[40], [90]], device="cuda")).contiguous()
+    slots = torch.tensor([1, 0], device="cuda")
+    l1, _ = StepModel(m).forward(toks, pos, slots, kv)
+    l2, _ = StepModel(m, attention_core="masked_dense").forward(toks, pos, slots, kv)
+    assert ((l1.float() - l2.float()).norm() / l1.float().norm()).item() < 2e-2
+    outs = [Engine(EngineConfig(model=SMALL, device="cuda", dtype="bfloat16", backend="baseline", max_seq_len=128,
+                                graph_batch_sizes=(1, 2), attention_core=core)).generate([[1, 2, 3, 4, 5], [7, 8, 9]], 12)
+            for core in ("gather", "masked_dense")]
+    same = sum(x == y for p, q in zip(*outs) for x, y in zip(p, q)) / 24
+    assert same >= 0.5, outs
+
+
+def test_masked_dense_engine_generates_the_same_tokens():
+    """The baseline backend (graph-free on the CPU) with either attention core: same greedy
+    tokens for a batch of prompts of different lengths, prefill in chunks included."""
+    ps = prompts(5, 3)
+    a = Engine(EngineConfig(seed=6, max_seq_len=96, backend="baseline")).generate(ps, 9)
+    b = Engine(EngineConfig(seed=6, max_seq_len=96, backend="baseline", attention_core="masked_dense",
+                            prefill_chunk=4)).generate(ps, 9)
     assert a == b
 
 

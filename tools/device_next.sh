@@ -2,8 +2,9 @@
 # Device calls for re-measuring the current tree (each phase fits one 600 s call), most
 # important first:
 #   phase 1: the whole GPU suite, the MoE layer bench (T = 1, 64, 384) and the indexer bench;
-#   phase 2: the decode runtime's GPU tests, the small config (quick, both backends), the
-#            slice config (quick, prefill chunks of 64);
+#   phase 2: the decode runtime's GPU tests (incl. the staged masked-dense attention core),
+#            the slice config with that core, the small config (quick, both backends), the
+#            slice config (quick, prefill chunks of 64) with the default gather core;
 #   phase 3: the small config at the full lengths (BS1 4096/1024, BS64 4096/2048),
 #            the slice config's per-family logits probe, the tiled-kernel fault probe.
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1, 2, 3)
@@ -23,6 +24,8 @@ case "${1:-1}" in
   ;;
 2)
   step 90 spec_tests $PYT tests/test_spec_decode.py -m gpu
+  # staged: the masked-dense attention core (both backends), then the measured default
+  step 200 spec_slice_dense python -m spec_decode.bench --model slice --backends baseline,fused --quick --prefill-chunk 64 --attention-core masked_dense --out "$OUT/spec_slice_dense.md"
   step 120 spec_small python -m spec_decode.bench --model small --backends baseline,fused --quick --out "$OUT/spec_small.md"
   step 200 spec_slice python -m spec_decode.bench --model slice --backends baseline,fused --quick --prefill-chunk 64 --out "$OUT/spec_slice.md"
   ;;
