@@ -59,8 +59,9 @@ GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def estimate_bytes(m, slots: int, max_len: int, backend: str) -> int:
-    """Device memory of one engine, roughly: bf16 weights (target + draft), the fused path's
-    MXFP8 expert copies (+3% scales), and the KV pool. Activations and graphs come on top."""
+    """Device memory of one engine, roughly: bf16 weights (target + draft; the fused engine's
+    routed experts as MXFP8 copies, +3% scales, instead), and the KV pool. Activations and
+    graphs come on top."""
     C, E, I = m.hidden, m.experts, m.expert_inter
     H, hd, G, R = m.heads, m.head_dim, m.wo_groups, m.wo_rank
     mp = 2 * m.mhc_n + m.mhc_n ** 2
@@ -69,7 +70,8 @@ def estimate_bytes(m, slots: int, max_len: int, backend: str) -> int:
     n += m.indexer_heads * m.indexer_dim * C + m.indexer_heads * C + m.indexer_dim * C
     n += G * R * (H // G) * hd + C * G * R + E * C + E + 3 * E * I * C + 3 * m.shared_inter * C
     weights = 2 * (m.layers * n + 2 * m.vocab * C + 4 * C * C)
-    fused = int(1.03 * m.layers * 3 * E * I * C) if backend == "fused" else 0
+    # the fused engine keeps MXFP8 expert copies (+3% scales) and releases the bf16 ones
+    fused = int(1.03 * m.layers * 3 * E * I * C) - 2 * m.layers * 3 * E * I * C if backend == "fused" else 0
     kv = 2 * m.layers * slots * max_len * (2 * H * hd + m.indexer_dim)
     return weights + fused + kv
 

@@ -84,7 +84,8 @@ class Engine:
 
                 width = max(max(config.graph_batch_sizes) * (config.block_size + 1), config.prefill_chunk)
                 ops = FusedOps(self.model, max_tokens=width, max_len=config.max_seq_len,
-                               moe_row_tile=config.moe_row_tile, indexer_token_group=config.indexer_token_group)
+                               moe_row_tile=config.moe_row_tile, indexer_token_group=config.indexer_token_group,
+                               release_bf16_experts=True)  # this engine's model runs no baseline MoE
             else:
                 ops = Ops()
             self.step = StepModel(self.model, ops, attention_core=config.attention_core)

@@ -38,7 +38,11 @@ class FusedOps(Ops):
     """Kernels for a bf16 :class:`TargetModel` on a CUDA device (every activation is bf16)."""
 
     def __init__(self, target, max_tokens: int, max_len: int, moe_row_tile: int | None = 16,
-                 indexer_token_group: int = 3, _cpu_for_tests: bool = False):
+                 indexer_token_group: int = 3, release_bf16_experts: bool = False, _cpu_for_tests: bool = False):
+        """``release_bf16_experts``: delete each layer's bf16 routed-expert weights (``gate``,
+        ``up``, ``down``) from ``target`` once their MXFP8 copies exist -- the fused MoE never
+        reads them (45 GB at the slice config). For an engine that owns its model; leave it
+        off where the same model also runs the baseline ops."""
         cfg = target.cfg
         on_cuda = torch.device(target.device).type == "cuda"
         if target.dtype != torch.bfloat16 or not (on_cuda or _cpu_for_tests):
@@ -71,6 +75,9 @@ class FusedOps(Ops):
             P["router_bias"] = L["router_bias"].float().contiguous()
             P["gu_q"], P["gu_s"] = quantize_expert_weights(interleave_gate_up(L["gate"], L["up"]).contiguous())
             P["d_q"], P["d_s"] = quantize_expert_weights(L["down"].contiguous())
+            if release_bf16_experts:  # per layer: the peak holds one layer's two copies, not all
+                for name in ("gate", "up", "down"):
+                    del L[name]
             self._layer[id(L)] = P
 
     # ------------------------------------------------------------------ mHC --------------

@@ -216,3 +216,19 @@ def test_fused_step_model_runs_end_to_end(fakes, group):
         logits, hidden = fused.forward(toks, pos, torch.tensor([1, 0]), kv)
         assert logits.shape == (B, S, CFG.vocab) and torch.isfinite(logits.float()).all()
     assert INDEXER_GROUPS and set(INDEXER_GROUPS) == {group}
+
+
+def test_release_bf16_experts_keeps_the_fused_logits(fakes):
+    """release_bf16_experts (what the fused engine passes) drops the bf16 routed-expert weights
+    and nothing the fused forward reads: same logits as without it; other weights kept."""
+    B, S, max_len = 2, 6, 64
+    toks = torch.randint(0, CFG.vocab, (B, S))
+    pos = torch.arange(S)[None] + torch.tensor([0, 5])[:, None]
+    out = []
+    for release in (False, True):
+        m, _ = _models()
+        ops = fo.FusedOps(m, max_tokens=B * S, max_len=max_len, release_bf16_experts=release, _cpu_for_tests=True)
+        assert all(("gate" in L, "up" in L, "down" in L) == (not release,) * 3 and "sh_gate" in L for L in m.layers)
+        kv = KVPool(CFG, B, max_len, torch.bfloat16, "cpu")
+        out.append(StepModel(m, ops).forward(toks, pos, torch.tensor([1, 0]), kv)[0])
+    assert torch.equal(out[0], out[1])
