@@ -132,6 +132,8 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
         raise ValueError(f"{op}: wo_a_weight.shape[2]={Dg} must equal (H/G)*Dv = {(H // G) * Dv}")
     if R % 64 or Dg % 64:
         raise ValueError(f"{op}: R={R} and Dg={Dg} must be multiples of 64")
+    if T * max(H * Dv, G * R) >= 2**31 or G * R * Dg >= 2**31:  # the kernels' 32-bit element offsets
+        raise ValueError(f"{op}: o / out / wo_a_weight would exceed 2**31 elements (T={T}); split the tokens")
     if out is None:
         out = torch.empty(T, G * R, dtype=torch.bfloat16, device=o.device)
     check_tensor(op, "out", out, dtype=torch.bfloat16, shape=(T, G * R), contiguous=True)

@@ -128,6 +128,8 @@ def test_machine_code(arch, tile, expect):
     (torch.zeros(2, 16, 128).bfloat16(), torch.zeros(8, 500, 256).bfloat16(), "multiples of 64"),
     (torch.zeros(2, 16, 128).bfloat16(), torch.zeros(8, 512, 256).bfloat16(), "CUDA"),
     (torch.zeros(2, 128, 16).bfloat16().transpose(1, 2), torch.zeros(8, 512, 256).bfloat16(), "contiguous"),
+    (torch.empty(140_000, 128, 128, dtype=torch.bfloat16, device="meta"),  # 2.3e9 elements: no memory (meta)
+     torch.empty(16, 1024, 1024, dtype=torch.bfloat16, device="meta"), r"2\*\*31"),
 ])
 def test_bad_arguments(o, w, words):
     with pytest.raises((TypeError, ValueError), match=words):
