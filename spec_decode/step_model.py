@@ -171,7 +171,9 @@ class StepModel:
         # invalid selections scatter into a discarded column M (a clamped index 0 must not
         # clear a valid selection of key 0)
         sel = torch.where(valid, idx, torch.full_like(idx, M))
-        mask = torch.zeros(B, S, M + 1, dtype=torch.bool, device=q.device).scatter_(2, sel, True)[..., :M]
+        # rows padded to 16 elements: SDPA's memory-efficient kernel wants an aligned mask stride
+        mask = torch.zeros(B, S, -(-(M + 1) // 16) * 16, dtype=torch.bool, device=q.device).scatter_(2, sel, True)
+        mask = mask[..., :M]
         keys, vals = kv.k[li, slots], kv.v[li, slots]  # [B, M, H, hd]: the batch's pool rows
         o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
                                                              vals.transpose(1, 2), attn_mask=mask[:, None])
