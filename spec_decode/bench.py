@@ -9,7 +9,7 @@ printed):
 * BS1, input 4096 / output 1024: output tok/s after the first token;
 * BS64, input 4096 / output 2048: decode tok/s (after every first token) and full-batch
   tok/s including the (eager, unoptimised) prefill;
-* median acceptance length; median target-verify and draft graph replay times (CUDA events
+* median acceptance length; median target-verify and draft graph replay times at BS1 and BS64 (CUDA events
   around each replay); kernels per verify / draft graph replay (profiled);
 * kernel launches per family over 20 verify + draft cycles (one eager verify step -- what
   its graph replays -- profiled: torch kernels inside each family's range plus this
@@ -216,6 +216,8 @@ def main(argv=None) -> int:
             (f"{bs64}: decode tok/s", bs64, "decode_tps", None), (f"{bs64}: full-batch tok/s incl. prefill", bs64,
                                                                    "full_tps", None),
             ("median acceptance length", bs64, "acceptance", "{:.2f}"),
+            ("median verify graph ms (BS1)", bs1, "verify_ms", "{:.3f}"),
+            ("median draft graph ms (BS1)", bs1, "draft_ms", "{:.3f}"),
             ("median verify graph ms (BS64)", bs64, "verify_ms", "{:.3f}"),
             ("median draft graph ms (BS64)", bs64, "draft_ms", "{:.3f}"),
             ("kernels per verify graph replay", bs64, "verify_nodes", "{}"),
