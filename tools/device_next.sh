@@ -6,7 +6,8 @@
 #            the slice config with that core, the small config (quick, both backends), the
 #            slice config (quick, prefill chunks of 64) with the default gather core;
 #   phase 3: the small config at the full lengths (BS1 4096/1024, BS64 4096/2048),
-#            the slice config's per-family logits probe, the tiled-kernel fault probe;
+#            the slice config's per-family logits probe, the tiled-kernel fault probe, the
+#            slice verify step's kernel profile (BS1 gather core, BS64 masked-dense core);
 #   phase 4: the slice config at the full lengths with the masked-dense attention
 #            core (never run; if it does not fit in memory the bench prints n/a and why).
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1, 2, 3, 4)
@@ -35,6 +36,8 @@ case "${1:-1}" in
   step 200 spec_small_full python -m spec_decode.bench --model small --backends baseline,fused --out "$OUT/spec_small_full.md"
   step 100 probe_numerics env BATCHES=1,64 python tools/probe_slice_numerics.py
   step 80 probe_fault env CUDA_LAUNCH_BLOCKING=1 python tools/probe_moe_fault.py
+  step 100 probe_profile_bs1 python tools/probe_slice_profile.py
+  step 100 probe_profile_bs64 env B=64 CORE=masked_dense python tools/probe_slice_profile.py
   ;;
 4)  # BS64 at 2048 output tokens: minutes per backend even when the attention core is not the bound
   step 560 spec_slice_full_dense python -m spec_decode.bench --model slice --backends baseline,fused --prefill-chunk 64 --attention-core masked_dense --out "$OUT/spec_slice_full_dense.md"

@@ -1,0 +1,61 @@
+"""Device probe: where a slice-config verify step's time goes, kernel by kernel.
+
+    device run (carry .devcache): source tools/device-env.sh && python tools/probe_slice_profile.py
+    (env MODEL=small|slice, default slice; B = requests, default 1; CORE = gather|masked_dense)
+
+One verify step (6 tokens per request at position ~506, random KV pool), captured as a CUDA
+graph for the baseline and the fused ops, replayed 10 times under torch.profiler. Prints per
+backend the replay's total GPU time and the 15 kernels with the most time (name, calls per
+replay, us per replay): the fused path's remaining cost beside the torch attention core, the
+LM head and the projections this project does not replace.
+"""
+import collections
+import os
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from spec_decode.config import SLICE, SMALL
+from spec_decode.fused_ops import FusedOps
+from spec_decode.graphs import StepGraphs
+from spec_decode.model import KVPool, TargetModel
+from spec_decode.step_model import Ops, StepModel
+
+
+def main():
+    cfg = {"slice": SLICE, "small": SMALL}[os.environ.get("MODEL", "slice")]
+    B, S, max_len, reps = int(os.environ.get("B", "1")), 6, 600, 10
+    core = os.environ.get("CORE", "gather")
+    m = TargetModel(cfg, seed=3, dtype=torch.bfloat16, device="cuda")
+    kv = KVPool(cfg, B + 1, max_len, torch.bfloat16, "cuda")
+    kv.k.normal_()
+    kv.v.normal_()
+    kv.k_idx.normal_()
+    toks = torch.randint(0, cfg.vocab, (B, S), device="cuda")
+    pos = 506 + torch.arange(S, device="cuda")[None].expand(B, S)
+    slots = torch.arange(B, device="cuda")
+    for name, ops in (("baseline", Ops()), ("fused", FusedOps(m, max_tokens=B * S, max_len=max_len))):
+        step = StepModel(m, ops, attention_core=core)
+        g = StepGraphs(lambda t, p, s, _x, step=step: step.forward(t, p, s, kv), (B,), S, B, "cuda")
+        for _ in range(3):
+            g.run(toks, pos, slots)  # compile, capture, warm
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                g.run(toks, pos, slots)
+            torch.cuda.synchronize()
+        us, calls = collections.Counter(), collections.Counter()
+        for e in prof.events():
+            if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0:
+                us[e.name[:90]] += e.time_range.elapsed_us() / reps
+                calls[e.name[:90]] += 1 / reps
+        print(f"{cfg is SLICE and 'slice' or 'small'} B={B} core={core} {name}: {sum(us.values()):.1f} us of "
+              f"kernels per verify replay, {sum(calls.values()):.0f} kernels", flush=True)
+        for k, v in us.most_common(15):
+            print(f"   {v:9.1f} us  x{calls[k]:4.0f}  {k}", flush=True)
+        del g, step
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
