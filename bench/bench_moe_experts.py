@@ -30,7 +30,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import H200_COPY_BW, markdown_table, time_graph  # noqa: E402
 
-from moe.experts import expert_kernel_args, interleave_gate_up, moe_expert_gate_up, moe_expert_gemm, quantize_expert_weights  # noqa: E402
+from moe.experts import (expert_kernel_args, interleave_gate_up, moe_expert_gate_up, moe_expert_gemm,  # noqa: E402
+                        quantize_expert_weights)
 from moe.experts_sm90_decode import MoeExpertDecodeSm90, tok_n_for  # noqa: E402
 from moe.finalize import moe_finalize  # noqa: E402
 from moe.quant import mxfp8_quantize_routed  # noqa: E402

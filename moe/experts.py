@@ -213,8 +213,8 @@ def expert_kernel_args(tokens: int, row_tile: int | None = 16) -> dict:
     bench_moe_experts (E=256, hidden 7168, I=2048), gate/up + down: T=1 74 + 42 us either
     way; T=64 625 + 307 us in passes of 16 against 1217 + 598 with one 64-column pass (81%
     of 4.3 TB/s of weight bytes against 42%); T=320 1715 + 825 and T=384 1904 + 939 against
-    3696 + 1773 and 3852 + 1846 for the best tiled configuration. ``row_tile=None`` keeps one pass up to 64 tokens (the earlier
-    default) and the tiled kernel above.
+    3696 + 1773 and 3852 + 1846 for the best tiled configuration. ``row_tile=None`` keeps
+    one pass up to 64 tokens (the earlier default) and the tiled kernel above.
     """
     if not isinstance(tokens, int) or tokens < 0:
         raise ValueError(f"expert_kernel_args: tokens must be a non-negative int, got {tokens!r}")

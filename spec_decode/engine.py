@@ -60,7 +60,8 @@ class Engine:
     def __init__(self, config: EngineConfig = EngineConfig()):
         self.config = config
         if config.attention_core not in StepModel.ATTENTION_CORES:  # before tens of GB of weights are made
-            raise ValueError(f"attention_core must be one of {StepModel.ATTENTION_CORES}, got {config.attention_core!r}")
+            raise ValueError(f"attention_core must be one of {StepModel.ATTENTION_CORES}, "
+                             f"got {config.attention_core!r}")
         dtype = getattr(torch, config.dtype)
         self.model = TargetModel(config.model, seed=config.seed, dtype=dtype, device=config.device)
         self.draft = DraftModel(config.model, self.model, config.block_size, seed=config.seed + 1, dtype=dtype,

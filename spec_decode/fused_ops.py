@@ -25,7 +25,8 @@ from cute_kernels.mhc_post_mix import mhc_post_mix
 from cute_kernels.mhc_pre_mix import mhc_pre_mix
 from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_split_phi, mhc_stats
 from cute_kernels.wo_a import wo_a
-from moe.experts import expert_kernel_args, interleave_gate_up, moe_expert_gate_up, moe_expert_gemm, quantize_expert_weights
+from moe.experts import (expert_kernel_args, interleave_gate_up, moe_expert_gate_up, moe_expert_gemm,
+                         quantize_expert_weights)
 from moe.finalize import moe_finalize
 from moe.quant import mxfp8_quantize_routed
 from moe.router import MoeRouter, RouterConfig
