@@ -11,6 +11,7 @@ printed):
   tok/s including the (eager, unoptimised) prefill;
 * median acceptance length; median target-verify and draft graph replay times at BS1 and BS64 (CUDA events
   around each replay); kernels per verify / draft graph replay (profiled);
+* the fraction of generated tokens equal to the first backend's (same prompts and weights);
 * kernel launches per family over 20 verify + draft cycles (one eager verify step -- what
   its graph replays -- profiled: torch kernels inside each family's range plus this
   project's kernels by class name, times 20; the draft step has no MoE families).
@@ -98,7 +99,7 @@ def run_case(backend, model, batch, n_in, n_out, **engine):
                verify_ms=statistics.median(eng.verify_graphs.replay_times_ms() or [float("nan")]),
                draft_ms=statistics.median(eng.draft_graphs.replay_times_ms() or [float("nan")]),
                verify_nodes=eng.verify_graphs.kernels_per_replay(batch),
-               draft_nodes=eng.draft_graphs.kernels_per_replay(batch))
+               draft_nodes=eng.draft_graphs.kernels_per_replay(batch), tokens=out)
     res["launches"] = count_families(eng, batch)
     del eng  # free the weights, KV pool and graph pools before the next case
     gc.collect()
@@ -111,6 +112,14 @@ def run_case(backend, model, batch, n_in, n_out, **engine):
 #: padding and ID packing in one launch
 CUTE_FAMILIES = {"RouterTopkAlign": "router top-k / padding", "FinalizeShared": "fused finalize (+ shared add)",
                  "PushAllReduce": "all-reduce"}
+
+
+def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of generated positions (per request, up to the shorter output) holding the
+    same token -- greedy continuations diverge after a first differing token, so this is
+    a lower bound on per-step agreement."""
+    pairs = [(x, y) for p, q in zip(a, b) for x, y in zip(p, q)]
+    return sum(x == y for x, y in pairs) / max(len(pairs), 1)
 
 
 def count_families(eng, batch, cycles=20):
@@ -145,6 +154,52 @@ def count_families(eng, batch, cycles=20):
                 if cls in ev.name:
                     counts[fam] += 1
     return {fam: n * cycles for fam, n in counts.items()}
+
+
+def table_lines(backends: list[str], cases: list[tuple], results: dict) -> list[str]:
+    """The Markdown table (and error lines) of ``results[(backend, case name)]`` as ``run_case``
+    returns them, one column per backend, ``cases`` as (name, batch, input, output) with the
+    BS1 case first."""
+    header = "| metric | " + " | ".join(backends) + " |"
+    lines = [header, "|" + "---|" * (len(backends) + 1)]
+
+    def cell(b, name, key, fmt="{:.1f}"):
+        r = results.get((b, name), {})
+        if "error" in r:
+            return "n/a"
+        v = r.get(key)
+        # statistics.median of ints is an int when the count is odd: format numbers alike
+        return "-" if v is None else (fmt.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool)
+                                      else str(v))
+
+    bs1, bs64 = cases[0][0], cases[1][0]
+    rows = [("input ids hash", bs64, "hash", "{}"), (f"{bs1}: output tok/s after first token", bs1, "decode_tps", None),
+            (f"{bs64}: decode tok/s", bs64, "decode_tps", None), (f"{bs64}: full-batch tok/s incl. prefill", bs64,
+                                                                   "full_tps", None),
+            ("median acceptance length", bs64, "acceptance", "{:.2f}"),
+            ("median verify graph ms (BS1)", bs1, "verify_ms", "{:.3f}"),
+            ("median draft graph ms (BS1)", bs1, "draft_ms", "{:.3f}"),
+            ("median verify graph ms (BS64)", bs64, "verify_ms", "{:.3f}"),
+            ("median draft graph ms (BS64)", bs64, "draft_ms", "{:.3f}"),
+            ("kernels per verify graph replay", bs64, "verify_nodes", "{}"),
+            ("kernels per draft graph replay", bs64, "draft_nodes", "{}")]
+    for label, case, key, fmt in rows:
+        lines.append(f"| {label} | " + " | ".join(cell(b, case, key, fmt or "{:.1f}") for b in backends) + " |")
+    for name, *_ in cases:  # same prompts and weights: how often each backend's greedy tokens match the first's
+        ref = results.get((backends[0], name), {}).get("tokens")
+        lines.append(f"| {name}: tokens equal to {backends[0]}'s | " + " | ".join(
+            f"{token_agreement(ref, results.get((b, name), {}).get('tokens')):.3f}"
+            if ref is not None and results.get((b, name), {}).get("tokens") is not None else "n/a"
+            for b in backends) + " |")
+    for fam in FAMILIES:
+        lines.append(f"| launches / 20 cycles: {fam} | " + " | ".join(
+            str(results.get((b, bs64), {}).get("launches", {}).get(fam, "n/a")) for b in backends) + " |")
+    for b in backends:
+        for name, *_ in cases:
+            if "error" in results.get((b, name), {}):
+                lines.append(f"\n{b}: {results[(b, name)]['error']}")
+                break
+    return lines
 
 
 def main(argv=None) -> int:
@@ -199,39 +254,7 @@ def main(argv=None) -> int:
              f"{f' --moe-row-tile {args.moe_row_tile}' if args.moe_row_tile != 16 else ''}"
              f"{f' --indexer-token-group {args.indexer_token_group}' if args.indexer_token_group != 3 else ''}"
              f"{f' --attention-core {args.attention_core}' if args.attention_core != 'gather' else ''}`", ""]
-    header = "| metric | " + " | ".join(backends) + " |"
-    lines += [header, "|" + "---|" * (len(backends) + 1)]
-
-    def cell(b, name, key, fmt="{:.1f}"):
-        r = results.get((b, name), {})
-        if "error" in r:
-            return "n/a"
-        v = r.get(key)
-        # statistics.median of ints is an int when the count is odd: format numbers alike
-        return "-" if v is None else (fmt.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool)
-                                      else str(v))
-
-    bs1, bs64 = cases[0][0], cases[1][0]
-    rows = [("input ids hash", bs64, "hash", "{}"), (f"{bs1}: output tok/s after first token", bs1, "decode_tps", None),
-            (f"{bs64}: decode tok/s", bs64, "decode_tps", None), (f"{bs64}: full-batch tok/s incl. prefill", bs64,
-                                                                   "full_tps", None),
-            ("median acceptance length", bs64, "acceptance", "{:.2f}"),
-            ("median verify graph ms (BS1)", bs1, "verify_ms", "{:.3f}"),
-            ("median draft graph ms (BS1)", bs1, "draft_ms", "{:.3f}"),
-            ("median verify graph ms (BS64)", bs64, "verify_ms", "{:.3f}"),
-            ("median draft graph ms (BS64)", bs64, "draft_ms", "{:.3f}"),
-            ("kernels per verify graph replay", bs64, "verify_nodes", "{}"),
-            ("kernels per draft graph replay", bs64, "draft_nodes", "{}")]
-    for label, case, key, fmt in rows:
-        lines.append(f"| {label} | " + " | ".join(cell(b, case, key, fmt or "{:.1f}") for b in backends) + " |")
-    for fam in FAMILIES:
-        lines.append(f"| launches / 20 cycles: {fam} | " + " | ".join(
-            str(results.get((b, bs64), {}).get("launches", {}).get(fam, "n/a")) for b in backends) + " |")
-    for b in backends:
-        for name, *_ in cases:
-            if "error" in results.get((b, name), {}):
-                lines.append(f"\n{b}: {results[(b, name)]['error']}")
-                break
+    lines += table_lines(backends, cases, results)
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -339,6 +339,29 @@ def test_masked_dense_engine_generates_the_same_tokens():
     assert a == b
 
 
+def test_bench_table_rows():
+    """spec_decode.bench's table from fake results: numbers formatted alike (an int median
+    prints as 1.00), token agreement against the first backend, n/a and the error line for a
+    failed case."""
+    from spec_decode import bench
+
+    cases = [("BS1 x", 1, 8, 4), ("BS64 x", 64, 8, 4)]
+    ok = dict(hash="ab", decode_tps=10.0, full_tps=5.0, acceptance=1, verify_ms=2.0, draft_ms=0.5, verify_nodes=7,
+              draft_nodes=3, launches={f: 2 for f in bench.FAMILIES})
+    results = {("baseline", "BS1 x"): dict(ok, tokens=[[1, 2, 3, 4]]),
+               ("baseline", "BS64 x"): dict(ok, tokens=[[1, 2], [3, 4]]),
+               ("fused", "BS1 x"): dict(ok, tokens=[[1, 2, 9, 9]]),
+               ("fused", "BS64 x"): {"error": "out of memory: boom"}}
+    lines = bench.table_lines(["baseline", "fused"], cases, results)
+    text = "\n".join(lines)
+    assert "| median acceptance length | 1.00 | n/a |" in text
+    assert "| BS1 x: tokens equal to baseline's | 1.000 | 0.500 |" in text
+    assert "| BS64 x: tokens equal to baseline's | 1.000 | n/a |" in text
+    assert "| median verify graph ms (BS1) | 2.000 | 2.000 |" in text
+    assert "fused: out of memory: boom" in text
+    assert bench.token_agreement([[1, 2, 3]], [[1, 5]]) == 0.5
+
+
 def test_bench_cli_refuses_without_gpu_and_formats_progress(capsys):
     from spec_decode import bench
 
