@@ -142,9 +142,12 @@ def stage_times(T, x, logits, bias, W, cfg, ours):
         for st in DECODE_STAGES:
             ok = tn is not None and MoeExpertDecodeSm90.can_implement(cfg.num_experts, N, K, tn, st)
             t[f"{name} decode kernel, {st} stages"] = run(max_expert_rows=T, stages=st) if ok else float("nan")
-    # the decode kernel in row passes of 16 token columns (any rows per expert)
-    for name, run, _, _ in gemms:
-        t[f"{name} decode kernel, row passes of 16"] = run(expert_row_tile=16)
+    # the decode kernel in row passes of 16 / 32 token columns (any rows per expert; 32 halves
+    # the passes over each weight tile where experts hold more than 16 rows)
+    for rt in (16, 32):
+        for name, run, _, _ in gemms:
+            t[f"{name} decode kernel, row passes of {rt}"] = run(expert_row_tile=rt) if T > 1 or rt == 16 \
+                else float("nan")
     t["finalize + shared add"] = us(lambda: moe_finalize(y, r.topk_weights, r.routed_row_pos, sh))
     t["shared expert (both)"] = us(lambda: shared_expert(x, W["sh"]))
     # composite stages
