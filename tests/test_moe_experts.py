@@ -504,6 +504,7 @@ def test_gpu_decode_kernel_fused_gate_up(seed, E, I, K, counts, max_rows):
     (4, 256, 512, [3, 0, 40, 130], 16),  # one pass, three passes, an expert over two router tiles
     (3, 4096, 7168, [17, 1, 64], 16),  # gate/up-like: a second pass of one row
     (3, 7168, 2048, [65, 0, 5], 64),  # down-like, the 64-wide token tile
+    (4, 512, 1024, [33, 2, 0, 97], 32),  # the 32-wide token tile: 2 and 4 passes
 ])
 def test_gpu_decode_kernel_row_passes(seed, E, N, K, counts, row_tile):
     """H200: the decode kernel covering any rows per expert in passes of ``row_tile``
