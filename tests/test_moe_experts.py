@@ -519,7 +519,7 @@ def test_gpu_decode_kernel_row_passes_fused(seed):
 
 
 @pytest.mark.parametrize("tok_n, silu_quant, row_passes", [(16, False, False), (16, True, False), (64, False, False),
-                                                           (16, True, True)])
+                                                           (16, True, True), (32, False, True)])
 def test_machine_code_sm90_decode(tok_n, silu_quant, row_passes):
     """Native FP8 wgmma (QGMMA e4m3, not mma.sync's f16 unpacks) fed by TMA, no spills."""
     h = sass.sass_histogram("moe_expert_decode_sm90", "sm_90a", E=256, N=4096, K=7168, tok_n=tok_n,
