@@ -339,7 +339,10 @@ KERNEL = jit.register(jit.KernelDef(
     build=_build,
     sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "experts_sm90.py")),
     archs=("sm_90a",),
+    # the runtime's configs (moe.experts.expert_kernel_args): one pass at T <= 16, row passes above
     aot_configs=({"E": 256, "N": 4096, "K": 7168, "tok_n": 16, "silu_quant": True},
-                 {"E": 256, "N": 7168, "K": 2048, "tok_n": 16, "silu_quant": False}),
+                 {"E": 256, "N": 7168, "K": 2048, "tok_n": 16, "silu_quant": False},
+                 {"E": 256, "N": 4096, "K": 7168, "tok_n": 16, "silu_quant": True, "row_passes": True},
+                 {"E": 256, "N": 7168, "K": 2048, "tok_n": 16, "silu_quant": False, "row_passes": True}),
     description="MXFP8 routed-expert GEMM at decode, Hopper: TMA + FP8 wgmma, weights as M",
 ))
