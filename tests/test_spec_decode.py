@@ -138,25 +138,32 @@ def test_generate_argument_errors():
         eng.generate([[1]], 2, pipelined=True)  # the reference backend
 
 
-def test_step_model_matches_reference_logits():
-    """Indexer top-k below the candidate count (the masked-topk path) and verify blocks."""
-    from spec_decode.config import ModelConfig
-    from spec_decode.model import KVPool, TargetModel
-    from spec_decode.step_model import StepModel
+def _agree_over_verify_steps(cfg, forward1, forward2, seed):
+    """Three 6-token verify steps for 3 requests at staggered positions, slots out of order,
+    each forward on its own fp32 KV pool: logits to FP32 rounding, hidden states close."""
+    from spec_decode.model import KVPool
 
-    cfg = ModelConfig(index_topk=8)
-    m = TargetModel(cfg, seed=4)
-    sm = StepModel(m)
     kv1, kv2 = (KVPool(cfg, 3, 64, torch.float32, "cpu") for _ in range(2))
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     for step in range(3):
         toks = torch.randint(0, cfg.vocab, (3, 6), generator=g)
         pos = torch.arange(6)[None] + step * 6 + torch.tensor([0, 3, 7])[:, None]
         slots = torch.tensor([2, 0, 1])
-        l1, h1 = m.forward(toks, pos, slots, kv1)
-        l2, h2 = sm.forward(toks, pos, slots, kv2)
+        l1, h1 = forward1(toks, pos, slots, kv1)
+        l2, h2 = forward2(toks, pos, slots, kv2)
         assert (l1 - l2).abs().max() < 1e-4 * l1.abs().max()
         assert torch.allclose(h1, h2, atol=1e-5)
+
+
+def test_step_model_matches_reference_logits():
+    """Indexer top-k below the candidate count (the masked-topk path) and verify blocks."""
+    from spec_decode.config import ModelConfig
+    from spec_decode.model import TargetModel
+    from spec_decode.step_model import StepModel
+
+    cfg = ModelConfig(index_topk=8)
+    m = TargetModel(cfg, seed=4)
+    _agree_over_verify_steps(cfg, m.forward, StepModel(m).forward, seed=0)
 
 
 @pytest.mark.parametrize("topk", [8, 64])
@@ -166,22 +173,12 @@ def test_masked_dense_attention_matches_gather(topk):
     candidate count (a real selection) and above it (every candidate), verify blocks at
     staggered positions, slots out of order."""
     from spec_decode.config import ModelConfig
-    from spec_decode.model import KVPool, TargetModel
+    from spec_decode.model import TargetModel
     from spec_decode.step_model import StepModel
 
     cfg = ModelConfig(index_topk=topk)
     m = TargetModel(cfg, seed=5)
-    gather, dense = StepModel(m), StepModel(m, attention_core="masked_dense")
-    kv1, kv2 = (KVPool(cfg, 3, 64, torch.float32, "cpu") for _ in range(2))
-    g = torch.Generator().manual_seed(1)
-    for step in range(3):
-        toks = torch.randint(0, cfg.vocab, (3, 6), generator=g)
-        pos = torch.arange(6)[None] + step * 6 + torch.tensor([0, 3, 7])[:, None]
-        slots = torch.tensor([2, 0, 1])
-        l1, h1 = gather.forward(toks, pos, slots, kv1)
-        l2, h2 = dense.forward(toks, pos, slots, kv2)
-        assert (l1 - l2).abs().max() < 1e-4 * l1.abs().max()
-        assert torch.allclose(h1, h2, atol=1e-5)
+    _agree_over_verify_steps(cfg, StepModel(m).forward, StepModel(m, attention_core="masked_dense").forward, seed=1)
     with pytest.raises(ValueError, match="attention_core"):
         StepModel(m, attention_core="flash")
     with pytest.raises(ValueError, match="attention_core"):
