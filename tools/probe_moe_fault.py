@@ -16,12 +16,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from probe_fused_ops_families import random_kv_pool, verify_block  # noqa: E402
 
 from moe.experts import moe_expert_gate_up, moe_expert_gemm  # noqa: E402
 from moe.quant import mxfp8_quantize_routed  # noqa: E402
 from spec_decode.config import SLICE  # noqa: E402
 from spec_decode.fused_ops import FusedOps  # noqa: E402
-from spec_decode.model import KVPool, TargetModel  # noqa: E402
+from spec_decode.model import TargetModel  # noqa: E402
 from spec_decode.step_model import Ops, StepModel  # noqa: E402
 
 
@@ -33,13 +34,8 @@ def main():
     cfg, B, S, max_len = SLICE, int(os.environ.get("B", "64")), 6, 600
     m = TargetModel(cfg, seed=3, dtype=torch.bfloat16, device="cuda")
     fused = FusedOps(m, max_tokens=B * S, max_len=max_len)
-    kv = KVPool(cfg, B + 1, max_len, torch.bfloat16, "cuda")
-    kv.k.normal_()
-    kv.v.normal_()
-    kv.k_idx.normal_()
-    toks = torch.randint(0, cfg.vocab, (B, S), device="cuda")
-    pos = (506 + torch.arange(S, device="cuda")[None].expand(B, S)).contiguous()
-    slots = torch.arange(B, device="cuda")
+    kv = random_kv_pool(cfg, B + 1, max_len)
+    toks, pos, slots = verify_block(cfg, B, S)
     got = {}
 
     class Grab(Ops):

@@ -15,12 +15,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from probe_fused_ops_families import FAMILIES, hybrid  # noqa: E402
+from probe_fused_ops_families import FAMILIES, hybrid, random_kv_pool, verify_block  # noqa: E402
 
 from spec_decode.config import SLICE, SMALL  # noqa: E402
 from spec_decode.fused_ops import FusedOps  # noqa: E402
 from spec_decode.graphs import StepGraphs  # noqa: E402
-from spec_decode.model import KVPool, TargetModel  # noqa: E402
+from spec_decode.model import TargetModel  # noqa: E402
 from spec_decode.step_model import Ops, StepModel  # noqa: E402
 
 
@@ -32,13 +32,8 @@ def main():
     variants = {"baseline": Ops(), "fused": fused}
     for f in FAMILIES:
         variants[f"baseline + fused {f}"] = hybrid(fused, [f])
-    kv = KVPool(cfg, B + 1, max_len, torch.bfloat16, "cuda")
-    kv.k.normal_()
-    kv.v.normal_()
-    kv.k_idx.normal_()
-    toks = torch.randint(0, cfg.vocab, (B, S), device="cuda")
-    pos = 506 + torch.arange(S, device="cuda")[None].expand(B, S)
-    slots = torch.arange(B, device="cuda")
+    kv = random_kv_pool(cfg, B + 1, max_len)
+    toks, pos, slots = verify_block(cfg, B, S)
     for name, ops in variants.items():
         step = StepModel(m, ops)
         g = StepGraphs(lambda t, p, s, _x, step=step: step.forward(t, p, s, kv), (B,), S, B, "cuda")

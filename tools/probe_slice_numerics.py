@@ -20,11 +20,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from probe_fused_ops_families import FAMILIES, hybrid  # noqa: E402
+from probe_fused_ops_families import FAMILIES, hybrid, random_kv_pool, verify_block  # noqa: E402
 
 from spec_decode.config import SLICE, SMALL  # noqa: E402
 from spec_decode.fused_ops import FusedOps  # noqa: E402
-from spec_decode.model import KVPool, TargetModel  # noqa: E402
+from spec_decode.model import TargetModel  # noqa: E402
 from spec_decode.step_model import Ops, StepModel  # noqa: E402
 
 
@@ -65,14 +65,9 @@ def main():
     fused = FusedOps(m, max_tokens=max(batches) * S, max_len=max_len)
     variants = {f"baseline + fused {f}": hybrid(fused, [f]) for f in FAMILIES}
     variants["fused"] = fused
-    kv = KVPool(cfg, max(batches) + 1, max_len, torch.bfloat16, "cuda")
-    kv.k.normal_()
-    kv.v.normal_()
-    kv.k_idx.normal_()
+    kv = random_kv_pool(cfg, max(batches) + 1, max_len)
     for B in batches:
-        toks = torch.randint(0, cfg.vocab, (B, S), device="cuda")
-        pos = (506 + torch.arange(S, device="cuda")[None].expand(B, S)).contiguous()
-        slots = torch.arange(B, device="cuda")
+        toks, pos, slots = verify_block(cfg, B, S)
         with torch.no_grad():
             ref_logits, ref_h = StepModel(m, Ops()).forward(toks, pos, slots, kv)
         fin, _, amax = summary(ref_logits, ref_logits)

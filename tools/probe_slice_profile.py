@@ -11,15 +11,19 @@ LM head and the projections this project does not replace.
 """
 import collections
 import os
+import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from spec_decode.config import SLICE, SMALL
-from spec_decode.fused_ops import FusedOps
-from spec_decode.graphs import StepGraphs
-from spec_decode.model import KVPool, TargetModel
-from spec_decode.step_model import Ops, StepModel
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from probe_fused_ops_families import random_kv_pool, verify_block  # noqa: E402
+
+from spec_decode.config import SLICE, SMALL  # noqa: E402
+from spec_decode.fused_ops import FusedOps  # noqa: E402
+from spec_decode.graphs import StepGraphs  # noqa: E402
+from spec_decode.model import TargetModel  # noqa: E402
+from spec_decode.step_model import Ops, StepModel  # noqa: E402
 
 
 def main():
@@ -27,13 +31,8 @@ def main():
     B, S, max_len, reps = int(os.environ.get("B", "1")), 6, 600, 10
     core = os.environ.get("CORE", "gather")
     m = TargetModel(cfg, seed=3, dtype=torch.bfloat16, device="cuda")
-    kv = KVPool(cfg, B + 1, max_len, torch.bfloat16, "cuda")
-    kv.k.normal_()
-    kv.v.normal_()
-    kv.k_idx.normal_()
-    toks = torch.randint(0, cfg.vocab, (B, S), device="cuda")
-    pos = 506 + torch.arange(S, device="cuda")[None].expand(B, S)
-    slots = torch.arange(B, device="cuda")
+    kv = random_kv_pool(cfg, B + 1, max_len)
+    toks, pos, slots = verify_block(cfg, B, S)
     for name, ops in (("baseline", Ops()), ("fused", FusedOps(m, max_tokens=B * S, max_len=max_len))):
         step = StepModel(m, ops, attention_core=core)
         g = StepGraphs(lambda t, p, s, _x, step=step: step.forward(t, p, s, kv), (B,), S, B, "cuda")
