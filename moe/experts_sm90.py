@@ -134,6 +134,27 @@ def _unit_modes(t: cute.Tensor, rank: cutlass.Constexpr[int]) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.append(t.layout, cute.make_layout(1), up_to_rank=rank))
 
 
+def routed_gemm_tensors(k, sfa_ptr: cute.Pointer, sfw_ptr: cute.Pointer, out_ptr: cute.Pointer,
+                        q_ptr: cute.Pointer, sq_ptr: cute.Pointer, offs_ptr: cute.Pointer, cnt_ptr: cute.Pointer,
+                        tile_ptr: cute.Pointer, rows: Int32, tiles: Int32):
+    """The global tensors both Hopper expert kernels (this one and :mod:`moe.experts_sm90_decode`,
+    which take the same arguments) view alike, for kernel configuration ``k`` (``E``, ``N``,
+    ``kb_pad``, ``n_pad``, ``I``, ``ncb_i``): the swizzled A and W scales, the bf16 output,
+    the fused path's requantised output and its scales, and the router's offsets, counts and
+    tile -> expert map. Called while tracing a ``@cute.jit`` function."""
+    E, N = k.E, k.N
+    sfa_bytes = (rows + 127) // 128 * 128 * k.kb_pad
+    mSA = cute.make_tensor(sfa_ptr, cute.make_layout((sfa_bytes,)))
+    mSW = cute.make_tensor(sfw_ptr, cute.make_layout((E * k.n_pad * k.kb_pad,)))
+    mOut = cute.make_tensor(out_ptr, cute.make_layout((rows, N), stride=(N, 1)))
+    mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, k.I), stride=(k.I, 1)))
+    mSQ = cute.make_tensor(sq_ptr, cute.make_layout(((rows + 127) // 128 * 128 * k.ncb_i * 4,)))
+    mOffs = cute.make_tensor(offs_ptr, cute.make_layout((E + 1,)))
+    mCnt = cute.make_tensor(cnt_ptr, cute.make_layout((E,)))
+    mTile = cute.make_tensor(tile_ptr, cute.make_layout((tiles,)))
+    return mSA, mSW, mOut, mQ, mSQ, mOffs, mCnt, mTile
+
+
 class MoeExpertGemmSm90:
     def __init__(self, E: int, N: int, K: int, silu_quant: bool = False, tile_k: int = 128,
                  stages: int | None = None, ctas_per_sm: int = 1):
@@ -157,15 +178,8 @@ class MoeExpertGemmSm90:
         E, N, K = self.E, self.N, self.K
         mA = cute.make_tensor(a_ptr, cute.make_layout((rows, K), stride=(K, 1)))
         mW = cute.make_tensor(w_ptr, cute.make_layout((E * N, K), stride=(K, 1)))
-        sfa_bytes = (rows + 127) // 128 * 128 * self.kb_pad
-        mSA = cute.make_tensor(sfa_ptr, cute.make_layout((sfa_bytes,)))
-        mSW = cute.make_tensor(sfw_ptr, cute.make_layout((E * self.n_pad * self.kb_pad,)))
-        mOut = cute.make_tensor(out_ptr, cute.make_layout((rows, N), stride=(N, 1)))
-        mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, self.I), stride=(self.I, 1)))
-        mSQ = cute.make_tensor(sq_ptr, cute.make_layout(((rows + 127) // 128 * 128 * self.ncb_i * 4,)))
-        mOffs = cute.make_tensor(offs_ptr, cute.make_layout((E + 1,)))
-        mCnt = cute.make_tensor(cnt_ptr, cute.make_layout((E,)))
-        mTile = cute.make_tensor(tile_ptr, cute.make_layout((tiles,)))
+        mSA, mSW, mOut, mQ, mSQ, mOffs, mCnt, mTile = routed_gemm_tensors(
+            self, sfa_ptr, sfw_ptr, out_ptr, q_ptr, sq_ptr, offs_ptr, cnt_ptr, tile_ptr, rows, tiles)
         tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaFP8Op(cutlass.Float8E4M3FN, Float32, (16, 8, 32)),
                                         cute.make_layout((4, 2, 1)))
         self.kernel(mA, mW, mSA, mSW, mOut, mQ, mSQ, mOffs, mCnt, mTile, tiled_mma).launch(

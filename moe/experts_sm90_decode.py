@@ -60,7 +60,7 @@ from cutlass import Float32, Int32, Uint32
 
 from cute_kernels import jit
 
-from .experts_sm90 import MX, e8m0_to_f32, store_silu_mul_mx_row
+from .experts_sm90 import MX, e8m0_to_f32, routed_gemm_tensors, store_silu_mul_mx_row
 
 BM = 64  # weight rows per CTA (wgmma M)
 BK = 128  # bytes of K per pipeline stage: 4 MX blocks
@@ -101,15 +101,8 @@ class MoeExpertDecodeSm90:
         f8 = cutlass.Float8E4M3FN
         mA = cute.make_tensor(a_ptr, cute.make_layout((rows, K, 1), stride=(K, 1, rows * K)))
         mW = cute.make_tensor(w_ptr, cute.make_layout((E * N, K, 1), stride=(K, 1, E * N * K)))
-        sfa_bytes = (rows + 127) // 128 * 128 * self.kb_pad
-        mSA = cute.make_tensor(sfa_ptr, cute.make_layout((sfa_bytes,)))
-        mSW = cute.make_tensor(sfw_ptr, cute.make_layout((E * self.n_pad * self.kb_pad,)))
-        mOut = cute.make_tensor(out_ptr, cute.make_layout((rows, N), stride=(N, 1)))
-        mQ = cute.make_tensor(q_ptr, cute.make_layout((rows, self.I), stride=(self.I, 1)))
-        mSQ = cute.make_tensor(sq_ptr, cute.make_layout(((rows + 127) // 128 * 128 * self.ncb_i * 4,)))
-        mOffs = cute.make_tensor(offs_ptr, cute.make_layout((E + 1,)))
-        mCnt = cute.make_tensor(cnt_ptr, cute.make_layout((E,)))
-        mTile = cute.make_tensor(tile_ptr, cute.make_layout((tiles,)))
+        mSA, mSW, mOut, mQ, mSQ, mOffs, mCnt, mTile = routed_gemm_tensors(
+            self, sfa_ptr, sfw_ptr, out_ptr, q_ptr, sq_ptr, offs_ptr, cnt_ptr, tile_ptr, rows, tiles)
 
         K_MAJOR = cute.nvgpu.warpgroup.OperandMajorMode.K
         tiled_mma = sm90_utils.make_trivial_tiled_mma(f8, f8, K_MAJOR, K_MAJOR, Float32, (1, 1, 1),
