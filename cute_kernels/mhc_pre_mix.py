@@ -32,7 +32,7 @@ from cutlass import Float32, Int32
 from . import jit
 from .arch import current_arch, dispatch
 from .mhc_stats import MAX_STREAMS, num_maps
-from .validate import check_cuda, check_tensor
+from .validate import check_cuda, check_int32_indexable, check_tensor
 
 VEC = 8
 RN = cute.math.RoundingMode.NEAREST_EVEN
@@ -106,8 +106,7 @@ def check_mappings(op: str, x: torch.Tensor, h: torch.Tensor):
     if C % VEC:
         raise ValueError(f"{op}: x.shape[2] (hidden C) = {C} must be a multiple of {VEC}")
     check_tensor(op, "x", x, align_bytes=16)
-    if T * n * C >= 2**31:
-        raise ValueError(f"{op}: x has {T * n * C} elements; 32-bit indexing needs fewer than 2**31")
+    check_int32_indexable(op, "x", T * n * C)
     check_tensor(op, "h", h, dtype=torch.float32, shape=(T, num_maps(n)), contiguous=True, align_bytes=4)
     return T, n, C
 

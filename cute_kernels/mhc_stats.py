@@ -66,7 +66,7 @@ from cutlass import Float32, Int32
 from . import jit
 from .arch import current_arch, dispatch, num_sms
 from .grid_sync import last_arrival
-from .validate import check_cuda, check_tensor
+from .validate import check_cuda, check_int32_indexable, check_tensor
 from .warp_mma import ldmatrix_operands, quad_sum
 
 VEC = 8  # bf16 per 16-byte load
@@ -440,8 +440,7 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
         raise ValueError(f"{op}: x.shape[2] (hidden C) = {C} must be a multiple of {VEC}")
     check_tensor(op, "x", x, align_bytes=16)
     m, K = num_maps(n), n * C
-    if T * K >= 2**31:
-        raise ValueError(f"{op}: x has {T * K} elements; 32-bit indexing needs fewer than 2**31")
+    check_int32_indexable(op, "x", T * K)
     check_tensor(op, "phi", phi, dtype=(torch.float32, torch.bfloat16), ndim=2, contiguous=True, align_bytes=16)
     if phi.dtype == torch.float32:
         check_tensor(op, "phi", phi, shape=(m, K))

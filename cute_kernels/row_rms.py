@@ -38,7 +38,7 @@ from cutlass import Float32, Int32
 
 from . import jit
 from .arch import dispatch, current_arch
-from .validate import check_tensor, check_cuda
+from .validate import check_cuda, check_int32_indexable, check_tensor
 
 _TORCH2CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 _NAME2CUTE = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -147,8 +147,7 @@ def row_rms(x: torch.Tensor, eps: float = 1e-6, *, out: torch.Tensor | None = No
     if C % 8 or not 8 <= C <= MAX_HIDDEN:
         raise ValueError(f"{op}: x.shape[1]={C} must be a multiple of 8 in [8, {MAX_HIDDEN}]")
     check_tensor(op, "x", x, align_bytes=16)
-    if T * C >= 2**31:
-        raise ValueError(f"{op}: x has {T * C} elements; 32-bit indexing needs fewer than 2**31")
+    check_int32_indexable(op, "x", T * C)
     if not isinstance(eps, (int, float)) or eps < 0:
         raise TypeError(f"{op}: eps must be a non-negative float, got {eps!r}")
     if out is None:

@@ -85,6 +85,14 @@ def check_divisible(op: str, name: str, value: int, by: int, why: str = "") -> N
         raise ValueError(f"{op}: {name}={value} must be a multiple of {by}" + (f" ({why})" if why else ""))
 
 
+def check_int32_indexable(op: str, what: str, elements: int) -> None:
+    """The SIMT / warp-MMA kernels index global tensors with 32-bit element offsets: refuse a
+    tensor of 2**31 or more elements before launch (it would wrap: an illegal address or a
+    silent read of a neighbouring allocation)."""
+    if elements >= 2**31:
+        raise ValueError(f"{op}: {what} has {elements} elements; 32-bit indexing needs fewer than 2**31")
+
+
 def check_arch_supported(op: str, arch: str | None, supported: Sequence[str]) -> str:
     if arch is None:
         raise ValueError(f"{op}: no supported CUDA device found (kernels target {', '.join(supported)})")

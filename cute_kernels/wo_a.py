@@ -34,7 +34,7 @@ from cutlass import Float32, Int32
 
 from . import jit
 from .arch import current_arch, dispatch, num_sms
-from .validate import check_cuda, check_tensor
+from .validate import check_cuda, check_int32_indexable, check_tensor
 from .wo_a_sm90 import WoASm90
 from .wo_a_sm100 import WoASm100
 from .wo_a_decode import WoADecode, WoADecodeWorkspace, plan as decode_plan
@@ -132,8 +132,7 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
         raise ValueError(f"{op}: wo_a_weight.shape[2]={Dg} must equal (H/G)*Dv = {(H // G) * Dv}")
     if R % 64 or Dg % 64:
         raise ValueError(f"{op}: R={R} and Dg={Dg} must be multiples of 64")
-    if T * max(H * Dv, G * R) >= 2**31 or G * R * Dg >= 2**31:  # the kernels' 32-bit element offsets
-        raise ValueError(f"{op}: o / out / wo_a_weight would exceed 2**31 elements (T={T}); split the tokens")
+    check_int32_indexable(op, f"the largest of o / out / wo_a_weight (T={T})", max(T * H * Dv, T * G * R, G * R * Dg))
     if out is None:
         out = torch.empty(T, G * R, dtype=torch.bfloat16, device=o.device)
     check_tensor(op, "out", out, dtype=torch.bfloat16, shape=(T, G * R), contiguous=True)

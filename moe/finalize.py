@@ -37,7 +37,7 @@ from cutlass import Float32, Int32
 
 from cute_kernels import jit
 from cute_kernels.arch import current_arch, dispatch
-from cute_kernels.validate import check_cuda, check_tensor
+from cute_kernels.validate import check_cuda, check_int32_indexable, check_tensor
 
 VEC = 8  # bf16 per 16-byte vector
 
@@ -124,8 +124,7 @@ def _check(op, y, topk_weights, routed_row_pos, T_expected=None):
     if H % VEC:
         raise ValueError(f"{op}: hidden size y.shape[1]={H} must be a multiple of {VEC}")
     check_tensor(op, "y", y, align_bytes=16)
-    if y.numel() >= 2**31:
-        raise ValueError(f"{op}: y has {y.numel()} elements; 32-bit indexing needs fewer than 2**31")
+    check_int32_indexable(op, "y", y.numel())
     check_tensor(op, "topk_weights", topk_weights, dtype=torch.float32, ndim=2, contiguous=True, align_bytes=4)
     T, k = topk_weights.shape
     check_tensor(op, "routed_row_pos", routed_row_pos, dtype=torch.int32, shape=(T * k,), contiguous=True,

@@ -67,7 +67,7 @@ from cutlass import Float32, Int32, Uint8, Uint16, Uint32
 
 from cute_kernels import jit
 from cute_kernels.arch import current_arch, dispatch
-from cute_kernels.validate import check_cuda, check_tensor
+from cute_kernels.validate import check_cuda, check_int32_indexable, check_tensor
 
 MX_BLOCK = 32
 SF_ATOM_ROWS, SF_ATOM_COLS = 128, 4
@@ -212,8 +212,7 @@ def _check_x(op: str, x: torch.Tensor) -> tuple[int, int]:
     if K % MX_BLOCK:
         raise ValueError(f"{op}: x.shape[1]={K} must be a multiple of {MX_BLOCK} (the MX block); pad K")
     check_tensor(op, "x", x, align_bytes=16)
-    if T * K >= 2**31:
-        raise ValueError(f"{op}: x has {T * K} elements; 32-bit indexing needs fewer than 2**31")
+    check_int32_indexable(op, "x", T * K)
     return T, K
 
 
@@ -290,9 +289,7 @@ def mxfp8_quantize_routed(x: torch.Tensor, sorted_token_ids: torch.Tensor, total
     if total_rows.numel() < 1:
         raise ValueError(f"{op}: total_rows must hold at least one int32")
     cap = sorted_token_ids.numel()
-    if cap * K >= 2**31:  # q rows are indexed with 32-bit element offsets
-        raise ValueError(f"{op}: q would have {cap} x {K} elements (sorted_token_ids.numel() rows); 32-bit "
-                         f"indexing needs fewer than 2**31")
+    check_int32_indexable(op, "q (sorted_token_ids.numel() rows x K)", cap * K)
     q, scales = _outputs(op, x, cap, K, layout, q, scales)
     check_cuda(op, ("x", x), ("sorted_token_ids", sorted_token_ids), ("total_rows", total_rows), ("q", q),
                ("scales", scales))
