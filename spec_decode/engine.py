@@ -59,9 +59,7 @@ class GenerationStats:
 class Engine:
     def __init__(self, config: EngineConfig = EngineConfig()):
         self.config = config
-        if config.attention_core not in StepModel.ATTENTION_CORES:  # before tens of GB of weights are made
-            raise ValueError(f"attention_core must be one of {StepModel.ATTENTION_CORES}, "
-                             f"got {config.attention_core!r}")
+        StepModel.check_attention_core(config.attention_core)  # before tens of GB of weights are made
         dtype = getattr(torch, config.dtype)
         self.model = TargetModel(config.model, seed=config.seed, dtype=dtype, device=config.device)
         self.draft = DraftModel(config.model, self.model, config.block_size, seed=config.seed + 1, dtype=dtype,

@@ -112,9 +112,13 @@ class StepModel:
 
     ATTENTION_CORES = ("gather", "masked_dense")
 
+    @classmethod
+    def check_attention_core(cls, attention_core: str) -> None:
+        if attention_core not in cls.ATTENTION_CORES:
+            raise ValueError(f"attention_core must be one of {cls.ATTENTION_CORES}, got {attention_core!r}")
+
     def __init__(self, target: TargetModel, ops: Ops | None = None, attention_core: str = "gather"):
-        if attention_core not in self.ATTENTION_CORES:
-            raise ValueError(f"attention_core must be one of {self.ATTENTION_CORES}, got {attention_core!r}")
+        self.check_attention_core(attention_core)
         self.t, self.cfg = target, target.cfg
         self.ops = ops or Ops()
         self.attention_core = attention_core
