@@ -11,7 +11,11 @@ printed):
   tok/s including the (eager, unoptimised) prefill;
 * median acceptance length; median target-verify and draft graph replay times at BS1 and BS64 (CUDA events
   around each replay); kernels per verify / draft graph replay (profiled);
-* the fraction of generated tokens equal to the first backend's (same prompts and weights);
+* token agreement with the first backend (same prompts and weights): the fraction of
+  generated tokens equal to its tokens (free-running greedy continuations part at the first
+  near-tie), and teacher-forced -- request 0 of each case: this backend's greedy token at each
+  position given the first backend's prompt and output before it (the first backend's own
+  column compares its eager prefill forward with its graph-generated tokens);
 * kernel launches per family over 20 verify + draft cycles (one eager verify step -- what
   its graph replays -- profiled: torch kernels inside each family's range plus this
   project's kernels by class name, times 20; the draft step has no MoE families).
@@ -77,8 +81,10 @@ def estimate_bytes(m, slots: int, max_len: int, backend: str) -> int:
     return weights + fused + kv
 
 
-def run_case(backend, model, batch, n_in, n_out, **engine):
-    """One (backend, case) run; ``engine``: further EngineConfig fields (prefill_chunk, ...)."""
+def run_case(backend, model, batch, n_in, n_out, reference=None, **engine):
+    """One (backend, case) run; ``engine``: further EngineConfig fields (prefill_chunk, ...).
+    ``reference``: another backend's generated tokens for the same prompts (None: this run's
+    own) -- request 0's are teacher-forced through this engine (:meth:`Engine.greedy_given`)."""
     sizes = tuple(s for s in GRAPH_SIZES if s < batch) + (next(s for s in GRAPH_SIZES if s >= batch),)
     cfg = EngineConfig(model=model, device="cuda", dtype="bfloat16", backend=backend,
                        max_seq_len=n_in + n_out + 16, graph_batch_sizes=sizes, **engine)
@@ -101,6 +107,8 @@ def run_case(backend, model, batch, n_in, n_out, **engine):
                verify_nodes=eng.verify_graphs.kernels_per_replay(batch),
                draft_nodes=eng.draft_graphs.kernels_per_replay(batch), tokens=out)
     res["launches"] = count_families(eng, batch)
+    ref = (reference or out)[0]
+    res["teacher_forced"] = sum(a == b for a, b in zip(eng.greedy_given(ids[0], ref), ref)) / len(ref)
     del eng  # free the weights, KV pool and graph pools before the next case
     gc.collect()
     torch.cuda.empty_cache()
@@ -191,6 +199,8 @@ def table_lines(backends: list[str], cases: list[tuple], results: dict) -> list[
             f"{token_agreement(ref, results.get((b, name), {}).get('tokens')):.3f}"
             if ref is not None and results.get((b, name), {}).get("tokens") is not None else "n/a"
             for b in backends) + " |")
+        lines.append(f"| {name}: teacher-forced tokens equal to {backends[0]}'s (request 0) | " + " | ".join(
+            cell(b, name, "teacher_forced", "{:.3f}") for b in backends) + " |")
     for fam in FAMILIES:
         lines.append(f"| launches / 20 cycles: {fam} | " + " | ".join(
             str(results.get((b, bs64), {}).get("launches", {}).get(fam, "n/a")) for b in backends) + " |")
@@ -214,9 +224,9 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-row-tile", type=int, default=16, choices=(0, 16, 32, 64),
                     help="fused backend: the MoE decode kernel in passes of this many token columns for "
                          "steps of 17-384 tokens (0: one pass up to 64 tokens, the tiled kernel above)")
-    ap.add_argument("--attention-core", default="gather", choices=("gather", "masked_dense"),
-                    help="both backends: gather each token's selected K/V (default) or SDPA over the request's KV "
-                         "row with a mask of the selected keys")
+    ap.add_argument("--attention-core", default="masked_dense", choices=("gather", "masked_dense"),
+                    help="both backends: SDPA over the request's KV row with a mask of the selected keys "
+                         "(default) or gather each token's selected K/V")
     ap.add_argument("--indexer-token-group", type=int, default=3, choices=(1, 2, 3, 4),
                     help="fused backend: consecutive tokens of a request scored per indexer CTA")
     args = ap.parse_args(argv)
@@ -238,7 +248,8 @@ def main(argv=None) -> int:
         for name, bs, n_in, n_out in cases:
             progress(i, total, f"{b}: {name}")
             try:
-                results[(b, name)] = run_case(b, model, bs, n_in, n_out, **engine)
+                reference = results.get((backends[0], name), {}).get("tokens") if b != backends[0] else None
+                results[(b, name)] = run_case(b, model, bs, n_in, n_out, reference=reference, **engine)
             except NotImplementedError as e:
                 results[(b, name)] = {"error": str(e).split(";")[0]}
             except torch.OutOfMemoryError as e:  # keep the other cases' results
@@ -253,7 +264,7 @@ def main(argv=None) -> int:
              f"{f' --prefill-chunk {args.prefill_chunk}' if args.prefill_chunk != 512 else ''}"
              f"{f' --moe-row-tile {args.moe_row_tile}' if args.moe_row_tile != 16 else ''}"
              f"{f' --indexer-token-group {args.indexer_token_group}' if args.indexer_token_group != 3 else ''}"
-             f"{f' --attention-core {args.attention_core}' if args.attention_core != 'gather' else ''}`", ""]
+             f"{f' --attention-core {args.attention_core}' if args.attention_core != 'masked_dense' else ''}`", ""]
     lines += table_lines(backends, cases, results)
     text = "\n".join(lines)
     print(text)

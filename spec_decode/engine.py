@@ -164,6 +164,26 @@ class Engine:
             hidden.append(h[0, -1])
         return first, hidden
 
+    @torch.no_grad()
+    def greedy_given(self, prompt: list[int], continuation: list[int]) -> list[int]:
+        """Teacher forcing: this engine's greedy token at each position of ``continuation``
+        given the prompt and the continuation before it (``[len(continuation)]`` ids). One
+        eager forward per prefill chunk on the scratch slot (no request's KV state changes).
+        ``spec_decode.bench`` feeds it another backend's output: the fraction of equal tokens
+        is a per-step agreement that one early near-tie cannot collapse, unlike comparing two
+        free-running greedy continuations."""
+        seq = list(prompt) + list(continuation[:-1])
+        self._check([seq], 1)
+        dev = self.config.device
+        fwd = self.model.forward if self.config.backend == "reference" else self.step.forward
+        slot = torch.tensor([self.scratch_slot], device=dev)
+        preds = []
+        for c0 in range(0, len(seq), self.config.prefill_chunk):
+            toks = torch.tensor([seq[c0:c0 + self.config.prefill_chunk]], device=dev)
+            pos = torch.arange(c0, c0 + toks.shape[1], device=dev)[None]
+            preds.append(fwd(toks, pos, slot, self.kv)[0][0].argmax(-1))
+        return torch.cat(preds)[len(prompt) - 1:].tolist()
+
     def generate(self, input_ids: list[list[int]], max_new_tokens: int | list[int],
                  speculative: bool = True, pipelined: bool | None = None) -> list[list[int]]:
         """Greedy continuation of every request: ``max_new_tokens`` new ids each (an int, or one

@@ -12,13 +12,13 @@ rounding (tests/test_spec_decode.py bounds it), not bit for bit.
 Ops are grouped behind :class:`Ops` so the GPU runtime can swap the PyTorch composites
 (``baseline``) for this project's kernels (``fused``) one family at a time.
 
-Attention core (shared by both backends; plain torch, as the issue allows): ``"gather"``
-(default) gathers each token's selected keys and values, ``[B, S, k, heads, head_dim]``;
-``"masked_dense"`` runs ``scaled_dot_product_attention`` over the request's whole KV row with
-a boolean mask of the selected keys -- the same softmax over the same keys, reading each
-request's row once instead of materialising k copies per token (6x less traffic at the
-slice config's quick bench: 600 pool positions, top-k 592, 6 tokens per request). CPU-tested
-against ``"gather"``; not yet run on the GPU.
+Attention core (shared by both backends; plain torch, as the issue allows): ``"masked_dense"``
+(default) runs ``scaled_dot_product_attention`` over the request's whole KV row with a
+boolean mask of the selected keys -- the same softmax over the same keys, reading each
+request's row once instead of materialising k copies per token; ``"gather"`` gathers each
+token's selected keys and values, ``[B, S, k, heads, head_dim]``, and computes the softmax in
+the activation dtype. H200, slice config, quick bench: the masked-dense core took the fused
+BS1 verify graph from ~4.8 to 2.5 ms and the BS64 one from ~160 to 14 ms (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class StepModel:
         if attention_core not in cls.ATTENTION_CORES:
             raise ValueError(f"attention_core must be one of {cls.ATTENTION_CORES}, got {attention_core!r}")
 
-    def __init__(self, target: TargetModel, ops: Ops | None = None, attention_core: str = "gather"):
+    def __init__(self, target: TargetModel, ops: Ops | None = None, attention_core: str = "masked_dense"):
         self.check_attention_core(attention_core)
         self.t, self.cfg = target, target.cfg
         self.ops = ops or Ops()
@@ -169,16 +169,31 @@ class StepModel:
 
     @staticmethod
     def _masked_dense(q, idx, valid, li, slots, kv: KVPool):
-        """Attention over each request's whole KV row, keys outside its token's selection masked."""
+        """Attention over each request's whole KV row, keys outside its token's selection masked.
+
+        Reads the pool in place when the batch covers a third of its slots or more (``P <= 3B``):
+        the queries and masks are scattered into pool-slot order and SDPA runs over all ``P``
+        rows, ``P`` row reads. Otherwise the batch's rows are gathered first, 3B row transfers
+        (read, write, read). Padded graph rows share the scratch slot: their scatters collide and
+        their outputs are garbage either way (the runner discards them)."""
         B, S, _ = idx.shape
-        M = kv.max_len
+        P, M = kv.k.shape[1], kv.max_len
         # invalid selections scatter into a discarded column M (a clamped index 0 must not
         # clear a valid selection of key 0)
         sel = torch.where(valid, idx, torch.full_like(idx, M))
         # rows padded to 16 elements: SDPA's memory-efficient kernel wants an aligned mask stride
-        mask = torch.zeros(B, S, -(-(M + 1) // 16) * 16, dtype=torch.bool, device=q.device).scatter_(2, sel, True)
-        mask = mask[..., :M]
+        width = -(-(M + 1) // 16) * 16
+        mask = torch.zeros(B, S, width, dtype=torch.bool, device=q.device).scatter_(2, sel, True)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if P <= 3 * B:
+            # slots outside the batch attend to key 0 only: finite, never read back
+            mask_p = torch.zeros(P, S, width, dtype=torch.bool, device=q.device)
+            mask_p[:, :, 0] = True
+            mask_p = mask_p.index_copy(0, slots, mask)
+            q_p = torch.zeros(P, *q.shape[1:], dtype=q.dtype, device=q.device).index_copy(0, slots, q)
+            o = sdpa(q_p.transpose(1, 2), kv.k[li].transpose(1, 2), kv.v[li].transpose(1, 2),
+                     attn_mask=mask_p[:, None, :, :M])
+            return o.transpose(1, 2)[slots]  # [B, S, H, hd]
         keys, vals = kv.k[li, slots], kv.v[li, slots]  # [B, M, H, hd]: the batch's pool rows
-        o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
-                                                             vals.transpose(1, 2), attn_mask=mask[:, None])
+        o = sdpa(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask[:, None, :, :M])
         return o.transpose(1, 2)  # [B, S, H, hd]; every token selects at least itself: no empty row

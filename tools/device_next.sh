@@ -10,7 +10,7 @@
 #            slice verify step's kernel profile (BS1 gather core, BS64 masked-dense core);
 #   phase 4: the slice config at the full lengths with the masked-dense attention
 #            core (never run; if it does not fit in memory the bench prints n/a and why).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1, 2, 3, 4)
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..7)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start.
 set -u
@@ -38,6 +38,21 @@ case "${1:-1}" in
   step 80 probe_fault env CUDA_LAUNCH_BLOCKING=1 python tools/probe_moe_fault.py
   step 100 probe_profile_bs1 python tools/probe_slice_profile.py
   step 100 probe_profile_bs64 env B=64 CORE=masked_dense python tools/probe_slice_profile.py
+  ;;
+5)  # the staged masked-dense core's GPU test and slice quick run, then where a slice step goes
+  step 90 spec_tests $PYT tests/test_spec_decode.py -m gpu
+  step 200 spec_slice_dense python -m spec_decode.bench --model slice --backends baseline,fused --quick --prefill-chunk 64 --attention-core masked_dense --out "$OUT/spec_slice_dense.md"
+  step 100 probe_profile_bs1 python tools/probe_slice_profile.py
+  step 100 probe_profile_bs64 env B=64 CORE=masked_dense python tools/probe_slice_profile.py
+  ;;
+6)  # the masked-dense core as the default (in-place pool path), the teacher-forced agreement row
+  step 90 spec_tests $PYT tests/test_spec_decode.py -m gpu -s
+  step 200 spec_slice python -m spec_decode.bench --model slice --backends baseline,fused --quick --out "$OUT/spec_slice.md"
+  step 120 spec_small python -m spec_decode.bench --model small --backends baseline,fused --quick --out "$OUT/spec_small.md"
+  step 100 probe_profile_bs64 env B=64 python tools/probe_slice_profile.py
+  ;;
+7)  # the slice config at the lengths (default masked-dense core, prefill chunks of 512)
+  step 570 spec_slice_full python -m spec_decode.bench --model slice --backends baseline,fused --out "$OUT/spec_slice_full.md"
   ;;
 4)  # BS64 at 2048 output tokens: minutes per backend even when the attention core is not the bound
   step 560 spec_slice_full_dense python -m spec_decode.bench --model slice --backends baseline,fused --prefill-chunk 64 --attention-core masked_dense --out "$OUT/spec_slice_full_dense.md"
