@@ -227,6 +227,8 @@ def main(argv=None) -> int:
     ap.add_argument("--attention-core", default="masked_dense", choices=("gather", "masked_dense"),
                     help="both backends: SDPA over the request's KV row with a mask of the selected keys "
                          "(default) or gather each token's selected K/V")
+    ap.add_argument("--draft-head", default="mxfp8", choices=("mxfp8", "bf16"),
+                    help="fused backend: the draft's LM head on an MXFP8 copy (default) or the bf16 head")
     ap.add_argument("--indexer-token-group", type=int, default=3, choices=(1, 2, 3, 4),
                     help="fused backend: consecutive tokens of a request scored per indexer CTA")
     args = ap.parse_args(argv)
@@ -240,7 +242,7 @@ def main(argv=None) -> int:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     engine = dict(prefill_chunk=args.prefill_chunk, moe_row_tile=args.moe_row_tile or None,
                   attention_core=args.attention_core,
-                  indexer_token_group=args.indexer_token_group)
+                  indexer_token_group=args.indexer_token_group, draft_head_mxfp8=args.draft_head == "mxfp8")
     results = {}
     total = len(cases) * len(backends)
     i = 0
@@ -264,7 +266,8 @@ def main(argv=None) -> int:
              f"{f' --prefill-chunk {args.prefill_chunk}' if args.prefill_chunk != 512 else ''}"
              f"{f' --moe-row-tile {args.moe_row_tile}' if args.moe_row_tile != 16 else ''}"
              f"{f' --indexer-token-group {args.indexer_token_group}' if args.indexer_token_group != 3 else ''}"
-             f"{f' --attention-core {args.attention_core}' if args.attention_core != 'masked_dense' else ''}`", ""]
+             f"{f' --attention-core {args.attention_core}' if args.attention_core != 'masked_dense' else ''}"
+             f"{f' --draft-head {args.draft_head}' if args.draft_head != 'mxfp8' else ''}`", ""]
     lines += table_lines(backends, cases, results)
     text = "\n".join(lines)
     print(text)

@@ -4,7 +4,9 @@ state and the last accepted token.
 * stage 1 (fuse): ``h0 = tanh(W_f [hidden ; embed(token)])``;
 * stage 2 (propose): a recurrent cell unrolled ``block_size`` times, each step consuming the
   token it proposed before -- ``h_{j+1} = tanh(W_r [h_j ; embed(d_j)])``;
-* stage 3 (head): ``d_j = argmax(lm_head(h_j))`` with the target's LM head.
+* stage 3 (head): ``d_j = argmax(lm_head(h_j))`` with the target's LM head (the fused
+  engine: an MXFP8 copy of it, :class:`spec_decode.fused_ops.MxDraftHead` -- the draft only
+  proposes, so its rounding moves the acceptance length, never the verified output).
 
 The three stages run as one captured graph in the GPU runtime. ``oracle=True`` replaces the
 proposal with the target's own greedy continuation (a test device that makes every draft
@@ -30,6 +32,9 @@ class DraftModel:
         C = cfg.hidden
         self.w_fuse = torch.randn(C, 2 * C, generator=g, device=gdev, dtype=dtype) / math.sqrt(2 * C)
         self.w_rec = torch.randn(C, 2 * C, generator=g, device=gdev, dtype=dtype) / math.sqrt(2 * C)
+        #: ``h [B, C] -> logits [B, vocab]`` for stage 3; None: ``h @ lm_head^T`` in the model's
+        #: dtype. The fused engine sets :class:`spec_decode.fused_ops.MxDraftHead` (MXFP8).
+        self.head = None
         self.oracle = False
         self.corrupt: set[int] = set()  # draft positions (0-based) to flip, for tests
 
@@ -45,7 +50,8 @@ class DraftModel:
             out = []
             for _ in range(self.block):  # stage 2 + 3
                 h = torch.tanh(torch.cat([h, emb[tok]], -1) @ self.w_rec.T)
-                tok = (h @ self.target.lm_head.T).argmax(-1)
+                logits = self.head(h) if self.head is not None else h @ self.target.lm_head.T
+                tok = logits.argmax(-1)
                 out.append(tok)
             drafts = torch.stack(out, 1)
         for j in self.corrupt:

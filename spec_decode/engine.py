@@ -85,6 +85,13 @@ class Engine:
                 ops = FusedOps(self.model, max_tokens=width, max_len=config.max_seq_len,
                                moe_row_tile=config.moe_row_tile, indexer_token_group=config.indexer_token_group,
                                release_bf16_experts=True)  # this engine's model runs no baseline MoE
+                if config.draft_head_mxfp8:
+                    from .fused_ops import MxDraftHead
+
+                    if config.max_batch > 64:
+                        raise ValueError(f"draft_head_mxfp8 covers batches up to 64, graph_batch_sizes go to "
+                                         f"{config.max_batch}: pass draft_head_mxfp8=False")
+                    self.draft.head = MxDraftHead(self.model.lm_head, config.max_batch)
             else:
                 ops = Ops()
             self.step = StepModel(self.model, ops, attention_core=config.attention_core)

@@ -28,7 +28,7 @@ from cute_kernels.wo_a import wo_a
 from moe.experts import (expert_kernel_args, interleave_gate_up, moe_expert_gate_up, moe_expert_gemm,
                          quantize_expert_weights)
 from moe.finalize import moe_finalize
-from moe.quant import mxfp8_quantize_routed
+from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size
 from moe.router import MoeRouter, RouterConfig
 
 from .model import shared_expert
@@ -159,3 +159,51 @@ class FusedOps(Ops):
             sh = shared_expert(x, L).contiguous()
         with family("fused finalize (+ shared add)"):
             return moe_finalize(y, r.topk_weights, r.routed_row_pos, sh)
+
+
+class MxDraftHead:
+    """The draft's LM head ``logits = h @ lm_head^T`` on this project's MXFP8 expert GEMM: the
+    whole head is one "expert" (``[1, vocab, hidden]`` e4m3 + swizzled block scales, made
+    once), the draft's ``B <= 64`` rows one router tile of 128 (rows past ``B`` stay whatever
+    an earlier, larger batch left: computed, never read).
+
+    Why: the three-stage draft reads the LM head once per proposed token, five times per step,
+    and at the slice config (vocab 129280, hidden 7168: 1.85 GB bf16) those reads are most of
+    the draft graph (H200: 2.6 ms at BS1, as long as the fused verify graph). MXFP8 halves the
+    bytes. The draft only proposes -- the target verifies every token with its bf16 head -- so
+    the rounding can change the acceptance length, never the output tokens.
+
+    Per call: one copy into the padded input, :func:`mxfp8_quantize` (swizzled scales), the
+    Hopper decode kernel (weights as wgmma's M; :func:`expert_kernel_args` picks one pass of
+    up to 16 columns or passes of 16). Graph capturable; allocates nothing per call.
+    """
+
+    TILE = 128  # one router tile: the expert GEMM's row granularity
+
+    def __init__(self, lm_head: torch.Tensor, max_batch: int):
+        V, C = lm_head.shape
+        if not 1 <= max_batch <= 64:
+            raise ValueError(f"MxDraftHead: max_batch must be in [1, 64] (one decode-kernel call), got {max_batch}")
+        dev = lm_head.device
+        self.max_batch = max_batch
+        self.w_q, self.w_s = quantize_expert_weights(lm_head[None].contiguous())
+        self.x = torch.zeros(self.TILE, C, dtype=torch.bfloat16, device=dev)
+        self.q = torch.empty(self.TILE, C, dtype=torch.float8_e4m3fn, device=dev)
+        self.s = torch.empty(scale_buffer_size(self.TILE, C, "swizzled"), dtype=torch.uint8, device=dev)
+        self.offsets = torch.tensor([0, self.TILE], dtype=torch.int32, device=dev)
+        self.tile_expert = torch.zeros(1, dtype=torch.int32, device=dev)
+        # expert count B is the view _counts[B:B + 1]: a constant address per captured batch size
+        self._counts = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
+        self.out = torch.empty(self.TILE, V, dtype=torch.bfloat16, device=dev)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """h [B, hidden] bf16 -> logits [B, vocab] bf16 (a view of this head's buffer)."""
+        B = h.shape[0]
+        if not 1 <= B <= self.max_batch:
+            raise ValueError(f"MxDraftHead: batch {B} outside [1, {self.max_batch}]")
+        counts = self._counts[B:B + 1]
+        self.x[:B].copy_(h)
+        mxfp8_quantize(self.x, layout="swizzled", q=self.q, scales=self.s)
+        moe_expert_gemm(self.q, self.s, self.w_q, self.w_s, self.offsets, counts, self.tile_expert, out=self.out,
+                        routed_rows=B, **expert_kernel_args(B))
+        return self.out[:B]
