@@ -35,6 +35,7 @@ import hashlib
 import random
 import statistics
 import sys
+import time
 
 import torch
 
@@ -218,9 +219,10 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", default="baseline,fused")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--prefill-chunk", type=int, default=512,
-                    help="prompt positions per eager prefill forward (its reference attention gathers "
-                         "[chunk, top-k, heads, head_dim] keys and values: 32 GiB each at slice size and 512)")
+    ap.add_argument("--prefill-chunk", type=int, default=384,
+                    help="prompt positions per eager prefill forward (384: the fused MoE's row-pass kernel "
+                         "covers the chunk; the gather attention core materialises [chunk, top-k, heads, "
+                         "head_dim] keys and values: use 64 with it at slice size)")
     ap.add_argument("--moe-row-tile", type=int, default=16, choices=(0, 16, 32, 64),
                     help="fused backend: the MoE decode kernel in passes of this many token columns for "
                          "steps of 17-384 tokens (0: one pass up to 64 tokens, the tiled kernel above)")
@@ -243,8 +245,24 @@ def main(argv=None) -> int:
     engine = dict(prefill_chunk=args.prefill_chunk, moe_row_tile=args.moe_row_tile or None,
                   attention_core=args.attention_core,
                   indexer_token_group=args.indexer_token_group, draft_head_mxfp8=args.draft_head == "mxfp8")
+    head = [f"## Decode runtime ({args.model}) -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
+             f"Command: `python -m spec_decode.bench --model {args.model} --backends {args.backends}"
+             f"{' --quick' if args.quick else ''}"
+             f"{f' --prefill-chunk {args.prefill_chunk}' if args.prefill_chunk != 384 else ''}"
+             f"{f' --moe-row-tile {args.moe_row_tile}' if args.moe_row_tile != 16 else ''}"
+             f"{f' --indexer-token-group {args.indexer_token_group}' if args.indexer_token_group != 3 else ''}"
+             f"{f' --attention-core {args.attention_core}' if args.attention_core != 'masked_dense' else ''}"
+             f"{f' --draft-head {args.draft_head}' if args.draft_head != 'mxfp8' else ''}`", ""]
+
+    def write(partial):
+        text = "\n".join(head + table_lines(backends, cases, results))
+        if args.out:  # after every case: a run cut short by a time limit keeps what it measured
+            open(args.out, "w").write(text + ("\n\n(partial: the run was cut short)\n" if partial else "\n"))
+        return text
+
     results = {}
     total = len(cases) * len(backends)
+    t0 = time.perf_counter()
     i = 0
     for b in backends:
         for name, bs, n_in, n_out in cases:
@@ -260,19 +278,9 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
             i += 1
             progress(i, total, f"{b}: {name}")
-    lines = [f"## Decode runtime ({args.model}) -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
-             f"Command: `python -m spec_decode.bench --model {args.model} --backends {args.backends}"
-             f"{' --quick' if args.quick else ''}"
-             f"{f' --prefill-chunk {args.prefill_chunk}' if args.prefill_chunk != 512 else ''}"
-             f"{f' --moe-row-tile {args.moe_row_tile}' if args.moe_row_tile != 16 else ''}"
-             f"{f' --indexer-token-group {args.indexer_token_group}' if args.indexer_token_group != 3 else ''}"
-             f"{f' --attention-core {args.attention_core}' if args.attention_core != 'masked_dense' else ''}"
-             f"{f' --draft-head {args.draft_head}' if args.draft_head != 'mxfp8' else ''}`", ""]
-    lines += table_lines(backends, cases, results)
-    text = "\n".join(lines)
+            print(f"[{b}: {name}: {time.perf_counter() - t0:.0f} s]", flush=True)
+            text = write(partial=i < total)
     print(text)
-    if args.out:
-        open(args.out, "w").write(text + "\n")
     return 0
 
 

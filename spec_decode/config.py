@@ -68,7 +68,10 @@ class EngineConfig:
     backend: str = "reference"
     #: safetensors file with the model's weights (name map: spec_decode.weights); None = seeded random
     weights: str | None = None
-    prefill_chunk: int = 512  # prompt positions per (eager) prefill forward: bounds the indexer's temporaries
+    #: prompt positions per (eager) prefill forward: bounds the indexer's temporaries; 384 keeps
+    #: the fused MoE on its decode kernel's row passes (moe.experts.ROW_PASS_MAX_TOKENS; H200,
+    #: slice quick bench, chunks of 512: the tiled kernel made the fused prefill slower)
+    prefill_chunk: int = 384
     #: fused backend, steps of 17-384 tokens: run the MoE decode kernel in passes of this many
     #: token columns (16 / 32 / 64; moe.experts.expert_kernel_args). None: one pass up to 64
     #: tokens, the tiled kernel above. H200: passes of 16 halve the expert GEMMs at T = 64.

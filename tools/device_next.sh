@@ -10,7 +10,7 @@
 #            slice verify step's kernel profile (BS1 gather core, BS64 masked-dense core);
 #   phase 4: the slice config at the full lengths with the masked-dense attention
 #            core (never run; if it does not fit in memory the bench prints n/a and why).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..8)
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..9)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start.
 set -u
@@ -57,6 +57,10 @@ case "${1:-1}" in
   step 150 spec_slice python -m spec_decode.bench --model slice --backends baseline,fused --quick --out "$OUT/spec_slice.md"
   step 100 spec_slice_row32 python -m spec_decode.bench --model slice --backends fused --quick --moe-row-tile 32 --out "$OUT/spec_slice_row32.md"
   step 60 probe_profile_bs1 python tools/probe_slice_profile.py
+  ;;
+9)  # the draft head in one pass, prefill chunks of 384: slice quick, then the lengths
+  step 110 spec_slice python -m spec_decode.bench --model slice --backends baseline,fused --quick --out "$OUT/spec_slice.md"
+  step 460 spec_slice_full python -m spec_decode.bench --model slice --backends baseline,fused --out "$OUT/spec_slice_full.md"
   ;;
 7)  # the slice config at the lengths (default masked-dense core, prefill chunks of 512)
   step 570 spec_slice_full python -m spec_decode.bench --model slice --backends baseline,fused --out "$OUT/spec_slice_full.md"
