@@ -85,9 +85,10 @@ class EngineConfig:
     #: (SDPA over each request's KV row with a mask of the selected keys) or "gather" (the
     #: selected keys per token; H200 slice config: 2x the BS1 and 11x the BS64 verify time)
     attention_core: str = "masked_dense"
-    #: fused backend: the draft's LM head on an MXFP8 copy of the target's head
-    #: (spec_decode.fused_ops.MxDraftHead; batches up to 64). The draft only proposes, so this
-    #: can move the acceptance length, never the output tokens. False: the bf16 head.
+    #: fused backend: the draft's LM head on an MXFP8 copy of the target's head for batches
+    #: up to 16 (spec_decode.fused_ops.MxDraftHead; the bf16 head above). The draft only
+    #: proposes, so this can move the acceptance length, never the output tokens. False: the
+    #: bf16 head throughout.
     draft_head_mxfp8: bool = True
 
     @property

@@ -88,9 +88,6 @@ class Engine:
                 if config.draft_head_mxfp8:
                     from .fused_ops import MxDraftHead
 
-                    if config.max_batch > 64:
-                        raise ValueError(f"draft_head_mxfp8 covers batches up to 64, graph_batch_sizes go to "
-                                         f"{config.max_batch}: pass draft_head_mxfp8=False")
                     self.draft.head = MxDraftHead(self.model.lm_head, config.max_batch)
             else:
                 ops = Ops()

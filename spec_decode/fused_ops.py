@@ -164,7 +164,7 @@ class FusedOps(Ops):
 class MxDraftHead:
     """The draft's LM head ``logits = h @ lm_head^T`` on this project's MXFP8 expert GEMM: the
     whole head is one "expert" (``[1, vocab, hidden]`` e4m3 + swizzled block scales, made
-    once), the draft's ``B <= 64`` rows one router tile of 128 (rows past ``B`` stay whatever
+    once), the draft's ``B <= 16`` rows one router tile of 128 (rows past ``B`` stay whatever
     an earlier, larger batch left: computed, never read).
 
     Why: the three-stage draft reads the LM head once per proposed token, five times per step,
@@ -173,20 +173,25 @@ class MxDraftHead:
     bytes. The draft only proposes -- the target verifies every token with its bf16 head -- so
     the rounding can change the acceptance length, never the output tokens.
 
-    Per call: one copy into the padded input, :func:`mxfp8_quantize` (swizzled scales), the
-    Hopper decode kernel (weights as wgmma's M) in one pass of 16, 32 or 64 token columns.
-    Graph capturable; allocates nothing per call. H200, slice config, BS1: draft graph 1.76 ms
-    against 2.62 for the bf16 head (bench/RESULTS.md).
+    Per call (up to :attr:`MX_MAX_BATCH` rows): one copy into the padded input,
+    :func:`mxfp8_quantize` (swizzled scales), the Hopper decode kernel (weights as wgmma's M)
+    in one pass of 16 token columns; larger batches use the bf16 head. Graph capturable;
+    allocates nothing per call.
     """
 
     TILE = 128  # one router tile: the expert GEMM's row granularity
+    #: Largest batch the MXFP8 head serves; above it the bf16 head. H200, slice config, draft
+    #: graph: BS1 1.82 ms against 2.68 (bf16); BS64 3.50 ms in one 64-column pass and 5.38 in
+    #: passes of 16, against 3.04 -- at 64 live columns the per-block FP32 promotion, not the
+    #: weight bytes, bounds the kernel. Up to 16 rows it runs the one 16-column pass of BS1.
+    MX_MAX_BATCH = 16
 
     def __init__(self, lm_head: torch.Tensor, max_batch: int):
         V, C = lm_head.shape
-        if not 1 <= max_batch <= 64:
-            raise ValueError(f"MxDraftHead: max_batch must be in [1, 64] (one decode-kernel call), got {max_batch}")
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"MxDraftHead: max_batch must be a positive int, got {max_batch!r}")
         dev = lm_head.device
-        self.max_batch = max_batch
+        self.max_batch, self.lm_head = max_batch, lm_head
         self.w_q, self.w_s = quantize_expert_weights(lm_head[None].contiguous())
         self.x = torch.zeros(self.TILE, C, dtype=torch.bfloat16, device=dev)
         self.q = torch.empty(self.TILE, C, dtype=torch.float8_e4m3fn, device=dev)
@@ -194,20 +199,21 @@ class MxDraftHead:
         self.offsets = torch.tensor([0, self.TILE], dtype=torch.int32, device=dev)
         self.tile_expert = torch.zeros(1, dtype=torch.int32, device=dev)
         # expert count B is the view _counts[B:B + 1]: a constant address per captured batch size
-        self._counts = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
+        self._counts = torch.arange(self.MX_MAX_BATCH + 1, dtype=torch.int32, device=dev)
         self.out = torch.empty(self.TILE, V, dtype=torch.bfloat16, device=dev)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        """h [B, hidden] bf16 -> logits [B, vocab] bf16 (a view of this head's buffer)."""
+        """h [B, hidden] bf16 -> logits [B, vocab] bf16 (a view of this head's buffer; above
+        :attr:`MX_MAX_BATCH` rows, the bf16 head's product)."""
         B = h.shape[0]
         if not 1 <= B <= self.max_batch:
             raise ValueError(f"MxDraftHead: batch {B} outside [1, {self.max_batch}]")
+        if B > self.MX_MAX_BATCH:
+            return h @ self.lm_head.T
         counts = self._counts[B:B + 1]
         self.x[:B].copy_(h)
         mxfp8_quantize(self.x, layout="swizzled", q=self.q, scales=self.s)
-        # one pass of tok_n >= B columns: every column is live here (passes of 16, the MoE
-        # choice for experts of ~2 rows, re-stream the weights per pass: H200, slice config,
-        # BS64: draft graph 5.4 ms against 2.9 for the bf16 head)
+        # one pass of 16 columns (passes re-stream the weights: see MX_MAX_BATCH)
         moe_expert_gemm(self.q, self.s, self.w_q, self.w_s, self.offsets, counts, self.tile_expert, out=self.out,
                         routed_rows=B, max_expert_rows=B)
         return self.out[:B]
