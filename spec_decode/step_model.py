@@ -157,15 +157,19 @@ class StepModel:
         kv.v[li, rows, pos] = v
         kv.k_idx[li, rows, pos] = k_idx
         idx, valid = ops.indexer_topk(q_idx, w_idx, kv.k_idx[li], slots, pos, cfg.index_topk)  # [B, S, k]
-        if self.attention_core == "masked_dense":
-            o = self._masked_dense(q, idx, valid, li, slots, kv)
-        else:
-            keys = kv.k[li, slots[:, None, None], idx]  # [B, S, k, H, hd]
-            vals = kv.v[li, slots[:, None, None], idx]
-            att = torch.einsum("bshd,bskhd->bshk", q, keys) / math.sqrt(hd)
-            att = att.masked_fill(~valid[:, :, None, :], float("-inf"))
-            o = torch.einsum("bshk,bskhd->bshd", att.softmax(-1), vals)
+        core = self._masked_dense if self.attention_core == "masked_dense" else self._gather
+        o = core(q, idx, valid, li, slots, kv)
         return ops.wo_a(o, L["wo_a"]) @ L["wo_b"].T
+
+    @staticmethod
+    def _gather(q, idx, valid, li, slots, kv: KVPool):
+        """Each token's selected keys and values gathered, ``[B, S, k, H, hd]``; the softmax
+        runs in the activation dtype."""
+        keys = kv.k[li, slots[:, None, None], idx]  # [B, S, k, H, hd]
+        vals = kv.v[li, slots[:, None, None], idx]
+        att = torch.einsum("bshd,bskhd->bshk", q, keys) / math.sqrt(q.shape[-1])
+        att = att.masked_fill(~valid[:, :, None, :], float("-inf"))
+        return torch.einsum("bshk,bskhd->bshd", att.softmax(-1), vals)
 
     @staticmethod
     def _masked_dense(q, idx, valid, li, slots, kv: KVPool):

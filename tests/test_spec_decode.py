@@ -306,45 +306,70 @@ def test_chunked_prefill_is_exact(backend):
     assert a == b
 
 
-@pytest.mark.gpu
-def test_masked_dense_attention_on_gpu():
-    """H200: the masked-dense core (baseline backend, small config, bf16) against an FP32 run of
-    the same weights and KV pool with the gather core: no further from it than the bf16 gather
-    core (whose softmax runs in bf16; SDPA's in FP32) -- not against each other, since a random
-    2-layer model amplifies any bf16 difference (the first H200 run: 8% between the two bf16
-    cores). Both the in-place pool path (a batch filling the pool) and the gathered-rows path
-    (2 requests in a 7-row pool). Then the masked-dense engine teacher-forced on the gather
-    engine's generation (captured graphs) mostly picks the same greedy tokens."""
+def _attention_core_case(cfg, B, pool_slots, device, g):
+    """Random bf16 inputs of one verify step's attention core: q [B, 6, H, hd], a KV pool of
+    ``pool_slots`` rows, slots out of order, and each token's top-k selection of the keys at
+    or before its position (``valid`` false past the candidates)."""
+    from spec_decode.model import KVPool
+
+    S, M, H, hd = 6, 128, cfg.heads, cfg.head_dim
+    kv = KVPool(cfg, pool_slots, M, torch.bfloat16, device)
+    kv.k.normal_(generator=g)
+    kv.v.normal_(generator=g)
+    q = torch.randn(B, S, H, hd, device=device, generator=g).bfloat16()
+    slots = torch.randperm(pool_slots, device=device, generator=g)[:B]
+    pos = torch.arange(S, device=device)[None] + torch.randint(0, M - S, (B, 1), device=device, generator=g)
+    score = torch.rand(B, S, M, device=device, generator=g)
+    score = score.masked_fill(torch.arange(M, device=device) > pos[..., None], float("-inf"))
+    vals, idx = torch.sort(score, dim=-1, descending=True, stable=True)
+    k = min(cfg.index_topk, M)
+    return q, idx[..., :k], torch.isfinite(vals[..., :k]), slots, kv
+
+
+def _attention_core_fp32(q, idx, valid, li, slots, kv):
+    """The spec of both attention cores: softmax over each token's selected keys, in FP32."""
+    keys = kv.k[li, slots[:, None, None], idx].float()
+    vals = kv.v[li, slots[:, None, None], idx].float()
+    att = torch.einsum("bshd,bskhd->bshk", q.float(), keys) / q.shape[-1] ** 0.5
+    att = att.masked_fill(~valid[:, :, None, :], float("-inf"))
+    return torch.einsum("bshk,bskhd->bshd", att.softmax(-1), vals)
+
+
+@pytest.mark.parametrize("B, pool_slots", [(3, 4), (2, 7)])
+def test_attention_cores_match_fp32_spec(B, pool_slots):
+    """Both attention cores on bf16 inputs (CPU) against the FP32 softmax over the selected
+    keys -- the pool read in place (B = 3 of 4 slots) and the batch's rows gathered (2 of 7)."""
     from spec_decode.config import SMALL
-    from spec_decode.model import KVPool, TargetModel
     from spec_decode.step_model import StepModel
 
-    m = TargetModel(SMALL, seed=3, dtype=torch.bfloat16, device="cuda")
-    m32 = TargetModel(SMALL, seed=3, dtype=torch.bfloat16, device="cuda")
-    m32.dtype = torch.float32
-    m32.embed, m32.lm_head = m.embed.float(), m.lm_head.float()
-    m32.layers = [{k: v.float() for k, v in L.items()} for L in m.layers]
-    for pool_slots in (3, 7):
-        kv = KVPool(SMALL, pool_slots, 128, torch.bfloat16, "cuda")
-        kv.k.normal_()
-        kv.v.normal_()
-        kv.k_idx.normal_()
-        kv32 = KVPool(SMALL, pool_slots, 128, torch.float32, "cuda")
-        kv32.k.copy_(kv.k), kv32.v.copy_(kv.v), kv32.k_idx.copy_(kv.k_idx)
-        toks = torch.randint(0, SMALL.vocab, (2, 6), device="cuda")
-        pos = (torch.arange(6, device="cuda")[None] + torch.tensor([[40], [90]], device="cuda")).contiguous()
-        slots = torch.tensor([1, 0], device="cuda")
-        # each forward writes this step's K/V into its pool: clones keep the runs independent
-        ref, _ = StepModel(m32, attention_core="gather").forward(toks, pos, slots, kv32)
-        err = {}
-        for core in ("gather", "masked_dense"):
-            pool = KVPool(SMALL, pool_slots, 128, torch.bfloat16, "cuda")
-            pool.k.copy_(kv.k), pool.v.copy_(kv.v), pool.k_idx.copy_(kv.k_idx)
-            out, _ = StepModel(m, attention_core=core).forward(toks, pos, slots, pool)
-            assert torch.isfinite(out).all()
-            err[core] = ((out.float() - ref).norm() / ref.norm()).item()
-        print(pool_slots, err)
-        assert err["masked_dense"] <= 1.2 * err["gather"] + 0.01, err
+    seed = random.randrange(2**31)  # fresh inputs each run
+    q, idx, valid, slots, kv = _attention_core_case(SMALL, B, pool_slots, "cpu", torch.Generator().manual_seed(seed))
+    ref = _attention_core_fp32(q, idx, valid, 1, slots, kv)
+    for core in (StepModel._masked_dense, StepModel._gather):
+        out = core(q, idx, valid, 1, slots, kv).float()
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-2, (core, seed)
+
+
+@pytest.mark.gpu
+def test_masked_dense_attention_on_gpu():
+    """H200: the masked-dense core (SDPA with a boolean mask) against the FP32 softmax over the
+    selected keys on the same bf16 inputs -- the pool read in place (a batch filling it) and the
+    batch's rows gathered (2 requests in a 7-row pool) -- within bf16 output rounding and no
+    further from the spec than the gather core. (The first version compared whole 2-layer
+    models; a random model's discrete steps amplified 1e-3 differences into 2-7% run to run.)
+    Then the masked-dense engine, teacher-forced on the gather engine's generation in captured
+    graphs, mostly picks the same greedy tokens."""
+    from spec_decode.config import SMALL
+    from spec_decode.step_model import StepModel
+
+    g = torch.Generator(device="cuda").manual_seed(random.randrange(2**31))  # fresh inputs each run
+    for B, pool_slots in ((3, 4), (2, 7)):
+        q, idx, valid, slots, kv = _attention_core_case(SMALL, B, pool_slots, "cuda", g)
+        ref = _attention_core_fp32(q, idx, valid, 1, slots, kv)
+        err = {core.__name__: ((core(q, idx, valid, 1, slots, kv).float() - ref).norm() / ref.norm()).item()
+               for core in (StepModel._masked_dense, StepModel._gather)}
+        print(B, pool_slots, err)
+        assert err["_masked_dense"] < 8e-3 and err["_masked_dense"] <= err["_gather"] + 2e-3, err
     ps = [[1, 2, 3, 4, 5], [7, 8, 9]]
     engs = [Engine(EngineConfig(model=SMALL, device="cuda", dtype="bfloat16", backend="baseline", max_seq_len=128,
                                 graph_batch_sizes=(1, 2), attention_core=core)) for core in ("gather", "masked_dense")]
