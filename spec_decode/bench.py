@@ -226,9 +226,10 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-row-tile", type=int, default=16, choices=(0, 16, 32, 64),
                     help="fused backend: the MoE decode kernel in passes of this many token columns for "
                          "steps of 17-384 tokens (0: one pass up to 64 tokens, the tiled kernel above)")
-    ap.add_argument("--attention-core", default="masked_dense", choices=("gather", "masked_dense"),
-                    help="both backends: SDPA over the request's KV row with a mask of the selected keys "
-                         "(default) or gather each token's selected K/V")
+    ap.add_argument("--attention-core", default="auto", choices=("auto", "gather", "masked_dense"),
+                    help="both backends: per step shape the core moving fewer K/V rows (default), SDPA over "
+                         "the request's KV row with a mask of the selected keys, or gather each token's "
+                         "selected K/V")
     ap.add_argument("--draft-head", default="mxfp8", choices=("mxfp8", "bf16"),
                     help="fused backend: the draft's LM head on an MXFP8 copy (default) or the bf16 head")
     ap.add_argument("--indexer-token-group", type=int, default=3, choices=(1, 2, 3, 4),
@@ -251,7 +252,7 @@ def main(argv=None) -> int:
              f"{f' --prefill-chunk {args.prefill_chunk}' if args.prefill_chunk != 384 else ''}"
              f"{f' --moe-row-tile {args.moe_row_tile}' if args.moe_row_tile != 16 else ''}"
              f"{f' --indexer-token-group {args.indexer_token_group}' if args.indexer_token_group != 3 else ''}"
-             f"{f' --attention-core {args.attention_core}' if args.attention_core != 'masked_dense' else ''}"
+             f"{f' --attention-core {args.attention_core}' if args.attention_core != 'auto' else ''}"
              f"{f' --draft-head {args.draft_head}' if args.draft_head != 'mxfp8' else ''}`", ""]
 
     def write(partial):

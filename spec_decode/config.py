@@ -81,12 +81,14 @@ class EngineConfig:
     #: bench_indexer: groups of 3 were 1.43x the one-token wgmma kernel at T = 384 (6-token
     #: verify blocks), 1.07x at T = 6.
     indexer_token_group: int = 3
-    #: baseline and fused backends: the attention core (spec_decode.step_model): "masked_dense"
-    #: (SDPA over each request's KV row with a mask of the selected keys) or "gather" (the
-    #: selected keys per token; H200 slice config: 2x the BS1 and 11x the BS64 verify time)
-    attention_core: str = "masked_dense"
+    #: baseline and fused backends: the attention core (spec_decode.step_model): "auto" (per
+    #: step shape, the core moving fewer K/V rows: StepModel.pick_attention_core),
+    #: "masked_dense" (SDPA over each request's KV row with a mask of the selected keys) or
+    #: "gather" (the selected keys per token)
+    attention_core: str = "auto"
     #: fused backend: the draft's LM head on an MXFP8 copy of the target's head for batches
-    #: up to 16 (spec_decode.fused_ops.MxDraftHead; the bf16 head above). The draft only
+    #: up to 16 (spec_decode.fused_ops.MxDraftHead; the bf16 head above, and for heads under
+    #: 64 MiB, where the extra launches cost more than the bytes saved). The draft only
     #: proposes, so this can move the acceptance length, never the output tokens. False: the
     #: bf16 head throughout.
     draft_head_mxfp8: bool = True

@@ -79,15 +79,13 @@ class Engine:
         self.stats = GenerationStats()
         if config.backend != "reference":
             if config.backend == "fused":
-                from .fused_ops import FusedOps  # imports the CuTe DSL kernels: only when asked for
+                from .fused_ops import FusedOps, MxDraftHead  # imports the CuTe DSL kernels: only when asked for
 
                 width = max(max(config.graph_batch_sizes) * (config.block_size + 1), config.prefill_chunk)
                 ops = FusedOps(self.model, max_tokens=width, max_len=config.max_seq_len,
                                moe_row_tile=config.moe_row_tile, indexer_token_group=config.indexer_token_group,
                                release_bf16_experts=True)  # this engine's model runs no baseline MoE
-                if config.draft_head_mxfp8:
-                    from .fused_ops import MxDraftHead
-
+                if config.draft_head_mxfp8 and MxDraftHead.pays_off(self.model.lm_head):
                     self.draft.head = MxDraftHead(self.model.lm_head, config.max_batch)
             else:
                 ops = Ops()

@@ -12,8 +12,9 @@ rounding (tests/test_spec_decode.py bounds it), not bit for bit.
 Ops are grouped behind :class:`Ops` so the GPU runtime can swap the PyTorch composites
 (``baseline``) for this project's kernels (``fused``) one family at a time.
 
-Attention core (shared by both backends; plain torch, as the issue allows): ``"masked_dense"``
-(default) runs ``scaled_dot_product_attention`` over the request's whole KV row with a
+Attention core (shared by both backends; plain torch, as the issue allows; ``"auto"``, the
+default, picks per step shape by K/V traffic: :meth:`StepModel.pick_attention_core`):
+``"masked_dense"`` runs ``scaled_dot_product_attention`` over the request's whole KV row with a
 boolean mask of the selected keys -- the same softmax over the same keys, reading each
 request's row once instead of materialising k copies per token; ``"gather"`` gathers each
 token's selected keys and values, ``[B, S, k, heads, head_dim]``, and computes the softmax in
@@ -110,14 +111,14 @@ class Ops:
 class StepModel:
     """Sync-free forward over a :class:`TargetModel`'s weights."""
 
-    ATTENTION_CORES = ("gather", "masked_dense")
+    ATTENTION_CORES = ("auto", "gather", "masked_dense")
 
     @classmethod
     def check_attention_core(cls, attention_core: str) -> None:
         if attention_core not in cls.ATTENTION_CORES:
             raise ValueError(f"attention_core must be one of {cls.ATTENTION_CORES}, got {attention_core!r}")
 
-    def __init__(self, target: TargetModel, ops: Ops | None = None, attention_core: str = "masked_dense"):
+    def __init__(self, target: TargetModel, ops: Ops | None = None, attention_core: str = "auto"):
         self.check_attention_core(attention_core)
         self.t, self.cfg = target, target.cfg
         self.ops = ops or Ops()
@@ -157,9 +158,23 @@ class StepModel:
         kv.v[li, rows, pos] = v
         kv.k_idx[li, rows, pos] = k_idx
         idx, valid = ops.indexer_topk(q_idx, w_idx, kv.k_idx[li], slots, pos, cfg.index_topk)  # [B, S, k]
-        core = self._masked_dense if self.attention_core == "masked_dense" else self._gather
-        o = core(q, idx, valid, li, slots, kv)
+        core = self.attention_core
+        if core == "auto":
+            core = self.pick_attention_core(B, S, idx.shape[-1], kv.k.shape[1], kv.max_len)
+        o = (self._masked_dense if core == "masked_dense" else self._gather)(q, idx, valid, li, slots, kv)
         return ops.wo_a(o, L["wo_a"]) @ L["wo_b"].T
+
+    @staticmethod
+    def pick_attention_core(B: int, S: int, k: int, P: int, M: int) -> str:
+        """``"auto"``: the core moving fewer K/V rows per step (static shapes: one choice per
+        captured graph). Gather: ``3 S k`` per request (read, write, read of ``[S, k]``
+        selected rows); masked-dense: ``M`` pool positions per pool row read -- ``P / B``
+        rows per request in place (``P <= 3B``), else 3 (gather the row, read it). H200: the
+        slice config (top-k 2048, M = 592-6160) ran 2x (BS1) and 11x (BS64) faster verify
+        graphs masked-dense; the small config (top-k 64, M = 5136) ran BS1 2.27x baseline
+        gathering and 1.95x masked-dense (bench/RESULTS.md)."""
+        dense_rows = P / B if P <= 3 * B else 3
+        return "gather" if 3 * S * k < dense_rows * M else "masked_dense"
 
     @staticmethod
     def _gather(q, idx, valid, li, slots, kv: KVPool):

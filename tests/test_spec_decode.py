@@ -269,8 +269,7 @@ def test_fused_ops_track_fp32_reference_on_gpu(seed):
 
 @pytest.mark.gpu
 def test_fused_engine_generates_on_gpu():
-    """backend='fused': the kernels inside the captured verify / draft graphs (the MXFP8 draft
-    head included); teacher-forced on the baseline backend's output, its greedy tokens mostly
+    """backend='fused': the kernels inside the captured verify / draft graphs; teacher-forced on the baseline backend's output, its greedy tokens mostly
     agree with the baseline's (free-running continuations part at the first bf16 near-tie: the
     first H200 runs gave 0.25-0.58 for identical math); on each backend the pipelined loop
     gives the step-at-a-time loop's tokens."""
@@ -291,7 +290,7 @@ def test_fused_engine_generates_on_gpu():
             assert eng.generate([[1, 2, 3, 4, 5], [7, 8, 9]], 12) == outs[backend]
     a, b = outs["baseline"], outs["fused"]
     assert [len(x) for x in a] == [len(x) for x in b] == [12, 12]
-    assert eng.draft.head is not None  # the MXFP8 draft head is the fused default
+    assert eng.draft.head is None  # a 1 MB head: the MXFP8 draft head would not pay off
     forced = [eng.greedy_given(p, x) for p, x in zip([[1, 2, 3, 4, 5], [7, 8, 9]], a)]
     same = sum(x == y for p, q in zip(a, forced) for x, y in zip(p, q)) / 24
     print("teacher-forced token agreement", same)
@@ -424,7 +423,7 @@ def test_mx_draft_head_on_gpu():
 
 
 def test_masked_dense_engine_generates_the_same_tokens():
-    """The baseline backend (graph-free on the CPU) with either attention core: same greedy
+    """The baseline backend (graph-free on the CPU) with each attention core: same greedy
     tokens for a batch of prompts of different lengths, prefill in chunks included; the
     masked-dense core on a pool its batch fills (SDPA over the pool in place, padded rows
     sharing the scratch slot once requests finish) too."""
@@ -435,8 +434,24 @@ def test_masked_dense_engine_generates_the_same_tokens():
                             prefill_chunk=4)).generate(ps, per)
     # a batch that fills a pool of graph size 4 (+ the scratch slot): the in-place path, with
     # the padded row's duplicate scratch slot
-    c = Engine(EngineConfig(seed=6, max_seq_len=96, backend="baseline", graph_batch_sizes=(1, 4))).generate(ps, per)
-    assert a == b == c
+    c = Engine(EngineConfig(seed=6, max_seq_len=96, backend="baseline", graph_batch_sizes=(1, 4),
+                            attention_core="masked_dense")).generate(ps, per)
+    d = Engine(EngineConfig(seed=6, max_seq_len=96, backend="baseline")).generate(ps, per)  # "auto"
+    assert a == b == c == d
+
+
+def test_pick_attention_core_by_traffic():
+    """"auto": masked-dense where the selection is most of the row (the slice config's top-k
+    2048 over 600-6160 positions), gather where it is a sliver (the small config's top-k 64
+    over 5136 positions at decode), masked-dense for a long prefill chunk."""
+    from spec_decode.step_model import StepModel
+
+    pick = StepModel.pick_attention_core
+    assert pick(B=1, S=6, k=592, P=2, M=600) == "masked_dense"
+    assert pick(B=64, S=6, k=2048, P=65, M=6160) == "masked_dense"
+    assert pick(B=1, S=6, k=64, P=2, M=5136) == "gather"
+    assert pick(B=64, S=6, k=64, P=65, M=5136) == "gather"
+    assert pick(B=1, S=384, k=64, P=65, M=5136) == "masked_dense"
 
 
 @pytest.mark.parametrize("backend", ["reference", "baseline"])

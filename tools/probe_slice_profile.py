@@ -1,7 +1,7 @@
 """Device probe: where a slice-config verify step's time goes, kernel by kernel.
 
     device run (carry .devcache): source tools/device-env.sh && python tools/probe_slice_profile.py
-    (env MODEL=small|slice, default slice; B = requests, default 1; CORE = masked_dense|gather)
+    (env MODEL=small|slice, default slice; B = requests, default 1; CORE = auto|masked_dense|gather)
 
 One verify step (6 tokens per request at position ~506, random KV pool), captured as a CUDA
 graph for the baseline and the fused ops, replayed 10 times under torch.profiler. Prints per
@@ -29,7 +29,7 @@ from spec_decode.step_model import Ops, StepModel  # noqa: E402
 def main():
     cfg = {"slice": SLICE, "small": SMALL}[os.environ.get("MODEL", "slice")]
     B, S, max_len, reps = int(os.environ.get("B", "1")), 6, 600, 10
-    core = os.environ.get("CORE", "masked_dense")
+    core = os.environ.get("CORE", "auto")
     m = TargetModel(cfg, seed=3, dtype=torch.bfloat16, device="cuda")
     kv = random_kv_pool(cfg, B + 1, max_len)
     toks, pos, slots = verify_block(cfg, B, S)
