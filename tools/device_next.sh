@@ -10,7 +10,7 @@
 #            slice verify step's kernel profile (BS1 gather core, BS64 masked-dense core);
 #   phase 4: the slice config at the full lengths with the masked-dense attention
 #            core (never run; if it does not fit in memory the bench prints n/a and why).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..11)
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..12)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start.
 set -u
@@ -71,6 +71,10 @@ case "${1:-1}" in
   step 100 spec_tests $PYT tests/test_spec_decode.py -m gpu -s
   step 250 spec_small_full python -m spec_decode.bench --model small --backends baseline,fused --out "$OUT/spec_small_full.md"
   step 110 spec_slice python -m spec_decode.bench --model slice --backends baseline,fused --quick --out "$OUT/spec_slice.md"
+  ;;
+12)  # the final defaults at the lengths (slice), then the whole GPU suite
+  step 300 spec_slice_full python -m spec_decode.bench --model slice --backends baseline,fused --out "$OUT/spec_slice_full.md"
+  step 250 gpu_suite $PYT tests -m gpu
   ;;
 7)  # the slice config at the lengths (default masked-dense core, prefill chunks of 512)
   step 570 spec_slice_full python -m spec_decode.bench --model slice --backends baseline,fused --out "$OUT/spec_slice_full.md"
