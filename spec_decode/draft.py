@@ -5,8 +5,9 @@ state and the last accepted token.
 * stage 2 (propose): a recurrent cell unrolled ``block_size`` times, each step consuming the
   token it proposed before -- ``h_{j+1} = tanh(W_r [h_j ; embed(d_j)])``;
 * stage 3 (head): ``d_j = argmax(lm_head(h_j))`` with the target's LM head (the fused
-  engine: an MXFP8 copy of it, :class:`spec_decode.fused_ops.MxDraftHead` -- the draft only
-  proposes, so its rounding moves the acceptance length, never the verified output).
+  engine, batches up to 16 of a large head: an MXFP8 copy of it,
+  :class:`spec_decode.fused_ops.MxDraftHead` -- the draft only proposes, so its rounding moves
+  the acceptance length, never the verified output).
 
 The three stages run as one captured graph in the GPU runtime. ``oracle=True`` replaces the
 proposal with the target's own greedy continuation (a test device that makes every draft
