@@ -195,6 +195,7 @@ class MxDraftHead:
 
     @classmethod
     def pays_off(cls, lm_head: torch.Tensor) -> bool:
+        """Whether ``lm_head`` is large enough for the MXFP8 copy (:attr:`MIN_HEAD_BYTES`)."""
         return lm_head.numel() * lm_head.element_size() >= cls.MIN_HEAD_BYTES
 
     def __init__(self, lm_head: torch.Tensor, max_batch: int):

@@ -19,7 +19,8 @@ boolean mask of the selected keys -- the same softmax over the same keys, readin
 request's row once instead of materialising k copies per token; ``"gather"`` gathers each
 token's selected keys and values, ``[B, S, k, heads, head_dim]``, and computes the softmax in
 the activation dtype. H200, slice config, quick bench: the masked-dense core took the fused
-BS1 verify graph from ~4.8 to 2.5 ms and the BS64 one from ~160 to 14 ms (bench/RESULTS.md).
+BS1 verify step from ~4.8 ms of kernels (gather) to a 2.3 ms graph and the BS64 one from
+~160 to 11.5 ms (bench/RESULTS.md).
 """
 
 from __future__ import annotations
