@@ -29,6 +29,7 @@ config every fused kernel accepts (``tiny`` is CPU-test sized: baseline only).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import hashlib
@@ -78,7 +79,8 @@ def estimate_bytes(m, slots: int, max_len: int, backend: str) -> int:
     weights = 2 * (m.layers * n + 2 * m.vocab * C + 4 * C * C)
     # the fused engine keeps MXFP8 expert copies (+3% scales) and releases the bf16 ones
     fused = int(1.03 * m.layers * 3 * E * I * C) - 2 * m.layers * 3 * E * I * C if backend == "fused" else 0
-    kv = 2 * m.layers * slots * max_len * (2 * H * hd + m.indexer_dim)
+    entry = m.rope_dim + m.kv_lora if m.kv_cache == "latent" else 2 * H * hd
+    kv = 2 * m.layers * slots * max_len * (entry + m.indexer_dim)
     return weights + fused + kv
 
 
@@ -230,6 +232,9 @@ def main(argv=None) -> int:
                     help="both backends: per step shape the core moving fewer K/V rows (default), SDPA over "
                          "the request's KV row with a mask of the selected keys, or gather each token's "
                          "selected K/V")
+    ap.add_argument("--kv-cache", default=None, choices=("per_head", "latent"),
+                    help="override the model config's KV cache: every head's K and V, or the MLA-style "
+                         "latent + shared RoPE key (default: the config's, per_head)")
     ap.add_argument("--draft-head", default="mxfp8", choices=("mxfp8", "bf16"),
                     help="fused backend: the draft's LM head on an MXFP8 copy (default) or the bf16 head")
     ap.add_argument("--indexer-token-group", type=int, default=3, choices=(1, 2, 3, 4),
@@ -239,6 +244,8 @@ def main(argv=None) -> int:
         print("spec_decode.bench needs a CUDA GPU", file=sys.stderr)
         return 2
     model = {"slice": SLICE, "small": SMALL, "tiny": TINY}[args.model]
+    if args.kv_cache is not None:
+        model = dataclasses.replace(model, kv_cache=args.kv_cache)
     cases = [("BS1 in 4096 / out 1024", 1, 4096, 1024), ("BS64 in 4096 / out 2048", 64, 4096, 2048)]
     if args.quick:
         cases = [("BS1 in 512 / out 64", 1, 512, 64), ("BS64 in 512 / out 64", 64, 512, 64)]
@@ -253,7 +260,8 @@ def main(argv=None) -> int:
              f"{f' --moe-row-tile {args.moe_row_tile}' if args.moe_row_tile != 16 else ''}"
              f"{f' --indexer-token-group {args.indexer_token_group}' if args.indexer_token_group != 3 else ''}"
              f"{f' --attention-core {args.attention_core}' if args.attention_core != 'auto' else ''}"
-             f"{f' --draft-head {args.draft_head}' if args.draft_head != 'mxfp8' else ''}`", ""]
+             f"{f' --draft-head {args.draft_head}' if args.draft_head != 'mxfp8' else ''}"
+             f"{f' --kv-cache {args.kv_cache}' if args.kv_cache else ''}`", ""]
 
     def write(partial):
         text = "\n".join(head + table_lines(backends, cases, results))

@@ -30,6 +30,11 @@ class ModelConfig:
     expert_inter: int = 32  # I
     shared_inter: int = 32
     eps: float = 1e-6
+    #: "per_head": cache every head's RoPE'd K and V (2 * heads * head_dim values a position);
+    #: "latent": MLA-style -- cache the normed KV latent and one RoPE key shared by the heads
+    #: (kv_lora + rope_dim values a position: 57x fewer at the slice config). K_h =
+    #: [k_rope ; lat @ k_b_h^T] (k_b then spans head_dim - rope_dim per head), V_h = lat @ v_b_h^T.
+    kv_cache: str = "per_head"
 
     def validate(self) -> None:
         if self.heads % self.wo_groups:
@@ -40,6 +45,10 @@ class ModelConfig:
             raise ValueError("experts must be divisible by n_group and topk_group <= n_group")
         if self.top_k > self.topk_group * (self.experts // self.n_group):
             raise ValueError("top_k exceeds the experts of the kept groups")
+        if self.kv_cache not in ("per_head", "latent"):
+            raise ValueError(f"kv_cache must be 'per_head' or 'latent', got {self.kv_cache!r}")
+        if self.kv_cache == "latent" and self.rope_dim >= self.head_dim:
+            raise ValueError(f"kv_cache='latent' needs rope_dim={self.rope_dim} < head_dim={self.head_dim}")
 
 
 TINY = ModelConfig()

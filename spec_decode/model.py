@@ -105,14 +105,41 @@ def moe_gathered(h: torch.Tensor, L: dict, cfg: ModelConfig) -> torch.Tensor:
 
 
 class KVPool:
-    """Preallocated per-request KV slots: ``[layers, slots, max_len, ...]``."""
+    """Preallocated per-request KV slots: ``[layers, slots, max_len, ...]``.
+
+    ``k`` / ``v``: ``[..., heads, head_dim]`` each (``kv_cache="per_head"``), or
+    (``"latent"``) ``k`` the cache entry ``[..., 1, rope_dim + kv_lora]`` -- the shared RoPE'd
+    key, then the normed latent -- and ``v`` a view of its latent part: one key / value "head"
+    that every query head attends (after absorbing ``k_b`` / ``v_b``)."""
 
     def __init__(self, cfg: ModelConfig, slots: int, max_len: int, dtype, device):
-        self.slots, self.max_len = slots, max_len
+        self.slots, self.max_len, self.latent = slots, max_len, cfg.kv_cache == "latent"
         shape = (cfg.layers, slots, max_len)
-        self.k = torch.zeros(*shape, cfg.heads, cfg.head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(*shape, cfg.heads, cfg.head_dim, dtype=dtype, device=device)
+        if self.latent:
+            self.k = torch.zeros(*shape, 1, cfg.rope_dim + cfg.kv_lora, dtype=dtype, device=device)
+            self.v = self.k[..., cfg.rope_dim:]
+        else:
+            self.k = torch.zeros(*shape, cfg.heads, cfg.head_dim, dtype=dtype, device=device)
+            self.v = torch.zeros(*shape, cfg.heads, cfg.head_dim, dtype=dtype, device=device)
         self.k_idx = torch.zeros(*shape, cfg.indexer_dim, dtype=dtype, device=device)
+
+
+def latent_entry(h: torch.Tensor, L: dict, pos: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """``kv_cache="latent"``: the cache entry ``[B, S, 1, rope_dim + kv_lora]`` of normed
+    hidden states ``h [B, S, C]`` -- the RoPE'd shared key, then the normed latent."""
+    r = cfg.rope_dim
+    c = h @ L["kv_a"].T  # [B, S, r + kv_lora]
+    k_rope = rope(c[..., None, :r], pos, r)
+    return torch.cat([k_rope, rmsnorm(c[..., None, r:], cfg.eps)], -1)
+
+
+def latent_heads(entries: torch.Tensor, L: dict, cfg: ModelConfig):
+    """Per-head keys and values ``[t, heads, head_dim]`` of latent cache entries ``[t, 1, r +
+    kv_lora]`` (the spec; the step model absorbs ``k_b`` / ``v_b`` into the query / output)."""
+    r, H, hd = cfg.rope_dim, cfg.heads, cfg.head_dim
+    t, lat = entries.shape[0], entries[:, 0, r:]
+    keys = torch.cat([entries[:, :, :r].expand(t, H, r), (lat @ L["k_b"].T).view(t, H, hd - r)], -1)
+    return keys, (lat @ L["v_b"].T).view(t, H, hd)
 
 
 class TargetModel:
@@ -143,7 +170,11 @@ class TargetModel:
                 L[f"{sub}_b_post"] = w(n, scale=0.1)
                 L[f"{sub}_b_res"] = w(n, n, scale=0.1)
             L["q_a"], L["q_b"] = w(cfg.q_lora, C), w(H * hd, cfg.q_lora)
-            L["kv_a"], L["k_b"], L["v_b"] = w(cfg.kv_lora, C), w(H * hd, cfg.kv_lora), w(H * hd, cfg.kv_lora)
+            if cfg.kv_cache == "latent":  # kv_a also makes the shared RoPE key; k_b the non-RoPE dims
+                L["kv_a"], L["k_b"] = w(cfg.rope_dim + cfg.kv_lora, C), w(H * (hd - cfg.rope_dim), cfg.kv_lora)
+            else:
+                L["kv_a"], L["k_b"] = w(cfg.kv_lora, C), w(H * hd, cfg.kv_lora)
+            L["v_b"] = w(H * hd, cfg.kv_lora)
             L["idx_q"], L["idx_w"], L["idx_k"] = (w(cfg.indexer_heads * cfg.indexer_dim, C),
                                                   w(cfg.indexer_heads, C), w(cfg.indexer_dim, C))
             L["wo_a"] = w(G, R, (H // G) * hd)
@@ -168,17 +199,20 @@ class TargetModel:
         B, S, _ = u.shape
         H, hd = cfg.heads, cfg.head_dim
         h = rmsnorm(u, cfg.eps)
-        q = (rmsnorm(h @ L["q_a"].T, cfg.eps) @ L["q_b"].T).view(B, S, H, hd)
-        lat = rmsnorm(h @ L["kv_a"].T, cfg.eps)
-        k = (lat @ L["k_b"].T).view(B, S, H, hd)
-        v = (lat @ L["v_b"].T).view(B, S, H, hd)
-        q, k = rope(q, pos, cfg.rope_dim), rope(k, pos, cfg.rope_dim)
+        q = rope((rmsnorm(h @ L["q_a"].T, cfg.eps) @ L["q_b"].T).view(B, S, H, hd), pos, cfg.rope_dim)
+        if kv.latent:
+            k, v = latent_entry(h, L, pos, cfg), None
+        else:
+            lat = rmsnorm(h @ L["kv_a"].T, cfg.eps)
+            k = rope((lat @ L["k_b"].T).view(B, S, H, hd), pos, cfg.rope_dim)
+            v = (lat @ L["v_b"].T).view(B, S, H, hd)
         q_idx = (h @ L["idx_q"].T).view(B, S, cfg.indexer_heads, cfg.indexer_dim)
         w_idx = h @ L["idx_w"].T
         k_idx = h @ L["idx_k"].T
         for b in range(B):
             kv.k[li, slots[b], pos[b]] = k[b]
-            kv.v[li, slots[b], pos[b]] = v[b]
+            if v is not None:  # the latent pool's v is a view of its k
+                kv.v[li, slots[b], pos[b]] = v[b]
             kv.k_idx[li, slots[b], pos[b]] = k_idx[b]
         o = torch.empty(B, S, H, hd, dtype=u.dtype, device=u.device)
         for b in range(B):
@@ -186,6 +220,8 @@ class TargetModel:
                 p = int(pos[b, s])
                 keys = kv.k[li, slots[b], : p + 1]  # causal: keys 0..p of this sequence
                 vals = kv.v[li, slots[b], : p + 1]
+                if kv.latent:
+                    keys, vals = latent_heads(keys, L, cfg)
                 # lightning indexer: candidate keys, masked to the causal range
                 score = (torch.relu(kv.k_idx[li, slots[b], : p + 1] @ q_idx[b, s].T) * w_idx[b, s]).sum(-1)
                 # ties (exact zeros after the ReLUs are common) -> the lower key index, as the

@@ -21,6 +21,13 @@ token's selected keys and values, ``[B, S, k, heads, head_dim]``, and computes t
 the activation dtype. H200, slice config, quick bench: the masked-dense core took the fused
 BS1 verify step from ~4.8 ms of kernels (gather) to a 2.3 ms graph and the BS64 one from
 ~160 to 11.5 ms (bench/RESULTS.md).
+
+With ``kv_cache="latent"`` (MLA-style: the pool holds the normed latent and one shared RoPE
+key) the step model absorbs the up-projections: scores ``[q_rope ; k_b_h^T q_nope] . entry``
+and ``o_h = v_b_h (softmax . latent)`` -- the reference expands every head's K and V from the
+cached latent instead, equal in exact arithmetic. Both cores then attend one key / value head
+(the masked-dense core by two batched matmuls with an FP32 softmax). CPU-tested; not yet run
+on the GPU (``tools/device_next.sh 5``).
 """
 
 from __future__ import annotations
@@ -29,8 +36,8 @@ import math
 
 import torch
 
-from .model import (KVPool, TargetModel, grouped_topk, mhc_mappings, moe_gathered, post_mix, pre_mix, rmsnorm,
-                    rope, shared_expert)
+from .model import (KVPool, TargetModel, grouped_topk, latent_entry, mhc_mappings, moe_gathered, post_mix, pre_mix,
+                    rmsnorm, rope, shared_expert)
 
 
 def family(name: str):
@@ -144,25 +151,31 @@ class StepModel:
     def attention(self, u, L, li, pos, slots, kv: KVPool):
         cfg, ops = self.cfg, self.ops
         B, S, _ = u.shape
-        H, hd = cfg.heads, cfg.head_dim
+        H, hd, r = cfg.heads, cfg.head_dim, cfg.rope_dim
         h = rmsnorm(u, cfg.eps)
-        q = (rmsnorm(h @ L["q_a"].T, cfg.eps) @ L["q_b"].T).view(B, S, H, hd)
-        lat = rmsnorm(h @ L["kv_a"].T, cfg.eps)
-        k = (lat @ L["k_b"].T).view(B, S, H, hd)
-        v = (lat @ L["v_b"].T).view(B, S, H, hd)
-        q, k = rope(q, pos, cfg.rope_dim), rope(k, pos, cfg.rope_dim)
+        q = rope((rmsnorm(h @ L["q_a"].T, cfg.eps) @ L["q_b"].T).view(B, S, H, hd), pos, r)
         q_idx = (h @ L["idx_q"].T).view(B, S, cfg.indexer_heads, cfg.indexer_dim)
         w_idx = h @ L["idx_w"].T
         k_idx = h @ L["idx_k"].T
         rows = slots[:, None].expand(B, S)
-        kv.k[li, rows, pos] = k  # tensor-indexed writes: no host sync
-        kv.v[li, rows, pos] = v
+        if kv.latent:
+            kv.k[li, rows, pos] = latent_entry(h, L, pos, cfg)  # tensor-indexed writes: no host sync
+            # absorbed: q_h . [k_rope ; k_b_h lat] = [q_rope ; k_b_h^T q_nope] . entry
+            q = torch.cat([q[..., :r], torch.einsum("bshd,hdc->bshc", q[..., r:],
+                                                    L["k_b"].view(H, hd - r, cfg.kv_lora))], -1)
+        else:
+            lat = rmsnorm(h @ L["kv_a"].T, cfg.eps)
+            kv.k[li, rows, pos] = rope((lat @ L["k_b"].T).view(B, S, H, hd), pos, r)
+            kv.v[li, rows, pos] = (lat @ L["v_b"].T).view(B, S, H, hd)
         kv.k_idx[li, rows, pos] = k_idx
         idx, valid = ops.indexer_topk(q_idx, w_idx, kv.k_idx[li], slots, pos, cfg.index_topk)  # [B, S, k]
         core = self.attention_core
         if core == "auto":
             core = self.pick_attention_core(B, S, idx.shape[-1], kv.k.shape[1], kv.max_len)
-        o = (self._masked_dense if core == "masked_dense" else self._gather)(q, idx, valid, li, slots, kv)
+        o = (self._masked_dense if core == "masked_dense" else self._gather)(q, idx, valid, li, slots, kv,
+                                                                             1 / math.sqrt(hd))
+        if kv.latent:  # o_h = v_b_h (softmax . lat)
+            o = torch.einsum("bshc,hdc->bshd", o, L["v_b"].view(H, hd, cfg.kv_lora))
         return ops.wo_a(o, L["wo_a"]) @ L["wo_b"].T
 
     @staticmethod
@@ -173,29 +186,39 @@ class StepModel:
         rows per request in place (``P <= 3B``), else 3 (gather the row, read it). H200: the
         slice config (top-k 2048, M = 592-6160) ran 2x (BS1) and 11x (BS64) faster verify
         graphs masked-dense; the small config (top-k 64, M = 5136) ran BS1 2.27x baseline
-        gathering and 1.95x masked-dense (bench/RESULTS.md)."""
+        gathering and 1.95x masked-dense (bench/RESULTS.md). A latent pool's masked-dense core
+        also writes FP32 scores for every pool position (not counted here; unmeasured)."""
         dense_rows = P / B if P <= 3 * B else 3
         return "gather" if 3 * S * k < dense_rows * M else "masked_dense"
 
     @staticmethod
-    def _gather(q, idx, valid, li, slots, kv: KVPool):
-        """Each token's selected keys and values gathered, ``[B, S, k, H, hd]``; the softmax
-        runs in the activation dtype."""
-        keys = kv.k[li, slots[:, None, None], idx]  # [B, S, k, H, hd]
+    def _gather(q, idx, valid, li, slots, kv: KVPool, scale: float):
+        """Each token's selected keys and values gathered, ``[B, S, k, heads, dim]``; the
+        softmax runs in the activation dtype. A latent pool's one key / value head serves every
+        query head."""
+        keys = kv.k[li, slots[:, None, None], idx]  # [B, S, k, Hk, dk]
         vals = kv.v[li, slots[:, None, None], idx]
-        att = torch.einsum("bshd,bskhd->bshk", q, keys) / math.sqrt(q.shape[-1])
-        att = att.masked_fill(~valid[:, :, None, :], float("-inf"))
-        return torch.einsum("bshk,bskhd->bshd", att.softmax(-1), vals)
+        if kv.latent:
+            keys, vals = keys[..., 0, :], vals[..., 0, :]
+            att = torch.einsum("bshd,bskd->bshk", q, keys) * scale
+        else:
+            att = torch.einsum("bshd,bskhd->bshk", q, keys) * scale
+        att = att.masked_fill(~valid[:, :, None, :], float("-inf")).softmax(-1)
+        if kv.latent:
+            return torch.einsum("bshk,bskd->bshd", att, vals)
+        return torch.einsum("bshk,bskhd->bshd", att, vals)
 
     @staticmethod
-    def _masked_dense(q, idx, valid, li, slots, kv: KVPool):
+    def _masked_dense(q, idx, valid, li, slots, kv: KVPool, scale: float):
         """Attention over each request's whole KV row, keys outside its token's selection masked.
 
         Reads the pool in place when the batch covers a third of its slots or more (``P <= 3B``):
-        the queries and masks are scattered into pool-slot order and SDPA runs over all ``P``
-        rows, ``P`` row reads. Otherwise the batch's rows are gathered first, 3B row transfers
-        (read, write, read). Padded graph rows share the scratch slot: their scatters collide and
-        their outputs are garbage either way (the runner discards them)."""
+        the queries and masks are scattered into pool-slot order and every pool row is
+        attended, ``P`` row reads. Otherwise the batch's rows are gathered first, 3B row
+        transfers (read, write, read). Padded graph rows share the scratch slot: their scatters
+        collide and their outputs are garbage either way (the runner discards them). Per-head
+        pools run SDPA; a latent pool (one key head, key dim rope_dim + kv_lora) two batched
+        matmuls with an FP32 softmax -- SDPA would expand its key head to every query head."""
         B, S, _ = idx.shape
         P, M = kv.k.shape[1], kv.max_len
         # invalid selections scatter into a discarded column M (a clamped index 0 must not
@@ -204,16 +227,25 @@ class StepModel:
         # rows padded to 16 elements: SDPA's memory-efficient kernel wants an aligned mask stride
         width = -(-(M + 1) // 16) * 16
         mask = torch.zeros(B, S, width, dtype=torch.bool, device=q.device).scatter_(2, sel, True)
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        if P <= 3 * B:
+        in_place = P <= 3 * B
+        if in_place:
             # slots outside the batch attend to key 0 only: finite, never read back
             mask_p = torch.zeros(P, S, width, dtype=torch.bool, device=q.device)
             mask_p[:, :, 0] = True
-            mask_p = mask_p.index_copy(0, slots, mask)
-            q_p = torch.zeros(P, *q.shape[1:], dtype=q.dtype, device=q.device).index_copy(0, slots, q)
-            o = sdpa(q_p.transpose(1, 2), kv.k[li].transpose(1, 2), kv.v[li].transpose(1, 2),
-                     attn_mask=mask_p[:, None, :, :M])
-            return o.transpose(1, 2)[slots]  # [B, S, H, hd]
-        keys, vals = kv.k[li, slots], kv.v[li, slots]  # [B, M, H, hd]: the batch's pool rows
-        o = sdpa(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask[:, None, :, :M])
-        return o.transpose(1, 2)  # [B, S, H, hd]; every token selects at least itself: no empty row
+            mask = mask_p.index_copy(0, slots, mask)
+            q = torch.zeros(P, *q.shape[1:], dtype=q.dtype, device=q.device).index_copy(0, slots, q)
+            keys, vals = kv.k[li], kv.v[li]  # [P, M, Hk, d]
+        else:
+            keys, vals = kv.k[li, slots], kv.v[li, slots]  # [B, M, Hk, d]: the batch's pool rows
+        mask = mask[..., :M]
+        if kv.latent:
+            R, H = q.shape[0], q.shape[2]
+            att = torch.bmm(q.reshape(R, S * H, -1), keys[:, :, 0].transpose(1, 2)).float() * scale
+            att = att.view(R, S, H, M).masked_fill(~mask[:, :, None, :], float("-inf")).softmax(-1)
+            o = torch.bmm(att.to(q.dtype).view(R, S * H, M), vals[:, :, 0]).view(R, S, H, -1)
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask[:, None],
+                scale=scale).transpose(1, 2)
+        # [B, S, H, dv]; every token selects at least itself: no empty row
+        return o[slots] if in_place else o

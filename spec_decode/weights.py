@@ -18,6 +18,10 @@ converted to the model's dtype and device on load):
 ``draft.w_fuse``, ``draft.w_rec``  the draft module's two stages ``[hidden, 2 hidden]``
 ============================  =========================================================
 
+With ``kv_cache="latent"`` the attention's ``kv_a`` is ``[rope_dim + kv_lora, hidden]`` (the
+shared RoPE key's rows first) and ``k_b`` ``[heads * (head_dim - rope_dim), kv_lora]`` (the
+non-RoPE dims of each head's key).
+
 Loading is strict: a missing, unexpected or mis-shaped tensor is a ``ValueError`` naming it,
 raised before any weight is replaced. ``EngineConfig(weights=path)`` loads at engine start
 (the draft's tensors are optional in the file). Needs the ``safetensors`` package.

@@ -1,5 +1,7 @@
 """Decode runtime, reference backend on the CPU: speculative greedy == plain greedy."""
 
+import dataclasses
+import itertools
 import random
 
 import pytest
@@ -156,19 +158,56 @@ def _agree_over_verify_steps(cfg, forward1, forward2, seed, pool_slots=3):
         assert torch.allclose(h1, h2, atol=1e-5)
 
 
-def test_step_model_matches_reference_logits():
-    """Indexer top-k below the candidate count (the masked-topk path) and verify blocks."""
+@pytest.mark.parametrize("kv_cache", ["per_head", "latent"])
+def test_step_model_matches_reference_logits(kv_cache):
+    """Indexer top-k below the candidate count (the masked-topk path) and verify blocks; with a
+    latent cache the reference expands every head's keys and values from the cached latent
+    (the spec) and the step model absorbs k_b / v_b (same sums, another order)."""
     from spec_decode.config import ModelConfig
     from spec_decode.model import TargetModel
     from spec_decode.step_model import StepModel
 
-    cfg = ModelConfig(index_topk=8)
+    cfg = ModelConfig(index_topk=8, kv_cache=kv_cache)
     m = TargetModel(cfg, seed=4)
-    _agree_over_verify_steps(cfg, m.forward, StepModel(m).forward, seed=0)
+    for core in ("gather", "masked_dense"):
+        _agree_over_verify_steps(cfg, m.forward, StepModel(m, attention_core=core).forward, seed=0)
 
 
+def test_latent_cache_config_and_pool():
+    """kv_cache: 'per_head' / 'latent' only, latent needs a non-RoPE part of the head; a latent
+    pool holds rope_dim + kv_lora values a position and v is a view of k's latent part."""
+    from spec_decode.config import ModelConfig
+    from spec_decode.model import KVPool
+
+    with pytest.raises(ValueError, match="kv_cache"):
+        ModelConfig(kv_cache="mla").validate()
+    with pytest.raises(ValueError, match="rope_dim"):
+        ModelConfig(kv_cache="latent", rope_dim=16).validate()
+    cfg = ModelConfig(kv_cache="latent")
+    kv = KVPool(cfg, 2, 8, torch.float32, "cpu")
+    assert kv.latent and kv.k.shape == (cfg.layers, 2, 8, 1, cfg.rope_dim + cfg.kv_lora)
+    kv.v.fill_(3.0)
+    assert (kv.k[..., cfg.rope_dim:] == 3).all() and (kv.k[..., :cfg.rope_dim] == 0).all()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_latent_cache_speculative_equals_plain_greedy(seed):
+    """The latent-cache model through the engine: speculative == plain greedy on the reference
+    backend, and the baseline backend (the step model, both attention cores) gives the same
+    tokens."""
+    cfg = dataclasses.replace(EngineConfig().model, kv_cache="latent")
+    ps = prompts(seed, 3)
+    ref = Engine(EngineConfig(model=cfg, seed=seed, max_seq_len=96))
+    plain = ref.generate(ps, 11, speculative=False)
+    assert ref.generate(ps, 11) == plain
+    for core in ("gather", "masked_dense"):
+        eng = Engine(EngineConfig(model=cfg, seed=seed, max_seq_len=96, backend="baseline", attention_core=core))
+        assert eng.generate(ps, 11) == plain
+
+
+@pytest.mark.parametrize("kv_cache", ["per_head", "latent"])
 @pytest.mark.parametrize("topk, pool_slots", [(8, 3), (64, 3), (8, 10)])
-def test_masked_dense_attention_matches_gather(topk, pool_slots):
+def test_masked_dense_attention_matches_gather(topk, pool_slots, kv_cache):
     """attention_core="masked_dense" (SDPA over the KV row, unselected keys masked) against
     "gather": the same softmax over the same keys, to FP32 rounding -- top-k below the
     candidate count (a real selection) and above it (every candidate), verify blocks at
@@ -178,7 +217,7 @@ def test_masked_dense_attention_matches_gather(topk, pool_slots):
     from spec_decode.model import TargetModel
     from spec_decode.step_model import StepModel
 
-    cfg = ModelConfig(index_topk=topk)
+    cfg = ModelConfig(index_topk=topk, kv_cache=kv_cache)
     m = TargetModel(cfg, seed=5)
     _agree_over_verify_steps(cfg, StepModel(m, attention_core="gather").forward,
                              StepModel(m, attention_core="masked_dense").forward, seed=1, pool_slots=pool_slots)
@@ -306,16 +345,18 @@ def test_chunked_prefill_is_exact(backend):
 
 
 def _attention_core_case(cfg, B, pool_slots, device, g):
-    """Random bf16 inputs of one verify step's attention core: q [B, 6, H, hd], a KV pool of
-    ``pool_slots`` rows, slots out of order, and each token's top-k selection of the keys at
-    or before its position (``valid`` false past the candidates)."""
+    """Random bf16 inputs of one verify step's attention core: a KV pool of ``pool_slots`` rows
+    (per-head or latent, as ``cfg.kv_cache``), queries of its key width (``[B, 6, H, hd]``, or
+    ``rope_dim + kv_lora`` once ``k_b`` is absorbed), slots out of order, and each token's top-k
+    selection of the keys at or before its position (``valid`` false past the candidates)."""
     from spec_decode.model import KVPool
 
-    S, M, H, hd = 6, 128, cfg.heads, cfg.head_dim
+    S, M, H = 6, 128, cfg.heads
     kv = KVPool(cfg, pool_slots, M, torch.bfloat16, device)
     kv.k.normal_(generator=g)
-    kv.v.normal_(generator=g)
-    q = torch.randn(B, S, H, hd, device=device, generator=g).bfloat16()
+    if not kv.latent:  # a latent pool's v is a view of its k
+        kv.v.normal_(generator=g)
+    q = torch.randn(B, S, H, kv.k.shape[-1], device=device, generator=g).bfloat16()
     slots = torch.randperm(pool_slots, device=device, generator=g)[:B]
     pos = torch.arange(S, device=device)[None] + torch.randint(0, M - S, (B, 1), device=device, generator=g)
     score = torch.rand(B, S, M, device=device, generator=g)
@@ -325,35 +366,43 @@ def _attention_core_case(cfg, B, pool_slots, device, g):
     return q, idx[..., :k], torch.isfinite(vals[..., :k]), slots, kv
 
 
-def _attention_core_fp32(q, idx, valid, li, slots, kv):
-    """The spec of both attention cores: softmax over each token's selected keys, in FP32."""
-    keys = kv.k[li, slots[:, None, None], idx].float()
+def _attention_core_fp32(q, idx, valid, li, slots, kv, scale):
+    """The spec of both attention cores: softmax over each token's selected keys, in FP32 (a
+    latent pool's one key / value head broadcast to every query head)."""
+    keys = kv.k[li, slots[:, None, None], idx].float()  # [B, S, k, Hk, dk]
     vals = kv.v[li, slots[:, None, None], idx].float()
-    att = torch.einsum("bshd,bskhd->bshk", q.float(), keys) / q.shape[-1] ** 0.5
+    H = q.shape[2]
+    keys, vals = keys.expand(-1, -1, -1, H, -1), vals.expand(-1, -1, -1, H, -1)
+    att = torch.einsum("bshd,bskhd->bshk", q.float(), keys) * scale
     att = att.masked_fill(~valid[:, :, None, :], float("-inf"))
     return torch.einsum("bshk,bskhd->bshd", att.softmax(-1), vals)
 
 
+@pytest.mark.parametrize("kv_cache", ["per_head", "latent"])
 @pytest.mark.parametrize("B, pool_slots", [(3, 4), (2, 7)])
-def test_attention_cores_match_fp32_spec(B, pool_slots):
+def test_attention_cores_match_fp32_spec(B, pool_slots, kv_cache):
     """Both attention cores on bf16 inputs (CPU) against the FP32 softmax over the selected
-    keys -- the pool read in place (B = 3 of 4 slots) and the batch's rows gathered (2 of 7)."""
+    keys -- the pool read in place (B = 3 of 4 slots) and the batch's rows gathered (2 of 7),
+    per-head and latent pools."""
     from spec_decode.config import SMALL
     from spec_decode.step_model import StepModel
 
+    cfg = dataclasses.replace(SMALL, kv_cache=kv_cache)
     seed = random.randrange(2**31)  # fresh inputs each run
-    q, idx, valid, slots, kv = _attention_core_case(SMALL, B, pool_slots, "cpu", torch.Generator().manual_seed(seed))
-    ref = _attention_core_fp32(q, idx, valid, 1, slots, kv)
+    q, idx, valid, slots, kv = _attention_core_case(cfg, B, pool_slots, "cpu", torch.Generator().manual_seed(seed))
+    scale = cfg.head_dim ** -0.5
+    ref = _attention_core_fp32(q, idx, valid, 1, slots, kv, scale)
     for core in (StepModel._masked_dense, StepModel._gather):
-        out = core(q, idx, valid, 1, slots, kv).float()
+        out = core(q, idx, valid, 1, slots, kv, scale).float()
         assert ((out - ref).norm() / ref.norm()).item() < 1e-2, (core, seed)
 
 
 @pytest.mark.gpu
 def test_masked_dense_attention_on_gpu():
-    """H200: the masked-dense core (SDPA with a boolean mask) against the FP32 softmax over the
-    selected keys on the same bf16 inputs -- the pool read in place (a batch filling it) and the
-    batch's rows gathered (2 requests in a 7-row pool) -- within bf16 output rounding and no
+    """H200: the masked-dense core (SDPA with a boolean mask; two matmuls on a latent pool)
+    against the FP32 softmax over the selected keys on the same bf16 inputs -- the pool read in
+    place (a batch filling it) and the batch's rows gathered (2 requests in a 7-row pool),
+    per-head and latent pools -- within bf16 output rounding and no
     further from the spec than the gather core. (The first version compared whole 2-layer
     models; a random model's discrete steps amplified 1e-3 differences into 2-7% run to run.)
     Then the masked-dense engine, teacher-forced on the gather engine's generation in captured
@@ -362,12 +411,14 @@ def test_masked_dense_attention_on_gpu():
     from spec_decode.step_model import StepModel
 
     g = torch.Generator(device="cuda").manual_seed(random.randrange(2**31))  # fresh inputs each run
-    for B, pool_slots in ((3, 4), (2, 7)):
-        q, idx, valid, slots, kv = _attention_core_case(SMALL, B, pool_slots, "cuda", g)
-        ref = _attention_core_fp32(q, idx, valid, 1, slots, kv)
-        err = {core.__name__: ((core(q, idx, valid, 1, slots, kv).float() - ref).norm() / ref.norm()).item()
+    scale = SMALL.head_dim ** -0.5
+    for (B, pool_slots), kv_cache in itertools.product(((3, 4), (2, 7)), ("per_head", "latent")):
+        cfg = dataclasses.replace(SMALL, kv_cache=kv_cache)
+        q, idx, valid, slots, kv = _attention_core_case(cfg, B, pool_slots, "cuda", g)
+        ref = _attention_core_fp32(q, idx, valid, 1, slots, kv, scale)
+        err = {core.__name__: ((core(q, idx, valid, 1, slots, kv, scale).float() - ref).norm() / ref.norm()).item()
                for core in (StepModel._masked_dense, StepModel._gather)}
-        print(B, pool_slots, err)
+        print(B, pool_slots, kv_cache, err)
         assert err["_masked_dense"] < 8e-3 and err["_masked_dense"] <= err["_gather"] + 2e-3, err
     ps = [[1, 2, 3, 4, 5], [7, 8, 9]]
     engs = [Engine(EngineConfig(model=SMALL, device="cuda", dtype="bfloat16", backend="baseline", max_seq_len=128,

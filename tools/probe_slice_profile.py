@@ -1,7 +1,8 @@
 """Device probe: where a slice-config verify step's time goes, kernel by kernel.
 
     device run (carry .devcache): source tools/device-env.sh && python tools/probe_slice_profile.py
-    (env MODEL=small|slice, default slice; B = requests, default 1; CORE = auto|masked_dense|gather)
+    (env MODEL=small|slice, default slice; B = requests, default 1; CORE = auto|masked_dense|gather;
+    KV_CACHE = per_head|latent, default the config's)
 
 One verify step (6 tokens per request at position ~506, random KV pool), captured as a CUDA
 graph for the baseline and the fused ops, replayed 10 times under torch.profiler. Prints per
@@ -10,6 +11,7 @@ replay, us per replay): the fused path's remaining cost beside the torch attenti
 LM head and the projections this project does not replace.
 """
 import collections
+import dataclasses
 import os
 import sys
 
@@ -28,6 +30,8 @@ from spec_decode.step_model import Ops, StepModel  # noqa: E402
 
 def main():
     cfg = {"slice": SLICE, "small": SMALL}[os.environ.get("MODEL", "slice")]
+    if os.environ.get("KV_CACHE"):
+        cfg = dataclasses.replace(cfg, kv_cache=os.environ["KV_CACHE"])
     B, S, max_len, reps = int(os.environ.get("B", "1")), 6, 600, 10
     core = os.environ.get("CORE", "auto")
     m = TargetModel(cfg, seed=3, dtype=torch.bfloat16, device="cuda")
@@ -48,7 +52,7 @@ def main():
             if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0:
                 us[e.name[:90]] += e.time_range.elapsed_us() / reps
                 calls[e.name[:90]] += 1 / reps
-        print(f"{cfg is SLICE and 'slice' or 'small'} B={B} core={core} {name}: {sum(us.values()):.1f} us of "
+        print(f"{os.environ.get('MODEL', 'slice')} {cfg.kv_cache} B={B} core={core} {name}: {sum(us.values()):.1f} us of "
               f"kernels per verify replay, {sum(calls.values()):.0f} kernels", flush=True)
         for k, v in us.most_common(15):
             print(f"   {v:9.1f} us  x{calls[k]:4.0f}  {k}", flush=True)
