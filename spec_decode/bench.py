@@ -235,8 +235,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache", default=None, choices=("per_head", "latent"),
                     help="override the model config's KV cache: every head's K and V, or the MLA-style "
                          "latent + shared RoPE key (default: the config's, per_head)")
-    ap.add_argument("--draft-head", default="mxfp8", choices=("mxfp8", "bf16"),
-                    help="fused backend: the draft's LM head on an MXFP8 copy (default) or the bf16 head")
+    ap.add_argument("--draft-head", default="mxfp8", choices=("mxfp8", "mxfp8+fp8", "bf16"),
+                    help="fused backend: the draft's LM head -- MXFP8 up to 16 rows, bf16 above (default); "
+                         "the same with per-tensor e4m3 above 16 rows (staged); bf16 throughout")
     ap.add_argument("--indexer-token-group", type=int, default=3, choices=(1, 2, 3, 4),
                     help="fused backend: consecutive tokens of a request scored per indexer CTA")
     args = ap.parse_args(argv)
@@ -252,7 +253,7 @@ def main(argv=None) -> int:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     engine = dict(prefill_chunk=args.prefill_chunk, moe_row_tile=args.moe_row_tile or None,
                   attention_core=args.attention_core,
-                  indexer_token_group=args.indexer_token_group, draft_head_mxfp8=args.draft_head == "mxfp8")
+                  indexer_token_group=args.indexer_token_group, draft_head=args.draft_head)
     head = [f"## Decode runtime ({args.model}) -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
              f"Command: `python -m spec_decode.bench --model {args.model} --backends {args.backends}"
              f"{' --quick' if args.quick else ''}"

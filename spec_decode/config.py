@@ -95,12 +95,13 @@ class EngineConfig:
     #: "masked_dense" (SDPA over each request's KV row with a mask of the selected keys) or
     #: "gather" (the selected keys per token)
     attention_core: str = "auto"
-    #: fused backend: the draft's LM head on an MXFP8 copy of the target's head for batches
-    #: up to 16 (spec_decode.fused_ops.MxDraftHead; the bf16 head above, and for heads under
-    #: 64 MiB, where the extra launches cost more than the bytes saved). The draft only
-    #: proposes, so this can move the acceptance length, never the output tokens. False: the
-    #: bf16 head throughout.
-    draft_head_mxfp8: bool = True
+    #: fused backend, the draft's LM head (spec_decode.fused_ops.MxDraftHead; heads of 64 MiB
+    #: or more, smaller ones stay bf16): "mxfp8" -- an MXFP8 copy for batches up to 16, bf16
+    #: above; "mxfp8+fp8" -- above 16 rows a per-tensor-scaled e4m3 copy whose scores keep each
+    #: row's argmax (cute_kernels.draft_head_fp8; staged: compiled, not yet run on the GPU);
+    #: "bf16" -- the bf16 head throughout. The draft only proposes, so this can move the
+    #: acceptance length, never the output tokens.
+    draft_head: str = "mxfp8"
 
     @property
     def max_batch(self) -> int:

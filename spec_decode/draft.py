@@ -33,8 +33,9 @@ class DraftModel:
         C = cfg.hidden
         self.w_fuse = torch.randn(C, 2 * C, generator=g, device=gdev, dtype=dtype) / math.sqrt(2 * C)
         self.w_rec = torch.randn(C, 2 * C, generator=g, device=gdev, dtype=dtype) / math.sqrt(2 * C)
-        #: ``h [B, C] -> logits [B, vocab]`` for stage 3; None: ``h @ lm_head^T`` in the model's
-        #: dtype. The fused engine sets :class:`spec_decode.fused_ops.MxDraftHead` (MXFP8).
+        #: ``h [B, C] -> [B, vocab]`` scores whose per-row argmax is the draft token, for stage
+        #: 3; None: the logits ``h @ lm_head^T`` in the model's dtype. The fused engine sets
+        #: :class:`spec_decode.fused_ops.MxDraftHead`.
         self.head = None
         self.oracle = False
         self.corrupt: set[int] = set()  # draft positions (0-based) to flip, for tests

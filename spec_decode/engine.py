@@ -41,6 +41,7 @@ from .model import KVPool, TargetModel
 from .step_model import Ops, StepModel
 
 BACKENDS = ("reference", "baseline", "fused")
+DRAFT_HEADS = ("mxfp8", "mxfp8+fp8", "bf16")
 
 
 @dataclasses.dataclass
@@ -60,6 +61,8 @@ class Engine:
     def __init__(self, config: EngineConfig = EngineConfig()):
         self.config = config
         StepModel.check_attention_core(config.attention_core)  # before tens of GB of weights are made
+        if config.draft_head not in DRAFT_HEADS:
+            raise ValueError(f"draft_head must be one of {DRAFT_HEADS}, got {config.draft_head!r}")
         dtype = getattr(torch, config.dtype)
         self.model = TargetModel(config.model, seed=config.seed, dtype=dtype, device=config.device)
         self.draft = DraftModel(config.model, self.model, config.block_size, seed=config.seed + 1, dtype=dtype,
@@ -85,8 +88,9 @@ class Engine:
                 ops = FusedOps(self.model, max_tokens=width, max_len=config.max_seq_len,
                                moe_row_tile=config.moe_row_tile, indexer_token_group=config.indexer_token_group,
                                release_bf16_experts=True)  # this engine's model runs no baseline MoE
-                if config.draft_head_mxfp8 and MxDraftHead.pays_off(self.model.lm_head):
-                    self.draft.head = MxDraftHead(self.model.lm_head, config.max_batch)
+                if config.draft_head != "bf16" and MxDraftHead.pays_off(self.model.lm_head):
+                    self.draft.head = MxDraftHead(self.model.lm_head, config.max_batch,
+                                                  fp8_above=config.draft_head == "mxfp8+fp8")
             else:
                 ops = Ops()
             self.step = StepModel(self.model, ops, attention_core=config.attention_core)

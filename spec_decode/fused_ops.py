@@ -12,7 +12,7 @@ Per op family (activations bf16 on the GPU; weights prepared once here):
   fused with the shared-expert add.
 
 Draft: :class:`MxDraftHead`, the draft's LM head on an MXFP8 copy (the engine sets it for
-batches up to 16 and heads of 64 MiB or more).
+batches up to 16 and heads of 64 MiB or more; optionally per-tensor e4m3 scores above 16 rows).
 
 Status: GPU-tested on the H200 (``tests/test_spec_decode.py -m gpu``: each path against an
 FP32 run of the same weights, the draft head against its dequantised operands, the engine in
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from cute_kernels.draft_head_fp8 import draft_head_scores, quantize_head
 from cute_kernels.indexer_topk import IndexerWorkspace, indexer_topk
 from cute_kernels.mhc_post_mix import mhc_post_mix
 from cute_kernels.mhc_pre_mix import mhc_pre_mix
@@ -198,12 +199,20 @@ class MxDraftHead:
         """Whether ``lm_head`` is large enough for the MXFP8 copy (:attr:`MIN_HEAD_BYTES`)."""
         return lm_head.numel() * lm_head.element_size() >= cls.MIN_HEAD_BYTES
 
-    def __init__(self, lm_head: torch.Tensor, max_batch: int):
+    def __init__(self, lm_head: torch.Tensor, max_batch: int, fp8_above: bool = False):
+        """``fp8_above``: above :attr:`MX_MAX_BATCH` rows, per-tensor e4m3 scores that keep each
+        row's argmax (:func:`cute_kernels.draft_head_fp8.draft_head_scores`; staged, not yet
+        run on the GPU) instead of the bf16 head."""
         V, C = lm_head.shape
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"MxDraftHead: max_batch must be a positive int, got {max_batch!r}")
         dev = lm_head.device
         self.max_batch, self.lm_head = max_batch, lm_head
+        self.fp8 = None
+        if fp8_above and max_batch > self.MX_MAX_BATCH:
+            w_q, _ = quantize_head(lm_head)  # its scale only multiplies every score: not kept
+            self.fp8 = (w_q, torch.empty(max_batch, C, dtype=torch.float8_e4m3fn, device=dev),
+                        torch.empty(max_batch, V, dtype=torch.bfloat16, device=dev))
         self.w_q, self.w_s = quantize_expert_weights(lm_head[None].contiguous())
         self.x = torch.zeros(self.TILE, C, dtype=torch.bfloat16, device=dev)
         self.q = torch.empty(self.TILE, C, dtype=torch.float8_e4m3fn, device=dev)
@@ -216,11 +225,15 @@ class MxDraftHead:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h [B, hidden] bf16 -> logits [B, vocab] bf16 (a view of this head's buffer; above
-        :attr:`MX_MAX_BATCH` rows, the bf16 head's product)."""
+        :attr:`MX_MAX_BATCH` rows, the bf16 head's product, or with ``fp8_above`` scores with
+        the logits' per-row argmax)."""
         B = h.shape[0]
         if not 1 <= B <= self.max_batch:
             raise ValueError(f"MxDraftHead: batch {B} outside [1, {self.max_batch}]")
         if B > self.MX_MAX_BATCH:
+            if self.fp8 is not None:
+                w_q, h_q, out = self.fp8
+                return draft_head_scores(h.contiguous(), w_q, h_q=h_q, out=out)
             return h @ self.lm_head.T
         counts = self._counts[B:B + 1]
         self.x[:B].copy_(h)

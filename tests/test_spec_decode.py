@@ -458,6 +458,11 @@ def test_mx_draft_head_on_gpu():
         assert ((out - bf).norm() / bf.norm()).item() < 0.08, B
     h = torch.randn(40, C, device="cuda", generator=g).bfloat16()
     assert torch.equal(head(h), h @ lm_head.T)
+    # fp8_above (staged): per-tensor e4m3 scores above 16 rows keep most rows' argmax
+    fp8 = MxDraftHead(lm_head, max_batch=64, fp8_above=True)
+    fp8.fp8[2].fill_(float("nan"))
+    agree = (fp8(h).argmax(-1) == (h @ lm_head.T).argmax(-1)).float().mean().item()
+    assert agree >= 0.75, agree
     # captured: each graph keeps its batch's inputs, counts and output rows
     hs = {B: torch.randn(B, C, device="cuda", generator=g).bfloat16() for B in (2, 33)}
     outs, graphs = {}, {}
@@ -560,6 +565,8 @@ def test_bench_cli_refuses_without_gpu_and_formats_progress(capsys):
 def test_fused_backend_needs_bf16_cuda():
     with pytest.raises(ValueError, match="bfloat16"):
         Engine(EngineConfig(backend="fused"))
+    with pytest.raises(ValueError, match="draft_head"):
+        Engine(EngineConfig(draft_head="fp4"))
 
 
 def test_weights_file_round_trip_and_strict_loading(tmp_path):

@@ -5,9 +5,10 @@
 #   phase 3: the small config at the issue's lengths (BS1 4096/1024, BS64 4096/2048) and the
 #            slice verify step's kernel profile (BS1 and BS64);
 #   phase 4: the slice config at the issue's lengths (~220 s), then the whole GPU suite (~200 s);
-#   phase 5: staged, CPU-tested only -- the latent (MLA-style) KV cache: the GPU tests, the
-#            slice config quick with each attention core, then at the issue's lengths.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..5)
+#   phase 5: staged, CPU-tested only -- the latent (MLA-style) KV cache and the FP8 draft head
+#            above 16 rows: their GPU tests, the slice config quick (each attention core on
+#            the latent cache; the FP8 head); phase 6: both at the issue's lengths.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..6)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -38,10 +39,14 @@ case "${1:-1}" in
   step 300 spec_slice_full $BENCH --model slice --out "$OUT/spec_slice_full.md"
   step 250 gpu_suite $PYT tests -m gpu
   ;;
-5)
-  step 100 spec_tests $PYT tests/test_spec_decode.py -m gpu -s
+5)  # staged: the latent KV cache and the FP8 draft head above 16 rows -- GPU tests, slice quick
+  step 120 spec_tests $PYT tests/test_spec_decode.py tests/test_draft_head_fp8.py -m gpu -s
   step 90 spec_slice_latent_dense $BENCH --model slice --quick --kv-cache latent --attention-core masked_dense --out "$OUT/spec_slice_latent_dense.md"
   step 90 spec_slice_latent_gather $BENCH --model slice --quick --kv-cache latent --attention-core gather --out "$OUT/spec_slice_latent_gather.md"
-  step 260 spec_slice_full_latent $BENCH --model slice --kv-cache latent --out "$OUT/spec_slice_full_latent.md"
+  step 90 spec_slice_fp8_head $BENCH --model slice --quick --draft-head mxfp8+fp8 --out "$OUT/spec_slice_fp8_head.md"
+  ;;
+6)  # then the slice config at the issue's lengths with the latent cache (and the FP8 head if it won)
+  step 280 spec_slice_full_latent $BENCH --model slice --kv-cache latent --out "$OUT/spec_slice_full_latent.md"
+  step 280 spec_slice_full_latent_fp8 $BENCH --model slice --kv-cache latent --draft-head mxfp8+fp8 --out "$OUT/spec_slice_full_latent_fp8.md"
   ;;
 esac
