@@ -31,11 +31,13 @@ def rmsnorm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, pos: torch.Tensor, dims: int) -> torch.Tensor:
-    """Rotate the first ``dims`` features of every head of x [B, L, h, d] by position."""
+    """Rotate the first ``dims`` features of every head of x [B, L, h, d] by position. The
+    angles are computed in FP32 and rounded to x's dtype once: a bf16 position would round to
+    a multiple of 32 beyond 4096."""
     half = dims // 2
-    inv = 1.0 / (10000 ** (torch.arange(half, dtype=x.dtype, device=x.device) / half))
-    ang = pos[..., None].to(x.dtype) * inv  # [B, L, half]
-    cos, sin = ang.cos()[:, :, None, :], ang.sin()[:, :, None, :]
+    inv = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32, device=x.device) / half))
+    ang = pos[..., None].float() * inv  # [B, L, half]
+    cos, sin = ang.cos().to(x.dtype)[:, :, None, :], ang.sin().to(x.dtype)[:, :, None, :]
     x1, x2, rest = x[..., :half], x[..., half:dims], x[..., dims:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
 

@@ -173,6 +173,18 @@ def test_step_model_matches_reference_logits(kv_cache):
         _agree_over_verify_steps(cfg, m.forward, StepModel(m, attention_core=core).forward, seed=0)
 
 
+def test_rope_angles_survive_bf16_positions():
+    """bf16 activations at positions past 4096 (the issue's lengths) rotate like FP32 ones to
+    bf16 rounding: the angles are FP32 (a bf16 position rounds to a multiple of 32 there)."""
+    from spec_decode.model import rope
+
+    x = torch.randn(1, 8, 2, 16)
+    pos = (5000 + torch.arange(8))[None]
+    ref = rope(x, pos, 8)
+    got = rope(x.bfloat16(), pos, 8).float()
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+
+
 def test_latent_cache_config_and_pool():
     """kv_cache: 'per_head' / 'latent' only, latent needs a non-RoPE part of the head; a latent
     pool holds rope_dim + kv_lora values a position and v is a view of k's latent part."""
