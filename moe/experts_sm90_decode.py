@@ -336,6 +336,9 @@ KERNEL = jit.register(jit.KernelDef(
     aot_configs=({"E": 256, "N": 4096, "K": 7168, "tok_n": 16, "silu_quant": True},
                  {"E": 256, "N": 7168, "K": 2048, "tok_n": 16, "silu_quant": False},
                  {"E": 256, "N": 4096, "K": 7168, "tok_n": 16, "silu_quant": True, "row_passes": True},
-                 {"E": 256, "N": 7168, "K": 2048, "tok_n": 16, "silu_quant": False, "row_passes": True}),
+                 {"E": 256, "N": 7168, "K": 2048, "tok_n": 16, "silu_quant": False, "row_passes": True},
+                 # the decode runtime's MXFP8 draft head (spec_decode.fused_ops.MxDraftHead): the
+                 # slice config's LM head as one expert
+                 {"E": 1, "N": 129280, "K": 7168, "tok_n": 16, "silu_quant": False}),
     description="MXFP8 routed-expert GEMM at decode, Hopper: TMA + FP8 wgmma, weights as M",
 ))
