@@ -271,7 +271,8 @@ class MxBaselineOps(Ops):
 
 
 @pytest.mark.gpu
-def test_fused_ops_track_fp32_reference_on_gpu(seed):
+@pytest.mark.parametrize("kv_cache", ["per_head", "latent"])
+def test_fused_ops_track_fp32_reference_on_gpu(seed, kv_cache):
     """The kernels behind the step model against an FP32 run of the same (bf16-valued) weights.
 
     Why not fused vs baseline directly: the baseline computes mHC mappings, Sinkhorn and the
@@ -279,13 +280,14 @@ def test_fused_ops_track_fp32_reference_on_gpu(seed):
     random 2-layer model's discrete steps (expert choice) amplify either difference (the H200
     probe, tools/probe_fused_ops.py: mHC alone moved the logits 14%, MoE alone 17%, the
     MXFP8-rounded baseline 11%). So each path is measured against the FP32 truth and the
-    fused path must be no worse than the unfused composite on MXFP8-rounded expert operands."""
+    fused path must be no worse than the unfused composite on MXFP8-rounded expert operands.
+    Both KV caches (the latent one staged: CPU-tested before this GPU test)."""
     from spec_decode.config import SMALL
     from spec_decode.fused_ops import FusedOps
     from spec_decode.model import KVPool, TargetModel
     from spec_decode.step_model import StepModel
 
-    cfg = SMALL
+    cfg = dataclasses.replace(SMALL, kv_cache=kv_cache)
     m = TargetModel(cfg, seed=seed % 1000, dtype=torch.bfloat16, device="cuda")
     m32 = TargetModel(cfg, seed=seed % 1000, dtype=torch.bfloat16, device="cuda")
     m32.dtype = torch.float32
