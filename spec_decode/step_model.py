@@ -26,7 +26,7 @@ With ``kv_cache="latent"`` (MLA-style: the pool holds the normed latent and one 
 key) the step model absorbs the up-projections: scores ``[q_rope ; k_b_h^T q_nope] . entry``
 and ``o_h = v_b_h (softmax . latent)`` -- the reference expands every head's K and V from the
 cached latent instead, equal in exact arithmetic. Both cores then attend one key / value head
-(the masked-dense core by two batched matmuls with an FP32 softmax). CPU-tested; not yet run
+(the masked-dense core by two batched matmuls around a softmax). CPU-tested; not yet run
 on the GPU (``tools/device_next.sh 5``).
 """
 
@@ -218,7 +218,8 @@ class StepModel:
         transfers (read, write, read). Padded graph rows share the scratch slot: their scatters
         collide and their outputs are garbage either way (the runner discards them). Per-head
         pools run SDPA; a latent pool (one key head, key dim rope_dim + kv_lora) two batched
-        matmuls with an FP32 softmax -- SDPA would expand its key head to every query head."""
+        matmuls around a softmax of bf16 scores -- SDPA would expand its key head to every
+        query head."""
         B, S, _ = idx.shape
         P, M = kv.k.shape[1], kv.max_len
         # invalid selections scatter into a discarded column M (a clamped index 0 must not
@@ -239,10 +240,13 @@ class StepModel:
             keys, vals = kv.k[li, slots], kv.v[li, slots]  # [B, M, Hk, d]: the batch's pool rows
         mask = mask[..., :M]
         if kv.latent:
+            # [R, S*H, M] scores: at the slice config's BS64 verify step 0.6 GB a layer in bf16,
+            # so the scale rides on q, the mask is applied in place, and the softmax (FP32
+            # inside) writes bf16 -- the activation-dtype scores the gather core uses too
             R, H = q.shape[0], q.shape[2]
-            att = torch.bmm(q.reshape(R, S * H, -1), keys[:, :, 0].transpose(1, 2)).float() * scale
-            att = att.view(R, S, H, M).masked_fill(~mask[:, :, None, :], float("-inf")).softmax(-1)
-            o = torch.bmm(att.to(q.dtype).view(R, S * H, M), vals[:, :, 0]).view(R, S, H, -1)
+            att = torch.bmm((q * scale).reshape(R, S * H, -1), keys[:, :, 0].transpose(1, 2))
+            att = att.view(R, S, H, M).masked_fill_(~mask[:, :, None, :], float("-inf")).softmax(-1)
+            o = torch.bmm(att.view(R, S * H, M), vals[:, :, 0]).view(R, S, H, -1)
         else:
             o = torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask[:, None],

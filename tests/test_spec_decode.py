@@ -433,7 +433,9 @@ def test_masked_dense_attention_on_gpu():
         err = {core.__name__: ((core(q, idx, valid, 1, slots, kv, scale).float() - ref).norm() / ref.norm()).item()
                for core in (StepModel._masked_dense, StepModel._gather)}
         print(B, pool_slots, kv_cache, err)
-        assert err["_masked_dense"] < 8e-3 and err["_masked_dense"] <= err["_gather"] + 2e-3, err
+        # bf16 output rounding ~2e-3; the latent cores' bf16 scores (576-wide dot products) add
+        # up to ~5e-3 (CPU measurements)
+        assert err["_masked_dense"] < 1e-2 and err["_masked_dense"] <= err["_gather"] + 2e-3, err
     ps = [[1, 2, 3, 4, 5], [7, 8, 9]]
     engs = [Engine(EngineConfig(model=SMALL, device="cuda", dtype="bfloat16", backend="baseline", max_seq_len=128,
                                 graph_batch_sizes=(1, 2), attention_core=core)) for core in ("gather", "masked_dense")]
