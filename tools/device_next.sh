@@ -43,6 +43,7 @@ case "${1:-1}" in
   step 120 spec_tests $PYT tests/test_spec_decode.py tests/test_draft_head_fp8.py -m gpu -s
   step 90 spec_slice_latent_dense $BENCH --model slice --quick --kv-cache latent --attention-core masked_dense --out "$OUT/spec_slice_latent_dense.md"
   step 90 spec_slice_latent_gather $BENCH --model slice --quick --kv-cache latent --attention-core gather --out "$OUT/spec_slice_latent_gather.md"
+  step 60 bench_draft_head python bench/bench_draft_head.py --out "$OUT/bench_draft_head.md"
   step 90 spec_slice_fp8_head $BENCH --model slice --quick --draft-head mxfp8+fp8 --out "$OUT/spec_slice_fp8_head.md"
   ;;
 6)  # then the slice config at the lengths with the latent cache (and the FP8 head if it won)

@@ -1,0 +1,81 @@
+"""Benchmark the draft's LM head variants on the GPU (the decode runtime's five head reads per
+draft step); prints a markdown table for bench/RESULTS.md.
+
+    python bench/bench_draft_head.py [--vocab 129280] [--hidden 7168] [--out FILE]
+
+Per batch B, one head call including its input quantisation, then the row argmax (the draft
+token), timed by CUDA-graph replay (bench/common.py): the baseline ``bf16 h @ W^T`` (cuBLAS);
+:class:`spec_decode.fused_ops.MxDraftHead` (MXFP8, the expert decode kernel in one pass of
+16 / 32 / 64 columns); ``cute_kernels.draft_head_fp8`` (per-tensor e4m3, wgmma). Each head
+(0.9-1.9 GB at the slice config) exceeds the 60 MB L2 by itself, so every call reads it from
+HBM; % of 4.3 TB/s is on the head's weight bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import H200_COPY_BW, markdown_table, time_graph  # noqa: E402
+
+from cute_kernels.draft_head_fp8 import draft_head_scores, quantize_head  # noqa: E402
+from moe.experts import moe_expert_gemm  # noqa: E402
+from moe.quant import mxfp8_quantize  # noqa: E402
+from spec_decode.fused_ops import MxDraftHead  # noqa: E402
+
+BATCHES = (1, 5, 16, 32, 64)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vocab", type=int, default=129280)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    V, C = args.vocab, args.hidden
+    w = (torch.randn(V, C, device="cuda") / C ** 0.5).bfloat16()
+    mx = MxDraftHead(w, max_batch=64)
+    w8, _ = quantize_head(w)
+    h_q = torch.empty(64, C, dtype=torch.float8_e4m3fn, device="cuda")
+    s8 = torch.empty(64, V, dtype=torch.bfloat16, device="cuda")
+    counts = torch.arange(65, dtype=torch.int32, device="cuda")
+
+    def mx_call(h):  # MxDraftHead's body at any B <= 64 (its own rule stops at 16 rows)
+        B = h.shape[0]
+        mx.x[:B].copy_(h)
+        mxfp8_quantize(mx.x, layout="swizzled", q=mx.q, scales=mx.s)
+        moe_expert_gemm(mx.q, mx.s, mx.w_q, mx.w_s, mx.offsets, counts[B:B + 1], mx.tile_expert, out=mx.out,
+                        routed_rows=B, max_expert_rows=B)
+        return mx.out[:B]
+
+    rows = []
+    for B in BATCHES:
+        hs = [torch.randn(B, C, device="cuda").bfloat16() for _ in range(4)]
+        agree_mx = (mx_call(hs[0]).argmax(-1) == (hs[0] @ w.T).argmax(-1)).float().mean().item()
+        agree_8 = (draft_head_scores(hs[0], w8, h_q=h_q, out=s8).argmax(-1) == (hs[0] @ w.T).argmax(-1)) \
+            .float().mean().item()
+        t_bf16 = time_graph(lambda i: (hs[i] @ w.T).argmax(-1), 4, 20)
+        t_mx = time_graph(lambda i: mx_call(hs[i]).argmax(-1), 4, 20)
+        t_8 = time_graph(lambda i: draft_head_scores(hs[i], w8, h_q=h_q, out=s8).argmax(-1), 4, 20)
+        best = min(t_mx, t_8)
+        rows.append([f"B={B} V={V} C={C}", f"{t_bf16 * 1e6:.1f}", f"{t_mx * 1e6:.1f}", f"{t_8 * 1e6:.1f}",
+                     f"{t_bf16 / best:.2f}x", f"{100 * 2 * V * C / t_bf16 / H200_COPY_BW:.0f}%",
+                     f"{100 * V * C / t_mx / H200_COPY_BW:.0f}%", f"{100 * V * C / t_8 / H200_COPY_BW:.0f}%",
+                     f"{agree_mx:.2f} / {agree_8:.2f}"])
+    table = markdown_table(["shape", "bf16 us (baseline)", "MXFP8 us", "FP8 per-tensor us", "best vs bf16",
+                            "bf16 % of 4.3 TB/s", "MXFP8 %", "FP8 %", "argmax = bf16's (MX / FP8)"], rows)
+    text = (f"## Draft LM head -- {torch.cuda.get_device_name()}, {datetime.date.today()}\n\n"
+            f"Command: `python bench/bench_draft_head.py --vocab {V} --hidden {C}`\n\n{table}\n")
+    print(text)
+    if args.out:
+        open(args.out, "w").write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
