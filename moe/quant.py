@@ -21,7 +21,8 @@ Special blocks:
 * any NaN or +-Inf in the block: scale byte 0xFF (E8M0 NaN) and every element 0x7F
   (e4m3 NaN) -- e4m3fn cannot encode Inf, and a NaN scale makes the whole block dequantize
   to NaN;
-* padding rows of the routed variant (sentinel ids): q = 0, scale byte 0x00.
+* padding rows of the routed variant (sentinel ids): q = 0, scale byte 0x00 (or left
+  unwritten with ``zero_padding=False``).
 
 Dequantization: ``x' = float(q) * 2**(byte - 127)``.
 
@@ -86,8 +87,10 @@ def scale_buffer_size(rows: int, K: int, layout: str) -> int:
 class MxQuant:
     """Compile-time configuration: row length, scale layout, routed gather (and its top-k)."""
 
-    def __init__(self, K: int, layout: str, routed: bool, topk: int = 1, threads: int = 256):
+    def __init__(self, K: int, layout: str, routed: bool, topk: int = 1, threads: int = 256,
+                 zero_padding: bool = True):
         self.K = K
+        self.zero_padding = zero_padding
         self.nblk = K // MX_BLOCK
         self.layout = layout
         self.routed = routed
@@ -137,60 +140,73 @@ class MxQuant:
         for idx in cutlass.range(bidx * self.threads + tidx, rows * cols, grid * self.threads):
             r = idx // cols
             c = idx - r * cols
-            scale = Int32(0)
-            if r < live_rows and c < self.nblk:
-                src = r
-                if cutlass.const_expr(self.routed):
-                    rid = mIds[r]
-                    src = -1
-                    if rid < sentinel and rid >= 0:
-                        src = rid // self.topk
-                tXrX = cute.make_rmem_tensor(cute.make_layout((MX_BLOCK,)), mX.element_type)
-                tXrX.fill(0.0)
-                if src >= 0:
-                    cute.autovec_copy(gX[(0, None), (src, c)], tXrX)
-                # amax as the integer max of the bf16 magnitude bits: monotonic for finite
-                # values, and any NaN/Inf (bits >= 0x7F80) dominates.
-                bits = cute.recast_tensor(tXrX, Uint16)
-                amax = Int32(0)
-                for i in cutlass.range_constexpr(MX_BLOCK):
-                    amax = cutlass.max(amax, Int32(bits[i]) & 0x7FFF)
-                nonfinite = amax >= 0x7F80
-                expfield = amax >> 7
-                # m > 1.75 <=> top two mantissa bits set and any lower bit set (mantissa7 > 0x60)
-                e_biased = expfield - 8 + cutlass.select_(Int32(amax & 0x7F) > 0x60, Int32(1), Int32(0))
-                scale = cutlass.max(cutlass.min(e_biased, Int32(254)), Int32(0))
-                # 2**-e as fp32: exponent field 254 - scale (scale <= 248 for finite bf16).
-                inv = cutlass.Uint32(254 - scale) << 23
-                inv_f = cute.make_rmem_tensor(cute.make_layout((1,)), Uint32)
-                inv_f[0] = inv
-                mult = cute.recast_tensor(inv_f, Float32)[0]
-                tQrQ = cute.make_rmem_tensor(cute.make_layout((MX_BLOCK,)), mQ.element_type)
-                tQrQ.store((tXrX.load().to(Float32) * mult).to(mQ.element_type))
-                if nonfinite:
-                    scale = Int32(0xFF)
-                    qbits = cute.recast_tensor(tQrQ, Uint8)
-                    qbits.fill(0x7F)
-                cute.autovec_copy(tQrQ, gQ[(0, None), (r, c)])
-            if cutlass.const_expr(self.layout == "plain"):
-                mS[r * self.nblk + c] = Uint8(scale)
-            else:
-                off = ((r // SF_ATOM_ROWS) * self.ncb + c // SF_ATOM_COLS) * 512 \
-                    + (r % 32) * 16 + ((r // 32) % 4) * 4 + c % 4
-                mS[off] = Uint8(scale)
+            # zero_padding=False: padding rows (the router's sentinel ids, and the swizzled
+            # atom's rows past the live total) are skipped -- every consumer reads a row on its
+            # own (a GEMM column / row, the finalize's live rows), and at decode they are most
+            # of the rows (T = 6: ~40 experts x 128-row tiles for 48 live rows)
+            skip = Int32(0)
+            if cutlass.const_expr(self.routed and not self.zero_padding):
+                if r >= live_rows:
+                    skip = Int32(1)
+                else:
+                    pid = mIds[r]
+                    if pid >= sentinel or pid < 0:
+                        skip = Int32(1)
+            if skip == 0:
+                scale = Int32(0)
+                if r < live_rows and c < self.nblk:
+                    src = r
+                    if cutlass.const_expr(self.routed):
+                        rid = mIds[r]
+                        src = -1
+                        if rid < sentinel and rid >= 0:
+                            src = rid // self.topk
+                    tXrX = cute.make_rmem_tensor(cute.make_layout((MX_BLOCK,)), mX.element_type)
+                    tXrX.fill(0.0)
+                    if src >= 0:
+                        cute.autovec_copy(gX[(0, None), (src, c)], tXrX)
+                    # amax as the integer max of the bf16 magnitude bits: monotonic for finite
+                    # values, and any NaN/Inf (bits >= 0x7F80) dominates.
+                    bits = cute.recast_tensor(tXrX, Uint16)
+                    amax = Int32(0)
+                    for i in cutlass.range_constexpr(MX_BLOCK):
+                        amax = cutlass.max(amax, Int32(bits[i]) & 0x7FFF)
+                    nonfinite = amax >= 0x7F80
+                    expfield = amax >> 7
+                    # m > 1.75 <=> top two mantissa bits set and any lower bit set (mantissa7 > 0x60)
+                    e_biased = expfield - 8 + cutlass.select_(Int32(amax & 0x7F) > 0x60, Int32(1), Int32(0))
+                    scale = cutlass.max(cutlass.min(e_biased, Int32(254)), Int32(0))
+                    # 2**-e as fp32: exponent field 254 - scale (scale <= 248 for finite bf16).
+                    inv = cutlass.Uint32(254 - scale) << 23
+                    inv_f = cute.make_rmem_tensor(cute.make_layout((1,)), Uint32)
+                    inv_f[0] = inv
+                    mult = cute.recast_tensor(inv_f, Float32)[0]
+                    tQrQ = cute.make_rmem_tensor(cute.make_layout((MX_BLOCK,)), mQ.element_type)
+                    tQrQ.store((tXrX.load().to(Float32) * mult).to(mQ.element_type))
+                    if nonfinite:
+                        scale = Int32(0xFF)
+                        qbits = cute.recast_tensor(tQrQ, Uint8)
+                        qbits.fill(0x7F)
+                    cute.autovec_copy(tQrQ, gQ[(0, None), (r, c)])
+                if cutlass.const_expr(self.layout == "plain"):
+                    mS[r * self.nblk + c] = Uint8(scale)
+                else:
+                    off = ((r // SF_ATOM_ROWS) * self.ncb + c // SF_ATOM_COLS) * 512 \
+                        + (r % 32) * 16 + ((r // 32) % 4) * 4 + c % 4
+                    mS[off] = Uint8(scale)
 
     @staticmethod
     def can_implement(K: int) -> bool:
         return K % MX_BLOCK == 0 and 0 < K <= 1 << 16
 
 
-def _build(arch: str, *, K: int, layout: str, routed: bool, topk: int = 1):
+def _build(arch: str, *, K: int, layout: str, routed: bool, topk: int = 1, zero_padding: bool = True):
     if not MxQuant.can_implement(K) or layout not in LAYOUTS:
         raise ValueError(f"moe.quant: unsupported K={K}, layout={layout}")
     args = (jit.fake_gmem_ptr(cutlass.BFloat16, 16), jit.fake_gmem_ptr(cutlass.Float8E4M3FN, 16),
             jit.fake_gmem_ptr(Uint8, 1), jit.fake_gmem_ptr(Int32, 4), jit.fake_gmem_ptr(Int32, 4),
             Int32(1), Int32(1), Int32(1), jit.fake_stream())
-    return MxQuant(K, layout, routed, topk), args
+    return MxQuant(K, layout, routed, topk, zero_padding=zero_padding), args
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -201,7 +217,7 @@ KERNEL = jit.register(jit.KernelDef(
     aot_configs=tuple(
         {"K": 7168, "layout": lay, "routed": routed, "topk": 8 if routed else 1}
         for lay in LAYOUTS for routed in (False, True)
-    ),
+    ) + ({"K": 7168, "layout": "swizzled", "routed": True, "topk": 8, "zero_padding": False},),
     description="bf16 -> MXFP8 (e4m3 + UE8M0 per 32), plain or tcgen05-swizzled scales, optional routed gather",
 ))
 
@@ -233,7 +249,8 @@ def _outputs(op: str, x: torch.Tensor, rows: int, K: int, layout: str, q, scales
     return q, scales
 
 
-def _launch(op, x, q, s, ids, total, T, out_rows, K, layout, routed, topk, stream, arch, max_ctas):
+def _launch(op, x, q, s, ids, total, T, out_rows, K, layout, routed, topk, stream, arch, max_ctas,
+            zero_padding=True):
     if max_ctas is None:
         max_ctas = DEFAULT_MAX_CTAS
     if not isinstance(max_ctas, int) or max_ctas < 1:
@@ -241,7 +258,8 @@ def _launch(op, x, q, s, ids, total, T, out_rows, K, layout, routed, topk, strea
     a = arch if arch is not None else current_arch(x.device)
     if dispatch(op, ("portable",), arch=a) != "portable":  # pragma: no cover - portable always exists
         raise RuntimeError(op)
-    fn = jit.get_kernel("mxfp8_quant", a, K=K, layout=layout, routed=routed, topk=topk)
+    extra = {} if zero_padding else dict(zero_padding=False)
+    fn = jit.get_kernel("mxfp8_quant", a, K=K, layout=layout, routed=routed, topk=topk, **extra)
     fn(jit.gmem_ptr(cutlass.BFloat16, x, 16), jit.gmem_ptr(cutlass.Float8E4M3FN, q, 16), jit.gmem_ptr(Uint8, s, 1),
        jit.gmem_ptr(Int32, ids, 4), jit.gmem_ptr(Int32, total, 4), jit.i32(T), jit.i32(out_rows),
        jit.i32(max_ctas), jit.cu_stream(stream))
@@ -272,11 +290,14 @@ def mxfp8_quantize(x: torch.Tensor, *, layout: str = "plain", q: torch.Tensor | 
 def mxfp8_quantize_routed(x: torch.Tensor, sorted_token_ids: torch.Tensor, total_rows: torch.Tensor, topk: int, *,
                           layout: str = "swizzled", q: torch.Tensor | None = None,
                           scales: torch.Tensor | None = None, stream=None, arch: str | None = None,
-                          max_ctas: int | None = None):
+                          max_ctas: int | None = None, zero_padding: bool = True):
     """Gather ``x`` rows through the router's ``sorted_token_ids`` and quantize them in
     expert-sorted, tile-padded order. ``q`` is ``[capacity, K]`` with capacity =
     ``sorted_token_ids.numel()``; rows at or past ``total_rows[0]`` are not written.
-    Padding slots (``id == T * topk``) become zero rows with scale byte 0.
+    Padding slots (``id == T * topk``) become zero rows with scale byte 0 -- or, with
+    ``zero_padding=False``, are not written at all (nor the swizzled atom's rows past the
+    total): for consumers that read each row on its own, as the expert GEMMs do (a padding
+    row only ever feeds its own, discarded, output row); at decode most rows are padding.
     """
     op = "mxfp8_quantize_routed"
     if layout not in LAYOUTS:
@@ -284,6 +305,8 @@ def mxfp8_quantize_routed(x: torch.Tensor, sorted_token_ids: torch.Tensor, total
     T, K = _check_x(op, x)
     if not isinstance(topk, int) or topk < 1:
         raise ValueError(f"{op}: topk must be a positive int, got {topk!r}")
+    if not isinstance(zero_padding, bool):
+        raise TypeError(f"{op}: zero_padding must be a bool, got {zero_padding!r}")
     check_tensor(op, "sorted_token_ids", sorted_token_ids, dtype=torch.int32, ndim=1, contiguous=True, align_bytes=4)
     check_tensor(op, "total_rows", total_rows, dtype=torch.int32, contiguous=True, align_bytes=4)
     if total_rows.numel() < 1:
@@ -295,5 +318,6 @@ def mxfp8_quantize_routed(x: torch.Tensor, sorted_token_ids: torch.Tensor, total
                ("scales", scales))
     if cap == 0:
         return q, scales
-    _launch(op, x, q, scales, sorted_token_ids, total_rows, T, cap, K, layout, True, topk, stream, arch, max_ctas)
+    _launch(op, x, q, scales, sorted_token_ids, total_rows, T, cap, K, layout, True, topk, stream, arch, max_ctas,
+            zero_padding)
     return q, scales

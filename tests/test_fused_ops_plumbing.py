@@ -65,12 +65,17 @@ class FakeRouter:
         return RouterOutput(ids, w, counts, offsets, sid, te, torch.tensor([total], dtype=torch.int32), pos)
 
 
-def fake_quant_routed(x, sorted_ids, total, topk):
+def fake_quant_routed(x, sorted_ids, total, topk, zero_padding=True):
+    """The routed quantisation; ``zero_padding=False`` leaves padding rows "unwritten" -- here
+    the worst case, e4m3 NaN with NaN scale bytes -- so the test proves no consumer mixes a
+    padding row into a live one."""
     rows, K = sorted_ids.numel(), x.shape[1]
     g = torch.zeros(rows, K, dtype=torch.bfloat16)
     live = sorted_ids < x.shape[0] * topk
     g[live] = x[(sorted_ids[live] // topk).long()]
     q, s = _mx_quant_torch(g)
+    if not zero_padding:
+        q[~live], s[~live] = 0x7F, 0xFF
     return q.view(torch.float8_e4m3fn), _swizzle_reference(s)
 
 

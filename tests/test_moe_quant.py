@@ -114,7 +114,10 @@ def test_swizzled_bit_exact_with_padding(seed, T, K):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["plain", "swizzled"])
 @pytest.mark.parametrize("T", [1, 5, 64])
-def test_routed_gather_bit_exact(seed, layout, T):
+@pytest.mark.parametrize("zero_padding", [True, False])
+def test_routed_gather_bit_exact(seed, layout, T, zero_padding):
+    """Live rows bit-exact; padding rows zero (q and scale bytes) -- or, with
+    zero_padding=False, untouched like the rows past the total."""
     E, k, tile, K = 256, 8, 128, 7168
     ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(torch.int32)
     _, _, sorted_ids, _, total = align_ref(ids, E, tile)
@@ -125,7 +128,7 @@ def test_routed_gather_bit_exact(seed, layout, T):
     q = torch.full((cap, K), 0xAB, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
     s = torch.full((scale_buffer_size(cap, K, layout),), 0xAB, dtype=torch.uint8, device="cuda")
     mxfp8_quantize_routed(x, sorted_full.cuda(), torch.tensor([total], dtype=torch.int32, device="cuda"), k,
-                          layout=layout, q=q, scales=s)
+                          layout=layout, q=q, scales=s, zero_padding=zero_padding)
     torch.cuda.synchronize()
     src = sorted_ids.long()
     pad = src >= T * k
@@ -133,15 +136,20 @@ def test_routed_gather_bit_exact(seed, layout, T):
     xg[pad] = 0
     qr, sr = mxfp8_quant_ref(xg)
     qb = q.cpu().view(torch.uint8)
-    assert torch.equal(qb[:total], qr)
     assert (qb[total:] == 0xAB).all()  # rows past the live total are never written
     if layout == "plain":
         sp = s.cpu().view(cap, K // 32)
-        assert torch.equal(sp[:total], sr) and (sp[total:] == 0xAB).all()
+        got = sp[:total]
+        assert (sp[total:] == 0xAB).all()
     else:
         got = unswizzle_scales_ref(s.cpu()[: scale_buffer_size(total, K, "swizzled")], total, K // 32)
-        assert torch.equal(got, sr)
-    assert (qb[:total][pad] == 0).all() and (sr[pad] == 0).all()
+    live = ~pad
+    assert torch.equal(qb[:total][live], qr[live]) and torch.equal(got[live], sr[live])
+    if zero_padding:
+        assert torch.equal(qb[:total], qr) and torch.equal(got, sr)
+        assert (qb[:total][pad] == 0).all() and (sr[pad] == 0).all()
+    else:
+        assert (qb[:total][pad] == 0xAB).all() and (got[pad] == 0xAB).all()
 
 
 @pytest.mark.gpu
@@ -197,6 +205,9 @@ def test_routed_bad_arguments():
         mxfp8_quantize_routed(x, torch.zeros(8, dtype=torch.int64), torch.zeros(1, dtype=torch.int32), 2)
     with pytest.raises(ValueError, match="topk"):
         mxfp8_quantize_routed(x, torch.zeros(8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 0)
+    with pytest.raises(TypeError, match="zero_padding"):
+        mxfp8_quantize_routed(x, torch.zeros(8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 2,
+                              zero_padding=0)
     # q [capacity, K] past 2^31 elements would wrap the 32-bit offsets (meta tensors: no memory)
     with pytest.raises(ValueError, match="2\\*\\*31"):
         mxfp8_quantize_routed(torch.empty(8, 7168, dtype=torch.bfloat16, device="meta"),
@@ -206,9 +217,11 @@ def test_routed_bad_arguments():
 
 # ------------------------------------------------------------ machine code (CPU) ------
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("layout, routed", [("plain", False), ("swizzled", True)])
-def test_machine_code(arch, layout, routed):
-    h = sass.sass_histogram("mxfp8_quant", arch, K=7168, layout=layout, routed=routed, topk=8 if routed else 1)
+@pytest.mark.parametrize("layout, routed, extra", [("plain", False, {}), ("swizzled", True, {}),
+                                                  ("swizzled", True, {"zero_padding": False})])
+def test_machine_code(arch, layout, routed, extra):
+    h = sass.sass_histogram("mxfp8_quant", arch, K=7168, layout=layout, routed=routed, topk=8 if routed else 1,
+                            **extra)
     assert h["LDG.E.128"] == 4  # 32 bf16 = four 16-byte loads
     assert h["STG.E.128"] == 2  # 32 e4m3 = two 16-byte stores
     assert sass.count(h, "F2FP") == 16  # packed fp32x2 -> e4m3x2 conversions
