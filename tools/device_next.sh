@@ -7,8 +7,10 @@
 #   phase 4: the slice config at the issue's lengths (~220 s), then the whole GPU suite (~200 s);
 #   phase 5: staged, CPU-tested only -- the latent (MLA-style) KV cache and the FP8 draft head
 #            above 16 rows: their GPU tests, the slice config quick (each attention core on
-#            the latent cache; the FP8 head); phase 6: both at the issue's lengths.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..6)
+#            the latent cache; the FP8 head) and the routed quantisation without padding
+#            writes; phase 6: both at the issue's lengths; phase 7: the MoE layer bench (its
+#            quant columns with and without padding writes) and the whole GPU suite.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..7)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -40,7 +42,7 @@ case "${1:-1}" in
   step 250 gpu_suite $PYT tests -m gpu
   ;;
 5)  # staged: the latent KV cache and the FP8 draft head above 16 rows -- GPU tests, slice quick
-  step 120 spec_tests $PYT tests/test_spec_decode.py tests/test_draft_head_fp8.py -m gpu -s
+  step 150 staged_tests $PYT tests/test_spec_decode.py tests/test_draft_head_fp8.py tests/test_moe_quant.py -m gpu -s
   step 90 spec_slice_latent_dense $BENCH --model slice --quick --kv-cache latent --attention-core masked_dense --out "$OUT/spec_slice_latent_dense.md"
   step 90 spec_slice_latent_gather $BENCH --model slice --quick --kv-cache latent --attention-core gather --out "$OUT/spec_slice_latent_gather.md"
   step 60 bench_draft_head python bench/bench_draft_head.py --out "$OUT/bench_draft_head.md"
@@ -49,5 +51,9 @@ case "${1:-1}" in
 6)  # then the slice config at the issue's lengths with the latent cache (and the FP8 head if it won)
   step 280 spec_slice_full_latent $BENCH --model slice --kv-cache latent --out "$OUT/spec_slice_full_latent.md"
   step 280 spec_slice_full_latent_fp8 $BENCH --model slice --kv-cache latent --draft-head mxfp8+fp8 --out "$OUT/spec_slice_full_latent_fp8.md"
+  ;;
+7)  # the MoE layer with the routed quantisation's padding rows unwritten (quant columns), GPU suite
+  step 150 bench_moe python bench/bench_moe_experts.py --tokens 1,64,384 --out "$OUT/bench_moe.md"
+  step 250 gpu_suite $PYT tests -m gpu
   ;;
 esac
