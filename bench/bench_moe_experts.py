@@ -97,8 +97,7 @@ class OursLayer:
 
     def __call__(self, x, logits, bias):
         r = self.router(logits, bias)
-        # as the runtime (spec_decode.fused_ops): padding rows left unwritten
-        aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, TOPK, zero_padding=False)
+        aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, TOPK)
         n = x.shape[0] * TOPK
         # the runtime's choice by token count (decode kernel, in row passes above 16 tokens), or
         # the tiled kernel with a fixed K tile

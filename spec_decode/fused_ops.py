@@ -146,9 +146,9 @@ class FusedOps(Ops):
         logits = (x @ L["router"].T).float().contiguous()
         with family("router top-k / padding"):  # one kernel: top-k, padding and ID packing
             r = self.router(logits, P["router_bias"])
-        # padding rows unwritten: the expert GEMMs read each row on its own (staged, CPU-checked;
-        # at T = 6 the ~5000 zero rows were ~25 us of each layer's quantisation on the H200)
-        aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, cfg.top_k, zero_padding=False)
+        # zero_padding=False (padding rows unwritten; at T = 6 most of the ~5000 rows, ~25 us of
+        # each layer's quantisation on the H200) is staged: CPU-checked, its GPU test not yet run
+        aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, cfg.top_k)
         n = x.shape[0] * cfg.top_k  # routed rows: bounds the expert grids to the live tiles
         # a token routes to an expert at most once: T bounds every expert's rows, which picks
         # the Hopper decode kernel (weights as wgmma's M), in passes of moe_row_tile columns
