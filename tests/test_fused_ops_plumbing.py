@@ -187,6 +187,20 @@ def test_each_fused_family_matches_its_baseline(fakes):
     assert (z1.float() - z2).norm() / z2.norm() < 0.1  # MXFP8 activations and weights, twice
 
 
+def test_moe_ignores_unwritten_padding_rows(fakes, monkeypatch):
+    """The staged mxfp8_quantize_routed(zero_padding=False): padding rows left as NaN garbage
+    (the emulation's worst case) change no live output -- the expert GEMMs, the SiLU * up
+    requantisation and the finalize read every routed row on its own."""
+    m, _ = _models()
+    fops = fo.FusedOps(m, max_tokens=12, max_len=64, _cpu_for_tests=True)
+    h = torch.randn(12, CFG.hidden).bfloat16()
+    L = m.layers[0]
+    zeroed = fops.moe(h, L, CFG)
+    monkeypatch.setattr(fo, "mxfp8_quantize_routed", lambda *a, **k: fake_quant_routed(*a, zero_padding=False))
+    unwritten = fops.moe(h, L, CFG)
+    assert torch.isfinite(unwritten.float()).all() and torch.equal(zeroed, unwritten)
+
+
 @pytest.mark.parametrize("row_tile", [None, 16])
 def test_moe_kernel_choice_by_step_tokens(fakes, row_tile):
     """The expert GEMMs get moe.experts.expert_kernel_args's choice for the step's tokens: the
