@@ -47,6 +47,10 @@ F8 = torch.float8_e4m3fn
 class DraftHeadFp8Sm90:
     """Compile-time configuration: vocab ``V``, hidden ``C``, CTA tile."""
 
+    #: 64-row tiles (one covers a draft batch of up to 64), 256-wide vocab tiles: 505 CTAs at
+    #: vocab 129280 (an unmeasured choice; bench/bench_draft_head.py times it)
+    TILE = (64, 256)
+
     def __init__(self, V: int, C: int, tile_mn: tuple[int, int]):
         self.V, self.C = V, C
         self.gemm = HopperWgmmaGemmKernel(Float32, tile_mn, (1, 1))
@@ -59,10 +63,6 @@ class DraftHeadFp8Sm90:
         b = cute.make_tensor(w_ptr, cute.make_layout((V, C, 1), stride=(C, 1, V * C)))
         c = cute.make_tensor(out_ptr, cute.make_layout((rows, V, 1), stride=(V, 1, rows * V)))
         self.gemm(a, b, c, stream)
-
-    #: one 64-row tile covers every draft batch (<= 64); 256-wide vocab tiles: 505 CTAs at
-    #: vocab 129280 (unmeasured choice -- the WO-A engine's decode tile class)
-    TILE = (64, 256)
 
     @staticmethod
     def can_implement(V: int, C: int) -> bool:
