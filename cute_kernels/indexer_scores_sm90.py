@@ -74,6 +74,17 @@ def one_stage_buffers(a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout):
     return sA, sB, pipe
 
 
+def wgmma_fragments(tiled_mma: cute.TiledMma, tidx, sA: cute.Tensor, sB: cute.Tensor, n: int):
+    """Thread ``tidx``'s wgmma operand fragments of the shared-memory tiles, the (key, column)
+    coordinates of its accumulator elements over a ``KEY_TILE x n`` product, and that
+    FP32 accumulator: ``(tCrA, tCrB, tCcC, acc)``."""
+    thr_mma = tiled_mma.get_slice(tidx)
+    tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+    tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+    tCcC = thr_mma.partition_C(cute.make_identity_tensor((KEY_TILE, n)))
+    return tCrA, tCrB, tCcC, cute.make_rmem_tensor(tCcC.shape, Float32)
+
+
 @cute.jit
 def wgmma_whole_k(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor):
     """acc = A B^T over all of K held in shared-memory stage 0 (one wgmma per K step), waited
@@ -140,12 +151,7 @@ class IndexerScoresSm90:
                 cute.copy(tma_b, tBgB, tBsB[(None, 0)], tma_bar_ptr=pipe.producer_get_barrier(prod))
                 pipe.producer_commit(prod)
 
-            thr_mma = tiled_mma.get_slice(tidx)
-            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-            cC = cute.make_identity_tensor((KEY_TILE, self.H))
-            tCcC = thr_mma.partition_C(cC)
-            acc = cute.make_rmem_tensor(tCcC.shape, Float32)
+            tCrA, tCrB, tCcC, acc = wgmma_fragments(tiled_mma, tidx, sA, sB, self.H)
             pipe.consumer_wait(cons)
             wgmma_whole_k(tiled_mma, acc, tCrA, tCrB)
 

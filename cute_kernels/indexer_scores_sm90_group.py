@@ -33,11 +33,10 @@ from cutlass import Float32, Int32
 from . import jit
 from .indexer_scores import (candidate_limit, candidate_tensors, fake_args, mma_operand_tensors,
                              store_masked_score)
-from .indexer_scores_sm90 import keys_by_queries, one_stage_buffers, wgmma_whole_k
+# the shared one-stage buffers and fragments assume the one-token kernel's key tile and threads
+from .indexer_scores_sm90 import KEY_TILE, THREADS, keys_by_queries, one_stage_buffers, wgmma_fragments, wgmma_whole_k
 from .warp_mma import quad_sum
 
-KEY_TILE = 64
-THREADS = 128
 GROUPS = (2, 3, 4)
 
 
@@ -110,12 +109,7 @@ class IndexerScoresSm90Group:
                                                       cute.group_modes(gB, 0, 2))
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        thr_mma = tiled_mma.get_slice(tidx)
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        cC = cute.make_identity_tensor((KEY_TILE, self.N))
-        tCcC = thr_mma.partition_C(cC)
-        acc = cute.make_rmem_tensor(tCcC.shape, Float32)
+        tCrA, tCrB, tCcC, acc = wgmma_fragments(tiled_mma, tidx, sA, sB, self.N)
         part = cute.make_rmem_tensor(cute.make_layout((2 * G,)), Float32)
         rows = cute.make_rmem_tensor(cute.make_layout((2,)), Int32)
 
