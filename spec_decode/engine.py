@@ -154,18 +154,23 @@ class Engine:
                 raise ValueError(f"input_ids[{i}] must be a non-empty list of token ids in [0, {self.config.model.vocab})")
         return list(per)
 
+    def _chunked_forward(self, seq: list[int], slot: int):
+        """Eager target forwards over ``seq`` at positions 0.. in KV slot ``slot``, one per
+        prefill chunk (exact: causal attention over the cache so far); yields each chunk's
+        (logits, hidden) ``[1, chunk, ...]``."""
+        dev, ch = self.config.device, self.config.prefill_chunk
+        fwd = self.model.forward if self.config.backend == "reference" else self.step.forward
+        slot_t = torch.tensor([slot], device=dev)
+        for c0 in range(0, len(seq), ch):
+            toks = torch.tensor([seq[c0:c0 + ch]], device=dev)
+            pos = torch.arange(c0, c0 + toks.shape[1], device=dev)[None]
+            yield fwd(toks, pos, slot_t, self.kv)
+
     def _prefill(self, input_ids):
         """Per request: run the prompt, return (first new token, its hidden state source)."""
-        dev = self.config.device
         first, hidden = [], []
-        fwd = self.model.forward if self.config.backend == "reference" else self.step.forward
-        ch = self.config.prefill_chunk
-        for r, prompt in enumerate(input_ids):
-            # eager and unoptimised; chunks are exact (causal attention over the cache so far)
-            for c0 in range(0, len(prompt), ch):
-                toks = torch.tensor([prompt[c0:c0 + ch]], device=dev)
-                pos = torch.arange(c0, c0 + toks.shape[1], device=dev)[None]
-                logits, h = fwd(toks, pos, torch.tensor([r], device=dev), self.kv)
+        for r, prompt in enumerate(input_ids):  # eager and unoptimised
+            *_, (logits, h) = self._chunked_forward(prompt, r)  # the last chunk's last position
             first.append(int(logits[0, -1].argmax()))
             hidden.append(h[0, -1])
         return first, hidden
@@ -180,14 +185,7 @@ class Engine:
         free-running greedy continuations."""
         seq = list(prompt) + list(continuation[:-1])
         self._check([seq], 1)
-        dev = self.config.device
-        fwd = self.model.forward if self.config.backend == "reference" else self.step.forward
-        slot = torch.tensor([self.scratch_slot], device=dev)
-        preds = []
-        for c0 in range(0, len(seq), self.config.prefill_chunk):
-            toks = torch.tensor([seq[c0:c0 + self.config.prefill_chunk]], device=dev)
-            pos = torch.arange(c0, c0 + toks.shape[1], device=dev)[None]
-            preds.append(fwd(toks, pos, slot, self.kv)[0][0].argmax(-1))
+        preds = [logits[0].argmax(-1) for logits, _ in self._chunked_forward(seq, self.scratch_slot)]
         return torch.cat(preds)[len(prompt) - 1:].tolist()
 
     def generate(self, input_ids: list[list[int]], max_new_tokens: int | list[int],
