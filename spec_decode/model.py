@@ -126,13 +126,26 @@ class KVPool:
         self.k_idx = torch.zeros(*shape, cfg.indexer_dim, dtype=dtype, device=device)
 
 
-def latent_entry(h: torch.Tensor, L: dict, pos: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """``kv_cache="latent"``: the cache entry ``[B, S, 1, rope_dim + kv_lora]`` of normed
-    hidden states ``h [B, S, C]`` -- the RoPE'd shared key, then the normed latent."""
+def attention_query(h: torch.Tensor, L: dict, pos: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The RoPE'd queries ``[B, S, heads, head_dim]`` of normed hidden states ``h [B, S, C]``."""
+    B, S, _ = h.shape
+    return rope((rmsnorm(h @ L["q_a"].T, cfg.eps) @ L["q_b"].T).view(B, S, cfg.heads, cfg.head_dim), pos,
+                cfg.rope_dim)
+
+
+def kv_entries(h: torch.Tensor, L: dict, pos: torch.Tensor, cfg: ModelConfig):
+    """What the KV pool stores for normed hidden states ``h [B, S, C]``: ``(k, v)``, every
+    head's RoPE'd key and value ``[B, S, heads, head_dim]`` (``kv_cache="per_head"``), or
+    ``(entry, None)`` (``"latent"``): ``[B, S, 1, rope_dim + kv_lora]``, the RoPE'd shared key
+    then the normed latent (the pool's v is a view of it)."""
     r = cfg.rope_dim
-    c = h @ L["kv_a"].T  # [B, S, r + kv_lora]
-    k_rope = rope(c[..., None, :r], pos, r)
-    return torch.cat([k_rope, rmsnorm(c[..., None, r:], cfg.eps)], -1)
+    if cfg.kv_cache == "latent":
+        c = h @ L["kv_a"].T  # [B, S, r + kv_lora]
+        return torch.cat([rope(c[..., None, :r], pos, r), rmsnorm(c[..., None, r:], cfg.eps)], -1), None
+    B, S, _ = h.shape
+    lat = rmsnorm(h @ L["kv_a"].T, cfg.eps)
+    k = rope((lat @ L["k_b"].T).view(B, S, cfg.heads, cfg.head_dim), pos, r)
+    return k, (lat @ L["v_b"].T).view(B, S, cfg.heads, cfg.head_dim)
 
 
 def latent_heads(entries: torch.Tensor, L: dict, cfg: ModelConfig):
@@ -201,13 +214,8 @@ class TargetModel:
         B, S, _ = u.shape
         H, hd = cfg.heads, cfg.head_dim
         h = rmsnorm(u, cfg.eps)
-        q = rope((rmsnorm(h @ L["q_a"].T, cfg.eps) @ L["q_b"].T).view(B, S, H, hd), pos, cfg.rope_dim)
-        if kv.latent:
-            k, v = latent_entry(h, L, pos, cfg), None
-        else:
-            lat = rmsnorm(h @ L["kv_a"].T, cfg.eps)
-            k = rope((lat @ L["k_b"].T).view(B, S, H, hd), pos, cfg.rope_dim)
-            v = (lat @ L["v_b"].T).view(B, S, H, hd)
+        q = attention_query(h, L, pos, cfg)
+        k, v = kv_entries(h, L, pos, cfg)
         q_idx = (h @ L["idx_q"].T).view(B, S, cfg.indexer_heads, cfg.indexer_dim)
         w_idx = h @ L["idx_w"].T
         k_idx = h @ L["idx_k"].T

@@ -36,8 +36,8 @@ import math
 
 import torch
 
-from .model import (KVPool, TargetModel, grouped_topk, latent_entry, mhc_mappings, moe_gathered, post_mix, pre_mix,
-                    rmsnorm, rope, shared_expert)
+from .model import (KVPool, TargetModel, attention_query, grouped_topk, kv_entries, mhc_mappings, moe_gathered,
+                    post_mix, pre_mix, rmsnorm, shared_expert)
 
 
 def family(name: str):
@@ -153,20 +153,18 @@ class StepModel:
         B, S, _ = u.shape
         H, hd, r = cfg.heads, cfg.head_dim, cfg.rope_dim
         h = rmsnorm(u, cfg.eps)
-        q = rope((rmsnorm(h @ L["q_a"].T, cfg.eps) @ L["q_b"].T).view(B, S, H, hd), pos, r)
+        q = attention_query(h, L, pos, cfg)
         q_idx = (h @ L["idx_q"].T).view(B, S, cfg.indexer_heads, cfg.indexer_dim)
         w_idx = h @ L["idx_w"].T
         k_idx = h @ L["idx_k"].T
         rows = slots[:, None].expand(B, S)
-        if kv.latent:
-            kv.k[li, rows, pos] = latent_entry(h, L, pos, cfg)  # tensor-indexed writes: no host sync
-            # absorbed: q_h . [k_rope ; k_b_h lat] = [q_rope ; k_b_h^T q_nope] . entry
+        k, v = kv_entries(h, L, pos, cfg)
+        kv.k[li, rows, pos] = k  # tensor-indexed writes: no host sync
+        if v is not None:  # the latent pool's v is a view of its k
+            kv.v[li, rows, pos] = v
+        if kv.latent:  # absorbed: q_h . [k_rope ; k_b_h lat] = [q_rope ; k_b_h^T q_nope] . entry
             q = torch.cat([q[..., :r], torch.einsum("bshd,hdc->bshc", q[..., r:],
                                                     L["k_b"].view(H, hd - r, cfg.kv_lora))], -1)
-        else:
-            lat = rmsnorm(h @ L["kv_a"].T, cfg.eps)
-            kv.k[li, rows, pos] = rope((lat @ L["k_b"].T).view(B, S, H, hd), pos, r)
-            kv.v[li, rows, pos] = (lat @ L["v_b"].T).view(B, S, H, hd)
         kv.k_idx[li, rows, pos] = k_idx
         idx, valid = ops.indexer_topk(q_idx, w_idx, kv.k_idx[li], slots, pos, cfg.index_topk)  # [B, S, k]
         core = self.attention_core
