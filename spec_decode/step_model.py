@@ -177,6 +177,12 @@ class StepModel:
         return ops.wo_a(o, L["wo_a"]) @ L["wo_b"].T
 
     @staticmethod
+    def pool_in_place(B: int, P: int) -> bool:
+        """Whether the masked-dense core reads a ``P``-row pool in place for ``B`` requests (P
+        row reads) rather than gathering the batch's rows first (3B row transfers)."""
+        return P <= 3 * B
+
+    @staticmethod
     def pick_attention_core(B: int, S: int, k: int, P: int, M: int) -> str:
         """``"auto"``: the core moving fewer K/V rows per step (static shapes: one choice per
         captured graph). Gather: ``3 S k`` per request (read, write, read of ``[S, k]``
@@ -186,7 +192,7 @@ class StepModel:
         graphs masked-dense; the small config (top-k 64, M = 5136) ran BS1 2.27x baseline
         gathering and 1.95x masked-dense (bench/RESULTS.md). A latent pool's masked-dense core
         also writes FP32 scores for every pool position (not counted here; unmeasured)."""
-        dense_rows = P / B if P <= 3 * B else 3
+        dense_rows = P / B if StepModel.pool_in_place(B, P) else 3
         return "gather" if 3 * S * k < dense_rows * M else "masked_dense"
 
     @staticmethod
@@ -226,7 +232,7 @@ class StepModel:
         # rows padded to 16 elements: SDPA's memory-efficient kernel wants an aligned mask stride
         width = -(-(M + 1) // 16) * 16
         mask = torch.zeros(B, S, width, dtype=torch.bool, device=q.device).scatter_(2, sel, True)
-        in_place = P <= 3 * B
+        in_place = StepModel.pool_in_place(B, P)
         if in_place:
             # slots outside the batch attend to key 0 only: finite, never read back
             mask_p = torch.zeros(P, S, width, dtype=torch.bool, device=q.device)
