@@ -40,8 +40,9 @@ import time
 
 import torch
 
-from .config import SLICE, SMALL, TINY, EngineConfig
-from .engine import Engine
+from .config import KV_CACHES, SLICE, SMALL, TINY, EngineConfig
+from .engine import DRAFT_HEADS, Engine
+from .step_model import StepModel
 
 FAMILIES = ("router top-k / padding", "ID packing (sort / scatter)", "standalone finalize", "shared-expert add",
             "fused finalize (+ shared add)", "all-reduce")
@@ -228,14 +229,14 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-row-tile", type=int, default=16, choices=(0, 16, 32, 64),
                     help="fused backend: the MoE decode kernel in passes of this many token columns for "
                          "steps of 17-384 tokens (0: one pass up to 64 tokens, the tiled kernel above)")
-    ap.add_argument("--attention-core", default="auto", choices=("auto", "gather", "masked_dense"),
+    ap.add_argument("--attention-core", default="auto", choices=StepModel.ATTENTION_CORES,
                     help="both backends: per step shape the core moving fewer K/V rows (default), SDPA over "
                          "the request's KV row with a mask of the selected keys, or gather each token's "
                          "selected K/V")
-    ap.add_argument("--kv-cache", default=None, choices=("per_head", "latent"),
+    ap.add_argument("--kv-cache", default=None, choices=KV_CACHES,
                     help="override the model config's KV cache: every head's K and V, or the MLA-style "
                          "latent + shared RoPE key (default: the config's, per_head)")
-    ap.add_argument("--draft-head", default="mxfp8", choices=("mxfp8", "mxfp8+fp8", "bf16"),
+    ap.add_argument("--draft-head", default="mxfp8", choices=DRAFT_HEADS,
                     help="fused backend: the draft's LM head -- MXFP8 up to 16 rows, bf16 above (default); "
                          "the same with per-tensor e4m3 above 16 rows (staged); bf16 throughout")
     ap.add_argument("--indexer-token-group", type=int, default=3, choices=(1, 2, 3, 4),
@@ -254,15 +255,12 @@ def main(argv=None) -> int:
     engine = dict(prefill_chunk=args.prefill_chunk, moe_row_tile=args.moe_row_tile or None,
                   attention_core=args.attention_core,
                   indexer_token_group=args.indexer_token_group, draft_head=args.draft_head)
+    # the command as run: every option that differs from its default
+    tuned = "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                    if k not in ("model", "backends", "quick", "out") and v != ap.get_default(k))
     head = [f"## Decode runtime ({args.model}) -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
-             f"Command: `python -m spec_decode.bench --model {args.model} --backends {args.backends}"
-             f"{' --quick' if args.quick else ''}"
-             f"{f' --prefill-chunk {args.prefill_chunk}' if args.prefill_chunk != 384 else ''}"
-             f"{f' --moe-row-tile {args.moe_row_tile}' if args.moe_row_tile != 16 else ''}"
-             f"{f' --indexer-token-group {args.indexer_token_group}' if args.indexer_token_group != 3 else ''}"
-             f"{f' --attention-core {args.attention_core}' if args.attention_core != 'auto' else ''}"
-             f"{f' --draft-head {args.draft_head}' if args.draft_head != 'mxfp8' else ''}"
-             f"{f' --kv-cache {args.kv_cache}' if args.kv_cache else ''}`", ""]
+            f"Command: `python -m spec_decode.bench --model {args.model} --backends {args.backends}"
+            f"{' --quick' if args.quick else ''}{tuned}`", ""]
 
     def write(partial):
         text = "\n".join(head + table_lines(backends, cases, results))

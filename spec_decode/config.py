@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 
+KV_CACHES = ("per_head", "latent")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab: int = 128
@@ -45,8 +48,8 @@ class ModelConfig:
             raise ValueError("experts must be divisible by n_group and topk_group <= n_group")
         if self.top_k > self.topk_group * (self.experts // self.n_group):
             raise ValueError("top_k exceeds the experts of the kept groups")
-        if self.kv_cache not in ("per_head", "latent"):
-            raise ValueError(f"kv_cache must be 'per_head' or 'latent', got {self.kv_cache!r}")
+        if self.kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
         if self.kv_cache == "latent" and self.rope_dim >= self.head_dim:
             raise ValueError(f"kv_cache='latent' needs rope_dim={self.rope_dim} < head_dim={self.head_dim}")
 
