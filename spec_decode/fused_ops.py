@@ -222,7 +222,7 @@ class MxDraftHead:
         self.offsets = torch.tensor([0, self.TILE], dtype=torch.int32, device=dev)
         self.tile_expert = torch.zeros(1, dtype=torch.int32, device=dev)
         # expert count B is the view _counts[B:B + 1]: a constant address per captured batch size
-        self._counts = torch.arange(self.MX_MAX_BATCH + 1, dtype=torch.int32, device=dev)
+        self._counts = torch.arange(min(max_batch, 64) + 1, dtype=torch.int32, device=dev)
         self.out = torch.empty(self.TILE, V, dtype=torch.bfloat16, device=dev)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
@@ -237,10 +237,17 @@ class MxDraftHead:
                 w_q, h_q, out = self.fp8
                 return draft_head_scores(h.contiguous(), w_q, h_q=h_q, out=out)
             return h @ self.lm_head.T
-        counts = self._counts[B:B + 1]
+        return self.mx_logits(h)
+
+    def mx_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The MXFP8 path at any batch up to ``min(max_batch, 64)`` (one decode-kernel pass of
+        16, 32 or 64 columns; :meth:`__call__` takes it up to :attr:`MX_MAX_BATCH` rows)."""
+        B = h.shape[0]
+        if not 1 <= B < self._counts.numel():
+            raise ValueError(f"MxDraftHead.mx_logits: batch {B} outside [1, {self._counts.numel() - 1}]")
         self.x[:B].copy_(h)
         mxfp8_quantize(self.x, layout="swizzled", q=self.q, scales=self.s)
-        # one pass of 16 columns (passes re-stream the weights: see MX_MAX_BATCH)
-        moe_expert_gemm(self.q, self.s, self.w_q, self.w_s, self.offsets, counts, self.tile_expert, out=self.out,
-                        routed_rows=B, max_expert_rows=B)
+        # one pass (passes re-stream the weights: see MX_MAX_BATCH)
+        moe_expert_gemm(self.q, self.s, self.w_q, self.w_s, self.offsets, self._counts[B:B + 1], self.tile_expert,
+                        out=self.out, routed_rows=B, max_expert_rows=B)
         return self.out[:B]
