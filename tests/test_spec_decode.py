@@ -392,23 +392,29 @@ def _attention_core_fp32(q, idx, valid, li, slots, kv, scale):
     return torch.einsum("bshk,bskhd->bshd", att.softmax(-1), vals)
 
 
+def _attention_core_errors(kv_cache, B, pool_slots, device, g) -> dict:
+    """Relative error of each attention core (bf16 inputs of the small config with this KV
+    cache) against :func:`_attention_core_fp32`, by core name."""
+    from spec_decode.config import SMALL
+    from spec_decode.step_model import StepModel
+
+    cfg = dataclasses.replace(SMALL, kv_cache=kv_cache)
+    q, idx, valid, slots, kv = _attention_core_case(cfg, B, pool_slots, device, g)
+    scale = cfg.head_dim ** -0.5
+    ref = _attention_core_fp32(q, idx, valid, 1, slots, kv, scale)
+    return {core.__name__: ((core(q, idx, valid, 1, slots, kv, scale).float() - ref).norm() / ref.norm()).item()
+            for core in (StepModel._masked_dense, StepModel._gather)}
+
+
 @pytest.mark.parametrize("kv_cache", ["per_head", "latent"])
 @pytest.mark.parametrize("B, pool_slots", [(3, 4), (2, 7)])
 def test_attention_cores_match_fp32_spec(B, pool_slots, kv_cache):
     """Both attention cores on bf16 inputs (CPU) against the FP32 softmax over the selected
     keys -- the pool read in place (B = 3 of 4 slots) and the batch's rows gathered (2 of 7),
     per-head and latent pools."""
-    from spec_decode.config import SMALL
-    from spec_decode.step_model import StepModel
-
-    cfg = dataclasses.replace(SMALL, kv_cache=kv_cache)
     seed = random.randrange(2**31)  # fresh inputs each run
-    q, idx, valid, slots, kv = _attention_core_case(cfg, B, pool_slots, "cpu", torch.Generator().manual_seed(seed))
-    scale = cfg.head_dim ** -0.5
-    ref = _attention_core_fp32(q, idx, valid, 1, slots, kv, scale)
-    for core in (StepModel._masked_dense, StepModel._gather):
-        out = core(q, idx, valid, 1, slots, kv, scale).float()
-        assert ((out - ref).norm() / ref.norm()).item() < 1e-2, (core, seed)
+    err = _attention_core_errors(kv_cache, B, pool_slots, "cpu", torch.Generator().manual_seed(seed))
+    assert all(e < 1e-2 for e in err.values()), (err, seed)
 
 
 @pytest.mark.gpu
@@ -422,16 +428,10 @@ def test_masked_dense_attention_on_gpu():
     Then the masked-dense engine, teacher-forced on the gather engine's generation in captured
     graphs, mostly picks the same greedy tokens."""
     from spec_decode.config import SMALL
-    from spec_decode.step_model import StepModel
 
     g = torch.Generator(device="cuda").manual_seed(random.randrange(2**31))  # fresh inputs each run
-    scale = SMALL.head_dim ** -0.5
     for (B, pool_slots), kv_cache in itertools.product(((3, 4), (2, 7)), ("per_head", "latent")):
-        cfg = dataclasses.replace(SMALL, kv_cache=kv_cache)
-        q, idx, valid, slots, kv = _attention_core_case(cfg, B, pool_slots, "cuda", g)
-        ref = _attention_core_fp32(q, idx, valid, 1, slots, kv, scale)
-        err = {core.__name__: ((core(q, idx, valid, 1, slots, kv, scale).float() - ref).norm() / ref.norm()).item()
-               for core in (StepModel._masked_dense, StepModel._gather)}
+        err = _attention_core_errors(kv_cache, B, pool_slots, "cuda", g)
         print(B, pool_slots, kv_cache, err)
         # bf16 output rounding ~2e-3; the latent cores' bf16 scores (576-wide dot products) add
         # up to ~5e-3 (CPU measurements)
