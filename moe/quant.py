@@ -258,8 +258,7 @@ def _launch(op, x, q, s, ids, total, T, out_rows, K, layout, routed, topk, strea
     a = arch if arch is not None else current_arch(x.device)
     if dispatch(op, ("portable",), arch=a) != "portable":  # pragma: no cover - portable always exists
         raise RuntimeError(op)
-    extra = {} if zero_padding else dict(zero_padding=False)
-    fn = jit.get_kernel("mxfp8_quant", a, K=K, layout=layout, routed=routed, topk=topk, **extra)
+    fn = jit.get_kernel("mxfp8_quant", a, K=K, layout=layout, routed=routed, topk=topk, zero_padding=zero_padding)
     fn(jit.gmem_ptr(cutlass.BFloat16, x, 16), jit.gmem_ptr(cutlass.Float8E4M3FN, q, 16), jit.gmem_ptr(Uint8, s, 1),
        jit.gmem_ptr(Int32, ids, 4), jit.gmem_ptr(Int32, total, 4), jit.i32(T), jit.i32(out_rows),
        jit.i32(max_ctas), jit.cu_stream(stream))
