@@ -97,7 +97,7 @@ class OursLayer:
 
     def __call__(self, x, logits, bias):
         r = self.router(logits, bias)
-        aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, TOPK)
+        aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, TOPK, zero_padding=False)
         n = x.shape[0] * TOPK
         # the runtime's choice by token count (decode kernel, in row passes above 16 tokens), or
         # the tiled kernel with a fixed K tile

@@ -4,7 +4,7 @@ Add a line here for each new kernel; the AOT build (``python -m cute_kernels bui
 the machine-code tests iterate over the registry.
 """
 
-from . import row_rms  # noqa: F401
+from . import row_rms, masked_softmax  # noqa: F401
 from moe import quant  # noqa: F401,E402
 from moe import router  # noqa: F401,E402
 from . import wo_a, wo_a_decode, draft_head_fp8  # noqa: F401,E402

@@ -9,7 +9,9 @@ Per op family (activations bf16 on the GPU; weights prepared once here):
 * WO-A: :func:`wo_a` writing token-major;
 * MoE: :class:`MoeRouter` (one launch), :func:`mxfp8_quantize_routed`, the expert GEMMs
   (gate/up with SiLU * up + MXFP8 requantisation fused on Hopper) and :func:`moe_finalize`
-  fused with the shared-expert add.
+  fused with the shared-expert add;
+* attention core (latent KV pool, masked-dense): :func:`masked_softmax`, the selection mask and
+  softmax over the scores in one in-place pass (the matmuls around it stay cuBLAS).
 
 Draft: :class:`MxDraftHead`, the draft's LM head on an MXFP8 copy (the engine sets it for
 batches up to 16 and heads of 64 MiB or more; optionally per-tensor e4m3 scores above 16 rows).
@@ -25,6 +27,7 @@ import torch
 
 from cute_kernels.draft_head_fp8 import draft_head_scores, quantize_head
 from cute_kernels.indexer_topk import IndexerWorkspace, indexer_topk
+from cute_kernels.masked_softmax import MaskedSoftmax, masked_softmax
 from cute_kernels.mhc_post_mix import mhc_post_mix
 from cute_kernels.mhc_pre_mix import mhc_pre_mix
 from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_split_phi, mhc_stats
@@ -146,9 +149,9 @@ class FusedOps(Ops):
         logits = (x @ L["router"].T).float().contiguous()
         with family("router top-k / padding"):  # one kernel: top-k, padding and ID packing
             r = self.router(logits, P["router_bias"])
-        # zero_padding=False (padding rows unwritten; at T = 6 most of the ~5000 rows, ~25 us of
-        # each layer's quantisation on the H200) is staged: CPU-checked, its GPU test not yet run
-        aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, cfg.top_k)
+        # padding rows left unwritten: at T = 6 they are most of the ~5000 rows (~25 us of each
+        # layer's quantisation on the H200); a padding row's GEMM output is never read back
+        aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, cfg.top_k, zero_padding=False)
         n = x.shape[0] * cfg.top_k  # routed rows: bounds the expert grids to the live tiles
         # a token routes to an expert at most once: T bounds every expert's rows, which picks
         # the Hopper decode kernel (weights as wgmma's M), in passes of moe_row_tile columns
@@ -165,6 +168,17 @@ class FusedOps(Ops):
             sh = shared_expert(x, L).contiguous()
         with family("fused finalize (+ shared add)"):
             return moe_finalize(y, r.topk_weights, r.routed_row_pos, sh)
+
+
+    @staticmethod
+    def attention_probs(att, mask):
+        """The latent masked-dense core's softmax in one kernel, in place (the composite makes
+        three passes over 0.6 GB of scores a layer at the slice config's BS64 verify step)."""
+        R, S, H, M = att.shape
+        if (att.is_cuda and att.dtype == torch.bfloat16 and att.is_contiguous() and mask.is_contiguous()
+                and MaskedSoftmax.can_implement(M, H, mask.shape[-1])):
+            return masked_softmax(att, mask, out=att)
+        return Ops.attention_probs(att, mask)
 
 
 class MxDraftHead:

@@ -74,6 +74,13 @@ class Ops:
         k = min(topk, L)
         return idx[..., :k], torch.isfinite(vals[..., :k])
 
+    @staticmethod
+    def attention_probs(att, mask):
+        """att [R, S, H, M] scores (bf16 on the GPU), mask [R, S, W >= M] bool (the token's
+        selected keys) -> softmax over M of the selected scores (the latent masked-dense core);
+        may overwrite att."""
+        return att.masked_fill_(~mask[:, :, None, :att.shape[-1]], float("-inf")).softmax(-1)
+
     def wo_a(self, o, wo_a):
         B, S, G = o.shape[0], o.shape[1], wo_a.shape[0]
         return torch.einsum("bsgd,grd->bsgr", o.reshape(B, S, G, -1), wo_a).reshape(B, S, -1)
@@ -170,8 +177,10 @@ class StepModel:
         core = self.attention_core
         if core == "auto":
             core = self.pick_attention_core(B, S, idx.shape[-1], kv.k.shape[1], kv.max_len)
-        o = (self._masked_dense if core == "masked_dense" else self._gather)(q, idx, valid, li, slots, kv,
-                                                                             1 / math.sqrt(hd))
+        if core == "masked_dense":
+            o = self._masked_dense(q, idx, valid, li, slots, kv, 1 / math.sqrt(hd), ops)
+        else:
+            o = self._gather(q, idx, valid, li, slots, kv, 1 / math.sqrt(hd))
         if kv.latent:  # o_h = v_b_h (softmax . lat)
             o = torch.einsum("bshc,hdc->bshd", o, L["v_b"].view(H, hd, cfg.kv_lora))
         return ops.wo_a(o, L["wo_a"]) @ L["wo_b"].T
@@ -201,19 +210,21 @@ class StepModel:
         softmax runs in the activation dtype. A latent pool's one key / value head serves every
         query head."""
         keys = kv.k[li, slots[:, None, None], idx]  # [B, S, k, Hk, dk]
-        vals = kv.v[li, slots[:, None, None], idx]
         if kv.latent:
-            keys, vals = keys[..., 0, :], vals[..., 0, :]
+            # the value is the key's latent part (kv.v views it): one gather, not two
+            keys = keys[..., 0, :]
+            vals = keys[..., keys.shape[-1] - kv.v.shape[-1]:]
             att = torch.einsum("bshd,bskd->bshk", q, keys) * scale
         else:
             att = torch.einsum("bshd,bskhd->bshk", q, keys) * scale
         att = att.masked_fill(~valid[:, :, None, :], float("-inf")).softmax(-1)
         if kv.latent:
             return torch.einsum("bshk,bskd->bshd", att, vals)
+        vals = kv.v[li, slots[:, None, None], idx]
         return torch.einsum("bshk,bskhd->bshd", att, vals)
 
     @staticmethod
-    def _masked_dense(q, idx, valid, li, slots, kv: KVPool, scale: float):
+    def _masked_dense(q, idx, valid, li, slots, kv: KVPool, scale: float, ops: Ops):
         """Attention over each request's whole KV row, keys outside its token's selection masked.
 
         Reads the pool in place when the batch covers a third of its slots or more (``P <= 3B``):
@@ -242,18 +253,17 @@ class StepModel:
             keys, vals = kv.k[li], kv.v[li]  # [P, M, Hk, d]
         else:
             keys, vals = kv.k[li, slots], kv.v[li, slots]  # [B, M, Hk, d]: the batch's pool rows
-        mask = mask[..., :M]
         if kv.latent:
             # [R, S*H, M] scores: at the slice config's BS64 verify step 0.6 GB a layer in bf16,
-            # so the scale rides on q, the mask is applied in place, and the softmax (FP32
-            # inside) writes bf16 -- the activation-dtype scores the gather core uses too
+            # so the scale rides on q and the masked softmax (FP32 inside) writes bf16 -- the
+            # activation-dtype scores the gather core uses too -- in place where the ops can
             R, H = q.shape[0], q.shape[2]
             att = torch.bmm((q * scale).reshape(R, S * H, -1), keys[:, :, 0].transpose(1, 2))
-            att = att.view(R, S, H, M).masked_fill_(~mask[:, :, None, :], float("-inf")).softmax(-1)
+            att = ops.attention_probs(att.view(R, S, H, M), mask)
             o = torch.bmm(att.view(R, S * H, M), vals[:, :, 0]).view(R, S, H, -1)
         else:
             o = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask[:, None],
+                q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask[:, None, :, :M],
                 scale=scale).transpose(1, 2)
         # [B, S, H, dv]; every token selects at least itself: no empty row
         return o[slots] if in_place else o

@@ -14,6 +14,14 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
+def masked_softmax_ref(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim of scores [*lead, H, M] in float64 where mask [*lead, W >= M]
+    selects the key (its first M columns), -inf elsewhere; a row selecting nothing is zeros."""
+    M = scores.shape[-1]
+    x = scores.double().masked_fill(~mask[..., None, :M], float("-inf"))
+    return x.softmax(-1).nan_to_num(0.0)
+
+
 # ----------------------------------------------------------------------- MXFP8 ---------
 def mxfp8_quant_ref(x: torch.Tensor):
     """OCP MX e4m3 quantization of bf16 x [R, K] (K % 32 == 0), the rule in moe/quant.py.

@@ -9,8 +9,11 @@
 #            above 16 rows: their GPU tests, the slice config quick (each attention core on
 #            the latent cache; the FP8 head) and the routed quantisation without padding
 #            writes; phase 6: both at the issue's lengths; phase 7: the MoE layer bench (its
-#            quant columns with and without padding writes) and the whole GPU suite.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..7)
+#            quant columns with and without padding writes) and the whole GPU suite;
+#   phase 8: the slice BS64 verify step's kernel profile on the latent cache at ~5100 positions;
+#   phase 9: the masked-softmax kernel's tests and bench, the slice config at the issue's
+#            lengths on the latent cache with the FP8 draft head.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..9)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -55,5 +58,14 @@ case "${1:-1}" in
 7)  # the MoE layer with the routed quantisation's padding rows unwritten (quant columns), GPU suite
   step 150 bench_moe python bench/bench_moe_experts.py --tokens 1,64,384 --out "$OUT/bench_moe.md"
   step 250 gpu_suite $PYT tests -m gpu
+  ;;
+8)  # where the slice BS64 verify step's time goes on the latent cache at the issue's lengths
+  step 200 profile_latent_dense env B=64 AT=5100 KV_CACHE=latent CORE=masked_dense python tools/probe_slice_profile.py
+  step 120 profile_latent_gather env B=64 AT=5100 KV_CACHE=latent CORE=gather BACKENDS=fused python tools/probe_slice_profile.py
+  ;;
+9)  # the masked-softmax kernel in the latent core; the slice config at the issue's lengths with it
+  step 150 softmax_tests $PYT tests/test_masked_softmax.py tests/test_spec_decode.py -m gpu -s
+  step 60 bench_masked_softmax python bench/bench_masked_softmax.py --out "$OUT/bench_masked_softmax.md"
+  step 300 spec_slice_full_latent_fp8 $BENCH --model slice --kv-cache latent --draft-head mxfp8+fp8 --out "$OUT/spec_slice_full_latent_fp8.md"
   ;;
 esac

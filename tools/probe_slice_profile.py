@@ -2,9 +2,10 @@
 
     device run (carry .devcache): source tools/device-env.sh && python tools/probe_slice_profile.py
     (env MODEL=small|slice, default slice; B = requests, default 1; CORE = auto|masked_dense|gather;
-    KV_CACHE = per_head|latent, default the config's)
+    KV_CACHE = per_head|latent, default the config's; AT = the block's first position, default 506;
+    BACKENDS = comma list, default baseline,fused)
 
-One verify step (6 tokens per request at position ~506, random KV pool), captured as a CUDA
+One verify step (6 tokens per request at position AT, random KV pool of AT + 100 rounded up to 16), captured as a CUDA
 graph for the baseline and the fused ops, replayed 10 times under torch.profiler. Prints per
 backend the replay's total GPU time and the 15 kernels with the most time (name, calls per
 replay, us per replay): the fused path's remaining cost beside the torch attention core, the
@@ -32,12 +33,16 @@ def main():
     cfg = {"slice": SLICE, "small": SMALL}[os.environ.get("MODEL", "slice")]
     if os.environ.get("KV_CACHE"):
         cfg = dataclasses.replace(cfg, kv_cache=os.environ["KV_CACHE"])
-    B, S, max_len, reps = int(os.environ.get("B", "1")), 6, 600, 10
+    B, S, reps = int(os.environ.get("B", "1")), 6, 10
+    at = int(os.environ.get("AT", "506"))
+    max_len = -(-(at + 100) // 16) * 16
     core = os.environ.get("CORE", "auto")
     m = TargetModel(cfg, seed=3, dtype=torch.bfloat16, device="cuda")
     kv = random_kv_pool(cfg, B + 1, max_len)
-    toks, pos, slots = verify_block(cfg, B, S)
-    for name, ops in (("baseline", Ops()), ("fused", FusedOps(m, max_tokens=B * S, max_len=max_len))):
+    toks, pos, slots = verify_block(cfg, B, S, at)
+    backends = {"baseline": lambda: Ops(), "fused": lambda: FusedOps(m, max_tokens=B * S, max_len=max_len)}
+    for name in os.environ.get("BACKENDS", "baseline,fused").split(","):
+        ops = backends[name]()
         step = StepModel(m, ops, attention_core=core)
         g = StepGraphs(lambda t, p, s, _x, step=step: step.forward(t, p, s, kv), (B,), S, B, "cuda")
         for _ in range(3):
@@ -52,7 +57,7 @@ def main():
             if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0:
                 us[e.name[:90]] += e.time_range.elapsed_us() / reps
                 calls[e.name[:90]] += 1 / reps
-        print(f"{os.environ.get('MODEL', 'slice')} {cfg.kv_cache} B={B} core={core} {name}: {sum(us.values()):.1f} us of "
+        print(f"{os.environ.get('MODEL', 'slice')} {cfg.kv_cache} B={B} at={at} core={core} {name}: {sum(us.values()):.1f} us of "
               f"kernels per verify replay, {sum(calls.values()):.0f} kernels", flush=True)
         for k, v in us.most_common(15):
             print(f"   {v:9.1f} us  x{calls[k]:4.0f}  {k}", flush=True)
