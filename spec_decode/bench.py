@@ -235,10 +235,11 @@ def main(argv=None) -> int:
                          "selected K/V")
     ap.add_argument("--kv-cache", default=None, choices=KV_CACHES,
                     help="override the model config's KV cache: every head's K and V, or the MLA-style "
-                         "latent + shared RoPE key (default: the config's, per_head)")
-    ap.add_argument("--draft-head", default="mxfp8", choices=DRAFT_HEADS,
-                    help="fused backend: the draft's LM head -- MXFP8 up to 16 rows, bf16 above (default); "
-                         "the same with per-tensor e4m3 above 16 rows (staged); bf16 throughout")
+                         "latent + shared RoPE key (default: the config's -- latent at slice, per_head at "
+                         "small and tiny)")
+    ap.add_argument("--draft-head", default=EngineConfig.draft_head, choices=DRAFT_HEADS,
+                    help="fused backend: the draft's LM head -- MXFP8 up to 16 rows and per-tensor e4m3 "
+                         "above (default); MXFP8 up to 16 rows, bf16 above; bf16 throughout")
     ap.add_argument("--indexer-token-group", type=int, default=3, choices=(1, 2, 3, 4),
                     help="fused backend: consecutive tokens of a request scored per indexer CTA")
     args = ap.parse_args(argv)

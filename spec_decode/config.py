@@ -60,10 +60,13 @@ TINY = ModelConfig()
 SMALL = ModelConfig(vocab=512, hidden=1024, layers=2, heads=16, head_dim=128, rope_dim=64, q_lora=256, kv_lora=256,
                     wo_groups=2, wo_rank=512, indexer_heads=64, indexer_dim=128, index_topk=64, experts=32,
                     n_group=4, topk_group=2, top_k=4, expert_inter=256, shared_inter=256)
-#: real per-layer sizes of a DeepSeek-V4-class model with few layers (for the H200)
+#: real per-layer sizes of a DeepSeek-V4-class model with few layers (for the H200), caching
+#: the KV latent as DeepSeek's MLA does (at the issue's BS64 lengths 1 GB of KV pool instead of
+#: 53 GB per-head; both measured in bench/RESULTS.md)
 SLICE = ModelConfig(vocab=129280, hidden=7168, layers=2, heads=128, head_dim=128, rope_dim=64, q_lora=1536,
                     kv_lora=512, wo_groups=16, wo_rank=1024, indexer_heads=64, indexer_dim=128, index_topk=2048,
-                    experts=256, n_group=8, topk_group=4, top_k=8, expert_inter=2048, shared_inter=2048)
+                    experts=256, n_group=8, topk_group=4, top_k=8, expert_inter=2048, shared_inter=2048,
+                    kv_cache="latent")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,12 +102,13 @@ class EngineConfig:
     #: "gather" (the selected keys per token)
     attention_core: str = "auto"
     #: fused backend, the draft's LM head (spec_decode.fused_ops.MxDraftHead; heads of 64 MiB
-    #: or more, smaller ones stay bf16): "mxfp8" -- an MXFP8 copy for batches up to 16, bf16
-    #: above; "mxfp8+fp8" -- above 16 rows a per-tensor-scaled e4m3 copy whose scores keep each
-    #: row's argmax (cute_kernels.draft_head_fp8; staged: compiled, not yet run on the GPU);
-    #: "bf16" -- the bf16 head throughout. The draft only proposes, so this can move the
-    #: acceptance length, never the output tokens.
-    draft_head: str = "mxfp8"
+    #: or more, smaller ones stay bf16): "mxfp8+fp8" -- an MXFP8 copy for batches up to 16 and
+    #: above 16 rows a per-tensor-scaled e4m3 copy whose scores keep each row's argmax
+    #: (cute_kernels.draft_head_fp8; H200 at the slice head: 292-297 us at 32-64 rows against
+    #: bf16's 477-506); "mxfp8" -- the MXFP8 copy up to 16 rows, bf16 above; "bf16" -- the bf16
+    #: head throughout. The draft only proposes, so this can move the acceptance length, never
+    #: the output tokens.
+    draft_head: str = "mxfp8+fp8"
 
     @property
     def max_batch(self) -> int:

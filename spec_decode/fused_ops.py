@@ -14,7 +14,7 @@ Per op family (activations bf16 on the GPU; weights prepared once here):
   softmax over the scores in one in-place pass (the matmuls around it stay cuBLAS).
 
 Draft: :class:`MxDraftHead`, the draft's LM head on an MXFP8 copy (the engine sets it for
-batches up to 16 and heads of 64 MiB or more; optionally per-tensor e4m3 scores above 16 rows).
+batches up to 16 and heads of 64 MiB or more; by default per-tensor e4m3 scores above 16 rows).
 
 Status: GPU-tested on the H200 (``tests/test_spec_decode.py -m gpu``: each path against an
 FP32 run of the same weights, the draft head against its dequantised operands, the engine in
@@ -217,8 +217,8 @@ class MxDraftHead:
 
     def __init__(self, lm_head: torch.Tensor, max_batch: int, fp8_above: bool = False):
         """``fp8_above``: above :attr:`MX_MAX_BATCH` rows, per-tensor e4m3 scores that keep each
-        row's argmax (:func:`cute_kernels.draft_head_fp8.draft_head_scores`; staged, not yet
-        run on the GPU) instead of the bf16 head."""
+        row's argmax (:func:`cute_kernels.draft_head_fp8.draft_head_scores`) instead of the
+        bf16 head."""
         V, C = lm_head.shape
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"MxDraftHead: max_batch must be a positive int, got {max_batch!r}")
