@@ -12,8 +12,9 @@
 #            quant columns with and without padding writes) and the whole GPU suite;
 #   phase 8: the slice BS64 verify step's kernel profile on the latent cache at ~5100 positions;
 #   phase 9: the masked-softmax kernel's tests and bench, the slice config at the issue's
-#            lengths on the latent cache with the FP8 draft head.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..9)
+#            lengths on the latent cache with the FP8 draft head; phase 10: the same with the
+#            defaults that adopted both, and the fused BS64 verify step's profile.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..10)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -67,5 +68,9 @@ case "${1:-1}" in
   step 150 softmax_tests $PYT tests/test_masked_softmax.py tests/test_spec_decode.py -m gpu -s
   step 60 bench_masked_softmax python bench/bench_masked_softmax.py --out "$OUT/bench_masked_softmax.md"
   step 300 spec_slice_full_latent_fp8 $BENCH --model slice --kv-cache latent --draft-head mxfp8+fp8 --out "$OUT/spec_slice_full_latent_fp8.md"
+  ;;
+10)  # the slice config at the issue's lengths with the defaults (latent cache, FP8 draft head above 16 rows)
+  step 300 spec_slice_full $BENCH --model slice --out "$OUT/spec_slice_full.md"
+  step 100 profile_bs64 env B=64 AT=5100 BACKENDS=fused python tools/probe_slice_profile.py
   ;;
 esac
