@@ -188,7 +188,7 @@ def test_each_fused_family_matches_its_baseline(fakes):
 
 
 def test_moe_ignores_unwritten_padding_rows(fakes, monkeypatch):
-    """The staged mxfp8_quantize_routed(zero_padding=False): padding rows left as NaN garbage
+    """mxfp8_quantize_routed(zero_padding=False), as the runtime calls it: padding rows left as NaN garbage
     (the emulation's worst case) change no live output -- the expert GEMMs, the SiLU * up
     requantisation and the finalize read every routed row on its own."""
     m, _ = _models()

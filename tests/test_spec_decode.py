@@ -281,7 +281,7 @@ def test_fused_ops_track_fp32_reference_on_gpu(seed, kv_cache):
     probe, tools/probe_fused_ops.py: mHC alone moved the logits 14%, MoE alone 17%, the
     MXFP8-rounded baseline 11%). So each path is measured against the FP32 truth and the
     fused path must be no worse than the unfused composite on MXFP8-rounded expert operands.
-    Both KV caches (the latent one staged: CPU-tested before this GPU test)."""
+    Both KV caches."""
     from spec_decode.config import SMALL
     from spec_decode.fused_ops import FusedOps
     from spec_decode.model import KVPool, TargetModel
@@ -480,7 +480,7 @@ def test_mx_draft_head_on_gpu():
         assert ((out - bf).norm() / bf.norm()).item() < 0.08, B
     h = torch.randn(40, C, device="cuda", generator=g).bfloat16()
     assert torch.equal(head(h), h @ lm_head.T)
-    # fp8_above (staged): per-tensor e4m3 scores above 16 rows keep most rows' argmax
+    # fp8_above (the default draft head above 16 rows): per-tensor e4m3 scores above 16 rows keep most rows' argmax
     fp8 = MxDraftHead(lm_head, max_batch=64, fp8_above=True)
     fp8.fp8[2].fill_(float("nan"))
     agree = (fp8(h).argmax(-1) == (h @ lm_head.T).argmax(-1)).float().mean().item()

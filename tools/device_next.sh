@@ -5,7 +5,7 @@
 #   phase 3: the small config at the lengths (BS1 4096/1024, BS64 4096/2048) and the
 #            slice verify step's kernel profile (BS1 and BS64);
 #   phase 4: the slice config at the lengths (~220 s), then the whole GPU suite (~200 s);
-#   phase 5: staged, CPU-tested only -- the latent (MLA-style) KV cache and the FP8 draft head
+#   phase 5: (staged before the seventh session) the latent (MLA-style) KV cache and the FP8 draft head
 #            above 16 rows: their GPU tests, the slice config quick (each attention core on
 #            the latent cache; the FP8 head) and the routed quantisation without padding
 #            writes; phase 6: both at the lengths; phase 7: the MoE layer bench (its
@@ -45,7 +45,7 @@ case "${1:-1}" in
   step 300 spec_slice_full $BENCH --model slice --out "$OUT/spec_slice_full.md"
   step 250 gpu_suite $PYT tests -m gpu
   ;;
-5)  # staged: the latent KV cache and the FP8 draft head above 16 rows -- GPU tests, slice quick
+5)  # the latent KV cache and the FP8 draft head above 16 rows -- GPU tests, slice quick
   step 150 staged_tests $PYT tests/test_spec_decode.py tests/test_draft_head_fp8.py tests/test_moe_quant.py -m gpu -s
   step 90 spec_slice_latent_dense $BENCH --model slice --quick --kv-cache latent --attention-core masked_dense --out "$OUT/spec_slice_latent_dense.md"
   step 90 spec_slice_latent_gather $BENCH --model slice --quick --kv-cache latent --attention-core gather --out "$OUT/spec_slice_latent_gather.md"
