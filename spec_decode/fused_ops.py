@@ -23,6 +23,8 @@ captured graphs); timings in ``bench/RESULTS.md`` (``python -m spec_decode.bench
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from cute_kernels.draft_head_fp8 import draft_head_scores, quantize_head
@@ -60,6 +62,10 @@ class FusedOps(Ops):
         if indexer_token_group not in (1, 2, 3, 4):
             raise ValueError(f"indexer_token_group must be 1, 2, 3 or 4, got {indexer_token_group!r}")
         dev = target.device
+        if cfg.kv_cache == "latent" and not MaskedSoftmax.can_implement(max_len, cfg.heads, max_len + 8):
+            warnings.warn(f"FusedOps: a KV pool of max_len={max_len} positions (not a multiple of 8 in [8, "
+                          f"65536]) runs the latent attention core's softmax as the torch composite; "
+                          f"round max_seq_len up to a multiple of 16 for the masked_softmax kernel", stacklevel=2)
         self.cfg, self.max_tokens, self.max_len = cfg, max_tokens, max_len
         self.moe_row_tile, self.indexer_token_group = moe_row_tile, indexer_token_group
         n = cfg.mhc_n

@@ -251,3 +251,17 @@ def test_release_bf16_experts_keeps_the_fused_logits(fakes):
         kv = KVPool(CFG, B, max_len, torch.bfloat16, "cpu")
         out.append(StepModel(m, ops).forward(toks, pos, torch.tensor([1, 0]), kv)[0])
     assert torch.equal(out[0], out[1])
+
+
+def test_latent_pool_length_not_a_multiple_of_8_warns(fakes):
+    """The masked_softmax kernel needs the pool length % 8 == 0: another length on a latent pool
+    falls back to the torch softmax, with a warning at construction, not silently."""
+    import dataclasses
+    import warnings
+
+    m = TargetModel(dataclasses.replace(CFG, kv_cache="latent"), seed=2, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="max_len=100"):
+        fo.FusedOps(m, max_tokens=12, max_len=100, _cpu_for_tests=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fo.FusedOps(m, max_tokens=12, max_len=96, _cpu_for_tests=True)
