@@ -175,12 +175,11 @@ class FusedOps(Ops):
         with family("fused finalize (+ shared add)"):
             return moe_finalize(y, r.topk_weights, r.routed_row_pos, sh)
 
-
     @staticmethod
     def attention_probs(att, mask):
         """The latent masked-dense core's softmax in one kernel, in place (the composite makes
         three passes over 0.6 GB of scores a layer at the slice config's BS64 verify step)."""
-        R, S, H, M = att.shape
+        H, M = att.shape[-2:]
         if (att.is_cuda and att.dtype == torch.bfloat16 and att.is_contiguous() and mask.is_contiguous()
                 and MaskedSoftmax.can_implement(M, H, mask.shape[-1])):
             return masked_softmax(att, mask, out=att)
