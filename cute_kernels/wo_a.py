@@ -43,7 +43,10 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _PATHS = {"sm90": WoASm90, "sm100": WoASm100}
 
 
-def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int):
+def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, cluster_m: int = 1, cluster_n: int = 1):
+    """``cluster_m`` / ``cluster_n``: the Hopper engine's thread-block cluster (TMA multicast of
+    the operand tiles the cluster's CTAs share); a tuning knob for tools/probe_wo_a_tiles.py,
+    (1, 1) in the shipped path."""
     from .arch import family
 
     cls = _PATHS[family(arch)]
@@ -51,7 +54,12 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int):
         raise ValueError(f"wo_a: unsupported G={G}, R={R}, Dg={Dg} on {arch}")
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), Int32(1), jit.fake_stream())
-    return cls(G, R, Dg, (tile_m, tile_n)), args
+    if (cluster_m, cluster_n) == (1, 1):
+        return cls(G, R, Dg, (tile_m, tile_n)), args
+    if family(arch) != "sm90" or cluster_m not in (1, 2) or cluster_n not in (1, 2):
+        raise ValueError(f"wo_a: cluster ({cluster_m}, {cluster_n}) -- only the Hopper path takes a cluster, "
+                         f"of 1 or 2 CTAs per mode")
+    return cls(G, R, Dg, (tile_m, tile_n), (cluster_m, cluster_n)), args
 
 
 def _aot(arch: str):

@@ -120,6 +120,23 @@ def test_machine_code(arch, tile, expect):
     assert sass.local_memory_ops(h) == 0
 
 
+@pytest.mark.parametrize("cluster", [(2, 1), (1, 2)])
+def test_hopper_cluster_variant_multicasts(cluster):
+    """The tuning probe's clustered Hopper engine: the shared operand tile arrives by TMA
+    multicast; the default (1, 1) build names the shipped artifact (no cluster in its key)."""
+    h = sass.sass_histogram("wo_a", "sm_90a", G=16, R=1024, Dg=1024, tile_m=128, tile_n=256, cluster_m=cluster[0],
+                            cluster_n=cluster[1])
+    assert sass.count(h, "UTMALDG.3D.MULTICAST") >= 1 and sass.count(h, "HGMMA.64x256x16.F32.BF16") >= 1, h
+    assert sass.local_memory_ops(h) == 0
+    from cute_kernels import jit
+
+    k = jit.registry()["wo_a"]
+    assert k.canonical_config(dict(G=16, R=1024, Dg=1024, tile_m=128, tile_n=256, cluster_m=1, cluster_n=1)) == \
+        dict(G=16, R=1024, Dg=1024, tile_m=128, tile_n=256)
+    with pytest.raises(ValueError, match="only the Hopper path takes a cluster"):
+        k.build("sm_100a", G=16, R=1024, Dg=1024, tile_m=128, tile_n=256, cluster_m=2)
+
+
 # ------------------------------------------------------------ validation (CPU) --------
 @pytest.mark.parametrize("o, w, words", [
     (torch.zeros(2, 16, 128), torch.zeros(8, 512, 256).bfloat16(), "o must have dtype bfloat16"),

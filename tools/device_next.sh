@@ -13,8 +13,9 @@
 #   phase 8: the slice BS64 verify step's kernel profile on the latent cache at ~5100 positions;
 #   phase 9: the masked-softmax kernel's tests and bench, the slice config at the issue's
 #            lengths on the latent cache with the FP8 draft head; phase 10: the same with the
-#            defaults that adopted both, and the fused BS64 verify step's profile.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..10)
+#            defaults that adopted both, and the fused BS64 verify step's profile;
+#   phase 11: (staged) WO-A's tile x cluster sweep at T = 320 / 16384 against cuBLAS bmm alone.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..11)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -72,5 +73,8 @@ case "${1:-1}" in
 10)  # the slice config at the issue's lengths with the defaults (latent cache, FP8 draft head above 16 rows)
   step 300 spec_slice_full $BENCH --model slice --out "$OUT/spec_slice_full.md"
   step 100 profile_bs64 env B=64 AT=5100 BACKENDS=fused python tools/probe_slice_profile.py
+  ;;
+11)  # issue 4: WO-A tiles x thread-block clusters (TMA multicast) at T = 320 and 16384, against bmm alone
+  step 420 probe_wo_a_clusters env TS=320,16384 TILES=128x256,128x128,64x256 CLUSTERS=1x1,2x1,1x2 python tools/probe_wo_a_tiles.py
   ;;
 esac

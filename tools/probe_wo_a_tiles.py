@@ -1,8 +1,13 @@
-"""Tune the WO-A Hopper tile choice: time every CTA tile per (shape, T) and check it.
+"""Tune the WO-A Hopper tile choice: time every CTA tile (and cluster) per (shape, T) and check it.
 
     python tools/probe_wo_a_tiles.py
+    env TS=320,16384 TILES=128x256,128x128,64x256 CLUSTERS=1x1,2x1,1x2 python tools/probe_wo_a_tiles.py
+
 Prints, per shape and T, us per call (graph replay, rotating weights) and the relative error
-against an FP32 einsum for each tile; '*' marks the tile the current heuristic picks.
+against an FP32 einsum for each tile / cluster, and cuBLAS ``bmm`` alone (group-major output,
+issue 4's baseline (b)) timed the same way; '*' marks the tile the current heuristic picks.
+Defaults: T = 1, 64, 320, 1024, the five tiles, cluster 1x1 (the sweep the shipped heuristic
+came from).
 """
 import os
 import sys
@@ -16,29 +21,42 @@ import cutlass  # noqa: E402
 from cute_kernels import jit  # noqa: E402
 from cute_kernels.wo_a_sm90 import WoASm90  # noqa: E402
 
-TILES = [(64, 64), (64, 128), (64, 256), (128, 128), (128, 256)]
+
+def _pairs(env: str, default: str):
+    return [tuple(int(v) for v in p.split("x")) for p in os.environ.get(env, default).split(",")]
+
+
+TILES = _pairs("TILES", "64x64,64x128,64x256,128x128,128x256")
+CLUSTERS = _pairs("CLUSTERS", "1x1")
+TS = [int(t) for t in os.environ.get("TS", "1,64,320,1024").split(",")]
 for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]:
     n = rotation_count(G * R * Dg * 2)
     ws = [(torch.randn(G, R, Dg, device="cuda") / Dg**0.5).bfloat16() for _ in range(n)]
-    for T in (1, 64, 320, 1024):
+    for T in TS:
         o = torch.randn(T, G * 8, Dg // 8, device="cuda").bfloat16()
         y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
         ref = torch.einsum("tgd,grd->tgr", o.view(T, G, Dg).float(), ws[0].float()).reshape(T, G * R)
         pick = WoASm90.tile_for(T, G, R)
-        res = []
+        og = o.view(T, G, Dg).transpose(0, 1)  # [G, T, Dg] view, as the unfused path's bmm reads it
+        t_bmm = time_graph(lambda i: torch.bmm(og, ws[i].transpose(1, 2)), n, max(n, 8))
+        res = [f"bmm alone: {t_bmm * 1e6:.1f} us"]
         for tm, tn in TILES:
             if R % tn:
                 continue
-            fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn)
+            for cm, cn in CLUSTERS:
+                fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, cluster_m=cm,
+                                    cluster_n=cn)
 
-            def call(i):
-                fn(jit.gmem_ptr(cutlass.BFloat16, o), jit.gmem_ptr(cutlass.BFloat16, ws[i]),
-                   jit.gmem_ptr(cutlass.BFloat16, y), jit.i32(T), jit.cu_stream())
+                def call(i, fn=fn):
+                    fn(jit.gmem_ptr(cutlass.BFloat16, o), jit.gmem_ptr(cutlass.BFloat16, ws[i]),
+                       jit.gmem_ptr(cutlass.BFloat16, y), jit.i32(T), jit.cu_stream())
 
-            call(0)
-            torch.cuda.synchronize()
-            err = ((y.float() - ref).norm() / ref.norm()).item()
-            t = time_graph(call, n, max(n, 8))
-            res.append(f"{tm}x{tn}{'*' if (tm, tn) == pick else ''}: {t * 1e6:.1f} us (err {err:.1e})")
+                y.fill_(float("nan"))
+                call(0)
+                torch.cuda.synchronize()
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                t = time_graph(call, n, max(n, 8))
+                mark = "*" if (tm, tn) == pick and (cm, cn) == (1, 1) else ""
+                res.append(f"{tm}x{tn} c{cm}x{cn}{mark}: {t * 1e6:.1f} us ({t_bmm / t:.2f}x bmm, err {err:.1e})")
         print(f"T={T} G={G} R={R} Dg={Dg}: " + "; ".join(res), flush=True)
-    del ws
+    ws = None
