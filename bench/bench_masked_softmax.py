@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import H200_COPY_BW, markdown_table, rotation_count, time_graph  # noqa: E402
 
-from cute_kernels.masked_softmax import mask_stride_for, masked_softmax  # noqa: E402
+from cute_kernels.masked_softmax import masked_softmax  # noqa: E402
+from spec_decode.step_model import StepModel  # noqa: E402
 
 SHAPES = [(2, 6, 128, 592), (65, 6, 128, 592), (2, 6, 128, 6160), (65, 6, 128, 6160)]
 
@@ -34,7 +35,7 @@ def main():
     args = ap.parse_args()
     rows = []
     for R, S, H, M in SHAPES:
-        W = mask_stride_for(M)
+        W = StepModel.mask_width(M)
         nbytes = 2 * R * S * H * M * 2 + R * S * W
         n = rotation_count(nbytes)
         xs = [(torch.randn(R, S, H, M, device="cuda") * 4).bfloat16() for _ in range(n)]

@@ -159,12 +159,6 @@ def _build(arch: str, *, length: int, heads: int, mask_stride: int, dtype: str =
     return MaskedSoftmax(cdt, length, heads, mask_stride), args
 
 
-def mask_stride_for(length: int) -> int:
-    """The mask row stride the decode runtime allocates for a pool of ``length`` positions: one
-    spare column (discarded selections scatter there), padded to 16."""
-    return -(-(length + 1) // 16) * 16
-
-
 KERNEL = jit.register(
     jit.KernelDef(
         name="masked_softmax",
@@ -172,9 +166,10 @@ KERNEL = jit.register(
         sources=(os.path.abspath(__file__),),
         archs=("sm_90a", "sm_100a", "sm_103a"),
         # the slice config's 128 heads over the decode bench's pools (--quick and the issue's
-        # BS64 lengths: 4096 + 2048 + the verify block)
-        aot_configs=tuple({"length": M, "heads": 128, "mask_stride": mask_stride_for(M), "dtype": "bfloat16"}
-                          for M in (592, 6160)),
+        # BS64 lengths: 4096 + 2048 + the verify block), with the runtime's mask strides
+        # (spec_decode.step_model.StepModel.mask_width)
+        aot_configs=tuple({"length": M, "heads": 128, "mask_stride": W, "dtype": "bfloat16"}
+                          for M, W in ((592, 608), (6160, 6176))),
         description="softmax over a row of scores with a per-token key mask, bf16 in/out",
     )
 )

@@ -41,7 +41,7 @@ from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size
 from moe.router import MoeRouter, RouterConfig
 
 from .model import shared_expert
-from .step_model import Ops, family
+from .step_model import Ops, StepModel, family
 
 
 class FusedOps(Ops):
@@ -62,7 +62,8 @@ class FusedOps(Ops):
         if indexer_token_group not in (1, 2, 3, 4):
             raise ValueError(f"indexer_token_group must be 1, 2, 3 or 4, got {indexer_token_group!r}")
         dev = target.device
-        if cfg.kv_cache == "latent" and not MaskedSoftmax.can_implement(max_len, cfg.heads, max_len + 8):
+        if cfg.kv_cache == "latent" and not MaskedSoftmax.can_implement(max_len, cfg.heads,
+                                                                        StepModel.mask_width(max_len)):
             warnings.warn(f"FusedOps: a KV pool of max_len={max_len} positions (not a multiple of 8 in [8, "
                           f"65536]) runs the latent attention core's softmax as the torch composite; "
                           f"round max_seq_len up to a multiple of 16 for the masked_softmax kernel", stacklevel=2)

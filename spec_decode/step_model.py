@@ -188,6 +188,14 @@ class StepModel:
         return ops.wo_a(o, L["wo_a"]) @ L["wo_b"].T
 
     @staticmethod
+    def mask_width(M: int) -> int:
+        """Row stride of the masked-dense core's key mask over ``M`` pool positions: one spare
+        column (invalid selections scatter there), padded to 16 elements -- SDPA's
+        memory-efficient kernel wants an aligned mask stride, and the fused ops'
+        masked_softmax a multiple of 8."""
+        return -(-(M + 1) // 16) * 16
+
+    @staticmethod
     def pool_in_place(B: int, P: int) -> bool:
         """Whether the masked-dense core reads a ``P``-row pool in place for ``B`` requests (P
         row reads) rather than gathering the batch's rows first (3B row transfers)."""
@@ -243,8 +251,7 @@ class StepModel:
         # invalid selections scatter into a discarded column M (a clamped index 0 must not
         # clear a valid selection of key 0)
         sel = torch.where(valid, idx, torch.full_like(idx, M))
-        # rows padded to 16 elements: SDPA's memory-efficient kernel wants an aligned mask stride
-        width = -(-(M + 1) // 16) * 16
+        width = StepModel.mask_width(M)
         mask = torch.zeros(B, S, width, dtype=torch.bool, device=q.device).scatter_(2, sel, True)
         in_place = StepModel.pool_in_place(B, P)
         if in_place:
