@@ -28,8 +28,12 @@ def test_machine_code_sm90():
 def test_scaling_keeps_each_rows_argmax(seed):
     """CPU emulation: per-row and per-tensor positive scales do not reorder a row, so the
     e4m3 scores' argmax is the bf16 logits' argmax except where e4m3 rounding flips a
-    near-tie -- measured here as rows whose top two logits are further apart than the
-    rounding's size agreeing always, and most rows agreeing overall."""
+    near-tie -- checked as: every row whose top logit stays above every other logit across
+    their rounding errors (each score scaled back, ``|s / (s_h s_w) - logit|``) agrees, and
+    most rows agree overall. (The first version called a row clear when its top-two gap
+    exceeded 0.1 std of the logits: ~5% of runs had a flip there -- the rounding of a
+    1024-long e4m3 dot product reaches ~0.05 std. The per-entry bound is exact and covers
+    ~51 of 64 rows against that rule's ~44.)"""
     B, V, C = 64, 4096, 1024
     h, w = make(B, V, C, "cpu")
     w_q, s_w = quantize_head(w)
@@ -39,9 +43,13 @@ def test_scaling_keeps_each_rows_argmax(seed):
     assert h_q.shape == (B, C) and (h_q.float().abs().amax(-1) == E4M3_MAX).all()
     scores = h_q.float() @ w_q.float().T
     logits = h.float() @ w.float().T
-    top2 = logits.topk(2, -1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 0.1 * logits.std()
-    agree = scores.argmax(-1) == logits.argmax(-1)
+    s_h = h_q.float().abs().amax(-1) / h.float().abs().amax(-1)  # each row's max maps to E4M3_MAX
+    err = (scores / (s_h[:, None] * s_w) - logits).abs()
+    top = logits.argmax(-1, keepdim=True)
+    rest_hi = (logits + err).scatter(1, top, float("-inf")).amax(-1)
+    clear = (logits - err).gather(1, top)[:, 0] > rest_hi
+    agree = scores.argmax(-1) == top[:, 0]
+    assert clear.sum() >= B // 2  # the check covers most rows (at least 43 of 64 over 100 seeds)
     assert agree[clear].all() and agree.float().mean() > 0.8, (agree.float().mean(), clear.sum())
     # an all-zero row stays zero (no 0 / 0)
     z = quantize_rows(torch.zeros(2, C).bfloat16(), torch.empty(2, C, dtype=F8))
