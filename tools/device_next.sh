@@ -75,6 +75,9 @@ case "${1:-1}" in
   step 100 profile_bs64 env B=64 AT=5100 BACKENDS=fused python tools/probe_slice_profile.py
   ;;
 11)  # issue 4: WO-A tiles x thread-block clusters (TMA multicast) at T = 320 and 16384, against bmm alone
-  step 420 probe_wo_a_clusters env TS=320,16384 TILES=128x256,128x128,64x256 CLUSTERS=1x1,2x1,1x2 python tools/probe_wo_a_tiles.py
+  step 400 probe_wo_a_clusters env TS=320,16384 TILES=128x256,128x128,64x256 CLUSTERS=1x1,2x1,1x2 python tools/probe_wo_a_tiles.py
+  # and the masked softmax after the review's block-reduction edit (tests + re-timing)
+  step 80 softmax_tests $PYT tests/test_masked_softmax.py -m gpu
+  step 60 bench_masked_softmax python bench/bench_masked_softmax.py --out "$OUT/bench_masked_softmax.md"
   ;;
 esac
