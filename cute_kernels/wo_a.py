@@ -120,7 +120,7 @@ def _default_workspace(device, G, R) -> WoADecodeWorkspace:
 
 def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None = None, stream=None,
          arch: str | None = None, decode_kernel: bool | None = None,
-         workspace: WoADecodeWorkspace | None = None) -> torch.Tensor:
+         workspace: WoADecodeWorkspace | None = None, pdl: bool = False) -> torch.Tensor:
     """``y [T, G*R]`` (bf16, token-major) from ``o [T, H, Dv]`` and ``wo_a_weight [G, R, (H/G)*Dv]``.
 
     ``decode_kernel`` routes the call to :mod:`cute_kernels.wo_a_decode` (the weight-streaming
@@ -128,6 +128,11 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     it faster than the TMA/wgmma engine at every shape (bench/RESULTS.md) --, ``True`` for any
     T <= 64 on any arch, ``False`` never. Its split partials live in ``workspace`` (default:
     one shared per device and shape -- pass your own for concurrent calls on several streams).
+
+    ``pdl`` (decode kernel only): launch it as a programmatic dependent of the previous kernel
+    on the stream, so its weight stream starts while that kernel drains; it reads ``o`` and
+    writes anything only after that kernel's grid has completed. Contract: the kernel just
+    before it on the stream must not write ``wo_a_weight`` (true of inference weights).
     """
     op = "wo_a"
     check_tensor(op, "o", o, dtype=torch.bfloat16, ndim=3, contiguous=True)
@@ -160,7 +165,7 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
             raise ValueError(f"{op}: workspace must be a WoADecodeWorkspace for G={G}, R={R} with max_splits >= "
                              f"{splits}")
         check_cuda(op, ("o", o), ("workspace.partials", workspace.partials))
-        fn = jit.get_kernel("wo_a_decode", a, G=G, R=R, Dg=Dg, bm=bm, splits=splits)
+        fn = jit.get_kernel("wo_a_decode", a, G=G, R=R, Dg=Dg, bm=bm, splits=splits, **({"pdl": True} if pdl else {}))
         P = jit.gmem_ptr
         fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 4),
            P(Float32, workspace.partials, 4), P(Int32, workspace.counters, 4), jit.i32(T), jit.cu_stream(stream))

@@ -45,8 +45,8 @@ MAX_T = 64
 
 
 class WoADecode:
-    def __init__(self, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1):
-        self.G, self.R, self.Dg, self.bm, self.splits = G, R, Dg, bm, splits
+    def __init__(self, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False):
+        self.G, self.R, self.Dg, self.bm, self.splits, self.pdl = G, R, Dg, bm, splits, pdl
         self.threads = 128
         # bm = 16: 4 warps along N (16 x 16 each); bm = 64: 2 x 2 warps (32 x 32 each)
         self.warp_layout = (1, 4, 1) if bm == 16 else (2, 2, 1)
@@ -64,7 +64,7 @@ class WoADecode:
         tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, Float32, (16, 8, 16)),
                                         cute.make_layout(self.warp_layout))
         self.kernel(mO, mW, mY, mPart, mCount, tiled_mma, num_tokens).launch(
-            grid=[R // BN, G, self.splits], block=[self.threads, 1, 1], stream=stream)
+            grid=[R // BN, G, self.splits], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mPart: cute.Tensor, mCount: cute.Tensor,
@@ -88,10 +88,27 @@ class WoADecode:
         a_col0 = g * (self.Dg // VEC)  # group g's columns of o, in 16-byte vectors
         w_row0 = g * self.R + r0
 
-        for s0 in cutlass.range_constexpr(STAGES - 1):
-            if s0 < KT:
-                self.issue(gOv, gWv, sAv, sBv, atom, kt0 + s0, s0, a_col0, w_row0, num_tokens)
-            cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.pdl):
+            # Programmatic dependent launch: the weights do not depend on the kernel before
+            # this one, so the first stages' weight tiles stream in while it finishes; `o`
+            # (its output) and every store of this kernel wait for its grid to complete and
+            # flush. One commit group for the whole prologue plus empty ones keeps the main
+            # loop's wait_group(STAGES - 2) count.
+            for s0 in cutlass.range_constexpr(STAGES - 1):
+                if s0 < KT:
+                    self.issue_w(gWv, sBv, atom, kt0 + s0, s0, w_row0)
+            cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_wait()
+            for s0 in cutlass.range_constexpr(STAGES - 1):
+                if s0 < KT:
+                    self.issue_o(gOv, sAv, atom, kt0 + s0, s0, a_col0, num_tokens)
+            for s0 in cutlass.range_constexpr(STAGES - 1):
+                cute.arch.cp_async_commit_group()
+        else:
+            for s0 in cutlass.range_constexpr(STAGES - 1):
+                if s0 < KT:
+                    self.issue(gOv, gWv, sAv, sBv, atom, kt0 + s0, s0, a_col0, w_row0, num_tokens)
+                cute.arch.cp_async_commit_group()
 
         thr_mma = tiled_mma.get_slice(tidx)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA)[None, None, None, 0])
@@ -144,6 +161,12 @@ class WoADecode:
     def issue(self, gOv: cute.Tensor, gWv: cute.Tensor, sAv: cute.Tensor, sBv: cute.Tensor, atom: cute.CopyAtom,
               kt: Int32, slot: Int32, a_col0: Int32, w_row0: Int32, num_tokens: Int32):
         """cp.async K slice kt: the live token rows of o (group g's columns) and 64 weight rows."""
+        self.issue_o(gOv, sAv, atom, kt, slot, a_col0, num_tokens)
+        self.issue_w(gWv, sBv, atom, kt, slot, w_row0)
+
+    @cute.jit
+    def issue_o(self, gOv: cute.Tensor, sAv: cute.Tensor, atom: cute.CopyAtom, kt: Int32, slot: Int32,
+                a_col0: Int32, num_tokens: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         VPR = BK // VEC
         for i in cutlass.range_constexpr(self.bm * VPR // self.threads):
@@ -151,6 +174,12 @@ class WoADecode:
             r, v = idx // VPR, idx % VPR
             if r < num_tokens:
                 cute.copy(atom, gOv[(0, None), (r, a_col0 + kt * VPR + v)], sAv[(0, None, 0), (r, v, slot)])
+
+    @cute.jit
+    def issue_w(self, gWv: cute.Tensor, sBv: cute.Tensor, atom: cute.CopyAtom, kt: Int32, slot: Int32,
+                w_row0: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        VPR = BK // VEC
         for i in cutlass.range_constexpr(BN * VPR // self.threads):
             idx = tidx + i * self.threads
             r, v = idx // VPR, idx % VPR
@@ -188,14 +217,16 @@ class WoADecodeWorkspace:
         self.counters = torch.zeros(G * R // BN, dtype=torch.int32, device=device)
 
 
-def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1):
+def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False):
+    """``pdl``: launched as a programmatic dependent of the previous kernel on the stream
+    (weight prefetch overlaps its tail); the same results, a separate compile."""
     if bm not in (16, 64) or not WoADecode.can_implement(1, G, R, Dg, splits):
         raise ValueError(f"wo_a_decode: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, splits={splits} "
                          f"(R % 64, Dg % 128, splits a power of two dividing Dg / 128, bm 16 or 64)")
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 4), P(Float32, 4), P(Int32, 4),
             Int32(1), jit.fake_stream())
-    return WoADecode(G, R, Dg, bm, splits), args
+    return WoADecode(G, R, Dg, bm, splits, pdl), args
 
 
 KERNEL = jit.register(jit.KernelDef(

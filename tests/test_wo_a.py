@@ -212,6 +212,39 @@ def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits):
     assert rel_err(out, wo_a_ref(o, w)) < TOL
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5, 37])
+def test_decode_kernel_pdl_after_a_writer_and_back_to_back(seed, T):
+    """The programmatic-dependent launch reads ``o`` only after the kernel before it has
+    finished: a graph of (copy fresh inputs into ``o``, WO-A with pdl) x 4, sharing one ``o``,
+    one workspace and one output per step, must give every step's own product. Back-to-back
+    PDL launches (step 2 follows step 1's WO-A directly) must not race on the split partials."""
+    G, HG, Dv, R = 8, 8, 256, 512  # 64 column tiles: the plan splits K (workspace in use)
+    o, w = make(T, G, HG, Dv, R, "cuda")
+    srcs = [make(T, G, HG, Dv, R, "cuda")[0] for _ in range(4)]
+    outs = [torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16) for _ in range(5)]
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        wo_a(o, w, out=outs[0], decode_kernel=True, pdl=True, stream=s)  # compile outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        for i, src in enumerate(srcs):
+            o.copy_(src)
+            wo_a(o, w, out=outs[i], decode_kernel=True, pdl=True, stream=s)
+        wo_a(o, w, out=outs[4], decode_kernel=True, pdl=True, stream=s)
+    for _ in range(2):
+        for src in srcs:
+            src.normal_()
+        for out in outs:
+            out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        for i, src in enumerate(srcs):
+            assert rel_err(outs[i], wo_a_ref(src, w)) < TOL, i
+        assert rel_err(outs[4], wo_a_ref(srcs[-1], w)) < TOL
+
+
 def test_decode_kernel_default_range():
     from cute_kernels.wo_a import use_decode_kernel
     assert use_decode_kernel(1, None) and use_decode_kernel(16, None) and not use_decode_kernel(17, None)
@@ -234,3 +267,13 @@ def test_decode_kernel_machine_code(arch, bm, splits):
     h = sass.sass_histogram("wo_a_decode", arch, G=16, R=1024, Dg=2048, bm=bm, splits=splits)
     assert sass.count(h, "HMMA") >= 16 and sass.count(h, "LDSM") >= 1 and sass.count(h, "LDGSTS") >= 1
     assert sass.local_memory_ops(h) == 0
+    assert sass.count(h, "ACQBULK") == 0  # no grid-dependency wait unless asked
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_decode_kernel_pdl_machine_code(arch):
+    """The PDL variant waits on the previous grid (griddepcontrol.wait -> ACQBULK) and lets
+    the next one launch (griddepcontrol.launch_dependents -> PREEXIT), once each."""
+    h = sass.sass_histogram("wo_a_decode", arch, G=8, R=512, Dg=2048, bm=16, splits=4, pdl=True)
+    assert sass.count(h, "ACQBULK") == 1 and sass.count(h, "PREEXIT") == 1
+    assert sass.count(h, "HMMA") >= 16 and sass.local_memory_ops(h) == 0
