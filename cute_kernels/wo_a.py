@@ -43,10 +43,12 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _PATHS = {"sm90": WoASm90, "sm100": WoASm100}
 
 
-def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, cluster_m: int = 1, cluster_n: int = 1):
+def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, cluster_m: int = 1, cluster_n: int = 1,
+           pdl: bool = False):
     """``cluster_m`` / ``cluster_n``: the Hopper engine's thread-block cluster (TMA multicast of
     the operand tiles the cluster's CTAs share); a tuning knob for tools/probe_wo_a_tiles.py,
-    (1, 1) in the shipped path."""
+    (1, 1) in the shipped path. ``pdl``: the Hopper engine as a programmatic dependent launch
+    (see :func:`wo_a`)."""
     from .arch import family
 
     cls = _PATHS[family(arch)]
@@ -54,12 +56,12 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, clus
         raise ValueError(f"wo_a: unsupported G={G}, R={R}, Dg={Dg} on {arch}")
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), Int32(1), jit.fake_stream())
-    if (cluster_m, cluster_n) == (1, 1):
+    if (cluster_m, cluster_n) == (1, 1) and not pdl:
         return cls(G, R, Dg, (tile_m, tile_n)), args
     if family(arch) != "sm90" or cluster_m not in (1, 2) or cluster_n not in (1, 2):
-        raise ValueError(f"wo_a: cluster ({cluster_m}, {cluster_n}) -- only the Hopper path takes a cluster, "
-                         f"of 1 or 2 CTAs per mode")
-    return cls(G, R, Dg, (tile_m, tile_n), (cluster_m, cluster_n)), args
+        raise ValueError(f"wo_a: cluster ({cluster_m}, {cluster_n}), pdl={pdl} -- only the Hopper path takes a "
+                         f"cluster (1 or 2 CTAs per mode) or a programmatic dependent launch")
+    return cls(G, R, Dg, (tile_m, tile_n), (cluster_m, cluster_n), pdl), args
 
 
 def _aot(arch: str):
@@ -129,9 +131,9 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     T <= 64 on any arch, ``False`` never. Its split partials live in ``workspace`` (default:
     one shared per device and shape -- pass your own for concurrent calls on several streams).
 
-    ``pdl`` (decode kernel only): launch it as a programmatic dependent of the previous kernel
-    on the stream, so its weight stream starts while that kernel drains; it reads ``o`` and
-    writes anything only after that kernel's grid has completed. Contract: the kernel just
+    ``pdl`` (Hopper paths): launch as a programmatic dependent of the previous kernel on the
+    stream, so the first weight tiles load while that kernel drains; ``o`` is read and
+    anything written only after that kernel's grid has completed. Contract: the kernel just
     before it on the stream must not write ``wo_a_weight`` (true of inference weights).
     """
     op = "wo_a"
@@ -171,7 +173,7 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
            P(Float32, workspace.partials, 4), P(Int32, workspace.counters, 4), jit.i32(T), jit.cu_stream(stream))
         return out
     tm, tn = _PATHS[path].tile_for(T, G, R)
-    fn = jit.get_kernel(op, a, G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn)
+    fn = jit.get_kernel(op, a, G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, **({"pdl": True} if pdl and path == "sm90" else {}))
     P = jit.gmem_ptr
     fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 16), jit.i32(T),
        jit.cu_stream(stream))

@@ -58,9 +58,10 @@ class WoAGemm:
 class WoASm90(WoAGemm):
     """Compile-time configuration: group count, rank, per-group K, CTA tile."""
 
-    def __init__(self, G: int, R: int, Dg: int, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1)):
+    def __init__(self, G: int, R: int, Dg: int, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1),
+                 pdl: bool = False):
         super().__init__(G, R, Dg)
-        self.gemm = HopperWgmmaGemmKernel(Float32, tile_mn, cluster_mn)
+        self.gemm = HopperWgmmaGemmKernel(Float32, tile_mn, cluster_mn, pdl)
 
     @staticmethod
     def tile_for(T: int, G: int, R: int) -> tuple[int, int]:

@@ -213,26 +213,26 @@ def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 5, 37])
-def test_decode_kernel_pdl_after_a_writer_and_back_to_back(seed, T):
-    """The programmatic-dependent launch reads ``o`` only after the kernel before it has
-    finished: a graph of (copy fresh inputs into ``o``, WO-A with pdl) x 4, sharing one ``o``,
+@pytest.mark.parametrize("T, decode", [(1, True), (5, True), (37, True), (5, False), (64, False), (77, False)])
+def test_pdl_after_a_writer_and_back_to_back(seed, T, decode):
+    """The programmatic-dependent launch (decode kernel and TMA/wgmma engine) reads ``o``
+    only after the kernel before it has finished: a graph of (copy fresh inputs into ``o``, WO-A with pdl) x 4, sharing one ``o``,
     one workspace and one output per step, must give every step's own product. Back-to-back
-    PDL launches (step 2 follows step 1's WO-A directly) must not race on the split partials."""
-    G, HG, Dv, R = 8, 8, 256, 512  # 64 column tiles: the plan splits K (workspace in use)
+    PDL launches (the last two) must not race on the output or the split partials."""
+    G, HG, Dv, R = 8, 8, 256, 512  # decode kernel: 64 column tiles, the plan splits K (workspace in use)
     o, w = make(T, G, HG, Dv, R, "cuda")
     srcs = [make(T, G, HG, Dv, R, "cuda")[0] for _ in range(4)]
     outs = [torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16) for _ in range(5)]
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
-        wo_a(o, w, out=outs[0], decode_kernel=True, pdl=True, stream=s)  # compile outside capture
+        wo_a(o, w, out=outs[0], decode_kernel=decode, pdl=True, stream=s)  # compile outside capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=s):
         for i, src in enumerate(srcs):
             o.copy_(src)
-            wo_a(o, w, out=outs[i], decode_kernel=True, pdl=True, stream=s)
-        wo_a(o, w, out=outs[4], decode_kernel=True, pdl=True, stream=s)
+            wo_a(o, w, out=outs[i], decode_kernel=decode, pdl=True, stream=s)
+        wo_a(o, w, out=outs[4], decode_kernel=decode, pdl=True, stream=s)
     for _ in range(2):
         for src in srcs:
             src.normal_()
@@ -277,3 +277,15 @@ def test_decode_kernel_pdl_machine_code(arch):
     h = sass.sass_histogram("wo_a_decode", arch, G=8, R=512, Dg=2048, bm=16, splits=4, pdl=True)
     assert sass.count(h, "ACQBULK") == 1 and sass.count(h, "PREEXIT") == 1
     assert sass.count(h, "HMMA") >= 16 and sass.local_memory_ops(h) == 0
+
+
+@pytest.mark.parametrize("cfg", [dict(tile_m=64, tile_n=64), dict(tile_m=128, tile_n=256, cluster_m=2)])
+def test_engine_pdl_machine_code(cfg):
+    """The Hopper engine's PDL build: one grid-dependency wait (in the TMA producer, between
+    the prologue's weight and activation loads) and one early launch of dependents; still
+    TMA + wgmma, no spills. The default build has neither."""
+    h = sass.sass_histogram("wo_a", "sm_90a", G=8, R=512, Dg=2048, pdl=True, **cfg)
+    assert sass.count(h, "ACQBULK") == 1 and sass.count(h, "PREEXIT") == 1
+    assert sass.count(h, "HGMMA") >= 1 and sass.count(h, "UTMALDG") >= 2 and sass.local_memory_ops(h) == 0
+    h0 = sass.sass_histogram("wo_a", "sm_90a", G=8, R=512, Dg=2048, tile_m=64, tile_n=64)
+    assert sass.count(h0, "ACQBULK") == 0 and sass.count(h0, "PREEXIT") == 0

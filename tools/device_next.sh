@@ -15,7 +15,7 @@
 #            lengths on the latent cache with the FP8 draft head; phase 10: the same with the
 #            defaults that adopted both, and the fused BS64 verify step's profile;
 #   phase 11: (staged) WO-A's tile x cluster sweep at T = 320 / 16384 against cuBLAS bmm alone;
-#   phase 12: WO-A's GPU tests and bench (the decode kernel with programmatic dependent launch).
+#   phase 12: WO-A's programmatic-dependent-launch GPU tests and its bench (with a PDL column).
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..12)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
@@ -82,7 +82,7 @@ case "${1:-1}" in
   step 60 bench_masked_softmax python bench/bench_masked_softmax.py --out "$OUT/bench_masked_softmax.md"
   ;;
 12)  # issue 4: WO-A's GPU tests (the PDL decode kernel's among them) and the bench with its PDL column
-  step 200 wo_a_tests $PYT tests/test_wo_a.py -m gpu
-  step 300 bench_wo_a python bench/bench_wo_a.py --out "$OUT/bench_wo_a.md"
+  step 150 wo_a_pdl_tests $PYT tests/test_wo_a.py -m gpu -k "pdl or every_split"
+  step 400 bench_wo_a python bench/bench_wo_a.py --out "$OUT/bench_wo_a.md"
   ;;
 esac

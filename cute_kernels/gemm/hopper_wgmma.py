@@ -30,8 +30,9 @@
 
 Source: NVIDIA/cutlass ``examples/python/CuTeDSL/cute/hopper/kernel/dense_gemm/dense_gemm.py``
 (commit 7107b05535f8977f5ecb9d01ee203205b1fd9bc4), kernel class unchanged apart from the
-DSL's current names for ``LayoutEnum``/``SmemAllocator``; the example's command-line runner
-was dropped. ``C[m, n, l] = sum_k A[m, k, l] * B[n, k, l]`` over
+DSL's current names for ``LayoutEnum``/``SmemAllocator`` and one local addition marked in the
+code: an optional programmatic dependent launch (``pdl``; off by default, the default build's
+code is the example's); the example's command-line runner was dropped. ``C[m, n, l] = sum_k A[m, k, l] * B[n, k, l]`` over
 arbitrary-stride (M, K, L) / (N, K, L) / (M, N, L) tensors: warp-specialised TMA producer,
 multi-stage mbarrier pipeline, wgmma consumers, TMA-store epilogue through shared memory.
 Callers (e.g. :mod:`cute_kernels.wo_a_sm90`) build the strided views and call it from their
@@ -98,6 +99,7 @@ class HopperWgmmaGemmKernel:
         acc_dtype: type[cutlass.Numeric],
         tile_shape_mn: tuple[int, int],
         cluster_shape_mn: tuple[int, int],
+        pdl: bool = False,
     ):
         """
         Initializes the configuration for a Hopper dense GEMM kernel.
@@ -114,6 +116,10 @@ class HopperWgmmaGemmKernel:
         """
 
         self.acc_dtype = acc_dtype
+        # Local addition (cute_kernels): launch as a programmatic dependent of the previous
+        # kernel on the stream -- B (weights) tiles of the prologue load before
+        # griddepcontrol.wait, A and every store after it.
+        self.pdl = pdl
 
         self.cluster_shape_mn = cluster_shape_mn
         self.mma_inst_shape_mn = None
@@ -329,6 +335,7 @@ class HopperWgmmaGemmKernel:
             block=[self.threads_per_cta, 1, 1],
             cluster=(*self.cluster_shape_mn, 1),
             stream=stream,
+            use_pdl=self.pdl,
         )
         return
 
@@ -578,49 +585,81 @@ class HopperWgmmaGemmKernel:
         mainloop_producer_state = pipeline.make_pipeline_state(
             pipeline.PipelineUserType.Producer, self.ab_stage
         )
-        if warp_idx == 0:
-            # /////////////////////////////////////////////////////////////////////////////
-            # Prefetch TMA load
-            # /////////////////////////////////////////////////////////////////////////////
-            for prefetch_idx in cutlass.range(prefetch_k_tile_cnt, unroll=1):
+        if cutlass.const_expr(self.pdl):
+            # Local addition: the next kernel may launch now (it waits for this grid itself).
+            cute.arch.griddepcontrol_launch_dependents()
+            if warp_idx == 0:
+                # Local addition (PDL prologue): B does not depend on the previous kernel, A
+                # (its output) does. The stage barriers expect A + B bytes, so consumers
+                # still wait for both.
+                b_state = mainloop_producer_state.clone()
+                for prefetch_idx in cutlass.range(prefetch_k_tile_cnt, unroll=1):
+                    mainloop_pipeline.producer_acquire(b_state)
+                    cute.copy(
+                        tma_atom_b,
+                        tBgB_nkl[(None, b_state.count)],
+                        tBsB[(None, b_state.index)],
+                        tma_bar_ptr=mainloop_pipeline.producer_get_barrier(b_state),
+                        mcast_mask=b_mcast_mask,
+                    )
+                    b_state.advance()
+                cute.arch.griddepcontrol_wait()
+                for prefetch_idx in cutlass.range(prefetch_k_tile_cnt, unroll=1):
+                    cute.copy(
+                        tma_atom_a,
+                        tAgA_mkl[(None, mainloop_producer_state.count)],
+                        tAsA[(None, mainloop_producer_state.index)],
+                        tma_bar_ptr=mainloop_pipeline.producer_get_barrier(
+                            mainloop_producer_state
+                        ),
+                        mcast_mask=a_mcast_mask,
+                    )
+                    mainloop_pipeline.producer_commit(mainloop_producer_state)
+                    mainloop_producer_state.advance()
+        else:
+            if warp_idx == 0:
                 # /////////////////////////////////////////////////////////////////////////////
-                #  Wait for A/B buffers to be empty before loading into them
-                #  Also sets the transaction barrier for the A/B buffers
+                # Prefetch TMA load
                 # /////////////////////////////////////////////////////////////////////////////
-                mainloop_pipeline.producer_acquire(mainloop_producer_state)
-                # /////////////////////////////////////////////////////////////////////////////
-                #  Slice to global/shared memref to current k_tile
-                # /////////////////////////////////////////////////////////////////////////////
-                tAgA_k = tAgA_mkl[(None, mainloop_producer_state.count)]
-                tAsA_pipe = tAsA[(None, mainloop_producer_state.index)]
+                for prefetch_idx in cutlass.range(prefetch_k_tile_cnt, unroll=1):
+                    # /////////////////////////////////////////////////////////////////////////////
+                    #  Wait for A/B buffers to be empty before loading into them
+                    #  Also sets the transaction barrier for the A/B buffers
+                    # /////////////////////////////////////////////////////////////////////////////
+                    mainloop_pipeline.producer_acquire(mainloop_producer_state)
+                    # /////////////////////////////////////////////////////////////////////////////
+                    #  Slice to global/shared memref to current k_tile
+                    # /////////////////////////////////////////////////////////////////////////////
+                    tAgA_k = tAgA_mkl[(None, mainloop_producer_state.count)]
+                    tAsA_pipe = tAsA[(None, mainloop_producer_state.index)]
 
-                tBgB_k = tBgB_nkl[(None, mainloop_producer_state.count)]
-                tBsB_pipe = tBsB[(None, mainloop_producer_state.index)]
+                    tBgB_k = tBgB_nkl[(None, mainloop_producer_state.count)]
+                    tBsB_pipe = tBsB[(None, mainloop_producer_state.index)]
 
-                # /////////////////////////////////////////////////////////////////////////////
-                #  TMA load A/B
-                # /////////////////////////////////////////////////////////////////////////////
-                cute.copy(
-                    tma_atom_a,
-                    tAgA_k,
-                    tAsA_pipe,
-                    tma_bar_ptr=mainloop_pipeline.producer_get_barrier(
-                        mainloop_producer_state
-                    ),
-                    mcast_mask=a_mcast_mask,
-                )
-                cute.copy(
-                    tma_atom_b,
-                    tBgB_k,
-                    tBsB_pipe,
-                    tma_bar_ptr=mainloop_pipeline.producer_get_barrier(
-                        mainloop_producer_state
-                    ),
-                    mcast_mask=b_mcast_mask,
-                )
-                # Mainloop pipeline's producer commit is a NOP
-                mainloop_pipeline.producer_commit(mainloop_producer_state)
-                mainloop_producer_state.advance()
+                    # /////////////////////////////////////////////////////////////////////////////
+                    #  TMA load A/B
+                    # /////////////////////////////////////////////////////////////////////////////
+                    cute.copy(
+                        tma_atom_a,
+                        tAgA_k,
+                        tAsA_pipe,
+                        tma_bar_ptr=mainloop_pipeline.producer_get_barrier(
+                            mainloop_producer_state
+                        ),
+                        mcast_mask=a_mcast_mask,
+                    )
+                    cute.copy(
+                        tma_atom_b,
+                        tBgB_k,
+                        tBsB_pipe,
+                        tma_bar_ptr=mainloop_pipeline.producer_get_barrier(
+                            mainloop_producer_state
+                        ),
+                        mcast_mask=b_mcast_mask,
+                    )
+                    # Mainloop pipeline's producer commit is a NOP
+                    mainloop_pipeline.producer_commit(mainloop_producer_state)
+                    mainloop_producer_state.advance()
 
         # /////////////////////////////////////////////////////////////////////////////
         #  Prologue MMAs
