@@ -15,8 +15,9 @@
 #            lengths on the latent cache with the FP8 draft head; phase 10: the same with the
 #            defaults that adopted both, and the fused BS64 verify step's profile;
 #   phase 11: (staged) WO-A's tile x cluster sweep at T = 320 / 16384 against cuBLAS bmm alone;
-#   phase 12: WO-A's programmatic-dependent-launch GPU tests and its bench (with a PDL column).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..12)
+#   phase 12: WO-A's programmatic-dependent-launch GPU tests and its bench (with a PDL column);
+#   phase 13: WO-A at T = 320: tiles and row bands against bmm alone.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..13)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -84,5 +85,9 @@ case "${1:-1}" in
 12)  # issue 4: WO-A's GPU tests (the PDL decode kernel's among them) and the bench with its PDL column
   step 150 wo_a_pdl_tests $PYT tests/test_wo_a.py -m gpu -k "pdl or every_split"
   step 400 bench_wo_a python bench/bench_wo_a.py --out "$OUT/bench_wo_a.md"
+  ;;
+13)  # issue 4: T = 320 (the BS64 verify step's token count): tiles, and row bands (a full wave of
+     # 128x256 tiles, then the 64-row remainder with small tiles), against bmm alone
+  step 300 probe_wo_a_bands env TS=320 TILES=128x256,128x128,64x256,64x128 BANDS=256:128x256+64:64x128,256:128x256+64:64x64,256:128x256+64:64x256 python tools/probe_wo_a_tiles.py
   ;;
 esac

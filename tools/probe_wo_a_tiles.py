@@ -2,6 +2,7 @@
 
     python tools/probe_wo_a_tiles.py
     env TS=320,16384 TILES=128x256,128x128,64x256 CLUSTERS=1x1,2x1,1x2 python tools/probe_wo_a_tiles.py
+    env TS=320 TILES=128x256 BANDS=256:128x256+64:64x128,256:128x256+64:64x64 python tools/probe_wo_a_tiles.py
 
 Prints, per shape and T, us per call (graph replay, rotating weights) and the relative error
 against an FP32 einsum for each tile / cluster, and cuBLAS ``bmm`` alone (group-major output,
@@ -30,6 +31,10 @@ def _pairs(env: str, default: str):
 TILES = _pairs("TILES", "64x64,64x128,64x256,128x128,128x256")
 CLUSTERS = _pairs("CLUSTERS", "1x1")
 TS = [int(t) for t in os.environ.get("TS", "1,64,320,1024").split(",")]
+# e.g. BANDS=256:128x256+64:64x128 -- T split into row bands launched one after the other
+# (a full wave of large tiles, then the remainder with small ones); bands not summing to T skip.
+BANDS = [[(int(b.split(":")[0]), tuple(int(v) for v in b.split(":")[1].split("x"))) for b in spec.split("+")]
+         for spec in os.environ.get("BANDS", "").split(",") if spec]
 for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]:
     n = rotation_count(G * R * Dg * 2)
     ws = [(torch.randn(G, R, Dg, device="cuda") / Dg**0.5).bfloat16() for _ in range(n)]
@@ -58,5 +63,27 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
                 t = time_graph(call, n, max(n, 8))
                 mark = "*" if (tm, tn) == pick and (cm, cn) == (1, 1) else ""
                 res.append(f"{tm}x{tn} c{cm}x{cn}{mark}: {t * 1e6:.1f} us ({t_bmm / t:.2f}x bmm, err {err:.1e})")
+        for bands in BANDS:  # row bands: one launch per band, each with its own tile
+            if sum(rows for rows, _ in bands) != T or any(R % tn for _, (_, tn) in bands):
+                continue
+            launches = []
+            r0 = 0
+            for rows, (tm, tn) in bands:
+                fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn)
+                launches.append((fn, r0, rows))
+                r0 += rows
+
+            def call(i, launches=launches):
+                for fn, r0, rows in launches:
+                    fn(jit.gmem_ptr(cutlass.BFloat16, o[r0:]), jit.gmem_ptr(cutlass.BFloat16, ws[i]),
+                       jit.gmem_ptr(cutlass.BFloat16, y[r0:]), jit.i32(rows), jit.cu_stream())
+
+            y.fill_(float("nan"))
+            call(0)
+            torch.cuda.synchronize()
+            err = ((y.float() - ref).norm() / ref.norm()).item()
+            t = time_graph(call, n, max(n, 8))
+            name = "+".join(f"{rows}:{tm}x{tn}" for rows, (tm, tn) in bands)
+            res.append(f"bands {name}: {t * 1e6:.1f} us ({t_bmm / t:.2f}x bmm, err {err:.1e})")
         print(f"T={T} G={G} R={R} Dg={Dg}: " + "; ".join(res), flush=True)
     ws = None
