@@ -16,7 +16,8 @@
 #            defaults that adopted both, and the fused BS64 verify step's profile;
 #   phase 11: (staged) WO-A's tile x cluster sweep at T = 320 / 16384 against cuBLAS bmm alone;
 #   phase 12: WO-A's programmatic-dependent-launch GPU tests and its bench (with a PDL column);
-#   phase 13: WO-A at T = 320: tiles and row bands against bmm alone.
+#   phase 13: WO-A at T = 320 (tiles, row bands) and 16384 (clusters) against bmm alone; the
+#            masked softmax's GPU tests after the review edit.
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..13)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
@@ -88,6 +89,9 @@ case "${1:-1}" in
   ;;
 13)  # issue 4: T = 320 (the BS64 verify step's token count): tiles, and row bands (a full wave of
      # 128x256 tiles, then the 64-row remainder with small tiles), against bmm alone
-  step 300 probe_wo_a_bands env TS=320 TILES=128x256,128x128,64x256,64x128 BANDS=256:128x256+64:64x128,256:128x256+64:64x64,256:128x256+64:64x256 python tools/probe_wo_a_tiles.py
+  step 200 probe_wo_a_bands env TS=320 TILES=128x256,128x128,64x256,64x128 BANDS=256:128x256+64:64x128,256:128x256+64:64x64,256:128x256+64:64x256 python tools/probe_wo_a_tiles.py
+  # phase 11's sweep cut to what it is for: clusters (TMA multicast) at T = 16384
+  step 180 probe_wo_a_clusters env TS=16384 TILES=128x256 CLUSTERS=1x1,2x1,1x2 python tools/probe_wo_a_tiles.py
+  step 80 softmax_tests $PYT tests/test_masked_softmax.py -m gpu
   ;;
 esac
