@@ -172,9 +172,13 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
         fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 4),
            P(Float32, workspace.partials, 4), P(Int32, workspace.counters, 4), jit.i32(T), jit.cu_stream(stream))
         return out
-    tm, tn = _PATHS[path].tile_for(T, G, R)
-    fn = jit.get_kernel(op, a, G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, **({"pdl": True} if pdl and path == "sm90" else {}))
+    extra = {"pdl": True} if pdl and path == "sm90" else {}
     P = jit.gmem_ptr
-    fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 16), jit.i32(T),
-       jit.cu_stream(stream))
+    r0 = 0
+    for rows, (tm, tn) in _PATHS[path].row_bands(T, G, R, num_sms(o.device)):
+        fn = jit.get_kernel(op, a, G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, **extra)
+        ob, yb = (o, out) if rows == T else (o[r0:r0 + rows], out[r0:r0 + rows])
+        fn(P(cutlass.BFloat16, ob, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, yb, 16),
+           jit.i32(rows), jit.cu_stream(stream))
+        r0 += rows
     return out

@@ -84,7 +84,7 @@ case "${1:-1}" in
   step 60 bench_masked_softmax python bench/bench_masked_softmax.py --out "$OUT/bench_masked_softmax.md"
   ;;
 12)  # issue 4: WO-A's GPU tests (the PDL decode kernel's among them) and the bench with its PDL column
-  step 150 wo_a_pdl_tests $PYT tests/test_wo_a.py -m gpu -k "pdl or every_split"
+  step 150 wo_a_pdl_tests $PYT tests/test_wo_a.py -m gpu -k "pdl or every_split or row_bands"
   step 400 bench_wo_a python bench/bench_wo_a.py --out "$OUT/bench_wo_a.md"
   ;;
 13)  # issue 4: T = 320 (the BS64 verify step's token count): tiles, and row bands (a full wave of
