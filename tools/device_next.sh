@@ -15,9 +15,10 @@
 #            lengths on the latent cache with the FP8 draft head; phase 10: the same with the
 #            defaults that adopted both, and the fused BS64 verify step's profile;
 #   phase 11: (staged) WO-A's tile x cluster sweep at T = 320 / 16384 against cuBLAS bmm alone;
-#   phase 12: WO-A's programmatic-dependent-launch GPU tests and its bench (with a PDL column);
-#   phase 13: WO-A at T = 320 (tiles, row bands) and 16384 (clusters) against bmm alone; the
-#            masked softmax's GPU tests after the review edit.
+#   phase 12: WO-A's programmatic-dependent-launch / row-band GPU tests, its bench (with a PDL
+#            column), row bands at T = 320 against bmm alone;
+#   phase 13: WO-A clusters at T = 16384 against bmm alone; the masked softmax's GPU tests and
+#            bench after the review edit.
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..13)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
@@ -83,15 +84,14 @@ case "${1:-1}" in
   step 80 softmax_tests $PYT tests/test_masked_softmax.py -m gpu
   step 60 bench_masked_softmax python bench/bench_masked_softmax.py --out "$OUT/bench_masked_softmax.md"
   ;;
-12)  # issue 4: WO-A's GPU tests (the PDL decode kernel's among them) and the bench with its PDL column
-  step 150 wo_a_pdl_tests $PYT tests/test_wo_a.py -m gpu -k "pdl or every_split or row_bands"
-  step 400 bench_wo_a python bench/bench_wo_a.py --out "$OUT/bench_wo_a.md"
+12)  # issue 4: WO-A's PDL / row-band GPU tests, the bench (PDL column), row bands at T = 320
+  step 110 wo_a_pdl_tests $PYT tests/test_wo_a.py -m gpu -k "pdl or every_split or row_bands"
+  step 300 bench_wo_a python bench/bench_wo_a.py --out "$OUT/bench_wo_a.md"
+  step 150 probe_wo_a_bands env TS=320 TILES=128x256,128x128,64x128 BANDS=256:128x256+64:64x128,256:128x256+64:64x64,256:128x256+64:64x256 python tools/probe_wo_a_tiles.py
   ;;
-13)  # issue 4: T = 320 (the BS64 verify step's token count): tiles, and row bands (a full wave of
-     # 128x256 tiles, then the 64-row remainder with small tiles), against bmm alone
-  step 200 probe_wo_a_bands env TS=320 TILES=128x256,128x128,64x256,64x128 BANDS=256:128x256+64:64x128,256:128x256+64:64x64,256:128x256+64:64x256 python tools/probe_wo_a_tiles.py
-  # phase 11's sweep cut to what it is for: clusters (TMA multicast) at T = 16384
-  step 180 probe_wo_a_clusters env TS=16384 TILES=128x256 CLUSTERS=1x1,2x1,1x2 python tools/probe_wo_a_tiles.py
+13)  # issue 4: clusters (TMA multicast) at T = 16384; the masked softmax's GPU tests after the review edit
+  step 200 probe_wo_a_clusters env TS=16384 TILES=128x256 CLUSTERS=1x1,2x1,1x2 python tools/probe_wo_a_tiles.py
   step 80 softmax_tests $PYT tests/test_masked_softmax.py -m gpu
+  step 60 bench_masked_softmax python bench/bench_masked_softmax.py --out "$OUT/bench_masked_softmax.md"
   ;;
 esac
