@@ -19,7 +19,8 @@
 #            column), row bands at T = 320 against bmm alone;
 #   phase 13: WO-A clusters at T = 16384 against bmm alone; the masked softmax's GPU tests and
 #            bench after the review edit.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..13)
+#   phase 14: phase 12 cut for a short device budget (tests; bench at T = 1, 5, 64, 320).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..14)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -93,5 +94,9 @@ case "${1:-1}" in
   step 200 probe_wo_a_clusters env TS=16384 TILES=128x256 CLUSTERS=1x1,2x1,1x2 python tools/probe_wo_a_tiles.py
   step 80 softmax_tests $PYT tests/test_masked_softmax.py -m gpu
   step 60 bench_masked_softmax python bench/bench_masked_softmax.py --out "$OUT/bench_masked_softmax.md"
+  ;;
+14)  # phase 12 cut for a short device budget: the PDL / row-band tests, the bench at decode T and 320
+  step 110 wo_a_pdl_tests $PYT tests/test_wo_a.py -m gpu -k "pdl or every_split or row_bands"
+  step 200 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320 --out "$OUT/bench_wo_a.md"
   ;;
 esac
