@@ -135,6 +135,9 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     stream, so the first weight tiles load while that kernel drains; ``o`` is read and
     anything written only after that kernel's grid has completed. Contract: the kernel just
     before it on the stream must not write ``wo_a_weight`` (true of inference weights).
+    H200 (bench/RESULTS.md, eighth session): 1.13-1.26x at T <= 64 back to back, 1.03-1.06x at
+    T = 320 in three of four shapes, 0.84-1.00x at T >= 4096 (the early dependents compete
+    with the last wave) -- use it for decode-size T.
     """
     op = "wo_a"
     check_tensor(op, "o", o, dtype=torch.bfloat16, ndim=3, contiguous=True)
@@ -174,11 +177,8 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
         return out
     extra = {"pdl": True} if pdl and path == "sm90" else {}
     P = jit.gmem_ptr
-    r0 = 0
-    for rows, (tm, tn) in _PATHS[path].row_bands(T, G, R, num_sms(o.device)):
-        fn = jit.get_kernel(op, a, G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, **extra)
-        ob, yb = (o, out) if rows == T else (o[r0:r0 + rows], out[r0:r0 + rows])
-        fn(P(cutlass.BFloat16, ob, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, yb, 16),
-           jit.i32(rows), jit.cu_stream(stream))
-        r0 += rows
+    tm, tn = _PATHS[path].tile_for(T, G, R)
+    fn = jit.get_kernel(op, a, G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, **extra)
+    fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 16), jit.i32(T),
+       jit.cu_stream(stream))
     return out

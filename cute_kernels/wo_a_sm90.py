@@ -22,10 +22,6 @@ from cutlass import Float32, Int32
 
 from .gemm.hopper_wgmma import HopperWgmmaGemmKernel
 
-#: split mid-size T into a full wave of 128x256 tiles plus a 64-row remainder launch
-#: (:meth:`WoASm90.row_bands`).
-ROW_BANDS = False
-
 
 def wo_a_layouts(T, G: int, R: int, Dg: int):
     """(shape, stride) of the A, B, C operand views -- shared by the kernels and the CPU
@@ -58,12 +54,6 @@ class WoAGemm:
         a, b, c = wo_a_views(o_ptr, w_ptr, y_ptr, num_tokens, self.G, self.R, self.Dg)
         self.gemm(a, b, c, stream)
 
-    @classmethod
-    def row_bands(cls, T: int, G: int, R: int, num_sms: int = 132) -> list[tuple[int, tuple[int, int]]]:
-        """``[(rows, tile)]``: T split into row bands launched one after another (each band
-        is a launch over its rows of ``o`` and ``y``). One band unless the arch says otherwise."""
-        return [(T, cls.tile_for(T, G, R))]
-
 
 class WoASm90(WoAGemm):
     """Compile-time configuration: group count, rank, per-group K, CTA tile."""
@@ -86,24 +76,6 @@ class WoASm90(WoAGemm):
         if T <= 512 and G * R < 8192:
             return (64, 256)
         return (128, 256)
-
-    @classmethod
-    def row_bands(cls, T: int, G: int, R: int, num_sms: int = 132) -> list[tuple[int, tuple[int, int]]]:
-        """Wave quantisation at mid-size T: with 128x256 tiles a 128-row tile of tokens is
-        ``G*R/256`` CTAs, so ``w = num_sms // (G*R/256)`` row tiles fill one wave. When T is
-        whole waves plus a remainder of <= 64 rows (T = 320 with G*R = 16384: 256 + 64), the
-        remainder's one extra wave of full-size tiles would cost as much as a whole wave; it
-        goes to a second launch with the decode tiles (64 rows, more CTAs, weights now in L2).
-        ``ROW_BANDS`` off: one band (the rule waits for its H200 measurement)."""
-        tile = cls.tile_for(T, G, R)
-        if not ROW_BANDS or tile != (128, 256) or T > 2048:
-            return [(T, tile)]
-        per_wave = 128 * (num_sms // (G * R // 256))
-        full = T // per_wave * per_wave if per_wave else 0
-        rem = T - full
-        if full == 0 or rem == 0 or rem > 64:
-            return [(T, tile)]
-        return [(full, tile), (rem, cls.tile_for(rem, G, R))]
 
     @staticmethod
     def can_implement(G: int, R: int, Dg: int) -> bool:

@@ -245,40 +245,6 @@ def test_pdl_after_a_writer_and_back_to_back(seed, T, decode):
         assert rel_err(outs[4], wo_a_ref(srcs[-1], w)) < TOL
 
 
-def test_row_bands_rule(monkeypatch):
-    """A full wave of 128x256 tiles plus a <= 64-row remainder on the decode tiles; every
-    other T (and every other tile class) one band. Rows always sum to T."""
-    from cute_kernels import wo_a_sm90
-    monkeypatch.setattr(wo_a_sm90, "ROW_BANDS", True)
-    assert WoASm90.row_bands(320, 16, 1024) == [(256, (128, 256)), (64, (64, 128))]
-    assert WoASm90.row_bands(300, 16, 1024) == [(256, (128, 256)), (44, (64, 128))]
-    assert WoASm90.row_bands(512, 16, 1024) == [(512, (128, 256))]  # whole waves
-    assert WoASm90.row_bands(400, 16, 1024) == [(400, (128, 256))]  # remainder > 64 rows
-    assert WoASm90.row_bands(320, 8, 512) == [(320, (64, 256))]
-    assert WoASm90.row_bands(4096, 16, 1024) == [(4096, (128, 256))]
-    assert WoASm100.row_bands(320, 16, 1024) == [(320, WoASm100.tile_for(320, 16, 1024))]
-    for T in range(65, 2049, 7):
-        for G, R in [(16, 1024), (8, 512), (16, 512), (8, 1024)]:
-            assert sum(rows for rows, _ in WoASm90.row_bands(T, G, R)) == T
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [300, 320])
-@pytest.mark.parametrize("pdl", [False, True])
-def test_row_bands_match_fp64(seed, monkeypatch, T, pdl):
-    """Two launches over row bands of o and y (the second at a row offset) give the product."""
-    from cute_kernels import wo_a_sm90
-    monkeypatch.setattr(wo_a_sm90, "ROW_BANDS", True)
-    G, HG, Dv, R = 16, 8, 128, 1024
-    assert len(WoASm90.row_bands(T, G, R)) == 2
-    o, w = make(T, G, HG, Dv, R, "cuda")
-    out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
-    wo_a(o, w, out=out, pdl=pdl)
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
-    assert rel_err(out, wo_a_ref(o, w)) < TOL
-
-
 def test_decode_kernel_default_range():
     from cute_kernels.wo_a import use_decode_kernel
     assert use_decode_kernel(1, None) and use_decode_kernel(16, None) and not use_decode_kernel(17, None)

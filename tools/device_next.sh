@@ -86,7 +86,7 @@ case "${1:-1}" in
   step 60 bench_masked_softmax python bench/bench_masked_softmax.py --out "$OUT/bench_masked_softmax.md"
   ;;
 12)  # issue 4: WO-A's PDL / row-band GPU tests, the bench (PDL column), row bands at T = 320
-  step 110 wo_a_pdl_tests $PYT tests/test_wo_a.py -m gpu -k "pdl or every_split or row_bands"
+  step 110 wo_a_pdl_tests $PYT tests/test_wo_a.py -m gpu -k "pdl or every_split"
   step 300 bench_wo_a python bench/bench_wo_a.py --out "$OUT/bench_wo_a.md"
   step 150 probe_wo_a_bands env TS=320 TILES=128x256,128x128,64x128 BANDS=256:128x256+64:64x128,256:128x256+64:64x64,256:128x256+64:64x256 python tools/probe_wo_a_tiles.py
   ;;
@@ -96,7 +96,7 @@ case "${1:-1}" in
   step 60 bench_masked_softmax python bench/bench_masked_softmax.py --out "$OUT/bench_masked_softmax.md"
   ;;
 14)  # phase 12 cut for a short device budget: the PDL / row-band tests, the bench at decode T and 320
-  step 110 wo_a_pdl_tests $PYT tests/test_wo_a.py -m gpu -k "pdl or every_split or row_bands"
+  step 110 wo_a_pdl_tests $PYT tests/test_wo_a.py -m gpu -k "pdl or every_split"
   step 200 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320 --out "$OUT/bench_wo_a.md"
   ;;
 esac
