@@ -131,9 +131,10 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     T <= 64 on any arch, ``False`` never. Its split partials live in ``workspace`` (default:
     one shared per device and shape -- pass your own for concurrent calls on several streams).
 
-    ``pdl`` (Hopper paths): launch as a programmatic dependent of the previous kernel on the
-    stream, so the first weight tiles load while that kernel drains; ``o`` is read and
-    anything written only after that kernel's grid has completed. Contract: the kernel just
+    ``pdl`` (the decode kernel and the Hopper engine; the Blackwell engine ignores it): launch
+    as a programmatic dependent of the previous kernel on the stream, so the first weight
+    tiles load while that kernel drains; ``o`` is read and anything written only after that
+    kernel's grid has completed. Contract: the kernel just
     before it on the stream must not write ``wo_a_weight`` (true of inference weights).
     H200 (bench/RESULTS.md, eighth session): 1.13-1.26x at T <= 64 back to back, 1.03-1.06x at
     T = 320 in three of four shapes, 0.84-1.00x at T >= 4096 (the early dependents compete
@@ -159,6 +160,7 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
         return out
     a = arch if arch is not None else current_arch(o.device)
     path = dispatch(op, ("sm100", "sm90", "reference"), arch=a)
+    pdl_cfg = {"pdl": True} if pdl else {}  # in the compile key only when asked: default keys unchanged
     if path == "reference":
         return _torch_path(o, wo_a_weight, out)
     if use_decode_kernel(T, decode_kernel, path) and WoADecode.can_implement(T, G, R, Dg):
@@ -170,15 +172,14 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
             raise ValueError(f"{op}: workspace must be a WoADecodeWorkspace for G={G}, R={R} with max_splits >= "
                              f"{splits}")
         check_cuda(op, ("o", o), ("workspace.partials", workspace.partials))
-        fn = jit.get_kernel("wo_a_decode", a, G=G, R=R, Dg=Dg, bm=bm, splits=splits, **({"pdl": True} if pdl else {}))
+        fn = jit.get_kernel("wo_a_decode", a, G=G, R=R, Dg=Dg, bm=bm, splits=splits, **pdl_cfg)
         P = jit.gmem_ptr
         fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 4),
            P(Float32, workspace.partials, 4), P(Int32, workspace.counters, 4), jit.i32(T), jit.cu_stream(stream))
         return out
-    extra = {"pdl": True} if pdl and path == "sm90" else {}
     P = jit.gmem_ptr
     tm, tn = _PATHS[path].tile_for(T, G, R)
-    fn = jit.get_kernel(op, a, G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, **extra)
+    fn = jit.get_kernel(op, a, G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, **(pdl_cfg if path == "sm90" else {}))
     fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 16), jit.i32(T),
        jit.cu_stream(stream))
     return out
