@@ -15,12 +15,11 @@
 #            lengths on the latent cache with the FP8 draft head; phase 10: the same with the
 #            defaults that adopted both, and the fused BS64 verify step's profile;
 #   phase 11: (staged) WO-A's tile x cluster sweep at T = 320 / 16384 against cuBLAS bmm alone;
-#   phase 12: WO-A's programmatic-dependent-launch / row-band GPU tests, its bench (with a PDL
-#            column), row bands at T = 320 against bmm alone;
+#   phase 12: WO-A's programmatic-dependent-launch GPU tests, its bench (with a PDL column),
+#            row bands at T = 320 against bmm alone (probe only: the bands lost, no kernel path);
 #   phase 13: WO-A clusters at T = 16384 against bmm alone; the masked softmax's GPU tests and
 #            bench after the review edit.
-#   phase 14: phase 12 cut for a short device budget (tests; bench at T = 1, 5, 64, 320).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..14)
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..13)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -85,7 +84,7 @@ case "${1:-1}" in
   step 80 softmax_tests $PYT tests/test_masked_softmax.py -m gpu
   step 60 bench_masked_softmax python bench/bench_masked_softmax.py --out "$OUT/bench_masked_softmax.md"
   ;;
-12)  # issue 4: WO-A's PDL / row-band GPU tests, the bench (PDL column), row bands at T = 320
+12)  # issue 4: WO-A's PDL GPU tests, the bench (PDL column), row bands at T = 320 (probe)
   step 110 wo_a_pdl_tests $PYT tests/test_wo_a.py -m gpu -k "pdl or every_split"
   step 300 bench_wo_a python bench/bench_wo_a.py --out "$OUT/bench_wo_a.md"
   step 150 probe_wo_a_bands env TS=320 TILES=128x256,128x128,64x128 BANDS=256:128x256+64:64x128,256:128x256+64:64x64,256:128x256+64:64x256 python tools/probe_wo_a_tiles.py
@@ -94,9 +93,5 @@ case "${1:-1}" in
   step 200 probe_wo_a_clusters env TS=16384 TILES=128x256 CLUSTERS=1x1,2x1,1x2 python tools/probe_wo_a_tiles.py
   step 80 softmax_tests $PYT tests/test_masked_softmax.py -m gpu
   step 60 bench_masked_softmax python bench/bench_masked_softmax.py --out "$OUT/bench_masked_softmax.md"
-  ;;
-14)  # phase 12 cut for a short device budget: the PDL / row-band tests, the bench at decode T and 320
-  step 110 wo_a_pdl_tests $PYT tests/test_wo_a.py -m gpu -k "pdl or every_split"
-  step 200 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320 --out "$OUT/bench_wo_a.md"
   ;;
 esac

@@ -35,6 +35,17 @@ TS = [int(t) for t in os.environ.get("TS", "1,64,320,1024").split(",")]
 # (a full wave of large tiles, then the remainder with small ones); bands not summing to T skip.
 BANDS = [[(int(b.split(":")[0]), tuple(int(v) for v in b.split(":")[1].split("x"))) for b in spec.split("+")]
          for spec in os.environ.get("BANDS", "").split(",") if spec]
+
+
+def measure(call, y, ref, n):
+    """(seconds per call, relative error of the poisoned-then-written y against ref)."""
+    y.fill_(float("nan"))
+    call(0)
+    torch.cuda.synchronize()
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    return time_graph(call, n, max(n, 8)), err
+
+
 for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]:
     n = rotation_count(G * R * Dg * 2)
     ws = [(torch.randn(G, R, Dg, device="cuda") / Dg**0.5).bfloat16() for _ in range(n)]
@@ -56,11 +67,7 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
                     fn(jit.gmem_ptr(cutlass.BFloat16, o), jit.gmem_ptr(cutlass.BFloat16, ws[i]),
                        jit.gmem_ptr(cutlass.BFloat16, y), jit.i32(T), jit.cu_stream())
 
-                y.fill_(float("nan"))
-                call(0)
-                torch.cuda.synchronize()
-                err = ((y.float() - ref).norm() / ref.norm()).item()
-                t = time_graph(call, n, max(n, 8))
+                t, err = measure(call, y, ref, n)
                 mark = "*" if (tm, tn) == pick and (cm, cn) == (1, 1) else ""
                 res.append(f"{tm}x{tn} c{cm}x{cn}{mark}: {t * 1e6:.1f} us ({t_bmm / t:.2f}x bmm, err {err:.1e})")
         for bands in BANDS:  # row bands: one launch per band, each with its own tile
@@ -78,11 +85,7 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
                     fn(jit.gmem_ptr(cutlass.BFloat16, o[r0:]), jit.gmem_ptr(cutlass.BFloat16, ws[i]),
                        jit.gmem_ptr(cutlass.BFloat16, y[r0:]), jit.i32(rows), jit.cu_stream())
 
-            y.fill_(float("nan"))
-            call(0)
-            torch.cuda.synchronize()
-            err = ((y.float() - ref).norm() / ref.norm()).item()
-            t = time_graph(call, n, max(n, 8))
+            t, err = measure(call, y, ref, n)
             name = "+".join(f"{rows}:{tm}x{tn}" for rows, (tm, tn) in bands)
             res.append(f"bands {name}: {t * 1e6:.1f} us ({t_bmm / t:.2f}x bmm, err {err:.1e})")
         print(f"T={T} G={G} R={R} Dg={Dg}: " + "; ".join(res), flush=True)
