@@ -44,11 +44,12 @@ _PATHS = {"sm90": WoASm90, "sm100": WoASm100}
 
 
 def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, cluster_m: int = 1, cluster_n: int = 1,
-           pdl: bool = False):
+           pdl: bool = False, swap_ab: bool = False):
     """``cluster_m`` / ``cluster_n``: the Hopper engine's thread-block cluster (TMA multicast of
     the operand tiles the cluster's CTAs share); a tuning knob for tools/probe_wo_a_tiles.py,
     (1, 1) in the shipped path. ``pdl``: the Hopper engine as a programmatic dependent launch
-    (see :func:`wo_a`)."""
+    (see :func:`wo_a`). ``swap_ab``: weight rows on M, tokens on N (:mod:`.wo_a_sm90`); the
+    tile is then (R-tile, T-tile)."""
     from .arch import family
 
     cls = _PATHS[family(arch)]
@@ -56,12 +57,13 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, clus
         raise ValueError(f"wo_a: unsupported G={G}, R={R}, Dg={Dg} on {arch}")
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), Int32(1), jit.fake_stream())
-    if (cluster_m, cluster_n) == (1, 1) and not pdl:
+    if (cluster_m, cluster_n) == (1, 1) and not pdl and not swap_ab:
         return cls(G, R, Dg, (tile_m, tile_n)), args
     if family(arch) != "sm90" or cluster_m not in (1, 2) or cluster_n not in (1, 2):
-        raise ValueError(f"wo_a: cluster ({cluster_m}, {cluster_n}), pdl={pdl} -- only the Hopper path takes a "
-                         f"cluster (1 or 2 CTAs per mode) or a programmatic dependent launch")
-    return cls(G, R, Dg, (tile_m, tile_n), (cluster_m, cluster_n), pdl), args
+        raise ValueError(f"wo_a: cluster ({cluster_m}, {cluster_n}), pdl={pdl}, swap_ab={swap_ab} -- only the "
+                         f"Hopper path takes a cluster (1 or 2 CTAs per mode), a programmatic dependent launch "
+                         f"or swapped operands")
+    return cls(G, R, Dg, (tile_m, tile_n), (cluster_m, cluster_n), pdl, swap_ab), args
 
 
 def _aot(arch: str):

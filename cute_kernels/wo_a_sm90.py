@@ -12,6 +12,16 @@ The epilogue's TMA store walks C through that view, so each (T-tile, R-tile, g) 
 directly at columns ``g*R + n`` of token-major ``y``: the transpose + copy of the unfused
 group-major path never happens. Rows past T are clipped by TMA (loads zero-fill, stores
 drop), so any T >= 1 works.
+
+``swap_ab`` puts the weight rows on M and the tokens on N (``y^T = wo_a @ o^T`` per group)::
+
+    A = wo_a  as (M=R, K=Dg, L=G)  strides (Dg, 1, R*Dg)
+    B = o     as (N=T, K=Dg, L=G)  strides (G*Dg, 1, Dg)
+    C = y     as (M=R, N=T, L=G)   strides (1, G*R, R)        # M-major C: still token-major y
+
+wgmma's N goes in steps of 8 (the engine's epilogue: 32) where its M is 64 or 128, so the
+token tile can match T (T = 320 in two 160-token tiles) instead of wasting a third of a
+128-row tile -- what limits the unswapped T = 320 launch (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -23,20 +33,21 @@ from cutlass import Float32, Int32
 from .gemm.hopper_wgmma import HopperWgmmaGemmKernel
 
 
-def wo_a_layouts(T, G: int, R: int, Dg: int):
+def wo_a_layouts(T, G: int, R: int, Dg: int, swap_ab: bool = False):
     """(shape, stride) of the A, B, C operand views -- shared by the kernels and the CPU
     emulation in tests/test_wo_a.py (torch.as_strided with the same numbers)."""
-    return (
-        ((T, Dg, G), (G * Dg, 1, Dg)),  # A = o as (M, K, L)
-        ((R, Dg, G), (Dg, 1, R * Dg)),  # B = wo_a as (N, K, L)
-        ((T, R, G), (G * R, 1, R)),  # C = y as (M, N, L): token-major
-    )
+    o_view = ((T, Dg, G), (G * Dg, 1, Dg))  # o as (T, K, L)
+    w_view = ((R, Dg, G), (Dg, 1, R * Dg))  # wo_a as (R, K, L)
+    if swap_ab:
+        return w_view, o_view, ((R, T, G), (1, G * R, R))  # C = y as (R, T, L): M-major, token-major y
+    return o_view, w_view, ((T, R, G), (G * R, 1, R))  # C = y as (T, R, L): token-major
 
 
-def wo_a_views(o_ptr, w_ptr, y_ptr, T, G: int, R: int, Dg: int):
-    (sa, da), (sb, db), (sc, dc) = wo_a_layouts(T, G, R, Dg)
-    a = cute.make_tensor(o_ptr, cute.make_layout(sa, stride=da))
-    b = cute.make_tensor(w_ptr, cute.make_layout(sb, stride=db))
+def wo_a_views(o_ptr, w_ptr, y_ptr, T, G: int, R: int, Dg: int, swap_ab: bool = False):
+    (sa, da), (sb, db), (sc, dc) = wo_a_layouts(T, G, R, Dg, swap_ab)
+    a_ptr, b_ptr = (w_ptr, o_ptr) if swap_ab else (o_ptr, w_ptr)
+    a = cute.make_tensor(a_ptr, cute.make_layout(sa, stride=da))
+    b = cute.make_tensor(b_ptr, cute.make_layout(sb, stride=db))
     c = cute.make_tensor(y_ptr, cute.make_layout(sc, stride=dc))
     return a, b, c
 
@@ -45,22 +56,23 @@ class WoAGemm:
     """Shared launch of both paths: build the strided views, hand them to ``self.gemm``
     (the arch's engine, set by the subclass)."""
 
-    def __init__(self, G: int, R: int, Dg: int):
-        self.G, self.R, self.Dg = G, R, Dg
+    def __init__(self, G: int, R: int, Dg: int, swap_ab: bool = False):
+        self.G, self.R, self.Dg, self.swap_ab = G, R, Dg, swap_ab
 
     @cute.jit
     def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, num_tokens: Int32,
                  stream: cuda.CUstream):
-        a, b, c = wo_a_views(o_ptr, w_ptr, y_ptr, num_tokens, self.G, self.R, self.Dg)
+        a, b, c = wo_a_views(o_ptr, w_ptr, y_ptr, num_tokens, self.G, self.R, self.Dg, self.swap_ab)
         self.gemm(a, b, c, stream)
 
 
 class WoASm90(WoAGemm):
-    """Compile-time configuration: group count, rank, per-group K, CTA tile."""
+    """Compile-time configuration: group count, rank, per-group K, CTA tile (over (T, R), or
+    (R, T) with ``swap_ab``)."""
 
     def __init__(self, G: int, R: int, Dg: int, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1),
-                 pdl: bool = False):
-        super().__init__(G, R, Dg)
+                 pdl: bool = False, swap_ab: bool = False):
+        super().__init__(G, R, Dg, swap_ab)
         self.gemm = HopperWgmmaGemmKernel(Float32, tile_mn, cluster_mn, pdl)
 
     @staticmethod

@@ -3,6 +3,7 @@
     python tools/probe_wo_a_tiles.py
     env TS=320,16384 TILES=128x256,128x128,64x256 CLUSTERS=1x1,2x1,1x2 python tools/probe_wo_a_tiles.py
     env TS=320 TILES=128x256 BANDS=256:128x256+64:64x128,256:128x256+64:64x64 python tools/probe_wo_a_tiles.py
+    env TS=320 TILES=128x256 SWAP_TILES=128x160,64x160,128x64 python tools/probe_wo_a_tiles.py
 
 Prints, per shape and T, us per call (graph replay, rotating weights) and the relative error
 against an FP32 einsum for each tile / cluster, and cuBLAS ``bmm`` alone (group-major output,
@@ -29,6 +30,8 @@ def _pairs(env: str, default: str):
 
 
 TILES = _pairs("TILES", "64x64,64x128,64x256,128x128,128x256")
+# swap AB: weight rows on M, tokens on N -- tiles written (R-tile)x(T-tile), e.g. 128x160
+SWAP_TILES = _pairs("SWAP_TILES", "") if os.environ.get("SWAP_TILES") else []
 CLUSTERS = _pairs("CLUSTERS", "1x1")
 TS = [int(t) for t in os.environ.get("TS", "1,64,320,1024").split(",")]
 # e.g. BANDS=256:128x256+64:64x128 -- T split into row bands launched one after the other
@@ -56,20 +59,20 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
         pick = WoASm90.tile_for(T, G, R)
         t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
         res = [f"bmm alone: {t_bmm * 1e6:.1f} us"]
-        for tm, tn in TILES:
-            if R % tn:
-                continue
-            for cm, cn in CLUSTERS:
-                fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, cluster_m=cm,
-                                    cluster_n=cn)
+        configs = [(tm, tn, cm, cn, False) for tm, tn in TILES if R % tn == 0 for cm, cn in CLUSTERS]
+        configs += [(tm, tn, 1, 1, True) for tm, tn in SWAP_TILES if R % tm == 0]
+        for tm, tn, cm, cn, swap in configs:
+            fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, cluster_m=cm,
+                                cluster_n=cn, swap_ab=swap)
 
-                def call(i, fn=fn):
-                    fn(jit.gmem_ptr(cutlass.BFloat16, o), jit.gmem_ptr(cutlass.BFloat16, ws[i]),
-                       jit.gmem_ptr(cutlass.BFloat16, y), jit.i32(T), jit.cu_stream())
+            def call(i, fn=fn):
+                fn(jit.gmem_ptr(cutlass.BFloat16, o), jit.gmem_ptr(cutlass.BFloat16, ws[i]),
+                   jit.gmem_ptr(cutlass.BFloat16, y), jit.i32(T), jit.cu_stream())
 
-                t, err = measure(call, y, ref, n)
-                mark = "*" if (tm, tn) == pick and (cm, cn) == (1, 1) else ""
-                res.append(f"{tm}x{tn} c{cm}x{cn}{mark}: {t * 1e6:.1f} us ({t_bmm / t:.2f}x bmm, err {err:.1e})")
+            t, err = measure(call, y, ref, n)
+            mark = "*" if (tm, tn) == pick and (cm, cn) == (1, 1) and not swap else ""
+            name = f"swap {tm}x{tn}" if swap else f"{tm}x{tn} c{cm}x{cn}"
+            res.append(f"{name}{mark}: {t * 1e6:.1f} us ({t_bmm / t:.2f}x bmm, err {err:.1e})")
         for bands in BANDS:  # row bands: one launch per band, each with its own tile
             if sum(rows for rows, _ in bands) != T or any(R % tn for _, (_, tn) in bands):
                 continue

@@ -30,9 +30,10 @@
 
 Source: NVIDIA/cutlass ``examples/python/CuTeDSL/cute/hopper/kernel/dense_gemm/dense_gemm.py``
 (commit 7107b05535f8977f5ecb9d01ee203205b1fd9bc4), kernel class unchanged apart from the
-DSL's current names for ``LayoutEnum``/``SmemAllocator`` and one local addition marked in the
+DSL's current names for ``LayoutEnum``/``SmemAllocator`` and two local additions marked in the
 code: an optional programmatic dependent launch (``pdl``; off by default, the default build's
-code is the example's); the example's command-line runner was dropped. ``C[m, n, l] = sum_k A[m, k, l] * B[n, k, l]`` over
+code is the example's) and CTA tile N in 32..256 steps of 32 (the example: 64/128/256); the
+example's command-line runner was dropped. ``C[m, n, l] = sum_k A[m, k, l] * B[n, k, l]`` over
 arbitrary-stride (M, K, L) / (N, K, L) / (M, N, L) tensors: warp-specialised TMA producer,
 multi-stage mbarrier pipeline, wgmma consumers, TMA-store epilogue through shared memory.
 Callers (e.g. :mod:`cute_kernels.wo_a_sm90`) build the strided views and call it from their
@@ -172,8 +173,11 @@ class HopperWgmmaGemmKernel:
         # check the cta tile shape
         if self.tile_shape_mnk[0] not in [64, 128]:
             raise ValueError("CTA tile shape M must be 64/128")
-        if self.tile_shape_mnk[1] not in [64, 128, 256]:
-            raise ValueError("CTA tile shape N must be 64/128/256")
+        # Local addition (cute_kernels): any N that is a multiple of the 32-column epilogue
+        # subtile, 32..256 (wgmma takes N in steps of 8 up to 256) -- e.g. N = 160 covers
+        # T = 320 tokens in two exact tiles when the caller puts tokens on N (swap AB).
+        if self.tile_shape_mnk[1] % 32 or not 32 <= self.tile_shape_mnk[1] <= 256:
+            raise ValueError("CTA tile shape N must be a multiple of 32 in 32..256")
 
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.a_dtype,
