@@ -73,7 +73,8 @@ class WoASm90(WoAGemm):
     def __init__(self, G: int, R: int, Dg: int, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1),
                  pdl: bool = False, swap_ab: bool = False):
         super().__init__(G, R, Dg, swap_ab)
-        self.gemm = HopperWgmmaGemmKernel(Float32, tile_mn, cluster_mn, pdl)
+        # under PDL the weights load before the grid-dependency wait: B, or A when swapped
+        self.gemm = HopperWgmmaGemmKernel(Float32, tile_mn, cluster_mn, pdl, "a" if swap_ab else "b")
 
     @staticmethod
     def tile_for(T: int, G: int, R: int) -> tuple[int, int]:

@@ -95,22 +95,24 @@ def test_swap_ab_engine_matches_fp64(seed, tile, T):
 
 
 # --------------------------------------------------- Blackwell path on the CPU ---------
-def emulate_tiled(o, w, tile_mn, k_tile=64):
+def emulate_tiled(o, w, tile_mn, k_tile=64, swap_ab=False):
     """CPU emulation of the kernels' data layout: operands read through the same strided
     views the kernels build (wo_a_layouts), C tiles of tile_mn accumulated in FP32 over
-    K tiles in order, one bf16 rounding, written through the token-major C view."""
+    K tiles in order, one bf16 rounding, written through the token-major C view (M-major
+    when ``swap_ab`` puts the weight rows on M)."""
     T, H, Dv = o.shape
     G, R, Dg = w.shape
-    (sa, da), (sb, db), (sc, dc) = wo_a_layouts(T, G, R, Dg)
-    A = torch.as_strided(o, sa, da)
-    B = torch.as_strided(w, sb, db)
+    (sa, da), (sb, db), (sc, dc) = wo_a_layouts(T, G, R, Dg, swap_ab)
+    A = torch.as_strided(w if swap_ab else o, sa, da)
+    B = torch.as_strided(o if swap_ab else w, sb, db)
     y = torch.full((T * G * R,), float("nan"), dtype=torch.bfloat16)
     C = torch.as_strided(y, sc, dc)
+    M, N = A.shape[0], B.shape[0]
     tm, tn = tile_mn
     for g in range(G):
-        for m0 in range(0, T, tm):
-            for n0 in range(0, R, tn):
-                acc = torch.zeros(min(tm, T - m0), min(tn, R - n0))
+        for m0 in range(0, M, tm):
+            for n0 in range(0, N, tn):
+                acc = torch.zeros(min(tm, M - m0), min(tn, N - n0))
                 for k0 in range(0, Dg, k_tile):
                     acc += A[m0:m0 + tm, k0:k0 + k_tile, g].float() @ B[n0:n0 + tn, k0:k0 + k_tile, g].float().T
                 C[m0:m0 + tm, n0:n0 + tn, g] = acc.bfloat16()
@@ -124,6 +126,28 @@ def test_blackwell_layout_emulation(seed, T):
     y = emulate_tiled(o, w, WoASm100.tile_for(T, G, R))
     assert not torch.isnan(y.float()).any()  # every element written through the C view
     assert rel_err(y, wo_a_ref(o, w)) < TOL
+
+
+@pytest.mark.parametrize("T", [1, 77, 320])
+def test_swap_ab_layout_emulation(seed, T):
+    """Swapped operands: weight rows on M, tokens on N, C an M-major view of token-major y."""
+    G, HG, Dv, R = 8, 8, 128, 512
+    o, w = make(T, G, HG, Dv, R, "cpu")
+    y = emulate_tiled(o, w, (128, 160), swap_ab=True)
+    assert not torch.isnan(y.float()).any()
+    assert rel_err(y, wo_a_ref(o, w)) < TOL
+
+
+@pytest.mark.parametrize("tile", [(128, 160), (64, 96)])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_swap_ab_machine_code(tile, pdl):
+    """Tokens on wgmma N: a 160- or 96-wide HGMMA, TMA in and out, no spills; under PDL the
+    weights (now A) still load before the one grid-dependency wait."""
+    h = sass.sass_histogram("wo_a", "sm_90a", G=8, R=512, Dg=2048, tile_m=tile[0], tile_n=tile[1], swap_ab=True,
+                            **({"pdl": True} if pdl else {}))
+    assert sass.count(h, f"HGMMA.64x{tile[1]}x16.F32.BF16") >= 1, h
+    assert sass.count(h, "UTMALDG") >= 2 and sass.count(h, "UTMASTG") >= 1 and sass.local_memory_ops(h) == 0
+    assert sass.count(h, "ACQBULK") == (1 if pdl else 0) and sass.count(h, "PREEXIT") == (1 if pdl else 0)
 
 
 @pytest.mark.parametrize("arch, tile, expect", [

@@ -101,6 +101,7 @@ class HopperWgmmaGemmKernel:
         tile_shape_mn: tuple[int, int],
         cluster_shape_mn: tuple[int, int],
         pdl: bool = False,
+        pdl_early_operand: str = "b",
     ):
         """
         Initializes the configuration for a Hopper dense GEMM kernel.
@@ -118,9 +119,13 @@ class HopperWgmmaGemmKernel:
 
         self.acc_dtype = acc_dtype
         # Local addition (cute_kernels): launch as a programmatic dependent of the previous
-        # kernel on the stream -- B (weights) tiles of the prologue load before
-        # griddepcontrol.wait, A and every store after it.
+        # kernel on the stream -- the prologue's tiles of ``pdl_early_operand`` ("a" or "b":
+        # the weights, which the previous kernel does not write) load before
+        # griddepcontrol.wait, the other operand and every store after it.
+        if pdl_early_operand not in ("a", "b"):
+            raise ValueError("pdl_early_operand must be 'a' or 'b'")
         self.pdl = pdl
+        self.pdl_early_a = pdl_early_operand == "a"
 
         self.cluster_shape_mn = cluster_shape_mn
         self.mma_inst_shape_mn = None
@@ -592,31 +597,36 @@ class HopperWgmmaGemmKernel:
         if cutlass.const_expr(self.pdl):
             # Local addition: the next kernel may launch now (it waits for this grid itself).
             cute.arch.griddepcontrol_launch_dependents()
+            # Local addition (PDL prologue): the early operand (weights) does not depend on
+            # the previous kernel, the late one (its output) does. The stage barriers expect
+            # A + B bytes, so consumers still wait for both.
+            a_ops = (tma_atom_a, tAgA_mkl, tAsA, a_mcast_mask)
+            b_ops = (tma_atom_b, tBgB_nkl, tBsB, b_mcast_mask)
+            early_ops, late_ops = (a_ops, b_ops) if self.pdl_early_a else (b_ops, a_ops)
+            early_atom, early_g, early_s, early_mask = early_ops
+            late_atom, late_g, late_s, late_mask = late_ops
             if warp_idx == 0:
-                # Local addition (PDL prologue): B does not depend on the previous kernel, A
-                # (its output) does. The stage barriers expect A + B bytes, so consumers
-                # still wait for both.
-                b_state = mainloop_producer_state.clone()
+                early_state = mainloop_producer_state.clone()
                 for prefetch_idx in cutlass.range(prefetch_k_tile_cnt, unroll=1):
-                    mainloop_pipeline.producer_acquire(b_state)
+                    mainloop_pipeline.producer_acquire(early_state)
                     cute.copy(
-                        tma_atom_b,
-                        tBgB_nkl[(None, b_state.count)],
-                        tBsB[(None, b_state.index)],
-                        tma_bar_ptr=mainloop_pipeline.producer_get_barrier(b_state),
-                        mcast_mask=b_mcast_mask,
+                        early_atom,
+                        early_g[(None, early_state.count)],
+                        early_s[(None, early_state.index)],
+                        tma_bar_ptr=mainloop_pipeline.producer_get_barrier(early_state),
+                        mcast_mask=early_mask,
                     )
-                    b_state.advance()
+                    early_state.advance()
                 cute.arch.griddepcontrol_wait()
                 for prefetch_idx in cutlass.range(prefetch_k_tile_cnt, unroll=1):
                     cute.copy(
-                        tma_atom_a,
-                        tAgA_mkl[(None, mainloop_producer_state.count)],
-                        tAsA[(None, mainloop_producer_state.index)],
+                        late_atom,
+                        late_g[(None, mainloop_producer_state.count)],
+                        late_s[(None, mainloop_producer_state.index)],
                         tma_bar_ptr=mainloop_pipeline.producer_get_barrier(
                             mainloop_producer_state
                         ),
-                        mcast_mask=a_mcast_mask,
+                        mcast_mask=late_mask,
                     )
                     mainloop_pipeline.producer_commit(mainloop_producer_state)
                     mainloop_producer_state.advance()
