@@ -19,8 +19,9 @@
 #            row bands at T = 320 against bmm alone (probe only: the bands lost, no kernel path);
 #   phase 13: WO-A clusters at T = 16384 against bmm alone; the masked softmax's GPU tests and
 #            bench after the review edit;
-#   phase 14: WO-A with swapped operands (tokens on wgmma N): GPU tests and the tile sweep.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..14)
+#   phase 14: WO-A with swapped operands (tokens on wgmma N): GPU tests and the tile sweep;
+#   phase 15: clusters on the swapped tiles at T = 320 and on 128x256 at T = 4096.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..15)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -98,5 +99,9 @@ case "${1:-1}" in
 14)  # issue 4: WO-A with swapped operands (tokens on wgmma N, any multiple of 32): GPU tests, tile sweep
   step 100 wo_a_swap_tests $PYT tests/test_wo_a.py -m gpu -k "swap"
   step 400 probe_wo_a_swap env TS=64,320,4096 TILES=64x64,64x128,64x256,128x256 SWAP_TILES=128x160,64x160,128x64,64x64,128x96,128x128,128x192,128x256 python tools/probe_wo_a_tiles.py
+  ;;
+15)  # issue 4: thread-block clusters (TMA multicast) on the swapped tiles at T = 320, on 128x256 at T = 4096
+  step 250 probe_wo_a_swap_clusters env TS=320 TILES=128x256 SWAP_TILES=128x160,64x160,128x192 CLUSTERS=1x1,2x1,1x2,2x2 python tools/probe_wo_a_tiles.py
+  step 200 probe_wo_a_clusters_4096 env TS=4096 TILES=128x256 CLUSTERS=1x1,2x1,1x2 python tools/probe_wo_a_tiles.py
   ;;
 esac

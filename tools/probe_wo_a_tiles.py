@@ -60,7 +60,7 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
         t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
         res = [f"bmm alone: {t_bmm * 1e6:.1f} us"]
         configs = [(tm, tn, cm, cn, False) for tm, tn in TILES if R % tn == 0 for cm, cn in CLUSTERS]
-        configs += [(tm, tn, 1, 1, True) for tm, tn in SWAP_TILES if R % tm == 0]
+        configs += [(tm, tn, cm, cn, True) for tm, tn in SWAP_TILES if R % tm == 0 for cm, cn in CLUSTERS]
         for tm, tn, cm, cn, swap in configs:
             fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, cluster_m=cm,
                                 cluster_n=cn, swap_ab=swap)
@@ -71,7 +71,7 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
 
             t, err = measure(call, y, ref, n)
             mark = "*" if (tm, tn) == pick and (cm, cn) == (1, 1) and not swap else ""
-            name = f"swap {tm}x{tn}" if swap else f"{tm}x{tn} c{cm}x{cn}"
+            name = f"{'swap ' if swap else ''}{tm}x{tn} c{cm}x{cn}"
             res.append(f"{name}{mark}: {t * 1e6:.1f} us ({t_bmm / t:.2f}x bmm, err {err:.1e})")
         for bands in BANDS:  # row bands: one launch per band, each with its own tile
             if sum(rows for rows, _ in bands) != T or any(R % tn for _, (_, tn) in bands):
