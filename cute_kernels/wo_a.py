@@ -67,15 +67,14 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, clus
 
 
 def _aot(arch: str):
-    """Decode (T=1) and prefill (T=4096) tile classes of two model shapes, per arch."""
+    """Decode (T=1), mid-size (T=320) and prefill (T=4096) tile classes of two model shapes, per arch."""
     from .arch import family
 
     cls = _PATHS[family(arch)]
     cfgs = []
     for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048)]:
-        for T in (1, 4096):
-            tm, tn = cls.tile_for(T, G, R)
-            cfgs.append(dict(G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn))
+        for T in (1, 320, 4096):
+            cfgs.append(dict(G=G, R=R, Dg=Dg, **cls.config_for(T, G, R)))
     return tuple(cfgs)
 
 
@@ -180,8 +179,8 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
            P(Float32, workspace.partials, 4), P(Int32, workspace.counters, 4), jit.i32(T), jit.cu_stream(stream))
         return out
     P = jit.gmem_ptr
-    tm, tn = _PATHS[path].tile_for(T, G, R)
-    fn = jit.get_kernel(op, a, G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, **(pdl_cfg if path == "sm90" else {}))
+    cfg = _PATHS[path].config_for(T, G, R)
+    fn = jit.get_kernel(op, a, G=G, R=R, Dg=Dg, **cfg, **(pdl_cfg if path == "sm90" else {}))
     fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 16), jit.i32(T),
        jit.cu_stream(stream))
     return out

@@ -34,5 +34,12 @@ class WoASm100(WoAGemm):
         return (256, 256) if R % 256 == 0 else (256, 128)
 
     @staticmethod
+    def config_for(T: int, G: int, R: int) -> dict:
+        """The compile config wo_a() launches (the Hopper path's swapped operands are not
+        built here: nothing is measured on Blackwell)."""
+        tile_m, tile_n = WoASm100.tile_for(T, G, R)
+        return dict(tile_m=tile_m, tile_n=tile_n)
+
+    @staticmethod
     def can_implement(G: int, R: int, Dg: int) -> bool:
         return G >= 1 and R % 64 == 0 and Dg % 64 == 0

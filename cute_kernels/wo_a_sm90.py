@@ -90,6 +90,28 @@ class WoASm90(WoAGemm):
             return (64, 256)
         return (128, 256)
 
+    #: token counts (exclusive, inclusive) for which the swapped operands are launched
+    SWAP_AB_T = (64, 512)
+
+    @staticmethod
+    def config_for(T: int, G: int, R: int) -> dict:
+        """The compile config :func:`cute_kernels.wo_a.wo_a` launches for ``T`` tokens.
+
+        64 < T <= 512: tokens on wgmma N, in the fewest <= 256-token tiles, each rounded up to
+        the engine's 32 (T = 320: two tiles of 160, where (T, R) tiling runs 2.5 rows of
+        128-token tiles); 128 weight rows per CTA unless that leaves most SMs idle. H200,
+        tools/probe_wo_a_tiles.py (bench/RESULTS.md, ninth session): at T = 320, 24.0 vs 30.1 us
+        (G=16 R=1024) and 12.4 vs 14.7 us (G=8 R=1024), equal in the R = 512 shapes. Elsewhere
+        :meth:`tile_for` over (T, R)."""
+        lo, hi = WoASm90.SWAP_AB_T
+        if lo < T <= hi:
+            n_tiles = -(-T // 256)
+            tile_n = (-(-T // n_tiles) + 31) // 32 * 32
+            tile_m = 128 if (R // 128) * G * n_tiles >= 96 else 64
+            return dict(tile_m=tile_m, tile_n=tile_n, swap_ab=True)
+        tile_m, tile_n = WoASm90.tile_for(T, G, R)
+        return dict(tile_m=tile_m, tile_n=tile_n)
+
     @staticmethod
     def can_implement(G: int, R: int, Dg: int) -> bool:
         return G >= 1 and R % 64 == 0 and Dg % 64 == 0

@@ -20,7 +20,8 @@
 #   phase 13: WO-A clusters at T = 16384 against bmm alone; the masked softmax's GPU tests and
 #            bench after the review edit;
 #   phase 14: WO-A with swapped operands (tokens on wgmma N): GPU tests and the tile sweep;
-#   phase 15: clusters on the swapped tiles at T = 320 and on 128x256 at T = 4096.
+#   phase 15: clusters on the swapped tiles at T = 320 and on 128x256 at T = 4096; wo_a()'s
+#            swapped config against the (T, R) tile at 64 < T <= 512.
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..15)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
@@ -103,5 +104,6 @@ case "${1:-1}" in
 15)  # issue 4: thread-block clusters (TMA multicast) on the swapped tiles at T = 320, on 128x256 at T = 4096
   step 250 probe_wo_a_swap_clusters env TS=320 TILES=128x256 SWAP_TILES=128x160,64x160,128x192 CLUSTERS=1x1,2x1,1x2,2x2 python tools/probe_wo_a_tiles.py
   step 200 probe_wo_a_clusters_4096 env TS=4096 TILES=128x256 CLUSTERS=1x1,2x1,1x2 python tools/probe_wo_a_tiles.py
+  step 150 probe_wo_a_picks env TS=65,77,96,128,200,256,400,512 PICKS=1 python tools/probe_wo_a_tiles.py
   ;;
 esac

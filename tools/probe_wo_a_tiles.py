@@ -4,6 +4,7 @@
     env TS=320,16384 TILES=128x256,128x128,64x256 CLUSTERS=1x1,2x1,1x2 python tools/probe_wo_a_tiles.py
     env TS=320 TILES=128x256 BANDS=256:128x256+64:64x128,256:128x256+64:64x64 python tools/probe_wo_a_tiles.py
     env TS=320 TILES=128x256 SWAP_TILES=128x160,64x160,128x64 python tools/probe_wo_a_tiles.py
+    env TS=96,200,512 PICKS=1 python tools/probe_wo_a_tiles.py
 
 Prints, per shape and T, us per call (graph replay, rotating weights) and the relative error
 against an FP32 einsum for each tile / cluster, and cuBLAS ``bmm`` alone (group-major output,
@@ -32,6 +33,7 @@ def _pairs(env: str, default: str):
 TILES = _pairs("TILES", "64x64,64x128,64x256,128x128,128x256")
 # swap AB: weight rows on M, tokens on N -- tiles written (R-tile)x(T-tile), e.g. 128x160
 SWAP_TILES = _pairs("SWAP_TILES", "") if os.environ.get("SWAP_TILES") else []
+PICKS = bool(os.environ.get("PICKS"))  # only tile_for()'s tile and config_for()'s config, per T
 CLUSTERS = _pairs("CLUSTERS", "1x1")
 TS = [int(t) for t in os.environ.get("TS", "1,64,320,1024").split(",")]
 # e.g. BANDS=256:128x256+64:64x128 -- T split into row bands launched one after the other
@@ -61,6 +63,10 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
         res = [f"bmm alone: {t_bmm * 1e6:.1f} us"]
         configs = [(tm, tn, cm, cn, False) for tm, tn in TILES if R % tn == 0 for cm, cn in CLUSTERS]
         configs += [(tm, tn, cm, cn, True) for tm, tn in SWAP_TILES if R % tm == 0 for cm, cn in CLUSTERS]
+        if PICKS:  # the (T, R) heuristic's tile against wo_a()'s launch config
+            cfg = WoASm90.config_for(T, G, R)
+            configs = list(dict.fromkeys([(*pick, 1, 1, False),
+                                          (cfg["tile_m"], cfg["tile_n"], 1, 1, cfg.get("swap_ab", False))]))
         for tm, tn, cm, cn, swap in configs:
             fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, cluster_m=cm,
                                 cluster_n=cn, swap_ab=swap)
