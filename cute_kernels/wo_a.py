@@ -74,7 +74,9 @@ def _aot(arch: str):
     cfgs = []
     for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048)]:
         for T in (1, 320, 4096):
-            cfgs.append(dict(G=G, R=R, Dg=Dg, **cls.config_for(T, G, R)))
+            cfg = dict(G=G, R=R, Dg=Dg, **cls.config_for(T, G, R))
+            if cfg not in cfgs:  # Blackwell: T = 320 and 4096 share a tile
+                cfgs.append(cfg)
     return tuple(cfgs)
 
 

@@ -206,6 +206,20 @@ def test_tile_heuristics():
     assert WoASm100.tile_for(4096, 16, 1024) == (256, 256)
 
 
+def test_launch_configs():
+    """wo_a()'s configs: swapped operands with token tiles matched to T at 64 < T <= 512."""
+    assert WoASm90.config_for(64, 16, 1024) == dict(tile_m=64, tile_n=128)
+    assert WoASm90.config_for(320, 16, 1024) == dict(tile_m=128, tile_n=160, swap_ab=True)  # 2 exact tiles
+    assert WoASm90.config_for(320, 8, 512) == dict(tile_m=64, tile_n=160, swap_ab=True)  # 128 CTAs, not 64
+    assert WoASm90.config_for(77, 16, 1024) == dict(tile_m=128, tile_n=96, swap_ab=True)
+    assert WoASm90.config_for(513, 16, 1024) == dict(tile_m=128, tile_n=256)
+    assert WoASm100.config_for(320, 16, 1024) == dict(tile_m=256, tile_n=256)
+    for T in range(65, 513):  # the fewest legal token tiles, each padded by less than 32 tokens
+        tn = WoASm90.config_for(T, 16, 512)["tile_n"]
+        n = -(-T // tn)
+        assert tn % 32 == 0 and tn <= 256 and n == -(-T // 256) and n * tn - T < 32 * n
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("G, HG, Dv, R", SHAPES)
 @pytest.mark.parametrize("T", [1, 5, 16, 17, 37, 64])
