@@ -138,15 +138,17 @@ def test_swap_ab_layout_emulation(seed, T):
     assert rel_err(y, wo_a_ref(o, w)) < TOL
 
 
-@pytest.mark.parametrize("tile", [(128, 160), (64, 96)])
+@pytest.mark.parametrize("tile, cluster_m", [((128, 160), 2), ((64, 96), 1)])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_swap_ab_machine_code(tile, pdl):
-    """Tokens on wgmma N: a 160- or 96-wide HGMMA, TMA in and out, no spills; under PDL the
-    weights (now A) still load before the one grid-dependency wait."""
+def test_swap_ab_machine_code(tile, cluster_m, pdl):
+    """Tokens on wgmma N: a 160- or 96-wide HGMMA, TMA in and out (the token tile multicast
+    to a CTA pair), no spills; under PDL the weights (now A) still load before the one
+    grid-dependency wait."""
     h = sass.sass_histogram("wo_a", "sm_90a", G=8, R=512, Dg=2048, tile_m=tile[0], tile_n=tile[1], swap_ab=True,
-                            **({"pdl": True} if pdl else {}))
+                            cluster_m=cluster_m, **({"pdl": True} if pdl else {}))
     assert sass.count(h, f"HGMMA.64x{tile[1]}x16.F32.BF16") >= 1, h
     assert sass.count(h, "UTMALDG") >= 2 and sass.count(h, "UTMASTG") >= 1 and sass.local_memory_ops(h) == 0
+    assert (sass.count(h, "UTMALDG.3D.MULTICAST") >= 1) == (cluster_m == 2)
     assert sass.count(h, "ACQBULK") == (1 if pdl else 0) and sass.count(h, "PREEXIT") == (1 if pdl else 0)
 
 
@@ -209,15 +211,17 @@ def test_tile_heuristics():
 def test_launch_configs():
     """wo_a()'s configs: swapped operands with token tiles matched to T at 64 < T <= 512."""
     assert WoASm90.config_for(64, 16, 1024) == dict(tile_m=64, tile_n=128)
-    assert WoASm90.config_for(320, 16, 1024) == dict(tile_m=128, tile_n=160, swap_ab=True)  # 2 exact tiles
-    assert WoASm90.config_for(320, 8, 512) == dict(tile_m=64, tile_n=160, swap_ab=True)  # 128 CTAs, not 64
-    assert WoASm90.config_for(77, 16, 1024) == dict(tile_m=128, tile_n=96, swap_ab=True)
+    assert WoASm90.config_for(320, 16, 1024) == dict(tile_m=128, tile_n=160, cluster_m=2, swap_ab=True)  # 2 tiles
+    assert WoASm90.config_for(320, 8, 512) == dict(tile_m=64, tile_n=160, cluster_m=2, swap_ab=True)  # 128 CTAs
+    assert WoASm90.config_for(77, 16, 1024) == dict(tile_m=128, tile_n=96, cluster_m=2, swap_ab=True)
     assert WoASm90.config_for(513, 16, 1024) == dict(tile_m=128, tile_n=256)
     assert WoASm100.config_for(320, 16, 1024) == dict(tile_m=256, tile_n=256)
     for T in range(65, 513):  # the fewest legal token tiles, each padded by less than 32 tokens
-        tn = WoASm90.config_for(T, 16, 512)["tile_n"]
-        n = -(-T // tn)
-        assert tn % 32 == 0 and tn <= 256 and n == -(-T // 256) and n * tn - T < 32 * n
+        for G, R in [(8, 512), (16, 1024)]:
+            cfg = WoASm90.config_for(T, G, R)
+            tn, n = cfg["tile_n"], -(-T // cfg["tile_n"])
+            assert tn % 32 == 0 and tn <= 256 and n == -(-T // 256) and n * tn - T < 32 * n
+            assert (R // cfg["tile_m"]) % cfg["cluster_m"] == 0  # CTA pairs along R: no idle half-cluster
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@
 
 Prints, per shape and T, us per call (graph replay, rotating weights) and the relative error
 against an FP32 einsum for each tile / cluster, and cuBLAS ``bmm`` alone (group-major output,
-issue 4's baseline (b)) timed the same way; '*' marks the tile the current heuristic picks.
+issue 4's baseline (b)) timed the same way; '*' marks the config wo_a() launches.
 Defaults: T = 1, 64, 320, 1024, the five tiles, cluster 1x1 (the sweep the shipped heuristic
 came from).
 """
@@ -58,15 +58,17 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
         o = torch.randn(T, G * 8, Dg // 8, device="cuda").bfloat16()
         y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
         ref = torch.einsum("tgd,grd->tgr", o.view(T, G, Dg).float(), ws[0].float()).reshape(T, G * R)
-        pick = WoASm90.tile_for(T, G, R)
+        pick = WoASm90.tile_for(T, G, R)  # the unswapped (T, R) tile
+        cfg = WoASm90.config_for(T, G, R)  # what wo_a() launches
+        launched = (cfg["tile_m"], cfg["tile_n"], cfg.get("cluster_m", 1), cfg.get("cluster_n", 1),
+                    cfg.get("swap_ab", False))
         t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
         res = [f"bmm alone: {t_bmm * 1e6:.1f} us"]
         configs = [(tm, tn, cm, cn, False) for tm, tn in TILES if R % tn == 0 for cm, cn in CLUSTERS]
         configs += [(tm, tn, cm, cn, True) for tm, tn in SWAP_TILES if R % tm == 0 for cm, cn in CLUSTERS]
-        if PICKS:  # the (T, R) heuristic's tile against wo_a()'s launch config
-            cfg = WoASm90.config_for(T, G, R)
-            configs = list(dict.fromkeys([(*pick, 1, 1, False),
-                                          (cfg["tile_m"], cfg["tile_n"], 1, 1, cfg.get("swap_ab", False))]))
+        if PICKS:  # the (T, R) heuristic's tile against wo_a()'s launch config, in each of CLUSTERS
+            configs = list(dict.fromkeys([(*pick, 1, 1, False)] + [
+                (cfg["tile_m"], cfg["tile_n"], cm, cn, cfg.get("swap_ab", False)) for cm, cn in CLUSTERS]))
         for tm, tn, cm, cn, swap in configs:
             fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, cluster_m=cm,
                                 cluster_n=cn, swap_ab=swap)
@@ -76,7 +78,7 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
                    jit.gmem_ptr(cutlass.BFloat16, y), jit.i32(T), jit.cu_stream())
 
             t, err = measure(call, y, ref, n)
-            mark = "*" if (tm, tn) == pick and (cm, cn) == (1, 1) and not swap else ""
+            mark = "*" if (tm, tn, cm, cn, swap) == launched else ""
             name = f"{'swap ' if swap else ''}{tm}x{tn} c{cm}x{cn}"
             res.append(f"{name}{mark}: {t * 1e6:.1f} us ({t_bmm / t:.2f}x bmm, err {err:.1e})")
         for bands in BANDS:  # row bands: one launch per band, each with its own tile
