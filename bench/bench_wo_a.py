@@ -80,6 +80,7 @@ def main():
                          f"{t_eng * 1e6:.2f}",
                          "-" if T > 64 else f"{t_dec * 1e6:.2f} ({100 * nbytes / t_dec / H200_COPY_BW:.0f}%)",
                          f"{t_pdl * 1e6:.2f} ({t_ours / t_pdl:.2f}x, {lim(t_pdl)})"])
+            print("| " + " | ".join(rows[-1]) + " |", flush=True)  # progress: a cut-off run keeps its rows
         del ws
     text = "\n".join([f"## WO-A token-major -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
                       f"Command: `python bench/bench_wo_a.py --tokens {args.tokens}`", "",

@@ -22,7 +22,8 @@
 #   phase 14: WO-A with swapped operands (tokens on wgmma N): GPU tests and the tile sweep;
 #   phase 15: clusters on the swapped tiles at T = 320 and on 128x256 at T = 4096; wo_a()'s
 #            swapped config against the (T, R) tile at 64 < T <= 512;
-#   phase 16: WO-A's GPU tests, the swapped configs with and without CTA pairs, the bench.
+#   phase 16: WO-A's and the runtime's GPU tests, the swapped configs with and without CTA pairs,
+#            the bench (T = 16384 left out: its config is unchanged).
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..16)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
@@ -108,8 +109,9 @@ case "${1:-1}" in
   step 150 probe_wo_a_picks env TS=65,77,96,128,200,256,400,512 PICKS=1 python tools/probe_wo_a_tiles.py
   ;;
 16)  # issue 4: WO-A's GPU tests with the swapped mid-size configs, their clusters per T, the bench
-  step 150 wo_a_tests $PYT tests/test_wo_a.py -m gpu
-  step 120 probe_wo_a_pick_clusters env TS=77,128,200,320,400 PICKS=1 CLUSTERS=1x1,2x1 python tools/probe_wo_a_tiles.py
-  step 330 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,96,200,320,4096,16384 --out "$OUT/bench_wo_a.md"
+  step 120 wo_a_tests $PYT tests/test_wo_a.py -m gpu
+  step 110 spec_gpu_tests $PYT tests/test_spec_decode.py -m gpu  # the BS64 verify step is T = 320
+  step 90 probe_wo_a_pick_clusters env TS=77,128,200,320,400 PICKS=1 CLUSTERS=1x1,2x1 python tools/probe_wo_a_tiles.py
+  step 240 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,96,200,320,4096 --out "$OUT/bench_wo_a.md"
   ;;
 esac
