@@ -23,8 +23,9 @@
 #   phase 15: clusters on the swapped tiles at T = 320 and on 128x256 at T = 4096; wo_a()'s
 #            swapped config against the (T, R) tile at 64 < T <= 512;
 #   phase 16: WO-A's and the runtime's GPU tests, the swapped configs with and without CTA pairs,
-#            the bench (T = 16384 left out: its config is unchanged).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..16)
+#            the bench (T = 16384 left out: its config is unchanged);
+#   phase 17: two token tiles for the small-G*R shapes at 64 < T <= 256, swapped tiles at T = 64.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..17)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -113,5 +114,9 @@ case "${1:-1}" in
   step 110 spec_gpu_tests $PYT tests/test_spec_decode.py -m gpu  # the BS64 verify step is T = 320
   step 90 probe_wo_a_pick_clusters env TS=77,128,200,320,400 PICKS=1 CLUSTERS=1x1,2x1 python tools/probe_wo_a_tiles.py
   step 240 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,96,200,320,4096 --out "$OUT/bench_wo_a.md"
+  ;;
+17)  # issue 4: more CTAs for the small-G*R shapes -- two token tiles at 64 < T <= 256, and at T = 64
+  step 120 probe_wo_a_small_gr env TS=96,200 TILES=64x64 SWAP_TILES=64x96,64x64,64x128,64x224 CLUSTERS=1x1,2x1 python tools/probe_wo_a_tiles.py
+  step 120 probe_wo_a_t64 env TS=64 TILES=64x64,64x128 SWAP_TILES=64x32,128x32,64x64 CLUSTERS=1x1,1x2,2x1 python tools/probe_wo_a_tiles.py
   ;;
 esac
