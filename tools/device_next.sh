@@ -24,8 +24,9 @@
 #            swapped config against the (T, R) tile at 64 < T <= 512;
 #   phase 16: WO-A's and the runtime's GPU tests, the swapped configs with and without CTA pairs,
 #            the bench (T = 16384 left out: its config is unchanged);
-#   phase 17: two token tiles for the small-G*R shapes at 64 < T <= 256, swapped tiles at T = 64.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..17)
+#   phase 17: two token tiles for the small-G*R shapes at 64 < T <= 256, swapped tiles at T = 64;
+#   phase 18: WO-A's GPU tests and the bench at every T with the final mid-size configs.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..18)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -118,5 +119,9 @@ case "${1:-1}" in
 17)  # issue 4: more CTAs for the small-G*R shapes -- two token tiles at 64 < T <= 256, and at T = 64
   step 120 probe_wo_a_small_gr env TS=96,200 TILES=64x64 SWAP_TILES=64x96,64x64,64x128,64x224 CLUSTERS=1x1,2x1 python tools/probe_wo_a_tiles.py
   step 120 probe_wo_a_t64 env TS=64 TILES=64x64,64x128 SWAP_TILES=64x32,128x32,64x64 CLUSTERS=1x1,1x2,2x1 python tools/probe_wo_a_tiles.py
+  ;;
+18)  # issue 4: the final mid-size configs -- WO-A's GPU tests, the bench at every T
+  step 120 wo_a_tests $PYT tests/test_wo_a.py -m gpu
+  step 300 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,96,200,320,4096,16384 --out "$OUT/bench_wo_a.md"
   ;;
 esac
