@@ -25,8 +25,9 @@
 #   phase 16: WO-A's and the runtime's GPU tests, the swapped configs with and without CTA pairs,
 #            the bench (T = 16384 left out: its config is unchanged);
 #   phase 17: two token tiles for the small-G*R shapes at 64 < T <= 256, swapped tiles at T = 64;
-#   phase 18: WO-A's GPU tests and the bench at every T with the final mid-size configs.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..18)
+#   phase 18: WO-A's GPU tests and the bench at every T with the final mid-size configs;
+#   phase 19: clusters on 128x256 at T = 4096 and 16384 in one call.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..19)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -123,5 +124,8 @@ case "${1:-1}" in
 18)  # issue 4: the final mid-size configs -- WO-A's GPU tests, the bench at every T
   step 120 wo_a_tests $PYT tests/test_wo_a.py -m gpu
   step 300 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,96,200,320,4096,16384 --out "$OUT/bench_wo_a.md"
+  ;;
+19)  # issue 4: clusters for the large-T tile once more (both T), to settle the G = 8 shapes
+  step 300 probe_wo_a_clusters_large env TS=4096,16384 TILES=128x256 CLUSTERS=1x1,1x2,2x1 python tools/probe_wo_a_tiles.py
   ;;
 esac
