@@ -15,7 +15,8 @@ Paths: sm_90a -> :mod:`.wo_a_sm90` (TMA + wgmma), sm_100a/sm_103a -> :mod:`.wo_a
 
 Constraints: bf16 ``o`` and ``wo_a``, contiguous; ``H % G == 0``; ``R % 64 == 0``,
 ``Dg % 64 == 0`` (16-byte TMA rows, whole K tiles); any ``T >= 1`` (one compile per tile
-class serves every T). Supported and tested: G in {8, 16}, Dg in {1024, 2048}, R in {512, 1024}.
+class serves every T: one for T <= 64 and one for T > 512 per shape; at 64 < T <= 512 the
+Hopper path matches its token tile to T, up to seven classes per shape). Supported and tested: G in {8, 16}, Dg in {1024, 2048}, R in {512, 1024}.
 
 Run / bench::
 
@@ -46,10 +47,11 @@ _PATHS = {"sm90": WoASm90, "sm100": WoASm100}
 def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, cluster_m: int = 1, cluster_n: int = 1,
            pdl: bool = False, swap_ab: bool = False):
     """``cluster_m`` / ``cluster_n``: the Hopper engine's thread-block cluster (TMA multicast of
-    the operand tiles the cluster's CTAs share); a tuning knob for tools/probe_wo_a_tiles.py,
-    (1, 1) in the shipped path. ``pdl``: the Hopper engine as a programmatic dependent launch
-    (see :func:`wo_a`). ``swap_ab``: weight rows on M, tokens on N (:mod:`.wo_a_sm90`); the
-    tile is then (R-tile, T-tile)."""
+    the operand tiles the cluster's CTAs share): (2, 1) in the shipped swapped configs, (1, 1)
+    in the others, any of 1/2 x 1/2 for tools/probe_wo_a_tiles.py. ``pdl``: the Hopper engine
+    as a programmatic dependent launch (see :func:`wo_a`). ``swap_ab``: weight rows on M,
+    tokens on N (:mod:`.wo_a_sm90`); the tile is then (R-tile, T-tile). Which config a call
+    launches: the path's ``config_for(T, G, R)``."""
     from .arch import family
 
     cls = _PATHS[family(arch)]
@@ -133,6 +135,10 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     it faster than the TMA/wgmma engine at every shape (bench/RESULTS.md) --, ``True`` for any
     T <= 64 on any arch, ``False`` never. Its split partials live in ``workspace`` (default:
     one shared per device and shape -- pass your own for concurrent calls on several streams).
+
+    On Hopper the TMA/wgmma engine serves T > 16: over (T, R) tiles at T <= 64 and T > 512,
+    with swapped operands in between (tokens on wgmma N, token tiles matched to T, CTA pairs
+    sharing them by multicast -- :meth:`WoASm90.config_for`).
 
     ``pdl`` (the decode kernel and the Hopper engine; the Blackwell engine ignores it): launch
     as a programmatic dependent of the previous kernel on the stream, so the first weight
