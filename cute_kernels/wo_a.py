@@ -15,8 +15,9 @@ Paths: sm_90a -> :mod:`.wo_a_sm90` (TMA + wgmma), sm_100a/sm_103a -> :mod:`.wo_a
 
 Constraints: bf16 ``o`` and ``wo_a``, contiguous; ``H % G == 0``; ``R % 64 == 0``,
 ``Dg % 64 == 0`` (16-byte TMA rows, whole K tiles); any ``T >= 1`` (one compile per tile
-class serves every T: one for T <= 64 and one for T > 512 per shape; at 64 < T <= 512 the
-Hopper path matches its token tile to T: 6 to 10 classes per shape, compiled on first use).
+class serves every T in it; per shape on Hopper: the decode kernel's plans at T <= 16, one
+engine tile for 16 < T <= 64 and one above 512, and 6 to 10 swapped token tiles matched to T
+in between -- each compiled on first use, or ahead of time by the artifact cache).
 Supported and tested: G in {8, 16}, Dg in {1024, 2048}, R in {512, 1024}.
 
 Run / bench::
