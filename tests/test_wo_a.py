@@ -38,7 +38,7 @@ def test_hopper_matches_fp64(seed, G, HG, Dv, R, T, decode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [5, 64, 4096])
+@pytest.mark.parametrize("T", [5, 64, 320, 4096])  # decode kernel, engine, swapped engine, engine
 def test_single_kernel_no_transpose_copy(seed, T):
     """Only the GEMM runs: no transpose/copy kernel in a profile."""
     from torch.profiler import ProfilerActivity, profile

@@ -126,6 +126,7 @@ case "${1:-1}" in
   step 300 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,96,200,320,4096,16384 --out "$OUT/bench_wo_a.md"
   ;;
 19)  # issue 4: clusters for the large-T tile once more (both T), to settle the G = 8 shapes
+  step 60 wo_a_one_kernel $PYT tests/test_wo_a.py -m gpu -k no_transpose
   step 300 probe_wo_a_clusters_large env TS=4096,16384 TILES=128x256 CLUSTERS=1x1,1x2,2x1 python tools/probe_wo_a_tiles.py
   ;;
 esac
