@@ -71,10 +71,10 @@ class WoASm90(WoAGemm):
     (R, T) with ``swap_ab``)."""
 
     def __init__(self, G: int, R: int, Dg: int, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1),
-                 pdl: bool = False, swap_ab: bool = False):
+                 pdl: bool = False, swap_ab: bool = False, occupancy: int = 1):
         super().__init__(G, R, Dg, swap_ab)
         # under PDL the weights load before the grid-dependency wait: B, or A when swapped
-        self.gemm = HopperWgmmaGemmKernel(Float32, tile_mn, cluster_mn, pdl, "a" if swap_ab else "b")
+        self.gemm = HopperWgmmaGemmKernel(Float32, tile_mn, cluster_mn, pdl, "a" if swap_ab else "b", occupancy)
 
     @staticmethod
     def tile_for(T: int, G: int, R: int) -> tuple[int, int]:

@@ -26,8 +26,9 @@
 #            the bench (T = 16384 left out: its config is unchanged);
 #   phase 17: two token tiles for the small-G*R shapes at 64 < T <= 256, swapped tiles at T = 64;
 #   phase 18: WO-A's GPU tests and the bench at every T with the final mid-size configs;
-#   phase 19: clusters on 128x256 at T = 4096 and 16384 in one call.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..19)
+#   phase 19: clusters on 128x256 at T = 4096 and 16384 in one call;
+#   phase 20: two CTAs per SM for the swapped mid-size tiles (probe).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..20)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -128,5 +129,8 @@ case "${1:-1}" in
 19)  # issue 4: clusters for the large-T tile once more (both T), to settle the G = 8 shapes
   step 60 wo_a_one_kernel $PYT tests/test_wo_a.py -m gpu -k no_transpose
   step 300 probe_wo_a_clusters_large env TS=4096,16384 TILES=128x256 CLUSTERS=1x1,1x2,2x1 python tools/probe_wo_a_tiles.py
+  ;;
+20)  # issue 4: two CTAs per SM (fewer stages) for the swapped mid-size tiles -- epilogue overlap
+  step 200 probe_wo_a_occupancy env TS=200,320 TILES=128x256 SWAP_TILES=128x160,64x160,128x224,64x224 CLUSTERS=2x1 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
   ;;
 esac

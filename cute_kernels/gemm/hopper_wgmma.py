@@ -30,10 +30,11 @@
 
 Source: NVIDIA/cutlass ``examples/python/CuTeDSL/cute/hopper/kernel/dense_gemm/dense_gemm.py``
 (commit 7107b05535f8977f5ecb9d01ee203205b1fd9bc4), kernel class unchanged apart from the
-DSL's current names for ``LayoutEnum``/``SmemAllocator`` and two local additions marked in the
+DSL's current names for ``LayoutEnum``/``SmemAllocator`` and local additions marked in the
 code: an optional programmatic dependent launch (``pdl``; off by default, the default build's
-code is the example's) and CTA tile N in 32..256 steps of 32 (the example: 64/128/256); the
-example's command-line runner was dropped. ``C[m, n, l] = sum_k A[m, k, l] * B[n, k, l]`` over
+code is the example's), CTA tile N in 32..256 steps of 32 (the example: 64/128/256) and a
+stage count for more than one CTA per SM (``occupancy``; the example: 1); the example's
+command-line runner was dropped. ``C[m, n, l] = sum_k A[m, k, l] * B[n, k, l]`` over
 arbitrary-stride (M, K, L) / (N, K, L) / (M, N, L) tensors: warp-specialised TMA producer,
 multi-stage mbarrier pipeline, wgmma consumers, TMA-store epilogue through shared memory.
 Callers (e.g. :mod:`cute_kernels.wo_a_sm90`) build the strided views and call it from their
@@ -102,6 +103,7 @@ class HopperWgmmaGemmKernel:
         cluster_shape_mn: tuple[int, int],
         pdl: bool = False,
         pdl_early_operand: str = "b",
+        occupancy: int = 1,
     ):
         """
         Initializes the configuration for a Hopper dense GEMM kernel.
@@ -144,7 +146,9 @@ class HopperWgmmaGemmKernel:
         self.is_b_mcast = False
         self.tiled_mma = None
 
-        self.occupancy = 1
+        # Local addition (cute_kernels): CTAs per SM the stage count leaves shared memory for
+        # (the example: 1), so one CTA's epilogue and prologue overlap another's mainloop.
+        self.occupancy = occupancy
         self.mma_warp_groups = math.prod(self.atom_layout_mnk)
         self.num_threads_per_warp_group = 128
         self.threads_per_cta = self.mma_warp_groups * self.num_threads_per_warp_group
@@ -975,6 +979,12 @@ class HopperWgmmaGemmKernel:
         ab_stage = (
             smem_capacity // occupancy - mbar_helpers_bytes - epi_bytes
         ) // ab_bytes_per_stage
+        if occupancy > 1:
+            # Local addition: the SM's 228 KiB less 1 KiB reserved per CTA, and 1 KiB of the
+            # operand buffers' 1024-byte alignment -- past that the second CTA would not fit
+            # and the launch would silently run one per SM.
+            per_cta = (smem_capacity + 1024) // occupancy - 1024
+            ab_stage = (per_cta - mbar_helpers_bytes - 1024) // ab_bytes_per_stage
         return ab_stage, epi_stage
 
     @staticmethod
