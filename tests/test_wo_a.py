@@ -152,6 +152,21 @@ def test_swap_ab_machine_code(tile, cluster_m, pdl):
     assert sass.count(h, "ACQBULK") == (1 if pdl else 0) and sass.count(h, "PREEXIT") == (1 if pdl else 0)
 
 
+@pytest.mark.parametrize("tile", [(128, 160), (64, 224), (128, 256)])
+def test_engine_two_ctas_per_sm_fit(tile):
+    """occupancy=2 (a probe knob): the stage count leaves each of two CTAs its half of the
+    SM's 228 KiB less the 1 KiB the hardware reserves per CTA -- one byte more and the launch
+    would silently run one CTA per SM."""
+    import cutlass.cute as cute
+    from cute_kernels import jit
+
+    obj, args = jit.registry()["wo_a"].build("sm_90a", G=16, R=1024, Dg=1024, tile_m=tile[0], tile_n=tile[1],
+                                             swap_ab=True, occupancy=2)
+    cute.compile(obj, *args, options="--gpu-arch=sm_90a")
+    assert obj.gemm.ab_stage >= 2
+    assert obj.gemm.shared_storage.size_in_bytes() <= (228 * 1024 - 2 * 1024) // 2
+
+
 @pytest.mark.parametrize("arch, tile, expect", [
     ("sm_100a", (128, 128), {"UTCHMMA": 1, "LDTM": 1, "UTMALDG": 1, "UTMASTG": 1}),
     ("sm_100a", (256, 256), {"UTCHMMA.2CTA": 1, "UTMALDG": 1, "LDTM": 1, "UTMASTG": 1}),
