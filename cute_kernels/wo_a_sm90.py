@@ -101,9 +101,10 @@ class WoASm90(WoAGemm):
         the engine's 32 (T = 320: two tiles of 160, where (T, R) tiling runs 2.5 rows of
         128-token tiles); 128 weight rows per CTA unless that leaves most SMs idle; CTA pairs
         along R (cluster 2x1) share each token tile by TMA multicast, halving its L2 reads.
-        H200, tools/probe_wo_a_tiles.py (bench/RESULTS.md, ninth session): swapped tiles
-        1.1-1.8x faster at 64 < T <= 400 in 15 of 16 (shape, T) points; the pairs 1.05-1.18x
-        more at T = 320 in three of four shapes. Elsewhere :meth:`tile_for` over (T, R)."""
+        H200, tools/probe_wo_a_tiles.py (bench/RESULTS.md, ninth session): the swapped tiles
+        1.05-1.87x faster than the (T, R) tiles at 28 of 32 (shape, T) points with 64 < T <=
+        512, equal at three (T = 512), slower at one; the pairs a further 1.05-1.30x at T >= 200
+        except for G=16 R=1024 (0.98-1.02x). Elsewhere :meth:`tile_for` over (T, R)."""
         lo, hi = WoASm90.SWAP_AB_T
         if lo < T <= hi:
             n_tiles = -(-T // 256)
