@@ -72,8 +72,9 @@ def main():
                 return (f"{100 * nbytes / t / H200_COPY_BW:.0f}% of 4.3 TB/s" if T <= 64
                         else f"{100 * flops / t / H200_BF16_FLOPS:.0f}% of 790 TFLOP/s")
             cfg = WoASm90.config_for(T, G, R)
-            tile = (f"swapped (R x T) tile {cfg['tile_m']}x{cfg['tile_n']} cluster 2x1" if cfg.get("swap_ab")
-                    else f"tile {cfg['tile_m']}x{cfg['tile_n']}")
+            tile = f"tile {cfg['tile_m']}x{cfg['tile_n']}"
+            if cfg.get("swap_ab"):
+                tile = f"swapped (R x T) {tile} cluster {cfg.get('cluster_m', 1)}x{cfg.get('cluster_n', 1)}"
             rows.append([f"T={T} G={G} R={R} Dg={Dg} {tile}",
                          f"{t_ours * 1e6:.2f}", f"{t_ref * 1e6:.2f}", f"{t_bmm * 1e6:.2f}",
                          f"{t_ref / t_ours:.2f}x", f"{t_bmm / t_ours:.2f}x", f"{nbytes / t_ours / 1e12:.2f}", f"{flops / t_ours / 1e12:.1f}", lim(t_ours),

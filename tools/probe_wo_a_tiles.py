@@ -66,11 +66,12 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
                     cfg.get("swap_ab", False))
         t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
         res = [f"bmm alone: {t_bmm * 1e6:.1f} us"]
-        configs = [(tm, tn, cm, cn, False) for tm, tn in TILES if R % tn == 0 for cm, cn in CLUSTERS]
-        configs += [(tm, tn, cm, cn, True) for tm, tn in SWAP_TILES if R % tm == 0 for cm, cn in CLUSTERS]
         if PICKS:  # the (T, R) heuristic's tile against wo_a()'s launch config, in each of CLUSTERS
-            configs = list(dict.fromkeys([(*pick, 1, 1, False)] + [
-                (cfg["tile_m"], cfg["tile_n"], cm, cn, cfg.get("swap_ab", False)) for cm, cn in CLUSTERS]))
+            tm, tn, _, _, swap = launched
+            configs = list(dict.fromkeys([(*pick, 1, 1, False)] + [(tm, tn, cm, cn, swap) for cm, cn in CLUSTERS]))
+        else:
+            configs = [(tm, tn, cm, cn, False) for tm, tn in TILES if R % tn == 0 for cm, cn in CLUSTERS]
+            configs += [(tm, tn, cm, cn, True) for tm, tn in SWAP_TILES if R % tm == 0 for cm, cn in CLUSTERS]
         for (tm, tn, cm, cn, swap), occ in [(c, occ) for c in configs for occ in OCCUPANCY]:
             fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, cluster_m=cm,
                                 cluster_n=cn, swap_ab=swap, occupancy=occ)
