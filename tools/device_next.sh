@@ -27,7 +27,7 @@
 #   phase 17: two token tiles for the small-G*R shapes at 64 < T <= 256, swapped tiles at T = 64;
 #   phase 18: WO-A's GPU tests and the bench at every T with the final mid-size configs;
 #   phase 19: clusters on 128x256 at T = 4096 and 16384 in one call;
-#   phase 20: two CTAs per SM for the swapped mid-size tiles (probe).
+#   phase 20: two CTAs per SM for the swapped mid-size tiles and for 128x128 at T = 16384 (probe).
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..20)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
@@ -131,6 +131,9 @@ case "${1:-1}" in
   step 300 probe_wo_a_clusters_large env TS=4096,16384 TILES=128x256 CLUSTERS=1x1,1x2,2x1 python tools/probe_wo_a_tiles.py
   ;;
 20)  # issue 4: two CTAs per SM (fewer stages) for the swapped mid-size tiles -- epilogue overlap
-  step 200 probe_wo_a_occupancy env TS=200,320 TILES=128x256 SWAP_TILES=128x160,64x160,128x224,64x224 CLUSTERS=2x1 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
+  step 260 probe_wo_a_occupancy env TS=200,320 TILES=128x256 SWAP_TILES=128x160,64x160,128x224,64x224 CLUSTERS=2x1 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
+  # the large-T tile's epilogue is not overlapped (non-persistent kernel): 128x128 at two CTAs
+  # per SM (64 accumulator registers a thread leaves room for the second CTA) against 128x256
+  step 220 probe_wo_a_occupancy_large env TS=16384 TILES=128x256,128x128 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
   ;;
 esac
