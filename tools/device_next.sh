@@ -28,7 +28,8 @@
 #   phase 18: WO-A's GPU tests and the bench at every T with the final mid-size configs;
 #   phase 19: clusters on 128x256 at T = 4096 and 16384 in one call;
 #   phase 20: two CTAs per SM for the swapped mid-size tiles and for 128x128 at T = 16384 (probe).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..20)
+#   phase 21: large T with swapped operands (o read once), two CTAs per SM there and mid-T (probe).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..21)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -135,5 +136,11 @@ case "${1:-1}" in
   # the large-T tile's epilogue is not overlapped (non-persistent kernel): 128x128 at two CTAs
   # per SM (64 accumulator registers a thread leaves room for the second CTA) against 128x256
   step 220 probe_wo_a_occupancy_large env TS=16384 TILES=128x256,128x128 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
+  ;;
+21)  # issue 4: large T with the weight rows on M (swap AB: consecutive CTAs share one token tile,
+     # so o is read from DRAM once, not R/tile_n times), x two CTAs per SM; mid-T two CTAs per SM
+  step 240 probe_wo_a_swap_large env TS=4096,16384 TILES=128x256,128x128 SWAP_TILES=128x256,128x128 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
+  step 120 probe_wo_a_swap_large_cluster env TS=16384 TILES=128x256 SWAP_TILES=128x256,128x128 CLUSTERS=2x1 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
+  step 150 probe_wo_a_mid_occupancy env TS=272,320,384,448 PICKS=1 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
   ;;
 esac
