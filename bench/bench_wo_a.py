@@ -75,6 +75,8 @@ def main():
             tile = f"tile {cfg['tile_m']}x{cfg['tile_n']}"
             if cfg.get("swap_ab"):
                 tile = f"swapped (R x T) {tile} cluster {cfg.get('cluster_m', 1)}x{cfg.get('cluster_n', 1)}"
+                if cfg.get("occupancy", 1) > 1:
+                    tile += f", {cfg['occupancy']} CTAs/SM"
             rows.append([f"T={T} G={G} R={R} Dg={Dg} {tile}",
                          f"{t_ours * 1e6:.2f}", f"{t_ref * 1e6:.2f}", f"{t_bmm * 1e6:.2f}",
                          f"{t_ref / t_ours:.2f}x", f"{t_bmm / t_ours:.2f}x", f"{nbytes / t_ours / 1e12:.2f}", f"{flops / t_ours / 1e12:.1f}", lim(t_ours),

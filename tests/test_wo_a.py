@@ -226,7 +226,10 @@ def test_tile_heuristics():
 def test_launch_configs():
     """wo_a()'s configs: swapped operands with token tiles matched to T at 64 < T <= 512."""
     assert WoASm90.config_for(64, 16, 1024) == dict(tile_m=64, tile_n=128)
-    assert WoASm90.config_for(320, 16, 1024) == dict(tile_m=128, tile_n=160, cluster_m=2, swap_ab=True)  # 2 tiles
+    # 2 tiles; 256 CTAs: two per SM
+    assert WoASm90.config_for(320, 16, 1024) == dict(tile_m=128, tile_n=160, cluster_m=2, swap_ab=True, occupancy=2)
+    assert WoASm90.config_for(320, 8, 1024) == dict(tile_m=128, tile_n=160, cluster_m=2, swap_ab=True)  # 128 CTAs
+    assert WoASm90.config_for(384, 16, 1024) == dict(tile_m=128, tile_n=192, cluster_m=2, swap_ab=True)  # registers
     assert WoASm90.config_for(320, 8, 512) == dict(tile_m=64, tile_n=160, cluster_m=2, swap_ab=True)  # 128 CTAs
     assert WoASm90.config_for(77, 16, 1024) == dict(tile_m=128, tile_n=96, cluster_m=2, swap_ab=True)
     assert WoASm90.config_for(200, 8, 512) == dict(tile_m=64, tile_n=128, cluster_m=2, swap_ab=True)  # 128 CTAs

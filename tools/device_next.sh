@@ -29,7 +29,8 @@
 #   phase 19: clusters on 128x256 at T = 4096 and 16384 in one call;
 #   phase 20: two CTAs per SM for the swapped mid-size tiles and for 128x128 at T = 16384 (probe).
 #   phase 21: large T with swapped operands (o read once), two CTAs per SM there and mid-T (probe).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..21)
+#   phase 22: WO-A's and the runtime's GPU tests, the bench with two CTAs per SM at T = 272 / 320.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..22)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -142,5 +143,11 @@ case "${1:-1}" in
   step 240 probe_wo_a_swap_large env TS=4096,16384 TILES=128x256,128x128 SWAP_TILES=128x256,128x128 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
   step 120 probe_wo_a_swap_large_cluster env TS=16384 TILES=128x256 SWAP_TILES=128x256,128x128 CLUSTERS=2x1 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
   step 150 probe_wo_a_mid_occupancy env TS=272,320,384,448 PICKS=1 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
+  ;;
+22)  # issue 4: two CTAs per SM for G=16 R=1024 at 256 < T <= 320 -- WO-A's and the runtime's GPU
+     # tests (the slice config's BS64 verify step is that launch), the bench at every T
+  step 200 wo_a_tests $PYT tests/test_wo_a.py -m gpu
+  step 100 spec_tests $PYT tests/test_spec_decode.py -m gpu
+  step 300 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,96,200,272,320,4096,16384 --out "$OUT/bench_wo_a.md"
   ;;
 esac
