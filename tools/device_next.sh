@@ -30,7 +30,8 @@
 #   phase 20: two CTAs per SM for the swapped mid-size tiles and for 128x128 at T = 16384 (probe).
 #   phase 21: large T with swapped operands (o read once), two CTAs per SM there and mid-T (probe).
 #   phase 22: WO-A's and the runtime's GPU tests, the bench with two CTAs per SM at T = 272 / 320.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..22)
+#   phase 23: 64x256 at two CTAs per SM against 128x256 at T = 1024 / 4096 / 16384 (probe).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..23)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -149,5 +150,9 @@ case "${1:-1}" in
   step 200 wo_a_tests $PYT tests/test_wo_a.py -m gpu
   step 100 spec_tests $PYT tests/test_spec_decode.py -m gpu
   step 300 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,96,200,272,320,4096,16384 --out "$OUT/bench_wo_a.md"
+  ;;
+23)  # issue 4: 64x256 tiles (one consumer warp group, 152 registers) at two CTAs per SM against
+     # 128x256 at large T -- one CTA's epilogue and prologue under the other's mainloop
+  step 300 probe_wo_a_large_64x256 env TS=1024,4096,16384 TILES=128x256,64x256 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
   ;;
 esac
