@@ -94,6 +94,25 @@ def test_swap_ab_engine_matches_fp64(seed, tile, T):
     assert rel_err(out, wo_a_ref(o, w)) < TOL
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile, swap_ab, T", [((64, 256), False, 1000), ((128, 160), True, 300)])
+def test_engine_two_ctas_per_sm_matches_fp64(seed, tile, swap_ab, T):
+    """Stages sized for two CTAs per SM (``occupancy=2``), a partial last token tile."""
+    from cute_kernels import jit
+
+    G, HG, Dv, R = 16, 8, 128, 1024
+    o, w = make(T, G, HG, Dv, R, "cuda")
+    out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
+    fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=HG * Dv, tile_m=tile[0], tile_n=tile[1],
+                        cluster_m=2 if swap_ab else 1, swap_ab=swap_ab, occupancy=2)
+    P = jit.gmem_ptr
+    fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, w, 16), P(cutlass.BFloat16, out, 16), jit.i32(T),
+       jit.cu_stream())
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert rel_err(out, wo_a_ref(o, w)) < TOL
+
+
 # --------------------------------------------------- Blackwell path on the CPU ---------
 def emulate_tiled(o, w, tile_mn, k_tile=64, swap_ab=False):
     """CPU emulation of the kernels' data layout: operands read through the same strided

@@ -153,6 +153,7 @@ case "${1:-1}" in
   ;;
 23)  # issue 4: 64x256 tiles (one consumer warp group, 152 registers) at two CTAs per SM against
      # 128x256 at large T -- one CTA's epilogue and prologue under the other's mainloop
+  step 60 wo_a_occupancy_tests $PYT tests/test_wo_a.py -m gpu -k "two_ctas or launch or swap_ab_engine"
   step 300 probe_wo_a_large_64x256 env TS=1024,4096,16384 TILES=128x256,64x256 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
   ;;
 esac
