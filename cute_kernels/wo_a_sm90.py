@@ -71,10 +71,11 @@ class WoASm90(WoAGemm):
     (R, T) with ``swap_ab``)."""
 
     def __init__(self, G: int, R: int, Dg: int, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1),
-                 pdl: bool = False, swap_ab: bool = False, occupancy: int = 1):
+                 pdl: bool = False, swap_ab: bool = False, occupancy: int = 1, persistent_ctas: int = 0):
         super().__init__(G, R, Dg, swap_ab)
         # under PDL the weights load before the grid-dependency wait: B, or A when swapped
-        self.gemm = HopperWgmmaGemmKernel(Float32, tile_mn, cluster_mn, pdl, "a" if swap_ab else "b", occupancy)
+        self.gemm = HopperWgmmaGemmKernel(Float32, tile_mn, cluster_mn, pdl, "a" if swap_ab else "b", occupancy,
+                                          persistent_ctas)
 
     @staticmethod
     def tile_for(T: int, G: int, R: int) -> tuple[int, int]:

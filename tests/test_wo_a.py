@@ -113,6 +113,26 @@ def test_engine_two_ctas_per_sm_matches_fp64(seed, tile, swap_ab, T):
     assert rel_err(out, wo_a_ref(o, w)) < TOL
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctas, T", [(132, 1), (132, 1000), (132, 4096), (7, 1000), (3, 333)])
+def test_engine_persistent_matches_fp64(seed, ctas, T):
+    """The persistent tile loop: every tile of the poisoned output written once, including
+    CTAs that walk many tiles (7 and 3 CTAs: the operand pipeline crosses tile boundaries
+    with its phases wrapping) and a partial last token tile."""
+    from cute_kernels import jit
+
+    for G, HG, Dv, R in [(16, 8, 128, 1024), (8, 16, 128, 512)]:
+        o, w = make(T, G, HG, Dv, R, "cuda")
+        out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
+        fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=HG * Dv, tile_m=128, tile_n=256, persistent_ctas=ctas)
+        P = jit.gmem_ptr
+        fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, w, 16), P(cutlass.BFloat16, out, 16), jit.i32(T),
+           jit.cu_stream())
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+        assert rel_err(out, wo_a_ref(o, w)) < TOL
+
+
 # --------------------------------------------------- Blackwell path on the CPU ---------
 def emulate_tiled(o, w, tile_mn, k_tile=64, swap_ab=False):
     """CPU emulation of the kernels' data layout: operands read through the same strided
@@ -184,6 +204,24 @@ def test_engine_two_ctas_per_sm_fit(tile):
     cute.compile(obj, *args, options="--gpu-arch=sm_90a")
     assert obj.gemm.ab_stage >= 2
     assert obj.gemm.shared_storage.size_in_bytes() <= (228 * 1024 - 2 * 1024) // 2
+
+
+def test_engine_persistent_machine_code():
+    """The persistent tile loop: the 128x256 wgmma, TMA in and out, no spills; its epilogue
+    buffers no longer alias the operand stages, and all of it fits one SM."""
+    import cutlass.cute as cute
+    from cute_kernels import jit
+
+    h = sass.sass_histogram("wo_a", "sm_90a", G=16, R=1024, Dg=1024, tile_m=128, tile_n=256, persistent_ctas=132)
+    assert sass.count(h, "HGMMA.64x256x16.F32.BF16") >= 1 and sass.count(h, "UTMALDG") >= 2
+    assert sass.count(h, "UTMASTG") >= 1 and sass.local_memory_ops(h) == 0
+    obj, args = jit.registry()["wo_a"].build("sm_90a", G=16, R=1024, Dg=1024, tile_m=128, tile_n=256,
+                                             persistent_ctas=132)
+    cute.compile(obj, *args, options="--gpu-arch=sm_90a")
+    assert obj.gemm.ab_stage >= 3 and obj.gemm.shared_storage.size_in_bytes() <= 227 * 1024
+    with pytest.raises(ValueError, match="persistent_ctas"):
+        jit.registry()["wo_a"].build("sm_90a", G=16, R=1024, Dg=1024, tile_m=128, tile_n=256, persistent_ctas=132,
+                                     pdl=True)
 
 
 @pytest.mark.parametrize("arch, tile, expect", [

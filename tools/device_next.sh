@@ -31,7 +31,8 @@
 #   phase 21: large T with swapped operands (o read once), two CTAs per SM there and mid-T (probe).
 #   phase 22: WO-A's and the runtime's GPU tests, the bench with two CTAs per SM at T = 272 / 320.
 #   phase 23: 64x256 at two CTAs per SM against 128x256 at T = 1024 / 4096 / 16384 (probe).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..23)
+#   phase 24: the engine's persistent tile loop: GPU tests, against 128x256 at T >= 1024 (probe).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..24)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -155,5 +156,10 @@ case "${1:-1}" in
      # 128x256 at large T -- one CTA's epilogue and prologue under the other's mainloop
   step 60 wo_a_occupancy_tests $PYT tests/test_wo_a.py -m gpu -k "two_ctas or launch or swap_ab_engine"
   step 300 probe_wo_a_large_64x256 env TS=1024,4096,16384 TILES=128x256,64x256 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
+  ;;
+24)  # issue 4: the engine's persistent tile loop (next tile's loads under this tile's epilogue):
+     # its GPU tests (a hang ends at the step's timeout), then against 128x256 per tile at large T
+  step 120 wo_a_persistent_tests $PYT tests/test_wo_a.py -m gpu -k persistent
+  step 300 probe_wo_a_persistent env TS=1024,4096,16384 TILES=128x256 PERSISTENT=0,132 python tools/probe_wo_a_tiles.py
   ;;
 esac

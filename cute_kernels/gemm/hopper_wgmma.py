@@ -104,6 +104,7 @@ class HopperWgmmaGemmKernel:
         pdl: bool = False,
         pdl_early_operand: str = "b",
         occupancy: int = 1,
+        persistent_ctas: int = 0,
     ):
         """
         Initializes the configuration for a Hopper dense GEMM kernel.
@@ -128,6 +129,12 @@ class HopperWgmmaGemmKernel:
             raise ValueError("pdl_early_operand must be 'a' or 'b'")
         self.pdl = pdl
         self.pdl_early_a = pdl_early_operand == "a"
+        # Local addition (cute_kernels): ``persistent_ctas`` > 0 launches at most that many CTAs,
+        # each looping over output tiles (``kernel_persistent``): the next tile's first operand
+        # stages load under this tile's epilogue, which gets its own shared memory.
+        if persistent_ctas and (pdl or tuple(cluster_shape_mn) != (1, 1) or occupancy != 1):
+            raise ValueError("persistent_ctas: single-CTA clusters, no pdl, occupancy 1 only")
+        self.persistent_ctas = persistent_ctas
 
         self.cluster_shape_mn = cluster_shape_mn
         self.mma_inst_shape_mn = None
@@ -224,6 +231,12 @@ class HopperWgmmaGemmKernel:
             self.smem_capacity,
             self.occupancy,
         )
+        if self.persistent_ctas:
+            # Local addition: the epilogue's staging buffers no longer alias sA (the next
+            # tile's loads are in flight there), so they come out of the operand stages.
+            epi_bytes = cute.size(self.epi_tile) * self.c_dtype.width // 8 * self.epi_stage
+            ab_bytes = (self.tile_shape_mnk[0] + self.tile_shape_mnk[1]) * self.tile_shape_mnk[2] * self.a_dtype.width // 8
+            self.ab_stage = (self.smem_capacity - 1024 - epi_bytes - self.buffer_align_bytes) // ab_bytes
 
         (
             self.a_smem_layout_staged,
@@ -329,6 +342,52 @@ class HopperWgmmaGemmKernel:
             ]
 
         self.shared_storage = SharedStorage
+
+        if cutlass.const_expr(self.persistent_ctas > 0):
+            # Local addition: persistent launch -- min(tiles, persistent_ctas) CTAs.
+            @cute.struct
+            class PersistentStorage:
+                mainloop_pipeline_array_ptr: cute.struct.MemRange[
+                    cutlass.Int64, self.ab_stage * 2
+                ]
+                sA: cute.struct.Align[
+                    cute.struct.MemRange[
+                        self.a_dtype, cute.cosize(self.a_smem_layout_staged)
+                    ],
+                    self.buffer_align_bytes,
+                ]
+                sB: cute.struct.Align[
+                    cute.struct.MemRange[
+                        self.b_dtype, cute.cosize(self.b_smem_layout_staged)
+                    ],
+                    self.buffer_align_bytes,
+                ]
+                sC: cute.struct.Align[
+                    cute.struct.MemRange[
+                        self.c_dtype, cute.cosize(self.epi_smem_layout_staged)
+                    ],
+                    self.buffer_align_bytes,
+                ]
+
+            self.shared_storage = PersistentStorage
+            num_tiles = grid[0] * grid[1] * grid[2]
+            self.kernel_persistent(
+                tma_atom_a,
+                tma_tensor_a,
+                tma_atom_b,
+                tma_tensor_b,
+                tma_atom_c,
+                tma_tensor_c,
+                self.tiled_mma,
+                self.a_smem_layout_staged,
+                self.b_smem_layout_staged,
+                self.epi_smem_layout_staged,
+            ).launch(
+                grid=[cutlass.min(num_tiles, self.persistent_ctas), 1, 1],
+                block=[self.threads_per_cta, 1, 1],
+                stream=stream,
+            )
+            return
 
         # Launch the kernel synchronously
         self.kernel(
@@ -936,6 +995,208 @@ class HopperWgmmaGemmKernel:
         if warp_idx == 0:
             c_pipeline.producer_tail()
 
+        return
+
+    # Local addition (cute_kernels): the persistent variant of ``kernel``. Same operands, tiled
+    # MMA and epilogue; CTA b walks output tiles b, b + gridDim.x, ... (weight/N tile fastest,
+    # so concurrent CTAs share each A tile from L2). The operand pipeline runs across tile
+    # boundaries: warp 0 keeps issuing loads for the flat sequence (tile, k-tile) as stages
+    # free, so the next tile's first stages land while this tile's epilogue drains.
+    @cute.kernel
+    def kernel_persistent(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA_mkl: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB_nkl: cute.Tensor,
+        tma_atom_c: cute.CopyAtom,
+        mC_mnl: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        a_smem_layout_staged: cute.ComposedLayout,
+        b_smem_layout_staged: cute.ComposedLayout,
+        epi_smem_layout_staged: cute.ComposedLayout,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+        bidx, _, _ = cute.arch.block_idx()
+        grid_x, _, _ = cute.arch.grid_dim()
+        tidx, _, _ = cute.arch.thread_idx()
+
+        a_smem_layout = cute.slice_(a_smem_layout_staged, (None, None, 0))
+        b_smem_layout = cute.slice_(b_smem_layout_staged, (None, None, 0))
+        tma_copy_bytes = cute.size_in_bytes(self.a_dtype, a_smem_layout) + cute.size_in_bytes(
+            self.b_dtype, b_smem_layout
+        )
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        num_warps = self.threads_per_cta // 32
+        mainloop_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mainloop_pipeline_array_ptr.data_ptr(),
+            num_stages=self.ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_warps),
+            tx_count=tma_copy_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+        sC = storage.sC.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
+
+        # every tile at once: (bM, bK, RestM, RestK, RestL), (bN, bK, RestN, RestK, RestL),
+        # (bM, bN, RestM, RestN, RestL)
+        gA_all = cute.local_tile(mA_mkl, cute.slice_(self.tile_shape_mnk, (None, 0, None)), (None, None, None))
+        gB_all = cute.local_tile(mB_nkl, cute.slice_(self.tile_shape_mnk, (0, None, None)), (None, None, None))
+        gC_all = cute.local_tile(mC_mnl, cute.slice_(self.tile_shape_mnk, (None, None, 0)), (None, None, None))
+        tiles_m = cute.size(gC_all, mode=[2])
+        tiles_n = cute.size(gC_all, mode=[3])
+        num_tiles = tiles_m * tiles_n * cute.size(gC_all, mode=[4])
+        k_tile_cnt = cute.size(gA_all, mode=[3])
+        my_tiles = (num_tiles - bidx + grid_x - 1) // grid_x
+        total_loads = my_tiles * k_tile_cnt
+
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA_all, 0, 2)
+        )
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB_all, 0, 2)
+        )
+
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // self.num_threads_per_warp_group)
+        warp_group_thread_layout = cute.make_layout(self.mma_warp_groups, stride=self.num_threads_per_warp_group)
+        thr_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx))
+        tCsA = thr_mma.partition_A(sA)
+        tCsB = thr_mma.partition_B(sB)
+        tCrA = tiled_mma.make_fragment_A(tCsA)
+        tCrB = tiled_mma.make_fragment_B(tCsB)
+        tCgC = thr_mma.partition_C(gC_all[(None, None, 0, 0, 0)])
+        accumulators = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
+        num_k_blocks = cute.size(tCrA, mode=[2])
+
+        # epilogue copies (as in ``kernel``), sC now its own buffer
+        copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
+            self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
+        )
+        copy_atom_C = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
+        )
+        tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_C, tiled_mma))
+        thr_copy_r2s = tiled_copy_r2s.get_slice(tidx)
+        tRS_sD = thr_copy_r2s.partition_D(sC)
+        tRS_rAcc = tiled_copy_r2s.retile(accumulators)
+        rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
+        tRS_rD_layout = cute.make_layout(rD_shape[:3])
+        tRS_rD = cute.make_rmem_tensor_like(tRS_rD_layout, self.acc_dtype)
+        tRS_rD_out = cute.make_rmem_tensor_like(tRS_rD_layout, self.c_dtype)
+        size_tRS_rD = cute.size(tRS_rD)
+        c_pipeline = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads_per_cta),
+        )
+
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+
+        # prologue: the first stages of the flat (tile, k-tile) load sequence
+        if warp_idx == 0:
+            for _ in cutlass.range(cutlass.min(self.ab_stage, total_loads), unroll=1):
+                p_tile = bidx + (producer_state.count // k_tile_cnt) * grid_x
+                p_k = producer_state.count % k_tile_cnt
+                p_n = p_tile % tiles_n
+                p_m = (p_tile // tiles_n) % tiles_m
+                p_l = p_tile // (tiles_n * tiles_m)
+                mainloop_pipeline.producer_acquire(producer_state)
+                bar = mainloop_pipeline.producer_get_barrier(producer_state)
+                cute.copy(tma_atom_a, tAgA[(None, p_m, p_k, p_l)], tAsA[(None, producer_state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_atom_b, tBgB[(None, p_n, p_k, p_l)], tBsB[(None, producer_state.index)], tma_bar_ptr=bar)
+                mainloop_pipeline.producer_commit(producer_state)
+                producer_state.advance()
+
+        for tile_iter in cutlass.range(my_tiles, unroll=1):
+            tile = bidx + tile_iter * grid_x
+            tile_n = tile % tiles_n
+            tile_m = (tile // tiles_n) % tiles_m
+            tile_l = tile // (tiles_n * tiles_m)
+
+            accumulators.fill(0.0)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+                mainloop_pipeline.consumer_wait(read_state)
+                cute.nvgpu.warpgroup.fence()
+                for k_block_idx in cutlass.range(num_k_blocks, unroll_full=True):
+                    k_block_coord = (None, None, k_block_idx, read_state.index)
+                    cute.gemm(tiled_mma, accumulators, tCrA[k_block_coord], tCrB[k_block_coord], accumulators)
+                cute.nvgpu.warpgroup.commit_group()
+                read_state.advance()
+                if k_tile > 0:
+                    # the previous k-tile's wgmma is done: free its stage, refill it
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    mainloop_pipeline.consumer_release(release_state)
+                    release_state.advance()
+                    if warp_idx == 0 and producer_state.count < total_loads:
+                        p_tile = bidx + (producer_state.count // k_tile_cnt) * grid_x
+                        p_k = producer_state.count % k_tile_cnt
+                        p_n = p_tile % tiles_n
+                        p_m = (p_tile // tiles_n) % tiles_m
+                        p_l = p_tile // (tiles_n * tiles_m)
+                        mainloop_pipeline.producer_acquire(producer_state)
+                        bar = mainloop_pipeline.producer_get_barrier(producer_state)
+                        cute.copy(tma_atom_a, tAgA[(None, p_m, p_k, p_l)], tAsA[(None, producer_state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_atom_b, tBgB[(None, p_n, p_k, p_l)], tBsB[(None, producer_state.index)], tma_bar_ptr=bar)
+                        mainloop_pipeline.producer_commit(producer_state)
+                        producer_state.advance()
+            cute.nvgpu.warpgroup.wait_group(0)
+            # the tile's last stage: free it and issue the next tile's load into it before
+            # the epilogue, so those loads overlap the stores below
+            mainloop_pipeline.consumer_release(release_state)
+            release_state.advance()
+            if warp_idx == 0 and producer_state.count < total_loads:
+                p_tile = bidx + (producer_state.count // k_tile_cnt) * grid_x
+                p_k = producer_state.count % k_tile_cnt
+                p_n = p_tile % tiles_n
+                p_m = (p_tile // tiles_n) % tiles_m
+                p_l = p_tile // (tiles_n * tiles_m)
+                mainloop_pipeline.producer_acquire(producer_state)
+                bar = mainloop_pipeline.producer_get_barrier(producer_state)
+                cute.copy(tma_atom_a, tAgA[(None, p_m, p_k, p_l)], tAsA[(None, producer_state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_atom_b, tBgB[(None, p_n, p_k, p_l)], tBsB[(None, producer_state.index)], tma_bar_ptr=bar)
+                mainloop_pipeline.producer_commit(producer_state)
+                producer_state.advance()
+
+            # epilogue: registers -> sC (its own staging ring, indexed across tiles) -> TMA store
+            gC = gC_all[(None, None, tile_m, tile_n, tile_l)]
+            tCgC_for_tma_partition = cute.zipped_divide(gC, self.epi_tile)
+            bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), tCgC_for_tma_partition
+            )
+            epi_tile_num = cute.size(tCgC_for_tma_partition, mode=[1])
+            epi_tile_shape = tCgC_for_tma_partition.shape[1]
+            epi_tile_layout = cute.make_layout(epi_tile_shape, stride=(epi_tile_shape[1], 1))
+            for epi_idx in cutlass.range_constexpr(epi_tile_num):
+                for epi_v in cutlass.range_constexpr(size_tRS_rD):
+                    tRS_rD[epi_v] = tRS_rAcc[epi_idx * size_tRS_rD + epi_v]
+                tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
+                epi_buffer = (tile_iter * epi_tile_num + epi_idx) % self.epi_stage
+                cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, epi_buffer)])
+                cute.arch.fence_proxy("async.shared", space="cta")
+                pipeline.sync(barrier_id=1)
+                gmem_coord = epi_tile_layout.get_hier_coord(epi_idx)
+                if warp_idx == 0:
+                    cute.copy(tma_atom_c, bSG_sD[(None, epi_buffer)], bSG_gD[(None, gmem_coord)])
+                    c_pipeline.producer_commit()
+                    c_pipeline.producer_acquire()
+                pipeline.sync(barrier_id=1)
+
+        if warp_idx == 0:
+            c_pipeline.producer_tail()
         return
 
     @staticmethod
