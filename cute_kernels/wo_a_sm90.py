@@ -110,7 +110,8 @@ class WoASm90(WoAGemm):
         except for G=16 R=1024 (0.98-1.02x). Where the grid is more than one wave, two CTAs
         per SM (tenth session: 1.10x for G=16 R=1024 at T = 272 / 320). Elsewhere
         :meth:`tile_for` over (T, R): at T >= 1024 neither two CTAs per SM (128x128, 64x256)
-        nor swapped operands nor clusters beat 128x256 reproducibly (tenth session)."""
+        nor swapped operands nor clusters nor the engine's persistent tile loop beat 128x256
+        reproducibly (tenth session)."""
         lo, hi = WoASm90.SWAP_AB_T
         if lo < T <= hi:
             n_tiles = -(-T // 256)
