@@ -32,7 +32,8 @@
 #   phase 22: WO-A's and the runtime's GPU tests, the bench with two CTAs per SM at T = 272 / 320.
 #   phase 23: 64x256 at two CTAs per SM against 128x256 at T = 1024 / 4096 / 16384 (probe).
 #   phase 24: the engine's persistent tile loop: GPU tests, against 128x256 at T >= 1024 (probe).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..24)
+#   phase 25: WO-A's and the runtime's GPU tests on the final tree.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..25)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -161,5 +162,9 @@ case "${1:-1}" in
      # its GPU tests (a hang ends at the step's timeout), then against 128x256 per tile at large T
   step 120 wo_a_persistent_tests $PYT tests/test_wo_a.py -m gpu -k persistent
   step 300 probe_wo_a_persistent env TS=1024,4096,16384 TILES=128x256 PERSISTENT=0,132 python tools/probe_wo_a_tiles.py
+  ;;
+25)  # issue 4: the final tree -- WO-A's GPU tests (all, including the persistent loop's) and the runtime's
+  step 200 wo_a_tests $PYT tests/test_wo_a.py -m gpu
+  step 100 spec_tests $PYT tests/test_spec_decode.py -m gpu
   ;;
 esac
