@@ -1108,11 +1108,8 @@ class HopperWgmmaGemmKernel:
         # prologue: the first stages of the flat (tile, k-tile) load sequence
         if warp_idx == 0:
             for _ in cutlass.range(cutlass.min(self.ab_stage, total_loads), unroll=1):
-                p_tile = bidx + (producer_state.count // k_tile_cnt) * grid_x
+                p_m, p_n, p_l = self._persistent_tile_mnl(bidx + (producer_state.count // k_tile_cnt) * grid_x, tiles_m, tiles_n)
                 p_k = producer_state.count % k_tile_cnt
-                p_n = p_tile % tiles_n
-                p_m = (p_tile // tiles_n) % tiles_m
-                p_l = p_tile // (tiles_n * tiles_m)
                 mainloop_pipeline.producer_acquire(producer_state)
                 bar = mainloop_pipeline.producer_get_barrier(producer_state)
                 cute.copy(tma_atom_a, tAgA[(None, p_m, p_k, p_l)], tAsA[(None, producer_state.index)], tma_bar_ptr=bar)
@@ -1121,10 +1118,7 @@ class HopperWgmmaGemmKernel:
                 producer_state.advance()
 
         for tile_iter in cutlass.range(my_tiles, unroll=1):
-            tile = bidx + tile_iter * grid_x
-            tile_n = tile % tiles_n
-            tile_m = (tile // tiles_n) % tiles_m
-            tile_l = tile // (tiles_n * tiles_m)
+            tile_m, tile_n, tile_l = self._persistent_tile_mnl(bidx + tile_iter * grid_x, tiles_m, tiles_n)
 
             accumulators.fill(0.0)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
@@ -1142,11 +1136,8 @@ class HopperWgmmaGemmKernel:
                     mainloop_pipeline.consumer_release(release_state)
                     release_state.advance()
                     if warp_idx == 0 and producer_state.count < total_loads:
-                        p_tile = bidx + (producer_state.count // k_tile_cnt) * grid_x
+                        p_m, p_n, p_l = self._persistent_tile_mnl(bidx + (producer_state.count // k_tile_cnt) * grid_x, tiles_m, tiles_n)
                         p_k = producer_state.count % k_tile_cnt
-                        p_n = p_tile % tiles_n
-                        p_m = (p_tile // tiles_n) % tiles_m
-                        p_l = p_tile // (tiles_n * tiles_m)
                         mainloop_pipeline.producer_acquire(producer_state)
                         bar = mainloop_pipeline.producer_get_barrier(producer_state)
                         cute.copy(tma_atom_a, tAgA[(None, p_m, p_k, p_l)], tAsA[(None, producer_state.index)], tma_bar_ptr=bar)
@@ -1159,11 +1150,8 @@ class HopperWgmmaGemmKernel:
             mainloop_pipeline.consumer_release(release_state)
             release_state.advance()
             if warp_idx == 0 and producer_state.count < total_loads:
-                p_tile = bidx + (producer_state.count // k_tile_cnt) * grid_x
+                p_m, p_n, p_l = self._persistent_tile_mnl(bidx + (producer_state.count // k_tile_cnt) * grid_x, tiles_m, tiles_n)
                 p_k = producer_state.count % k_tile_cnt
-                p_n = p_tile % tiles_n
-                p_m = (p_tile // tiles_n) % tiles_m
-                p_l = p_tile // (tiles_n * tiles_m)
                 mainloop_pipeline.producer_acquire(producer_state)
                 bar = mainloop_pipeline.producer_get_barrier(producer_state)
                 cute.copy(tma_atom_a, tAgA[(None, p_m, p_k, p_l)], tAsA[(None, producer_state.index)], tma_bar_ptr=bar)
@@ -1198,6 +1186,12 @@ class HopperWgmmaGemmKernel:
         if warp_idx == 0:
             c_pipeline.producer_tail()
         return
+
+    @staticmethod
+    def _persistent_tile_mnl(tile, tiles_m, tiles_n):
+        """Local addition: linear tile index -> (m, n, l), N fastest -- the CTAs running at
+        once share each A tile (the tokens, when B holds the weights) through L2."""
+        return (tile // tiles_n) % tiles_m, tile % tiles_n, tile // (tiles_n * tiles_m)
 
     @staticmethod
     def _compute_stages(
