@@ -70,9 +70,7 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, clus
                          f"occupancy={occupancy}, persistent_ctas={persistent_ctas} -- only the Hopper path takes a "
                          f"cluster (1 or 2 CTAs per mode), a programmatic dependent launch, swapped operands, "
                          f"2 CTAs per SM or a persistent tile loop")
-    if persistent_ctas:
-        return cls(G, R, Dg, (tile_m, tile_n), (cluster_m, cluster_n), pdl, swap_ab, occupancy, persistent_ctas), args
-    return cls(G, R, Dg, (tile_m, tile_n), (cluster_m, cluster_n), pdl, swap_ab, occupancy), args
+    return cls(G, R, Dg, (tile_m, tile_n), (cluster_m, cluster_n), pdl, swap_ab, occupancy, persistent_ctas), args
 
 
 def _aot(arch: str):

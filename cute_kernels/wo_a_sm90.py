@@ -108,7 +108,7 @@ class WoASm90(WoAGemm):
         1.05-1.87x faster than the (T, R) tiles at 28 of 32 (shape, T) points with 64 < T <=
         512, equal at three (T = 512), slower at one; the pairs a further 1.05-1.30x at T >= 200
         except for G=16 R=1024 (0.98-1.02x). Where the grid is more than one wave, two CTAs
-        per SM (tenth session: 1.10x for G=16 R=1024 at T = 272 / 320). Elsewhere
+        per SM (tenth session, G=16 R=1024 at T = 272 / 320: 1.10x in the probe, 1.06x in the bench). Elsewhere
         :meth:`tile_for` over (T, R): at T >= 1024 neither two CTAs per SM (128x128, 64x256)
         nor swapped operands nor clusters nor the engine's persistent tile loop beat 128x256
         reproducibly (tenth session)."""

@@ -1108,12 +1108,16 @@ class HopperWgmmaGemmKernel:
         # prologue: the first stages of the flat (tile, k-tile) load sequence
         if warp_idx == 0:
             for _ in cutlass.range(cutlass.min(self.ab_stage, total_loads), unroll=1):
-                p_m, p_n, p_l = self._persistent_tile_mnl(bidx + (producer_state.count // k_tile_cnt) * grid_x, tiles_m, tiles_n)
+                # load j = producer_state.count of this CTA's sequence: tile j // K, k-tile j % K
+                p_m, p_n, p_l = self._persistent_tile_mnl(
+                    bidx + (producer_state.count // k_tile_cnt) * grid_x, tiles_m, tiles_n
+                )
                 p_k = producer_state.count % k_tile_cnt
+                stage = producer_state.index
                 mainloop_pipeline.producer_acquire(producer_state)
                 bar = mainloop_pipeline.producer_get_barrier(producer_state)
-                cute.copy(tma_atom_a, tAgA[(None, p_m, p_k, p_l)], tAsA[(None, producer_state.index)], tma_bar_ptr=bar)
-                cute.copy(tma_atom_b, tBgB[(None, p_n, p_k, p_l)], tBsB[(None, producer_state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_atom_a, tAgA[(None, p_m, p_k, p_l)], tAsA[(None, stage)], tma_bar_ptr=bar)
+                cute.copy(tma_atom_b, tBgB[(None, p_n, p_k, p_l)], tBsB[(None, stage)], tma_bar_ptr=bar)
                 mainloop_pipeline.producer_commit(producer_state)
                 producer_state.advance()
 
@@ -1136,12 +1140,16 @@ class HopperWgmmaGemmKernel:
                     mainloop_pipeline.consumer_release(release_state)
                     release_state.advance()
                     if warp_idx == 0 and producer_state.count < total_loads:
-                        p_m, p_n, p_l = self._persistent_tile_mnl(bidx + (producer_state.count // k_tile_cnt) * grid_x, tiles_m, tiles_n)
+                        # load j = producer_state.count of this CTA's sequence: tile j // K, k-tile j % K
+                        p_m, p_n, p_l = self._persistent_tile_mnl(
+                            bidx + (producer_state.count // k_tile_cnt) * grid_x, tiles_m, tiles_n
+                        )
                         p_k = producer_state.count % k_tile_cnt
+                        stage = producer_state.index
                         mainloop_pipeline.producer_acquire(producer_state)
                         bar = mainloop_pipeline.producer_get_barrier(producer_state)
-                        cute.copy(tma_atom_a, tAgA[(None, p_m, p_k, p_l)], tAsA[(None, producer_state.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_atom_b, tBgB[(None, p_n, p_k, p_l)], tBsB[(None, producer_state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_atom_a, tAgA[(None, p_m, p_k, p_l)], tAsA[(None, stage)], tma_bar_ptr=bar)
+                        cute.copy(tma_atom_b, tBgB[(None, p_n, p_k, p_l)], tBsB[(None, stage)], tma_bar_ptr=bar)
                         mainloop_pipeline.producer_commit(producer_state)
                         producer_state.advance()
             cute.nvgpu.warpgroup.wait_group(0)
@@ -1150,12 +1158,16 @@ class HopperWgmmaGemmKernel:
             mainloop_pipeline.consumer_release(release_state)
             release_state.advance()
             if warp_idx == 0 and producer_state.count < total_loads:
-                p_m, p_n, p_l = self._persistent_tile_mnl(bidx + (producer_state.count // k_tile_cnt) * grid_x, tiles_m, tiles_n)
+                # load j = producer_state.count of this CTA's sequence: tile j // K, k-tile j % K
+                p_m, p_n, p_l = self._persistent_tile_mnl(
+                    bidx + (producer_state.count // k_tile_cnt) * grid_x, tiles_m, tiles_n
+                )
                 p_k = producer_state.count % k_tile_cnt
+                stage = producer_state.index
                 mainloop_pipeline.producer_acquire(producer_state)
                 bar = mainloop_pipeline.producer_get_barrier(producer_state)
-                cute.copy(tma_atom_a, tAgA[(None, p_m, p_k, p_l)], tAsA[(None, producer_state.index)], tma_bar_ptr=bar)
-                cute.copy(tma_atom_b, tBgB[(None, p_n, p_k, p_l)], tBsB[(None, producer_state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_atom_a, tAgA[(None, p_m, p_k, p_l)], tAsA[(None, stage)], tma_bar_ptr=bar)
+                cute.copy(tma_atom_b, tBgB[(None, p_n, p_k, p_l)], tBsB[(None, stage)], tma_bar_ptr=bar)
                 mainloop_pipeline.producer_commit(producer_state)
                 producer_state.advance()
 
