@@ -235,7 +235,9 @@ class HopperWgmmaGemmKernel:
             # Local addition: the epilogue's staging buffers no longer alias sA (the next
             # tile's loads are in flight there), so they come out of the operand stages.
             epi_bytes = cute.size(self.epi_tile) * self.c_dtype.width // 8 * self.epi_stage
-            ab_bytes = (self.tile_shape_mnk[0] + self.tile_shape_mnk[1]) * self.tile_shape_mnk[2] * self.a_dtype.width // 8
+            bm, bn, bk = self.tile_shape_mnk
+            ab_bytes = (bm + bn) * bk * self.a_dtype.width // 8
+            # less 1 KiB of barriers and 1 KiB of the buffers' 1024-byte alignment
             self.ab_stage = (self.smem_capacity - 1024 - epi_bytes - self.buffer_align_bytes) // ab_bytes
 
         (
