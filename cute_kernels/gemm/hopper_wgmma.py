@@ -349,21 +349,8 @@ class HopperWgmmaGemmKernel:
             # Local addition: persistent launch -- min(tiles, persistent_ctas) CTAs.
             @cute.struct
             class PersistentStorage:
-                mainloop_pipeline_array_ptr: cute.struct.MemRange[
-                    cutlass.Int64, self.ab_stage * 2
-                ]
-                sA: cute.struct.Align[
-                    cute.struct.MemRange[
-                        self.a_dtype, cute.cosize(self.a_smem_layout_staged)
-                    ],
-                    self.buffer_align_bytes,
-                ]
-                sB: cute.struct.Align[
-                    cute.struct.MemRange[
-                        self.b_dtype, cute.cosize(self.b_smem_layout_staged)
-                    ],
-                    self.buffer_align_bytes,
-                ]
+                # SharedStorage's fields, then the epilogue buffers apart from sA
+                operands: SharedStorage
                 sC: cute.struct.Align[
                     cute.struct.MemRange[
                         self.c_dtype, cute.cosize(self.epi_smem_layout_staged)
@@ -1036,7 +1023,7 @@ class HopperWgmmaGemmKernel:
         storage = smem.allocate(self.shared_storage)
         num_warps = self.threads_per_cta // 32
         mainloop_pipeline = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mainloop_pipeline_array_ptr.data_ptr(),
+            barrier_storage=storage.operands.mainloop_pipeline_array_ptr.data_ptr(),
             num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_warps),
@@ -1046,8 +1033,8 @@ class HopperWgmmaGemmKernel:
         )
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
-        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
-        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+        sA = storage.operands.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+        sB = storage.operands.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
         sC = storage.sC.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
 
         # every tile at once: (bM, bK, RestM, RestK, RestL), (bN, bK, RestN, RestK, RestL),
