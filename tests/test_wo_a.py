@@ -74,43 +74,37 @@ def test_cuda_graph_replay(seed):
         assert rel_err(out, wo_a_ref(o, w)) < TOL
 
 
+def check_engine(T, G, HG, Dv, R, **config):
+    """The Hopper engine in ``config``, straight from the kernel cache (no wo_a() dispatch),
+    on a poisoned output: every element written, FP32-reference error within TOL."""
+    from cute_kernels import jit
+
+    o, w = make(T, G, HG, Dv, R, "cuda")
+    out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
+    fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=HG * Dv, **config)
+    P = jit.gmem_ptr
+    fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, w, 16), P(cutlass.BFloat16, out, 16), jit.i32(T),
+       jit.cu_stream())
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert rel_err(out, wo_a_ref(o, w)) < TOL
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", [(128, 160), (64, 160), (128, 64), (64, 96)])
 @pytest.mark.parametrize("T", [1, 77, 320, 333])
 def test_swap_ab_engine_matches_fp64(seed, tile, T):
     """The engine with weight rows on M and tokens on N (M-major C view of token-major y):
     T past the last token tile is clipped, every element of the poisoned output written."""
-    from cute_kernels import jit
-
-    G, HG, Dv, R = 8, 16, 128, 512
-    o, w = make(T, G, HG, Dv, R, "cuda")
-    out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
-    fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=HG * Dv, tile_m=tile[0], tile_n=tile[1], swap_ab=True)
-    P = jit.gmem_ptr
-    fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, w, 16), P(cutlass.BFloat16, out, 16), jit.i32(T),
-       jit.cu_stream())
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
-    assert rel_err(out, wo_a_ref(o, w)) < TOL
+    check_engine(T, 8, 16, 128, 512, tile_m=tile[0], tile_n=tile[1], swap_ab=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile, swap_ab, T", [((64, 256), False, 1000), ((128, 160), True, 300)])
 def test_engine_two_ctas_per_sm_matches_fp64(seed, tile, swap_ab, T):
     """Stages sized for two CTAs per SM (``occupancy=2``), a partial last token tile."""
-    from cute_kernels import jit
-
-    G, HG, Dv, R = 16, 8, 128, 1024
-    o, w = make(T, G, HG, Dv, R, "cuda")
-    out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
-    fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=HG * Dv, tile_m=tile[0], tile_n=tile[1],
-                        cluster_m=2 if swap_ab else 1, swap_ab=swap_ab, occupancy=2)
-    P = jit.gmem_ptr
-    fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, w, 16), P(cutlass.BFloat16, out, 16), jit.i32(T),
-       jit.cu_stream())
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
-    assert rel_err(out, wo_a_ref(o, w)) < TOL
+    check_engine(T, 16, 8, 128, 1024, tile_m=tile[0], tile_n=tile[1], cluster_m=2 if swap_ab else 1,
+                 swap_ab=swap_ab, occupancy=2)
 
 
 @pytest.mark.gpu
@@ -119,18 +113,8 @@ def test_engine_persistent_matches_fp64(seed, ctas, T):
     """The persistent tile loop: every tile of the poisoned output written once, including
     CTAs that walk many tiles (7 and 3 CTAs: the operand pipeline crosses tile boundaries
     with its phases wrapping) and a partial last token tile."""
-    from cute_kernels import jit
-
     for G, HG, Dv, R in [(16, 8, 128, 1024), (8, 16, 128, 512)]:
-        o, w = make(T, G, HG, Dv, R, "cuda")
-        out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
-        fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=HG * Dv, tile_m=128, tile_n=256, persistent_ctas=ctas)
-        P = jit.gmem_ptr
-        fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, w, 16), P(cutlass.BFloat16, out, 16), jit.i32(T),
-           jit.cu_stream())
-        torch.cuda.synchronize()
-        assert torch.isfinite(out).all()
-        assert rel_err(out, wo_a_ref(o, w)) < TOL
+        check_engine(T, G, HG, Dv, R, tile_m=128, tile_n=256, persistent_ctas=ctas)
 
 
 # --------------------------------------------------- Blackwell path on the CPU ---------
