@@ -79,8 +79,7 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
                 if not pers or (occ == 1 and c[2:4] == (1, 1))]
         for (tm, tn, cm, cn, swap), occ, pers in runs:
             fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, cluster_m=cm,
-                                cluster_n=cn, swap_ab=swap, occupancy=occ,
-                                **({"persistent_ctas": pers} if pers else {}))
+                                cluster_n=cn, swap_ab=swap, occupancy=occ, persistent_ctas=pers)
 
             def call(i, fn=fn):
                 fn(jit.gmem_ptr(cutlass.BFloat16, o), jit.gmem_ptr(cutlass.BFloat16, ws[i]),
