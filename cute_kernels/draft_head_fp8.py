@@ -13,7 +13,7 @@ hence one scale for ``W``. ``W``'s bytes halve against bf16; unlike the MX block
 expert kernel (:mod:`moe.experts_sm90_decode`, which promotes an FP32 fragment per 32-wide K
 block and is bound by that at 64 live rows), the wgmma accumulates across all of K.
 
-Kernel: the vendored Hopper TMA + wgmma engine (:mod:`cute_kernels.gemm.hopper_wgmma`, e4m3
+Kernel: the project's Hopper TMA + wgmma engine (:mod:`cute_kernels.gemm.sm90_gemm`, e4m3
 operands, both K-major) over ``A = h_q (M=B, K=C)``, ``B = W_q (N=V, K=C)``, ``C = scores
 (M=B, N=V)``: rows past ``B`` are clipped by TMA, so one compile serves every batch.
 
@@ -33,11 +33,11 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32
+from cutlass import Int32
 
 from . import jit
 from .arch import current_arch, dispatch
-from .gemm.hopper_wgmma import HopperWgmmaGemmKernel
+from .gemm.sm90_gemm import Sm90Gemm
 from .validate import check_cuda, check_int32_indexable, check_tensor
 
 E4M3_MAX = 448.0
@@ -53,7 +53,7 @@ class DraftHeadFp8Sm90:
 
     def __init__(self, V: int, C: int, tile_mn: tuple[int, int]):
         self.V, self.C = V, C
-        self.gemm = HopperWgmmaGemmKernel(Float32, tile_mn, (1, 1))
+        self.gemm = Sm90Gemm(tile_mn)
 
     @cute.jit
     def __call__(self, h_ptr: cute.Pointer, w_ptr: cute.Pointer, out_ptr: cute.Pointer, rows: Int32,
@@ -82,7 +82,7 @@ KERNEL = jit.register(jit.KernelDef(
     name="draft_head_fp8",
     build=_build,
     sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                     "gemm", "hopper_wgmma.py")),
+                                                     "gemm", "sm90_gemm.py")),
     archs=("sm_90a",),
     aot_configs=(dict(V=129280, C=7168),),
     description="draft LM head, e4m3 x e4m3 wgmma, argmax-preserving scores",

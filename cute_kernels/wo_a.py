@@ -47,15 +47,14 @@ _PATHS = {"sm90": WoASm90, "sm100": WoASm100}
 
 
 def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, cluster_m: int = 1, cluster_n: int = 1,
-           pdl: bool = False, swap_ab: bool = False, occupancy: int = 1, persistent_ctas: int = 0):
+           pdl: bool = False, swap_ab: bool = False, occupancy: int = 1):
     """``cluster_m`` / ``cluster_n``: the Hopper engine's thread-block cluster (TMA multicast of
     the operand tiles the cluster's CTAs share): (2, 1) in the shipped swapped configs, (1, 1)
     in the others, any of 1/2 x 1/2 for tools/probe_wo_a_tiles.py. ``pdl``: the Hopper engine
     as a programmatic dependent launch (see :func:`wo_a`). ``swap_ab``: weight rows on M,
     tokens on N (:mod:`.wo_a_sm90`); the tile is then (R-tile, T-tile). ``occupancy``: CTAs
-    per SM the engine's stage count leaves room for. ``persistent_ctas``: the Hopper engine's
-    persistent tile loop on at most that many CTAs (a probe knob; 1x1 clusters, no pdl). Which
-    config a call launches: the path's ``config_for(T, G, R)``."""
+    per SM the engine's stage count and register split leave room for. Which config a call
+    launches: the path's ``config_for(T, G, R)``."""
     from .arch import family
 
     cls = _PATHS[family(arch)]
@@ -63,14 +62,13 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, clus
         raise ValueError(f"wo_a: unsupported G={G}, R={R}, Dg={Dg} on {arch}")
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), Int32(1), jit.fake_stream())
-    if (cluster_m, cluster_n) == (1, 1) and not pdl and not swap_ab and occupancy == 1 and not persistent_ctas:
+    if (cluster_m, cluster_n) == (1, 1) and not pdl and not swap_ab and occupancy == 1:
         return cls(G, R, Dg, (tile_m, tile_n)), args
     if family(arch) != "sm90" or cluster_m not in (1, 2) or cluster_n not in (1, 2) or occupancy not in (1, 2):
         raise ValueError(f"wo_a: cluster ({cluster_m}, {cluster_n}), pdl={pdl}, swap_ab={swap_ab}, "
-                         f"occupancy={occupancy}, persistent_ctas={persistent_ctas} -- only the Hopper path takes a "
-                         f"cluster (1 or 2 CTAs per mode), a programmatic dependent launch, swapped operands, "
-                         f"2 CTAs per SM or a persistent tile loop")
-    return cls(G, R, Dg, (tile_m, tile_n), (cluster_m, cluster_n), pdl, swap_ab, occupancy, persistent_ctas), args
+                         f"occupancy={occupancy} -- only the Hopper path takes a cluster (1 or 2 CTAs per mode), "
+                         f"a programmatic dependent launch, swapped operands or 2 CTAs per SM")
+    return cls(G, R, Dg, (tile_m, tile_n), (cluster_m, cluster_n), pdl, swap_ab, occupancy), args
 
 
 def _aot(arch: str):
@@ -91,7 +89,7 @@ KERNEL = jit.register(jit.KernelDef(
     name="wo_a",
     build=_build,
     sources=tuple(os.path.join(_HERE, f) for f in ("wo_a.py", "wo_a_sm90.py", "wo_a_sm100.py",
-                                                   "gemm/hopper_wgmma.py", "gemm/blackwell_tcgen05.py")),
+                                                   "gemm/sm90_gemm.py", "gemm/blackwell_tcgen05.py")),
     archs=("sm_90a", "sm_100a", "sm_103a"),
     aot_configs=_aot,
     description="grouped low-rank output projection, token-major epilogue (wgmma / tcgen05)",

@@ -1,7 +1,7 @@
 """WO-A on Hopper (sm_90a): TMA + wgmma batched GEMM writing token-major output.
 
-See :mod:`cute_kernels.wo_a` for the operation. This file only maps it onto the vendored
-Hopper engine (:mod:`cute_kernels.gemm.hopper_wgmma`): group ``g`` is the batch mode ``L``,
+See :mod:`cute_kernels.wo_a` for the operation. This file only maps it onto the project's
+Hopper engine (:mod:`cute_kernels.gemm.sm90_gemm`): group ``g`` is the batch mode ``L``,
 and the three operands are strided views of the original buffers -- no copies::
 
     A = o     as (M=T, K=Dg, L=G)  strides (G*Dg, 1, Dg)      # o [T, H, Dv] = [T, G, Dg]
@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Int32
 
-from .gemm.hopper_wgmma import HopperWgmmaGemmKernel
+from .gemm.sm90_gemm import Sm90Gemm
 
 
 def wo_a_layouts(T, G: int, R: int, Dg: int, swap_ab: bool = False):
@@ -71,11 +71,11 @@ class WoASm90(WoAGemm):
     (R, T) with ``swap_ab``)."""
 
     def __init__(self, G: int, R: int, Dg: int, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1),
-                 pdl: bool = False, swap_ab: bool = False, occupancy: int = 1, persistent_ctas: int = 0):
+                 pdl: bool = False, swap_ab: bool = False, occupancy: int = 1):
         super().__init__(G, R, Dg, swap_ab)
         # under PDL the weights load before the grid-dependency wait: B, or A when swapped
-        self.gemm = HopperWgmmaGemmKernel(Float32, tile_mn, cluster_mn, pdl, "a" if swap_ab else "b", occupancy,
-                                          persistent_ctas)
+        self.gemm = Sm90Gemm(tile_mn, cluster_mn, pdl=pdl, pdl_early_operand="a" if swap_ab else "b",
+                             occupancy=occupancy)
 
     @staticmethod
     def tile_for(T: int, G: int, R: int) -> tuple[int, int]:

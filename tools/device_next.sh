@@ -33,14 +33,18 @@
 #   phase 23: 64x256 at two CTAs per SM against 128x256 at T = 1024 / 4096 / 16384 (probe).
 #   phase 24: the engine's persistent tile loop: GPU tests, against 128x256 at T >= 1024 (probe).
 #   phase 25: WO-A's and the runtime's GPU tests on the final tree.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..25)
+#   phase 26: the project's own Hopper engine (cute_kernels/gemm/sm90_gemm.py, replacing the
+#            vendored CUTLASS example): WO-A's and the FP8 draft head's GPU tests, then (only
+#            if they pass) the WO-A bench at every T.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..26)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
 set -u
 source tools/device-env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-step() { local t=$1 name=$2; shift 2; echo "== $name: $*"; timeout "$t" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"
+step() { local t=$1 name=$2; shift 2; echo "== $name: $*"; timeout "$t" "$@" > "$OUT/$name.log" 2>&1; STEP_RC=$?
+  echo "rc=$STEP_RC"
   grep -v -e Warning -e _warn_once "$OUT/$name.log" | grep -v "^\s*$" | tail -14; }
 PYT="python -m pytest -q -rf --tb=short -p no:cacheprovider"
 BENCH="python -m spec_decode.bench --backends baseline,fused"
@@ -166,5 +170,11 @@ case "${1:-1}" in
 25)  # issue 4: the final tree -- WO-A's GPU tests (all, including the persistent loop's) and the runtime's
   step 200 wo_a_tests $PYT tests/test_wo_a.py -m gpu
   step 100 spec_tests $PYT tests/test_spec_decode.py -m gpu
+  ;;
+26)  # the project's own Hopper engine: correctness first (a hang ends at the step's timeout)
+  step 200 wo_a_tests $PYT -x tests/test_wo_a.py -m gpu
+  ok=$STEP_RC
+  step 60 draft_head_tests $PYT tests/test_draft_head_fp8.py -m gpu
+  [ "$ok" = 0 ] && step 300 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,96,200,272,320,4096,16384 --out "$OUT/bench_wo_a.md"
   ;;
 esac

@@ -6,7 +6,6 @@
     env TS=320 TILES=128x256 SWAP_TILES=128x160,64x160,128x64 python tools/probe_wo_a_tiles.py
     env TS=96,200,512 PICKS=1 python tools/probe_wo_a_tiles.py
     env TS=320 TILES=128x256 SWAP_TILES=128x160,64x160 CLUSTERS=2x1 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
-    env TS=4096,16384 TILES=128x256 PERSISTENT=0,132 python tools/probe_wo_a_tiles.py
 
 Prints, per shape and T, us per call (graph replay, rotating weights) and the relative error
 against an FP32 einsum for each tile / cluster, and cuBLAS ``bmm`` alone (group-major output,
@@ -36,8 +35,6 @@ TILES = _pairs("TILES", "64x64,64x128,64x256,128x128,128x256")
 # swap AB: weight rows on M, tokens on N -- tiles written (R-tile)x(T-tile), e.g. 128x160
 SWAP_TILES = _pairs("SWAP_TILES", "") if os.environ.get("SWAP_TILES") else []
 OCCUPANCY = [int(v) for v in os.environ.get("OCCUPANCY", "1").split(",")]  # CTAs per SM the stages leave room for
-# persistent tile loop on at most this many CTAs (0: one CTA per tile); 1x1 clusters, occupancy 1 only
-PERSISTENT = [int(v) for v in os.environ.get("PERSISTENT", "0").split(",")]
 PICKS = bool(os.environ.get("PICKS"))  # only tile_for()'s tile and config_for()'s config, per T
 CLUSTERS = _pairs("CLUSTERS", "1x1")
 TS = [int(t) for t in os.environ.get("TS", "1,64,320,1024").split(",")]
@@ -75,20 +72,17 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
         else:
             configs = [(tm, tn, cm, cn, False) for tm, tn in TILES if R % tn == 0 for cm, cn in CLUSTERS]
             configs += [(tm, tn, cm, cn, True) for tm, tn in SWAP_TILES if R % tm == 0 for cm, cn in CLUSTERS]
-        runs = [(c, occ, pers) for c in configs for occ in OCCUPANCY for pers in PERSISTENT
-                if not pers or (occ == 1 and c[2:4] == (1, 1))]
-        for (tm, tn, cm, cn, swap), occ, pers in runs:
+        for (tm, tn, cm, cn, swap), occ in [(c, occ) for c in configs for occ in OCCUPANCY]:
             fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, cluster_m=cm,
-                                cluster_n=cn, swap_ab=swap, occupancy=occ, persistent_ctas=pers)
+                                cluster_n=cn, swap_ab=swap, occupancy=occ)
 
             def call(i, fn=fn):
                 fn(jit.gmem_ptr(cutlass.BFloat16, o), jit.gmem_ptr(cutlass.BFloat16, ws[i]),
                    jit.gmem_ptr(cutlass.BFloat16, y), jit.i32(T), jit.cu_stream())
 
             t, err = measure(call, y, ref, n)
-            mark = "*" if (tm, tn, cm, cn, swap) == launched and occ == cfg.get("occupancy", 1) and not pers else ""
-            name = (f"{'swap ' if swap else ''}{tm}x{tn} c{cm}x{cn}{f' occ{occ}' if occ > 1 else ''}"
-                    f"{f' persistent{pers}' if pers else ''}")
+            mark = "*" if (tm, tn, cm, cn, swap) == launched and occ == cfg.get("occupancy", 1) else ""
+            name = f"{'swap ' if swap else ''}{tm}x{tn} c{cm}x{cn}{f' occ{occ}' if occ > 1 else ''}"
             res.append(f"{name}{mark}: {t * 1e6:.1f} us ({t_bmm / t:.2f}x bmm, err {err:.1e})")
         for bands in BANDS:  # row bands: one launch per band, each with its own tile
             if sum(rows for rows, _ in bands) != T or any(R % tn for _, (_, tn) in bands):

@@ -1,1 +1,2 @@
-"""GEMM engines shared by the tensor-core kernels (vendored from CUTLASS examples)."""
+"""GEMM engines shared by the tensor-core kernels: :mod:`.sm90_gemm` (Hopper, written for this
+project) and :mod:`.blackwell_tcgen05` (Blackwell, vendored from a CUTLASS example)."""

@@ -74,3 +74,35 @@ def count(hist: Counter, prefix: str) -> int:
 def local_memory_ops(hist: Counter) -> int:
     """Spill traffic: LDL/STL (local loads/stores)."""
     return count(hist, "LDL") + count(hist, "STL")
+
+
+def register_counts(cubin: bytes) -> dict[str, int]:
+    """Registers per thread of each kernel in a cubin, from the ``EIATTR_REGCOUNT`` (0x2f)
+    records of its ``.nv.info`` section (what ``cuobjdump --dump-resource-usage`` reports)."""
+    import struct
+
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("register_counts: not a 64-bit ELF cubin")
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+
+    def cstr(base, off):
+        return cubin[base + off:cubin.index(b"\0", base + off)].decode()
+
+    names = {cstr(secs[shstrndx][4], s[0]): s for s in secs}
+    symtab, strtab = names[".symtab"], names[".strtab"]
+    info = names[".nv.info"]
+    out, pos, end = {}, info[4], info[4] + info[5]
+    while pos < end:
+        fmt, attr = cubin[pos], cubin[pos + 1]
+        if fmt == 0x04:  # EIFMT_SVAL: u16 size, then the payload
+            size, = struct.unpack_from("<H", cubin, pos + 2)
+            if attr == 0x2F:
+                sym, regs = struct.unpack_from("<II", cubin, pos + 4)
+                st_name, = struct.unpack_from("<I", cubin, symtab[4] + sym * symtab[9])
+                out[cstr(strtab[4], st_name)] = regs
+            pos += 4 + size
+        else:  # EIFMT_NVAL / BVAL / HVAL: 4 bytes in all
+            pos += 4
+    return out

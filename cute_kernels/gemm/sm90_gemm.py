@@ -1,0 +1,348 @@
+"""Hopper (sm_90a) batched GEMM engine: TMA loads, a warp-specialised mbarrier pipeline, wgmma
+accumulating in registers, and a TMA-store epilogue.
+
+    C[m, n, l] = sum_k A[m, k, l] * B[n, k, l]        (FP32 accumulation, one rounding to C)
+
+over (M, K, L) / (N, K, L) / (M, N, L) tensors of any strides TMA accepts (A and B K-major; C
+N- or M-major), so callers hand it strided views of their own buffers --
+:mod:`cute_kernels.wo_a_sm90` writes token-major WO-A output through a (T, R, G) view.
+
+One CTA per output tile (``tile_m`` x ``tile_n``, batch ``l`` = blockIdx.z): ``tile_m / 64``
+consumer warp groups and one producer warp.
+
+- the producer warp issues the TMA loads of A and B k-tiles into ``stages`` shared-memory
+  buffers, each guarded by a full / empty mbarrier pair
+  (``PipelineTmaAsync``). With a thread-block cluster, each CTA loads its slice of the tiles
+  its cluster row / column shares and multicasts it; the empty barriers then collect one
+  arrival per consumer warp of every CTA that reads the buffer.
+- consumer warp group ``w`` owns rows ``64w .. 64w + 63``: wgmma over each k-tile as it lands,
+  one batch in flight (a buffer is released once the batch after it is issued and the batch
+  reading it retired), then the epilogue: bf16 (or C's type) conversion, ``stmatrix`` into
+  32-column shared-memory subtiles that reuse A's buffers, and TMA stores (4 subtiles in
+  flight), TMA clipping rows and columns past the tensor -- so M, N need not be tile
+  multiples.
+
+Tiles are walked in groups of 8 cluster rows along M (every N tile of 8 consecutive M tiles
+before the next 8), so CTAs that run together share their A and B tiles in L2.
+
+Options (compile time): ``cluster_mn`` (1 or 2 per mode: TMA multicast of shared tiles);
+``pdl`` (launch as a programmatic dependent: the prologue's tiles of ``pdl_early_operand``,
+the one the previous kernel does not write, load before ``griddepcontrol.wait``);
+``occupancy`` (CTAs per SM that the stage count and the register split leave room for).
+
+Constraints: A and B of one 16-bit type (bf16 / fp16) or 8-bit floats (e4m3 / e5m2), both
+K-major; ``tile_m`` in {64, 128}; ``tile_n`` a multiple of 32 in 32..256; 16-byte aligned
+TMA rows. Written for this project from the public CuTe DSL API (``cutlass.pipeline``,
+``cutlass.utils.hopper_helpers``).
+
+Tests / machine code: ``pytest tests/test_wo_a.py tests/test_draft_head_fp8.py``.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.memory
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
+
+WARP_GROUP = 128
+#: H100 / H200: 228 KiB of shared memory per SM, of which the hardware reserves 1 KiB per CTA;
+#: at most 227 KiB for one CTA
+SMEM_PER_SM = 228 * 1024
+SMEM_PER_CTA_MAX = 227 * 1024
+#: barriers (2 x 8 bytes a stage) and the operand buffers' 1024-byte alignment
+SMEM_RESERVE = 2048
+EPI_STAGES = 4
+#: M tiles per raster group (L2 reuse of the B tiles across concurrent CTAs)
+RASTER_GROUP_M = 8
+
+
+class Sm90Gemm:
+    """Compile-time configuration of one GEMM kernel; ``__call__(a, b, c, stream)`` launches."""
+
+    def __init__(self, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1), *, pdl: bool = False,
+                 pdl_early_operand: str = "b", occupancy: int = 1, acc_dtype=Float32):
+        tile_m, tile_n = tile_mn
+        if tile_m not in (64, 128):
+            raise ValueError(f"Sm90Gemm: tile_m must be 64 or 128, got {tile_m}")
+        if tile_n % 32 or not 32 <= tile_n <= 256:
+            raise ValueError(f"Sm90Gemm: tile_n must be a multiple of 32 in 32..256, got {tile_n}")
+        if any(c not in (1, 2) for c in cluster_mn):
+            raise ValueError(f"Sm90Gemm: cluster_mn must be 1 or 2 per mode, got {cluster_mn}")
+        if occupancy not in (1, 2):
+            raise ValueError(f"Sm90Gemm: occupancy must be 1 or 2, got {occupancy}")
+        if pdl_early_operand not in ("a", "b"):
+            raise ValueError(f"Sm90Gemm: pdl_early_operand must be 'a' or 'b', got {pdl_early_operand!r}")
+        self.tile_mn = (tile_m, tile_n)
+        self.cluster_mn = tuple(cluster_mn)
+        self.pdl, self.pdl_early_a = pdl, pdl_early_operand == "a"
+        self.occupancy = occupancy
+        self.acc_dtype = acc_dtype
+        self.consumer_wgs = tile_m // 64
+        # One producer warp after the consumer warp groups, no setmaxnreg: two CTAs per SM must
+        # fit every warp in 65536 / (2 * threads) registers. A 128 x 160 tile compiles to 106
+        # (112 allocated; 2 x 288 x 112 <= 65536), a producer warp group would leave 85 --
+        # and ptxas's own cap under minctasm=2 (96) is below what the 64 x 160 wgmma needs.
+        # tests/test_wo_a.py checks the register count of the shipped occupancy-2 config.
+        self.threads = WARP_GROUP * self.consumer_wgs + 32
+        self.producer_warp = 4 * self.consumer_wgs
+
+    def stages_for(self, tile_k: int, ab_width: int) -> int:
+        """Operand stages that fit ``occupancy`` CTAs per SM (the epilogue reuses A's buffers)."""
+        tile_m, tile_n = self.tile_mn
+        smem = SMEM_PER_CTA_MAX if self.occupancy == 1 else SMEM_PER_SM // self.occupancy - 1024
+        return (smem - SMEM_RESERVE) // ((tile_m + tile_n) * tile_k * ab_width // 8)
+
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda.CUstream):
+        self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
+        if const_expr(self.a_dtype.width != self.b_dtype.width or self.a_dtype.width not in (8, 16)):
+            raise TypeError(f"Sm90Gemm: A and B must both be 16-bit or both 8-bit, got {self.a_dtype}, {self.b_dtype}")
+        if const_expr(self.a_dtype.width == 16 and self.a_dtype != self.b_dtype):
+            raise TypeError(f"Sm90Gemm: 16-bit A and B must match, got {self.a_dtype}, {self.b_dtype}")
+        a_major, b_major = LayoutEnum.from_tensor(a), LayoutEnum.from_tensor(b)
+        self.c_major = c_major = LayoutEnum.from_tensor(c)
+        tile_m, tile_n = self.tile_mn
+        cluster_m, cluster_n = self.cluster_mn
+
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.a_dtype, self.b_dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
+            self.acc_dtype, (self.consumer_wgs, 1, 1), tiler_mn=(64, tile_n))
+        # four wgmma k-steps per stage: 64 (16-bit) or 128 (8-bit) elements, 128 bytes a row
+        tile_k = cute.size(tiled_mma.shape_mnk, mode=[2]) * 4
+        self.tile_mnk = (tile_m, tile_n, tile_k)
+        self.stages = self.stages_for(tile_k, self.a_dtype.width)
+        self.epi_tile = epi_tile = sm90_utils.compute_tile_shape_or_override(self.tile_mnk, self.c_dtype,
+                                                             is_cooperative=self.consumer_wgs == 2)
+        sA_layout = sm90_utils.make_smem_layout_a(a_major, self.tile_mnk, self.a_dtype, self.stages)
+        sB_layout = sm90_utils.make_smem_layout_b(b_major, self.tile_mnk, self.b_dtype, self.stages)
+        sC_layout = sm90_utils.make_smem_layout_epi(self.c_dtype, c_major, epi_tile, EPI_STAGES)
+        if const_expr(cute.cosize(sC_layout) * self.c_dtype.width > cute.cosize(sA_layout) * self.a_dtype.width):
+            raise ValueError("Sm90Gemm: the epilogue's subtiles do not fit in A's buffers")
+
+        # A tiles are shared by the cluster's CTAs along N, B tiles along M
+        tma_a, mA = self._tma_load(a, sA_layout, (tile_m, tile_k), cluster_n)
+        tma_b, mB = self._tma_load(b, sB_layout, (tile_n, tile_k), cluster_m)
+        tma_c, mC = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c,
+                                                cute.slice_(sC_layout, (None, None, 0)), epi_tile)
+
+        @cute.struct
+        class SharedStorage:
+            ab_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(sA_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(sB_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        M, N, L = cute.size(c, mode=[0]), cute.size(c, mode=[1]), cute.size(c, mode=[2])
+        grid = ((M + tile_m * cluster_m - 1) // (tile_m * cluster_m) * cluster_m,
+                (N + tile_n * cluster_n - 1) // (tile_n * cluster_n) * cluster_n, L)
+        self.kernel(tma_a, mA, tma_b, mB, tma_c, mC, tiled_mma, sA_layout, sB_layout, sC_layout).launch(
+            grid=grid, block=[self.threads, 1, 1], cluster=(cluster_m, cluster_n, 1), stream=stream,
+            use_pdl=self.pdl)
+
+    @staticmethod
+    def _tma_load(t: cute.Tensor, smem_layout_staged, tile: tuple[int, int], multicast: int):
+        op = cpasync.CopyBulkTensorTileG2SOp() if multicast == 1 else cpasync.CopyBulkTensorTileG2SMulticastOp()
+        return cpasync.make_tiled_tma_atom(op, t, cute.slice_(smem_layout_staged, (None, None, 0)), tile,
+                                           num_multicast=multicast)
+
+    @cute.jit
+    def tile_coord(self):
+        """(m tile, n tile, l) of this CTA: clusters in raster groups of RASTER_GROUP_M along M."""
+        cx, cy, _ = cute.arch.cluster_idx()
+        ncx, ncy, _ = cute.arch.cluster_dim()
+        _, _, l = cute.arch.block_idx()
+        per_group = RASTER_GROUP_M * ncy
+        linear = cx + cy * ncx
+        group = linear // per_group
+        first = group * RASTER_GROUP_M
+        rows = cutlass.min(RASTER_GROUP_M, ncx - first)
+        within = linear - group * per_group
+        in_cluster = cute.arch.block_in_cluster_idx()
+        m = (first + within % rows) * self.cluster_mn[0] + in_cluster[0]
+        n = (within // rows) * self.cluster_mn[1] + in_cluster[1]
+        return m, n, l
+
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+               tma_c: cute.CopyAtom, mC: cute.Tensor, tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
+               sB_layout: cute.ComposedLayout, sC_layout: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == self.producer_warp:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+        if const_expr(self.pdl):
+            # the next kernel may launch now; it waits for this grid's completion itself
+            cute.arch.griddepcontrol_launch_dependents()
+
+        m, n, l = self.tile_coord()
+        cluster_layout = cute.make_layout((*self.cluster_mn, 1))
+        cluster_coord = cluster_layout.get_flat_coord(cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()))
+        is_clustered = const_expr(cute.size(cluster_layout) > 1)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        stage_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(sA_layout, (None, None, 0)))
+                       + cute.size_in_bytes(self.b_dtype, cute.slice_(sB_layout, (None, None, 0))))
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_barriers.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WARP_GROUP * self.consumer_wgs),
+            tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, *cluster_layout.shape)),
+            enable_multicast_signaling=True, defer_sync=True)
+        pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
+
+        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        coord = (m, n, None, l)
+        gA = cute.local_tile(mA, self.tile_mnk, coord, proj=(1, None, 1))  # (bM, bK, k tiles)
+        gB = cute.local_tile(mB, self.tile_mnk, coord, proj=(None, 1, 1))  # (bN, bK, k tiles)
+        gC = cute.local_tile(mC, self.tile_mnk, coord, proj=(1, 1, None))  # (bM, bN)
+        k_tiles = cute.size(gA, mode=[2])
+        pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
+
+        if warp == self.producer_warp:
+            self.load(ab_pipe, tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord, k_tiles)
+            if const_expr(is_clustered):
+                # no CTA of the cluster exits while another may still arrive on its barriers
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+        else:
+            acc = self.mma(ab_pipe, tiled_mma, sA, sB, gC, warp // 4, k_tiles)
+            if const_expr(is_clustered):
+                cute.arch.cluster_arrive()
+            if const_expr(self.pdl):
+                # stores after the previous grid's writes (the loads already waited for it)
+                cute.arch.griddepcontrol_wait()
+            self.epilogue(acc, tiled_mma, tma_c, sA, sC_layout, gC, tidx, warp)
+            if const_expr(is_clustered):
+                cute.arch.cluster_wait()
+
+    @cute.jit
+    def load(self, ab_pipe, tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord, k_tiles):
+        """The producer warp: A and B k-tiles into the stage buffers, as the consumers free them."""
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_a, cluster_coord[1], cute.make_layout(cute.slice_(cluster_layout, (0, None, 0)).shape),
+            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_b, cluster_coord[0], cute.make_layout(cute.slice_(cluster_layout, (None, 0, 0)).shape),
+            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        a_mask = 0
+        b_mask = 0
+        if const_expr(self.cluster_mn[1] > 1):
+            a_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=1)
+        if const_expr(self.cluster_mn[0] > 1):
+            b_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=0)
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        k_first = 0
+        if const_expr(self.pdl):
+            # The first stages' early operand (weights: not written by the previous kernel) loads
+            # before the grid-dependency wait, the late one after it; the full barriers expect
+            # both, so the consumers see whole stages either way.
+            k_first = cutlass.min(self.stages, k_tiles)
+            early = (tma_a, tAgA, tAsA, a_mask) if self.pdl_early_a else (tma_b, tBgB, tBsB, b_mask)
+            late = (tma_b, tBgB, tBsB, b_mask) if self.pdl_early_a else (tma_a, tAgA, tAsA, a_mask)
+            early_state = state.clone()
+            for _ in cutlass.range(k_first, unroll=1):
+                ab_pipe.producer_acquire(early_state)
+                cute.copy(early[0], early[1][(None, early_state.count)], early[2][(None, early_state.index)],
+                          tma_bar_ptr=ab_pipe.producer_get_barrier(early_state), mcast_mask=early[3])
+                early_state.advance()
+            cute.arch.griddepcontrol_wait()
+            for _ in cutlass.range(k_first, unroll=1):
+                cute.copy(late[0], late[1][(None, state.count)], late[2][(None, state.index)],
+                          tma_bar_ptr=ab_pipe.producer_get_barrier(state), mcast_mask=late[3])
+                state.advance()
+        for _ in cutlass.range(k_first, k_tiles, unroll=1):
+            ab_pipe.producer_acquire(state)
+            bar = ab_pipe.producer_get_barrier(state)
+            cute.copy(tma_a, tAgA[(None, state.count)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
+            cute.copy(tma_b, tBgB[(None, state.count)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
+            state.advance()
+
+    @cute.jit
+    def mma(self, ab_pipe, tiled_mma, sA, sB, gC, wg, k_tiles):
+        """A consumer warp group: its 64 rows of the tile, accumulated over every k-tile."""
+        thr_mma = tiled_mma.get_slice(wg * WARP_GROUP)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape, self.acc_dtype)
+        k_blocks = cute.size(tCrA, mode=[2])
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release = read.clone()
+
+        # first k-tile: overwrite the (uninitialised) accumulators
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+        ab_pipe.consumer_wait(read)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(k_blocks):
+            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        read.advance()
+        for _ in cutlass.range(1, k_tiles, unroll=1):
+            ab_pipe.consumer_wait(read)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(k_blocks):
+                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)],
+                          acc)
+            warpgroup.commit_group()
+            # the previous batch has retired once at most this one is in flight: free its stage
+            warpgroup.wait_group(1)
+            ab_pipe.consumer_release(release)
+            release.advance()
+            read.advance()
+        warpgroup.wait_group(0)
+        ab_pipe.consumer_release(release)
+        return acc
+
+    @cute.jit
+    def epilogue(self, acc, tiled_mma, tma_c, sA, sC_layout, gC, tidx, warp):
+        """Accumulators -> C's type -> 32-column shared subtiles (in A's buffers) -> TMA stores."""
+        consumers = WARP_GROUP * self.consumer_wgs
+        # every consumer warp group's wgmmas have read A's buffers before they are overwritten
+        cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
+        sC = cute.make_tensor(cute.recast_ptr(sA.iterator, sC_layout.inner, dtype=self.c_dtype), sC_layout.outer)
+        c_major = self.c_major
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(c_major.is_m_major_c(), 4), self.c_dtype)
+        r2s = cute.make_tiled_copy_S(sm90_utils.sm90_get_smem_store_op(c_major, self.c_dtype, self.acc_dtype),
+                                     cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+        thr_r2s = r2s.get_slice(tidx)
+        tRS_sC = thr_r2s.partition_D(sC)  # (R2S, R2S_M, R2S_N, stage)
+        tRS_acc = r2s.retile(acc)
+        rC_layout = cute.make_layout(cute.shape(thr_r2s.partition_S(sC))[:3])
+        rC = cute.make_rmem_tensor_like(rC_layout, self.acc_dtype)
+        per_subtile = cute.size(rC)
+
+        gC_epi = cute.zipped_divide(gC, self.epi_tile)  # ((epi tile), (subtiles M, subtiles N))
+        bSG_sC, bSG_gC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi)
+        subtiles = cute.size(gC_epi, mode=[1])
+        subtile_grid = cute.make_layout(gC_epi.shape[1], stride=(gC_epi.shape[1][1], 1))
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=EPI_STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers))
+        for s in cutlass.range_constexpr(subtiles):
+            for v in cutlass.range_constexpr(per_subtile):
+                rC[v] = tRS_acc[s * per_subtile + v]
+            rC_out = cute.make_rmem_tensor_like(rC_layout, self.c_dtype)
+            rC_out.store(rC.load().to(self.c_dtype))
+            buf = s % EPI_STAGES
+            cute.copy(r2s, rC_out, tRS_sC[(None, None, None, buf)])
+            # the generic-proxy smem writes become visible to TMA, then one warp stores
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
+            if warp == 0:
+                cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, subtile_grid.get_hier_coord(s))])
+                store_pipe.producer_commit()
+                # the subtile EPI_STAGES - 1 stores back has been read: its buffer is free
+                store_pipe.producer_acquire()
+            cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
+        if warp == 0:
+            store_pipe.producer_tail()
