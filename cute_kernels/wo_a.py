@@ -89,7 +89,7 @@ KERNEL = jit.register(jit.KernelDef(
     name="wo_a",
     build=_build,
     sources=tuple(os.path.join(_HERE, f) for f in ("wo_a.py", "wo_a_sm90.py", "wo_a_sm100.py",
-                                                   "gemm/sm90_gemm.py", "gemm/blackwell_tcgen05.py")),
+                                                   "gemm/sm90_gemm.py", "gemm/sm100_gemm.py")),
     archs=("sm_90a", "sm_100a", "sm_103a"),
     aot_configs=_aot,
     description="grouped low-rank output projection, token-major epilogue (wgmma / tcgen05)",

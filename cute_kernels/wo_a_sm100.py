@@ -2,8 +2,8 @@
 token-major output.
 
 Same strided views as the Hopper path (:func:`cute_kernels.wo_a_sm90.wo_a_views`) on the
-vendored Blackwell engine (:mod:`cute_kernels.gemm.blackwell_tcgen05`): TMA loads into a
-multi-stage mbarrier pipeline, a single MMA warp issuing tcgen05.mma into tensor memory,
+project's Blackwell engine (:mod:`cute_kernels.gemm.sm100_gemm`): a TMA warp loading into a
+multi-stage mbarrier pipeline, an MMA warp issuing tcgen05.mma into tensor memory, four
 epilogue warps reading it with tcgen05.ld, converting to bf16 and TMA-storing through the
 token-major C view. Decode uses 1-CTA 128x128 MMA tiles; prefill 2-CTA 256x256 (cluster 2x1),
 where the pair of CTAs shares B tiles.
@@ -15,17 +15,14 @@ numerics by a CPU emulation of the same views and by the Hopper path on the H200
 
 from __future__ import annotations
 
-from cutlass import Float32
-
-from .gemm.blackwell_tcgen05 import DenseGemmKernel
+from .gemm.sm100_gemm import Sm100Gemm
 from .wo_a_sm90 import WoAGemm
 
 
 class WoASm100(WoAGemm):
     def __init__(self, G: int, R: int, Dg: int, tile_mn: tuple[int, int]):
         super().__init__(G, R, Dg)
-        two_cta = tile_mn[0] == 256
-        self.gemm = DenseGemmKernel(Float32, two_cta, tile_mn, (2 if two_cta else 1, 1), True)
+        self.gemm = Sm100Gemm(tile_mn)
 
     @staticmethod
     def tile_for(T: int, G: int, R: int) -> tuple[int, int]:
