@@ -36,7 +36,9 @@
 #   phase 26: the project's own Hopper engine (cute_kernels/gemm/sm90_gemm.py, replacing the
 #            vendored CUTLASS example): WO-A's and the FP8 draft head's GPU tests, then (only
 #            if they pass) the WO-A bench at every T.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..26)
+#   phase 27: the own engine's two-CTAs-per-SM configs at T = 272 / 320 (probe: 128x160 ran
+#            slower at occupancy 2 in phase 26) and CTA pairs at T = 16384.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..27)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -176,5 +178,9 @@ case "${1:-1}" in
   ok=$STEP_RC
   step 60 draft_head_tests $PYT tests/test_draft_head_fp8.py -m gpu
   [ "$ok" = 0 ] && step 300 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,96,200,272,320,4096,16384 --out "$OUT/bench_wo_a.md"
+  ;;
+27)  # the own engine: occupancy 1 vs 2 on the swapped mid-size tiles, clusters at large T
+  step 260 probe_wo_a_occupancy env TS=272,320 TILES=128x256 SWAP_TILES=128x160,64x160 CLUSTERS=2x1 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
+  step 250 probe_wo_a_clusters_large env TS=16384 TILES=128x256 CLUSTERS=1x1,2x1,1x2 python tools/probe_wo_a_tiles.py
   ;;
 esac
