@@ -107,11 +107,14 @@ class WoASm90(WoAGemm):
         H200, tools/probe_wo_a_tiles.py (bench/RESULTS.md, ninth session): the swapped tiles
         1.05-1.87x faster than the (T, R) tiles at 28 of 32 (shape, T) points with 64 < T <=
         512, equal at three (T = 512), slower at one; the pairs a further 1.05-1.30x at T >= 200
-        except for G=16 R=1024 (0.98-1.02x). Where the grid is more than one wave, two CTAs
-        per SM (tenth session, G=16 R=1024 at T = 272 / 320: 1.10x in the probe, 1.06x in the bench). Elsewhere
+        except for G=16 R=1024 (0.98-1.02x). Two CTAs per SM no longer pay: on the project's
+        engine (a 9-warp CTA, 106 registers) the 128x160 tile ran 1.13-1.19x slower at
+        occupancy 2 than at 1 (eleventh session; the vendored 8-warp engine had gained
+        1.06x there). Elsewhere
         :meth:`tile_for` over (T, R): at T >= 1024 neither two CTAs per SM (128x128, 64x256)
-        nor swapped operands nor clusters nor the engine's persistent tile loop beat 128x256
-        reproducibly (tenth session)."""
+        nor swapped operands nor clusters nor a persistent tile loop beat 128x256 reproducibly
+        (tenth session, on the vendored engine; CTA pairs on the project's engine at T = 16384:
+        0.99-1.01x but for one 1.08x reading, eleventh session)."""
         lo, hi = WoASm90.SWAP_AB_T
         if lo < T <= hi:
             n_tiles = -(-T // 256)
@@ -122,14 +125,7 @@ class WoASm90(WoAGemm):
                 # at T=96 two 64-token tiles lose, 11.8 vs 10.2 us)
                 n_tiles *= 2
             tile_n = (-(-T // n_tiles) + 31) // 32 * 32
-            cfg = dict(tile_m=tile_m, tile_n=tile_n, cluster_m=2, swap_ab=True)
-            if (R // tile_m) * G * n_tiles > WoASm90.NUM_SMS and tile_m == 128 and tile_n <= 160:
-                # more than one wave at one CTA per SM (G=16 R=1024, 256 < T <= 320: 256 CTAs):
-                # stages for two per SM run them in one wave, one CTA's epilogue under the
-                # other's mainloop (21.4-22.6 vs 23.6-24.8 us). Wider token tiles need too many
-                # accumulator registers for a second 256-thread CTA (T=384: 26.6 vs 25.5 us).
-                cfg["occupancy"] = 2
-            return cfg
+            return dict(tile_m=tile_m, tile_n=tile_n, cluster_m=2, swap_ab=True)
         tile_m, tile_n = WoASm90.tile_for(T, G, R)
         return dict(tile_m=tile_m, tile_n=tile_n)
 

@@ -38,7 +38,10 @@
 #            if they pass) the WO-A bench at every T.
 #   phase 27: the own engine's two-CTAs-per-SM configs at T = 272 / 320 (probe: 128x160 ran
 #            slower at occupancy 2 in phase 26) and CTA pairs at T = 16384.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..27)
+#   phase 28: narrower swapped tiles at two CTAs per SM (probe), then WO-A's, the draft head's
+#            and the runtime's GPU tests and the WO-A bench with the mid-size configs at one
+#            CTA per SM.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..28)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -182,5 +185,12 @@ case "${1:-1}" in
 27)  # the own engine: occupancy 1 vs 2 on the swapped mid-size tiles, clusters at large T
   step 260 probe_wo_a_occupancy env TS=272,320 TILES=128x256 SWAP_TILES=128x160,64x160 CLUSTERS=2x1 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
   step 250 probe_wo_a_clusters_large env TS=16384 TILES=128x256 CLUSTERS=1x1,2x1,1x2 python tools/probe_wo_a_tiles.py
+  ;;
+28)  # the own engine's final mid-size configs (one CTA per SM): narrower tiles probed first
+  step 120 probe_wo_a_narrow env TS=272,320 TILES=128x256 SWAP_TILES=128x160,128x96,128x128 CLUSTERS=2x1 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
+  step 150 wo_a_tests $PYT tests/test_wo_a.py -m gpu
+  step 60 draft_head_tests $PYT tests/test_draft_head_fp8.py -m gpu
+  step 120 spec_tests $PYT tests/test_spec_decode.py -m gpu
+  step 200 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,96,200,272,320,4096,16384 --out "$OUT/bench_wo_a.md"
   ;;
 esac
