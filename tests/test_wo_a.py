@@ -38,6 +38,18 @@ def test_hopper_matches_fp64(seed, G, HG, Dv, R, T, decode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 24, 30, 120])
+def test_runtime_small_shape_matches_fp64(seed, T):
+    """The decode runtime's test model (spec_decode.config.SMALL: G=2, R=512, Dg=1024): B x S
+    = 4 x 6 = 24 tokens and its neighbours, two groups only (a 2-deep batch mode)."""
+    o, w = make(T, 2, 8, 128, 512, "cuda")
+    out = torch.full((T, 2 * 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+    wo_a(o, w, out=out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all() and rel_err(out, wo_a_ref(o, w)) < TOL
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [5, 64, 320, 4096])  # decode kernel, engine, swapped engine, engine
 def test_single_kernel_no_transpose_copy(seed, T):
     """Only the GEMM runs: no transpose/copy kernel in a profile."""

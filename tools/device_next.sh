@@ -41,7 +41,9 @@
 #   phase 28: narrower swapped tiles at two CTAs per SM (probe), then WO-A's, the draft head's
 #            and the runtime's GPU tests and the WO-A bench with the mid-size configs at one
 #            CTA per SM.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..28)
+#   phase 29: WO-A at the runtime test model's shape, and the runtime's GPU tests three times
+#            (phase 28's latent-cache FP32-tracking test missed its statistical bound once).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..29)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -192,5 +194,10 @@ case "${1:-1}" in
   step 60 draft_head_tests $PYT tests/test_draft_head_fp8.py -m gpu
   step 120 spec_tests $PYT tests/test_spec_decode.py -m gpu
   step 200 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,96,200,272,320,4096,16384 --out "$OUT/bench_wo_a.md"
+  ;;
+29)  # WO-A at spec_decode SMALL's shape; the runtime's GPU tests, three seeds
+  step 60 wo_a_small $PYT tests/test_wo_a.py -m gpu -k "runtime_small or launch"
+  for i in 1 2 3; do step 90 spec_tests_$i $PYT tests/test_spec_decode.py -m gpu -k "track_fp32" -s; done
+  step 90 spec_tests $PYT tests/test_spec_decode.py -m gpu
   ;;
 esac
