@@ -41,7 +41,8 @@
 #   phase 28: narrower swapped tiles at two CTAs per SM (probe), then WO-A's, the draft head's
 #            and the runtime's GPU tests and the WO-A bench with the mid-size configs at one
 #            CTA per SM.
-#   phase 29: WO-A at the runtime test model's shape, and the runtime's GPU tests three times
+#   phase 29: WO-A's GPU tests (the runtime test model's shape added), 128x160 at two CTAs per
+#            SM with warp 0 as the producer (probe), the runtime's GPU tests three times
 #            (phase 28's latent-cache FP32-tracking test missed its statistical bound once).
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..29)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
@@ -195,8 +196,10 @@ case "${1:-1}" in
   step 120 spec_tests $PYT tests/test_spec_decode.py -m gpu
   step 200 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,96,200,272,320,4096,16384 --out "$OUT/bench_wo_a.md"
   ;;
-29)  # WO-A at spec_decode SMALL's shape; the runtime's GPU tests, three seeds
-  step 60 wo_a_small $PYT tests/test_wo_a.py -m gpu -k "runtime_small or launch"
+29)  # WO-A at spec_decode SMALL's shape; two CTAs per SM with the inline producer (8 warps);
+     # the runtime's GPU tests, three seeds
+  step 120 probe_wo_a_occupancy env TS=272,320 TILES=128x256 SWAP_TILES=128x160 CLUSTERS=2x1 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
+  step 100 wo_a_tests $PYT tests/test_wo_a.py -m gpu
   for i in 1 2 3; do step 90 spec_tests_$i $PYT tests/test_spec_decode.py -m gpu -k "track_fp32" -s; done
   step 90 spec_tests $PYT tests/test_spec_decode.py -m gpu
   ;;

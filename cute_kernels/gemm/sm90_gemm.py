@@ -85,13 +85,15 @@ class Sm90Gemm:
         self.occupancy = occupancy
         self.acc_dtype = acc_dtype
         self.consumer_wgs = tile_m // 64
-        # One producer warp after the consumer warp groups, no setmaxnreg: two CTAs per SM must
-        # fit every warp in 65536 / (2 * threads) registers. A 128 x 160 tile compiles to 106
-        # (112 allocated; 2 x 288 x 112 <= 65536), a producer warp group would leave 85 --
-        # and ptxas's own cap under minctasm=2 (96) is below what the 64 x 160 wgmma needs.
-        # tests/test_wo_a.py checks the register count of the shipped occupancy-2 config.
-        self.threads = WARP_GROUP * self.consumer_wgs + 32
-        self.producer_warp = 4 * self.consumer_wgs
+        # A producer warp after the consumer warp groups (no setmaxnreg: a producer warp group
+        # would starve the consumers at two CTAs per SM) -- except for 128-row tiles at two
+        # CTAs per SM: an SM sub-partition's 16K registers then hold at most 4 warps of a
+        # 128 x 160 tile's 106 (112 allocated) a thread, and 2 x 9 warps put 5 on one. There
+        # the CTA is the two consumer warp groups alone and warp 0 also issues the loads, each
+        # stage's as soon as the consumers free one (``inline_producer``).
+        self.inline_producer = occupancy == 2 and self.consumer_wgs == 2
+        self.threads = WARP_GROUP * self.consumer_wgs + (0 if self.inline_producer else 32)
+        self.producer_warp = 0 if self.inline_producer else 4 * self.consumer_wgs
 
     def stages_for(self, tile_k: int, ab_width: int) -> int:
         """Operand stages that fit ``occupancy`` CTAs per SM (the epilogue reuses A's buffers)."""
@@ -208,14 +210,15 @@ class Sm90Gemm:
         k_tiles = cute.size(gA, mode=[2])
         pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
 
-        if warp == self.producer_warp:
-            self.load(ab_pipe, tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord, k_tiles)
+        loads = self.load_partitions(tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord)
+        if warp >= 4 * self.consumer_wgs:  # the producer warp (none with inline_producer)
+            self.load(ab_pipe, loads, k_tiles)
             if const_expr(is_clustered):
                 # no CTA of the cluster exits while another may still arrive on its barriers
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
         else:
-            acc = self.mma(ab_pipe, tiled_mma, sA, sB, gC, warp // 4, k_tiles)
+            acc = self.mma(ab_pipe, tiled_mma, sA, sB, gC, warp, k_tiles, loads)
             if const_expr(is_clustered):
                 cute.arch.cluster_arrive()
             if const_expr(self.pdl):
@@ -226,8 +229,8 @@ class Sm90Gemm:
                 cute.arch.cluster_wait()
 
     @cute.jit
-    def load(self, ab_pipe, tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord, k_tiles):
-        """The producer warp: A and B k-tiles into the stage buffers, as the consumers free them."""
+    def load_partitions(self, tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord):
+        """The TMA views of this CTA's share of the A / B k-tiles, and the multicast masks."""
         tAsA, tAgA = cpasync.tma_partition(
             tma_a, cluster_coord[1], cute.make_layout(cute.slice_(cluster_layout, (0, None, 0)).shape),
             cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
@@ -240,38 +243,56 @@ class Sm90Gemm:
             a_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=1)
         if const_expr(self.cluster_mn[0] > 1):
             b_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=0)
-
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        k_first = 0
-        if const_expr(self.pdl):
-            # The first stages' early operand (weights: not written by the previous kernel) loads
-            # before the grid-dependency wait, the late one after it; the full barriers expect
-            # both, so the consumers see whole stages either way.
-            k_first = cutlass.min(self.stages, k_tiles)
-            early = (tma_a, tAgA, tAsA, a_mask) if self.pdl_early_a else (tma_b, tBgB, tBsB, b_mask)
-            late = (tma_b, tBgB, tBsB, b_mask) if self.pdl_early_a else (tma_a, tAgA, tAsA, a_mask)
-            early_state = state.clone()
-            for _ in cutlass.range(k_first, unroll=1):
-                ab_pipe.producer_acquire(early_state)
-                cute.copy(early[0], early[1][(None, early_state.count)], early[2][(None, early_state.index)],
-                          tma_bar_ptr=ab_pipe.producer_get_barrier(early_state), mcast_mask=early[3])
-                early_state.advance()
-            cute.arch.griddepcontrol_wait()
-            for _ in cutlass.range(k_first, unroll=1):
-                cute.copy(late[0], late[1][(None, state.count)], late[2][(None, state.index)],
-                          tma_bar_ptr=ab_pipe.producer_get_barrier(state), mcast_mask=late[3])
-                state.advance()
-        for _ in cutlass.range(k_first, k_tiles, unroll=1):
-            ab_pipe.producer_acquire(state)
-            bar = ab_pipe.producer_get_barrier(state)
-            cute.copy(tma_a, tAgA[(None, state.count)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
-            cute.copy(tma_b, tBgB[(None, state.count)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask)
-            state.advance()
+        return (tma_a, tAgA, tAsA, a_mask), (tma_b, tBgB, tBsB, b_mask)
 
     @cute.jit
-    def mma(self, ab_pipe, tiled_mma, sA, sB, gC, wg, k_tiles):
-        """A consumer warp group: its 64 rows of the tile, accumulated over every k-tile."""
-        thr_mma = tiled_mma.get_slice(wg * WARP_GROUP)
+    def load_k_tile(self, ab_pipe, loads, kt, operands: cutlass.Constexpr = "ab", acquire: cutlass.Constexpr = True):
+        """Issue k-tile ``kt``'s loads into stage ``kt % stages`` (after its buffer is free).
+
+        The producer's pipeline position is a function of ``kt`` (phase bit 1 on the first pass),
+        so no state is carried between calls."""
+        state = pipeline.PipelineState(self.stages, kt, kt % self.stages, (kt // self.stages + 1) % 2)
+        if const_expr(acquire):
+            # waits for the empty barrier, then expects the stage's A + B bytes on the full one
+            ab_pipe.producer_acquire(state)
+        bar = ab_pipe.producer_get_barrier(state)
+        for name, (atom, tXgX, tXsX, mask) in zip("ab", loads):
+            if const_expr(name in operands):
+                cute.copy(atom, tXgX[(None, kt)], tXsX[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mask)
+
+    @cute.jit
+    def load_prologue(self, ab_pipe, loads, k_tiles):
+        """The first ``min(stages, k_tiles)`` k-tiles. Under PDL the early operand's (weights:
+        not written by the previous kernel) load before the grid-dependency wait, the late
+        one's after it; the full barriers expect both, so the consumers see whole stages."""
+        first = cutlass.min(self.stages, k_tiles)
+        if const_expr(self.pdl):
+            early, late = ("a", "b") if self.pdl_early_a else ("b", "a")
+            for kt in cutlass.range(first, unroll=1):
+                self.load_k_tile(ab_pipe, loads, kt, early)
+            cute.arch.griddepcontrol_wait()
+            for kt in cutlass.range(first, unroll=1):
+                self.load_k_tile(ab_pipe, loads, kt, late, acquire=False)
+        else:
+            for kt in cutlass.range(first, unroll=1):
+                self.load_k_tile(ab_pipe, loads, kt)
+        return first
+
+    @cute.jit
+    def load(self, ab_pipe, loads, k_tiles):
+        """The producer warp: every k-tile into the stage buffers, as the consumers free them."""
+        first = self.load_prologue(ab_pipe, loads, k_tiles)
+        for kt in cutlass.range(first, k_tiles, unroll=1):
+            self.load_k_tile(ab_pipe, loads, kt)
+
+    @cute.jit
+    def mma(self, ab_pipe, tiled_mma, sA, sB, gC, warp, k_tiles, loads):
+        """A consumer warp group: its 64 rows of the tile, accumulated over every k-tile (and,
+        with ``inline_producer``, warp 0 loading k-tile ``k + stages`` once stage ``k`` is free)."""
+        if const_expr(self.inline_producer):
+            if warp == 0:
+                self.load_prologue(ab_pipe, loads, k_tiles)
+        thr_mma = tiled_mma.get_slice(warp // 4 * WARP_GROUP)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape, self.acc_dtype)
@@ -298,6 +319,9 @@ class Sm90Gemm:
             # the previous batch has retired once at most this one is in flight: free its stage
             warpgroup.wait_group(1)
             ab_pipe.consumer_release(release)
+            if const_expr(self.inline_producer):
+                if warp == 0 and release.count + self.stages < k_tiles:
+                    self.load_k_tile(ab_pipe, loads, release.count + self.stages)
             release.advance()
             read.advance()
         warpgroup.wait_group(0)
