@@ -112,11 +112,13 @@ def test_swap_ab_engine_matches_fp64(seed, tile, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile, swap_ab, T", [((64, 256), False, 1000), ((128, 160), True, 300)])
-def test_engine_two_ctas_per_sm_matches_fp64(seed, tile, swap_ab, T):
-    """Stages sized for two CTAs per SM (``occupancy=2``), a partial last token tile."""
+@pytest.mark.parametrize("tile, swap_ab, T, pdl", [((64, 256), False, 1000, False), ((128, 160), True, 300, False),
+                                                   ((128, 160), True, 333, True)])
+def test_engine_two_ctas_per_sm_matches_fp64(seed, tile, swap_ab, T, pdl):
+    """Stages sized for two CTAs per SM (``occupancy=2``), a partial last token tile; 128-row
+    tiles run without the producer warp (warp 0 loads between its MMAs), also under PDL."""
     check_engine(T, 16, 8, 128, 1024, tile_m=tile[0], tile_n=tile[1], cluster_m=2 if swap_ab else 1,
-                 swap_ab=swap_ab, occupancy=2)
+                 swap_ab=swap_ab, occupancy=2, **({"pdl": True} if pdl else {}))
 
 
 @pytest.mark.gpu

@@ -202,5 +202,6 @@ case "${1:-1}" in
   step 100 wo_a_tests $PYT tests/test_wo_a.py -m gpu
   for i in 1 2 3; do step 90 spec_tests_$i $PYT tests/test_spec_decode.py -m gpu -k "track_fp32" -s; done
   step 90 spec_tests $PYT tests/test_spec_decode.py -m gpu
+  step 90 bench_draft_head python bench/bench_draft_head.py --out "$OUT/bench_draft_head.md"
   ;;
 esac
