@@ -120,8 +120,10 @@ class Sm90Gemm:
         tile_k = cute.size(tiled_mma.shape_mnk, mode=[2]) * 4
         self.tile_mnk = (tile_m, tile_n, tile_k)
         self.stages = self.stages_for(tile_k, self.a_dtype.width)
-        self.epi_tile = epi_tile = sm90_utils.compute_tile_shape_or_override(self.tile_mnk, self.c_dtype,
+        # 32-column subtiles over the whole tile height (both warp groups' rows)
+        epi_tile = sm90_utils.compute_tile_shape_or_override(self.tile_mnk, self.c_dtype,
                                                              is_cooperative=self.consumer_wgs == 2)
+        self.epi_tile = epi_tile
         sA_layout = sm90_utils.make_smem_layout_a(a_major, self.tile_mnk, self.a_dtype, self.stages)
         sB_layout = sm90_utils.make_smem_layout_b(b_major, self.tile_mnk, self.b_dtype, self.stages)
         sC_layout = sm90_utils.make_smem_layout_epi(self.c_dtype, c_major, epi_tile, EPI_STAGES)
