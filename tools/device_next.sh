@@ -42,7 +42,9 @@
 #            and the runtime's GPU tests and the WO-A bench with the mid-size configs at one
 #            CTA per SM.
 #   phase 29: WO-A's GPU tests (the runtime test model's shape added), 128x160 at two CTAs per
-#            SM with warp 0 as the producer (probe), the runtime's GPU tests three times
+#            SM with warp 0 as the producer (probe), the runtime's GPU tests three times, the
+#            draft head's and WO-A's benches (epilogue: one barrier per subtile but where a
+#            buffer is reused).
 #            (phase 28's latent-cache FP32-tracking test missed its statistical bound once).
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..29)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
@@ -203,5 +205,6 @@ case "${1:-1}" in
   for i in 1 2 3; do step 90 spec_tests_$i $PYT tests/test_spec_decode.py -m gpu -k "track_fp32" -s; done
   step 90 spec_tests $PYT tests/test_spec_decode.py -m gpu
   step 90 bench_draft_head python bench/bench_draft_head.py --out "$OUT/bench_draft_head.md"
+  step 200 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,96,200,272,320,4096,16384 --out "$OUT/bench_wo_a.md"
   ;;
 esac

@@ -364,11 +364,14 @@ class Sm90Gemm:
             # the generic-proxy smem writes become visible to TMA, then one warp stores
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
+            reuse = s + 1 < subtiles and s + 1 >= EPI_STAGES  # the next subtile reuses a buffer
             if warp == 0:
                 cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, subtile_grid.get_hier_coord(s))])
                 store_pipe.producer_commit()
-                # the subtile EPI_STAGES - 1 stores back has been read: its buffer is free
-                store_pipe.producer_acquire()
-            cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
+                if const_expr(reuse):
+                    # the store EPI_STAGES - 1 subtiles back has read its buffer: free to rewrite
+                    store_pipe.producer_acquire()
+            if const_expr(reuse):
+                cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
         if warp == 0:
             store_pipe.producer_tail()
