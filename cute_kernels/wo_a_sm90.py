@@ -107,10 +107,9 @@ class WoASm90(WoAGemm):
         H200, tools/probe_wo_a_tiles.py (bench/RESULTS.md, ninth session): the swapped tiles
         1.05-1.87x faster than the (T, R) tiles at 28 of 32 (shape, T) points with 64 < T <=
         512, equal at three (T = 512), slower at one; the pairs a further 1.05-1.30x at T >= 200
-        except for G=16 R=1024 (0.98-1.02x). Two CTAs per SM no longer pay: on the project's
-        engine (a 9-warp CTA, 106 registers) the 128x160 tile ran 1.13-1.19x slower at
-        occupancy 2 than at 1 (eleventh session; the vendored 8-warp engine had gained
-        1.06x there). Elsewhere
+        except for G=16 R=1024 (0.98-1.02x). Where the grid is more than one wave, two CTAs
+        per SM (G=16 R=1024 at T = 272 / 320: 1.07-1.12x on the project's engine with its
+        8-warp inline-producer CTA, eleventh session; a 9-warp CTA cannot fit twice). Elsewhere
         :meth:`tile_for` over (T, R): at T >= 1024 neither two CTAs per SM (128x128, 64x256)
         nor swapped operands nor clusters nor a persistent tile loop beat 128x256 reproducibly
         (tenth session, on the vendored engine; CTA pairs on the project's engine at T = 16384:
@@ -125,7 +124,15 @@ class WoASm90(WoAGemm):
                 # at T=96 two 64-token tiles lose, 11.8 vs 10.2 us)
                 n_tiles *= 2
             tile_n = (-(-T // n_tiles) + 31) // 32 * 32
-            return dict(tile_m=tile_m, tile_n=tile_n, cluster_m=2, swap_ab=True)
+            cfg = dict(tile_m=tile_m, tile_n=tile_n, cluster_m=2, swap_ab=True)
+            if (R // tile_m) * G * n_tiles > WoASm90.NUM_SMS and tile_m == 128 and tile_n <= 160:
+                # more than one wave at one CTA per SM (G=16 R=1024, 256 < T <= 320: 256 CTAs):
+                # stages for two per SM (the engine then drops its producer warp) run them in
+                # one wave, one CTA's epilogue under the other's mainloop (21.7 / 22.6 vs
+                # 24.3 / 24.2 us at T = 272 / 320). Wider token tiles need too many accumulator
+                # registers for a second CTA.
+                cfg["occupancy"] = 2
+            return cfg
         tile_m, tile_n = WoASm90.tile_for(T, G, R)
         return dict(tile_m=tile_m, tile_n=tile_n)
 

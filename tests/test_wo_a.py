@@ -195,9 +195,10 @@ def test_swap_ab_machine_code(tile, cluster_m, pdl):
 
 @pytest.mark.parametrize("tile", [(128, 160), (64, 224), (128, 256)])
 def test_engine_two_ctas_per_sm_fit(tile):
-    """occupancy=2 (a probe knob): the stage count leaves each of two CTAs its half of the
-    SM's 228 KiB less the 1 KiB the hardware reserves per CTA -- one byte more and the launch
-    would silently run one CTA per SM."""
+    """occupancy=2: the stage count leaves each of two CTAs its half of the SM's 228 KiB less
+    the 1 KiB the hardware reserves per CTA, and a 128-row CTA is its 8 consumer warps (no
+    producer warp) at <= 128 registers, so two CTAs' 16 warps fit the SM's four 16K-register
+    sub-partitions -- past either the launch would silently run one CTA per SM."""
     import cutlass.cute as cute
     from cute_kernels import jit
 
@@ -206,6 +207,12 @@ def test_engine_two_ctas_per_sm_fit(tile):
     cute.compile(obj, *args, options="--gpu-arch=sm_90a")
     assert obj.gemm.stages >= 2
     assert obj.gemm.shared_storage.size_in_bytes() <= (228 * 1024 - 2 * 1024) // 2
+    if tile == (128, 160):  # wo_a()'s config for G=16 R=1024 at 256 < T <= 320
+        assert obj.gemm.threads == 256
+        cubin = sass.compile_cubin("wo_a", "sm_90a", G=16, R=1024, Dg=1024, tile_m=128, tile_n=160, swap_ab=True,
+                                   cluster_m=2, occupancy=2)
+        (regs,) = sass.register_counts(cubin).values()
+        assert regs <= 128, regs
 
 
 @pytest.mark.parametrize("arch, tile, expect", [
@@ -267,10 +274,10 @@ def test_tile_heuristics():
 def test_launch_configs():
     """wo_a()'s configs: swapped operands with token tiles matched to T at 64 < T <= 512."""
     assert WoASm90.config_for(64, 16, 1024) == dict(tile_m=64, tile_n=128)
-    # 2 tiles, 256 CTAs: one per SM (two per SM lost 1.13-1.19x on the engine, bench/RESULTS.md)
-    assert WoASm90.config_for(320, 16, 1024) == dict(tile_m=128, tile_n=160, cluster_m=2, swap_ab=True)
+    # 2 tiles; 256 CTAs: two per SM
+    assert WoASm90.config_for(320, 16, 1024) == dict(tile_m=128, tile_n=160, cluster_m=2, swap_ab=True, occupancy=2)
     assert WoASm90.config_for(320, 8, 1024) == dict(tile_m=128, tile_n=160, cluster_m=2, swap_ab=True)  # 128 CTAs
-    assert WoASm90.config_for(384, 16, 1024) == dict(tile_m=128, tile_n=192, cluster_m=2, swap_ab=True)
+    assert WoASm90.config_for(384, 16, 1024) == dict(tile_m=128, tile_n=192, cluster_m=2, swap_ab=True)  # registers
     assert WoASm90.config_for(320, 8, 512) == dict(tile_m=64, tile_n=160, cluster_m=2, swap_ab=True)  # 128 CTAs
     assert WoASm90.config_for(77, 16, 1024) == dict(tile_m=128, tile_n=96, cluster_m=2, swap_ab=True)
     assert WoASm90.config_for(200, 8, 512) == dict(tile_m=64, tile_n=128, cluster_m=2, swap_ab=True)  # 128 CTAs

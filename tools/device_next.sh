@@ -46,7 +46,9 @@
 #            draft head's and WO-A's benches (epilogue: one barrier per subtile but where a
 #            buffer is reused).
 #            (phase 28's latent-cache FP32-tracking test missed its statistical bound once).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..29)
+#   phase 30: two CTAs per SM again for G=16 R=1024 at 256 < T <= 320 (inline producer): the
+#            config's GPU tests, WO-A bench at T = 272 / 320.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..30)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -206,5 +208,9 @@ case "${1:-1}" in
   step 90 spec_tests $PYT tests/test_spec_decode.py -m gpu
   step 90 bench_draft_head python bench/bench_draft_head.py --out "$OUT/bench_draft_head.md"
   step 200 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,96,200,272,320,4096,16384 --out "$OUT/bench_wo_a.md"
+  ;;
+30)  # wo_a()'s two-CTAs-per-SM config on the inline-producer engine: GPU tests, bench at T = 272 / 320
+  step 100 wo_a_tests $PYT tests/test_wo_a.py -m gpu -k "hopper_matches or two_ctas or graph or no_transpose or pdl"
+  step 100 bench_wo_a python bench/bench_wo_a.py --tokens 272,320 --out "$OUT/bench_wo_a.md"
   ;;
 esac
