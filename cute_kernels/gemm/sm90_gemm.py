@@ -8,7 +8,8 @@ N- or M-major), so callers hand it strided views of their own buffers --
 :mod:`cute_kernels.wo_a_sm90` writes token-major WO-A output through a (T, R, G) view.
 
 One CTA per output tile (``tile_m`` x ``tile_n``, batch ``l`` = blockIdx.z): ``tile_m / 64``
-consumer warp groups and one producer warp.
+consumer warp groups and one producer warp (none for 128-row tiles at two CTAs per SM: warp 0
+then issues the loads between its MMAs, ``inline_producer``).
 
 - the producer warp issues the TMA loads of A and B k-tiles into ``stages`` shared-memory
   buffers, each guarded by a full / empty mbarrier pair
@@ -19,8 +20,8 @@ consumer warp groups and one producer warp.
   one batch in flight (a buffer is released once the batch after it is issued and the batch
   reading it retired), then the epilogue: bf16 (or C's type) conversion, ``stmatrix`` into
   32-column shared-memory subtiles that reuse A's buffers, and TMA stores (4 subtiles in
-  flight), TMA clipping rows and columns past the tensor -- so M, N need not be tile
-  multiples.
+  flight; a store is waited for only before its buffer is rewritten), TMA clipping rows and
+  columns past the tensor -- so M, N need not be tile multiples.
 
 Tiles are walked in groups of 8 cluster rows along M (every N tile of 8 consecutive M tiles
 before the next 8), so CTAs that run together share their A and B tiles in L2.
@@ -28,7 +29,8 @@ before the next 8), so CTAs that run together share their A and B tiles in L2.
 Options (compile time): ``cluster_mn`` (1 or 2 per mode: TMA multicast of shared tiles);
 ``pdl`` (launch as a programmatic dependent: the prologue's tiles of ``pdl_early_operand``,
 the one the previous kernel does not write, load before ``griddepcontrol.wait``);
-``occupancy`` (CTAs per SM that the stage count and the register split leave room for).
+``occupancy`` (CTAs per SM that the stage count, and for 128-row tiles the warp count, leave
+room for).
 
 Constraints: A and B of one 16-bit type (bf16 / fp16) or 8-bit floats (e4m3 / e5m2), both
 K-major; ``tile_m`` in {64, 128}; ``tile_n`` a multiple of 32 in 32..256; 16-byte aligned
