@@ -262,6 +262,39 @@ def test_bad_arguments(o, w, words):
         wo_a(o, w)
 
 
+@pytest.mark.parametrize("engine, args, kwargs, words", [
+    ("sm90", ((96, 128),), {}, "tile_m must be 64 or 128"),
+    ("sm90", ((128, 48),), {}, "tile_n must be a multiple of 32"),
+    ("sm90", ((128, 288),), {}, "tile_n must be a multiple of 32"),
+    ("sm90", ((128, 128), (4, 1)), {}, "cluster_mn must be 1 or 2"),
+    ("sm90", ((128, 128),), {"occupancy": 3}, "occupancy must be 1 or 2"),
+    ("sm90", ((128, 128),), {"pdl_early_operand": "c"}, "pdl_early_operand"),
+    ("sm100", ((64, 128),), {}, "tile_m must be 128"),
+    ("sm100", ((128, 40),), {}, "tile_n must be a multiple of 32"),
+])
+def test_engine_bad_configs(engine, args, kwargs, words):
+    """The engines reject an unsupported tile, cluster or occupancy when configured, naming it."""
+    from cute_kernels.gemm.sm90_gemm import Sm90Gemm
+    from cute_kernels.gemm.sm100_gemm import Sm100Gemm
+
+    with pytest.raises(ValueError, match=words):
+        (Sm90Gemm if engine == "sm90" else Sm100Gemm)(*args, **kwargs)
+
+
+def test_engine_warp_roles():
+    """A producer warp after the consumer warp groups, except for 128-row tiles at two CTAs per
+    SM (8 warps, warp 0 loads); a CTA pair for 256-row Blackwell tiles."""
+    from cute_kernels.gemm.sm90_gemm import Sm90Gemm
+    from cute_kernels.gemm.sm100_gemm import Sm100Gemm
+
+    assert (Sm90Gemm((64, 128)).threads, Sm90Gemm((64, 128)).producer_warp) == (160, 4)
+    assert (Sm90Gemm((128, 256)).threads, Sm90Gemm((128, 256)).producer_warp) == (288, 8)
+    g = Sm90Gemm((128, 160), (2, 1), occupancy=2)
+    assert g.inline_producer and (g.threads, g.producer_warp) == (256, 0)
+    assert not Sm90Gemm((64, 160), occupancy=2).inline_producer
+    assert Sm100Gemm((256, 256)).cluster_mn == (2, 1) and Sm100Gemm((128, 128)).cluster_mn == (1, 1)
+
+
 def test_tile_heuristics():
     assert WoASm90.tile_for(1, 16, 1024) == (64, 128)  # 128 CTAs for 132 SMs
     assert WoASm90.tile_for(1, 8, 512) == (64, 64)
