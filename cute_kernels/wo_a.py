@@ -53,8 +53,8 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, clus
     in the others, any of 1/2 x 1/2 for tools/probe_wo_a_tiles.py. ``pdl``: the Hopper engine
     as a programmatic dependent launch (see :func:`wo_a`). ``swap_ab``: weight rows on M,
     tokens on N (:mod:`.wo_a_sm90`); the tile is then (R-tile, T-tile). ``occupancy``: CTAs
-    per SM the engine's stage count and register split leave room for. Which config a call
-    launches: the path's ``config_for(T, G, R)``."""
+    per SM the engine's stage count (and, for 128-row tiles, its warp count) leave room for.
+    Which config a call launches: the path's ``config_for(T, G, R)``."""
     from .arch import family
 
     cls = _PATHS[family(arch)]
