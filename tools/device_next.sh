@@ -47,7 +47,9 @@
 #            buffer is reused).
 #            (phase 28's latent-cache FP32-tracking test missed its statistical bound once).
 #   phase 30: two CTAs per SM again for G=16 R=1024 at 256 < T <= 320 (inline producer): the
-#            config's GPU tests, WO-A bench at T = 272 / 320.
+#            config's GPU tests, WO-A bench at T = 272 / 320 (twelfth session: with the
+#            inline-producer build split by const_expr, so it has no producer-warp branch; all
+#            of WO-A's and the draft head's GPU tests).
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..30)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
@@ -210,7 +212,7 @@ case "${1:-1}" in
   step 200 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,96,200,272,320,4096,16384 --out "$OUT/bench_wo_a.md"
   ;;
 30)  # wo_a()'s two-CTAs-per-SM config on the inline-producer engine: GPU tests, bench at T = 272 / 320
-  step 100 wo_a_tests $PYT tests/test_wo_a.py -m gpu -k "hopper_matches or two_ctas or graph or no_transpose or pdl"
+  step 240 wo_a_tests $PYT tests/test_wo_a.py tests/test_draft_head_fp8.py -m gpu
   step 100 bench_wo_a python bench/bench_wo_a.py --tokens 272,320 --out "$OUT/bench_wo_a.md"
   ;;
 esac

@@ -215,22 +215,33 @@ class Sm90Gemm:
         pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
 
         loads = self.load_partitions(tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord)
-        if warp >= 4 * self.consumer_wgs:  # the producer warp (none with inline_producer)
-            self.load(ab_pipe, loads, k_tiles)
-            if const_expr(is_clustered):
-                # no CTA of the cluster exits while another may still arrive on its barriers
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()
+        consume = (ab_pipe, tiled_mma, tma_c, sA, sB, sC_layout, gC, tidx, warp, k_tiles, loads)
+        if const_expr(self.inline_producer):
+            # every warp consumes (warp 0 also loads): no producer-warp branch in the binary
+            self.consume(*consume, is_clustered)
         else:
-            acc = self.mma(ab_pipe, tiled_mma, sA, sB, gC, warp, k_tiles, loads)
-            if const_expr(is_clustered):
-                cute.arch.cluster_arrive()
-            if const_expr(self.pdl):
-                # stores after the previous grid's writes (the loads already waited for it)
-                cute.arch.griddepcontrol_wait()
-            self.epilogue(acc, tiled_mma, tma_c, sA, sC_layout, gC, tidx, warp)
-            if const_expr(is_clustered):
-                cute.arch.cluster_wait()
+            if warp >= 4 * self.consumer_wgs:  # the producer warp
+                self.load(ab_pipe, loads, k_tiles)
+                if const_expr(is_clustered):
+                    # no CTA of the cluster exits while another may still arrive on its barriers
+                    cute.arch.cluster_arrive()
+                    cute.arch.cluster_wait()
+            else:
+                self.consume(*consume, is_clustered)
+
+    @cute.jit
+    def consume(self, ab_pipe, tiled_mma, tma_c, sA, sB, sC_layout, gC, tidx, warp, k_tiles, loads,
+                is_clustered: cutlass.Constexpr):
+        """A consumer warp group: the MMAs over every k-tile, then its share of the epilogue."""
+        acc = self.mma(ab_pipe, tiled_mma, sA, sB, gC, warp, k_tiles, loads)
+        if const_expr(is_clustered):
+            cute.arch.cluster_arrive()
+        if const_expr(self.pdl):
+            # stores after the previous grid's writes (the loads already waited for it)
+            cute.arch.griddepcontrol_wait()
+        self.epilogue(acc, tiled_mma, tma_c, sA, sC_layout, gC, tidx, warp)
+        if const_expr(is_clustered):
+            cute.arch.cluster_wait()
 
     @cute.jit
     def load_partitions(self, tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord):
