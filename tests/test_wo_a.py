@@ -135,6 +135,54 @@ def test_engine_clusters_and_raster_matches_fp64(seed, tile, cluster, T):
                      cluster_n=cluster[1])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile, cluster, swap_ab, T", [((64, 256), (1, 1), False, 1100),
+                                                       ((64, 256), (2, 1), False, 1100),
+                                                       ((64, 128), (1, 2), False, 77),
+                                                       ((64, 160), (2, 1), True, 333),
+                                                       ((64, 256), (1, 1), False, 1),
+                                                       ((64, 256), (2, 1), False, 4096)])
+def test_pingpong_engine_matches_fp64(seed, tile, cluster, swap_ab, T):
+    """The persistent pingpong schedule: each CTA walks tiles 132 (clusters) apart, its two
+    warp groups taking them in turn -- odd and even tile counts per CTA (T = 1100: 1152 and
+    576 tiles), a partial last tile, CTA pairs multicasting across tiles, fewer tiles than
+    SMs (T = 1: one tile per CTA, the second warp group idle), ~30 tiles per CTA (T = 4096)."""
+    for G, HG, Dv, R in [(16, 8, 128, 1024), (8, 16, 128, 512)]:
+        check_engine(T, G, HG, Dv, R, tile_m=tile[0], tile_n=tile[1], cluster_m=cluster[0],
+                     cluster_n=cluster[1], swap_ab=swap_ab, pingpong=True)
+
+
+@pytest.mark.gpu
+def test_pingpong_graph_replay_fresh_inputs(seed):
+    """Replays of one captured pingpong launch pick up new inputs (nothing carried between
+    launches in its barriers or pipeline phases)."""
+    from cute_kernels import jit
+
+    T, G, HG, Dv, R = 700, 8, 16, 128, 512
+    fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=HG * Dv, tile_m=64, tile_n=256, pingpong=True)
+    o, w = make(T, G, HG, Dv, R, "cuda")
+    out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
+    P = jit.gmem_ptr
+    stream = torch.cuda.Stream()
+    call = lambda: fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, w, 16), P(cutlass.BFloat16, out, 16),  # noqa: E731
+                      jit.i32(T), jit.cu_stream(stream))
+    with torch.cuda.stream(stream):
+        call()  # compile and warm up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        call()
+    for _ in range(3):
+        o2, w2 = make(T, G, HG, Dv, R, "cuda")
+        o.copy_(o2)
+        w.copy_(w2)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+        assert rel_err(out, wo_a_ref(o, w)) < TOL
+
+
 # --------------------------------------------------- Blackwell path on the CPU ---------
 def emulate_tiled(o, w, tile_mn, k_tile=64, swap_ab=False):
     """CPU emulation of the kernels' data layout: operands read through the same strided
@@ -191,6 +239,22 @@ def test_swap_ab_machine_code(tile, cluster_m, pdl):
     assert sass.count(h, "UTMALDG") >= 2 and sass.count(h, "UTMASTG") >= 1 and sass.local_memory_ops(h) == 0
     assert (sass.count(h, "UTMALDG.3D.MULTICAST") >= 1) == (cluster_m == 2)
     assert sass.count(h, "ACQBULK") == (2 if pdl else 0) and sass.count(h, "PREEXIT") == (1 if pdl else 0)
+
+
+@pytest.mark.parametrize("cluster_m, swap_ab", [(1, False), (2, False), (2, True)])
+def test_pingpong_machine_code(cluster_m, swap_ab):
+    """The pingpong schedule: 64 x 256 (or 64 x 160 token) HGMMAs, TMA in (multicast in a CTA
+    pair) and out, the ordering barrier's arrive, no spills, and a register count that lets
+    its 9 warps launch (288 threads x regs <= 64K: 224 at most)."""
+    tile_n = 160 if swap_ab else 256
+    cfg = dict(G=8, R=1024, Dg=1024, tile_m=64, tile_n=tile_n, cluster_m=cluster_m, swap_ab=swap_ab, pingpong=True)
+    h = sass.sass_histogram("wo_a", "sm_90a", **cfg)
+    assert sass.count(h, f"HGMMA.64x{tile_n}x16.F32.BF16") >= 1, h
+    assert sass.count(h, "UTMALDG") >= 2 and sass.count(h, "UTMASTG") >= 1 and sass.local_memory_ops(h) == 0
+    assert (sass.count(h, "UTMALDG.3D.MULTICAST") >= 1) == (cluster_m == 2)
+    assert sass.count(h, "BAR.ARV") >= 1
+    (regs,) = sass.register_counts(sass.compile_cubin("wo_a", "sm_90a", **cfg)).values()
+    assert regs <= 224, regs
 
 
 @pytest.mark.parametrize("tile", [(128, 160), (64, 224), (128, 256)])
@@ -269,6 +333,10 @@ def test_bad_arguments(o, w, words):
     ("sm90", ((128, 128), (4, 1)), {}, "cluster_mn must be 1 or 2"),
     ("sm90", ((128, 128),), {"occupancy": 3}, "occupancy must be 1 or 2"),
     ("sm90", ((128, 128),), {"pdl_early_operand": "c"}, "pdl_early_operand"),
+    ("sm90", ((128, 256),), {"pingpong": True}, "pingpong runs 64-row tiles"),
+    ("sm90", ((64, 256),), {"pingpong": True, "pdl": True}, "without PDL"),
+    ("sm90", ((64, 256),), {"pingpong": True, "occupancy": 2}, "one persistent CTA per SM"),
+    ("sm90", ((64, 256),), {"pingpong": True, "sm_count": 0}, "sm_count"),
     ("sm100", ((64, 128),), {}, "tile_m must be 128"),
     ("sm100", ((128, 40),), {}, "tile_n must be a multiple of 32"),
 ])
@@ -292,6 +360,10 @@ def test_engine_warp_roles():
     g = Sm90Gemm((128, 160), (2, 1), occupancy=2)
     assert g.inline_producer and (g.threads, g.producer_warp) == (256, 0)
     assert not Sm90Gemm((64, 160), occupancy=2).inline_producer
+    g = Sm90Gemm((64, 256), pingpong=True)  # two consumer warp groups on alternate 64-row tiles
+    assert (g.consumer_wgs, g.threads, g.producer_warp) == (2, 288, 8)
+    # their own epilogue subtiles, 2 x 2 x (64 x 32) bf16, leave 5 stages of 64x64 + 256x64
+    assert g.epilogue_bytes(16) == 16 * 1024 and g.stages_for(64, 16, 16) == 5
     assert Sm100Gemm((256, 256)).cluster_mn == (2, 1) and Sm100Gemm((128, 128)).cluster_mn == (1, 1)
 
 

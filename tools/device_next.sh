@@ -50,7 +50,10 @@
 #            config's GPU tests, WO-A bench at T = 272 / 320 (twelfth session: with the
 #            inline-producer build split by const_expr, so it has no producer-warp branch; all
 #            of WO-A's and the draft head's GPU tests).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..30)
+#   phase 31: the engine's persistent pingpong schedule: WO-A's and the draft head's GPU tests
+#            (pingpong tests added), pingpong against 128x256 at T = 1024 / 4096 / 16384 and
+#            against the swapped mid-size tiles at T = 320 (probe), the bench at T = 272 / 320.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..31)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -210,6 +213,15 @@ case "${1:-1}" in
   step 90 spec_tests $PYT tests/test_spec_decode.py -m gpu
   step 90 bench_draft_head python bench/bench_draft_head.py --out "$OUT/bench_draft_head.md"
   step 200 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,96,200,272,320,4096,16384 --out "$OUT/bench_wo_a.md"
+  ;;
+31)  # pingpong: tests, then probes at large and mid-size T, then phase 30's bench
+  step 200 wo_a_tests $PYT tests/test_wo_a.py tests/test_draft_head_fp8.py -m gpu
+  [ "$STEP_RC" = 0 ] || exit 1
+  step 190 probe_pingpong_large env TS=1024,4096,16384 TILES=128x256 PINGPONG_TILES=64x256 CLUSTERS=1x1,2x1 \
+    python tools/probe_wo_a_tiles.py
+  step 70 bench_wo_a python bench/bench_wo_a.py --tokens 272,320 --out "$OUT/bench_wo_a.md"
+  step 90 probe_pingpong_mid env TS=200,320 TILES=128x256 SWAP_TILES=128x160 PINGPONG_SWAP_TILES=64x160,64x224 \
+    CLUSTERS=2x1 python tools/probe_wo_a_tiles.py
   ;;
 30)  # wo_a()'s two-CTAs-per-SM config on the inline-producer engine: GPU tests, bench at T = 272 / 320
   step 240 wo_a_tests $PYT tests/test_wo_a.py tests/test_draft_head_fp8.py -m gpu

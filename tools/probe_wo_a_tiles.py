@@ -6,6 +6,7 @@
     env TS=320 TILES=128x256 SWAP_TILES=128x160,64x160,128x64 python tools/probe_wo_a_tiles.py
     env TS=96,200,512 PICKS=1 python tools/probe_wo_a_tiles.py
     env TS=320 TILES=128x256 SWAP_TILES=128x160,64x160 CLUSTERS=2x1 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
+    env TS=4096,16384 TILES=128x256 PINGPONG_TILES=64x256 CLUSTERS=1x1,2x1 python tools/probe_wo_a_tiles.py
 
 Prints, per shape and T, us per call (graph replay, rotating weights) and the relative error
 against an FP32 einsum for each tile / cluster, and cuBLAS ``bmm`` alone (group-major output,
@@ -34,6 +35,9 @@ def _pairs(env: str, default: str):
 TILES = _pairs("TILES", "64x64,64x128,64x256,128x128,128x256")
 # swap AB: weight rows on M, tokens on N -- tiles written (R-tile)x(T-tile), e.g. 128x160
 SWAP_TILES = _pairs("SWAP_TILES", "") if os.environ.get("SWAP_TILES") else []
+# the engine's persistent pingpong schedule (64-row tiles; (T, R) or, with PINGPONG_SWAP_TILES, (R, T))
+PINGPONG_TILES = _pairs("PINGPONG_TILES", "") if os.environ.get("PINGPONG_TILES") else []
+PINGPONG_SWAP_TILES = _pairs("PINGPONG_SWAP_TILES", "") if os.environ.get("PINGPONG_SWAP_TILES") else []
 OCCUPANCY = [int(v) for v in os.environ.get("OCCUPANCY", "1").split(",")]  # CTAs per SM the stages leave room for
 PICKS = bool(os.environ.get("PICKS"))  # only tile_for()'s tile and config_for()'s config, per T
 CLUSTERS = _pairs("CLUSTERS", "1x1")
@@ -63,26 +67,34 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
         pick = WoASm90.tile_for(T, G, R)  # the unswapped (T, R) tile
         cfg = WoASm90.config_for(T, G, R)  # what wo_a() launches
         launched = (cfg["tile_m"], cfg["tile_n"], cfg.get("cluster_m", 1), cfg.get("cluster_n", 1),
-                    cfg.get("swap_ab", False))
+                    cfg.get("swap_ab", False), cfg.get("pingpong", False))
         t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
         res = [f"bmm alone: {t_bmm * 1e6:.1f} us"]
         if PICKS:  # the (T, R) heuristic's tile against wo_a()'s launch config, in each of CLUSTERS
-            tm, tn, _, _, swap = launched
-            configs = list(dict.fromkeys([(*pick, 1, 1, False)] + [(tm, tn, cm, cn, swap) for cm, cn in CLUSTERS]))
+            tm, tn, _, _, swap, pp = launched
+            configs = list(dict.fromkeys([(*pick, 1, 1, False, False)]
+                                         + [(tm, tn, cm, cn, swap, pp) for cm, cn in CLUSTERS]))
         else:
-            configs = [(tm, tn, cm, cn, False) for tm, tn in TILES if R % tn == 0 for cm, cn in CLUSTERS]
-            configs += [(tm, tn, cm, cn, True) for tm, tn in SWAP_TILES if R % tm == 0 for cm, cn in CLUSTERS]
-        for (tm, tn, cm, cn, swap), occ in [(c, occ) for c in configs for occ in OCCUPANCY]:
+            configs = [(tm, tn, cm, cn, False, False) for tm, tn in TILES if R % tn == 0 for cm, cn in CLUSTERS]
+            configs += [(tm, tn, cm, cn, True, False) for tm, tn in SWAP_TILES if R % tm == 0 for cm, cn in CLUSTERS]
+            configs += [(tm, tn, cm, cn, False, True) for tm, tn in PINGPONG_TILES if R % tn == 0
+                        for cm, cn in CLUSTERS]
+            configs += [(tm, tn, cm, cn, True, True) for tm, tn in PINGPONG_SWAP_TILES if R % tm == 0
+                        for cm, cn in CLUSTERS]
+        for (tm, tn, cm, cn, swap, pp), occ in [(c, occ) for c in configs for occ in OCCUPANCY]:
+            if pp and occ > 1:
+                continue
             fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, cluster_m=cm,
-                                cluster_n=cn, swap_ab=swap, occupancy=occ)
+                                cluster_n=cn, swap_ab=swap, occupancy=occ, **({"pingpong": True} if pp else {}))
 
             def call(i, fn=fn):
                 fn(jit.gmem_ptr(cutlass.BFloat16, o), jit.gmem_ptr(cutlass.BFloat16, ws[i]),
                    jit.gmem_ptr(cutlass.BFloat16, y), jit.i32(T), jit.cu_stream())
 
             t, err = measure(call, y, ref, n)
-            mark = "*" if (tm, tn, cm, cn, swap) == launched and occ == cfg.get("occupancy", 1) else ""
-            name = f"{'swap ' if swap else ''}{tm}x{tn} c{cm}x{cn}{f' occ{occ}' if occ > 1 else ''}"
+            mark = "*" if (tm, tn, cm, cn, swap, pp) == launched and occ == cfg.get("occupancy", 1) else ""
+            name = (f"{'pingpong ' if pp else ''}{'swap ' if swap else ''}{tm}x{tn} c{cm}x{cn}"
+                    f"{f' occ{occ}' if occ > 1 else ''}")
             res.append(f"{name}{mark}: {t * 1e6:.1f} us ({t_bmm / t:.2f}x bmm, err {err:.1e})")
         for bands in BANDS:  # row bands: one launch per band, each with its own tile
             if sum(rows for rows, _ in bands) != T or any(R % tn for _, (_, tn) in bands):

@@ -61,6 +61,13 @@ SMEM_PER_CTA_MAX = 227 * 1024
 #: barriers (2 x 8 bytes a stage) and the operand buffers' 1024-byte alignment
 SMEM_RESERVE = 2048
 EPI_STAGES = 4
+#: epilogue subtiles of each pingpong warp group (its own buffers: A's are the other's operands)
+PINGPONG_EPI_STAGES = 2
+#: epilogue subtile width (columns of C a TMA store writes)
+EPI_N = 32
+#: named barriers: 1 the cooperative epilogue; pingpong: 2 + w "warp group w may start its
+#: mainloop", 4 + w warp group w's epilogue
+ORDER_BARRIER, PINGPONG_EPI_BARRIER = 2, 4
 #: M tiles per raster group (L2 reuse of the B tiles across concurrent CTAs)
 RASTER_GROUP_M = 8
 
@@ -69,10 +76,16 @@ class Sm90Gemm:
     """Compile-time configuration of one GEMM kernel; ``__call__(a, b, c, stream)`` launches."""
 
     def __init__(self, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1), *, pdl: bool = False,
-                 pdl_early_operand: str = "b", occupancy: int = 1, acc_dtype=Float32):
+                 pdl_early_operand: str = "b", occupancy: int = 1, pingpong: bool = False,
+                 sm_count: int = 132, acc_dtype=Float32):
         tile_m, tile_n = tile_mn
         if tile_m not in (64, 128):
             raise ValueError(f"Sm90Gemm: tile_m must be 64 or 128, got {tile_m}")
+        if pingpong and (tile_m != 64 or occupancy != 1 or pdl):
+            raise ValueError(f"Sm90Gemm: pingpong runs 64-row tiles, one persistent CTA per SM, without PDL; got "
+                             f"tile_m={tile_m}, occupancy={occupancy}, pdl={pdl}")
+        if sm_count < 1:
+            raise ValueError(f"Sm90Gemm: sm_count must be >= 1, got {sm_count}")
         if tile_n % 32 or not 32 <= tile_n <= 256:
             raise ValueError(f"Sm90Gemm: tile_n must be a multiple of 32 in 32..256, got {tile_n}")
         if any(c not in (1, 2) for c in cluster_mn):
@@ -94,14 +107,26 @@ class Sm90Gemm:
         # the CTA is the two consumer warp groups alone and warp 0 also issues the loads, each
         # stage's as soon as the consumers free one (``inline_producer``).
         self.inline_producer = occupancy == 2 and self.consumer_wgs == 2
+        # ``pingpong``: a persistent CTA per SM whose two consumer warp groups take alternate
+        # 64-row tiles -- one's epilogue (and the producer's next loads) under the other's MMAs
+        self.pingpong, self.sm_count = pingpong, sm_count
+        if pingpong:
+            self.consumer_wgs = 2
         self.threads = WARP_GROUP * self.consumer_wgs + (0 if self.inline_producer else 32)
         self.producer_warp = 0 if self.inline_producer else 4 * self.consumer_wgs
 
-    def stages_for(self, tile_k: int, ab_width: int) -> int:
-        """Operand stages that fit ``occupancy`` CTAs per SM (the epilogue reuses A's buffers)."""
+    def epilogue_bytes(self, c_width: int) -> int:
+        """Shared memory of the pingpong warp groups' own epilogue subtiles (the cooperative
+        epilogue reuses A's buffers: 0)."""
+        return 2 * PINGPONG_EPI_STAGES * self.tile_mn[0] * EPI_N * c_width // 8 if self.pingpong else 0
+
+    def stages_for(self, tile_k: int, ab_width: int, c_width: int = 16) -> int:
+        """Operand stages that fit ``occupancy`` CTAs per SM (the cooperative epilogue reuses A's
+        buffers; the pingpong one has its own)."""
         tile_m, tile_n = self.tile_mn
         smem = SMEM_PER_CTA_MAX if self.occupancy == 1 else SMEM_PER_SM // self.occupancy - 1024
-        return (smem - SMEM_RESERVE) // ((tile_m + tile_n) * tile_k * ab_width // 8)
+        smem -= SMEM_RESERVE + self.epilogue_bytes(c_width)
+        return smem // ((tile_m + tile_n) * tile_k * ab_width // 8)
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda.CUstream):
@@ -115,21 +140,23 @@ class Sm90Gemm:
         tile_m, tile_n = self.tile_mn
         cluster_m, cluster_n = self.cluster_mn
 
+        mma_wgs = 1 if self.pingpong else self.consumer_wgs  # warp groups sharing one tile
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.a_dtype, self.b_dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
-            self.acc_dtype, (self.consumer_wgs, 1, 1), tiler_mn=(64, tile_n))
+            self.acc_dtype, (mma_wgs, 1, 1), tiler_mn=(64, tile_n))
         # four wgmma k-steps per stage: 64 (16-bit) or 128 (8-bit) elements, 128 bytes a row
         tile_k = cute.size(tiled_mma.shape_mnk, mode=[2]) * 4
         self.tile_mnk = (tile_m, tile_n, tile_k)
-        self.stages = self.stages_for(tile_k, self.a_dtype.width)
-        # 32-column subtiles over the whole tile height (both warp groups' rows)
-        epi_tile = sm90_utils.compute_tile_shape_or_override(self.tile_mnk, self.c_dtype,
-                                                             is_cooperative=self.consumer_wgs == 2)
+        self.stages = self.stages_for(tile_k, self.a_dtype.width, self.c_dtype.width)
+        # EPI_N-column subtiles over the whole tile height (both warp groups' rows)
+        epi_tile = (tile_m, min(EPI_N, tile_n))
         self.epi_tile = epi_tile
         sA_layout = sm90_utils.make_smem_layout_a(a_major, self.tile_mnk, self.a_dtype, self.stages)
         sB_layout = sm90_utils.make_smem_layout_b(b_major, self.tile_mnk, self.b_dtype, self.stages)
-        sC_layout = sm90_utils.make_smem_layout_epi(self.c_dtype, c_major, epi_tile, EPI_STAGES)
-        if const_expr(cute.cosize(sC_layout) * self.c_dtype.width > cute.cosize(sA_layout) * self.a_dtype.width):
+        epi_stages = 2 * PINGPONG_EPI_STAGES if self.pingpong else EPI_STAGES
+        sC_layout = sm90_utils.make_smem_layout_epi(self.c_dtype, c_major, epi_tile, epi_stages)
+        if const_expr(not self.pingpong
+                      and cute.cosize(sC_layout) * self.c_dtype.width > cute.cosize(sA_layout) * self.a_dtype.width):
             raise ValueError("Sm90Gemm: the epilogue's subtiles do not fit in A's buffers")
 
         # A tiles are shared by the cluster's CTAs along N, B tiles along M
@@ -138,20 +165,36 @@ class Sm90Gemm:
         tma_c, mC = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c,
                                                 cute.slice_(sC_layout, (None, None, 0)), epi_tile)
 
-        @cute.struct
-        class SharedStorage:
-            ab_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(sA_layout)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(sB_layout)], 1024]
-
-        self.shared_storage = SharedStorage
-
         M, N, L = cute.size(c, mode=[0]), cute.size(c, mode=[1]), cute.size(c, mode=[2])
-        grid = ((M + tile_m * cluster_m - 1) // (tile_m * cluster_m) * cluster_m,
-                (N + tile_n * cluster_n - 1) // (tile_n * cluster_n) * cluster_n, L)
-        self.kernel(tma_a, mA, tma_b, mB, tma_c, mC, tiled_mma, sA_layout, sB_layout, sC_layout).launch(
-            grid=grid, block=[self.threads, 1, 1], cluster=(cluster_m, cluster_n, 1), stream=stream,
-            use_pdl=self.pdl)
+        cluster_rows = (M + tile_m * cluster_m - 1) // (tile_m * cluster_m)
+        cluster_cols = (N + tile_n * cluster_n - 1) // (tile_n * cluster_n)
+        if const_expr(self.pingpong):
+            @cute.struct
+            class PingpongStorage:
+                ab_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+                sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(sA_layout)], 1024]
+                sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(sB_layout)], 1024]
+                sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(sC_layout)], 1024]
+
+            self.shared_storage = PingpongStorage
+            # one cluster per (cluster_m x cluster_n) SMs, each walking cluster tiles P apart
+            clusters = cutlass.min(cluster_rows * cluster_cols * L, self.sm_count // (cluster_m * cluster_n))
+            self.kernel_pingpong(tma_a, mA, tma_b, mB, tma_c, mC, tiled_mma, sA_layout, sB_layout, sC_layout,
+                                 cluster_rows, cluster_cols, L).launch(
+                grid=(clusters * cluster_m, cluster_n, 1), block=[self.threads, 1, 1],
+                cluster=(cluster_m, cluster_n, 1), stream=stream)
+        else:
+            @cute.struct
+            class SharedStorage:
+                ab_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+                sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(sA_layout)], 1024]
+                sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(sB_layout)], 1024]
+
+            self.shared_storage = SharedStorage
+            grid = (cluster_rows * cluster_m, cluster_cols * cluster_n, L)
+            self.kernel(tma_a, mA, tma_b, mB, tma_c, mC, tiled_mma, sA_layout, sB_layout, sC_layout).launch(
+                grid=grid, block=[self.threads, 1, 1], cluster=(cluster_m, cluster_n, 1), stream=stream,
+                use_pdl=self.pdl)
 
     @staticmethod
     def _tma_load(t: cute.Tensor, smem_layout_staged, tile: tuple[int, int], multicast: int):
@@ -165,8 +208,15 @@ class Sm90Gemm:
         cx, cy, _ = cute.arch.cluster_idx()
         ncx, ncy, _ = cute.arch.cluster_dim()
         _, _, l = cute.arch.block_idx()
+        m, n = self.raster(cx + cy * ncx, ncx, ncy)
+        return m, n, l
+
+    @cute.jit
+    def raster(self, linear, ncx, ncy):
+        """(m tile, n tile) of this CTA in cluster tile ``linear`` of an ``ncx`` x ``ncy`` grid
+        of cluster tiles, walked in groups of RASTER_GROUP_M cluster rows (every column of a
+        group before the next group)."""
         per_group = RASTER_GROUP_M * ncy
-        linear = cx + cy * ncx
         group = linear // per_group
         first = group * RASTER_GROUP_M
         rows = cutlass.min(RASTER_GROUP_M, ncx - first)
@@ -174,7 +224,7 @@ class Sm90Gemm:
         in_cluster = cute.arch.block_in_cluster_idx()
         m = (first + within % rows) * self.cluster_mn[0] + in_cluster[0]
         n = (within // rows) * self.cluster_mn[1] + in_cluster[1]
-        return m, n, l
+        return m, n
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
@@ -243,6 +293,107 @@ class Sm90Gemm:
         if const_expr(is_clustered):
             cute.arch.cluster_wait()
 
+    @cute.kernel
+    def kernel_pingpong(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+                        tma_c: cute.CopyAtom, mC: cute.Tensor, tiled_mma: cute.TiledMma,
+                        sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
+                        sC_layout: cute.ComposedLayout, cluster_rows: cutlass.Int32, cluster_cols: cutlass.Int32,
+                        batches: cutlass.Int32):
+        """Persistent: cluster ``c`` of ``P`` takes cluster tiles ``c, c + P, ...``; its CTA's
+        j-th tile goes to consumer warp group ``j % 2``, and the producer warp loads every
+        tile's k-tiles in order at pipeline positions ``j * k_tiles + kt``."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == self.producer_warp:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+        cluster_layout = cute.make_layout((*self.cluster_mn, 1))
+        cluster_coord = cluster_layout.get_flat_coord(cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()))
+        is_clustered = const_expr(cute.size(cluster_layout) > 1)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        stage_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(sA_layout, (None, None, 0)))
+                       + cute.size_in_bytes(self.b_dtype, cute.slice_(sB_layout, (None, None, 0))))
+        # one warp group reads each stage: its 4 warps (x multicast partners) free it
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_barriers.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WARP_GROUP),
+            tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, *cluster_layout.shape)),
+            enable_multicast_signaling=True, defer_sync=True)
+        pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
+
+        sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
+        k_tiles = cute.ceil_div(cute.size(mA, mode=[1]), self.tile_mnk[2])
+        per_batch = cluster_rows * cluster_cols
+        cid, _, _ = cute.arch.cluster_idx()
+        clusters, _, _ = cute.arch.cluster_dim()
+        tiles = (per_batch * batches - cid + clusters - 1) // clusters  # this CTA's tile count
+        pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
+
+        if warp == self.producer_warp:
+            for j in cutlass.range(tiles, unroll=1):
+                linear = cid + j * clusters
+                m, n = self.raster(linear % per_batch, cluster_rows, cluster_cols)
+                coord = (m, n, None, linear // per_batch)
+                gA = cute.local_tile(mA, self.tile_mnk, coord, proj=(1, None, 1))
+                gB = cute.local_tile(mB, self.tile_mnk, coord, proj=(None, 1, 1))
+                loads = self.load_partitions(tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord)
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    self.load_k_tile(ab_pipe, loads, kt, base=j * k_tiles)
+        elif warp < 4 * self.consumer_wgs:
+            wg = warp // 4
+            thr_mma = tiled_mma.get_slice(0)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            k_blocks = cute.size(tCrA, mode=[2])
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            for j in cutlass.range(wg, tiles, 2, unroll=1):
+                linear = cid + j * clusters
+                m, n = self.raster(linear % per_batch, cluster_rows, cluster_cols)
+                gC = cute.local_tile(mC, self.tile_mnk, (m, n, None, linear // per_batch), proj=(1, 1, None))
+                acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape, self.acc_dtype)
+                acc.fill(0.0)
+                if j > 0:
+                    # the other warp group has waited for every k-tile of tile j - 1, so the
+                    # stages' phase bits this one waits on are those of tile j (not older ones)
+                    # -- and the tensor cores take the tiles in order
+                    cute.arch.barrier(barrier_id=ORDER_BARRIER + wg, number_of_threads=2 * WARP_GROUP)
+                base = j * k_tiles
+                read = pipeline.PipelineState(self.stages, base, base % self.stages, (base // self.stages) % 2)
+                release = read.clone()
+                ab_pipe.consumer_wait(read)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(k_blocks):
+                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)],
+                              tCrB[(None, None, kb, read.index)], acc)
+                warpgroup.commit_group()
+                read.advance()
+                for _ in cutlass.range(1, k_tiles, unroll=1):
+                    ab_pipe.consumer_wait(read)
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)],
+                                  tCrB[(None, None, kb, read.index)], acc)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)
+                    ab_pipe.consumer_release(release)
+                    release.advance()
+                    read.advance()
+                if j + 1 < tiles:
+                    cute.arch.barrier_arrive(barrier_id=ORDER_BARRIER + 1 - wg, number_of_threads=2 * WARP_GROUP)
+                warpgroup.wait_group(0)
+                ab_pipe.consumer_release(release)
+                # this warp group's own subtile buffers, store warp and barrier
+                self.store_tile(acc, tiled_mma, tma_c, sC, gC, tidx % WARP_GROUP, warp % 4 == 0, WARP_GROUP,
+                                PINGPONG_EPI_BARRIER + wg, wg * PINGPONG_EPI_STAGES, PINGPONG_EPI_STAGES)
+        if const_expr(is_clustered):
+            # no CTA of the cluster exits while another may still arrive on its barriers
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
     @cute.jit
     def load_partitions(self, tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord):
         """The TMA views of this CTA's share of the A / B k-tiles, and the multicast masks."""
@@ -261,12 +412,15 @@ class Sm90Gemm:
         return (tma_a, tAgA, tAsA, a_mask), (tma_b, tBgB, tBsB, b_mask)
 
     @cute.jit
-    def load_k_tile(self, ab_pipe, loads, kt, operands: cutlass.Constexpr = "ab", acquire: cutlass.Constexpr = True):
+    def load_k_tile(self, ab_pipe, loads, kt, operands: cutlass.Constexpr = "ab", acquire: cutlass.Constexpr = True,
+                    base=None):
         """Issue k-tile ``kt``'s loads into stage ``kt % stages`` (after its buffer is free).
 
         The producer's pipeline position is a function of ``kt`` (phase bit 1 on the first pass),
-        so no state is carried between calls."""
-        state = pipeline.PipelineState(self.stages, kt, kt % self.stages, (kt // self.stages + 1) % 2)
+        so no state is carried between calls. A persistent CTA passes ``base``, the k-tiles
+        of its earlier tiles: the position is then ``base + kt``."""
+        pos = kt if const_expr(base is None) else base + kt
+        state = pipeline.PipelineState(self.stages, pos, pos % self.stages, (pos // self.stages + 1) % 2)
         if const_expr(acquire):
             # waits for the empty barrier, then expects the stage's A + B bytes on the full one
             ab_pipe.producer_acquire(state)
@@ -345,11 +499,19 @@ class Sm90Gemm:
 
     @cute.jit
     def epilogue(self, acc, tiled_mma, tma_c, sA, sC_layout, gC, tidx, warp):
-        """Accumulators -> C's type -> 32-column shared subtiles (in A's buffers) -> TMA stores."""
+        """The cooperative epilogue: both warp groups' rows, through subtiles in A's buffers."""
         consumers = WARP_GROUP * self.consumer_wgs
         # every consumer warp group's wgmmas have read A's buffers before they are overwritten
         cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
         sC = cute.make_tensor(cute.recast_ptr(sA.iterator, sC_layout.inner, dtype=self.c_dtype), sC_layout.outer)
+        self.store_tile(acc, tiled_mma, tma_c, sC, gC, tidx, warp == 0, consumers, 1, 0, EPI_STAGES)
+
+    @cute.jit
+    def store_tile(self, acc, tiled_mma, tma_c, sC, gC, tidx, store_warp, consumers: cutlass.Constexpr,
+                   barrier_id, buf0, bufs: cutlass.Constexpr):
+        """Accumulators -> C's type -> EPI_N-column shared subtiles (buffers ``buf0 ..
+        buf0 + bufs - 1`` of ``sC``) -> TMA stores issued by ``store_warp``; ``consumers``
+        threads (``tidx`` among them) meet at named barrier ``barrier_id``."""
         c_major = self.c_major
         stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(c_major.is_m_major_c(), 4), self.c_dtype)
         r2s = cute.make_tiled_copy_S(sm90_utils.sm90_get_smem_store_op(c_major, self.c_dtype, self.acc_dtype),
@@ -366,25 +528,26 @@ class Sm90Gemm:
         subtiles = cute.size(gC_epi, mode=[1])
         subtile_grid = cute.make_layout(gC_epi.shape[1], stride=(gC_epi.shape[1][1], 1))
         store_pipe = pipeline.PipelineTmaStore.create(
-            num_stages=EPI_STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers))
+            num_stages=bufs, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers))
         for s in cutlass.range_constexpr(subtiles):
             for v in cutlass.range_constexpr(per_subtile):
                 rC[v] = tRS_acc[s * per_subtile + v]
             rC_out = cute.make_rmem_tensor_like(rC_layout, self.c_dtype)
             rC_out.store(rC.load().to(self.c_dtype))
-            buf = s % EPI_STAGES
+            buf = buf0 + s % bufs
             cute.copy(r2s, rC_out, tRS_sC[(None, None, None, buf)])
             # the generic-proxy smem writes become visible to TMA, then one warp stores
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
-            reuse = s + 1 < subtiles and s + 1 >= EPI_STAGES  # the next subtile reuses a buffer
-            if warp == 0:
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=consumers)
+            reuse = s + 1 < subtiles and s + 1 >= bufs  # the next subtile reuses a buffer
+            if store_warp:
                 cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, subtile_grid.get_hier_coord(s))])
                 store_pipe.producer_commit()
                 if const_expr(reuse):
-                    # the store EPI_STAGES - 1 subtiles back has read its buffer: free to rewrite
+                    # the store bufs - 1 subtiles back has read its buffer: free to rewrite
                     store_pipe.producer_acquire()
             if const_expr(reuse):
-                cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
-        if warp == 0:
+                cute.arch.barrier(barrier_id=barrier_id, number_of_threads=consumers)
+        if store_warp:
+            # every store has read its buffer: the next tile's epilogue may rewrite them
             store_pipe.producer_tail()
