@@ -26,11 +26,23 @@ then issues the loads between its MMAs, ``inline_producer``).
 Tiles are walked in groups of 8 cluster rows along M (every N tile of 8 consecutive M tiles
 before the next 8), so CTAs that run together share their A and B tiles in L2.
 
+``pingpong`` (persistent, for large M x N): one CTA (cluster) per SM walks the cluster tiles
+``P`` apart (``P`` = the clusters launched, ``sm_count`` SMs' worth), in the same raster order.
+Its producer warp loads every tile's k-tiles back to back (pipeline position ``j * k_tiles +
+kt`` for its j-th tile, so a stage's phase bit is again a function of the position), and its
+two consumer warp groups take the 64-row tiles in turn: while one runs its epilogue -- through
+its own two subtile buffers, since A's stages now hold the other's operands -- the other runs
+its MMAs, and the producer is already filling the stages of the tile after. A named-barrier
+handshake orders the mainloops: warp group ``j % 2`` starts tile ``j`` only once the other has
+waited for every k-tile of tile ``j - 1``. That keeps the tensor cores on one tile at a time,
+and it is what makes the stateless phase bits safe: a stage's barrier can then be at most one
+phase behind the position waited on, never two.
+
 Options (compile time): ``cluster_mn`` (1 or 2 per mode: TMA multicast of shared tiles);
 ``pdl`` (launch as a programmatic dependent: the prologue's tiles of ``pdl_early_operand``,
 the one the previous kernel does not write, load before ``griddepcontrol.wait``);
 ``occupancy`` (CTAs per SM that the stage count, and for 128-row tiles the warp count, leave
-room for).
+room for); ``pingpong`` with ``sm_count`` (64-row tiles, one CTA per SM, no PDL).
 
 Constraints: A and B of one 16-bit type (bf16 / fp16) or 8-bit floats (e4m3 / e5m2), both
 K-major; ``tile_m`` in {64, 128}; ``tile_n`` a multiple of 32 in 32..256; 16-byte aligned
