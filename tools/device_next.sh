@@ -52,7 +52,8 @@
 #            of WO-A's and the draft head's GPU tests).
 #   phase 31: the engine's persistent pingpong schedule: WO-A's and the draft head's GPU tests
 #            (pingpong tests added), pingpong against 128x256 at T = 1024 / 4096 / 16384 and
-#            against the swapped mid-size tiles at T = 320 (probe), the bench at T = 272 / 320.
+#            against the swapped mid-size tiles at T = 320 (probe), the bench at T = 272 / 320,
+#            the decode kernel's split counts at T = 1 / 5 against the launch floor (probe).
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..31)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
@@ -222,6 +223,7 @@ case "${1:-1}" in
   step 70 bench_wo_a python bench/bench_wo_a.py --tokens 272,320 --out "$OUT/bench_wo_a.md"
   step 90 probe_pingpong_mid env TS=200,320 TILES=128x256 SWAP_TILES=128x160 PINGPONG_SWAP_TILES=64x160,64x224 \
     CLUSTERS=2x1 python tools/probe_wo_a_tiles.py
+  step 100 probe_decode_splits env TS=1,5 python tools/probe_wo_a_decode.py
   ;;
 30)  # wo_a()'s two-CTAs-per-SM config on the inline-producer engine: GPU tests, bench at T = 272 / 320
   step 240 wo_a_tests $PYT tests/test_wo_a.py tests/test_draft_head_fp8.py -m gpu

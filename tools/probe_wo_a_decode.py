@@ -1,0 +1,66 @@
+"""Sweep the WO-A decode kernel's split count against the launch floor and cuBLAS at decode T.
+
+    python tools/probe_wo_a_decode.py
+    env TS=1,5 SPLITS=1,2,4,8 python tools/probe_wo_a_decode.py
+
+Per shape and T, us per call (graph replay, rotating weights larger than L2), with and without
+PDL: the decode kernel at each split count its K allows (bm as :func:`wo_a_decode.plan` picks;
+'*' marks the plan's split count), cuBLAS ``bmm`` alone, and the floor of this timing -- a
+one-element ``zero_`` (the per-launch cost of a graph of back-to-back kernels) plus the weight
+bytes at 4.3 TB/s. Every launch's output is checked against an FP32 einsum (relative error).
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from bench_wo_a import bmm_only  # noqa: E402
+from common import H200_COPY_BW, rotation_count, time_graph  # noqa: E402
+
+import cutlass  # noqa: E402
+from cute_kernels import jit  # noqa: E402
+from cute_kernels.wo_a_decode import WoADecode, WoADecodeWorkspace, plan  # noqa: E402
+
+TS = [int(t) for t in os.environ.get("TS", "1,5,16,64").split(",")]
+SPLITS = [int(s) for s in os.environ.get("SPLITS", "1,2,4,8").split(",")]
+
+empty = torch.zeros(1, device="cuda")
+t_launch = time_graph(lambda i: empty.zero_(), 1, 64)
+print(f"one-element zero_ per launch: {t_launch * 1e6:.2f} us", flush=True)
+for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]:
+    wbytes = G * R * Dg * 2
+    n = rotation_count(wbytes)
+    ws = [(torch.randn(G, R, Dg, device="cuda") / Dg**0.5).bfloat16() for _ in range(n)]
+    workspace = WoADecodeWorkspace(G, R, max_splits=max(SPLITS), device="cuda")
+    floor = t_launch + wbytes / H200_COPY_BW
+    for T in TS:
+        o = torch.randn(T, G * 8, Dg // 8, device="cuda").bfloat16()
+        y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
+        ref = torch.einsum("tgd,grd->tgr", o.view(T, G, Dg).float(), ws[0].float()).reshape(T, G * R)
+        bm, picked = plan(T, G, R, Dg)
+        t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
+        res = [f"floor {floor * 1e6:.1f}", f"bmm {t_bmm * 1e6:.1f}"]
+        for splits in SPLITS:
+            if not WoADecode.can_implement(T, G, R, Dg, splits):
+                continue
+            for pdl in (False, True):
+                fn = jit.get_kernel("wo_a_decode", "sm_90a", G=G, R=R, Dg=Dg, bm=bm, splits=splits,
+                                    **({"pdl": True} if pdl else {}))
+
+                def call(i, fn=fn):
+                    P = jit.gmem_ptr
+                    fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, ws[i], 16), P(cutlass.BFloat16, y, 4),
+                       P(cutlass.Float32, workspace.partials, 4), P(cutlass.Int32, workspace.counters, 4),
+                       jit.i32(T), jit.cu_stream())
+
+                y.fill_(float("nan"))
+                call(0)
+                torch.cuda.synchronize()
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                t = time_graph(call, n, max(n, 8))
+                mark = "*" if splits == picked else ""
+                res.append(f"s{splits}{'+pdl' if pdl else ''}{mark} {t * 1e6:.1f} "
+                           f"({wbytes / t / H200_COPY_BW:.0%}, err {err:.1e})")
+        print(f"T={T} G={G} R={R} Dg={Dg} bm={bm}: " + "; ".join(res), flush=True)
+    ws = None
