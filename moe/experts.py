@@ -1,15 +1,16 @@
 """Routed-expert GEMM on MXFP8 operands: the torch-facing entry point and its weight prep.
 
     w_q, w_scales = quantize_expert_weights(w)             # once, at weight load
-    y = moe_expert_gemm(a_q, a_scales, w_q, w_scales, router_out.expert_offsets)
+    y = moe_expert_gemm(a_q, a_scales, w_q, w_scales, r.expert_offsets, r.expert_counts, r.tile_expert)
 
 ``a_q [rows, K]`` / ``a_scales`` come from :func:`moe.quant.mxfp8_quantize_routed`
 (expert-sorted, 128-row-padded, swizzled scales); ``expert_offsets`` is the router's
 ``[E + 1]`` padded prefix. Row ``r`` of the bf16 result is ``A[r] @ W[e]^T`` for the expert
 ``e`` whose padded range holds ``r``; rows past ``expert_offsets[E]`` are not written.
 
-Paths: sm_100a runs :mod:`moe.experts_sm100` (tcgen05 block-scaled MMA; compiled and
-machine-code checked in CI, never run here -- no Blackwell GPU); sm_90a runs
+Paths: sm_100a runs :mod:`moe.experts_sm100` (tcgen05 block-scaled MMA, the expert of each
+128-row tile from the router's ``tile_expert``; compiled and machine-code checked in CI, never
+run here -- no Blackwell GPU); sm_90a runs
 :mod:`moe.experts_sm90_decode` (swap-AB TMA + FP8 wgmma, weights as M) for decode steps --
 :func:`expert_kernel_args` picks it from the token count -- and :mod:`moe.experts_sm90`
 (FP8 warp MMA per 32-block with scale promotion) for larger steps; both GPU-tested on the
@@ -18,14 +19,12 @@ the PyTorch reference (exact dequantisation, then a bf16 grouped matmul with FP3
 accumulation), with one warning.
 
 :func:`moe_expert_gate_up` fuses SiLU(gate) * up and the MXFP8 requantisation into the GEMM's
-epilogue on both paths (Blackwell: the vendored kernel's epilogue gained a constexpr-gated
-mode that computes them from the tensor-memory loads instead of storing C; compile + SASS
-checked only).
+epilogue on both paths (Blackwell: a constexpr-selected epilogue that computes them from the
+tensor-memory loads instead of storing C; compile + SASS checked only).
 """
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -73,21 +72,6 @@ def quantize_expert_weights(w: torch.Tensor, *, stream=None) -> tuple[torch.Tens
     for e in range(E):  # offline, once per weight load
         mxfp8_quantize(w[e], layout="swizzled", q=w_q[e], scales=w_s[e], stream=stream)
     return w_q, w_s
-
-
-@functools.lru_cache(maxsize=None)
-def _workspace_bytes(E: int) -> int:
-    from .experts_sm100 import MoeExpertGemmSm100  # builds the engine's host-side object once per E
-
-    return MoeExpertGemmSm100(E, 128, 128).workspace_bytes
-
-
-class MoeExpertWorkspace:
-    """Per-expert TMA descriptors written on the device by the Blackwell kernel."""
-
-    def __init__(self, E: int, device="cuda"):
-        self.E = E
-        self.buffer = torch.zeros(_workspace_bytes(E), dtype=torch.uint8, device=device)
 
 
 def _reference(a_q, a_scales, w_q, w_scales, expert_offsets, out):
@@ -255,7 +239,7 @@ def _grid_tiles(op, rows, tile_capacity, E, routed_rows):
 def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor, w_scales: torch.Tensor,
                     expert_offsets: torch.Tensor, expert_counts: torch.Tensor | None = None,
                     tile_expert: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                    workspace: MoeExpertWorkspace | None = None, stream=None, arch: str | None = None,
+                    stream=None, arch: str | None = None,
                     routed_rows: int | None = None, tile_k: int | None = None,
                     stages: int | None = None, ctas_per_sm: int | None = None,
                     max_expert_rows: int | None = None, expert_row_tile: int | None = None) -> torch.Tensor:
@@ -263,7 +247,7 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
 
     ``expert_offsets`` / ``expert_counts`` / ``tile_expert`` are the router's outputs
     (:class:`moe.router.RouterOutput`); the Hopper kernel needs all three, the Blackwell
-    kernel the offsets. ``routed_rows`` (tokens x top-k, known on the host without a sync)
+    kernel ``tile_expert``. ``routed_rows`` (tokens x top-k, known on the host without a sync)
     bounds the Hopper grid to the tiles that can hold live rows; pass it at decode.
     ``tile_k`` / ``stages`` pick the Hopper kernel's K tile (128 or 256; default
     :func:`default_tile`), pipeline depth (2-4; default per tile, see ``TILE_K``) and
@@ -296,22 +280,29 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
         _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out, None, stream,
                      routed_rows, tile_k, stages, ctas_per_sm, max_expert_rows, expert_row_tile)
         return out
-    _launch_sm100(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, out, None, workspace, stream)
+    _launch_sm100(op, a, a_q, a_scales, w_q, w_scales, tile_expert, out, None, stream)
     return out
 
 
-def _launch_sm100(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, out, fused, workspace, stream):
+def _launch_sm100(op, arch, a_q, a_scales, w_q, w_scales, tile_expert, out, fused, stream):
     """The Blackwell kernel: bf16 ``out``, or (``fused`` = (q, scales)) the SiLU * up + MXFP8
     epilogue, which writes no C (``a_q`` then stands in for C's never-used address)."""
     import cutlass
     from cutlass import Int32
 
+    from .experts_sm100 import MoeExpertGemmSm100
+
     rows, K = a_q.shape
     E, N, _ = w_q.shape
-    if workspace is None:
-        workspace = MoeExpertWorkspace(E, device=a_q.device)
-    if not isinstance(workspace, MoeExpertWorkspace) or workspace.E != E:
-        raise ValueError(f"{op}: workspace must be an MoeExpertWorkspace for E={E}")
+    if tile_expert is None:
+        raise ValueError(f"{op}: the Blackwell kernel needs the router's tile_expert (expert of each 128-row tile)")
+    check_tensor(op, "tile_expert", tile_expert, dtype=torch.int32, ndim=1, contiguous=True, align_bytes=4)
+    if tile_expert.numel() * 128 < rows:
+        raise ValueError(f"{op}: tile_expert has {tile_expert.numel()} tiles of 128 rows; a_q has {rows} rows")
+    if not MoeExpertGemmSm100.can_implement(E, N, K, silu_quant=fused is not None):
+        raise ValueError(f"{op}: the Blackwell kernel needs N = w_q.shape[1] = {N} a multiple of 128 and "
+                         f"K = {K} of 128")
+    check_cuda(op, ("a_q", a_q), ("tile_expert", tile_expert))
     P = jit.gmem_ptr
     f8, sf = cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU
     if fused is None:
@@ -321,8 +312,7 @@ def _launch_sm100(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, out, f
         fn = jit.get_kernel("moe_expert_gemm", arch, E=E, N=N, K=K, silu_quant=True)
         c, (q, s) = a_q, fused
     fn(P(f8, a_q, 16), P(f8, w_q, 16), P(sf, a_scales, 16), P(sf, w_scales, 16), P(cutlass.BFloat16, c, 16),
-       P(Int32, expert_offsets[1:], 4), P(cutlass.Uint8, workspace.buffer, 128), P(f8, q, 16),
-       P(cutlass.Uint8, s, 1), jit.i32(rows), jit.cu_stream(stream))
+       P(Int32, tile_expert, 4), P(f8, q, 16), P(cutlass.Uint8, s, 1), jit.i32(rows), jit.cu_stream(stream))
 
 
 def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -354,8 +344,8 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
                        arch: str | None = None, routed_rows: int | None = None,
                        tile_k: int | None = None, stages: int | None = None,
                        ctas_per_sm: int | None = None,
-                       max_expert_rows: int | None = None, expert_row_tile: int | None = None,
-                       workspace: MoeExpertWorkspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       max_expert_rows: int | None = None,
+                       expert_row_tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate/up projection with SiLU(gate) * up and MXFP8 requantisation fused in the epilogue.
 
     ``w_q`` / ``w_scales`` are the quantised :func:`interleave_gate_up` weights ``[E, 2I, K]``.
@@ -384,8 +374,7 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
     if path == "sm100":  # tcgen05 GEMM with the SiLU * up + MXFP8 epilogue (compile + SASS checked only)
         check_cuda(op, ("a_q", a_q), ("a_scales", a_scales), ("w_q", w_q), ("w_scales", w_scales),
                    ("expert_offsets", expert_offsets), ("q_out", q_out), ("scales_out", scales_out))
-        _launch_sm100(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, None, (q_out, scales_out), workspace,
-                      stream)
+        _launch_sm100(op, a, a_q, a_scales, w_q, w_scales, tile_expert, None, (q_out, scales_out), stream)
         return q_out, scales_out
     if path == "sm90":
         check_cuda(op, ("a_q", a_q), ("a_scales", a_scales), ("w_q", w_q), ("w_scales", w_scales),

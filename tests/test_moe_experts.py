@@ -30,6 +30,24 @@ def _sf_offsets(shape, coords):
     return out
 
 
+@pytest.mark.parametrize("E, N, K", [(3, 256, 512), (2, 7168, 2048)])
+def test_weight_scale_layout_is_what_the_kernel_reads(E, N, K):
+    """W's scales as the kernel's (N, K, expert) view reads them: expert e's buffer is row e of
+    ``w_scales [E, expert_scale_bytes]``, each laid out as quantize_expert_weights writes it."""
+    kb = K // 32
+    g = torch.Generator().manual_seed(E + N + K)
+    raw = torch.randint(0, 255, (E, N, kb), dtype=torch.uint8, generator=g)
+    flat = torch.stack([swizzle_scales_ref(raw[e]) for e in range(E)])
+    assert flat.shape[1] == expert_scale_bytes(N, K)
+    ns = list(range(0, N, 97)) + [N - 1]
+    ks = list(range(0, kb, 5)) + [kb - 1]
+    coords = [(n, k * 32, e) for e in range(E) for n in ns for k in ks]
+    offs = _sf_offsets((N, K, E), coords)
+    got = torch.tensor([int(flat.view(-1)[o]) for o in offs])
+    want = torch.tensor([int(raw[e, n, k]) for e in range(E) for n in ns for k in ks])
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("rows, K", [(256, 512), (128, 2048), (384, 7168)])
 def test_activation_scale_layout_is_what_the_kernel_reads(rows, K):
     """Byte (r, k-block) of our swizzled buffer is the byte the kernel's SFA view maps there."""
@@ -46,20 +64,6 @@ def test_activation_scale_layout_is_what_the_kernel_reads(rows, K):
     want = torch.tensor([int(raw[r, k]) for r in rs for k in ks])
     assert torch.equal(got, want)
     assert torch.equal(unswizzle_scales(flat, rows, K), raw)
-
-
-def test_weight_scale_layout_is_what_the_kernel_reads():
-    """The SFB view over [E, N_pad * K_pad / 32]: per-expert blocks in the same atom layout."""
-    E, N, K = 3, 256, 512
-    kb = K // 32
-    raw = torch.randint(0, 255, (E, N, kb), dtype=torch.uint8)
-    flat = torch.stack([swizzle_scales_ref(raw[e]) for e in range(E)])
-    assert flat.shape[1] == expert_scale_bytes(N, K)
-    coords = [(n, k * 32, e) for e in range(E) for n in (0, 1, 33, 127, 128, 255) for k in (0, 3, 4, 15)]
-    offs = _sf_offsets((N, K, E), coords)
-    got = torch.tensor([int(flat.view(-1)[o]) for o in offs])
-    want = torch.tensor([int(raw[e, n, k // 32]) for (n, k, e) in coords])
-    assert torch.equal(got, want)
 
 
 def _quantized_problem(E, N, K, counts, gen):
@@ -111,16 +115,27 @@ def test_block_scaled_math_against_fp64():
 
 
 @pytest.mark.parametrize("cfg", [dict(E=256, N=4096, K=7168), dict(E=256, N=7168, K=2048),
-                                 dict(E=8, N=256, K=512, tile_n=256, two_cta=True)])
+                                 dict(E=8, N=512, K=512, tile_n=256)])
 def test_machine_code(cfg):
+    """The project's Blackwell engine: per k-tile TMA loads of A, W (3-D: the tile's expert)
+    and both scale tiles, ``tcgen05.cp`` of the scales to tensor memory, the block-scaled
+    MMA on 8-bit operands, tensor-memory loads and TMA stores in the epilogue, no spills."""
     h = sass.sass_histogram("moe_expert_gemm", "sm_100a", **cfg)
     assert sass.count(h, "UTCQMMA") >= 1  # tcgen05 MMA on 8-bit operands ...
-    assert sass.count(h, "UTCCP") >= 1  # ... with scale factors copied to tensor memory: block-scaled
-    assert sass.count(h, "UTMALDG") >= 2 and sass.count(h, "LDTM") >= 1 and sass.count(h, "UTMASTG") >= 1
+    assert sass.count(h, "UTCCP") >= 2  # ... with both scale tiles copied to tensor memory: block-scaled
+    assert sass.count(h, "UTMALDG") >= 4 and sass.count(h, "LDTM") >= 1 and sass.count(h, "UTMASTG") >= 1
+    assert sass.count(h, "UTMALDG.3D") >= 1  # W through its (N, K, expert) view
     assert sass.local_memory_ops(h) == 0
 
 
-@pytest.mark.parametrize("cfg", [dict(E=256, N=4096, K=7168), dict(E=8, N=256, K=512, tile_n=256, two_cta=True)])
+def test_machine_code_has_no_descriptor_writes():
+    """The expert is a TMA batch coordinate: no per-expert descriptors are built on the device
+    (no tensormap replace / fence of a descriptor-init kernel) and the launch is one kernel."""
+    h = sass.sass_histogram("moe_expert_gemm", "sm_100a", E=256, N=7168, K=2048)
+    assert not [op for op in h if "TENSORMAP" in op or op.startswith("UTMACCTL.IV")], h
+
+
+@pytest.mark.parametrize("cfg", [dict(E=256, N=4096, K=7168), dict(E=8, N=512, K=512, tile_n=256)])
 def test_machine_code_fused_silu_sm100(cfg):
     """Blackwell gate/up with the SiLU * up + MXFP8 epilogue: the same block-scaled tcgen05
     mainloop, tensor-memory loads feeding SiLU's exp, and no C store (UTMASTG) at all."""
@@ -131,33 +146,29 @@ def test_machine_code_fused_silu_sm100(cfg):
     assert sass.local_memory_ops(h) == 0
 
 
-def _emulate_sm100_silu_epilogue(acc_tile, reverse):
-    """The fused Blackwell epilogue's data flow for one 128-row tile, in Python: 32-column
-    subtiles (processed backwards when the accumulators overlap), the first of each
-    gate/up pair stashed bf16-rounded, the second completing SiLU * up -> h (bf16)."""
+def _emulate_sm100_silu_epilogue(acc_tile, n_tile=0):
+    """The fused Blackwell epilogue's data flow for one 128 x tile_n accumulator, in Python:
+    per feature block f, 32-column subtile 2f (gate) bf16-rounded, subtile 2f + 1 (up)
+    bf16-rounded, SiLU * up -> h (bf16) into output block n_tile * tile_n / 64 + f."""
     rows, n = acc_tile.shape
-    cnt = n // 32
     h = torch.zeros(rows, n // 2, dtype=torch.bfloat16)
-    stash = None
-    for idx in range(cnt):
-        real = cnt - 1 - idx if reverse else idx
-        cur = acc_tile[:, real * 32:(real + 1) * 32].bfloat16().float()
-        if idx % 2 == 0:
-            stash = cur
-        else:
-            g, u = (stash, cur) if real % 2 == 1 else (cur, stash)
-            sg = (g / (1 + torch.exp(-g))).bfloat16().float()
-            h[:, (real // 2) * 32:(real // 2 + 1) * 32] = (sg * u).bfloat16()
+    for f in range(n // 64):
+        g = acc_tile[:, 64 * f:64 * f + 32].bfloat16().float()
+        u = acc_tile[:, 64 * f + 32:64 * f + 64].bfloat16().float()
+        sg = (g / (1 + torch.exp(-g))).bfloat16().float()
+        fb = (n_tile * n + 64 * f) // 64 - n_tile * n // 64  # the output block, relative to this tile's
+        h[:, 32 * fb:32 * fb + 32] = (sg * u).bfloat16()
     return h
 
 
-@pytest.mark.parametrize("reverse", [False, True])
-def test_sm100_silu_epilogue_pairing_matches_spec(reverse):
-    """Forward and reversed subtile order both pair each feature block's gate with its up and
-    give the unfused path's h = bf16(bf16(silu(g)) * u) on the interleaved layout."""
-    acc = torch.randn(128, 256) * 3
+@pytest.mark.parametrize("tile_n", [128, 256])
+def test_sm100_silu_epilogue_pairing_matches_spec(tile_n):
+    """Per column tile, the epilogue's pairing of subtiles 2f / 2f + 1 gives the unfused path's
+    h = bf16(bf16(silu(g)) * u) on the interleaved layout, tile by tile."""
+    acc = torch.randn(128, 4 * tile_n) * 3
     spec = silu_mul_interleaved(acc.bfloat16())
-    assert torch.equal(_emulate_sm100_silu_epilogue(acc, reverse), spec)
+    got = torch.cat([_emulate_sm100_silu_epilogue(acc[:, j * tile_n:(j + 1) * tile_n], j) for j in range(4)], 1)
+    assert torch.equal(got, spec)
 
 
 def test_can_implement_and_validation():

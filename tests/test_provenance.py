@@ -1,8 +1,8 @@
 """Provenance: code fetched from public repositories stays out of this tree (the library's
 rules, /work/.library/search/README.md). Third-party source files carry their authors'
-copyright / SPDX headers; this project's files do not. The one known exception is the
-Blackwell MXFP8 grouped GEMM under moe/gemm_sm100/, CUTLASS example code awaiting a
-replacement written here (README, "Known gaps") -- the list below may only shrink."""
+copyright / SPDX headers; this project's files do not. The last exception, CUTLASS's MoE
+grouped GEMM example vendored under moe/gemm_sm100/, was replaced by moe/experts_sm100.py
+(twelfth session): none may come back."""
 
 import os
 import re
@@ -10,12 +10,7 @@ import re
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a licence header: a comment line opening with a copyright notice or an SPDX tag
 FOREIGN_HEADER = re.compile(r"^\s*(#|//|/?\*)\s*(Copyright \(c\)|SPDX-License-Identifier)", re.MULTILINE)
-KNOWN_FOREIGN = {
-    "moe/gemm_sm100/torch_scaled_grouped_mm.py",
-    "moe/gemm_sm100/moe_persistent_scheduler.py",
-    "moe/gemm_sm100/moe_utils.py",
-    "moe/gemm_sm100/moe_sched_extension.py",
-}
+KNOWN_FOREIGN: set[str] = set()
 
 
 def _sources():
