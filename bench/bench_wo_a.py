@@ -71,8 +71,10 @@ def main():
             def lim(t):
                 return (f"{100 * nbytes / t / H200_COPY_BW:.0f}% of 4.3 TB/s" if T <= 64
                         else f"{100 * flops / t / H200_BF16_FLOPS:.0f}% of 790 TFLOP/s")
-            cfg = WoASm90.config_for(T, G, R)
+            cfg = WoASm90.config_for(T, G, R, Dg)
             tile = f"tile {cfg['tile_m']}x{cfg['tile_n']}"
+            if cfg.get("pingpong"):
+                tile = f"pingpong {tile} cluster {cfg.get('cluster_m', 1)}x{cfg.get('cluster_n', 1)}"
             if cfg.get("swap_ab"):
                 tile = f"swapped (R x T) {tile} cluster {cfg.get('cluster_m', 1)}x{cfg.get('cluster_n', 1)}"
                 if cfg.get("occupancy", 1) > 1:

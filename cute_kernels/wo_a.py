@@ -55,7 +55,7 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, clus
     tokens on N (:mod:`.wo_a_sm90`); the tile is then (R-tile, T-tile). ``occupancy``: CTAs
     per SM the engine's stage count (and, for 128-row tiles, its warp count) leave room for.
     ``pingpong``: the Hopper engine's persistent schedule, 64-row tiles taken by its two
-    consumer warp groups in turn (one's epilogue under the other's MMAs). Which config a call launches: the path's ``config_for(T, G, R)``."""
+    consumer warp groups in turn (one's epilogue under the other's MMAs). Which config a call launches: the path's ``config_for(T, G, R, Dg, pdl)``."""
     from .arch import family
 
     cls = _PATHS[family(arch)]
@@ -81,7 +81,7 @@ def _aot(arch: str):
     cfgs = []
     for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048)]:
         for T in (1, 320, 4096):
-            cfg = dict(G=G, R=R, Dg=Dg, **cls.config_for(T, G, R))
+            cfg = dict(G=G, R=R, Dg=Dg, **cls.config_for(T, G, R, Dg))
             if cfg not in cfgs:  # Blackwell: T = 320 and 4096 share a tile
                 cfgs.append(cfg)
     return tuple(cfgs)
@@ -178,7 +178,7 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     if path == "reference":
         return _torch_path(o, wo_a_weight, out)
     if use_decode_kernel(T, decode_kernel, path) and WoADecode.can_implement(T, G, R, Dg):
-        bm, splits = decode_plan(T, G, R, Dg, num_sms(o.device))
+        bm, splits = decode_plan(T, G, R, Dg, num_sms(o.device), pdl=pdl)
         if workspace is None:
             workspace = _default_workspace(o.device, G, R)
         if not isinstance(workspace, WoADecodeWorkspace) or (workspace.G, workspace.R) != (G, R) \
@@ -192,7 +192,7 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
            P(Float32, workspace.partials, 4), P(Int32, workspace.counters, 4), jit.i32(T), jit.cu_stream(stream))
         return out
     P = jit.gmem_ptr
-    cfg = _PATHS[path].config_for(T, G, R)
+    cfg = _PATHS[path].config_for(T, G, R, Dg, pdl=pdl)
     fn = jit.get_kernel(op, a, G=G, R=R, Dg=Dg, **cfg, **(pdl_cfg if path == "sm90" else {}))
     fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 16), jit.i32(T),
        jit.cu_stream(stream))

@@ -192,13 +192,19 @@ class WoADecode:
                 and splits & (splits - 1) == 0 and kt % splits == 0)
 
 
-def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> tuple[int, int]:
-    """(bm, splits) for a decode call: enough CTAs for every SM's CTA slots (2 per SM with the
-    16-row tile, 1 with the 64-row one), K splits only while the FP32 partials (written and
-    read once: 8 * splits * T bytes per weight row of Dg * 2 bytes) stay under 1/4 of the
-    weight bytes, i.e. 16 * splits * T <= Dg."""
+def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132, pdl: bool = False) -> tuple[int, int]:
+    """(bm, splits) for a decode call: enough CTAs for every SM's CTA slots, K splits only
+    while the FP32 partials (written and read once: 8 * splits * T bytes per weight row of
+    Dg * 2 bytes) stay under 1/4 of the weight bytes, i.e. 16 * splits * T <= Dg.
+
+    Slots: one CTA per SM with the 64-row tile; with the 16-row tile two per SM under
+    ``pdl`` -- the early launch overlaps the second CTA's prologue with the previous kernel --
+    and one without: a split then costs more (the partials' round trip, the last CTA's sum)
+    than a second CTA per SM gains. H200, tools/probe_wo_a_decode.py (twelfth session) at
+    T = 1 / 5 with 128 column tiles: no split 7.3 / 11.1 us against 8.0 / 11.9 split in two;
+    under PDL the split in two ties or wins (6.5 / 10.4 against 6.5 / 11.5)."""
     bm = 16 if T <= 16 else 64
-    slots = num_sms * (2 if bm == 16 else 1)
+    slots = num_sms * (2 if bm == 16 and pdl else 1)
     tiles = G * R // BN
     splits = 1
     while (tiles * splits * 2 <= slots * 1.1 and Dg // BK % (splits * 2) == 0

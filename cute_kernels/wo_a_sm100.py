@@ -31,7 +31,7 @@ class WoASm100(WoAGemm):
         return (256, 256) if R % 256 == 0 else (256, 128)
 
     @staticmethod
-    def config_for(T: int, G: int, R: int) -> dict:
+    def config_for(T: int, G: int, R: int, Dg: int | None = None, pdl: bool = False) -> dict:
         """The compile config wo_a() launches (the Hopper path's swapped operands are not
         built here: nothing is measured on Blackwell)."""
         tile_m, tile_n = WoASm100.tile_for(T, G, R)

@@ -95,10 +95,20 @@ class WoASm90(WoAGemm):
     SWAP_AB_T = (64, 512)
     #: SMs of the H100 / H200 SXM parts the configs were tuned on
     NUM_SMS = 132
+    #: the pingpong schedule above SWAP_AB_T for K = Dg up to this, and at any K from PINGPONG_MIN_T
+    PINGPONG_MAX_DG, PINGPONG_MIN_T = 1024, 8192
 
     @staticmethod
-    def config_for(T: int, G: int, R: int) -> dict:
+    def config_for(T: int, G: int, R: int, Dg: int | None = None, pdl: bool = False) -> dict:
         """The compile config :func:`cute_kernels.wo_a.wo_a` launches for ``T`` tokens.
+
+        T > 512 with 256-wide R tiles: the engine's persistent pingpong schedule (64 x 256
+        tiles, CTA pairs along T sharing each weight tile by multicast) where the K loop is
+        short (``Dg <= 1024``: the 128 x 256 cooperative CTA's epilogue and prologue are a
+        large share of it) or T >= 8192. H200, tools/probe_wo_a_tiles.py in one call (twelfth
+        session, bench/RESULTS.md): Dg = 1024 at T = 1024 / 4096 / 16384 1.05-1.17x the
+        cooperative tile, T = 16384 1.04x for Dg = 2048; at T = 4096 with Dg = 2048 one shape
+        lost (G=8 R=512: 118 vs 101 us). Not under ``pdl`` (the pingpong CTA is persistent).
 
         64 < T <= 512: tokens on wgmma N, in the fewest <= 256-token tiles, each rounded up to
         the engine's 32 (T = 320: two tiles of 160, where (T, R) tiling runs 2.5 rows of
@@ -134,6 +144,9 @@ class WoASm90(WoAGemm):
                 cfg["occupancy"] = 2
             return cfg
         tile_m, tile_n = WoASm90.tile_for(T, G, R)
+        if (T > hi and tile_n == 256 and not pdl and Dg is not None
+                and (Dg <= WoASm90.PINGPONG_MAX_DG or T >= WoASm90.PINGPONG_MIN_T)):
+            return dict(tile_m=64, tile_n=256, cluster_m=2, pingpong=True)
         return dict(tile_m=tile_m, tile_n=tile_n)
 
     @staticmethod

@@ -388,6 +388,13 @@ def test_launch_configs():
     assert WoASm90.config_for(200, 8, 512) == dict(tile_m=64, tile_n=128, cluster_m=2, swap_ab=True)  # 128 CTAs
     assert WoASm90.config_for(96, 8, 512) == dict(tile_m=64, tile_n=96, cluster_m=2, swap_ab=True)  # not 2x64
     assert WoASm90.config_for(513, 16, 1024) == dict(tile_m=128, tile_n=256)
+    # large T: pingpong CTA pairs where K is short (Dg <= 1024) or T >= 8192, not under PDL
+    pingpong = dict(tile_m=64, tile_n=256, cluster_m=2, pingpong=True)
+    assert WoASm90.config_for(513, 16, 1024, 1024) == pingpong
+    assert WoASm90.config_for(16384, 8, 512, 2048) == pingpong
+    assert WoASm90.config_for(4096, 8, 512, 2048) == dict(tile_m=128, tile_n=256)
+    assert WoASm90.config_for(4096, 16, 1024, 1024, pdl=True) == dict(tile_m=128, tile_n=256)
+    assert WoASm90.config_for(320, 16, 1024, 1024) == WoASm90.config_for(320, 16, 1024)  # mid-size: unchanged
     assert WoASm100.config_for(320, 16, 1024) == dict(tile_m=256, tile_n=256)
     for T in range(65, 513):  # the fewest legal token tiles, each padded by less than 32 tokens
         for G, R in [(8, 512), (16, 1024)]:
@@ -491,7 +498,9 @@ def test_decode_kernel_default_range():
 def test_decode_plan():
     from cute_kernels.wo_a_decode import plan
     assert plan(1, 16, 1024, 1024) == (16, 1)  # 256 tiles fill 2 CTAs per SM alone
-    assert plan(5, 8, 512, 2048) == (16, 4)  # 64 tiles: split K four ways
+    assert plan(5, 8, 512, 2048) == (16, 2)  # 64 tiles: split K two ways for one CTA per SM ...
+    assert plan(5, 8, 512, 2048, pdl=True) == (16, 4)  # ... four ways for two under PDL
+    assert plan(1, 8, 1024, 1024) == (16, 1) and plan(1, 8, 1024, 1024, pdl=True) == (16, 2)  # 128 tiles
     assert plan(64, 8, 512, 2048) == (64, 2)  # partial traffic bounds the split at T = 64
     assert plan(64, 16, 1024, 1024) == (64, 1)
 

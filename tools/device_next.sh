@@ -54,7 +54,9 @@
 #            (pingpong tests added), pingpong against 128x256 at T = 1024 / 4096 / 16384 and
 #            against the swapped mid-size tiles at T = 320 (probe), the bench at T = 272 / 320,
 #            the decode kernel's split counts at T = 1 / 5 against the launch floor (probe).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..31)
+#   phase 32: the pingpong configs at T > 512 and the decode plan's one-CTA-per-SM splits as
+#            defaults: WO-A's, the draft head's and the runtime's GPU tests, the WO-A bench.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..32)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -214,6 +216,12 @@ case "${1:-1}" in
   step 90 spec_tests $PYT tests/test_spec_decode.py -m gpu
   step 90 bench_draft_head python bench/bench_draft_head.py --out "$OUT/bench_draft_head.md"
   step 200 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,96,200,272,320,4096,16384 --out "$OUT/bench_wo_a.md"
+  ;;
+32)  # the new defaults: tests, then the bench at every T of the issue
+  step 200 wo_a_tests $PYT tests/test_wo_a.py tests/test_draft_head_fp8.py -m gpu
+  [ "$STEP_RC" = 0 ] || exit 1
+  step 250 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,1024,4096,16384 --out "$OUT/bench_wo_a.md"
+  step 120 spec_tests $PYT tests/test_spec_decode.py -m gpu
   ;;
 31)  # pingpong: tests, then probes at large and mid-size T, then phase 30's bench
   step 200 wo_a_tests $PYT tests/test_wo_a.py tests/test_draft_head_fp8.py -m gpu

@@ -65,7 +65,7 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
         y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
         ref = torch.einsum("tgd,grd->tgr", o.view(T, G, Dg).float(), ws[0].float()).reshape(T, G * R)
         pick = WoASm90.tile_for(T, G, R)  # the unswapped (T, R) tile
-        cfg = WoASm90.config_for(T, G, R)  # what wo_a() launches
+        cfg = WoASm90.config_for(T, G, R, Dg)  # what wo_a() launches
         launched = (cfg["tile_m"], cfg["tile_n"], cfg.get("cluster_m", 1), cfg.get("cluster_n", 1),
                     cfg.get("swap_ab", False), cfg.get("pingpong", False))
         t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
