@@ -116,6 +116,13 @@ def _check_scales(op, a_scales, w_scales, expert_offsets, rows, K, E, N):
                  align_bytes=4)
 
 
+def _check_tile_expert(op, tile_expert, rows, min_tiles):
+    """The router's ``tile_expert`` (int32, one entry per 128-row tile) holds >= ``min_tiles`` entries."""
+    check_tensor(op, "tile_expert", tile_expert, dtype=torch.int32, ndim=1, contiguous=True, align_bytes=4)
+    if tile_expert.numel() < min_tiles:
+        raise ValueError(f"{op}: tile_expert has {tile_expert.numel()} tiles of 128 rows; a_q has {rows} rows")
+
+
 def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out, fused,
                  stream, routed_rows=None, tile_k=None, stages=None, ctas_per_sm=None, max_expert_rows=None,
                  expert_row_tile=None):
@@ -128,9 +135,8 @@ def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_
     if expert_counts is None or tile_expert is None:
         raise ValueError(f"{op}: the Hopper kernel needs the router's expert_counts and tile_expert")
     check_tensor(op, "expert_counts", expert_counts, dtype=torch.int32, shape=(E,), contiguous=True, align_bytes=4)
-    check_tensor(op, "tile_expert", tile_expert, dtype=torch.int32, ndim=1, contiguous=True, align_bytes=4)
-    if tile_expert.numel() * 128 < rows - 127:
-        raise ValueError(f"{op}: tile_expert has {tile_expert.numel()} tiles of 128 rows; a_q has {rows} rows")
+    # the tiled kernel's grid is bounded by the entries (a partial last tile may go unlisted)
+    _check_tile_expert(op, tile_expert, rows, rows // 128)
     if N % 64:
         raise ValueError(f"{op}: the Hopper kernel needs N % 64 == 0, got N={N}")
     if rows * max(K, N) >= 2**31:  # the kernels index A and out with 32-bit element offsets
@@ -296,9 +302,7 @@ def _launch_sm100(op, arch, a_q, a_scales, w_q, w_scales, tile_expert, out, fuse
     E, N, _ = w_q.shape
     if tile_expert is None:
         raise ValueError(f"{op}: the Blackwell kernel needs the router's tile_expert (expert of each 128-row tile)")
-    check_tensor(op, "tile_expert", tile_expert, dtype=torch.int32, ndim=1, contiguous=True, align_bytes=4)
-    if tile_expert.numel() * 128 < rows:
-        raise ValueError(f"{op}: tile_expert has {tile_expert.numel()} tiles of 128 rows; a_q has {rows} rows")
+    _check_tile_expert(op, tile_expert, rows, -(-rows // 128))  # one CTA row per 128-row tile reads its entry
     if not MoeExpertGemmSm100.can_implement(E, N, K, silu_quant=fused is not None):
         raise ValueError(f"{op}: the Blackwell kernel needs N = w_q.shape[1] = {N} a multiple of 128 and "
                          f"K = {K} of 128")
