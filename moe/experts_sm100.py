@@ -27,8 +27,8 @@ capturable). Tiles whose ``tile_expert`` is -1 exit at once. Six warps, one role
   SiLU * up, one MXFP8 block and its scale byte, stored directly.
 
 Written for this project from the public CuTe DSL API (``cutlass.utils.blockscaled_layout``,
-``cutlass.utils.blackwell_helpers``, ``cutlass.pipeline``), following the structure of the
-project's own :mod:`cute_kernels.gemm.sm100_gemm`.
+``cutlass.utils.blackwell_helpers``, ``cutlass.pipeline``); the warp roles and the bf16
+epilogue (``store_tmem_acc``) are those of the project's :mod:`cute_kernels.gemm.sm100_gemm`.
 
 It cannot run here (no Blackwell GPU): CI compiles it for sm_100a and checks the machine code
 (``UTCQMMA`` with ``UTCCP`` scale copies to tensor memory, ``UTMALDG``; ``pytest
@@ -60,19 +60,12 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels import jit
+# the warp roles, named barriers and the bf16 epilogue are those of the project's dense engine
+from cute_kernels.gemm.sm100_gemm import (EPI_BARRIER, EPI_STAGES, EPILOGUE_WARPS, MMA_WARP, SMEM_PER_CTA_MAX,
+                                          THREADS, TMA_WARP, TMEM_BARRIER, store_tmem_acc, tmem_subtiles)
 
 MX_BLOCK = 32
 TILE_M = 128
-EPILOGUE_WARPS = 4
-MMA_WARP = 4
-TMA_WARP = 5
-THREADS = 32 * 6
-#: sm_100: 227 KiB of shared memory for one CTA
-SMEM_PER_CTA_MAX = 227 * 1024
-EPI_STAGES = 4
-# named barriers (0 is __syncthreads): the epilogue warps' subtile handshake, and the
-# epilogue + MMA warps' wait for the tensor-memory address
-EPI_BARRIER, TMEM_BARRIER = 1, 2
 
 
 class MoeExpertGemmSm100:
@@ -261,7 +254,8 @@ class MoeExpertGemmSm100:
                 else:
                     tCgC = thr_mma.partition_C(cute.local_tile(mC, cute.slice_(self.mma_tiler, (None, None, 0)),
                                                                (None,) * 3))
-                    self.epilogue(tma_c, tCtAcc, sC, tCgC, epi_tile, (m_tile, n_tile, 0), tidx, warp)
+                    store_tmem_acc(tma_c, tCtAcc, sC, tCgC, epi_tile, (m_tile, n_tile, 0), tidx, warp,
+                                   self.t2r_atom(epi_tile), self.c_major, self.c_dtype, self.acc_dtype)
                 # every epilogue warp's tensor-memory loads are done before warp 0 frees the columns
                 cute.arch.barrier(barrier_id=EPI_BARRIER, number_of_threads=32 * EPILOGUE_WARPS)
                 tmem.free(acc_ptr)
@@ -307,52 +301,9 @@ class MoeExpertGemmSm100:
         thr = s2t.get_slice(0)
         return s2t, tcgen05.get_s2t_smem_desc_tensor(s2t, thr.partition_S(tCsSF)), thr.partition_D(tCtSF)
 
-    @cute.jit
-    def subtile_loads(self, tCtAcc, epi_tile, tidx):
-        """The 32x32b tensor-memory load of each 32-column subtile: thread t holds row t."""
-        t2r_atom = sm100_utils.get_tmem_load_op(self.mma_tiler, self.c_major, self.c_dtype, self.acc_dtype, epi_tile,
-                                                False)
-        tAcc_epi = cute.flat_divide(tCtAcc[((None, None), 0, 0)], epi_tile)  # (EPI_M, EPI_N, subtiles M, N)
-        t2r = tcgen05.make_tmem_copy(t2r_atom, tAcc_epi[(None, None, 0, 0)])
-        thr_t2r = t2r.get_slice(tidx)
-        tTR_tAcc = thr_t2r.partition_S(tAcc_epi)
-        return t2r, thr_t2r, cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))  # (T2R, T2R_M, T2R_N, subtile)
-
-    @cute.jit
-    def epilogue(self, tma_c, tCtAcc, sC, tCgC, epi_tile, tile_mnl, tidx, warp):
-        """Tensor memory -> registers (bf16) -> shared subtile -> TMA store, per subtile."""
-        t2r, thr_t2r, tTR_tAcc = self.subtile_loads(tCtAcc, epi_tile, tidx)
-        gC_epi = cute.flat_divide(tCgC[((None, None), 0, 0, None, None, None)], epi_tile)
-        tTR_rAcc = cute.make_rmem_tensor(thr_t2r.partition_D(gC_epi)[(None, None, None, 0, 0, 0, 0, 0)].shape,
-                                         self.acc_dtype)
-        tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
-        r2s = cute.make_tiled_copy_D(sm100_utils.get_smem_store_op(self.c_major, self.c_dtype, self.acc_dtype, t2r),
-                                     t2r)
-        tRS_sC = r2s.get_slice(tidx).partition_D(sC)
-        tRS_rC = r2s.retile(tTR_rC)
-        bSG_sC, bSG_gC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
-                                               cute.group_modes(gC_epi, 0, 2))
-        bSG_gC = bSG_gC[(None, None, None, *tile_mnl)]
-        bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))  # (TMA, subtile)
-        store_pipe = pipeline.PipelineTmaStore.create(
-            num_stages=EPI_STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * EPILOGUE_WARPS))
-        for s in cutlass.range(cute.size(tTR_tAcc.shape, mode=[3])):
-            cute.copy(t2r, tTR_tAcc[(None, None, None, s)], tTR_rAcc)
-            tRS_rC.store(r2s.retile(tTR_rAcc).load().to(self.c_dtype))
-            buf = s % EPI_STAGES
-            cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-            # the generic-proxy smem writes become visible to TMA, then one warp stores
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=EPI_BARRIER, number_of_threads=32 * EPILOGUE_WARPS)
-            if warp == 0:
-                cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, s)])
-                store_pipe.producer_commit()
-                # the subtile EPI_STAGES - 1 stores back has been read: its buffer is free
-                store_pipe.producer_acquire()
-            cute.arch.barrier(barrier_id=EPI_BARRIER, number_of_threads=32 * EPILOGUE_WARPS)
-        if warp == 0:
-            store_pipe.producer_tail()
+    def t2r_atom(self, epi_tile):
+        """The 32x32b tensor-memory load of a 32-column subtile: thread t holds row t."""
+        return sm100_utils.get_tmem_load_op(self.mma_tiler, self.c_major, self.c_dtype, self.acc_dtype, epi_tile, False)
 
     @cute.jit
     def epilogue_silu_quant(self, tCtAcc, mQ, mSQ, epi_tile, m_tile, n_tile, tidx):
@@ -362,7 +313,7 @@ class MoeExpertGemmSm100:
         h = bf16(bf16(silu(g)) * u), one MXFP8 block and its swizzled scale byte."""
         from moe.experts_sm90 import MX, mx_scale_index, silu_mul_mx_block
 
-        t2r, thr_t2r, tTR_tAcc = self.subtile_loads(tCtAcc, epi_tile, tidx)
+        t2r, thr_t2r, tTR_tAcc = tmem_subtiles(tCtAcc, epi_tile, self.t2r_atom(epi_tile), tidx)
         cC_epi = cute.flat_divide(cute.make_identity_tensor(self.mma_tiler[:2]), epi_tile)
         tTR_cC = thr_t2r.partition_D(cC_epi)
         tTR_rAcc = cute.make_rmem_tensor(tTR_cC[(None, None, None, 0, 0)].shape, self.acc_dtype)
@@ -405,7 +356,8 @@ def _build(arch: str, *, E: int, N: int, K: int, tile_n: int = 128, silu_quant: 
 KERNEL = jit.register(jit.KernelDef(
     name="moe_expert_gemm",
     build=_build,
-    sources=(os.path.abspath(__file__),),
+    sources=(os.path.abspath(__file__),
+             os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cute_kernels", "gemm", "sm100_gemm.py")),
     archs=("sm_100a",),
     # DeepSeek-like: gate/up (N = 2 I = 4096, K = 7168) and down (N = 7168, K = I = 2048)
     aot_configs=({"E": 256, "N": 4096, "K": 7168, "silu_quant": True}, {"E": 256, "N": 4096, "K": 7168},

@@ -245,40 +245,55 @@ class Sm100Gemm:
         """Tensor memory -> registers (C's type) -> shared subtile -> TMA store, per subtile."""
         t2r_atom = sm100_utils.get_tmem_load_op(self.cta_tile, self.c_major, self.c_dtype, self.acc_dtype,
                                                 epi_tile, self.two_cta)
-        tAcc_epi = cute.flat_divide(tCtAcc[((None, None), 0, 0)], epi_tile)  # (EPI_M, EPI_N, subtiles M, N)
-        t2r = tcgen05.make_tmem_copy(t2r_atom, tAcc_epi[(None, None, 0, 0)])
-        thr_t2r = t2r.get_slice(tidx)
-        tTR_tAcc = thr_t2r.partition_S(tAcc_epi)
-        tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))  # (T2R, T2R_M, T2R_N, subtile)
-        gC_epi = cute.flat_divide(tCgC[((None, None), 0, 0, None, None, None)], epi_tile)
-        tTR_rAcc = cute.make_rmem_tensor(thr_t2r.partition_D(gC_epi)[(None, None, None, 0, 0, 0, 0, 0)].shape,
-                                         self.acc_dtype)
-        tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
-        r2s = cute.make_tiled_copy_D(sm100_utils.get_smem_store_op(self.c_major, self.c_dtype, self.acc_dtype, t2r),
-                                     t2r)
-        tRS_sC = r2s.get_slice(tidx).partition_D(sC)
-        tRS_rC = r2s.retile(tTR_rC)
+        store_tmem_acc(tma_c, tCtAcc, sC, tCgC, epi_tile, tile_mnl, tidx, warp, t2r_atom, self.c_major,
+                       self.c_dtype, self.acc_dtype)
 
-        bSG_sC, bSG_gC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
-                                               cute.group_modes(gC_epi, 0, 2))
-        bSG_gC = bSG_gC[(None, None, None, *tile_mnl)]
-        bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))  # (TMA, subtile)
-        store_pipe = pipeline.PipelineTmaStore.create(
-            num_stages=EPI_STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * EPILOGUE_WARPS))
-        for s in cutlass.range(cute.size(tTR_tAcc.shape, mode=[3])):
-            cute.copy(t2r, tTR_tAcc[(None, None, None, s)], tTR_rAcc)
-            tRS_rC.store(r2s.retile(tTR_rAcc).load().to(self.c_dtype))
-            buf = s % EPI_STAGES
-            cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-            # the generic-proxy smem writes become visible to TMA, then one warp stores
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=EPI_BARRIER, number_of_threads=32 * EPILOGUE_WARPS)
-            if warp == 0:
-                cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, s)])
-                store_pipe.producer_commit()
-                # the subtile EPI_STAGES - 1 stores back has been read: its buffer is free
-                store_pipe.producer_acquire()
-            cute.arch.barrier(barrier_id=EPI_BARRIER, number_of_threads=32 * EPILOGUE_WARPS)
+
+@cute.jit
+def tmem_subtiles(tCtAcc: cute.Tensor, epi_tile, t2r_atom, tidx):
+    """The tensor-memory load of each epilogue subtile of the accumulator ``tCtAcc`` by thread
+    ``tidx`` of the four epilogue warps: (tiled copy, its thread slice, (T2R, T2R_M, T2R_N,
+    subtile) view of the accumulator)."""
+    tAcc_epi = cute.flat_divide(tCtAcc[((None, None), 0, 0)], epi_tile)  # (EPI_M, EPI_N, subtiles M, N)
+    t2r = tcgen05.make_tmem_copy(t2r_atom, tAcc_epi[(None, None, 0, 0)])
+    thr_t2r = t2r.get_slice(tidx)
+    tTR_tAcc = thr_t2r.partition_S(tAcc_epi)
+    return t2r, thr_t2r, cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
+
+
+@cute.jit
+def store_tmem_acc(tma_c, tCtAcc, sC, tCgC, epi_tile, tile_mnl, tidx, warp, t2r_atom, c_major, c_dtype, acc_dtype):
+    """The four epilogue warps' store of a tensor-memory accumulator: per subtile a
+    ``tcgen05.ld`` (``t2r_atom``), conversion to ``c_dtype``, a store to shared subtile buffer
+    ``s % EPI_STAGES`` of ``sC`` and a TMA store (warp 0) to tile ``tile_mnl`` of ``tCgC``.
+    Shared by this engine and :mod:`moe.experts_sm100`."""
+    t2r, thr_t2r, tTR_tAcc = tmem_subtiles(tCtAcc, epi_tile, t2r_atom, tidx)
+    gC_epi = cute.flat_divide(tCgC[((None, None), 0, 0, None, None, None)], epi_tile)
+    tTR_rAcc = cute.make_rmem_tensor(thr_t2r.partition_D(gC_epi)[(None, None, None, 0, 0, 0, 0, 0)].shape, acc_dtype)
+    tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, c_dtype)
+    r2s = cute.make_tiled_copy_D(sm100_utils.get_smem_store_op(c_major, c_dtype, acc_dtype, t2r), t2r)
+    tRS_sC = r2s.get_slice(tidx).partition_D(sC)
+    tRS_rC = r2s.retile(tTR_rC)
+
+    bSG_sC, bSG_gC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+                                           cute.group_modes(gC_epi, 0, 2))
+    bSG_gC = bSG_gC[(None, None, None, *tile_mnl)]
+    bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))  # (TMA, subtile)
+    store_pipe = pipeline.PipelineTmaStore.create(
+        num_stages=EPI_STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * EPILOGUE_WARPS))
+    for s in cutlass.range(cute.size(tTR_tAcc.shape, mode=[3])):
+        cute.copy(t2r, tTR_tAcc[(None, None, None, s)], tTR_rAcc)
+        tRS_rC.store(r2s.retile(tTR_rAcc).load().to(c_dtype))
+        buf = s % EPI_STAGES
+        cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+        # the generic-proxy smem writes become visible to TMA, then one warp stores
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=EPI_BARRIER, number_of_threads=32 * EPILOGUE_WARPS)
         if warp == 0:
-            store_pipe.producer_tail()
+            cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, s)])
+            store_pipe.producer_commit()
+            # the subtile EPI_STAGES - 1 stores back has been read: its buffer is free
+            store_pipe.producer_acquire()
+        cute.arch.barrier(barrier_id=EPI_BARRIER, number_of_threads=32 * EPILOGUE_WARPS)
+    if warp == 0:
+        store_pipe.producer_tail()
