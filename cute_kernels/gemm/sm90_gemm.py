@@ -355,7 +355,7 @@ class Sm90Gemm:
                 loads = self.load_partitions(tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord)
                 for kt in cutlass.range(k_tiles, unroll=1):
                     self.load_k_tile(ab_pipe, loads, kt, base=j * k_tiles)
-        elif warp < 4 * self.consumer_wgs:
+        else:  # the consumer warp groups
             wg = warp // 4
             thr_mma = tiled_mma.get_slice(0)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
@@ -376,20 +376,10 @@ class Sm90Gemm:
                 base = j * k_tiles
                 read = pipeline.PipelineState(self.stages, base, base % self.stages, (base // self.stages) % 2)
                 release = read.clone()
-                ab_pipe.consumer_wait(read)
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(k_blocks):
-                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)],
-                              tCrB[(None, None, kb, read.index)], acc)
-                warpgroup.commit_group()
+                self.mma_k_tile(ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks)
                 read.advance()
                 for _ in cutlass.range(1, k_tiles, unroll=1):
-                    ab_pipe.consumer_wait(read)
-                    warpgroup.fence()
-                    for kb in cutlass.range_constexpr(k_blocks):
-                        cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)],
-                                  tCrB[(None, None, kb, read.index)], acc)
-                    warpgroup.commit_group()
+                    self.mma_k_tile(ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks)
                     warpgroup.wait_group(1)
                     ab_pipe.consumer_release(release)
                     release.advance()
@@ -483,20 +473,10 @@ class Sm90Gemm:
 
         # first k-tile: overwrite the (uninitialised) accumulators
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-        ab_pipe.consumer_wait(read)
-        warpgroup.fence()
-        for kb in cutlass.range_constexpr(k_blocks):
-            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc)
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
+        self.mma_k_tile(ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks, first=True)
         read.advance()
         for _ in cutlass.range(1, k_tiles, unroll=1):
-            ab_pipe.consumer_wait(read)
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(k_blocks):
-                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)],
-                          acc)
-            warpgroup.commit_group()
+            self.mma_k_tile(ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks)
             # the previous batch has retired once at most this one is in flight: free its stage
             warpgroup.wait_group(1)
             ab_pipe.consumer_release(release)
@@ -508,6 +488,20 @@ class Sm90Gemm:
         warpgroup.wait_group(0)
         ab_pipe.consumer_release(release)
         return acc
+
+    @cute.jit
+    def mma_k_tile(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks: cutlass.Constexpr,
+                   first: cutlass.Constexpr = False):
+        """One k-tile's wgmma batch of a consumer warp group: wait for stage ``read``, issue its
+        ``k_blocks`` k-steps into ``acc``, commit. ``first``: the caller cleared ACCUMULATE,
+        so the first k-step overwrites ``acc``; the rest accumulate."""
+        ab_pipe.consumer_wait(read)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(k_blocks):
+            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc)
+            if const_expr(first):
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
 
     @cute.jit
     def epilogue(self, acc, tiled_mma, tma_c, sA, sC_layout, gC, tidx, warp):
