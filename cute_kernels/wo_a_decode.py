@@ -40,13 +40,16 @@ from .warp_mma import ldmatrix_operands
 BN, BK = 64, 128
 PITCH = BK + 8
 STAGES = 4
+SMEM_PER_CTA = 227 * 1024  # sm_90 / sm_100 opt-in maximum per block
 VEC = 8
 MAX_T = 64
 
 
 class WoADecode:
-    def __init__(self, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False):
+    def __init__(self, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False,
+                 stages: int = STAGES):
         self.G, self.R, self.Dg, self.bm, self.splits, self.pdl = G, R, Dg, bm, splits, pdl
+        self.stages = stages
         self.threads = 128
         # bm = 16: 4 warps along N (16 x 16 each); bm = 64: 2 x 2 warps (32 x 32 each)
         self.warp_layout = (1, 4, 1) if bm == 16 else (2, 2, 1)
@@ -77,8 +80,8 @@ class WoADecode:
         KT = self.Dg // BK // self.splits  # K slices of this split
         kt0 = z * KT
         smem = cutlass.memory.SmemAllocator()
-        sA = smem.allocate_tensor(bf16, cute.make_layout((BM, BK, STAGES), stride=(PITCH, 1, BM * PITCH)), 16)
-        sB = smem.allocate_tensor(bf16, cute.make_layout((BN, BK, STAGES), stride=(PITCH, 1, BN * PITCH)), 16)
+        sA = smem.allocate_tensor(bf16, cute.make_layout((BM, BK, self.stages), stride=(PITCH, 1, BM * PITCH)), 16)
+        sB = smem.allocate_tensor(bf16, cute.make_layout((BN, BK, self.stages), stride=(PITCH, 1, BN * PITCH)), 16)
         sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
         atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), bf16, num_bits_per_copy=128)
         gOv = cute.zipped_divide(mO, (1, VEC))
@@ -93,19 +96,19 @@ class WoADecode:
             # this one, so the first stages' weight tiles stream in while it finishes; `o`
             # (its output) and every store of this kernel wait for its grid to complete and
             # flush. One commit group for the whole prologue plus empty ones keeps the main
-            # loop's wait_group(STAGES - 2) count.
-            for s0 in cutlass.range_constexpr(STAGES - 1):
+            # loop's wait_group(stages - 2) count.
+            for s0 in cutlass.range_constexpr(self.stages - 1):
                 if s0 < KT:
                     self.issue_w(gWv, sBv, atom, kt0 + s0, s0, w_row0)
             cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()
-            for s0 in cutlass.range_constexpr(STAGES - 1):
+            for s0 in cutlass.range_constexpr(self.stages - 1):
                 if s0 < KT:
                     self.issue_o(gOv, sAv, atom, kt0 + s0, s0, a_col0, num_tokens)
-            for s0 in cutlass.range_constexpr(STAGES - 1):
+            for s0 in cutlass.range_constexpr(self.stages - 1):
                 cute.arch.cp_async_commit_group()
         else:
-            for s0 in cutlass.range_constexpr(STAGES - 1):
+            for s0 in cutlass.range_constexpr(self.stages - 1):
                 if s0 < KT:
                     self.issue(gOv, gWv, sAv, sBv, atom, kt0 + s0, s0, a_col0, w_row0, num_tokens)
                 cute.arch.cp_async_commit_group()
@@ -120,13 +123,13 @@ class WoADecode:
         s2r_A, tAsA, tArA, s2r_B, tBsB, tBrB = ldmatrix_operands(tiled_mma, bf16, tidx, sA, sB, tCrA, tCrB)
 
         for kt in cutlass.range(0, KT, 1):
-            slot = kt % STAGES
-            cute.arch.cp_async_wait_group(STAGES - 2)
+            slot = kt % self.stages
+            cute.arch.cp_async_wait_group(self.stages - 2)
             # K slice kt has landed for all threads' copies; every warp is done with kt-1.
             cute.arch.barrier()
-            if kt + STAGES - 1 < KT:
-                self.issue(gOv, gWv, sAv, sBv, atom, kt0 + kt + STAGES - 1, (kt + STAGES - 1) % STAGES, a_col0,
-                           w_row0, num_tokens)
+            if kt + self.stages - 1 < KT:
+                nxt = kt + self.stages - 1
+                self.issue(gOv, gWv, sAv, sBv, atom, kt0 + nxt, nxt % self.stages, a_col0, w_row0, num_tokens)
             cute.arch.cp_async_commit_group()
             for kb in cutlass.range_constexpr(BK // 16):
                 cute.copy(s2r_A, tAsA[None, None, kb, slot], tArA[None, None, kb])
@@ -223,16 +226,26 @@ class WoADecodeWorkspace:
         self.counters = torch.zeros(G * R // BN, dtype=torch.int32, device=device)
 
 
-def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False):
+def smem_bytes(bm: int, stages: int) -> int:
+    """Shared memory of one CTA: the padded o and weight stages plus the last-arrival flag."""
+    return stages * (bm + BN) * PITCH * 2 + 16
+
+
+def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False,
+           stages: int = STAGES):
     """``pdl``: launched as a programmatic dependent of the previous kernel on the stream
-    (weight prefetch overlaps its tail); the same results, a separate compile."""
+    (weight prefetch overlaps its tail); the same results, a separate compile. ``stages``: the
+    cp.async pipeline depth (``stages - 1`` K slices in flight per CTA)."""
     if bm not in (16, 64) or not WoADecode.can_implement(1, G, R, Dg, splits):
         raise ValueError(f"wo_a_decode: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, splits={splits} "
                          f"(R % 64, Dg % 128, splits a power of two dividing Dg / 128, bm 16 or 64)")
+    if stages < 2 or smem_bytes(bm, stages) > SMEM_PER_CTA:
+        raise ValueError(f"wo_a_decode: stages={stages} with bm={bm} needs {smem_bytes(bm, stages)} B of shared "
+                         f"memory; 2 <= stages and at most {SMEM_PER_CTA} B")
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 4), P(Float32, 4), P(Int32, 4),
             Int32(1), jit.fake_stream())
-    return WoADecode(G, R, Dg, bm, splits, pdl), args
+    return WoADecode(G, R, Dg, bm, splits, pdl, stages), args
 
 
 KERNEL = jit.register(jit.KernelDef(

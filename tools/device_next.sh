@@ -56,7 +56,9 @@
 #            the decode kernel's split counts at T = 1 / 5 against the launch floor (probe).
 #   phase 32: the pingpong configs at T > 512 and the decode plan's one-CTA-per-SM splits as
 #            defaults: WO-A's, the draft head's and the runtime's GPU tests, the WO-A bench.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..32)
+#   phase 33: the decode kernel's cp.async pipeline depth (4 / 6 / 9 stages) at T = 1 / 5 / 64
+#            against the launch floor and cuBLAS (probe).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..33)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -232,6 +234,9 @@ case "${1:-1}" in
   step 90 probe_pingpong_mid env TS=200,320 TILES=128x256 SWAP_TILES=128x160 PINGPONG_SWAP_TILES=64x160,64x224 \
     CLUSTERS=2x1 python tools/probe_wo_a_tiles.py
   step 100 probe_decode_splits env TS=1,5 python tools/probe_wo_a_decode.py
+  ;;
+33)  # the decode kernel's pipeline depth (stages - 1 K slices in flight per CTA) at decode T
+  step 360 probe_decode_stages env TS=1,5,64 SPLITS=1,2 STAGES=4,6,9 python tools/probe_wo_a_decode.py
   ;;
 30)  # wo_a()'s two-CTAs-per-SM config on the inline-producer engine: GPU tests, bench at T = 272 / 320
   step 240 wo_a_tests $PYT tests/test_wo_a.py tests/test_draft_head_fp8.py -m gpu
