@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import H200_BF16_FLOPS, H200_COPY_BW, markdown_table, rotation_count, time_graph  # noqa: E402
 
 from cute_kernels.wo_a import use_decode_kernel, wo_a  # noqa: E402
+from cute_kernels.wo_a_decode import plan as decode_plan  # noqa: E402
 from cute_kernels.wo_a_sm90 import WoASm90  # noqa: E402
 
 SHAPES = [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]  # (G, R, Dg)
@@ -79,6 +80,9 @@ def main():
                 tile = f"swapped (R x T) {tile} cluster {cfg.get('cluster_m', 1)}x{cfg.get('cluster_n', 1)}"
                 if cfg.get("occupancy", 1) > 1:
                     tile += f", {cfg['occupancy']} CTAs/SM"
+            if use_decode_kernel(T, None, "sm90"):
+                d = decode_plan(T, G, R, Dg)
+                tile = f"decode {d['bm']}x{d['bn']}, {d['splits']} split(s), {d['stages']} stages"
             rows.append([f"T={T} G={G} R={R} Dg={Dg} {tile}",
                          f"{t_ours * 1e6:.2f}", f"{t_ref * 1e6:.2f}", f"{t_bmm * 1e6:.2f}",
                          f"{t_ref / t_ours:.2f}x", f"{t_bmm / t_ours:.2f}x", f"{nbytes / t_ours / 1e12:.2f}", f"{flops / t_ours / 1e12:.1f}", lim(t_ours),

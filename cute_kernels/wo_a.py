@@ -178,15 +178,15 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     if path == "reference":
         return _torch_path(o, wo_a_weight, out)
     if use_decode_kernel(T, decode_kernel, path) and WoADecode.can_implement(T, G, R, Dg):
-        bm, splits = decode_plan(T, G, R, Dg, num_sms(o.device), pdl=pdl)
+        cfg = decode_plan(T, G, R, Dg, num_sms(o.device))
         if workspace is None:
             workspace = _default_workspace(o.device, G, R)
         if not isinstance(workspace, WoADecodeWorkspace) or (workspace.G, workspace.R) != (G, R) \
-                or workspace.max_splits < splits:
+                or workspace.max_splits < cfg["splits"]:
             raise ValueError(f"{op}: workspace must be a WoADecodeWorkspace for G={G}, R={R} with max_splits >= "
-                             f"{splits}")
+                             f"{cfg['splits']}")
         check_cuda(op, ("o", o), ("workspace.partials", workspace.partials))
-        fn = jit.get_kernel("wo_a_decode", a, G=G, R=R, Dg=Dg, bm=bm, splits=splits, **pdl_cfg)
+        fn = jit.get_kernel("wo_a_decode", a, G=G, R=R, Dg=Dg, **cfg, **pdl_cfg)
         P = jit.gmem_ptr
         fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 4),
            P(Float32, workspace.partials, 4), P(Int32, workspace.counters, 4), jit.i32(T), jit.cu_stream(stream))

@@ -47,9 +47,9 @@ MAX_T = 64
 
 class WoADecode:
     def __init__(self, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False,
-                 stages: int = STAGES):
+                 stages: int = STAGES, bn: int = BN):
         self.G, self.R, self.Dg, self.bm, self.splits, self.pdl = G, R, Dg, bm, splits, pdl
-        self.stages = stages
+        self.stages, self.bn = stages, bn
         self.threads = 128
         # bm = 16: 4 warps along N (16 x 16 each); bm = 64: 2 x 2 warps (32 x 32 each)
         self.warp_layout = (1, 4, 1) if bm == 16 else (2, 2, 1)
@@ -63,11 +63,11 @@ class WoADecode:
         mY = cute.make_tensor(y_ptr, cute.make_layout((num_tokens, G * R), stride=(G * R, 1)))
         mPart = cute.make_tensor(part_ptr, cute.make_layout((self.splits, num_tokens, G * R),
                                                             stride=(num_tokens * G * R, G * R, 1)))
-        mCount = cute.make_tensor(count_ptr, cute.make_layout((G * R // BN,)))
+        mCount = cute.make_tensor(count_ptr, cute.make_layout((G * R // self.bn,)))
         tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, Float32, (16, 8, 16)),
                                         cute.make_layout(self.warp_layout))
         self.kernel(mO, mW, mY, mPart, mCount, tiled_mma, num_tokens).launch(
-            grid=[R // BN, G, self.splits], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl)
+            grid=[R // self.bn, G, self.splits], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mPart: cute.Tensor, mCount: cute.Tensor,
@@ -76,12 +76,13 @@ class WoADecode:
         nt, g, z = cute.arch.block_idx()
         bf16 = cutlass.BFloat16
         BM = self.bm
-        r0 = nt * BN
+        r0 = nt * self.bn
         KT = self.Dg // BK // self.splits  # K slices of this split
         kt0 = z * KT
         smem = cutlass.memory.SmemAllocator()
         sA = smem.allocate_tensor(bf16, cute.make_layout((BM, BK, self.stages), stride=(PITCH, 1, BM * PITCH)), 16)
-        sB = smem.allocate_tensor(bf16, cute.make_layout((BN, BK, self.stages), stride=(PITCH, 1, BN * PITCH)), 16)
+        sB = smem.allocate_tensor(bf16, cute.make_layout((self.bn, BK, self.stages),
+                                                         stride=(PITCH, 1, self.bn * PITCH)), 16)
         sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
         atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), bf16, num_bits_per_copy=128)
         gOv = cute.zipped_divide(mO, (1, VEC))
@@ -116,9 +117,9 @@ class WoADecode:
         thr_mma = tiled_mma.get_slice(tidx)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA)[None, None, None, 0])
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB)[None, None, None, 0])
-        cC = cute.make_identity_tensor((BM, BN))
+        cC = cute.make_identity_tensor((BM, self.bn))
         tCcC = thr_mma.partition_C(cC)
-        acc = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((BM, BN)))
+        acc = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((BM, self.bn)))
         acc.fill(0.0)
         s2r_A, tAsA, tArA, s2r_B, tBsB, tBrB = ldmatrix_operands(tiled_mma, bf16, tidx, sA, sB, tCrA, tCrB)
 
@@ -148,11 +149,11 @@ class WoADecode:
                 if m < num_tokens:
                     mPart[z, m, col0 + n] = acc[i]
             # The last split of the tile sees every split's partials (cute_kernels.grid_sync).
-            tile = g * (self.R // BN) + nt
+            tile = g * (self.R // self.bn) + nt
             if last_arrival(mCount.iterator + tile, sFlag, self.splits):
-                for idx in cutlass.range(tidx, num_tokens * BN, self.threads):
-                    m = idx // BN
-                    n = idx - m * BN
+                for idx in cutlass.range(tidx, num_tokens * self.bn, self.threads):
+                    m = idx // self.bn
+                    n = idx - m * self.bn
                     s = Float32(0.0)
                     for zz in cutlass.range_constexpr(self.splits):  # fixed order: deterministic
                         s = s + mPart[zz, m, col0 + n]
@@ -183,69 +184,78 @@ class WoADecode:
                 w_row0: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         VPR = BK // VEC
-        for i in cutlass.range_constexpr(BN * VPR // self.threads):
+        for i in cutlass.range_constexpr(self.bn * VPR // self.threads):
             idx = tidx + i * self.threads
             r, v = idx // VPR, idx % VPR
             cute.copy(atom, gWv[(0, None), (w_row0 + r, kt * VPR + v)], sBv[(0, None, 0), (r, v, slot)])
 
     @staticmethod
-    def can_implement(T: int, G: int, R: int, Dg: int, splits: int = 1) -> bool:
+    def can_implement(T: int, G: int, R: int, Dg: int, splits: int = 1, bn: int = BN) -> bool:
         kt = Dg // BK if Dg % BK == 0 else 0
-        return (1 <= T <= MAX_T and G >= 1 and R % BN == 0 and kt >= 1 and splits >= 1
+        return (1 <= T <= MAX_T and G >= 1 and bn in (32, 64) and R % bn == 0 and kt >= 1 and splits >= 1
                 and splits & (splits - 1) == 0 and kt % splits == 0)
 
 
-def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132, pdl: bool = False) -> tuple[int, int]:
-    """(bm, splits) for a decode call: enough CTAs for every SM's CTA slots, K splits only
-    while the FP32 partials (written and read once: 8 * splits * T bytes per weight row of
-    Dg * 2 bytes) stay under 1/4 of the weight bytes, i.e. 16 * splits * T <= Dg.
+#: pipeline depth of a CTA that has its SM to itself (bm = 16): ``stages - 1`` K slices in flight
+DEEP_STAGES = {64: 6, 32: 9}
 
-    Slots: one CTA per SM with the 64-row tile; with the 16-row tile two per SM under
-    ``pdl`` -- the early launch overlaps the second CTA's prologue with the previous kernel --
-    and one without: a split then costs more (the partials' round trip, the last CTA's sum)
-    than a second CTA per SM gains. H200, tools/probe_wo_a_decode.py (twelfth session) at
-    T = 1 / 5 with 128 column tiles: no split 7.3 / 11.1 us against 8.0 / 11.9 split in two;
-    under PDL the split in two ties or wins (6.5 / 10.4 against 6.5 / 11.5)."""
+
+def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
+    """The compile configuration ``{bm, bn, splits, stages}`` of a decode call.
+
+    The weights stream at the copy bandwidth only with enough bytes in flight on every SM, so:
+    one CTA per SM (or two co-resident when the column tiles alone fill two per SM); 32-column
+    tiles where 64-column tiles give under one CTA per SM (G * R = 4096: 64 tiles); K splits
+    only while the FP32 partials (written and read once: 8 * splits * T bytes per weight row of
+    Dg * 2 bytes) stay under 1/4 of the weight bytes, i.e. 16 * splits * T <= Dg; and a deep
+    cp.async pipeline for a CTA alone on its SM. H200, tools/probe_wo_a_decode.py (thirteenth
+    session, T = 1): 6 stages against 4 at one CTA per SM, 10.5 / 7.0 against 11.5 / 7.0 us
+    (G=16 R=512 Dg=2048, G=8 R=1024 Dg=1024; under PDL 10.5 / 5.6 against 11.3 / 6.2); at 256
+    tiles 4 stages (two CTAs co-resident) 10.9 against 12.9 us with 6. The 64-row tile (T > 16)
+    keeps 4 stages (6 measured slower at T = 64)."""
     bm = 16 if T <= 16 else 64
-    slots = num_sms * (2 if bm == 16 and pdl else 1)
-    tiles = G * R // BN
+    bn = 32 if bm == 16 and G * R // BN * 2 <= num_sms * 1.1 and R % 32 == 0 else BN
+    tiles = G * R // bn
     splits = 1
-    while (tiles * splits * 2 <= slots * 1.1 and Dg // BK % (splits * 2) == 0
+    while (tiles * splits * 2 <= num_sms * 1.1 and Dg // BK % (splits * 2) == 0
            and 16 * splits * 2 * T <= Dg):
         splits *= 2
-    return bm, splits
+    alone = tiles * splits <= num_sms * 1.1
+    stages = min(DEEP_STAGES[bn], Dg // BK // splits + 1) if bm == 16 and alone else STAGES
+    return {"bm": bm, "bn": bn, "splits": splits, "stages": max(stages, 2)}
 
 
 class WoADecodeWorkspace:
-    """FP32 split partials for up to 64 tokens and one counter per 64-column tile (self-resetting).
+    """FP32 split partials for up to 64 tokens and one counter per column tile (self-resetting).
     One in flight at a time: concurrent calls on different streams need their own."""
 
     def __init__(self, G: int, R: int, max_splits: int = 8, device="cuda"):
         self.G, self.R, self.max_splits = G, R, max_splits
         self.partials = torch.empty(max_splits * MAX_T * G * R, dtype=torch.float32, device=device)
-        self.counters = torch.zeros(G * R // BN, dtype=torch.int32, device=device)
+        self.counters = torch.zeros(G * R // 32, dtype=torch.int32, device=device)
 
 
-def smem_bytes(bm: int, stages: int) -> int:
+def smem_bytes(bm: int, stages: int, bn: int = BN) -> int:
     """Shared memory of one CTA: the padded o and weight stages plus the last-arrival flag."""
-    return stages * (bm + BN) * PITCH * 2 + 16
+    return stages * (bm + bn) * PITCH * 2 + 16
 
 
 def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False,
-           stages: int = STAGES):
+           stages: int = STAGES, bn: int = BN):
     """``pdl``: launched as a programmatic dependent of the previous kernel on the stream
     (weight prefetch overlaps its tail); the same results, a separate compile. ``stages``: the
-    cp.async pipeline depth (``stages - 1`` K slices in flight per CTA)."""
-    if bm not in (16, 64) or not WoADecode.can_implement(1, G, R, Dg, splits):
-        raise ValueError(f"wo_a_decode: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, splits={splits} "
-                         f"(R % 64, Dg % 128, splits a power of two dividing Dg / 128, bm 16 or 64)")
-    if stages < 2 or smem_bytes(bm, stages) > SMEM_PER_CTA:
-        raise ValueError(f"wo_a_decode: stages={stages} with bm={bm} needs {smem_bytes(bm, stages)} B of shared "
-                         f"memory; 2 <= stages and at most {SMEM_PER_CTA} B")
+    cp.async pipeline depth (``stages - 1`` K slices in flight per CTA). ``bn``: the weight rows
+    (output columns) of a CTA, 64 or 32."""
+    if bm not in (16, 64) or not WoADecode.can_implement(1, G, R, Dg, splits, bn):
+        raise ValueError(f"wo_a_decode: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, bn={bn}, splits={splits} "
+                         f"(bn 32 or 64 dividing R, Dg % 128, splits a power of two dividing Dg / 128, bm 16 or 64)")
+    if stages < 2 or smem_bytes(bm, stages, bn) > SMEM_PER_CTA:
+        raise ValueError(f"wo_a_decode: stages={stages} with bm={bm} bn={bn} needs {smem_bytes(bm, stages, bn)} B "
+                         f"of shared memory; 2 <= stages and at most {SMEM_PER_CTA} B")
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 4), P(Float32, 4), P(Int32, 4),
             Int32(1), jit.fake_stream())
-    return WoADecode(G, R, Dg, bm, splits, pdl, stages), args
+    return WoADecode(G, R, Dg, bm, splits, pdl, stages, bn), args
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -254,8 +264,7 @@ KERNEL = jit.register(jit.KernelDef(
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
                   for f in ("wo_a_decode.py", "grid_sync.py", "warp_mma.py")),
     archs=("sm_90a", "sm_100a", "sm_103a"),
-    aot_configs=tuple({"G": G, "R": R, "Dg": Dg, "bm": bm, "splits": plan(t, G, R, Dg)[1]}
-                      for G in (8, 16) for R in (512, 1024) for Dg in (1024, 2048)
-                      for bm, t in ((16, 16), (64, 64))),
+    aot_configs=tuple({"G": G, "R": R, "Dg": Dg, **plan(t, G, R, Dg)}
+                      for G in (8, 16) for R in (512, 1024) for Dg in (1024, 2048) for t in (16, 64)),
     description="WO-A decode (T <= 64): weight-streaming split-K warp-MMA, token-major bf16 out",
 ))

@@ -418,15 +418,18 @@ def test_decode_kernel_matches_fp64(seed, G, HG, Dv, R, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bm, splits", [(16, 1), (16, 2), (16, 8), (64, 1), (64, 4)])
-def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits):
-    """Each token tile and split count, launched twice eagerly and replayed in a graph with
-    fresh inputs: the last-CTA counters re-zero themselves and the sums stay exact."""
+@pytest.mark.parametrize("bm, splits, bn, stages", [(16, 1, 64, 4), (16, 2, 64, 4), (16, 8, 64, 4), (64, 1, 64, 4),
+                                                    (64, 4, 64, 4), (16, 1, 64, 6), (16, 1, 32, 9), (16, 2, 32, 6),
+                                                    (64, 2, 32, 4), (16, 4, 32, 3)])
+def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits, bn, stages):
+    """Each token tile, column tile, split count and pipeline depth (deeper than the CTA's K
+    slices included), launched twice eagerly and replayed in a graph with fresh inputs: the
+    last-CTA counters re-zero themselves and the sums stay exact."""
     from cute_kernels import jit
     from cute_kernels.wo_a_decode import WoADecodeWorkspace
 
     G, HG, Dv, R, T = 8, 8, 128, 512, (3 if bm == 16 else 41)
-    fn = jit.get_kernel("wo_a_decode", "sm_90a", G=G, R=R, Dg=HG * Dv, bm=bm, splits=splits)
+    fn = jit.get_kernel("wo_a_decode", "sm_90a", G=G, R=R, Dg=HG * Dv, bm=bm, splits=splits, bn=bn, stages=stages)
     ws = WoADecodeWorkspace(G, R, max_splits=8)
     o, w = make(T, G, HG, Dv, R, "cuda")
     out = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
@@ -461,7 +464,7 @@ def test_pdl_after_a_writer_and_back_to_back(seed, T, decode):
     only after the kernel before it has finished: a graph of (copy fresh inputs into ``o``, WO-A with pdl) x 4, sharing one ``o``,
     one workspace and one output per step, must give every step's own product. Back-to-back
     PDL launches (the last two) must not race on the output or the split partials."""
-    G, HG, Dv, R = 8, 8, 256, 512  # decode kernel: 64 column tiles, the plan splits K (workspace in use)
+    G, HG, Dv, R = 8, 8, 256, 512  # decode kernel at T = 37: the plan splits K (workspace in use)
     o, w = make(T, G, HG, Dv, R, "cuda")
     srcs = [make(T, G, HG, Dv, R, "cuda")[0] for _ in range(4)]
     outs = [torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16) for _ in range(5)]
@@ -497,19 +500,31 @@ def test_decode_kernel_default_range():
 
 def test_decode_plan():
     from cute_kernels.wo_a_decode import plan
-    assert plan(1, 16, 1024, 1024) == (16, 1)  # 256 tiles fill 2 CTAs per SM alone
-    assert plan(5, 8, 512, 2048) == (16, 2)  # 64 tiles: split K two ways for one CTA per SM ...
-    assert plan(5, 8, 512, 2048, pdl=True) == (16, 4)  # ... four ways for two under PDL
-    assert plan(1, 8, 1024, 1024) == (16, 1) and plan(1, 8, 1024, 1024, pdl=True) == (16, 2)  # 128 tiles
-    assert plan(64, 8, 512, 2048) == (64, 2)  # partial traffic bounds the split at T = 64
-    assert plan(64, 16, 1024, 1024) == (64, 1)
+    # 256 tiles fill two co-resident CTAs per SM alone: the 4-stage pipeline that lets two fit
+    assert plan(1, 16, 1024, 1024) == dict(bm=16, bn=64, splits=1, stages=4)
+    # 64 64-column tiles: 128 32-column tiles instead of a K split, alone on their SMs, deep
+    assert plan(5, 8, 512, 2048) == dict(bm=16, bn=32, splits=1, stages=9)
+    assert plan(1, 8, 1024, 1024) == dict(bm=16, bn=64, splits=1, stages=6)  # 128 tiles, one per SM
+    assert plan(16, 16, 512, 2048) == dict(bm=16, bn=64, splits=1, stages=6)
+    assert plan(64, 8, 512, 2048) == dict(bm=64, bn=64, splits=2, stages=4)  # partial traffic bounds the split
+    assert plan(64, 16, 1024, 1024) == dict(bm=64, bn=64, splits=1, stages=4)
+    assert plan(1, 8, 512, 2048, num_sms=16) == dict(bm=16, bn=64, splits=1, stages=4)  # a small part
+
+
+def test_decode_kernel_config_errors():
+    from cute_kernels import jit
+    with pytest.raises(ValueError, match="stages=12 with bm=64"):  # 12 x 34.8 KB of shared memory
+        jit.get_kernel("wo_a_decode", "sm_90a", G=8, R=512, Dg=1024, bm=64, stages=12, use_disk=False)
+    with pytest.raises(ValueError, match="bn=48"):
+        jit.get_kernel("wo_a_decode", "sm_90a", G=8, R=512, Dg=1024, bm=16, bn=48, use_disk=False)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("bm, splits", [(16, 4), (64, 1)])
-def test_decode_kernel_machine_code(arch, bm, splits):
-    h = sass.sass_histogram("wo_a_decode", arch, G=16, R=1024, Dg=2048, bm=bm, splits=splits)
-    assert sass.count(h, "HMMA") >= 16 and sass.count(h, "LDSM") >= 1 and sass.count(h, "LDGSTS") >= 1
+@pytest.mark.parametrize("bm, splits, bn, stages", [(16, 4, 64, 4), (64, 1, 64, 4), (16, 1, 32, 9)])
+def test_decode_kernel_machine_code(arch, bm, splits, bn, stages):
+    h = sass.sass_histogram("wo_a_decode", arch, G=16, R=1024, Dg=2048, bm=bm, splits=splits, bn=bn, stages=stages)
+    per_k_slice = bm * bn // (16 * 8 * 4) * (128 // 16)  # m16n8k16 per warp (4 warps) over a 128-wide K slice
+    assert sass.count(h, "HMMA") >= per_k_slice and sass.count(h, "LDSM") >= 1 and sass.count(h, "LDGSTS") >= 1
     assert sass.local_memory_ops(h) == 0
     assert sass.count(h, "ACQBULK") == 0  # no grid-dependency wait unless asked
 

@@ -58,7 +58,10 @@
 #            defaults: WO-A's, the draft head's and the runtime's GPU tests, the WO-A bench.
 #   phase 33: the decode kernel's cp.async pipeline depth (4 / 6 / 9 stages) at T = 1 / 5 / 64
 #            against the launch floor and cuBLAS (probe).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..33)
+#   phase 34: the decode plan (32-column tiles for G * R = 4096, 6 / 9 stages at one CTA per SM):
+#            WO-A's decode / PDL GPU tests, the WO-A bench at the issue's T, the runtime's GPU
+#            tests, the column-tile / split / depth probe at T = 1 / 5.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..34)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -237,6 +240,13 @@ case "${1:-1}" in
   ;;
 33)  # the decode kernel's pipeline depth (stages - 1 K slices in flight per CTA) at decode T
   step 360 probe_decode_stages env TS=1,5,64 SPLITS=1,2 STAGES=4,6,9 python tools/probe_wo_a_decode.py
+  ;;
+34)  # the decode plan with 32-column tiles and deep pipelines: tests, the issue's bench, the probe
+  step 150 wo_a_decode_tests $PYT tests/test_wo_a.py -m gpu -k "decode or pdl or no_transpose"
+  [ "$STEP_RC" = 0 ] || exit 1
+  step 200 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
+  step 60 spec_tests $PYT tests/test_spec_decode.py -m gpu
+  step 240 probe_decode_bn env TS=1,5 SPLITS=1,2 STAGES=4,6,9,17 BNS=32,64 python tools/probe_wo_a_decode.py
   ;;
 30)  # wo_a()'s two-CTAs-per-SM config on the inline-producer engine: GPU tests, bench at T = 272 / 320
   step 240 wo_a_tests $PYT tests/test_wo_a.py tests/test_draft_head_fp8.py -m gpu

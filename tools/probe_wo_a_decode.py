@@ -3,10 +3,12 @@
     python tools/probe_wo_a_decode.py
     env TS=1,5 SPLITS=1,2,4,8 python tools/probe_wo_a_decode.py
     env TS=1,5,16 SPLITS=1,2 STAGES=4,6,9 python tools/probe_wo_a_decode.py   # pipeline depth
+    env TS=1,5 SPLITS=1,2 STAGES=6,9,17 BNS=32,64 python tools/probe_wo_a_decode.py   # column tile
 
 Per shape and T, us per call (graph replay, rotating weights larger than L2), with and without
-PDL: the decode kernel at each split count its K allows and each pipeline depth in STAGES that its
-shared memory and K allow (at most one more stage than the CTA's K slices) (bm as :func:`wo_a_decode.plan` picks;
+PDL: the decode kernel's plan ('*') and, per column tile in BNS, each split count its K allows and
+each pipeline depth in STAGES that its shared memory and K allow (at most one more stage than the
+CTA's K slices) (bm as :func:`wo_a_decode.plan` picks;
 '*' marks the plan's split count), cuBLAS ``bmm`` alone, and the floor of this timing -- a
 one-element ``zero_`` (the per-launch cost of a graph of back-to-back kernels) plus the weight
 bytes at 4.3 TB/s. Every launch's output is checked against an FP32 einsum (relative error).
@@ -27,6 +29,7 @@ from cute_kernels.wo_a_decode import BK, SMEM_PER_CTA, WoADecode, WoADecodeWorks
 TS = [int(t) for t in os.environ.get("TS", "1,5,16,64").split(",")]
 SPLITS = [int(s) for s in os.environ.get("SPLITS", "1,2,4,8").split(",")]
 STAGES = [int(s) for s in os.environ.get("STAGES", "4").split(",")]
+BNS = [int(s) for s in os.environ.get("BNS", "64").split(",")]
 
 empty = torch.zeros(1, device="cuda")
 t_launch = time_graph(lambda i: empty.zero_(), 1, 64)
@@ -35,38 +38,36 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
     wbytes = G * R * Dg * 2
     n = rotation_count(wbytes)
     ws = [(torch.randn(G, R, Dg, device="cuda") / Dg**0.5).bfloat16() for _ in range(n)]
-    workspace = WoADecodeWorkspace(G, R, max_splits=max(SPLITS), device="cuda")
+    workspace = WoADecodeWorkspace(G, R, max_splits=max(SPLITS + [8]), device="cuda")
     floor = t_launch + wbytes / H200_COPY_BW
     for T in TS:
         o = torch.randn(T, G * 8, Dg // 8, device="cuda").bfloat16()
         y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
         ref = torch.einsum("tgd,grd->tgr", o.view(T, G, Dg).float(), ws[0].float()).reshape(T, G * R)
-        bm, picked = plan(T, G, R, Dg)
+        picked = plan(T, G, R, Dg)
+        bm = picked["bm"]
         t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
         res = [f"floor {floor * 1e6:.1f}", f"bmm {t_bmm * 1e6:.1f}"]
-        for splits in SPLITS:
-            if not WoADecode.can_implement(T, G, R, Dg, splits):
-                continue
-            for stages in STAGES:
-                if smem_bytes(bm, stages) > SMEM_PER_CTA or stages > Dg // BK // splits + 1:
-                    continue
-                for pdl in (False, True):
-                    cfg = ({"pdl": True} if pdl else {}) | ({"stages": stages} if stages != 4 else {})
-                    fn = jit.get_kernel("wo_a_decode", "sm_90a", G=G, R=R, Dg=Dg, bm=bm, splits=splits, **cfg)
+        cfgs = [dict(bm=bm, bn=bn, splits=sp, stages=st) for bn in BNS for sp in SPLITS for st in STAGES
+                if WoADecode.can_implement(T, G, R, Dg, sp, bn) and smem_bytes(bm, st, bn) <= SMEM_PER_CTA
+                and st <= Dg // BK // sp + 1]
+        for cfg in ([picked] if picked not in cfgs else []) + cfgs:
+            for pdl in (False, True):
+                fn = jit.get_kernel("wo_a_decode", "sm_90a", G=G, R=R, Dg=Dg, **cfg, **({"pdl": True} if pdl else {}))
 
-                    def call(i, fn=fn):
-                        P = jit.gmem_ptr
-                        fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, ws[i], 16), P(cutlass.BFloat16, y, 4),
-                           P(cutlass.Float32, workspace.partials, 4), P(cutlass.Int32, workspace.counters, 4),
-                           jit.i32(T), jit.cu_stream())
+                def call(i, fn=fn):
+                    P = jit.gmem_ptr
+                    fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, ws[i], 16), P(cutlass.BFloat16, y, 4),
+                       P(cutlass.Float32, workspace.partials, 4), P(cutlass.Int32, workspace.counters, 4),
+                       jit.i32(T), jit.cu_stream())
 
-                    y.fill_(float("nan"))
-                    call(0)
-                    torch.cuda.synchronize()
-                    err = ((y.float() - ref).norm() / ref.norm()).item()
-                    t = time_graph(call, n, max(n, 8))
-                    mark = "*" if splits == picked else ""
-                    res.append(f"s{splits}x{stages}st{'+pdl' if pdl else ''}{mark} {t * 1e6:.1f} "
-                               f"({wbytes / t / H200_COPY_BW:.0%}, err {err:.1e})")
+                y.fill_(float("nan"))
+                call(0)
+                torch.cuda.synchronize()
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                t = time_graph(call, n, max(n, 8))
+                mark = "*" if cfg == picked else ""
+                res.append(f"n{cfg['bn']}s{cfg['splits']}x{cfg['stages']}st{'+pdl' if pdl else ''}{mark} "
+                           f"{t * 1e6:.1f} ({wbytes / t / H200_COPY_BW:.0%}, err {err:.1e})")
         print(f"T={T} G={G} R={R} Dg={Dg} bm={bm}: " + "; ".join(res), flush=True)
     ws = None
