@@ -8,19 +8,22 @@ whose time is the read of the weights (8-64 MB); the TMA/wgmma engine's 64-128-r
 are mostly padding there and its grid has too few CTAs to keep 132 SMs streaming (H200:
 36-72% of 4.3 TB/s).
 
-Schedule. One CTA owns 64 output columns of one group and a 1/``splits`` slice of K: it
-streams ``wo_a[g, r0:r0+64, k-slice]`` through a 4-stage cp.async pipeline (64 x 128 bf16 per
-stage, padded shared rows for conflict-free ldmatrix) with the live token rows of ``o``;
-warp ``mma.sync m16n8k16`` accumulates in FP32. The token tile ``bm`` is 16 for T <= 16
-(warps side by side along N: 4x less MMA work than a 64-row tile, whose padding made the
-first version compute-bound -- 24-53% of the copy bandwidth -- and 87 KB of shared memory,
-so 2 CTAs per SM) or 64. ``splits`` (host heuristic: enough CTAs for 2 per SM, bounded so
-the FP32 partial traffic stays small) divides K; with ``splits > 1`` each CTA writes its
-FP32 partial ``[T, 64]`` to a workspace and the last CTA of the tile (acq_rel counter, as
-in :mod:`cute_kernels.mhc_stats`) sums the splits in a fixed order -- deterministic -- rounds
-to bf16 once, stores token-major and re-zeroes the counter (graph replays need no reset).
+Schedule. One CTA owns ``bn`` (64 or 32) output columns of one group and a 1/``splits`` slice
+of K: it streams ``wo_a[g, r0:r0+bn, k-slice]`` through a ``stages``-deep cp.async pipeline
+(``bn`` x 128 bf16 per stage, padded shared rows for conflict-free ldmatrix) with the live token
+rows of ``o``; warp ``mma.sync m16n8k16`` accumulates in FP32. The token tile ``bm`` is 16 for
+T <= 16 (warps side by side along N: 4x less MMA work than a 64-row tile, whose padding made
+the first version compute-bound -- 24-53% of the copy bandwidth -- and 87 KB of shared memory,
+so 2 CTAs per SM) or 64. With ``splits > 1`` each CTA writes its FP32 partial ``[T, bn]`` to a
+workspace and the last CTA of the tile (acq_rel counter, as in :mod:`cute_kernels.mhc_stats`)
+sums the splits in a fixed order -- deterministic -- rounds to bf16 once, stores token-major
+and re-zeroes the counter (graph replays need no reset). :func:`plan` picks the configuration:
+the weights stream at the copy bandwidth only with enough bytes in flight on every SM, so one
+CTA per SM with a deep pipeline, or two co-resident with 4 stages where the column tiles alone
+fill two per SM.
 
-Constraints: T <= 64, R % 64 == 0, Dg % 128 == 0, splits a power of two dividing Dg / 128.
+Constraints: T <= 64, R % bn == 0, Dg % 128 == 0, splits a power of two dividing Dg / 128,
+shared memory (``smem_bytes``) <= 227 KB.
 Run: ``pytest tests/test_wo_a.py -k decode``; bench: ``python bench/bench_wo_a.py``.
 """
 
