@@ -60,7 +60,8 @@
 #            against the launch floor and cuBLAS (probe).
 #   phase 34: the decode plan (32-column tiles for G * R = 4096, 6 / 9 stages at one CTA per SM):
 #            WO-A's decode / PDL GPU tests, the WO-A bench at the issue's T, the runtime's GPU
-#            tests, the engine's 32-column tiles at T = 64 (probe), the decode kernel's
+#            tests, cuBLAS's kernel names per (shape, T) (baseline (b)'s schedule), the
+#            engine's 32-column tiles at T = 64 (probe), the decode kernel's
 #            column-tile / split / depth probe at T = 1 / 5.
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..34)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
@@ -247,6 +248,7 @@ case "${1:-1}" in
   [ "$STEP_RC" = 0 ] || exit 1
   step 200 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
   step 60 spec_tests $PYT tests/test_spec_decode.py -m gpu
+  step 40 probe_cublas_kernels python tools/probe_cublas_kernels.py
   step 90 probe_t64_narrow env TS=64 TILES=64x32,64x64,64x128 CLUSTERS=1x1,1x2 python tools/probe_wo_a_tiles.py
   step 240 probe_decode_bn env TS=1,5 SPLITS=1,2 STAGES=4,6,9,17 BNS=32,64 python tools/probe_wo_a_decode.py
   ;;
