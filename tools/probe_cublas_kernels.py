@@ -6,7 +6,7 @@
 cuBLAS's Hopper kernel names carry their schedule (tile, cluster, warp-group layout, stream-K
 or split-K), the configuration the WO-A engine is measured against. Prints, per shape and T,
 the names of the kernels one ``bmm`` launches (torch profiler, CUDA activity) with their
-device time in us, and the grid where the profiler reports it.
+device time in us.
 """
 import os
 import sys
@@ -30,5 +30,5 @@ for G, R, Dg in SHAPES:
             bmm_only(o, w)
             torch.cuda.synchronize()
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        desc = "; ".join(f"{e.name} ({e.device_time:.1f} us)" for e in kernels) or "(no kernel recorded)"
+        desc = "; ".join(f"{e.name} ({e.device_time_total:.1f} us)" for e in kernels) or "(no kernel recorded)"
         print(f"T={T} G={G} R={R} Dg={Dg}: {desc}", flush=True)
