@@ -199,32 +199,35 @@ class WoADecode:
                 and splits & (splits - 1) == 0 and kt % splits == 0)
 
 
-#: pipeline depth of a CTA that has its SM to itself (bm = 16): ``stages - 1`` K slices in flight
-DEEP_STAGES = {64: 6, 32: 9}
+#: pipeline depth of the 16-row tile where its CTAs fit one wave (``stages - 1`` K slices in flight)
+DEEP_STAGES = 6
 
 
 def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
     """The compile configuration ``{bm, bn, splits, stages}`` of a decode call.
 
-    The weights stream at the copy bandwidth only with enough bytes in flight on every SM, so:
-    one CTA per SM (or two co-resident when the column tiles alone fill two per SM); 32-column
-    tiles where 64-column tiles give under one CTA per SM (G * R = 4096: 64 tiles); K splits
-    only while the FP32 partials (written and read once: 8 * splits * T bytes per weight row of
-    Dg * 2 bytes) stay under 1/4 of the weight bytes, i.e. 16 * splits * T <= Dg; and a deep
-    cp.async pipeline for a CTA alone on its SM. H200, tools/probe_wo_a_decode.py (thirteenth
-    session, T = 1): 6 stages against 4 at one CTA per SM, 10.5 / 7.0 against 11.5 / 7.0 us
-    (G=16 R=512 Dg=2048, G=8 R=1024 Dg=1024; under PDL 10.5 / 5.6 against 11.3 / 6.2); at 256
-    tiles 4 stages (two CTAs co-resident) 10.9 against 12.9 us with 6. The 64-row tile (T > 16)
-    keeps 4 stages (6 measured slower at T = 64)."""
+    The weights stream at the copy bandwidth only with enough bytes in flight on every SM.
+    With the 16-row token tile (T <= 16): 32-column tiles where they fit one wave two per SM
+    (G * R <= 9292 on 132 SMs; 6 stages are 78 KB), else 64-column tiles, 4 stages (two 87 KB CTAs per SM)
+    where they fill two per SM and 6 where each has its SM alone; K splits only to reach one
+    CTA per SM, and only while the FP32 partials (written and read once: 8 * splits * T bytes
+    per weight row of Dg * 2 bytes) stay under 1/4 of the weight bytes (16 * splits * T <= Dg).
+    H200, tools/probe_wo_a_decode.py (thirteenth session, T = 1 / 5, us): 32-column tiles at 6
+    stages 6.6 / 6.8 against 7.1 / 7.1 with 64 (G=8 R=1024), 7.7 / 7.8 against 8.2 / 8.9 for the
+    best 64-column config (G=8 R=512 Dg=2048, which splits K in two), 10.9 / 10.6 against
+    10.7 / 10.8 (G=16 R=512; under PDL 9.6 against 10.8), and worse at 512 tiles (G=16 R=1024:
+    11.6 against 11.0 with 64 columns at 4 stages). 9 / 17 stages and splits of 32-column tiles
+    measured slower. The 64-row tile (T > 16) keeps 64 columns and 4 stages (6 measured slower
+    at T = 64)."""
     bm = 16 if T <= 16 else 64
-    bn = 32 if bm == 16 and G * R // BN * 2 <= num_sms * 1.1 and R % 32 == 0 else BN
+    bn = 32 if bm == 16 and G * R // 32 <= 2 * num_sms * 1.1 and R % 32 == 0 else BN
     tiles = G * R // bn
     splits = 1
     while (tiles * splits * 2 <= num_sms * 1.1 and Dg // BK % (splits * 2) == 0
            and 16 * splits * 2 * T <= Dg):
         splits *= 2
-    alone = tiles * splits <= num_sms * 1.1
-    stages = min(DEEP_STAGES[bn], Dg // BK // splits + 1) if bm == 16 and alone else STAGES
+    deep = bm == 16 and (bn == 32 or tiles * splits <= num_sms * 1.1)
+    stages = min(DEEP_STAGES, Dg // BK // splits + 1) if deep else STAGES
     return {"bm": bm, "bn": bn, "splits": splits, "stages": max(stages, 2)}
 
 

@@ -500,15 +500,16 @@ def test_decode_kernel_default_range():
 
 def test_decode_plan():
     from cute_kernels.wo_a_decode import plan
-    # 256 tiles fill two co-resident CTAs per SM alone: the 4-stage pipeline that lets two fit
+    # 512 32-column tiles would be two waves: 256 64-column tiles, two co-resident per SM (4 stages)
     assert plan(1, 16, 1024, 1024) == dict(bm=16, bn=64, splits=1, stages=4)
-    # 64 64-column tiles: 128 32-column tiles instead of a K split, alone on their SMs, deep
-    assert plan(5, 8, 512, 2048) == dict(bm=16, bn=32, splits=1, stages=9)
-    assert plan(1, 8, 1024, 1024) == dict(bm=16, bn=64, splits=1, stages=6)  # 128 tiles, one per SM
-    assert plan(16, 16, 512, 2048) == dict(bm=16, bn=64, splits=1, stages=6)
+    # up to 290 32-column tiles: one wave of 78 KB 6-stage CTAs, no K split
+    assert plan(5, 8, 512, 2048) == dict(bm=16, bn=32, splits=1, stages=6)
+    assert plan(1, 8, 1024, 1024) == dict(bm=16, bn=32, splits=1, stages=6)
+    assert plan(16, 16, 512, 2048) == dict(bm=16, bn=32, splits=1, stages=6)
     assert plan(64, 8, 512, 2048) == dict(bm=64, bn=64, splits=2, stages=4)  # partial traffic bounds the split
     assert plan(64, 16, 1024, 1024) == dict(bm=64, bn=64, splits=1, stages=4)
     assert plan(1, 8, 512, 2048, num_sms=16) == dict(bm=16, bn=64, splits=1, stages=4)  # a small part
+    assert plan(1, 2, 512, 1024) == dict(bm=16, bn=32, splits=4, stages=3)  # 32 tiles: split, depth <= K slices + 1
 
 
 def test_decode_kernel_config_errors():

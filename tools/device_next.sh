@@ -63,7 +63,10 @@
 #            tests, cuBLAS's kernel names per (shape, T) (baseline (b)'s schedule), the
 #            engine's 32-column tiles at T = 64 (probe), the decode kernel's
 #            column-tile / split / depth probe at T = 1 / 5.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..34)
+#   phase 35: the decode plan from phase 34's probe (32-column tiles at 6 stages where they fit
+#            one wave two per SM): WO-A's decode / PDL GPU tests, the bench at T = 1 / 5, the
+#            runtime's GPU tests.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..35)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -251,6 +254,12 @@ case "${1:-1}" in
   step 40 probe_cublas_kernels python tools/probe_cublas_kernels.py
   step 90 probe_t64_narrow env TS=64 TILES=64x32,64x64,64x128 CLUSTERS=1x1,1x2 python tools/probe_wo_a_tiles.py
   step 240 probe_decode_bn env TS=1,5 SPLITS=1,2 STAGES=4,6,9,17 BNS=32,64 python tools/probe_wo_a_decode.py
+  ;;
+35)  # the decode plan from phase 34's probe (32-column tiles at 6 stages up to 290 tiles): tests, bench at T <= 5
+  step 120 wo_a_decode_tests $PYT tests/test_wo_a.py -m gpu -k "decode or pdl"
+  [ "$STEP_RC" = 0 ] || exit 1
+  step 60 bench_wo_a python bench/bench_wo_a.py --tokens 1,5 --out "$OUT/bench_wo_a.md"
+  step 60 spec_tests $PYT tests/test_spec_decode.py -m gpu
   ;;
 30)  # wo_a()'s two-CTAs-per-SM config on the inline-producer engine: GPU tests, bench at T = 272 / 320
   step 240 wo_a_tests $PYT tests/test_wo_a.py tests/test_draft_head_fp8.py -m gpu
