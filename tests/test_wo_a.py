@@ -420,7 +420,7 @@ def test_decode_kernel_matches_fp64(seed, G, HG, Dv, R, T):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bm, splits, bn, stages", [(16, 1, 64, 4), (16, 2, 64, 4), (16, 8, 64, 4), (64, 1, 64, 4),
                                                     (64, 4, 64, 4), (16, 1, 64, 6), (16, 1, 32, 9), (16, 2, 32, 6),
-                                                    (64, 2, 32, 4), (16, 4, 32, 3)])
+                                                    (64, 2, 32, 4), (16, 4, 32, 3), (16, 1, 32, 6)])
 def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits, bn, stages):
     """Each token tile, column tile, split count and pipeline depth (deeper than the CTA's K
     slices included), launched twice eagerly and replayed in a graph with fresh inputs: the
