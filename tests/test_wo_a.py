@@ -408,7 +408,7 @@ def test_launch_configs():
 @pytest.mark.parametrize("G, HG, Dv, R", SHAPES)
 @pytest.mark.parametrize("T", [1, 5, 16, 17, 37, 64])
 def test_decode_kernel_matches_fp64(seed, G, HG, Dv, R, T):
-    """The weight-streaming decode kernel through wo_a (its own (bm, splits) plan)."""
+    """The weight-streaming decode kernel through wo_a (its own {bm, bn, splits, stages} plan)."""
     o, w = make(T, G, HG, Dv, R, "cuda")
     out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
     wo_a(o, w, out=out, decode_kernel=True)
