@@ -56,13 +56,13 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as blockscaled_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
-from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.pipeline import pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from cute_kernels import jit
 # the warp roles, named barriers and the bf16 epilogue are those of the project's dense engine
 from cute_kernels.gemm.sm100_gemm import (EPI_BARRIER, EPI_STAGES, EPILOGUE_WARPS, MMA_WARP, SMEM_PER_CTA_MAX,
-                                          THREADS, TMA_WARP, TMEM_BARRIER, store_tmem_acc, tmem_subtiles)
+                                          THREADS, TMA_WARP, make_pipelines, store_tmem_acc, tmem_subtiles)
 
 MX_BLOCK = 32
 TILE_M = 128
@@ -183,22 +183,7 @@ class MoeExpertGemmSm100:
             smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(SharedStorage)
             one_cta = cute.make_layout((1, 1, 1, 1))
-            ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
-                barrier_storage=storage.ab_barriers.data_ptr(), num_stages=self.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-                tx_count=self.tx_bytes, cta_layout_vmnk=one_cta, defer_sync=True).make_participants()
-            acc_pipe = pipeline.PipelineUmmaAsync.create(
-                barrier_storage=storage.acc_barriers.data_ptr(), num_stages=1,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * EPILOGUE_WARPS),
-                cta_layout_vmnk=one_cta, defer_sync=True)
-            tmem = cutlass.memory.TmemAllocator(
-                storage.tmem_address.ptr,
-                barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_BARRIER,
-                                                           num_threads=32 * (EPILOGUE_WARPS + 1)),
-                allocator_warp_id=0)
-            pipeline_init_arrive(cluster_shape_mn=one_cta, is_relaxed=True)
+            ab_producer, ab_consumer, acc_pipe, tmem = make_pipelines(storage, self.stages, self.tx_bytes, one_cta, 1)
 
             sC = None
             if const_expr(not self.silu_quant):

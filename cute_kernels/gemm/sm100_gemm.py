@@ -149,23 +149,10 @@ class Sm100Gemm:
         storage = smem.allocate(SharedStorage)
         mcast_a = cute.size(cluster_vmnk.shape[2])
         mcast_b = cute.size(cluster_vmnk.shape[1])
-        ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.ab_barriers.data_ptr(), num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # one tcgen05.commit arrival per CTA whose loads the stage holds
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_a + mcast_b - 1),
-            tx_count=self.tx_bytes, cta_layout_vmnk=cluster_vmnk, defer_sync=True).make_participants()
-        acc_pipe = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=storage.acc_barriers.data_ptr(), num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * EPILOGUE_WARPS),
-            cta_layout_vmnk=cluster_vmnk, defer_sync=True)
-        tmem = cutlass.memory.TmemAllocator(
-            storage.tmem_address.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_BARRIER, num_threads=32 * (EPILOGUE_WARPS + 1)),
-            allocator_warp_id=0, is_two_cta=self.two_cta,
-            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_barrier.ptr)
-        pipeline_init_arrive(cluster_shape_mn=cluster_vmnk, is_relaxed=True)
+        # one tcgen05.commit arrival per CTA whose loads the stage holds
+        ab_producer, ab_consumer, acc_pipe, tmem = make_pipelines(
+            storage, self.stages, self.tx_bytes, cluster_vmnk, mcast_a + mcast_b - 1, self.two_cta,
+            storage.tmem_dealloc_barrier.ptr)
 
         sC = smem.allocate_tensor(element_type=self.c_dtype, layout=sC_layout.outer, byte_alignment=128,
                                   swizzle=sC_layout.inner)
@@ -250,6 +237,31 @@ class Sm100Gemm:
 
 
 @cute.jit
+def make_pipelines(storage, stages: int, tx_bytes: int, cluster_vmnk: cute.Layout, ab_consumers: int,
+                   two_cta: bool = False, tmem_dealloc_mbar_ptr=None):
+    """Inside a kernel of this warp layout: the operand stages' TMA -> MMA pipeline (producer
+    and consumer participants; ``ab_consumers`` tcgen05.commit arrivals free a stage), the
+    accumulator's MMA -> epilogue pipeline, and the tensor-memory allocator, over ``storage``'s
+    ``ab_barriers`` / ``acc_barriers`` / ``tmem_address``. Their init is fenced; the caller
+    waits on it (``pipeline_init_wait``) once its other setup is issued."""
+    ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
+        barrier_storage=storage.ab_barriers.data_ptr(), num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, ab_consumers),
+        tx_count=tx_bytes, cta_layout_vmnk=cluster_vmnk, defer_sync=True).make_participants()
+    acc_pipe = pipeline.PipelineUmmaAsync.create(
+        barrier_storage=storage.acc_barriers.data_ptr(), num_stages=1,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * EPILOGUE_WARPS),
+        cta_layout_vmnk=cluster_vmnk, defer_sync=True)
+    tmem = cutlass.memory.TmemAllocator(
+        storage.tmem_address.ptr,
+        barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=TMEM_BARRIER, num_threads=32 * (EPILOGUE_WARPS + 1)),
+        allocator_warp_id=0, is_two_cta=two_cta, two_cta_tmem_dealloc_mbar_ptr=tmem_dealloc_mbar_ptr)
+    pipeline_init_arrive(cluster_shape_mn=cluster_vmnk, is_relaxed=True)
+    return ab_producer, ab_consumer, acc_pipe, tmem
+
+
 def tmem_subtiles(tCtAcc: cute.Tensor, epi_tile, t2r_atom, tidx):
     """The tensor-memory load of each epilogue subtile of the accumulator ``tCtAcc`` by thread
     ``tidx`` of the four epilogue warps: (tiled copy, its thread slice, (T2R, T2R_M, T2R_N,

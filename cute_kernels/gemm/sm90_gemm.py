@@ -238,6 +238,25 @@ class Sm90Gemm:
         n = (within // rows) * self.cluster_mn[1] + in_cluster[1]
         return m, n
 
+    def shared_ab_pipeline(self, sA_layout, sB_layout, consumers: int):
+        """Inside a kernel: the cluster layout, this CTA's coordinate in it, the shared storage,
+        and the A + B stage pipeline whose stages ``consumers`` threads (of each multicast
+        partner) free; the barriers' init is fenced, and the caller waits on it once its other
+        setup is issued (``pipeline_init_wait``)."""
+        cluster_layout = cute.make_layout((*self.cluster_mn, 1))
+        cluster_coord = cluster_layout.get_flat_coord(cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()))
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        stage_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(sA_layout, (None, None, 0)))
+                       + cute.size_in_bytes(self.b_dtype, cute.slice_(sB_layout, (None, None, 0))))
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_barriers.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
+            tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, *cluster_layout.shape)),
+            enable_multicast_signaling=True, defer_sync=True)
+        pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
+        return cluster_layout, cluster_coord, storage, ab_pipe
+
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                tma_c: cute.CopyAtom, mC: cute.Tensor, tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
@@ -252,20 +271,10 @@ class Sm90Gemm:
             cute.arch.griddepcontrol_launch_dependents()
 
         m, n, l = self.tile_coord()
-        cluster_layout = cute.make_layout((*self.cluster_mn, 1))
-        cluster_coord = cluster_layout.get_flat_coord(cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()))
+        # both consumer warp groups read every stage
+        cluster_layout, cluster_coord, storage, ab_pipe = self.shared_ab_pipeline(
+            sA_layout, sB_layout, WARP_GROUP * self.consumer_wgs)
         is_clustered = const_expr(cute.size(cluster_layout) > 1)
-
-        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        stage_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(sA_layout, (None, None, 0)))
-                       + cute.size_in_bytes(self.b_dtype, cute.slice_(sB_layout, (None, None, 0))))
-        ab_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.ab_barriers.data_ptr(), num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WARP_GROUP * self.consumer_wgs),
-            tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, *cluster_layout.shape)),
-            enable_multicast_signaling=True, defer_sync=True)
-        pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
 
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
@@ -319,21 +328,9 @@ class Sm90Gemm:
         if warp == self.producer_warp:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
-        cluster_layout = cute.make_layout((*self.cluster_mn, 1))
-        cluster_coord = cluster_layout.get_flat_coord(cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()))
-        is_clustered = const_expr(cute.size(cluster_layout) > 1)
-
-        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        stage_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(sA_layout, (None, None, 0)))
-                       + cute.size_in_bytes(self.b_dtype, cute.slice_(sB_layout, (None, None, 0))))
         # one warp group reads each stage: its 4 warps (x multicast partners) free it
-        ab_pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.ab_barriers.data_ptr(), num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WARP_GROUP),
-            tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, *cluster_layout.shape)),
-            enable_multicast_signaling=True, defer_sync=True)
-        pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
+        cluster_layout, cluster_coord, storage, ab_pipe = self.shared_ab_pipeline(sA_layout, sB_layout, WARP_GROUP)
+        is_clustered = const_expr(cute.size(cluster_layout) > 1)
 
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
