@@ -41,6 +41,8 @@ from .grid_sync import last_arrival
 from .warp_mma import ldmatrix_operands
 
 BN, BK = 64, 128
+#: the column tiles a CTA may own; the narrow one also sizes the workspace's tile counters
+BN_NARROW = 32
 PITCH = BK + 8
 STAGES = 4
 SMEM_PER_CTA = 227 * 1024  # sm_90 / sm_100 opt-in maximum per block
@@ -195,7 +197,7 @@ class WoADecode:
     @staticmethod
     def can_implement(T: int, G: int, R: int, Dg: int, splits: int = 1, bn: int = BN) -> bool:
         kt = Dg // BK if Dg % BK == 0 else 0
-        return (1 <= T <= MAX_T and G >= 1 and bn in (32, 64) and R % bn == 0 and kt >= 1 and splits >= 1
+        return (1 <= T <= MAX_T and G >= 1 and bn in (BN_NARROW, BN) and R % bn == 0 and kt >= 1 and splits >= 1
                 and splits & (splits - 1) == 0 and kt % splits == 0)
 
 
@@ -208,8 +210,8 @@ def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
 
     The weights stream at the copy bandwidth only with enough bytes in flight on every SM.
     With the 16-row token tile (T <= 16): 32-column tiles where they fit one wave two per SM
-    (G * R <= 9292 on 132 SMs; 6 stages are 78 KB), else 64-column tiles, 4 stages (two 87 KB CTAs per SM)
-    where they fill two per SM and 6 where each has its SM alone; K splits only to reach one
+    (G * R <= 9292 on 132 SMs; 6 stages are 78 KB), else 64-column tiles, 4 stages (two 87 KB
+    CTAs per SM) where they fill two per SM and 6 where each has its SM alone; K splits only to reach one
     CTA per SM, and only while the FP32 partials (written and read once: 8 * splits * T bytes
     per weight row of Dg * 2 bytes) stay under 1/4 of the weight bytes (16 * splits * T <= Dg).
     H200, tools/probe_wo_a_decode.py (thirteenth session, T = 1 / 5, us): 32-column tiles at 6
@@ -220,13 +222,13 @@ def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
     measured slower. The 64-row tile (T > 16) keeps 64 columns and 4 stages (6 measured slower
     at T = 64)."""
     bm = 16 if T <= 16 else 64
-    bn = 32 if bm == 16 and G * R // 32 <= 2 * num_sms * 1.1 and R % 32 == 0 else BN
+    bn = BN_NARROW if bm == 16 and G * R // BN_NARROW <= 2 * num_sms * 1.1 and R % BN_NARROW == 0 else BN
     tiles = G * R // bn
     splits = 1
     while (tiles * splits * 2 <= num_sms * 1.1 and Dg // BK % (splits * 2) == 0
            and 16 * splits * 2 * T <= Dg):
         splits *= 2
-    deep = bm == 16 and (bn == 32 or tiles * splits <= num_sms * 1.1)
+    deep = bm == 16 and (bn == BN_NARROW or tiles * splits <= num_sms * 1.1)
     stages = min(DEEP_STAGES, Dg // BK // splits + 1) if deep else STAGES
     return {"bm": bm, "bn": bn, "splits": splits, "stages": max(stages, 2)}
 
@@ -238,7 +240,7 @@ class WoADecodeWorkspace:
     def __init__(self, G: int, R: int, max_splits: int = 8, device="cuda"):
         self.G, self.R, self.max_splits = G, R, max_splits
         self.partials = torch.empty(max_splits * MAX_T * G * R, dtype=torch.float32, device=device)
-        self.counters = torch.zeros(G * R // 32, dtype=torch.int32, device=device)
+        self.counters = torch.zeros(G * R // BN_NARROW, dtype=torch.int32, device=device)
 
 
 def smem_bytes(bm: int, stages: int, bn: int = BN) -> int:
