@@ -216,7 +216,7 @@ def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
     per weight row of Dg * 2 bytes) stay under 1/4 of the weight bytes (16 * splits * T <= Dg).
     H200, tools/probe_wo_a_decode.py (thirteenth session, T = 1 / 5, us): 32-column tiles at 6
     stages 6.6 / 6.8 against 7.1 / 7.1 with 64 (G=8 R=1024), 7.7 / 7.8 against 8.2 / 8.9 for the
-    best 64-column config (G=8 R=512 Dg=2048, which splits K in two), 10.9 / 10.6 against
+    previous plan (G=8 R=512 Dg=2048: 64 columns, K split in two), 10.9 / 10.6 against
     10.7 / 10.8 (G=16 R=512; under PDL 9.6 against 10.8), and worse at 512 tiles (G=16 R=1024:
     11.6 against 11.0 with 64 columns at 4 stages). 9 / 17 stages and splits of 32-column tiles
     measured slower. The 64-row tile (T > 16) keeps 64 columns and 4 stages (6 measured slower
