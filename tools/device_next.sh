@@ -258,7 +258,7 @@ case "${1:-1}" in
 35)  # the decode plan from phase 34's probe (32-column tiles at 6 stages up to 290 tiles): tests, bench at T <= 5
   step 120 wo_a_decode_tests $PYT tests/test_wo_a.py -m gpu -k "decode or pdl"
   [ "$STEP_RC" = 0 ] || exit 1
-  step 60 bench_wo_a python bench/bench_wo_a.py --tokens 1,5 --out "$OUT/bench_wo_a.md"
+  step 240 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
   step 60 spec_tests $PYT tests/test_spec_decode.py -m gpu
   ;;
 30)  # wo_a()'s two-CTAs-per-SM config on the inline-producer engine: GPU tests, bench at T = 272 / 320
