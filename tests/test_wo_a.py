@@ -153,6 +153,23 @@ def test_pingpong_engine_matches_fp64(seed, tile, cluster, swap_ab, T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg, T", [
+    (dict(tile_m=128, tile_n=160, cluster_m=2, swap_ab=True, occupancy=2), 320),  # inline producer
+    (dict(tile_m=128, tile_n=160, cluster_m=2, swap_ab=True), 333),
+    (dict(tile_m=64, tile_n=160, cluster_m=2, swap_ab=True), 77),
+    (dict(tile_m=128, tile_n=128, cluster_n=2), 333),  # the weight tile multicast instead
+    (dict(tile_m=64, tile_n=256, cluster_m=2, pingpong=True), 1100),
+])
+def test_cluster_exit_producer_tail_matches_fp64(seed, cfg, T):
+    """CTA pairs that leave without a cluster barrier: each producer waits for every stage's
+    release by both CTAs' consumers instead. Three launches on fresh inputs per shape: a CTA
+    exiting under its peer's remote arrivals would show up as a hang, a fault or a wrong tile."""
+    for G, HG, Dv, R in [(16, 8, 128, 1024), (8, 16, 128, 512)]:
+        for _ in range(3):
+            check_engine(T, G, HG, Dv, R, cluster_exit="producer_tail", **cfg)
+
+
+@pytest.mark.gpu
 def test_pingpong_graph_replay_fresh_inputs(seed):
     """Replays of one captured pingpong launch pick up new inputs (nothing carried between
     launches in its barriers or pipeline phases)."""
@@ -257,6 +274,24 @@ def test_pingpong_machine_code(cluster_m, swap_ab):
     assert regs <= 224, regs
 
 
+@pytest.mark.parametrize("cfg", [dict(tile_m=128, tile_n=160, swap_ab=True, occupancy=2),
+                                 dict(tile_m=64, tile_n=160, swap_ab=True),
+                                 dict(tile_m=64, tile_n=256, pingpong=True)])
+def test_cluster_exit_machine_code(cfg):
+    """``cluster_exit``: the barrier exit meets the cluster twice (after the barriers' init and
+    at the end), with the release fence (MEMBAR.ALL.GPU + ERRBAR) its arrive implies; the
+    producer tail leaves only the init's cluster barrier and no ERRBAR, and polls the empty
+    barriers instead."""
+    cfg = dict(G=16, R=1024, Dg=1024, cluster_m=2, **cfg)
+    h_bar = sass.sass_histogram("wo_a", "sm_90a", **cfg)
+    h_tail = sass.sass_histogram("wo_a", "sm_90a", **cfg, cluster_exit="producer_tail")
+    assert sass.count(h_bar, "UCGABAR_ARV") >= 2 and sass.count(h_bar, "ERRBAR") >= 1, h_bar
+    assert sass.count(h_tail, "UCGABAR_ARV") == 1 and sass.count(h_tail, "UCGABAR_WAIT") == 1, h_tail
+    assert sass.count(h_tail, "ERRBAR") == 0, h_tail
+    assert sass.count(h_tail, "SYNCS.PHASECHK") > sass.count(h_bar, "SYNCS.PHASECHK")
+    assert sass.local_memory_ops(h_tail) == 0
+
+
 @pytest.mark.parametrize("tile", [(128, 160), (64, 224), (128, 256)])
 def test_engine_two_ctas_per_sm_fit(tile):
     """occupancy=2: the stage count leaves each of two CTAs its half of the SM's 228 KiB less
@@ -337,6 +372,7 @@ def test_bad_arguments(o, w, words):
     ("sm90", ((64, 256),), {"pingpong": True, "pdl": True}, "without PDL"),
     ("sm90", ((64, 256),), {"pingpong": True, "occupancy": 2}, "one persistent CTA per SM"),
     ("sm90", ((64, 256),), {"pingpong": True, "sm_count": 0}, "sm_count"),
+    ("sm90", ((128, 128), (2, 1)), {"cluster_exit": "fence"}, "cluster_exit must be"),
     ("sm100", ((64, 128),), {}, "tile_m must be 128"),
     ("sm100", ((128, 40),), {}, "tile_n must be a multiple of 32"),
 ])

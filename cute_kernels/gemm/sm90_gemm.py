@@ -42,7 +42,13 @@ Options (compile time): ``cluster_mn`` (1 or 2 per mode: TMA multicast of shared
 ``pdl`` (launch as a programmatic dependent: the prologue's tiles of ``pdl_early_operand``,
 the one the previous kernel does not write, load before ``griddepcontrol.wait``);
 ``occupancy`` (CTAs per SM that the stage count, and for 128-row tiles the warp count, leave
-room for); ``pingpong`` with ``sm_count`` (64-row tiles, one CTA per SM, no PDL).
+room for); ``pingpong`` with ``sm_count`` (64-row tiles, one CTA per SM, no PDL);
+``cluster_exit``, how a clustered CTA outlives its peers' arrivals on its barriers:
+``"barrier"`` (every thread meets the cluster at a ``barrier.cluster`` arrive / wait around
+the epilogue) or ``"producer_tail"`` (the producer -- warp 0 with ``inline_producer``, after
+its epilogue -- waits on every stage's empty barrier, which the last remote consumer release
+completes, as CUTLASS's Hopper kernels do; no cluster-wide barrier, so no release fence
+before the epilogue and no CTA waits for its slower peer to finish its own).
 
 Constraints: A and B of one 16-bit type (bf16 / fp16) or 8-bit floats (e4m3 / e5m2), both
 K-major; ``tile_m`` in {64, 128}; ``tile_n`` a multiple of 32 in 32..256; 16-byte aligned
@@ -89,7 +95,7 @@ class Sm90Gemm:
 
     def __init__(self, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1), *, pdl: bool = False,
                  pdl_early_operand: str = "b", occupancy: int = 1, pingpong: bool = False,
-                 sm_count: int = 132, acc_dtype=Float32):
+                 sm_count: int = 132, acc_dtype=Float32, cluster_exit: str = "barrier"):
         tile_m, tile_n = tile_mn
         if tile_m not in (64, 128):
             raise ValueError(f"Sm90Gemm: tile_m must be 64 or 128, got {tile_m}")
@@ -104,12 +110,15 @@ class Sm90Gemm:
             raise ValueError(f"Sm90Gemm: cluster_mn must be 1 or 2 per mode, got {cluster_mn}")
         if occupancy not in (1, 2):
             raise ValueError(f"Sm90Gemm: occupancy must be 1 or 2, got {occupancy}")
+        if cluster_exit not in ("barrier", "producer_tail"):
+            raise ValueError(f"Sm90Gemm: cluster_exit must be 'barrier' or 'producer_tail', got {cluster_exit!r}")
         if pdl_early_operand not in ("a", "b"):
             raise ValueError(f"Sm90Gemm: pdl_early_operand must be 'a' or 'b', got {pdl_early_operand!r}")
         self.tile_mn = (tile_m, tile_n)
         self.cluster_mn = tuple(cluster_mn)
         self.pdl, self.pdl_early_a = pdl, pdl_early_operand == "a"
         self.occupancy = occupancy
+        self.cluster_exit = cluster_exit
         self.acc_dtype = acc_dtype
         self.consumer_wgs = tile_m // 64
         # A producer warp after the consumer warp groups (no setmaxnreg: a producer warp group
@@ -294,9 +303,7 @@ class Sm90Gemm:
             if warp >= 4 * self.consumer_wgs:  # the producer warp
                 self.load(ab_pipe, loads, k_tiles)
                 if const_expr(is_clustered):
-                    # no CTA of the cluster exits while another may still arrive on its barriers
-                    cute.arch.cluster_arrive()
-                    cute.arch.cluster_wait()
+                    self.exit_tail(ab_pipe, k_tiles)
             else:
                 self.consume(*consume, is_clustered)
 
@@ -305,14 +312,33 @@ class Sm90Gemm:
                 is_clustered: cutlass.Constexpr):
         """A consumer warp group: the MMAs over every k-tile, then its share of the epilogue."""
         acc = self.mma(ab_pipe, tiled_mma, sA, sB, gC, warp, k_tiles, loads)
-        if const_expr(is_clustered):
+        barrier_exit = const_expr(is_clustered and self.cluster_exit == "barrier")
+        if const_expr(barrier_exit):
             cute.arch.cluster_arrive()
         if const_expr(self.pdl):
             # stores after the previous grid's writes (the loads already waited for it)
             cute.arch.griddepcontrol_wait()
         self.epilogue(acc, tiled_mma, tma_c, sA, sC_layout, gC, tidx, warp)
-        if const_expr(is_clustered):
+        if const_expr(barrier_exit):
             cute.arch.cluster_wait()
+        if const_expr(is_clustered and not barrier_exit and self.inline_producer):
+            if warp == 0:
+                self.exit_tail(ab_pipe, k_tiles)
+
+    @cute.jit
+    def exit_tail(self, ab_pipe, loads_issued):
+        """The producer's last act in a cluster: no CTA of the cluster exits while another may
+        still arrive on its barriers. ``loads_issued``: the producer's pipeline position after
+        its last load."""
+        if const_expr(self.cluster_exit == "barrier"):
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            # the positions a further stages loads would take: waiting to acquire each means
+            # every consumer of every earlier load (remote ones included) has released it
+            pos = loads_issued
+            ab_pipe.producer_tail(
+                pipeline.PipelineState(self.stages, pos, pos % self.stages, (pos // self.stages + 1) % 2))
 
     @cute.kernel
     def kernel_pingpong(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
@@ -352,6 +378,8 @@ class Sm90Gemm:
                 loads = self.load_partitions(tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord)
                 for kt in cutlass.range(k_tiles, unroll=1):
                     self.load_k_tile(ab_pipe, loads, kt, base=j * k_tiles)
+            if const_expr(is_clustered and self.cluster_exit == "producer_tail"):
+                self.exit_tail(ab_pipe, tiles * k_tiles)
         else:  # the consumer warp groups
             wg = warp // 4
             thr_mma = tiled_mma.get_slice(0)
@@ -388,10 +416,8 @@ class Sm90Gemm:
                 # this warp group's own subtile buffers, store warp and barrier
                 self.store_tile(acc, tiled_mma, tma_c, sC, gC, tidx % WARP_GROUP, warp % 4 == 0, WARP_GROUP,
                                 PINGPONG_EPI_BARRIER + wg, wg * PINGPONG_EPI_STAGES, PINGPONG_EPI_STAGES)
-        if const_expr(is_clustered):
-            # no CTA of the cluster exits while another may still arrive on its barriers
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
+        if const_expr(is_clustered and self.cluster_exit == "barrier"):
+            self.exit_tail(ab_pipe, tiles * k_tiles)
 
     @cute.jit
     def load_partitions(self, tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord):
