@@ -153,6 +153,7 @@ def test_pingpong_engine_matches_fp64(seed, tile, cluster, swap_ab, T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cluster_exit", ["barrier", "producer_tail"])
 @pytest.mark.parametrize("cfg, T", [
     (dict(tile_m=128, tile_n=160, cluster_m=2, swap_ab=True, occupancy=2), 320),  # inline producer
     (dict(tile_m=128, tile_n=160, cluster_m=2, swap_ab=True), 333),
@@ -160,13 +161,14 @@ def test_pingpong_engine_matches_fp64(seed, tile, cluster, swap_ab, T):
     (dict(tile_m=128, tile_n=128, cluster_n=2), 333),  # the weight tile multicast instead
     (dict(tile_m=64, tile_n=256, cluster_m=2, pingpong=True), 1100),
 ])
-def test_cluster_exit_producer_tail_matches_fp64(seed, cfg, T):
-    """CTA pairs that leave without a cluster barrier: each producer waits for every stage's
-    release by both CTAs' consumers instead. Three launches on fresh inputs per shape: a CTA
-    exiting under its peer's remote arrivals would show up as a hang, a fault or a wrong tile."""
+def test_cluster_exit_matches_fp64(seed, cfg, T, cluster_exit):
+    """Both ways a CTA pair leaves, on both kernels: the cluster barrier, or none (each
+    producer waits for every stage's release by both CTAs' consumers instead). Three launches
+    on fresh inputs per shape: a CTA exiting under its peer's remote arrivals would show up as
+    a hang, a fault or a wrong tile."""
     for G, HG, Dv, R in [(16, 8, 128, 1024), (8, 16, 128, 512)]:
         for _ in range(3):
-            check_engine(T, G, HG, Dv, R, cluster_exit="producer_tail", **cfg)
+            check_engine(T, G, HG, Dv, R, cluster_exit=cluster_exit, **cfg)
 
 
 @pytest.mark.gpu
@@ -283,7 +285,7 @@ def test_cluster_exit_machine_code(cfg):
     producer tail leaves only the init's cluster barrier and no ERRBAR, and polls the empty
     barriers instead."""
     cfg = dict(G=16, R=1024, Dg=1024, cluster_m=2, **cfg)
-    h_bar = sass.sass_histogram("wo_a", "sm_90a", **cfg)
+    h_bar = sass.sass_histogram("wo_a", "sm_90a", **cfg, cluster_exit="barrier")
     h_tail = sass.sass_histogram("wo_a", "sm_90a", **cfg, cluster_exit="producer_tail")
     assert sass.count(h_bar, "UCGABAR_ARV") >= 2 and sass.count(h_bar, "ERRBAR") >= 1, h_bar
     assert sass.count(h_tail, "UCGABAR_ARV") == 1 and sass.count(h_tail, "UCGABAR_WAIT") == 1, h_tail
@@ -400,6 +402,8 @@ def test_engine_warp_roles():
     assert (g.consumer_wgs, g.threads, g.producer_warp) == (2, 288, 8)
     # their own epilogue subtiles, 2 x 2 x (64 x 32) bf16, leave 5 stages of 64x64 + 256x64
     assert g.epilogue_bytes(16) == 16 * 1024 and g.stages_for(64, 16, 16) == 5
+    # a CTA pair leaves by the producer tail, except the persistent pingpong CTA (measured)
+    assert g.cluster_exit == "barrier" and Sm90Gemm((128, 160), (2, 1)).cluster_exit == "producer_tail"
     assert Sm100Gemm((256, 256)).cluster_mn == (2, 1) and Sm100Gemm((128, 128)).cluster_mn == (1, 1)
 
 

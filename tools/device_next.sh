@@ -66,7 +66,7 @@
 #   phase 35: the decode plan from phase 34's probe (32-column tiles at 6 stages where they fit
 #            one wave two per SM): WO-A's decode / PDL GPU tests, the bench at T = 1 / 5, the
 #            runtime's GPU tests.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..36)
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..37)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -267,6 +267,12 @@ case "${1:-1}" in
   step 60 spec_tests $PYT tests/test_spec_decode.py -m gpu
   step 100 probe_pdl_runtime python tools/probe_wo_a_pdl_runtime.py
   step 90 probe_t320_swap env TS=320 TILES=64x64 SWAP_TILES=128x96,64x160 CLUSTERS=2x1,1x2 python tools/probe_wo_a_tiles.py
+  ;;
+37)  # the producer-tail exit as the cooperative kernel's default: every WO-A / draft-head GPU test, the issue's bench
+  step 200 wo_a_tests $PYT tests/test_wo_a.py tests/test_draft_head_fp8.py -m gpu
+  [ "$STEP_RC" = 0 ] || exit 1
+  step 200 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
+  step 60 spec_tests $PYT tests/test_spec_decode.py -m gpu
   ;;
 30)  # wo_a()'s two-CTAs-per-SM config on the inline-producer engine: GPU tests, bench at T = 272 / 320
   step 240 wo_a_tests $PYT tests/test_wo_a.py tests/test_draft_head_fp8.py -m gpu

@@ -48,7 +48,12 @@ room for); ``pingpong`` with ``sm_count`` (64-row tiles, one CTA per SM, no PDL)
 the epilogue) or ``"producer_tail"`` (the producer -- warp 0 with ``inline_producer``, after
 its epilogue -- waits on every stage's empty barrier, which the last remote consumer release
 completes, as CUTLASS's Hopper kernels do; no cluster-wide barrier, so no release fence
-before the epilogue and no CTA waits for its slower peer to finish its own).
+before the epilogue and no CTA waits for its slower peer to finish its own). Default: the
+producer tail for the one-tile-per-CTA kernel, the barrier for pingpong -- H200,
+tools/probe_wo_a_tiles.py, three readings in one session (bench/RESULTS.md, fourteenth
+session): the tail 1-7% faster for WO-A's swapped CTA pairs at T = 320 in 12 of 12 (shape,
+reading) points; on the persistent pingpong pairs at T >= 1024 within +-10% either way,
+slower on average.
 
 Constraints: A and B of one 16-bit type (bf16 / fp16) or 8-bit floats (e4m3 / e5m2), both
 K-major; ``tile_m`` in {64, 128}; ``tile_n`` a multiple of 32 in 32..256; 16-byte aligned
@@ -95,7 +100,7 @@ class Sm90Gemm:
 
     def __init__(self, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1), *, pdl: bool = False,
                  pdl_early_operand: str = "b", occupancy: int = 1, pingpong: bool = False,
-                 sm_count: int = 132, acc_dtype=Float32, cluster_exit: str = "barrier"):
+                 sm_count: int = 132, acc_dtype=Float32, cluster_exit: str | None = None):
         tile_m, tile_n = tile_mn
         if tile_m not in (64, 128):
             raise ValueError(f"Sm90Gemm: tile_m must be 64 or 128, got {tile_m}")
@@ -110,6 +115,8 @@ class Sm90Gemm:
             raise ValueError(f"Sm90Gemm: cluster_mn must be 1 or 2 per mode, got {cluster_mn}")
         if occupancy not in (1, 2):
             raise ValueError(f"Sm90Gemm: occupancy must be 1 or 2, got {occupancy}")
+        if cluster_exit is None:
+            cluster_exit = "barrier" if pingpong else "producer_tail"
         if cluster_exit not in ("barrier", "producer_tail"):
             raise ValueError(f"Sm90Gemm: cluster_exit must be 'barrier' or 'producer_tail', got {cluster_exit!r}")
         if pdl_early_operand not in ("a", "b"):
