@@ -156,7 +156,10 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     before it on the stream must not write ``wo_a_weight`` (true of inference weights).
     H200 (bench/RESULTS.md, eighth session): 1.13-1.26x at T <= 64 back to back, 1.03-1.06x at
     T = 320 in three of four shapes, 0.84-1.00x at T >= 4096 (the early dependents compete
-    with the last wave) -- use it for decode-size T.
+    with the last wave) -- use it for decode-size T, after a kernel that triggers its
+    dependents early (this project's). After a cuBLAS ``bmm`` (which never does) it lost at
+    15 of 16 (shape, T <= 320) points, 0.85-1.03x (tools/probe_wo_a_pdl_runtime.py,
+    fourteenth session).
     """
     op = "wo_a"
     check_tensor(op, "o", o, dtype=torch.bfloat16, ndim=3, contiguous=True)
