@@ -52,12 +52,17 @@ MAX_T = 64
 
 class WoADecode:
     def __init__(self, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False,
-                 stages: int = STAGES, bn: int = BN):
+                 stages: int = STAGES, bn: int = BN, warps: int = 4):
         self.G, self.R, self.Dg, self.bm, self.splits, self.pdl = G, R, Dg, bm, splits, pdl
         self.stages, self.bn = stages, bn
-        self.threads = 128
-        # bm = 16: 4 warps along N (16 x 16 each); bm = 64: 2 x 2 warps (32 x 32 each)
-        self.warp_layout = (1, 4, 1) if bm == 16 else (2, 2, 1)
+        self.threads = 32 * warps
+        # 4 warps -- bm = 16: side by side along N (16 x bn/4 each); bm = 64: 2 x 2 (32 x bn/2).
+        # 8 warps (twice the MMA chains in flight per SM) -- bm = 16: along N (16 x bn/8);
+        # bm = 64: 4 x 2 (16 x bn/2)
+        if warps == 4:
+            self.warp_layout = (1, 4, 1) if bm == 16 else (2, 2, 1)
+        else:
+            self.warp_layout = (1, 8, 1) if bm == 16 else (4, 2, 1)
 
     @cute.jit
     def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, part_ptr: cute.Pointer,
@@ -249,11 +254,13 @@ def smem_bytes(bm: int, stages: int, bn: int = BN) -> int:
 
 
 def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False,
-           stages: int = STAGES, bn: int = BN):
+           stages: int = STAGES, bn: int = BN, warps: int = 4):
     """``pdl``: launched as a programmatic dependent of the previous kernel on the stream
     (weight prefetch overlaps its tail); the same results, a separate compile. ``stages``: the
     cp.async pipeline depth (``stages - 1`` K slices in flight per CTA). ``bn``: the weight rows
-    (output columns) of a CTA, 64 or 32."""
+    (output columns) of a CTA, 64 or 32. ``warps``: 4 or 8 per CTA (8 with bn = 64 only)."""
+    if warps not in (4, 8) or (warps == 8 and bn != BN):
+        raise ValueError(f"wo_a_decode: warps={warps} with bn={bn}; 4, or 8 with bn={BN}")
     if bm not in (16, 64) or not WoADecode.can_implement(1, G, R, Dg, splits, bn):
         raise ValueError(f"wo_a_decode: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, bn={bn}, splits={splits} "
                          f"(bn 32 or 64 dividing R, Dg % 128, splits a power of two dividing Dg / 128, bm 16 or 64)")
@@ -263,7 +270,7 @@ def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1,
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 4), P(Float32, 4), P(Int32, 4),
             Int32(1), jit.fake_stream())
-    return WoADecode(G, R, Dg, bm, splits, pdl, stages, bn), args
+    return WoADecode(G, R, Dg, bm, splits, pdl, stages, bn, warps), args
 
 
 KERNEL = jit.register(jit.KernelDef(
