@@ -14,7 +14,7 @@ of K: it streams ``wo_a[g, r0:r0+bn, k-slice]`` through a ``stages``-deep cp.asy
 rows of ``o``; warp ``mma.sync m16n8k16`` accumulates in FP32. The token tile ``bm`` is 16 for
 T <= 16 (warps side by side along N: 4x less MMA work than a 64-row tile, whose padding made
 the first version compute-bound -- 24-53% of the copy bandwidth -- and 87 KB of shared memory,
-so 2 CTAs per SM) or 64. With ``splits > 1`` each CTA writes its FP32 partial ``[T, bn]`` to a
+so 2 CTAs per SM), 32 for T <= 32 (the same warps, two m16 row blocks each) or 64. With ``splits > 1`` each CTA writes its FP32 partial ``[T, bn]`` to a
 workspace and the last CTA of the tile (acq_rel counter, as in :mod:`cute_kernels.mhc_stats`)
 sums the splits in a fixed order -- deterministic -- rounds to bf16 once, stores token-major
 and re-zeroes the counter (graph replays need no reset). :func:`plan` picks the configuration:
@@ -56,13 +56,13 @@ class WoADecode:
         self.G, self.R, self.Dg, self.bm, self.splits, self.pdl = G, R, Dg, bm, splits, pdl
         self.stages, self.bn = stages, bn
         self.threads = 32 * warps
-        # 4 warps -- bm = 16: side by side along N (16 x bn/4 each); bm = 64: 2 x 2 (32 x bn/2).
-        # 8 warps (twice the MMA chains in flight per SM) -- bm = 16: along N (16 x bn/8);
-        # bm = 64: 4 x 2 (16 x bn/2)
+        # 4 warps -- bm = 16 / 32: side by side along N (bm x bn/4 each); bm = 64: 2 x 2
+        # (32 x bn/2). 8 warps (twice the MMA chains in flight per SM) -- bm = 16 / 32: along N
+        # (bm x bn/8); bm = 64: 4 x 2 (16 x bn/2)
         if warps == 4:
-            self.warp_layout = (1, 4, 1) if bm == 16 else (2, 2, 1)
+            self.warp_layout = (1, 4, 1) if bm < 64 else (2, 2, 1)
         else:
-            self.warp_layout = (1, 8, 1) if bm == 16 else (4, 2, 1)
+            self.warp_layout = (1, 8, 1) if bm < 64 else (4, 2, 1)
 
     @cute.jit
     def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, part_ptr: cute.Pointer,
@@ -224,16 +224,16 @@ def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
     previous plan (G=8 R=512 Dg=2048: 64 columns, K split in two), 10.9 / 10.6 against
     10.7 / 10.8 (G=16 R=512; under PDL 9.6 against 10.8), and worse at 512 tiles (G=16 R=1024:
     11.6 against 11.0 with 64 columns at 4 stages). 9 / 17 stages and splits of 32-column tiles
-    measured slower. The 64-row tile (T > 16) keeps 64 columns and 4 stages (6 measured slower
-    at T = 64)."""
-    bm = 16 if T <= 16 else 64
-    bn = BN_NARROW if bm == 16 and G * R // BN_NARROW <= 2 * num_sms * 1.1 and R % BN_NARROW == 0 else BN
+    measured slower. The 32-row tile (17 <= T <= 32) follows the 16-row tile's rules. The
+    64-row tile (T > 32) keeps 64 columns and 4 stages (6 measured slower at T = 64)."""
+    bm = 16 if T <= 16 else 32 if T <= 32 else 64
+    bn = BN_NARROW if bm < 64 and G * R // BN_NARROW <= 2 * num_sms * 1.1 and R % BN_NARROW == 0 else BN
     tiles = G * R // bn
     splits = 1
     while (tiles * splits * 2 <= num_sms * 1.1 and Dg // BK % (splits * 2) == 0
            and 16 * splits * 2 * T <= Dg):
         splits *= 2
-    deep = bm == 16 and (bn == BN_NARROW or tiles * splits <= num_sms * 1.1)
+    deep = bm < 64 and (bn == BN_NARROW or tiles * splits <= num_sms * 1.1)
     stages = min(DEEP_STAGES, Dg // BK // splits + 1) if deep else STAGES
     return {"bm": bm, "bn": bn, "splits": splits, "stages": max(stages, 2)}
 
@@ -261,9 +261,9 @@ def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1,
     (output columns) of a CTA, 64 or 32. ``warps``: 4 or 8 per CTA (8 with bn = 64 only)."""
     if warps not in (4, 8) or (warps == 8 and bn != BN):
         raise ValueError(f"wo_a_decode: warps={warps} with bn={bn}; 4, or 8 with bn={BN}")
-    if bm not in (16, 64) or not WoADecode.can_implement(1, G, R, Dg, splits, bn):
+    if bm not in (16, 32, 64) or not WoADecode.can_implement(1, G, R, Dg, splits, bn):
         raise ValueError(f"wo_a_decode: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, bn={bn}, splits={splits} "
-                         f"(bn 32 or 64 dividing R, Dg % 128, splits a power of two dividing Dg / 128, bm 16 or 64)")
+                         f"(bn 32 or 64 dividing R, Dg % 128, splits a power of two dividing Dg / 128, bm 16, 32 or 64)")
     if stages < 2 or smem_bytes(bm, stages, bn) > SMEM_PER_CTA:
         raise ValueError(f"wo_a_decode: stages={stages} with bm={bm} bn={bn} needs {smem_bytes(bm, stages, bn)} B "
                          f"of shared memory; 2 <= stages and at most {SMEM_PER_CTA} B")

@@ -446,7 +446,7 @@ def test_launch_configs():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("G, HG, Dv, R", SHAPES)
-@pytest.mark.parametrize("T", [1, 5, 16, 17, 37, 64])
+@pytest.mark.parametrize("T", [1, 5, 16, 17, 32, 37, 64])
 def test_decode_kernel_matches_fp64(seed, G, HG, Dv, R, T):
     """The weight-streaming decode kernel through wo_a (its own {bm, bn, splits, stages} plan)."""
     o, w = make(T, G, HG, Dv, R, "cuda")
@@ -461,7 +461,7 @@ def test_decode_kernel_matches_fp64(seed, G, HG, Dv, R, T):
 @pytest.mark.parametrize("bm, splits, bn, stages, warps", [
     (16, 1, 64, 4, 4), (16, 2, 64, 4, 4), (16, 8, 64, 4, 4), (64, 1, 64, 4, 4), (64, 4, 64, 4, 4), (16, 1, 64, 6, 4),
     (16, 1, 32, 9, 4), (16, 2, 32, 6, 4), (64, 2, 32, 4, 4), (16, 4, 32, 3, 4), (16, 1, 32, 6, 4),
-    (64, 2, 64, 4, 8), (64, 1, 64, 6, 8), (16, 2, 64, 4, 8)])
+    (64, 2, 64, 4, 8), (64, 1, 64, 6, 8), (16, 2, 64, 4, 8), (32, 1, 32, 6, 4), (32, 2, 64, 4, 4), (32, 1, 64, 6, 8)])
 def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits, bn, stages, warps):
     """Each token tile, column tile, split count, pipeline depth (deeper than the CTA's K
     slices included) and warp count, launched twice eagerly and replayed in a graph with fresh
@@ -469,7 +469,7 @@ def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits, bn, stages
     from cute_kernels import jit
     from cute_kernels.wo_a_decode import WoADecodeWorkspace
 
-    G, HG, Dv, R, T = 8, 8, 128, 512, (3 if bm == 16 else 41)
+    G, HG, Dv, R, T = 8, 8, 128, 512, {16: 3, 32: 29, 64: 41}[bm]
     fn = jit.get_kernel("wo_a_decode", "sm_90a", G=G, R=R, Dg=HG * Dv, bm=bm, splits=splits, bn=bn, stages=stages,
                         **({"warps": warps} if warps != 4 else {}))
     ws = WoADecodeWorkspace(G, R, max_splits=8)
@@ -548,6 +548,8 @@ def test_decode_plan():
     assert plan(5, 8, 512, 2048) == dict(bm=16, bn=32, splits=1, stages=6)
     assert plan(1, 8, 1024, 1024) == dict(bm=16, bn=32, splits=1, stages=6)
     assert plan(16, 16, 512, 2048) == dict(bm=16, bn=32, splits=1, stages=6)
+    assert plan(20, 8, 512, 2048) == dict(bm=32, bn=32, splits=1, stages=6)  # 32 rows, the 16-row rules
+    assert plan(32, 16, 1024, 1024) == dict(bm=32, bn=64, splits=1, stages=4)
     assert plan(64, 8, 512, 2048) == dict(bm=64, bn=64, splits=2, stages=4)  # partial traffic bounds the split
     assert plan(64, 16, 1024, 1024) == dict(bm=64, bn=64, splits=1, stages=4)
     assert plan(1, 8, 512, 2048, num_sms=16) == dict(bm=16, bn=64, splits=1, stages=4)  # a small part
@@ -565,7 +567,7 @@ def test_decode_kernel_config_errors():
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("bm, splits, bn, stages", [(16, 4, 64, 4), (64, 1, 64, 4), (16, 1, 32, 9)])
+@pytest.mark.parametrize("bm, splits, bn, stages", [(16, 4, 64, 4), (64, 1, 64, 4), (16, 1, 32, 9), (32, 1, 32, 6)])
 def test_decode_kernel_machine_code(arch, bm, splits, bn, stages):
     h = sass.sass_histogram("wo_a_decode", arch, G=16, R=1024, Dg=2048, bm=bm, splits=splits, bn=bn, stages=stages)
     per_k_slice = bm * bn // (16 * 8 * 4) * (128 // 16)  # m16n8k16 per warp (4 warps) over a 128-wide K slice

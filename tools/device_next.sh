@@ -66,7 +66,7 @@
 #   phase 35: the decode plan from phase 34's probe (32-column tiles at 6 stages where they fit
 #            one wave two per SM): WO-A's decode / PDL GPU tests, the bench at T = 1 / 5, the
 #            runtime's GPU tests.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..38)
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..39)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -279,6 +279,12 @@ case "${1:-1}" in
   [ "$STEP_RC" = 0 ] || exit 1
   step 240 probe_decode_warps env TS=20,64 SPLITS=1,2 STAGES=4 WARPS=4,8 PDL=0 python tools/probe_wo_a_decode.py
   step 90 bench_wo_a python bench/bench_wo_a.py --tokens 20,64 --out "$OUT/bench_wo_a.md"
+  ;;
+39)  # the decode kernel's 32-row token tile (17 <= T <= 32): GPU tests, probe and bench at T = 20 / 32
+  step 120 decode_tests $PYT tests/test_wo_a.py -m gpu -k "decode_kernel"
+  [ "$STEP_RC" = 0 ] || exit 1
+  step 200 probe_decode_bm32 env TS=20,32 SPLITS=1,2 STAGES=4,6 BNS=32,64 PDL=0 python tools/probe_wo_a_decode.py
+  step 90 bench_wo_a python bench/bench_wo_a.py --tokens 20,32 --out "$OUT/bench_wo_a.md"
   ;;
 30)  # wo_a()'s two-CTAs-per-SM config on the inline-producer engine: GPU tests, bench at T = 272 / 320
   step 240 wo_a_tests $PYT tests/test_wo_a.py tests/test_draft_head_fp8.py -m gpu
