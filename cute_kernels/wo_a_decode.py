@@ -52,17 +52,13 @@ MAX_T = 64
 
 class WoADecode:
     def __init__(self, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False,
-                 stages: int = STAGES, bn: int = BN, warps: int = 4):
+                 stages: int = STAGES, bn: int = BN):
         self.G, self.R, self.Dg, self.bm, self.splits, self.pdl = G, R, Dg, bm, splits, pdl
         self.stages, self.bn = stages, bn
-        self.threads = 32 * warps
         # 4 warps -- bm = 16 / 32: side by side along N (bm x bn/4 each); bm = 64: 2 x 2
-        # (32 x bn/2). 8 warps (twice the MMA chains in flight per SM) -- bm = 16 / 32: along N
-        # (bm x bn/8); bm = 64: 4 x 2 (16 x bn/2)
-        if warps == 4:
-            self.warp_layout = (1, 4, 1) if bm < 64 else (2, 2, 1)
-        else:
-            self.warp_layout = (1, 8, 1) if bm < 64 else (4, 2, 1)
+        # (32 x bn/2). 8 warps measured no faster (bench/RESULTS.md, fourteenth session).
+        self.threads = 128
+        self.warp_layout = (1, 4, 1) if bm < 64 else (2, 2, 1)
 
     @cute.jit
     def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, part_ptr: cute.Pointer,
@@ -224,16 +220,27 @@ def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
     previous plan (G=8 R=512 Dg=2048: 64 columns, K split in two), 10.9 / 10.6 against
     10.7 / 10.8 (G=16 R=512; under PDL 9.6 against 10.8), and worse at 512 tiles (G=16 R=1024:
     11.6 against 11.0 with 64 columns at 4 stages). 9 / 17 stages and splits of 32-column tiles
-    measured slower. The 32-row tile (17 <= T <= 32) follows the 16-row tile's rules. The
-    64-row tile (T > 32) keeps 64 columns and 4 stages (6 measured slower at T = 64)."""
+    measured slower. The 32-row tile (17 <= T <= 32; :func:`cute_kernels.wo_a.wo_a` routes there
+    only with ``decode_kernel=True``): 32-column tiles at 4 stages only where 64-column ones
+    would leave SMs idle, else 64 columns at 6 stages where they fit one wave -- H200, the same
+    probe at T = 20 / 32 (fourteenth session, us): G=8 R=512 32 columns 9.5 / 9.9 at 4 stages
+    against 9.9 / 10.4 at 6 and 11.2-13.8 with 64; G=16 R=512 and G=8 R=1024 64 columns at 6
+    stages 12.5 / 12.6 and 7.8 / 8.3, the best of eight configs; G=16 R=1024 64 columns at 4
+    stages 14.0 / 14.9. The 64-row tile (T > 32) keeps 64 columns and 4 stages (6 measured
+    slower at T = 64)."""
     bm = 16 if T <= 16 else 32 if T <= 32 else 64
-    bn = BN_NARROW if bm < 64 and G * R // BN_NARROW <= 2 * num_sms * 1.1 and R % BN_NARROW == 0 else BN
+    if bm == 32:
+        bn = BN_NARROW if G * R // BN < num_sms * 0.9 and R % BN_NARROW == 0 else BN
+        tiles = G * R // bn
+        deep = bn == BN and tiles <= num_sms * 1.1
+        return {"bm": bm, "bn": bn, "splits": 1, "stages": max(min(DEEP_STAGES, Dg // BK + 1), 2) if deep else STAGES}
+    bn = BN_NARROW if bm == 16 and G * R // BN_NARROW <= 2 * num_sms * 1.1 and R % BN_NARROW == 0 else BN
     tiles = G * R // bn
     splits = 1
     while (tiles * splits * 2 <= num_sms * 1.1 and Dg // BK % (splits * 2) == 0
            and 16 * splits * 2 * T <= Dg):
         splits *= 2
-    deep = bm < 64 and (bn == BN_NARROW or tiles * splits <= num_sms * 1.1)
+    deep = bm == 16 and (bn == BN_NARROW or tiles * splits <= num_sms * 1.1)
     stages = min(DEEP_STAGES, Dg // BK // splits + 1) if deep else STAGES
     return {"bm": bm, "bn": bn, "splits": splits, "stages": max(stages, 2)}
 
@@ -254,13 +261,11 @@ def smem_bytes(bm: int, stages: int, bn: int = BN) -> int:
 
 
 def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False,
-           stages: int = STAGES, bn: int = BN, warps: int = 4):
+           stages: int = STAGES, bn: int = BN):
     """``pdl``: launched as a programmatic dependent of the previous kernel on the stream
     (weight prefetch overlaps its tail); the same results, a separate compile. ``stages``: the
     cp.async pipeline depth (``stages - 1`` K slices in flight per CTA). ``bn``: the weight rows
-    (output columns) of a CTA, 64 or 32. ``warps``: 4 or 8 per CTA (8 with bn = 64 only)."""
-    if warps not in (4, 8) or (warps == 8 and bn != BN):
-        raise ValueError(f"wo_a_decode: warps={warps} with bn={bn}; 4, or 8 with bn={BN}")
+    (output columns) of a CTA, 64 or 32."""
     if bm not in (16, 32, 64) or not WoADecode.can_implement(1, G, R, Dg, splits, bn):
         raise ValueError(f"wo_a_decode: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, bn={bn}, splits={splits} "
                          f"(bn 32 or 64 dividing R, Dg % 128, splits a power of two dividing Dg / 128, bm 16, 32 or 64)")
@@ -270,7 +275,7 @@ def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1,
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 4), P(Float32, 4), P(Int32, 4),
             Int32(1), jit.fake_stream())
-    return WoADecode(G, R, Dg, bm, splits, pdl, stages, bn, warps), args
+    return WoADecode(G, R, Dg, bm, splits, pdl, stages, bn), args
 
 
 KERNEL = jit.register(jit.KernelDef(

@@ -458,20 +458,18 @@ def test_decode_kernel_matches_fp64(seed, G, HG, Dv, R, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bm, splits, bn, stages, warps", [
-    (16, 1, 64, 4, 4), (16, 2, 64, 4, 4), (16, 8, 64, 4, 4), (64, 1, 64, 4, 4), (64, 4, 64, 4, 4), (16, 1, 64, 6, 4),
-    (16, 1, 32, 9, 4), (16, 2, 32, 6, 4), (64, 2, 32, 4, 4), (16, 4, 32, 3, 4), (16, 1, 32, 6, 4),
-    (64, 2, 64, 4, 8), (64, 1, 64, 6, 8), (16, 2, 64, 4, 8), (32, 1, 32, 6, 4), (32, 2, 64, 4, 4), (32, 1, 64, 6, 8)])
-def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits, bn, stages, warps):
-    """Each token tile, column tile, split count, pipeline depth (deeper than the CTA's K
-    slices included) and warp count, launched twice eagerly and replayed in a graph with fresh
-    inputs: the last-CTA counters re-zero themselves and the sums stay exact."""
+@pytest.mark.parametrize("bm, splits, bn, stages", [
+    (16, 1, 64, 4), (16, 2, 64, 4), (16, 8, 64, 4), (64, 1, 64, 4), (64, 4, 64, 4), (16, 1, 64, 6), (16, 1, 32, 9),
+    (16, 2, 32, 6), (64, 2, 32, 4), (16, 4, 32, 3), (16, 1, 32, 6), (32, 1, 32, 6), (32, 2, 64, 4), (32, 1, 64, 6)])
+def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits, bn, stages):
+    """Each token tile, column tile, split count and pipeline depth (deeper than the CTA's K
+    slices included), launched twice eagerly and replayed in a graph with fresh inputs: the
+    last-CTA counters re-zero themselves and the sums stay exact."""
     from cute_kernels import jit
     from cute_kernels.wo_a_decode import WoADecodeWorkspace
 
     G, HG, Dv, R, T = 8, 8, 128, 512, {16: 3, 32: 29, 64: 41}[bm]
-    fn = jit.get_kernel("wo_a_decode", "sm_90a", G=G, R=R, Dg=HG * Dv, bm=bm, splits=splits, bn=bn, stages=stages,
-                        **({"warps": warps} if warps != 4 else {}))
+    fn = jit.get_kernel("wo_a_decode", "sm_90a", G=G, R=R, Dg=HG * Dv, bm=bm, splits=splits, bn=bn, stages=stages)
     ws = WoADecodeWorkspace(G, R, max_splits=8)
     o, w = make(T, G, HG, Dv, R, "cuda")
     out = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
@@ -548,7 +546,9 @@ def test_decode_plan():
     assert plan(5, 8, 512, 2048) == dict(bm=16, bn=32, splits=1, stages=6)
     assert plan(1, 8, 1024, 1024) == dict(bm=16, bn=32, splits=1, stages=6)
     assert plan(16, 16, 512, 2048) == dict(bm=16, bn=32, splits=1, stages=6)
-    assert plan(20, 8, 512, 2048) == dict(bm=32, bn=32, splits=1, stages=6)  # 32 rows, the 16-row rules
+    # 32 rows: 32 columns only where 64-column tiles leave SMs idle; 6 stages where one wave
+    assert plan(20, 8, 512, 2048) == dict(bm=32, bn=32, splits=1, stages=4)
+    assert plan(32, 16, 512, 2048) == dict(bm=32, bn=64, splits=1, stages=6)
     assert plan(32, 16, 1024, 1024) == dict(bm=32, bn=64, splits=1, stages=4)
     assert plan(64, 8, 512, 2048) == dict(bm=64, bn=64, splits=2, stages=4)  # partial traffic bounds the split
     assert plan(64, 16, 1024, 1024) == dict(bm=64, bn=64, splits=1, stages=4)
@@ -562,8 +562,6 @@ def test_decode_kernel_config_errors():
         jit.get_kernel("wo_a_decode", "sm_90a", G=8, R=512, Dg=1024, bm=64, stages=12, use_disk=False)
     with pytest.raises(ValueError, match="bn=48"):
         jit.get_kernel("wo_a_decode", "sm_90a", G=8, R=512, Dg=1024, bm=16, bn=48, use_disk=False)
-    with pytest.raises(ValueError, match="warps=8 with bn=32"):
-        jit.get_kernel("wo_a_decode", "sm_90a", G=8, R=512, Dg=1024, bm=16, bn=32, warps=8, use_disk=False)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])

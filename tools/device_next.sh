@@ -274,7 +274,7 @@ case "${1:-1}" in
   step 200 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
   step 60 spec_tests $PYT tests/test_spec_decode.py -m gpu
   ;;
-38)  # the decode kernel with 8 warps: GPU tests, probe at T = 20 / 64 against the engine's bench at the same T
+38)  # the decode kernel with 8 warps (option removed after this run: WARPS is ignored now): tests, probe at T = 20 / 64, bench
   step 90 decode_warps_tests $PYT tests/test_wo_a.py -m gpu -k "every_split"
   [ "$STEP_RC" = 0 ] || exit 1
   step 240 probe_decode_warps env TS=20,64 SPLITS=1,2 STAGES=4 WARPS=4,8 PDL=0 python tools/probe_wo_a_decode.py
