@@ -66,7 +66,7 @@
 #   phase 35: the decode plan from phase 34's probe (32-column tiles at 6 stages where they fit
 #            one wave two per SM): WO-A's decode / PDL GPU tests, the bench at T = 1 / 5, the
 #            runtime's GPU tests.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..39)
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..40)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -285,6 +285,12 @@ case "${1:-1}" in
   [ "$STEP_RC" = 0 ] || exit 1
   step 200 probe_decode_bm32 env TS=20,32 SPLITS=1,2 STAGES=4,6 BNS=32,64 PDL=0 python tools/probe_wo_a_decode.py
   step 90 bench_wo_a python bench/bench_wo_a.py --tokens 20,32 --out "$OUT/bench_wo_a.md"
+  ;;
+40)  # 128-element k-tiles (k_steps=8) at T = 320 (tests, probe); the decode plan's 32-row rules (tests); runtime tests
+  step 150 wo_a_tests $PYT tests/test_wo_a.py -m gpu -k "decode_kernel or eight_k_steps"
+  step 130 probe_ksteps env TS=320 TILES=64x64 SWAP_TILES=128x160,64x160 CLUSTERS=2x1 KSTEPS=4,8 \
+    python tools/probe_wo_a_tiles.py
+  step 60 spec_tests $PYT tests/test_spec_decode.py -m gpu
   ;;
 30)  # wo_a()'s two-CTAs-per-SM config on the inline-producer engine: GPU tests, bench at T = 272 / 320
   step 240 wo_a_tests $PYT tests/test_wo_a.py tests/test_draft_head_fp8.py -m gpu
