@@ -172,17 +172,6 @@ def test_cluster_exit_matches_fp64(seed, cfg, T, cluster_exit):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg, T", [(dict(tile_m=128, tile_n=160, cluster_m=2, swap_ab=True), 333),
-                                    (dict(tile_m=64, tile_n=160, cluster_m=2, swap_ab=True), 77),
-                                    (dict(tile_m=128, tile_n=256), 1100)])
-def test_engine_eight_k_steps_matches_fp64(seed, cfg, T):
-    """128-element k-tiles (two TMA boxes per operand and stage), including a K that ends
-    half-way into the last k-tile (Dg = 192: TMA zero-fills the rest)."""
-    for G, HG, Dv, R in [(16, 8, 128, 1024), (8, 16, 128, 512), (4, 3, 64, 512)]:
-        check_engine(T, G, HG, Dv, R, k_steps=8, **cfg)
-
-
-@pytest.mark.gpu
 def test_pingpong_graph_replay_fresh_inputs(seed):
     """Replays of one captured pingpong launch pick up new inputs (nothing carried between
     launches in its barriers or pipeline phases)."""
@@ -305,19 +294,6 @@ def test_cluster_exit_machine_code(cfg):
     assert sass.local_memory_ops(h_tail) == 0
 
 
-def test_engine_eight_k_steps_machine_code():
-    """k_steps=8: 16 HGMMA k-steps a stage instead of 8 (two warp groups' 4 / 8 each, as
-    unrolled in the binary), two TMA boxes per operand; a tile that would leave one stage is
-    refused when compiled."""
-    cfg = dict(G=16, R=512, Dg=2048, tile_m=128, tile_n=160, cluster_m=2, swap_ab=True)
-    h4, h8 = sass.sass_histogram("wo_a", "sm_90a", **cfg), sass.sass_histogram("wo_a", "sm_90a", **cfg, k_steps=8)
-    assert sass.count(h8, "HGMMA") == 2 * sass.count(h4, "HGMMA") and sass.local_memory_ops(h8) == 0
-    assert sass.count(h8, "UTMALDG") == 2 * sass.count(h4, "UTMALDG")
-    with pytest.raises(ValueError, match="leaves 1 operand stage"):
-        sass.compile_cubin("wo_a", "sm_90a", G=16, R=1024, Dg=1024, tile_m=128, tile_n=160, cluster_m=2,
-                           swap_ab=True, occupancy=2, k_steps=8)
-
-
 @pytest.mark.parametrize("tile", [(128, 160), (64, 224), (128, 256)])
 def test_engine_two_ctas_per_sm_fit(tile):
     """occupancy=2: the stage count leaves each of two CTAs its half of the SM's 228 KiB less
@@ -399,7 +375,6 @@ def test_bad_arguments(o, w, words):
     ("sm90", ((64, 256),), {"pingpong": True, "occupancy": 2}, "one persistent CTA per SM"),
     ("sm90", ((64, 256),), {"pingpong": True, "sm_count": 0}, "sm_count"),
     ("sm90", ((128, 128), (2, 1)), {"cluster_exit": "fence"}, "cluster_exit must be"),
-    ("sm90", ((128, 128),), {"k_steps": 6}, "k_steps must be 4 or 8"),
     ("sm100", ((64, 128),), {}, "tile_m must be 128"),
     ("sm100", ((128, 40),), {}, "tile_n must be a multiple of 32"),
 ])

@@ -286,7 +286,7 @@ case "${1:-1}" in
   step 200 probe_decode_bm32 env TS=20,32 SPLITS=1,2 STAGES=4,6 BNS=32,64 PDL=0 python tools/probe_wo_a_decode.py
   step 90 bench_wo_a python bench/bench_wo_a.py --tokens 20,32 --out "$OUT/bench_wo_a.md"
   ;;
-40)  # 128-element k-tiles (k_steps=8) at T = 320 (tests, probe); the decode plan's 32-row rules (tests); runtime tests
+40)  # 128-element k-tiles (k_steps=8, option removed after this run: KSTEPS is ignored now) at T = 320; decode / runtime tests
   step 150 wo_a_tests $PYT tests/test_wo_a.py -m gpu -k "decode_kernel or eight_k_steps"
   step 130 probe_ksteps env TS=320 TILES=64x64 SWAP_TILES=128x160,64x160 CLUSTERS=2x1 KSTEPS=4,8 \
     python tools/probe_wo_a_tiles.py

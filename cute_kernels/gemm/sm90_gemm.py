@@ -42,7 +42,7 @@ Options (compile time): ``cluster_mn`` (1 or 2 per mode: TMA multicast of shared
 ``pdl`` (launch as a programmatic dependent: the prologue's tiles of ``pdl_early_operand``,
 the one the previous kernel does not write, load before ``griddepcontrol.wait``);
 ``occupancy`` (CTAs per SM that the stage count, and for 128-row tiles the warp count, leave
-room for); ``k_steps`` (wgmma k-steps per stage: 4, 128-byte rows, or 8); ``pingpong`` with ``sm_count`` (64-row tiles, one CTA per SM, no PDL);
+room for); ``pingpong`` with ``sm_count`` (64-row tiles, one CTA per SM, no PDL);
 ``cluster_exit``, how a clustered CTA outlives its peers' arrivals on its barriers:
 ``"barrier"`` (every thread meets the cluster at a ``barrier.cluster`` arrive / wait around
 the epilogue) or ``"producer_tail"`` (the producer -- warp 0 with ``inline_producer``, after
@@ -100,8 +100,7 @@ class Sm90Gemm:
 
     def __init__(self, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1), *, pdl: bool = False,
                  pdl_early_operand: str = "b", occupancy: int = 1, pingpong: bool = False,
-                 sm_count: int = 132, acc_dtype=Float32, cluster_exit: str | None = None,
-                 k_steps: int = 4):
+                 sm_count: int = 132, acc_dtype=Float32, cluster_exit: str | None = None):
         tile_m, tile_n = tile_mn
         if tile_m not in (64, 128):
             raise ValueError(f"Sm90Gemm: tile_m must be 64 or 128, got {tile_m}")
@@ -116,9 +115,6 @@ class Sm90Gemm:
             raise ValueError(f"Sm90Gemm: cluster_mn must be 1 or 2 per mode, got {cluster_mn}")
         if occupancy not in (1, 2):
             raise ValueError(f"Sm90Gemm: occupancy must be 1 or 2, got {occupancy}")
-        if k_steps not in (4, 8):
-            raise ValueError(f"Sm90Gemm: k_steps must be 4 or 8, got {k_steps}")
-        self.k_steps = k_steps
         if cluster_exit is None:
             cluster_exit = "barrier" if pingpong else "producer_tail"
         if cluster_exit not in ("barrier", "producer_tail"):
@@ -176,9 +172,10 @@ class Sm90Gemm:
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.a_dtype, self.b_dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
             self.acc_dtype, (mma_wgs, 1, 1), tiler_mn=(64, tile_n))
-        # k_steps wgmma k-steps per stage: with 4, 64 (16-bit) or 128 (8-bit) elements, 128
-        # bytes a row (one swizzle atom); 8 halves the stages and the barrier round trips
-        tile_k = cute.size(tiled_mma.shape_mnk, mode=[2]) * self.k_steps
+        # four wgmma k-steps per stage: 64 (16-bit) or 128 (8-bit) elements, 128 bytes a row (one
+        # swizzle atom). Eight (two TMA boxes a stage, half the barrier round trips) measured no
+        # faster at T = 320 (bench/RESULTS.md, fourteenth session)
+        tile_k = cute.size(tiled_mma.shape_mnk, mode=[2]) * 4
         self.tile_mnk = (tile_m, tile_n, tile_k)
         self.stages = self.stages_for(tile_k, self.a_dtype.width, self.c_dtype.width)
         if const_expr(self.stages < 2):
