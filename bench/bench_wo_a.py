@@ -66,7 +66,7 @@ def main():
             t_dec = (time_graph(lambda i: wo_a(o, ws[i], out=y, decode_kernel=True), n, max(n, 8))
                      if T <= 64 else float("nan"))
             t_pdl = time_graph(lambda i: wo_a(o, ws[i], out=y, pdl=True), n, max(n, 8))
-            t_ours = t_dec if use_decode_kernel(T, None, "sm90") else t_eng  # wo_a()'s default on Hopper
+            t_ours = t_dec if use_decode_kernel(T, None, "sm90", G, R, Dg) else t_eng  # wo_a()'s default on Hopper
             flops = 2 * T * G * R * Dg
             nbytes = wbytes + T * G * Dg * 2 + T * G * R * 2
             def lim(t):
@@ -80,7 +80,7 @@ def main():
                 tile = f"swapped (R x T) {tile} cluster {cfg.get('cluster_m', 1)}x{cfg.get('cluster_n', 1)}"
                 if cfg.get("occupancy", 1) > 1:
                     tile += f", {cfg['occupancy']} CTAs/SM"
-            if use_decode_kernel(T, None, "sm90"):
+            if use_decode_kernel(T, None, "sm90", G, R, Dg):
                 d = decode_plan(T, G, R, Dg)
                 tile = f"decode {d['bm']}x{d['bn']}, {d['splits']} split(s), {d['stages']} stages"
             rows.append([f"T={T} G={G} R={R} Dg={Dg} {tile}",

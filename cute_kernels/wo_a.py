@@ -40,7 +40,7 @@ from .arch import current_arch, dispatch, num_sms
 from .validate import check_cuda, check_int32_indexable, check_tensor
 from .wo_a_sm90 import WoASm90
 from .wo_a_sm100 import WoASm100
-from .wo_a_decode import WoADecode, WoADecodeWorkspace, plan as decode_plan
+from .wo_a_decode import BN_NARROW, WoADecode, WoADecodeWorkspace, plan as decode_plan
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _PATHS = {"sm90": WoASm90, "sm100": WoASm100}
@@ -71,7 +71,8 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, clus
         return cls(G, R, Dg, (tile_m, tile_n)), args
     if family(arch) != "sm90" or cluster_m not in (1, 2) or cluster_n not in (1, 2) or occupancy not in (1, 2):
         raise ValueError(f"wo_a: cluster ({cluster_m}, {cluster_n}), pdl={pdl}, swap_ab={swap_ab}, "
-                         f"occupancy={occupancy}, pingpong={pingpong}, cluster_exit={cluster_exit!r} -- only the Hopper path takes a cluster "
+                         f"occupancy={occupancy}, pingpong={pingpong}, cluster_exit={cluster_exit!r} -- "
+                         f"only the Hopper path takes a cluster "
                          f"(1 or 2 CTAs per mode), a programmatic dependent launch, swapped operands, 2 CTAs per "
                          f"SM, the pingpong schedule or a cluster exit")
     return cls(G, R, Dg, (tile_m, tile_n), (cluster_m, cluster_n), pdl, swap_ab, occupancy, pingpong,
@@ -115,12 +116,25 @@ def _torch_path(o, w, out):
 #: faster than the wgmma engine at T = 1 and 5 for all four shapes; its 64-row variant is
 #: slower at T = 64). Blackwell keeps its tcgen05 engine unless asked (nothing measured there).
 DECODE_MAX_T = 16
+#: ... and up to this many where the engine's 64-column tiles would leave SMs idle (the decode
+#: plan's 32-row tile then takes 32-column tiles: G=8 R=512). H200, fourteenth session
+#: (bench/RESULTS.md, phase 39): 9.5 / 9.9 us at T = 20 / 32 against the engine's 10.75 / 10.15;
+#: at the other three shapes the engine ties or wins.
+DECODE_NARROW_MAX_T = 32
 
 
-def use_decode_kernel(T: int, decode_kernel: bool | None, path: str = "sm90") -> bool:
-    if decode_kernel is None:
-        return path == "sm90" and T <= DECODE_MAX_T
-    return bool(decode_kernel)
+def use_decode_kernel(T: int, decode_kernel: bool | None, path: str = "sm90", G: int | None = None,
+                      R: int | None = None, Dg: int | None = None, sms: int = 132) -> bool:
+    """Whether :func:`wo_a` takes the decode kernel (``decode_kernel``: the caller's choice;
+    ``None``: the default above, which for 16 < T <= 32 needs the shape)."""
+    if decode_kernel is not None:
+        return bool(decode_kernel)
+    if path != "sm90":
+        return False
+    if T <= DECODE_MAX_T:
+        return True
+    return (T <= DECODE_NARROW_MAX_T and None not in (G, R, Dg)
+            and decode_plan(T, G, R, Dg, sms)["bn"] == BN_NARROW)
 
 
 _WORKSPACES: dict = {}
@@ -142,7 +156,8 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
 
     ``decode_kernel`` routes the call to :mod:`cute_kernels.wo_a_decode` (the weight-streaming
     split-K decode kernel): ``None`` (default) for T <= 16 on Hopper -- where the H200 measured
-    it faster than the TMA/wgmma engine at every shape (bench/RESULTS.md) --, ``True`` for any
+    it faster than the TMA/wgmma engine at every shape (bench/RESULTS.md) -- and for T <= 32
+    where the engine's 64-column tiles leave SMs idle (:data:`DECODE_NARROW_MAX_T`), ``True`` for any
     T <= 64 on any arch, ``False`` never. Its split partials live in ``workspace`` (default:
     one shared per device and shape -- pass your own for concurrent calls on several streams).
 
@@ -185,7 +200,7 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     pdl_cfg = {"pdl": True} if pdl else {}  # in the compile key only when asked: default keys unchanged
     if path == "reference":
         return _torch_path(o, wo_a_weight, out)
-    if use_decode_kernel(T, decode_kernel, path) and WoADecode.can_implement(T, G, R, Dg):
+    if use_decode_kernel(T, decode_kernel, path, G, R, Dg, num_sms(o.device)) and WoADecode.can_implement(T, G, R, Dg):
         cfg = decode_plan(T, G, R, Dg, num_sms(o.device))
         if workspace is None:
             workspace = _default_workspace(o.device, G, R)

@@ -14,10 +14,11 @@ of K: it streams ``wo_a[g, r0:r0+bn, k-slice]`` through a ``stages``-deep cp.asy
 rows of ``o``; warp ``mma.sync m16n8k16`` accumulates in FP32. The token tile ``bm`` is 16 for
 T <= 16 (warps side by side along N: 4x less MMA work than a 64-row tile, whose padding made
 the first version compute-bound -- 24-53% of the copy bandwidth -- and 87 KB of shared memory,
-so 2 CTAs per SM), 32 for T <= 32 (the same warps, two m16 row blocks each) or 64. With ``splits > 1`` each CTA writes its FP32 partial ``[T, bn]`` to a
-workspace and the last CTA of the tile (acq_rel counter, as in :mod:`cute_kernels.mhc_stats`)
-sums the splits in a fixed order -- deterministic -- rounds to bf16 once, stores token-major
-and re-zeroes the counter (graph replays need no reset). :func:`plan` picks the configuration:
+so 2 CTAs per SM), 32 for T <= 32 (the same warps, two m16 row blocks each) or 64. With
+``splits > 1`` each CTA writes its FP32 partial ``[T, bn]`` to a workspace and the last CTA of
+the tile (acq_rel counter, as in :mod:`cute_kernels.mhc_stats`) sums the splits in a fixed
+order -- deterministic -- rounds to bf16 once, stores token-major and re-zeroes the counter
+(graph replays need no reset). :func:`plan` picks the configuration:
 the weights stream at the copy bandwidth only with enough bytes in flight on every SM, so one
 CTA per SM with a deep pipeline, or two co-resident with 4 stages where the column tiles alone
 fill two per SM.
@@ -268,7 +269,8 @@ def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1,
     (output columns) of a CTA, 64 or 32."""
     if bm not in (16, 32, 64) or not WoADecode.can_implement(1, G, R, Dg, splits, bn):
         raise ValueError(f"wo_a_decode: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, bn={bn}, splits={splits} "
-                         f"(bn 32 or 64 dividing R, Dg % 128, splits a power of two dividing Dg / 128, bm 16, 32 or 64)")
+                         f"(bn 32 or 64 dividing R, Dg % 128, splits a power of two dividing Dg / 128, "
+                         f"bm 16, 32 or 64)")
     if stages < 2 or smem_bytes(bm, stages, bn) > SMEM_PER_CTA:
         raise ValueError(f"wo_a_decode: stages={stages} with bm={bm} bn={bn} needs {smem_bytes(bm, stages, bn)} B "
                          f"of shared memory; 2 <= stages and at most {SMEM_PER_CTA} B")

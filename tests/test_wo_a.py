@@ -25,8 +25,8 @@ def make(T, G, HG, Dv, R, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("G, HG, Dv, R", SHAPES)
-@pytest.mark.parametrize("T", [1, 5, 64, 77, 200, 300])
-@pytest.mark.parametrize("decode", [None, False])  # default path (decode kernel at T <= 16) / the engine
+@pytest.mark.parametrize("T", [1, 5, 20, 64, 77, 200, 300])
+@pytest.mark.parametrize("decode", [None, False])  # default path (decode kernel at T <= 16, G=8 R=512 <= 32) / engine
 def test_hopper_matches_fp64(seed, G, HG, Dv, R, T, decode):
     o, w = make(T, G, HG, Dv, R, "cuda")
     out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -533,6 +533,12 @@ def test_pdl_after_a_writer_and_back_to_back(seed, T, decode):
 def test_decode_kernel_default_range():
     from cute_kernels.wo_a import use_decode_kernel
     assert use_decode_kernel(1, None) and use_decode_kernel(16, None) and not use_decode_kernel(17, None)
+    # 16 < T <= 32 only where the engine's 64-column tiles leave SMs idle (G=8 R=512: 64 of them)
+    assert use_decode_kernel(20, None, "sm90", 8, 512, 2048) and use_decode_kernel(32, None, "sm90", 8, 512, 2048)
+    assert not use_decode_kernel(33, None, "sm90", 8, 512, 2048)
+    assert not any(use_decode_kernel(20, None, "sm90", G, R, Dg) for G, R, Dg in [(16, 1024, 1024), (16, 512, 2048),
+                                                                                 (8, 1024, 1024)])
+    assert not use_decode_kernel(20, None, "sm100", 8, 512, 2048)
     assert use_decode_kernel(64, True) and not use_decode_kernel(1, False)
     assert not use_decode_kernel(1, None, "sm100")  # Blackwell keeps tcgen05 unless asked
     assert use_decode_kernel(1, True, "sm100")
