@@ -286,7 +286,9 @@ KERNEL = jit.register(jit.KernelDef(
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
                   for f in ("wo_a_decode.py", "grid_sync.py", "warp_mma.py")),
     archs=("sm_90a", "sm_100a", "sm_103a"),
+    # T = 16 and 64, and T = 32 where wo_a() routes it here (the 32-row tile with 32 columns)
     aot_configs=tuple({"G": G, "R": R, "Dg": Dg, **plan(t, G, R, Dg)}
-                      for G in (8, 16) for R in (512, 1024) for Dg in (1024, 2048) for t in (16, 64)),
+                      for G in (8, 16) for R in (512, 1024) for Dg in (1024, 2048) for t in (16, 32, 64)
+                      if t != 32 or plan(t, G, R, Dg)["bn"] == BN_NARROW),
     description="WO-A decode (T <= 64): weight-streaming split-K warp-MMA, token-major bf16 out",
 ))
