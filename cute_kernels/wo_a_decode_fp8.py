@@ -1,0 +1,308 @@
+"""WO-A at decode T with FP8 weights: e4m3 ``wo_a`` with one FP32 scale per 128 x 128 block.
+
+    y[t, g*R + r] = bf16( sum_kb scale[g, r // 128, kb] * sum_{k in block kb} o[t, g, k] * w[g, r, k] )
+
+over ``o [T, H, Dv]`` (bf16; group g's K = (H/G)*Dv columns), ``w [G, R, Dg]`` (float8_e4m3fn)
+and ``scale [G, R/128, Dg/128]`` (FP32): products and sums in FP32, one bf16 rounding at the
+end -- :func:`wo_a_fp8_reference` (and the tests' FP32 einsum on the dequantised weights) is
+the spec. The issue's optional second variant: the weight bytes, which bound decode T, halve.
+
+Schedule: :mod:`cute_kernels.wo_a_decode`'s, on half the weight bytes. One CTA owns ``bn`` (32
+or 64) weight rows of one group -- inside one 128-row scale block -- and a 1/``splits`` slice
+of K, streamed in 128-wide K slices (one scale block along K each, so a CTA has one scale per
+slice) through a ``stages``-deep cp.async pipeline. Each landed slice is widened to bf16 in one
+shared buffer (every e4m3 value is exact in bf16), the warps' ``mma.sync m16n8k16`` accumulate
+the slice in FP32 from zero, and the slice's sum is added to the FP32 accumulator times its
+scale -- the FP32 promotion of block-scaled FP8 GEMMs (DeepSeek-V3), so no scale ever rounds
+through bf16. Split partials and the last-CTA reduction are the bf16 kernel's.
+
+Constraints: T <= 32 (``bm`` 16 or 32), R % 128 == 0, Dg % 128 == 0, splits a power of two
+dividing Dg / 128, shared memory <= 227 KB. Hopper and Blackwell (warp MMA).
+
+Status: compile + SASS checked on the CPU; the GPU tests (``pytest tests/test_wo_a_fp8.py -m
+gpu``) and ``python bench/bench_wo_a_fp8.py`` are staged for the H200 (``bash
+tools/device_next.sh 42``).
+"""
+
+import os
+
+import torch
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from . import jit
+from .grid_sync import last_arrival
+from .validate import check_cuda, check_tensor
+from .warp_mma import ldmatrix_operands
+from .wo_a_decode import BK, BN, BN_NARROW, PITCH, SMEM_PER_CTA, VEC, WoADecodeWorkspace, plan as bf16_plan
+
+#: the weights' scale block (rows and K)
+SCALE_BLOCK = 128
+#: e4m3 bytes per padded shared row of a K slice (16 bytes of pad: 16-byte cp.async alignment)
+PITCH8 = BK + 16
+#: e4m3 elements per 16-byte cp.async
+VEC8 = 16
+MAX_T = 32
+
+
+def smem_bytes(bm: int, stages: int, bn: int = BN) -> int:
+    """The o stages (bf16), the e4m3 weight stages, the widened bf16 slice and the flag."""
+    return stages * (bm * PITCH * 2 + bn * PITCH8) + bn * PITCH * 2 + 16
+
+
+class WoADecodeFp8:
+    def __init__(self, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4, bn: int = BN):
+        self.G, self.R, self.Dg, self.bm, self.splits = G, R, Dg, bm, splits
+        self.stages, self.bn = stages, bn
+        self.threads = 128
+        self.warp_layout = (1, 4, 1)  # side by side along N: bm x bn/4 per warp
+
+    @cute.jit
+    def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, scale_ptr: cute.Pointer, y_ptr: cute.Pointer,
+                 part_ptr: cute.Pointer, count_ptr: cute.Pointer, num_tokens: Int32, stream: cuda.CUstream):
+        G, R, Dg = self.G, self.R, self.Dg
+        mO = cute.make_tensor(o_ptr, cute.make_layout((num_tokens, G * Dg), stride=(G * Dg, 1)))
+        mW = cute.make_tensor(w_ptr, cute.make_layout((G * R, Dg), stride=(Dg, 1)))
+        kb = Dg // SCALE_BLOCK
+        mScale = cute.make_tensor(scale_ptr, cute.make_layout((G * R // SCALE_BLOCK, kb), stride=(kb, 1)))
+        mY = cute.make_tensor(y_ptr, cute.make_layout((num_tokens, G * R), stride=(G * R, 1)))
+        mPart = cute.make_tensor(part_ptr, cute.make_layout((self.splits, num_tokens, G * R),
+                                                            stride=(num_tokens * G * R, G * R, 1)))
+        mCount = cute.make_tensor(count_ptr, cute.make_layout((G * R // self.bn,)))
+        tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, Float32, (16, 8, 16)),
+                                        cute.make_layout(self.warp_layout))
+        self.kernel(mO, mW, mScale, mY, mPart, mCount, tiled_mma, num_tokens).launch(
+            grid=[R // self.bn, G, self.splits], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mW: cute.Tensor, mScale: cute.Tensor, mY: cute.Tensor, mPart: cute.Tensor,
+               mCount: cute.Tensor, tiled_mma: cute.TiledMma, num_tokens: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        nt, g, z = cute.arch.block_idx()
+        bf16, f8 = cutlass.BFloat16, cutlass.Float8E4M3FN
+        BM = self.bm
+        r0 = nt * self.bn
+        KT = self.Dg // BK // self.splits  # K slices of this split
+        kt0 = z * KT
+        smem = cutlass.memory.SmemAllocator()
+        sA = smem.allocate_tensor(bf16, cute.make_layout((BM, BK, self.stages), stride=(PITCH, 1, BM * PITCH)), 16)
+        sW8 = smem.allocate_tensor(f8, cute.make_layout((self.bn, BK, self.stages),
+                                                        stride=(PITCH8, 1, self.bn * PITCH8)), 16)
+        # the widened slice the MMAs read (one buffer: a stage mode of 1 for the shared partitioning)
+        sB = smem.allocate_tensor(bf16, cute.make_layout((self.bn, BK, 1), stride=(PITCH, 1, self.bn * PITCH)), 16)
+        sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
+        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), bf16, num_bits_per_copy=128)
+        atom8 = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), f8, num_bits_per_copy=128)
+        gOv = cute.zipped_divide(mO, (1, VEC))
+        gWv = cute.zipped_divide(mW, (1, VEC8))
+        sAv = cute.zipped_divide(sA, (1, VEC, 1))
+        sW8v = cute.zipped_divide(sW8, (1, VEC8, 1))
+        sBv = cute.zipped_divide(sB, (1, VEC8, 1))
+        a_col0 = g * (self.Dg // VEC)  # group g's columns of o, in 16-byte vectors
+        w_row0 = g * self.R + r0
+        scale_row = w_row0 // SCALE_BLOCK
+
+        for s0 in cutlass.range_constexpr(self.stages - 1):
+            if s0 < KT:
+                self.issue(gOv, gWv, sAv, sW8v, atom, atom8, kt0 + s0, s0, a_col0, w_row0, num_tokens)
+            cute.arch.cp_async_commit_group()
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA)[None, None, None, 0])
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB)[None, None, None, 0])
+        cC = cute.make_identity_tensor((BM, self.bn))
+        tCcC = thr_mma.partition_C(cC)
+        acc = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((BM, self.bn)))
+        acc.fill(0.0)
+        part = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((BM, self.bn)))
+        s2r_A, tAsA, tArA, s2r_B, tBsB, tBrB = ldmatrix_operands(tiled_mma, bf16, tidx, sA, sB, tCrA, tCrB)
+
+        for kt in cutlass.range(0, KT, 1):
+            slot = kt % self.stages
+            cute.arch.cp_async_wait_group(self.stages - 2)
+            # K slice kt has landed for all threads' copies; every warp is done with slice kt-1
+            # (its o stage and the widened weight buffer)
+            cute.arch.barrier()
+            if kt + self.stages - 1 < KT:
+                nxt = kt + self.stages - 1
+                self.issue(gOv, gWv, sAv, sW8v, atom, atom8, kt0 + nxt, nxt % self.stages, a_col0, w_row0,
+                           num_tokens)
+            cute.arch.cp_async_commit_group()
+            self.widen(sW8v, sBv, slot)
+            cute.arch.barrier()  # the widened slice is complete before any warp reads it
+            scale = mScale[scale_row, kt0 + kt]
+            part.fill(0.0)
+            for kb in cutlass.range_constexpr(BK // 16):
+                cute.copy(s2r_A, tAsA[None, None, kb, slot], tArA[None, None, kb])
+                cute.copy(s2r_B, tBsB[None, None, kb, 0], tBrB[None, None, kb])
+                cute.gemm(tiled_mma, part, tCrA[None, None, kb], tCrB[None, None, kb], part)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = acc[i] + scale * part[i]  # the FP32 promotion: one scale per slice
+
+        col0 = g * self.R + r0
+        if cutlass.const_expr(self.splits == 1):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                m, n = tCcC[i]
+                if m < num_tokens:
+                    mY[m, col0 + n] = acc[i].to(bf16)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                m, n = tCcC[i]
+                if m < num_tokens:
+                    mPart[z, m, col0 + n] = acc[i]
+            # The last split of the tile sees every split's partials (cute_kernels.grid_sync).
+            tile = g * (self.R // self.bn) + nt
+            if last_arrival(mCount.iterator + tile, sFlag, self.splits):
+                for idx in cutlass.range(tidx, num_tokens * self.bn, self.threads):
+                    m = idx // self.bn
+                    n = idx - m * self.bn
+                    s = Float32(0.0)
+                    for zz in cutlass.range_constexpr(self.splits):  # fixed order: deterministic
+                        s = s + mPart[zz, m, col0 + n]
+                    mY[m, col0 + n] = s.to(bf16)
+                if tidx == 0:
+                    mCount[tile] = 0  # ready for the next launch (graph replay needs no host reset)
+
+    @cute.jit
+    def issue(self, gOv: cute.Tensor, gWv: cute.Tensor, sAv: cute.Tensor, sW8v: cute.Tensor, atom: cute.CopyAtom,
+              atom8: cute.CopyAtom, kt: Int32, slot: Int32, a_col0: Int32, w_row0: Int32, num_tokens: Int32):
+        """cp.async K slice kt: the live token rows of o (bf16) and the CTA's e4m3 weight rows."""
+        tidx, _, _ = cute.arch.thread_idx()
+        VPR = BK // VEC
+        for i in cutlass.range_constexpr(self.bm * VPR // self.threads):
+            idx = tidx + i * self.threads
+            r, v = idx // VPR, idx % VPR
+            if r < num_tokens:
+                cute.copy(atom, gOv[(0, None), (r, a_col0 + kt * VPR + v)], sAv[(0, None, 0), (r, v, slot)])
+        VPR8 = BK // VEC8
+        for i in cutlass.range_constexpr(self.bn * VPR8 // self.threads):
+            idx = tidx + i * self.threads
+            r, v = idx // VPR8, idx % VPR8
+            cute.copy(atom8, gWv[(0, None), (w_row0 + r, kt * VPR8 + v)], sW8v[(0, None, 0), (r, v, slot)])
+
+    @cute.jit
+    def widen(self, sW8v: cute.Tensor, sBv: cute.Tensor, slot: Int32):
+        """e4m3 slice ``slot`` -> the bf16 buffer, 16 elements a thread at a time (exact)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        VPR8 = BK // VEC8
+        for i in cutlass.range_constexpr(self.bn * VPR8 // self.threads):
+            idx = tidx + i * self.threads
+            r, v = idx // VPR8, idx % VPR8
+            src = sW8v[(0, None, 0), (r, v, slot)]
+            dst = sBv[(0, None, 0), (r, v, 0)]
+            dst.store(src.load().to(Float32).to(cutlass.BFloat16))
+
+    @staticmethod
+    def can_implement(T: int, G: int, R: int, Dg: int, splits: int = 1, bn: int = BN) -> bool:
+        kt = Dg // BK if Dg % BK == 0 else 0
+        return (1 <= T <= MAX_T and G >= 1 and bn in (BN_NARROW, BN) and R % SCALE_BLOCK == 0 and kt >= 1
+                and splits >= 1 and splits & (splits - 1) == 0 and kt % splits == 0)
+
+
+def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
+    """``{bm, bn, splits, stages}``: the bf16 decode kernel's plan (its tiles, splits and depth;
+    not yet tuned for the halved weight bytes)."""
+    return bf16_plan(T, G, R, Dg, num_sms)
+
+
+def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4, bn: int = BN):
+    if bm not in (16, 32) or not WoADecodeFp8.can_implement(1, G, R, Dg, splits, bn):
+        raise ValueError(f"wo_a_decode_fp8: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, bn={bn}, splits={splits} "
+                         f"(bm 16 or 32, bn 32 or 64, R % 128, Dg % 128, splits a power of two dividing Dg / 128)")
+    if stages < 2 or smem_bytes(bm, stages, bn) > SMEM_PER_CTA:
+        raise ValueError(f"wo_a_decode_fp8: stages={stages} with bm={bm} bn={bn} needs "
+                         f"{smem_bytes(bm, stages, bn)} B of shared memory; 2 <= stages and at most {SMEM_PER_CTA} B")
+    P = jit.fake_gmem_ptr
+    args = (P(cutlass.BFloat16, 16), P(cutlass.Float8E4M3FN, 16), P(Float32, 4), P(cutlass.BFloat16, 4),
+            P(Float32, 4), P(Int32, 4), Int32(1), jit.fake_stream())
+    return WoADecodeFp8(G, R, Dg, bm, splits, stages, bn), args
+
+
+KERNEL = jit.register(jit.KernelDef(
+    name="wo_a_decode_fp8",
+    build=_build,
+    sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
+                  for f in ("wo_a_decode_fp8.py", "wo_a_decode.py", "grid_sync.py", "warp_mma.py")),
+    archs=("sm_90a", "sm_100a", "sm_103a"),
+    # decode T (16) of the two model shapes the WO-A engine's AOT set carries
+    aot_configs=tuple({"G": G, "R": R, "Dg": Dg, **plan(16, G, R, Dg)} for G, R, Dg in ((16, 1024, 1024),
+                                                                                      (8, 512, 2048))),
+    description="WO-A decode (T <= 32) with e4m3 weights and 128x128 block scales, token-major bf16 out",
+))
+
+
+def quantize_wo_a_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 / FP32 ``[G, R, Dg]`` -> (e4m3 ``[G, R, Dg]``, FP32 scales ``[G, R/128, Dg/128]``):
+    each 128 x 128 block scaled so its largest magnitude maps to 448 (e4m3's largest finite);
+    an all-zero block gets scale 1."""
+    op = "quantize_wo_a_fp8"
+    check_tensor(op, "w", w, dtype=(torch.bfloat16, torch.float32), ndim=3, contiguous=True)
+    G, R, Dg = w.shape
+    if R % SCALE_BLOCK or Dg % SCALE_BLOCK:
+        raise ValueError(f"{op}: R={R} and Dg={Dg} must be multiples of {SCALE_BLOCK}")
+    blocks = w.float().view(G, R // SCALE_BLOCK, SCALE_BLOCK, Dg // SCALE_BLOCK, SCALE_BLOCK)
+    amax = blocks.abs().amax(dim=(2, 4))
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    q = (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn)
+    return q.view(G, R, Dg), scale.contiguous()
+
+
+def wo_a_fp8_reference(o: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The spec in plain PyTorch: per 128 x 128 block, FP32 sums of the e4m3 products times the
+    block's scale, summed over K blocks in FP32, one bf16 rounding."""
+    T = o.shape[0]
+    G, R, Dg = w.shape
+    og = o.reshape(T, G, Dg // SCALE_BLOCK, SCALE_BLOCK).float()
+    wg = w.float().view(G, R // SCALE_BLOCK, SCALE_BLOCK, Dg // SCALE_BLOCK, SCALE_BLOCK)
+    per_block = torch.einsum("tgkd,gbrkd->tgbrk", og, wg)  # [T, G, R/128, 128, K blocks]
+    y = (per_block * scale[None, :, :, None, :]).sum(-1)
+    return y.reshape(T, G * R).to(torch.bfloat16)
+
+
+def wo_a_fp8(o: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None,
+             stream=None, arch: str | None = None, workspace: WoADecodeWorkspace | None = None) -> torch.Tensor:
+    """``y [T, G*R]`` (bf16, token-major) from ``o [T, H, Dv]`` (bf16), e4m3 ``w [G, R, (H/G)*Dv]``
+    and FP32 ``scale [G, R/128, (H/G)*Dv/128]`` (:func:`quantize_wo_a_fp8` makes both), for
+    T <= 32. Off the targeted GPUs (a CPU tensor, another arch) the PyTorch reference runs."""
+    from .arch import current_arch, dispatch, num_sms
+    from .wo_a import _default_workspace
+
+    op = "wo_a_fp8"
+    check_tensor(op, "o", o, dtype=torch.bfloat16, ndim=3, contiguous=True)
+    check_tensor(op, "w", w, dtype=torch.float8_e4m3fn, ndim=3, contiguous=True)
+    T, H, Dv = o.shape
+    G, R, Dg = w.shape
+    if H % G:
+        raise ValueError(f"{op}: o has H={H} heads, not divisible by G={G} groups (w.shape[0])")
+    if Dg != (H // G) * Dv:
+        raise ValueError(f"{op}: w.shape[2]={Dg} must equal (H/G)*Dv = {(H // G) * Dv}")
+    if R % SCALE_BLOCK or Dg % SCALE_BLOCK:
+        raise ValueError(f"{op}: R={R} and Dg={Dg} must be multiples of {SCALE_BLOCK} (the scale block)")
+    if not 1 <= T <= MAX_T:
+        raise ValueError(f"{op}: T={T} tokens; the FP8 variant serves decode T, 1 <= T <= {MAX_T}")
+    check_tensor(op, "scale", scale, dtype=torch.float32, shape=(G, R // SCALE_BLOCK, Dg // SCALE_BLOCK),
+                 contiguous=True, align_bytes=4)
+    if out is None:
+        out = torch.empty(T, G * R, dtype=torch.bfloat16, device=o.device)
+    check_tensor(op, "out", out, dtype=torch.bfloat16, shape=(T, G * R), contiguous=True)
+    a = arch if arch is not None else current_arch(o.device)
+    if dispatch(op, ("sm100", "sm90", "reference"), arch=a) == "reference":
+        out.copy_(wo_a_fp8_reference(o, w, scale))
+        return out
+    check_cuda(op, ("o", o), ("w", w), ("scale", scale), ("out", out))
+    cfg = plan(T, G, R, Dg, num_sms(o.device))
+    if workspace is None:
+        workspace = _default_workspace(o.device, G, R)
+    if not isinstance(workspace, WoADecodeWorkspace) or (workspace.G, workspace.R) != (G, R) \
+            or workspace.max_splits < cfg["splits"]:
+        raise ValueError(f"{op}: workspace must be a WoADecodeWorkspace for G={G}, R={R} with max_splits >= "
+                         f"{cfg['splits']}")
+    fn = jit.get_kernel("wo_a_decode_fp8", a, G=G, R=R, Dg=Dg, **cfg)
+    P = jit.gmem_ptr
+    fn(P(cutlass.BFloat16, o, 16), P(cutlass.Float8E4M3FN, w, 16), P(Float32, scale, 4),
+       P(cutlass.BFloat16, out, 4), P(Float32, workspace.partials, 4), P(Int32, workspace.counters, 4), jit.i32(T),
+       jit.cu_stream(stream))
+    return out
