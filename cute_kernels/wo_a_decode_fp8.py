@@ -19,9 +19,11 @@ through bf16. Split partials and the last-CTA reduction are the bf16 kernel's.
 Constraints: T <= 32 (``bm`` 16 or 32), R % 128 == 0, Dg % 128 == 0, splits a power of two
 dividing Dg / 128, shared memory <= 227 KB. Hopper and Blackwell (warp MMA).
 
-Status: compile + SASS checked on the CPU; the GPU tests (``pytest tests/test_wo_a_fp8.py -m
-gpu``) and ``python bench/bench_wo_a_fp8.py`` are staged for the H200 (``bash
-tools/device_next.sh 42``).
+Status: H200-tested (``pytest tests/test_wo_a_fp8.py -m gpu``: 24 passed) and benched
+(``python bench/bench_wo_a_fp8.py``): correct, but 0.74-1.01x the bf16 :func:`cute_kernels.wo_a.wo_a`
+at T <= 32 (bench/RESULTS.md, fourteenth session) -- the widening pass through shared memory
+and its second barrier per slice make it latency-bound on half the bytes. Opt-in; nothing
+routes to it. Blackwell: compile + SASS only.
 """
 
 import os
