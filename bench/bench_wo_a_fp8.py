@@ -1,12 +1,14 @@
 """Benchmark WO-A with e4m3 weights (128 x 128 block scales) at decode T against bf16 WO-A.
 
-    python bench/bench_wo_a_fp8.py [--tokens 1,5,16,32] [--out FILE]
+    python bench/bench_wo_a_fp8.py [--tokens 1,5,16,32] [--bk 128,256] [--out FILE]
 
 Per shape and T, same run, CUDA-graph replay over rotating weight sets larger than L2: the FP8
-kernel (:func:`cute_kernels.wo_a_decode_fp8.wo_a_fp8`), bf16 WO-A's default path
+kernel at :func:`cute_kernels.wo_a_decode_fp8.wo_a_fp8`'s plan, bf16 WO-A's default path
 (:func:`cute_kernels.wo_a.wo_a`) and cuBLAS ``bmm`` alone on the bf16 weights (issue 4's
 baseline (b)). Bandwidth: the FP8 call's bytes (e4m3 weights + scales + o + y) against 4.3
-TB/s; the speed-ups are against the bf16 calls, which move twice the weight bytes.
+TB/s; the speed-ups are against the bf16 calls, which move twice the weight bytes. ``--bk``:
+the FP8 kernel's K slice per row (128 = the plan; 256 = two scale blocks, the bf16 kernel's
+bytes per slice), one row each, at the plan's tiles and a depth that fits.
 """
 
 from __future__ import annotations
@@ -22,8 +24,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_wo_a import SHAPES, bmm_only  # noqa: E402
 from common import H200_COPY_BW, markdown_table, rotation_count, time_graph  # noqa: E402
 
+import cutlass  # noqa: E402
+from cute_kernels import jit  # noqa: E402
 from cute_kernels.wo_a import wo_a  # noqa: E402
-from cute_kernels.wo_a_decode_fp8 import plan, quantize_wo_a_fp8, wo_a_fp8, wo_a_fp8_reference  # noqa: E402
+from cute_kernels.wo_a_decode import WoADecodeWorkspace  # noqa: E402
+from cute_kernels.wo_a_decode_fp8 import (SMEM_PER_CTA, WoADecodeFp8, plan, quantize_wo_a_fp8,  # noqa: E402
+                                          smem_bytes, wo_a_fp8_reference)
 
 TOKENS = [1, 5, 16, 32]
 
@@ -32,34 +38,51 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated T values (<= 32)")
+    ap.add_argument("--bk", default="128", help="comma-separated K slices of the FP8 kernel (128, 256)")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
+    bks = [int(b) for b in args.bk.split(",")]
     rows = []
     for G, R, Dg in SHAPES:
         n = rotation_count(G * R * Dg * 2)  # sized by the bf16 set, the larger
         ws = [(torch.randn(G, R, Dg, device="cuda") / Dg**0.5).bfloat16() for _ in range(n)]
         qs = [quantize_wo_a_fp8(w) for w in ws]
+        workspace = WoADecodeWorkspace(G, R, device="cuda")
         for T in tokens:
             o = torch.randn(T, G * 8, Dg // 8, device="cuda").bfloat16()
             y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
-            y.fill_(float("nan"))
-            wo_a_fp8(o, *qs[0], out=y)
-            torch.cuda.synchronize()
             ref = wo_a_fp8_reference(o, *qs[0]).float()
-            err = ((y.float() - ref).norm() / ref.norm()).item()
-            t8 = time_graph(lambda i: wo_a_fp8(o, *qs[i], out=y), n, max(n, 8))
             t16 = time_graph(lambda i: wo_a(o, ws[i], out=y), n, max(n, 8))
             t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
             nbytes = G * R * Dg + qs[0][1].numel() * 4 + o.numel() * 2 + y.numel() * 2
-            d = plan(T, G, R, Dg)
-            rows.append([f"T={T} G={G} R={R} Dg={Dg} fp8 {d['bm']}x{d['bn']}, {d['splits']} split(s), "
-                         f"{d['stages']} stages", f"{t8 * 1e6:.2f}", f"{t16 * 1e6:.2f}", f"{t_bmm * 1e6:.2f}",
-                         f"{t16 / t8:.2f}x", f"{t_bmm / t8:.2f}x", f"{nbytes / t8 / 1e12:.2f}",
-                         f"{100 * nbytes / t8 / H200_COPY_BW:.0f}%", f"{err:.1e}"])
-            print("| " + " | ".join(rows[-1]) + " |", flush=True)
+            for bk in bks:
+                d = dict(plan(T, G, R, Dg), **({"bk": bk} if bk != 128 else {}))
+                while smem_bytes(d["bm"], d["stages"], d["bn"], bk) > SMEM_PER_CTA:
+                    d["stages"] -= 1
+                if not WoADecodeFp8.can_implement(T, G, R, Dg, d["splits"], d["bn"], bk):
+                    continue
+                fn = jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=G, R=R, Dg=Dg, **d)
+
+                def call(i, fn=fn):
+                    P = jit.gmem_ptr
+                    fn(P(cutlass.BFloat16, o, 16), P(cutlass.Float8E4M3FN, qs[i][0], 16),
+                       P(cutlass.Float32, qs[i][1], 4), P(cutlass.BFloat16, y, 4),
+                       P(cutlass.Float32, workspace.partials, 4), P(cutlass.Int32, workspace.counters, 4),
+                       jit.i32(T), jit.cu_stream())
+
+                y.fill_(float("nan"))
+                call(0)
+                torch.cuda.synchronize()
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                t8 = time_graph(call, n, max(n, 8))
+                rows.append([f"T={T} G={G} R={R} Dg={Dg} fp8 {d['bm']}x{d['bn']}, {d['splits']} split(s), "
+                             f"{d['stages']} stages, K slice {bk}", f"{t8 * 1e6:.2f}", f"{t16 * 1e6:.2f}",
+                             f"{t_bmm * 1e6:.2f}", f"{t16 / t8:.2f}x", f"{t_bmm / t8:.2f}x",
+                             f"{nbytes / t8 / 1e12:.2f}", f"{100 * nbytes / t8 / H200_COPY_BW:.0f}%", f"{err:.1e}"])
+                print("| " + " | ".join(rows[-1]) + " |", flush=True)
         ws = qs = None  # free this shape's weights before the next
     text = "\n".join([f"## WO-A with FP8 weights -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
-                      f"Command: `python bench/bench_wo_a_fp8.py --tokens {args.tokens}`", "",
+                      f"Command: `python bench/bench_wo_a_fp8.py --tokens {args.tokens} --bk {args.bk}`", "",
                       markdown_table(["shape", "fp8 us", "bf16 wo_a us", "bmm alone (bf16) us", "vs bf16 wo_a",
                                       "vs bmm", "TB/s", "of 4.3 TB/s", "rel. err vs spec"], rows)])
     print(text)

@@ -9,11 +9,11 @@ the spec. The issue's optional second variant: the weight bytes, which bound dec
 
 Schedule: :mod:`cute_kernels.wo_a_decode`'s, on half the weight bytes. One CTA owns ``bn`` (32
 or 64) weight rows of one group -- inside one 128-row scale block -- and a 1/``splits`` slice
-of K, streamed in 128-wide K slices (one scale block along K each, so a CTA has one scale per
-slice) through a ``stages``-deep cp.async pipeline. Each landed slice is widened to bf16 in one
+of K, streamed in ``bk``-wide K slices (128 or 256: one or two scale blocks along K, so a CTA
+has one scale per block of a slice) through a ``stages``-deep cp.async pipeline. Each landed slice is widened to bf16 in one
 shared buffer (every e4m3 value is exact in bf16), the warps' ``mma.sync m16n8k16`` accumulate
-the slice in FP32 from zero, and the slice's sum is added to the FP32 accumulator times its
-scale -- the FP32 promotion of block-scaled FP8 GEMMs (DeepSeek-V3), so no scale ever rounds
+each scale block of the slice in FP32 from zero, and the block's sum is added to the FP32
+accumulator times its scale -- the FP32 promotion of block-scaled FP8 GEMMs (DeepSeek-V3), so no scale ever rounds
 through bf16. Split partials and the last-CTA reduction are the bf16 kernel's.
 
 Constraints: T <= 32 (``bm`` 16 or 32), R % 128 == 0, Dg % 128 == 0, splits a power of two
@@ -23,7 +23,8 @@ Status: H200-tested (``pytest tests/test_wo_a_fp8.py -m gpu``: 24 passed) and be
 (``python bench/bench_wo_a_fp8.py``): correct, but 0.74-1.01x the bf16 :func:`cute_kernels.wo_a.wo_a`
 at T <= 32 (bench/RESULTS.md, fourteenth session) -- the widening pass through shared memory
 and its second barrier per slice make it latency-bound on half the bytes. Opt-in; nothing
-routes to it. Blackwell: compile + SASS only.
+routes to it. ``bk=256`` (two scale blocks a slice) is compile + SASS checked only; its GPU
+tests and bench are staged (``bash tools/device_next.sh 42``). Blackwell: compile + SASS only.
 """
 
 import os
@@ -39,26 +40,34 @@ from . import jit
 from .grid_sync import last_arrival
 from .validate import check_cuda, check_tensor
 from .warp_mma import ldmatrix_operands
-from .wo_a_decode import BK, BN, BN_NARROW, PITCH, SMEM_PER_CTA, VEC, WoADecodeWorkspace, plan as bf16_plan
+from .wo_a_decode import BN, BN_NARROW, SMEM_PER_CTA, VEC, WoADecodeWorkspace, plan as bf16_plan
 
 #: the weights' scale block (rows and K)
 SCALE_BLOCK = 128
-#: e4m3 bytes per padded shared row of a K slice (16 bytes of pad: 16-byte cp.async alignment)
-PITCH8 = BK + 16
+#: K slice widths: one scale block, or two (the bf16 kernel's 256 bytes per weight row)
+BKS = (128, 256)
 #: e4m3 elements per 16-byte cp.async
 VEC8 = 16
 MAX_T = 32
 
 
-def smem_bytes(bm: int, stages: int, bn: int = BN) -> int:
+def pitches(bk: int) -> tuple[int, int]:
+    """Padded shared rows of a K slice: bf16 elements (8 of pad, conflict-free ldmatrix) and
+    e4m3 bytes (16 of pad: 16-byte cp.async alignment)."""
+    return bk + 8, bk + 16
+
+
+def smem_bytes(bm: int, stages: int, bn: int = BN, bk: int = 128) -> int:
     """The o stages (bf16), the e4m3 weight stages, the widened bf16 slice and the flag."""
-    return stages * (bm * PITCH * 2 + bn * PITCH8) + bn * PITCH * 2 + 16
+    pitch, pitch8 = pitches(bk)
+    return stages * (bm * pitch * 2 + bn * pitch8) + bn * pitch * 2 + 16
 
 
 class WoADecodeFp8:
-    def __init__(self, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4, bn: int = BN):
+    def __init__(self, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4, bn: int = BN,
+                 bk: int = 128):
         self.G, self.R, self.Dg, self.bm, self.splits = G, R, Dg, bm, splits
-        self.stages, self.bn = stages, bn
+        self.stages, self.bn, self.bk = stages, bn, bk
         self.threads = 128
         self.warp_layout = (1, 4, 1)  # side by side along N: bm x bn/4 per warp
 
@@ -87,6 +96,8 @@ class WoADecodeFp8:
         bf16, f8 = cutlass.BFloat16, cutlass.Float8E4M3FN
         BM = self.bm
         r0 = nt * self.bn
+        BK = self.bk
+        PITCH, PITCH8 = pitches(BK)
         KT = self.Dg // BK // self.splits  # K slices of this split
         kt0 = z * KT
         smem = cutlass.memory.SmemAllocator()
@@ -135,14 +146,16 @@ class WoADecodeFp8:
             cute.arch.cp_async_commit_group()
             self.widen(sW8v, sBv, slot)
             cute.arch.barrier()  # the widened slice is complete before any warp reads it
-            scale = mScale[scale_row, kt0 + kt]
-            part.fill(0.0)
-            for kb in cutlass.range_constexpr(BK // 16):
-                cute.copy(s2r_A, tAsA[None, None, kb, slot], tArA[None, None, kb])
-                cute.copy(s2r_B, tBsB[None, None, kb, 0], tBrB[None, None, kb])
-                cute.gemm(tiled_mma, part, tCrA[None, None, kb], tCrB[None, None, kb], part)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                acc[i] = acc[i] + scale * part[i]  # the FP32 promotion: one scale per slice
+            blocks = BK // SCALE_BLOCK  # scale blocks along K in this slice
+            for h in cutlass.range_constexpr(blocks):
+                scale = mScale[scale_row, (kt0 + kt) * blocks + h]
+                part.fill(0.0)
+                for kb in cutlass.range_constexpr(h * SCALE_BLOCK // 16, (h + 1) * SCALE_BLOCK // 16):
+                    cute.copy(s2r_A, tAsA[None, None, kb, slot], tArA[None, None, kb])
+                    cute.copy(s2r_B, tBsB[None, None, kb, 0], tBrB[None, None, kb])
+                    cute.gemm(tiled_mma, part, tCrA[None, None, kb], tCrB[None, None, kb], part)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    acc[i] = acc[i] + scale * part[i]  # the FP32 promotion: one scale per block
 
         col0 = g * self.R + r0
         if cutlass.const_expr(self.splits == 1):
@@ -173,13 +186,13 @@ class WoADecodeFp8:
               atom8: cute.CopyAtom, kt: Int32, slot: Int32, a_col0: Int32, w_row0: Int32, num_tokens: Int32):
         """cp.async K slice kt: the live token rows of o (bf16) and the CTA's e4m3 weight rows."""
         tidx, _, _ = cute.arch.thread_idx()
-        VPR = BK // VEC
+        VPR = self.bk // VEC
         for i in cutlass.range_constexpr(self.bm * VPR // self.threads):
             idx = tidx + i * self.threads
             r, v = idx // VPR, idx % VPR
             if r < num_tokens:
                 cute.copy(atom, gOv[(0, None), (r, a_col0 + kt * VPR + v)], sAv[(0, None, 0), (r, v, slot)])
-        VPR8 = BK // VEC8
+        VPR8 = self.bk // VEC8
         for i in cutlass.range_constexpr(self.bn * VPR8 // self.threads):
             idx = tidx + i * self.threads
             r, v = idx // VPR8, idx % VPR8
@@ -189,7 +202,7 @@ class WoADecodeFp8:
     def widen(self, sW8v: cute.Tensor, sBv: cute.Tensor, slot: Int32):
         """e4m3 slice ``slot`` -> the bf16 buffer, 16 elements a thread at a time (exact)."""
         tidx, _, _ = cute.arch.thread_idx()
-        VPR8 = BK // VEC8
+        VPR8 = self.bk // VEC8
         for i in cutlass.range_constexpr(self.bn * VPR8 // self.threads):
             idx = tidx + i * self.threads
             r, v = idx // VPR8, idx % VPR8
@@ -198,8 +211,8 @@ class WoADecodeFp8:
             dst.store(src.load().to(Float32).to(cutlass.BFloat16))
 
     @staticmethod
-    def can_implement(T: int, G: int, R: int, Dg: int, splits: int = 1, bn: int = BN) -> bool:
-        kt = Dg // BK if Dg % BK == 0 else 0
+    def can_implement(T: int, G: int, R: int, Dg: int, splits: int = 1, bn: int = BN, bk: int = 128) -> bool:
+        kt = Dg // bk if bk in BKS and Dg % bk == 0 else 0
         return (1 <= T <= MAX_T and G >= 1 and bn in (BN_NARROW, BN) and R % SCALE_BLOCK == 0 and kt >= 1
                 and splits >= 1 and splits & (splits - 1) == 0 and kt % splits == 0)
 
@@ -210,17 +223,22 @@ def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
     return bf16_plan(T, G, R, Dg, num_sms)
 
 
-def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4, bn: int = BN):
-    if bm not in (16, 32) or not WoADecodeFp8.can_implement(1, G, R, Dg, splits, bn):
-        raise ValueError(f"wo_a_decode_fp8: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, bn={bn}, splits={splits} "
-                         f"(bm 16 or 32, bn 32 or 64, R % 128, Dg % 128, splits a power of two dividing Dg / 128)")
-    if stages < 2 or smem_bytes(bm, stages, bn) > SMEM_PER_CTA:
-        raise ValueError(f"wo_a_decode_fp8: stages={stages} with bm={bm} bn={bn} needs "
-                         f"{smem_bytes(bm, stages, bn)} B of shared memory; 2 <= stages and at most {SMEM_PER_CTA} B")
+def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4, bn: int = BN,
+           bk: int = 128):
+    """``bk``: the K slice, 128 (one scale block) or 256 (two: the bf16 kernel's bytes per
+    weight row and slice, half the slices)."""
+    if bm not in (16, 32) or not WoADecodeFp8.can_implement(1, G, R, Dg, splits, bn, bk):
+        raise ValueError(f"wo_a_decode_fp8: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, bn={bn}, splits={splits}, "
+                         f"bk={bk} (bm 16 or 32, bn 32 or 64, bk 128 or 256 dividing Dg, R % 128, splits a power "
+                         f"of two dividing Dg / bk)")
+    if stages < 2 or smem_bytes(bm, stages, bn, bk) > SMEM_PER_CTA:
+        raise ValueError(f"wo_a_decode_fp8: stages={stages} with bm={bm} bn={bn} bk={bk} needs "
+                         f"{smem_bytes(bm, stages, bn, bk)} B of shared memory; 2 <= stages and at most "
+                         f"{SMEM_PER_CTA} B")
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.Float8E4M3FN, 16), P(Float32, 4), P(cutlass.BFloat16, 4),
             P(Float32, 4), P(Int32, 4), Int32(1), jit.fake_stream())
-    return WoADecodeFp8(G, R, Dg, bm, splits, stages, bn), args
+    return WoADecodeFp8(G, R, Dg, bm, splits, stages, bn, bk), args
 
 
 KERNEL = jit.register(jit.KernelDef(

@@ -91,20 +91,23 @@ def test_plan_and_config_errors():
         jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=8, R=512, Dg=1024, bm=64, use_disk=False)
     with pytest.raises(ValueError, match="shared memory"):
         jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=8, R=512, Dg=1024, bm=32, bn=64, stages=20, use_disk=False)
+    with pytest.raises(ValueError, match="bk=192"):
+        jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=8, R=512, Dg=1024, bk=192, use_disk=False)
+    assert not WoADecodeFp8.can_implement(1, 8, 512, 384, bk=256)  # K in whole 256-wide slices
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("bm, splits, bn, stages", [(16, 1, 32, 6), (32, 2, 64, 4)])
-def test_machine_code(arch, bm, splits, bn, stages):
+@pytest.mark.parametrize("bm, splits, bn, stages, bk", [(16, 1, 32, 6, 128), (32, 2, 64, 4, 128), (16, 1, 32, 4, 256)])
+def test_machine_code(arch, bm, splits, bn, stages, bk):
     """cp.async of both operands, the e4m3 -> bf16 widening (F2FP ... E4M3 unpack, then bf16
-    packs), bf16 warp MMAs per 128-wide K slice, one FFMA per accumulator element (the scale's
+    packs), bf16 warp MMAs per K slice, one FFMA per accumulator element and scale block (the
     promotion), no spills."""
     h = sass.sass_histogram("wo_a_decode_fp8", arch, G=16, R=1024, Dg=2048, bm=bm, splits=splits, bn=bn,
-                            stages=stages)
-    per_k_slice = bm * bn // (16 * 8 * 4) * (128 // 16)  # m16n8k16 per warp over a 128-wide K slice
+                            stages=stages, **({"bk": bk} if bk != 128 else {}))
+    per_k_slice = bm * bn // (16 * 8 * 4) * (bk // 16)  # m16n8k16 per warp over a bk-wide K slice
     assert sass.count(h, "HMMA") >= per_k_slice and sass.count(h, "LDGSTS") >= 2, h
     assert any("E4M3" in m for m in h), h
-    assert sass.count(h, "FFMA") >= bm * bn // 128
+    assert sass.count(h, "FFMA") >= bm * bn // 128 * (bk // 128)
     assert sass.local_memory_ops(h) == 0
 
 
@@ -124,16 +127,17 @@ def test_matches_reference_on_gpu(seed, G, HG, Dv, R, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bm, splits, bn, stages", [(16, 1, 32, 6), (16, 4, 64, 4), (32, 2, 32, 3), (32, 1, 64, 6)])
-def test_every_config_and_graph_replay(seed, bm, splits, bn, stages):
-    """Each token tile, column tile, split count and depth: twice eagerly, then replayed in a
-    graph with fresh inputs (the split counters re-zero themselves)."""
+@pytest.mark.parametrize("bm, splits, bn, stages, bk", [(16, 1, 32, 6, 128), (16, 4, 64, 4, 128), (32, 2, 32, 3, 128),
+                                                       (32, 1, 64, 6, 128), (16, 1, 32, 4, 256), (32, 2, 64, 3, 256)])
+def test_every_config_and_graph_replay(seed, bm, splits, bn, stages, bk):
+    """Each token tile, column tile, split count, depth and K slice: twice eagerly, then
+    replayed in a graph with fresh inputs (the split counters re-zero themselves)."""
     from cute_kernels import jit
     from cute_kernels.wo_a_decode import WoADecodeWorkspace
 
     G, HG, Dv, R, T = 8, 8, 128, 512, (3 if bm == 16 else 29)
     fn = jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=G, R=R, Dg=HG * Dv, bm=bm, splits=splits, bn=bn,
-                        stages=stages)
+                        stages=stages, **({"bk": bk} if bk != 128 else {}))
     ws = WoADecodeWorkspace(G, R, max_splits=8)
     o, w8, scale = make(T, G, HG, Dv, R, "cuda")
     out = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)

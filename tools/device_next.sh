@@ -296,9 +296,9 @@ case "${1:-1}" in
   step 120 wo_a_tests $PYT tests/test_wo_a.py -m gpu -k "hopper_matches"
   step 90 bench_wo_a python bench/bench_wo_a.py --tokens 17,20,32 --out "$OUT/bench_wo_a.md"
   ;;
-42)  # staged: FP8-weight WO-A (GPU tests, bench), then the whole GPU suite on the fourteenth session's final tree
+42)  # staged: FP8-weight WO-A with 256-wide K slices too (GPU tests, bench), then the whole GPU suite on the final tree
   step 90 wo_a_fp8_tests $PYT tests/test_wo_a_fp8.py -m gpu
-  step 90 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py --out "$OUT/bench_wo_a_fp8.md"
+  step 120 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py --bk 128,256 --out "$OUT/bench_wo_a_fp8.md"
   step 400 gpu_suite $PYT tests -m gpu
   ;;
 43)  # staged: the WO-A bench on the final tree
