@@ -257,12 +257,15 @@ KERNEL = jit.register(jit.KernelDef(
 def quantize_wo_a_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 / FP32 ``[G, R, Dg]`` -> (e4m3 ``[G, R, Dg]``, FP32 scales ``[G, R/128, Dg/128]``):
     each 128 x 128 block scaled so its largest magnitude maps to 448 (e4m3's largest finite);
-    an all-zero block gets scale 1."""
+    an all-zero block gets scale 1. Offline (weight preparation), so it checks that every
+    weight is finite: a NaN or Inf would poison its whole block's scale."""
     op = "quantize_wo_a_fp8"
     check_tensor(op, "w", w, dtype=(torch.bfloat16, torch.float32), ndim=3, contiguous=True)
     G, R, Dg = w.shape
     if R % SCALE_BLOCK or Dg % SCALE_BLOCK:
         raise ValueError(f"{op}: R={R} and Dg={Dg} must be multiples of {SCALE_BLOCK}")
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"{op}: w has NaN or Inf entries; block-scaled e4m3 weights need finite values")
     blocks = w.float().view(G, R // SCALE_BLOCK, SCALE_BLOCK, Dg // SCALE_BLOCK, SCALE_BLOCK)
     amax = blocks.abs().amax(dim=(2, 4))
     scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))

@@ -53,6 +53,15 @@ def test_quantizer_blocks_and_rounding(seed):
     assert (err <= w.abs() * 2.0**-4 + scale.amax() * 2.0**-9).all()
 
 
+def test_quantizer_rejects_nonfinite_and_partial_blocks():
+    w = torch.randn(1, 128, 128)
+    w[0, 3, 5] = float("inf")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize_wo_a_fp8(w)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        quantize_wo_a_fp8(torch.randn(1, 128, 192))
+
+
 @pytest.mark.parametrize("T", [1, 5, 32])
 def test_reference_is_the_dequantized_product(seed, T):
     """The spec (per-block FP32 sums times the scales) agrees with an FP32 einsum on the
