@@ -149,6 +149,19 @@ def _default_workspace(device, G, R) -> WoADecodeWorkspace:
     return ws
 
 
+def _decode_workspace(op: str, workspace, o: torch.Tensor, G: int, R: int, splits: int) -> WoADecodeWorkspace:
+    """The split workspace of a decode-kernel call (:mod:`.wo_a_decode`, :mod:`.wo_a_decode_fp8`):
+    the caller's, checked for its type, shape, split capacity and device, or the shared default."""
+    if workspace is None:
+        workspace = _default_workspace(o.device, G, R)
+    if not isinstance(workspace, WoADecodeWorkspace) or (workspace.G, workspace.R) != (G, R) \
+            or workspace.max_splits < splits:
+        raise ValueError(f"{op}: workspace must be a WoADecodeWorkspace for G={G}, R={R} with max_splits >= "
+                         f"{splits}")
+    check_cuda(op, ("o", o), ("workspace.partials", workspace.partials))
+    return workspace
+
+
 def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None = None, stream=None,
          arch: str | None = None, decode_kernel: bool | None = None,
          workspace: WoADecodeWorkspace | None = None, pdl: bool = False) -> torch.Tensor:
@@ -200,15 +213,10 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     pdl_cfg = {"pdl": True} if pdl else {}  # in the compile key only when asked: default keys unchanged
     if path == "reference":
         return _torch_path(o, wo_a_weight, out)
-    if use_decode_kernel(T, decode_kernel, path, G, R, Dg, num_sms(o.device)) and WoADecode.can_implement(T, G, R, Dg):
-        cfg = decode_plan(T, G, R, Dg, num_sms(o.device))
-        if workspace is None:
-            workspace = _default_workspace(o.device, G, R)
-        if not isinstance(workspace, WoADecodeWorkspace) or (workspace.G, workspace.R) != (G, R) \
-                or workspace.max_splits < cfg["splits"]:
-            raise ValueError(f"{op}: workspace must be a WoADecodeWorkspace for G={G}, R={R} with max_splits >= "
-                             f"{cfg['splits']}")
-        check_cuda(op, ("o", o), ("workspace.partials", workspace.partials))
+    sms = num_sms(o.device)
+    if use_decode_kernel(T, decode_kernel, path, G, R, Dg, sms) and WoADecode.can_implement(T, G, R, Dg):
+        cfg = decode_plan(T, G, R, Dg, sms)
+        workspace = _decode_workspace(op, workspace, o, G, R, cfg["splits"])
         fn = jit.get_kernel("wo_a_decode", a, G=G, R=R, Dg=Dg, **cfg, **pdl_cfg)
         P = jit.gmem_ptr
         fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 4),

@@ -56,6 +56,7 @@ class WoADecode:
                  stages: int = STAGES, bn: int = BN):
         self.G, self.R, self.Dg, self.bm, self.splits, self.pdl = G, R, Dg, bm, splits, pdl
         self.stages, self.bn = stages, bn
+        self.bk = BK  # the K slice issue_o loads (the FP8 subclass widens it)
         # 4 warps -- bm = 16 / 32: side by side along N (bm x bn/4 each); bm = 64: 2 x 2
         # (32 x bn/2). 8 warps measured no faster (bench/RESULTS.md, fourteenth session).
         self.threads = 128
@@ -144,12 +145,21 @@ class WoADecode:
                 cute.copy(s2r_B, tBsB[None, None, kb, slot], tBrB[None, None, kb])
                 cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
 
-        col0 = g * self.R + r0
+        self.store_tile(acc, tCcC, mY, mPart, mCount, sFlag, num_tokens)
+
+    @cute.jit
+    def store_tile(self, acc: cute.Tensor, tCcC: cute.Tensor, mY: cute.Tensor, mPart: cute.Tensor,
+                   mCount: cute.Tensor, sFlag: cute.Tensor, num_tokens: Int32):
+        """The CTA's FP32 accumulators (token rows x ``bn`` columns) -> token-major bf16 ``y``:
+        directly without a split, else through the FP32 partials and the tile's last split."""
+        tidx, _, _ = cute.arch.thread_idx()
+        nt, g, z = cute.arch.block_idx()
+        col0 = g * self.R + nt * self.bn
         if cutlass.const_expr(self.splits == 1):
             for i in cutlass.range_constexpr(cute.size(acc)):
                 m, n = tCcC[i]
                 if m < num_tokens:
-                    mY[m, col0 + n] = acc[i].to(bf16)
+                    mY[m, col0 + n] = acc[i].to(cutlass.BFloat16)
         else:
             for i in cutlass.range_constexpr(cute.size(acc)):
                 m, n = tCcC[i]
@@ -164,7 +174,7 @@ class WoADecode:
                     s = Float32(0.0)
                     for zz in cutlass.range_constexpr(self.splits):  # fixed order: deterministic
                         s = s + mPart[zz, m, col0 + n]
-                    mY[m, col0 + n] = s.to(bf16)
+                    mY[m, col0 + n] = s.to(cutlass.BFloat16)
                 if tidx == 0:
                     mCount[tile] = 0  # ready for the next launch (graph replay needs no host reset)
 
@@ -178,8 +188,9 @@ class WoADecode:
     @cute.jit
     def issue_o(self, gOv: cute.Tensor, sAv: cute.Tensor, atom: cute.CopyAtom, kt: Int32, slot: Int32,
                 a_col0: Int32, num_tokens: Int32):
+        """cp.async the live token rows of o's K slice kt (``self.bk`` wide) into stage ``slot``."""
         tidx, _, _ = cute.arch.thread_idx()
-        VPR = BK // VEC
+        VPR = self.bk // VEC
         for i in cutlass.range_constexpr(self.bm * VPR // self.threads):
             idx = tidx + i * self.threads
             r, v = idx // VPR, idx % VPR
@@ -222,8 +233,9 @@ def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
     10.7 / 10.8 (G=16 R=512; under PDL 9.6 against 10.8), and worse at 512 tiles (G=16 R=1024:
     11.6 against 11.0 with 64 columns at 4 stages). 9 / 17 stages and splits of 32-column tiles
     measured slower. The 32-row tile (17 <= T <= 32; :func:`cute_kernels.wo_a.wo_a` routes there
-    only with ``decode_kernel=True``): 32-column tiles at 4 stages only where 64-column ones
-    would leave SMs idle, else 64 columns at 6 stages where they fit one wave -- H200, the same
+    by default where this rule picks 32 columns, else only with ``decode_kernel=True``):
+    32-column tiles at 4 stages only where 64-column ones would leave SMs idle, else 64 columns
+    at 6 stages where they fit one wave -- H200, the same
     probe at T = 20 / 32 (fourteenth session, us): G=8 R=512 32 columns 9.5 / 9.9 at 4 stages
     against 9.9 / 10.4 at 6 and 11.2-13.8 with 64; G=16 R=512 and G=8 R=1024 64 columns at 6
     stages 12.5 / 12.6 and 7.8 / 8.3, the best of eight configs; G=16 R=1024 64 columns at 4

@@ -10,11 +10,12 @@ the spec. The issue's optional second variant: the weight bytes, which bound dec
 Schedule: :mod:`cute_kernels.wo_a_decode`'s, on half the weight bytes. One CTA owns ``bn`` (32
 or 64) weight rows of one group -- inside one 128-row scale block -- and a 1/``splits`` slice
 of K, streamed in ``bk``-wide K slices (128 or 256: one or two scale blocks along K, so a CTA
-has one scale per block of a slice) through a ``stages``-deep cp.async pipeline. Each landed slice is widened to bf16 in one
-shared buffer (every e4m3 value is exact in bf16), the warps' ``mma.sync m16n8k16`` accumulate
-each scale block of the slice in FP32 from zero, and the block's sum is added to the FP32
-accumulator times its scale -- the FP32 promotion of block-scaled FP8 GEMMs (DeepSeek-V3), so no scale ever rounds
-through bf16. Split partials and the last-CTA reduction are the bf16 kernel's.
+has one scale per block of a slice) through a ``stages``-deep cp.async pipeline. Each landed
+slice is widened to bf16 in one shared buffer (every e4m3 value is exact in bf16), the warps'
+``mma.sync m16n8k16`` accumulate each scale block of the slice in FP32 from zero, and the
+block's sum is added to the FP32 accumulator times its scale -- the FP32 promotion of
+block-scaled FP8 GEMMs (DeepSeek-V3), so no scale ever rounds through bf16. The o loads, the
+split partials and the last-CTA reduction are the bf16 kernel's (this class derives from it).
 
 Constraints: T <= 32 (``bm`` 16 or 32), R % 128 == 0, Dg % 128 == 0, splits a power of two
 dividing Dg / 128, shared memory <= 227 KB. Hopper and Blackwell (warp MMA).
@@ -37,10 +38,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import jit
-from .grid_sync import last_arrival
 from .validate import check_cuda, check_tensor
 from .warp_mma import ldmatrix_operands
-from .wo_a_decode import BN, BN_NARROW, SMEM_PER_CTA, VEC, WoADecodeWorkspace, plan as bf16_plan
+from .wo_a_decode import BN, BN_NARROW, SMEM_PER_CTA, VEC, WoADecode, WoADecodeWorkspace, plan as bf16_plan
 
 #: the weights' scale block (rows and K)
 SCALE_BLOCK = 128
@@ -63,13 +63,15 @@ def smem_bytes(bm: int, stages: int, bn: int = BN, bk: int = 128) -> int:
     return stages * (bm * pitch * 2 + bn * pitch8) + bn * pitch * 2 + 16
 
 
-class WoADecodeFp8:
+class WoADecodeFp8(WoADecode):
+    """The bf16 decode kernel's configuration (its warps side by side along N for bm = 16 / 32)
+    with a ``bk``-wide K slice; its o loads (``issue_o``) and its token-major store through the
+    split partials (``store_tile``) are the bf16 kernel's."""
+
     def __init__(self, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4, bn: int = BN,
                  bk: int = 128):
-        self.G, self.R, self.Dg, self.bm, self.splits = G, R, Dg, bm, splits
-        self.stages, self.bn, self.bk = stages, bn, bk
-        self.threads = 128
-        self.warp_layout = (1, 4, 1)  # side by side along N: bm x bn/4 per warp
+        super().__init__(G, R, Dg, bm, splits, False, stages, bn)
+        self.bk = bk
 
     @cute.jit
     def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, scale_ptr: cute.Pointer, y_ptr: cute.Pointer,
@@ -120,7 +122,7 @@ class WoADecodeFp8:
 
         for s0 in cutlass.range_constexpr(self.stages - 1):
             if s0 < KT:
-                self.issue(gOv, gWv, sAv, sW8v, atom, atom8, kt0 + s0, s0, a_col0, w_row0, num_tokens)
+                self.issue_fp8(gOv, gWv, sAv, sW8v, atom, atom8, kt0 + s0, s0, a_col0, w_row0, num_tokens)
             cute.arch.cp_async_commit_group()
 
         thr_mma = tiled_mma.get_slice(tidx)
@@ -141,8 +143,8 @@ class WoADecodeFp8:
             cute.arch.barrier()
             if kt + self.stages - 1 < KT:
                 nxt = kt + self.stages - 1
-                self.issue(gOv, gWv, sAv, sW8v, atom, atom8, kt0 + nxt, nxt % self.stages, a_col0, w_row0,
-                           num_tokens)
+                self.issue_fp8(gOv, gWv, sAv, sW8v, atom, atom8, kt0 + nxt, nxt % self.stages, a_col0, w_row0,
+                               num_tokens)
             cute.arch.cp_async_commit_group()
             self.widen(sW8v, sBv, slot)
             cute.arch.barrier()  # the widened slice is complete before any warp reads it
@@ -157,41 +159,15 @@ class WoADecodeFp8:
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     acc[i] = acc[i] + scale * part[i]  # the FP32 promotion: one scale per block
 
-        col0 = g * self.R + r0
-        if cutlass.const_expr(self.splits == 1):
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                m, n = tCcC[i]
-                if m < num_tokens:
-                    mY[m, col0 + n] = acc[i].to(bf16)
-        else:
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                m, n = tCcC[i]
-                if m < num_tokens:
-                    mPart[z, m, col0 + n] = acc[i]
-            # The last split of the tile sees every split's partials (cute_kernels.grid_sync).
-            tile = g * (self.R // self.bn) + nt
-            if last_arrival(mCount.iterator + tile, sFlag, self.splits):
-                for idx in cutlass.range(tidx, num_tokens * self.bn, self.threads):
-                    m = idx // self.bn
-                    n = idx - m * self.bn
-                    s = Float32(0.0)
-                    for zz in cutlass.range_constexpr(self.splits):  # fixed order: deterministic
-                        s = s + mPart[zz, m, col0 + n]
-                    mY[m, col0 + n] = s.to(bf16)
-                if tidx == 0:
-                    mCount[tile] = 0  # ready for the next launch (graph replay needs no host reset)
+        self.store_tile(acc, tCcC, mY, mPart, mCount, sFlag, num_tokens)
 
     @cute.jit
-    def issue(self, gOv: cute.Tensor, gWv: cute.Tensor, sAv: cute.Tensor, sW8v: cute.Tensor, atom: cute.CopyAtom,
-              atom8: cute.CopyAtom, kt: Int32, slot: Int32, a_col0: Int32, w_row0: Int32, num_tokens: Int32):
+    def issue_fp8(self, gOv: cute.Tensor, gWv: cute.Tensor, sAv: cute.Tensor, sW8v: cute.Tensor,
+                  atom: cute.CopyAtom, atom8: cute.CopyAtom, kt: Int32, slot: Int32, a_col0: Int32, w_row0: Int32,
+                  num_tokens: Int32):
         """cp.async K slice kt: the live token rows of o (bf16) and the CTA's e4m3 weight rows."""
+        self.issue_o(gOv, sAv, atom, kt, slot, a_col0, num_tokens)
         tidx, _, _ = cute.arch.thread_idx()
-        VPR = self.bk // VEC
-        for i in cutlass.range_constexpr(self.bm * VPR // self.threads):
-            idx = tidx + i * self.threads
-            r, v = idx // VPR, idx % VPR
-            if r < num_tokens:
-                cute.copy(atom, gOv[(0, None), (r, a_col0 + kt * VPR + v)], sAv[(0, None, 0), (r, v, slot)])
         VPR8 = self.bk // VEC8
         for i in cutlass.range_constexpr(self.bn * VPR8 // self.threads):
             idx = tidx + i * self.threads
@@ -291,7 +267,7 @@ def wo_a_fp8(o: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, out: torc
     and FP32 ``scale [G, R/128, (H/G)*Dv/128]`` (:func:`quantize_wo_a_fp8` makes both), for
     T <= 32. Off the targeted GPUs (a CPU tensor, another arch) the PyTorch reference runs."""
     from .arch import current_arch, dispatch, num_sms
-    from .wo_a import _default_workspace
+    from .wo_a import _decode_workspace
 
     op = "wo_a_fp8"
     check_tensor(op, "o", o, dtype=torch.bfloat16, ndim=3, contiguous=True)
@@ -317,12 +293,7 @@ def wo_a_fp8(o: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, out: torc
         return out
     check_cuda(op, ("o", o), ("w", w), ("scale", scale), ("out", out))
     cfg = plan(T, G, R, Dg, num_sms(o.device))
-    if workspace is None:
-        workspace = _default_workspace(o.device, G, R)
-    if not isinstance(workspace, WoADecodeWorkspace) or (workspace.G, workspace.R) != (G, R) \
-            or workspace.max_splits < cfg["splits"]:
-        raise ValueError(f"{op}: workspace must be a WoADecodeWorkspace for G={G}, R={R} with max_splits >= "
-                         f"{cfg['splits']}")
+    workspace = _decode_workspace(op, workspace, o, G, R, cfg["splits"])
     fn = jit.get_kernel("wo_a_decode_fp8", a, G=G, R=R, Dg=Dg, **cfg)
     P = jit.gmem_ptr
     fn(P(cutlass.BFloat16, o, 16), P(cutlass.Float8E4M3FN, w, 16), P(Float32, scale, 4),
