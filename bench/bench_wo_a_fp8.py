@@ -1,14 +1,16 @@
 """Benchmark WO-A with e4m3 weights (128 x 128 block scales) at decode T against bf16 WO-A.
 
-    python bench/bench_wo_a_fp8.py [--tokens 1,5,16,32] [--bk 128,256] [--out FILE]
+    python bench/bench_wo_a_fp8.py [--tokens 1,5,16,32] [--variants registers/128/plan,...] [--out FILE]
 
 Per shape and T, same run, CUDA-graph replay over rotating weight sets larger than L2: the FP8
 kernel at :func:`cute_kernels.wo_a_decode_fp8.wo_a_fp8`'s plan, bf16 WO-A's default path
 (:func:`cute_kernels.wo_a.wo_a`) and cuBLAS ``bmm`` alone on the bf16 weights (issue 4's
 baseline (b)). Bandwidth: the FP8 call's bytes (e4m3 weights + scales + o + y) against 4.3
-TB/s; the speed-ups are against the bf16 calls, which move twice the weight bytes. ``--bk``:
-the FP8 kernel's K slice per row (128 = the plan; 256 = two scale blocks, the bf16 kernel's
-bytes per slice), one row each, at the plan's tiles and a depth that fits.
+TB/s; the speed-ups are against the bf16 calls, which move twice the weight bytes.
+``--variants``: one row each, ``widen/bk/stages`` at the plan's tiles and splits -- widen
+``registers`` (the default) or ``smem``; the K slice 128 (the plan) or 256 (two scale blocks,
+the bf16 kernel's bytes per slice); the depth ``plan``, ``x2`` (twice the plan's: the same
+bytes in flight as the bf16 kernel) or a number, lowered until it fits shared memory.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import cutlass  # noqa: E402
 from cute_kernels import jit  # noqa: E402
 from cute_kernels.wo_a import wo_a  # noqa: E402
 from cute_kernels.wo_a_decode import WoADecodeWorkspace  # noqa: E402
-from cute_kernels.wo_a_decode_fp8 import (SMEM_PER_CTA, WoADecodeFp8, plan, quantize_wo_a_fp8,  # noqa: E402
-                                          smem_bytes, wo_a_fp8_reference)
+from cute_kernels.wo_a_decode_fp8 import (SMEM_PER_CTA, WIDEN, WoADecodeFp8, plan,  # noqa: E402
+                                          quantize_wo_a_fp8, smem_bytes, wo_a_fp8_reference)
 
 TOKENS = [1, 5, 16, 32]
 
@@ -38,10 +40,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated T values (<= 32)")
-    ap.add_argument("--bk", default="128", help="comma-separated K slices of the FP8 kernel (128, 256)")
+    ap.add_argument("--variants", default="registers/128/plan",
+                    help="comma-separated widen/bk/stages (widen: registers or smem; bk: 128 or 256; "
+                         "stages: plan, x2 or a number)")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
-    bks = [int(b) for b in args.bk.split(",")]
+    variants = [v.split("/") for v in args.variants.split(",")]
+    for v in variants:
+        if len(v) != 3 or v[0] not in WIDEN or v[1] not in ("128", "256") or not (v[2] in ("plan", "x2") or v[2].isdigit()):
+            ap.error(f"--variants: {'/'.join(v)!r} is not widen/bk/stages (e.g. registers/128/plan)")
     rows = []
     for G, R, Dg in SHAPES:
         n = rotation_count(G * R * Dg * 2)  # sized by the bf16 set, the larger
@@ -55,9 +62,12 @@ def main():
             t16 = time_graph(lambda i: wo_a(o, ws[i], out=y), n, max(n, 8))
             t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
             nbytes = G * R * Dg + qs[0][1].numel() * 4 + o.numel() * 2 + y.numel() * 2
-            for bk in bks:
-                d = dict(plan(T, G, R, Dg), **({"bk": bk} if bk != 128 else {}))
-                while smem_bytes(d["bm"], d["stages"], d["bn"], bk) > SMEM_PER_CTA:
+            for widen, bk, depth in variants:
+                bk = int(bk)
+                d = dict(plan(T, G, R, Dg), widen=widen, **({"bk": bk} if bk != 128 else {}))
+                if depth != "plan":
+                    d["stages"] = 2 * d["stages"] if depth == "x2" else int(depth)
+                while smem_bytes(d["bm"], d["stages"], d["bn"], bk, widen) > SMEM_PER_CTA:
                     d["stages"] -= 1
                 if not WoADecodeFp8.can_implement(T, G, R, Dg, d["splits"], d["bn"], bk):
                     continue
@@ -76,13 +86,13 @@ def main():
                 err = ((y.float() - ref).norm() / ref.norm()).item()
                 t8 = time_graph(call, n, max(n, 8))
                 rows.append([f"T={T} G={G} R={R} Dg={Dg} fp8 {d['bm']}x{d['bn']}, {d['splits']} split(s), "
-                             f"{d['stages']} stages, K slice {bk}", f"{t8 * 1e6:.2f}", f"{t16 * 1e6:.2f}",
+                             f"{d['stages']} stages, K slice {bk}, widen {widen}", f"{t8 * 1e6:.2f}", f"{t16 * 1e6:.2f}",
                              f"{t_bmm * 1e6:.2f}", f"{t16 / t8:.2f}x", f"{t_bmm / t8:.2f}x",
                              f"{nbytes / t8 / 1e12:.2f}", f"{100 * nbytes / t8 / H200_COPY_BW:.0f}%", f"{err:.1e}"])
                 print("| " + " | ".join(rows[-1]) + " |", flush=True)
         ws = qs = None  # free this shape's weights before the next
     text = "\n".join([f"## WO-A with FP8 weights -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
-                      f"Command: `python bench/bench_wo_a_fp8.py --tokens {args.tokens} --bk {args.bk}`", "",
+                      f"Command: `python bench/bench_wo_a_fp8.py --tokens {args.tokens} --variants {args.variants}`", "",
                       markdown_table(["shape", "fp8 us", "bf16 wo_a us", "bmm alone (bf16) us", "vs bf16 wo_a",
                                       "vs bmm", "TB/s", "of 4.3 TB/s", "rel. err vs spec"], rows)])
     print(text)

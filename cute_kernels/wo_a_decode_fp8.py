@@ -51,16 +51,34 @@ VEC8 = 16
 MAX_T = 32
 
 
-def pitches(bk: int) -> tuple[int, int]:
-    """Padded shared rows of a K slice: bf16 elements (8 of pad, conflict-free ldmatrix) and
-    e4m3 bytes (16 of pad: 16-byte cp.async alignment)."""
-    return bk + 8, bk + 16
+#: where a landed e4m3 slice becomes bf16: in registers (each thread widens its own MMA
+#: fragment) or through a shared bf16 buffer behind a second barrier (the first version)
+WIDEN = ("registers", "smem")
 
 
-def smem_bytes(bm: int, stages: int, bn: int = BN, bk: int = 128) -> int:
-    """The o stages (bf16), the e4m3 weight stages, the widened bf16 slice and the flag."""
-    pitch, pitch8 = pitches(bk)
-    return stages * (bm * pitch * 2 + bn * pitch8) + bn * pitch * 2 + 16
+def pitches(bk: int, widen: str = "registers") -> tuple[int, int]:
+    """Padded shared rows of a K slice: bf16 elements (8 of pad: conflict-free ldmatrix, and
+    conflict-free 16-byte loads of the permuted fragments) and e4m3 bytes (16 of pad for the
+    shared widening's 16-byte copies; 64 for the register path, whose 8 lanes of a 16-byte load
+    phase read two rows' first 64 bytes: a pitch of 64 mod 128 puts them in disjoint banks)."""
+    return bk + 8, bk + (64 if widen == "registers" else 16)
+
+
+def smem_bytes(bm: int, stages: int, bn: int = BN, bk: int = 128, widen: str = "registers") -> int:
+    """The o stages (bf16), the e4m3 weight stages, the widened bf16 slice (shared widening
+    only) and the flag."""
+    pitch, pitch8 = pitches(bk, widen)
+    return stages * (bm * pitch * 2 + bn * pitch8) + (bn * pitch * 2 if widen == "smem" else 0) + 16
+
+
+def k_permutation(bk: int) -> tuple[tuple, tuple]:
+    """(shape, stride) of the K mode: the MMAs' K order inside each 64-wide chunk of a slice, a
+    map from the m16n8k16 fragments' logical k to the shared column: logical ``k = 16 s + 8 b1 + 2 q + b0`` (k-step
+    s, quad lane q) reads column ``16 q + 4 s + 2 b1 + b0``. Both operands take the same
+    permutation, so the dot products are unchanged; what it buys is that a lane's values of the
+    four k-steps are 16 contiguous weight bytes and 16 contiguous o elements -- one 128-bit
+    shared load (two for o) instead of per-pair loads."""
+    return (2, 4, 2, 4, bk // 64), (1, 16, 2, 4, 64)
 
 
 class WoADecodeFp8(WoADecode):
@@ -69,9 +87,9 @@ class WoADecodeFp8(WoADecode):
     split partials (``store_tile``) are the bf16 kernel's."""
 
     def __init__(self, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4, bn: int = BN,
-                 bk: int = 128):
+                 bk: int = 128, widen: str = "registers"):
         super().__init__(G, R, Dg, bm, splits, False, stages, bn)
-        self.bk = bk
+        self.bk, self.widen = bk, widen
 
     @cute.jit
     def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, scale_ptr: cute.Pointer, y_ptr: cute.Pointer,
@@ -99,15 +117,13 @@ class WoADecodeFp8(WoADecode):
         BM = self.bm
         r0 = nt * self.bn
         BK = self.bk
-        PITCH, PITCH8 = pitches(BK)
+        PITCH, PITCH8 = pitches(BK, self.widen)
         KT = self.Dg // BK // self.splits  # K slices of this split
         kt0 = z * KT
         smem = cutlass.memory.SmemAllocator()
         sA = smem.allocate_tensor(bf16, cute.make_layout((BM, BK, self.stages), stride=(PITCH, 1, BM * PITCH)), 16)
         sW8 = smem.allocate_tensor(f8, cute.make_layout((self.bn, BK, self.stages),
                                                         stride=(PITCH8, 1, self.bn * PITCH8)), 16)
-        # the widened slice the MMAs read (one buffer: a stage mode of 1 for the shared partitioning)
-        sB = smem.allocate_tensor(bf16, cute.make_layout((self.bn, BK, 1), stride=(PITCH, 1, self.bn * PITCH)), 16)
         sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
         atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), bf16, num_bits_per_copy=128)
         atom8 = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), f8, num_bits_per_copy=128)
@@ -115,7 +131,6 @@ class WoADecodeFp8(WoADecode):
         gWv = cute.zipped_divide(mW, (1, VEC8))
         sAv = cute.zipped_divide(sA, (1, VEC, 1))
         sW8v = cute.zipped_divide(sW8, (1, VEC8, 1))
-        sBv = cute.zipped_divide(sB, (1, VEC8, 1))
         a_col0 = g * (self.Dg // VEC)  # group g's columns of o, in 16-byte vectors
         w_row0 = g * self.R + r0
         scale_row = w_row0 // SCALE_BLOCK
@@ -126,35 +141,60 @@ class WoADecodeFp8(WoADecode):
             cute.arch.cp_async_commit_group()
 
         thr_mma = tiled_mma.get_slice(tidx)
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA)[None, None, None, 0])
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB)[None, None, None, 0])
         cC = cute.make_identity_tensor((BM, self.bn))
         tCcC = thr_mma.partition_C(cC)
         acc = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((BM, self.bn)))
         acc.fill(0.0)
         part = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((BM, self.bn)))
-        s2r_A, tAsA, tArA, s2r_B, tBsB, tBrB = ldmatrix_operands(tiled_mma, bf16, tidx, sA, sB, tCrA, tCrB)
+        if cutlass.const_expr(self.widen == "registers"):
+            # both operands seen through the K permutation: each thread's fragments of a slice
+            # are 16-byte runs of shared memory (see k_permutation)
+            kshape, kstride = k_permutation(BK)
+            sAp = cute.make_tensor(sA.iterator, cute.make_layout((BM, kshape, self.stages),
+                                                                 stride=(PITCH, kstride, BM * PITCH)))
+            sW8p = cute.make_tensor(sW8.iterator, cute.make_layout((self.bn, kshape, self.stages),
+                                                                   stride=(PITCH8, kstride, self.bn * PITCH8)))
+            tCsA = thr_mma.partition_A(sAp)
+            tCsB8 = thr_mma.partition_B(sW8p)
+            tCrA = tiled_mma.make_fragment_A(tCsA[None, None, None, 0])
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sW8p[None, None, 0]))
+            rA = cute.make_fragment_like(tCsA[None, None, None, 0])  # in shared-memory order
+            rB8 = cute.make_fragment_like(tCsB8[None, None, None, 0])
+        else:
+            # the widened slice the MMAs read (one buffer: a stage mode of 1 for the shared partitioning)
+            sB = smem.allocate_tensor(bf16, cute.make_layout((self.bn, BK, 1), stride=(PITCH, 1, self.bn * PITCH)), 16)
+            sBv = cute.zipped_divide(sB, (1, VEC8, 1))
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA)[None, None, None, 0])
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB)[None, None, None, 0])
+            s2r_A, tAsA, tArA, s2r_B, tBsB, tBrB = ldmatrix_operands(tiled_mma, bf16, tidx, sA, sB, tCrA, tCrB)
 
         for kt in cutlass.range(0, KT, 1):
             slot = kt % self.stages
             cute.arch.cp_async_wait_group(self.stages - 2)
             # K slice kt has landed for all threads' copies; every warp is done with slice kt-1
-            # (its o stage and the widened weight buffer)
+            # (its stages, and the shared widening's bf16 buffer)
             cute.arch.barrier()
             if kt + self.stages - 1 < KT:
                 nxt = kt + self.stages - 1
                 self.issue_fp8(gOv, gWv, sAv, sW8v, atom, atom8, kt0 + nxt, nxt % self.stages, a_col0, w_row0,
                                num_tokens)
             cute.arch.cp_async_commit_group()
-            self.widen(sW8v, sBv, slot)
-            cute.arch.barrier()  # the widened slice is complete before any warp reads it
+            if cutlass.const_expr(self.widen == "registers"):
+                cute.autovec_copy(tCsA[None, None, None, slot], rA)
+                cute.autovec_copy(tCsB8[None, None, None, slot], rB8)
+                tCrA.store(rA.load())
+                tCrB.store(rB8.load().to(Float32).to(bf16))  # exact: every e4m3 value is a bf16
+            else:
+                self.widen_slice(sW8v, sBv, slot)
+                cute.arch.barrier()  # the widened slice is complete before any warp reads it
             blocks = BK // SCALE_BLOCK  # scale blocks along K in this slice
             for h in cutlass.range_constexpr(blocks):
                 scale = mScale[scale_row, (kt0 + kt) * blocks + h]
                 part.fill(0.0)
                 for kb in cutlass.range_constexpr(h * SCALE_BLOCK // 16, (h + 1) * SCALE_BLOCK // 16):
-                    cute.copy(s2r_A, tAsA[None, None, kb, slot], tArA[None, None, kb])
-                    cute.copy(s2r_B, tBsB[None, None, kb, 0], tBrB[None, None, kb])
+                    if cutlass.const_expr(self.widen == "smem"):
+                        cute.copy(s2r_A, tAsA[None, None, kb, slot], tArA[None, None, kb])
+                        cute.copy(s2r_B, tBsB[None, None, kb, 0], tBrB[None, None, kb])
                     cute.gemm(tiled_mma, part, tCrA[None, None, kb], tCrB[None, None, kb], part)
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     acc[i] = acc[i] + scale * part[i]  # the FP32 promotion: one scale per block
@@ -175,7 +215,7 @@ class WoADecodeFp8(WoADecode):
             cute.copy(atom8, gWv[(0, None), (w_row0 + r, kt * VPR8 + v)], sW8v[(0, None, 0), (r, v, slot)])
 
     @cute.jit
-    def widen(self, sW8v: cute.Tensor, sBv: cute.Tensor, slot: Int32):
+    def widen_slice(self, sW8v: cute.Tensor, sBv: cute.Tensor, slot: Int32):
         """e4m3 slice ``slot`` -> the bf16 buffer, 16 elements a thread at a time (exact)."""
         tidx, _, _ = cute.arch.thread_idx()
         VPR8 = self.bk // VEC8
@@ -200,21 +240,23 @@ def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
 
 
 def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4, bn: int = BN,
-           bk: int = 128):
+           bk: int = 128, widen: str = "registers"):
     """``bk``: the K slice, 128 (one scale block) or 256 (two: the bf16 kernel's bytes per
-    weight row and slice, half the slices)."""
+    weight row and slice, half the slices). ``widen``: one of :data:`WIDEN`."""
+    if widen not in WIDEN:
+        raise ValueError(f"wo_a_decode_fp8: widen={widen!r}, expected one of {WIDEN}")
     if bm not in (16, 32) or not WoADecodeFp8.can_implement(1, G, R, Dg, splits, bn, bk):
         raise ValueError(f"wo_a_decode_fp8: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, bn={bn}, splits={splits}, "
                          f"bk={bk} (bm 16 or 32, bn 32 or 64, bk 128 or 256 dividing Dg, R % 128, splits a power "
                          f"of two dividing Dg / bk)")
-    if stages < 2 or smem_bytes(bm, stages, bn, bk) > SMEM_PER_CTA:
-        raise ValueError(f"wo_a_decode_fp8: stages={stages} with bm={bm} bn={bn} bk={bk} needs "
-                         f"{smem_bytes(bm, stages, bn, bk)} B of shared memory; 2 <= stages and at most "
+    if stages < 2 or smem_bytes(bm, stages, bn, bk, widen) > SMEM_PER_CTA:
+        raise ValueError(f"wo_a_decode_fp8: stages={stages} with bm={bm} bn={bn} bk={bk} widen={widen} needs "
+                         f"{smem_bytes(bm, stages, bn, bk, widen)} B of shared memory; 2 <= stages and at most "
                          f"{SMEM_PER_CTA} B")
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.Float8E4M3FN, 16), P(Float32, 4), P(cutlass.BFloat16, 4),
             P(Float32, 4), P(Int32, 4), Int32(1), jit.fake_stream())
-    return WoADecodeFp8(G, R, Dg, bm, splits, stages, bn, bk), args
+    return WoADecodeFp8(G, R, Dg, bm, splits, stages, bn, bk, widen), args
 
 
 KERNEL = jit.register(jit.KernelDef(

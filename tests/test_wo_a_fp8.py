@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from cute_kernels.testing import sass
-from cute_kernels.wo_a_decode_fp8 import (SCALE_BLOCK, WoADecodeFp8, plan, quantize_wo_a_fp8, wo_a_fp8,
-                                          wo_a_fp8_reference)
+from cute_kernels.wo_a_decode_fp8 import (SCALE_BLOCK, WoADecodeFp8, k_permutation, plan, quantize_wo_a_fp8,
+                                          wo_a_fp8, wo_a_fp8_reference)
 from references import rel_err
 
 # bf16 output rounding dominates (~1.1e-3 for an exact sum); FP32 accumulation over K <= 2048
@@ -103,21 +103,71 @@ def test_plan_and_config_errors():
     with pytest.raises(ValueError, match="bk=192"):
         jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=8, R=512, Dg=1024, bk=192, use_disk=False)
     assert not WoADecodeFp8.can_implement(1, 8, 512, 384, bk=256)  # K in whole 256-wide slices
+    with pytest.raises(ValueError, match="widen='global'"):
+        jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=8, R=512, Dg=1024, widen="global", use_disk=False)
+
+
+def k_columns(bk):
+    """The shared column each logical k of a slice reads, from k_permutation's (shape, stride)
+    -- logical k decomposed colexicographically, as CuTe does."""
+    shape, stride = k_permutation(bk)
+    cols = []
+    for k in range(bk):
+        c, rest = 0, k
+        for n, d in zip(shape, stride):
+            c, rest = c + (rest % n) * d, rest // n
+        cols.append(c)
+    return cols
+
+
+@pytest.mark.parametrize("bk", [128, 256])
+def test_k_permutation_is_a_permutation_with_16_byte_runs(seed, bk):
+    """A CPU emulation of the register widening's layout: the K permutation is a bijection that
+    stays inside each 64-wide chunk (so inside a 128-wide scale block), a dot product read
+    through it on both operands is unchanged, and the values one lane holds over a chunk's four
+    m16n8k16 k-steps -- logical k = 16 s + 2 q + {0, 1, 8, 9} for quad lane q -- are the 16
+    contiguous columns 16 q .. 16 q + 15, in fragment order."""
+    cols = k_columns(bk)
+    assert sorted(cols) == list(range(bk))
+    assert all(c // 64 == k // 64 for k, c in enumerate(cols))
+    for chunk in range(bk // 64):
+        for q in range(4):
+            lane = [cols[64 * chunk + 16 * s + 2 * q + j] for s in range(4) for j in (0, 1, 8, 9)]
+            assert lane == list(range(64 * chunk + 16 * q, 64 * chunk + 16 * q + 16))
+    a, b = torch.randn(bk, dtype=torch.float64), torch.randn(bk, dtype=torch.float64)
+    idx = torch.tensor(cols)
+    assert torch.allclose((a[idx] * b[idx]).sum(), (a * b).sum(), rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("bm, splits, bn, stages, bk", [(16, 1, 32, 6, 128), (32, 2, 64, 4, 128), (16, 1, 32, 4, 256)])
-def test_machine_code(arch, bm, splits, bn, stages, bk):
+@pytest.mark.parametrize("bm, splits, bn, stages, bk, widen", [(16, 1, 32, 6, 128, "registers"),
+                                                              (32, 2, 64, 4, 128, "registers"),
+                                                              (16, 1, 32, 4, 256, "registers"),
+                                                              (16, 1, 32, 6, 128, "smem"),
+                                                              (16, 1, 32, 4, 256, "smem")])
+def test_machine_code(arch, bm, splits, bn, stages, bk, widen):
     """cp.async of both operands, the e4m3 -> bf16 widening (F2FP ... E4M3 unpack, then bf16
     packs), bf16 warp MMAs per K slice, one FFMA per accumulator element and scale block (the
-    promotion), no spills."""
+    promotion), no spills. Widening in registers: the permuted fragments load as 16-byte shared
+    loads (a thread's slice: 16 o elements per row and 16 weight bytes per column, per 64-wide
+    chunk), no ldmatrix, and one barrier per slice; through shared memory: ldmatrix and a
+    second barrier."""
     h = sass.sass_histogram("wo_a_decode_fp8", arch, G=16, R=1024, Dg=2048, bm=bm, splits=splits, bn=bn,
-                            stages=stages, **({"bk": bk} if bk != 128 else {}))
+                            stages=stages, widen=widen, **({"bk": bk} if bk != 128 else {}))
     per_k_slice = bm * bn // (16 * 8 * 4) * (bk // 16)  # m16n8k16 per warp over a bk-wide K slice
     assert sass.count(h, "HMMA") >= per_k_slice and sass.count(h, "LDGSTS") >= 2, h
     assert any("E4M3" in m for m in h), h
     assert sass.count(h, "FFMA") >= bm * bn // 128 * (bk // 128)
     assert sass.local_memory_ops(h) == 0
+    chunks = bk // 64
+    if widen == "registers":
+        a_loads = (bm // 16) * 2 * chunks * 2  # m16 blocks x 2 rows x chunks x two 16-byte loads
+        b_loads = (bn // 32) * chunks  # n8 blocks per warp x chunks
+        assert sass.count(h, "LDS.128") >= a_loads + b_loads and sass.count(h, "LDSM") == 0, h
+        if splits == 1:
+            assert sass.count(h, "BAR.SYNC") == 1, h
+    else:
+        assert sass.count(h, "LDSM") >= 2 and sass.count(h, "BAR.SYNC") >= 2, h
 
 
 @pytest.mark.gpu
@@ -136,17 +186,19 @@ def test_matches_reference_on_gpu(seed, G, HG, Dv, R, T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("widen", ["registers", "smem"])
 @pytest.mark.parametrize("bm, splits, bn, stages, bk", [(16, 1, 32, 6, 128), (16, 4, 64, 4, 128), (32, 2, 32, 3, 128),
-                                                       (32, 1, 64, 6, 128), (16, 1, 32, 4, 256), (32, 2, 64, 3, 256)])
-def test_every_config_and_graph_replay(seed, bm, splits, bn, stages, bk):
-    """Each token tile, column tile, split count, depth and K slice: twice eagerly, then
-    replayed in a graph with fresh inputs (the split counters re-zero themselves)."""
+                                                       (32, 1, 64, 6, 128), (16, 1, 32, 4, 256), (32, 2, 64, 3, 256),
+                                                       (16, 1, 32, 12, 128)])
+def test_every_config_and_graph_replay(seed, bm, splits, bn, stages, bk, widen):
+    """Each token tile, column tile, split count, depth, K slice and widening: twice eagerly,
+    then replayed in a graph with fresh inputs (the split counters re-zero themselves)."""
     from cute_kernels import jit
     from cute_kernels.wo_a_decode import WoADecodeWorkspace
 
     G, HG, Dv, R, T = 8, 8, 128, 512, (3 if bm == 16 else 29)
     fn = jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=G, R=R, Dg=HG * Dv, bm=bm, splits=splits, bn=bn,
-                        stages=stages, **({"bk": bk} if bk != 128 else {}))
+                        stages=stages, widen=widen, **({"bk": bk} if bk != 128 else {}))
     ws = WoADecodeWorkspace(G, R, max_splits=8)
     o, w8, scale = make(T, G, HG, Dv, R, "cuda")
     out = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)

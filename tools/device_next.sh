@@ -66,7 +66,12 @@
 #   phase 35: the decode plan from phase 34's probe (32-column tiles at 6 stages where they fit
 #            one wave two per SM): WO-A's decode / PDL GPU tests, the bench at T = 1 / 5, the
 #            runtime's GPU tests.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..43)
+#   phase 42: FP8-weight WO-A with 256-wide K slices (GPU tests, bench), the whole GPU suite.
+#   phase 43: the issue's WO-A bench on the final tree.
+#   phase 44: FP8-weight WO-A widening in registers (K-permuted 16-byte fragment loads, one
+#            barrier a slice): its GPU tests (both widenings), the bench's variants (widening,
+#            K slice, depth).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..44)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -296,13 +301,19 @@ case "${1:-1}" in
   step 120 wo_a_tests $PYT tests/test_wo_a.py -m gpu -k "hopper_matches"
   step 90 bench_wo_a python bench/bench_wo_a.py --tokens 17,20,32 --out "$OUT/bench_wo_a.md"
   ;;
-42)  # staged: FP8-weight WO-A with 256-wide K slices too (GPU tests, bench), then the whole GPU suite on the final tree
+42)  # FP8-weight WO-A with 256-wide K slices too (GPU tests, bench), then the whole GPU suite on the final tree
   step 90 wo_a_fp8_tests $PYT tests/test_wo_a_fp8.py -m gpu
   step 120 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py --bk 128,256 --out "$OUT/bench_wo_a_fp8.md"
   step 400 gpu_suite $PYT tests -m gpu
   ;;
-43)  # staged: the issue's WO-A bench on the final tree
+43)  # the issue's WO-A bench on the final tree
   step 200 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
+  ;;
+44)  # FP8-weight WO-A widened in registers: GPU tests, then the variants side by side
+  step 150 wo_a_fp8_tests $PYT tests/test_wo_a_fp8.py -m gpu
+  step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
+    --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
+    --out "$OUT/bench_wo_a_fp8.md"
   ;;
 30)  # wo_a()'s two-CTAs-per-SM config on the inline-producer engine: GPU tests, bench at T = 272 / 320
   step 240 wo_a_tests $PYT tests/test_wo_a.py tests/test_draft_head_fp8.py -m gpu
