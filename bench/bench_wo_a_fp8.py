@@ -67,7 +67,7 @@ def main():
                 d = dict(plan(T, G, R, Dg), widen=widen, **({"bk": bk} if bk != 128 else {}))
                 if depth != "plan":
                     d["stages"] = 2 * d["stages"] if depth == "x2" else int(depth)
-                while smem_bytes(d["bm"], d["stages"], d["bn"], bk, widen) > SMEM_PER_CTA:
+                while smem_bytes(d["bm"], d["stages"], d["bn"], bk, widen, Dg) > SMEM_PER_CTA:
                     d["stages"] -= 1
                 if not WoADecodeFp8.can_implement(T, G, R, Dg, d["splits"], d["bn"], bk):
                     continue

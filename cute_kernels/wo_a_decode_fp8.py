@@ -64,11 +64,12 @@ def pitches(bk: int, widen: str = "registers") -> tuple[int, int]:
     return bk + 8, bk + (64 if widen == "registers" else 16)
 
 
-def smem_bytes(bm: int, stages: int, bn: int = BN, bk: int = 128, widen: str = "registers") -> int:
+def smem_bytes(bm: int, stages: int, bn: int = BN, bk: int = 128, widen: str = "registers", Dg: int = 2048) -> int:
     """The o stages (bf16), the e4m3 weight stages, the widened bf16 slice (shared widening
-    only) and the flag."""
+    only), the flag and a CTA's scales (at most Dg / 128)."""
     pitch, pitch8 = pitches(bk, widen)
-    return stages * (bm * pitch * 2 + bn * pitch8) + (bn * pitch * 2 if widen == "smem" else 0) + 16
+    return (stages * (bm * pitch * 2 + bn * pitch8) + (bn * pitch * 2 if widen == "smem" else 0) + 16
+            + 4 * (Dg // SCALE_BLOCK) + 16)
 
 
 def k_permutation(bk: int) -> tuple[tuple, tuple]:
@@ -125,6 +126,8 @@ class WoADecodeFp8(WoADecode):
         sW8 = smem.allocate_tensor(f8, cute.make_layout((self.bn, BK, self.stages),
                                                         stride=(PITCH8, 1, self.bn * PITCH8)), 16)
         sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
+        blocks = BK // SCALE_BLOCK  # scale blocks along K in a slice
+        sScale = smem.allocate_tensor(Float32, cute.make_layout((KT * blocks,)), 16)
         atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), bf16, num_bits_per_copy=128)
         atom8 = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), f8, num_bits_per_copy=128)
         gOv = cute.zipped_divide(mO, (1, VEC))
@@ -139,6 +142,13 @@ class WoADecodeFp8(WoADecode):
             if s0 < KT:
                 self.issue_fp8(gOv, gWv, sAv, sW8v, atom, atom8, kt0 + s0, s0, a_col0, w_row0, num_tokens)
             cute.arch.cp_async_commit_group()
+        # this CTA's scales, staged once, behind the prologue's loads: read from global memory
+        # inside the slice loop, each would put a dependent load's latency between two barriers
+        # on every slice (the first slice's barrier makes these stores visible)
+        for i in cutlass.range_constexpr((KT * blocks + self.threads - 1) // self.threads):
+            idx = tidx + i * self.threads
+            if idx < KT * blocks:
+                sScale[idx] = mScale[scale_row, kt0 * blocks + idx]
 
         thr_mma = tiled_mma.get_slice(tidx)
         cC = cute.make_identity_tensor((BM, self.bn))
@@ -187,9 +197,8 @@ class WoADecodeFp8(WoADecode):
             else:
                 self.widen_slice(sW8v, sBv, slot)
                 cute.arch.barrier()  # the widened slice is complete before any warp reads it
-            blocks = BK // SCALE_BLOCK  # scale blocks along K in this slice
             for h in cutlass.range_constexpr(blocks):
-                scale = mScale[scale_row, (kt0 + kt) * blocks + h]
+                scale = sScale[kt * blocks + h]
                 part.fill(0.0)
                 for kb in cutlass.range_constexpr(h * SCALE_BLOCK // 16, (h + 1) * SCALE_BLOCK // 16):
                     if cutlass.const_expr(self.widen == "smem"):
@@ -249,9 +258,9 @@ def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1,
         raise ValueError(f"wo_a_decode_fp8: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, bn={bn}, splits={splits}, "
                          f"bk={bk} (bm 16 or 32, bn 32 or 64, bk 128 or 256 dividing Dg, R % 128, splits a power "
                          f"of two dividing Dg / bk)")
-    if stages < 2 or smem_bytes(bm, stages, bn, bk, widen) > SMEM_PER_CTA:
+    if stages < 2 or smem_bytes(bm, stages, bn, bk, widen, Dg) > SMEM_PER_CTA:
         raise ValueError(f"wo_a_decode_fp8: stages={stages} with bm={bm} bn={bn} bk={bk} widen={widen} needs "
-                         f"{smem_bytes(bm, stages, bn, bk, widen)} B of shared memory; 2 <= stages and at most "
+                         f"{smem_bytes(bm, stages, bn, bk, widen, Dg)} B of shared memory; 2 <= stages and at most "
                          f"{SMEM_PER_CTA} B")
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.Float8E4M3FN, 16), P(Float32, 4), P(cutlass.BFloat16, 4),

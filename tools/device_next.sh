@@ -71,7 +71,9 @@
 #   phase 44: FP8-weight WO-A widening in registers (K-permuted 16-byte fragment loads, one
 #            barrier a slice): its GPU tests (both widenings), the bench's variants (widening,
 #            K slice, depth).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..44)
+#   phase 45: the same with each CTA's block scales staged in shared memory once (no global
+#            load inside the slice loop).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..45)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -313,6 +315,12 @@ case "${1:-1}" in
   step 150 wo_a_fp8_tests $PYT tests/test_wo_a_fp8.py -m gpu
   step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
+    --out "$OUT/bench_wo_a_fp8.md"
+  ;;
+45)  # FP8-weight WO-A with its scales staged in shared memory: GPU tests, the variants
+  step 150 wo_a_fp8_tests $PYT tests/test_wo_a_fp8.py -m gpu
+  step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
+    --variants registers/128/plan,registers/256/plan,registers/128/x2,registers/256/x2,registers/128/8 \
     --out "$OUT/bench_wo_a_fp8.md"
   ;;
 30)  # wo_a()'s two-CTAs-per-SM config on the inline-producer engine: GPU tests, bench at T = 272 / 320
