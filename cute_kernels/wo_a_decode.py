@@ -53,9 +53,9 @@ MAX_T = 64
 
 class WoADecode:
     def __init__(self, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False,
-                 stages: int = STAGES, bn: int = BN):
+                 stages: int = STAGES, bn: int = BN, chains: int = 1):
         self.G, self.R, self.Dg, self.bm, self.splits, self.pdl = G, R, Dg, bm, splits, pdl
-        self.stages, self.bn = stages, bn
+        self.stages, self.bn, self.chains = stages, bn, chains
         self.bk = BK  # the K slice issue_o loads (the FP8 subclass widens it)
         # 4 warps -- bm = 16 / 32: side by side along N (bm x bn/4 each); bm = 64: 2 x 2
         # (32 x bn/2). 8 warps measured no faster (bench/RESULTS.md, fourteenth session).
@@ -127,8 +127,7 @@ class WoADecode:
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB)[None, None, None, 0])
         cC = cute.make_identity_tensor((BM, self.bn))
         tCcC = thr_mma.partition_C(cC)
-        acc = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((BM, self.bn)))
-        acc.fill(0.0)
+        accs = self.make_chains(tiled_mma)
         s2r_A, tAsA, tArA, s2r_B, tBsB, tBrB = ldmatrix_operands(tiled_mma, bf16, tidx, sA, sB, tCrA, tCrB)
 
         for kt in cutlass.range(0, KT, 1):
@@ -140,12 +139,35 @@ class WoADecode:
                 nxt = kt + self.stages - 1
                 self.issue(gOv, gWv, sAv, sBv, atom, kt0 + nxt, nxt % self.stages, a_col0, w_row0, num_tokens)
             cute.arch.cp_async_commit_group()
+            # the slice's ldmatrix loads all ahead of its MMAs: interleaved, the compiler reuses
+            # one operand register set and every k-step waits on its load's latency
             for kb in cutlass.range_constexpr(BK // 16):
                 cute.copy(s2r_A, tAsA[None, None, kb, slot], tArA[None, None, kb])
                 cute.copy(s2r_B, tBsB[None, None, kb, slot], tBrB[None, None, kb])
+            for kb in cutlass.range_constexpr(BK // 16):
+                acc = accs[kb % self.chains]
                 cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
 
-        self.store_tile(acc, tCcC, mY, mPart, mCount, sFlag, num_tokens)
+        self.store_tile(self.sum_chains(accs), tCcC, mY, mPart, mCount, sFlag, num_tokens)
+
+    def make_chains(self, tiled_mma: cute.TiledMma) -> list:
+        """``self.chains`` zeroed FP32 accumulators that the k-steps take in turn: with one CTA
+        of 4 warps per SM each warp's MMAs would otherwise form one dependent chain (every
+        ``mma.sync`` waits for the previous one's accumulator), and its latency -- not the
+        weight stream -- would set the pace."""
+        accs = []
+        for _ in range(self.chains):  # plain Python: unrolled while tracing
+            acc = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((self.bm, self.bn)))
+            acc.fill(0.0)
+            accs.append(acc)
+        return accs
+
+    def sum_chains(self, accs: list) -> cute.Tensor:
+        """The chains' sum, in the first (FP32, fixed order)."""
+        for c in range(1, self.chains):
+            for i in range(cute.size(accs[0])):
+                accs[0][i] = accs[0][i] + accs[c][i]
+        return accs[0]
 
     @cute.jit
     def store_tile(self, acc: cute.Tensor, tCcC: cute.Tensor, mY: cute.Tensor, mPart: cute.Tensor,
@@ -274,11 +296,14 @@ def smem_bytes(bm: int, stages: int, bn: int = BN) -> int:
 
 
 def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False,
-           stages: int = STAGES, bn: int = BN):
+           stages: int = STAGES, bn: int = BN, chains: int = 1):
     """``pdl``: launched as a programmatic dependent of the previous kernel on the stream
     (weight prefetch overlaps its tail); the same results, a separate compile. ``stages``: the
     cp.async pipeline depth (``stages - 1`` K slices in flight per CTA). ``bn``: the weight rows
-    (output columns) of a CTA, 64 or 32."""
+    (output columns) of a CTA, 64 or 32. ``chains``: independent accumulators the k-steps
+    alternate between (1, 2, 4 or 8), summed before the store."""
+    if chains not in (1, 2, 4, 8):
+        raise ValueError(f"wo_a_decode: chains={chains}, expected 1, 2, 4 or 8")
     if bm not in (16, 32, 64) or not WoADecode.can_implement(1, G, R, Dg, splits, bn):
         raise ValueError(f"wo_a_decode: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, bn={bn}, splits={splits} "
                          f"(bn 32 or 64 dividing R, Dg % 128, splits a power of two dividing Dg / 128, "
@@ -289,7 +314,7 @@ def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1,
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 4), P(Float32, 4), P(Int32, 4),
             Int32(1), jit.fake_stream())
-    return WoADecode(G, R, Dg, bm, splits, pdl, stages, bn), args
+    return WoADecode(G, R, Dg, bm, splits, pdl, stages, bn, chains), args
 
 
 KERNEL = jit.register(jit.KernelDef(

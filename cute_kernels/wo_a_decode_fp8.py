@@ -88,8 +88,8 @@ class WoADecodeFp8(WoADecode):
     split partials (``store_tile``) are the bf16 kernel's."""
 
     def __init__(self, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4, bn: int = BN,
-                 bk: int = 128, widen: str = "registers"):
-        super().__init__(G, R, Dg, bm, splits, False, stages, bn)
+                 bk: int = 128, widen: str = "registers", chains: int = 1):
+        super().__init__(G, R, Dg, bm, splits, False, stages, bn, chains)
         self.bk, self.widen = bk, widen
 
     @cute.jit
@@ -155,7 +155,7 @@ class WoADecodeFp8(WoADecode):
         tCcC = thr_mma.partition_C(cC)
         acc = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((BM, self.bn)))
         acc.fill(0.0)
-        part = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((BM, self.bn)))
+        parts = self.make_chains(tiled_mma)  # a scale block's sums, in self.chains MMA chains
         if cutlass.const_expr(self.widen == "registers"):
             # both operands seen through the K permutation: each thread's fragments of a slice
             # are 16-byte runs of shared memory (see k_permutation)
@@ -199,12 +199,15 @@ class WoADecodeFp8(WoADecode):
                 cute.arch.barrier()  # the widened slice is complete before any warp reads it
             for h in cutlass.range_constexpr(blocks):
                 scale = sScale[kt * blocks + h]
-                part.fill(0.0)
+                for c in cutlass.range_constexpr(self.chains):
+                    parts[c].fill(0.0)
                 for kb in cutlass.range_constexpr(h * SCALE_BLOCK // 16, (h + 1) * SCALE_BLOCK // 16):
                     if cutlass.const_expr(self.widen == "smem"):
                         cute.copy(s2r_A, tAsA[None, None, kb, slot], tArA[None, None, kb])
                         cute.copy(s2r_B, tBsB[None, None, kb, 0], tBrB[None, None, kb])
+                    part = parts[kb % self.chains]
                     cute.gemm(tiled_mma, part, tCrA[None, None, kb], tCrB[None, None, kb], part)
+                part = self.sum_chains(parts)
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     acc[i] = acc[i] + scale * part[i]  # the FP32 promotion: one scale per block
 
@@ -249,11 +252,14 @@ def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
 
 
 def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4, bn: int = BN,
-           bk: int = 128, widen: str = "registers"):
+           bk: int = 128, widen: str = "registers", chains: int = 1):
     """``bk``: the K slice, 128 (one scale block) or 256 (two: the bf16 kernel's bytes per
-    weight row and slice, half the slices). ``widen``: one of :data:`WIDEN`."""
+    weight row and slice, half the slices). ``widen``: one of :data:`WIDEN`. ``chains``: the
+    bf16 kernel's independent MMA accumulators (1, 2, 4 or 8), here per scale block."""
     if widen not in WIDEN:
         raise ValueError(f"wo_a_decode_fp8: widen={widen!r}, expected one of {WIDEN}")
+    if chains not in (1, 2, 4, 8):
+        raise ValueError(f"wo_a_decode_fp8: chains={chains}, expected 1, 2, 4 or 8")
     if bm not in (16, 32) or not WoADecodeFp8.can_implement(1, G, R, Dg, splits, bn, bk):
         raise ValueError(f"wo_a_decode_fp8: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, bn={bn}, splits={splits}, "
                          f"bk={bk} (bm 16 or 32, bn 32 or 64, bk 128 or 256 dividing Dg, R % 128, splits a power "
@@ -265,7 +271,7 @@ def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1,
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.Float8E4M3FN, 16), P(Float32, 4), P(cutlass.BFloat16, 4),
             P(Float32, 4), P(Int32, 4), Int32(1), jit.fake_stream())
-    return WoADecodeFp8(G, R, Dg, bm, splits, stages, bn, bk, widen), args
+    return WoADecodeFp8(G, R, Dg, bm, splits, stages, bn, bk, widen, chains), args
 
 
 KERNEL = jit.register(jit.KernelDef(

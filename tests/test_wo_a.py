@@ -458,18 +458,21 @@ def test_decode_kernel_matches_fp64(seed, G, HG, Dv, R, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bm, splits, bn, stages", [
-    (16, 1, 64, 4), (16, 2, 64, 4), (16, 8, 64, 4), (64, 1, 64, 4), (64, 4, 64, 4), (16, 1, 64, 6), (16, 1, 32, 9),
-    (16, 2, 32, 6), (64, 2, 32, 4), (16, 4, 32, 3), (16, 1, 32, 6), (32, 1, 32, 6), (32, 2, 64, 4), (32, 1, 64, 6)])
-def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits, bn, stages):
-    """Each token tile, column tile, split count and pipeline depth (deeper than the CTA's K
-    slices included), launched twice eagerly and replayed in a graph with fresh inputs: the
-    last-CTA counters re-zero themselves and the sums stay exact."""
+@pytest.mark.parametrize("bm, splits, bn, stages, chains", [
+    (16, 1, 64, 4, 1), (16, 2, 64, 4, 1), (16, 8, 64, 4, 1), (64, 1, 64, 4, 1), (64, 4, 64, 4, 1), (16, 1, 64, 6, 1),
+    (16, 1, 32, 9, 1), (16, 2, 32, 6, 1), (64, 2, 32, 4, 1), (16, 4, 32, 3, 1), (16, 1, 32, 6, 1), (32, 1, 32, 6, 1),
+    (32, 2, 64, 4, 1), (32, 1, 64, 6, 1),
+    (16, 1, 32, 6, 2), (16, 2, 64, 4, 4), (32, 1, 32, 6, 2), (64, 1, 64, 4, 2), (16, 1, 32, 6, 8)])
+def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits, bn, stages, chains):
+    """Each token tile, column tile, split count, pipeline depth (deeper than the CTA's K
+    slices included) and MMA chain count, launched twice eagerly and replayed in a graph with
+    fresh inputs: the last-CTA counters re-zero themselves and the sums stay exact."""
     from cute_kernels import jit
     from cute_kernels.wo_a_decode import WoADecodeWorkspace
 
     G, HG, Dv, R, T = 8, 8, 128, 512, {16: 3, 32: 29, 64: 41}[bm]
-    fn = jit.get_kernel("wo_a_decode", "sm_90a", G=G, R=R, Dg=HG * Dv, bm=bm, splits=splits, bn=bn, stages=stages)
+    fn = jit.get_kernel("wo_a_decode", "sm_90a", G=G, R=R, Dg=HG * Dv, bm=bm, splits=splits, bn=bn, stages=stages,
+                        chains=chains)
     ws = WoADecodeWorkspace(G, R, max_splits=8)
     o, w = make(T, G, HG, Dv, R, "cuda")
     out = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
@@ -568,16 +571,23 @@ def test_decode_kernel_config_errors():
         jit.get_kernel("wo_a_decode", "sm_90a", G=8, R=512, Dg=1024, bm=64, stages=12, use_disk=False)
     with pytest.raises(ValueError, match="bn=48"):
         jit.get_kernel("wo_a_decode", "sm_90a", G=8, R=512, Dg=1024, bm=16, bn=48, use_disk=False)
+    with pytest.raises(ValueError, match="chains=3"):
+        jit.get_kernel("wo_a_decode", "sm_90a", G=8, R=512, Dg=1024, bm=16, chains=3, use_disk=False)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("bm, splits, bn, stages", [(16, 4, 64, 4), (64, 1, 64, 4), (16, 1, 32, 9), (32, 1, 32, 6)])
-def test_decode_kernel_machine_code(arch, bm, splits, bn, stages):
-    h = sass.sass_histogram("wo_a_decode", arch, G=16, R=1024, Dg=2048, bm=bm, splits=splits, bn=bn, stages=stages)
+@pytest.mark.parametrize("bm, splits, bn, stages, chains", [(16, 4, 64, 4, 1), (64, 1, 64, 4, 1), (16, 1, 32, 9, 1),
+                                                          (32, 1, 32, 6, 1), (16, 1, 32, 6, 2), (32, 1, 64, 6, 4)])
+def test_decode_kernel_machine_code(arch, bm, splits, bn, stages, chains):
+    """ldmatrix, warp MMAs and cp.async, no spills; with several MMA chains, their sum: one
+    FADD per accumulator element and extra chain."""
+    h = sass.sass_histogram("wo_a_decode", arch, G=16, R=1024, Dg=2048, bm=bm, splits=splits, bn=bn, stages=stages,
+                            chains=chains)
     per_k_slice = bm * bn // (16 * 8 * 4) * (128 // 16)  # m16n8k16 per warp (4 warps) over a 128-wide K slice
     assert sass.count(h, "HMMA") >= per_k_slice and sass.count(h, "LDSM") >= 1 and sass.count(h, "LDGSTS") >= 1
     assert sass.local_memory_ops(h) == 0
     assert sass.count(h, "ACQBULK") == 0  # no grid-dependency wait unless asked
+    assert sass.count(h, "FADD") >= bm * bn // 128 * (chains - 1)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])

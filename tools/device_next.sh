@@ -73,7 +73,9 @@
 #            K slice, depth).
 #   phase 45: the same with each CTA's block scales staged in shared memory once (no global
 #            load inside the slice loop).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..45)
+#   phase 46: independent MMA accumulator chains in both decode kernels: their GPU tests, the
+#            decode kernel's plan with 1 / 2 / 4 chains (probe), the FP8 kernel's likewise.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..46)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -316,6 +318,12 @@ case "${1:-1}" in
   step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
+  ;;
+46)  # MMA chains: GPU tests, the bf16 decode plan and the FP8 kernel with 1 / 2 / 4 chains
+  step 150 decode_tests $PYT tests/test_wo_a.py tests/test_wo_a_fp8.py -m gpu -k "decode_kernel or fp8"
+  step 200 probe_chains env TS=1,5,16,32 PLAN_ONLY=1 CHAINS=1,2,4 PDL=0 python tools/probe_wo_a_decode.py
+  step 200 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
+    --variants registers/128/plan/1,registers/128/plan/2,registers/128/plan/4 --out "$OUT/bench_wo_a_fp8.md"
   ;;
 45)  # FP8-weight WO-A with its scales staged in shared memory: GPU tests, the variants
   step 150 wo_a_fp8_tests $PYT tests/test_wo_a_fp8.py -m gpu
