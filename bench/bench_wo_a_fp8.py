@@ -7,11 +7,12 @@ kernel at :func:`cute_kernels.wo_a_decode_fp8.wo_a_fp8`'s plan, bf16 WO-A's defa
 (:func:`cute_kernels.wo_a.wo_a`) and cuBLAS ``bmm`` alone on the bf16 weights (issue 4's
 baseline (b)). Bandwidth: the FP8 call's bytes (e4m3 weights + scales + o + y) against 4.3
 TB/s; the speed-ups are against the bf16 calls, which move twice the weight bytes.
-``--variants``: one row each, ``widen/bk/stages[/chains]`` at the plan's tiles and splits --
+``--variants``: one row each, ``widen/bk/stages[/chains[/rotate]]`` at the plan's tiles and splits --
 widen ``registers`` (the default) or ``smem``; the K slice 128 (the plan) or 256 (two scale
 blocks, the bf16 kernel's bytes per slice); the depth ``plan``, ``x2`` (twice the plan's: the
 same bytes in flight as the bf16 kernel) or a number, lowered until it fits shared memory;
-the independent MMA accumulators (``plan`` or 1, 2, 4, 8).
+the independent MMA accumulators (``plan`` or 1, 2, 4, 8); the per-CTA K walk (``plan``,
+``rotate`` or ``straight``).
 """
 
 from __future__ import annotations
@@ -42,15 +43,17 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated T values (<= 32)")
     ap.add_argument("--variants", default="registers/128/plan/plan",
-                    help="comma-separated widen/bk/stages[/chains] (widen: registers or smem; bk: 128 or 256; "
-                         "stages: plan, x2 or a number; chains: plan or 1, 2, 4, 8)")
+                    help="comma-separated widen/bk/stages[/chains[/rotate]] (widen: registers or smem; bk: 128 or "
+                         "256; stages: plan, x2 or a number; chains: plan or 1, 2, 4, 8; rotate: plan, rotate "
+                         "or straight)")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
-    variants = [(v.split("/") + ["plan"])[:4] for v in args.variants.split(",")]
+    variants = [(v.split("/") + ["plan", "plan"])[:5] for v in args.variants.split(",")]
     for v in variants:
         if (v[0] not in WIDEN or v[1] not in ("128", "256") or not (v[2] in ("plan", "x2") or v[2].isdigit())
-                or v[3] not in ("plan", "1", "2", "4", "8")):
-            ap.error(f"--variants: {'/'.join(v)!r} is not widen/bk/stages/chains (e.g. registers/128/plan/2)")
+                or v[3] not in ("plan", "1", "2", "4", "8") or v[4] not in ("plan", "rotate", "straight")):
+            ap.error(f"--variants: {'/'.join(v)!r} is not widen/bk/stages/chains/rotate "
+                     f"(e.g. registers/128/plan/2/rotate)")
     rows = []
     for G, R, Dg in SHAPES:
         n = rotation_count(G * R * Dg * 2)  # sized by the bf16 set, the larger
@@ -64,11 +67,13 @@ def main():
             t16 = time_graph(lambda i: wo_a(o, ws[i], out=y), n, max(n, 8))
             t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
             nbytes = G * R * Dg + qs[0][1].numel() * 4 + o.numel() * 2 + y.numel() * 2
-            for widen, bk, depth, chains in variants:
+            for widen, bk, depth, chains, rotate in variants:
                 bk = int(bk)
                 d = dict(plan(T, G, R, Dg), widen=widen, **({"bk": bk} if bk != 128 else {}))
                 if chains != "plan":
                     d["chains"] = int(chains)
+                if rotate != "plan":
+                    d["rotate_k"] = rotate == "rotate"
                 if depth != "plan":
                     d["stages"] = 2 * d["stages"] if depth == "x2" else int(depth)
                 while smem_bytes(d["bm"], d["stages"], d["bn"], bk, widen, Dg) > SMEM_PER_CTA:
@@ -90,7 +95,8 @@ def main():
                 err = ((y.float() - ref).norm() / ref.norm()).item()
                 t8 = time_graph(call, n, max(n, 8))
                 rows.append([f"T={T} G={G} R={R} Dg={Dg} fp8 {d['bm']}x{d['bn']}, {d['splits']} split(s), "
-                             f"{d['stages']} stages, K slice {bk}, widen {widen}, {d.get('chains', 1)} chain(s)", f"{t8 * 1e6:.2f}", f"{t16 * 1e6:.2f}",
+                             f"{d['stages']} stages, K slice {bk}, widen {widen}, {d.get('chains', 1)} chain(s)"
+                             f"{', K walk rotated' if d.get('rotate_k') else ''}", f"{t8 * 1e6:.2f}", f"{t16 * 1e6:.2f}",
                              f"{t_bmm * 1e6:.2f}", f"{t16 / t8:.2f}x", f"{t_bmm / t8:.2f}x",
                              f"{nbytes / t8 / 1e12:.2f}", f"{100 * nbytes / t8 / H200_COPY_BW:.0f}%", f"{err:.1e}"])
                 print("| " + " | ".join(rows[-1]) + " |", flush=True)

@@ -53,9 +53,9 @@ MAX_T = 64
 
 class WoADecode:
     def __init__(self, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False,
-                 stages: int = STAGES, bn: int = BN, chains: int = 1):
+                 stages: int = STAGES, bn: int = BN, chains: int = 1, rotate_k: bool = False):
         self.G, self.R, self.Dg, self.bm, self.splits, self.pdl = G, R, Dg, bm, splits, pdl
-        self.stages, self.bn, self.chains = stages, bn, chains
+        self.stages, self.bn, self.chains, self.rotate_k = stages, bn, chains, rotate_k
         self.bk = BK  # the K slice issue_o loads (the FP8 subclass widens it)
         # 4 warps -- bm = 16 / 32: side by side along N (bm x bn/4 each); bm = 64: 2 x 2
         # (32 x bn/2). 8 warps measured no faster (bench/RESULTS.md, fourteenth session).
@@ -87,6 +87,7 @@ class WoADecode:
         r0 = nt * self.bn
         KT = self.Dg // BK // self.splits  # K slices of this split
         kt0 = z * KT
+        rot = self.k_rotation(KT)
         smem = cutlass.memory.SmemAllocator()
         sA = smem.allocate_tensor(bf16, cute.make_layout((BM, BK, self.stages), stride=(PITCH, 1, BM * PITCH)), 16)
         sB = smem.allocate_tensor(bf16, cute.make_layout((self.bn, BK, self.stages),
@@ -108,18 +109,19 @@ class WoADecode:
             # loop's wait_group(stages - 2) count.
             for s0 in cutlass.range_constexpr(self.stages - 1):
                 if s0 < KT:
-                    self.issue_w(gWv, sBv, atom, kt0 + s0, s0, w_row0)
+                    self.issue_w(gWv, sBv, atom, self.k_slice(kt0, s0, KT, rot), s0, w_row0)
             cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()
             for s0 in cutlass.range_constexpr(self.stages - 1):
                 if s0 < KT:
-                    self.issue_o(gOv, sAv, atom, kt0 + s0, s0, a_col0, num_tokens)
+                    self.issue_o(gOv, sAv, atom, self.k_slice(kt0, s0, KT, rot), s0, a_col0, num_tokens)
             for s0 in cutlass.range_constexpr(self.stages - 1):
                 cute.arch.cp_async_commit_group()
         else:
             for s0 in cutlass.range_constexpr(self.stages - 1):
                 if s0 < KT:
-                    self.issue(gOv, gWv, sAv, sBv, atom, kt0 + s0, s0, a_col0, w_row0, num_tokens)
+                    self.issue(gOv, gWv, sAv, sBv, atom, self.k_slice(kt0, s0, KT, rot), s0, a_col0, w_row0,
+                               num_tokens)
                 cute.arch.cp_async_commit_group()
 
         thr_mma = tiled_mma.get_slice(tidx)
@@ -137,7 +139,8 @@ class WoADecode:
             cute.arch.barrier()
             if kt + self.stages - 1 < KT:
                 nxt = kt + self.stages - 1
-                self.issue(gOv, gWv, sAv, sBv, atom, kt0 + nxt, nxt % self.stages, a_col0, w_row0, num_tokens)
+                self.issue(gOv, gWv, sAv, sBv, atom, self.k_slice(kt0, nxt, KT, rot), nxt % self.stages, a_col0,
+                           w_row0, num_tokens)
             cute.arch.cp_async_commit_group()
             # the slice's ldmatrix loads all ahead of its MMAs: interleaved, the compiler reuses
             # one operand register set and every k-step waits on its load's latency
@@ -149,6 +152,22 @@ class WoADecode:
                 cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
 
         self.store_tile(self.sum_chains(accs), tCcC, mY, mPart, mCount, sFlag, num_tokens)
+
+    def k_rotation(self, KT: int):
+        """Where this CTA starts its walk over its ``KT`` K slices (``rotate_k``): the column
+        tile's index mod KT, so CTAs marching in step read different 256-byte columns of
+        their rows instead of all the same one (DRAM channel spread); else 0."""
+        if not self.rotate_k:
+            return 0
+        nt, g, _ = cute.arch.block_idx()
+        return (g * (self.R // self.bn) + nt) % KT
+
+    def k_slice(self, kt0, i, KT: int, rot):
+        """The global K slice of this CTA's i-th step: its split's slices from ``kt0``, walked
+        from ``rot`` round (the reduction order per CTA stays fixed: deterministic)."""
+        if not self.rotate_k:
+            return kt0 + i
+        return kt0 + (i + rot) % KT
 
     def make_chains(self, tiled_mma: cute.TiledMma) -> list:
         """``self.chains`` zeroed FP32 accumulators that the k-steps take in turn: with one CTA
@@ -296,12 +315,13 @@ def smem_bytes(bm: int, stages: int, bn: int = BN) -> int:
 
 
 def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False,
-           stages: int = STAGES, bn: int = BN, chains: int = 1):
+           stages: int = STAGES, bn: int = BN, chains: int = 1, rotate_k: bool = False):
     """``pdl``: launched as a programmatic dependent of the previous kernel on the stream
     (weight prefetch overlaps its tail); the same results, a separate compile. ``stages``: the
     cp.async pipeline depth (``stages - 1`` K slices in flight per CTA). ``bn``: the weight rows
     (output columns) of a CTA, 64 or 32. ``chains``: independent accumulators the k-steps
-    alternate between (1, 2, 4 or 8), summed before the store."""
+    alternate between (1, 2, 4 or 8), summed before the store. ``rotate_k``: each CTA walks its
+    K slices from its own start (:meth:`WoADecode.k_rotation`)."""
     if chains not in (1, 2, 4, 8):
         raise ValueError(f"wo_a_decode: chains={chains}, expected 1, 2, 4 or 8")
     if bm not in (16, 32, 64) or not WoADecode.can_implement(1, G, R, Dg, splits, bn):
@@ -314,7 +334,7 @@ def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1,
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 4), P(Float32, 4), P(Int32, 4),
             Int32(1), jit.fake_stream())
-    return WoADecode(G, R, Dg, bm, splits, pdl, stages, bn, chains), args
+    return WoADecode(G, R, Dg, bm, splits, pdl, stages, bn, chains, rotate_k), args
 
 
 KERNEL = jit.register(jit.KernelDef(

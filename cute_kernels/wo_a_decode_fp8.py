@@ -88,8 +88,8 @@ class WoADecodeFp8(WoADecode):
     split partials (``store_tile``) are the bf16 kernel's."""
 
     def __init__(self, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4, bn: int = BN,
-                 bk: int = 128, widen: str = "registers", chains: int = 1):
-        super().__init__(G, R, Dg, bm, splits, False, stages, bn, chains)
+                 bk: int = 128, widen: str = "registers", chains: int = 1, rotate_k: bool = False):
+        super().__init__(G, R, Dg, bm, splits, False, stages, bn, chains, rotate_k)
         self.bk, self.widen = bk, widen
 
     @cute.jit
@@ -121,6 +121,7 @@ class WoADecodeFp8(WoADecode):
         PITCH, PITCH8 = pitches(BK, self.widen)
         KT = self.Dg // BK // self.splits  # K slices of this split
         kt0 = z * KT
+        rot = self.k_rotation(KT)
         smem = cutlass.memory.SmemAllocator()
         sA = smem.allocate_tensor(bf16, cute.make_layout((BM, BK, self.stages), stride=(PITCH, 1, BM * PITCH)), 16)
         sW8 = smem.allocate_tensor(f8, cute.make_layout((self.bn, BK, self.stages),
@@ -140,7 +141,8 @@ class WoADecodeFp8(WoADecode):
 
         for s0 in cutlass.range_constexpr(self.stages - 1):
             if s0 < KT:
-                self.issue_fp8(gOv, gWv, sAv, sW8v, atom, atom8, kt0 + s0, s0, a_col0, w_row0, num_tokens)
+                self.issue_fp8(gOv, gWv, sAv, sW8v, atom, atom8, self.k_slice(kt0, s0, KT, rot), s0, a_col0, w_row0,
+                               num_tokens)
             cute.arch.cp_async_commit_group()
         # this CTA's scales, staged once, behind the prologue's loads: read from global memory
         # inside the slice loop, each would put a dependent load's latency between two barriers
@@ -186,8 +188,8 @@ class WoADecodeFp8(WoADecode):
             cute.arch.barrier()
             if kt + self.stages - 1 < KT:
                 nxt = kt + self.stages - 1
-                self.issue_fp8(gOv, gWv, sAv, sW8v, atom, atom8, kt0 + nxt, nxt % self.stages, a_col0, w_row0,
-                               num_tokens)
+                self.issue_fp8(gOv, gWv, sAv, sW8v, atom, atom8, self.k_slice(kt0, nxt, KT, rot), nxt % self.stages,
+                               a_col0, w_row0, num_tokens)
             cute.arch.cp_async_commit_group()
             if cutlass.const_expr(self.widen == "registers"):
                 cute.autovec_copy(tCsA[None, None, None, slot], rA)
@@ -198,7 +200,7 @@ class WoADecodeFp8(WoADecode):
                 self.widen_slice(sW8v, sBv, slot)
                 cute.arch.barrier()  # the widened slice is complete before any warp reads it
             for h in cutlass.range_constexpr(blocks):
-                scale = sScale[kt * blocks + h]
+                scale = sScale[(self.k_slice(kt0, kt, KT, rot) - kt0) * blocks + h]
                 for c in cutlass.range_constexpr(self.chains):
                     parts[c].fill(0.0)
                 for kb in cutlass.range_constexpr(h * SCALE_BLOCK // 16, (h + 1) * SCALE_BLOCK // 16):
@@ -252,10 +254,11 @@ def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
 
 
 def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4, bn: int = BN,
-           bk: int = 128, widen: str = "registers", chains: int = 1):
+           bk: int = 128, widen: str = "registers", chains: int = 1, rotate_k: bool = False):
     """``bk``: the K slice, 128 (one scale block) or 256 (two: the bf16 kernel's bytes per
     weight row and slice, half the slices). ``widen``: one of :data:`WIDEN`. ``chains``: the
-    bf16 kernel's independent MMA accumulators (1, 2, 4 or 8), here per scale block."""
+    bf16 kernel's independent MMA accumulators (1, 2, 4 or 8), here per scale block.
+    ``rotate_k``: the bf16 kernel's per-CTA start of the K walk."""
     if widen not in WIDEN:
         raise ValueError(f"wo_a_decode_fp8: widen={widen!r}, expected one of {WIDEN}")
     if chains not in (1, 2, 4, 8):
@@ -271,7 +274,7 @@ def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1,
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.Float8E4M3FN, 16), P(Float32, 4), P(cutlass.BFloat16, 4),
             P(Float32, 4), P(Int32, 4), Int32(1), jit.fake_stream())
-    return WoADecodeFp8(G, R, Dg, bm, splits, stages, bn, bk, widen, chains), args
+    return WoADecodeFp8(G, R, Dg, bm, splits, stages, bn, bk, widen, chains, rotate_k), args
 
 
 KERNEL = jit.register(jit.KernelDef(

@@ -458,21 +458,26 @@ def test_decode_kernel_matches_fp64(seed, G, HG, Dv, R, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bm, splits, bn, stages, chains", [
-    (16, 1, 64, 4, 1), (16, 2, 64, 4, 1), (16, 8, 64, 4, 1), (64, 1, 64, 4, 1), (64, 4, 64, 4, 1), (16, 1, 64, 6, 1),
-    (16, 1, 32, 9, 1), (16, 2, 32, 6, 1), (64, 2, 32, 4, 1), (16, 4, 32, 3, 1), (16, 1, 32, 6, 1), (32, 1, 32, 6, 1),
-    (32, 2, 64, 4, 1), (32, 1, 64, 6, 1),
-    (16, 1, 32, 6, 2), (16, 2, 64, 4, 4), (32, 1, 32, 6, 2), (64, 1, 64, 4, 2), (16, 1, 32, 6, 8)])
-def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits, bn, stages, chains):
+@pytest.mark.parametrize("bm, splits, bn, stages, chains, rotate_k", [
+    (16, 1, 64, 4, 1, False), (16, 2, 64, 4, 1, False), (16, 8, 64, 4, 1, False), (64, 1, 64, 4, 1, False),
+    (64, 4, 64, 4, 1, False), (16, 1, 64, 6, 1, False), (16, 1, 32, 9, 1, False), (16, 2, 32, 6, 1, False),
+    (64, 2, 32, 4, 1, False), (16, 4, 32, 3, 1, False), (16, 1, 32, 6, 1, False), (32, 1, 32, 6, 1, False),
+    (32, 2, 64, 4, 1, False), (32, 1, 64, 6, 1, False),
+    (16, 1, 32, 6, 2, False), (16, 2, 64, 4, 4, False), (32, 1, 32, 6, 2, False), (64, 1, 64, 4, 2, False),
+    (16, 1, 32, 6, 8, False),
+    (16, 1, 32, 6, 1, True), (16, 2, 64, 4, 1, True), (32, 1, 32, 6, 2, True), (64, 1, 64, 4, 1, True),
+    (16, 4, 32, 3, 1, True)])
+def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits, bn, stages, chains, rotate_k):
     """Each token tile, column tile, split count, pipeline depth (deeper than the CTA's K
-    slices included) and MMA chain count, launched twice eagerly and replayed in a graph with
-    fresh inputs: the last-CTA counters re-zero themselves and the sums stay exact."""
+    slices included), MMA chain count and K walk (rotated per CTA or not), launched twice
+    eagerly and replayed in a graph with fresh inputs: the last-CTA counters re-zero themselves
+    and the sums stay exact."""
     from cute_kernels import jit
     from cute_kernels.wo_a_decode import WoADecodeWorkspace
 
     G, HG, Dv, R, T = 8, 8, 128, 512, {16: 3, 32: 29, 64: 41}[bm]
     fn = jit.get_kernel("wo_a_decode", "sm_90a", G=G, R=R, Dg=HG * Dv, bm=bm, splits=splits, bn=bn, stages=stages,
-                        chains=chains)
+                        chains=chains, rotate_k=rotate_k)
     ws = WoADecodeWorkspace(G, R, max_splits=8)
     o, w = make(T, G, HG, Dv, R, "cuda")
     out = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)

@@ -190,8 +190,8 @@ def test_matches_reference_on_gpu(seed, G, HG, Dv, R, T):
 @pytest.mark.parametrize("bm, splits, bn, stages, bk", [(16, 1, 32, 6, 128), (16, 4, 64, 4, 128), (32, 2, 32, 3, 128),
                                                        (32, 1, 64, 6, 128), (16, 1, 32, 4, 256), (32, 2, 64, 3, 256),
                                                        (16, 1, 32, 12, 128)])
-@pytest.mark.parametrize("chains", [1, 2])
-def test_every_config_and_graph_replay(seed, bm, splits, bn, stages, bk, widen, chains):
+@pytest.mark.parametrize("chains, rotate_k", [(1, False), (2, True)])
+def test_every_config_and_graph_replay(seed, bm, splits, bn, stages, bk, widen, chains, rotate_k):
     """Each token tile, column tile, split count, depth, K slice and widening: twice eagerly,
     then replayed in a graph with fresh inputs (the split counters re-zero themselves)."""
     from cute_kernels import jit
@@ -199,7 +199,8 @@ def test_every_config_and_graph_replay(seed, bm, splits, bn, stages, bk, widen, 
 
     G, HG, Dv, R, T = 8, 8, 128, 512, (3 if bm == 16 else 29)
     fn = jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=G, R=R, Dg=HG * Dv, bm=bm, splits=splits, bn=bn,
-                        stages=stages, widen=widen, chains=chains, **({"bk": bk} if bk != 128 else {}))
+                        stages=stages, widen=widen, chains=chains, rotate_k=rotate_k,
+                        **({"bk": bk} if bk != 128 else {}))
     ws = WoADecodeWorkspace(G, R, max_splits=8)
     o, w8, scale = make(T, G, HG, Dv, R, "cuda")
     out = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)

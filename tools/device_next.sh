@@ -75,7 +75,9 @@
 #            load inside the slice loop).
 #   phase 46: independent MMA accumulator chains in both decode kernels: their GPU tests, the
 #            decode kernel's plan with 1 / 2 / 4 chains (probe), the FP8 kernel's likewise.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..46)
+#   phase 47: a per-CTA start of the decode kernels' K walk (rotate_k): GPU tests, the plan with
+#            and without it (probe), the FP8 kernel likewise.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..47)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -317,6 +319,13 @@ case "${1:-1}" in
   step 150 wo_a_fp8_tests $PYT tests/test_wo_a_fp8.py -m gpu
   step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
+    --out "$OUT/bench_wo_a_fp8.md"
+  ;;
+47)  # the rotated K walk: GPU tests, the bf16 decode plan and the FP8 kernel with and without it
+  step 150 decode_tests $PYT tests/test_wo_a.py tests/test_wo_a_fp8.py -m gpu -k "every"
+  step 150 probe_rotate env TS=1,5,16,32 PLAN_ONLY=1 ROTATE=0,1 PDL=0 python tools/probe_wo_a_decode.py
+  step 200 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
+    --variants registers/128/plan/1/straight,registers/128/plan/1/rotate,registers/128/plan/2/rotate \
     --out "$OUT/bench_wo_a_fp8.md"
   ;;
 46)  # MMA chains: GPU tests, the bf16 decode plan and the FP8 kernel with 1 / 2 / 4 chains
