@@ -142,12 +142,9 @@ class WoADecode:
                 self.issue(gOv, gWv, sAv, sBv, atom, self.k_slice(kt0, nxt, KT, rot), nxt % self.stages, a_col0,
                            w_row0, num_tokens)
             cute.arch.cp_async_commit_group()
-            # the slice's ldmatrix loads all ahead of its MMAs: interleaved, the compiler reuses
-            # one operand register set and every k-step waits on its load's latency
             for kb in cutlass.range_constexpr(BK // 16):
                 cute.copy(s2r_A, tAsA[None, None, kb, slot], tArA[None, None, kb])
                 cute.copy(s2r_B, tBsB[None, None, kb, slot], tBrB[None, None, kb])
-            for kb in cutlass.range_constexpr(BK // 16):
                 acc = accs[kb % self.chains]
                 cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
 
