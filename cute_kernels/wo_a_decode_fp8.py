@@ -10,22 +10,25 @@ the spec. The issue's optional second variant: the weight bytes, which bound dec
 Schedule: :mod:`cute_kernels.wo_a_decode`'s, on half the weight bytes. One CTA owns ``bn`` (32
 or 64) weight rows of one group -- inside one 128-row scale block -- and a 1/``splits`` slice
 of K, streamed in ``bk``-wide K slices (128 or 256: one or two scale blocks along K, so a CTA
-has one scale per block of a slice) through a ``stages``-deep cp.async pipeline. Each landed
-slice is widened to bf16 in one shared buffer (every e4m3 value is exact in bf16), the warps'
-``mma.sync m16n8k16`` accumulate each scale block of the slice in FP32 from zero, and the
-block's sum is added to the FP32 accumulator times its scale -- the FP32 promotion of
-block-scaled FP8 GEMMs (DeepSeek-V3), so no scale ever rounds through bf16. The o loads, the
-split partials and the last-CTA reduction are the bf16 kernel's (this class derives from it).
+has one scale per block of a slice) through a ``stages``-deep cp.async pipeline; the CTA's
+scales are staged in shared memory once, behind the prologue's loads. Each thread widens its
+own MMA fragments in registers (every e4m3 value is exact in bf16): both operands are read
+through one K permutation (:func:`k_permutation`) that makes a lane's values over four k-steps
+16 contiguous weight bytes and 16 contiguous o elements -- one 16-byte shared load each (two
+for o) -- so a slice needs no bf16 buffer and one barrier. The warps' ``mma.sync m16n8k16``
+accumulate each scale block of the slice in FP32 from zero, and the block's sum is added to
+the FP32 accumulator times its scale -- the FP32 promotion of block-scaled FP8 GEMMs
+(DeepSeek-V3), so no scale ever rounds through bf16. The o loads, the split partials and the
+last-CTA reduction are the bf16 kernel's (this class derives from it). ``widen="smem"`` keeps
+the first version (the slice widened through a shared bf16 buffer behind a second barrier).
 
 Constraints: T <= 32 (``bm`` 16 or 32), R % 128 == 0, Dg % 128 == 0, splits a power of two
 dividing Dg / 128, shared memory <= 227 KB. Hopper and Blackwell (warp MMA).
 
-Status: H200-tested (``pytest tests/test_wo_a_fp8.py -m gpu``: 24 passed) and benched
-(``python bench/bench_wo_a_fp8.py``): correct, but 0.74-1.01x the bf16 :func:`cute_kernels.wo_a.wo_a`
-at T <= 32 (bench/RESULTS.md, fourteenth session) -- the widening pass through shared memory
-and its second barrier per slice make it latency-bound on half the bytes. Opt-in; nothing
-routes to it. ``bk=256`` (two scale blocks a slice) is compile + SASS checked only; its GPU
-tests and bench are staged (``bash tools/device_next.sh 42``). Blackwell: compile + SASS only.
+Status: H200-tested (``pytest tests/test_wo_a_fp8.py -m gpu``) and benched
+(``python bench/bench_wo_a_fp8.py``): 1.00-1.34x the bf16 :func:`cute_kernels.wo_a.wo_a` at
+T <= 32 (22-49% of 4.3 TB/s on its own bytes; bench/RESULTS.md, fifteenth session). Opt-in;
+nothing routes to it. Blackwell: compile + SASS only.
 """
 
 import os
