@@ -77,8 +77,8 @@
 #            decode kernel's plan with 1 / 2 / 4 chains (probe), the FP8 kernel's likewise.
 #   phase 47: a per-CTA start of the decode kernels' K walk (rotate_k): GPU tests, the plan with
 #            and without it (probe), the FP8 kernel likewise.
-#   phase 48: the final tree: WO-A's and the FP8 variant's GPU tests, the 32-row decode route
-#            (T = 17..32) with and without rotated K walks / two chains (probe), the FP8 bench.
+#   phase 48: the final tree: the decode kernels' GPU tests (bf16 and FP8), the 32-row decode
+#            route (T = 17..32) with and without rotated K walks / two chains (probe).
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..48)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
@@ -323,10 +323,9 @@ case "${1:-1}" in
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
   ;;
-48)  # the final tree: WO-A's GPU tests, the 32-row route's knobs (probe), the FP8 bench at its defaults
+48)  # the final tree: the decode kernels' GPU tests, the 32-row route's knobs (probe)
+  step 150 decode_tests $PYT tests/test_wo_a.py tests/test_wo_a_fp8.py -m gpu -k "decode_kernel or fp8"
   step 150 probe_route32 env TS=17,24,32 PLAN_ONLY=1 ROTATE=0,1 CHAINS=1,2 PDL=0 python tools/probe_wo_a_decode.py
-  step 100 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py --out "$OUT/bench_wo_a_fp8.md"
-  step 300 wo_a_tests $PYT tests/test_wo_a.py tests/test_wo_a_fp8.py -m gpu
   ;;
 47)  # the rotated K walk: GPU tests, the bf16 decode plan and the FP8 kernel with and without it
   step 150 decode_tests $PYT tests/test_wo_a.py tests/test_wo_a_fp8.py -m gpu -k "every"
