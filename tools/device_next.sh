@@ -79,7 +79,9 @@
 #            and without it (probe), the FP8 kernel likewise.
 #   phase 48: the final tree: the decode kernels' GPU tests (bf16 and FP8), the 32-row decode
 #            route (T = 17..32) with and without rotated K walks / two chains (probe).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..48)
+#   phase 49: L2-only cp.async (cp.async.cg) for the decode kernel's streamed operands: its GPU
+#            tests, the plan with and without it at T = 1 / 5 / 16 (probe).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..49)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -322,6 +324,10 @@ case "${1:-1}" in
   step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
+  ;;
+49)  # cp.async.cg for the decode kernel: GPU tests, the plan with and without it (probe)
+  step 100 decode_tests $PYT tests/test_wo_a.py -m gpu -k "every_split"
+  step 130 probe_bypass env TS=1,5,16 PLAN_ONLY=1 BYPASS=0,1 PDL=0 python tools/probe_wo_a_decode.py
   ;;
 48)  # the final tree: the decode kernels' GPU tests, the 32-row route's knobs (probe)
   step 150 decode_tests $PYT tests/test_wo_a.py tests/test_wo_a_fp8.py -m gpu -k "decode_kernel or fp8"
