@@ -53,11 +53,9 @@ MAX_T = 64
 
 class WoADecode:
     def __init__(self, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False,
-                 stages: int = STAGES, bn: int = BN, chains: int = 1, rotate_k: bool = False,
-                 bypass_l1: bool = False):
+                 stages: int = STAGES, bn: int = BN, chains: int = 1, rotate_k: bool = False):
         self.G, self.R, self.Dg, self.bm, self.splits, self.pdl = G, R, Dg, bm, splits, pdl
         self.stages, self.bn, self.chains, self.rotate_k = stages, bn, chains, rotate_k
-        self.bypass_l1 = bypass_l1
         self.bk = BK  # the K slice issue_o loads (the FP8 subclass widens it)
         # 4 warps -- bm = 16 / 32: side by side along N (bm x bn/4 each); bm = 64: 2 x 2
         # (32 x bn/2). 8 warps measured no faster (bench/RESULTS.md, fourteenth session).
@@ -95,7 +93,7 @@ class WoADecode:
         sB = smem.allocate_tensor(bf16, cute.make_layout((self.bn, BK, self.stages),
                                                          stride=(PITCH, 1, self.bn * PITCH)), 16)
         sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
-        atom = cute.make_copy_atom(self.g2s_op(), bf16, num_bits_per_copy=128)
+        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), bf16, num_bits_per_copy=128)
         gOv = cute.zipped_divide(mO, (1, VEC))
         gWv = cute.zipped_divide(mW, (1, VEC))
         sAv = cute.zipped_divide(sA, (1, VEC, 1))
@@ -151,12 +149,6 @@ class WoADecode:
                 cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
 
         self.store_tile(self.sum_chains(accs), tCcC, mY, mPart, mCount, sFlag, num_tokens)
-
-    def g2s_op(self):
-        """cp.async caching: through L1 (``.ca``, the default) or L2 only (``.cg``,
-        ``bypass_l1``: every byte here is read once per CTA)."""
-        mode = cute.nvgpu.cpasync.LoadCacheMode.GLOBAL if self.bypass_l1 else cute.nvgpu.cpasync.LoadCacheMode.ALWAYS
-        return cute.nvgpu.cpasync.CopyG2SOp(mode)
 
     def k_rotation(self, KT: int):
         """Where this CTA starts its walk over its ``KT`` K slices (``rotate_k``): the column
@@ -320,14 +312,13 @@ def smem_bytes(bm: int, stages: int, bn: int = BN) -> int:
 
 
 def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False,
-           stages: int = STAGES, bn: int = BN, chains: int = 1, rotate_k: bool = False, bypass_l1: bool = False):
+           stages: int = STAGES, bn: int = BN, chains: int = 1, rotate_k: bool = False):
     """``pdl``: launched as a programmatic dependent of the previous kernel on the stream
     (weight prefetch overlaps its tail); the same results, a separate compile. ``stages``: the
     cp.async pipeline depth (``stages - 1`` K slices in flight per CTA). ``bn``: the weight rows
     (output columns) of a CTA, 64 or 32. ``chains``: independent accumulators the k-steps
     alternate between (1, 2, 4 or 8), summed before the store. ``rotate_k``: each CTA walks its
-    K slices from its own start (:meth:`WoADecode.k_rotation`). ``bypass_l1``: cp.async.cg
-    (L2 only) for the streamed operands."""
+    K slices from its own start (:meth:`WoADecode.k_rotation`)."""
     if chains not in (1, 2, 4, 8):
         raise ValueError(f"wo_a_decode: chains={chains}, expected 1, 2, 4 or 8")
     if bm not in (16, 32, 64) or not WoADecode.can_implement(1, G, R, Dg, splits, bn):
@@ -340,7 +331,7 @@ def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1,
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 4), P(Float32, 4), P(Int32, 4),
             Int32(1), jit.fake_stream())
-    return WoADecode(G, R, Dg, bm, splits, pdl, stages, bn, chains, rotate_k, bypass_l1), args
+    return WoADecode(G, R, Dg, bm, splits, pdl, stages, bn, chains, rotate_k), args
 
 
 KERNEL = jit.register(jit.KernelDef(

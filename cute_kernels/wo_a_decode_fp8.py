@@ -91,9 +91,8 @@ class WoADecodeFp8(WoADecode):
     split partials (``store_tile``) are the bf16 kernel's."""
 
     def __init__(self, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4, bn: int = BN,
-                 bk: int = 128, widen: str = "registers", chains: int = 1, rotate_k: bool = False,
-                 bypass_l1: bool = False):
-        super().__init__(G, R, Dg, bm, splits, False, stages, bn, chains, rotate_k, bypass_l1)
+                 bk: int = 128, widen: str = "registers", chains: int = 1, rotate_k: bool = False):
+        super().__init__(G, R, Dg, bm, splits, False, stages, bn, chains, rotate_k)
         self.bk, self.widen = bk, widen
 
     @cute.jit
@@ -133,8 +132,8 @@ class WoADecodeFp8(WoADecode):
         sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
         blocks = BK // SCALE_BLOCK  # scale blocks along K in a slice
         sScale = smem.allocate_tensor(Float32, cute.make_layout((KT * blocks,)), 16)
-        atom = cute.make_copy_atom(self.g2s_op(), bf16, num_bits_per_copy=128)
-        atom8 = cute.make_copy_atom(self.g2s_op(), f8, num_bits_per_copy=128)
+        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), bf16, num_bits_per_copy=128)
+        atom8 = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), f8, num_bits_per_copy=128)
         gOv = cute.zipped_divide(mO, (1, VEC))
         gWv = cute.zipped_divide(mW, (1, VEC8))
         sAv = cute.zipped_divide(sA, (1, VEC, 1))
@@ -258,13 +257,11 @@ def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
 
 
 def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4, bn: int = BN,
-           bk: int = 128, widen: str = "registers", chains: int = 1, rotate_k: bool = False,
-           bypass_l1: bool = False):
+           bk: int = 128, widen: str = "registers", chains: int = 1, rotate_k: bool = False):
     """``bk``: the K slice, 128 (one scale block) or 256 (two: the bf16 kernel's bytes per
     weight row and slice, half the slices). ``widen``: one of :data:`WIDEN`. ``chains``: the
     bf16 kernel's independent MMA accumulators (1, 2, 4 or 8), here per scale block.
-    ``rotate_k`` / ``bypass_l1``: the bf16 kernel's per-CTA start of the K walk / L2-only
-    cp.async."""
+    ``rotate_k``: the bf16 kernel's per-CTA start of the K walk."""
     if widen not in WIDEN:
         raise ValueError(f"wo_a_decode_fp8: widen={widen!r}, expected one of {WIDEN}")
     if chains not in (1, 2, 4, 8):
@@ -280,7 +277,7 @@ def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1,
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.Float8E4M3FN, 16), P(Float32, 4), P(cutlass.BFloat16, 4),
             P(Float32, 4), P(Int32, 4), Int32(1), jit.fake_stream())
-    return WoADecodeFp8(G, R, Dg, bm, splits, stages, bn, bk, widen, chains, rotate_k, bypass_l1), args
+    return WoADecodeFp8(G, R, Dg, bm, splits, stages, bn, bk, widen, chains, rotate_k), args
 
 
 KERNEL = jit.register(jit.KernelDef(

@@ -467,8 +467,7 @@ def test_decode_kernel_matches_fp64(seed, G, HG, Dv, R, T):
     (16, 1, 32, 6, 8, False),
     (16, 1, 32, 6, 1, True), (16, 2, 64, 4, 1, True), (32, 1, 32, 6, 2, True), (64, 1, 64, 4, 1, True),
     (16, 4, 32, 3, 1, True)])
-@pytest.mark.parametrize("bypass_l1", [False, True])
-def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits, bn, stages, chains, rotate_k, bypass_l1):
+def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits, bn, stages, chains, rotate_k):
     """Each token tile, column tile, split count, pipeline depth (deeper than the CTA's K
     slices included), MMA chain count and K walk (rotated per CTA or not), launched twice
     eagerly and replayed in a graph with fresh inputs: the last-CTA counters re-zero themselves
@@ -478,7 +477,7 @@ def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits, bn, stages
 
     G, HG, Dv, R, T = 8, 8, 128, 512, {16: 3, 32: 29, 64: 41}[bm]
     fn = jit.get_kernel("wo_a_decode", "sm_90a", G=G, R=R, Dg=HG * Dv, bm=bm, splits=splits, bn=bn, stages=stages,
-                        chains=chains, rotate_k=rotate_k, bypass_l1=bypass_l1)
+                        chains=chains, rotate_k=rotate_k)
     ws = WoADecodeWorkspace(G, R, max_splits=8)
     o, w = make(T, G, HG, Dv, R, "cuda")
     out = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
@@ -594,16 +593,6 @@ def test_decode_kernel_machine_code(arch, bm, splits, bn, stages, chains):
     assert sass.local_memory_ops(h) == 0
     assert sass.count(h, "ACQBULK") == 0  # no grid-dependency wait unless asked
     assert sass.count(h, "FADD") >= bm * bn // 128 * (chains - 1)
-
-
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("bypass_l1", [False, True])
-def test_decode_kernel_l1_bypass_machine_code(arch, bypass_l1):
-    """``bypass_l1`` turns every cp.async into cp.async.cg (LDGSTS.E.BYPASS), the default keeps
-    them all L1-allocating."""
-    h = sass.sass_histogram("wo_a_decode", arch, G=8, R=512, Dg=2048, bm=16, bn=32, stages=6, bypass_l1=bypass_l1)
-    bypass = sum(n for m, n in h.items() if m.startswith("LDGSTS") and ".BYPASS" in m)
-    assert sass.count(h, "LDGSTS") >= 6 and bypass == (sass.count(h, "LDGSTS") if bypass_l1 else 0), h
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])

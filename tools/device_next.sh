@@ -80,7 +80,8 @@
 #   phase 48: the final tree: the decode kernels' GPU tests (bf16 and FP8), the 32-row decode
 #            route (T = 17..32) with and without rotated K walks / two chains (probe).
 #   phase 49: L2-only cp.async (cp.async.cg) for the decode kernel's streamed operands: its GPU
-#            tests, the plan with and without it at T = 1 / 5 / 16 (probe).
+#            tests, the plan with and without it at T = 1 / 5 / 16 (probe; slower everywhere, the
+#            option was removed after -- commit 3dd128e has it).
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..49)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
