@@ -328,7 +328,8 @@ def wo_a_fp8(o: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, out: torc
              stream=None, arch: str | None = None, workspace: WoADecodeWorkspace | None = None) -> torch.Tensor:
     """``y [T, G*R]`` (bf16, token-major) from ``o [T, H, Dv]`` (bf16), e4m3 ``w [G, R, (H/G)*Dv]``
     and FP32 ``scale [G, R/128, (H/G)*Dv/128]`` (:func:`quantize_wo_a_fp8` makes both), for
-    T <= 32. Off the targeted GPUs (a CPU tensor, another arch) the PyTorch reference runs."""
+    T <= 32, all on one CUDA device (as every entry point here); on a GPU this package does not
+    target, the PyTorch reference runs."""
     from .arch import current_arch, dispatch, num_sms
     from .wo_a import _decode_workspace
 
@@ -350,11 +351,11 @@ def wo_a_fp8(o: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, out: torc
     if out is None:
         out = torch.empty(T, G * R, dtype=torch.bfloat16, device=o.device)
     check_tensor(op, "out", out, dtype=torch.bfloat16, shape=(T, G * R), contiguous=True)
+    check_cuda(op, ("o", o), ("w", w), ("scale", scale), ("out", out))
     a = arch if arch is not None else current_arch(o.device)
     if dispatch(op, ("sm100", "sm90", "reference"), arch=a) == "reference":
         out.copy_(wo_a_fp8_reference(o, w, scale))
         return out
-    check_cuda(op, ("o", o), ("w", w), ("scale", scale), ("out", out))
     cfg = plan(T, G, R, Dg, num_sms(o.device))
     workspace = _decode_workspace(op, workspace, o, G, R, cfg["splits"])
     fn = jit.get_kernel("wo_a_decode_fp8", a, G=G, R=R, Dg=Dg, **cfg)
