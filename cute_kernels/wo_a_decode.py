@@ -169,7 +169,9 @@ class WoADecode:
     def k_rotation(self, KT: int):
         """Where this CTA starts its walk over its ``KT`` K slices (``rotate_k``): the column
         tile's index mod KT, so CTAs marching in step read different 256-byte columns of
-        their rows instead of all the same one (DRAM channel spread); else 0."""
+        their rows instead of all the same one; else 0. A probe option: 14-17% slower on the
+        default decode route at G=8 R=512, 5-9% faster on the 64-column 32-row tiles (which
+        ``wo_a()`` leaves to the engine) -- bench/RESULTS.md, fifteenth session."""
         if not self.rotate_k:
             return 0
         nt, g, _ = cute.arch.block_idx()
@@ -183,10 +185,10 @@ class WoADecode:
         return kt0 + (i + rot) % KT
 
     def make_chains(self, tiled_mma: cute.TiledMma) -> list:
-        """``self.chains`` zeroed FP32 accumulators that the k-steps take in turn: with one CTA
-        of 4 warps per SM each warp's MMAs would otherwise form one dependent chain (every
-        ``mma.sync`` waits for the previous one's accumulator), and its latency -- not the
-        weight stream -- would set the pace."""
+        """``self.chains`` zeroed FP32 accumulators that the k-steps take in turn, so a warp's
+        ``mma.sync`` need not wait for the previous one's accumulator. A probe option: the
+        hypothesis that this chain's latency sets the decode pace at one 4-warp CTA per SM was
+        measured and refuted (no gain at T <= 16; bench/RESULTS.md, fifteenth session)."""
         accs = []
         for _ in range(self.chains):  # plain Python: unrolled while tracing
             acc = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((self.bm, self.bn)))
