@@ -96,13 +96,15 @@ def main():
                 t8 = time_graph(call, n, max(n, 8))
                 rows.append([f"T={T} G={G} R={R} Dg={Dg} fp8 {d['bm']}x{d['bn']}, {d['splits']} split(s), "
                              f"{d['stages']} stages, K slice {bk}, widen {widen}, {d.get('chains', 1)} chain(s)"
-                             f"{', K walk rotated' if d.get('rotate_k') else ''}", f"{t8 * 1e6:.2f}", f"{t16 * 1e6:.2f}",
+                             f"{', K walk rotated' if d.get('rotate_k') else ''}",
+                             f"{t8 * 1e6:.2f}", f"{t16 * 1e6:.2f}",
                              f"{t_bmm * 1e6:.2f}", f"{t16 / t8:.2f}x", f"{t_bmm / t8:.2f}x",
                              f"{nbytes / t8 / 1e12:.2f}", f"{100 * nbytes / t8 / H200_COPY_BW:.0f}%", f"{err:.1e}"])
                 print("| " + " | ".join(rows[-1]) + " |", flush=True)
         ws = qs = None  # free this shape's weights before the next
     text = "\n".join([f"## WO-A with FP8 weights -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
-                      f"Command: `python bench/bench_wo_a_fp8.py --tokens {args.tokens} --variants {args.variants}`", "",
+                      f"Command: `python bench/bench_wo_a_fp8.py --tokens {args.tokens} "
+                      f"--variants {args.variants}`", "",
                       markdown_table(["shape", "fp8 us", "bf16 wo_a us", "bmm alone (bf16) us", "vs bf16 wo_a",
                                       "vs bmm", "TB/s", "of 4.3 TB/s", "rel. err vs spec"], rows)])
     print(text)

@@ -368,7 +368,8 @@ def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1,
                          f"(bn 32 or 64 dividing R, Dg % 128, splits a power of two dividing Dg / 128, "
                          f"bm 16, 32 or 64)")
     if stages < 2 or smem_bytes(bm, stages, bn, bulk_w) > SMEM_PER_CTA:
-        raise ValueError(f"wo_a_decode: stages={stages} with bm={bm} bn={bn} needs {smem_bytes(bm, stages, bn, bulk_w)} B "
+        need = smem_bytes(bm, stages, bn, bulk_w)
+        raise ValueError(f"wo_a_decode: stages={stages} with bm={bm} bn={bn} needs {need} B "
                          f"of shared memory; 2 <= stages and at most {SMEM_PER_CTA} B")
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 4), P(Float32, 4), P(Int32, 4),
