@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_wo_a import SHAPES, bmm_only  # noqa: E402
-from common import H200_COPY_BW, markdown_table, rotation_count, time_graph  # noqa: E402
+from common import H200_COPY_BW, markdown_table, measure, rotation_count, time_graph  # noqa: E402
 
 import cutlass  # noqa: E402
 from cute_kernels import jit  # noqa: E402
@@ -89,11 +89,7 @@ def main():
                        P(cutlass.Float32, workspace.partials, 4), P(cutlass.Int32, workspace.counters, 4),
                        jit.i32(T), jit.cu_stream())
 
-                y.fill_(float("nan"))
-                call(0)
-                torch.cuda.synchronize()
-                err = ((y.float() - ref).norm() / ref.norm()).item()
-                t8 = time_graph(call, n, max(n, 8))
+                t8, err = measure(call, y, ref, n)
                 rows.append([f"T={T} G={G} R={R} Dg={Dg} fp8 {d['bm']}x{d['bn']}, {d['splits']} split(s), "
                              f"{d['stages']} stages, K slice {bk}, widen {widen}, {d.get('chains', 1)} chain(s)"
                              f"{', K walk rotated' if d.get('rotate_k') else ''}",

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 from bench_wo_a import bmm_only  # noqa: E402
-from common import H200_COPY_BW, rotation_count, time_graph  # noqa: E402
+from common import H200_COPY_BW, measure, rotation_count, time_graph  # noqa: E402
 
 import cutlass  # noqa: E402
 from cute_kernels import jit  # noqa: E402
@@ -72,11 +72,7 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
                        P(cutlass.Float32, workspace.partials, 4), P(cutlass.Int32, workspace.counters, 4),
                        jit.i32(T), jit.cu_stream())
 
-                y.fill_(float("nan"))
-                call(0)
-                torch.cuda.synchronize()
-                err = ((y.float() - ref).norm() / ref.norm()).item()
-                t = time_graph(call, n, max(n, 8))
+                t, err = measure(call, y, ref, n)
                 mark = "*" if cfg == picked else ""
                 chains = ((f"c{cfg['chains']}" if "chains" in cfg else "") + ("rot" if cfg.get("rotate_k") else "")
                           + ("bulk" if cfg.get("bulk_w") else ""))

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 from bench_wo_a import bmm_only  # noqa: E402
-from common import rotation_count, time_graph  # noqa: E402
+from common import measure, rotation_count, time_graph  # noqa: E402
 
 import cutlass  # noqa: E402
 from cute_kernels import jit  # noqa: E402
@@ -50,15 +50,6 @@ TS = [int(t) for t in os.environ.get("TS", "1,64,320,1024").split(",")]
 # (a full wave of large tiles, then the remainder with small ones); bands not summing to T skip.
 BANDS = [[(int(b.split(":")[0]), tuple(int(v) for v in b.split(":")[1].split("x"))) for b in spec.split("+")]
          for spec in os.environ.get("BANDS", "").split(",") if spec]
-
-
-def measure(call, y, ref, n):
-    """(seconds per call, relative error of the poisoned-then-written y against ref)."""
-    y.fill_(float("nan"))
-    call(0)
-    torch.cuda.synchronize()
-    err = ((y.float() - ref).norm() / ref.norm()).item()
-    return time_graph(call, n, max(n, 8)), err
 
 
 for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]:
