@@ -149,6 +149,18 @@ def _default_workspace(device, G, R) -> WoADecodeWorkspace:
     return ws
 
 
+def _group_shapes(op: str, o: torch.Tensor, w: torch.Tensor, w_name: str) -> tuple[int, ...]:
+    """``(T, H, Dv, G, R, Dg)`` of ``o [T, H, Dv]`` and ``w [G, R, (H/G)*Dv]`` (either WO-A
+    weight format), with an error naming the argument where the head groups do not match."""
+    T, H, Dv = o.shape
+    G, R, Dg = w.shape
+    if H % G:
+        raise ValueError(f"{op}: o has H={H} heads, not divisible by G={G} groups ({w_name}.shape[0])")
+    if Dg != (H // G) * Dv:
+        raise ValueError(f"{op}: {w_name}.shape[2]={Dg} must equal (H/G)*Dv = {(H // G) * Dv}")
+    return T, H, Dv, G, R, Dg
+
+
 def _decode_workspace(op: str, workspace, o: torch.Tensor, G: int, R: int, splits: int) -> WoADecodeWorkspace:
     """The split workspace of a decode-kernel call (:mod:`.wo_a_decode`, :mod:`.wo_a_decode_fp8`):
     the caller's, checked for its type, shape, split capacity and device, or the shared default."""
@@ -193,12 +205,7 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     op = "wo_a"
     check_tensor(op, "o", o, dtype=torch.bfloat16, ndim=3, contiguous=True)
     check_tensor(op, "wo_a_weight", wo_a_weight, dtype=torch.bfloat16, ndim=3, contiguous=True)
-    T, H, Dv = o.shape
-    G, R, Dg = wo_a_weight.shape
-    if H % G:
-        raise ValueError(f"{op}: o has H={H} heads, not divisible by G={G} groups (wo_a_weight.shape[0])")
-    if Dg != (H // G) * Dv:
-        raise ValueError(f"{op}: wo_a_weight.shape[2]={Dg} must equal (H/G)*Dv = {(H // G) * Dv}")
+    T, H, Dv, G, R, Dg = _group_shapes(op, o, wo_a_weight, "wo_a_weight")
     if R % 64 or Dg % 64:
         raise ValueError(f"{op}: R={R} and Dg={Dg} must be multiples of 64")
     check_int32_indexable(op, f"the largest of o / out / wo_a_weight (T={T})", max(T * H * Dv, T * G * R, G * R * Dg))

@@ -331,17 +331,12 @@ def wo_a_fp8(o: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, out: torc
     T <= 32, all on one CUDA device (as every entry point here); on a GPU this package does not
     target, the PyTorch reference runs."""
     from .arch import current_arch, dispatch, num_sms
-    from .wo_a import _decode_workspace
+    from .wo_a import _decode_workspace, _group_shapes
 
     op = "wo_a_fp8"
     check_tensor(op, "o", o, dtype=torch.bfloat16, ndim=3, contiguous=True)
     check_tensor(op, "w", w, dtype=torch.float8_e4m3fn, ndim=3, contiguous=True)
-    T, H, Dv = o.shape
-    G, R, Dg = w.shape
-    if H % G:
-        raise ValueError(f"{op}: o has H={H} heads, not divisible by G={G} groups (w.shape[0])")
-    if Dg != (H // G) * Dv:
-        raise ValueError(f"{op}: w.shape[2]={Dg} must equal (H/G)*Dv = {(H // G) * Dv}")
+    T, H, Dv, G, R, Dg = _group_shapes(op, o, w, "w")
     if R % SCALE_BLOCK or Dg % SCALE_BLOCK:
         raise ValueError(f"{op}: R={R} and Dg={Dg} must be multiples of {SCALE_BLOCK} (the scale block)")
     if not 1 <= T <= MAX_T:
