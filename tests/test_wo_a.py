@@ -639,3 +639,124 @@ def test_engine_pdl_machine_code(cfg):
     assert sass.count(h, "HGMMA") >= 1 and sass.count(h, "UTMALDG") >= 2 and sass.local_memory_ops(h) == 0
     h0 = sass.sass_histogram("wo_a", "sm_90a", G=8, R=512, Dg=2048, tile_m=64, tile_n=64)
     assert sass.count(h0, "ACQBULK") == 0 and sass.count(h0, "PREEXIT") == 0
+
+
+# --- the Hopper swap-AB decode kernel (cute_kernels/wo_a_decode_sm90.py) -------------------
+
+def _run_sm90_decode(T, G, HG, Dv, R, stream=None, **cfg):
+    """(launch(stream), o, w, out, workspace) of one wo_a_decode_sm90 build."""
+    from cute_kernels import jit
+    from cute_kernels.wo_a_decode import WoADecodeWorkspace
+
+    fn = jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=G, R=R, Dg=HG * Dv, **cfg)
+    ws = WoADecodeWorkspace(G, R, max_splits=16)
+    o, w = make(T, G, HG, Dv, R, "cuda")
+    out = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
+    P = jit.gmem_ptr
+
+    def launch(stream):
+        fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, w, 16), P(cutlass.BFloat16, out, 4),
+           P(cutlass.Float32, ws.partials, 4), P(cutlass.Int32, ws.counters, 4), jit.i32(T), jit.cu_stream(stream))
+
+    return launch, o, w, out, ws
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, G, HG, Dv, R, cfg", [
+    (1, 8, 16, 128, 512, dict(tok_n=8, splits=4, stages=4)),
+    (3, 16, 8, 128, 1024, dict(tok_n=8, splits=1, stages=4)),
+    (5, 8, 8, 256, 512, dict(tok_n=8, splits=8, stages=3)),
+    (13, 8, 8, 128, 1024, dict(tok_n=16, splits=2, stages=6)),
+    (16, 16, 16, 128, 512, dict(tok_n=16, splits=1, stages=4, bk=128)),
+    (29, 8, 16, 128, 512, dict(tok_n=32, splits=2, stages=4)),
+    (41, 8, 16, 128, 512, dict(tok_n=64, splits=2, stages=4)),
+    (64, 16, 8, 128, 1024, dict(tok_n=64, splits=1, stages=3)),
+    (64, 8, 16, 128, 512, dict(tok_n=64, splits=4, stages=6, bk=128)),
+    (2, 8, 8, 128, 512, dict(tok_n=16, splits=16, stages=2)),  # one K slice per CTA: stages > slices
+])
+def test_sm90_decode_kernel_matches_fp64_and_replays(seed, T, G, HG, Dv, R, cfg):
+    """Each token tile, split count, depth and K slice against float64, with odd T (token rows
+    past T zero-filled by TMA, never stored): launched twice eagerly (the last-split counters
+    re-zero themselves), then replayed in a graph with fresh inputs."""
+    launch, o, w, out, ws = _run_sm90_decode(T, G, HG, Dv, R, **cfg)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        launch(None)
+        torch.cuda.synchronize()
+        assert rel_err(out, wo_a_ref(o, w)) < TOL
+    assert int(ws.counters.abs().sum()) == 0
+    s = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        launch(s)
+    o.normal_(), w.normal_(std=(HG * Dv) ** -0.5)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert rel_err(out, wo_a_ref(o, w)) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 4])
+def test_sm90_decode_kernel_pdl_after_a_writer(seed, splits):
+    """The PDL build reads ``o`` only after the kernel before it: a graph of (copy fresh
+    inputs into ``o``, the kernel) x 3 on one ``o`` and workspace gives each step's product."""
+    from cute_kernels import jit
+    from cute_kernels.wo_a_decode import WoADecodeWorkspace
+
+    T, G, HG, Dv, R = 5, 8, 16, 128, 512
+    fn = jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=G, R=R, Dg=HG * Dv, tok_n=8, splits=splits, pdl=True)
+    ws = WoADecodeWorkspace(G, R, max_splits=splits)
+    o, w = make(T, G, HG, Dv, R, "cuda")
+    srcs = [make(T, G, HG, Dv, R, "cuda")[0] for _ in range(3)]
+    outs = [torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    P = jit.gmem_ptr
+    s = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        for src, out in zip(srcs, outs):
+            o.copy_(src)
+            fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, w, 16), P(cutlass.BFloat16, out, 4),
+               P(cutlass.Float32, ws.partials, 4), P(cutlass.Int32, ws.counters, 4), jit.i32(T), jit.cu_stream(s))
+    for _ in range(2):
+        for src in srcs:
+            src.normal_()
+        for out in outs:
+            out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        for i, (src, out) in enumerate(zip(srcs, outs)):
+            assert rel_err(out, wo_a_ref(src, w)) < TOL, i
+
+
+@pytest.mark.parametrize("cfg", [dict(tok_n=8, splits=1, stages=4), dict(tok_n=64, splits=4, stages=3),
+                                 dict(tok_n=32, splits=2, stages=6, bk=128), dict(tok_n=16, splits=2, pdl=True)])
+def test_sm90_decode_kernel_machine_code(cfg):
+    """TMA loads and wgmma of the token tile's width (m64n{tok_n}k16), one per 16 of K in a
+    slice; no spills; a grid-dependency wait and early launch only in the PDL build."""
+    h = sass.sass_histogram("wo_a_decode_sm90", "sm_90a", G=16, R=1024, Dg=2048, **cfg)
+    bk = cfg.get("bk", 64)
+    assert sass.count(h, f"HGMMA.64x{cfg['tok_n']}x16.F32.BF16") >= bk // 16, h
+    assert sass.count(h, "UTMALDG") >= 2 and sass.count(h, "LDGSTS") == 0 and sass.count(h, "HMMA") == 0
+    assert sass.local_memory_ops(h) == 0
+    pdl = cfg.get("pdl", False)
+    assert sass.count(h, "ACQBULK") == int(pdl) and sass.count(h, "PREEXIT") == int(pdl)
+
+
+def test_sm90_decode_plan_and_errors():
+    from cute_kernels import jit
+    from cute_kernels.wo_a_decode_sm90 import plan
+
+    assert plan(1, 8, 512, 2048) == dict(tok_n=8, splits=4, stages=4, bk=64)  # 64 tiles -> 256 CTAs
+    assert plan(5, 16, 1024, 1024) == dict(tok_n=8, splits=1, stages=4, bk=64)  # 256 tiles fill two per SM
+    assert plan(16, 16, 512, 2048)["tok_n"] == 16 and plan(33, 8, 512, 2048)["tok_n"] == 64
+    assert plan(64, 8, 512, 2048)["splits"] == 2  # the partials' traffic bounds the split
+    with pytest.raises(ValueError, match="T=65"):
+        plan(65, 8, 512, 2048)
+    with pytest.raises(ValueError, match="tok_n=24"):
+        jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=8, R=512, Dg=1024, tok_n=24, use_disk=False)
+    with pytest.raises(ValueError, match="splits=3"):
+        jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=8, R=512, Dg=1024, tok_n=16, splits=3, use_disk=False)
+    with pytest.raises(ValueError, match="stages=40"):
+        jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=8, R=512, Dg=1024, tok_n=64, stages=40, use_disk=False)

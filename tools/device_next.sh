@@ -82,9 +82,13 @@
 #   phase 49: L2-only cp.async (cp.async.cg) for the decode kernel's streamed operands: its GPU
 #            tests, the plan with and without it at T = 1 / 5 / 16 (probe; slower everywhere, the
 #            option was removed after -- commit 3dd128e has it).
-#   phase 50: (staged, not run) the decode kernel's weight rows as cp.async.bulk copies under
-#            stage mbarriers (bulk_w): its GPU tests, the plan with and without it (probe).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..50)
+#   phase 50: the decode kernel's weight rows as cp.async.bulk copies under stage mbarriers
+#            (bulk_w): its GPU tests (6 passed), the plan with and without it (probe; 1.5-2.9x
+#            slower everywhere).
+#   phase 51: the Hopper swap-AB decode kernel (wo_a_decode_sm90: TMA + wgmma, weight rows as M,
+#            split-K): its GPU tests, then its plan and neighbours against wo_a() / the warp-MMA
+#            decode kernel / bmm (probe).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..51)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -328,7 +332,11 @@ case "${1:-1}" in
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
   ;;
-50)  # staged: bulk weight copies for the decode kernel: GPU tests, the plan with and without (probe)
+51)  # the Hopper swap-AB decode kernel: GPU tests, then the probe around its plan
+  step 200 sm90_decode_tests $PYT tests/test_wo_a.py -m gpu -k "sm90_decode"
+  step 370 probe_sm90_decode python tools/probe_wo_a_decode_sm90.py
+  ;;
+50)  # bulk weight copies for the decode kernel: GPU tests, the plan with and without (probe)
   step 150 bulk_tests $PYT tests/test_wo_a.py -m gpu -k "bulk or config_errors"
   step 200 probe_bulk env TS=1,5,16,32 PLAN_ONLY=1 BULK=0,1 PDL=0 python tools/probe_wo_a_decode.py
   ;;

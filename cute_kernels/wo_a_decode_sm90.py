@@ -1,0 +1,280 @@
+"""WO-A at decode T (<= 64 tokens), Hopper: TMA + wgmma with the weight rows as M ("swap AB").
+
+``y[t, g*R + r] = sum_d wo_a[g, r, d] * o[t, g-th head group].flatten()[d]`` (FP32
+accumulate, one bf16 rounding), the contract of :func:`cute_kernels.wo_a.wo_a`.
+
+Why a third WO-A kernel: at decode T the time is the read of the weights (8-64 MB). The
+TMA/wgmma engine puts tokens on M, so a 64-row tile is mostly padding and its (T, R) grid
+leaves SMs idle (T = 64, G=8 R=512: 64 CTAs); the warp-MMA decode kernel
+(:mod:`.wo_a_decode`) streams the weights with 16-byte ``cp.async`` and a CTA barrier per K
+slice, and its 64-row token tile is compute-bound. Here, as in :mod:`moe.experts_sm90_decode`:
+
+* a CTA's 64 weight rows are wgmma's **M** (operand A, shared memory) and the live tokens its
+  **N** (operand B), ``tok_n`` = 8 / 16 / 32 / 64 wide -- ``m64n{tok_n}k16``, no padding of M;
+* both tiles arrive by TMA (``bk``-wide K slices, 128-byte swizzle) through a ``stages``-deep
+  mbarrier pipeline: one elected thread issues a whole slice (two instructions), the
+  warpgroup consumes. Token rows past T are zero-filled by TMA and never stored;
+* the K dimension is split ``splits`` ways so that the grid ``(G*R/64, 1, splits)`` fills
+  every SM; each split writes its FP32 partial ``[T, 64]`` to the workspace and the tile's last
+  split (acq_rel counter, :mod:`.grid_sync`) sums them in a fixed order -- deterministic --
+  rounds to bf16 once and re-zeroes the counter (graph replays need no reset).
+
+Epilogue: the accumulator goes through shared memory (transposed, FP32) so that each
+token's 64 output columns are stored contiguously into token-major ``y [T, G*R]``.
+
+``pdl``: a programmatic dependent launch -- the first stages' weight slices are issued before
+``griddepcontrol.wait`` (the weights do not depend on the previous kernel); ``o`` and every
+store come after it.
+
+Constraints: T <= ``tok_n`` (the host picks ``tok_n`` from T), ``R % 64 == 0``, ``Dg % bk ==
+0`` and the split's slices whole (``splits`` a power of two dividing ``Dg / bk``), shared
+memory (:func:`smem_bytes`) <= 227 KB. Hopper only (wgmma); Blackwell keeps its tcgen05 engine.
+Run: ``pytest tests/test_wo_a.py -k sm90_decode``; probe: ``python tools/probe_wo_a_decode_sm90.py``.
+"""
+
+import os
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+
+from . import jit
+from .grid_sync import last_arrival
+from .wo_a_decode import MAX_T, SMEM_PER_CTA
+from .wo_a_sm90 import wo_a_layouts
+
+BM = 64  # weight rows (output columns) per CTA: wgmma M
+TOK_N = (8, 16, 32, 64)
+BKS = (64, 128)
+THREADS = 128
+
+
+def smem_bytes(tok_n: int, stages: int, bk: int = 64) -> int:
+    """Shared memory of one CTA: the swizzled weight and token stages (1 KB aligned), the
+    transposed FP32 output tile, the stage mbarriers and the last-arrival flag."""
+    return 1024 + stages * (BM + tok_n) * bk * 2 + tok_n * (BM + 1) * 4 + 2 * stages * 8 + 16
+
+
+class WoADecodeSm90:
+    def __init__(self, G: int, R: int, Dg: int, tok_n: int, splits: int = 1, stages: int = 4, bk: int = 64,
+                 pdl: bool = False):
+        self.G, self.R, self.Dg, self.tok_n, self.splits, self.stages, self.bk, self.pdl = \
+            G, R, Dg, tok_n, splits, stages, bk, pdl
+        self.tile = (BM, tok_n, bk)
+        self.kt_split = Dg // bk // splits  # K slices per CTA
+
+    @cute.jit
+    def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, part_ptr: cute.Pointer,
+                 count_ptr: cute.Pointer, num_tokens: Int32, stream: cuda.CUstream):
+        G, R, Dg = self.G, self.R, self.Dg
+        bf16 = cutlass.BFloat16
+        (sw, dw), (so, do), _ = wo_a_layouts(num_tokens, G, R, Dg, swap_ab=True)
+        mW = cute.make_tensor(w_ptr, cute.make_layout(sw, stride=dw))  # (R, Dg, G)
+        mO = cute.make_tensor(o_ptr, cute.make_layout(so, stride=do))  # (T, Dg, G)
+        mY = cute.make_tensor(y_ptr, cute.make_layout((num_tokens, G * R), stride=(G * R, 1)))
+        mPart = cute.make_tensor(part_ptr, cute.make_layout((self.splits, num_tokens, G * R),
+                                                            stride=(num_tokens * G * R, G * R, 1)))
+        mCount = cute.make_tensor(count_ptr, cute.make_layout((G * R // BM,)))
+
+        K_MAJOR = cute.nvgpu.warpgroup.OperandMajorMode.K
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(bf16, bf16, K_MAJOR, K_MAJOR, Float32, (1, 1, 1),
+                                                      tiler_mn=(BM, self.tok_n))
+        w_smem = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, self.tile, bf16, self.stages)
+        o_smem = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, self.tile, bf16, self.stages)
+        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_w, tma_tensor_w = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mW, cute.slice_(w_smem, (None, None, 0)),
+                                                                     (BM, self.bk))
+        tma_o, tma_tensor_o = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mO, cute.slice_(o_smem, (None, None, 0)),
+                                                                     (self.tok_n, self.bk))
+        self.kernel(tiled_mma, tma_w, tma_tensor_w, tma_o, tma_tensor_o, w_smem, o_smem, mY, mPart, mCount,
+                    num_tokens).launch(grid=[G * R // BM, 1, self.splits], block=[THREADS, 1, 1], stream=stream,
+                                       use_pdl=self.pdl)
+
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_o: cute.CopyAtom,
+               mO: cute.Tensor, w_smem: cute.ComposedLayout, o_smem: cute.ComposedLayout, mY: cute.Tensor,
+               mPart: cute.Tensor, mCount: cute.Tensor, num_tokens: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        nt, _, z = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        bf16 = cutlass.BFloat16
+        STAGES, TN, KT = self.stages, self.tok_n, self.kt_split
+        tiles_per_group = self.R // BM
+        g = nt // tiles_per_group
+        rt = nt - g * tiles_per_group
+
+        smem = cutlass.memory.SmemAllocator()
+        mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((2 * STAGES,)), 8)
+        sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
+        sW = smem.allocate_tensor(bf16, w_smem.outer, 1024, swizzle=w_smem.inner)
+        sO = smem.allocate_tensor(bf16, o_smem.outer, 1024, swizzle=o_smem.inner)
+        # FP32 tile, token-major; the odd pitch keeps the transposing writes conflict-free
+        sOut = smem.allocate_tensor(Float32, cute.make_layout((TN, BM + 1), stride=(BM + 1, 1)), 16)
+        tx = cute.size_in_bytes(bf16, cute.slice_(w_smem, (None, None, 0))) + \
+            cute.size_in_bytes(bf16, cute.slice_(o_smem, (None, None, 0)))
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=mbar.iterator, num_stages=STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32), tx_count=tx,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+        cute.arch.barrier()  # barrier initialisation visible before any wait
+
+        # This CTA's 64 weight rows of group g and the group's token rows, in bk-wide K slices;
+        # split z owns slices z*KT .. z*KT + KT - 1.
+        gW = cute.local_tile(mW, (BM, self.bk), (None, None, None))[(None, None, rt, None, g)]
+        gO = cute.local_tile(mO, (TN, self.bk), (None, None, None))[(None, None, 0, None, g)]
+        tWsW, tWgW = cute.nvgpu.cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
+                                                      cute.group_modes(gW, 0, 2))
+        tOsO, tOgO = cute.nvgpu.cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                                                      cute.group_modes(gO, 0, 2))
+        kt0 = z * KT
+        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        if cutlass.const_expr(self.pdl):
+            # Weight slices first (independent of the previous kernel), then wait for its grid:
+            # o is its output, and this kernel's stores must follow its reads.
+            head = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+            if warp_idx == 0:
+                for _ in cutlass.range_constexpr(min(STAGES, KT)):
+                    pipe.producer_acquire(prod)
+                    cute.copy(tma_w, tWgW[(None, kt0 + prod.count)], tWsW[(None, prod.index)],
+                              tma_bar_ptr=pipe.producer_get_barrier(prod))
+                    prod.advance()
+            cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_wait()
+            if warp_idx == 0:
+                for _ in cutlass.range_constexpr(min(STAGES, KT)):
+                    cute.copy(tma_o, tOgO[(None, kt0 + head.count)], tOsO[(None, head.index)],
+                              tma_bar_ptr=pipe.producer_get_barrier(head))
+                    pipe.producer_commit(head)
+                    head.advance()
+        else:
+            if warp_idx == 0:
+                for _ in cutlass.range_constexpr(min(STAGES, KT)):
+                    self.load(pipe, prod, tma_w, tWgW, tWsW, tma_o, tOgO, tOsO, kt0)
+                    prod.advance()
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCrW = tiled_mma.make_fragment_A(thr_mma.partition_A(sW))
+        tCrO = tiled_mma.make_fragment_B(thr_mma.partition_B(sO))
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((BM, TN)))
+        acc = cute.make_rmem_tensor(tCcC.shape, Float32)
+        acc.fill(0.0)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        for _ in cutlass.range(KT, unroll=1):
+            pipe.consumer_wait(cons)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(self.bk // 16):
+                cute.gemm(tiled_mma, acc, tCrW[(None, None, kb, cons.index)], tCrO[(None, None, kb, cons.index)], acc)
+            cute.nvgpu.warpgroup.commit_group()
+            # the slice's wgmmas have read their stage before it is handed back to the producer
+            cute.nvgpu.warpgroup.wait_group(0)
+            pipe.consumer_release(cons)
+            cons.advance()
+            if warp_idx == 0 and prod.count < KT:
+                self.load(pipe, prod, tma_w, tWgW, tWsW, tma_o, tOgO, tOsO, kt0)
+                prod.advance()
+
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            r, c = tCcC[i]
+            sOut[c, r] = acc[i]
+        cute.arch.barrier()
+        col0 = nt * BM  # = g * R + rt * 64: the tile's first column of token-major y
+        if cutlass.const_expr(self.splits == 1):
+            for idx in cutlass.range(tidx, num_tokens * BM, THREADS):
+                c = idx // BM
+                r = idx - c * BM
+                mY[c, col0 + r] = sOut[c, r].to(bf16)  # the one bf16 rounding
+        else:
+            for idx in cutlass.range(tidx, num_tokens * BM, THREADS):
+                c = idx // BM
+                r = idx - c * BM
+                mPart[z, c, col0 + r] = sOut[c, r]
+            # The last split of the tile sees every split's partials (cute_kernels.grid_sync).
+            if last_arrival(mCount.iterator + nt, sFlag, self.splits):
+                for idx in cutlass.range(tidx, num_tokens * BM, THREADS):
+                    c = idx // BM
+                    r = idx - c * BM
+                    s = Float32(0.0)
+                    for zz in cutlass.range_constexpr(self.splits):  # fixed order: deterministic
+                        s = s + mPart[zz, c, col0 + r]
+                    mY[c, col0 + r] = s.to(bf16)
+                if tidx == 0:
+                    mCount[nt] = 0  # ready for the next launch (graph replay needs no host reset)
+
+    @cute.jit
+    def load(self, pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, tma_w: cute.CopyAtom,
+             tWgW: cute.Tensor, tWsW: cute.Tensor, tma_o: cute.CopyAtom, tOgO: cute.Tensor, tOsO: cute.Tensor,
+             kt0: Int32):
+        """The CTA's K slice ``prod.count`` of both tiles into stage ``prod.index`` (one thread
+        issues; the stage's mbarrier counts the bytes)."""
+        pipe.producer_acquire(prod)
+        kt = kt0 + prod.count
+        cute.copy(tma_w, tWgW[(None, kt)], tWsW[(None, prod.index)], tma_bar_ptr=pipe.producer_get_barrier(prod))
+        cute.copy(tma_o, tOgO[(None, kt)], tOsO[(None, prod.index)], tma_bar_ptr=pipe.producer_get_barrier(prod))
+        pipe.producer_commit(prod)
+
+    @staticmethod
+    def can_implement(T: int, G: int, R: int, Dg: int, tok_n: int, splits: int = 1, stages: int = 4,
+                      bk: int = 64) -> bool:
+        kt = Dg // bk if bk in BKS and Dg % bk == 0 else 0
+        return (1 <= T <= tok_n and tok_n in TOK_N and G >= 1 and R % BM == 0 and R > 0 and kt >= 1
+                and splits >= 1 and splits & (splits - 1) == 0 and kt % splits == 0
+                and 2 <= stages and smem_bytes(tok_n, stages, bk) <= SMEM_PER_CTA)
+
+
+def tok_n_for(T: int) -> int | None:
+    """The narrowest token tile holding T tokens, or None (T > 64)."""
+    for n in TOK_N:
+        if T <= n:
+            return n
+    return None
+
+
+def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
+    """The compile configuration ``{tok_n, splits, stages, bk}`` of a decode call: the
+    narrowest token tile; K split until the grid fills two CTAs per SM, while every CTA keeps
+    at least 4 slices and the FP32 partials (written and read once, 8 * splits * T bytes per
+    weight row of Dg * 2 bytes) stay under 1/4 of the weight bytes; 4 stages."""
+    tok_n = tok_n_for(T)
+    if tok_n is None:
+        raise ValueError(f"wo_a_decode_sm90: T={T} > {MAX_T}")
+    bk = 64
+    tiles = G * R // BM
+    splits = 1
+    while (tiles * splits < 2 * num_sms * 0.9 and (Dg // bk) % (splits * 2) == 0
+           and Dg // bk // (splits * 2) >= 4 and 16 * splits * 2 * T <= Dg):
+        splits *= 2
+    return {"tok_n": tok_n, "splits": splits, "stages": 4, "bk": bk}
+
+
+def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, splits: int = 1, stages: int = 4, bk: int = 64,
+           pdl: bool = False):
+    """``tok_n``: the token tile (wgmma N; T <= tok_n). ``splits``: K splits (grid z).
+    ``stages``: TMA pipeline depth. ``bk``: K elements per slice (64 or 128). ``pdl``: a
+    programmatic dependent launch (weights prefetched before the grid-dependency wait)."""
+    if not WoADecodeSm90.can_implement(1, G, R, Dg, tok_n, splits, stages, bk):
+        raise ValueError(f"wo_a_decode_sm90: unsupported G={G}, R={R}, Dg={Dg}, tok_n={tok_n}, splits={splits}, "
+                         f"stages={stages}, bk={bk} (R % 64, tok_n in {TOK_N}, bk in {BKS} dividing Dg, splits a "
+                         f"power of two dividing Dg / bk, stages >= 2 within {SMEM_PER_CTA} B of shared memory: "
+                         f"{smem_bytes(tok_n, stages, bk)} B)")
+    P = jit.fake_gmem_ptr
+    args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 4), P(Float32, 4), P(Int32, 4),
+            Int32(1), jit.fake_stream())
+    return WoADecodeSm90(G, R, Dg, tok_n, splits, stages, bk, pdl), args
+
+
+KERNEL = jit.register(jit.KernelDef(
+    name="wo_a_decode_sm90",
+    build=_build,
+    sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
+                  for f in ("wo_a_decode_sm90.py", "grid_sync.py", "wo_a_sm90.py")),
+    archs=("sm_90a",),
+    aot_configs=tuple({"G": G, "R": R, "Dg": Dg, **plan(t, G, R, Dg)}
+                      for G in (8, 16) for R in (512, 1024) for Dg in (1024, 2048) for t in (8, 16, 32, 64)),
+    description="WO-A decode (T <= 64), Hopper: TMA + wgmma, weight rows as M, split-K, token-major bf16 out",
+))

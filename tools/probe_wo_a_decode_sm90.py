@@ -1,0 +1,93 @@
+"""Time the Hopper swap-AB WO-A decode kernel (:mod:`cute_kernels.wo_a_decode_sm90`) around its
+plan against the shipped ``wo_a()`` path, the warp-MMA decode kernel and cuBLAS ``bmm`` alone.
+
+    python tools/probe_wo_a_decode_sm90.py
+    env TS=1,64 SPLITS=1,2,4,8 STAGES=3,4,6 BKS=64,128 python tools/probe_wo_a_decode_sm90.py  # full sweep
+
+Per shape and T, us per call (graph replay, rotating weights larger than L2, bench/common.py)
+and % of 4.3 TB/s on the weight bytes: ``bmm``, ``wo_a()`` (its default route), ``mma`` (the
+warp-MMA decode kernel at its plan, :mod:`cute_kernels.wo_a_decode`), then the swap-AB kernel
+per config ``s{splits}x{stages}k{bk}`` ('*': its plan). Without SPLITS / STAGES / BKS the
+configs are the plan and its neighbours (splits x2 and /2, 6 stages, 128-wide slices). Every
+launch's output is checked against an FP32 einsum after a NaN poison (relative error).
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from bench_wo_a import bmm_only  # noqa: E402
+from common import H200_COPY_BW, measure, rotation_count, time_graph  # noqa: E402
+
+import cutlass  # noqa: E402
+from cute_kernels import jit  # noqa: E402
+from cute_kernels.wo_a import wo_a  # noqa: E402
+from cute_kernels.wo_a_decode import WoADecodeWorkspace  # noqa: E402
+from cute_kernels.wo_a_decode_sm90 import WoADecodeSm90, plan  # noqa: E402
+
+TS = [int(t) for t in os.environ.get("TS", "1,5,16,32,64").split(",")]
+SHAPES = [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]
+
+
+def env_list(name):
+    v = os.environ.get(name)
+    return [int(x) for x in v.split(",")] if v else None
+
+
+def configs(T, G, R, Dg):
+    base = plan(T, G, R, Dg)
+    sweep = [env_list(k) for k in ("SPLITS", "STAGES", "BKS")]
+    if any(s is not None for s in sweep):
+        sp, st, bk = (s or [base[k]] for s, k in zip(sweep, ("splits", "stages", "bk")))
+        cands = [dict(base, splits=a, stages=b, bk=c) for a in sp for b in st for c in bk]
+    else:
+        cands = [dict(base, splits=base["splits"] * 2), dict(base, splits=max(base["splits"] // 2, 1)),
+                 dict(base, stages=6), dict(base, bk=128, splits=max(base["splits"] // 2, 1))]
+    out = [base]
+    for c in cands:
+        if c not in out and WoADecodeSm90.can_implement(T, G, R, Dg, c["tok_n"], c["splits"], c["stages"], c["bk"]):
+            out.append(c)
+    return base, out
+
+
+def main():
+    P = jit.gmem_ptr
+    for G, R, Dg in SHAPES:
+        wbytes = G * R * Dg * 2
+        n = rotation_count(wbytes)
+        ws = [(torch.randn(G, R, Dg, device="cuda") / Dg**0.5).bfloat16() for _ in range(n)]
+        workspace = WoADecodeWorkspace(G, R, max_splits=16, device="cuda")
+        for T in TS:
+            o = torch.randn(T, G * 8, Dg // 8, device="cuda").bfloat16()
+            y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
+            ref = torch.einsum("tgd,grd->tgr", o.view(T, G, Dg).float(), ws[0].float()).reshape(T, G * R)
+
+            def pct(t):
+                return f"{t * 1e6:.2f} ({wbytes / t / H200_COPY_BW:.0%})"
+
+            t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
+            t_def, e_def = measure(lambda i: wo_a(o, ws[i], out=y), y, ref, n)
+            t_mma, e_mma = measure(lambda i: wo_a(o, ws[i], out=y, decode_kernel=True), y, ref, n)
+            res = [f"bmm {pct(t_bmm)}", f"wo_a() {pct(t_def)}", f"mma {pct(t_mma)}"]
+            base, cfgs = configs(T, G, R, Dg)
+            errs = [e_def, e_mma]
+            for cfg in cfgs:
+                fn = jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=G, R=R, Dg=Dg, **cfg)
+
+                def call(i, fn=fn):
+                    fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, ws[i], 16), P(cutlass.BFloat16, y, 4),
+                       P(cutlass.Float32, workspace.partials, 4), P(cutlass.Int32, workspace.counters, 4),
+                       jit.i32(T), jit.cu_stream())
+
+                t, err = measure(call, y, ref, n)
+                errs.append(err)
+                res.append(f"s{cfg['splits']}x{cfg['stages']}k{cfg['bk']}{'*' if cfg == base else ''} {pct(t)}")
+            print(f"T={T} G={G} R={R} Dg={Dg} tok_n={base['tok_n']}: " + "; ".join(res)
+                  + f"; max err {max(errs):.1e}", flush=True)
+        ws = None
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
