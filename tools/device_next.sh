@@ -88,7 +88,9 @@
 #   phase 51: the Hopper swap-AB decode kernel (wo_a_decode_sm90: TMA + wgmma, weight rows as M,
 #            split-K): its GPU tests, then its plan and neighbours against wo_a() / the warp-MMA
 #            decode kernel / bmm (probe).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..51)
+#   phase 52: the read ceiling of each WO-A shape's weight bytes (row_rms, torch sum) and the
+#            swap-AB decode kernel with 128-wide slices, 4 / 8 stages, 1 / 2 / 4 splits.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..52)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -331,6 +333,9 @@ case "${1:-1}" in
   step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
+  ;;
+52)  # read ceiling per shape + deeper swap-AB decode configs
+  step 420 probe_sm90_deep env READ=1 TS=1,16,64 SPLITS=1,2,4 STAGES=4,8 BKS=128 python tools/probe_wo_a_decode_sm90.py
   ;;
 51)  # the Hopper swap-AB decode kernel: GPU tests, then the probe around its plan
   step 200 sm90_decode_tests $PYT tests/test_wo_a.py -m gpu -k "sm90_decode"

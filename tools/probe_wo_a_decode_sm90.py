@@ -3,6 +3,7 @@ plan against the shipped ``wo_a()`` path, the warp-MMA decode kernel and cuBLAS 
 
     python tools/probe_wo_a_decode_sm90.py
     env TS=1,64 SPLITS=1,2,4,8 STAGES=3,4,6 BKS=64,128 python tools/probe_wo_a_decode_sm90.py  # full sweep
+    env READ=1 TS=1 python tools/probe_wo_a_decode_sm90.py   # + the read ceiling of each shape's bytes
 
 Per shape and T, us per call (graph replay, rotating weights larger than L2, bench/common.py)
 and % of 4.3 TB/s on the weight bytes: ``bmm``, ``wo_a()`` (its default route), ``mma`` (the
@@ -10,6 +11,11 @@ warp-MMA decode kernel at its plan, :mod:`cute_kernels.wo_a_decode`), then the s
 per config ``s{splits}x{stages}k{bk}`` ('*': its plan). Without SPLITS / STAGES / BKS the
 configs are the plan and its neighbours (splits x2 and /2, 6 stages, 128-wide slices). Every
 launch's output is checked against an FP32 einsum after a NaN poison (relative error).
+
+``READ=1`` adds, per shape, what a pure streaming read of the same weight bytes costs in the
+same harness: :func:`cute_kernels.row_rms.row_rms` (one CTA per row, every 16-byte load of a
+thread in flight at once, 4 bytes written per row) over the weights viewed as rows of C
+elements, for several C -- the floor any WO-A kernel that reads each weight once can reach.
 """
 import os
 import sys
@@ -22,6 +28,7 @@ from common import H200_COPY_BW, measure, rotation_count, time_graph  # noqa: E4
 
 import cutlass  # noqa: E402
 from cute_kernels import jit  # noqa: E402
+from cute_kernels.row_rms import row_rms  # noqa: E402
 from cute_kernels.wo_a import wo_a  # noqa: E402
 from cute_kernels.wo_a_decode import WoADecodeWorkspace  # noqa: E402
 from cute_kernels.wo_a_decode_sm90 import WoADecodeSm90, plan  # noqa: E402
@@ -58,6 +65,17 @@ def main():
         n = rotation_count(wbytes)
         ws = [(torch.randn(G, R, Dg, device="cuda") / Dg**0.5).bfloat16() for _ in range(n)]
         workspace = WoADecodeWorkspace(G, R, max_splits=16, device="cuda")
+        if os.environ.get("READ") == "1":
+            res = []
+            for C in (Dg, 4096, 8192, 16384):
+                rows = G * R * Dg // C
+                rstd = torch.empty(rows, device="cuda", dtype=torch.float32)
+                t = time_graph(lambda i: row_rms(ws[i].view(rows, C), out=rstd), n, max(n, 8))
+                res.append(f"C={C} {t * 1e6:.2f} ({wbytes / t / H200_COPY_BW:.0%})")
+            t = time_graph(lambda i: ws[i].sum(dtype=torch.float32), n, max(n, 8))
+            res.append(f"torch sum {t * 1e6:.2f} ({wbytes / t / H200_COPY_BW:.0%})")
+            print(f"G={G} R={R} Dg={Dg} {wbytes / 1e6:.1f} MB, pure read (row_rms over rows of C): "
+                  + "; ".join(res), flush=True)
         for T in TS:
             o = torch.randn(T, G * 8, Dg // 8, device="cuda").bfloat16()
             y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
