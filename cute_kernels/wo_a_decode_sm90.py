@@ -38,14 +38,25 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
+from cutlass.tensor_utils import LayoutEnum
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
 
 from . import jit
 from .grid_sync import last_arrival
 from .wo_a_decode import MAX_T, SMEM_PER_CTA
 from .wo_a_sm90 import wo_a_layouts
+
+def load_peer_f32(smem_ptr: cute.Pointer, rank) -> Float32:
+    """The FP32 at ``smem_ptr`` in the shared memory of the cluster's CTA ``rank``
+    (``ld.shared::cluster`` on the ``mapa`` address; the DSL's typed loads do not take
+    distributed-shared pointers)."""
+    peer = cute.arch.map_dsmem_ptr(smem_ptr, rank)
+    addr = llvm.ptrtoint(Int32.mlir_type, peer.to_llvm_ptr())
+    return Float32(llvm.inline_asm(Float32.mlir_type, [addr], "ld.shared::cluster.f32 $0, [$1];", "=f,r",
+                                   has_side_effects=True))
+
 
 BM = 64  # weight rows (output columns) per CTA: wgmma M
 TOK_N = (8, 16, 32, 64)
@@ -61,9 +72,12 @@ def smem_bytes(tok_n: int, stages: int, bk: int = 64) -> int:
 
 class WoADecodeSm90:
     def __init__(self, G: int, R: int, Dg: int, tok_n: int, splits: int = 1, stages: int = 4, bk: int = 64,
-                 pdl: bool = False):
+                 pdl: bool = False, cluster: bool = False):
         self.G, self.R, self.Dg, self.tok_n, self.splits, self.stages, self.bk, self.pdl = \
             G, R, Dg, tok_n, splits, stages, bk, pdl
+        # cluster: the splits of a tile are one thread-block cluster along z and sum through
+        # distributed shared memory; else through the global workspace and a last-arrival count
+        self.cluster = cluster and splits > 1
         self.tile = (BM, tok_n, bk)
         self.kt_split = Dg // bk // splits  # K slices per CTA
 
@@ -83,8 +97,8 @@ class WoADecodeSm90:
         K_MAJOR = cute.nvgpu.warpgroup.OperandMajorMode.K
         tiled_mma = sm90_utils.make_trivial_tiled_mma(bf16, bf16, K_MAJOR, K_MAJOR, Float32, (1, 1, 1),
                                                       tiler_mn=(BM, self.tok_n))
-        w_smem = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, self.tile, bf16, self.stages)
-        o_smem = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, self.tile, bf16, self.stages)
+        w_smem = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.tile, bf16, self.stages)
+        o_smem = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.tile, bf16, self.stages)
         op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_w, tma_tensor_w = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mW, cute.slice_(w_smem, (None, None, 0)),
                                                                      (BM, self.bk))
@@ -92,6 +106,7 @@ class WoADecodeSm90:
                                                                      (self.tok_n, self.bk))
         self.kernel(tiled_mma, tma_w, tma_tensor_w, tma_o, tma_tensor_o, w_smem, o_smem, mY, mPart, mCount,
                     num_tokens).launch(grid=[G * R // BM, 1, self.splits], block=[THREADS, 1, 1], stream=stream,
+                                       cluster=(1, 1, self.splits) if self.cluster else (1, 1, 1),
                                        use_pdl=self.pdl)
 
     @cute.kernel
@@ -182,29 +197,46 @@ class WoADecodeSm90:
         for i in cutlass.range_constexpr(cute.size(acc)):
             r, c = tCcC[i]
             sOut[c, r] = acc[i]
-        cute.arch.barrier()
         col0 = nt * BM  # = g * R + rt * 64: the tile's first column of token-major y
-        if cutlass.const_expr(self.splits == 1):
-            for idx in cutlass.range(tidx, num_tokens * BM, THREADS):
-                c = idx // BM
-                r = idx - c * BM
-                mY[c, col0 + r] = sOut[c, r].to(bf16)  # the one bf16 rounding
+        if cutlass.const_expr(self.cluster):
+            # Every split's FP32 tile is visible cluster-wide (arrive releases, wait acquires);
+            # split z sums its 1/splits of the columns over all splits in a fixed order.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            CW = BM // self.splits
+            for idx in cutlass.range(tidx, num_tokens * CW, THREADS):
+                c = idx // CW
+                r = z * CW + idx - c * CW
+                s = Float32(0.0)
+                for zz in cutlass.range_constexpr(self.splits):
+                    s = s + load_peer_f32(sOut.iterator + (c * (BM + 1) + r), zz)
+                mY[c, col0 + r] = s.to(bf16)
+            # no CTA leaves (and frees its shared memory) while a peer may still read it
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
         else:
-            for idx in cutlass.range(tidx, num_tokens * BM, THREADS):
-                c = idx // BM
-                r = idx - c * BM
-                mPart[z, c, col0 + r] = sOut[c, r]
-            # The last split of the tile sees every split's partials (cute_kernels.grid_sync).
-            if last_arrival(mCount.iterator + nt, sFlag, self.splits):
+            cute.arch.barrier()
+            if cutlass.const_expr(self.splits == 1):
                 for idx in cutlass.range(tidx, num_tokens * BM, THREADS):
                     c = idx // BM
                     r = idx - c * BM
-                    s = Float32(0.0)
-                    for zz in cutlass.range_constexpr(self.splits):  # fixed order: deterministic
-                        s = s + mPart[zz, c, col0 + r]
-                    mY[c, col0 + r] = s.to(bf16)
-                if tidx == 0:
-                    mCount[nt] = 0  # ready for the next launch (graph replay needs no host reset)
+                    mY[c, col0 + r] = sOut[c, r].to(bf16)  # the one bf16 rounding
+            else:
+                for idx in cutlass.range(tidx, num_tokens * BM, THREADS):
+                    c = idx // BM
+                    r = idx - c * BM
+                    mPart[z, c, col0 + r] = sOut[c, r]
+                # The last split of the tile sees every split's partials (cute_kernels.grid_sync).
+                if last_arrival(mCount.iterator + nt, sFlag, self.splits):
+                    for idx in cutlass.range(tidx, num_tokens * BM, THREADS):
+                        c = idx // BM
+                        r = idx - c * BM
+                        s = Float32(0.0)
+                        for zz in cutlass.range_constexpr(self.splits):  # fixed order: deterministic
+                            s = s + mPart[zz, c, col0 + r]
+                        mY[c, col0 + r] = s.to(bf16)
+                    if tidx == 0:
+                        mCount[nt] = 0  # ready for the next launch (graph replay needs no host reset)
 
     @cute.jit
     def load(self, pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, tma_w: cute.CopyAtom,
@@ -253,10 +285,14 @@ def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
 
 
 def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, splits: int = 1, stages: int = 4, bk: int = 64,
-           pdl: bool = False):
+           pdl: bool = False, cluster: bool = False):
     """``tok_n``: the token tile (wgmma N; T <= tok_n). ``splits``: K splits (grid z).
     ``stages``: TMA pipeline depth. ``bk``: K elements per slice (64 or 128). ``pdl``: a
-    programmatic dependent launch (weights prefetched before the grid-dependency wait)."""
+    programmatic dependent launch (weights prefetched before the grid-dependency wait).
+    ``cluster``: a tile's splits as one cluster (at most 8) summing through distributed shared
+    memory instead of the global workspace."""
+    if cluster and splits > 8:
+        raise ValueError(f"wo_a_decode_sm90: cluster=True with splits={splits}: a cluster holds at most 8 CTAs")
     if not WoADecodeSm90.can_implement(1, G, R, Dg, tok_n, splits, stages, bk):
         raise ValueError(f"wo_a_decode_sm90: unsupported G={G}, R={R}, Dg={Dg}, tok_n={tok_n}, splits={splits}, "
                          f"stages={stages}, bk={bk} (R % 64, tok_n in {TOK_N}, bk in {BKS} dividing Dg, splits a "
@@ -265,7 +301,7 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, splits: int = 1, s
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 4), P(Float32, 4), P(Int32, 4),
             Int32(1), jit.fake_stream())
-    return WoADecodeSm90(G, R, Dg, tok_n, splits, stages, bk, pdl), args
+    return WoADecodeSm90(G, R, Dg, tok_n, splits, stages, bk, pdl, cluster), args
 
 
 KERNEL = jit.register(jit.KernelDef(

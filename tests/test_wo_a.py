@@ -673,6 +673,11 @@ def _run_sm90_decode(T, G, HG, Dv, R, stream=None, **cfg):
     (64, 16, 8, 128, 1024, dict(tok_n=64, splits=1, stages=3)),
     (64, 8, 16, 128, 512, dict(tok_n=64, splits=4, stages=6, bk=128)),
     (2, 8, 8, 128, 512, dict(tok_n=16, splits=16, stages=2)),  # one K slice per CTA: stages > slices
+    # the splits as one cluster, summed through distributed shared memory
+    (1, 8, 16, 128, 512, dict(tok_n=8, splits=2, stages=8, bk=128, cluster=True)),
+    (7, 16, 8, 128, 1024, dict(tok_n=8, splits=4, stages=4, cluster=True)),
+    (27, 8, 8, 128, 1024, dict(tok_n=32, splits=8, stages=2, cluster=True)),
+    (64, 8, 16, 128, 512, dict(tok_n=64, splits=2, stages=6, bk=128, cluster=True)),
 ])
 def test_sm90_decode_kernel_matches_fp64_and_replays(seed, T, G, HG, Dv, R, cfg):
     """Each token tile, split count, depth and K slice against float64, with odd T (token rows
@@ -698,15 +703,16 @@ def test_sm90_decode_kernel_matches_fp64_and_replays(seed, T, G, HG, Dv, R, cfg)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [1, 4])
-def test_sm90_decode_kernel_pdl_after_a_writer(seed, splits):
+@pytest.mark.parametrize("splits, cluster", [(1, False), (4, False), (2, True)])
+def test_sm90_decode_kernel_pdl_after_a_writer(seed, splits, cluster):
     """The PDL build reads ``o`` only after the kernel before it: a graph of (copy fresh
     inputs into ``o``, the kernel) x 3 on one ``o`` and workspace gives each step's product."""
     from cute_kernels import jit
     from cute_kernels.wo_a_decode import WoADecodeWorkspace
 
     T, G, HG, Dv, R = 5, 8, 16, 128, 512
-    fn = jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=G, R=R, Dg=HG * Dv, tok_n=8, splits=splits, pdl=True)
+    fn = jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=G, R=R, Dg=HG * Dv, tok_n=8, splits=splits, pdl=True,
+                        **({"cluster": True} if cluster else {}))
     ws = WoADecodeWorkspace(G, R, max_splits=splits)
     o, w = make(T, G, HG, Dv, R, "cuda")
     srcs = [make(T, G, HG, Dv, R, "cuda")[0] for _ in range(3)]
@@ -731,10 +737,13 @@ def test_sm90_decode_kernel_pdl_after_a_writer(seed, splits):
 
 
 @pytest.mark.parametrize("cfg", [dict(tok_n=8, splits=1, stages=4), dict(tok_n=64, splits=4, stages=3),
-                                 dict(tok_n=32, splits=2, stages=6, bk=128), dict(tok_n=16, splits=2, pdl=True)])
+                                 dict(tok_n=32, splits=2, stages=6, bk=128), dict(tok_n=16, splits=2, pdl=True),
+                                 dict(tok_n=8, splits=2, stages=8, bk=128, cluster=True)])
 def test_sm90_decode_kernel_machine_code(cfg):
     """TMA loads and wgmma of the token tile's width (m64n{tok_n}k16), one per 16 of K in a
-    slice; no spills; a grid-dependency wait and early launch only in the PDL build."""
+    slice; no spills; a grid-dependency wait and early launch only in the PDL build; cluster
+    barriers and no global atomic only in the cluster build (the global split path counts
+    its last arrival with one)."""
     h = sass.sass_histogram("wo_a_decode_sm90", "sm_90a", G=16, R=1024, Dg=2048, **cfg)
     bk = cfg.get("bk", 64)
     assert sass.count(h, f"HGMMA.64x{cfg['tok_n']}x16.F32.BF16") >= bk // 16, h
@@ -742,6 +751,9 @@ def test_sm90_decode_kernel_machine_code(cfg):
     assert sass.local_memory_ops(h) == 0
     pdl = cfg.get("pdl", False)
     assert sass.count(h, "ACQBULK") == int(pdl) and sass.count(h, "PREEXIT") == int(pdl)
+    cluster = cfg.get("cluster", False)
+    assert (sass.count(h, "UCGABAR_ARV") >= 2) == cluster and (sass.count(h, "UCGABAR_WAIT") >= 2) == cluster
+    assert (sass.count(h, "ATOMG") > 0) == (cfg["splits"] > 1 and not cluster)
 
 
 def test_sm90_decode_plan_and_errors():
@@ -758,5 +770,8 @@ def test_sm90_decode_plan_and_errors():
         jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=8, R=512, Dg=1024, tok_n=24, use_disk=False)
     with pytest.raises(ValueError, match="splits=3"):
         jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=8, R=512, Dg=1024, tok_n=16, splits=3, use_disk=False)
+    with pytest.raises(ValueError, match="cluster=True with splits=16"):
+        jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=8, R=512, Dg=2048, tok_n=8, splits=16, cluster=True,
+                       use_disk=False)
     with pytest.raises(ValueError, match="stages=40"):
         jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=8, R=512, Dg=1024, tok_n=64, stages=40, use_disk=False)

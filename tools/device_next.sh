@@ -90,7 +90,9 @@
 #            decode kernel / bmm (probe).
 #   phase 52: the read ceiling of each WO-A shape's weight bytes (row_rms, torch sum) and the
 #            swap-AB decode kernel with 128-wide slices, 4 / 8 stages, 1 / 2 / 4 splits.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..52)
+#   phase 53: the swap-AB decode kernel's splits as clusters (DSMEM sum): its GPU tests, then
+#            splits 1 / 2 / 4 (cluster and global) x 4 / 6 / 8 stages x 64 / 128-wide slices.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..53)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -333,6 +335,10 @@ case "${1:-1}" in
   step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
+  ;;
+53)  # cluster splits for the swap-AB decode kernel: GPU tests, then the sweep
+  step 200 sm90_decode_tests $PYT tests/test_wo_a.py -m gpu -k "sm90_decode"
+  step 380 probe_sm90_cluster env SPLITS=1,2,4 STAGES=4,6,8 BKS=64,128 CLUSTER=0,1 python tools/probe_wo_a_decode_sm90.py
   ;;
 52)  # read ceiling per shape + deeper swap-AB decode configs
   step 420 probe_sm90_deep env READ=1 TS=1,16,64 SPLITS=1,2,4 STAGES=4,8 BKS=128 python tools/probe_wo_a_decode_sm90.py

@@ -4,11 +4,13 @@ plan against the shipped ``wo_a()`` path, the warp-MMA decode kernel and cuBLAS 
     python tools/probe_wo_a_decode_sm90.py
     env TS=1,64 SPLITS=1,2,4,8 STAGES=3,4,6 BKS=64,128 python tools/probe_wo_a_decode_sm90.py  # full sweep
     env READ=1 TS=1 python tools/probe_wo_a_decode_sm90.py   # + the read ceiling of each shape's bytes
+    env SPLITS=1,2,4 STAGES=4,8 BKS=128 CLUSTER=0,1 python tools/probe_wo_a_decode_sm90.py  # cluster splits
 
 Per shape and T, us per call (graph replay, rotating weights larger than L2, bench/common.py)
 and % of 4.3 TB/s on the weight bytes: ``bmm``, ``wo_a()`` (its default route), ``mma`` (the
 warp-MMA decode kernel at its plan, :mod:`cute_kernels.wo_a_decode`), then the swap-AB kernel
-per config ``s{splits}x{stages}k{bk}`` ('*': its plan). Without SPLITS / STAGES / BKS the
+per config ``s{splits}x{stages}k{bk}`` ('*': its plan; ``c`` instead of ``s``: the splits as one
+cluster summing through distributed shared memory). Without SPLITS / STAGES / BKS the
 configs are the plan and its neighbours (splits x2 and /2, 6 stages, 128-wide slices). Every
 launch's output is checked against an FP32 einsum after a NaN poison (relative error).
 
@@ -45,9 +47,11 @@ def env_list(name):
 def configs(T, G, R, Dg):
     base = plan(T, G, R, Dg)
     sweep = [env_list(k) for k in ("SPLITS", "STAGES", "BKS")]
+    clusters = [bool(x) for x in (env_list("CLUSTER") or [0])]
     if any(s is not None for s in sweep):
         sp, st, bk = (s or [base[k]] for s, k in zip(sweep, ("splits", "stages", "bk")))
-        cands = [dict(base, splits=a, stages=b, bk=c) for a in sp for b in st for c in bk]
+        cands = [dict(base, splits=a, stages=b, bk=c, **({"cluster": True} if cl and a > 1 else {}))
+                 for a in sp for b in st for c in bk for cl in clusters]
     else:
         cands = [dict(base, splits=base["splits"] * 2), dict(base, splits=max(base["splits"] // 2, 1)),
                  dict(base, stages=6), dict(base, bk=128, splits=max(base["splits"] // 2, 1))]
@@ -100,7 +104,8 @@ def main():
 
                 t, err = measure(call, y, ref, n)
                 errs.append(err)
-                res.append(f"s{cfg['splits']}x{cfg['stages']}k{cfg['bk']}{'*' if cfg == base else ''} {pct(t)}")
+                name = f"{'c' if cfg.get('cluster') else 's'}{cfg['splits']}x{cfg['stages']}k{cfg['bk']}"
+                res.append(f"{name}{'*' if cfg == base else ''} {pct(t)}")
             print(f"T={T} G={G} R={R} Dg={Dg} tok_n={base['tok_n']}: " + "; ".join(res)
                   + f"; max err {max(errs):.1e}", flush=True)
         ws = None
