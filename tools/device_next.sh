@@ -338,7 +338,7 @@ case "${1:-1}" in
   ;;
 53)  # cluster splits for the swap-AB decode kernel: GPU tests, then the sweep
   step 200 sm90_decode_tests $PYT tests/test_wo_a.py -m gpu -k "sm90_decode"
-  step 380 probe_sm90_cluster env SPLITS=1,2,4 STAGES=4,6,8 BKS=64,128 CLUSTER=0,1 python tools/probe_wo_a_decode_sm90.py
+  step 380 probe_sm90_cluster env TS=1,16,32,64 SPLITS=1,2,4 STAGES=4,6,8 BKS=64,128 CLUSTER=0,1 python tools/probe_wo_a_decode_sm90.py
   ;;
 52)  # read ceiling per shape + deeper swap-AB decode configs
   step 420 probe_sm90_deep env READ=1 TS=1,16,64 SPLITS=1,2,4 STAGES=4,8 BKS=128 python tools/probe_wo_a_decode_sm90.py
