@@ -7,7 +7,9 @@ Baselines, same run: (a) the unfused path (the model's original): group-major ba
 ``.transpose(0, 1).reshape(T, G*R)`` (a copy); (b) that ``torch.bmm`` alone (cuBLAS,
 group-major output). "default path + PDL": ``wo_a(..., pdl=True)``, launched as a
 programmatic dependent: back to back in the graph, each launch's first weight tiles load
-while the previous launch drains. All timed by CUDA-graph replay over rotating
+while the previous launch drains. At T <= 64 also the two decode kernels on their own:
+``decode_kernel="mma"`` (warp MMAs) and ``"wgmma"`` (TMA + wgmma, weight rows as M). All
+timed by CUDA-graph replay over rotating
 weight sets larger than L2. Decode rows report weight-streaming bandwidth (bytes = weights +
 o + y) against 4.3 TB/s; prefill rows report TFLOP/s against 790.
 """
@@ -24,8 +26,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import H200_BF16_FLOPS, H200_COPY_BW, markdown_table, rotation_count, time_graph  # noqa: E402
 
-from cute_kernels.wo_a import use_decode_kernel, wo_a  # noqa: E402
+from cute_kernels.wo_a import decode_kernel_kind, use_decode_kernel, wo_a  # noqa: E402
 from cute_kernels.wo_a_decode import plan as decode_plan  # noqa: E402
+from cute_kernels.wo_a_decode_sm90 import plan as sm90_decode_plan  # noqa: E402
 from cute_kernels.wo_a_sm90 import WoASm90  # noqa: E402
 
 SHAPES = [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]  # (G, R, Dg)
@@ -60,13 +63,13 @@ def main():
         for T in tokens:
             o = torch.randn(T, G * 8, Dg // 8, device="cuda").bfloat16()
             y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
+            t_ours = time_graph(lambda i: wo_a(o, ws[i], out=y), n, max(n, 8))  # the default path
             t_eng = time_graph(lambda i: wo_a(o, ws[i], out=y, decode_kernel=False), n, max(n, 8))
             t_ref = time_graph(lambda i: unfused(o, ws[i]), n, max(n, 8))
             t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
-            t_dec = (time_graph(lambda i: wo_a(o, ws[i], out=y, decode_kernel=True), n, max(n, 8))
-                     if T <= 64 else float("nan"))
+            t_dec = {k: time_graph(lambda i, k=k: wo_a(o, ws[i], out=y, decode_kernel=k), n, max(n, 8))
+                     for k in ("mma", "wgmma")} if T <= 64 else {}
             t_pdl = time_graph(lambda i: wo_a(o, ws[i], out=y, pdl=True), n, max(n, 8))
-            t_ours = t_dec if use_decode_kernel(T, None, "sm90", G, R, Dg) else t_eng  # wo_a()'s default on Hopper
             flops = 2 * T * G * R * Dg
             nbytes = wbytes + T * G * Dg * 2 + T * G * R * 2
             def lim(t):
@@ -80,22 +83,27 @@ def main():
                 tile = f"swapped (R x T) {tile} cluster {cfg.get('cluster_m', 1)}x{cfg.get('cluster_n', 1)}"
                 if cfg.get("occupancy", 1) > 1:
                     tile += f", {cfg['occupancy']} CTAs/SM"
-            if use_decode_kernel(T, None, "sm90", G, R, Dg):
+            if use_decode_kernel(T, None, "sm90", G, R, Dg) and decode_kernel_kind(T, None) == "mma":
                 d = decode_plan(T, G, R, Dg)
                 tile = f"decode {d['bm']}x{d['bn']}, {d['splits']} split(s), {d['stages']} stages"
+            elif use_decode_kernel(T, None, "sm90", G, R, Dg):
+                d = sm90_decode_plan(T, G, R, Dg)
+                tile = f"wgmma decode 64x{d['tok_n']}, {d['stages']} stages of {d['bk']}"
             rows.append([f"T={T} G={G} R={R} Dg={Dg} {tile}",
                          f"{t_ours * 1e6:.2f}", f"{t_ref * 1e6:.2f}", f"{t_bmm * 1e6:.2f}",
                          f"{t_ref / t_ours:.2f}x", f"{t_bmm / t_ours:.2f}x", f"{nbytes / t_ours / 1e12:.2f}", f"{flops / t_ours / 1e12:.1f}", lim(t_ours),
                          f"{t_eng * 1e6:.2f}",
-                         "-" if T > 64 else f"{t_dec * 1e6:.2f} ({100 * nbytes / t_dec / H200_COPY_BW:.0f}%)",
+                         *(f"{t_dec[k] * 1e6:.2f} ({100 * nbytes / t_dec[k] / H200_COPY_BW:.0f}%)" if t_dec else "-"
+                           for k in ("mma", "wgmma")),
                          f"{t_pdl * 1e6:.2f} ({t_ours / t_pdl:.2f}x, {lim(t_pdl)})"])
             print("| " + " | ".join(rows[-1]) + " |", flush=True)  # progress: a cut-off run keeps its rows
-        del ws
+        ws = None
     text = "\n".join([f"## WO-A token-major -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
                       f"Command: `python bench/bench_wo_a.py --tokens {args.tokens}`", "",
                       markdown_table(["shape", "ours us (default path)", "(a) bmm+transpose us", "(b) bmm alone us",
                                       "vs (a)", "vs (b)", "TB/s", "TFLOP/s", "of limit", "engine us",
-                                      "decode kernel us (% of 4.3 TB/s)", "default path + PDL us (speed-up)"], rows)])
+                                      "mma decode us (% of 4.3 TB/s)", "wgmma decode us (%)",
+                                      "default path + PDL us (speed-up)"], rows)])
     print(text)
     if args.out:
         open(args.out, "w").write(text + "\n")

@@ -11,13 +11,17 @@ a contiguous copy. Here the GEMM epilogue stores through a token-major view of `
 (:mod:`cute_kernels.wo_a_sm90` explains the views), so that copy does not exist.
 
 Paths: sm_90a -> :mod:`.wo_a_sm90` (TMA + wgmma), sm_100a/sm_103a -> :mod:`.wo_a_sm100`
-(TMA + tcgen05); any other device -> the PyTorch reference, with one warning.
+(TMA + tcgen05); any other device -> the PyTorch reference, with one warning. At decode T
+(<= 64) two weight-streaming kernels: :mod:`.wo_a_decode` (warp MMAs, any arch) and
+:mod:`.wo_a_decode_sm90` (TMA + wgmma, weight rows as M; Hopper) -- :func:`wo_a` says which T
+takes which.
 
 Constraints: bf16 ``o`` and ``wo_a``, contiguous; ``H % G == 0``; ``R % 64 == 0``,
 ``Dg % 64 == 0`` (16-byte TMA rows, whole K tiles); any ``T >= 1`` (one compile per tile
-class serves every T in it; per shape on Hopper: the decode kernel's plans at T <= 16, one
-engine tile for 16 < T <= 64 and one above 512, and 6 to 10 swapped token tiles matched to T
-in between -- each compiled on first use, or ahead of time by the artifact cache).
+class serves every T in it; per shape on Hopper: the warp-MMA decode kernel's plans at T <= 16, the
+wgmma decode kernel or one engine tile for 16 < T <= 64 and one above 512, and 6 to 10 swapped
+token tiles matched to T in between -- each compiled on first use, or ahead of time by the
+artifact cache).
 Supported and tested: G in {8, 16}, Dg in {1024, 2048}, R in {512, 1024}.
 
 Run / bench::
@@ -41,6 +45,7 @@ from .validate import check_cuda, check_int32_indexable, check_tensor
 from .wo_a_sm90 import WoASm90
 from .wo_a_sm100 import WoASm100
 from .wo_a_decode import BN_NARROW, WoADecode, WoADecodeWorkspace, plan as decode_plan
+from .wo_a_decode_sm90 import plan as sm90_decode_plan
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _PATHS = {"sm90": WoASm90, "sm100": WoASm100}
@@ -116,25 +121,41 @@ def _torch_path(o, w, out):
 #: faster than the wgmma engine at T = 1 and 5 for all four shapes; its 64-row variant is
 #: slower at T = 64). Blackwell keeps its tcgen05 engine unless asked (nothing measured there).
 DECODE_MAX_T = 16
-#: ... and up to this many where the engine's 64-column tiles would leave SMs idle (the decode
-#: plan's 32-row tile then takes 32-column tiles: G=8 R=512). H200, fourteenth session
-#: (bench/RESULTS.md, phase 39): 9.5 / 9.9 us at T = 20 / 32 against the engine's 10.75 / 10.15;
-#: at the other three shapes the engine ties or wins.
+#: ... and up to this many where the engine's 64-column tiles would leave SMs idle (the
+#: warp-MMA decode plan's 32-row tile would take 32-column tiles: G=8 R=512), with the swap-AB
+#: wgmma decode kernel (:mod:`.wo_a_decode_sm90`). H200 (bench/RESULTS.md): the warp-MMA
+#: kernel's 9.5 / 9.9 us at T = 20 / 32 beat the engine's 10.75 / 10.15 (fourteenth session,
+#: phase 39); the wgmma kernel's 8.5 us at T = 32 beats the warp-MMA kernel's 9.9 (sixteenth
+#: session, phase 53). At the other three shapes the engine ties or wins there.
 DECODE_NARROW_MAX_T = 32
+#: values of ``wo_a(decode_kernel=...)`` beyond None / False: True is "mma"
+DECODE_KINDS = ("mma", "wgmma")
 
 
-def use_decode_kernel(T: int, decode_kernel: bool | None, path: str = "sm90", G: int | None = None,
+def use_decode_kernel(T: int, decode_kernel: bool | str | None, path: str = "sm90", G: int | None = None,
                       R: int | None = None, Dg: int | None = None, sms: int = 132) -> bool:
-    """Whether :func:`wo_a` takes the decode kernel (``decode_kernel``: the caller's choice;
+    """Whether :func:`wo_a` takes a decode kernel (``decode_kernel``: the caller's choice;
     ``None``: the default above, which for 16 < T <= 32 needs the shape)."""
     if decode_kernel is not None:
-        return bool(decode_kernel)
+        return decode_kernel in DECODE_KINDS or decode_kernel is True
     if path != "sm90":
         return False
     if T <= DECODE_MAX_T:
         return True
     return (T <= DECODE_NARROW_MAX_T and None not in (G, R, Dg)
             and decode_plan(T, G, R, Dg, sms)["bn"] == BN_NARROW)
+
+
+def decode_kernel_kind(T: int, decode_kernel: bool | str | None, path: str = "sm90") -> str:
+    """Which decode kernel a call that :func:`use_decode_kernel` routes to one takes: the
+    caller's ``"mma"`` / ``"wgmma"`` (True: ``"mma"``), else by default the warp-MMA kernel
+    (:mod:`.wo_a_decode`) at T <= 16 -- it ties the wgmma kernel there (tools/probe_wo_a_decode_sm90.py,
+    sixteenth session) and runs on every arch -- and the wgmma kernel above."""
+    if decode_kernel in DECODE_KINDS:
+        return decode_kernel
+    if decode_kernel is None and path == "sm90" and T > DECODE_MAX_T:
+        return "wgmma"
+    return "mma"
 
 
 _WORKSPACES: dict = {}
@@ -175,16 +196,19 @@ def _decode_workspace(op: str, workspace, o: torch.Tensor, G: int, R: int, split
 
 
 def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None = None, stream=None,
-         arch: str | None = None, decode_kernel: bool | None = None,
+         arch: str | None = None, decode_kernel: bool | str | None = None,
          workspace: WoADecodeWorkspace | None = None, pdl: bool = False) -> torch.Tensor:
     """``y [T, G*R]`` (bf16, token-major) from ``o [T, H, Dv]`` and ``wo_a_weight [G, R, (H/G)*Dv]``.
 
-    ``decode_kernel`` routes the call to :mod:`cute_kernels.wo_a_decode` (the weight-streaming
-    split-K decode kernel): ``None`` (default) for T <= 16 on Hopper -- where the H200 measured
-    it faster than the TMA/wgmma engine at every shape (bench/RESULTS.md) -- and for T <= 32
-    where the engine's 64-column tiles leave SMs idle (:data:`DECODE_NARROW_MAX_T`), ``True`` for any
-    T <= 64 on any arch, ``False`` never. Its split partials live in ``workspace`` (default:
-    one shared per device and shape -- pass your own for concurrent calls on several streams).
+    ``decode_kernel`` routes the call (T <= 64) to a weight-streaming decode kernel: ``"mma"``
+    (or ``True``) to :mod:`cute_kernels.wo_a_decode` (warp MMAs, split-K; any arch),
+    ``"wgmma"`` to :mod:`cute_kernels.wo_a_decode_sm90` (TMA + wgmma with the weight rows as
+    M; Hopper only), ``False`` to neither. ``None`` (default) on Hopper: the warp-MMA kernel
+    for T <= 16 -- where the H200 measured it faster than the TMA/wgmma engine at every shape
+    (bench/RESULTS.md) -- and the wgmma kernel for 16 < T <= 32 where the engine's 64-column
+    tiles leave SMs idle (:data:`DECODE_NARROW_MAX_T`). Split partials live in ``workspace``
+    (default: one shared per device and shape -- pass your own for concurrent calls on
+    several streams).
 
     On Hopper the TMA/wgmma engine serves T > 16: over (T, R) tiles at T <= 64 and T > 512,
     with swapped operands in between (tokens on wgmma N, token tiles matched to T, CTA pairs
@@ -203,6 +227,8 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     fourteenth session).
     """
     op = "wo_a"
+    if decode_kernel not in (None, True, False) + DECODE_KINDS:
+        raise ValueError(f"{op}: decode_kernel={decode_kernel!r}, expected None, True, False, 'mma' or 'wgmma'")
     check_tensor(op, "o", o, dtype=torch.bfloat16, ndim=3, contiguous=True)
     check_tensor(op, "wo_a_weight", wo_a_weight, dtype=torch.bfloat16, ndim=3, contiguous=True)
     T, H, Dv, G, R, Dg = _group_shapes(op, o, wo_a_weight, "wo_a_weight")
@@ -221,15 +247,25 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     if path == "reference":
         return _torch_path(o, wo_a_weight, out)
     sms = num_sms(o.device)
+    P = jit.gmem_ptr
+    if use_decode_kernel(T, decode_kernel, path, G, R, Dg, sms) \
+            and decode_kernel_kind(T, decode_kernel, path) == "wgmma":
+        if path != "sm90" or T > 64:
+            raise ValueError(f"{op}: decode_kernel='wgmma' needs a Hopper (sm_90a) device and T <= 64, "
+                             f"got {a} and T={T}")
+        cfg = sm90_decode_plan(T, G, R, Dg, sms)
+        workspace = _decode_workspace(op, workspace, o, G, R, cfg["splits"])
+        fn = jit.get_kernel("wo_a_decode_sm90", a, G=G, R=R, Dg=Dg, **cfg, **pdl_cfg)
+        fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 4),
+           P(Float32, workspace.partials, 4), P(Int32, workspace.counters, 4), jit.i32(T), jit.cu_stream(stream))
+        return out
     if use_decode_kernel(T, decode_kernel, path, G, R, Dg, sms) and WoADecode.can_implement(T, G, R, Dg):
         cfg = decode_plan(T, G, R, Dg, sms)
         workspace = _decode_workspace(op, workspace, o, G, R, cfg["splits"])
         fn = jit.get_kernel("wo_a_decode", a, G=G, R=R, Dg=Dg, **cfg, **pdl_cfg)
-        P = jit.gmem_ptr
         fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 4),
            P(Float32, workspace.partials, 4), P(Int32, workspace.counters, 4), jit.i32(T), jit.cu_stream(stream))
         return out
-    P = jit.gmem_ptr
     cfg = _PATHS[path].config_for(T, G, R, Dg, pdl=pdl)
     fn = jit.get_kernel(op, a, G=G, R=R, Dg=Dg, **cfg, **(pdl_cfg if path == "sm90" else {}))
     fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 16), jit.i32(T),

@@ -45,7 +45,7 @@ from cutlass._mlir.dialects import llvm
 
 from . import jit
 from .grid_sync import last_arrival
-from .wo_a_decode import MAX_T, SMEM_PER_CTA
+from .wo_a_decode import BN_NARROW, MAX_T, SMEM_PER_CTA, plan as mma_decode_plan
 from .wo_a_sm90 import wo_a_layouts
 
 def load_peer_f32(smem_ptr: cute.Pointer, rank) -> Float32:
@@ -268,20 +268,23 @@ def tok_n_for(T: int) -> int | None:
 
 
 def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
-    """The compile configuration ``{tok_n, splits, stages, bk}`` of a decode call: the
-    narrowest token tile; K split until the grid fills two CTAs per SM, while every CTA keeps
-    at least 4 slices and the FP32 partials (written and read once, 8 * splits * T bytes per
-    weight row of Dg * 2 bytes) stay under 1/4 of the weight bytes; 4 stages."""
+    """The compile configuration ``{tok_n, splits, stages, bk}`` of a decode call.
+
+    The narrowest token tile and no K split: every split measured slower wherever the 64-row
+    tiles alone reach 64 CTAs -- the workspace sum costs 1-5 us, the cluster sum 0.3-1 us, more
+    than the SMs they add win back. Where the tiles fit one wave at one CTA per SM, 128-wide
+    slices as deep as shared memory allows (8 stages; 6 for the 64-token tile); else 64-wide
+    slices at 4 stages, two CTAs per SM. H200, tools/probe_wo_a_decode_sm90.py (sixteenth
+    session, bench/RESULTS.md), G=8 R=512 (64 tiles) T = 1 / 16 / 32: 8 stages of 128 7.27 /
+    7.77 / 8.52 us against 8.87 / 9.48 / 11.90 at 4 and 7.56 / 7.74 / 9.02 with the K split in
+    a cluster pair; G=16 R=1024 (256 tiles) T = 1 / 16: 4 stages of 64 10.53 / 11.32 against
+    11.67 / 12.77 at 8 of 128."""
     tok_n = tok_n_for(T)
     if tok_n is None:
         raise ValueError(f"wo_a_decode_sm90: T={T} > {MAX_T}")
-    bk = 64
-    tiles = G * R // BM
-    splits = 1
-    while (tiles * splits < 2 * num_sms * 0.9 and (Dg // bk) % (splits * 2) == 0
-           and Dg // bk // (splits * 2) >= 4 and 16 * splits * 2 * T <= Dg):
-        splits *= 2
-    return {"tok_n": tok_n, "splits": splits, "stages": 4, "bk": bk}
+    if G * R // BM <= num_sms and Dg % 128 == 0:
+        return {"tok_n": tok_n, "splits": 1, "stages": 8 if tok_n <= 32 else 6, "bk": 128}
+    return {"tok_n": tok_n, "splits": 1, "stages": 4, "bk": 64}
 
 
 def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, splits: int = 1, stages: int = 4, bk: int = 64,
@@ -310,7 +313,10 @@ KERNEL = jit.register(jit.KernelDef(
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
                   for f in ("wo_a_decode_sm90.py", "grid_sync.py", "wo_a_sm90.py")),
     archs=("sm_90a",),
-    aot_configs=tuple({"G": G, "R": R, "Dg": Dg, **plan(t, G, R, Dg)}
-                      for G in (8, 16) for R in (512, 1024) for Dg in (1024, 2048) for t in (8, 16, 32, 64)),
+    # the configs wo_a() routes here by default: 16 < T <= 32 where the warp-MMA decode plan
+    # takes 32-column tiles (cute_kernels.wo_a.decode_kernel_kind)
+    aot_configs=tuple({"G": G, "R": R, "Dg": Dg, **plan(32, G, R, Dg)}
+                      for G in (8, 16) for R in (512, 1024) for Dg in (1024, 2048)
+                      if mma_decode_plan(32, G, R, Dg)["bn"] == BN_NARROW),
     description="WO-A decode (T <= 64), Hopper: TMA + wgmma, weight rows as M, split-K, token-major bf16 out",
 ))

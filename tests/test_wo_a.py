@@ -363,6 +363,23 @@ def test_bad_arguments(o, w, words):
         wo_a(o, w)
 
 
+def test_bad_decode_kernel_value():
+    o, w = torch.zeros(2, 16, 128).bfloat16(), torch.zeros(8, 512, 256).bfloat16()
+    with pytest.raises(ValueError, match="decode_kernel='fast'"):
+        wo_a(o, w, decode_kernel="fast")
+
+
+@pytest.mark.gpu
+def test_wgmma_decode_kernel_needs_hopper_and_t_64():
+    """``decode_kernel="wgmma"`` on a Blackwell arch or above 64 tokens: an error, before any launch."""
+    o, w = make(5, 8, 16, 128, 512, "cuda")
+    with pytest.raises(ValueError, match="needs a Hopper"):
+        wo_a(o, w, decode_kernel="wgmma", arch="sm_100a")
+    o, w = make(65, 8, 16, 128, 512, "cuda")
+    with pytest.raises(ValueError, match="T=65"):
+        wo_a(o, w, decode_kernel="wgmma")
+
+
 @pytest.mark.parametrize("engine, args, kwargs, words", [
     ("sm90", ((96, 128),), {}, "tile_m must be 64 or 128"),
     ("sm90", ((128, 48),), {}, "tile_n must be a multiple of 32"),
@@ -550,6 +567,17 @@ def test_pdl_after_a_writer_and_back_to_back(seed, T, decode):
         assert rel_err(outs[4], wo_a_ref(srcs[-1], w)) < TOL
 
 
+def test_decode_kernel_kinds():
+    """Which decode kernel a routed call takes: warp MMAs at T <= 16 and when asked (True /
+    "mma"), the wgmma kernel for the default 16 < T <= 32 route on Hopper and when asked."""
+    from cute_kernels.wo_a import decode_kernel_kind, use_decode_kernel
+    assert decode_kernel_kind(5, None) == "mma" and decode_kernel_kind(20, None) == "wgmma"
+    assert decode_kernel_kind(20, True) == "mma" and decode_kernel_kind(20, "mma") == "mma"
+    assert decode_kernel_kind(1, "wgmma") == "wgmma"
+    assert decode_kernel_kind(20, None, "sm100") == "mma"
+    assert use_decode_kernel(64, "wgmma") and use_decode_kernel(64, "mma") and not use_decode_kernel(1, False)
+
+
 def test_decode_kernel_default_range():
     from cute_kernels.wo_a import use_decode_kernel
     assert use_decode_kernel(1, None) and use_decode_kernel(16, None) and not use_decode_kernel(17, None)
@@ -703,6 +731,20 @@ def test_sm90_decode_kernel_matches_fp64_and_replays(seed, T, G, HG, Dv, R, cfg)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("G, HG, Dv, R", SHAPES)
+@pytest.mark.parametrize("T", [1, 5, 16, 20, 32, 41, 64])
+def test_sm90_decode_kernel_through_wo_a(seed, G, HG, Dv, R, T):
+    """``wo_a(decode_kernel="wgmma")`` at every shape with its plan (which the default takes
+    for 16 < T <= 32 at G=8 R=512)."""
+    o, w = make(T, G, HG, Dv, R, "cuda")
+    out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
+    wo_a(o, w, out=out, decode_kernel="wgmma")
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert rel_err(out, wo_a_ref(o, w)) < TOL
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("splits, cluster", [(1, False), (4, False), (2, True)])
 def test_sm90_decode_kernel_pdl_after_a_writer(seed, splits, cluster):
     """The PDL build reads ``o`` only after the kernel before it: a graph of (copy fresh
@@ -760,10 +802,13 @@ def test_sm90_decode_plan_and_errors():
     from cute_kernels import jit
     from cute_kernels.wo_a_decode_sm90 import plan
 
-    assert plan(1, 8, 512, 2048) == dict(tok_n=8, splits=4, stages=4, bk=64)  # 64 tiles -> 256 CTAs
-    assert plan(5, 16, 1024, 1024) == dict(tok_n=8, splits=1, stages=4, bk=64)  # 256 tiles fill two per SM
-    assert plan(16, 16, 512, 2048)["tok_n"] == 16 and plan(33, 8, 512, 2048)["tok_n"] == 64
-    assert plan(64, 8, 512, 2048)["splits"] == 2  # the partials' traffic bounds the split
+    # one wave of 64-row tiles: 8 stages of 128 (6 for the 64-token tile), no split
+    assert plan(1, 8, 512, 2048) == dict(tok_n=8, splits=1, stages=8, bk=128)
+    assert plan(32, 8, 512, 2048) == dict(tok_n=32, splits=1, stages=8, bk=128)
+    assert plan(33, 16, 512, 2048) == dict(tok_n=64, splits=1, stages=6, bk=128)
+    # 256 tiles: two CTAs per SM at 4 stages of 64
+    assert plan(5, 16, 1024, 1024) == dict(tok_n=8, splits=1, stages=4, bk=64)
+    assert plan(16, 8, 512, 1024 + 64)["bk"] == 64  # K not a multiple of 128
     with pytest.raises(ValueError, match="T=65"):
         plan(65, 8, 512, 2048)
     with pytest.raises(ValueError, match="tok_n=24"):

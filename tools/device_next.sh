@@ -92,7 +92,10 @@
 #            swap-AB decode kernel with 128-wide slices, 4 / 8 stages, 1 / 2 / 4 splits.
 #   phase 53: the swap-AB decode kernel's splits as clusters (DSMEM sum): its GPU tests, then
 #            splits 1 / 2 / 4 (cluster and global) x 4 / 6 / 8 stages x 64 / 128-wide slices.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..53)
+#   phase 54: wo_a() routes 16 < T <= 32 (G=8 R=512) to the wgmma decode kernel: the WO-A GPU
+#            tests, the bench at decode T with both decode kernels, the engine's swapped
+#            64-row tiles with 32 / 64 token columns and CTA pairs at T = 64 (probe).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..54)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -335,6 +338,11 @@ case "${1:-1}" in
   step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
+  ;;
+54)  # the wgmma decode route: WO-A GPU tests, decode-T bench, swapped 64-row engine tiles at T = 64
+  step 270 wo_a_tests $PYT tests/test_wo_a.py -m gpu
+  step 170 bench_wo_a_decode python bench/bench_wo_a.py --tokens 1,5,20,32,64 --out "$OUT/bench_wo_a_decode.md"
+  step 130 probe_t64 env TS=64 TILES=64x64,64x32 SWAP_TILES=64x64,64x32 CLUSTERS=1x1,2x1,1x2 python tools/probe_wo_a_tiles.py
   ;;
 53)  # cluster splits for the swap-AB decode kernel: GPU tests, then the sweep
   step 200 sm90_decode_tests $PYT tests/test_wo_a.py -m gpu -k "sm90_decode"
