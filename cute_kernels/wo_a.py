@@ -146,14 +146,20 @@ def use_decode_kernel(T: int, decode_kernel: bool | str | None, path: str = "sm9
             and decode_plan(T, G, R, Dg, sms)["bn"] == BN_NARROW)
 
 
-def decode_kernel_kind(T: int, decode_kernel: bool | str | None, path: str = "sm90") -> str:
+def decode_kernel_kind(T: int, decode_kernel: bool | str | None, path: str = "sm90", G: int | None = None,
+                       R: int | None = None, Dg: int | None = None, sms: int = 132) -> str:
     """Which decode kernel a call that :func:`use_decode_kernel` routes to one takes: the
-    caller's ``"mma"`` / ``"wgmma"`` (True: ``"mma"``), else by default the warp-MMA kernel
-    (:mod:`.wo_a_decode`) at T <= 16 -- it ties the wgmma kernel there (tools/probe_wo_a_decode_sm90.py,
-    sixteenth session) and runs on every arch -- and the wgmma kernel above."""
+    caller's ``"mma"`` / ``"wgmma"`` (True: ``"mma"``); by default on Hopper the wgmma kernel
+    (:mod:`.wo_a_decode_sm90`) where 64-row weight tiles fill under 90% of the SMs -- the
+    16 < T <= 32 route's shapes (G=8 R=512) -- and the warp-MMA kernel (:mod:`.wo_a_decode`)
+    elsewhere. H200 (bench/RESULTS.md, sixteenth session, phases 52-54), G=8 R=512 T = 1 /
+    5 / 20 / 32: wgmma 7.02 / 7.31 / 8.26 / 8.37 us against warp MMAs 7.39 / 7.60 / 9.77 /
+    9.84; at the other shapes the two tie within 3% at T <= 16 (the warp-MMA kernel's side
+    at G=16 R=512)."""
     if decode_kernel in DECODE_KINDS:
         return decode_kernel
-    if decode_kernel is None and path == "sm90" and T > DECODE_MAX_T:
+    if decode_kernel is None and path == "sm90" and None not in (G, R, Dg) \
+            and decode_plan(max(T, DECODE_MAX_T + 1), G, R, Dg, sms)["bn"] == BN_NARROW:
         return "wgmma"
     return "mma"
 
@@ -203,10 +209,10 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     ``decode_kernel`` routes the call (T <= 64) to a weight-streaming decode kernel: ``"mma"``
     (or ``True``) to :mod:`cute_kernels.wo_a_decode` (warp MMAs, split-K; any arch),
     ``"wgmma"`` to :mod:`cute_kernels.wo_a_decode_sm90` (TMA + wgmma with the weight rows as
-    M; Hopper only), ``False`` to neither. ``None`` (default) on Hopper: the warp-MMA kernel
-    for T <= 16 -- where the H200 measured it faster than the TMA/wgmma engine at every shape
-    (bench/RESULTS.md) -- and the wgmma kernel for 16 < T <= 32 where the engine's 64-column
-    tiles leave SMs idle (:data:`DECODE_NARROW_MAX_T`). Split partials live in ``workspace``
+    M; Hopper only), ``False`` to neither. ``None`` (default) on Hopper: a decode kernel for
+    T <= 16 -- where the H200 measured both faster than the TMA/wgmma engine at every shape
+    (bench/RESULTS.md) -- and for 16 < T <= 32 where the engine's 64-column tiles leave SMs
+    idle (:data:`DECODE_NARROW_MAX_T`); :func:`decode_kernel_kind` says which. Split partials live in ``workspace``
     (default: one shared per device and shape -- pass your own for concurrent calls on
     several streams).
 
@@ -249,7 +255,7 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     sms = num_sms(o.device)
     P = jit.gmem_ptr
     if use_decode_kernel(T, decode_kernel, path, G, R, Dg, sms) \
-            and decode_kernel_kind(T, decode_kernel, path) == "wgmma":
+            and decode_kernel_kind(T, decode_kernel, path, G, R, Dg, sms) == "wgmma":
         if path != "sm90" or T > 64:
             raise ValueError(f"{op}: decode_kernel='wgmma' needs a Hopper (sm_90a) device and T <= 64, "
                              f"got {a} and T={T}")

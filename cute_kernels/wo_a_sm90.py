@@ -112,6 +112,9 @@ class WoASm90(WoAGemm):
         cooperative tile, T = 16384 1.04x for Dg = 2048; at T = 4096 with Dg = 2048 one shape
         lost (G=8 R=512: 118 vs 101 us). Not under ``pdl`` (the pingpong CTA is persistent).
 
+        32 < T <= 64 where 64-row weight tiles leave most SMs idle: tokens on wgmma N in two
+        32-token tiles, the CTA pair of a weight tile sharing it by multicast.
+
         64 < T <= 512: tokens on wgmma N, in the fewest <= 256-token tiles, each rounded up to
         the engine's 32 (T = 320: two tiles of 160, where (T, R) tiling runs 2.5 rows of
         128-token tiles); 128 weight rows per CTA unless that leaves most SMs idle; CTA pairs
@@ -127,6 +130,12 @@ class WoASm90(WoAGemm):
         (tenth session, on the vendored engine; CTA pairs on the project's engine at T = 16384:
         0.99-1.01x but for one 1.08x reading, eleventh session)."""
         lo, hi = WoASm90.SWAP_AB_T
+        if 32 < T <= lo and G * (R // 64) < WoASm90.NUM_SMS // 2:
+            # 64-row weight tiles alone leave most SMs idle (G=8 R=512: 64): two 32-token tiles
+            # per weight tile, the CTA pair sharing it by multicast -- W read once, 128 CTAs.
+            # H200, tools/probe_wo_a_tiles.py at T = 64 (sixteenth session): 7.7 us against
+            # the 64x64 (T, R) tile's 8.9 and bmm's 8.0.
+            return dict(tile_m=64, tile_n=32, cluster_n=2, swap_ab=True)
         if lo < T <= hi:
             n_tiles = -(-T // 256)
             tile_m = 128 if (R // 128) * G * n_tiles >= 96 else 64

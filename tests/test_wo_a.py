@@ -25,7 +25,7 @@ def make(T, G, HG, Dv, R, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("G, HG, Dv, R", SHAPES)
-@pytest.mark.parametrize("T", [1, 5, 20, 64, 77, 200, 300])
+@pytest.mark.parametrize("T", [1, 5, 20, 41, 64, 77, 200, 300])
 @pytest.mark.parametrize("decode", [None, False])  # default path (decode kernel at T <= 16, G=8 R=512 <= 32) / engine
 def test_hopper_matches_fp64(seed, G, HG, Dv, R, T, decode):
     o, w = make(T, G, HG, Dv, R, "cuda")
@@ -568,14 +568,28 @@ def test_pdl_after_a_writer_and_back_to_back(seed, T, decode):
 
 
 def test_decode_kernel_kinds():
-    """Which decode kernel a routed call takes: warp MMAs at T <= 16 and when asked (True /
-    "mma"), the wgmma kernel for the default 16 < T <= 32 route on Hopper and when asked."""
+    """Which decode kernel a routed call takes: by default on Hopper the wgmma kernel where
+    64-row weight tiles leave SMs idle (G=8 R=512), warp MMAs elsewhere and off Hopper; the
+    caller's choice when given (True: warp MMAs)."""
     from cute_kernels.wo_a import decode_kernel_kind, use_decode_kernel
-    assert decode_kernel_kind(5, None) == "mma" and decode_kernel_kind(20, None) == "wgmma"
-    assert decode_kernel_kind(20, True) == "mma" and decode_kernel_kind(20, "mma") == "mma"
+    narrow = (8, 512, 2048)  # 64 weight tiles of 64 rows
+    assert all(decode_kernel_kind(T, None, "sm90", *narrow) == "wgmma" for T in (1, 5, 16, 20, 32))
+    assert all(decode_kernel_kind(T, None, "sm90", G, R, Dg) == "mma" for T in (1, 5, 16)
+               for G, R, Dg in [(16, 1024, 1024), (16, 512, 2048), (8, 1024, 1024)])
+    assert decode_kernel_kind(20, True, "sm90", *narrow) == "mma" and decode_kernel_kind(20, "mma") == "mma"
     assert decode_kernel_kind(1, "wgmma") == "wgmma"
-    assert decode_kernel_kind(20, None, "sm100") == "mma"
+    assert decode_kernel_kind(20, None, "sm100", *narrow) == "mma"
     assert use_decode_kernel(64, "wgmma") and use_decode_kernel(64, "mma") and not use_decode_kernel(1, False)
+
+
+def test_engine_config_at_33_to_64_tokens():
+    """Where 64-row weight tiles leave most SMs idle (G=8 R=512), 32 < T <= 64 runs swapped
+    64 x 32 tiles in CTA pairs along T sharing each weight tile; elsewhere one 64-row (T, R) tile."""
+    for T in (33, 41, 64):
+        assert WoASm90.config_for(T, 8, 512, 2048) == dict(tile_m=64, tile_n=32, cluster_n=2, swap_ab=True)
+        assert WoASm90.config_for(T, 16, 512, 2048) == dict(tile_m=64, tile_n=64)
+        assert WoASm90.config_for(T, 16, 1024, 1024) == dict(tile_m=64, tile_n=128)
+    assert WoASm90.config_for(32, 8, 512, 2048) == dict(tile_m=64, tile_n=64)  # one token tile: no pair
 
 
 def test_decode_kernel_default_range():

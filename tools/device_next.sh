@@ -95,7 +95,10 @@
 #   phase 54: wo_a() routes 16 < T <= 32 (G=8 R=512) to the wgmma decode kernel: the WO-A GPU
 #            tests, the bench at decode T with both decode kernels, the engine's swapped
 #            64-row tiles with 32 / 64 token columns and CTA pairs at T = 64 (probe).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..54)
+#   phase 55: the final tree (wgmma decode kernel for G=8 R=512 at T <= 32, swapped 64 x 32 CTA
+#            pairs at 32 < T <= 64 there): the whole GPU suite, then the issue's bench with
+#            T = 20 / 32 added.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..55)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -338,6 +341,10 @@ case "${1:-1}" in
   step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
+  ;;
+55)  # the final tree: the whole GPU suite, then the issue's WO-A bench (T = 20 / 32 added)
+  step 330 gpu_suite $PYT tests -m gpu
+  step 230 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,20,32,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
   ;;
 54)  # the wgmma decode route: WO-A GPU tests, decode-T bench, swapped 64-row engine tiles at T = 64
   step 270 wo_a_tests $PYT tests/test_wo_a.py -m gpu
