@@ -98,7 +98,9 @@
 #   phase 55: the final tree (wgmma decode kernel for G=8 R=512 at T <= 32, swapped 64 x 32 CTA
 #            pairs at 32 < T <= 64 there): the whole GPU suite, then the issue's bench with
 #            T = 20 / 32 added.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..55)
+#   phase 56: the issue's bench again with a discarded warm-up graph per row (phase 55's first
+#            timing of each row ran up to 0.8 us slow at decode T).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..56)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -341,6 +343,9 @@ case "${1:-1}" in
   step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
+  ;;
+56)  # the issue's WO-A bench (T = 20 / 32 added), a warm-up graph per row
+  step 230 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,20,32,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
   ;;
 55)  # the final tree: the whole GPU suite, then the issue's WO-A bench (T = 20 / 32 added)
   step 330 gpu_suite $PYT tests -m gpu
