@@ -14,10 +14,13 @@ slice, and its 64-row token tile is compute-bound. Here, as in :mod:`moe.experts
 * both tiles arrive by TMA (``bk``-wide K slices, 128-byte swizzle) through a ``stages``-deep
   mbarrier pipeline: one elected thread issues a whole slice (two instructions), the
   warpgroup consumes. Token rows past T are zero-filled by TMA and never stored;
-* the K dimension is split ``splits`` ways so that the grid ``(G*R/64, 1, splits)`` fills
-  every SM; each split writes its FP32 partial ``[T, 64]`` to the workspace and the tile's last
-  split (acq_rel counter, :mod:`.grid_sync`) sums them in a fixed order -- deterministic --
-  rounds to bf16 once and re-zeroes the counter (graph replays need no reset).
+* ``splits`` > 1 splits K over grid z. Each split writes its FP32 partial ``[T, 64]`` to the
+  workspace and the tile's last split (acq_rel counter, :mod:`.grid_sync`) sums them in a
+  fixed order -- deterministic -- rounds to bf16 once and re-zeroes the counter (graph
+  replays need no reset); or, with ``cluster``, the splits are one thread-block cluster and
+  split z sums its share of the columns from every split's shared memory (two cluster
+  barriers, no global round trip). Measured slower than no split at every decode shape here
+  (:func:`plan`), both kept as options and tested.
 
 Epilogue: the accumulator goes through shared memory (transposed, FP32) so that each
 token's 64 output columns are stored contiguously into token-major ``y [T, G*R]``.
@@ -25,6 +28,10 @@ token's 64 output columns are stored contiguously into token-major ``y [T, G*R]`
 ``pdl``: a programmatic dependent launch -- the first stages' weight slices are issued before
 ``griddepcontrol.wait`` (the weights do not depend on the previous kernel); ``o`` and every
 store come after it.
+
+Status (H200, bench/RESULTS.md, sixteenth session): GPU-tested; ``wo_a()``'s default where
+64-row weight tiles fill under 90% of the SMs (G=8 R=512) at T <= 32 -- 1.17-1.19x the warp-MMA
+kernel at T = 20 / 32, 4-9% at T = 1 / 5; elsewhere within 3% of it (``decode_kernel="wgmma"``).
 
 Constraints: T <= ``tok_n`` (the host picks ``tok_n`` from T), ``R % 64 == 0``, ``Dg % bk ==
 0`` and the split's slices whole (``splits`` a power of two dividing ``Dg / bk``), shared
