@@ -100,8 +100,9 @@
 #            T = 20 / 32 added.
 #   phase 56: the issue's bench again with a discarded warm-up graph per row (phase 55's first
 #            timing of each row ran up to 0.8 us slow at decode T).
-#   phase 57: T = 320 with cuBLAS's G=8 R=512 schedule (128 x 80 swapped tiles, CTA pairs along
-#            T sharing the weight tile) and the other swapped pairs; T = 64 pairs (probe).
+#   phase 57: T = 320 near cuBLAS.s G=8 R=512 schedule (128 x 80 swapped tiles, CTA pairs along
+#            T sharing the weight tile; the engine needs N tiles of 32s: 128 x 96) and the other
+#            swapped pairs; T = 64 pairs (probe).
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..57)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
@@ -347,7 +348,7 @@ case "${1:-1}" in
     --out "$OUT/bench_wo_a_fp8.md"
   ;;
 57)  # swapped tiles and CTA pairs at T = 320 (incl. cuBLAS's 128x80 1x2) and T = 64
-  step 150 probe_t320 env TS=320 TILES=128x256 SWAP_TILES=128x80,128x160,64x160,64x80 CLUSTERS=2x1,1x2 python tools/probe_wo_a_tiles.py
+  step 150 probe_t320 env TS=320 TILES=128x256 SWAP_TILES=128x96,128x160,64x160 CLUSTERS=2x1,1x2 python tools/probe_wo_a_tiles.py
   step 80 probe_t64 env TS=64 TILES=64x64 SWAP_TILES=64x64,64x32 CLUSTERS=1x1,2x1,1x2 python tools/probe_wo_a_tiles.py
   ;;
 56)  # the issue's WO-A bench (T = 20 / 32 added), a warm-up graph per row
