@@ -159,7 +159,7 @@ def decode_kernel_kind(T: int, decode_kernel: bool | str | None, path: str = "sm
     if decode_kernel in DECODE_KINDS:
         return decode_kernel
     if decode_kernel is None and path == "sm90" and None not in (G, R, Dg) \
-            and decode_plan(max(T, DECODE_MAX_T + 1), G, R, Dg, sms)["bn"] == BN_NARROW:
+            and decode_plan(DECODE_NARROW_MAX_T, G, R, Dg, sms)["bn"] == BN_NARROW:
         return "wgmma"
     return "mma"
 
@@ -212,13 +212,14 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     M; Hopper only), ``False`` to neither. ``None`` (default) on Hopper: a decode kernel for
     T <= 16 -- where the H200 measured both faster than the TMA/wgmma engine at every shape
     (bench/RESULTS.md) -- and for 16 < T <= 32 where the engine's 64-column tiles leave SMs
-    idle (:data:`DECODE_NARROW_MAX_T`); :func:`decode_kernel_kind` says which. Split partials live in ``workspace``
-    (default: one shared per device and shape -- pass your own for concurrent calls on
-    several streams).
+    idle (:data:`DECODE_NARROW_MAX_T`); :func:`decode_kernel_kind` says which. Split
+    partials live in ``workspace`` (default: one shared per device and shape -- pass your own
+    for concurrent calls on several streams).
 
-    On Hopper the TMA/wgmma engine serves T > 16: over (T, R) tiles at T <= 64 and T > 512,
-    with swapped operands in between (tokens on wgmma N, token tiles matched to T, CTA pairs
-    sharing them by multicast -- :meth:`WoASm90.config_for`).
+    On Hopper the TMA/wgmma engine serves the rest: (T, R) tiles at T <= 64 and T > 512,
+    swapped operands in between and at 32 < T <= 64 where 64-row weight tiles leave most SMs
+    idle (tokens on wgmma N, token tiles matched to T, CTA pairs sharing a tile by multicast --
+    :meth:`WoASm90.config_for`).
 
     ``pdl`` (the decode kernel and the Hopper engine; the Blackwell engine ignores it): launch
     as a programmatic dependent of the previous kernel on the stream, so the first weight
