@@ -582,14 +582,31 @@ def test_decode_kernel_kinds():
     assert use_decode_kernel(64, "wgmma") and use_decode_kernel(64, "mma") and not use_decode_kernel(1, False)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("G, HG, Dv, R", [(16, 16, 128, 512), (8, 8, 128, 1024)])
+@pytest.mark.parametrize("T", [33, 41, 64])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_engine_pairs_at_33_to_64_tokens(seed, G, HG, Dv, R, T, pdl):
+    """The 64x64 CTA pairs along R (32 < T <= 64) through wo_a(), eager and as a programmatic
+    dependent, against float64 with a poisoned output."""
+    o, w = make(T, G, HG, Dv, R, "cuda")
+    out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
+    wo_a(o, w, out=out, pdl=pdl)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert rel_err(out, wo_a_ref(o, w)) < TOL
+
+
 def test_engine_config_at_33_to_64_tokens():
     """Where 64-row weight tiles leave most SMs idle (G=8 R=512), 32 < T <= 64 runs swapped
     64 x 32 tiles in CTA pairs along T sharing each weight tile; elsewhere one 64-row (T, R) tile."""
     for T in (33, 41, 64):
         assert WoASm90.config_for(T, 8, 512, 2048) == dict(tile_m=64, tile_n=32, cluster_n=2, swap_ab=True)
-        assert WoASm90.config_for(T, 16, 512, 2048) == dict(tile_m=64, tile_n=64)
+        assert WoASm90.config_for(T, 16, 512, 2048) == dict(tile_m=64, tile_n=64, cluster_n=2)
+        assert WoASm90.config_for(T, 8, 1024, 1024) == dict(tile_m=64, tile_n=64, cluster_n=2)
         assert WoASm90.config_for(T, 16, 1024, 1024) == dict(tile_m=64, tile_n=128)
     assert WoASm90.config_for(32, 8, 512, 2048) == dict(tile_m=64, tile_n=64)  # one token tile: no pair
+    assert WoASm90.config_for(32, 16, 512, 2048) == dict(tile_m=64, tile_n=64)  # not measured below 33
 
 
 def test_decode_kernel_default_range():
