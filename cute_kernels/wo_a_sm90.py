@@ -158,6 +158,11 @@ class WoASm90(WoAGemm):
                 # 24.3 / 24.2 us at T = 272 / 320). Wider token tiles need too many accumulator
                 # registers for a second CTA.
                 cfg["occupancy"] = 2
+            elif tile_m == 128 and n_tiles % 2 == 0 and tile_n <= 160:
+                # CTA pairs along T sharing the weight tile instead of along R sharing the token
+                # tile. H200, tools/probe_wo_a_tiles.py at T = 320 (sixteenth session, phase 57,
+                # one run): G=16 R=512 21.9 vs 22.7 us, G=8 R=1024 11.3 vs 11.7
+                cfg.update(cluster_m=1, cluster_n=2)
             return cfg
         tile_m, tile_n = WoASm90.tile_for(T, G, R)
         if (T > hi and tile_n == 256 and not pdl and Dg is not None
