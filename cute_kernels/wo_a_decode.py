@@ -53,11 +53,9 @@ MAX_T = 64
 
 class WoADecode:
     def __init__(self, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False,
-                 stages: int = STAGES, bn: int = BN, chains: int = 1, rotate_k: bool = False,
-                 bulk_w: bool = False):
+                 stages: int = STAGES, bn: int = BN, chains: int = 1, rotate_k: bool = False):
         self.G, self.R, self.Dg, self.bm, self.splits, self.pdl = G, R, Dg, bm, splits, pdl
         self.stages, self.bn, self.chains, self.rotate_k = stages, bn, chains, rotate_k
-        self.bulk_w = bulk_w
         self.bk = BK  # the K slice issue_o loads (the FP8 subclass widens it)
         # 4 warps -- bm = 16 / 32: side by side along N (bm x bn/4 each); bm = 64: 2 x 2
         # (32 x bn/2). 8 warps measured no faster (bench/RESULTS.md, fourteenth session).
@@ -102,18 +100,6 @@ class WoADecode:
         sBv = cute.zipped_divide(sB, (1, VEC, 1))
         a_col0 = g * (self.Dg // VEC)  # group g's columns of o, in 16-byte vectors
         w_row0 = g * self.R + r0
-        if cutlass.const_expr(self.bulk_w):
-            # the weight rows as one 256-byte bulk copy each, counted by their stage's mbarrier
-            mbar = smem.allocate_array(cutlass.Int64, self.stages, byte_alignment=8)
-            if tidx == 0:
-                for s in cutlass.range_constexpr(self.stages):
-                    cute.arch.mbarrier_init(mbar + s, 1)
-            cute.arch.mbarrier_init_fence()
-            cute.arch.barrier()
-            batom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyBulkG2SOp(), bf16, num_bits_per_copy=BK * 16)
-            wload = (cute.zipped_divide(mW, (1, BK)), cute.zipped_divide(sB, (1, BK, 1)), batom, mbar)
-        else:
-            wload = (gWv, sBv, atom)
 
         if cutlass.const_expr(self.pdl):
             # Programmatic dependent launch: the weights do not depend on the kernel before
@@ -134,7 +120,7 @@ class WoADecode:
         else:
             for s0 in cutlass.range_constexpr(self.stages - 1):
                 if s0 < KT:
-                    self.issue(gOv, sAv, atom, wload, self.k_slice(kt0, s0, KT, rot), s0, a_col0, w_row0,
+                    self.issue(gOv, gWv, sAv, sBv, atom, self.k_slice(kt0, s0, KT, rot), s0, a_col0, w_row0,
                                num_tokens)
                 cute.arch.cp_async_commit_group()
 
@@ -149,13 +135,11 @@ class WoADecode:
         for kt in cutlass.range(0, KT, 1):
             slot = kt % self.stages
             cute.arch.cp_async_wait_group(self.stages - 2)
-            if cutlass.const_expr(self.bulk_w):
-                cute.arch.mbarrier_wait(mbar + slot, (kt // self.stages) % 2)
             # K slice kt has landed for all threads' copies; every warp is done with kt-1.
             cute.arch.barrier()
             if kt + self.stages - 1 < KT:
                 nxt = kt + self.stages - 1
-                self.issue(gOv, sAv, atom, wload, self.k_slice(kt0, nxt, KT, rot), nxt % self.stages, a_col0,
+                self.issue(gOv, gWv, sAv, sBv, atom, self.k_slice(kt0, nxt, KT, rot), nxt % self.stages, a_col0,
                            w_row0, num_tokens)
             cute.arch.cp_async_commit_group()
             for kb in cutlass.range_constexpr(BK // 16):
@@ -234,31 +218,12 @@ class WoADecode:
                 if tidx == 0:
                     mCount[tile] = 0  # ready for the next launch (graph replay needs no host reset)
 
-    def issue(self, gOv: cute.Tensor, sAv: cute.Tensor, atom: cute.CopyAtom, wload: tuple, kt: Int32, slot: Int32,
-              a_col0: Int32, w_row0: Int32, num_tokens: Int32):
-        """K slice kt into stage ``slot``: the live token rows of o (group g's columns, cp.async)
-        and the CTA's weight rows (``wload``: cp.async, or bulk copies with ``bulk_w``)."""
-        self.issue_o(gOv, sAv, atom, kt, slot, a_col0, num_tokens)
-        if self.bulk_w:
-            self.issue_w_bulk(*wload, kt, slot, w_row0)
-        else:
-            self.issue_w(*wload, kt, slot, w_row0)
-
     @cute.jit
-    def issue_w_bulk(self, gWc: cute.Tensor, sBc: cute.Tensor, batom: cute.CopyAtom, mbar: cute.Pointer, kt: Int32,
-                     slot: Int32, w_row0: Int32):
-        """One 256-byte ``cp.async.bulk`` per weight row of K slice kt, from warp 0's lanes; the
-        stage's mbarrier expects all of them (a complete-tx may land before the expect-tx: the
-        phase cannot complete before lane 0's arrival)."""
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp == 0:
-            lane = cute.arch.lane_idx()
-            if lane == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar + slot, self.bn * BK * 2)
-            for i in cutlass.range_constexpr(self.bn // 32):
-                r = lane + i * 32
-                cute.copy(batom, gWc[(0, None), (w_row0 + r, kt)], sBc[(0, None, 0), (r, 0, slot)],
-                          mbar_ptr=mbar + slot)
+    def issue(self, gOv: cute.Tensor, gWv: cute.Tensor, sAv: cute.Tensor, sBv: cute.Tensor, atom: cute.CopyAtom,
+              kt: Int32, slot: Int32, a_col0: Int32, w_row0: Int32, num_tokens: Int32):
+        """cp.async K slice kt: the live token rows of o (group g's columns) and 64 weight rows."""
+        self.issue_o(gOv, sAv, atom, kt, slot, a_col0, num_tokens)
+        self.issue_w(gWv, sBv, atom, kt, slot, w_row0)
 
     @cute.jit
     def issue_o(self, gOv: cute.Tensor, sAv: cute.Tensor, atom: cute.CopyAtom, kt: Int32, slot: Int32,
@@ -343,38 +308,35 @@ class WoADecodeWorkspace:
         self.counters = torch.zeros(G * R // BN_NARROW, dtype=torch.int32, device=device)
 
 
-def smem_bytes(bm: int, stages: int, bn: int = BN, bulk_w: bool = False) -> int:
-    """Shared memory of one CTA: the padded o and weight stages plus the last-arrival flag (and
-    a stage mbarrier each with ``bulk_w``)."""
-    return stages * (bm + bn) * PITCH * 2 + 16 + (8 * stages + 8 if bulk_w else 0)
+def smem_bytes(bm: int, stages: int, bn: int = BN) -> int:
+    """Shared memory of one CTA: the padded o and weight stages plus the last-arrival flag."""
+    return stages * (bm + bn) * PITCH * 2 + 16
 
 
 def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False,
-           stages: int = STAGES, bn: int = BN, chains: int = 1, rotate_k: bool = False, bulk_w: bool = False):
+           stages: int = STAGES, bn: int = BN, chains: int = 1, rotate_k: bool = False):
     """``pdl``: launched as a programmatic dependent of the previous kernel on the stream
     (weight prefetch overlaps its tail); the same results, a separate compile. ``stages``: the
     cp.async pipeline depth (``stages - 1`` K slices in flight per CTA). ``bn``: the weight rows
     (output columns) of a CTA, 64 or 32. ``chains``: independent accumulators the k-steps
     alternate between (1, 2, 4 or 8), summed before the store. ``rotate_k``: each CTA walks its
-    K slices from its own start (:meth:`WoADecode.k_rotation`). ``bulk_w``: the weight rows
-    as ``cp.async.bulk`` copies (256 bytes a row and slice) under stage mbarriers instead of
-    16-byte cp.async (not with ``pdl``)."""
-    if bulk_w and pdl:
-        raise ValueError("wo_a_decode: bulk_w=True with pdl=True is not supported")
+    K slices from its own start (:meth:`WoADecode.k_rotation`). Weight rows as 256-byte
+    ``cp.async.bulk`` copies under stage mbarriers were measured 1.5-2.9x slower (commit
+    6a8e825 has that ``bulk_w`` option; bench/RESULTS.md, sixteenth session)."""
     if chains not in (1, 2, 4, 8):
         raise ValueError(f"wo_a_decode: chains={chains}, expected 1, 2, 4 or 8")
     if bm not in (16, 32, 64) or not WoADecode.can_implement(1, G, R, Dg, splits, bn):
         raise ValueError(f"wo_a_decode: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, bn={bn}, splits={splits} "
                          f"(bn 32 or 64 dividing R, Dg % 128, splits a power of two dividing Dg / 128, "
                          f"bm 16, 32 or 64)")
-    if stages < 2 or smem_bytes(bm, stages, bn, bulk_w) > SMEM_PER_CTA:
-        need = smem_bytes(bm, stages, bn, bulk_w)
+    if stages < 2 or smem_bytes(bm, stages, bn) > SMEM_PER_CTA:
+        need = smem_bytes(bm, stages, bn)
         raise ValueError(f"wo_a_decode: stages={stages} with bm={bm} bn={bn} needs {need} B "
                          f"of shared memory; 2 <= stages and at most {SMEM_PER_CTA} B")
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 4), P(Float32, 4), P(Int32, 4),
             Int32(1), jit.fake_stream())
-    return WoADecode(G, R, Dg, bm, splits, pdl, stages, bn, chains, rotate_k, bulk_w), args
+    return WoADecode(G, R, Dg, bm, splits, pdl, stages, bn, chains, rotate_k), args
 
 
 KERNEL = jit.register(jit.KernelDef(

@@ -495,15 +495,6 @@ def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits, bn, stages
     _check_decode_config(bm=bm, splits=splits, bn=bn, stages=stages, chains=chains, rotate_k=rotate_k)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("bm, splits, bn, stages", [(16, 1, 32, 6), (16, 2, 64, 4), (32, 1, 32, 4), (64, 1, 64, 4),
-                                                    (16, 4, 32, 3), (16, 1, 32, 9)])
-def test_decode_kernel_bulk_weights_graph_replay(seed, bm, splits, bn, stages):
-    """The weight rows as 256-byte bulk copies under stage mbarriers (``bulk_w``): the same
-    checks, with the mbarrier phases wrapping (K slices > stages) and not (stages > slices)."""
-    _check_decode_config(bm=bm, splits=splits, bn=bn, stages=stages, bulk_w=True)
-
-
 def _check_decode_config(**cfg):
     from cute_kernels import jit
     from cute_kernels.wo_a_decode import WoADecodeWorkspace
@@ -651,8 +642,6 @@ def test_decode_kernel_config_errors():
         jit.get_kernel("wo_a_decode", "sm_90a", G=8, R=512, Dg=1024, bm=64, stages=12, use_disk=False)
     with pytest.raises(ValueError, match="bn=48"):
         jit.get_kernel("wo_a_decode", "sm_90a", G=8, R=512, Dg=1024, bm=16, bn=48, use_disk=False)
-    with pytest.raises(ValueError, match="bulk_w=True with pdl=True"):
-        jit.get_kernel("wo_a_decode", "sm_90a", G=8, R=512, Dg=1024, bm=16, bulk_w=True, pdl=True, use_disk=False)
     with pytest.raises(ValueError, match="chains=3"):
         jit.get_kernel("wo_a_decode", "sm_90a", G=8, R=512, Dg=1024, bm=16, chains=3, use_disk=False)
 
@@ -670,17 +659,6 @@ def test_decode_kernel_machine_code(arch, bm, splits, bn, stages, chains):
     assert sass.local_memory_ops(h) == 0
     assert sass.count(h, "ACQBULK") == 0  # no grid-dependency wait unless asked
     assert sass.count(h, "FADD") >= bm * bn // 128 * (chains - 1)
-
-
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_decode_kernel_bulk_weights_machine_code(arch):
-    """``bulk_w``: the weight rows leave cp.async for bulk copies (UBLKCP) under mbarriers
-    (SYNCS); cp.async stays for o only."""
-    h = sass.sass_histogram("wo_a_decode", arch, G=8, R=512, Dg=2048, bm=16, bn=32, stages=6, bulk_w=True)
-    assert sass.count(h, "UBLKCP") >= 2 and sass.count(h, "SYNCS.ARRIVE") >= 2, h
-    assert sass.count(h, "HMMA") >= 8 and sass.local_memory_ops(h) == 0
-    plain = sass.sass_histogram("wo_a_decode", arch, G=8, R=512, Dg=2048, bm=16, bn=32, stages=6)
-    assert sass.count(h, "LDGSTS") < sass.count(plain, "LDGSTS") and sass.count(plain, "UBLKCP") == 0
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])

@@ -84,7 +84,7 @@
 #            option was removed after -- commit 3dd128e has it).
 #   phase 50: the decode kernel's weight rows as cp.async.bulk copies under stage mbarriers
 #            (bulk_w): its GPU tests (6 passed), the plan with and without it (probe; 1.5-2.9x
-#            slower everywhere).
+#            slower everywhere; the option was removed after -- commit 6a8e825 has it).
 #   phase 51: the Hopper swap-AB decode kernel (wo_a_decode_sm90: TMA + wgmma, weight rows as M,
 #            split-K): its GPU tests, then its plan and neighbours against wo_a() / the warp-MMA
 #            decode kernel / bmm (probe).

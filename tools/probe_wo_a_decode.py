@@ -6,7 +6,6 @@
     env TS=1,5 SPLITS=1,2 STAGES=6,9,17 BNS=32,64 python tools/probe_wo_a_decode.py   # column tile
     env TS=1,5,16,32 PLAN_ONLY=1 CHAINS=1,2,4 PDL=0 python tools/probe_wo_a_decode.py   # MMA chains
     env TS=1,5,16,32 PLAN_ONLY=1 ROTATE=0,1 PDL=0 python tools/probe_wo_a_decode.py   # per-CTA K walk
-    env TS=1,5,16,32 PLAN_ONLY=1 BULK=0,1 PDL=0 python tools/probe_wo_a_decode.py   # bulk weight copies
 
 Per shape and T, us per call (graph replay, rotating weights larger than L2), with and without
 PDL: the decode kernel's plan ('*') and, per column tile in BNS, each split count its K allows and
@@ -36,7 +35,6 @@ BNS = [int(s) for s in os.environ.get("BNS", "64").split(",")]
 PDLS = [False, True] if os.environ.get("PDL", "1") == "1" else [False]
 CHAINS = [int(s) for s in os.environ.get("CHAINS", "1").split(",")]  # independent MMA accumulators
 ROTATE = [r == "1" for r in os.environ.get("ROTATE", "0").split(",")]  # per-CTA start of the K walk
-BULK = [b == "1" for b in os.environ.get("BULK", "0").split(",")]  # weight rows as cp.async.bulk copies
 PLAN_ONLY = os.environ.get("PLAN_ONLY", "0") == "1"  # only the plan's config (times CHAINS)
 
 empty = torch.zeros(1, device="cuda")
@@ -62,8 +60,8 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
         cfgs = ([picked] if picked not in cfgs else []) + cfgs
         cfgs = [dict(c, chains=ch) if ch != 1 else c for c in cfgs for ch in CHAINS]
         cfgs = [dict(c, rotate_k=True) if rot else c for c in cfgs for rot in ROTATE]
-        for cfg in [dict(c, bulk_w=True) if bulk else c for c in cfgs for bulk in BULK]:
-            for pdl in [p for p in PDLS if not (p and cfg.get("bulk_w"))]:  # bulk_w has no PDL build
+        for cfg in cfgs:
+            for pdl in PDLS:
                 fn = jit.get_kernel("wo_a_decode", "sm_90a", G=G, R=R, Dg=Dg, **cfg, **({"pdl": True} if pdl else {}))
 
                 def call(i, fn=fn):
@@ -74,8 +72,7 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
 
                 t, err = measure(call, y, ref, n)
                 mark = "*" if cfg == picked else ""
-                chains = ((f"c{cfg['chains']}" if "chains" in cfg else "") + ("rot" if cfg.get("rotate_k") else "")
-                          + ("bulk" if cfg.get("bulk_w") else ""))
+                chains = (f"c{cfg['chains']}" if "chains" in cfg else "") + ("rot" if cfg.get("rotate_k") else "")
                 res.append(f"n{cfg['bn']}s{cfg['splits']}x{cfg['stages']}st{chains}{'+pdl' if pdl else ''}{mark} "
                            f"{t * 1e6:.1f} ({wbytes / t / H200_COPY_BW:.0%}, err {err:.1e})")
         print(f"T={T} G={G} R={R} Dg={Dg} bm={bm}: " + "; ".join(res), flush=True)
