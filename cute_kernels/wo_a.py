@@ -255,24 +255,21 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
         return _torch_path(o, wo_a_weight, out)
     sms = num_sms(o.device)
     P = jit.gmem_ptr
-    if use_decode_kernel(T, decode_kernel, path, G, R, Dg, sms) \
-            and decode_kernel_kind(T, decode_kernel, path, G, R, Dg, sms) == "wgmma":
-        if path != "sm90" or T > 64:
+    if use_decode_kernel(T, decode_kernel, path, G, R, Dg, sms):
+        wgmma = decode_kernel_kind(T, decode_kernel, path, G, R, Dg, sms) == "wgmma"
+        if wgmma and (path != "sm90" or T > 64):
             raise ValueError(f"{op}: decode_kernel='wgmma' needs a Hopper (sm_90a) device and T <= 64, "
                              f"got {a} and T={T}")
-        cfg = sm90_decode_plan(T, G, R, Dg, sms)
-        workspace = _decode_workspace(op, workspace, o, G, R, cfg["splits"])
-        fn = jit.get_kernel("wo_a_decode_sm90", a, G=G, R=R, Dg=Dg, **cfg, **pdl_cfg)
-        fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 4),
-           P(Float32, workspace.partials, 4), P(Int32, workspace.counters, 4), jit.i32(T), jit.cu_stream(stream))
-        return out
-    if use_decode_kernel(T, decode_kernel, path, G, R, Dg, sms) and WoADecode.can_implement(T, G, R, Dg):
-        cfg = decode_plan(T, G, R, Dg, sms)
-        workspace = _decode_workspace(op, workspace, o, G, R, cfg["splits"])
-        fn = jit.get_kernel("wo_a_decode", a, G=G, R=R, Dg=Dg, **cfg, **pdl_cfg)
-        fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 4),
-           P(Float32, workspace.partials, 4), P(Int32, workspace.counters, 4), jit.i32(T), jit.cu_stream(stream))
-        return out
+        if wgmma or WoADecode.can_implement(T, G, R, Dg):
+            # both decode kernels take the same arguments; only the kernel and its plan differ
+            name, cfg = (("wo_a_decode_sm90", sm90_decode_plan(T, G, R, Dg, sms)) if wgmma
+                         else ("wo_a_decode", decode_plan(T, G, R, Dg, sms)))
+            workspace = _decode_workspace(op, workspace, o, G, R, cfg["splits"])
+            fn = jit.get_kernel(name, a, G=G, R=R, Dg=Dg, **cfg, **pdl_cfg)
+            fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 4),
+               P(Float32, workspace.partials, 4), P(Int32, workspace.counters, 4), jit.i32(T),
+               jit.cu_stream(stream))
+            return out
     cfg = _PATHS[path].config_for(T, G, R, Dg, pdl=pdl)
     fn = jit.get_kernel(op, a, G=G, R=R, Dg=Dg, **cfg, **(pdl_cfg if path == "sm90" else {}))
     fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 16), jit.i32(T),

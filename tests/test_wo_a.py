@@ -496,12 +496,18 @@ def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits, bn, stages
 
 
 def _check_decode_config(**cfg):
+    _check_decode_build("wo_a_decode", {16: 3, 32: 29, 64: 41}[cfg["bm"]], 8, 8, 128, 512, max_splits=8, **cfg)
+
+
+def _check_decode_build(kernel, T, G, HG, Dv, R, max_splits, **cfg):
+    """One decode kernel build (``wo_a_decode`` / ``wo_a_decode_sm90``: the same arguments)
+    against float64: launched twice eagerly into a poisoned output (the last-split counters
+    re-zero themselves), then replayed in a graph with fresh inputs."""
     from cute_kernels import jit
     from cute_kernels.wo_a_decode import WoADecodeWorkspace
 
-    G, HG, Dv, R, T = 8, 8, 128, 512, {16: 3, 32: 29, 64: 41}[cfg["bm"]]
-    fn = jit.get_kernel("wo_a_decode", "sm_90a", G=G, R=R, Dg=HG * Dv, **cfg)
-    ws = WoADecodeWorkspace(G, R, max_splits=8)
+    fn = jit.get_kernel(kernel, "sm_90a", G=G, R=R, Dg=HG * Dv, **cfg)
+    ws = WoADecodeWorkspace(G, R, max_splits=max_splits)
     o, w = make(T, G, HG, Dv, R, "cuda")
     out = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
     P = jit.gmem_ptr
@@ -525,6 +531,7 @@ def _check_decode_config(**cfg):
     out.fill_(float("nan"))
     g.replay()
     torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
     assert rel_err(out, wo_a_ref(o, w)) < TOL
 
 
@@ -684,24 +691,6 @@ def test_engine_pdl_machine_code(cfg):
 
 # --- the Hopper swap-AB decode kernel (cute_kernels/wo_a_decode_sm90.py) -------------------
 
-def _run_sm90_decode(T, G, HG, Dv, R, stream=None, **cfg):
-    """(launch(stream), o, w, out, workspace) of one wo_a_decode_sm90 build."""
-    from cute_kernels import jit
-    from cute_kernels.wo_a_decode import WoADecodeWorkspace
-
-    fn = jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=G, R=R, Dg=HG * Dv, **cfg)
-    ws = WoADecodeWorkspace(G, R, max_splits=16)
-    o, w = make(T, G, HG, Dv, R, "cuda")
-    out = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
-    P = jit.gmem_ptr
-
-    def launch(stream):
-        fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, w, 16), P(cutlass.BFloat16, out, 4),
-           P(cutlass.Float32, ws.partials, 4), P(cutlass.Int32, ws.counters, 4), jit.i32(T), jit.cu_stream(stream))
-
-    return launch, o, w, out, ws
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("T, G, HG, Dv, R, cfg", [
     (1, 8, 16, 128, 512, dict(tok_n=8, splits=4, stages=4)),
@@ -724,23 +713,7 @@ def test_sm90_decode_kernel_matches_fp64_and_replays(seed, T, G, HG, Dv, R, cfg)
     """Each token tile, split count, depth and K slice against float64, with odd T (token rows
     past T zero-filled by TMA, never stored): launched twice eagerly (the last-split counters
     re-zero themselves), then replayed in a graph with fresh inputs."""
-    launch, o, w, out, ws = _run_sm90_decode(T, G, HG, Dv, R, **cfg)
-    for _ in range(2):
-        out.fill_(float("nan"))
-        launch(None)
-        torch.cuda.synchronize()
-        assert rel_err(out, wo_a_ref(o, w)) < TOL
-    assert int(ws.counters.abs().sum()) == 0
-    s = torch.cuda.Stream()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        launch(s)
-    o.normal_(), w.normal_(std=(HG * Dv) ** -0.5)
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
-    assert rel_err(out, wo_a_ref(o, w)) < TOL
+    _check_decode_build("wo_a_decode_sm90", T, G, HG, Dv, R, max_splits=16, **cfg)
 
 
 @pytest.mark.gpu
