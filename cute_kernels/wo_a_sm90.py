@@ -136,6 +136,11 @@ class WoASm90(WoAGemm):
             # H200, tools/probe_wo_a_tiles.py at T = 64 (sixteenth session): 7.7 us against
             # the 64x64 (T, R) tile's 8.9 and bmm's 8.0.
             return dict(tile_m=64, tile_n=32, cluster_n=2, swap_ab=True)
+        if 32 < T <= lo and WoASm90.tile_for(T, G, R) == (64, 64) and (R // 64) % 2 == 0:
+            # CTA pairs along R sharing the token tile by multicast. H200, tools/probe_wo_a_tiles.py
+            # at T = 64 (sixteenth session, phases 54 / 57): G=16 R=512 12.0 / 11.9 us against
+            # 12.4 / 12.6 for one CTA, G=8 R=1024 7.3 / 7.1 against 7.6 / 7.4.
+            return dict(tile_m=64, tile_n=64, cluster_n=2)
         if lo < T <= hi:
             n_tiles = -(-T // 256)
             tile_m = 128 if (R // 128) * G * n_tiles >= 96 else 64
@@ -153,6 +158,11 @@ class WoASm90(WoAGemm):
                 # 24.3 / 24.2 us at T = 272 / 320). Wider token tiles need too many accumulator
                 # registers for a second CTA.
                 cfg["occupancy"] = 2
+            elif tile_m == 128 and n_tiles % 2 == 0 and tile_n <= 160:
+                # CTA pairs along T sharing the weight tile instead of along R sharing the token
+                # tile. H200, tools/probe_wo_a_tiles.py at T = 320 (sixteenth session, phase 57,
+                # one run): G=16 R=512 21.9 vs 22.7 us, G=8 R=1024 11.3 vs 11.7
+                cfg.update(cluster_m=1, cluster_n=2)
             return cfg
         tile_m, tile_n = WoASm90.tile_for(T, G, R)
         if (T > hi and tile_n == 256 and not pdl and Dg is not None

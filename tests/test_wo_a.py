@@ -438,7 +438,9 @@ def test_launch_configs():
     assert WoASm90.config_for(64, 16, 1024) == dict(tile_m=64, tile_n=128)
     # 2 tiles; 256 CTAs: two per SM
     assert WoASm90.config_for(320, 16, 1024) == dict(tile_m=128, tile_n=160, cluster_m=2, swap_ab=True, occupancy=2)
-    assert WoASm90.config_for(320, 8, 1024) == dict(tile_m=128, tile_n=160, cluster_m=2, swap_ab=True)  # 128 CTAs
+    # 128 CTAs in pairs along T sharing each weight tile (two 160-token tiles)
+    assert WoASm90.config_for(320, 8, 1024) == dict(tile_m=128, tile_n=160, cluster_m=1, cluster_n=2, swap_ab=True)
+    assert WoASm90.config_for(320, 16, 512) == dict(tile_m=128, tile_n=160, cluster_m=1, cluster_n=2, swap_ab=True)
     assert WoASm90.config_for(384, 16, 1024) == dict(tile_m=128, tile_n=192, cluster_m=2, swap_ab=True)  # registers
     assert WoASm90.config_for(320, 8, 512) == dict(tile_m=64, tile_n=160, cluster_m=2, swap_ab=True)  # 128 CTAs
     assert WoASm90.config_for(77, 16, 1024) == dict(tile_m=128, tile_n=96, cluster_m=2, swap_ab=True)
@@ -459,6 +461,7 @@ def test_launch_configs():
             tn, n = cfg["tile_n"], -(-T // cfg["tile_n"])
             assert tn % 32 == 0 and tn <= 256 and n in (-(-T // 256), 2 * -(-T // 256)) and n * tn - T < 32 * n
             assert (R // cfg["tile_m"]) % cfg["cluster_m"] == 0  # CTA pairs along R: no idle half-cluster
+            assert n % cfg.get("cluster_n", 1) == 0  # pairs along T: no idle half-cluster
 
 
 @pytest.mark.gpu
@@ -580,14 +583,32 @@ def test_decode_kernel_kinds():
     assert use_decode_kernel(64, "wgmma") and use_decode_kernel(64, "mma") and not use_decode_kernel(1, False)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("G, HG, Dv, R", [(16, 16, 128, 512), (8, 8, 128, 1024)])
+@pytest.mark.parametrize("T", [33, 41, 64, 300, 320])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_engine_pairs_through_wo_a(seed, G, HG, Dv, R, T, pdl):
+    """The staged CTA pairs through wo_a() -- 64x64 pairs along R at 32 < T <= 64, swapped
+    128x160 pairs along T at T = 300 / 320 -- eager and as a programmatic dependent, against
+    float64 with a poisoned output."""
+    o, w = make(T, G, HG, Dv, R, "cuda")
+    out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
+    wo_a(o, w, out=out, pdl=pdl)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert rel_err(out, wo_a_ref(o, w)) < TOL
+
+
 def test_engine_config_at_33_to_64_tokens():
     """Where 64-row weight tiles leave most SMs idle (G=8 R=512), 32 < T <= 64 runs swapped
     64 x 32 tiles in CTA pairs along T sharing each weight tile; elsewhere one 64-row (T, R) tile."""
     for T in (33, 41, 64):
         assert WoASm90.config_for(T, 8, 512, 2048) == dict(tile_m=64, tile_n=32, cluster_n=2, swap_ab=True)
-        assert WoASm90.config_for(T, 16, 512, 2048) == dict(tile_m=64, tile_n=64)
+        assert WoASm90.config_for(T, 16, 512, 2048) == dict(tile_m=64, tile_n=64, cluster_n=2)
+        assert WoASm90.config_for(T, 8, 1024, 1024) == dict(tile_m=64, tile_n=64, cluster_n=2)
         assert WoASm90.config_for(T, 16, 1024, 1024) == dict(tile_m=64, tile_n=128)
     assert WoASm90.config_for(32, 8, 512, 2048) == dict(tile_m=64, tile_n=64)  # one token tile: no pair
+    assert WoASm90.config_for(32, 16, 512, 2048) == dict(tile_m=64, tile_n=64)  # not measured below 33
 
 
 def test_decode_kernel_default_range():
