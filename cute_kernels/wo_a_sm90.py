@@ -113,12 +113,15 @@ class WoASm90(WoAGemm):
         lost (G=8 R=512: 118 vs 101 us). Not under ``pdl`` (the pingpong CTA is persistent).
 
         32 < T <= 64 where 64-row weight tiles leave most SMs idle: tokens on wgmma N in two
-        32-token tiles, the CTA pair of a weight tile sharing it by multicast.
+        32-token tiles, the CTA pair of a weight tile sharing it by multicast; where the (T, R)
+        tile is 64 x 64, CTA pairs along R sharing the token tile.
 
         64 < T <= 512: tokens on wgmma N, in the fewest <= 256-token tiles, each rounded up to
         the engine's 32 (T = 320: two tiles of 160, where (T, R) tiling runs 2.5 rows of
         128-token tiles); 128 weight rows per CTA unless that leaves most SMs idle; CTA pairs
-        along R (cluster 2x1) share each token tile by TMA multicast, halving its L2 reads.
+        along R (cluster 2x1) share each token tile by TMA multicast, halving its L2 reads --
+        along T (1x2, sharing the weight tile) for 128-row tiles in an even number of token
+        tiles at one CTA per SM.
         H200, tools/probe_wo_a_tiles.py (bench/RESULTS.md, ninth session): the swapped tiles
         1.05-1.87x faster than the (T, R) tiles at 28 of 32 (shape, T) points with 64 < T <=
         512, equal at three (T = 512), slower at one; the pairs a further 1.05-1.30x at T >= 200
@@ -138,8 +141,8 @@ class WoASm90(WoAGemm):
             return dict(tile_m=64, tile_n=32, cluster_n=2, swap_ab=True)
         if 32 < T <= lo and WoASm90.tile_for(T, G, R) == (64, 64) and (R // 64) % 2 == 0:
             # CTA pairs along R sharing the token tile by multicast. H200, tools/probe_wo_a_tiles.py
-            # at T = 64 (sixteenth session, phases 54 / 57): G=16 R=512 12.0 / 11.9 us against
-            # 12.4 / 12.6 for one CTA, G=8 R=1024 7.3 / 7.1 against 7.6 / 7.4.
+            # at T = 64 (phases 54 / 57 / 58): G=16 R=512 12.0 / 11.9 / 11.7 us against 12.4 /
+            # 12.6 / 12.6 for one CTA, G=8 R=1024 7.3 / 7.1 / 7.1 against 7.6 / 7.4 / 7.3.
             return dict(tile_m=64, tile_n=64, cluster_n=2)
         if lo < T <= hi:
             n_tiles = -(-T // 256)
@@ -160,8 +163,8 @@ class WoASm90(WoAGemm):
                 cfg["occupancy"] = 2
             elif tile_m == 128 and n_tiles % 2 == 0 and tile_n <= 160:
                 # CTA pairs along T sharing the weight tile instead of along R sharing the token
-                # tile. H200, tools/probe_wo_a_tiles.py at T = 320 (sixteenth session, phase 57,
-                # one run): G=16 R=512 21.9 vs 22.7 us, G=8 R=1024 11.3 vs 11.7
+                # tile. H200, tools/probe_wo_a_tiles.py at T = 320 (phases 57 / 58): G=16 R=512
+                # 21.9 / 21.4 vs 22.7 / 22.7 us, G=8 R=1024 11.3 / 11.1 vs 11.7 / 11.0
                 cfg.update(cluster_m=1, cluster_n=2)
             return cfg
         tile_m, tile_n = WoASm90.tile_for(T, G, R)

@@ -588,7 +588,7 @@ def test_decode_kernel_kinds():
 @pytest.mark.parametrize("T", [33, 41, 64, 300, 320])
 @pytest.mark.parametrize("pdl", [False, True])
 def test_engine_pairs_through_wo_a(seed, G, HG, Dv, R, T, pdl):
-    """The staged CTA pairs through wo_a() -- 64x64 pairs along R at 32 < T <= 64, swapped
+    """The CTA pairs through wo_a() -- 64x64 pairs along R at 32 < T <= 64, swapped
     128x160 pairs along T at T = 300 / 320 -- eager and as a programmatic dependent, against
     float64 with a poisoned output."""
     o, w = make(T, G, HG, Dv, R, "cuda")

@@ -103,7 +103,7 @@
 #   phase 57: T = 320 near cuBLAS.s G=8 R=512 schedule (128 x 80 swapped tiles, CTA pairs along
 #            T sharing the weight tile; the engine needs N tiles of 32s: 128 x 96) and the other
 #            swapped pairs; T = 64 pairs (probe).
-#   phase 58: (staged on branch staged/t64-pairs, not run) CTA pairs along R for the 64x64
+#   phase 58: (seventeenth session, adopted) CTA pairs along R for the 64x64
 #            tile at 32 < T <= 64 and along T for swapped 128 x 160 tiles at T = 257..320: the
 #            WO-A GPU tests, the picks against the other pairing (probe), the bench.
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..58)
@@ -350,7 +350,7 @@ case "${1:-1}" in
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
   ;;
-58)  # staged: CTA pairs along the other mode at T = 33..64 and 257..320 -- tests, probe, bench
+58)  # CTA pairs along the other mode at T = 33..64 and 257..320 (adopted) -- tests, probe, bench
   step 280 wo_a_tests $PYT tests/test_wo_a.py -m gpu
   step 90 probe_picks env TS=64,320 PICKS=1 CLUSTERS=2x1,1x2 python tools/probe_wo_a_tiles.py
   step 200 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
