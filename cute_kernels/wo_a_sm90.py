@@ -114,7 +114,7 @@ class WoASm90(WoAGemm):
 
         32 < T <= 64 where 64-row weight tiles leave most SMs idle: tokens on wgmma N in two
         32-token tiles, the CTA pair of a weight tile sharing it by multicast; where the (T, R)
-        tile is 64 x 64, CTA pairs along R sharing the token tile.
+        tile takes an even number of R tiles, CTA pairs along R sharing the token tile.
 
         64 < T <= 512: tokens on wgmma N, in the fewest <= 256-token tiles, each rounded up to
         the engine's 32 (T = 320: two tiles of 160, where (T, R) tiling runs 2.5 rows of
@@ -139,11 +139,13 @@ class WoASm90(WoAGemm):
             # H200, tools/probe_wo_a_tiles.py at T = 64 (sixteenth session): 7.7 us against
             # the 64x64 (T, R) tile's 8.9 and bmm's 8.0.
             return dict(tile_m=64, tile_n=32, cluster_n=2, swap_ab=True)
-        if 32 < T <= lo and WoASm90.tile_for(T, G, R) == (64, 64) and (R // 64) % 2 == 0:
+        tile_m, tile_n = WoASm90.tile_for(T, G, R)
+        if 32 < T <= lo and (R // tile_n) % 2 == 0:
             # CTA pairs along R sharing the token tile by multicast. H200, tools/probe_wo_a_tiles.py
-            # at T = 64 (phases 54 / 57 / 58): G=16 R=512 12.0 / 11.9 / 11.7 us against 12.4 /
-            # 12.6 / 12.6 for one CTA, G=8 R=1024 7.3 / 7.1 / 7.1 against 7.6 / 7.4 / 7.3.
-            return dict(tile_m=64, tile_n=64, cluster_n=2)
+            # at T = 64 (phases 54 / 57 / 58): 64x64 at G=16 R=512 12.0 / 11.9 / 11.7 us against
+            # 12.4 / 12.6 / 12.6 for one CTA, at G=8 R=1024 7.3 / 7.1 / 7.1 against 7.6 / 7.4 /
+            # 7.3; 64x128 at G=16 R=1024 11.8 against 12.1 (phase 58; phase 59: T = 33..64).
+            return dict(tile_m=tile_m, tile_n=tile_n, cluster_n=2)
         if lo < T <= hi:
             n_tiles = -(-T // 256)
             tile_m = 128 if (R // 128) * G * n_tiles >= 96 else 64
@@ -167,7 +169,6 @@ class WoASm90(WoAGemm):
                 # 21.9 / 21.4 vs 22.7 / 22.7 us, G=8 R=1024 11.3 / 11.1 vs 11.7 / 11.0
                 cfg.update(cluster_m=1, cluster_n=2)
             return cfg
-        tile_m, tile_n = WoASm90.tile_for(T, G, R)
         if (T > hi and tile_n == 256 and not pdl and Dg is not None
                 and (Dg <= WoASm90.PINGPONG_MAX_DG or T >= WoASm90.PINGPONG_MIN_T)):
             return dict(tile_m=64, tile_n=256, cluster_m=2, pingpong=True)

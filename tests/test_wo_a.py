@@ -435,7 +435,7 @@ def test_tile_heuristics():
 
 def test_launch_configs():
     """wo_a()'s configs: swapped operands with token tiles matched to T at 64 < T <= 512."""
-    assert WoASm90.config_for(64, 16, 1024) == dict(tile_m=64, tile_n=128)
+    assert WoASm90.config_for(64, 16, 1024) == dict(tile_m=64, tile_n=128, cluster_n=2)  # pairs along R
     # 2 tiles; 256 CTAs: two per SM
     assert WoASm90.config_for(320, 16, 1024) == dict(tile_m=128, tile_n=160, cluster_m=2, swap_ab=True, occupancy=2)
     # 128 CTAs in pairs along T sharing each weight tile (two 160-token tiles)
@@ -584,11 +584,11 @@ def test_decode_kernel_kinds():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("G, HG, Dv, R", [(16, 16, 128, 512), (8, 8, 128, 1024)])
+@pytest.mark.parametrize("G, HG, Dv, R", [(16, 16, 128, 512), (8, 8, 128, 1024), (16, 8, 128, 1024)])
 @pytest.mark.parametrize("T", [33, 41, 64, 300, 320])
 @pytest.mark.parametrize("pdl", [False, True])
 def test_engine_pairs_through_wo_a(seed, G, HG, Dv, R, T, pdl):
-    """The CTA pairs through wo_a() -- 64x64 pairs along R at 32 < T <= 64, swapped
+    """The CTA pairs through wo_a() -- 64-row (T, R) tiles in pairs along R at 32 < T <= 64, swapped
     128x160 pairs along T at T = 300 / 320 -- eager and as a programmatic dependent, against
     float64 with a poisoned output."""
     o, w = make(T, G, HG, Dv, R, "cuda")
@@ -601,12 +601,13 @@ def test_engine_pairs_through_wo_a(seed, G, HG, Dv, R, T, pdl):
 
 def test_engine_config_at_33_to_64_tokens():
     """Where 64-row weight tiles leave most SMs idle (G=8 R=512), 32 < T <= 64 runs swapped
-    64 x 32 tiles in CTA pairs along T sharing each weight tile; elsewhere one 64-row (T, R) tile."""
+    64 x 32 tiles in CTA pairs along T sharing each weight tile; elsewhere 64-row (T, R) tiles in
+    CTA pairs along R sharing the token tile."""
     for T in (33, 41, 64):
         assert WoASm90.config_for(T, 8, 512, 2048) == dict(tile_m=64, tile_n=32, cluster_n=2, swap_ab=True)
         assert WoASm90.config_for(T, 16, 512, 2048) == dict(tile_m=64, tile_n=64, cluster_n=2)
         assert WoASm90.config_for(T, 8, 1024, 1024) == dict(tile_m=64, tile_n=64, cluster_n=2)
-        assert WoASm90.config_for(T, 16, 1024, 1024) == dict(tile_m=64, tile_n=128)
+        assert WoASm90.config_for(T, 16, 1024, 1024) == dict(tile_m=64, tile_n=128, cluster_n=2)
     assert WoASm90.config_for(32, 8, 512, 2048) == dict(tile_m=64, tile_n=64)  # one token tile: no pair
     assert WoASm90.config_for(32, 16, 512, 2048) == dict(tile_m=64, tile_n=64)  # not measured below 33
 
