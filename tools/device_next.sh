@@ -106,7 +106,7 @@
 #   phase 58: (seventeenth session, adopted) CTA pairs along R for the 64x64
 #            tile at 32 < T <= 64 and along T for swapped 128 x 160 tiles at T = 257..320: the
 #            WO-A GPU tests, the picks against the other pairing (probe), the bench.
-#   phase 59: (seventeenth session) 64 x 128 (T, R) tiles in CTA pairs along R at 32 < T <= 64
+#   phase 59: (seventeenth session, adopted) 64 x 128 (T, R) tiles in CTA pairs along R at 32 < T <= 64
 #            (G=16 R=1024): their GPU tests, the pair against one CTA at T = 33 / 48 / 64 twice
 #            (probe), the bench at those T; then the whole GPU suite on the final tree.
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..59)
@@ -359,7 +359,7 @@ case "${1:-1}" in
     step 60 probe_pairs_$r env TS=33,48,64 TILES=64x128 CLUSTERS=1x1,1x2 python tools/probe_wo_a_tiles.py
   done
   step 70 bench_wo_a python bench/bench_wo_a.py --tokens 33,48,64 --out "$OUT/bench_wo_a.md"
-  step 330 gpu_suite $PYT tests -m gpu
+  step 420 gpu_suite $PYT tests -m gpu  # 330 s was too short in phase 59
   ;;
 58)  # CTA pairs along the other mode at T = 33..64 and 257..320 (adopted) -- tests, probe, bench
   step 280 wo_a_tests $PYT tests/test_wo_a.py -m gpu
