@@ -109,7 +109,9 @@
 #   phase 59: (seventeenth session, adopted) 64 x 128 (T, R) tiles in CTA pairs along R at 32 < T <= 64
 #            (G=16 R=1024): their GPU tests, the pair against one CTA at T = 33 / 48 / 64 twice
 #            (probe), the bench at those T; then the whole GPU suite on the final tree.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..59)
+#   phase 60: the whole GPU suite alone (~400 s since the seventeenth session: phase 59's 330 s
+#            step stopped it inside tests/test_wo_a.py; phases 1 / 4 / 55 budget less for it).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..60)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -353,13 +355,15 @@ case "${1:-1}" in
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
   ;;
-59)  # 64x128 pairs at T = 33..64: tests, probe twice, bench; the whole GPU suite
+60)  # the whole GPU suite, alone
+  step 560 gpu_suite $PYT tests -m gpu
+  ;;
+59)  # 64x128 pairs at T = 33..64: tests, probe twice, bench (its whole-suite step: phase 60)
   step 60 pairs_tests $PYT tests/test_wo_a.py -m gpu -k "pairs_through or launch_configs or 33_to_64"
   for r in 1 2; do
     step 60 probe_pairs_$r env TS=33,48,64 TILES=64x128 CLUSTERS=1x1,1x2 python tools/probe_wo_a_tiles.py
   done
   step 70 bench_wo_a python bench/bench_wo_a.py --tokens 33,48,64 --out "$OUT/bench_wo_a.md"
-  step 420 gpu_suite $PYT tests -m gpu  # 330 s was too short in phase 59
   ;;
 58)  # CTA pairs along the other mode at T = 33..64 and 257..320 (adopted) -- tests, probe, bench
   step 280 wo_a_tests $PYT tests/test_wo_a.py -m gpu
