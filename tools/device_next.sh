@@ -108,7 +108,7 @@
 #            WO-A GPU tests, the picks against the other pairing (probe), the issue's bench.
 #   phase 59: (seventeenth session, adopted) 64 x 128 (T, R) tiles in CTA pairs along R at 32 < T <= 64
 #            (G=16 R=1024): their GPU tests, the pair against one CTA at T = 33 / 48 / 64 twice
-#            (probe), the bench at those T; then the whole GPU suite on the final tree.
+#            (probe), the bench at those T (the run also had the whole GPU suite: now phase 60).
 #   phase 60: the whole GPU suite alone (~400 s since the seventeenth session: phase 59's 330 s
 #            step stopped it inside tests/test_wo_a.py; phases 1 / 4 / 55 budget less for it).
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..60)
