@@ -1,6 +1,4 @@
-"""Cross-CTA sums: last-arrival detection across CTAs (split-K reductions through global
-memory, grid-wide epilogues) and loads from a cluster peer's shared memory (split-K sums
-within a thread-block cluster).
+"""Last-arrival detection across CTAs (split-K reductions, grid-wide epilogues).
 
 Every CTA of a group calls :func:`last_arrival` once its results are in global memory; the
 call returns True in the one CTA that arrived last, which then sees every other CTA's stores.
@@ -12,8 +10,7 @@ counter itself when it is done, so a replayed CUDA graph needs no host reset.
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
-from cutlass._mlir.dialects import llvm
+from cutlass import Int32
 
 
 @cute.jit
@@ -30,14 +27,3 @@ def last_arrival(counter: cute.Pointer, sFlag: cute.Tensor, arrivals: Int32) -> 
     if last:
         cute.arch.fence_acq_rel_gpu()
     return last
-
-
-def load_peer_f32(smem_ptr: cute.Pointer, rank) -> Float32:
-    """The FP32 at ``smem_ptr`` in the shared memory of the cluster's CTA ``rank``
-    (``ld.shared::cluster`` on the ``mapa`` address; the DSL's typed loads do not take
-    distributed-shared pointers). Order it after the peer's stores with a cluster barrier
-    (``cluster_arrive`` releases, ``cluster_wait`` acquires)."""
-    peer = cute.arch.map_dsmem_ptr(smem_ptr, rank)
-    addr = llvm.ptrtoint(Int32.mlir_type, peer.to_llvm_ptr())
-    return Float32(llvm.inline_asm(Float32.mlir_type, [addr], "ld.shared::cluster.f32 $0, [$1];", "=f,r",
-                                   has_side_effects=True))

@@ -53,7 +53,7 @@ _PATHS = {"sm90": WoASm90, "sm100": WoASm100}
 
 def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, cluster_m: int = 1, cluster_n: int = 1,
            pdl: bool = False, swap_ab: bool = False, occupancy: int = 1, pingpong: bool = False,
-           cluster_exit: str | None = None, split_k: int = 1):
+           cluster_exit: str | None = None):
     """``cluster_m`` / ``cluster_n``: the Hopper engine's thread-block cluster (TMA multicast of
     the operand tiles the cluster's CTAs share): (2, 1) in the shipped swapped configs, (1, 1)
     in the others, any of 1/2 x 1/2 for tools/probe_wo_a_tiles.py. ``pdl``: the Hopper engine
@@ -63,8 +63,6 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, clus
     ``pingpong``: the Hopper engine's persistent schedule, 64-row tiles taken by its two
     consumer warp groups in turn (one's epilogue under the other's MMAs). ``cluster_exit``: how
     a clustered Hopper CTA outlives its peers' arrivals (:class:`.gemm.sm90_gemm.Sm90Gemm`).
-    ``split_k`` (2): the Hopper engine's K halves of a tile in one cluster, summed through
-    distributed shared memory (probe only so far).
     Which config a call launches: the path's ``config_for(T, G, R, Dg, pdl)``."""
     from .arch import family
 
@@ -74,19 +72,16 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, clus
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), Int32(1), jit.fake_stream())
     if (cluster_m, cluster_n) == (1, 1) and not pdl and not swap_ab and occupancy == 1 and not pingpong \
-            and cluster_exit is None and split_k == 1:
+            and cluster_exit is None:
         return cls(G, R, Dg, (tile_m, tile_n)), args
-    if family(arch) != "sm90" or cluster_m not in (1, 2) or cluster_n not in (1, 2) or occupancy not in (1, 2) \
-            or split_k not in (1, 2):
+    if family(arch) != "sm90" or cluster_m not in (1, 2) or cluster_n not in (1, 2) or occupancy not in (1, 2):
         raise ValueError(f"wo_a: cluster ({cluster_m}, {cluster_n}), pdl={pdl}, swap_ab={swap_ab}, "
-                         f"occupancy={occupancy}, pingpong={pingpong}, cluster_exit={cluster_exit!r}, "
-                         f"split_k={split_k} -- only the Hopper path takes a cluster "
+                         f"occupancy={occupancy}, pingpong={pingpong}, cluster_exit={cluster_exit!r} -- "
+                         f"only the Hopper path takes a cluster "
                          f"(1 or 2 CTAs per mode), a programmatic dependent launch, swapped operands, 2 CTAs per "
-                         f"SM, the pingpong schedule, a cluster exit or K halves (split_k 1 or 2)")
-    if split_k == 2 and Dg < 128:
-        raise ValueError(f"wo_a: split_k=2 needs Dg >= 128 (two K tiles of 64), got Dg={Dg}")
+                         f"SM, the pingpong schedule or a cluster exit")
     return cls(G, R, Dg, (tile_m, tile_n), (cluster_m, cluster_n), pdl, swap_ab, occupancy, pingpong,
-               cluster_exit, split_k), args
+               cluster_exit), args
 
 
 def _aot(arch: str):

@@ -48,9 +48,10 @@ import cutlass.pipeline as pipeline
 from cutlass.tensor_utils import LayoutEnum
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
 
 from . import jit
-from .grid_sync import last_arrival, load_peer_f32
+from .grid_sync import last_arrival
 from .wo_a_decode import BN_NARROW, MAX_T, SMEM_PER_CTA, plan as mma_decode_plan
 from .wo_a_sm90 import wo_a_layouts
 
@@ -58,6 +59,16 @@ BM = 64  # weight rows (output columns) per CTA: wgmma M
 TOK_N = (8, 16, 32, 64)
 BKS = (64, 128)
 THREADS = 128
+
+
+def load_peer_f32(smem_ptr: cute.Pointer, rank) -> Float32:
+    """The FP32 at ``smem_ptr`` in the shared memory of the cluster's CTA ``rank``
+    (``ld.shared::cluster`` on the ``mapa`` address; the DSL's typed loads do not take
+    distributed-shared pointers)."""
+    peer = cute.arch.map_dsmem_ptr(smem_ptr, rank)
+    addr = llvm.ptrtoint(Int32.mlir_type, peer.to_llvm_ptr())
+    return Float32(llvm.inline_asm(Float32.mlir_type, [addr], "ld.shared::cluster.f32 $0, [$1];", "=f,r",
+                                   has_side_effects=True))
 
 
 def smem_bytes(tok_n: int, stages: int, bk: int = 64) -> int:

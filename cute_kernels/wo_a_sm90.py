@@ -72,12 +72,12 @@ class WoASm90(WoAGemm):
 
     def __init__(self, G: int, R: int, Dg: int, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1),
                  pdl: bool = False, swap_ab: bool = False, occupancy: int = 1, pingpong: bool = False,
-                 cluster_exit: str | None = None, split_k: int = 1):
+                 cluster_exit: str | None = None):
         super().__init__(G, R, Dg, swap_ab)
         # under PDL the weights load before the grid-dependency wait: B, or A when swapped
         self.gemm = Sm90Gemm(tile_mn, cluster_mn, pdl=pdl, pdl_early_operand="a" if swap_ab else "b",
                              occupancy=occupancy, pingpong=pingpong, sm_count=WoASm90.NUM_SMS,
-                             cluster_exit=cluster_exit, split_k=split_k)
+                             cluster_exit=cluster_exit)
 
     @staticmethod
     def tile_for(T: int, G: int, R: int) -> tuple[int, int]:

@@ -112,39 +112,6 @@ def test_swap_ab_engine_matches_fp64(seed, tile, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile, swap_ab, T", [((128, 160), True, 320), ((64, 160), True, 333), ((128, 160), True, 1),
-                                              ((128, 96), True, 300), ((64, 128), False, 77)])
-@pytest.mark.parametrize("HG, Dv", [(16, 128), (17, 64)])
-def test_engine_split_k_matches_fp64(seed, tile, swap_ab, T, HG, Dv):
-    """Each tile's two K halves in a CTA pair (``split_k=2``), summed through distributed
-    shared memory, each CTA storing its share of the subtiles (3 / 2 of 160 columns, 2 / 1 of
-    96, 2 / 2 of 128): an odd k-tile count (Dg = 1088: 9 + 8), a partial last token tile,
-    the unswapped (N-major C) view too. Three launches on fresh inputs: a CTA leaving while
-    its peer still reads its shared memory would show up as a fault or a wrong tile."""
-    for _ in range(3):
-        check_engine(T, 8, HG, Dv, 512, tile_m=tile[0], tile_n=tile[1], swap_ab=swap_ab, split_k=2)
-
-
-def test_engine_split_k_machine_code_and_errors():
-    """``split_k=2``: wgmma and TMA as ever, the peer's partial sums read across the cluster
-    between cluster barriers, no spills; combinations it does not take are errors."""
-    from cute_kernels import jit
-    from cute_kernels.gemm.sm90_gemm import Sm90Gemm
-
-    h = sass.sass_histogram("wo_a", "sm_90a", G=8, R=512, Dg=2048, tile_m=128, tile_n=160, swap_ab=True, split_k=2)
-    for mnemonic in ("HGMMA.64x160x16.F32.BF16", "UTMALDG", "UTMASTG", "UCGABAR_ARV", "UCGABAR_WAIT"):
-        assert sass.count(h, mnemonic) >= 1, (mnemonic, h)
-    assert sass.local_memory_ops(h) == 0
-    for bad in (dict(cluster_mn=(2, 1)), dict(pdl=True), dict(occupancy=2), dict(pingpong=True)):
-        with pytest.raises(ValueError, match="split_k"):
-            Sm90Gemm((64, 256), split_k=2, **bad)
-    with pytest.raises(ValueError, match="split_k"):
-        Sm90Gemm((128, 160), split_k=3)
-    with pytest.raises(ValueError, match="Dg >= 128"):
-        jit.registry()["wo_a"].build("sm_90a", G=8, R=512, Dg=64, tile_m=128, tile_n=160, swap_ab=True, split_k=2)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("tile, swap_ab, T, pdl", [((64, 256), False, 1000, False), ((128, 160), True, 300, False),
                                                    ((128, 160), True, 333, True)])
 def test_engine_two_ctas_per_sm_matches_fp64(seed, tile, swap_ab, T, pdl):

@@ -111,10 +111,7 @@
 #            (probe), the bench at those T (the run also had the whole GPU suite: now phase 60).
 #   phase 60: the whole GPU suite alone (~400 s since the seventeenth session: phase 59's 330 s
 #            step stopped it inside tests/test_wo_a.py; phases 1 / 4 / 55 budget less for it).
-#   phase 61: (seventeenth session) the engine's split_k=2 (a tile's K halves in a CTA pair,
-#            summed through distributed shared memory): its GPU tests, then against the shipped
-#            T = 320 configs twice (probe).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..61)
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..60)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -357,13 +354,6 @@ case "${1:-1}" in
   step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
-  ;;
-61)  # split_k=2 at T = 320: GPU tests, probe twice
-  step 150 split_tests $PYT tests/test_wo_a.py -m gpu -k split_k
-  for r in 1 2; do
-    step 150 probe_split_$r env TS=320 TILES= SWAP_TILES=128x160,64x160 CLUSTERS=1x1,2x1,1x2 SPLITK=1,2 \
-      python tools/probe_wo_a_tiles.py
-  done
   ;;
 60)  # the whole GPU suite, alone
   step 560 gpu_suite $PYT tests -m gpu

@@ -8,7 +8,6 @@
     env TS=320 TILES=128x256 SWAP_TILES=128x160,64x160 CLUSTERS=2x1 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
     env TS=4096,16384 TILES=128x256 PINGPONG_TILES=64x256 CLUSTERS=1x1,2x1 python tools/probe_wo_a_tiles.py
     env TS=320,4096 PICKS=1 CLUSTERS=2x1 EXITS=default,barrier,producer_tail python tools/probe_wo_a_tiles.py
-    env TS=320 TILES= SWAP_TILES=128x160,64x160 CLUSTERS=1x1 SPLITK=1,2 python tools/probe_wo_a_tiles.py
 
 Prints, per shape and T, us per call (graph replay, rotating weights) and the relative error
 against an FP32 einsum for each tile / cluster, and cuBLAS ``bmm`` alone (group-major output,
@@ -31,7 +30,7 @@ from cute_kernels.wo_a_sm90 import WoASm90  # noqa: E402
 
 
 def _pairs(env: str, default: str):
-    return [tuple(int(v) for v in p.split("x")) for p in os.environ.get(env, default).split(",") if p]
+    return [tuple(int(v) for v in p.split("x")) for p in os.environ.get(env, default).split(",")]
 
 
 TILES = _pairs("TILES", "64x64,64x128,64x256,128x128,128x256")
@@ -44,8 +43,6 @@ OCCUPANCY = [int(v) for v in os.environ.get("OCCUPANCY", "1").split(",")]  # CTA
 # how a clustered CTA leaves (Sm90Gemm's cluster_exit; "default": the engine's choice); 1x1
 # configs run the default only
 EXITS = os.environ.get("EXITS", "default").split(",")
-# K halves of each tile in a CTA pair (split_k=2: clusters 1x1 only, one CTA per SM)
-SPLITK = [int(v) for v in os.environ.get("SPLITK", "1").split(",")]
 PICKS = bool(os.environ.get("PICKS"))  # only tile_for()'s tile and config_for()'s config, per T
 CLUSTERS = _pairs("CLUSTERS", "1x1")
 TS = [int(t) for t in os.environ.get("TS", "1,64,320,1024").split(",")]
@@ -83,14 +80,12 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
             runs = [(c, cfg.get("occupancy", 1) if c == launched else 1, ex) for c in configs for ex in EXITS]
         else:
             runs = [(c, occ, ex) for c in configs for occ in OCCUPANCY for ex in EXITS]
-        runs = [(c, occ, ex, sk) for c, occ, ex in runs for sk in SPLITK]
-        for (tm, tn, cm, cn, swap, pp), occ, ex, sk in runs:
-            if (pp and occ > 1) or (ex != "default" and cm * cn == 1) or (sk > 1 and (cm * cn > 1 or occ > 1 or pp)):
+        for (tm, tn, cm, cn, swap, pp), occ, ex in runs:
+            if (pp and occ > 1) or (ex != "default" and cm * cn == 1):
                 continue
             fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, cluster_m=cm,
                                 cluster_n=cn, swap_ab=swap, occupancy=occ, **({"pingpong": True} if pp else {}),
-                                **({"cluster_exit": ex} if ex != "default" else {}),
-                                **({"split_k": sk} if sk > 1 else {}))
+                                **({"cluster_exit": ex} if ex != "default" else {}))
 
             def call(i, fn=fn):
                 fn(jit.gmem_ptr(cutlass.BFloat16, o), jit.gmem_ptr(cutlass.BFloat16, ws[i]),
@@ -98,10 +93,9 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
 
             t, err = measure(call, y, ref, n)
             mark = ("*" if (tm, tn, cm, cn, swap, pp) == launched and occ == cfg.get("occupancy", 1)
-                    and ex == "default" and sk == cfg.get("split_k", 1) else "")
+                    and ex == "default" else "")
             name = (f"{'pingpong ' if pp else ''}{'swap ' if swap else ''}{tm}x{tn} c{cm}x{cn}"
-                    f"{f' occ{occ}' if occ > 1 else ''}{f' {ex}' if ex != 'default' else ''}"
-                    f"{f' splitK{sk}' if sk > 1 else ''}")
+                    f"{f' occ{occ}' if occ > 1 else ''}{f' {ex}' if ex != 'default' else ''}")
             res.append(f"{name}{mark}: {t * 1e6:.1f} us ({t_bmm / t:.2f}x bmm, err {err:.1e})")
         for bands in BANDS:  # row bands: one launch per band, each with its own tile
             if sum(rows for rows, _ in bands) != T or any(R % tn for _, (_, tn) in bands):

@@ -76,8 +76,6 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
-from ..grid_sync import load_peer_f32
-
 WARP_GROUP = 128
 #: H100 / H200: 228 KiB of shared memory per SM, of which the hardware reserves 1 KiB per CTA;
 #: at most 227 KiB for one CTA
@@ -102,7 +100,7 @@ class Sm90Gemm:
 
     def __init__(self, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1), *, pdl: bool = False,
                  pdl_early_operand: str = "b", occupancy: int = 1, pingpong: bool = False,
-                 sm_count: int = 132, acc_dtype=Float32, cluster_exit: str | None = None, split_k: int = 1):
+                 sm_count: int = 132, acc_dtype=Float32, cluster_exit: str | None = None):
         tile_m, tile_n = tile_mn
         if tile_m not in (64, 128):
             raise ValueError(f"Sm90Gemm: tile_m must be 64 or 128, got {tile_m}")
@@ -121,12 +119,6 @@ class Sm90Gemm:
             cluster_exit = "barrier" if pingpong else "producer_tail"
         if cluster_exit not in ("barrier", "producer_tail"):
             raise ValueError(f"Sm90Gemm: cluster_exit must be 'barrier' or 'producer_tail', got {cluster_exit!r}")
-        if split_k not in (1, 2):
-            raise ValueError(f"Sm90Gemm: split_k must be 1 or 2, got {split_k}")
-        if split_k == 2 and (tuple(cluster_mn) != (1, 1) or pingpong or pdl or occupancy != 1):
-            raise ValueError(f"Sm90Gemm: split_k=2 (a tile's two K halves in one cluster) takes no multicast cluster, "
-                             f"pingpong, PDL or second CTA per SM; got cluster_mn={tuple(cluster_mn)}, "
-                             f"pingpong={pingpong}, pdl={pdl}, occupancy={occupancy}")
         if pdl_early_operand not in ("a", "b"):
             raise ValueError(f"Sm90Gemm: pdl_early_operand must be 'a' or 'b', got {pdl_early_operand!r}")
         self.tile_mn = (tile_m, tile_n)
@@ -134,7 +126,6 @@ class Sm90Gemm:
         self.pdl, self.pdl_early_a = pdl, pdl_early_operand == "a"
         self.occupancy = occupancy
         self.cluster_exit = cluster_exit
-        self.split_k = split_k
         self.acc_dtype = acc_dtype
         self.consumer_wgs = tile_m // 64
         # A producer warp after the consumer warp groups (no setmaxnreg: a producer warp group
@@ -233,16 +224,10 @@ class Sm90Gemm:
                 sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(sB_layout)], 1024]
 
             self.shared_storage = SharedStorage
-            if const_expr(self.split_k > 1):
-                # each K half's partial sums (its share of the epilogue subtiles, FP32) in B's buffers
-                peer_bytes = self.split_k_share(tile_n)[1] * tile_m * EPI_N * 4
-                if const_expr(peer_bytes > cute.cosize(sB_layout) * self.b_dtype.width // 8):
-                    raise ValueError("Sm90Gemm: split_k's partial sums do not fit in B's buffers")
-            # split_k: the CTAs of a cluster along x take one tile's K halves
-            grid = (cluster_rows * cluster_m * self.split_k, cluster_cols * cluster_n, L)
+            grid = (cluster_rows * cluster_m, cluster_cols * cluster_n, L)
             self.kernel(tma_a, mA, tma_b, mB, tma_c, mC, tiled_mma, sA_layout, sB_layout, sC_layout).launch(
-                grid=grid, block=[self.threads, 1, 1], cluster=(cluster_m * self.split_k, cluster_n, 1),
-                stream=stream, use_pdl=self.pdl)
+                grid=grid, block=[self.threads, 1, 1], cluster=(cluster_m, cluster_n, 1), stream=stream,
+                use_pdl=self.pdl)
 
     @staticmethod
     def _tma_load(t: cute.Tensor, smem_layout_staged, tile: tuple[int, int], multicast: int):
@@ -270,8 +255,7 @@ class Sm90Gemm:
         rows = cutlass.min(RASTER_GROUP_M, ncx - first)
         within = linear - group * per_group
         in_cluster = cute.arch.block_in_cluster_idx()
-        # with split_k the cluster's x index is the K half, not an M tile
-        m = (first + within % rows) * self.cluster_mn[0] + (in_cluster[0] if const_expr(self.split_k == 1) else 0)
+        m = (first + within % rows) * self.cluster_mn[0] + in_cluster[0]
         n = (within // rows) * self.cluster_mn[1] + in_cluster[1]
         return m, n
 
@@ -320,15 +304,9 @@ class Sm90Gemm:
         gB = cute.local_tile(mB, self.tile_mnk, coord, proj=(None, 1, 1))  # (bN, bK, k tiles)
         gC = cute.local_tile(mC, self.tile_mnk, coord, proj=(1, 1, None))  # (bM, bN)
         k_tiles = cute.size(gA, mode=[2])
-        k_first = 0
-        if const_expr(self.split_k > 1):
-            # this CTA's K half: k-tiles k_first .. k_first + k_tiles - 1
-            half = (k_tiles + 1) // 2
-            k_first = self.split_rank() * half
-            k_tiles = cutlass.min(half, k_tiles - k_first)
         pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
 
-        loads = self.load_partitions(tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord, k_first)
+        loads = self.load_partitions(tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord)
         consume = (ab_pipe, tiled_mma, tma_c, sA, sB, sC_layout, gC, tidx, warp, k_tiles, loads)
         if const_expr(self.inline_producer):
             # every warp consumes (warp 0 also loads): no producer-warp branch in the binary
@@ -338,19 +316,13 @@ class Sm90Gemm:
                 self.load(ab_pipe, loads, k_tiles)
                 if const_expr(is_clustered):
                     self.exit_tail(ab_pipe, k_tiles)
-                if const_expr(self.split_k > 1):
-                    # the consumers' two cluster barriers: partial sums published, then read
-                    for _ in cutlass.range_constexpr(2):
-                        cute.arch.cluster_arrive()
-                        cute.arch.cluster_wait()
             else:
-                self.consume(*consume, is_clustered, storage.sB.data_ptr() if const_expr(self.split_k > 1) else None)
+                self.consume(*consume, is_clustered)
 
     @cute.jit
     def consume(self, ab_pipe, tiled_mma, tma_c, sA, sB, sC_layout, gC, tidx, warp, k_tiles, loads,
-                is_clustered: cutlass.Constexpr, sum_ptr=None):
-        """A consumer warp group: the MMAs over every k-tile, then its share of the epilogue
-        (``split_k``: through ``sum_ptr``, B's buffers as FP32 partial sums)."""
+                is_clustered: cutlass.Constexpr):
+        """A consumer warp group: the MMAs over every k-tile, then its share of the epilogue."""
         acc = self.mma(ab_pipe, tiled_mma, sA, sB, gC, warp, k_tiles, loads)
         barrier_exit = const_expr(is_clustered and self.cluster_exit == "barrier")
         if const_expr(barrier_exit):
@@ -358,10 +330,7 @@ class Sm90Gemm:
         if const_expr(self.pdl):
             # stores after the previous grid's writes (the loads already waited for it)
             cute.arch.griddepcontrol_wait()
-        if const_expr(self.split_k > 1):
-            self.split_k_epilogue(acc, tiled_mma, tma_c, sA, sC_layout, gC, tidx, warp, sum_ptr)
-        else:
-            self.epilogue(acc, tiled_mma, tma_c, sA, sC_layout, gC, tidx, warp)
+        self.epilogue(acc, tiled_mma, tma_c, sA, sC_layout, gC, tidx, warp)
         if const_expr(barrier_exit):
             cute.arch.cluster_wait()
         if const_expr(is_clustered and not barrier_exit and self.inline_producer):
@@ -463,9 +432,8 @@ class Sm90Gemm:
             self.exit_tail(ab_pipe, tiles * k_tiles)
 
     @cute.jit
-    def load_partitions(self, tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord, k_first=0):
-        """The TMA views of this CTA's share of the A / B k-tiles and the multicast masks, and
-        ``k_first``, the k-tile that pipeline position 0 loads (``split_k``: this CTA's K half)."""
+    def load_partitions(self, tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord):
+        """The TMA views of this CTA's share of the A / B k-tiles, and the multicast masks."""
         tAsA, tAgA = cpasync.tma_partition(
             tma_a, cluster_coord[1], cute.make_layout(cute.slice_(cluster_layout, (0, None, 0)).shape),
             cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
@@ -478,7 +446,7 @@ class Sm90Gemm:
             a_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=1)
         if const_expr(self.cluster_mn[0] > 1):
             b_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=0)
-        return (tma_a, tAgA, tAsA, a_mask), (tma_b, tBgB, tBsB, b_mask), k_first
+        return (tma_a, tAgA, tAsA, a_mask), (tma_b, tBgB, tBsB, b_mask)
 
     @cute.jit
     def load_k_tile(self, ab_pipe, loads, kt, operands: cutlass.Constexpr = "ab", acquire: cutlass.Constexpr = True,
@@ -494,11 +462,9 @@ class Sm90Gemm:
             # waits for the empty barrier, then expects the stage's A + B bytes on the full one
             ab_pipe.producer_acquire(state)
         bar = ab_pipe.producer_get_barrier(state)
-        k_first = loads[2]
-        for name, (atom, tXgX, tXsX, mask) in zip("ab", loads[:2]):
+        for name, (atom, tXgX, tXsX, mask) in zip("ab", loads):
             if const_expr(name in operands):
-                cute.copy(atom, tXgX[(None, k_first + kt)], tXsX[(None, state.index)], tma_bar_ptr=bar,
-                          mcast_mask=mask)
+                cute.copy(atom, tXgX[(None, kt)], tXsX[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mask)
 
     @cute.jit
     def load_prologue(self, ab_pipe, loads, k_tiles):
@@ -582,82 +548,15 @@ class Sm90Gemm:
         self.store_tile(acc, tiled_mma, tma_c, sC, gC, tidx, warp == 0, consumers, 1, 0, EPI_STAGES)
 
     @cute.jit
-    def split_rank(self):
-        """``split_k``: which K half this CTA of the cluster takes."""
-        return cute.arch.make_warp_uniform(cute.arch.block_in_cluster_idx()[0])
-
-    def split_k_share(self, tile_n: int) -> tuple[int, int]:
-        """``split_k``: (subtiles of the epilogue, the first K half's share of them -- the larger)."""
-        subtiles = tile_n // min(EPI_N, tile_n)
-        return subtiles, (subtiles + 1) // 2
-
-    @cute.jit
-    def split_k_epilogue(self, acc, tiled_mma, tma_c, sA, sC_layout, gC, tidx, warp, sum_ptr):
-        """``split_k``: the two CTAs of a cluster hold partial sums over the two K halves of one
-        tile. Each stores part of the tile -- the first the leading ``share`` subtiles, the second
-        the rest -- so each publishes the other's part of its FP32 accumulators in its own B
-        buffers (``sum_ptr``; slot ``j * consumers + tidx``, the same in both CTAs, which hold
-        the same fragment layout), and after a cluster barrier adds the peer's values for its
-        own part (``ld.shared::cluster``) before the usual epilogue over those subtiles.
-        The sum of two FP32 partials does not depend on their order: deterministic."""
-        consumers = WARP_GROUP * self.consumer_wgs
-        subtiles, share = self.split_k_share(self.tile_mn[1])
-        # every consumer warp group's wgmmas have read A's and B's buffers before they are reused
-        cute.arch.barrier(barrier_id=1, number_of_threads=consumers)
-        sC = cute.make_tensor(cute.recast_ptr(sA.iterator, sC_layout.inner, dtype=self.c_dtype), sC_layout.outer)
-        r2s = self.epilogue_copy(tiled_mma)
-        tRS_acc = r2s.retile(acc)
-        per_subtile = cute.size(cute.make_layout(cute.shape(r2s.get_slice(tidx).partition_S(sC))[:3]))
-        sums = cute.recast_ptr(sum_ptr, dtype=Float32)
-        rank = self.split_rank()
-        if rank == 0:
-            self.publish_partials(tRS_acc, sums, tidx, share * per_subtile, subtiles * per_subtile, consumers)
-        else:
-            self.publish_partials(tRS_acc, sums, tidx, 0, share * per_subtile, consumers)
-        # the partials written (arrive releases) and the peer's visible (wait acquires)
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        if rank == 0:
-            self.add_peer_partials(tRS_acc, sums, tidx, 0, share * per_subtile, consumers, 1)
-            cute.arch.cluster_arrive()  # done reading the peer's buffers
-            self.store_tile(acc, tiled_mma, tma_c, sC, gC, tidx, warp == 0, consumers, 1, 0, EPI_STAGES, 0, share)
-        else:
-            self.add_peer_partials(tRS_acc, sums, tidx, share * per_subtile, subtiles * per_subtile, consumers, 0)
-            cute.arch.cluster_arrive()
-            self.store_tile(acc, tiled_mma, tma_c, sC, gC, tidx, warp == 0, consumers, 1, 0, EPI_STAGES, share,
-                            subtiles)
-        # no CTA leaves (and frees its shared memory) while its peer may still read it
-        cute.arch.cluster_wait()
-
-    @cute.jit
-    def publish_partials(self, tRS_acc, sums, tidx, lo: cutlass.Constexpr, hi: cutlass.Constexpr,
-                         consumers: cutlass.Constexpr):
-        sSum = cute.make_tensor(sums, cute.make_layout(((hi - lo) * consumers,)))
-        for j in cutlass.range_constexpr(hi - lo):
-            sSum[j * consumers + tidx] = tRS_acc[lo + j]
-
-    @cute.jit
-    def add_peer_partials(self, tRS_acc, sums, tidx, lo: cutlass.Constexpr, hi: cutlass.Constexpr,
-                          consumers: cutlass.Constexpr, peer: cutlass.Constexpr):
-        for j in cutlass.range_constexpr(hi - lo):
-            tRS_acc[lo + j] = tRS_acc[lo + j] + load_peer_f32(sums + (j * consumers + tidx), peer)
-
-    def epilogue_copy(self, tiled_mma):
-        """The accumulator -> shared subtile copy (``stmatrix``, transposed for M-major C)."""
-        c_major = self.c_major
-        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(c_major.is_m_major_c(), 4), self.c_dtype)
-        return cute.make_tiled_copy_S(sm90_utils.sm90_get_smem_store_op(c_major, self.c_dtype, self.acc_dtype),
-                                      cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
-
-    @cute.jit
     def store_tile(self, acc, tiled_mma, tma_c, sC, gC, tidx, store_warp, consumers: cutlass.Constexpr,
-                   barrier_id, buf0, bufs: cutlass.Constexpr, s_lo: cutlass.Constexpr = 0,
-                   s_hi: cutlass.Constexpr = None):
+                   barrier_id, buf0, bufs: cutlass.Constexpr):
         """Accumulators -> C's type -> EPI_N-column shared subtiles (buffers ``buf0 ..
         buf0 + bufs - 1`` of ``sC``) -> TMA stores issued by ``store_warp``; ``consumers``
-        threads (``tidx`` among them) meet at named barrier ``barrier_id``. Subtiles ``s_lo ..
-        s_hi - 1`` only (default: all)."""
-        r2s = self.epilogue_copy(tiled_mma)
+        threads (``tidx`` among them) meet at named barrier ``barrier_id``."""
+        c_major = self.c_major
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(c_major.is_m_major_c(), 4), self.c_dtype)
+        r2s = cute.make_tiled_copy_S(sm90_utils.sm90_get_smem_store_op(c_major, self.c_dtype, self.acc_dtype),
+                                     cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
         thr_r2s = r2s.get_slice(tidx)
         tRS_sC = thr_r2s.partition_D(sC)  # (R2S, R2S_M, R2S_N, stage)
         tRS_acc = r2s.retile(acc)
@@ -667,21 +566,21 @@ class Sm90Gemm:
 
         gC_epi = cute.zipped_divide(gC, self.epi_tile)  # ((epi tile), (subtiles M, subtiles N))
         bSG_sC, bSG_gC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi)
-        subtiles = cute.size(gC_epi, mode=[1]) if const_expr(s_hi is None) else s_hi
+        subtiles = cute.size(gC_epi, mode=[1])
         subtile_grid = cute.make_layout(gC_epi.shape[1], stride=(gC_epi.shape[1][1], 1))
         store_pipe = pipeline.PipelineTmaStore.create(
             num_stages=bufs, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers))
-        for s in cutlass.range_constexpr(s_lo, subtiles):
+        for s in cutlass.range_constexpr(subtiles):
             for v in cutlass.range_constexpr(per_subtile):
                 rC[v] = tRS_acc[s * per_subtile + v]
             rC_out = cute.make_rmem_tensor_like(rC_layout, self.c_dtype)
             rC_out.store(rC.load().to(self.c_dtype))
-            buf = buf0 + (s - s_lo) % bufs
+            buf = buf0 + s % bufs
             cute.copy(r2s, rC_out, tRS_sC[(None, None, None, buf)])
             # the generic-proxy smem writes become visible to TMA, then one warp stores
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=barrier_id, number_of_threads=consumers)
-            reuse = s + 1 < subtiles and s - s_lo + 1 >= bufs  # the next subtile reuses a buffer
+            reuse = s + 1 < subtiles and s + 1 >= bufs  # the next subtile reuses a buffer
             if store_warp:
                 cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, subtile_grid.get_hier_coord(s))])
                 store_pipe.producer_commit()
