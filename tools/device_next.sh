@@ -113,7 +113,7 @@
 #            step stopped it inside tests/test_wo_a.py; phases 1 / 4 / 55 budget less for it).
 #   phase 61: (seventeenth session; commit bd7a5df, removed after it) the engine's split_k=2 --
 #            a tile's K halves in a CTA pair summed through distributed shared memory: 10 GPU
-#            tests passed, 1.2-1.9x slower than the shipped T = 320 configs (probe, twice).
+#            tests passed, 1.2-1.7x the shipped T = 320 configs' time (probe, twice).
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..60)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
