@@ -114,7 +114,8 @@
 #   phase 61: (seventeenth session; commit bd7a5df, removed after it) the engine's split_k=2 --
 #            a tile's K halves in a CTA pair summed through distributed shared memory: 10 GPU
 #            tests passed, 1.2-1.7x the shipped T = 320 configs' time (probe, twice).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..60)
+#   phase 62: the issue's WO-A bench on the seventeenth session's final tree.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..62)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -357,6 +358,9 @@ case "${1:-1}" in
   step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
+  ;;
+62)  # the issue's WO-A bench, final tree
+  step 200 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
   ;;
 60)  # the whole GPU suite, alone
   step 560 gpu_suite $PYT tests -m gpu
