@@ -9,8 +9,9 @@ group-major output). "default path + PDL": ``wo_a(..., pdl=True)``, launched as 
 programmatic dependent: back to back in the graph, each launch's first weight tiles load
 while the previous launch drains. At T <= 64 also the two decode kernels on their own:
 ``decode_kernel="mma"`` (warp MMAs) and ``"wgmma"`` (TMA + wgmma, weight rows as M). All
-timed by CUDA-graph replay over rotating
-weight sets larger than L2. Decode rows report weight-streaming bandwidth (bytes = weights +
+timed by CUDA-graph replay over rotating weight sets larger than L2, after 0.5 s of dense
+matmuls; ours, (a) and (b) interleaved (each trial replays the three graphs in turn), so a
+drift of the clocks during a row moves all three alike. Decode rows report weight-streaming bandwidth (bytes = weights +
 o + y) against 4.3 TB/s; prefill rows report TFLOP/s against 790.
 """
 
@@ -24,7 +25,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import H200_BF16_FLOPS, H200_COPY_BW, markdown_table, rotation_count, time_graph  # noqa: E402
+from common import (H200_BF16_FLOPS, H200_COPY_BW, gpu_warmup, markdown_table, rotation_count,  # noqa: E402
+                    time_graph, time_graphs_interleaved)
 
 from cute_kernels.wo_a import decode_kernel_kind, use_decode_kernel, wo_a  # noqa: E402
 from cute_kernels.wo_a_decode import plan as decode_plan  # noqa: E402
@@ -56,6 +58,7 @@ def main():
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     rows = []
+    gpu_warmup()
     for G, R, Dg in SHAPES:
         wbytes = G * R * Dg * 2
         n = rotation_count(wbytes)
@@ -66,10 +69,11 @@ def main():
             # Discarded: the first graph timed after the previous row's launches ran up to 0.8 us
             # slow at decode T (phase 55: the same kernel 8.15 us first, 7.34 us later in the row).
             time_graph(lambda i: wo_a(o, ws[i], out=y), n, max(n, 8), trials=10)
-            t_ours = time_graph(lambda i: wo_a(o, ws[i], out=y), n, max(n, 8))  # the default path
+            # the default path and both baselines interleaved: their ratios are the issue's verdicts
+            t_ours, t_ref, t_bmm = time_graphs_interleaved(
+                [lambda i: wo_a(o, ws[i], out=y), lambda i: unfused(o, ws[i]), lambda i: bmm_only(o, ws[i])],
+                n, max(n, 8))
             t_eng = time_graph(lambda i: wo_a(o, ws[i], out=y, decode_kernel=False), n, max(n, 8))
-            t_ref = time_graph(lambda i: unfused(o, ws[i]), n, max(n, 8))
-            t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
             t_dec = {k: time_graph(lambda i, k=k: wo_a(o, ws[i], out=y, decode_kernel=k), n, max(n, 8))
                      for k in ("mma", "wgmma")} if T <= 64 else {}
             t_pdl = time_graph(lambda i: wo_a(o, ws[i], out=y, pdl=True), n, max(n, 8))

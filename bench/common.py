@@ -48,6 +48,58 @@ def time_graph(launch, n_inputs: int, reps: int | None = None, trials: int = 30,
     return statistics.median(times)
 
 
+def time_graphs_interleaved(launches, n_inputs: int, reps: int | None = None, trials: int = 30,
+                            warmup: int = 3) -> list[float]:
+    """Median seconds per call of each ``launches[j](i)``, as :func:`time_graph`, but the
+    graphs' replays take turns within every trial (the order rotating from trial to trial):
+    a drift of the clocks over the run (power, temperature) then moves every column alike
+    instead of whichever op was timed during it -- what a speed ratio between them needs."""
+    reps = reps or n_inputs
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graphs = []
+    for launch in launches:
+        with torch.cuda.stream(s):
+            for i in range(min(n_inputs, 3)):
+                launch(i)  # compile / autotune outside capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            for r in range(reps):
+                launch(r % n_inputs)
+        graphs.append(g)
+    for _ in range(warmup):
+        for g in graphs:
+            g.replay()
+    torch.cuda.synchronize()
+    times = [[] for _ in graphs]
+    for t in range(trials):
+        for k in range(len(graphs)):
+            j = (t + k) % len(graphs)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graphs[j].replay()
+            b.record()
+            b.synchronize()
+            times[j].append(a.elapsed_time(b) * 1e-3 / reps)
+    return [statistics.median(ts) for ts in times]
+
+
+def gpu_warmup(seconds: float = 0.5) -> None:
+    """Dense matmuls for ``seconds``: clocks up before the first timed row (the first row of a
+    run measured up to 4% slow, bench/RESULTS.md, seventeenth session)."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    while True:
+        for _ in range(20):
+            a @ a
+        stop.record()
+        stop.synchronize()
+        if start.elapsed_time(stop) * 1e-3 >= seconds:
+            return
+
+
 def measure(call, y: torch.Tensor, ref: torch.Tensor, n: int) -> tuple[float, float]:
     """(seconds per ``call(i)``, relative error of ``y`` against ``ref`` after one launch into a
     NaN-poisoned ``y``): every element proven written before the time counts."""

@@ -115,7 +115,8 @@
 #            a tile's K halves in a CTA pair summed through distributed shared memory: 10 GPU
 #            tests passed, 1.2-1.7x the shipped T = 320 configs' time (probe, twice).
 #   phase 62: the issue's WO-A bench on the seventeenth session's final tree.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..62)
+#   phase 63: the same with the bench's ours / (a) / (b) timed interleaved after a 0.5 s warm-up.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..63)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -358,6 +359,9 @@ case "${1:-1}" in
   step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
+  ;;
+63)  # the issue's WO-A bench, interleaved baselines
+  step 240 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
   ;;
 62)  # the issue's WO-A bench, final tree
   step 200 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
