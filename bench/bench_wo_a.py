@@ -11,8 +11,8 @@ while the previous launch drains. At T <= 64 also the two decode kernels on thei
 ``decode_kernel="mma"`` (warp MMAs) and ``"wgmma"`` (TMA + wgmma, weight rows as M). All
 timed by CUDA-graph replay over rotating weight sets larger than L2, after 0.5 s of dense
 matmuls; ours, (a) and (b) interleaved (each trial replays the three graphs in turn), so a
-drift of the clocks during a row moves all three alike. Decode rows report weight-streaming bandwidth (bytes = weights +
-o + y) against 4.3 TB/s; prefill rows report TFLOP/s against 790.
+drift of the clocks during a row moves all three alike. Decode rows report weight-streaming
+bandwidth (bytes = weights + o + y) against 4.3 TB/s; prefill rows report TFLOP/s against 790.
 """
 
 from __future__ import annotations

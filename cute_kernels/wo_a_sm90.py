@@ -144,7 +144,8 @@ class WoASm90(WoAGemm):
             # CTA pairs along R sharing the token tile by multicast. H200, tools/probe_wo_a_tiles.py
             # at T = 64 (phases 54 / 57 / 58): 64x64 at G=16 R=512 12.0 / 11.9 / 11.7 us against
             # 12.4 / 12.6 / 12.6 for one CTA, at G=8 R=1024 7.3 / 7.1 / 7.1 against 7.6 / 7.4 /
-            # 7.3; 64x128 at G=16 R=1024 11.8 against 12.1 (phase 58; phase 59: T = 33..64).
+            # 7.3; 64x128 at G=16 R=1024 11.8 against 12.1 (phase 58), faster in 5 of 6 readings
+            # at T = 33 / 48 / 64 by 1-6% (phase 59; 0.2 us slower once).
             return dict(tile_m=tile_m, tile_n=tile_n, cluster_n=2)
         if lo < T <= hi:
             n_tiles = -(-T // 256)
