@@ -21,31 +21,44 @@ def rotation_count(bytes_per_call: int, l2_bytes: int = 60 << 20, min_count: int
     return max(min_count, -(-2 * l2_bytes // max(bytes_per_call, 1)))
 
 
+def _capture(launch, n_inputs: int, reps: int, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    """A graph of ``reps`` back-to-back ``launch(r % n_inputs)`` calls on ``stream``, captured
+    after up to three eager calls (compile / autotune outside capture)."""
+    with torch.cuda.stream(stream):
+        for i in range(min(n_inputs, 3)):
+            launch(i)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        for r in range(reps):
+            launch(r % n_inputs)
+    return g
+
+
+def _capture_stream() -> torch.cuda.Stream:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    return s
+
+
+def _replay_seconds(g: torch.cuda.CUDAGraph, reps: int) -> float:
+    """Seconds per launch of one replay of ``g`` (CUDA events)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e-3 / reps
+
+
 def time_graph(launch, n_inputs: int, reps: int | None = None, trials: int = 30, warmup: int = 3) -> float:
     """Median seconds per ``launch(i)`` call (i indexes the rotating inputs)."""
     reps = reps or n_inputs
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(min(n_inputs, 3)):
-            launch(i)  # compile / autotune outside capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        for r in range(reps):
-            launch(r % n_inputs)
+    g = _capture(launch, n_inputs, reps, _capture_stream())
     for _ in range(warmup):
         g.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3 / reps)
-    return statistics.median(times)
+    return statistics.median(_replay_seconds(g, reps) for _ in range(trials))
 
 
 def time_graphs_interleaved(launches, n_inputs: int, reps: int | None = None, trials: int = 30,
@@ -55,19 +68,8 @@ def time_graphs_interleaved(launches, n_inputs: int, reps: int | None = None, tr
     a drift of the clocks over the run (power, temperature) then moves every column alike
     instead of whichever op was timed during it -- what a speed ratio between them needs."""
     reps = reps or n_inputs
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    graphs = []
-    for launch in launches:
-        with torch.cuda.stream(s):
-            for i in range(min(n_inputs, 3)):
-                launch(i)  # compile / autotune outside capture
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            for r in range(reps):
-                launch(r % n_inputs)
-        graphs.append(g)
+    s = _capture_stream()
+    graphs = [_capture(launch, n_inputs, reps, s) for launch in launches]
     for _ in range(warmup):
         for g in graphs:
             g.replay()
@@ -76,12 +78,7 @@ def time_graphs_interleaved(launches, n_inputs: int, reps: int | None = None, tr
     for t in range(trials):
         for k in range(len(graphs)):
             j = (t + k) % len(graphs)
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graphs[j].replay()
-            b.record()
-            b.synchronize()
-            times[j].append(a.elapsed_time(b) * 1e-3 / reps)
+            times[j].append(_replay_seconds(graphs[j], reps))
     return [statistics.median(ts) for ts in times]
 
 
