@@ -30,7 +30,7 @@ import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 from cutlass import Int32
 
-from .gemm.sm90_gemm import Sm90Gemm
+from .gemm.sm90_gemm import TIMELINE_SLOTS, Sm90Gemm
 
 
 def wo_a_layouts(T, G: int, R: int, Dg: int, swap_ab: bool = False):
@@ -178,3 +178,20 @@ class WoASm90(WoAGemm):
     @staticmethod
     def can_implement(G: int, R: int, Dg: int) -> bool:
         return G >= 1 and R % 64 == 0 and Dg % 64 == 0
+
+
+class WoASm90Traced(WoASm90):
+    """:class:`WoASm90` with the engine's debug timeline: ``t_ptr`` points at an Int64
+    (``MAX_CTAS``, ``TIMELINE_SLOTS``) trace that every CTA of the one-tile-per-CTA kernel fills
+    with its SM and ``%globaltimer`` stamps (:data:`cute_kernels.gemm.sm90_gemm.TIMELINE_SLOTS`).
+    A diagnostic for a machine without a profiler (``tools/probe_wo_a_timeline.py``); the
+    shipped builds (:class:`WoASm90`) compile no stamps."""
+
+    MAX_CTAS = 4096
+
+    @cute.jit
+    def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, t_ptr: cute.Pointer,
+                 num_tokens: Int32, stream: cuda.CUstream):
+        a, b, c = wo_a_views(o_ptr, w_ptr, y_ptr, num_tokens, self.G, self.R, self.Dg, self.swap_ab)
+        trace = cute.make_tensor(t_ptr, cute.make_layout((self.MAX_CTAS, TIMELINE_SLOTS), stride=(TIMELINE_SLOTS, 1)))
+        self.gemm(a, b, c, stream, trace)

@@ -347,6 +347,62 @@ def test_hopper_cluster_variant_multicasts(cluster):
         k.build("sm_100a", G=16, R=1024, Dg=1024, tile_m=128, tile_n=256, cluster_m=2)
 
 
+def _traced_build(cfg, dump_dir=None):
+    """The engine's debug-timeline build of a G=8 R=512 Dg=2048 WO-A config (``WoASm90Traced``)
+    for sm_90a; with ``dump_dir``, keeping its cubin."""
+    import cutlass.cute as cute
+
+    from cute_kernels import jit
+    from cute_kernels.wo_a_sm90 import WoASm90Traced
+
+    obj = WoASm90Traced(8, 512, 2048, (cfg["tile_m"], cfg["tile_n"]), (cfg.get("cluster_m", 1), cfg.get("cluster_n", 1)),
+                        False, cfg.get("swap_ab", False), cfg.get("occupancy", 1))
+    P = jit.fake_gmem_ptr
+    return cute.compile(obj, P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.Int64, 8),
+                        cutlass.Int32(1), jit.fake_stream(),
+                        options="--gpu-arch=sm_90a" + (f" --keep-cubin --dump-dir={dump_dir}" if dump_dir else ""))
+
+
+def test_timeline_only_in_the_traced_build():
+    """The shipped engine reads no clock (its stamps compile out); the traced build does."""
+    import tempfile
+
+    cfg = WoASm90.config_for(320, 8, 512, 2048)
+    shipped = sass.disassemble(sass.compile_cubin("wo_a", "sm_90a", G=8, R=512, Dg=2048, **cfg))
+    assert "SR_GLOBALTIMER" not in shipped
+    with tempfile.TemporaryDirectory() as d:
+        traced = sass.disassemble(_traced_build(cfg, d).artifacts.CUBIN)
+    assert "SR_GLOBALTIMER" in traced and "SR_VIRTUALSMID" in traced
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [77, 320])
+def test_timeline_trace_is_ordered(seed, T):
+    """The traced engine computes the same product, and every CTA of the grid leaves a
+    complete, ordered trace: entry <= init <= first stage <= mainloop end <= epilogue end."""
+    from cute_kernels import jit
+    from cute_kernels.gemm.sm90_gemm import (STAMP_ENTRY, STAMP_EPILOGUE_END, STAMP_FIRST_STAGE, STAMP_INIT,
+                                             STAMP_MAINLOOP_END, STAMP_SM, TIMELINE_SLOTS)
+    from cute_kernels.wo_a_sm90 import WoASm90Traced
+
+    G, R, Dg = 8, 512, 2048
+    cfg = WoASm90.config_for(T, G, R, Dg)
+    fn = _traced_build(cfg)
+    o, w = make(T, G, 16, 128, R, "cuda")
+    y = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
+    trace = torch.zeros(WoASm90Traced.MAX_CTAS, TIMELINE_SLOTS, device="cuda", dtype=torch.int64)
+    fn(jit.gmem_ptr(cutlass.BFloat16, o), jit.gmem_ptr(cutlass.BFloat16, w), jit.gmem_ptr(cutlass.BFloat16, y),
+       jit.gmem_ptr(cutlass.Int64, trace, 8), jit.i32(T), jit.cu_stream())
+    torch.cuda.synchronize()
+    assert rel_err(y, wo_a_ref(o, w)) < TOL
+    ctas = (R // cfg["tile_m"]) * -(-T // cfg["tile_n"]) * G
+    t = trace.cpu()
+    assert (t[:ctas, STAMP_ENTRY] > 0).all() and (t[ctas:] == 0).all()
+    order = [STAMP_ENTRY, STAMP_INIT, STAMP_FIRST_STAGE, STAMP_MAINLOOP_END, STAMP_EPILOGUE_END]
+    assert (t[:ctas, order].diff(dim=1) >= 0).all()
+    assert (t[:ctas, STAMP_SM] < torch.cuda.get_device_properties(0).multi_processor_count).all()
+
+
 # ------------------------------------------------------------ validation (CPU) --------
 @pytest.mark.parametrize("o, w, words", [
     (torch.zeros(2, 16, 128), torch.zeros(8, 512, 256).bfloat16(), "o must have dtype bfloat16"),

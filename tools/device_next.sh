@@ -116,7 +116,10 @@
 #            tests passed, 1.2-1.7x the shipped T = 320 configs' time (probe, twice).
 #   phase 62: the issue's WO-A bench on the seventeenth session's final tree.
 #   phase 63: the same with the bench's ours / (a) / (b) timed interleaved after a 0.5 s warm-up.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..63)
+#   phase 64: (eighteenth session) the engine's debug timeline: its GPU tests, the per-CTA trace of
+#            the shipped configs at T = 320 (full / mma_only / load_only) and T = 64 / 4096, then
+#            the issue's bench (the first GPU run of the c614d65 timing refactor).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..64)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -359,6 +362,12 @@ case "${1:-1}" in
   step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
+  ;;
+64)  # the debug timeline: tests, traces at T = 320 / 64 / 4096, the issue's bench
+  step 90 timeline_tests $PYT tests/test_wo_a.py -m gpu -k "timeline"
+  step 150 timeline_320 env TS=320 python tools/probe_wo_a_timeline.py
+  step 150 timeline_64_4096 env TS=64,4096 MODES=full,mma_only python tools/probe_wo_a_timeline.py
+  step 150 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
   ;;
 63)  # the issue's WO-A bench, interleaved baselines
   step 240 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"

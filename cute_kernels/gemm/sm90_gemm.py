@@ -65,6 +65,8 @@ Tests / machine code: ``pytest tests/test_wo_a.py tests/test_draft_head_fp8.py``
 
 from __future__ import annotations
 
+from typing import Optional
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.memory
@@ -93,6 +95,13 @@ EPI_N = 32
 ORDER_BARRIER, PINGPONG_EPI_BARRIER = 2, 4
 #: M tiles per raster group (L2 reuse of the B tiles across concurrent CTAs)
 RASTER_GROUP_M = 8
+#: the debug timeline's slots (``timeline``): the CTA's SM, then ``%globaltimer`` at kernel
+#: entry, after the barrier-init cluster sync, once the first stage has landed (warp 0),
+#: after the last k-tile's MMAs retired, after the epilogue's stores were issued (thread 0),
+#: and after the producer warp issued its last load
+(STAMP_SM, STAMP_ENTRY, STAMP_INIT, STAMP_FIRST_STAGE, STAMP_MAINLOOP_END, STAMP_EPILOGUE_END,
+ STAMP_LOADS_ISSUED) = range(7)
+TIMELINE_SLOTS = 8
 
 
 class Sm90Gemm:
@@ -157,7 +166,13 @@ class Sm90Gemm:
         return smem // ((tile_m + tile_n) * tile_k * ab_width // 8)
 
     @cute.jit
-    def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda.CUstream):
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda.CUstream,
+                 timeline: Optional[cute.Tensor] = None):
+        """``timeline``: a debug trace -- an Int64 (CTAs, TIMELINE_SLOTS) tensor that each CTA
+        of the one-tile-per-CTA kernel fills with its SM and ``%globaltimer`` stamps (see
+        :data:`TIMELINE_SLOTS`); None (every shipped build) compiles no stamps."""
+        if const_expr(timeline is not None and self.pingpong):
+            raise ValueError("Sm90Gemm: timeline traces the one-tile-per-CTA kernel, not pingpong")
         self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
         if const_expr(self.a_dtype.width != self.b_dtype.width or self.a_dtype.width not in (8, 16)):
             raise TypeError(f"Sm90Gemm: A and B must both be 16-bit or both 8-bit, got {self.a_dtype}, {self.b_dtype}")
@@ -225,7 +240,8 @@ class Sm90Gemm:
 
             self.shared_storage = SharedStorage
             grid = (cluster_rows * cluster_m, cluster_cols * cluster_n, L)
-            self.kernel(tma_a, mA, tma_b, mB, tma_c, mC, tiled_mma, sA_layout, sB_layout, sC_layout).launch(
+            self.kernel(tma_a, mA, tma_b, mB, tma_c, mC, tiled_mma, sA_layout, sB_layout, sC_layout,
+                        timeline).launch(
                 grid=grid, block=[self.threads, 1, 1], cluster=(cluster_m, cluster_n, 1), stream=stream,
                 use_pdl=self.pdl)
 
@@ -281,9 +297,11 @@ class Sm90Gemm:
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                tma_c: cute.CopyAtom, mC: cute.Tensor, tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
-               sB_layout: cute.ComposedLayout, sC_layout: cute.ComposedLayout):
+               sB_layout: cute.ComposedLayout, sC_layout: cute.ComposedLayout, mT: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        trace = self.trace_row(mT)
+        self.stamp(trace, STAMP_ENTRY, tidx == 0)
         if warp == self.producer_warp:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
@@ -305,25 +323,28 @@ class Sm90Gemm:
         gC = cute.local_tile(mC, self.tile_mnk, coord, proj=(1, 1, None))  # (bM, bN)
         k_tiles = cute.size(gA, mode=[2])
         pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
+        self.stamp(trace, STAMP_INIT, tidx == 0)
 
         loads = self.load_partitions(tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord)
-        consume = (ab_pipe, tiled_mma, tma_c, sA, sB, sC_layout, gC, tidx, warp, k_tiles, loads)
+        consume = (ab_pipe, tiled_mma, tma_c, sA, sB, sC_layout, gC, tidx, warp, k_tiles, loads, trace)
         if const_expr(self.inline_producer):
             # every warp consumes (warp 0 also loads): no producer-warp branch in the binary
             self.consume(*consume, is_clustered)
         else:
             if warp >= 4 * self.consumer_wgs:  # the producer warp
                 self.load(ab_pipe, loads, k_tiles)
+                self.stamp(trace, STAMP_LOADS_ISSUED, tidx % 32 == 0)
                 if const_expr(is_clustered):
                     self.exit_tail(ab_pipe, k_tiles)
             else:
                 self.consume(*consume, is_clustered)
 
     @cute.jit
-    def consume(self, ab_pipe, tiled_mma, tma_c, sA, sB, sC_layout, gC, tidx, warp, k_tiles, loads,
+    def consume(self, ab_pipe, tiled_mma, tma_c, sA, sB, sC_layout, gC, tidx, warp, k_tiles, loads, trace,
                 is_clustered: cutlass.Constexpr):
         """A consumer warp group: the MMAs over every k-tile, then its share of the epilogue."""
-        acc = self.mma(ab_pipe, tiled_mma, sA, sB, gC, warp, k_tiles, loads)
+        acc = self.mma(ab_pipe, tiled_mma, sA, sB, gC, warp, k_tiles, loads, trace)
+        self.stamp(trace, STAMP_MAINLOOP_END, tidx == 0)
         barrier_exit = const_expr(is_clustered and self.cluster_exit == "barrier")
         if const_expr(barrier_exit):
             cute.arch.cluster_arrive()
@@ -331,11 +352,33 @@ class Sm90Gemm:
             # stores after the previous grid's writes (the loads already waited for it)
             cute.arch.griddepcontrol_wait()
         self.epilogue(acc, tiled_mma, tma_c, sA, sC_layout, gC, tidx, warp)
+        self.stamp(trace, STAMP_EPILOGUE_END, tidx == 0)
         if const_expr(barrier_exit):
             cute.arch.cluster_wait()
         if const_expr(is_clustered and not barrier_exit and self.inline_producer):
             if warp == 0:
                 self.exit_tail(ab_pipe, k_tiles)
+
+    @cute.jit
+    def trace_row(self, mT):
+        """This CTA's row of the debug timeline (None without one); its SM in slot 0."""
+        row = None
+        if const_expr(mT is not None):
+            bx, by, bz = cute.arch.block_idx()
+            gx, gy, _ = cute.arch.grid_dim()
+            row = mT[(bx + by * gx + bz * gx * gy, None)]
+            tidx, _, _ = cute.arch.thread_idx()
+            if tidx == 0:
+                row[STAMP_SM] = cutlass.Int64(cute.arch.smid())
+        return row
+
+    @cute.jit
+    def stamp(self, row, slot: cutlass.Constexpr, pred):
+        """``%globaltimer`` (ns) into ``slot`` of the debug timeline row where ``pred`` holds;
+        nothing without a timeline."""
+        if const_expr(row is not None):
+            if pred:
+                row[slot] = cute.arch.globaltimer()
 
     @cute.jit
     def exit_tail(self, ab_pipe, loads_issued):
@@ -492,7 +535,7 @@ class Sm90Gemm:
             self.load_k_tile(ab_pipe, loads, kt)
 
     @cute.jit
-    def mma(self, ab_pipe, tiled_mma, sA, sB, gC, warp, k_tiles, loads):
+    def mma(self, ab_pipe, tiled_mma, sA, sB, gC, warp, k_tiles, loads, trace=None):
         """A consumer warp group: its 64 rows of the tile, accumulated over every k-tile (and,
         with ``inline_producer``, warp 0 loading k-tile ``k + stages`` once stage ``k`` is free)."""
         if const_expr(self.inline_producer):
@@ -509,6 +552,7 @@ class Sm90Gemm:
         # first k-tile: overwrite the (uninitialised) accumulators
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
         self.mma_k_tile(ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks, first=True)
+        self.stamp(trace, STAMP_FIRST_STAGE, cute.arch.thread_idx()[0] == 0)
         read.advance()
         for _ in cutlass.range(1, k_tiles, unroll=1):
             self.mma_k_tile(ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks)

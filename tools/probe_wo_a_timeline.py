@@ -1,0 +1,191 @@
+"""Where a WO-A Hopper launch spends its time: the engine's debug timeline, per CTA.
+
+The lent H200 has no profiler, so this traces the one-tile-per-CTA kernel itself
+(:class:`cute_kernels.gemm.sm90_gemm.Sm90Gemm` with ``timeline``): every CTA writes its SM
+and ``%globaltimer`` stamps at entry, after the barrier-init cluster sync, when its first
+stage has landed, when its last MMAs retired and when its epilogue's stores were issued.
+Each config also runs in two stripped modes, timed the same way:
+
+- ``mma_only``: no loads; the consumers run every wgmma on whatever the stages hold -- the
+  tensor-core + epilogue time of the schedule, without memory;
+- ``load_only``: every load, no wgmma -- the memory time of the schedule.
+
+    python tools/probe_wo_a_timeline.py
+    env TS=320,4096 MODES=full,mma_only,load_only CONFIGS=default python tools/probe_wo_a_timeline.py
+
+Prints, per (shape, T, config, mode): us per call (graph replay of back-to-back launches
+with rotating weights, as the benches) next to cuBLAS ``bmm`` alone, and from the trace of
+one of those launches (the median of the last ones): the span from the first CTA's entry to
+the last epilogue, the entry skew across CTAs, and the median CTA's phases (init, first
+stage, mainloop, epilogue) in us, with CTAs per SM. Full-mode output is checked against FP32.
+"""
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from bench_wo_a import bmm_only  # noqa: E402
+from common import gpu_warmup, rotation_count, time_graph  # noqa: E402
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Int32, const_expr  # noqa: E402
+from cutlass.cute.nvgpu import warpgroup  # noqa: E402
+
+from cute_kernels import jit  # noqa: E402
+from cute_kernels.gemm import sm90_gemm  # noqa: E402
+from cute_kernels.gemm.sm90_gemm import Sm90Gemm  # noqa: E402
+from cute_kernels.wo_a_sm90 import WoASm90, WoASm90Traced  # noqa: E402
+
+MAX_CTAS = WoASm90Traced.MAX_CTAS
+SLOTS = sm90_gemm.TIMELINE_SLOTS
+
+
+class Sm90GemmProbe(Sm90Gemm):
+    """The engine with its loads or its MMAs left out (``mode``); ``full`` is the engine."""
+
+    def __init__(self, base: Sm90Gemm, mode: str):
+        self.__dict__.update(base.__dict__)
+        self.mode = mode
+
+    @cute.jit
+    def load_k_tile(self, ab_pipe, loads, kt, operands: cutlass.Constexpr = "ab", acquire: cutlass.Constexpr = True,
+                    base=None):
+        if const_expr(self.mode != "mma_only"):
+            pos = kt if const_expr(base is None) else base + kt
+            state = cutlass.pipeline.PipelineState(self.stages, pos, pos % self.stages,
+                                                   (pos // self.stages + 1) % 2)
+            if const_expr(acquire):
+                ab_pipe.producer_acquire(state)
+            bar = ab_pipe.producer_get_barrier(state)
+            for name, (atom, tXgX, tXsX, mask) in zip("ab", loads):
+                if const_expr(name in operands):
+                    cute.copy(atom, tXgX[(None, kt)], tXsX[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mask)
+
+    @cute.jit
+    def mma_k_tile(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks: cutlass.Constexpr,
+                   first: cutlass.Constexpr = False):
+        if const_expr(self.mode != "mma_only"):
+            ab_pipe.consumer_wait(read)
+        warpgroup.fence()
+        if const_expr(self.mode != "load_only"):
+            for kb in cutlass.range_constexpr(k_blocks):
+                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc)
+                if const_expr(first):
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+
+class WoATimeline(WoASm90Traced):
+    """WO-A's traced launch on the probe's engine mode."""
+
+    def __init__(self, *args, mode: str = "full", **kw):
+        super().__init__(*args, **kw)
+        self.gemm = Sm90GemmProbe(self.gemm, mode)
+
+
+def compile_probe(G, R, Dg, cfg, mode, arch="sm_90a"):
+    obj = WoATimeline(G, R, Dg, (cfg["tile_m"], cfg["tile_n"]), (cfg.get("cluster_m", 1), cfg.get("cluster_n", 1)),
+                      False, cfg.get("swap_ab", False), cfg.get("occupancy", 1), False, cfg.get("cluster_exit"),
+                      mode=mode)
+    P = jit.fake_gmem_ptr
+    return cute.compile(obj, P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.Int64, 8),
+                        Int32(1), jit.fake_stream(), options=jit.default_options(arch))
+
+
+def summarize(tl: torch.Tensor, ctas: int) -> dict:
+    """Phases of one launch's trace (ns -> us)."""
+    t = tl[:ctas].double()
+    sm, entry, init, first, main_end, epi_end = (t[:, i] for i in range(6))
+    t0 = entry.min()
+    med = lambda x: statistics.median(x.tolist()) / 1e3  # noqa: E731
+    per_sm = torch.bincount(sm.long()).max().item()
+    return dict(span=(epi_end.max() - t0).item() / 1e3, skew=(entry.max() - t0).item() / 1e3,
+                init=med(init - entry), first=med(first - init), main=med(main_end - first),
+                epi=med(epi_end - main_end), last_main=(main_end.max() - t0).item() / 1e3,
+                sms=int(torch.unique(sm).numel()), per_sm=per_sm)
+
+
+def main():
+    TS = [int(t) for t in os.environ.get("TS", "320").split(",")]
+    MODES = os.environ.get("MODES", "full,mma_only,load_only").split(",")
+    EXTRA = [c for c in os.environ.get("CONFIGS", "").split(",") if c and c != "default"]
+    gpu_warmup()
+    for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]:
+        n = rotation_count(G * R * Dg * 2)
+        ws = [(torch.randn(G, R, Dg, device="cuda") / Dg**0.5).bfloat16() for _ in range(n)]
+        for T in TS:
+            o = torch.randn(T, G * 8, Dg // 8, device="cuda").bfloat16()
+            y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
+            ref = torch.einsum("tgd,grd->tgr", o.view(T, G, Dg).float(), ws[0].float()).reshape(T, G * R)
+            t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
+            cfgs = [WoASm90.config_for(T, G, R, Dg)]
+            for spec in EXTRA:  # e.g. swap:128x160:1x2:occ1
+                sw, tile, cl, occ = spec.split(":")
+                tm, tn = (int(v) for v in tile.split("x"))
+                cm, cn = (int(v) for v in cl.split("x"))
+                cfgs.append(dict(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, swap_ab=sw == "swap",
+                                 occupancy=int(occ[3:])))
+            print(f"T={T} G={G} R={R} Dg={Dg}: bmm alone {t_bmm * 1e6:.2f} us", flush=True)
+            for cfg in cfgs:
+                if cfg.get("pingpong"):
+                    print(f"  {cfg}: pingpong is not traced")
+                    continue
+                reps = max(n, 8)
+                tls = torch.zeros(reps, MAX_CTAS, SLOTS, device="cuda", dtype=torch.int64)
+                for mode in MODES:
+                    fn = compile_probe(G, R, Dg, cfg, mode)
+
+                    def call(i, r, fn=fn):
+                        fn(jit.gmem_ptr(cutlass.BFloat16, o), jit.gmem_ptr(cutlass.BFloat16, ws[i % n]),
+                           jit.gmem_ptr(cutlass.BFloat16, y), jit.gmem_ptr(cutlass.Int64, tls[r], 8), jit.i32(T),
+                           jit.cu_stream())
+
+                    err = float("nan")
+                    if mode == "full":
+                        y.fill_(float("nan"))
+                        call(0, 0)
+                        torch.cuda.synchronize()
+                        err = ((y.float() - ref).norm() / ref.norm()).item()
+                    # graph of reps launches, launch r writing trace r
+                    s = torch.cuda.Stream()
+                    s.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(s):
+                        call(0, 0)
+                    torch.cuda.synchronize()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, stream=s):
+                        for r in range(reps):
+                            call(r, r)
+                    for _ in range(3):
+                        g.replay()
+                    torch.cuda.synchronize()
+                    times = []
+                    for _ in range(30):
+                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        a.record()
+                        g.replay()
+                        b.record()
+                        b.synchronize()
+                        times.append(a.elapsed_time(b) * 1e-3 / reps)
+                    us = statistics.median(times) * 1e6
+                    # grid size from the trace: rows with an entry stamp
+                    ctas = int((tls[-1, :, 1] != 0).sum().item())
+                    sums = [summarize(tls[r].cpu(), ctas) for r in range(reps // 2, reps)]
+                    mid = sorted(sums, key=lambda d: d["span"])[len(sums) // 2]
+                    # launch-to-launch gap inside the graph: next first entry - this last epilogue
+                    gaps = [(tls[r + 1, :ctas, 1].min() - tls[r, :ctas, 5].max()).item() / 1e3
+                            for r in range(reps // 2, reps - 1)]
+                    print(f"  {cfg} {mode}: {us:.2f} us ({t_bmm * 1e6 / us:.2f}x bmm, err {err:.1e}); "
+                          f"{ctas} CTAs on {mid['sms']} SMs (<= {mid['per_sm']}/SM); span {mid['span']:.2f}, "
+                          f"entry skew {mid['skew']:.2f}, last mainloop end {mid['last_main']:.2f}; median CTA: "
+                          f"init {mid['init']:.2f}, first stage {mid['first']:.2f}, mainloop {mid['main']:.2f}, "
+                          f"epilogue {mid['epi']:.2f}; gap to next launch {statistics.median(gaps):.2f}",
+                          flush=True)
+        ws = None
+
+
+if __name__ == "__main__":
+    main()
