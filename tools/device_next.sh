@@ -119,7 +119,10 @@
 #   phase 64: (eighteenth session) the engine's debug timeline: its GPU tests, the per-CTA trace of
 #            the shipped configs at T = 320 (full / mma_only / load_only) and T = 64 / 4096, then
 #            the issue's bench (the first GPU run of the c614d65 timing refactor).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..64)
+#   phase 65: 16-column epilogue subtiles (128x80 tiles, cuBLAS's G=8 R=512 T=320 tile): GPU tests,
+#            the graph edges of back-to-back bmm / wo_a (is cuBLAS launched programmatically?),
+#            the T = 320 traces with 128x80 pairs (raw traces under $OUT/traces).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..65)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -362,6 +365,12 @@ case "${1:-1}" in
   step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
+  ;;
+65)  # 128x80 tiles, graph edges, T = 320 traces
+  step 150 tests_16col $PYT tests/test_wo_a.py -m gpu -k "16_column or swap_ab_engine or timeline or bad_config"
+  step 60 graph_edges python tools/probe_graph_edges.py
+  step 200 timeline_320 env TS=320 MODES=full,load_only CONFIGS=swap:128x80:1x2:occ1,swap:128x80:2x1:occ1 \
+    OUT="$OUT" python tools/probe_wo_a_timeline.py
   ;;
 64)  # the debug timeline: tests, traces at T = 320 / 64 / 4096, the issue's bench
   step 90 timeline_tests $PYT tests/test_wo_a.py -m gpu -k "timeline"

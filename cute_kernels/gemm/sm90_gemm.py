@@ -56,7 +56,7 @@ reading) points; on the persistent pingpong pairs at T >= 1024 within +-10% eith
 slower on average.
 
 Constraints: A and B of one 16-bit type (bf16 / fp16) or 8-bit floats (e4m3 / e5m2), both
-K-major; ``tile_m`` in {64, 128}; ``tile_n`` a multiple of 32 in 32..256; 16-byte aligned
+K-major; ``tile_m`` in {64, 128}; ``tile_n`` a multiple of 16 in 32..256; 16-byte aligned
 TMA rows. Written for this project from the public CuTe DSL API (``cutlass.pipeline``,
 ``cutlass.utils.hopper_helpers``).
 
@@ -118,8 +118,8 @@ class Sm90Gemm:
                              f"tile_m={tile_m}, occupancy={occupancy}, pdl={pdl}")
         if sm_count < 1:
             raise ValueError(f"Sm90Gemm: sm_count must be >= 1, got {sm_count}")
-        if tile_n % 32 or not 32 <= tile_n <= 256:
-            raise ValueError(f"Sm90Gemm: tile_n must be a multiple of 32 in 32..256, got {tile_n}")
+        if tile_n % 16 or not 32 <= tile_n <= 256:
+            raise ValueError(f"Sm90Gemm: tile_n must be a multiple of 16 in 32..256, got {tile_n}")
         if any(c not in (1, 2) for c in cluster_mn):
             raise ValueError(f"Sm90Gemm: cluster_mn must be 1 or 2 per mode, got {cluster_mn}")
         if occupancy not in (1, 2):
@@ -131,6 +131,8 @@ class Sm90Gemm:
         if pdl_early_operand not in ("a", "b"):
             raise ValueError(f"Sm90Gemm: pdl_early_operand must be 'a' or 'b', got {pdl_early_operand!r}")
         self.tile_mn = (tile_m, tile_n)
+        # epilogue subtile width: EPI_N columns, 16 where the tile is an odd multiple of 16
+        self.epi_n = EPI_N if tile_n % EPI_N == 0 else 16
         self.cluster_mn = tuple(cluster_mn)
         self.pdl, self.pdl_early_a = pdl, pdl_early_operand == "a"
         self.occupancy = occupancy
@@ -155,7 +157,7 @@ class Sm90Gemm:
     def epilogue_bytes(self, c_width: int) -> int:
         """Shared memory of the pingpong warp groups' own epilogue subtiles (the cooperative
         epilogue reuses A's buffers: 0)."""
-        return 2 * PINGPONG_EPI_STAGES * self.tile_mn[0] * EPI_N * c_width // 8 if self.pingpong else 0
+        return 2 * PINGPONG_EPI_STAGES * self.tile_mn[0] * self.epi_n * c_width // 8 if self.pingpong else 0
 
     def stages_for(self, tile_k: int, ab_width: int, c_width: int = 16) -> int:
         """Operand stages that fit ``occupancy`` CTAs per SM (the cooperative epilogue reuses A's
@@ -196,8 +198,8 @@ class Sm90Gemm:
         if const_expr(self.stages < 2):
             raise ValueError(f"Sm90Gemm: a {tile_m}x{tile_n}x{tile_k} tile leaves {self.stages} operand stage(s) "
                              f"at occupancy {self.occupancy}; at least 2 are needed")
-        # EPI_N-column subtiles over the whole tile height (both warp groups' rows)
-        epi_tile = (tile_m, min(EPI_N, tile_n))
+        # epi_n-column subtiles over the whole tile height (both warp groups' rows)
+        epi_tile = (tile_m, self.epi_n)
         self.epi_tile = epi_tile
         sA_layout = sm90_utils.make_smem_layout_a(a_major, self.tile_mnk, self.a_dtype, self.stages)
         sB_layout = sm90_utils.make_smem_layout_b(b_major, self.tile_mnk, self.b_dtype, self.stages)
@@ -594,7 +596,7 @@ class Sm90Gemm:
     @cute.jit
     def store_tile(self, acc, tiled_mma, tma_c, sC, gC, tidx, store_warp, consumers: cutlass.Constexpr,
                    barrier_id, buf0, bufs: cutlass.Constexpr):
-        """Accumulators -> C's type -> EPI_N-column shared subtiles (buffers ``buf0 ..
+        """Accumulators -> C's type -> epi_n-column shared subtiles (buffers ``buf0 ..
         buf0 + bufs - 1`` of ``sC``) -> TMA stores issued by ``store_warp``; ``consumers``
         threads (``tidx`` among them) meet at named barrier ``barrier_id``."""
         c_major = self.c_major

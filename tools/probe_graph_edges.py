@@ -1,0 +1,81 @@
+"""Which launches of a captured CUDA graph overlap their predecessor (programmatic dependent
+launch): the edge types between the kernel nodes of back-to-back calls, as the benches capture
+them -- cuBLAS ``bmm`` alone (issue 4's baseline (b)) and WO-A with and without ``pdl``.
+
+    python tools/probe_graph_edges.py
+
+Prints, per graph, each kernel node's function name and each edge's type
+(``default`` = full serialization; ``programmatic`` = the next kernel may start once every
+CTA of the previous one has triggered or exited).
+"""
+import os
+import sys
+
+import cuda.bindings.driver as cu
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from bench_wo_a import bmm_only  # noqa: E402
+
+from cute_kernels.wo_a import wo_a  # noqa: E402
+
+
+def _ok(res):
+    err, *rest = res
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(err)
+    return rest[0] if len(rest) == 1 else rest
+
+
+def describe(name, launch, calls=3):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        launch()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        for _ in range(calls):
+            launch()
+    graph = cu.CUgraph(g.raw_cuda_graph())
+    nodes, n = _ok(cu.cuGraphGetNodes(graph, 64))
+    names = {}
+    for node in nodes[:n]:
+        kind = _ok(cu.cuGraphNodeGetType(node))
+        label = str(kind).split(".")[-1]
+        if kind == cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+            try:
+                params = _ok(cu.cuGraphKernelNodeGetParams(node))
+                grid = f"grid={params.gridDimX}x{params.gridDimY}x{params.gridDimZ}"
+                try:
+                    label = _ok(cu.cuFuncGetName(params.func))
+                    label = label.decode() if isinstance(label, bytes) else str(label)
+                except Exception:  # noqa: BLE001 - a library kernel (CUkernel) has no function name here
+                    label = "kernel"
+                label = f"{label[:70]} {grid}"
+            except Exception as e:  # noqa: BLE001
+                label = f"kernel ({e})"
+        names[int(node)] = label
+    frm, to, data, m = _ok(cu.cuGraphGetEdges(graph, 64))
+    print(f"{name}: {n} nodes, {m} edges", flush=True)
+    for node in nodes[:n]:
+        print(f"  node {int(node) & 0xffff:04x}: {names[int(node)]}")
+    for i in range(m):
+        kind = {0: "default", 1: "programmatic", 2: "launch-completion"}.get(int(data[i].type), int(data[i].type))
+        print(f"  edge {int(frm[i]) & 0xffff:04x} -> {int(to[i]) & 0xffff:04x}: {kind} "
+              f"(from port {int(data[i].from_port)}, to port {int(data[i].to_port)})")
+
+
+def main():
+    for G, R, Dg, T in [(8, 512, 2048, 320), (16, 1024, 1024, 320), (8, 512, 2048, 5)]:
+        o = torch.randn(T, G * 8, Dg // 8, device="cuda").bfloat16()
+        w = (torch.randn(G, R, Dg, device="cuda") / Dg**0.5).bfloat16()
+        y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
+        tag = f"G={G} R={R} Dg={Dg} T={T}"
+        describe(f"bmm alone, {tag}", lambda: bmm_only(o, w))
+        describe(f"wo_a, {tag}", lambda: wo_a(o, w, out=y))
+        describe(f"wo_a pdl, {tag}", lambda: wo_a(o, w, out=y, pdl=True))
+
+
+if __name__ == "__main__":
+    main()
