@@ -122,7 +122,9 @@
 #   phase 65: 16-column epilogue subtiles (128x80 tiles, cuBLAS's G=8 R=512 T=320 tile): GPU tests,
 #            the graph edges of back-to-back bmm / wo_a (is cuBLAS launched programmatically?),
 #            the T = 320 traces with 128x80 pairs (raw traces under $OUT/traces).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..65)
+#   phase 66: the graph edges of back-to-back bmm / wo_a, WO-A's GPU tests (the replay_fresh
+#            helper, the 16-column subtiles), the G=8 R=512 T = 320 trace kept whole.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..66)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -365,6 +367,12 @@ case "${1:-1}" in
   step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
+  ;;
+66)  # graph edges, WO-A's GPU tests, one raw trace
+  step 60 graph_edges python tools/probe_graph_edges.py
+  step 60 timeline_g8 env TS=320 SHAPES=8x512x2048 MODES=full,load_only,mma_only OUT="$OUT" \
+    python tools/probe_wo_a_timeline.py
+  step 360 wo_a_tests $PYT tests/test_wo_a.py -m gpu
   ;;
 65)  # 128x80 tiles, graph edges, T = 320 traces
   step 150 tests_16col $PYT tests/test_wo_a.py -m gpu -k "16_column or swap_ab_engine or timeline or bad_config"

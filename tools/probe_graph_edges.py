@@ -33,7 +33,7 @@ def describe(name, launch, calls=3):
     with torch.cuda.stream(s):
         launch()
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
+    g = torch.cuda.CUDAGraph(keep_graph=True)  # the cudaGraph_t stays readable
     with torch.cuda.graph(g, stream=s):
         for _ in range(calls):
             launch()

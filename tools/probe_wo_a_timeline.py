@@ -13,6 +13,7 @@ Each config also runs in two stripped modes, timed the same way:
     python tools/probe_wo_a_timeline.py
     env TS=320,4096 MODES=full,mma_only,load_only CONFIGS=default python tools/probe_wo_a_timeline.py
     env TS=320 CONFIGS=swap:128x80:1x2:occ1,swap:128x80:2x1:occ1 python tools/probe_wo_a_timeline.py
+    env TS=320 SHAPES=8x512x2048 MODES=full OUT=/tmp python tools/probe_wo_a_timeline.py
 
 Prints, per (shape, T, config, mode): us per call (graph replay of back-to-back launches
 with rotating weights, as the benches) next to cuBLAS ``bmm`` alone, and from the trace of
@@ -20,7 +21,7 @@ one of those launches (the median of the last ones): the span from the first CTA
 the last epilogue, the entry skew across CTAs, and the median CTA's phases (init, first
 stage, mainloop, epilogue) in us, with CTAs per SM; the gap from a launch's last epilogue to
 the next launch's first entry and the launch period. Full-mode output is checked against
-FP32. With ``OUT`` set, the raw traces go to ``$OUT/traces/*.pt``. ``%globaltimer`` ticks
+FP32. With ``OUT`` set, the raw traces go to ``$OUT/timeline_traces.pt`` (a dict). ``%globaltimer`` ticks
 in 256 ns steps on the H200 (phase 64), so the phases are +-0.26 us.
 """
 import os
@@ -116,10 +117,12 @@ def main():
     TS = [int(t) for t in os.environ.get("TS", "320").split(",")]
     MODES = os.environ.get("MODES", "full,mma_only,load_only").split(",")
     EXTRA = [c for c in os.environ.get("CONFIGS", "").split(",") if c and c != "default"]
-    if os.environ.get("OUT"):
-        os.makedirs(os.path.join(os.environ["OUT"], "traces"), exist_ok=True)
+    traces = {}
     gpu_warmup()
-    for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]:
+    shapes = [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]
+    if os.environ.get("SHAPES"):  # e.g. SHAPES=8x512x2048 (G x R x Dg)
+        shapes = [tuple(int(v) for v in sh.split("x")) for sh in os.environ["SHAPES"].split(",")]
+    for G, R, Dg in shapes:
         n = rotation_count(G * R * Dg * 2)
         ws = [(torch.randn(G, R, Dg, device="cuda") / Dg**0.5).bfloat16() for _ in range(n)]
         for T in TS:
@@ -187,10 +190,11 @@ def main():
                     # launch period inside the graph: first entry to the next launch's first entry
                     period = statistics.median((tls[r + 1, :ctas, 1].min() - tls[r, :ctas, 1].min()).item() / 1e3
                                                for r in range(reps // 2, reps - 1))
-                    if os.environ.get("OUT"):  # the raw traces, for a look at every CTA
+                    if os.environ.get("OUT"):  # the raw traces, for a look at every CTA: one file
                         name = (f"G{G}R{R}T{T}_{cfg['tile_m']}x{cfg['tile_n']}_c{cfg.get('cluster_m', 1)}x"
-                                f"{cfg.get('cluster_n', 1)}_{mode}.pt")
-                        torch.save(tls[:, :ctas].cpu(), os.path.join(os.environ["OUT"], "traces", name))
+                                f"{cfg.get('cluster_n', 1)}_{mode}")
+                        traces[name] = tls[:, :ctas].cpu()
+                        torch.save(traces, os.path.join(os.environ["OUT"], "timeline_traces.pt"))
                     print(f"  {cfg} {mode}: {us:.2f} us ({t_bmm * 1e6 / us:.2f}x bmm, err {err:.1e}); "
                           f"{ctas} CTAs on {mid['sms']} SMs (<= {mid['per_sm']}/SM); span {mid['span']:.2f}, "
                           f"entry skew {mid['skew']:.2f}, last mainloop end {mid['last_main']:.2f}; median CTA: "
