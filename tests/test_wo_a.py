@@ -113,6 +113,34 @@ def test_swap_ab_engine_matches_fp64(seed, tile, T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg, T", [(dict(tile_m=64, tile_n=160, cluster_m=2, swap_ab=True), 320),
+                                    (dict(tile_m=128, tile_n=160, cluster_n=2, swap_ab=True), 300),
+                                    (dict(tile_m=64, tile_n=64, cluster_n=2), 64),
+                                    (dict(tile_m=128, tile_n=256), 1100)])
+@pytest.mark.parametrize("hint", ["evict_first", "evict_last"])
+def test_engine_weight_l2_hint_matches_fp64(seed, cfg, T, hint):
+    """A cache hint on the weight loads (either operand, multicast or not) changes no result."""
+    check_engine(T, 8, 16, 128, 512, weight_l2_hint=hint, **cfg)
+
+
+@pytest.mark.parametrize("swap_ab, cluster", [(True, (2, 1)), (False, (1, 2))])
+def test_weight_l2_hint_machine_code(swap_ab, cluster):
+    """Only the weight operand's TMA loads carry a cache policy (``desc[UR..]``; a load
+    without one reads ``desc[URZ]``), and none does in the default build."""
+    import re
+
+    cfg = dict(G=8, R=512, Dg=2048, tile_m=64, tile_n=64 if not swap_ab else 160, cluster_m=cluster[0],
+               cluster_n=cluster[1], swap_ab=swap_ab)
+    plain = sass.disassemble(sass.compile_cubin("wo_a", "sm_90a", **cfg))
+    hinted = sass.disassemble(sass.compile_cubin("wo_a", "sm_90a", weight_l2_hint="evict_first", **cfg))
+    policy = lambda text: [("MULTICAST" in ln, "desc[URZ]" not in ln) for ln in text.splitlines()  # noqa: E731
+                           if re.search(r"UTMALDG", ln)]
+    assert policy(plain) and not any(p for _, p in policy(plain))
+    # the weights are the operand each CTA loads whole (the token tile is the one its pair shares)
+    assert policy(hinted) and all(p == (not mc) for mc, p in policy(hinted)), policy(hinted)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tile, cluster, swap_ab, T", [((128, 80), (1, 2), True, 320), ((128, 80), (2, 1), True, 333),
                                                       ((64, 112), (1, 1), False, 77)])
 def test_engine_16_column_subtiles_matches_fp64(seed, tile, cluster, swap_ab, T):
@@ -458,6 +486,7 @@ def test_wgmma_decode_kernel_needs_hopper_and_t_64():
     ("sm90", ((64, 256),), {"pingpong": True, "occupancy": 2}, "one persistent CTA per SM"),
     ("sm90", ((64, 256),), {"pingpong": True, "sm_count": 0}, "sm_count"),
     ("sm90", ((128, 128), (2, 1)), {"cluster_exit": "fence"}, "cluster_exit must be"),
+    ("sm90", ((128, 128),), {"l2_hint_b": "evict"}, "l2_hint_b must be None or one of"),
     ("sm100", ((64, 128),), {}, "tile_m must be 128"),
     ("sm100", ((128, 40),), {}, "tile_n must be a multiple of 32"),
 ])

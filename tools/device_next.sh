@@ -124,7 +124,9 @@
 #            the T = 320 traces with 128x80 pairs (raw traces under $OUT/traces).
 #   phase 66: the graph edges of back-to-back bmm / wo_a, WO-A's GPU tests (the replay_fresh
 #            helper, the 16-column subtiles), the G=8 R=512 T = 320 trace kept whole.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..66)
+#   phase 67: an evict_first L2 hint on the engine's weight loads: GPU tests, then the shipped
+#            configs with and without it at T = 64 / 320 / 4096 (timeline probe, full mode), twice.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..67)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -367,6 +369,12 @@ case "${1:-1}" in
   step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
+  ;;
+67)  # evict_first on the weights: tests, the shipped configs with / without it, twice
+  step 120 hint_tests $PYT tests/test_wo_a.py -m gpu -k "l2_hint or bad_config"
+  for r in 1 2; do
+    step 200 hints_$r env TS=64,320,4096 MODES=full HINTS=evict_first python tools/probe_wo_a_timeline.py
+  done
   ;;
 66)  # graph edges, WO-A's GPU tests, one raw trace
   step 60 graph_edges python tools/probe_graph_edges.py

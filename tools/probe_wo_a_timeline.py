@@ -14,6 +14,7 @@ Each config also runs in two stripped modes, timed the same way:
     env TS=320,4096 MODES=full,mma_only,load_only CONFIGS=default python tools/probe_wo_a_timeline.py
     env TS=320 CONFIGS=swap:128x80:1x2:occ1,swap:128x80:2x1:occ1 python tools/probe_wo_a_timeline.py
     env TS=320 SHAPES=8x512x2048 MODES=full OUT=/tmp python tools/probe_wo_a_timeline.py
+    env TS=64,320,4096 MODES=full HINTS=evict_first python tools/probe_wo_a_timeline.py
 
 Prints, per (shape, T, config, mode): us per call (graph replay of back-to-back launches
 with rotating weights, as the benches) next to cuBLAS ``bmm`` alone, and from the trace of
@@ -65,9 +66,9 @@ class Sm90GemmProbe(Sm90Gemm):
             if const_expr(acquire):
                 ab_pipe.producer_acquire(state)
             bar = ab_pipe.producer_get_barrier(state)
-            for name, (atom, tXgX, tXsX, mask) in zip("ab", loads):
+            for name, (atom, tXgX, tXsX, mask), hint in zip("ab", loads, self.l2_hints):
                 if const_expr(name in operands):
-                    cute.copy(atom, tXgX[(None, kt)], tXsX[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mask)
+                    self.tma_load(atom, tXgX[(None, kt)], tXsX[(None, state.index)], bar, mask, hint)
 
     @cute.jit
     def mma_k_tile(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks: cutlass.Constexpr,
@@ -94,7 +95,7 @@ class WoATimeline(WoASm90Traced):
 def compile_probe(G, R, Dg, cfg, mode, arch="sm_90a"):
     obj = WoATimeline(G, R, Dg, (cfg["tile_m"], cfg["tile_n"]), (cfg.get("cluster_m", 1), cfg.get("cluster_n", 1)),
                       False, cfg.get("swap_ab", False), cfg.get("occupancy", 1), False, cfg.get("cluster_exit"),
-                      mode=mode)
+                      cfg.get("weight_l2_hint"), mode=mode)
     P = jit.fake_gmem_ptr
     return cute.compile(obj, P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.Int64, 8),
                         Int32(1), jit.fake_stream(), options=jit.default_options(arch))
@@ -116,6 +117,7 @@ def summarize(tl: torch.Tensor, ctas: int) -> dict:
 def main():
     TS = [int(t) for t in os.environ.get("TS", "320").split(",")]
     MODES = os.environ.get("MODES", "full,mma_only,load_only").split(",")
+    HINTS = [h for h in os.environ.get("HINTS", "").split(",") if h]
     EXTRA = [c for c in os.environ.get("CONFIGS", "").split(",") if c and c != "default"]
     traces = {}
     gpu_warmup()
@@ -137,6 +139,8 @@ def main():
                 cm, cn = (int(v) for v in cl.split("x"))
                 cfgs.append(dict(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, swap_ab=sw == "swap",
                                  occupancy=int(occ[3:])))
+            # each config also with the weight loads' L2 hints in HINTS (e.g. HINTS=evict_first)
+            cfgs += [dict(c, weight_l2_hint=h) for h in HINTS for c in list(cfgs)]
             print(f"T={T} G={G} R={R} Dg={Dg}: bmm alone {t_bmm * 1e6:.2f} us", flush=True)
             for cfg in cfgs:
                 if cfg.get("pingpong"):
@@ -192,7 +196,7 @@ def main():
                                                for r in range(reps // 2, reps - 1))
                     if os.environ.get("OUT"):  # the raw traces, for a look at every CTA: one file
                         name = (f"G{G}R{R}T{T}_{cfg['tile_m']}x{cfg['tile_n']}_c{cfg.get('cluster_m', 1)}x"
-                                f"{cfg.get('cluster_n', 1)}_{mode}")
+                                f"{cfg.get('cluster_n', 1)}_{cfg.get('weight_l2_hint') or 'nohint'}_{mode}")
                         traces[name] = tls[:, :ctas].cpu()
                         torch.save(traces, os.path.join(os.environ["OUT"], "timeline_traces.pt"))
                     print(f"  {cfg} {mode}: {us:.2f} us ({t_bmm * 1e6 / us:.2f}x bmm, err {err:.1e}); "

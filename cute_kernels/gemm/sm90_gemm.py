@@ -43,6 +43,7 @@ Options (compile time): ``cluster_mn`` (1 or 2 per mode: TMA multicast of shared
 the one the previous kernel does not write, load before ``griddepcontrol.wait``);
 ``occupancy`` (CTAs per SM that the stage count, and for 128-row tiles the warp count, leave
 room for); ``pingpong`` with ``sm_count`` (64-row tiles, one CTA per SM, no PDL);
+``l2_hint_a`` / ``l2_hint_b`` (an :data:`L2_HINTS` cache hint on that operand's TMA loads);
 ``cluster_exit``, how a clustered CTA outlives its peers' arrivals on its barriers:
 ``"barrier"`` (every thread meets the cluster at a ``barrier.cluster`` arrive / wait around
 the epilogue) or ``"producer_tail"`` (the producer -- warp 0 with ``inline_producer``, after
@@ -93,6 +94,11 @@ EPI_N = 32
 #: named barriers: 1 the cooperative epilogue; pingpong: 2 + w "warp group w may start its
 #: mainloop", 4 + w warp group w's epilogue
 ORDER_BARRIER, PINGPONG_EPI_BARRIER = 2, 4
+#: TMA loads' L2 cache hints (``createpolicy``-format 64-bit policies, as CUTLASS's
+#: ``CacheHintSm90``): ``evict_first`` for an operand streamed once (weights), so it does not
+#: push the re-read one out of L2
+L2_HINTS = {"evict_first": 0x12F0000000000000, "evict_normal": 0x1000000000000000,
+            "evict_last": 0x14F0000000000000}
 #: M tiles per raster group (L2 reuse of the B tiles across concurrent CTAs)
 RASTER_GROUP_M = 8
 #: the debug timeline's slots (``timeline``): the CTA's SM, then ``%globaltimer`` at kernel
@@ -109,7 +115,8 @@ class Sm90Gemm:
 
     def __init__(self, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1), *, pdl: bool = False,
                  pdl_early_operand: str = "b", occupancy: int = 1, pingpong: bool = False,
-                 sm_count: int = 132, acc_dtype=Float32, cluster_exit: str | None = None):
+                 sm_count: int = 132, acc_dtype=Float32, cluster_exit: str | None = None,
+                 l2_hint_a: str | None = None, l2_hint_b: str | None = None):
         tile_m, tile_n = tile_mn
         if tile_m not in (64, 128):
             raise ValueError(f"Sm90Gemm: tile_m must be 64 or 128, got {tile_m}")
@@ -128,6 +135,10 @@ class Sm90Gemm:
             cluster_exit = "barrier" if pingpong else "producer_tail"
         if cluster_exit not in ("barrier", "producer_tail"):
             raise ValueError(f"Sm90Gemm: cluster_exit must be 'barrier' or 'producer_tail', got {cluster_exit!r}")
+        for name, hint in (("l2_hint_a", l2_hint_a), ("l2_hint_b", l2_hint_b)):
+            if hint is not None and hint not in L2_HINTS:
+                raise ValueError(f"Sm90Gemm: {name} must be None or one of {sorted(L2_HINTS)}, got {hint!r}")
+        self.l2_hints = (l2_hint_a, l2_hint_b)
         if pdl_early_operand not in ("a", "b"):
             raise ValueError(f"Sm90Gemm: pdl_early_operand must be 'a' or 'b', got {pdl_early_operand!r}")
         self.tile_mn = (tile_m, tile_n)
@@ -494,6 +505,14 @@ class Sm90Gemm:
         return (tma_a, tAgA, tAsA, a_mask), (tma_b, tBgB, tBsB, b_mask)
 
     @cute.jit
+    def tma_load(self, atom, src, dst, bar, mask, hint: cutlass.Constexpr):
+        """One TMA load of an operand k-tile, with the operand's L2 cache hint if it has one."""
+        if const_expr(hint is None):
+            cute.copy(atom, src, dst, tma_bar_ptr=bar, mcast_mask=mask)
+        else:
+            cute.copy(atom, src, dst, tma_bar_ptr=bar, mcast_mask=mask, cache_policy=cutlass.Int64(L2_HINTS[hint]))
+
+    @cute.jit
     def load_k_tile(self, ab_pipe, loads, kt, operands: cutlass.Constexpr = "ab", acquire: cutlass.Constexpr = True,
                     base=None):
         """Issue k-tile ``kt``'s loads into stage ``kt % stages`` (after its buffer is free).
@@ -507,9 +526,9 @@ class Sm90Gemm:
             # waits for the empty barrier, then expects the stage's A + B bytes on the full one
             ab_pipe.producer_acquire(state)
         bar = ab_pipe.producer_get_barrier(state)
-        for name, (atom, tXgX, tXsX, mask) in zip("ab", loads):
+        for name, (atom, tXgX, tXsX, mask), hint in zip("ab", loads, self.l2_hints):
             if const_expr(name in operands):
-                cute.copy(atom, tXgX[(None, kt)], tXsX[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mask)
+                self.tma_load(atom, tXgX[(None, kt)], tXsX[(None, state.index)], bar, mask, hint)
 
     @cute.jit
     def load_prologue(self, ab_pipe, loads, k_tiles):
