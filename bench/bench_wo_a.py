@@ -90,6 +90,8 @@ def main():
                 tile = f"swapped (R x T) {tile} cluster {cfg.get('cluster_m', 1)}x{cfg.get('cluster_n', 1)}"
                 if cfg.get("occupancy", 1) > 1:
                     tile += f", {cfg['occupancy']} CTAs/SM"
+            if cfg.get("weight_l2_hint"):
+                tile += f", weights {cfg['weight_l2_hint']}"
             if use_decode_kernel(T, None, "sm90", G, R, Dg) and decode_kernel_kind(T, None, "sm90", G, R, Dg) == "mma":
                 d = decode_plan(T, G, R, Dg)
                 tile = f"decode {d['bm']}x{d['bn']}, {d['splits']} split(s), {d['stages']} stages"

@@ -133,7 +133,22 @@ class WoASm90(WoAGemm):
         :meth:`tile_for` over (T, R): at T >= 1024 neither two CTAs per SM (128x128, 64x256)
         nor swapped operands nor clusters nor a persistent tile loop beat 128x256 reproducibly
         (tenth session, on the vendored engine; CTA pairs on the project's engine at T = 16384:
-        0.99-1.01x but for one 1.08x reading, eleventh session)."""
+        0.99-1.01x but for one 1.08x reading, eleventh session).
+
+        At 32 < T <= 512 the weight loads carry an ``evict_first`` L2 hint: the weights are
+        streamed once, the token tiles re-read by every R tile -- without the hint the weight
+        stream pushes them out of L2 (G = 16: 33.5 MB of weights). H200, tools/probe_wo_a_timeline.py
+        twice (bench/RESULTS.md, eighteenth session): T = 320 G=16 R=512 22.4 / 21.9 -> 18.5 /
+        18.0 us, G=16 R=1024 22.0 / 21.7 -> 18.9 / 18.7, T = 64 G=16 4-7% faster; the G = 8
+        shapes -2..+4%; neutral on the 128x256 tile at T = 4096, so not used above 512."""
+        cfg = WoASm90._tile_config(T, G, R, Dg, pdl)
+        if 32 < T <= WoASm90.SWAP_AB_T[1]:
+            cfg["weight_l2_hint"] = "evict_first"
+        return cfg
+
+    @staticmethod
+    def _tile_config(T: int, G: int, R: int, Dg: int | None, pdl: bool) -> dict:
+        """:meth:`config_for`'s tile, cluster, operand order and schedule."""
         lo, hi = WoASm90.SWAP_AB_T
         if 32 < T <= lo and G * (R // 64) < WoASm90.NUM_SMS // 2:
             # 64-row weight tiles alone leave most SMs idle (G=8 R=512: 64): two 32-token tiles

@@ -393,8 +393,9 @@ def _traced_build(cfg, dump_dir=None):
     from cute_kernels import jit
     from cute_kernels.wo_a_sm90 import WoASm90Traced
 
-    obj = WoASm90Traced(8, 512, 2048, (cfg["tile_m"], cfg["tile_n"]), (cfg.get("cluster_m", 1), cfg.get("cluster_n", 1)),
-                        False, cfg.get("swap_ab", False), cfg.get("occupancy", 1))
+    obj = WoASm90Traced(8, 512, 2048, (cfg["tile_m"], cfg["tile_n"]),
+                        (cfg.get("cluster_m", 1), cfg.get("cluster_n", 1)), False, cfg.get("swap_ab", False),
+                        cfg.get("occupancy", 1), False, None, cfg.get("weight_l2_hint"))
     P = jit.fake_gmem_ptr
     return cute.compile(obj, P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.Int64, 8),
                         cutlass.Int32(1), jit.fake_stream(),
@@ -529,18 +530,23 @@ def test_tile_heuristics():
 
 
 def test_launch_configs():
-    """wo_a()'s configs: swapped operands with token tiles matched to T at 64 < T <= 512."""
-    assert WoASm90.config_for(64, 16, 1024) == dict(tile_m=64, tile_n=128, cluster_n=2)  # pairs along R
+    """wo_a()'s configs: swapped operands with token tiles matched to T at 64 < T <= 512, the
+    weights' evict_first L2 hint at 32 < T <= 512."""
+    ef = dict(weight_l2_hint="evict_first")
+    assert WoASm90.config_for(64, 16, 1024) == dict(tile_m=64, tile_n=128, cluster_n=2, **ef)  # pairs along R
     # 2 tiles; 256 CTAs: two per SM
-    assert WoASm90.config_for(320, 16, 1024) == dict(tile_m=128, tile_n=160, cluster_m=2, swap_ab=True, occupancy=2)
+    assert WoASm90.config_for(320, 16, 1024) == dict(tile_m=128, tile_n=160, cluster_m=2, swap_ab=True, occupancy=2,
+                                                     **ef)
     # 128 CTAs in pairs along T sharing each weight tile (two 160-token tiles)
-    assert WoASm90.config_for(320, 8, 1024) == dict(tile_m=128, tile_n=160, cluster_m=1, cluster_n=2, swap_ab=True)
-    assert WoASm90.config_for(320, 16, 512) == dict(tile_m=128, tile_n=160, cluster_m=1, cluster_n=2, swap_ab=True)
-    assert WoASm90.config_for(384, 16, 1024) == dict(tile_m=128, tile_n=192, cluster_m=2, swap_ab=True)  # registers
-    assert WoASm90.config_for(320, 8, 512) == dict(tile_m=64, tile_n=160, cluster_m=2, swap_ab=True)  # 128 CTAs
-    assert WoASm90.config_for(77, 16, 1024) == dict(tile_m=128, tile_n=96, cluster_m=2, swap_ab=True)
-    assert WoASm90.config_for(200, 8, 512) == dict(tile_m=64, tile_n=128, cluster_m=2, swap_ab=True)  # 128 CTAs
-    assert WoASm90.config_for(96, 8, 512) == dict(tile_m=64, tile_n=96, cluster_m=2, swap_ab=True)  # not 2x64
+    pairs_along_t = dict(tile_m=128, tile_n=160, cluster_m=1, cluster_n=2, swap_ab=True, **ef)
+    assert WoASm90.config_for(320, 8, 1024) == pairs_along_t
+    assert WoASm90.config_for(320, 16, 512) == pairs_along_t
+    # registers: no second CTA per SM
+    assert WoASm90.config_for(384, 16, 1024) == dict(tile_m=128, tile_n=192, cluster_m=2, swap_ab=True, **ef)
+    assert WoASm90.config_for(320, 8, 512) == dict(tile_m=64, tile_n=160, cluster_m=2, swap_ab=True, **ef)  # 128 CTAs
+    assert WoASm90.config_for(77, 16, 1024) == dict(tile_m=128, tile_n=96, cluster_m=2, swap_ab=True, **ef)
+    assert WoASm90.config_for(200, 8, 512) == dict(tile_m=64, tile_n=128, cluster_m=2, swap_ab=True, **ef)  # 128 CTAs
+    assert WoASm90.config_for(96, 8, 512) == dict(tile_m=64, tile_n=96, cluster_m=2, swap_ab=True, **ef)  # not 2x64
     assert WoASm90.config_for(513, 16, 1024) == dict(tile_m=128, tile_n=256)
     # large T: pingpong CTA pairs where K is short (Dg <= 1024) or T >= 8192, not under PDL
     pingpong = dict(tile_m=64, tile_n=256, cluster_m=2, pingpong=True)
@@ -705,11 +711,12 @@ def test_engine_config_at_33_to_64_tokens():
     """Where 64-row weight tiles leave most SMs idle (G=8 R=512), 32 < T <= 64 runs swapped
     64 x 32 tiles in CTA pairs along T sharing each weight tile; elsewhere 64-row (T, R) tiles in
     CTA pairs along R sharing the token tile."""
+    ef = dict(weight_l2_hint="evict_first")
     for T in (33, 41, 64):
-        assert WoASm90.config_for(T, 8, 512, 2048) == dict(tile_m=64, tile_n=32, cluster_n=2, swap_ab=True)
-        assert WoASm90.config_for(T, 16, 512, 2048) == dict(tile_m=64, tile_n=64, cluster_n=2)
-        assert WoASm90.config_for(T, 8, 1024, 1024) == dict(tile_m=64, tile_n=64, cluster_n=2)
-        assert WoASm90.config_for(T, 16, 1024, 1024) == dict(tile_m=64, tile_n=128, cluster_n=2)
+        assert WoASm90.config_for(T, 8, 512, 2048) == dict(tile_m=64, tile_n=32, cluster_n=2, swap_ab=True, **ef)
+        assert WoASm90.config_for(T, 16, 512, 2048) == dict(tile_m=64, tile_n=64, cluster_n=2, **ef)
+        assert WoASm90.config_for(T, 8, 1024, 1024) == dict(tile_m=64, tile_n=64, cluster_n=2, **ef)
+        assert WoASm90.config_for(T, 16, 1024, 1024) == dict(tile_m=64, tile_n=128, cluster_n=2, **ef)
     assert WoASm90.config_for(32, 8, 512, 2048) == dict(tile_m=64, tile_n=64)  # one token tile: no pair
     assert WoASm90.config_for(32, 16, 512, 2048) == dict(tile_m=64, tile_n=64)  # not measured below 33
 

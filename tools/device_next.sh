@@ -126,7 +126,9 @@
 #            helper, the 16-column subtiles), the G=8 R=512 T = 320 trace kept whole.
 #   phase 67: an evict_first L2 hint on the engine's weight loads: GPU tests, then the shipped
 #            configs with and without it at T = 64 / 320 / 4096 (timeline probe, full mode), twice.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..67)
+#   phase 68: evict_first on the weights adopted at 32 < T <= 512: WO-A's GPU tests, the issue's
+#            bench, the decode runtime's GPU tests.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..68)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -369,6 +371,11 @@ case "${1:-1}" in
   step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
+  ;;
+68)  # evict_first adopted: tests, the issue's bench, the runtime's GPU tests
+  step 240 wo_a_tests $PYT tests/test_wo_a.py -m gpu
+  step 150 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
+  step 150 spec_tests $PYT tests/test_spec_decode.py -m gpu
   ;;
 67)  # evict_first on the weights: tests, the shipped configs with / without it, twice
   step 120 hint_tests $PYT tests/test_wo_a.py -m gpu -k "l2_hint or bad_config"

@@ -85,7 +85,9 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
                 continue
             fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, cluster_m=cm,
                                 cluster_n=cn, swap_ab=swap, occupancy=occ, **({"pingpong": True} if pp else {}),
-                                **({"cluster_exit": ex} if ex != "default" else {}))
+                                **({"cluster_exit": ex} if ex != "default" else {}),
+                                # every config with the weight loads' L2 hint wo_a() uses at this T
+                                **({"weight_l2_hint": cfg["weight_l2_hint"]} if cfg.get("weight_l2_hint") else {}))
 
             def call(i, fn=fn):
                 fn(jit.gmem_ptr(cutlass.BFloat16, o), jit.gmem_ptr(cutlass.BFloat16, ws[i]),
