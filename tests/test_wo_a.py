@@ -113,6 +113,24 @@ def test_swap_ab_engine_matches_fp64(seed, tile, T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg, T", [(dict(tile_m=256, tile_n=128), 1100),
+                                    (dict(tile_m=256, tile_n=128, cluster_m=2), 777),
+                                    (dict(tile_m=256, tile_n=128, swap_ab=True, cluster_n=2), 1100),
+                                    (dict(tile_m=256, tile_n=96, swap_ab=True), 333)])
+def test_engine_256_row_tiles_matches_fp64(seed, cfg, T):
+    """256-row tiles (each consumer warp group two 64-row MMA blocks, the epilogue's subtiles
+    block-major): partial last tiles, CTA pairs either way, N- and M-major C."""
+    check_engine(T, 8, 16, 128, 512, **cfg)
+
+
+@pytest.mark.parametrize("cfg", [dict(tile_m=256, tile_n=128), dict(tile_m=256, tile_n=128, swap_ab=True, cluster_n=2)])
+def test_engine_256_row_tiles_machine_code(cfg):
+    """Two m64n128 wgmmas per k-step and warp group, no spills."""
+    h = sass.sass_histogram("wo_a", "sm_90a", G=8, R=512, Dg=2048, **cfg)
+    assert sass.count(h, "HGMMA.64x128x16.F32.BF16") >= 8 and sass.local_memory_ops(h) == 0, h
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cfg, T", [(dict(tile_m=64, tile_n=160, cluster_m=2, swap_ab=True), 320),
                                     (dict(tile_m=128, tile_n=160, cluster_n=2, swap_ab=True), 300),
                                     (dict(tile_m=64, tile_n=64, cluster_n=2), 64),
@@ -476,7 +494,9 @@ def test_wgmma_decode_kernel_needs_hopper_and_t_64():
 
 
 @pytest.mark.parametrize("engine, args, kwargs, words", [
-    ("sm90", ((96, 128),), {}, "tile_m must be 64 or 128"),
+    ("sm90", ((96, 128),), {}, "tile_m must be 64, 128 or 256"),
+    ("sm90", ((256, 160),), {}, "256-row tiles take tile_n <= 128"),
+    ("sm90", ((256, 128),), {"occupancy": 2}, "256-row tiles take tile_n <= 128"),
     ("sm90", ((128, 40),), {}, "tile_n must be a multiple of 16"),
     ("sm90", ((128, 288),), {}, "tile_n must be a multiple of 16"),
     ("sm90", ((128, 128), (4, 1)), {}, "cluster_mn must be 1 or 2"),

@@ -128,7 +128,9 @@
 #            configs with and without it at T = 64 / 320 / 4096 (timeline probe, full mode), twice.
 #   phase 68: evict_first on the weights adopted at 32 < T <= 512: WO-A's GPU tests, the issue's
 #            bench, the decode runtime's GPU tests.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..68)
+#   phase 69: 256-row tiles (cuBLAS's 256x128 at T >= 1024): GPU tests, then against the shipped
+#            configs at T = 1024 / 4096 / 16384 for the Dg = 2048 shapes (timeline probe).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..69)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -371,6 +373,11 @@ case "${1:-1}" in
   step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
+  ;;
+69)  # 256-row tiles: tests, probe at large T
+  step 90 tests_256 $PYT tests/test_wo_a.py -m gpu -k "256_row"
+  step 300 probe_256 env SHAPES=8x512x2048,16x512x2048 TS=1024,4096,16384 MODES=full \
+    CONFIGS=noswap:256x128:1x1:occ1,noswap:256x128:2x1:occ1,swap:256x128:1x2:occ1 python tools/probe_wo_a_timeline.py
   ;;
 68)  # evict_first adopted: tests, the issue's bench, the runtime's GPU tests
   step 240 wo_a_tests $PYT tests/test_wo_a.py -m gpu

@@ -8,8 +8,9 @@ N- or M-major), so callers hand it strided views of their own buffers --
 :mod:`cute_kernels.wo_a_sm90` writes token-major WO-A output through a (T, R, G) view.
 
 One CTA per output tile (``tile_m`` x ``tile_n``, batch ``l`` = blockIdx.z): ``tile_m / 64``
-consumer warp groups and one producer warp (none for 128-row tiles at two CTAs per SM: warp 0
-then issues the loads between its MMAs, ``inline_producer``).
+consumer warp groups (two for 256-row tiles, each then owning two 64-row MMA blocks) and one
+producer warp (none for 128-row tiles at two CTAs per SM: warp 0 then issues the loads
+between its MMAs, ``inline_producer``).
 
 - the producer warp issues the TMA loads of A and B k-tiles into ``stages`` shared-memory
   buffers, each guarded by a full / empty mbarrier pair
@@ -57,7 +58,7 @@ reading) points; on the persistent pingpong pairs at T >= 1024 within +-10% eith
 slower on average.
 
 Constraints: A and B of one 16-bit type (bf16 / fp16) or 8-bit floats (e4m3 / e5m2), both
-K-major; ``tile_m`` in {64, 128}; ``tile_n`` a multiple of 16 in 32..256; 16-byte aligned
+K-major; ``tile_m`` in {64, 128, 256} (256: ``tile_n`` <= 128); ``tile_n`` a multiple of 16 in 32..256; 16-byte aligned
 TMA rows. Written for this project from the public CuTe DSL API (``cutlass.pipeline``,
 ``cutlass.utils.hopper_helpers``).
 
@@ -118,8 +119,12 @@ class Sm90Gemm:
                  sm_count: int = 132, acc_dtype=Float32, cluster_exit: str | None = None,
                  l2_hint_a: str | None = None, l2_hint_b: str | None = None):
         tile_m, tile_n = tile_mn
-        if tile_m not in (64, 128):
-            raise ValueError(f"Sm90Gemm: tile_m must be 64 or 128, got {tile_m}")
+        if tile_m not in (64, 128, 256):
+            raise ValueError(f"Sm90Gemm: tile_m must be 64, 128 or 256, got {tile_m}")
+        if tile_m == 256 and (tile_n > 128 or occupancy != 1):
+            # 2 x 64 x tile_n accumulators a thread: wider tiles spill (256 x 160: 680 local-memory ops)
+            raise ValueError(f"Sm90Gemm: 256-row tiles take tile_n <= 128 at one CTA per SM, got tile_n={tile_n}, "
+                             f"occupancy={occupancy}")
         if pingpong and (tile_m != 64 or occupancy != 1 or pdl):
             raise ValueError(f"Sm90Gemm: pingpong runs 64-row tiles, one persistent CTA per SM, without PDL; got "
                              f"tile_m={tile_m}, occupancy={occupancy}, pdl={pdl}")
@@ -149,7 +154,7 @@ class Sm90Gemm:
         self.occupancy = occupancy
         self.cluster_exit = cluster_exit
         self.acc_dtype = acc_dtype
-        self.consumer_wgs = tile_m // 64
+        self.consumer_wgs = min(tile_m // 64, 2)
         # A producer warp after the consumer warp groups (no setmaxnreg: a producer warp group
         # would starve the consumers at two CTAs per SM) -- except for 128-row tiles at two
         # CTAs per SM: an SM sub-partition's 16K registers then hold at most 4 warps of a
@@ -210,7 +215,9 @@ class Sm90Gemm:
             raise ValueError(f"Sm90Gemm: a {tile_m}x{tile_n}x{tile_k} tile leaves {self.stages} operand stage(s) "
                              f"at occupancy {self.occupancy}; at least 2 are needed")
         # epi_n-column subtiles over the whole tile height (both warp groups' rows)
-        epi_tile = (tile_m, self.epi_n)
+        # (a 256-row tile: the two warp groups' 128-row MMA block twice; its subtiles run
+        # block-major, the order of the accumulator fragment's (MMA, MMA_M) modes)
+        epi_tile = (min(tile_m, 128), self.epi_n)
         self.epi_tile = epi_tile
         sA_layout = sm90_utils.make_smem_layout_a(a_major, self.tile_mnk, self.a_dtype, self.stages)
         sB_layout = sm90_utils.make_smem_layout_b(b_major, self.tile_mnk, self.b_dtype, self.stages)
