@@ -119,7 +119,8 @@
 #   phase 64: (eighteenth session) the engine's debug timeline: its GPU tests, the per-CTA trace of
 #            the shipped configs at T = 320 (full / mma_only / load_only) and T = 64 / 4096, then
 #            the bench (the first GPU run of the c614d65 timing refactor).
-#   phase 65: 16-column epilogue subtiles (128x80 tiles, cuBLAS's G=8 R=512 T=320 tile): GPU tests,
+#   phase 65: (the 16-column subtiles: commit 6e71e4a, removed after phase 69: 128x80 tied 64x160)
+#            16-column epilogue subtiles (128x80 tiles, cuBLAS's G=8 R=512 T=320 tile): GPU tests,
 #            the graph edges of back-to-back bmm / wo_a (is cuBLAS launched programmatically?),
 #            the T = 320 traces with 128x80 pairs (raw traces under $OUT/traces).
 #   phase 66: the graph edges of back-to-back bmm / wo_a, WO-A's GPU tests (the replay_fresh
@@ -128,8 +129,8 @@
 #            configs with and without it at T = 64 / 320 / 4096 (timeline probe, full mode), twice.
 #   phase 68: evict_first on the weights adopted at 32 < T <= 512: WO-A's GPU tests, the issue's
 #            bench, the decode runtime's GPU tests.
-#   phase 69: 256-row tiles (cuBLAS's 256x128 at T >= 1024): GPU tests, then against the shipped
-#            configs at T = 1024 / 4096 / 16384 for the Dg = 2048 shapes (timeline probe).
+#   phase 69: (commit 991892f, reverted after it) 256-row tiles (cuBLAS's 256x128 at T >= 1024):
+#            4 GPU tests passed; within +-3% of the shipped 128x256 at T = 1024 / 4096 (probe).
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..69)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's

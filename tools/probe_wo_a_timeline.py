@@ -12,7 +12,7 @@ Each config also runs in two stripped modes, timed the same way:
 
     python tools/probe_wo_a_timeline.py
     env TS=320,4096 MODES=full,mma_only,load_only CONFIGS=default python tools/probe_wo_a_timeline.py
-    env TS=320 CONFIGS=swap:128x80:1x2:occ1,swap:128x80:2x1:occ1 python tools/probe_wo_a_timeline.py
+    env TS=320 CONFIGS=swap:128x160:1x2:occ1,swap:64x160:1x2:occ1 python tools/probe_wo_a_timeline.py
     env TS=320 SHAPES=8x512x2048 MODES=full OUT=/tmp python tools/probe_wo_a_timeline.py
     env TS=64,320,4096 MODES=full HINTS=evict_first python tools/probe_wo_a_timeline.py
 

@@ -8,9 +8,8 @@ N- or M-major), so callers hand it strided views of their own buffers --
 :mod:`cute_kernels.wo_a_sm90` writes token-major WO-A output through a (T, R, G) view.
 
 One CTA per output tile (``tile_m`` x ``tile_n``, batch ``l`` = blockIdx.z): ``tile_m / 64``
-consumer warp groups (two for 256-row tiles, each then owning two 64-row MMA blocks) and one
-producer warp (none for 128-row tiles at two CTAs per SM: warp 0 then issues the loads
-between its MMAs, ``inline_producer``).
+consumer warp groups and one producer warp (none for 128-row tiles at two CTAs per SM: warp 0
+then issues the loads between its MMAs, ``inline_producer``).
 
 - the producer warp issues the TMA loads of A and B k-tiles into ``stages`` shared-memory
   buffers, each guarded by a full / empty mbarrier pair
@@ -58,7 +57,7 @@ reading) points; on the persistent pingpong pairs at T >= 1024 within +-10% eith
 slower on average.
 
 Constraints: A and B of one 16-bit type (bf16 / fp16) or 8-bit floats (e4m3 / e5m2), both
-K-major; ``tile_m`` in {64, 128, 256} (256: ``tile_n`` <= 128); ``tile_n`` a multiple of 16 in 32..256; 16-byte aligned
+K-major; ``tile_m`` in {64, 128}; ``tile_n`` a multiple of 32 in 32..256; 16-byte aligned
 TMA rows. Written for this project from the public CuTe DSL API (``cutlass.pipeline``,
 ``cutlass.utils.hopper_helpers``).
 
@@ -119,19 +118,15 @@ class Sm90Gemm:
                  sm_count: int = 132, acc_dtype=Float32, cluster_exit: str | None = None,
                  l2_hint_a: str | None = None, l2_hint_b: str | None = None):
         tile_m, tile_n = tile_mn
-        if tile_m not in (64, 128, 256):
-            raise ValueError(f"Sm90Gemm: tile_m must be 64, 128 or 256, got {tile_m}")
-        if tile_m == 256 and (tile_n > 128 or occupancy != 1):
-            # 2 x 64 x tile_n accumulators a thread: wider tiles spill (256 x 160: 680 local-memory ops)
-            raise ValueError(f"Sm90Gemm: 256-row tiles take tile_n <= 128 at one CTA per SM, got tile_n={tile_n}, "
-                             f"occupancy={occupancy}")
+        if tile_m not in (64, 128):
+            raise ValueError(f"Sm90Gemm: tile_m must be 64 or 128, got {tile_m}")
         if pingpong and (tile_m != 64 or occupancy != 1 or pdl):
             raise ValueError(f"Sm90Gemm: pingpong runs 64-row tiles, one persistent CTA per SM, without PDL; got "
                              f"tile_m={tile_m}, occupancy={occupancy}, pdl={pdl}")
         if sm_count < 1:
             raise ValueError(f"Sm90Gemm: sm_count must be >= 1, got {sm_count}")
-        if tile_n % 16 or not 32 <= tile_n <= 256:
-            raise ValueError(f"Sm90Gemm: tile_n must be a multiple of 16 in 32..256, got {tile_n}")
+        if tile_n % 32 or not 32 <= tile_n <= 256:
+            raise ValueError(f"Sm90Gemm: tile_n must be a multiple of 32 in 32..256, got {tile_n}")
         if any(c not in (1, 2) for c in cluster_mn):
             raise ValueError(f"Sm90Gemm: cluster_mn must be 1 or 2 per mode, got {cluster_mn}")
         if occupancy not in (1, 2):
@@ -147,14 +142,12 @@ class Sm90Gemm:
         if pdl_early_operand not in ("a", "b"):
             raise ValueError(f"Sm90Gemm: pdl_early_operand must be 'a' or 'b', got {pdl_early_operand!r}")
         self.tile_mn = (tile_m, tile_n)
-        # epilogue subtile width: EPI_N columns, 16 where the tile is an odd multiple of 16
-        self.epi_n = EPI_N if tile_n % EPI_N == 0 else 16
         self.cluster_mn = tuple(cluster_mn)
         self.pdl, self.pdl_early_a = pdl, pdl_early_operand == "a"
         self.occupancy = occupancy
         self.cluster_exit = cluster_exit
         self.acc_dtype = acc_dtype
-        self.consumer_wgs = min(tile_m // 64, 2)
+        self.consumer_wgs = tile_m // 64
         # A producer warp after the consumer warp groups (no setmaxnreg: a producer warp group
         # would starve the consumers at two CTAs per SM) -- except for 128-row tiles at two
         # CTAs per SM: an SM sub-partition's 16K registers then hold at most 4 warps of a
@@ -173,7 +166,7 @@ class Sm90Gemm:
     def epilogue_bytes(self, c_width: int) -> int:
         """Shared memory of the pingpong warp groups' own epilogue subtiles (the cooperative
         epilogue reuses A's buffers: 0)."""
-        return 2 * PINGPONG_EPI_STAGES * self.tile_mn[0] * self.epi_n * c_width // 8 if self.pingpong else 0
+        return 2 * PINGPONG_EPI_STAGES * self.tile_mn[0] * EPI_N * c_width // 8 if self.pingpong else 0
 
     def stages_for(self, tile_k: int, ab_width: int, c_width: int = 16) -> int:
         """Operand stages that fit ``occupancy`` CTAs per SM (the cooperative epilogue reuses A's
@@ -214,10 +207,8 @@ class Sm90Gemm:
         if const_expr(self.stages < 2):
             raise ValueError(f"Sm90Gemm: a {tile_m}x{tile_n}x{tile_k} tile leaves {self.stages} operand stage(s) "
                              f"at occupancy {self.occupancy}; at least 2 are needed")
-        # epi_n-column subtiles over the whole tile height (both warp groups' rows)
-        # (a 256-row tile: the two warp groups' 128-row MMA block twice; its subtiles run
-        # block-major, the order of the accumulator fragment's (MMA, MMA_M) modes)
-        epi_tile = (min(tile_m, 128), self.epi_n)
+        # EPI_N-column subtiles over the whole tile height (both warp groups' rows)
+        epi_tile = (tile_m, min(EPI_N, tile_n))
         self.epi_tile = epi_tile
         sA_layout = sm90_utils.make_smem_layout_a(a_major, self.tile_mnk, self.a_dtype, self.stages)
         sB_layout = sm90_utils.make_smem_layout_b(b_major, self.tile_mnk, self.b_dtype, self.stages)
@@ -622,7 +613,7 @@ class Sm90Gemm:
     @cute.jit
     def store_tile(self, acc, tiled_mma, tma_c, sC, gC, tidx, store_warp, consumers: cutlass.Constexpr,
                    barrier_id, buf0, bufs: cutlass.Constexpr):
-        """Accumulators -> C's type -> epi_n-column shared subtiles (buffers ``buf0 ..
+        """Accumulators -> C's type -> EPI_N-column shared subtiles (buffers ``buf0 ..
         buf0 + bufs - 1`` of ``sC``) -> TMA stores issued by ``store_warp``; ``consumers``
         threads (``tidx`` among them) meet at named barrier ``barrier_id``."""
         c_major = self.c_major
