@@ -131,7 +131,9 @@
 #            bench, the decode runtime's GPU tests.
 #   phase 69: (commit 991892f, reverted after it) 256-row tiles (cuBLAS's 256x128 at T >= 1024):
 #            4 GPU tests passed; within +-3% of the shipped 128x256 at T = 1024 / 4096 (probe).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..69)
+#   phase 70: the eighteenth session's final tree: WO-A's and the FP8 draft head's GPU tests, the
+#            issue's bench.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..70)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -374,6 +376,10 @@ case "${1:-1}" in
   step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
+  ;;
+70)  # the final tree: WO-A's / the draft head's GPU tests, the issue's bench
+  step 240 wo_a_tests $PYT tests/test_wo_a.py tests/test_draft_head_fp8.py -m gpu
+  step 150 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
   ;;
 69)  # 256-row tiles: tests, probe at large T
   step 90 tests_256 $PYT tests/test_wo_a.py -m gpu -k "256_row"
