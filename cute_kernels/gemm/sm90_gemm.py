@@ -44,6 +44,8 @@ the one the previous kernel does not write, load before ``griddepcontrol.wait``)
 ``occupancy`` (CTAs per SM that the stage count, and for 128-row tiles the warp count, leave
 room for); ``pingpong`` with ``sm_count`` (64-row tiles, one CTA per SM, no PDL);
 ``l2_hint_a`` / ``l2_hint_b`` (an :data:`L2_HINTS` cache hint on that operand's TMA loads);
+at call time, ``timeline`` (a debug trace of the one-tile-per-CTA kernel: per-CTA SM and
+``%globaltimer`` stamps, :data:`TIMELINE_SLOTS`; ``tools/probe_wo_a_timeline.py``);
 ``cluster_exit``, how a clustered CTA outlives its peers' arrivals on its barriers:
 ``"barrier"`` (every thread meets the cluster at a ``barrier.cluster`` arrive / wait around
 the epilogue) or ``"producer_tail"`` (the producer -- warp 0 with ``inline_producer``, after
