@@ -202,7 +202,8 @@ class WoASm90Traced(WoASm90):
     (``MAX_CTAS``, ``TIMELINE_SLOTS``) trace that every CTA of the one-tile-per-CTA kernel fills
     with its SM and ``%globaltimer`` stamps (:data:`cute_kernels.gemm.sm90_gemm.TIMELINE_SLOTS`).
     A diagnostic for a machine without a profiler (``tools/probe_wo_a_timeline.py``); the
-    shipped builds (:class:`WoASm90`) compile no stamps."""
+    shipped builds (:class:`WoASm90`) compile no stamps. A grid of more than ``MAX_CTAS``
+    CTAs piles its excess into the last row."""
 
     MAX_CTAS = 4096
 

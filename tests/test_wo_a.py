@@ -375,9 +375,9 @@ def test_hopper_cluster_variant_multicasts(cluster):
         k.build("sm_100a", G=16, R=1024, Dg=1024, tile_m=128, tile_n=256, cluster_m=2)
 
 
-def _traced_build(cfg, dump_dir=None):
+def _traced_build(cfg, dump_dir=None, rows=None):
     """The engine's debug-timeline build of a G=8 R=512 Dg=2048 WO-A config (``WoASm90Traced``)
-    for sm_90a; with ``dump_dir``, keeping its cubin."""
+    for sm_90a; with ``dump_dir``, keeping its cubin; ``rows``: the trace's row count."""
     import cutlass.cute as cute
 
     from cute_kernels import jit
@@ -386,6 +386,8 @@ def _traced_build(cfg, dump_dir=None):
     obj = WoASm90Traced(8, 512, 2048, (cfg["tile_m"], cfg["tile_n"]),
                         (cfg.get("cluster_m", 1), cfg.get("cluster_n", 1)), False, cfg.get("swap_ab", False),
                         cfg.get("occupancy", 1), False, None, cfg.get("weight_l2_hint"))
+    if rows:
+        obj.MAX_CTAS = rows
     P = jit.fake_gmem_ptr
     return cute.compile(obj, P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.Int64, 8),
                         cutlass.Int32(1), jit.fake_stream(),
@@ -405,10 +407,12 @@ def test_timeline_only_in_the_traced_build():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [77, 320])
-def test_timeline_trace_is_ordered(seed, T):
+@pytest.mark.parametrize("T, rows", [(77, None), (320, None), (320, 16)])
+def test_timeline_trace_is_ordered(seed, T, rows):
     """The traced engine computes the same product, and every CTA of the grid leaves a
-    complete, ordered trace: entry <= init <= first stage <= mainloop end <= epilogue end."""
+    complete, ordered trace: entry <= init <= first stage <= mainloop end <= epilogue end. A
+    trace shorter than the grid (16 rows for 128 CTAs) takes the excess in its last row, and
+    nothing past it is written."""
     from cute_kernels import jit
     from cute_kernels.gemm.sm90_gemm import (STAMP_ENTRY, STAMP_EPILOGUE_END, STAMP_FIRST_STAGE, STAMP_INIT,
                                              STAMP_MAINLOOP_END, STAMP_SM, TIMELINE_SLOTS)
@@ -416,17 +420,20 @@ def test_timeline_trace_is_ordered(seed, T):
 
     G, R, Dg = 8, 512, 2048
     cfg = WoASm90.config_for(T, G, R, Dg)
-    fn = _traced_build(cfg)
+    fn = _traced_build(cfg, rows=rows)
     o, w = make(T, G, 16, 128, R, "cuda")
     y = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
-    trace = torch.zeros(WoASm90Traced.MAX_CTAS, TIMELINE_SLOTS, device="cuda", dtype=torch.int64)
+    # a guard band past the trace's rows: must stay zero
+    trace = torch.zeros((rows or WoASm90Traced.MAX_CTAS) + 64, TIMELINE_SLOTS, device="cuda", dtype=torch.int64)
     fn(jit.gmem_ptr(cutlass.BFloat16, o), jit.gmem_ptr(cutlass.BFloat16, w), jit.gmem_ptr(cutlass.BFloat16, y),
        jit.gmem_ptr(cutlass.Int64, trace, 8), jit.i32(T), jit.cu_stream())
     torch.cuda.synchronize()
     assert rel_err(y, wo_a_ref(o, w)) < TOL
-    ctas = (R // cfg["tile_m"]) * -(-T // cfg["tile_n"]) * G
+    ctas = min((R // cfg["tile_m"]) * -(-T // cfg["tile_n"]) * G, rows or WoASm90Traced.MAX_CTAS)
     t = trace.cpu()
     assert (t[:ctas, STAMP_ENTRY] > 0).all() and (t[ctas:] == 0).all()
+    if rows:  # the shared last row holds some CTA's stamps, not necessarily one CTA's in order
+        ctas -= 1
     order = [STAMP_ENTRY, STAMP_INIT, STAMP_FIRST_STAGE, STAMP_MAINLOOP_END, STAMP_EPILOGUE_END]
     assert (t[:ctas, order].diff(dim=1) >= 0).all()
     assert (t[:ctas, STAMP_SM] < torch.cuda.get_device_properties(0).multi_processor_count).all()

@@ -133,7 +133,8 @@
 #            4 GPU tests passed; within +-3% of the shipped 128x256 at T = 1024 / 4096 (probe).
 #   phase 70: the eighteenth session's final tree: WO-A's and the FP8 draft head's GPU tests, the
 #            issue's bench.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..70)
+#   phase 71: the debug timeline's row clamp (a grid larger than the trace): its GPU tests.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..71)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -376,6 +377,9 @@ case "${1:-1}" in
   step 300 bench_wo_a_fp8 python bench/bench_wo_a_fp8.py \
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
+  ;;
+71)  # the timeline's row clamp
+  step 90 timeline_tests $PYT tests/test_wo_a.py -m gpu -k "timeline"
   ;;
 70)  # the final tree: WO-A's / the draft head's GPU tests, the issue's bench
   step 240 wo_a_tests $PYT tests/test_wo_a.py tests/test_draft_head_fp8.py -m gpu

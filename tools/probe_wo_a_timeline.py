@@ -186,6 +186,8 @@ def main():
                     us = statistics.median(times) * 1e6
                     # grid size from the trace: rows with an entry stamp
                     ctas = int((tls[-1, :, 1] != 0).sum().item())
+                    if ctas >= MAX_CTAS:
+                        print(f"  {cfg} {mode}: more than {MAX_CTAS} CTAs, the trace's last row is shared")
                     sums = [summarize(tls[r].cpu(), ctas) for r in range(reps // 2, reps)]
                     mid = sorted(sums, key=lambda d: d["span"])[len(sums) // 2]
                     # launch-to-launch gap inside the graph: next first entry - this last epilogue

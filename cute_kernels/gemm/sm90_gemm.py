@@ -374,12 +374,14 @@ class Sm90Gemm:
 
     @cute.jit
     def trace_row(self, mT):
-        """This CTA's row of the debug timeline (None without one); its SM in slot 0."""
+        """This CTA's row of the debug timeline (None without one); its SM in slot 0. CTAs
+        past the timeline's rows share its last one (never a write out of bounds)."""
         row = None
         if const_expr(mT is not None):
             bx, by, bz = cute.arch.block_idx()
             gx, gy, _ = cute.arch.grid_dim()
-            row = mT[(bx + by * gx + bz * gx * gy, None)]
+            linear = cutlass.min(bx + by * gx + bz * gx * gy, cute.size(mT, mode=[0]) - 1)
+            row = mT[(linear, None)]
             tidx, _, _ = cute.arch.thread_idx()
             if tidx == 0:
                 row[STAMP_SM] = cutlass.Int64(cute.arch.smid())
