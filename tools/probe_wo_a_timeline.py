@@ -22,8 +22,8 @@ one of those launches (the median of the last ones): the span from the first CTA
 the last epilogue, the entry skew across CTAs, and the median CTA's phases (init, first
 stage, mainloop, epilogue) in us, with CTAs per SM; the gap from a launch's last epilogue to
 the next launch's first entry and the launch period. Full-mode output is checked against
-FP32. With ``OUT`` set, the raw traces go to ``$OUT/timeline_traces.pt`` (a dict). ``%globaltimer`` ticks
-in 256 ns steps on the H200 (phase 64), so the phases are +-0.26 us.
+FP32. With ``OUT`` set, the raw traces go to ``$OUT/timeline_traces.pt`` (a dict).
+``%globaltimer`` ticks in 256 ns steps on the H200 (phase 64), so the phases are +-0.26 us.
 """
 import os
 import statistics
@@ -60,15 +60,7 @@ class Sm90GemmProbe(Sm90Gemm):
     def load_k_tile(self, ab_pipe, loads, kt, operands: cutlass.Constexpr = "ab", acquire: cutlass.Constexpr = True,
                     base=None):
         if const_expr(self.mode != "mma_only"):
-            pos = kt if const_expr(base is None) else base + kt
-            state = cutlass.pipeline.PipelineState(self.stages, pos, pos % self.stages,
-                                                   (pos // self.stages + 1) % 2)
-            if const_expr(acquire):
-                ab_pipe.producer_acquire(state)
-            bar = ab_pipe.producer_get_barrier(state)
-            for name, (atom, tXgX, tXsX, mask), hint in zip("ab", loads, self.l2_hints):
-                if const_expr(name in operands):
-                    self.tma_load(atom, tXgX[(None, kt)], tXsX[(None, state.index)], bar, mask, hint)
+            Sm90Gemm.load_k_tile(self, ab_pipe, loads, kt, operands, acquire, base)
 
     @cute.jit
     def mma_k_tile(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks: cutlass.Constexpr,
