@@ -34,6 +34,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from . import jit
 from .indexer_scores import (candidate_limit, candidate_tensors, fake_args, mma_operand_tensors,
                              store_masked_score)
+from .tma_pipeline import tma_tiles
 
 KEY_TILE = 128
 THREADS = 128
@@ -128,10 +129,8 @@ class IndexerScoresSm100:
             tCgA, tCgB = thr_mma.partition_A(gA), thr_mma.partition_B(gB)
             tCrA, tCrB = tiled_mma.make_fragment_A(sA), tiled_mma.make_fragment_B(sB)
             tCtAcc = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C(self.mma_tiler[:2]))
-            tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 3),
-                                               cute.group_modes(tCgA, 0, 3))
-            tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 3),
-                                               cute.group_modes(tCgB, 0, 3))
+            tAsA, tAgA = tma_tiles(tma_a, sA, tCgA, tile_modes=3)
+            tBsB, tBgB = tma_tiles(tma_b, sB, tCgB, tile_modes=3)
             tmem.wait_for_alloc()
             tCtAcc = cute.make_tensor(tmem.retrieve_ptr(Float32), tCtAcc.layout)
 
@@ -185,7 +184,8 @@ def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool):
 KERNEL = jit.register(jit.KernelDef(
     name="indexer_scores_sm100",
     build=_build,
-    sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "indexer_scores.py")),
+    sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
+                  for f in ("indexer_scores_sm100.py", "indexer_scores.py", "tma_pipeline.py")),
     archs=("sm_100a",),
     aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False}, {"heads": 64, "dim": 128, "has_slot_mask": True}),
     description="lightning-indexer scores, tcgen05 (keys x heads in TMEM) + fused candidate mask",

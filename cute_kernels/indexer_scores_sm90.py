@@ -30,6 +30,7 @@ from cutlass import Float32, Int32
 from . import jit
 from .indexer_scores import (candidate_limit, candidate_tensors, fake_args, mma_operand_tensors,
                              store_masked_score)
+from .tma_pipeline import single_cta_tma_pipeline, tma_tiles
 from .warp_mma import quad_sum
 
 KEY_TILE = 64
@@ -63,15 +64,7 @@ def one_stage_buffers(a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout):
     mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((2,)), 8)
     sA = smem.allocate_tensor(bf16, a_smem.outer, 128, swizzle=a_smem.inner)
     sB = smem.allocate_tensor(bf16, b_smem.outer, 128, swizzle=b_smem.inner)
-    tx = cute.size_in_bytes(bf16, cute.slice_(a_smem, (None, None, 0))) + \
-        cute.size_in_bytes(bf16, cute.slice_(b_smem, (None, None, 0)))
-    pipe = pipeline.PipelineTmaAsync.create(
-        barrier_storage=mbar.iterator, num_stages=1,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32), tx_count=tx,
-        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
-    cute.arch.barrier()  # barrier initialisation visible before any wait
-    return sA, sB, pipe
+    return sA, sB, single_cta_tma_pipeline(mbar, 1, THREADS // 32, (bf16, a_smem), (bf16, b_smem))
 
 
 def wgmma_fragments(tiled_mma: cute.TiledMma, tidx, sA: cute.Tensor, sB: cute.Tensor, n: int):
@@ -139,10 +132,8 @@ class IndexerScoresSm90:
             gA = cute.local_tile(cute.domain_offset((off + s0, 0, 0), mK), (KEY_TILE, self.D),
                                  (None, None, None))[(None, None, 0, 0, 0)]
             gB = cute.local_tile(mQ, (self.H, self.D), (None, None, None))[(None, None, t, 0, 0)]
-            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
-                                                          cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
-                                                          cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+            tAsA, tAgA = tma_tiles(tma_a, sA, gA)
+            tBsB, tBgB = tma_tiles(tma_b, sB, gB)
             prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             if warp_idx == 0:
@@ -185,7 +176,7 @@ KERNEL = jit.register(jit.KernelDef(
     name="indexer_scores_sm90",
     build=_build,
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
-                  for f in ("indexer_scores_sm90.py", "indexer_scores.py", "warp_mma.py")),
+                  for f in ("indexer_scores_sm90.py", "indexer_scores.py", "warp_mma.py", "tma_pipeline.py")),
     archs=("sm_90a",),
     aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False},),
     description="lightning-indexer scores, wgmma (keys x heads) + fused candidate mask",

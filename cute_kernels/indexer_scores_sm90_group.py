@@ -35,6 +35,7 @@ from .indexer_scores import (candidate_limit, candidate_tensors, fake_args, mma_
                              store_masked_score)
 # the shared one-stage buffers and fragments assume the one-token kernel's key tile and threads
 from .indexer_scores_sm90 import KEY_TILE, THREADS, keys_by_queries, one_stage_buffers, wgmma_fragments, wgmma_whole_k
+from .tma_pipeline import tma_tiles
 from .warp_mma import quad_sum
 
 GROUPS = (2, 3, 4)
@@ -105,8 +106,7 @@ class IndexerScoresSm90Group:
         sA, sB, pipe = one_stage_buffers(a_smem, b_smem)
 
         gB = cute.local_tile(mQ, (self.N, D), (None, None, None))[(None, None, tg, 0, 0)]
-        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
-                                                      cute.group_modes(gB, 0, 2))
+        tBsB, tBgB = tma_tiles(tma_b, sB, gB)
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         tCrA, tCrB, tCcC, acc = wgmma_fragments(tiled_mma, tidx, sA, sB, self.N)
@@ -121,8 +121,7 @@ class IndexerScoresSm90Group:
                 key_off = cutlass.select_(p == g, offs[g], key_off)
             gA = cute.local_tile(cute.domain_offset((key_off + s0, 0, 0), mK), (KEY_TILE, D),
                                  (None, None, None))[(None, None, 0, 0, 0)]
-            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
-                                                          cute.group_modes(gA, 0, 2))
+            tAsA, tAgA = tma_tiles(tma_a, sA, gA)
             if warp_idx == 0:
                 pipe.producer_acquire(prod)
                 cute.copy(tma_a, tAgA, tAsA[(None, 0)], tma_bar_ptr=pipe.producer_get_barrier(prod))
@@ -169,7 +168,7 @@ KERNEL = jit.register(jit.KernelDef(
     build=_build,
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
                   for f in ("indexer_scores_sm90_group.py", "indexer_scores.py", "indexer_scores_sm90.py",
-                            "warp_mma.py")),
+                            "warp_mma.py", "tma_pipeline.py")),
     archs=("sm_90a",),
     aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False, "group": 3},),
     description="lightning-indexer scores for groups of tokens sharing keys, wgmma (keys x G*heads)",

@@ -52,6 +52,7 @@ from cutlass._mlir.dialects import llvm
 
 from . import jit
 from .grid_sync import last_arrival
+from .tma_pipeline import single_cta_tma_pipeline, tma_tiles
 from .wo_a_decode import BN_NARROW, MAX_T, SMEM_PER_CTA, plan as mma_decode_plan
 from .wo_a_sm90 import wo_a_layouts
 
@@ -136,23 +137,14 @@ class WoADecodeSm90:
         sO = smem.allocate_tensor(bf16, o_smem.outer, 1024, swizzle=o_smem.inner)
         # FP32 tile, token-major; the odd pitch keeps the transposing writes conflict-free
         sOut = smem.allocate_tensor(Float32, cute.make_layout((TN, BM + 1), stride=(BM + 1, 1)), 16)
-        tx = cute.size_in_bytes(bf16, cute.slice_(w_smem, (None, None, 0))) + \
-            cute.size_in_bytes(bf16, cute.slice_(o_smem, (None, None, 0)))
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=mbar.iterator, num_stages=STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32), tx_count=tx,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
-        cute.arch.barrier()  # barrier initialisation visible before any wait
+        pipe = single_cta_tma_pipeline(mbar, STAGES, THREADS // 32, (bf16, w_smem), (bf16, o_smem))
 
         # This CTA's 64 weight rows of group g and the group's token rows, in bk-wide K slices;
         # split z owns slices z*KT .. z*KT + KT - 1.
         gW = cute.local_tile(mW, (BM, self.bk), (None, None, None))[(None, None, rt, None, g)]
         gO = cute.local_tile(mO, (TN, self.bk), (None, None, None))[(None, None, 0, None, g)]
-        tWsW, tWgW = cute.nvgpu.cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
-                                                      cute.group_modes(gW, 0, 2))
-        tOsO, tOgO = cute.nvgpu.cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
-                                                      cute.group_modes(gO, 0, 2))
+        tWsW, tWgW = tma_tiles(tma_w, sW, gW)
+        tOsO, tOgO = tma_tiles(tma_o, sO, gO)
         kt0 = z * KT
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
@@ -318,7 +310,7 @@ KERNEL = jit.register(jit.KernelDef(
     name="wo_a_decode_sm90",
     build=_build,
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
-                  for f in ("wo_a_decode_sm90.py", "grid_sync.py", "wo_a_sm90.py")),
+                  for f in ("wo_a_decode_sm90.py", "grid_sync.py", "wo_a_sm90.py", "tma_pipeline.py")),
     archs=("sm_90a",),
     # the configs wo_a() routes here by default: 16 < T <= 32 where the warp-MMA decode plan
     # takes 32-column tiles (cute_kernels.wo_a.decode_kernel_kind)

@@ -63,6 +63,7 @@ from cute_kernels import jit
 # the warp roles, named barriers and the bf16 epilogue are those of the project's dense engine
 from cute_kernels.gemm.sm100_gemm import (EPI_BARRIER, EPI_STAGES, EPILOGUE_WARPS, MMA_WARP, SMEM_PER_CTA_MAX,
                                           THREADS, TMA_WARP, make_pipelines, store_tmem_acc, tmem_subtiles)
+from cute_kernels.tma_pipeline import tma_tiles
 
 MX_BLOCK = 32
 TILE_M = 128
@@ -214,8 +215,7 @@ class MoeExpertGemmSm100:
                 for atom, tCgX, sX, mn, l in ((tma_a, tCgA, sA, m_tile, 0), (tma_b, tCgB, sB, n_tile, expert),
                                               (tma_sfa, tCgSFA, sSFA, m_tile, 0),
                                               (tma_sfb, tCgSFB, sSFB, n_tile, expert)):
-                    tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 3),
-                                                       cute.group_modes(tCgX, 0, 3))
+                    tXsX, tXgX = tma_tiles(atom, sX, tCgX, tile_modes=3)
                     loads.append((atom, tXgX[(None, mn, None, l)], tXsX))
                 for k in cutlass.range(k_tiles, unroll=1):
                     stage = ab_producer.acquire_and_advance()
@@ -342,7 +342,8 @@ KERNEL = jit.register(jit.KernelDef(
     name="moe_expert_gemm",
     build=_build,
     sources=(os.path.abspath(__file__),
-             os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cute_kernels", "gemm", "sm100_gemm.py")),
+             os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cute_kernels", "gemm", "sm100_gemm.py"),
+             os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cute_kernels", "tma_pipeline.py")),
     archs=("sm_100a",),
     # DeepSeek-like: gate/up (N = 2 I = 4096, K = 7168) and down (N = 7168, K = I = 2048)
     aot_configs=({"E": 256, "N": 4096, "K": 7168, "silu_quant": True}, {"E": 256, "N": 4096, "K": 7168},

@@ -59,6 +59,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Uint32
 
 from cute_kernels import jit
+from cute_kernels.tma_pipeline import single_cta_tma_pipeline, tma_tiles
 
 from .experts_sm90 import MX, e8m0_to_f32, routed_gemm_tensors, store_silu_mul_mx_row
 
@@ -150,14 +151,7 @@ class MoeExpertDecodeSm90:
         sW = smem.allocate_tensor(f8, w_smem.outer, 128, swizzle=w_smem.inner)
         sA = smem.allocate_tensor(f8, a_smem.outer, 128, swizzle=a_smem.inner)
         sOut = smem.allocate_tensor(Float32, cute.make_layout((TN, BM + 1), stride=(BM + 1, 1)), 16)
-        tx = cute.size_in_bytes(f8, cute.slice_(w_smem, (None, None, 0))) + \
-            cute.size_in_bytes(f8, cute.slice_(a_smem, (None, None, 0)))
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=mbar.iterator, num_stages=STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32), tx_count=tx,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
-        cute.arch.barrier()  # barrier initialisation visible before any wait
+        pipe = single_cta_tma_pipeline(mbar, STAGES, THREADS // 32, (f8, w_smem), (f8, a_smem))
 
         wrow0 = e * self.N + n0
         # All K slices of this CTA's 64 weight rows / of the router tile's first TN token rows
@@ -166,10 +160,8 @@ class MoeExpertDecodeSm90:
             (None, None, 0, None, 0)]
         gA = cute.local_tile(cute.domain_offset((row0, 0, 0), mA), (TN, BK), (None, None, None))
         gA = gA[(None, None, None, None, 0)] if cutlass.const_expr(self.row_passes) else gA[(None, None, 0, None, 0)]
-        tWsW, tWgW = cute.nvgpu.cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
-                                                      cute.group_modes(gW, 0, 2))
-        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
-                                                      cute.group_modes(gA, 0, 2))
+        tWsW, tWgW = tma_tiles(tma_w, sW, gW)
+        tAsA, tAgA = tma_tiles(tma_a, sA, gA)
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         if warp_idx == 0:
@@ -330,7 +322,8 @@ def _build(arch: str, *, E: int, N: int, K: int, tok_n: int, silu_quant: bool = 
 KERNEL = jit.register(jit.KernelDef(
     name="moe_expert_decode_sm90",
     build=_build,
-    sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "experts_sm90.py")),
+    sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "experts_sm90.py"),
+             os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cute_kernels", "tma_pipeline.py")),
     archs=("sm_90a",),
     # the runtime's configs (moe.experts.expert_kernel_args): one pass at T <= 16, row passes above
     aot_configs=({"E": 256, "N": 4096, "K": 7168, "tok_n": 16, "silu_quant": True},
