@@ -37,6 +37,21 @@ SHAPES = [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]  #
 TOKENS = [1, 5, 64, 320, 4096, 16384]
 
 
+def weight_sets(G: int, R: int, Dg: int) -> list[torch.Tensor]:
+    """Rotating bf16 weight sets ``wo_a [G, R, Dg]`` (scaled for O(1) outputs): enough of them
+    that one pass over the list is twice L2 (:func:`common.rotation_count`)."""
+    return [(torch.randn(G, R, Dg, device="cuda") / Dg**0.5).bfloat16() for _ in range(rotation_count(G * R * Dg * 2))]
+
+
+def tokens_out_ref(T: int, G: int, R: int, Dg: int, w: torch.Tensor):
+    """A random attention output ``o [T, 8G, Dg/8]``, an output buffer ``y [T, G*R]`` and the
+    FP32 einsum of ``o`` with ``w``, token-major like ``y``: the probes' problem at ``T``."""
+    o = torch.randn(T, G * 8, Dg // 8, device="cuda").bfloat16()
+    y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
+    ref = torch.einsum("tgd,grd->tgr", o.view(T, G, Dg).float(), w.float()).reshape(T, G * R)
+    return o, y, ref
+
+
 def bmm_only(o, w):
     """cuBLAS batched GEMM alone, group-major output [G, T, R] (no transpose)."""
     T = o.shape[0]
@@ -61,8 +76,8 @@ def main():
     gpu_warmup()
     for G, R, Dg in SHAPES:
         wbytes = G * R * Dg * 2
-        n = rotation_count(wbytes)
-        ws = [(torch.randn(G, R, Dg, device="cuda") / Dg**0.5).bfloat16() for _ in range(n)]
+        ws = weight_sets(G, R, Dg)
+        n = len(ws)
         for T in tokens:
             o = torch.randn(T, G * 8, Dg // 8, device="cuda").bfloat16()
             y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)

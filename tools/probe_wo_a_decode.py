@@ -21,8 +21,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-from bench_wo_a import bmm_only  # noqa: E402
-from common import H200_COPY_BW, measure, rotation_count, time_graph  # noqa: E402
+from bench_wo_a import bmm_only, tokens_out_ref, weight_sets  # noqa: E402
+from common import H200_COPY_BW, measure, time_graph  # noqa: E402
 
 import cutlass  # noqa: E402
 from cute_kernels import jit  # noqa: E402
@@ -42,14 +42,12 @@ t_launch = time_graph(lambda i: empty.zero_(), 1, 64)
 print(f"one-element zero_ per launch: {t_launch * 1e6:.2f} us", flush=True)
 for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]:
     wbytes = G * R * Dg * 2
-    n = rotation_count(wbytes)
-    ws = [(torch.randn(G, R, Dg, device="cuda") / Dg**0.5).bfloat16() for _ in range(n)]
+    ws = weight_sets(G, R, Dg)
+    n = len(ws)
     workspace = WoADecodeWorkspace(G, R, max_splits=max(SPLITS + [8]), device="cuda")
     floor = t_launch + wbytes / H200_COPY_BW
     for T in TS:
-        o = torch.randn(T, G * 8, Dg // 8, device="cuda").bfloat16()
-        y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
-        ref = torch.einsum("tgd,grd->tgr", o.view(T, G, Dg).float(), ws[0].float()).reshape(T, G * R)
+        o, y, ref = tokens_out_ref(T, G, R, Dg, ws[0])
         picked = plan(T, G, R, Dg)
         bm = picked["bm"]
         t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))

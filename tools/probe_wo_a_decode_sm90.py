@@ -25,8 +25,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-from bench_wo_a import bmm_only  # noqa: E402
-from common import H200_COPY_BW, measure, rotation_count, time_graph  # noqa: E402
+from bench_wo_a import bmm_only, tokens_out_ref, weight_sets  # noqa: E402
+from common import H200_COPY_BW, measure, time_graph  # noqa: E402
 
 import cutlass  # noqa: E402
 from cute_kernels import jit  # noqa: E402
@@ -66,8 +66,8 @@ def main():
     P = jit.gmem_ptr
     for G, R, Dg in SHAPES:
         wbytes = G * R * Dg * 2
-        n = rotation_count(wbytes)
-        ws = [(torch.randn(G, R, Dg, device="cuda") / Dg**0.5).bfloat16() for _ in range(n)]
+        ws = weight_sets(G, R, Dg)
+        n = len(ws)
         workspace = WoADecodeWorkspace(G, R, max_splits=16, device="cuda")
         if os.environ.get("READ") == "1":
             res = []
@@ -81,9 +81,7 @@ def main():
             print(f"G={G} R={R} Dg={Dg} {wbytes / 1e6:.1f} MB, pure read (row_rms over rows of C): "
                   + "; ".join(res), flush=True)
         for T in TS:
-            o = torch.randn(T, G * 8, Dg // 8, device="cuda").bfloat16()
-            y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
-            ref = torch.einsum("tgd,grd->tgr", o.view(T, G, Dg).float(), ws[0].float()).reshape(T, G * R)
+            o, y, ref = tokens_out_ref(T, G, R, Dg, ws[0])
 
             def pct(t):
                 return f"{t * 1e6:.2f} ({wbytes / t / H200_COPY_BW:.0%})"

@@ -18,11 +18,9 @@ came from).
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-from bench_wo_a import bmm_only  # noqa: E402
-from common import measure, rotation_count, time_graph  # noqa: E402
+from bench_wo_a import bmm_only, tokens_out_ref, weight_sets  # noqa: E402
+from common import measure, time_graph  # noqa: E402
 
 import cutlass  # noqa: E402
 from cute_kernels import jit  # noqa: E402
@@ -53,12 +51,10 @@ BANDS = [[(int(b.split(":")[0]), tuple(int(v) for v in b.split(":")[1].split("x"
 
 
 for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]:
-    n = rotation_count(G * R * Dg * 2)
-    ws = [(torch.randn(G, R, Dg, device="cuda") / Dg**0.5).bfloat16() for _ in range(n)]
+    ws = weight_sets(G, R, Dg)
+    n = len(ws)
     for T in TS:
-        o = torch.randn(T, G * 8, Dg // 8, device="cuda").bfloat16()
-        y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
-        ref = torch.einsum("tgd,grd->tgr", o.view(T, G, Dg).float(), ws[0].float()).reshape(T, G * R)
+        o, y, ref = tokens_out_ref(T, G, R, Dg, ws[0])
         pick = WoASm90.tile_for(T, G, R)  # the unswapped (T, R) tile
         cfg = WoASm90.config_for(T, G, R, Dg)  # what wo_a() launches
         launched = (cfg["tile_m"], cfg["tile_n"], cfg.get("cluster_m", 1), cfg.get("cluster_n", 1),

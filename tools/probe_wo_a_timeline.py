@@ -32,8 +32,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-from bench_wo_a import bmm_only  # noqa: E402
-from common import gpu_warmup, rotation_count, time_graph  # noqa: E402
+from bench_wo_a import bmm_only, tokens_out_ref, weight_sets  # noqa: E402
+from common import gpu_warmup, time_graph  # noqa: E402
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
@@ -117,12 +117,10 @@ def main():
     if os.environ.get("SHAPES"):  # e.g. SHAPES=8x512x2048 (G x R x Dg)
         shapes = [tuple(int(v) for v in sh.split("x")) for sh in os.environ["SHAPES"].split(",")]
     for G, R, Dg in shapes:
-        n = rotation_count(G * R * Dg * 2)
-        ws = [(torch.randn(G, R, Dg, device="cuda") / Dg**0.5).bfloat16() for _ in range(n)]
+        ws = weight_sets(G, R, Dg)
+        n = len(ws)
         for T in TS:
-            o = torch.randn(T, G * 8, Dg // 8, device="cuda").bfloat16()
-            y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
-            ref = torch.einsum("tgd,grd->tgr", o.view(T, G, Dg).float(), ws[0].float()).reshape(T, G * R)
+            o, y, ref = tokens_out_ref(T, G, R, Dg, ws[0])
             t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
             cfgs = [WoASm90.config_for(T, G, R, Dg)]
             for spec in EXTRA:  # e.g. swap:128x160:1x2:occ1
