@@ -23,18 +23,25 @@ def make(T, G, HG, Dv, R, device):
     return o, w
 
 
+def check_wo_a(T, G, HG, Dv, R, **kwargs):
+    """``wo_a(..., **kwargs)`` on fresh inputs into a NaN-poisoned output: every element
+    written, FP32-reference error within TOL. Returns the output."""
+    o, w = make(T, G, HG, Dv, R, "cuda")
+    out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
+    wo_a(o, w, out=out, **kwargs)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert rel_err(out, wo_a_ref(o, w)) < TOL
+    return out
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("G, HG, Dv, R", SHAPES)
 @pytest.mark.parametrize("T", [1, 5, 20, 41, 64, 77, 200, 300])
 @pytest.mark.parametrize("decode", [None, False])  # default path (decode kernel at T <= 16, G=8 R=512 <= 32) / engine
 def test_hopper_matches_fp64(seed, G, HG, Dv, R, T, decode):
-    o, w = make(T, G, HG, Dv, R, "cuda")
-    out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
-    wo_a(o, w, out=out, decode_kernel=decode)
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
+    out = check_wo_a(T, G, HG, Dv, R, decode_kernel=decode)
     assert out.stride() == (G * R, 1)
-    assert rel_err(out, wo_a_ref(o, w)) < TOL
 
 
 @pytest.mark.gpu
@@ -42,11 +49,7 @@ def test_hopper_matches_fp64(seed, G, HG, Dv, R, T, decode):
 def test_runtime_small_shape_matches_fp64(seed, T):
     """The decode runtime's test model (spec_decode.config.SMALL: G=2, R=512, Dg=1024): B x S
     = 4 x 6 = 24 tokens and its neighbours, two groups only (a 2-deep batch mode)."""
-    o, w = make(T, 2, 8, 128, 512, "cuda")
-    out = torch.full((T, 2 * 512), float("nan"), device="cuda", dtype=torch.bfloat16)
-    wo_a(o, w, out=out)
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all() and rel_err(out, wo_a_ref(o, w)) < TOL
+    check_wo_a(T, 2, 8, 128, 512)
 
 
 @pytest.mark.gpu
@@ -567,12 +570,7 @@ def test_launch_configs():
 @pytest.mark.parametrize("T", [1, 5, 16, 17, 32, 37, 64])
 def test_decode_kernel_matches_fp64(seed, G, HG, Dv, R, T):
     """The weight-streaming decode kernel through wo_a (its own {bm, bn, splits, stages} plan)."""
-    o, w = make(T, G, HG, Dv, R, "cuda")
-    out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
-    wo_a(o, w, out=out, decode_kernel=True)
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
-    assert rel_err(out, wo_a_ref(o, w)) < TOL
+    check_wo_a(T, G, HG, Dv, R, decode_kernel=True)
 
 
 @pytest.mark.gpu
@@ -696,12 +694,7 @@ def test_engine_pairs_through_wo_a(seed, G, HG, Dv, R, T, pdl):
     """The CTA pairs through wo_a() -- 64-row (T, R) tiles in pairs along R at 32 < T <= 64, swapped
     128x160 pairs along T at T = 300 / 320 -- eager and as a programmatic dependent, against
     float64 with a poisoned output."""
-    o, w = make(T, G, HG, Dv, R, "cuda")
-    out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
-    wo_a(o, w, out=out, pdl=pdl)
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
-    assert rel_err(out, wo_a_ref(o, w)) < TOL
+    check_wo_a(T, G, HG, Dv, R, pdl=pdl)
 
 
 def test_engine_config_at_33_to_64_tokens():
@@ -829,12 +822,7 @@ def test_sm90_decode_kernel_matches_fp64_and_replays(seed, T, G, HG, Dv, R, cfg)
 def test_sm90_decode_kernel_through_wo_a(seed, G, HG, Dv, R, T):
     """``wo_a(decode_kernel="wgmma")`` at every shape with its plan (which the default takes
     for 16 < T <= 32 at G=8 R=512)."""
-    o, w = make(T, G, HG, Dv, R, "cuda")
-    out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
-    wo_a(o, w, out=out, decode_kernel="wgmma")
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
-    assert rel_err(out, wo_a_ref(o, w)) < TOL
+    check_wo_a(T, G, HG, Dv, R, decode_kernel="wgmma")
 
 
 @pytest.mark.gpu
