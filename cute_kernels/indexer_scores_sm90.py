@@ -31,7 +31,7 @@ from . import jit
 from .indexer_scores import (candidate_limit, candidate_tensors, fake_args, mma_operand_tensors,
                              store_masked_score)
 from .tma_pipeline import single_cta_tma_pipeline, tma_tiles
-from .warp_mma import quad_sum
+from .warp_mma import quad_sum, wgmma_fragments
 
 KEY_TILE = 64
 THREADS = 128
@@ -65,17 +65,6 @@ def one_stage_buffers(a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout):
     sA = smem.allocate_tensor(bf16, a_smem.outer, 128, swizzle=a_smem.inner)
     sB = smem.allocate_tensor(bf16, b_smem.outer, 128, swizzle=b_smem.inner)
     return sA, sB, single_cta_tma_pipeline(mbar, 1, THREADS // 32, (bf16, a_smem), (bf16, b_smem))
-
-
-def wgmma_fragments(tiled_mma: cute.TiledMma, tidx, sA: cute.Tensor, sB: cute.Tensor, n: int):
-    """Thread ``tidx``'s wgmma operand fragments of the shared-memory tiles, the (key, column)
-    coordinates of its accumulator elements over a ``KEY_TILE x n`` product, and that
-    FP32 accumulator: ``(tCrA, tCrB, tCcC, acc)``."""
-    thr_mma = tiled_mma.get_slice(tidx)
-    tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-    tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-    tCcC = thr_mma.partition_C(cute.make_identity_tensor((KEY_TILE, n)))
-    return tCrA, tCrB, tCcC, cute.make_rmem_tensor(tCcC.shape, Float32)
 
 
 @cute.jit
@@ -142,7 +131,7 @@ class IndexerScoresSm90:
                 cute.copy(tma_b, tBgB, tBsB[(None, 0)], tma_bar_ptr=pipe.producer_get_barrier(prod))
                 pipe.producer_commit(prod)
 
-            tCrA, tCrB, tCcC, acc = wgmma_fragments(tiled_mma, tidx, sA, sB, self.H)
+            tCrA, tCrB, tCcC, acc = wgmma_fragments(tiled_mma, tidx, sA, sB, (KEY_TILE, self.H))
             pipe.consumer_wait(cons)
             wgmma_whole_k(tiled_mma, acc, tCrA, tCrB)
 

@@ -34,9 +34,9 @@ from . import jit
 from .indexer_scores import (candidate_limit, candidate_tensors, fake_args, mma_operand_tensors,
                              store_masked_score)
 # the shared one-stage buffers and fragments assume the one-token kernel's key tile and threads
-from .indexer_scores_sm90 import KEY_TILE, THREADS, keys_by_queries, one_stage_buffers, wgmma_fragments, wgmma_whole_k
+from .indexer_scores_sm90 import KEY_TILE, THREADS, keys_by_queries, one_stage_buffers, wgmma_whole_k
 from .tma_pipeline import tma_tiles
-from .warp_mma import quad_sum
+from .warp_mma import quad_sum, wgmma_fragments
 
 GROUPS = (2, 3, 4)
 
@@ -109,7 +109,7 @@ class IndexerScoresSm90Group:
         tBsB, tBgB = tma_tiles(tma_b, sB, gB)
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        tCrA, tCrB, tCcC, acc = wgmma_fragments(tiled_mma, tidx, sA, sB, self.N)
+        tCrA, tCrB, tCcC, acc = wgmma_fragments(tiled_mma, tidx, sA, sB, (KEY_TILE, self.N))
         part = cute.make_rmem_tensor(cute.make_layout((2 * G,)), Float32)
         rows = cute.make_rmem_tensor(cute.make_layout((2,)), Int32)
 

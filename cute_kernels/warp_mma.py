@@ -1,8 +1,10 @@
 """Warp-level helpers of the MMA kernels: shared-memory -> register operand copies for the
 ``mma.sync`` kernels (mhc_stats, wo_a_decode, indexer_scores, the Hopper MoE tiled kernel),
-and the quad reduction over an accumulator row's 4 threads."""
+the wgmma kernels' per-thread fragments (indexer_scores_sm90*, wo_a_decode_sm90,
+moe.experts_sm90_decode), and the quad reduction over an accumulator row's 4 threads."""
 
 import cutlass.cute as cute
+from cutlass import Float32
 
 
 def ldmatrix_operands(tiled_mma: cute.TiledMma, dtype, tidx, sA: cute.Tensor, sB: cute.Tensor,
@@ -16,6 +18,17 @@ def ldmatrix_operands(tiled_mma: cute.TiledMma, dtype, tidx, sA: cute.Tensor, sB
                                    tiled_mma)
     thr_A, thr_B = s2r_A.get_slice(tidx), s2r_B.get_slice(tidx)
     return s2r_A, thr_A.partition_S(sA), thr_A.retile(tCrA), s2r_B, thr_B.partition_S(sB), thr_B.retile(tCrB)
+
+
+def wgmma_fragments(tiled_mma: cute.TiledMma, tidx, sA: cute.Tensor, sB: cute.Tensor, shape_mn):
+    """Thread ``tidx``'s wgmma operand fragments of the shared-memory tiles ``sA`` / ``sB``,
+    the (m, n) coordinates of its accumulator elements over a ``shape_mn`` product, and that
+    FP32 accumulator (uninitialised): ``(tCrA, tCrB, tCcC, acc)``."""
+    thr_mma = tiled_mma.get_slice(tidx)
+    tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+    tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+    tCcC = thr_mma.partition_C(cute.make_identity_tensor(shape_mn))
+    return tCrA, tCrB, tCcC, cute.make_rmem_tensor(tCcC.shape, Float32)
 
 
 @cute.jit

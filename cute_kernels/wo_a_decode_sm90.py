@@ -53,6 +53,7 @@ from cutlass._mlir.dialects import llvm
 from . import jit
 from .grid_sync import last_arrival
 from .tma_pipeline import single_cta_tma_pipeline, tma_tiles
+from .warp_mma import wgmma_fragments
 from .wo_a_decode import BN_NARROW, MAX_T, SMEM_PER_CTA, plan as mma_decode_plan
 from .wo_a_sm90 import wo_a_layouts
 
@@ -172,11 +173,7 @@ class WoADecodeSm90:
                     self.load(pipe, prod, tma_w, tWgW, tWsW, tma_o, tOgO, tOsO, kt0)
                     prod.advance()
 
-        thr_mma = tiled_mma.get_slice(tidx)
-        tCrW = tiled_mma.make_fragment_A(thr_mma.partition_A(sW))
-        tCrO = tiled_mma.make_fragment_B(thr_mma.partition_B(sO))
-        tCcC = thr_mma.partition_C(cute.make_identity_tensor((BM, TN)))
-        acc = cute.make_rmem_tensor(tCcC.shape, Float32)
+        tCrW, tCrO, tCcC, acc = wgmma_fragments(tiled_mma, tidx, sW, sO, (BM, TN))
         acc.fill(0.0)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         for _ in cutlass.range(KT, unroll=1):
@@ -310,7 +307,7 @@ KERNEL = jit.register(jit.KernelDef(
     name="wo_a_decode_sm90",
     build=_build,
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
-                  for f in ("wo_a_decode_sm90.py", "grid_sync.py", "wo_a_sm90.py", "tma_pipeline.py")),
+                  for f in ("wo_a_decode_sm90.py", "grid_sync.py", "wo_a_sm90.py", "tma_pipeline.py", "warp_mma.py")),
     archs=("sm_90a",),
     # the configs wo_a() routes here by default: 16 < T <= 32 where the warp-MMA decode plan
     # takes 32-column tiles (cute_kernels.wo_a.decode_kernel_kind)

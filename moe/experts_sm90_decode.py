@@ -60,6 +60,7 @@ from cutlass import Float32, Int32, Uint32
 
 from cute_kernels import jit
 from cute_kernels.tma_pipeline import single_cta_tma_pipeline, tma_tiles
+from cute_kernels.warp_mma import wgmma_fragments
 
 from .experts_sm90 import MX, e8m0_to_f32, routed_gemm_tensors, store_silu_mul_mx_row
 
@@ -169,12 +170,7 @@ class MoeExpertDecodeSm90:
                 self.load(pipe, prod, tma_w, tWgW, tWsW, tma_a, tAgA, tAsA, KT)
                 prod.advance()
 
-        thr_mma = tiled_mma.get_slice(tidx)
-        tCrW = tiled_mma.make_fragment_A(thr_mma.partition_A(sW))
-        tCrA = tiled_mma.make_fragment_B(thr_mma.partition_B(sA))
-        cC = cute.make_identity_tensor((BM, TN))
-        tCcC = thr_mma.partition_C(cC)
-        acc = cute.make_rmem_tensor(tCcC.shape, Float32)
+        tCrW, tCrA, tCcC, acc = wgmma_fragments(tiled_mma, tidx, sW, sA, (BM, TN))
         acc.fill(0.0)
         # Two block partials in flight: the wgmma of block kb runs while block kb - 1 is promoted.
         frags = [cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(2)]
@@ -323,7 +319,8 @@ KERNEL = jit.register(jit.KernelDef(
     name="moe_expert_decode_sm90",
     build=_build,
     sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "experts_sm90.py"),
-             os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cute_kernels", "tma_pipeline.py")),
+             os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cute_kernels", "tma_pipeline.py"),
+             os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cute_kernels", "warp_mma.py")),
     archs=("sm_90a",),
     # the runtime's configs (moe.experts.expert_kernel_args): one pass at T <= 16, row passes above
     aot_configs=({"E": 256, "N": 4096, "K": 7168, "tok_n": 16, "silu_quant": True},
