@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 from bench_wo_a import bmm_only, tokens_out_ref, weight_sets  # noqa: E402
-from common import gpu_warmup, time_graph  # noqa: E402
+from common import gpu_warmup, measure, time_graph  # noqa: E402
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
@@ -146,34 +146,14 @@ def main():
                            jit.gmem_ptr(cutlass.BFloat16, y), jit.gmem_ptr(cutlass.Int64, tls[r], 8), jit.i32(T),
                            jit.cu_stream())
 
-                    err = float("nan")
+                    # the benches' graph timing over reps launches, launch r writing trace r (the
+                    # traces read below are the last replay's); full mode first checked against FP32
+                    # on a poisoned y
                     if mode == "full":
-                        y.fill_(float("nan"))
-                        call(0, 0)
-                        torch.cuda.synchronize()
-                        err = ((y.float() - ref).norm() / ref.norm()).item()
-                    # graph of reps launches, launch r writing trace r
-                    s = torch.cuda.Stream()
-                    s.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(s):
-                        call(0, 0)
-                    torch.cuda.synchronize()
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, stream=s):
-                        for r in range(reps):
-                            call(r, r)
-                    for _ in range(3):
-                        g.replay()
-                    torch.cuda.synchronize()
-                    times = []
-                    for _ in range(30):
-                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        a.record()
-                        g.replay()
-                        b.record()
-                        b.synchronize()
-                        times.append(a.elapsed_time(b) * 1e-3 / reps)
-                    us = statistics.median(times) * 1e6
+                        t, err = measure(lambda r: call(r, r), y, ref, reps)
+                    else:
+                        t, err = time_graph(lambda r: call(r, r), reps, reps), float("nan")
+                    us = t * 1e6
                     # grid size from the trace: rows with an entry stamp
                     ctas = int((tls[-1, :, 1] != 0).sum().item())
                     if ctas >= MAX_CTAS:
