@@ -44,8 +44,6 @@ the one the previous kernel does not write, load before ``griddepcontrol.wait``)
 ``occupancy`` (CTAs per SM that the stage count, and for 128-row tiles the warp count, leave
 room for); ``pingpong`` with ``sm_count`` (64-row tiles, one CTA per SM, no PDL);
 ``l2_hint_a`` / ``l2_hint_b`` (an :data:`L2_HINTS` cache hint on that operand's TMA loads);
-``early_loads`` (a CTA pair: the prologue's k-tiles of the operand the CTA loads alone go out
-before the cluster sync, only its own barriers signalled; the multicast operand's after it);
 at call time, ``timeline`` (a debug trace of the one-tile-per-CTA kernel: per-CTA SM and
 ``%globaltimer`` stamps, :data:`TIMELINE_SLOTS`; ``tools/probe_wo_a_timeline.py``);
 ``cluster_exit``, how a clustered CTA outlives its peers' arrivals on its barriers:
