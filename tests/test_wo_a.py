@@ -125,37 +125,6 @@ def test_engine_weight_l2_hint_matches_fp64(seed, cfg, T, hint):
     check_engine(T, 8, 16, 128, 512, weight_l2_hint=hint, **cfg)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg, T", [(dict(tile_m=64, tile_n=160, cluster_m=2, swap_ab=True), 320),
-                                    (dict(tile_m=128, tile_n=160, cluster_n=2, swap_ab=True), 300),
-                                    (dict(tile_m=64, tile_n=64, cluster_n=2), 64),
-                                    (dict(tile_m=64, tile_n=32, cluster_n=2, swap_ab=True), 41),
-                                    (dict(tile_m=64, tile_n=160, cluster_m=2, swap_ab=True), 1)])
-def test_engine_early_loads_matches_fp64(seed, cfg, T):
-    """The CTA's own operand's first stages issued before the cluster sync (either operand;
-    T = 1: every token row but the first clipped) change no result."""
-    check_engine(T, 8, 16, 128, 512, early_loads=True, weight_l2_hint="evict_first", **cfg)
-
-
-def test_early_loads_machine_code():
-    """``early_loads``: one non-multicast TMA load (in the prologue loop) comes before the
-    cluster barrier's wait, every multicast one after it; without it no load precedes the wait."""
-    import re
-
-    cfg = dict(G=8, R=512, Dg=2048, tile_m=64, tile_n=160, cluster_m=2, swap_ab=True)
-
-    def loads_before_wait(**extra):
-        text = sass.disassemble(sass.compile_cubin("wo_a", "sm_90a", **cfg, **extra))
-        lines = [ln for ln in text.splitlines() if re.search(r"UTMALDG|UCGABAR_WAIT", ln)]
-        wait = next(i for i, ln in enumerate(lines) if "UCGABAR_WAIT" in ln)
-        return [("MULTICAST" in ln) for ln in lines[:wait]], [("MULTICAST" in ln) for ln in lines[wait + 1:]]
-
-    before, after = loads_before_wait()
-    assert before == [] and after
-    before, after = loads_before_wait(early_loads=True)
-    assert before == [False] and any(after)
-
-
 @pytest.mark.parametrize("swap_ab, cluster", [(True, (2, 1)), (False, (1, 2))])
 def test_weight_l2_hint_machine_code(swap_ab, cluster):
     """Only the weight operand's TMA loads carry a cache policy (``desc[UR..]``; a load
@@ -519,8 +488,6 @@ def test_wgmma_decode_kernel_needs_hopper_and_t_64():
     ("sm90", ((64, 256),), {"pingpong": True, "sm_count": 0}, "sm_count"),
     ("sm90", ((128, 128), (2, 1)), {"cluster_exit": "fence"}, "cluster_exit must be"),
     ("sm90", ((128, 128),), {"l2_hint_b": "evict"}, "l2_hint_b must be None or one of"),
-    ("sm90", ((128, 128),), {"early_loads": True}, "early_loads takes a 2x1 or 1x2 cluster"),
-    ("sm90", ((128, 160), (2, 1)), {"early_loads": True, "occupancy": 2}, "early_loads takes"),
     ("sm100", ((64, 128),), {}, "tile_m must be 128"),
     ("sm100", ((128, 40),), {}, "tile_n must be a multiple of 32"),
 ])

@@ -15,7 +15,6 @@ Each config also runs in two stripped modes, timed the same way:
     env TS=320 CONFIGS=swap:128x160:1x2:occ1,swap:64x160:1x2:occ1 python tools/probe_wo_a_timeline.py
     env TS=320 SHAPES=8x512x2048 MODES=full OUT=/tmp python tools/probe_wo_a_timeline.py
     env TS=64,320,4096 MODES=full HINTS=evict_first python tools/probe_wo_a_timeline.py
-    env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py   # + each clustered config with early_loads
 
 Prints, per (shape, T, config, mode): us per call (graph replay of back-to-back launches
 with rotating weights, as the benches) next to cuBLAS ``bmm`` alone, and from the trace of
@@ -88,7 +87,7 @@ class WoATimeline(WoASm90Traced):
 def compile_probe(G, R, Dg, cfg, mode, arch="sm_90a"):
     obj = WoATimeline(G, R, Dg, (cfg["tile_m"], cfg["tile_n"]), (cfg.get("cluster_m", 1), cfg.get("cluster_n", 1)),
                       False, cfg.get("swap_ab", False), cfg.get("occupancy", 1), False, cfg.get("cluster_exit"),
-                      cfg.get("weight_l2_hint"), cfg.get("early_loads", False), mode=mode)
+                      cfg.get("weight_l2_hint"), mode=mode)
     P = jit.fake_gmem_ptr
     return cute.compile(obj, P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.Int64, 8),
                         Int32(1), jit.fake_stream(), options=jit.default_options(arch))
@@ -112,7 +111,6 @@ def main():
     MODES = os.environ.get("MODES", "full,mma_only,load_only").split(",")
     HINTS = [h for h in os.environ.get("HINTS", "").split(",") if h]
     EXTRA = [c for c in os.environ.get("CONFIGS", "").split(",") if c and c != "default"]
-    EARLY = os.environ.get("EARLY", "0") == "1"
     traces = {}
     gpu_warmup()
     shapes = [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]
@@ -125,18 +123,14 @@ def main():
             o, y, ref = tokens_out_ref(T, G, R, Dg, ws[0])
             t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
             cfgs = [WoASm90.config_for(T, G, R, Dg)]
-            for spec in EXTRA:  # e.g. swap:128x160:1x2:occ1, or swap:64x160:2x1:occ1:early (early_loads)
-                sw, tile, cl, occ, *opts = spec.split(":")
+            for spec in EXTRA:  # e.g. swap:128x160:1x2:occ1
+                sw, tile, cl, occ = spec.split(":")
                 tm, tn = (int(v) for v in tile.split("x"))
                 cm, cn = (int(v) for v in cl.split("x"))
                 cfgs.append(dict(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, swap_ab=sw == "swap",
-                                 occupancy=int(occ[3:]), early_loads="early" in opts))
+                                 occupancy=int(occ[3:])))
             # each config also with the weight loads' L2 hints in HINTS (e.g. HINTS=evict_first)
             cfgs += [dict(c, weight_l2_hint=h) for h in HINTS for c in list(cfgs)]
-            if EARLY:  # ... and with early_loads where the engine takes it (a CTA pair, one CTA per SM)
-                cfgs += [dict(c, early_loads=True) for c in list(cfgs)
-                         if (c.get("cluster_m", 1), c.get("cluster_n", 1)) in ((2, 1), (1, 2))
-                         and c.get("occupancy", 1) == 1 and not c.get("pingpong") and not c.get("early_loads")]
             print(f"T={T} G={G} R={R} Dg={Dg}: bmm alone {t_bmm * 1e6:.2f} us", flush=True)
             for cfg in cfgs:
                 if cfg.get("pingpong"):
@@ -174,8 +168,7 @@ def main():
                                                for r in range(reps // 2, reps - 1))
                     if os.environ.get("OUT"):  # the raw traces, for a look at every CTA: one file
                         name = (f"G{G}R{R}T{T}_{cfg['tile_m']}x{cfg['tile_n']}_c{cfg.get('cluster_m', 1)}x"
-                                f"{cfg.get('cluster_n', 1)}_{cfg.get('weight_l2_hint') or 'nohint'}"
-                                f"{'_early' if cfg.get('early_loads') else ''}_{mode}")
+                                f"{cfg.get('cluster_n', 1)}_{cfg.get('weight_l2_hint') or 'nohint'}_{mode}")
                         traces[name] = tls[:, :ctas].cpu()
                         torch.save(traces, os.path.join(os.environ["OUT"], "timeline_traces.pt"))
                     print(f"  {cfg} {mode}: {us:.2f} us ({t_bmm * 1e6 / us:.2f}x bmm, err {err:.1e}); "

@@ -118,7 +118,7 @@ class Sm90Gemm:
     def __init__(self, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1), *, pdl: bool = False,
                  pdl_early_operand: str = "b", occupancy: int = 1, pingpong: bool = False,
                  sm_count: int = 132, acc_dtype=Float32, cluster_exit: str | None = None,
-                 l2_hint_a: str | None = None, l2_hint_b: str | None = None, early_loads: bool = False):
+                 l2_hint_a: str | None = None, l2_hint_b: str | None = None):
         tile_m, tile_n = tile_mn
         if tile_m not in (64, 128):
             raise ValueError(f"Sm90Gemm: tile_m must be 64 or 128, got {tile_m}")
@@ -145,16 +145,6 @@ class Sm90Gemm:
             raise ValueError(f"Sm90Gemm: pdl_early_operand must be 'a' or 'b', got {pdl_early_operand!r}")
         self.tile_mn = (tile_m, tile_n)
         self.cluster_mn = tuple(cluster_mn)
-        # ``early_loads``: the prologue's k-tiles of the operand this CTA alone reads (A in a
-        # 2x1 cluster, B in 1x2) are issued before the cluster sync, whose ~0.5 us (phase 64)
-        # then overlaps their latency; the multicast operand's follow it
-        self.early_operand = None
-        if early_loads:
-            if pdl or pingpong or occupancy != 1 or tuple(cluster_mn) not in ((2, 1), (1, 2)):
-                raise ValueError(f"Sm90Gemm: early_loads takes a 2x1 or 1x2 cluster at one CTA per SM, without "
-                                 f"pdl or pingpong; got cluster_mn={tuple(cluster_mn)}, occupancy={occupancy}, "
-                                 f"pdl={pdl}, pingpong={pingpong}")
-            self.early_operand = "a" if tuple(cluster_mn) == (2, 1) else "b"
         self.pdl, self.pdl_early_a = pdl, pdl_early_operand == "a"
         self.occupancy = occupancy
         self.cluster_exit = cluster_exit
@@ -345,20 +335,10 @@ class Sm90Gemm:
         gB = cute.local_tile(mB, self.tile_mnk, coord, proj=(None, 1, 1))  # (bN, bK, k tiles)
         gC = cute.local_tile(mC, self.tile_mnk, coord, proj=(1, 1, None))  # (bM, bN)
         k_tiles = cute.size(gA, mode=[2])
-        if const_expr(self.early_operand is not None):
-            loads = self.load_partitions(tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord)
-            # warp 0's barrier init (fenced by every thread in shared_ab_pipeline) precedes the
-            # producer's first arrive on them; the peer's barriers are not touched before the
-            # cluster sync (the early operand is not multicast)
-            cute.arch.barrier()
-            if warp == self.producer_warp:
-                for kt in cutlass.range(cutlass.min(self.stages, k_tiles), unroll=1):
-                    self.load_k_tile(ab_pipe, loads, kt, self.early_operand)
         pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
         self.stamp(trace, STAMP_INIT, tidx == 0)
 
-        if const_expr(self.early_operand is None):
-            loads = self.load_partitions(tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord)
+        loads = self.load_partitions(tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord)
         consume = (ab_pipe, tiled_mma, tma_c, sA, sB, sC_layout, gC, tidx, warp, k_tiles, loads, trace)
         if const_expr(self.inline_producer):
             # every warp consumes (warp 0 also loads): no producer-warp branch in the binary
@@ -558,12 +538,7 @@ class Sm90Gemm:
         not written by the previous kernel) load before the grid-dependency wait, the late
         one's after it; the full barriers expect both, so the consumers see whole stages."""
         first = cutlass.min(self.stages, k_tiles)
-        if const_expr(self.early_operand is not None):
-            # the early operand's share of these stages went out before the cluster sync
-            late = "b" if self.early_operand == "a" else "a"
-            for kt in cutlass.range(first, unroll=1):
-                self.load_k_tile(ab_pipe, loads, kt, late, acquire=False)
-        elif const_expr(self.pdl):
+        if const_expr(self.pdl):
             early, late = ("a", "b") if self.pdl_early_a else ("b", "a")
             for kt in cutlass.range(first, unroll=1):
                 self.load_k_tile(ab_pipe, loads, kt, early)
