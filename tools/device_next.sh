@@ -134,9 +134,12 @@
 #   phase 70: the eighteenth session's final tree: WO-A's and the FP8 draft head's GPU tests, the
 #            issue's bench.
 #   phase 71: the debug timeline's row clamp (a grid larger than the trace): its GPU tests.
-#   phase 72: WO-A against bmm as Dg shrinks (fixed cost vs streaming rate, probe); the first GPU run
-#            of the eighteenth session's review edits (check_wo_a, wgmma_fragments, tma_pipeline).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..71)
+#   phase 72: WO-A against bmm as Dg shrinks (fixed cost vs streaming rate, probe); (commit 4a93440,
+#            reverted after it) the engine's early_loads (a CTA's own operand before the cluster
+#            sync): 5 GPU tests passed, slower or equal at T = 64 / 320 (probe).
+#   phase 73: WO-A's GPU tests, the indexer's and MoE experts' (the first GPU run of the
+#            eighteenth session's review edits: check_wo_a, wgmma_fragments, tma_pipeline).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..73)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -380,11 +383,16 @@ case "${1:-1}" in
     --variants registers/128/plan,smem/128/plan,registers/128/x2,registers/256/plan,registers/256/x2 \
     --out "$OUT/bench_wo_a_fp8.md"
   ;;
-72)  # WO-A fixed cost vs K (probe); first GPU run of the eighteenth session's closing-review edits
+72)  # WO-A fixed cost vs K (probe); early loads: GPU tests, the shipped configs with / without them
   step 150 fixed_cost env TS=320,64 SHAPES=8x512,16x1024 DGS=64,256,1024,2048 python tools/probe_wo_a_fixed_cost.py
-  step 200 wo_a_tests $PYT tests/test_wo_a.py -m gpu
-  step 120 kernels_tests $PYT tests/test_indexer.py tests/test_moe_experts.py -m gpu
-  step 50 timeline_smoke env TS=320 SHAPES=8x512x2048 MODES=full,load_only python tools/probe_wo_a_timeline.py
+  # early_loads ran on commit 4a93440 (reverted after it)
+  step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
+  step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+73)  # the final tree: WO-A's GPU tests and those of the kernels the eighteenth session's review touched
+  step 240 wo_a_tests $PYT tests/test_wo_a.py -m gpu
+  step 150 kernels_tests $PYT tests/test_indexer.py tests/test_moe_experts.py -m gpu
+  step 60 timeline_smoke env TS=320 SHAPES=8x512x2048 MODES=full,load_only python tools/probe_wo_a_timeline.py
   ;;
 71)  # the timeline's row clamp
   step 90 timeline_tests $PYT tests/test_wo_a.py -m gpu -k "timeline"
