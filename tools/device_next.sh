@@ -137,9 +137,11 @@
 #   phase 72: WO-A against bmm as Dg shrinks (fixed cost vs streaming rate, probe); (commit 4a93440,
 #            reverted after it) the engine's early_loads (a CTA's own operand before the cluster
 #            sync): 5 GPU tests passed, slower or equal at T = 64 / 320 (probe).
+#   phase 74: (probe) each k-tile's stage freed right after its own wgmma batch ("eager") and a
+#            5-stage cap at T = 320 / 64; WO-A's GPU tests.
 #   phase 73: WO-A's GPU tests, the indexer's and MoE experts' (the first GPU run of the
 #            eighteenth session's review edits: check_wo_a, wgmma_fragments, tma_pipeline).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..73)
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..74)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -388,6 +390,11 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+74)  # stage release right after each batch ("eager") and fewer stages (probe); WO-A's GPU tests
+  step 150 probe_eager_320 env TS=320 MODES=full,eager STAGES=5 python tools/probe_wo_a_timeline.py
+  step 90 probe_eager_64 env TS=64 MODES=full,eager python tools/probe_wo_a_timeline.py
+  step 240 wo_a_tests $PYT tests/test_wo_a.py -m gpu
   ;;
 73)  # the final tree: WO-A's GPU tests and those of the kernels the eighteenth session's review touched
   step 240 wo_a_tests $PYT tests/test_wo_a.py -m gpu

@@ -4,17 +4,19 @@ The lent H200 has no profiler, so this traces the one-tile-per-CTA kernel itself
 (:class:`cute_kernels.gemm.sm90_gemm.Sm90Gemm` with ``timeline``): every CTA writes its SM
 and ``%globaltimer`` stamps at entry, after the barrier-init cluster sync, when its first
 stage has landed, when its last MMAs retired and when its epilogue's stores were issued.
-Each config also runs in two stripped modes, timed the same way:
+Each config also runs in two stripped modes and one variant, timed the same way:
 
 - ``mma_only``: no loads; the consumers run every wgmma on whatever the stages hold -- the
   tensor-core + epilogue time of the schedule, without memory;
-- ``load_only``: every load, no wgmma -- the memory time of the schedule.
+- ``load_only``: every load, no wgmma -- the memory time of the schedule;
+- ``eager``: every load and wgmma, each k-tile's stage freed as soon as its own batch retired.
 
     python tools/probe_wo_a_timeline.py
     env TS=320,4096 MODES=full,mma_only,load_only CONFIGS=default python tools/probe_wo_a_timeline.py
     env TS=320 CONFIGS=swap:128x160:1x2:occ1,swap:64x160:1x2:occ1 python tools/probe_wo_a_timeline.py
     env TS=320 SHAPES=8x512x2048 MODES=full OUT=/tmp python tools/probe_wo_a_timeline.py
     env TS=64,320,4096 MODES=full HINTS=evict_first python tools/probe_wo_a_timeline.py
+    env TS=64,320 MODES=full,eager STAGES=4,5 python tools/probe_wo_a_timeline.py
 
 Prints, per (shape, T, config, mode): us per call (graph replay of back-to-back launches
 with rotating weights, as the benches) next to cuBLAS ``bmm`` alone, and from the trace of
@@ -38,11 +40,12 @@ from common import gpu_warmup, measure, time_graph  # noqa: E402
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Int32, const_expr  # noqa: E402
+import cutlass.pipeline as pipeline  # noqa: E402
 from cutlass.cute.nvgpu import warpgroup  # noqa: E402
 
 from cute_kernels import jit  # noqa: E402
 from cute_kernels.gemm import sm90_gemm  # noqa: E402
-from cute_kernels.gemm.sm90_gemm import Sm90Gemm  # noqa: E402
+from cute_kernels.gemm.sm90_gemm import WARP_GROUP, Sm90Gemm  # noqa: E402
 from cute_kernels.wo_a_sm90 import WoASm90, WoASm90Traced  # noqa: E402
 
 MAX_CTAS = WoASm90Traced.MAX_CTAS
@@ -50,17 +53,57 @@ SLOTS = sm90_gemm.TIMELINE_SLOTS
 
 
 class Sm90GemmProbe(Sm90Gemm):
-    """The engine with its loads or its MMAs left out (``mode``); ``full`` is the engine."""
+    """The engine with its loads or its MMAs left out (``mode``); ``full`` is the engine;
+    ``eager``: the engine, but each k-tile's wgmma batch is waited for right after it is
+    issued and its stage freed at once (not after the next batch is issued) -- a stage then
+    spends less time held by the consumers and more in flight, at the price of a tensor-core
+    bubble between batches."""
 
-    def __init__(self, base: Sm90Gemm, mode: str):
+    def __init__(self, base: Sm90Gemm, mode: str, max_stages: int | None = None):
         self.__dict__.update(base.__dict__)
-        self.mode = mode
+        self.mode, self.max_stages = mode, max_stages
+
+    def stages_for(self, tile_k: int, ab_width: int, c_width: int = 16) -> int:
+        n = Sm90Gemm.stages_for(self, tile_k, ab_width, c_width)
+        return min(n, self.max_stages) if self.max_stages else n
 
     @cute.jit
     def load_k_tile(self, ab_pipe, loads, kt, operands: cutlass.Constexpr = "ab", acquire: cutlass.Constexpr = True,
                     base=None):
         if const_expr(self.mode != "mma_only"):
             Sm90Gemm.load_k_tile(self, ab_pipe, loads, kt, operands, acquire, base)
+
+    @cute.jit
+    def mma(self, ab_pipe, tiled_mma, sA, sB, gC, warp, k_tiles, loads, trace=None):
+        if const_expr(self.mode != "eager"):
+            return Sm90Gemm.mma(self, ab_pipe, tiled_mma, sA, sB, gC, warp, k_tiles, loads, trace)
+        if const_expr(self.inline_producer):
+            if warp == 0:
+                self.load_prologue(ab_pipe, loads, k_tiles)
+        thr_mma = tiled_mma.get_slice(warp // 4 * WARP_GROUP)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape, self.acc_dtype)
+        k_blocks = cute.size(tCrA, mode=[2])
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+        self.mma_k_tile(ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks, first=True)
+        self.stamp(trace, sm90_gemm.STAMP_FIRST_STAGE, cute.arch.thread_idx()[0] == 0)
+        warpgroup.wait_group(0)
+        ab_pipe.consumer_release(read)
+        if const_expr(self.inline_producer):
+            if warp == 0 and self.stages < k_tiles:
+                self.load_k_tile(ab_pipe, loads, self.stages)
+        read.advance()
+        for _ in cutlass.range(1, k_tiles, unroll=1):
+            self.mma_k_tile(ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks)
+            warpgroup.wait_group(0)
+            ab_pipe.consumer_release(read)
+            if const_expr(self.inline_producer):
+                if warp == 0 and read.count + self.stages < k_tiles:
+                    self.load_k_tile(ab_pipe, loads, read.count + self.stages)
+            read.advance()
+        return acc
 
     @cute.jit
     def mma_k_tile(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks: cutlass.Constexpr,
@@ -79,15 +122,15 @@ class Sm90GemmProbe(Sm90Gemm):
 class WoATimeline(WoASm90Traced):
     """WO-A's traced launch on the probe's engine mode."""
 
-    def __init__(self, *args, mode: str = "full", **kw):
+    def __init__(self, *args, mode: str = "full", max_stages: int | None = None, **kw):
         super().__init__(*args, **kw)
-        self.gemm = Sm90GemmProbe(self.gemm, mode)
+        self.gemm = Sm90GemmProbe(self.gemm, mode, max_stages)
 
 
 def compile_probe(G, R, Dg, cfg, mode, arch="sm_90a"):
     obj = WoATimeline(G, R, Dg, (cfg["tile_m"], cfg["tile_n"]), (cfg.get("cluster_m", 1), cfg.get("cluster_n", 1)),
                       False, cfg.get("swap_ab", False), cfg.get("occupancy", 1), False, cfg.get("cluster_exit"),
-                      cfg.get("weight_l2_hint"), mode=mode)
+                      cfg.get("weight_l2_hint"), mode=mode, max_stages=cfg.get("max_stages"))
     P = jit.fake_gmem_ptr
     return cute.compile(obj, P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.Int64, 8),
                         Int32(1), jit.fake_stream(), options=jit.default_options(arch))
@@ -111,6 +154,7 @@ def main():
     MODES = os.environ.get("MODES", "full,mma_only,load_only").split(",")
     HINTS = [h for h in os.environ.get("HINTS", "").split(",") if h]
     EXTRA = [c for c in os.environ.get("CONFIGS", "").split(",") if c and c != "default"]
+    STAGES = [int(n) for n in os.environ.get("STAGES", "").split(",") if n]
     traces = {}
     gpu_warmup()
     shapes = [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]
@@ -131,6 +175,8 @@ def main():
                                  occupancy=int(occ[3:])))
             # each config also with the weight loads' L2 hints in HINTS (e.g. HINTS=evict_first)
             cfgs += [dict(c, weight_l2_hint=h) for h in HINTS for c in list(cfgs)]
+            # ... and with at most that many operand stages for each of STAGES (e.g. STAGES=4,5)
+            cfgs += [dict(c, max_stages=n) for n in STAGES for c in list(cfgs)]
             print(f"T={T} G={G} R={R} Dg={Dg}: bmm alone {t_bmm * 1e6:.2f} us", flush=True)
             for cfg in cfgs:
                 if cfg.get("pingpong"):
@@ -168,7 +214,8 @@ def main():
                                                for r in range(reps // 2, reps - 1))
                     if os.environ.get("OUT"):  # the raw traces, for a look at every CTA: one file
                         name = (f"G{G}R{R}T{T}_{cfg['tile_m']}x{cfg['tile_n']}_c{cfg.get('cluster_m', 1)}x"
-                                f"{cfg.get('cluster_n', 1)}_{cfg.get('weight_l2_hint') or 'nohint'}_{mode}")
+                                f"{cfg.get('cluster_n', 1)}_{cfg.get('weight_l2_hint') or 'nohint'}"
+                                f"{'_s%d' % cfg['max_stages'] if cfg.get('max_stages') else ''}_{mode}")
                         traces[name] = tls[:, :ctas].cpu()
                         torch.save(traces, os.path.join(os.environ["OUT"], "timeline_traces.pt"))
                     print(f"  {cfg} {mode}: {us:.2f} us ({t_bmm * 1e6 / us:.2f}x bmm, err {err:.1e}); "
