@@ -69,17 +69,18 @@ class WoAGemm:
 class WoASm90(WoAGemm):
     """Compile-time configuration: group count, rank, per-group K, CTA tile (over (T, R), or
     (R, T) with ``swap_ab``), and the engine's options (``weight_l2_hint``: the L2 cache hint
-    of the weight operand's loads)."""
+    of the weight operand's loads; ``max_stages``: a cap on the operand stages)."""
 
     def __init__(self, G: int, R: int, Dg: int, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1),
                  pdl: bool = False, swap_ab: bool = False, occupancy: int = 1, pingpong: bool = False,
-                 cluster_exit: str | None = None, weight_l2_hint: str | None = None):
+                 cluster_exit: str | None = None, weight_l2_hint: str | None = None,
+                 max_stages: int | None = None):
         super().__init__(G, R, Dg, swap_ab)
         # under PDL the weights load before the grid-dependency wait: B, or A when swapped
         hints = dict(l2_hint_a=weight_l2_hint) if swap_ab else dict(l2_hint_b=weight_l2_hint)
         self.gemm = Sm90Gemm(tile_mn, cluster_mn, pdl=pdl, pdl_early_operand="a" if swap_ab else "b",
                              occupancy=occupancy, pingpong=pingpong, sm_count=WoASm90.NUM_SMS,
-                             cluster_exit=cluster_exit, **hints)
+                             cluster_exit=cluster_exit, max_stages=max_stages, **hints)
 
     @staticmethod
     def tile_for(T: int, G: int, R: int) -> tuple[int, int]:
@@ -101,6 +102,8 @@ class WoASm90(WoAGemm):
     NUM_SMS = 132
     #: the pingpong schedule above SWAP_AB_T for K = Dg up to this, and at any K from PINGPONG_MIN_T
     PINGPONG_MAX_DG, PINGPONG_MIN_T = 1024, 8192
+    #: operand stages at 256 < T <= 512 (one CTA per SM): fewer than fit ran faster there
+    MID_T_MAX_STAGES = 5
 
     @staticmethod
     def config_for(T: int, G: int, R: int, Dg: int | None = None, pdl: bool = False) -> dict:
@@ -140,10 +143,19 @@ class WoASm90(WoAGemm):
         stream pushes them out of L2 (G = 16: 33.5 MB of weights). H200, tools/probe_wo_a_timeline.py
         twice (bench/RESULTS.md, eighteenth session): T = 320 G=16 R=512 22.4 / 21.9 -> 18.5 /
         18.0 us, G=16 R=1024 22.0 / 21.7 -> 18.9 / 18.7, T = 64 G=16 4-7% faster; the G = 8
-        shapes -2..+4%; neutral on the 128x256 tile at T = 4096, so not used above 512."""
+        shapes -2..+4%; neutral on the 128x256 tile at T = 4096, so not used above 512.
+
+        At 256 < T <= 512 with one CTA per SM, at most ``MID_T_MAX_STAGES`` operand stages
+        (instead of the 6-7 that fit): H200, tools/probe_wo_a_timeline.py ``STAGES=5``
+        (bench/RESULTS.md, nineteenth session), T = 320 G=8 R=512 (8 stages fit) 12.81 / 12.26 /
+        12.35 -> 11.78 / 11.81 / 11.84 us in three calls, G=8 R=1024 (6) 11.03 / 11.04 / 11.34
+        -> 10.72 / 10.81 / 10.65; G=16 R=512 -2..+2%; T = 400 / 512 0-3% faster; at T <= 256 and
+        T = 64 fewer stages were slower (up to 8% / 30%), so the cap stops there."""
         cfg = WoASm90._tile_config(T, G, R, Dg, pdl)
         if 32 < T <= WoASm90.SWAP_AB_T[1]:
             cfg["weight_l2_hint"] = "evict_first"
+        if 256 < T <= WoASm90.SWAP_AB_T[1] and cfg.get("swap_ab") and cfg.get("occupancy", 1) == 1:
+            cfg["max_stages"] = WoASm90.MID_T_MAX_STAGES
         return cfg
 
     @staticmethod

@@ -125,6 +125,26 @@ def test_engine_weight_l2_hint_matches_fp64(seed, cfg, T, hint):
     check_engine(T, 8, 16, 128, 512, weight_l2_hint=hint, **cfg)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg, T", [(dict(tile_m=64, tile_n=160, cluster_m=2, swap_ab=True), 320),
+                                    (dict(tile_m=128, tile_n=160, cluster_n=2, swap_ab=True), 300),
+                                    (dict(tile_m=64, tile_n=64), 64)])
+@pytest.mark.parametrize("stages", [2, 5])
+def test_engine_max_stages_matches_fp64(seed, cfg, T, stages):
+    """Fewer operand stages than fit (the pipeline's phases wrap every 2 / 5 of the 32 k-tiles)
+    change no result."""
+    check_engine(T, 8, 16, 128, 512, max_stages=stages, weight_l2_hint="evict_first", **cfg)
+
+
+def test_max_stages_machine_code():
+    """A full and an empty barrier per operand stage: eight stages fill shared memory for the
+    64 x 160 tile (8 x 28 KiB), ``max_stages=5`` initialises ten barriers."""
+    cfg = dict(G=8, R=512, Dg=2048, tile_m=64, tile_n=160, cluster_m=2, swap_ab=True)
+    inits = lambda **extra: sass.disassemble(sass.compile_cubin("wo_a", "sm_90a", **cfg, **extra)).count(  # noqa: E731
+        "SYNCS.EXCH.64")
+    assert (inits(), inits(max_stages=5)) == (16, 10)
+
+
 @pytest.mark.parametrize("swap_ab, cluster", [(True, (2, 1)), (False, (1, 2))])
 def test_weight_l2_hint_machine_code(swap_ab, cluster):
     """Only the weight operand's TMA loads carry a cache policy (``desc[UR..]``; a load
@@ -488,6 +508,7 @@ def test_wgmma_decode_kernel_needs_hopper_and_t_64():
     ("sm90", ((64, 256),), {"pingpong": True, "sm_count": 0}, "sm_count"),
     ("sm90", ((128, 128), (2, 1)), {"cluster_exit": "fence"}, "cluster_exit must be"),
     ("sm90", ((128, 128),), {"l2_hint_b": "evict"}, "l2_hint_b must be None or one of"),
+    ("sm90", ((128, 128),), {"max_stages": 1}, "max_stages must be None or >= 2"),
     ("sm100", ((64, 128),), {}, "tile_m must be 128"),
     ("sm100", ((128, 40),), {}, "tile_n must be a multiple of 32"),
 ])
@@ -531,19 +552,22 @@ def test_tile_heuristics():
 
 def test_launch_configs():
     """wo_a()'s configs: swapped operands with token tiles matched to T at 64 < T <= 512, the
-    weights' evict_first L2 hint at 32 < T <= 512."""
+    weights' evict_first L2 hint at 32 < T <= 512, five operand stages at most at 256 < T <= 512
+    with one CTA per SM."""
     ef = dict(weight_l2_hint="evict_first")
+    ef5 = dict(ef, max_stages=5)
     assert WoASm90.config_for(64, 16, 1024) == dict(tile_m=64, tile_n=128, cluster_n=2, **ef)  # pairs along R
     # 2 tiles; 256 CTAs: two per SM
     assert WoASm90.config_for(320, 16, 1024) == dict(tile_m=128, tile_n=160, cluster_m=2, swap_ab=True, occupancy=2,
                                                      **ef)
     # 128 CTAs in pairs along T sharing each weight tile (two 160-token tiles)
-    pairs_along_t = dict(tile_m=128, tile_n=160, cluster_m=1, cluster_n=2, swap_ab=True, **ef)
+    pairs_along_t = dict(tile_m=128, tile_n=160, cluster_m=1, cluster_n=2, swap_ab=True, **ef5)
     assert WoASm90.config_for(320, 8, 1024) == pairs_along_t
     assert WoASm90.config_for(320, 16, 512) == pairs_along_t
     # registers: no second CTA per SM
-    assert WoASm90.config_for(384, 16, 1024) == dict(tile_m=128, tile_n=192, cluster_m=2, swap_ab=True, **ef)
-    assert WoASm90.config_for(320, 8, 512) == dict(tile_m=64, tile_n=160, cluster_m=2, swap_ab=True, **ef)  # 128 CTAs
+    assert WoASm90.config_for(384, 16, 1024) == dict(tile_m=128, tile_n=192, cluster_m=2, swap_ab=True, **ef5)
+    assert WoASm90.config_for(320, 8, 512) == dict(tile_m=64, tile_n=160, cluster_m=2, swap_ab=True, **ef5)  # 128 CTAs
+    assert WoASm90.config_for(256, 8, 512) == dict(tile_m=64, tile_n=128, cluster_m=2, swap_ab=True, **ef)
     assert WoASm90.config_for(77, 16, 1024) == dict(tile_m=128, tile_n=96, cluster_m=2, swap_ab=True, **ef)
     assert WoASm90.config_for(200, 8, 512) == dict(tile_m=64, tile_n=128, cluster_m=2, swap_ab=True, **ef)  # 128 CTAs
     assert WoASm90.config_for(96, 8, 512) == dict(tile_m=64, tile_n=96, cluster_m=2, swap_ab=True, **ef)  # not 2x64

@@ -44,6 +44,7 @@ the one the previous kernel does not write, load before ``griddepcontrol.wait``)
 ``occupancy`` (CTAs per SM that the stage count, and for 128-row tiles the warp count, leave
 room for); ``pingpong`` with ``sm_count`` (64-row tiles, one CTA per SM, no PDL);
 ``l2_hint_a`` / ``l2_hint_b`` (an :data:`L2_HINTS` cache hint on that operand's TMA loads);
+``max_stages`` (a cap on the operand stages, which otherwise fill shared memory);
 at call time, ``timeline`` (a debug trace of the one-tile-per-CTA kernel: per-CTA SM and
 ``%globaltimer`` stamps, :data:`TIMELINE_SLOTS`; ``tools/probe_wo_a_timeline.py``);
 ``cluster_exit``, how a clustered CTA outlives its peers' arrivals on its barriers:
@@ -118,7 +119,7 @@ class Sm90Gemm:
     def __init__(self, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1), *, pdl: bool = False,
                  pdl_early_operand: str = "b", occupancy: int = 1, pingpong: bool = False,
                  sm_count: int = 132, acc_dtype=Float32, cluster_exit: str | None = None,
-                 l2_hint_a: str | None = None, l2_hint_b: str | None = None):
+                 l2_hint_a: str | None = None, l2_hint_b: str | None = None, max_stages: int | None = None):
         tile_m, tile_n = tile_mn
         if tile_m not in (64, 128):
             raise ValueError(f"Sm90Gemm: tile_m must be 64 or 128, got {tile_m}")
@@ -141,6 +142,9 @@ class Sm90Gemm:
             if hint is not None and hint not in L2_HINTS:
                 raise ValueError(f"Sm90Gemm: {name} must be None or one of {sorted(L2_HINTS)}, got {hint!r}")
         self.l2_hints = (l2_hint_a, l2_hint_b)
+        if max_stages is not None and max_stages < 2:
+            raise ValueError(f"Sm90Gemm: max_stages must be None or >= 2, got {max_stages}")
+        self.max_stages = max_stages
         if pdl_early_operand not in ("a", "b"):
             raise ValueError(f"Sm90Gemm: pdl_early_operand must be 'a' or 'b', got {pdl_early_operand!r}")
         self.tile_mn = (tile_m, tile_n)
@@ -172,11 +176,12 @@ class Sm90Gemm:
 
     def stages_for(self, tile_k: int, ab_width: int, c_width: int = 16) -> int:
         """Operand stages that fit ``occupancy`` CTAs per SM (the cooperative epilogue reuses A's
-        buffers; the pingpong one has its own)."""
+        buffers; the pingpong one has its own), at most ``max_stages``."""
         tile_m, tile_n = self.tile_mn
         smem = SMEM_PER_CTA_MAX if self.occupancy == 1 else SMEM_PER_SM // self.occupancy - 1024
         smem -= SMEM_RESERVE + self.epilogue_bytes(c_width)
-        return smem // ((tile_m + tile_n) * tile_k * ab_width // 8)
+        fit = smem // ((tile_m + tile_n) * tile_k * ab_width // 8)
+        return fit if self.max_stages is None else min(fit, self.max_stages)
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda.CUstream,
