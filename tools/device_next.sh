@@ -139,9 +139,11 @@
 #            sync): 5 GPU tests passed, slower or equal at T = 64 / 320 (probe).
 #   phase 74: (probe) each k-tile's stage freed right after its own wgmma batch ("eager") and a
 #            5-stage cap at T = 320 / 64; WO-A's GPU tests.
+#   phase 75: at most 5 operand stages at 256 < T <= 512 adopted: WO-A's GPU tests, the issue's
+#            bench, the indexer's and MoE experts' GPU tests (wgmma_fragments / tma_pipeline).
 #   phase 73: WO-A's GPU tests, the indexer's and MoE experts' (the first GPU run of the
 #            eighteenth session's review edits: check_wo_a, wgmma_fragments, tma_pipeline).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..74)
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..75)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -390,6 +392,11 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+75)  # the stage cap adopted: WO-A's GPU tests, the issue's bench, the review-touched kernels' GPU tests
+  step 200 wo_a_tests $PYT tests/test_wo_a.py -m gpu
+  step 170 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
+  step 150 kernels_tests $PYT tests/test_indexer.py tests/test_moe_experts.py -m gpu
   ;;
 74)  # stage release right after each batch ("eager") and fewer stages (probe); WO-A's GPU tests
   step 150 probe_eager_320 env TS=320 MODES=full,eager STAGES=5 python tools/probe_wo_a_timeline.py
