@@ -107,6 +107,8 @@ def main():
                     tile += f", {cfg['occupancy']} CTAs/SM"
             if cfg.get("weight_l2_hint"):
                 tile += f", weights {cfg['weight_l2_hint']}"
+            if cfg.get("max_stages"):
+                tile += f", at most {cfg['max_stages']} stages"
             if use_decode_kernel(T, None, "sm90", G, R, Dg) and decode_kernel_kind(T, None, "sm90", G, R, Dg) == "mma":
                 d = decode_plan(T, G, R, Dg)
                 tile = f"decode {d['bm']}x{d['bn']}, {d['splits']} split(s), {d['stages']} stages"
