@@ -309,10 +309,12 @@ KERNEL = jit.register(jit.KernelDef(
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
                   for f in ("wo_a_decode_sm90.py", "grid_sync.py", "wo_a_sm90.py", "tma_pipeline.py", "warp_mma.py")),
     archs=("sm_90a",),
-    # the configs wo_a() routes here by default: 16 < T <= 32 where the warp-MMA decode plan
-    # takes 32-column tiles (cute_kernels.wo_a.decode_kernel_kind)
-    aot_configs=tuple({"G": G, "R": R, "Dg": Dg, **plan(32, G, R, Dg)}
-                      for G in (8, 16) for R in (512, 1024) for Dg in (1024, 2048)
-                      if mma_decode_plan(32, G, R, Dg)["bn"] == BN_NARROW),
+    # the configs wo_a() routes here by default (cute_kernels.wo_a.decode_kernel_kind): T <= 32
+    # where the warp-MMA plan's 32-row tile takes 32-column tiles, T <= 16 where its 16-row
+    # tile takes 64-column ones; one per token tile (8 / 16 / 32 tokens)
+    aot_configs=tuple({"G": G, "R": R, "Dg": Dg, **plan(t, G, R, Dg)}
+                      for G in (8, 16) for R in (512, 1024) for Dg in (1024, 2048) for t in (8, 16, 32)
+                      if mma_decode_plan(32, G, R, Dg)["bn"] == BN_NARROW
+                      or (t <= 16 and mma_decode_plan(t, G, R, Dg)["bn"] != BN_NARROW)),
     description="WO-A decode (T <= 64), Hopper: TMA + wgmma, weight rows as M, split-K, token-major bf16 out",
 ))
