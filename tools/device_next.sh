@@ -142,9 +142,10 @@
 #   phase 75: at most 5 operand stages at 256 < T <= 512 adopted: WO-A's GPU tests, the issue's
 #            bench, the indexer's and MoE experts' GPU tests (wgmma_fragments / tma_pipeline).
 #   phase 76: (probe) T = 320 G=8 R=512: 64x160 in clusters 1x1 / 1x2 / 2x2 x stage caps 4-6 x hint.
+#   phase 77: wo_a()'s wgmma decode kernel at T <= 16 for G=16 R=1024: routed GPU tests, bench T = 1 / 5.
 #   phase 73: WO-A's GPU tests, the indexer's and MoE experts' (the first GPU run of the
 #            eighteenth session's review edits: check_wo_a, wgmma_fragments, tma_pipeline).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..76)
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..77)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -393,6 +394,10 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+77)  # the wgmma decode kernel for G=16 R=1024 at T <= 16: WO-A's routed GPU tests, the bench at T = 1 / 5
+  step 150 wo_a_decode_tests $PYT tests/test_wo_a.py -m gpu -k "hopper_matches or decode or graph or single_kernel"
+  step 90 bench_wo_a_decode python bench/bench_wo_a.py --tokens 1,5 --out "$OUT/bench_wo_a.md"
   ;;
 76)  # T = 320 G=8 R=512: clusters x stage caps x the weights' hint (probe)
   step 300 probe_320 env TS=320 SHAPES=8x512x2048 MODES=full HINTS=evict_first STAGES=4,5,6 \
