@@ -150,24 +150,26 @@ def use_decode_kernel(T: int, decode_kernel: bool | str | None, path: str = "sm9
 
 
 def decode_kernel_kind(T: int, decode_kernel: bool | str | None, path: str = "sm90", G: int | None = None,
-                       R: int | None = None, Dg: int | None = None, sms: int = 132) -> str:
+                       R: int | None = None, Dg: int | None = None, sms: int = 132, pdl: bool = False) -> str:
     """Which decode kernel a call that :func:`use_decode_kernel` routes to one takes: the
     caller's ``"mma"`` / ``"wgmma"`` (True: ``"mma"``); by default on Hopper the wgmma kernel
     (:mod:`.wo_a_decode_sm90`) where 64-row weight tiles fill under 90% of the SMs -- the
-    16 < T <= 32 route's shapes (G=8 R=512) -- and, at T <= 16, where the warp-MMA plan
-    takes 64-column tiles (G * R > 9292: G=16 R=1024); the warp-MMA kernel
+    16 < T <= 32 route's shapes (G=8 R=512) -- and, at T <= 16 without ``pdl``, where the
+    warp-MMA plan takes 64-column tiles (G * R > 9292: G=16 R=1024); the warp-MMA kernel
     (:mod:`.wo_a_decode`) where its plan takes 32-column tiles (G=16 R=512, G=8 R=1024).
     H200 (bench/RESULTS.md, sixteenth session, phases 52-54), G=8 R=512 T = 1 / 5 / 20 / 32:
     wgmma 7.02 / 7.31 / 8.26 / 8.37 us against warp MMAs 7.39 / 7.60 / 9.77 / 9.84. The
     issue's bench times both kernels at T = 1 / 5 in every run (six runs, sixteenth to
     nineteenth session): at G=16 R=1024 the wgmma kernel was faster in 12 of 12 readings
     (10.55-11.06 against 10.74-11.23 us), at G=8 R=1024 slower in 12 of 12 (by 0.5-2%), at
-    G=16 R=512 slower in 10 of 12."""
+    G=16 R=512 slower in 10 of 12. As a programmatic dependent (the bench's PDL column) the
+    warp-MMA kernel stays faster at G=16 R=1024: 9.01-9.36 us at T = 1 in six runs against the
+    wgmma kernel's 9.93 (nineteenth session, phase 77)."""
     if decode_kernel in DECODE_KINDS:
         return decode_kernel
     if decode_kernel is None and path == "sm90" and None not in (G, R, Dg) \
             and (decode_plan(DECODE_NARROW_MAX_T, G, R, Dg, sms)["bn"] == BN_NARROW
-                 or (T <= DECODE_MAX_T and decode_plan(T, G, R, Dg, sms)["bn"] != BN_NARROW)):
+                 or (T <= DECODE_MAX_T and not pdl and decode_plan(T, G, R, Dg, sms)["bn"] != BN_NARROW)):
         return "wgmma"
     return "mma"
 
@@ -264,7 +266,7 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     sms = num_sms(o.device)
     P = jit.gmem_ptr
     if use_decode_kernel(T, decode_kernel, path, G, R, Dg, sms):
-        wgmma = decode_kernel_kind(T, decode_kernel, path, G, R, Dg, sms) == "wgmma"
+        wgmma = decode_kernel_kind(T, decode_kernel, path, G, R, Dg, sms, pdl) == "wgmma"
         if wgmma and (path != "sm90" or T > 64):
             raise ValueError(f"{op}: decode_kernel='wgmma' needs a Hopper (sm_90a) device and T <= 64, "
                              f"got {a} and T={T}")

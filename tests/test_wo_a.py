@@ -698,12 +698,14 @@ def test_pdl_after_a_writer_and_back_to_back(seed, T, decode):
 def test_decode_kernel_kinds():
     """Which decode kernel a routed call takes: by default on Hopper the wgmma kernel where
     64-row weight tiles leave SMs idle (G=8 R=512) or the warp-MMA plan takes 64-column tiles
-    (G=16 R=1024), warp MMAs elsewhere and off Hopper; the caller's choice when given (True:
-    warp MMAs)."""
+    (G=16 R=1024; not under PDL), warp MMAs elsewhere and off Hopper; the caller's choice when
+    given (True: warp MMAs)."""
     from cute_kernels.wo_a import decode_kernel_kind, use_decode_kernel
     narrow = (8, 512, 2048)  # 64 weight tiles of 64 rows
     assert all(decode_kernel_kind(T, None, "sm90", *narrow) == "wgmma" for T in (1, 5, 16, 20, 32))
     assert all(decode_kernel_kind(T, None, "sm90", 16, 1024, 1024) == "wgmma" for T in (1, 5, 16))
+    assert decode_kernel_kind(1, None, "sm90", 16, 1024, 1024, pdl=True) == "mma"  # as a dependent launch
+    assert decode_kernel_kind(1, None, "sm90", *narrow, pdl=True) == "wgmma"
     assert all(decode_kernel_kind(T, None, "sm90", G, R, Dg) == "mma" for T in (1, 5, 16)
                for G, R, Dg in [(16, 512, 2048), (8, 1024, 1024)])
     assert decode_kernel_kind(20, True, "sm90", *narrow) == "mma" and decode_kernel_kind(20, "mma") == "mma"
