@@ -80,9 +80,9 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, clus
     if family(arch) != "sm90" or cluster_m not in (1, 2) or cluster_n not in (1, 2) or occupancy not in (1, 2):
         raise ValueError(f"wo_a: cluster ({cluster_m}, {cluster_n}), pdl={pdl}, swap_ab={swap_ab}, "
                          f"occupancy={occupancy}, pingpong={pingpong}, cluster_exit={cluster_exit!r}, "
-                         f"weight_l2_hint={weight_l2_hint!r}, max_stages={max_stages} -- only the Hopper path takes a cluster "
-                         f"(1 or 2 CTAs per mode), a programmatic dependent launch, swapped operands, 2 CTAs per "
-                         f"SM, the pingpong schedule, a cluster exit, an L2 hint or a stage cap")
+                         f"weight_l2_hint={weight_l2_hint!r}, max_stages={max_stages} -- only the Hopper path "
+                         f"takes a cluster (1 or 2 CTAs per mode), a programmatic dependent launch, swapped "
+                         f"operands, 2 CTAs per SM, the pingpong schedule, a cluster exit, an L2 hint or a stage cap")
     return cls(G, R, Dg, (tile_m, tile_n), (cluster_m, cluster_n), pdl, swap_ab, occupancy, pingpong,
                cluster_exit, weight_l2_hint, max_stages), args
 

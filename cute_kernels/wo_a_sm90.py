@@ -146,7 +146,7 @@ class WoASm90(WoAGemm):
         shapes -2..+4%; neutral on the 128x256 tile at T = 4096, so not used above 512.
 
         At 256 < T <= 512 with one CTA per SM, at most ``MID_T_MAX_STAGES`` operand stages
-        (instead of the 6-7 that fit): H200, tools/probe_wo_a_timeline.py ``STAGES=5``
+        (instead of the 6-8 that fit): H200, tools/probe_wo_a_timeline.py ``STAGES=5``
         (bench/RESULTS.md, nineteenth session), T = 320 G=8 R=512 (8 stages fit) 12.81 / 12.26 /
         12.35 -> 11.78 / 11.81 / 11.84 us in three calls, G=8 R=1024 (6) 11.03 / 11.04 / 11.34
         -> 10.72 / 10.81 / 10.65; G=16 R=512 -2..+2%; T = 400 / 512 0-3% faster; at T <= 256 and
