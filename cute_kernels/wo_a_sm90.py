@@ -150,7 +150,7 @@ class WoASm90(WoAGemm):
         (bench/RESULTS.md, nineteenth session), T = 320 G=8 R=512 (8 stages fit) 12.81 / 12.26 /
         12.35 -> 11.78 / 11.81 / 11.84 us in three calls, G=8 R=1024 (6) 11.03 / 11.04 / 11.34
         -> 10.72 / 10.81 / 10.65; G=16 R=512 -2..+2%; T = 400 / 512 0-3% faster; at T <= 256 and
-        T = 64 fewer stages were slower (up to 8% / 30%), so the cap stops there."""
+        T = 64 fewer stages were mostly slower (up to 8% / 34%), so the cap stops there."""
         cfg = WoASm90._tile_config(T, G, R, Dg, pdl)
         if 32 < T <= WoASm90.SWAP_AB_T[1]:
             cfg["weight_l2_hint"] = "evict_first"
