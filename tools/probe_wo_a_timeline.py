@@ -45,7 +45,7 @@ from cutlass.cute.nvgpu import warpgroup  # noqa: E402
 
 from cute_kernels import jit  # noqa: E402
 from cute_kernels.gemm import sm90_gemm  # noqa: E402
-from cute_kernels.gemm.sm90_gemm import WARP_GROUP, Sm90Gemm  # noqa: E402
+from cute_kernels.gemm.sm90_gemm import Sm90Gemm  # noqa: E402
 from cute_kernels.wo_a_sm90 import WoASm90, WoASm90Traced  # noqa: E402
 
 MAX_CTAS = WoASm90Traced.MAX_CTAS
@@ -77,33 +77,25 @@ class Sm90GemmProbe(Sm90Gemm):
     def mma(self, ab_pipe, tiled_mma, sA, sB, gC, warp, k_tiles, loads, trace=None):
         if const_expr(self.mode != "eager"):
             return Sm90Gemm.mma(self, ab_pipe, tiled_mma, sA, sB, gC, warp, k_tiles, loads, trace)
-        if const_expr(self.inline_producer):
-            if warp == 0:
-                self.load_prologue(ab_pipe, loads, k_tiles)
-        thr_mma = tiled_mma.get_slice(warp // 4 * WARP_GROUP)
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape, self.acc_dtype)
-        k_blocks = cute.size(tCrA, mode=[2])
+        tCrA, tCrB, acc, k_blocks = self.mma_fragments(tiled_mma, sA, sB, gC, warp)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
         self.mma_k_tile(ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks, first=True)
         self.stamp(trace, sm90_gemm.STAMP_FIRST_STAGE, cute.arch.thread_idx()[0] == 0)
-        warpgroup.wait_group(0)
-        ab_pipe.consumer_release(read)
-        if const_expr(self.inline_producer):
-            if warp == 0 and self.stages < k_tiles:
-                self.load_k_tile(ab_pipe, loads, self.stages)
+        self.free_now(ab_pipe, loads, read, warp, k_tiles)
         read.advance()
         for _ in cutlass.range(1, k_tiles, unroll=1):
             self.mma_k_tile(ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks)
-            warpgroup.wait_group(0)
-            ab_pipe.consumer_release(read)
-            if const_expr(self.inline_producer):
-                if warp == 0 and read.count + self.stages < k_tiles:
-                    self.load_k_tile(ab_pipe, loads, read.count + self.stages)
+            self.free_now(ab_pipe, loads, read, warp, k_tiles)
             read.advance()
         return acc
+
+    @cute.jit
+    def free_now(self, ab_pipe, loads, read, warp, k_tiles):
+        """``eager``: wait for the batch just issued, free its stage and refill it."""
+        warpgroup.wait_group(0)
+        ab_pipe.consumer_release(read)
+        self.refill(ab_pipe, loads, warp, read.count, k_tiles)
 
     @cute.jit
     def mma_k_tile(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks: cutlass.Constexpr,

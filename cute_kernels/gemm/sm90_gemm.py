@@ -361,6 +361,9 @@ class Sm90Gemm:
     def consume(self, ab_pipe, tiled_mma, tma_c, sA, sB, sC_layout, gC, tidx, warp, k_tiles, loads, trace,
                 is_clustered: cutlass.Constexpr):
         """A consumer warp group: the MMAs over every k-tile, then its share of the epilogue."""
+        if const_expr(self.inline_producer):
+            if warp == 0:
+                self.load_prologue(ab_pipe, loads, k_tiles)
         acc = self.mma(ab_pipe, tiled_mma, sA, sB, gC, warp, k_tiles, loads, trace)
         self.stamp(trace, STAMP_MAINLOOP_END, tidx == 0)
         barrier_exit = const_expr(is_clustered and self.cluster_exit == "barrier")
@@ -565,15 +568,9 @@ class Sm90Gemm:
     @cute.jit
     def mma(self, ab_pipe, tiled_mma, sA, sB, gC, warp, k_tiles, loads, trace=None):
         """A consumer warp group: its 64 rows of the tile, accumulated over every k-tile (and,
-        with ``inline_producer``, warp 0 loading k-tile ``k + stages`` once stage ``k`` is free)."""
-        if const_expr(self.inline_producer):
-            if warp == 0:
-                self.load_prologue(ab_pipe, loads, k_tiles)
-        thr_mma = tiled_mma.get_slice(warp // 4 * WARP_GROUP)
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape, self.acc_dtype)
-        k_blocks = cute.size(tCrA, mode=[2])
+        with ``inline_producer``, warp 0 loading k-tile ``k + stages`` once stage ``k`` is free,
+        after the prologue's stages it loaded in :meth:`consume`)."""
+        tCrA, tCrB, acc, k_blocks = self.mma_fragments(tiled_mma, sA, sB, gC, warp)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = read.clone()
 
@@ -587,14 +584,29 @@ class Sm90Gemm:
             # the previous batch has retired once at most this one is in flight: free its stage
             warpgroup.wait_group(1)
             ab_pipe.consumer_release(release)
-            if const_expr(self.inline_producer):
-                if warp == 0 and release.count + self.stages < k_tiles:
-                    self.load_k_tile(ab_pipe, loads, release.count + self.stages)
+            self.refill(ab_pipe, loads, warp, release.count, k_tiles)
             release.advance()
             read.advance()
         warpgroup.wait_group(0)
         ab_pipe.consumer_release(release)
         return acc
+
+    def mma_fragments(self, tiled_mma, sA, sB, gC, warp):
+        """Warp group ``warp // 4``'s wgmma operand fragments of the stage buffers, its
+        (uninitialised) accumulator of tile ``gC``, and the wgmma k-steps per stage."""
+        thr_mma = tiled_mma.get_slice(warp // 4 * WARP_GROUP)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape, self.acc_dtype)
+        return tCrA, tCrB, acc, cute.size(tCrA, mode=[2])
+
+    @cute.jit
+    def refill(self, ab_pipe, loads, warp, freed, k_tiles):
+        """With ``inline_producer``: warp 0 loads k-tile ``freed + stages`` into the stage that
+        k-tile ``freed`` has just vacated, if that k-tile exists; nothing otherwise."""
+        if const_expr(self.inline_producer):
+            if warp == 0 and freed + self.stages < k_tiles:
+                self.load_k_tile(ab_pipe, loads, freed + self.stages)
 
     @cute.jit
     def mma_k_tile(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks: cutlass.Constexpr,
