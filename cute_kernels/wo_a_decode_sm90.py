@@ -54,7 +54,7 @@ from . import jit
 from .grid_sync import last_arrival
 from .tma_pipeline import single_cta_tma_pipeline, tma_tiles
 from .warp_mma import wgmma_fragments
-from .wo_a_decode import BN_NARROW, MAX_T, SMEM_PER_CTA, plan as mma_decode_plan
+from .wo_a_decode import MAX_T, SMEM_PER_CTA
 from .wo_a_sm90 import wo_a_layouts
 
 BM = 64  # weight rows (output columns) per CTA: wgmma M
@@ -303,18 +303,28 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, splits: int = 1, s
     return WoADecodeSm90(G, R, Dg, tok_n, splits, stages, bk, pdl, cluster), args
 
 
+def _aot(arch: str) -> tuple[dict, ...]:
+    """The configs :func:`cute_kernels.wo_a.wo_a` routes here by default (its own rule,
+    :func:`cute_kernels.wo_a.decode_kernel_kind`), one per token tile of 8 / 16 / 32 tokens."""
+    from .wo_a import decode_kernel_kind, use_decode_kernel  # wo_a imports this module
+
+    cfgs = []
+    for G in (8, 16):
+        for R in (512, 1024):
+            for Dg in (1024, 2048):
+                for T in (8, 16, 32):
+                    if use_decode_kernel(T, None, "sm90", G, R, Dg) \
+                            and decode_kernel_kind(T, None, "sm90", G, R, Dg) == "wgmma":
+                        cfgs.append({"G": G, "R": R, "Dg": Dg, **plan(T, G, R, Dg)})
+    return tuple(cfgs)
+
+
 KERNEL = jit.register(jit.KernelDef(
     name="wo_a_decode_sm90",
     build=_build,
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
                   for f in ("wo_a_decode_sm90.py", "grid_sync.py", "wo_a_sm90.py", "tma_pipeline.py", "warp_mma.py")),
     archs=("sm_90a",),
-    # the configs wo_a() routes here by default (cute_kernels.wo_a.decode_kernel_kind): T <= 32
-    # where the warp-MMA plan's 32-row tile takes 32-column tiles, T <= 16 where its 16-row
-    # tile takes 64-column ones; one per token tile (8 / 16 / 32 tokens)
-    aot_configs=tuple({"G": G, "R": R, "Dg": Dg, **plan(t, G, R, Dg)}
-                      for G in (8, 16) for R in (512, 1024) for Dg in (1024, 2048) for t in (8, 16, 32)
-                      if mma_decode_plan(32, G, R, Dg)["bn"] == BN_NARROW
-                      or (t <= 16 and mma_decode_plan(t, G, R, Dg)["bn"] != BN_NARROW)),
+    aot_configs=_aot,
     description="WO-A decode (T <= 64), Hopper: TMA + wgmma, weight rows as M, split-K, token-major bf16 out",
 ))
