@@ -137,14 +137,14 @@
 #   phase 72: WO-A against bmm as Dg shrinks (fixed cost vs streaming rate, probe); (commit 4a93440,
 #            reverted after it) the engine's early_loads (a CTA's own operand before the cluster
 #            sync): 5 GPU tests passed, slower or equal at T = 64 / 320 (probe).
+#   phase 73: WO-A's GPU tests, the indexer's and MoE experts' (defined, not run: phases
+#            74 / 75 ran those tests).
 #   phase 74: (probe) each k-tile's stage freed right after its own wgmma batch ("eager") and a
 #            5-stage cap at T = 320 / 64; WO-A's GPU tests.
 #   phase 75: at most 5 operand stages at 256 < T <= 512 adopted: WO-A's GPU tests, the issue's
 #            bench, the indexer's and MoE experts' GPU tests (wgmma_fragments / tma_pipeline).
 #   phase 76: (probe) T = 320 G=8 R=512: 64x160 in clusters 1x1 / 1x2 / 2x2 x stage caps 4-6 x hint.
 #   phase 77: wo_a()'s wgmma decode kernel at T <= 16 for G=16 R=1024: routed GPU tests, bench T = 1 / 5.
-#   phase 73: WO-A's GPU tests, the indexer's and MoE experts' (the first GPU run of the
-#            eighteenth session's review edits: check_wo_a, wgmma_fragments, tma_pipeline).
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..77)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
