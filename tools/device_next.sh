@@ -145,7 +145,9 @@
 #            bench, the indexer's and MoE experts' GPU tests (wgmma_fragments / tma_pipeline).
 #   phase 76: (probe) T = 320 G=8 R=512: 64x160 in clusters 1x1 / 1x2 / 2x2 x stage caps 4-6 x hint.
 #   phase 77: wo_a()'s wgmma decode kernel at T <= 16 for G=16 R=1024: routed GPU tests, bench T = 1 / 5.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..77)
+#   phase 78: (probe) the PDL build at T = 320 / 4096 (Dg = 2048) launched as a programmatic
+#            dependent, and launched as an ordinary kernel, against the ordinary build: traces kept.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..78)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -394,6 +396,10 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+78)  # where the PDL build's speed-up comes from at T = 4096 / 320 (probe, raw traces kept)
+  step 420 probe_pdl env TS=4096,320 SHAPES=16x512x2048,8x512x2048 MODES=full PDL=0,1,code OUT="$OUT" \
+    python tools/probe_wo_a_timeline.py
   ;;
 77)  # the wgmma decode kernel for G=16 R=1024 at T <= 16: WO-A's routed GPU tests, the bench at T = 1 / 5
   step 150 wo_a_decode_tests $PYT tests/test_wo_a.py -m gpu -k "hopper_matches or decode or graph or single_kernel"

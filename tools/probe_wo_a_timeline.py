@@ -17,6 +17,7 @@ Each config also runs in two stripped modes and one variant, timed the same way:
     env TS=320 SHAPES=8x512x2048 MODES=full OUT=/tmp python tools/probe_wo_a_timeline.py
     env TS=64,320,4096 MODES=full HINTS=evict_first python tools/probe_wo_a_timeline.py
     env TS=64,320 MODES=full,eager STAGES=4,5 python tools/probe_wo_a_timeline.py
+    env TS=4096 SHAPES=16x512x2048 MODES=full PDL=0,1,code OUT=/tmp python tools/probe_wo_a_timeline.py
 
 Prints, per (shape, T, config, mode): us per call (graph replay of back-to-back launches
 with rotating weights, as the benches) next to cuBLAS ``bmm`` alone, and from the trace of
@@ -120,9 +121,12 @@ class WoATimeline(WoASm90Traced):
 
 
 def compile_probe(G, R, Dg, cfg, mode, arch="sm_90a"):
+    pdl = cfg.get("pdl", False)
     obj = WoATimeline(G, R, Dg, (cfg["tile_m"], cfg["tile_n"]), (cfg.get("cluster_m", 1), cfg.get("cluster_n", 1)),
-                      False, cfg.get("swap_ab", False), cfg.get("occupancy", 1), False, cfg.get("cluster_exit"),
+                      bool(pdl), cfg.get("swap_ab", False), cfg.get("occupancy", 1), False, cfg.get("cluster_exit"),
                       cfg.get("weight_l2_hint"), mode=mode, max_stages=cfg.get("max_stages"))
+    if pdl == "code":  # the PDL build's machine code, launched as an ordinary kernel
+        obj.gemm.pdl_launch = False
     P = jit.fake_gmem_ptr
     return cute.compile(obj, P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.Int64, 8),
                         Int32(1), jit.fake_stream(), options=jit.default_options(arch))
@@ -147,6 +151,7 @@ def main():
     HINTS = [h for h in os.environ.get("HINTS", "").split(",") if h]
     EXTRA = [c for c in os.environ.get("CONFIGS", "").split(",") if c and c != "default"]
     STAGES = [int(n) for n in os.environ.get("STAGES", "").split(",") if n]
+    PDL = [{"0": False, "1": True, "code": "code"}[p] for p in os.environ.get("PDL", "0").split(",")]
     traces = {}
     gpu_warmup()
     shapes = [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]
@@ -169,6 +174,9 @@ def main():
             cfgs += [dict(c, weight_l2_hint=h) for h in HINTS for c in list(cfgs)]
             # ... and with at most that many operand stages for each of STAGES (e.g. STAGES=4,5)
             cfgs += [dict(c, max_stages=n) for n in STAGES for c in list(cfgs)]
+            # ... and as a programmatic dependent launch (PDL=1), or its build launched without
+            # the attribute (PDL=code); PDL=0 (the default) keeps the ordinary launch
+            cfgs = [dict(c, pdl=p) for p in PDL for c in cfgs]
             print(f"T={T} G={G} R={R} Dg={Dg}: bmm alone {t_bmm * 1e6:.2f} us", flush=True)
             for cfg in cfgs:
                 if cfg.get("pingpong"):
@@ -207,7 +215,8 @@ def main():
                     if os.environ.get("OUT"):  # the raw traces, for a look at every CTA: one file
                         name = (f"G{G}R{R}T{T}_{cfg['tile_m']}x{cfg['tile_n']}_c{cfg.get('cluster_m', 1)}x"
                                 f"{cfg.get('cluster_n', 1)}_{cfg.get('weight_l2_hint') or 'nohint'}"
-                                f"{'_s%d' % cfg['max_stages'] if cfg.get('max_stages') else ''}_{mode}")
+                                f"{'_s%d' % cfg['max_stages'] if cfg.get('max_stages') else ''}"
+                                f"{'_pdl' + str(cfg['pdl']) if cfg.get('pdl') else ''}_{mode}")
                         traces[name] = tls[:, :ctas].cpu()
                         torch.save(traces, os.path.join(os.environ["OUT"], "timeline_traces.pt"))
                     print(f"  {cfg} {mode}: {us:.2f} us ({t_bmm * 1e6 / us:.2f}x bmm, err {err:.1e}); "

@@ -150,6 +150,9 @@ class Sm90Gemm:
         self.tile_mn = (tile_m, tile_n)
         self.cluster_mn = tuple(cluster_mn)
         self.pdl, self.pdl_early_a = pdl, pdl_early_operand == "a"
+        # the launch attribute alone (host side): a probe may launch the PDL build without it,
+        # to part the build's code from the launch overlap (tools/probe_wo_a_timeline.py PDL=code)
+        self.pdl_launch = pdl
         self.occupancy = occupancy
         self.cluster_exit = cluster_exit
         self.acc_dtype = acc_dtype
@@ -261,7 +264,7 @@ class Sm90Gemm:
             self.kernel(tma_a, mA, tma_b, mB, tma_c, mC, tiled_mma, sA_layout, sB_layout, sC_layout,
                         timeline).launch(
                 grid=grid, block=[self.threads, 1, 1], cluster=(cluster_m, cluster_n, 1), stream=stream,
-                use_pdl=self.pdl)
+                use_pdl=self.pdl_launch)
 
     @staticmethod
     def _tma_load(t: cute.Tensor, smem_layout_staged, tile: tuple[int, int], multicast: int):
