@@ -53,7 +53,8 @@ _PATHS = {"sm90": WoASm90, "sm100": WoASm100}
 
 def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, cluster_m: int = 1, cluster_n: int = 1,
            pdl: bool = False, swap_ab: bool = False, occupancy: int = 1, pingpong: bool = False,
-           cluster_exit: str | None = None, weight_l2_hint: str | None = None, max_stages: int | None = None):
+           cluster_exit: str | None = None, weight_l2_hint: str | None = None, max_stages: int | None = None,
+           persistent: bool = False):
     """``cluster_m`` / ``cluster_n``: the Hopper engine's thread-block cluster (TMA multicast of
     the operand tiles the cluster's CTAs share): (2, 1) in the shipped swapped configs, (1, 1)
     in the others, any of 1/2 x 1/2 for tools/probe_wo_a_tiles.py. ``pdl``: the Hopper engine
@@ -61,7 +62,9 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, clus
     tokens on N (:mod:`.wo_a_sm90`); the tile is then (R-tile, T-tile). ``occupancy``: CTAs
     per SM the engine's stage count (and, for 128-row tiles, its warp count) leave room for.
     ``pingpong``: the Hopper engine's persistent schedule, 64-row tiles taken by its two
-    consumer warp groups in turn (one's epilogue under the other's MMAs). ``cluster_exit``: how
+    consumer warp groups in turn (one's epilogue under the other's MMAs); ``persistent``: the
+    same persistent CTA on 128-row cooperative tiles (the next tile's loads under the
+    epilogue; tools/probe_wo_a_tiles.py ``PERSISTENT_TILES``). ``cluster_exit``: how
     a clustered Hopper CTA outlives its peers' arrivals (:class:`.gemm.sm90_gemm.Sm90Gemm`).
     ``weight_l2_hint``: an L2 cache hint on the Hopper engine's weight loads
     (:data:`.gemm.sm90_gemm.L2_HINTS`, e.g. ``"evict_first"``: weights are streamed once).
@@ -75,16 +78,17 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, clus
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), Int32(1), jit.fake_stream())
     if (cluster_m, cluster_n) == (1, 1) and not pdl and not swap_ab and occupancy == 1 and not pingpong \
-            and cluster_exit is None and weight_l2_hint is None and max_stages is None:
+            and not persistent and cluster_exit is None and weight_l2_hint is None and max_stages is None:
         return cls(G, R, Dg, (tile_m, tile_n)), args
     if family(arch) != "sm90" or cluster_m not in (1, 2) or cluster_n not in (1, 2) or occupancy not in (1, 2):
         raise ValueError(f"wo_a: cluster ({cluster_m}, {cluster_n}), pdl={pdl}, swap_ab={swap_ab}, "
-                         f"occupancy={occupancy}, pingpong={pingpong}, cluster_exit={cluster_exit!r}, "
+                         f"occupancy={occupancy}, pingpong={pingpong}, persistent={persistent}, "
+                         f"cluster_exit={cluster_exit!r}, "
                          f"weight_l2_hint={weight_l2_hint!r}, max_stages={max_stages} -- only the Hopper path "
                          f"takes a cluster (1 or 2 CTAs per mode), a programmatic dependent launch, swapped "
-                         f"operands, 2 CTAs per SM, the pingpong schedule, a cluster exit, an L2 hint or a stage cap")
+                         f"operands, 2 CTAs per SM, a persistent schedule, a cluster exit, an L2 hint or a stage cap")
     return cls(G, R, Dg, (tile_m, tile_n), (cluster_m, cluster_n), pdl, swap_ab, occupancy, pingpong,
-               cluster_exit, weight_l2_hint, max_stages), args
+               cluster_exit, weight_l2_hint, max_stages, persistent), args
 
 
 def _aot(arch: str):

@@ -204,6 +204,22 @@ def test_pingpong_engine_matches_fp64(seed, tile, cluster, swap_ab, T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile, cluster, swap_ab, T", [((128, 256), (1, 1), False, 1100),
+                                                       ((128, 256), (2, 1), False, 4096),
+                                                       ((128, 128), (1, 2), False, 77),
+                                                       ((128, 160), (2, 1), True, 333),
+                                                       ((128, 256), (1, 1), False, 1)])
+def test_persistent_engine_matches_fp64(seed, tile, cluster, swap_ab, T):
+    """The persistent cooperative schedule: each CTA walks tiles 132 (clusters) apart with
+    both warp groups on every 128-row tile, the pipeline running across tile boundaries --
+    9-15 tiles per CTA (T = 1100, 4096: the phases wrap many times), a partial last tile,
+    CTA pairs multicasting either operand, swapped operands, fewer tiles than SMs (T = 1)."""
+    for G, HG, Dv, R in [(16, 8, 128, 1024), (8, 16, 128, 512)]:
+        check_engine(T, G, HG, Dv, R, tile_m=tile[0], tile_n=tile[1], cluster_m=cluster[0],
+                     cluster_n=cluster[1], swap_ab=swap_ab, persistent=True)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cluster_exit", ["barrier", "producer_tail"])
 @pytest.mark.parametrize("cfg, T", [
     (dict(tile_m=128, tile_n=160, cluster_m=2, swap_ab=True, occupancy=2), 320),  # inline producer
@@ -323,6 +339,21 @@ def test_pingpong_machine_code(cluster_m, swap_ab):
     assert sass.count(h, "UTMALDG") >= 2 and sass.count(h, "UTMASTG") >= 1 and sass.local_memory_ops(h) == 0
     assert (sass.count(h, "UTMALDG.3D.MULTICAST") >= 1) == (cluster_m == 2)
     assert sass.count(h, "BAR.ARV") >= 1
+    (regs,) = sass.register_counts(sass.compile_cubin("wo_a", "sm_90a", **cfg)).values()
+    assert regs <= 224, regs
+
+
+@pytest.mark.parametrize("cluster_m", [1, 2])
+def test_persistent_machine_code(cluster_m):
+    """The persistent cooperative schedule: 64 x 256 HGMMAs per warp group, TMA in (multicast
+    in a CTA pair) and out, no ordering barrier's arrive (both warp groups take every tile), no
+    spills, and a register count that lets its 9 warps launch (288 threads: 224 at most)."""
+    cfg = dict(G=16, R=512, Dg=2048, tile_m=128, tile_n=256, cluster_m=cluster_m, persistent=True)
+    h = sass.sass_histogram("wo_a", "sm_90a", **cfg)
+    assert sass.count(h, "HGMMA.64x256x16.F32.BF16") >= 1, h
+    assert sass.count(h, "UTMALDG") >= 2 and sass.count(h, "UTMASTG") >= 1 and sass.local_memory_ops(h) == 0
+    assert (sass.count(h, "UTMALDG.3D.MULTICAST") >= 1) == (cluster_m == 2)
+    assert sass.count(h, "BAR.ARV") == 0
     (regs,) = sass.register_counts(sass.compile_cubin("wo_a", "sm_90a", **cfg)).values()
     assert regs <= 224, regs
 
@@ -506,6 +537,10 @@ def test_wgmma_decode_kernel_needs_hopper_and_t_64():
     ("sm90", ((64, 256),), {"pingpong": True, "pdl": True}, "without PDL"),
     ("sm90", ((64, 256),), {"pingpong": True, "occupancy": 2}, "one persistent CTA per SM"),
     ("sm90", ((64, 256),), {"pingpong": True, "sm_count": 0}, "sm_count"),
+    ("sm90", ((64, 256),), {"persistent": True}, "persistent runs 128-row cooperative tiles"),
+    ("sm90", ((64, 256),), {"persistent": True, "pingpong": True}, "not pingpong"),
+    ("sm90", ((128, 256),), {"persistent": True, "occupancy": 2}, "one persistent CTA per SM"),
+    ("sm90", ((128, 256),), {"persistent": True, "pdl": True}, "without PDL"),
     ("sm90", ((128, 128), (2, 1)), {"cluster_exit": "fence"}, "cluster_exit must be"),
     ("sm90", ((128, 128),), {"l2_hint_b": "evict"}, "l2_hint_b must be None or one of"),
     ("sm90", ((128, 128),), {"max_stages": 1}, "max_stages must be None or >= 2"),
@@ -539,6 +574,11 @@ def test_engine_warp_roles():
     # a CTA pair leaves by the producer tail, except the persistent pingpong CTA (measured)
     assert g.cluster_exit == "barrier" and Sm90Gemm((128, 160), (2, 1)).cluster_exit == "producer_tail"
     assert Sm100Gemm((256, 256)).cluster_mn == (2, 1) and Sm100Gemm((128, 128)).cluster_mn == (1, 1)
+    # the persistent cooperative CTA: 2 x 2 (64 x 32) subtiles of its own leave 4 stages of
+    # 128x64 + 256x64 (the one-tile-per-CTA kernel's epilogue reuses A's buffers: also 4)
+    g = Sm90Gemm((128, 256), persistent=True)
+    assert (g.consumer_wgs, g.threads, g.producer_warp, g.cluster_exit) == (2, 288, 8, "barrier")
+    assert g.epilogue_bytes(16) == 16 * 1024 and g.stages_for(64, 16, 16) == 4
 
 
 def test_tile_heuristics():

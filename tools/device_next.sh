@@ -147,7 +147,9 @@
 #   phase 77: wo_a()'s wgmma decode kernel at T <= 16 for G=16 R=1024: routed GPU tests, bench T = 1 / 5.
 #   phase 78: (probe) the PDL build at T = 320 / 4096 (Dg = 2048) launched as a programmatic
 #            dependent, and launched as an ordinary kernel, against the ordinary build: traces kept.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..78)
+#   phase 79: the engine's persistent cooperative schedule (128-row tiles, the next tile's loads
+#            under the epilogue): its GPU tests, then against 128x256 at T = 1024 / 4096 (probe).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..79)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -396,6 +398,11 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+79)  # the persistent cooperative schedule: GPU tests, against the one-tile-per-CTA 128x256 (probe)
+  step 200 persistent_tests $PYT tests/test_wo_a.py -m gpu -k "persistent_engine"
+  step 330 probe_persistent env TS=4096,1024 TILES=128x256 PERSISTENT_TILES=128x256 CLUSTERS=1x1,2x1 \
+    python tools/probe_wo_a_tiles.py
   ;;
 78)  # where the PDL build's speed-up comes from at T = 4096 / 320 (probe, raw traces kept)
   step 420 probe_pdl env TS=4096,320 SHAPES=16x512x2048,8x512x2048 MODES=full PDL=0,1,code OUT="$OUT" \

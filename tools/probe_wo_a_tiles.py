@@ -7,6 +7,7 @@
     env TS=96,200,512 PICKS=1 python tools/probe_wo_a_tiles.py
     env TS=320 TILES=128x256 SWAP_TILES=128x160,64x160 CLUSTERS=2x1 OCCUPANCY=1,2 python tools/probe_wo_a_tiles.py
     env TS=4096,16384 TILES=128x256 PINGPONG_TILES=64x256 CLUSTERS=1x1,2x1 python tools/probe_wo_a_tiles.py
+    env TS=4096 TILES=128x256 PERSISTENT_TILES=128x256 CLUSTERS=1x1,2x1 python tools/probe_wo_a_tiles.py
     env TS=320,4096 PICKS=1 CLUSTERS=2x1 EXITS=default,barrier,producer_tail python tools/probe_wo_a_tiles.py
 
 Prints, per shape and T, us per call (graph replay, rotating weights) and the relative error
@@ -37,6 +38,8 @@ SWAP_TILES = _pairs("SWAP_TILES", "") if os.environ.get("SWAP_TILES") else []
 # the engine's persistent pingpong schedule (64-row tiles; (T, R) or, with PINGPONG_SWAP_TILES, (R, T))
 PINGPONG_TILES = _pairs("PINGPONG_TILES", "") if os.environ.get("PINGPONG_TILES") else []
 PINGPONG_SWAP_TILES = _pairs("PINGPONG_SWAP_TILES", "") if os.environ.get("PINGPONG_SWAP_TILES") else []
+# the engine's persistent cooperative schedule (128-row (T, R) tiles, both warp groups on each)
+PERSISTENT_TILES = _pairs("PERSISTENT_TILES", "") if os.environ.get("PERSISTENT_TILES") else []
 OCCUPANCY = [int(v) for v in os.environ.get("OCCUPANCY", "1").split(",")]  # CTAs per SM the stages leave room for
 # how a clustered CTA leaves (Sm90Gemm's cluster_exit; "default": the engine's choice); 1x1
 # configs run the default only
@@ -72,6 +75,8 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
                         for cm, cn in CLUSTERS]
             configs += [(tm, tn, cm, cn, True, True) for tm, tn in PINGPONG_SWAP_TILES if R % tm == 0
                         for cm, cn in CLUSTERS]
+            configs += [(tm, tn, cm, cn, False, "persistent") for tm, tn in PERSISTENT_TILES if R % tn == 0
+                        for cm, cn in CLUSTERS]
         if PICKS:  # the launched config at wo_a()'s own occupancy, the others at one CTA per SM
             runs = [(c, cfg.get("occupancy", 1) if c == launched else 1, ex) for c in configs for ex in EXITS]
         else:
@@ -80,7 +85,9 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
             if (pp and occ > 1) or (ex != "default" and cm * cn == 1):
                 continue
             fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=Dg, tile_m=tm, tile_n=tn, cluster_m=cm,
-                                cluster_n=cn, swap_ab=swap, occupancy=occ, **({"pingpong": True} if pp else {}),
+                                cluster_n=cn, swap_ab=swap, occupancy=occ,
+                                # pp: True the pingpong schedule, "persistent" the persistent cooperative one
+                                **({"pingpong": True} if pp is True else {"persistent": True} if pp else {}),
                                 **({"cluster_exit": ex} if ex != "default" else {}),
                                 # every config with the weight loads' L2 hint wo_a() uses at this T
                                 **({"weight_l2_hint": cfg["weight_l2_hint"]} if cfg.get("weight_l2_hint") else {}))
@@ -92,7 +99,8 @@ for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 10
             t, err = measure(call, y, ref, n)
             mark = ("*" if (tm, tn, cm, cn, swap, pp) == launched and occ == cfg.get("occupancy", 1)
                     and ex == "default" else "")
-            name = (f"{'pingpong ' if pp else ''}{'swap ' if swap else ''}{tm}x{tn} c{cm}x{cn}"
+            name = (f"{'pingpong ' if pp is True else 'persistent ' if pp else ''}{'swap ' if swap else ''}"
+                    f"{tm}x{tn} c{cm}x{cn}"
                     f"{f' occ{occ}' if occ > 1 else ''}{f' {ex}' if ex != 'default' else ''}")
             res.append(f"{name}{mark}: {t * 1e6:.1f} us ({t_bmm / t:.2f}x bmm, err {err:.1e})")
         for bands in BANDS:  # row bands: one launch per band, each with its own tile

@@ -119,13 +119,18 @@ class Sm90Gemm:
     def __init__(self, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1), *, pdl: bool = False,
                  pdl_early_operand: str = "b", occupancy: int = 1, pingpong: bool = False,
                  sm_count: int = 132, acc_dtype=Float32, cluster_exit: str | None = None,
-                 l2_hint_a: str | None = None, l2_hint_b: str | None = None, max_stages: int | None = None):
+                 l2_hint_a: str | None = None, l2_hint_b: str | None = None, max_stages: int | None = None,
+                 persistent: bool = False):
         tile_m, tile_n = tile_mn
         if tile_m not in (64, 128):
             raise ValueError(f"Sm90Gemm: tile_m must be 64 or 128, got {tile_m}")
         if pingpong and (tile_m != 64 or occupancy != 1 or pdl):
             raise ValueError(f"Sm90Gemm: pingpong runs 64-row tiles, one persistent CTA per SM, without PDL; got "
                              f"tile_m={tile_m}, occupancy={occupancy}, pdl={pdl}")
+        if persistent and (pingpong or tile_m != 128 or occupancy != 1 or pdl):
+            raise ValueError(f"Sm90Gemm: persistent runs 128-row cooperative tiles (not pingpong), one persistent CTA "
+                             f"per SM, without PDL; got tile_m={tile_m}, pingpong={pingpong}, occupancy={occupancy}, "
+                             f"pdl={pdl}")
         if sm_count < 1:
             raise ValueError(f"Sm90Gemm: sm_count must be >= 1, got {sm_count}")
         if tile_n % 32 or not 32 <= tile_n <= 256:
@@ -135,7 +140,7 @@ class Sm90Gemm:
         if occupancy not in (1, 2):
             raise ValueError(f"Sm90Gemm: occupancy must be 1 or 2, got {occupancy}")
         if cluster_exit is None:
-            cluster_exit = "barrier" if pingpong else "producer_tail"
+            cluster_exit = "barrier" if pingpong or persistent else "producer_tail"
         if cluster_exit not in ("barrier", "producer_tail"):
             raise ValueError(f"Sm90Gemm: cluster_exit must be 'barrier' or 'producer_tail', got {cluster_exit!r}")
         for name, hint in (("l2_hint_a", l2_hint_a), ("l2_hint_b", l2_hint_b)):
@@ -169,13 +174,16 @@ class Sm90Gemm:
         self.pingpong, self.sm_count = pingpong, sm_count
         if pingpong:
             self.consumer_wgs = 2
+        # ``persistent``: the same persistent CTA, both warp groups on every 128-row tile (as the
+        # one-tile-per-CTA kernel) -- the producer fills the next tile's stages during the epilogue
+        self.persistent = persistent
         self.threads = WARP_GROUP * self.consumer_wgs + (0 if self.inline_producer else 32)
         self.producer_warp = 0 if self.inline_producer else 4 * self.consumer_wgs
 
     def epilogue_bytes(self, c_width: int) -> int:
-        """Shared memory of the pingpong warp groups' own epilogue subtiles (the cooperative
-        epilogue reuses A's buffers: 0)."""
-        return 2 * PINGPONG_EPI_STAGES * self.tile_mn[0] * EPI_N * c_width // 8 if self.pingpong else 0
+        """Shared memory of the persistent kernel's epilogue subtiles, each consumer warp group's
+        own 64-row ones (the one-tile-per-CTA epilogue reuses A's buffers: 0)."""
+        return 2 * PINGPONG_EPI_STAGES * 64 * EPI_N * c_width // 8 if self.pingpong or self.persistent else 0
 
     def stages_for(self, tile_k: int, ab_width: int, c_width: int = 16) -> int:
         """Operand stages that fit ``occupancy`` CTAs per SM (the cooperative epilogue reuses A's
@@ -192,8 +200,9 @@ class Sm90Gemm:
         """``timeline``: a debug trace -- an Int64 (CTAs, TIMELINE_SLOTS) tensor that each CTA
         of the one-tile-per-CTA kernel fills with its SM and ``%globaltimer`` stamps (see
         :data:`TIMELINE_SLOTS`); None (every shipped build) compiles no stamps."""
-        if const_expr(timeline is not None and self.pingpong):
-            raise ValueError("Sm90Gemm: timeline traces the one-tile-per-CTA kernel, not pingpong")
+        persistent = self.pingpong or self.persistent
+        if const_expr(timeline is not None and persistent):
+            raise ValueError("Sm90Gemm: timeline traces the one-tile-per-CTA kernel, not a persistent one")
         self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
         if const_expr(self.a_dtype.width != self.b_dtype.width or self.a_dtype.width not in (8, 16)):
             raise TypeError(f"Sm90Gemm: A and B must both be 16-bit or both 8-bit, got {self.a_dtype}, {self.b_dtype}")
@@ -217,14 +226,15 @@ class Sm90Gemm:
         if const_expr(self.stages < 2):
             raise ValueError(f"Sm90Gemm: a {tile_m}x{tile_n}x{tile_k} tile leaves {self.stages} operand stage(s) "
                              f"at occupancy {self.occupancy}; at least 2 are needed")
-        # EPI_N-column subtiles over the whole tile height (both warp groups' rows)
-        epi_tile = (tile_m, min(EPI_N, tile_n))
+        # EPI_N-column subtiles over the whole tile height (both warp groups' rows); a persistent
+        # CTA's warp groups each store their own 64 rows
+        epi_tile = (64 if persistent else tile_m, min(EPI_N, tile_n))
         self.epi_tile = epi_tile
         sA_layout = sm90_utils.make_smem_layout_a(a_major, self.tile_mnk, self.a_dtype, self.stages)
         sB_layout = sm90_utils.make_smem_layout_b(b_major, self.tile_mnk, self.b_dtype, self.stages)
-        epi_stages = 2 * PINGPONG_EPI_STAGES if self.pingpong else EPI_STAGES
+        epi_stages = 2 * PINGPONG_EPI_STAGES if persistent else EPI_STAGES
         sC_layout = sm90_utils.make_smem_layout_epi(self.c_dtype, c_major, epi_tile, epi_stages)
-        if const_expr(not self.pingpong
+        if const_expr(not persistent
                       and cute.cosize(sC_layout) * self.c_dtype.width > cute.cosize(sA_layout) * self.a_dtype.width):
             raise ValueError("Sm90Gemm: the epilogue's subtiles do not fit in A's buffers")
 
@@ -237,7 +247,7 @@ class Sm90Gemm:
         M, N, L = cute.size(c, mode=[0]), cute.size(c, mode=[1]), cute.size(c, mode=[2])
         cluster_rows = (M + tile_m * cluster_m - 1) // (tile_m * cluster_m)
         cluster_cols = (N + tile_n * cluster_n - 1) // (tile_n * cluster_n)
-        if const_expr(self.pingpong):
+        if const_expr(persistent):
             @cute.struct
             class PingpongStorage:
                 ab_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
@@ -248,8 +258,13 @@ class Sm90Gemm:
             self.shared_storage = PingpongStorage
             # one cluster per (cluster_m x cluster_n) SMs, each walking cluster tiles P apart
             clusters = cutlass.min(cluster_rows * cluster_cols * L, self.sm_count // (cluster_m * cluster_n))
-            self.kernel_pingpong(tma_a, mA, tma_b, mB, tma_c, mC, tiled_mma, sA_layout, sB_layout, sC_layout,
-                                 cluster_rows, cluster_cols, L).launch(
+            # the epilogue's MMA: one warp group's 64 rows (pingpong's own; a warp group's half of
+            # the persistent cooperative tile)
+            epi_mma = tiled_mma if const_expr(self.pingpong) else sm90_utils.make_trivial_tiled_mma(
+                self.a_dtype, self.b_dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
+                self.acc_dtype, (1, 1, 1), tiler_mn=(64, tile_n))
+            self.kernel_persistent(tma_a, mA, tma_b, mB, tma_c, mC, tiled_mma, epi_mma, sA_layout, sB_layout,
+                                   sC_layout, cluster_rows, cluster_cols, L).launch(
                 grid=(clusters * cluster_m, cluster_n, 1), block=[self.threads, 1, 1],
                 cluster=(cluster_m, cluster_n, 1), stream=stream)
         else:
@@ -422,21 +437,24 @@ class Sm90Gemm:
                 pipeline.PipelineState(self.stages, pos, pos % self.stages, (pos // self.stages + 1) % 2))
 
     @cute.kernel
-    def kernel_pingpong(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-                        tma_c: cute.CopyAtom, mC: cute.Tensor, tiled_mma: cute.TiledMma,
-                        sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
-                        sC_layout: cute.ComposedLayout, cluster_rows: cutlass.Int32, cluster_cols: cutlass.Int32,
-                        batches: cutlass.Int32):
-        """Persistent: cluster ``c`` of ``P`` takes cluster tiles ``c, c + P, ...``; its CTA's
-        j-th tile goes to consumer warp group ``j % 2``, and the producer warp loads every
-        tile's k-tiles in order at pipeline positions ``j * k_tiles + kt``."""
+    def kernel_persistent(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+                          tma_c: cute.CopyAtom, mC: cute.Tensor, tiled_mma: cute.TiledMma, epi_mma: cute.TiledMma,
+                          sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
+                          sC_layout: cute.ComposedLayout, cluster_rows: cutlass.Int32, cluster_cols: cutlass.Int32,
+                          batches: cutlass.Int32):
+        """Persistent: cluster ``c`` of ``P`` takes cluster tiles ``c, c + P, ...``, and the
+        producer warp loads every tile's k-tiles in order at pipeline positions ``j * k_tiles +
+        kt`` for the CTA's j-th tile. ``pingpong``: tile j goes to consumer warp group ``j % 2``;
+        ``persistent``: both warp groups take every tile, each its 64 rows."""
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == self.producer_warp:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
-        # one warp group reads each stage: its 4 warps (x multicast partners) free it
-        cluster_layout, cluster_coord, storage, ab_pipe = self.shared_ab_pipeline(sA_layout, sB_layout, WARP_GROUP)
+        # pingpong: one warp group reads each stage, its 4 warps (x multicast partners) free it;
+        # persistent: both warp groups
+        cluster_layout, cluster_coord, storage, ab_pipe = self.shared_ab_pipeline(
+            sA_layout, sB_layout, WARP_GROUP if const_expr(self.pingpong) else WARP_GROUP * self.consumer_wgs)
         is_clustered = const_expr(cute.size(cluster_layout) > 1)
 
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
@@ -463,22 +481,26 @@ class Sm90Gemm:
                 self.exit_tail(ab_pipe, tiles * k_tiles)
         else:  # the consumer warp groups
             wg = warp // 4
-            thr_mma = tiled_mma.get_slice(0)
+            # pingpong: a 64-row tiled MMA, the same for both warp groups; persistent: the
+            # cooperative one, warp group wg's rows of it
+            thr_mma = tiled_mma.get_slice(0 if const_expr(self.pingpong) else wg * WARP_GROUP)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             k_blocks = cute.size(tCrA, mode=[2])
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            for j in cutlass.range(wg, tiles, 2, unroll=1):
+            first, step = (wg, 2) if const_expr(self.pingpong) else (0, 1)
+            for j in cutlass.range(first, tiles, step, unroll=1):
                 linear = cid + j * clusters
                 m, n = self.raster(linear % per_batch, cluster_rows, cluster_cols)
                 gC = cute.local_tile(mC, self.tile_mnk, (m, n, None, linear // per_batch), proj=(1, 1, None))
                 acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape, self.acc_dtype)
                 acc.fill(0.0)
-                if j > 0:
-                    # the other warp group has waited for every k-tile of tile j - 1, so the
-                    # stages' phase bits this one waits on are those of tile j (not older ones)
-                    # -- and the tensor cores take the tiles in order
-                    cute.arch.barrier(barrier_id=ORDER_BARRIER + wg, number_of_threads=2 * WARP_GROUP)
+                if const_expr(self.pingpong):
+                    if j > 0:
+                        # the other warp group has waited for every k-tile of tile j - 1, so the
+                        # stages' phase bits this one waits on are those of tile j (not older
+                        # ones) -- and the tensor cores take the tiles in order
+                        cute.arch.barrier(barrier_id=ORDER_BARRIER + wg, number_of_threads=2 * WARP_GROUP)
                 base = j * k_tiles
                 read = pipeline.PipelineState(self.stages, base, base % self.stages, (base // self.stages) % 2)
                 release = read.clone()
@@ -490,12 +512,15 @@ class Sm90Gemm:
                     ab_pipe.consumer_release(release)
                     release.advance()
                     read.advance()
-                if j + 1 < tiles:
-                    cute.arch.barrier_arrive(barrier_id=ORDER_BARRIER + 1 - wg, number_of_threads=2 * WARP_GROUP)
+                if const_expr(self.pingpong):
+                    if j + 1 < tiles:
+                        cute.arch.barrier_arrive(barrier_id=ORDER_BARRIER + 1 - wg, number_of_threads=2 * WARP_GROUP)
                 warpgroup.wait_group(0)
                 ab_pipe.consumer_release(release)
+                if const_expr(not self.pingpong):
+                    gC = cute.local_tile(gC, (64, self.tile_mnk[1]), (wg, 0))  # this warp group's rows
                 # this warp group's own subtile buffers, store warp and barrier
-                self.store_tile(acc, tiled_mma, tma_c, sC, gC, tidx % WARP_GROUP, warp % 4 == 0, WARP_GROUP,
+                self.store_tile(acc, epi_mma, tma_c, sC, gC, tidx % WARP_GROUP, warp % 4 == 0, WARP_GROUP,
                                 PINGPONG_EPI_BARRIER + wg, wg * PINGPONG_EPI_STAGES, PINGPONG_EPI_STAGES)
         if const_expr(is_clustered and self.cluster_exit == "barrier"):
             self.exit_tail(ab_pipe, tiles * k_tiles)
