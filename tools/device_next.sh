@@ -149,7 +149,9 @@
 #            dependent, and launched as an ordinary kernel, against the ordinary build: traces kept.
 #   phase 79: the engine's persistent cooperative schedule (128-row tiles, the next tile's loads
 #            under the epilogue): its GPU tests, then against 128x256 at T = 1024 / 4096 (probe).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..79)
+#   phase 80: (probe) paired A/B (configs and bmm interleaved within each trial) of the persistent
+#            and pingpong schedules against wo_a()'s config at T = 1024 / 4096, Dg = 2048.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..80)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -398,6 +400,10 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+80)  # paired A/B at T = 1024 / 4096 (Dg = 2048): persistent / pingpong schedules against the shipped tile
+  step 300 probe_ab env TS=4096,1024 SHAPES=16x512x2048,8x512x2048 TRIALS=60 \
+    CONFIGS="persistent=1/persistent=1,cluster_m=2/pingpong=1,tile_m=64,cluster_m=2" python tools/probe_wo_a_ab.py
   ;;
 79)  # the persistent cooperative schedule: GPU tests, against the one-tile-per-CTA 128x256 (probe)
   step 200 persistent_tests $PYT tests/test_wo_a.py -m gpu -k "persistent_engine"

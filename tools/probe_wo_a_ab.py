@@ -1,0 +1,99 @@
+"""Paired A/B timing of WO-A Hopper configs: each against wo_a()'s own config in the same trial.
+
+At large T the H200's run-to-run spread is larger than the differences being decided: over
+one lease, cuBLAS ``bmm`` alone read 194-223 us at T = 4096 G=16 R=512 (bench/RESULTS.md,
+twentieth session), so configs timed one after another (tools/probe_wo_a_tiles.py) can rank
+either way. Here every trial replays each config's graph and bmm's in turn (the order rotating
+from trial to trial, as bench/common.time_graphs_interleaved), and each config is compared
+with the shipped one *within a trial*: the median of the per-trial speed-ups and the share of
+trials it won. Every config is first checked against FP32 on a poisoned output.
+
+    env TS=4096 SHAPES=16x512x2048,8x512x2048 CONFIGS="persistent=1/persistent=1,cluster_m=2" \
+        python tools/probe_wo_a_ab.py
+
+``CONFIGS``: '/'-separated overrides of ``WoASm90.config_for``'s config, ``key=int`` pairs
+(``pingpong=1,tile_m=64,cluster_m=2``; ``pingpong=0`` drops a flag). ``SHAPES``: G x R x Dg.
+``TRIALS`` (default 60). Prints, per (shape, T): us (median over trials) of the shipped config,
+of each override and of ``bmm``; per override its speed-up over the shipped config (median of
+the trials' ratios) and the trials it was faster in; every column's speed-up over ``bmm``.
+"""
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from bench_wo_a import bmm_only, tokens_out_ref, weight_sets  # noqa: E402
+from common import _capture, _capture_stream, _replay_seconds, gpu_warmup  # noqa: E402
+
+import cutlass  # noqa: E402
+import torch  # noqa: E402
+from cute_kernels import jit  # noqa: E402
+from cute_kernels.wo_a_sm90 import WoASm90  # noqa: E402
+
+FLAGS = ("pingpong", "persistent", "swap_ab")
+
+
+def parse(spec: str) -> dict:
+    out = {}
+    for kv in spec.split(","):
+        k, v = kv.split("=")
+        out[k] = bool(int(v)) if k in FLAGS else int(v)
+    return out
+
+
+def main():
+    TS = [int(t) for t in os.environ.get("TS", "4096").split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("SHAPES", "16x512x2048,8x512x2048").split(",")]
+    overrides = [parse(s) for s in os.environ.get("CONFIGS", "persistent=1").split("/") if s]
+    trials = int(os.environ.get("TRIALS", "60"))
+    gpu_warmup()
+    for G, R, Dg in shapes:
+        ws = weight_sets(G, R, Dg)
+        n = len(ws)
+        reps = max(n, 8)
+        for T in TS:
+            o, y, ref = tokens_out_ref(T, G, R, Dg, ws[0])
+            base = WoASm90.config_for(T, G, R, Dg)
+            cfgs = [base] + [{k: v for k, v in {**base, **ov}.items() if v is not False} for ov in overrides]
+            launches = []
+            for cfg in cfgs:
+                fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=Dg, **cfg)
+
+                def call(i, fn=fn):
+                    fn(jit.gmem_ptr(cutlass.BFloat16, o), jit.gmem_ptr(cutlass.BFloat16, ws[i % n]),
+                       jit.gmem_ptr(cutlass.BFloat16, y), jit.i32(T), jit.cu_stream())
+
+                y.fill_(float("nan"))
+                call(0)
+                torch.cuda.synchronize()
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                assert err < 1e-2, (cfg, err)
+                launches.append(call)
+            launches.append(lambda i: bmm_only(o, ws[i % n]))
+            s = _capture_stream()
+            graphs = [_capture(launch, n, reps, s) for launch in launches]
+            for _ in range(3):
+                for g in graphs:
+                    g.replay()
+            torch.cuda.synchronize()
+            times = [[] for _ in graphs]
+            for t in range(trials):
+                for k in range(len(graphs)):
+                    j = (t + k) % len(graphs)
+                    times[j].append(_replay_seconds(graphs[j], reps))
+            med = [statistics.median(ts) * 1e6 for ts in times]
+            bmm = times[-1]
+            print(f"T={T} G={G} R={R} Dg={Dg}: bmm {med[-1]:.1f} us", flush=True)
+            for j, cfg in enumerate(cfgs):
+                vs_bmm = statistics.median(b / x for b, x in zip(bmm, times[j]))
+                line = f"  {'shipped ' if j == 0 else ''}{cfg}: {med[j]:.1f} us, {vs_bmm:.3f}x bmm"
+                if j:
+                    ratios = [a / x for a, x in zip(times[0], times[j])]
+                    won = sum(r > 1 for r in ratios)
+                    line += f", {statistics.median(ratios):.3f}x shipped (faster in {won}/{trials} trials)"
+                print(line, flush=True)
+        ws = None
+
+
+if __name__ == "__main__":
+    main()
