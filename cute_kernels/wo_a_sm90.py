@@ -101,8 +101,9 @@ class WoASm90(WoAGemm):
     SWAP_AB_T = (64, 512)
     #: SMs of the H100 / H200 SXM parts the configs were tuned on
     NUM_SMS = 132
-    #: the pingpong schedule above SWAP_AB_T for K = Dg up to this, and at any K from PINGPONG_MIN_T
-    PINGPONG_MAX_DG, PINGPONG_MIN_T = 1024, 8192
+    #: the pingpong schedule above SWAP_AB_T for K = Dg up to this, and at any K where its 64 x 256
+    #: tiles number at least PINGPONG_MIN_TILES_PER_SM per SM
+    PINGPONG_MAX_DG, PINGPONG_MIN_TILES_PER_SM = 1024, 3
     #: operand stages at 256 < T <= 512 (one CTA per SM): fewer than fit ran faster there
     MID_T_MAX_STAGES = 5
 
@@ -113,10 +114,16 @@ class WoASm90(WoAGemm):
         T > 512 with 256-wide R tiles: the engine's persistent pingpong schedule (64 x 256
         tiles, CTA pairs along T sharing each weight tile by multicast) where the K loop is
         short (``Dg <= 1024``: the 128 x 256 cooperative CTA's epilogue and prologue are a
-        large share of it) or T >= 8192. H200, tools/probe_wo_a_tiles.py in one call (twelfth
-        session, bench/RESULTS.md): Dg = 1024 at T = 1024 / 4096 / 16384 1.05-1.17x the
-        cooperative tile, T = 16384 1.04x for Dg = 2048; at T = 4096 with Dg = 2048 one shape
-        lost (G=8 R=512: 118 vs 101 us). Not under ``pdl`` (the pingpong CTA is persistent).
+        large share of it), or where its tiles number at least ``PINGPONG_MIN_TILES_PER_SM``
+        per SM. H200: Dg = 1024 at T = 1024 / 4096 / 16384 1.05-1.17x the cooperative tile
+        (tools/probe_wo_a_tiles.py, twelfth session, bench/RESULTS.md). Dg = 2048, paired A/B
+        (tools/probe_wo_a_ab.py: both configs and ``bmm`` replayed in turn in each of 60 trials,
+        twice; twentieth session): T = 4096 1.11 / 1.11x (G=16 R=512) and 1.09 / 1.10x (G=8
+        R=512) the cooperative tile, faster in 59-60 of 60 trials; T = 2048 1.10x / 1.05x; T =
+        1024 1.04x at G=16 (512 tiles: 3.9 per SM) but 0.97x at G=8 (256 tiles, 1.9 per SM).
+        Timed one config after another (tools/probe_wo_a_tiles.py) the same builds spread by
+        up to 10% from run to run at T = 4096, so either order was read there (twelfth
+        session: G=8 R=512 118 vs 101 us). Not under ``pdl`` (the pingpong CTA is persistent).
 
         32 < T <= 64 where 64-row weight tiles leave most SMs idle: tokens on wgmma N in two
         32-token tiles, the CTA pair of a weight tile sharing it by multicast; where the (T, R)
@@ -200,8 +207,10 @@ class WoASm90(WoAGemm):
                 # 21.9 / 21.4 vs 22.7 / 22.7 us, G=8 R=1024 11.3 / 11.1 vs 11.7 / 11.0
                 cfg.update(cluster_m=1, cluster_n=2)
             return cfg
+        pingpong_tiles = -(-T // 64) * (R // 256) * G
         if (T > hi and tile_n == 256 and not pdl and Dg is not None
-                and (Dg <= WoASm90.PINGPONG_MAX_DG or T >= WoASm90.PINGPONG_MIN_T)):
+                and (Dg <= WoASm90.PINGPONG_MAX_DG
+                     or pingpong_tiles >= WoASm90.PINGPONG_MIN_TILES_PER_SM * WoASm90.NUM_SMS)):
             return dict(tile_m=64, tile_n=256, cluster_m=2, pingpong=True)
         return dict(tile_m=tile_m, tile_n=tile_n)
 

@@ -53,6 +53,18 @@ def test_runtime_small_shape_matches_fp64(seed, T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("G, T", [(8, 1100), (8, 2100), (16, 1024), (16, 4097)])
+def test_large_t_long_k_routes_match_fp64(seed, G, T):
+    """wo_a() at T > 512 with K = Dg = 2048, on both sides of the pingpong rule (64 x 256
+    tiles >= 3 per SM): the cooperative 128 x 256 tile at G=8 T = 1100 (288 tiles), the
+    pingpong CTA pairs at 2100 / 1024 / 4097 (528 / 512 / 2064 tiles, T = 4097 ending in a
+    one-token tile)."""
+    cfg = WoASm90.config_for(T, G, 512, 2048)
+    assert cfg.get("pingpong", False) == (T != 1100)
+    check_wo_a(T, G, 16, 128, 512)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [5, 64, 320, 4096])  # decode kernel, engine, swapped engine, engine
 def test_single_kernel_no_transpose_copy(seed, T):
     """Only the GEMM runs: no transpose/copy kernel in a profile."""
@@ -612,11 +624,15 @@ def test_launch_configs():
     assert WoASm90.config_for(200, 8, 512) == dict(tile_m=64, tile_n=128, cluster_m=2, swap_ab=True, **ef)  # 128 CTAs
     assert WoASm90.config_for(96, 8, 512) == dict(tile_m=64, tile_n=96, cluster_m=2, swap_ab=True, **ef)  # not 2x64
     assert WoASm90.config_for(513, 16, 1024) == dict(tile_m=128, tile_n=256)
-    # large T: pingpong CTA pairs where K is short (Dg <= 1024) or T >= 8192, not under PDL
+    # large T: pingpong CTA pairs where K is short (Dg <= 1024) or where the 64 x 256 tiles
+    # number at least 3 per SM (396), not under PDL
     pingpong = dict(tile_m=64, tile_n=256, cluster_m=2, pingpong=True)
     assert WoASm90.config_for(513, 16, 1024, 1024) == pingpong
     assert WoASm90.config_for(16384, 8, 512, 2048) == pingpong
-    assert WoASm90.config_for(4096, 8, 512, 2048) == dict(tile_m=128, tile_n=256)
+    assert WoASm90.config_for(4096, 8, 512, 2048) == pingpong
+    assert WoASm90.config_for(1024, 16, 512, 2048) == pingpong  # 512 tiles
+    assert WoASm90.config_for(1024, 8, 512, 2048) == dict(tile_m=128, tile_n=256)  # 256 tiles
+    assert WoASm90.config_for(4096, 8, 512, 2048, pdl=True) == dict(tile_m=128, tile_n=256)
     assert WoASm90.config_for(4096, 16, 1024, 1024, pdl=True) == dict(tile_m=128, tile_n=256)
     assert WoASm90.config_for(320, 16, 1024, 1024) == WoASm90.config_for(320, 16, 1024)  # mid-size: unchanged
     assert WoASm100.config_for(320, 16, 1024) == dict(tile_m=256, tile_n=256)

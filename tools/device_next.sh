@@ -151,7 +151,9 @@
 #            under the epilogue): its GPU tests, then against 128x256 at T = 1024 / 4096 (probe).
 #   phase 80: (probe) paired A/B (configs and bmm interleaved within each trial) of the persistent
 #            and pingpong schedules against wo_a()'s config at T = 1024 / 4096, Dg = 2048.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..80)
+#   phase 81: pingpong CTA pairs at Dg = 2048 where its tiles number >= 3 per SM adopted: WO-A's
+#            large-T / pingpong / persistent GPU tests, the issue's bench, the paired A/B again.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..81)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -400,6 +402,12 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+81)  # pingpong at Dg = 2048 (>= 3 tiles per SM) adopted: GPU tests, the issue's bench, the A/B against the old tile
+  step 200 wo_a_tests $PYT tests/test_wo_a.py -m gpu -k "large_t_long or pingpong or persistent or single_kernel"
+  step 200 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
+  step 120 probe_ab env TS=4096,2048 SHAPES=16x512x2048,8x512x2048 TRIALS=60 \
+    CONFIGS="pingpong=0,tile_m=128,cluster_m=1" python tools/probe_wo_a_ab.py
   ;;
 80)  # paired A/B at T = 1024 / 4096 (Dg = 2048): persistent / pingpong schedules against the shipped tile
   step 300 probe_ab env TS=4096,1024 SHAPES=16x512x2048,8x512x2048 TRIALS=60 \
