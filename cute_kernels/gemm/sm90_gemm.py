@@ -38,11 +38,18 @@ waited for every k-tile of tile ``j - 1``. That keeps the tensor cores on one ti
 and it is what makes the stateless phase bits safe: a stage's barrier can then be at most one
 phase behind the position waited on, never two.
 
+``persistent`` (the same persistent CTA and producer, on 128-row cooperative tiles): both
+consumer warp groups take every tile, each storing its 64 rows through its own two subtile
+buffers while the producer already fills the next tile's stages; a stage is freed by both
+warp groups, so neither can run a phase ahead of the other.
+
 Options (compile time): ``cluster_mn`` (1 or 2 per mode: TMA multicast of shared tiles);
 ``pdl`` (launch as a programmatic dependent: the prologue's tiles of ``pdl_early_operand``,
 the one the previous kernel does not write, load before ``griddepcontrol.wait``);
 ``occupancy`` (CTAs per SM that the stage count, and for 128-row tiles the warp count, leave
 room for); ``pingpong`` with ``sm_count`` (64-row tiles, one CTA per SM, no PDL);
+``persistent`` with ``sm_count`` (128-row tiles, one CTA per SM, no PDL; measured 0.98-1.05x
+the one-tile-per-CTA kernel at T = 1024-4096, below pingpong; bench/RESULTS.md twentieth session);
 ``l2_hint_a`` / ``l2_hint_b`` (an :data:`L2_HINTS` cache hint on that operand's TMA loads);
 ``max_stages`` (a cap on the operand stages, which otherwise fill shared memory);
 at call time, ``timeline`` (a debug trace of the one-tile-per-CTA kernel: per-CTA SM and
