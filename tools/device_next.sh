@@ -153,7 +153,9 @@
 #            and pingpong schedules against wo_a()'s config at T = 1024 / 4096, Dg = 2048.
 #   phase 81: pingpong CTA pairs at Dg = 2048 where its tiles number >= 3 per SM adopted: WO-A's
 #            large-T / pingpong / persistent GPU tests, the issue's bench, the paired A/B again.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..81)
+#   phase 82: the final tree: WO-A's GPU tests; (probe) paired A/B at T = 320 (G=8) of the stage
+#            cap, the pair's orientation and the weights' L2 hint.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..82)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -402,6 +404,12 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+82)  # the final tree: WO-A's GPU tests; paired A/B around the T = 320 configs (G=8)
+  step 240 wo_a_tests $PYT tests/test_wo_a.py -m gpu
+  step 150 probe_ab_320 env TS=320 SHAPES=8x512x2048,8x1024x1024 TRIALS=60 \
+    CONFIGS="max_stages=4/max_stages=6/max_stages=none/cluster_m=1,cluster_n=2/cluster_m=2,cluster_n=1/weight_l2_hint=none" \
+    python tools/probe_wo_a_ab.py
   ;;
 81)  # pingpong at Dg = 2048 (>= 3 tiles per SM) adopted: GPU tests, the issue's bench, the A/B against the old tile
   step 200 wo_a_tests $PYT tests/test_wo_a.py -m gpu -k "large_t_long or pingpong or persistent or single_kernel"

@@ -11,8 +11,9 @@ trials it won. Every config is first checked against FP32 on a poisoned output.
     env TS=4096 SHAPES=16x512x2048,8x512x2048 CONFIGS="persistent=1/persistent=1,cluster_m=2" \
         python tools/probe_wo_a_ab.py
 
-``CONFIGS``: '/'-separated overrides of ``WoASm90.config_for``'s config, ``key=int`` pairs
-(``pingpong=1,tile_m=64,cluster_m=2``; ``pingpong=0`` drops a flag). ``SHAPES``: G x R x Dg.
+``CONFIGS``: '/'-separated overrides of ``WoASm90.config_for``'s config, ``key=value`` pairs
+(``pingpong=1,tile_m=64,cluster_m=2``; ``pingpong=0`` drops a flag, ``weight_l2_hint=none`` a
+key; ``weight_l2_hint=evict_last`` a string). ``SHAPES``: G x R x Dg.
 ``TRIALS`` (default 60). Prints, per (shape, T): us (median over trials) of the shipped config,
 of each override and of ``bmm``; per override its speed-up over the shipped config (median of
 the trials' ratios) and the trials it was faster in; every column's speed-up over ``bmm``.
@@ -34,10 +35,12 @@ FLAGS = ("pingpong", "persistent", "swap_ab")
 
 
 def parse(spec: str) -> dict:
+    """``k=v,...``: flags 0 / 1, other ints, ``none`` (drop the key), else a string."""
     out = {}
     for kv in spec.split(","):
         k, v = kv.split("=")
-        out[k] = bool(int(v)) if k in FLAGS else int(v)
+        out[k] = (bool(int(v)) if k in FLAGS else None if v == "none" else int(v) if v.lstrip("-").isdigit()
+                  else v)
     return out
 
 
@@ -54,7 +57,8 @@ def main():
         for T in TS:
             o, y, ref = tokens_out_ref(T, G, R, Dg, ws[0])
             base = WoASm90.config_for(T, G, R, Dg)
-            cfgs = [base] + [{k: v for k, v in {**base, **ov}.items() if v is not False} for ov in overrides]
+            cfgs = [base] + [{k: v for k, v in {**base, **ov}.items() if v is not False and v is not None}
+                             for ov in overrides]
             launches = []
             for cfg in cfgs:
                 fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=Dg, **cfg)
