@@ -155,7 +155,9 @@
 #            large-T / pingpong / persistent GPU tests, the issue's bench, the paired A/B again.
 #   phase 82: the final tree: WO-A's GPU tests; (probe) paired A/B at T = 320 (G=8) of the stage
 #            cap, the pair's orientation and the weights' L2 hint.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..82)
+#   phase 83: (probe) T = 320 G=8 R=512: 2x2 clusters at two CTAs' worth of shared memory per SM
+#            (3 stages), so 32 four-CTA clusters can all be resident: paired A/B and timeline.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..83)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -404,6 +406,13 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+83)  # T = 320 G=8 R=512: 2x2 clusters sized for two CTAs per SM (A/B, timeline)
+  step 150 probe_ab_2x2 env TS=320 SHAPES=8x512x2048 TRIALS=60 \
+    CONFIGS="cluster_n=2,occupancy=2,max_stages=none/cluster_n=2,occupancy=2,max_stages=none,tile_n=96" \
+    python tools/probe_wo_a_ab.py
+  step 150 probe_tl_2x2 env TS=320 SHAPES=8x512x2048 MODES=full HINTS=evict_first \
+    CONFIGS=swap:64x160:2x2:occ2,swap:64x96:2x2:occ2 python tools/probe_wo_a_timeline.py
   ;;
 82)  # the final tree: WO-A's GPU tests; paired A/B around the T = 320 configs (G=8)
   step 240 wo_a_tests $PYT tests/test_wo_a.py -m gpu
