@@ -54,7 +54,7 @@ _PATHS = {"sm90": WoASm90, "sm100": WoASm100}
 def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, cluster_m: int = 1, cluster_n: int = 1,
            pdl: bool = False, swap_ab: bool = False, occupancy: int = 1, pingpong: bool = False,
            cluster_exit: str | None = None, weight_l2_hint: str | None = None, max_stages: int | None = None,
-           persistent: bool = False, k_rotate: bool = False):
+           persistent: bool = False):
     """``cluster_m`` / ``cluster_n``: the Hopper engine's thread-block cluster (TMA multicast of
     the operand tiles the cluster's CTAs share): (2, 1) in the shipped swapped configs, (1, 1)
     in the others, any of 1/2 x 1/2 for tools/probe_wo_a_tiles.py. ``pdl``: the Hopper engine
@@ -78,7 +78,7 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, clus
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), Int32(1), jit.fake_stream())
     if (cluster_m, cluster_n) == (1, 1) and not pdl and not swap_ab and occupancy == 1 and not pingpong \
-            and not persistent and not k_rotate and cluster_exit is None and weight_l2_hint is None and max_stages is None:
+            and not persistent and cluster_exit is None and weight_l2_hint is None and max_stages is None:
         return cls(G, R, Dg, (tile_m, tile_n)), args
     if family(arch) != "sm90" or cluster_m not in (1, 2) or cluster_n not in (1, 2) or occupancy not in (1, 2):
         raise ValueError(f"wo_a: cluster ({cluster_m}, {cluster_n}), pdl={pdl}, swap_ab={swap_ab}, "
@@ -88,7 +88,7 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, clus
                          f"takes a cluster (1 or 2 CTAs per mode), a programmatic dependent launch, swapped "
                          f"operands, 2 CTAs per SM, a persistent schedule, a cluster exit, an L2 hint or a stage cap")
     return cls(G, R, Dg, (tile_m, tile_n), (cluster_m, cluster_n), pdl, swap_ab, occupancy, pingpong,
-               cluster_exit, weight_l2_hint, max_stages, persistent, k_rotate), args
+               cluster_exit, weight_l2_hint, max_stages, persistent), args
 
 
 def _aot(arch: str):

@@ -75,14 +75,13 @@ class WoASm90(WoAGemm):
     def __init__(self, G: int, R: int, Dg: int, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1),
                  pdl: bool = False, swap_ab: bool = False, occupancy: int = 1, pingpong: bool = False,
                  cluster_exit: str | None = None, weight_l2_hint: str | None = None,
-                 max_stages: int | None = None, persistent: bool = False, k_rotate: bool = False):
+                 max_stages: int | None = None, persistent: bool = False):
         super().__init__(G, R, Dg, swap_ab)
         # under PDL the weights load before the grid-dependency wait: B, or A when swapped
         hints = dict(l2_hint_a=weight_l2_hint) if swap_ab else dict(l2_hint_b=weight_l2_hint)
         self.gemm = Sm90Gemm(tile_mn, cluster_mn, pdl=pdl, pdl_early_operand="a" if swap_ab else "b",
                              occupancy=occupancy, pingpong=pingpong, sm_count=WoASm90.NUM_SMS,
-                             cluster_exit=cluster_exit, max_stages=max_stages, persistent=persistent, k_rotate=k_rotate,
-                             **hints)
+                             cluster_exit=cluster_exit, max_stages=max_stages, persistent=persistent, **hints)
 
     @staticmethod
     def tile_for(T: int, G: int, R: int) -> tuple[int, int]:

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from cute_kernels import jit  # noqa: E402
 from cute_kernels.wo_a_sm90 import WoASm90  # noqa: E402
 
-FLAGS = ("pingpong", "persistent", "swap_ab", "k_rotate")
+FLAGS = ("pingpong", "persistent", "swap_ab")
 
 
 def parse(spec: str) -> dict:

@@ -127,7 +127,7 @@ class Sm90Gemm:
                  pdl_early_operand: str = "b", occupancy: int = 1, pingpong: bool = False,
                  sm_count: int = 132, acc_dtype=Float32, cluster_exit: str | None = None,
                  l2_hint_a: str | None = None, l2_hint_b: str | None = None, max_stages: int | None = None,
-                 persistent: bool = False, k_rotate: bool = False):
+                 persistent: bool = False):
         tile_m, tile_n = tile_mn
         if tile_m not in (64, 128):
             raise ValueError(f"Sm90Gemm: tile_m must be 64 or 128, got {tile_m}")
@@ -138,12 +138,6 @@ class Sm90Gemm:
             raise ValueError(f"Sm90Gemm: persistent runs 128-row cooperative tiles (not pingpong), one persistent CTA "
                              f"per SM, without PDL; got tile_m={tile_m}, pingpong={pingpong}, occupancy={occupancy}, "
                              f"pdl={pdl}")
-        if k_rotate and (pingpong or persistent):
-            raise ValueError("Sm90Gemm: k_rotate applies to the one-tile-per-CTA kernel, not a persistent one")
-        # ``k_rotate``: each cluster row starts its K walk at its own k-tile (row i of n at
-        # i * k_tiles / n, wrapping), so the CTAs reading one B tile are not all on the same
-        # k-tile at once; CTAs of one cluster row (one A tile) keep walking together
-        self.k_rotate = k_rotate
         if sm_count < 1:
             raise ValueError(f"Sm90Gemm: sm_count must be >= 1, got {sm_count}")
         if tile_n % 32 or not 32 <= tile_n <= 256:
@@ -375,9 +369,6 @@ class Sm90Gemm:
         self.stamp(trace, STAMP_INIT, tidx == 0)
 
         loads = self.load_partitions(tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord)
-        if const_expr(self.k_rotate):
-            rows, _, _ = cute.arch.cluster_dim()
-            loads = (*loads, ((m // self.cluster_mn[0]) * k_tiles // rows, k_tiles))
         consume = (ab_pipe, tiled_mma, tma_c, sA, sB, sC_layout, gC, tidx, warp, k_tiles, loads, trace)
         if const_expr(self.inline_producer):
             # every warp consumes (warp 0 also loads): no producer-warp branch in the binary
@@ -580,13 +571,9 @@ class Sm90Gemm:
             # waits for the empty barrier, then expects the stage's A + B bytes on the full one
             ab_pipe.producer_acquire(state)
         bar = ab_pipe.producer_get_barrier(state)
-        k = kt
-        if const_expr(len(loads) > 2):  # k_rotate: (this cluster row's first k-tile, k-tiles)
-            k_first, k_tiles = loads[2]
-            k = (kt + k_first) % k_tiles
         for name, (atom, tXgX, tXsX, mask), hint in zip("ab", loads, self.l2_hints):
             if const_expr(name in operands):
-                self.tma_load(atom, tXgX[(None, k)], tXsX[(None, state.index)], bar, mask, hint)
+                self.tma_load(atom, tXgX[(None, kt)], tXsX[(None, state.index)], bar, mask, hint)
 
     @cute.jit
     def load_prologue(self, ab_pipe, loads, k_tiles):
