@@ -159,6 +159,7 @@
 #            (3 stages), so 32 four-CTA clusters can all be resident: paired A/B and timeline.
 #   phase 84: (probe) k_rotate -- each cluster row starts its K walk at its own k-tile, so the
 #            CTAs sharing a token tile are not on one k-tile at once: paired A/B at T = 64-512.
+#            (ran on commit 7987dc1; the option was reverted after it -- slower at 11 of 14 points)
 #   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..84)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
@@ -409,7 +410,7 @@ case "${1:-1}" in
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
   ;;
-84)  # k_rotate against wo_a()'s configs at T = 64 / 320 / 512 (paired A/B), then at 4096
+84)  # (commit 7987dc1 only) k_rotate against wo_a()'s configs at T = 64 / 320 / 512 (paired A/B), then at 4096
   step 200 probe_ab_krot env TS=320,64,512 SHAPES=8x512x2048,8x1024x1024,16x512x2048,16x1024x1024 TRIALS=60 \
     CONFIGS="k_rotate=1" python tools/probe_wo_a_ab.py
   step 120 probe_ab_krot_4096 env TS=4096,1024 SHAPES=8x512x2048,16x1024x1024 TRIALS=40 \
