@@ -160,7 +160,8 @@
 #   phase 84: (probe) k_rotate -- each cluster row starts its K walk at its own k-tile, so the
 #            CTAs sharing a token tile are not on one k-tile at once: paired A/B at T = 64-512.
 #            (ran on commit 7987dc1; the option was reverted after it -- slower at 11 of 14 points)
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..84)
+#   phase 85: the twentieth session's final tree: the whole GPU suite.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..85)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -409,6 +410,9 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+85)  # the final tree: the whole GPU suite
+  step 540 gpu_suite $PYT tests -m gpu
   ;;
 84)  # (commit 7987dc1 only) k_rotate against wo_a()'s configs at T = 64 / 320 / 512 (paired A/B), then at 4096
   step 200 probe_ab_krot env TS=320,64,512 SHAPES=8x512x2048,8x1024x1024,16x512x2048,16x1024x1024 TRIALS=60 \
