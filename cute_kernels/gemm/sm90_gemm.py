@@ -207,8 +207,8 @@ class Sm90Gemm:
         """``timeline``: a debug trace -- an Int64 (CTAs, TIMELINE_SLOTS) tensor that each CTA
         of the one-tile-per-CTA kernel fills with its SM and ``%globaltimer`` stamps (see
         :data:`TIMELINE_SLOTS`); None (every shipped build) compiles no stamps."""
-        persistent = self.pingpong or self.persistent
-        if const_expr(timeline is not None and persistent):
+        persistent_cta = self.pingpong or self.persistent  # a persistent CTA of either schedule
+        if const_expr(timeline is not None and persistent_cta):
             raise ValueError("Sm90Gemm: timeline traces the one-tile-per-CTA kernel, not a persistent one")
         self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
         if const_expr(self.a_dtype.width != self.b_dtype.width or self.a_dtype.width not in (8, 16)):
@@ -235,13 +235,13 @@ class Sm90Gemm:
                              f"at occupancy {self.occupancy}; at least 2 are needed")
         # EPI_N-column subtiles over the whole tile height (both warp groups' rows); a persistent
         # CTA's warp groups each store their own 64 rows
-        epi_tile = (64 if persistent else tile_m, min(EPI_N, tile_n))
+        epi_tile = (64 if persistent_cta else tile_m, min(EPI_N, tile_n))
         self.epi_tile = epi_tile
         sA_layout = sm90_utils.make_smem_layout_a(a_major, self.tile_mnk, self.a_dtype, self.stages)
         sB_layout = sm90_utils.make_smem_layout_b(b_major, self.tile_mnk, self.b_dtype, self.stages)
-        epi_stages = 2 * PINGPONG_EPI_STAGES if persistent else EPI_STAGES
+        epi_stages = 2 * PINGPONG_EPI_STAGES if persistent_cta else EPI_STAGES
         sC_layout = sm90_utils.make_smem_layout_epi(self.c_dtype, c_major, epi_tile, epi_stages)
-        if const_expr(not persistent
+        if const_expr(not persistent_cta
                       and cute.cosize(sC_layout) * self.c_dtype.width > cute.cosize(sA_layout) * self.a_dtype.width):
             raise ValueError("Sm90Gemm: the epilogue's subtiles do not fit in A's buffers")
 
@@ -254,15 +254,15 @@ class Sm90Gemm:
         M, N, L = cute.size(c, mode=[0]), cute.size(c, mode=[1]), cute.size(c, mode=[2])
         cluster_rows = (M + tile_m * cluster_m - 1) // (tile_m * cluster_m)
         cluster_cols = (N + tile_n * cluster_n - 1) // (tile_n * cluster_n)
-        if const_expr(persistent):
+        if const_expr(persistent_cta):
             @cute.struct
-            class PingpongStorage:
+            class PersistentStorage:
                 ab_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
                 sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(sA_layout)], 1024]
                 sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(sB_layout)], 1024]
                 sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(sC_layout)], 1024]
 
-            self.shared_storage = PingpongStorage
+            self.shared_storage = PersistentStorage
             # one cluster per (cluster_m x cluster_n) SMs, each walking cluster tiles P apart
             clusters = cutlass.min(cluster_rows * cluster_cols * L, self.sm_count // (cluster_m * cluster_n))
             # the epilogue's MMA: one warp group's 64 rows (pingpong's own; a warp group's half of
