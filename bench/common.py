@@ -67,6 +67,14 @@ def time_graphs_interleaved(launches, n_inputs: int, reps: int | None = None, tr
     graphs' replays take turns within every trial (the order rotating from trial to trial):
     a drift of the clocks over the run (power, temperature) then moves every column alike
     instead of whichever op was timed during it -- what a speed ratio between them needs."""
+    return [statistics.median(ts) for ts in replay_interleaved(launches, n_inputs, reps, trials, warmup)]
+
+
+def replay_interleaved(launches, n_inputs: int, reps: int | None = None, trials: int = 30,
+                       warmup: int = 3) -> list[list[float]]:
+    """Each trial's seconds per call of every ``launches[j](i)``, the graphs replayed in turn
+    as in :func:`time_graphs_interleaved`: ``times[j][t]`` -- trial ``t``'s readings of two
+    launches can be compared with each other (tools/probe_wo_a_ab.py)."""
     reps = reps or n_inputs
     s = _capture_stream()
     graphs = [_capture(launch, n_inputs, reps, s) for launch in launches]
@@ -79,7 +87,7 @@ def time_graphs_interleaved(launches, n_inputs: int, reps: int | None = None, tr
         for k in range(len(graphs)):
             j = (t + k) % len(graphs)
             times[j].append(_replay_seconds(graphs[j], reps))
-    return [statistics.median(ts) for ts in times]
+    return times
 
 
 def gpu_warmup(seconds: float = 0.5) -> None:
@@ -97,13 +105,19 @@ def gpu_warmup(seconds: float = 0.5) -> None:
             return
 
 
-def measure(call, y: torch.Tensor, ref: torch.Tensor, n: int) -> tuple[float, float]:
-    """(seconds per ``call(i)``, relative error of ``y`` against ``ref`` after one launch into a
-    NaN-poisoned ``y``): every element proven written before the time counts."""
+def poisoned_error(call, y: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative error of ``y`` against ``ref`` after one ``call(0)`` into a NaN-poisoned ``y``
+    (an unwritten element makes it NaN)."""
     y.fill_(float("nan"))
     call(0)
     torch.cuda.synchronize()
-    err = ((y.float() - ref).norm() / ref.norm()).item()
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def measure(call, y: torch.Tensor, ref: torch.Tensor, n: int) -> tuple[float, float]:
+    """(seconds per ``call(i)``, :func:`poisoned_error`): every element proven written before
+    the time counts."""
+    err = poisoned_error(call, y, ref)
     return time_graph(call, n, max(n, 8)), err
 
 
