@@ -2,7 +2,10 @@
 
 build   AOT-compile every registered kernel (every AOT config) for each ``--arch`` into the
         artifact cache; works without a GPU. Entries already valid are not rebuilt.
-        On a GPU, ``--demo`` then runs each kernel once from the cache against PyTorch.
+        WO-A's AOT configs are every config ``wo_a()`` routes to at T = 1 .. 16384 for its
+        supported shapes; ``--wo-a-shape G,R,Dg`` (repeatable) adds a model's own shape at
+        T = 1 .. ``--max-tokens``. On a GPU, ``--demo`` then runs each kernel once from the
+        cache against PyTorch.
 list    one line per entry: kernel, arch, config, size, status.
 verify  re-hash every entry; exit status 1 if any is invalid.
 clear   delete the cache directory.
@@ -44,6 +47,8 @@ def cmd_build(args) -> int:
     archs = [normalize_arch(a) for a in (args.arch or ["sm_100a", "sm_90a"])]
     store = ArtifactCache(args.cache)
     work = [(kdef, cfg, a) for a in archs for kdef, cfg in jit.iter_aot(args.kernel or None, a) if a in kdef.archs]
+    if args.wo_a_shape:
+        work += _wo_a_work(archs, args.wo_a_shape, args.max_tokens, args.kernel, work)
     rows, failed = [], 0
     t_all = time.perf_counter()
     for i, (kdef, cfg, a) in enumerate(work):
@@ -69,6 +74,35 @@ def cmd_build(args) -> int:
 
         run_demo(store)
     return 1 if failed else 0
+
+
+def _wo_a_work(archs, shapes, max_tokens, kernels, work):
+    """Build items for every config wo_a() routes to at T = 1 .. max_tokens of ``shapes``
+    (each "G,R,Dg") not already in ``work``."""
+    from . import jit
+    from .wo_a import aot_routes
+
+    parsed = []
+    for text in shapes:
+        try:
+            G, R, Dg = (int(v) for v in text.split(","))
+        except ValueError:
+            raise SystemExit(f"--wo-a-shape {text!r}: expected three integers G,R,Dg (e.g. 8,512,2048)")
+        if G < 1 or R % 64 or Dg % 64 or R < 64 or Dg < 64:
+            raise SystemExit(f"--wo-a-shape {text!r}: WO-A needs G >= 1 and R, Dg positive multiples of 64")
+        parsed.append((G, R, Dg))
+    if max_tokens < 1:
+        raise SystemExit(f"--max-tokens {max_tokens}: must be >= 1")
+    have = {(k.name, json.dumps(c, sort_keys=True), a) for k, c, a in work}
+    reg, extra = jit.registry(), []
+    for a in archs:
+        for name, cfg in aot_routes(a, parsed, max_tokens):
+            kdef = reg[name]
+            item = (name, json.dumps(cfg, sort_keys=True), a)
+            if a in kdef.archs and item not in have and (not kernels or name in kernels):
+                have.add(item)
+                extra.append((kdef, dict(cfg), a))
+    return extra
 
 
 def cmd_list(args) -> int:
@@ -115,6 +149,9 @@ def main(argv=None) -> int:
     b.add_argument("--arch", action="append", help="sm_100a, sm_90a, sm_103a (repeatable; default sm_100a + sm_90a)")
     b.add_argument("--kernel", action="append", help="only these kernels (repeatable)")
     b.add_argument("--demo", action="store_true", help="on a GPU, run each built kernel once against PyTorch")
+    b.add_argument("--wo-a-shape", action="append", metavar="G,R,Dg",
+                   help="also every WO-A config wo_a() routes to for this shape (repeatable)")
+    b.add_argument("--max-tokens", type=int, default=16384, help="T up to which --wo-a-shape is routed (16384)")
     for name, fn in (("build", cmd_build), ("list", cmd_list), ("verify", cmd_verify), ("clear", cmd_clear)):
         sp = b if name == "build" else sub.add_parser(name)
         sp.add_argument("--cache", default=None, help="artifact cache dir (default $CUTE_KERNELS_CACHE_DIR)")

@@ -17,11 +17,13 @@ Paths: sm_90a -> :mod:`.wo_a_sm90` (TMA + wgmma), sm_100a/sm_103a -> :mod:`.wo_a
 takes which.
 
 Constraints: bf16 ``o`` and ``wo_a``, contiguous; ``H % G == 0``; ``R % 64 == 0``,
-``Dg % 64 == 0`` (16-byte TMA rows, whole K tiles); any ``T >= 1`` (one compile per tile
-class serves every T in it; per shape on Hopper: the warp-MMA decode kernel's plans at T <= 16, the
-wgmma decode kernel or one engine tile for 16 < T <= 64 and one above 512, and 6 to 10 swapped
-token tiles matched to T in between -- each compiled on first use, or ahead of time by the
-artifact cache).
+``Dg % 64 == 0`` (16-byte TMA rows, whole K tiles); any ``T >= 1``. One compile per tile
+class serves every T in it: per supported shape 13-15 configs on Hopper (decode-kernel plans
+at T <= 16 -- 32 at G=8 R=512 --, engine tiles up to 64, 6 to 10 swapped token tiles matched to T up to
+512, the cooperative and the pingpong tile above), 2 on Blackwell. :func:`route` names the
+one a call takes; ``python -m cute_kernels build`` compiles every one of them for the
+supported shapes (:func:`aot_routes`), ``--wo-a-shape G,R,Dg`` for a model's own; else each
+compiles on first use.
 Supported and tested: G in {8, 16}, Dg in {1024, 2048}, R in {512, 1024}.
 
 Run / bench::
@@ -32,6 +34,7 @@ Run / bench::
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -40,7 +43,7 @@ import cutlass
 from cutlass import Float32, Int32
 
 from . import jit
-from .arch import current_arch, dispatch, num_sms
+from .arch import current_arch, dispatch, family, normalize_arch, num_sms
 from .validate import check_cuda, check_int32_indexable, check_tensor
 from .wo_a_sm90 import WoASm90
 from .wo_a_sm100 import WoASm100
@@ -70,7 +73,6 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, clus
     (:data:`.gemm.sm90_gemm.L2_HINTS`, e.g. ``"evict_first"``: weights are streamed once).
     ``max_stages``: a cap on the Hopper engine's operand stages (otherwise as many as fit).
     Which config a call launches: the path's ``config_for(T, G, R, Dg, pdl)``."""
-    from .arch import family
 
     cls = _PATHS[family(arch)]
     if not cls.can_implement(G, R, Dg):
@@ -92,17 +94,9 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, clus
 
 
 def _aot(arch: str):
-    """Decode (T=1), mid-size (T=320) and prefill (T=4096) tile classes of two model shapes, per arch."""
-    from .arch import family
-
-    cls = _PATHS[family(arch)]
-    cfgs = []
-    for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048)]:
-        for T in (1, 320, 4096):
-            cfg = dict(G=G, R=R, Dg=Dg, **cls.config_for(T, G, R, Dg))
-            if cfg not in cfgs:  # Blackwell: T = 320 and 4096 share a tile
-                cfgs.append(cfg)
-    return tuple(cfgs)
+    """Every engine config :func:`wo_a` routes to on ``arch`` at T = 1 .. AOT_MAX_T for each
+    of AOT_SHAPES (:func:`aot_routes`; the decode kernels' AOT configs are the rest)."""
+    return tuple(dict(cfg) for name, cfg in aot_routes(arch) if name == "wo_a")
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -264,28 +258,72 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
         return out
     a = arch if arch is not None else current_arch(o.device)
     path = dispatch(op, ("sm100", "sm90", "reference"), arch=a)
-    pdl_cfg = {"pdl": True} if pdl else {}  # in the compile key only when asked: default keys unchanged
     if path == "reference":
         return _torch_path(o, wo_a_weight, out)
-    sms = num_sms(o.device)
+    name, cfg = route(T, G, R, Dg, a, decode_kernel=decode_kernel, pdl=pdl, sms=num_sms(o.device))
     P = jit.gmem_ptr
+    if name == op:
+        fn = jit.get_kernel(name, a, **cfg)
+        fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 16),
+           jit.i32(T), jit.cu_stream(stream))
+        return out
+    # both decode kernels take the same arguments; only the kernel and its plan differ
+    workspace = _decode_workspace(op, workspace, o, G, R, cfg["splits"])
+    fn = jit.get_kernel(name, a, **cfg)
+    fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 4),
+       P(Float32, workspace.partials, 4), P(Int32, workspace.counters, 4), jit.i32(T), jit.cu_stream(stream))
+    return out
+
+
+def route(T: int, G: int, R: int, Dg: int, arch: str, *, decode_kernel: bool | str | None = None,
+          pdl: bool = False, sms: int = WoASm90.NUM_SMS) -> tuple[str, dict]:
+    """The kernel (``"wo_a"``, ``"wo_a_decode"`` or ``"wo_a_decode_sm90"``) and the whole
+    compile config (shape included) that :func:`wo_a` launches for ``T`` tokens of the shape
+    on ``arch`` (sm_90a / sm_100a / sm_103a) with ``sms`` SMs -- the one routing rule, which
+    the AOT build (:func:`aot_routes`) enumerates too. A ``ValueError`` for a decode kernel
+    the arch or T cannot take."""
+    path = family(arch)
+    pdl_cfg = {"pdl": True} if pdl else {}  # in the compile key only when asked: default keys unchanged
     if use_decode_kernel(T, decode_kernel, path, G, R, Dg, sms):
         wgmma = decode_kernel_kind(T, decode_kernel, path, G, R, Dg, sms, pdl) == "wgmma"
         if wgmma and (path != "sm90" or T > 64):
-            raise ValueError(f"{op}: decode_kernel='wgmma' needs a Hopper (sm_90a) device and T <= 64, "
-                             f"got {a} and T={T}")
-        if wgmma or WoADecode.can_implement(T, G, R, Dg):
-            # both decode kernels take the same arguments; only the kernel and its plan differ
-            name, cfg = (("wo_a_decode_sm90", sm90_decode_plan(T, G, R, Dg, sms)) if wgmma
-                         else ("wo_a_decode", decode_plan(T, G, R, Dg, sms)))
-            workspace = _decode_workspace(op, workspace, o, G, R, cfg["splits"])
-            fn = jit.get_kernel(name, a, G=G, R=R, Dg=Dg, **cfg, **pdl_cfg)
-            fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 4),
-               P(Float32, workspace.partials, 4), P(Int32, workspace.counters, 4), jit.i32(T),
-               jit.cu_stream(stream))
-            return out
+            raise ValueError(f"wo_a: decode_kernel='wgmma' needs a Hopper (sm_90a) device and T <= 64, "
+                             f"got {arch} and T={T}")
+        if wgmma:
+            return "wo_a_decode_sm90", dict(G=G, R=R, Dg=Dg, **sm90_decode_plan(T, G, R, Dg, sms), **pdl_cfg)
+        if WoADecode.can_implement(T, G, R, Dg):
+            return "wo_a_decode", dict(G=G, R=R, Dg=Dg, **decode_plan(T, G, R, Dg, sms), **pdl_cfg)
     cfg = _PATHS[path].config_for(T, G, R, Dg, pdl=pdl)
-    fn = jit.get_kernel(op, a, G=G, R=R, Dg=Dg, **cfg, **(pdl_cfg if path == "sm90" else {}))
-    fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, wo_a_weight, 16), P(cutlass.BFloat16, out, 16), jit.i32(T),
-       jit.cu_stream(stream))
-    return out
+    return "wo_a", dict(G=G, R=R, Dg=Dg, **cfg, **(pdl_cfg if path == "sm90" else {}))
+
+
+#: (G, R, Dg) shapes the AOT build (``python -m cute_kernels build``) covers at every T:
+#: the supported and tested set
+AOT_SHAPES = tuple((G, R, Dg) for G in (8, 16) for R in (512, 1024) for Dg in (1024, 2048))
+#: ... for T = 1 .. AOT_MAX_T; every larger T takes one of these configs (the classes stop
+#: changing above the pingpong rule's threshold, T = 1537 at G=8 R=512)
+AOT_MAX_T = 16384
+
+
+def aot_routes(arch: str, shapes=AOT_SHAPES, max_tokens: int = AOT_MAX_T, sms: int = WoASm90.NUM_SMS) \
+        -> tuple[tuple[str, dict], ...]:
+    """Every distinct (kernel, config) :func:`route` takes by default (no ``decode_kernel``,
+    no ``pdl``) for T = 1 .. ``max_tokens`` of each (G, R, Dg) in ``shapes`` on ``arch`` with
+    ``sms`` SMs: what a deployment must have built so that no call compiles. The AOT configs
+    of ``wo_a``, ``wo_a_decode`` and ``wo_a_decode_sm90``; ``python -m cute_kernels build
+    --wo-a-shape G,R,Dg`` adds a model's own shape. (Routes on a part with another SM count
+    differ at decode T and compile on first use.)"""
+    return _aot_routes(normalize_arch(arch), tuple(tuple(s) for s in shapes), max_tokens, sms)
+
+
+@functools.lru_cache(maxsize=None)
+def _aot_routes(arch: str, shapes: tuple, max_tokens: int, sms: int) -> tuple:
+    seen, out = set(), []
+    for G, R, Dg in shapes:
+        for T in range(1, max_tokens + 1):
+            name, cfg = route(T, G, R, Dg, arch, sms=sms)
+            key = (name, tuple(sorted(cfg.items())))
+            if key not in seen:
+                seen.add(key)
+                out.append((name, cfg))
+    return tuple(out)

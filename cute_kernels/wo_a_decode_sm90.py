@@ -305,18 +305,11 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, splits: int = 1, s
 
 def _aot(arch: str) -> tuple[dict, ...]:
     """The configs :func:`cute_kernels.wo_a.wo_a` routes here by default (its own rule,
-    :func:`cute_kernels.wo_a.decode_kernel_kind`), one per token tile of 8 / 16 / 32 tokens."""
-    from .wo_a import decode_kernel_kind, use_decode_kernel  # wo_a imports this module
+    :func:`cute_kernels.wo_a.route`): one per token tile of 8 / 16 / 32 tokens of the shapes
+    it sends here."""
+    from .wo_a import aot_routes  # wo_a imports this module
 
-    cfgs = []
-    for G in (8, 16):
-        for R in (512, 1024):
-            for Dg in (1024, 2048):
-                for T in (8, 16, 32):
-                    if use_decode_kernel(T, None, "sm90", G, R, Dg) \
-                            and decode_kernel_kind(T, None, "sm90", G, R, Dg) == "wgmma":
-                        cfgs.append({"G": G, "R": R, "Dg": Dg, **plan(T, G, R, Dg)})
-    return tuple(cfgs)
+    return tuple(dict(cfg) for name, cfg in aot_routes(arch) if name == "wo_a_decode_sm90")
 
 
 KERNEL = jit.register(jit.KernelDef(

@@ -237,3 +237,22 @@ def test_cli_build_warm_rebuild_list_verify_clear(tmp_path):
     bad = _cli("verify", cache=cache)
     assert bad.returncode == 1 and "BAD" in bad.stdout
     assert _cli("clear", cache=cache).returncode == 0 and not os.path.exists(cache)
+
+
+def test_cli_build_wo_a_shape_adds_its_routes(tmp_path):
+    """``--wo-a-shape G,R,Dg`` adds every config wo_a() routes to for a model's own shape up to
+    ``--max-tokens`` (here: the wgmma decode kernel's three token tiles), filtered by
+    ``--kernel``; a malformed shape is refused before anything compiles."""
+    from cute_kernels.wo_a import aot_routes
+
+    cache = str(tmp_path / "c")
+    base = len([1 for k, _ in jit.iter_aot(["wo_a_decode_sm90"], "sm_90a")])
+    extra = [c for n, c in aot_routes("sm_90a", [(8, 512, 1536)], 40) if n == "wo_a_decode_sm90"]
+    assert len(extra) == 3  # tok_n 8 / 16 / 32; the T = 33..40 engine route is filtered out by --kernel
+    r = _cli("build", "--arch", "sm_90a", "--kernel", "wo_a_decode_sm90", "--wo-a-shape", "8,512,1536",
+             "--max-tokens", "40", cache=cache)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("| compiled") == base + 3 and r.stdout.count('"Dg": 1536') == 3
+    for bad, why in (("8,512", "three integers"), ("8,500,1536", "multiples of 64")):
+        r = _cli("build", "--arch", "sm_90a", "--wo-a-shape", bad, cache=cache)
+        assert r.returncode != 0 and why in r.stderr and "compiled" not in r.stdout

@@ -977,3 +977,95 @@ def test_sm90_decode_plan_and_errors():
                        use_disk=False)
     with pytest.raises(ValueError, match="stages=40"):
         jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=8, R=512, Dg=1024, tok_n=64, stages=40, use_disk=False)
+
+
+# ------------------------------------------------------------ AOT coverage ------------
+def _aot_keys(arch):
+    """(kernel, canonical config) of every AOT item for ``arch``: what the artifact build compiles."""
+    import json
+
+    from cute_kernels import jit
+
+    return {(k.name, json.dumps(k.canonical_config(c), sort_keys=True))
+            for k, c in jit.iter_aot(None, arch) if arch in k.archs}
+
+
+def _route_key(name, cfg):
+    import json
+
+    from cute_kernels import jit
+
+    return name, json.dumps(jit.registry()[name].canonical_config(cfg), sort_keys=True)
+
+
+# every T up to 600, odd ones past the tile edges above, and far past AOT_MAX_T
+AOT_TOKENS = list(range(1, 601)) + [767, 769, 1023, 1025, 1536, 1537, 2047, 4097, 8191, 16383, 16384,
+                                    16385, 40000, 100003]
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_aot_build_covers_every_default_route(arch):
+    """`python -m cute_kernels build` leaves no wo_a() call of a supported shape to compile on
+    the hot path: the kernel and config route() picks -- the rule wo_a() launches by -- is an
+    AOT item for every T (decode kernels, swapped mid-size tiles, pingpong prefill)."""
+    from cute_kernels.wo_a import AOT_SHAPES, route
+
+    have = _aot_keys(arch)
+    missing = {(G, R, Dg, T) for G, R, Dg in AOT_SHAPES for T in AOT_TOKENS
+               if _route_key(*route(T, G, R, Dg, arch)) not in have}
+    assert not missing, sorted(missing)[:10]
+    if arch == "sm_90a":  # every kernel wo_a() dispatches to on Hopper is among them
+        assert {route(T, 8, 512, 2048, arch)[0] for T in (1, 20, 64, 320, 4096)} == \
+            {"wo_a", "wo_a_decode_sm90"}
+        assert route(1, 8, 1024, 1024, arch)[0] == "wo_a_decode"
+
+
+def test_route_matches_the_configs_it_names():
+    """route() spells the same configs as the tile rules it dispatches to, and rejects the
+    wgmma decode kernel off Hopper or above 64 tokens before anything compiles."""
+    from cute_kernels.wo_a import aot_routes, route
+    from cute_kernels.wo_a_decode_sm90 import plan as sm90_plan
+
+    assert route(320, 8, 512, 2048, "sm_90a") == ("wo_a", dict(G=8, R=512, Dg=2048,
+                                                                **WoASm90.config_for(320, 8, 512, 2048)))
+    assert route(320, 8, 512, 2048, "sm_90a", pdl=True)[1]["pdl"] is True
+    assert "pdl" not in route(320, 8, 512, 2048, "sm_100a", pdl=True)[1]  # the Blackwell engine has no PDL build
+    assert route(4096, 16, 1024, 1024, "sm_100a") == ("wo_a", dict(G=16, R=1024, Dg=1024,
+                                                                   **WoASm100.config_for(4096, 16, 1024, 1024)))
+    assert route(5, 8, 512, 2048, "sm_90a") == ("wo_a_decode_sm90", dict(G=8, R=512, Dg=2048,
+                                                                          **sm90_plan(5, 8, 512, 2048)))
+    assert route(5, 8, 512, 2048, "sm_90a", decode_kernel=False)[0] == "wo_a"
+    with pytest.raises(ValueError, match="decode_kernel='wgmma' needs a Hopper"):
+        route(5, 8, 512, 2048, "sm_100a", decode_kernel="wgmma")
+    with pytest.raises(ValueError, match="T=65"):
+        route(65, 8, 512, 2048, "sm_90a", decode_kernel="wgmma")
+    # distinct and stable: one entry per compile, the same tuple on a second call
+    r = aot_routes("sm_90a", [(8, 512, 2048)], 2000)
+    assert len({_route_key(*x) for x in r}) == len(r) and aot_routes("sm_90a", [(8, 512, 2048)], 2000) == r
+
+
+@pytest.mark.gpu
+def test_aot_entries_serve_every_t_without_compiling(seed, tmp_path, monkeypatch):
+    """A deployment's view: the AOT items of one shape exported to a fresh artifact cache and
+    the in-process cache emptied, wo_a() at decode, mid-size and prefill T (odd ones among
+    them) loads every kernel from disk -- nothing compiles -- and matches FP32."""
+    from cute_kernels import jit
+    from cute_kernels.artifact_cache import ArtifactCache
+    from cute_kernels.wo_a import aot_routes, route
+
+    G, HG, Dv, R = 8, 16, 128, 512
+    Ts = (1, 5, 20, 33, 64, 100, 320, 513, 1100, 2100)
+    monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
+    store = ArtifactCache(str(tmp_path))
+    for name, cfg in aot_routes("sm_90a", [(G, R, HG * Dv)], max(Ts)):
+        kdef = jit.registry()[name]
+        key = jit.CacheKey.make(kdef, "sm_90a", cfg)
+        assert store.put(key, jit.compile_now(kdef, "sm_90a", cfg, options=key.options).fn)
+    jit.CACHE.clear()
+    try:
+        for T in Ts:
+            check_wo_a(T, G, HG, Dv, R)
+        routes = {_route_key(*route(T, G, R, HG * Dv, "sm_90a")) for T in Ts}
+        assert jit.CACHE.stats.compiles == 0 and jit.CACHE.stats.disk_loads == len(routes) >= 6
+    finally:
+        jit.CACHE.clear()

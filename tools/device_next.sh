@@ -161,7 +161,9 @@
 #            CTAs sharing a token tile are not on one k-tile at once: paired A/B at T = 64-512.
 #            (ran on commit 7987dc1; the option was reverted after it -- slower at 11 of 14 points)
 #   phase 85: the twentieth session's final tree: the whole GPU suite.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..85)
+#   phase 86: wo_a()'s one routing rule (route) and the AOT build of every tile class: WO-A's and
+#            the runtime's GPU tests, a first call's host cost compiled / loaded / steady.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..86)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -410,6 +412,12 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+86)  # the WO-A route refactor and its AOT coverage: WO-A's and the runtime's GPU tests, first-call host cost
+  step 260 wo_a_tests $PYT tests/test_wo_a.py tests/test_wo_a_fp8.py -m gpu
+  step 120 runtime_tests $PYT tests/test_spec_decode.py -m gpu
+  step 120 first_call python tools/probe_wo_a_first_call.py
+  step 60 first_call_16 env SHAPE=16x1024x1024 TS=1,64,320,4096 python tools/probe_wo_a_first_call.py
   ;;
 85)  # the final tree: the whole GPU suite
   step 540 gpu_suite $PYT tests -m gpu
