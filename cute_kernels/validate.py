@@ -38,30 +38,31 @@ def check_tensor(
         dts = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
         if t.dtype not in dts:
             raise TypeError(f"{op}: {name} must have dtype {_fmt(dts)}, got {_fmt([t.dtype])}")
-    if ndim is not None and t.dim() != ndim:
-        raise ValueError(f"{op}: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    # the shape and strides read once: every entry point runs this on its hot path
+    shp, st = tuple(t.shape), t.stride()
+    dims = len(shp)
+    if ndim is not None and dims != ndim:
+        raise ValueError(f"{op}: {name} must be {ndim}-D, got shape {shp}")
     if shape is not None:
-        if t.dim() != len(shape) or any(e is not None and e != s for e, s in zip(shape, t.shape)):
+        if dims != len(shape) or any(e is not None and e != s for e, s in zip(shape, shp)):
             want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
-            raise ValueError(f"{op}: {name} must have shape {want}, got {list(t.shape)}")
+            raise ValueError(f"{op}: {name} must have shape {want}, got {list(shp)}")
     if device is not None:
         dev = torch.device(device)
         if t.device.type != dev.type or (dev.index is not None and t.device.index != dev.index):
             raise ValueError(f"{op}: {name} must be on {dev}, got {t.device}")
     if contiguous and not t.is_contiguous():
-        raise ValueError(f"{op}: {name} must be contiguous, got strides {tuple(t.stride())}")
-    if last_dim_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(
-            f"{op}: {name} must be contiguous in its last dim (stride 1), got strides {tuple(t.stride())}"
-        )
-    if align_bytes and t.numel() > 0:
+        raise ValueError(f"{op}: {name} must be contiguous, got strides {st}")
+    if last_dim_contiguous and dims > 0 and shp[-1] > 1 and st[-1] != 1:
+        raise ValueError(f"{op}: {name} must be contiguous in its last dim (stride 1), got strides {st}")
+    if align_bytes and 0 not in shp:
         if t.data_ptr() % align_bytes:
             raise ValueError(f"{op}: {name} data pointer must be {align_bytes}-byte aligned")
         es = t.element_size()
-        for d in range(t.dim() - 1):
-            if t.shape[d] > 1 and (t.stride(d) * es) % align_bytes:
+        for d in range(dims - 1):
+            if shp[d] > 1 and (st[d] * es) % align_bytes:
                 raise ValueError(
-                    f"{op}: {name} stride of dim {d} ({t.stride(d)} elements) must be a multiple of "
+                    f"{op}: {name} stride of dim {d} ({st[d]} elements) must be a multiple of "
                     f"{align_bytes} bytes"
                 )
     return t

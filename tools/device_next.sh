@@ -163,7 +163,9 @@
 #   phase 85: the twentieth session's final tree: the whole GPU suite.
 #   phase 86: wo_a()'s one routing rule (route) and the AOT build of every tile class: WO-A's and
 #            the runtime's GPU tests, a first call's host cost compiled / loaded / steady.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..86)
+#   phase 87: the twenty-first session's final tree (route, AOT classes, check_tensor reading
+#            shape and strides once): the whole GPU suite.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..87)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -412,6 +414,9 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+87)  # the final tree: the whole GPU suite
+  step 560 gpu_suite $PYT tests -m gpu
   ;;
 86)  # the WO-A route refactor and its AOT coverage: WO-A's and the runtime's GPU tests, first-call host cost
   step 260 wo_a_tests $PYT tests/test_wo_a.py tests/test_wo_a_fp8.py -m gpu
