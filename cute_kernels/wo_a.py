@@ -72,7 +72,7 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, clus
     ``weight_l2_hint``: an L2 cache hint on the Hopper engine's weight loads
     (:data:`.gemm.sm90_gemm.L2_HINTS`, e.g. ``"evict_first"``: weights are streamed once).
     ``max_stages``: a cap on the Hopper engine's operand stages (otherwise as many as fit).
-    Which config a call launches: the path's ``config_for(T, G, R, Dg, pdl)``."""
+    Which kernel and config a call launches: :func:`route` (the path's ``config_for`` above the decode T)."""
 
     cls = _PATHS[family(arch)]
     if not cls.can_implement(G, R, Dg):
