@@ -81,6 +81,7 @@ def _wo_a_work(archs, shapes, max_tokens, kernels, work):
     (each "G,R,Dg") not already in ``work``."""
     from . import jit
     from .wo_a import aot_routes
+    from .wo_a_sm90 import WoASm90
 
     parsed = []
     for text in shapes:
@@ -88,7 +89,7 @@ def _wo_a_work(archs, shapes, max_tokens, kernels, work):
             G, R, Dg = (int(v) for v in text.split(","))
         except ValueError:
             raise SystemExit(f"--wo-a-shape {text!r}: expected three integers G,R,Dg (e.g. 8,512,2048)")
-        if G < 1 or R % 64 or Dg % 64 or R < 64 or Dg < 64:
+        if R < 64 or Dg < 64 or not WoASm90.can_implement(G, R, Dg):  # the Blackwell engine's rule is the same
             raise SystemExit(f"--wo-a-shape {text!r}: WO-A needs G >= 1 and R, Dg positive multiples of 64")
         parsed.append((G, R, Dg))
     if max_tokens < 1:
@@ -101,7 +102,7 @@ def _wo_a_work(archs, shapes, max_tokens, kernels, work):
             item = (name, json.dumps(cfg, sort_keys=True), a)
             if a in kdef.archs and item not in have and (not kernels or name in kernels):
                 have.add(item)
-                extra.append((kdef, dict(cfg), a))
+                extra.append((kdef, cfg, a))
     return extra
 
 

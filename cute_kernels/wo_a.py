@@ -96,7 +96,7 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, clus
 def _aot(arch: str):
     """Every engine config :func:`wo_a` routes to on ``arch`` at T = 1 .. AOT_MAX_T for each
     of AOT_SHAPES (:func:`aot_routes`; the decode kernels' AOT configs are the rest)."""
-    return tuple(dict(cfg) for name, cfg in aot_routes(arch) if name == "wo_a")
+    return tuple(cfg for name, cfg in aot_routes(arch) if name == "wo_a")
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -309,21 +309,21 @@ def aot_routes(arch: str, shapes=AOT_SHAPES, max_tokens: int = AOT_MAX_T, sms: i
         -> tuple[tuple[str, dict], ...]:
     """Every distinct (kernel, config) :func:`route` takes by default (no ``decode_kernel``,
     no ``pdl``) for T = 1 .. ``max_tokens`` of each (G, R, Dg) in ``shapes`` on ``arch`` with
-    ``sms`` SMs: what a deployment must have built so that no call compiles. The AOT configs
-    of ``wo_a``, ``wo_a_decode`` and ``wo_a_decode_sm90``; ``python -m cute_kernels build
-    --wo-a-shape G,R,Dg`` adds a model's own shape. (Routes on a part with another SM count
-    differ at decode T and compile on first use.)"""
-    return _aot_routes(normalize_arch(arch), tuple(tuple(s) for s in shapes), max_tokens, sms)
+    ``sms`` SMs: what a deployment must have built so that no call compiles. ``wo_a``'s and
+    ``wo_a_decode_sm90``'s AOT configs are these; ``wo_a_decode``'s own list holds its share
+    (tests/test_wo_a.py checks both); ``python -m cute_kernels build --wo-a-shape G,R,Dg``
+    adds a model's own shape. (Routes on a part with another SM count differ at decode T and
+    compile on first use.) The configs are fresh dicts: the enumeration is memoised."""
+    routes = _aot_routes(normalize_arch(arch), tuple(tuple(s) for s in shapes), max_tokens, sms)
+    return tuple((name, dict(items)) for name, items in routes)
 
 
 @functools.lru_cache(maxsize=None)
 def _aot_routes(arch: str, shapes: tuple, max_tokens: int, sms: int) -> tuple:
-    seen, out = set(), []
+    """:func:`aot_routes` with each config as its sorted items, in first-seen order."""
+    seen = {}
     for G, R, Dg in shapes:
         for T in range(1, max_tokens + 1):
             name, cfg = route(T, G, R, Dg, arch, sms=sms)
-            key = (name, tuple(sorted(cfg.items())))
-            if key not in seen:
-                seen.add(key)
-                out.append((name, cfg))
-    return tuple(out)
+            seen.setdefault((name, tuple(sorted(cfg.items()))), None)
+    return tuple(seen)

@@ -309,7 +309,7 @@ def _aot(arch: str) -> tuple[dict, ...]:
     it sends here."""
     from .wo_a import aot_routes  # wo_a imports this module
 
-    return tuple(dict(cfg) for name, cfg in aot_routes(arch) if name == "wo_a_decode_sm90")
+    return tuple(cfg for name, cfg in aot_routes(arch) if name == "wo_a_decode_sm90")
 
 
 KERNEL = jit.register(jit.KernelDef(
