@@ -167,7 +167,9 @@
 #            shape and strides once): the whole GPU suite.
 #   phase 88: the per-k-tile clock64 trace of the T = 320 pipelines (tools/probe_wo_a_ktrace.py):
 #            G=8 R=512 (0.88x bmm) against G=8 R=1024 (parity), full and load-only, 5 / 8 stages.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..88)
+#   phase 89: the same trace with fewer CTAs (G = 2 / 4 / 8 at R=512 Dg=2048, T = 320): is the
+#            load roof per SM or shared?
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..89)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -416,6 +418,10 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+89)  # per-k-tile trace at T = 320 with 32 / 64 / 128 CTAs
+  step 200 probe_ktrace_g env TS=320 SHAPES=2x512x2048,4x512x2048,8x512x2048 MODES=load_only,full OUT="$OUT" \
+    python tools/probe_wo_a_ktrace.py
   ;;
 88)  # per-k-tile trace at T = 320: who waits for whom (G=8 R=512 vs G=8 R=1024)
   step 240 probe_ktrace env TS=320 SHAPES=8x512x2048,8x1024x1024 MODES=full,load_only STAGES=8 OUT="$OUT" \
