@@ -169,7 +169,9 @@
 #            G=8 R=512 (0.88x bmm) against G=8 R=1024 (parity), full and load-only, 5 / 8 stages.
 #   phase 89: the same trace with fewer CTAs (G = 2 / 4 / 8 at R=512 Dg=2048, T = 320): is the
 #            load roof per SM or shared?
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..89)
+#   phase 90: the trace at T = 320 G=8 R=512 with the clusters walking the tiles in other orders
+#            (RASTER), and with the weights L2-resident (WSETS=1; bmm then too).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..90)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -418,6 +420,12 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+90)  # T = 320 G=8 R=512: tile orders; weights L2-resident
+  step 200 probe_ktrace_raster env TS=320 SHAPES=8x512x2048 MODES=full RASTER=engine,mnl,nml,lmn,lnm OUT="$OUT" \
+    python tools/probe_wo_a_ktrace.py
+  step 120 probe_ktrace_hot env TS=320 SHAPES=8x512x2048,8x1024x1024 MODES=full,load_only WSETS=1 \
+    python tools/probe_wo_a_ktrace.py
   ;;
 89)  # per-k-tile trace at T = 320 with 32 / 64 / 128 CTAs
   step 200 probe_ktrace_g env TS=320 SHAPES=2x512x2048,4x512x2048,8x512x2048 MODES=load_only,full OUT="$OUT" \

@@ -19,7 +19,12 @@ to turn cycles into ns) and the CTA's SM. Configs as ``probe_wo_a_timeline.py``'
 issue no wgmma). A diagnostic build: nothing shipped compiles these stamps.
 
     env TS=320 SHAPES=8x512x2048,8x1024x1024 MODES=full,load_only python tools/probe_wo_a_ktrace.py
-    env TS=320 SHAPES=8x512x2048 CONFIGS=swap:128x80:1x2:occ1 STAGES=8 OUT=/tmp python tools/probe_wo_a_ktrace.py
+    env TS=320 SHAPES=8x512x2048 STAGES=8 OUT=/tmp python tools/probe_wo_a_ktrace.py
+    env TS=320 SHAPES=8x512x2048 MODES=full RASTER=engine,nml,lmn WSETS=1 python tools/probe_wo_a_ktrace.py
+
+``RASTER``: orders (fastest first) in which the dispatched clusters walk the m / n / l cluster
+tiles, ``engine`` the engine's own; ``WSETS=1``: one weight set, L2-resident across launches
+(default: enough sets to rotate through twice L2, as the benches).
 
 Prints per (shape, T, config, mode): us per call (graph replay, rotating weights, as the
 benches) next to cuBLAS ``bmm``; the SM clock; and over the CTAs of one launch (the median
@@ -63,6 +68,26 @@ class Sm90GemmKTrace(Sm90GemmProbe):
     """The probe engine (full or load_only) with clock64 stamps around each k-tile's barrier
     waits. The trace row is kept on the object while the kernel is traced (a probe's
     shortcut: the engine's methods do not pass it to the loads)."""
+
+    #: ``RASTER``: the order (fastest first) in which the launch's clusters walk the m / n / l
+    #: cluster tiles -- None: the engine's own (raster groups along M, l = blockIdx.z)
+    raster_order = None
+
+    @cute.jit
+    def tile_coord(self):
+        if const_expr(self.raster_order is None):
+            return Sm90GemmProbe.tile_coord(self)
+        cx, cy, cz = cute.arch.cluster_idx()
+        ncx, ncy, ncz = cute.arch.cluster_dim()
+        rest = cx + cy * ncx + cz * ncx * ncy  # the hardware's dispatch order: x, then y, then z
+        sizes = dict(m=ncx, n=ncy, l=ncz)
+        coord = {}
+        for d in self.raster_order:
+            coord[d] = rest % sizes[d]
+            rest = rest // sizes[d]
+        in_cluster = cute.arch.block_in_cluster_idx()
+        return (coord["m"] * self.cluster_mn[0] + in_cluster[0], coord["n"] * self.cluster_mn[1] + in_cluster[1],
+                coord["l"])
 
     @cute.jit
     def trace_row(self, mT):
@@ -124,9 +149,10 @@ class Sm90GemmKTrace(Sm90GemmProbe):
 class WoAKTrace(WoASm90):
     """WO-A on the k-tile-traced engine; ``t_ptr``: Int64 (MAX_CTAS, KT_ROWS, 4)."""
 
-    def __init__(self, *args, mode: str = "full", max_stages: int | None = None, **kw):
+    def __init__(self, *args, mode: str = "full", max_stages: int | None = None, raster: str | None = None, **kw):
         super().__init__(*args, **kw)
         self.gemm = Sm90GemmKTrace(self.gemm, mode, max_stages)
+        self.gemm.raster_order = raster
 
     @cute.jit
     def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, t_ptr: cute.Pointer,
@@ -136,10 +162,10 @@ class WoAKTrace(WoASm90):
         self.gemm(a, b, c, stream, trace)
 
 
-def compile_ktrace(G, R, Dg, cfg, mode):
+def compile_ktrace(G, R, Dg, cfg, mode, raster=None):
     obj = WoAKTrace(G, R, Dg, (cfg["tile_m"], cfg["tile_n"]), (cfg.get("cluster_m", 1), cfg.get("cluster_n", 1)),
                     False, cfg.get("swap_ab", False), cfg.get("occupancy", 1), False, cfg.get("cluster_exit"),
-                    cfg.get("weight_l2_hint"), mode=mode, max_stages=cfg.get("max_stages"))
+                    cfg.get("weight_l2_hint"), mode=mode, max_stages=cfg.get("max_stages"), raster=raster)
     P = jit.fake_gmem_ptr
     fn = cute.compile(obj, P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.Int64, 8),
                       Int32(1), jit.fake_stream(), options=jit.default_options("sm_90a"))
@@ -177,11 +203,14 @@ def main():
     MODES = os.environ.get("MODES", "full,load_only").split(",")
     EXTRA = [c for c in os.environ.get("CONFIGS", "").split(",") if c and c != "default"]
     STAGES = [int(n) for n in os.environ.get("STAGES", "").split(",") if n]
+    RASTERS = [None if r == "engine" else r for r in os.environ.get("RASTER", "engine").split(",")]
+    wsets = int(os.environ.get("WSETS", "0"))  # weight sets rotated (0: enough for twice L2; 1: L2-hot)
     shapes = [tuple(int(v) for v in sh.split("x")) for sh in os.environ.get("SHAPES", "8x512x2048").split(",")]
     traces = {}
     gpu_warmup()
     for G, R, Dg in shapes:
         ws = weight_sets(G, R, Dg)
+        ws = ws[:wsets] if wsets else ws
         n = len(ws)
         reps = max(n, 8)
         for T in TS:
@@ -195,6 +224,7 @@ def main():
                 cfgs.append(dict(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, swap_ab=sw == "swap",
                                  occupancy=int(occ[3:])))
             cfgs += [dict(c, max_stages=s) for s in STAGES for c in list(cfgs)]
+            cfgs = [dict(c, raster=r) for r in RASTERS for c in cfgs]
             print(f"T={T} G={G} R={R} Dg={Dg}: bmm alone {t_bmm * 1e6:.2f} us", flush=True)
             for cfg in cfgs:
                 if cfg.get("pingpong") or cfg.get("occupancy", 1) > 1:
@@ -203,7 +233,7 @@ def main():
                 k_tiles = Dg // 64
                 tls = torch.zeros(reps, MAX_CTAS, KT_ROWS, 4, device="cuda", dtype=torch.int64)
                 for mode in MODES:
-                    fn, stages = compile_ktrace(G, R, Dg, cfg, mode)
+                    fn, stages = compile_ktrace(G, R, Dg, cfg, mode, cfg.get("raster"))
 
                     def call(i, r, fn=fn):
                         fn(jit.gmem_ptr(cutlass.BFloat16, o), jit.gmem_ptr(cutlass.BFloat16, ws[i % n]),
@@ -218,7 +248,8 @@ def main():
                     sums = [summarize(tls[r].cpu(), ctas, k_tiles, stages) for r in range(reps // 2, reps)]
                     s = sorted(sums, key=lambda d: d["main"])[len(sums) // 2]
                     name = (f"G{G}R{R}Dg{Dg}T{T}_{cfg['tile_m']}x{cfg['tile_n']}_c{cfg.get('cluster_m', 1)}x"
-                            f"{cfg.get('cluster_n', 1)}_s{stages}_{cfg.get('weight_l2_hint') or 'nohint'}_{mode}")
+                            f"{cfg.get('cluster_n', 1)}_s{stages}_{cfg.get('weight_l2_hint') or 'nohint'}"
+                            f"{'_' + cfg['raster'] if cfg.get('raster') else ''}{'_hot' if wsets == 1 else ''}_{mode}")
                     if os.environ.get("OUT"):
                         traces[name] = tls[-1, :ctas].cpu()  # the last launch's trace
                         torch.save(traces, os.path.join(os.environ["OUT"], "ktraces.pt"))
