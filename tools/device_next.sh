@@ -173,7 +173,9 @@
 #            (RASTER), and with the weights L2-resident (WSETS=1; bmm then too).
 #   phase 91: grids under one wave at 256 < T <= 512 (G = 2 / 4, outside the issue's shapes):
 #            the 5-stage cap and the 160-token tile against all stages and narrower tiles (A/B).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..91)
+#   phase 92: the k-tile trace at T = 320 G=8 R=512 with and without multicast (64x160 1x1 / 2x1,
+#            128x160 1x2): does the mainloop follow the L2 bytes a CTA issues or those it receives?
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..92)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -422,6 +424,10 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+92)  # multicast or not: issued vs received bytes
+  step 200 probe_ktrace_mcast env TS=320 SHAPES=8x512x2048 MODES=load_only,full STAGES=5 \
+    CONFIGS=swap:64x160:1x1:occ1,swap:64x160:2x1:occ1,swap:128x160:1x2:occ1 OUT="$OUT" python tools/probe_wo_a_ktrace.py
   ;;
 91)  # small grids at mid T: stage cap / tile width (paired A/B)
   step 300 probe_ab_small_g env TS=320,512 SHAPES=2x512x2048,4x512x2048,4x1024x1024 TRIALS=30 \
