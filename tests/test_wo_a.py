@@ -505,6 +505,63 @@ def test_timeline_trace_is_ordered(seed, T, rows):
     assert (t[:ctas, STAMP_SM] < torch.cuda.get_device_properties(0).multi_processor_count).all()
 
 
+def _ktrace_probe():
+    """tools/probe_wo_a_ktrace.py (a script, not a package module)."""
+    import importlib
+    import os
+    import sys
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    for d in ("tools", "bench"):
+        if os.path.join(root, d) not in sys.path:
+            sys.path.insert(0, os.path.join(root, d))
+    return importlib.import_module("probe_wo_a_ktrace")
+
+
+def test_ktrace_probe_builds_and_reads_the_sm_clock():
+    """The per-k-tile trace's diagnostic build compiles for sm_90a and reads the SM's cycle
+    counter around its barrier waits (the shipped build reads none: the timeline test above)."""
+    import tempfile
+
+    p = _ktrace_probe()
+    cfg = WoASm90.config_for(320, 8, 512, 2048)
+    with tempfile.TemporaryDirectory() as d:
+        fn, stages = p.compile_ktrace(8, 512, 2048, cfg, "full", options=f"--gpu-arch=sm_90a --keep-cubin --dump-dir={d}")
+        traced = sass.disassemble(fn.artifacts.CUBIN)
+    assert stages == cfg["max_stages"]
+    assert "SR_CLOCKLO" in traced and "SR_GLOBALTIMER" in traced and "HGMMA" in traced
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, raster", [(320, None), (77, None), (320, "lnm")])
+def test_ktrace_probe_is_ordered(seed, T, raster):
+    """The traced build computes the same product; every CTA of the grid stamps each k-tile,
+    and on its SM's clock a stage is waited for before it lands, acquired before its loads go
+    out, and lands after them; stages land in k order. ``raster``: the probe's own tile order
+    covers every tile once (the poisoned output is fully written)."""
+    from cute_kernels import jit
+
+    p = _ktrace_probe()
+    G, R, Dg = 8, 512, 2048
+    cfg = WoASm90.config_for(T, G, R, Dg)
+    fn, _ = p.compile_ktrace(G, R, Dg, cfg, "full", raster)
+    o, w = make(T, G, 16, 128, R, "cuda")
+    y = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
+    trace = torch.zeros(p.MAX_CTAS, p.KT_ROWS, 4, device="cuda", dtype=torch.int64)
+    fn(jit.gmem_ptr(cutlass.BFloat16, o), jit.gmem_ptr(cutlass.BFloat16, w), jit.gmem_ptr(cutlass.BFloat16, y),
+       jit.gmem_ptr(cutlass.Int64, trace, 8), jit.i32(T), jit.cu_stream())
+    torch.cuda.synchronize()
+    assert rel_err(y, wo_a_ref(o, w)) < TOL
+    ctas = (R // cfg["tile_m"]) * -(-T // cfg["tile_n"]) * G
+    t = trace.cpu()
+    assert (t[:ctas, p.ROW_T, 0] > 0).all() and (t[ctas:] == 0).all()
+    k = t[:ctas, :Dg // 64]
+    c0, c1, p0, p1 = (k[..., i] for i in (p.C0, p.C1, p.P0, p.P1))
+    assert (c0 > 0).all() and (p0 > 0).all()
+    assert (c1 >= c0).all() and (p1 >= p0).all() and (c1 > p1).all()
+    assert (c1.diff(dim=1) >= 0).all()
+
+
 # ------------------------------------------------------------ validation (CPU) --------
 @pytest.mark.parametrize("o, w, words", [
     (torch.zeros(2, 16, 128), torch.zeros(8, 512, 256).bfloat16(), "o must have dtype bfloat16"),

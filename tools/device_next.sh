@@ -175,7 +175,9 @@
 #            the 5-stage cap and the 160-token tile against all stages and narrower tiles (A/B).
 #   phase 92: the k-tile trace at T = 320 G=8 R=512 with and without multicast (64x160 1x1 / 2x1,
 #            128x160 1x2): does the mainloop follow the L2 bytes a CTA issues or those it receives?
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..92)
+#   phase 93: the twenty-second session's final tree: the k-tile trace's GPU tests, then the
+#            whole GPU suite.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..93)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -424,6 +426,10 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+93)  # the final tree: the trace probe's GPU tests, the whole GPU suite
+  step 60 ktrace_tests $PYT tests/test_wo_a.py -m gpu -k ktrace
+  step 540 gpu_suite $PYT tests -m gpu
   ;;
 92)  # multicast or not: issued vs received bytes
   step 200 probe_ktrace_mcast env TS=320 SHAPES=8x512x2048 MODES=load_only,full STAGES=5 \

@@ -162,13 +162,15 @@ class WoAKTrace(WoASm90):
         self.gemm(a, b, c, stream, trace)
 
 
-def compile_ktrace(G, R, Dg, cfg, mode, raster=None):
+def compile_ktrace(G, R, Dg, cfg, mode, raster=None, options=None):
+    """The traced build of ``cfg`` for sm_90a and its operand stage count; ``options``: the
+    compile options (default: the project's for sm_90a)."""
     obj = WoAKTrace(G, R, Dg, (cfg["tile_m"], cfg["tile_n"]), (cfg.get("cluster_m", 1), cfg.get("cluster_n", 1)),
                     False, cfg.get("swap_ab", False), cfg.get("occupancy", 1), False, cfg.get("cluster_exit"),
                     cfg.get("weight_l2_hint"), mode=mode, max_stages=cfg.get("max_stages"), raster=raster)
     P = jit.fake_gmem_ptr
     fn = cute.compile(obj, P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.Int64, 8),
-                      Int32(1), jit.fake_stream(), options=jit.default_options("sm_90a"))
+                      Int32(1), jit.fake_stream(), options=options or jit.default_options("sm_90a"))
     return fn, obj.gemm.stages
 
 
