@@ -15,11 +15,14 @@ every k-tile ``kt`` that a stall can sit between, in every CTA:
 
 Plus ``%globaltimer`` and ``clock64`` at entry and at the mainloop's end (the SM clock rate,
 to turn cycles into ns) and the CTA's SM. Configs as ``probe_wo_a_timeline.py``'s ``CONFIGS``
-(``swap:128x80:1x2:occ1``) and ``STAGES``; ``MODES`` full / load_only (the consumers then
-issue no wgmma). A diagnostic build: nothing shipped compiles these stamps.
+(``swap:64x160:1x1:occ1``: operand order, tile, cluster, CTAs per SM; traced at one CTA per
+SM only) and ``STAGES``; ``MODES`` full / load_only (the consumers then issue no wgmma). A
+diagnostic build: nothing shipped compiles these stamps (``tests/test_wo_a.py -k ktrace``).
+Findings: bench/RESULTS.md, twenty-second session.
 
     env TS=320 SHAPES=8x512x2048,8x1024x1024 MODES=full,load_only python tools/probe_wo_a_ktrace.py
     env TS=320 SHAPES=8x512x2048 STAGES=8 OUT=/tmp python tools/probe_wo_a_ktrace.py
+    env TS=320 SHAPES=8x512x2048 STAGES=5 CONFIGS=swap:64x160:1x1:occ1 python tools/probe_wo_a_ktrace.py
     env TS=320 SHAPES=8x512x2048 MODES=full RASTER=engine,nml,lmn WSETS=1 python tools/probe_wo_a_ktrace.py
 
 ``RASTER``: orders (fastest first) in which the dispatched clusters walk the m / n / l cluster
