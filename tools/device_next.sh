@@ -177,7 +177,9 @@
 #            128x160 1x2): does the mainloop follow the L2 bytes a CTA issues or those it receives?
 #   phase 93: the twenty-second session's final tree: the k-tile trace's GPU tests, then the
 #            whole GPU suite.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..93)
+#   phase 94: a K split inside a CTA pair, priced before building it: its per-CTA twin (G=8
+#            R=1024 Dg=1024 128x160 tiles without a cluster: 128 CTAs, K = 1024, no multicast).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..94)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -426,6 +428,10 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+94)  # the per-CTA twin of a cluster K split
+  step 200 probe_ktrace_ksplit env TS=320 SHAPES=8x1024x1024 MODES=full,load_only STAGES=5 \
+    CONFIGS=swap:128x160:1x1:occ1 python tools/probe_wo_a_ktrace.py
   ;;
 93)  # the final tree: the trace probe's GPU tests, the whole GPU suite
   step 60 ktrace_tests $PYT tests/test_wo_a.py -m gpu -k ktrace
