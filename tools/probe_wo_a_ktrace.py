@@ -51,9 +51,7 @@ from probe_wo_a_timeline import Sm90GemmProbe  # noqa: E402
 import cuda.bindings.driver as cuda  # noqa: E402
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-import cutlass.pipeline as pipeline  # noqa: E402
 from cutlass import Int32, Int64, const_expr  # noqa: E402
-from cutlass.cute.nvgpu import warpgroup  # noqa: E402
 
 from cute_kernels import jit  # noqa: E402
 from cute_kernels.gemm import sm90_gemm  # noqa: E402
@@ -119,34 +117,19 @@ class Sm90GemmKTrace(Sm90GemmProbe):
             row[(cutlass.min(kt, ROW_SM - 1), col)] = cute.arch.clock64()
 
     @cute.jit
-    def load_k_tile(self, ab_pipe, loads, kt, operands: cutlass.Constexpr = "ab", acquire: cutlass.Constexpr = True,
-                    base=None):
+    def acquire_stage(self, ab_pipe, state):
+        # one-tile-per-CTA kernel: the pipeline position is the k-tile
         lane0 = cute.arch.thread_idx()[0] % 32 == 0
-        pos = kt if const_expr(base is None) else base + kt
-        state = pipeline.PipelineState(self.stages, pos, pos % self.stages, (pos // self.stages + 1) % 2)
-        self.kstamp(kt, P0, lane0)
-        if const_expr(acquire):
-            ab_pipe.producer_acquire(state)
-        self.kstamp(kt, P1, lane0)
-        bar = ab_pipe.producer_get_barrier(state)
-        for name, (atom, tXgX, tXsX, mask), hint in zip("ab", loads, self.l2_hints):
-            if const_expr(name in operands):
-                self.tma_load(atom, tXgX[(None, kt)], tXsX[(None, state.index)], bar, mask, hint)
+        self.kstamp(state.count, P0, lane0)
+        Sm90GemmProbe.acquire_stage(self, ab_pipe, state)
+        self.kstamp(state.count, P1, lane0)
 
     @cute.jit
-    def mma_k_tile(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks: cutlass.Constexpr,
-                   first: cutlass.Constexpr = False):
+    def wait_stage(self, ab_pipe, read):
         t0 = cute.arch.thread_idx()[0] == 0
         self.kstamp(read.count, C0, t0)
-        ab_pipe.consumer_wait(read)
+        Sm90GemmProbe.wait_stage(self, ab_pipe, read)
         self.kstamp(read.count, C1, t0)
-        warpgroup.fence()
-        if const_expr(self.mode != "load_only"):
-            for kb in cutlass.range_constexpr(k_blocks):
-                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc)
-                if const_expr(first):
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
 
 
 class WoAKTrace(WoASm90):

@@ -102,7 +102,7 @@ class Sm90GemmProbe(Sm90Gemm):
     def mma_k_tile(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks: cutlass.Constexpr,
                    first: cutlass.Constexpr = False):
         if const_expr(self.mode != "mma_only"):
-            ab_pipe.consumer_wait(read)
+            self.wait_stage(ab_pipe, read)
         warpgroup.fence()
         if const_expr(self.mode != "load_only"):
             for kb in cutlass.range_constexpr(k_blocks):

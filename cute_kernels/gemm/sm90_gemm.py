@@ -568,12 +568,24 @@ class Sm90Gemm:
         pos = kt if const_expr(base is None) else base + kt
         state = pipeline.PipelineState(self.stages, pos, pos % self.stages, (pos // self.stages + 1) % 2)
         if const_expr(acquire):
-            # waits for the empty barrier, then expects the stage's A + B bytes on the full one
-            ab_pipe.producer_acquire(state)
+            self.acquire_stage(ab_pipe, state)
         bar = ab_pipe.producer_get_barrier(state)
         for name, (atom, tXgX, tXsX, mask), hint in zip("ab", loads, self.l2_hints):
             if const_expr(name in operands):
                 self.tma_load(atom, tXgX[(None, kt)], tXsX[(None, state.index)], bar, mask, hint)
+
+    @cute.jit
+    def acquire_stage(self, ab_pipe, state):
+        """The producer's wait for stage ``state`` to be free: on its empty barrier, then it
+        expects the stage's A + B bytes on the full one. (One method so that
+        tools/probe_wo_a_ktrace.py can time the wait; inlined, no cost.)"""
+        ab_pipe.producer_acquire(state)
+
+    @cute.jit
+    def wait_stage(self, ab_pipe, read):
+        """A consumer's wait for stage ``read`` to land (its full barrier); timed by
+        tools/probe_wo_a_ktrace.py."""
+        ab_pipe.consumer_wait(read)
 
     @cute.jit
     def load_prologue(self, ab_pipe, loads, k_tiles):
@@ -649,7 +661,7 @@ class Sm90Gemm:
         """One k-tile's wgmma batch of a consumer warp group: wait for stage ``read``, issue its
         ``k_blocks`` k-steps into ``acc``, commit. ``first``: the caller cleared ACCUMULATE,
         so the first k-step overwrites ``acc``; the rest accumulate."""
-        ab_pipe.consumer_wait(read)
+        self.wait_stage(ab_pipe, read)
         warpgroup.fence()
         for kb in cutlass.range_constexpr(k_blocks):
             cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc)
