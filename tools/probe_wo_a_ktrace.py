@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_wo_a import bmm_only, tokens_out_ref, weight_sets  # noqa: E402
 from common import gpu_warmup, measure, time_graph  # noqa: E402
-from probe_wo_a_timeline import Sm90GemmProbe  # noqa: E402
+from probe_wo_a_timeline import Sm90GemmProbe, config_spec  # noqa: E402
 
 import cuda.bindings.driver as cuda  # noqa: E402
 import cutlass  # noqa: E402
@@ -205,12 +205,7 @@ def main():
             o, y, ref = tokens_out_ref(T, G, R, Dg, ws[0])
             t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, reps)
             cfgs = [WoASm90.config_for(T, G, R, Dg)]
-            for spec in EXTRA:
-                sw, tile, cl, occ = spec.split(":")
-                tm, tn = (int(v) for v in tile.split("x"))
-                cm, cn = (int(v) for v in cl.split("x"))
-                cfgs.append(dict(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, swap_ab=sw == "swap",
-                                 occupancy=int(occ[3:])))
+            cfgs += [config_spec(spec) for spec in EXTRA]
             cfgs += [dict(c, max_stages=s) for s in STAGES for c in list(cfgs)]
             cfgs = [dict(c, raster=r) for r in RASTERS for c in cfgs]
             print(f"T={T} G={G} R={R} Dg={Dg}: bmm alone {t_bmm * 1e6:.2f} us", flush=True)

@@ -132,6 +132,15 @@ def compile_probe(G, R, Dg, cfg, mode, arch="sm_90a"):
                         Int32(1), jit.fake_stream(), options=jit.default_options(arch))
 
 
+def config_spec(spec: str) -> dict:
+    """A ``CONFIGS`` entry, ``swap:128x160:1x2:occ1`` (operand order ``swap`` or not, tile,
+    cluster, CTAs per SM), as an engine config."""
+    sw, tile, cl, occ = spec.split(":")
+    tm, tn = (int(v) for v in tile.split("x"))
+    cm, cn = (int(v) for v in cl.split("x"))
+    return dict(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, swap_ab=sw == "swap", occupancy=int(occ[3:]))
+
+
 def summarize(tl: torch.Tensor, ctas: int) -> dict:
     """Phases of one launch's trace (ns -> us)."""
     t = tl[:ctas].double()
@@ -164,12 +173,7 @@ def main():
             o, y, ref = tokens_out_ref(T, G, R, Dg, ws[0])
             t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
             cfgs = [WoASm90.config_for(T, G, R, Dg)]
-            for spec in EXTRA:  # e.g. swap:128x160:1x2:occ1
-                sw, tile, cl, occ = spec.split(":")
-                tm, tn = (int(v) for v in tile.split("x"))
-                cm, cn = (int(v) for v in cl.split("x"))
-                cfgs.append(dict(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, swap_ab=sw == "swap",
-                                 occupancy=int(occ[3:])))
+            cfgs += [config_spec(spec) for spec in EXTRA]
             # each config also with the weight loads' L2 hints in HINTS (e.g. HINTS=evict_first)
             cfgs += [dict(c, weight_l2_hint=h) for h in HINTS for c in list(cfgs)]
             # ... and with at most that many operand stages for each of STAGES (e.g. STAGES=4,5)
