@@ -179,7 +179,9 @@
 #            whole GPU suite.
 #   phase 94: a K split inside a CTA pair, priced before building it: its per-CTA twin (G=8
 #            R=1024 Dg=1024 128x160 tiles without a cluster: 128 CTAs, K = 1024, no multicast).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..94)
+#   phase 95: after the closing review (the engine's stage waits as acquire_stage / wait_stage,
+#            same sm_90a instruction text): the engine's GPU tests (WO-A, FP8 draft head).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..95)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -428,6 +430,9 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+95)  # the engine's GPU tests after the review edit
+  step 400 engine_tests $PYT tests/test_wo_a.py tests/test_draft_head_fp8.py -m gpu
   ;;
 94)  # the per-CTA twin of a cluster K split
   step 200 probe_ktrace_ksplit env TS=320 SHAPES=8x1024x1024 MODES=full,load_only STAGES=5 \
