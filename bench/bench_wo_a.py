@@ -5,13 +5,14 @@
 Baselines, same run: (a) the unfused path (the model's original): group-major batched GEMM
 ``torch.bmm(o.view(T, G, Dg).transpose(0, 1), wo_a.transpose(1, 2))`` -> ``[G, T, R]``, then
 ``.transpose(0, 1).reshape(T, G*R)`` (a copy); (b) that ``torch.bmm`` alone (cuBLAS,
-group-major output). "default path + PDL": ``wo_a(..., pdl=True)``, launched as a
+group-major output); (c) ``torch.bmm`` storing token-major ``y`` itself through a strided
+``out`` (ldc = G*R: cuBLAS alone, no copy -- the unfused path without its transpose). "default path + PDL": ``wo_a(..., pdl=True)``, launched as a
 programmatic dependent: back to back in the graph, each launch's first weight tiles load
 while the previous launch drains. At T <= 64 also the two decode kernels on their own:
 ``decode_kernel="mma"`` (warp MMAs) and ``"wgmma"`` (TMA + wgmma, weight rows as M). All
 timed by CUDA-graph replay over rotating weight sets larger than L2, after 0.5 s of dense
-matmuls; ours, (a) and (b) interleaved (each trial replays the three graphs in turn), so a
-drift of the clocks during a row moves all three alike. Decode rows report weight-streaming
+matmuls; ours, (a), (b) and (c) interleaved (each trial replays the four graphs in turn), so a
+drift of the clocks during a row moves all four alike. Decode rows report weight-streaming
 bandwidth (bytes = weights + o + y) against 4.3 TB/s; prefill rows report TFLOP/s against 790.
 """
 
@@ -59,6 +60,16 @@ def bmm_only(o, w):
     return torch.bmm(o.view(T, G, Dg).transpose(0, 1), w.transpose(1, 2))
 
 
+def bmm_token_major(o, w, y):
+    """cuBLAS batched GEMM storing token-major ``y [T, G*R]`` itself: ``y`` viewed as
+    ``[G, T, R]`` with strides ``(R, G*R, 1)`` is a valid strided-batched C (ldc = G*R, batch
+    stride R), which PyTorch hands to cuBLAS without a copy (tools/probe_wo_a_cublas_token_major.py
+    checks: one kernel node, ``y`` written in place)."""
+    T = o.shape[0]
+    G, R, Dg = w.shape
+    return torch.bmm(o.view(T, G, Dg).transpose(0, 1), w.transpose(1, 2), out=y.view(T, G, R).transpose(0, 1))
+
+
 def unfused(o, w):
     T = o.shape[0]
     G, R, Dg = w.shape
@@ -84,9 +95,11 @@ def main():
             # Discarded: the first graph timed after the previous row's launches ran up to 0.8 us
             # slow at decode T (phase 55: the same kernel 8.15 us first, 7.34 us later in the row).
             time_graph(lambda i: wo_a(o, ws[i], out=y), n, max(n, 8), trials=10)
-            # the default path and both baselines interleaved: their ratios are the issue's verdicts
-            t_ours, t_ref, t_bmm = time_graphs_interleaved(
-                [lambda i: wo_a(o, ws[i], out=y), lambda i: unfused(o, ws[i]), lambda i: bmm_only(o, ws[i])],
+            # the default path and the three baselines interleaved: their ratios are the verdicts
+            y_c = torch.empty_like(y)
+            t_ours, t_ref, t_bmm, t_tm = time_graphs_interleaved(
+                [lambda i: wo_a(o, ws[i], out=y), lambda i: unfused(o, ws[i]), lambda i: bmm_only(o, ws[i]),
+                 lambda i: bmm_token_major(o, ws[i], y_c)],
                 n, max(n, 8))
             t_eng = time_graph(lambda i: wo_a(o, ws[i], out=y, decode_kernel=False), n, max(n, 8))
             t_dec = {k: time_graph(lambda i, k=k: wo_a(o, ws[i], out=y, decode_kernel=k), n, max(n, 8))
@@ -117,7 +130,8 @@ def main():
                 tile = f"wgmma decode 64x{d['tok_n']}, {d['stages']} stages of {d['bk']}"
             rows.append([f"T={T} G={G} R={R} Dg={Dg} {tile}",
                          f"{t_ours * 1e6:.2f}", f"{t_ref * 1e6:.2f}", f"{t_bmm * 1e6:.2f}",
-                         f"{t_ref / t_ours:.2f}x", f"{t_bmm / t_ours:.2f}x", f"{nbytes / t_ours / 1e12:.2f}", f"{flops / t_ours / 1e12:.1f}", lim(t_ours),
+                         f"{t_tm * 1e6:.2f}",
+                         f"{t_ref / t_ours:.2f}x", f"{t_bmm / t_ours:.2f}x", f"{t_tm / t_ours:.2f}x", f"{nbytes / t_ours / 1e12:.2f}", f"{flops / t_ours / 1e12:.1f}", lim(t_ours),
                          f"{t_eng * 1e6:.2f}",
                          *(f"{t_dec[k] * 1e6:.2f} ({100 * nbytes / t_dec[k] / H200_COPY_BW:.0f}%)" if t_dec else "-"
                            for k in ("mma", "wgmma")),
@@ -127,7 +141,7 @@ def main():
     text = "\n".join([f"## WO-A token-major -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
                       f"Command: `python bench/bench_wo_a.py --tokens {args.tokens}`", "",
                       markdown_table(["shape", "ours us (default path)", "(a) bmm+transpose us", "(b) bmm alone us",
-                                      "vs (a)", "vs (b)", "TB/s", "TFLOP/s", "of limit", "engine us",
+                                      "(c) bmm into token-major y us", "vs (a)", "vs (b)", "vs (c)", "TB/s", "TFLOP/s", "of limit", "engine us",
                                       "mma decode us (% of 4.3 TB/s)", "wgmma decode us (%)",
                                       "default path + PDL us (speed-up)"], rows)])
     print(text)

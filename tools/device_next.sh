@@ -181,7 +181,12 @@
 #            R=1024 Dg=1024 128x160 tiles without a cluster: 128 CTAs, K = 1024, no multicast).
 #   phase 95: after the closing review (the engine's stage waits as acquire_stage / wait_stage,
 #            same sm_90a instruction text): the engine's GPU tests (WO-A, FP8 draft head).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..95)
+#   phase 96: cuBLAS storing the token-major output itself (bmm into a strided out, ldc = G*R):
+#            one kernel a call, checked on a poisoned y, timed against wo_a() and bmm alone
+#            (tools/probe_wo_a_cublas_token_major.py); the issue's bench with that as column (c).
+#   phase 97: the same probe over T = 128 .. 2048 at the four shapes: where cuBLAS into the
+#            token-major y is faster than wo_a()'s default path.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..97)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -430,6 +435,14 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+97)  # cuBLAS into the token-major y against wo_a() over the mid-size T
+  step 500 probe_cublas_tm env TS=128,192,256,288,320,352,384,448,512,640,768,1024,2048 TRIALS=20 \
+    python tools/probe_wo_a_cublas_token_major.py
+  ;;
+96)  # cuBLAS into a strided token-major out: checked, timed against ours; the bench with column (c)
+  step 240 probe_cublas_tm env TS=1,5,64,256,320,384,512,4096 TRIALS=30 python tools/probe_wo_a_cublas_token_major.py
+  step 240 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
   ;;
 95)  # the engine's GPU tests after the review edit
   step 400 engine_tests $PYT tests/test_wo_a.py tests/test_draft_head_fp8.py -m gpu

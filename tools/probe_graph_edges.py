@@ -27,7 +27,11 @@ def _ok(res):
     return rest[0] if len(rest) == 1 else rest
 
 
-def describe(name, launch, calls=3):
+def graph_nodes(launch, calls=3):
+    """Capture ``calls`` back-to-back ``launch()`` calls (after one eager warm-up call) and
+    return the graph's nodes as ``(node id, label)`` -- a kernel node's label is its function
+    name (``kernel`` where a library kernel has none here) and grid, any other node its type
+    (``CU_GRAPH_NODE_TYPE_MEMCPY`` ...) -- and its edges as ``(from id, to id, type)``."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -39,10 +43,10 @@ def describe(name, launch, calls=3):
             launch()
     graph = cu.CUgraph(g.raw_cuda_graph())
     nodes, n = _ok(cu.cuGraphGetNodes(graph, 64))
-    names = {}
+    labels = []
     for node in nodes[:n]:
         kind = _ok(cu.cuGraphNodeGetType(node))
-        label = str(kind).split(".")[-1]
+        label = getattr(kind, "name", str(kind))
         if kind == cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
             try:
                 params = _ok(cu.cuGraphKernelNodeGetParams(node))
@@ -55,15 +59,20 @@ def describe(name, launch, calls=3):
                 label = f"{label[:70]} {grid}"
             except Exception as e:  # noqa: BLE001
                 label = f"kernel ({e})"
-        names[int(node)] = label
+        labels.append((int(node), label))
     frm, to, data, m = _ok(cu.cuGraphGetEdges(graph, 64))
-    print(f"{name}: {n} nodes, {m} edges", flush=True)
-    for node in nodes[:n]:
-        print(f"  node {int(node) & 0xffff:04x}: {names[int(node)]}")
-    for i in range(m):
-        kind = {0: "default", 1: "programmatic", 2: "launch-completion"}.get(int(data[i].type), int(data[i].type))
-        print(f"  edge {int(frm[i]) & 0xffff:04x} -> {int(to[i]) & 0xffff:04x}: {kind} "
-              f"(from port {int(data[i].from_port)}, to port {int(data[i].to_port)})")
+    edges = [(int(frm[i]), int(to[i]), {0: "default", 1: "programmatic", 2: "launch-completion"}.get(
+        int(data[i].type), int(data[i].type))) for i in range(m)]
+    return labels, edges
+
+
+def describe(name, launch, calls=3):
+    labels, edges = graph_nodes(launch, calls)
+    print(f"{name}: {len(labels)} nodes, {len(edges)} edges", flush=True)
+    for node, label in labels:
+        print(f"  node {node & 0xffff:04x}: {label}")
+    for frm, to, kind in edges:
+        print(f"  edge {frm & 0xffff:04x} -> {to & 0xffff:04x}: {kind}")
 
 
 def main():
