@@ -186,7 +186,9 @@
 #            (tools/probe_wo_a_cublas_token_major.py); the issue's bench with that as column (c).
 #   phase 97: the same probe over T = 128 .. 2048 at the four shapes: where cuBLAS into the
 #            token-major y is faster than wo_a()'s default path.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..97)
+#   phase 98: the same probe on a T grid (16 / 32 / 48, 64 .. 2048 every 32, 2560 .. 3584), CSV out:
+#            the measurements behind wo_a()'s cuBLAS bands.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..98)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -435,6 +437,14 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+98)  # the T grid of the cuBLAS-vs-ours probe, CSV for wo_a()'s bands
+  step 120 probe_cublas_tm_small env TS=16:48:16 TRIALS=15 CSV="$OUT/cublas_tm_small.csv" \
+    python tools/probe_wo_a_cublas_token_major.py
+  step 420 probe_cublas_tm_grid env TS=64:2048:32 TRIALS=15 CSV="$OUT/cublas_tm_grid.csv" \
+    python tools/probe_wo_a_cublas_token_major.py
+  step 60 probe_cublas_tm_large env TS=2560:3584:512 TRIALS=9 CSV="$OUT/cublas_tm_large.csv" \
+    python tools/probe_wo_a_cublas_token_major.py
   ;;
 97)  # cuBLAS into the token-major y against wo_a() over the mid-size T
   step 500 probe_cublas_tm env TS=128,192,256,288,320,352,384,448,512,640,768,1024,2048 TRIALS=20 \
