@@ -6,14 +6,18 @@ Baselines, same run: (a) the unfused path (the model's original): group-major ba
 ``torch.bmm(o.view(T, G, Dg).transpose(0, 1), wo_a.transpose(1, 2))`` -> ``[G, T, R]``, then
 ``.transpose(0, 1).reshape(T, G*R)`` (a copy); (b) that ``torch.bmm`` alone (cuBLAS,
 group-major output); (c) ``torch.bmm`` storing token-major ``y`` itself through a strided
-``out`` (ldc = G*R: cuBLAS alone, no copy -- the unfused path without its transpose). "default path + PDL": ``wo_a(..., pdl=True)``, launched as a
-programmatic dependent: back to back in the graph, each launch's first weight tiles load
-while the previous launch drains. At T <= 64 also the two decode kernels on their own:
-``decode_kernel="mma"`` (warp MMAs) and ``"wgmma"`` (TMA + wgmma, weight rows as M). All
-timed by CUDA-graph replay over rotating weight sets larger than L2, after 0.5 s of dense
-matmuls; ours, (a), (b) and (c) interleaved (each trial replays the four graphs in turn), so a
-drift of the clocks during a row moves all four alike. Decode rows report weight-streaming
-bandwidth (bytes = weights + o + y) against 4.3 TB/s; prefill rows report TFLOP/s against 790.
+``out`` (ldc = G*R: cuBLAS alone, no copy -- the unfused path without its transpose). "ours
+(default path)" is ``wo_a()`` -- on Hopper cuBLAS into ``y`` inside the measured bands of
+:mod:`cute_kernels.wo_a_cublas` (those rows say so), this project's kernels elsewhere; "CuTe
+path" is ``wo_a(backend="cute")``, this project's kernels at every row. "default path + PDL":
+``wo_a(..., pdl=True)``, launched as a programmatic dependent: back to back in the graph, each
+launch's first weight tiles load while the previous launch drains. At T <= 64 also the two
+decode kernels on their own: ``decode_kernel="mma"`` (warp MMAs) and ``"wgmma"`` (TMA + wgmma,
+weight rows as M). All timed by CUDA-graph replay over rotating weight sets larger than L2,
+after 0.5 s of dense matmuls; ours, (a), (b), (c) and the CuTe path interleaved (each trial
+replays the five graphs in turn), so a drift of the clocks during a row moves all five alike.
+Decode rows report weight-streaming bandwidth (bytes = weights + o + y) against 4.3 TB/s;
+prefill rows report TFLOP/s against 790.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (H200_BF16_FLOPS, H200_COPY_BW, gpu_warmup, markdown_table, rotation_count,  # noqa: E402
                     time_graph, time_graphs_interleaved)
 
-from cute_kernels.wo_a import decode_kernel_kind, use_decode_kernel, wo_a  # noqa: E402
+from cute_kernels.wo_a import decode_kernel_kind, route, use_decode_kernel, wo_a  # noqa: E402
 from cute_kernels.wo_a_decode import plan as decode_plan  # noqa: E402
 from cute_kernels.wo_a_decode_sm90 import plan as sm90_decode_plan  # noqa: E402
 from cute_kernels.wo_a_sm90 import WoASm90  # noqa: E402
@@ -96,10 +100,10 @@ def main():
             # slow at decode T (phase 55: the same kernel 8.15 us first, 7.34 us later in the row).
             time_graph(lambda i: wo_a(o, ws[i], out=y), n, max(n, 8), trials=10)
             # the default path and the three baselines interleaved: their ratios are the verdicts
-            y_c = torch.empty_like(y)
-            t_ours, t_ref, t_bmm, t_tm = time_graphs_interleaved(
+            y_c, y_cute = torch.empty_like(y), torch.empty_like(y)
+            t_ours, t_ref, t_bmm, t_tm, t_cute = time_graphs_interleaved(
                 [lambda i: wo_a(o, ws[i], out=y), lambda i: unfused(o, ws[i]), lambda i: bmm_only(o, ws[i]),
-                 lambda i: bmm_token_major(o, ws[i], y_c)],
+                 lambda i: bmm_token_major(o, ws[i], y_c), lambda i: wo_a(o, ws[i], out=y_cute, backend="cute")],
                 n, max(n, 8))
             t_eng = time_graph(lambda i: wo_a(o, ws[i], out=y, decode_kernel=False), n, max(n, 8))
             t_dec = {k: time_graph(lambda i, k=k: wo_a(o, ws[i], out=y, decode_kernel=k), n, max(n, 8))
@@ -128,10 +132,13 @@ def main():
             elif use_decode_kernel(T, None, "sm90", G, R, Dg):
                 d = sm90_decode_plan(T, G, R, Dg)
                 tile = f"wgmma decode 64x{d['tok_n']}, {d['stages']} stages of {d['bk']}"
+            if route(T, G, R, Dg, "sm_90a")[0] == "wo_a_cublas":
+                tile = f"**cuBLAS into y** (CuTe path: {tile})"
             rows.append([f"T={T} G={G} R={R} Dg={Dg} {tile}",
                          f"{t_ours * 1e6:.2f}", f"{t_ref * 1e6:.2f}", f"{t_bmm * 1e6:.2f}",
-                         f"{t_tm * 1e6:.2f}",
-                         f"{t_ref / t_ours:.2f}x", f"{t_bmm / t_ours:.2f}x", f"{t_tm / t_ours:.2f}x", f"{nbytes / t_ours / 1e12:.2f}", f"{flops / t_ours / 1e12:.1f}", lim(t_ours),
+                         f"{t_tm * 1e6:.2f}", f"{t_cute * 1e6:.2f}",
+                         f"{t_ref / t_ours:.2f}x", f"{t_bmm / t_ours:.2f}x", f"{t_tm / t_ours:.2f}x",
+                         f"{t_bmm / t_cute:.2f}x", f"{nbytes / t_ours / 1e12:.2f}", f"{flops / t_ours / 1e12:.1f}", lim(t_ours),
                          f"{t_eng * 1e6:.2f}",
                          *(f"{t_dec[k] * 1e6:.2f} ({100 * nbytes / t_dec[k] / H200_COPY_BW:.0f}%)" if t_dec else "-"
                            for k in ("mma", "wgmma")),
@@ -141,7 +148,8 @@ def main():
     text = "\n".join([f"## WO-A token-major -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
                       f"Command: `python bench/bench_wo_a.py --tokens {args.tokens}`", "",
                       markdown_table(["shape", "ours us (default path)", "(a) bmm+transpose us", "(b) bmm alone us",
-                                      "(c) bmm into token-major y us", "vs (a)", "vs (b)", "vs (c)", "TB/s", "TFLOP/s", "of limit", "engine us",
+                                      "(c) bmm into token-major y us", "CuTe path us", "vs (a)", "vs (b)", "vs (c)",
+                                      "CuTe path vs (b)", "TB/s", "TFLOP/s", "of limit", "engine us",
                                       "mma decode us (% of 4.3 TB/s)", "wgmma decode us (%)",
                                       "default path + PDL us (speed-up)"], rows)])
     print(text)

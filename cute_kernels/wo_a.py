@@ -11,7 +11,9 @@ a contiguous copy. Here the GEMM epilogue stores through a token-major view of `
 (:mod:`cute_kernels.wo_a_sm90` explains the views), so that copy does not exist.
 
 Paths: sm_90a -> :mod:`.wo_a_sm90` (TMA + wgmma), sm_100a/sm_103a -> :mod:`.wo_a_sm100`
-(TMA + tcgen05); any other device -> the PyTorch reference, with one warning. At decode T
+(TMA + tcgen05); any other device -> the PyTorch reference, with one warning. On Hopper, at
+the (shape, T) bands where the H200 measured it faster, one cuBLAS strided-batched GEMM that
+stores the token-major ``y`` itself (:mod:`.wo_a_cublas`; ``backend=`` overrides). At decode T
 (<= 64) two weight-streaming kernels: :mod:`.wo_a_decode` (warp MMAs, any arch) and
 :mod:`.wo_a_decode_sm90` (TMA + wgmma, weight rows as M; Hopper) -- :func:`wo_a` says which T
 takes which.
@@ -45,6 +47,7 @@ from cutlass import Float32, Int32
 from . import jit
 from .arch import current_arch, dispatch, family, normalize_arch, num_sms
 from .validate import check_cuda, check_int32_indexable, check_tensor
+from .wo_a_cublas import prefers_cublas, wo_a_cublas
 from .wo_a_sm90 import WoASm90
 from .wo_a_sm100 import WoASm100
 from .wo_a_decode import BN_NARROW, WoADecode, WoADecodeWorkspace, plan as decode_plan
@@ -131,6 +134,8 @@ DECODE_MAX_T = 16
 DECODE_NARROW_MAX_T = 32
 #: values of ``wo_a(decode_kernel=...)`` beyond None / False: True is "mma"
 DECODE_KINDS = ("mma", "wgmma")
+#: values of ``wo_a(backend=...)``: None is the measured rule (:func:`route`)
+BACKENDS = (None, "cute", "cublas")
 
 
 def use_decode_kernel(T: int, decode_kernel: bool | str | None, path: str = "sm90", G: int | None = None,
@@ -211,7 +216,8 @@ def _decode_workspace(op: str, workspace, o: torch.Tensor, G: int, R: int, split
 
 def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None = None, stream=None,
          arch: str | None = None, decode_kernel: bool | str | None = None,
-         workspace: WoADecodeWorkspace | None = None, pdl: bool = False) -> torch.Tensor:
+         workspace: WoADecodeWorkspace | None = None, pdl: bool = False,
+         backend: str | None = None) -> torch.Tensor:
     """``y [T, G*R]`` (bf16, token-major) from ``o [T, H, Dv]`` and ``wo_a_weight [G, R, (H/G)*Dv]``.
 
     ``decode_kernel`` routes the call (T <= 64) to a weight-streaming decode kernel: ``"mma"``
@@ -240,10 +246,22 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     dependents early (this project's). After a cuBLAS ``bmm`` (which never does) it lost at
     15 of 16 (shape, T <= 320) points, 0.85-1.03x (tools/probe_wo_a_pdl_runtime.py,
     fourteenth session).
+
+    ``backend``: ``"cute"`` -- this project's kernels only; ``"cublas"`` -- one cuBLAS
+    strided-batched GEMM storing token-major ``y`` itself (:mod:`.wo_a_cublas`; any CUDA
+    device; not with ``decode_kernel`` or ``pdl``); ``None`` (default) -- cuBLAS on Hopper
+    inside the bands where the H200 measured it faster than this project's kernels
+    (:data:`.wo_a_cublas.SM90_BANDS`: up to 1.69x at T = 513-800; e.g. T = 320 at G=8 R=512
+    Dg=2048), unless ``decode_kernel`` or ``pdl`` asks for a CuTe kernel; else the CuTe kernels.
     """
     op = "wo_a"
     if decode_kernel not in (None, True, False) + DECODE_KINDS:
         raise ValueError(f"{op}: decode_kernel={decode_kernel!r}, expected None, True, False, 'mma' or 'wgmma'")
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: backend={backend!r}, expected None, 'cute' or 'cublas'")
+    if backend == "cublas" and (decode_kernel is not None or pdl):
+        raise ValueError(f"{op}: backend='cublas' takes neither decode_kernel ({decode_kernel!r}) nor pdl ({pdl}): "
+                         f"those choose among this project's kernels")
     check_tensor(op, "o", o, dtype=torch.bfloat16, ndim=3, contiguous=True)
     check_tensor(op, "wo_a_weight", wo_a_weight, dtype=torch.bfloat16, ndim=3, contiguous=True)
     T, H, Dv, G, R, Dg = _group_shapes(op, o, wo_a_weight, "wo_a_weight")
@@ -256,11 +274,15 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     check_cuda(op, ("o", o), ("wo_a_weight", wo_a_weight), ("out", out))
     if T == 0:
         return out
+    if backend == "cublas":
+        return wo_a_cublas(o, wo_a_weight, out, stream)
     a = arch if arch is not None else current_arch(o.device)
     path = dispatch(op, ("sm100", "sm90", "reference"), arch=a)
     if path == "reference":
         return _torch_path(o, wo_a_weight, out)
-    name, cfg = route(T, G, R, Dg, a, decode_kernel=decode_kernel, pdl=pdl, sms=num_sms(o.device))
+    name, cfg = route(T, G, R, Dg, a, decode_kernel=decode_kernel, pdl=pdl, sms=num_sms(o.device), backend=backend)
+    if name == "wo_a_cublas":
+        return wo_a_cublas(o, wo_a_weight, out, stream)
     P = jit.gmem_ptr
     if name == op:
         fn = jit.get_kernel(name, a, **cfg)
@@ -276,13 +298,17 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
 
 
 def route(T: int, G: int, R: int, Dg: int, arch: str, *, decode_kernel: bool | str | None = None,
-          pdl: bool = False, sms: int = WoASm90.NUM_SMS) -> tuple[str, dict]:
-    """The kernel (``"wo_a"``, ``"wo_a_decode"`` or ``"wo_a_decode_sm90"``) and the whole
-    compile config (shape included) that :func:`wo_a` launches for ``T`` tokens of the shape
-    on ``arch`` (sm_90a / sm_100a / sm_103a) with ``sms`` SMs -- the one routing rule, which
-    the AOT build (:func:`aot_routes`) enumerates too. A ``ValueError`` for a decode kernel
-    the arch or T cannot take."""
+          pdl: bool = False, sms: int = WoASm90.NUM_SMS, backend: str | None = None) -> tuple[str, dict]:
+    """The kernel (``"wo_a"``, ``"wo_a_decode"``, ``"wo_a_decode_sm90"``, or
+    ``"wo_a_cublas"`` -- nothing to compile) and the whole compile config (shape included)
+    that :func:`wo_a` launches for ``T`` tokens of the shape on ``arch`` (sm_90a / sm_100a /
+    sm_103a) with ``sms`` SMs -- the one routing rule, which the AOT build
+    (:func:`aot_routes`, ``backend="cute"``) enumerates too. A ``ValueError`` for a decode
+    kernel the arch or T cannot take."""
     path = family(arch)
+    if backend == "cublas" or (backend is None and decode_kernel is None and not pdl
+                               and prefers_cublas(T, G, R, Dg, path)):
+        return "wo_a_cublas", dict(G=G, R=R, Dg=Dg)
     pdl_cfg = {"pdl": True} if pdl else {}  # in the compile key only when asked: default keys unchanged
     if use_decode_kernel(T, decode_kernel, path, G, R, Dg, sms):
         wgmma = decode_kernel_kind(T, decode_kernel, path, G, R, Dg, sms, pdl) == "wgmma"
@@ -307,9 +333,11 @@ AOT_MAX_T = 16384
 
 def aot_routes(arch: str, shapes=AOT_SHAPES, max_tokens: int = AOT_MAX_T, sms: int = WoASm90.NUM_SMS) \
         -> tuple[tuple[str, dict], ...]:
-    """Every distinct (kernel, config) :func:`route` takes by default (no ``decode_kernel``,
-    no ``pdl``) for T = 1 .. ``max_tokens`` of each (G, R, Dg) in ``shapes`` on ``arch`` with
-    ``sms`` SMs: what a deployment must have built so that no call compiles. ``wo_a``'s and
+    """Every distinct (kernel, config) :func:`route` takes with ``backend="cute"`` (no
+    ``decode_kernel``, no ``pdl``) for T = 1 .. ``max_tokens`` of each (G, R, Dg) in ``shapes``
+    on ``arch`` with ``sms`` SMs: what a deployment must have built so that no call compiles --
+    the default route's CuTe kernels, and those ``backend="cute"`` takes inside the cuBLAS
+    bands (the default's cuBLAS calls compile nothing). ``wo_a``'s and
     ``wo_a_decode_sm90``'s AOT configs are these; ``wo_a_decode``'s own list holds its share
     (tests/test_wo_a.py checks both); ``python -m cute_kernels build --wo-a-shape G,R,Dg``
     adds a model's own shape. (Routes on a part with another SM count differ at decode T and
@@ -324,6 +352,6 @@ def _aot_routes(arch: str, shapes: tuple, max_tokens: int, sms: int) -> tuple:
     seen = {}
     for G, R, Dg in shapes:
         for T in range(1, max_tokens + 1):
-            name, cfg = route(T, G, R, Dg, arch, sms=sms)
+            name, cfg = route(T, G, R, Dg, arch, sms=sms, backend="cute")
             seen.setdefault((name, tuple(sorted(cfg.items()))), None)
     return tuple(seen)

@@ -25,7 +25,10 @@ def make(T, G, HG, Dv, R, device):
 
 def check_wo_a(T, G, HG, Dv, R, **kwargs):
     """``wo_a(..., **kwargs)`` on fresh inputs into a NaN-poisoned output: every element
-    written, FP32-reference error within TOL. Returns the output."""
+    written, FP32-reference error within TOL. Returns the output. This project's kernels
+    unless ``backend`` says otherwise (the default route takes cuBLAS inside its measured
+    bands: the cuBLAS tests below)."""
+    kwargs.setdefault("backend", "cute")
     o, w = make(T, G, HG, Dv, R, "cuda")
     out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
     wo_a(o, w, out=out, **kwargs)
@@ -72,10 +75,10 @@ def test_single_kernel_no_transpose_copy(seed, T):
 
     o, w = make(T, 16, 8, 128, 1024, "cuda")
     out = torch.empty(T, 16 * 1024, device="cuda", dtype=torch.bfloat16)
-    wo_a(o, w, out=out)
+    wo_a(o, w, out=out, backend="cute")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        wo_a(o, w, out=out)
+        wo_a(o, w, out=out, backend="cute")
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0]
     # exactly one launch, and it is the CuTe GEMM (its mangled name mentions CopyAtom, so
@@ -1068,11 +1071,13 @@ def test_aot_build_covers_every_default_route(arch):
     from cute_kernels.wo_a import AOT_SHAPES, route
 
     have = _aot_keys(arch)
-    missing = {(G, R, Dg, T) for G, R, Dg in AOT_SHAPES for T in AOT_TOKENS
-               if _route_key(*route(T, G, R, Dg, arch)) not in have}
+    # the default route, and backend="cute" (this project's kernels inside the cuBLAS bands too)
+    missing = {(G, R, Dg, T, backend) for G, R, Dg in AOT_SHAPES for T in AOT_TOKENS for backend in (None, "cute")
+               if (r := route(T, G, R, Dg, arch, backend=backend))[0] != "wo_a_cublas"
+               and _route_key(*r) not in have}
     assert not missing, sorted(missing)[:10]
     if arch == "sm_90a":  # every kernel wo_a() dispatches to on Hopper is among them
-        assert {route(T, 8, 512, 2048, arch)[0] for T in (1, 20, 64, 320, 4096)} == \
+        assert {route(T, 8, 512, 2048, arch, backend="cute")[0] for T in (1, 20, 64, 320, 4096)} == \
             {"wo_a", "wo_a_decode_sm90"}
         assert route(1, 8, 1024, 1024, arch)[0] == "wo_a_decode"
 
@@ -1083,8 +1088,8 @@ def test_route_matches_the_configs_it_names():
     from cute_kernels.wo_a import aot_routes, route
     from cute_kernels.wo_a_decode_sm90 import plan as sm90_plan
 
-    assert route(320, 8, 512, 2048, "sm_90a") == ("wo_a", dict(G=8, R=512, Dg=2048,
-                                                                **WoASm90.config_for(320, 8, 512, 2048)))
+    assert route(320, 8, 512, 2048, "sm_90a", backend="cute") == \
+        ("wo_a", dict(G=8, R=512, Dg=2048, **WoASm90.config_for(320, 8, 512, 2048)))
     assert route(320, 8, 512, 2048, "sm_90a", pdl=True)[1]["pdl"] is True
     assert "pdl" not in route(320, 8, 512, 2048, "sm_100a", pdl=True)[1]  # the Blackwell engine has no PDL build
     assert route(4096, 16, 1024, 1024, "sm_100a") == ("wo_a", dict(G=16, R=1024, Dg=1024,
@@ -1122,7 +1127,124 @@ def test_aot_entries_serve_every_t_without_compiling(seed, tmp_path, monkeypatch
     try:
         for T in Ts:
             check_wo_a(T, G, HG, Dv, R)
-        routes = {_route_key(*route(T, G, R, HG * Dv, "sm_90a")) for T in Ts}
+        routes = {_route_key(*route(T, G, R, HG * Dv, "sm_90a", backend="cute")) for T in Ts}
         assert jit.CACHE.stats.compiles == 0 and jit.CACHE.stats.disk_loads == len(routes) >= 6
     finally:
         jit.CACHE.clear()
+
+
+# ---- the default route's cuBLAS bands (cute_kernels/wo_a_cublas.py) ----
+
+def test_cublas_bands_are_the_measured_table():
+    """SM90_BANDS is what bands_from_rows makes of the checked-in phase-98 rows (the H200's
+    paired trials): sorted, disjoint (lo, hi] intervals ending on measured grid points."""
+    import csv
+    import os
+
+    from cute_kernels.wo_a_cublas import SM90_BANDS, bands_from_rows
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "data", "wo_a_cublas_sm90.csv")
+    rows = list(csv.DictReader(open(path)))
+    assert bands_from_rows(rows) == SM90_BANDS
+    grid = {(int(r["G"]), int(r["R"]), int(r["Dg"]), int(r["T"])) for r in rows}
+    for shape, bands in SM90_BANDS.items():
+        flat = [t for band in bands for t in band]
+        assert flat == sorted(flat) and all(lo < hi for lo, hi in bands)
+        assert all((*shape, hi) in grid for _, hi in bands)
+
+
+def test_route_takes_cublas_inside_its_bands_only():
+    """The default Hopper route takes cuBLAS inside a band ((lo, hi]: both edges), this
+    project's kernels outside it, under backend="cute", decode_kernel or pdl, off Hopper and
+    for shapes not measured; backend="cublas" takes it anywhere."""
+    from cute_kernels.wo_a import route
+
+    assert route(320, 8, 512, 2048, "sm_90a") == ("wo_a_cublas", dict(G=8, R=512, Dg=2048))
+    assert route(333, 8, 512, 2048, "sm_90a")[0] == "wo_a_cublas"  # off the grid, inside (64, 768]
+    assert route(288, 16, 1024, 1024, "sm_90a")[0] == "wo_a_cublas"  # a band's upper edge
+    assert route(289, 16, 1024, 1024, "sm_90a")[0] == "wo_a"  # (288, 320] measured ours
+    assert route(256, 16, 1024, 1024, "sm_90a")[0] == "wo_a"  # a band's open lower edge
+    for kw in (dict(backend="cute"), dict(pdl=True), dict(decode_kernel=False)):
+        assert route(320, 8, 512, 2048, "sm_90a", **kw)[0] == "wo_a", kw
+    assert route(320, 8, 512, 2048, "sm_100a")[0] == "wo_a"  # nothing measured on Blackwell
+    assert route(320, 8, 512, 1024, "sm_90a")[0] == "wo_a"  # a shape not measured
+    assert all(route(T, 8, 512, 2048, "sm_90a")[0] != "wo_a_cublas" for T in (1, 5, 16, 64, 4096, 16384))
+    assert route(5, 8, 512, 2048, "sm_100a", backend="cublas")[0] == "wo_a_cublas"
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(backend="cudnn"), "backend='cudnn'"),
+    (dict(backend="cublas", pdl=True), "backend='cublas' takes neither"),
+    (dict(backend="cublas", decode_kernel="mma"), "backend='cublas' takes neither"),
+])
+def test_bad_backend(kwargs, words):
+    o, w = torch.zeros(2, 16, 128).bfloat16(), torch.zeros(8, 512, 256).bfloat16()
+    with pytest.raises(ValueError, match=words):
+        wo_a(o, w, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G, HG, Dv, R, T", [
+    (8, 16, 128, 512, 320), (8, 16, 128, 512, 333), (8, 8, 256, 512, 1100),  # G=8 R=512 Dg=2048
+    (16, 8, 128, 1024, 288), (16, 8, 128, 1024, 517),  # G=16 R=1024 Dg=1024
+    (16, 16, 128, 512, 700), (8, 8, 128, 1024, 200),  # G=16 R=512 Dg=2048, G=8 R=1024 Dg=1024
+])
+def test_default_route_cublas_matches_fp64(seed, G, HG, Dv, R, T):
+    """Inside a band the default route is one cuBLAS GEMM storing token-major y itself:
+    every element of a poisoned output written, within the FP32 tolerance, ``y`` the caller's
+    buffer (strides unchanged)."""
+    from cute_kernels.wo_a import route
+
+    assert route(T, G, R, HG * Dv, "sm_90a")[0] == "wo_a_cublas"
+    out = check_wo_a(T, G, HG, Dv, R, backend=None)
+    assert out.stride() == (G * R, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 77])
+def test_backend_cublas_anywhere_matches_fp64(seed, T):
+    check_wo_a(T, 2, 8, 128, 512, backend="cublas")
+
+
+@pytest.mark.gpu
+def test_cublas_route_one_kernel_no_copy(seed):
+    """The cuBLAS route is one GEMM kernel: no transpose, copy or second launch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    o, w = make(320, 8, 16, 128, 512, "cuda")
+    out = torch.empty(320, 8 * 512, device="cuda", dtype=torch.bfloat16)
+    wo_a(o, w, out=out)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        wo_a(o, w, out=out)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0]
+    assert len(kernels) == 1 and ("nvjet" in kernels[0] or "gemm" in kernels[0].lower()), kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("as_handle", [False, True])
+def test_cublas_route_explicit_stream_and_graph(seed, as_handle):
+    """The cuBLAS route runs on the caller's stream (a torch stream or its raw handle) and is
+    captured into a CUDA graph on it: replays over fresh inputs give each one's product, and the
+    current stream is left as it was."""
+    G, HG, Dv, R, T = 8, 16, 128, 512, 320
+    o, w = make(T, G, HG, Dv, R, "cuda")
+    out = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    arg = s.cuda_stream if as_handle else s
+    before = torch.cuda.current_stream()
+    s.wait_stream(before)
+    wo_a(o, w, out=out, stream=arg)  # the stream's first cuBLAS call (its workspace) outside capture
+    s.synchronize()
+    assert torch.cuda.current_stream() == before
+    assert rel_err(out, wo_a_ref(o, w)) < TOL
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        wo_a(o, w, out=out, stream=arg)
+    for _ in range(3):
+        o.copy_(torch.randn_like(o, dtype=torch.float32).bfloat16())
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all() and rel_err(out, wo_a_ref(o, w)) < TOL

@@ -188,7 +188,10 @@
 #            token-major y is faster than wo_a()'s default path.
 #   phase 98: the same probe on a T grid (16 / 32 / 48, 64 .. 2048 every 32, 2560 .. 3584), CSV out:
 #            the measurements behind wo_a()'s cuBLAS bands.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..98)
+#   phase 99: wo_a()'s cuBLAS bands (cute_kernels/wo_a_cublas.py): WO-A's and the runtime's GPU
+#            tests, the issue's bench (CuTe path column beside the default), the bench at
+#            off-grid mid-size T.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..99)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -437,6 +440,12 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+99)  # the cuBLAS bands: GPU tests, the issue's bench, off-grid T
+  step 280 wo_a_tests $PYT tests/test_wo_a.py -m gpu
+  step 90 runtime_tests $PYT tests/test_spec_decode.py -m gpu
+  step 120 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
+  step 90 bench_wo_a_mid python bench/bench_wo_a.py --tokens 200,333,517,700,1100 --out "$OUT/bench_wo_a_mid.md"
   ;;
 98)  # the T grid of the cuBLAS-vs-ours probe, CSV for wo_a()'s bands
   step 120 probe_cublas_tm_small env TS=16:48:16 TRIALS=15 CSV="$OUT/cublas_tm_small.csv" \

@@ -9,7 +9,8 @@ through (its result is "transposed-contiguous" per batch). This probe proves tha
 kernels clear their own counters with a memset node, as they do in the group-major ``bmm``) --
 and a NaN-poisoned ``y`` comes back whole and within
 the FP32 tolerance. Then it
-times that call, (c), against ``wo_a()``'s default path and the group-major ``bmm`` alone (b),
+times that call, (c), against this project's kernels (``wo_a(backend="cute")``: the default
+route before the cuBLAS bands) and the group-major ``bmm`` alone (b),
 the three graphs replayed in turn in every trial (bench/common.replay_interleaved), and prints
 the medians and the per-trial speed-ups; ``CSV=file`` also writes one row per (shape, T):
 ``G,R,Dg,T,ours_us,b_us,c_us,c_speedup,c_won,trials`` (c_speedup: median over trials of ours /
@@ -68,16 +69,16 @@ def main():
                 print(f"  note: (b)'s graph has other non-kernel nodes: {labels_b}")
             same = kernels[0].split()[0] == [lab for lab in labels_b if "TYPE_" not in lab][0].split()[0]
             err_c = poisoned_error(lambda i: bmm_token_major(o, ws[i], y_c), y_c, ref)
-            err_ours = poisoned_error(lambda i: wo_a(o, ws[i], out=y), y, ref)
+            err_ours = poisoned_error(lambda i: wo_a(o, ws[i], out=y, backend="cute"), y, ref)
             assert err_c < 1e-2 and err_ours < 1e-2, (err_c, err_ours)
-            times = replay_interleaved([lambda i: wo_a(o, ws[i], out=y), lambda i: bmm_only(o, ws[i]),
+            times = replay_interleaved([lambda i: wo_a(o, ws[i], out=y, backend="cute"), lambda i: bmm_only(o, ws[i]),
                                         lambda i: bmm_token_major(o, ws[i], y_c)], n, reps, trials)
             ours, b, c = times
             med = [statistics.median(ts) * 1e6 for ts in times]
             c_vs_ours = statistics.median(x / z for x, z in zip(ours, c))
             c_vs_b = statistics.median(x / z for x, z in zip(b, c))
             won = sum(z < x for x, z in zip(ours, c))
-            name, cfg = route(T, G, R, Dg, "sm_90a")
+            name, cfg = route(T, G, R, Dg, "sm_90a", backend="cute")
             print(f"T={T} G={G} R={R} Dg={Dg}: ours {med[0]:.2f} us ({name}), (b) bmm {med[1]:.2f}, "
                   f"(c) bmm into y {med[2]:.2f} [{kernels[0]}{' + memset' if memsets else ''}{'' if same else ', not (b)s kernel'}] err {err_c:.1e} (ours {err_ours:.1e}); "
                   f"(c) {c_vs_ours:.3f}x ours (faster in {won}/{trials} trials), {c_vs_b:.3f}x (b)", flush=True)
