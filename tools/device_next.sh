@@ -191,7 +191,9 @@
 #   phase 99: wo_a()'s cuBLAS bands (cute_kernels/wo_a_cublas.py): WO-A's and the runtime's GPU
 #            tests, the issue's bench (CuTe path column beside the default), the bench at
 #            off-grid mid-size T.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..99)
+#   phase 100: the cuBLAS-vs-CuTe probe on a finer T grid (8 .. 1024 every 8), CSV out: the
+#            bands at a quarter of phase 98's spacing where the verify / prefill T live.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..100)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -440,6 +442,10 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+100)  # the finer T grid for wo_a()'s cuBLAS bands
+  step 560 probe_cublas_tm_fine env TS=8:1024:8 TRIALS=15 CSV="$OUT/cublas_tm_fine.csv" \
+    python tools/probe_wo_a_cublas_token_major.py
   ;;
 99)  # the cuBLAS bands: GPU tests, the issue's bench, off-grid T
   step 280 wo_a_tests $PYT tests/test_wo_a.py -m gpu
