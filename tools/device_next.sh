@@ -193,7 +193,9 @@
 #            off-grid mid-size T.
 #   phase 100: the cuBLAS-vs-CuTe probe on a finer T grid (8 .. 1024 every 8), CSV out: the
 #            bands at a quarter of phase 98's spacing where the verify / prefill T live.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..100)
+#   phase 101: the twenty-third session's final tree (the 8-token bands): the whole GPU suite, the
+#            issue's bench, the bench at off-grid mid-size T.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..101)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -442,6 +444,11 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+101)  # the final tree: the whole GPU suite, the issue's bench, off-grid mid-size T
+  step 370 gpu_suite $PYT tests -m gpu
+  step 120 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
+  step 100 bench_wo_a_mid python bench/bench_wo_a.py --tokens 150,200,333,517,700,1100 --out "$OUT/bench_wo_a_mid.md"
   ;;
 100)  # the finer T grid for wo_a()'s cuBLAS bands
   step 560 probe_cublas_tm_fine env TS=8:1024:8 TRIALS=15 CSV="$OUT/cublas_tm_fine.csv" \
