@@ -5,7 +5,7 @@ vendor GEMM: viewed as ``[G, T, R]`` with strides ``(R, G*R, 1)``, ``y`` is a va
 strided-batched C (leading dimension G*R, batch stride R), and ``o [T, G*Dg]`` viewed as
 ``[G, T, Dg]`` a valid A, so one ``torch.bmm(..., out=)`` -- one cuBLAS kernel, no copy --
 computes WO-A (FP32 accumulation, one rounding to bf16, as the CuTe kernels). On the H200 it
-runs as fast as the group-major ``bmm`` (0.99-1.01x at every (shape, T) measured), and at many
+runs as fast as the group-major ``bmm`` (0.98-1.02x at all 847 (shape, T) points measured), and at many
 T between the issue's bench points it beats this project's Hopper kernels: up to 1.69x where
 their tile classes quantise badly onto 132 SMs (T = 513-800, and G=8 R=512 Dg=2048 at T =
 1025-1600), 1.12x at the issue's T = 320 G=8 R=512 Dg=2048. :func:`prefers_cublas` holds
