@@ -195,7 +195,9 @@
 #            bands at a quarter of phase 98's spacing where the verify / prefill T live.
 #   phase 101: the twenty-third session's final tree (the 8-token bands): the whole GPU suite, the
 #            issue's bench, the bench at off-grid mid-size T.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..101)
+#   phase 102: the cuBLAS-vs-CuTe probe at the other four supported shapes (Dg swapped: G=8 R=512
+#            Dg=1024, G=8 R=1024 Dg=2048, G=16 R=512 Dg=1024, G=16 R=1024 Dg=2048), the same grids.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..102)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -444,6 +446,15 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+102)  # the cuBLAS bands at the other four supported shapes
+  OTHER=8x512x1024,8x1024x2048,16x512x1024,16x1024x2048
+  step 300 probe_cublas_tm_other_fine env SHAPES=$OTHER TS=8:1024:8 TRIALS=15 CSV="$OUT/cublas_tm_other_fine.csv" \
+    python tools/probe_wo_a_cublas_token_major.py
+  step 150 probe_cublas_tm_other_grid env SHAPES=$OTHER TS=1056:2048:32 TRIALS=15 CSV="$OUT/cublas_tm_other_grid.csv" \
+    python tools/probe_wo_a_cublas_token_major.py
+  step 60 probe_cublas_tm_other_large env SHAPES=$OTHER TS=2560:3584:512 TRIALS=9 CSV="$OUT/cublas_tm_other_large.csv" \
+    python tools/probe_wo_a_cublas_token_major.py
   ;;
 101)  # the final tree: the whole GPU suite, the issue's bench, off-grid mid-size T
   step 370 gpu_suite $PYT tests -m gpu
