@@ -1167,7 +1167,7 @@ def test_route_takes_cublas_inside_its_bands_only():
     for kw in (dict(backend="cute"), dict(pdl=True), dict(decode_kernel=False)):
         assert route(320, 8, 512, 2048, "sm_90a", **kw)[0] == "wo_a", kw
     assert route(320, 8, 512, 2048, "sm_100a")[0] == "wo_a"  # nothing measured on Blackwell
-    assert route(320, 8, 512, 1024, "sm_90a")[0] == "wo_a"  # a shape not measured
+    assert route(320, 2, 512, 1024, "sm_90a")[0] == "wo_a"  # a shape not measured (the runtime's test model)
     assert all(route(T, 8, 512, 2048, "sm_90a")[0] != "wo_a_cublas" for T in (1, 5, 16, 64, 4096, 16384))
     assert route(5, 8, 512, 2048, "sm_100a", backend="cublas")[0] == "wo_a_cublas"
 
@@ -1188,6 +1188,7 @@ def test_bad_backend(kwargs, words):
     (8, 16, 128, 512, 320), (8, 16, 128, 512, 333), (8, 8, 256, 512, 1100),  # G=8 R=512 Dg=2048
     (16, 8, 128, 1024, 288), (16, 8, 128, 1024, 517),  # G=16 R=1024 Dg=1024
     (16, 16, 128, 512, 700), (8, 8, 128, 1024, 200),  # G=16 R=512 Dg=2048, G=8 R=1024 Dg=1024
+    (8, 8, 128, 512, 700),  # G=8 R=512 Dg=1024 (phase 102's shapes)
 ])
 def test_default_route_cublas_matches_fp64(seed, G, HG, Dv, R, T):
     """Inside a band the default route is one cuBLAS GEMM storing token-major y itself:

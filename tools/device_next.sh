@@ -197,7 +197,8 @@
 #            issue's bench, the bench at off-grid mid-size T.
 #   phase 102: the cuBLAS-vs-CuTe probe at the other four supported shapes (Dg swapped: G=8 R=512
 #            Dg=1024, G=8 R=1024 Dg=2048, G=16 R=512 Dg=1024, G=16 R=1024 Dg=2048), the same grids.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..102)
+#   phase 103: the final tree (bands for all eight shapes): the cuBLAS route's GPU tests.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..103)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -446,6 +447,9 @@ case "${1:-1}" in
   # early_loads ran on commit 4a93440 (reverted after it)
   step 100 early_tests $PYT tests/test_wo_a.py -m gpu -k "early_loads"
   step 250 probe_early env TS=64,320 MODES=full EARLY=1 python tools/probe_wo_a_timeline.py
+  ;;
+103)  # the final tree: the cuBLAS route's GPU tests
+  step 150 cublas_tests $PYT tests/test_wo_a.py -m gpu -k "cublas or backend or aot_entries"
   ;;
 102)  # the cuBLAS bands at the other four supported shapes
   OTHER=8x512x1024,8x1024x2048,16x512x1024,16x1024x2048
