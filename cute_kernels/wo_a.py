@@ -251,7 +251,7 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     strided-batched GEMM storing token-major ``y`` itself (:mod:`.wo_a_cublas`; any CUDA
     device; not with ``decode_kernel`` or ``pdl``); ``None`` (default) -- cuBLAS on Hopper
     inside the bands where the H200 measured it faster than this project's kernels
-    (:data:`.wo_a_cublas.SM90_BANDS`: up to 1.69x at T = 513-800; e.g. T = 320 at G=8 R=512
+    (:data:`.wo_a_cublas.SM90_BANDS`: up to 1.74x at T = 513-800; e.g. T = 320 at G=8 R=512
     Dg=2048), unless ``decode_kernel`` or ``pdl`` asks for a CuTe kernel; else the CuTe kernels.
     """
     op = "wo_a"
