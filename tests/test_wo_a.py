@@ -1172,6 +1172,21 @@ def test_route_takes_cublas_inside_its_bands_only():
     assert route(5, 8, 512, 2048, "sm_100a", backend="cublas")[0] == "wo_a_cublas"
 
 
+@pytest.mark.parametrize("T", [1, 77])
+def test_cublas_views_compute_wo_a_on_cpu(seed, T):
+    """The cuBLAS route's operand views (o as [G, T, Dg], y as [G, T, R] with strides
+    (R, G*R, 1)) are WO-A: on CPU tensors the same bmm, into a poisoned token-major y that
+    keeps its storage, matches the float64 reference."""
+    from cute_kernels.wo_a_cublas import wo_a_cublas
+
+    G, HG, Dv, R = 8, 4, 64, 128
+    o, w = make(T, G, HG, Dv, R, "cpu")
+    out = torch.full((T, G * R), float("nan"), dtype=torch.bfloat16)
+    ptr = out.data_ptr()
+    assert wo_a_cublas(o, w, out) is out and out.data_ptr() == ptr
+    assert torch.isfinite(out).all() and rel_err(out, wo_a_ref(o, w)) < TOL
+
+
 @pytest.mark.parametrize("kwargs, words", [
     (dict(backend="cudnn"), "backend='cudnn'"),
     (dict(backend="cublas", pdl=True), "backend='cublas' takes neither"),
