@@ -307,7 +307,7 @@ def route(T: int, G: int, R: int, Dg: int, arch: str, *, decode_kernel: bool | s
     kernel the arch or T cannot take."""
     path = family(arch)
     if backend == "cublas" or (backend is None and decode_kernel is None and not pdl
-                               and prefers_cublas(T, G, R, Dg, path)):
+                               and prefers_cublas(T, G, R, Dg, path, sms)):
         return "wo_a_cublas", dict(G=G, R=R, Dg=Dg)
     pdl_cfg = {"pdl": True} if pdl else {}  # in the compile key only when asked: default keys unchanged
     if use_decode_kernel(T, decode_kernel, path, G, R, Dg, sms):

@@ -25,7 +25,9 @@ from them and tests/test_wo_a.py checks it does. A T between grid points takes t
 the grid point above it (above 3584: the CuTe kernels). Ties stay with this project's kernels
 (they take ``pdl`` and need no cuBLAS workspace); where phases 98 and 100 timed the same T
 (136 points) they decided alike at 129, the other 7 within 1.01-1.04x. Other shapes, and
-Blackwell (no GPU here), keep the CuTe kernels.
+Blackwell (no GPU here), and Hopper parts with another SM count keep the CuTe kernels. To
+measure a part's own bands: run the probe with ``CSV=rows.csv`` over the grid above, then
+``python -m cute_kernels.wo_a_cublas rows.csv`` prints the table to paste here.
 
 Constraints: a CUDA device PyTorch's cuBLAS serves; bf16; the stream is the caller's (an
 explicit one is entered as PyTorch's current stream for the call); capturable in CUDA graphs;
@@ -71,10 +73,16 @@ SM90_BANDS: dict[tuple[int, int, int], tuple[tuple[int, int], ...]] = {
 }
 
 
-def prefers_cublas(T: int, G: int, R: int, Dg: int, arch_family: str) -> bool:
+#: the SM count of the part the bands were measured on (H200; H100 SXM has the same)
+SM90_BANDS_SMS = 132
+
+
+def prefers_cublas(T: int, G: int, R: int, Dg: int, arch_family: str, sms: int = SM90_BANDS_SMS) -> bool:
     """Whether the default route takes cuBLAS for ``T`` tokens of the shape on this arch
-    family (``"sm90"`` / ``"sm100"``): inside a measured band (Hopper only)."""
-    if arch_family != "sm90":
+    family (``"sm90"`` / ``"sm100"``) with ``sms`` SMs: inside a measured band (Hopper parts
+    with the measured part's SM count only -- tile quantisation, which the bands mostly are,
+    moves with it)."""
+    if arch_family != "sm90" or sms != SM90_BANDS_SMS:
         return False
     return any(lo < T <= hi for lo, hi in SM90_BANDS.get((G, R, Dg), ()))
 
@@ -133,3 +141,17 @@ def wo_a_cublas(o: torch.Tensor, w: torch.Tensor, out: torch.Tensor, stream=None
         with torch.cuda.stream(s):
             torch.bmm(a, b, out=c)
     return out
+
+
+if __name__ == "__main__":
+    import csv
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m cute_kernels.wo_a_cublas ROWS.csv  (tools/probe_wo_a_cublas_token_major.py CSV=)")
+    with open(sys.argv[1]) as f:
+        table = bands_from_rows(csv.DictReader(f))
+    print("SM90_BANDS: dict[tuple[int, int, int], tuple[tuple[int, int], ...]] = {")
+    for shape, bands in table.items():
+        print(f"    {shape}: {bands},")
+    print("}")

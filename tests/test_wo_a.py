@@ -1140,12 +1140,17 @@ def test_cublas_bands_are_the_measured_table():
     paired trials): sorted, disjoint (lo, hi] intervals ending on measured grid points."""
     import csv
     import os
+    import subprocess
+    import sys
 
     from cute_kernels.wo_a_cublas import SM90_BANDS, bands_from_rows
 
     path = os.path.join(os.path.dirname(__file__), "..", "bench", "data", "wo_a_cublas_sm90.csv")
     rows = list(csv.DictReader(open(path)))
     assert bands_from_rows(rows) == SM90_BANDS
+    printed = subprocess.run([sys.executable, "-m", "cute_kernels.wo_a_cublas", path], capture_output=True,
+                             text=True, check=True).stdout
+    assert eval(printed.split("=", 1)[1]) == SM90_BANDS  # the retuning command prints the same table
     grid = {(int(r["G"]), int(r["R"]), int(r["Dg"]), int(r["T"])) for r in rows}
     for shape, bands in SM90_BANDS.items():
         flat = [t for band in bands for t in band]
@@ -1168,6 +1173,7 @@ def test_route_takes_cublas_inside_its_bands_only():
         assert route(320, 8, 512, 2048, "sm_90a", **kw)[0] == "wo_a", kw
     assert route(320, 8, 512, 2048, "sm_100a")[0] == "wo_a"  # nothing measured on Blackwell
     assert route(320, 2, 512, 1024, "sm_90a")[0] == "wo_a"  # a shape not measured (the runtime's test model)
+    assert route(320, 8, 512, 2048, "sm_90a", sms=114)[0] == "wo_a"  # a Hopper part not measured (H100 PCIe)
     assert all(route(T, 8, 512, 2048, "sm_90a")[0] != "wo_a_cublas" for T in (1, 5, 16, 64, 4096, 16384))
     assert route(5, 8, 512, 2048, "sm_100a", backend="cublas")[0] == "wo_a_cublas"
 
