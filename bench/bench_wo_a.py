@@ -34,6 +34,7 @@ from common import (H200_BF16_FLOPS, H200_COPY_BW, gpu_warmup, markdown_table, r
                     time_graph, time_graphs_interleaved)
 
 from cute_kernels.wo_a import decode_kernel_kind, route, use_decode_kernel, wo_a  # noqa: E402
+from cute_kernels.wo_a_cublas import wo_a_cublas  # noqa: E402
 from cute_kernels.wo_a_decode import plan as decode_plan  # noqa: E402
 from cute_kernels.wo_a_decode_sm90 import plan as sm90_decode_plan  # noqa: E402
 from cute_kernels.wo_a_sm90 import WoASm90  # noqa: E402
@@ -65,13 +66,11 @@ def bmm_only(o, w):
 
 
 def bmm_token_major(o, w, y):
-    """cuBLAS batched GEMM storing token-major ``y [T, G*R]`` itself: ``y`` viewed as
-    ``[G, T, R]`` with strides ``(R, G*R, 1)`` is a valid strided-batched C (ldc = G*R, batch
-    stride R), which PyTorch hands to cuBLAS without a copy (tools/probe_wo_a_cublas_token_major.py
+    """cuBLAS batched GEMM storing token-major ``y [T, G*R]`` itself -- ``y`` viewed as
+    ``[G, T, R]`` with strides ``(R, G*R, 1)``, a valid strided-batched C (ldc = G*R) -- on the
+    current stream: the call ``wo_a()``'s cuBLAS route makes (tools/probe_wo_a_cublas_token_major.py
     checks: one kernel node, ``y`` written in place)."""
-    T = o.shape[0]
-    G, R, Dg = w.shape
-    return torch.bmm(o.view(T, G, Dg).transpose(0, 1), w.transpose(1, 2), out=y.view(T, G, R).transpose(0, 1))
+    return wo_a_cublas(o, w, y)
 
 
 def unfused(o, w):

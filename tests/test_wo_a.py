@@ -67,20 +67,26 @@ def test_large_t_long_k_routes_match_fp64(seed, G, T):
     check_wo_a(T, G, 16, 128, 512)
 
 
+def profiled_kernels(call):
+    """The CUDA kernels one ``call()`` launches, by name, from a profile (after one warm-up
+    call outside it: compiles, workspaces)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [5, 64, 320, 4096])  # decode kernel, engine, swapped engine, engine
 def test_single_kernel_no_transpose_copy(seed, T):
     """Only the GEMM runs: no transpose/copy kernel in a profile."""
-    from torch.profiler import ProfilerActivity, profile
-
     o, w = make(T, 16, 8, 128, 1024, "cuda")
     out = torch.empty(T, 16 * 1024, device="cuda", dtype=torch.bfloat16)
-    wo_a(o, w, out=out, backend="cute")
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        wo_a(o, w, out=out, backend="cute")
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0]
+    kernels = profiled_kernels(lambda: wo_a(o, w, out=out, backend="cute"))
     # exactly one launch, and it is the CuTe GEMM (its mangled name mentions CopyAtom, so
     # identify it by its prefix rather than by the absence of "copy")
     assert len(kernels) == 1 and kernels[0].startswith("kernel_cutlass"), kernels
@@ -1231,16 +1237,9 @@ def test_backend_cublas_anywhere_matches_fp64(seed, T):
 @pytest.mark.gpu
 def test_cublas_route_one_kernel_no_copy(seed):
     """The cuBLAS route is one GEMM kernel: no transpose, copy or second launch."""
-    from torch.profiler import ProfilerActivity, profile
-
     o, w = make(320, 8, 16, 128, 512, "cuda")
     out = torch.empty(320, 8 * 512, device="cuda", dtype=torch.bfloat16)
-    wo_a(o, w, out=out)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        wo_a(o, w, out=out)
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0]
+    kernels = profiled_kernels(lambda: wo_a(o, w, out=out))
     assert len(kernels) == 1 and ("nvjet" in kernels[0] or "gemm" in kernels[0].lower()), kernels
 
 

@@ -7,12 +7,11 @@ GEMM can store straight into token-major ``y [T, G*R]`` viewed as ``[G, T, R]`` 
 through (its result is "transposed-contiguous" per batch). This probe proves that it does, per
 (shape, T): the captured graph of three calls holds three kernels and no copy (some cuBLAS
 kernels clear their own counters with a memset node, as they do in the group-major ``bmm``) --
-and a NaN-poisoned ``y`` comes back whole and within
-the FP32 tolerance. Then it
-times that call, (c), against this project's kernels (``wo_a(backend="cute")``: the default
-route before the cuBLAS bands) and the group-major ``bmm`` alone (b),
-the three graphs replayed in turn in every trial (bench/common.replay_interleaved), and prints
-the medians and the per-trial speed-ups; ``CSV=file`` also writes one row per (shape, T):
+and a NaN-poisoned ``y`` comes back whole and within the FP32 tolerance. Then it times that
+call, (c), against this project's kernels (``wo_a(backend="cute")``: the default route before
+the cuBLAS bands) and the group-major ``bmm`` alone (b), the three graphs replayed in turn in
+every trial (bench/common.replay_interleaved), and prints the medians and the per-trial
+speed-ups; ``CSV=file`` also writes one row per (shape, T):
 ``G,R,Dg,T,ours_us,b_us,c_us,c_speedup,c_won,trials`` (c_speedup: median over trials of ours /
 (c); c_won: the trials (c) was faster in) -- the source of ``cute_kernels.wo_a``'s cuBLAS bands.
 
