@@ -198,7 +198,11 @@
 #   phase 102: the cuBLAS-vs-CuTe probe at the other four supported shapes (Dg swapped: G=8 R=512
 #            Dg=1024, G=8 R=1024 Dg=2048, G=16 R=512 Dg=1024, G=16 R=1024 Dg=2048), the same grids.
 #   phase 103: the final tree (bands for all eight shapes): the cuBLAS route's GPU tests.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..103)
+#   phase 104: the two single-kernel profile tests after the twenty-third session's review; the
+#            engine's candidates for 512 < T <= 1024 (tokens on wgmma N as at T <= 512, in
+#            ceil(T / 256) or one more token tiles; two CTAs per SM; a swapped pingpong) at
+#            the eight supported shapes against the shipped config and bmm (probe_wo_a_ab).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..104)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -211,6 +215,13 @@ step() { local t=$1 name=$2; shift 2; echo "== $name: $*"; timeout "$t" "$@" > "
 PYT="python -m pytest -q -rf --tb=short -p no:cacheprovider"
 BENCH="python -m spec_decode.bench --backends baseline,fused"
 case "${1:-1}" in
+104)  # the refactored profile tests; mid-T engine candidates, paired against the shipped config
+  step 120 profile_tests $PYT tests/test_wo_a.py -m gpu -k "single_kernel or one_kernel"
+  SW="swap_ab=1,pingpong=0,cluster_n=none,cluster_m=2"
+  step 460 probe_mid_t env SHAPES=16x1024x1024,8x512x2048,16x512x2048,8x1024x1024,8x512x1024,8x1024x2048,16x512x1024,16x1024x2048 \
+    TS=520,640,800,960 TRIALS=15 CONFIGS="$SW,tile_m=128,tile_n=auto,weight_l2_hint=evict_first/$SW,tile_m=128,tile_n=auto/$SW,tile_m=128,tile_n=auto+1,weight_l2_hint=evict_first/$SW,tile_m=64,tile_n=auto,weight_l2_hint=evict_first/$SW,tile_m=64,tile_n=auto+1,occupancy=2,weight_l2_hint=evict_first/swap_ab=1,pingpong=1,cluster_n=none,cluster_m=2,tile_m=64,tile_n=auto" \
+    python tools/probe_wo_a_ab.py
+  ;;
 1)
   step 240 gpu_suite $PYT tests -m gpu
   step 150 bench_moe python bench/bench_moe_experts.py --tokens 1,64,384 --out "$OUT/bench_moe.md"
