@@ -56,15 +56,27 @@ def test_runtime_small_shape_matches_fp64(seed, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("G, T", [(8, 1100), (8, 2100), (16, 1024), (16, 4097)])
+@pytest.mark.parametrize("G, T", [(8, 1100), (8, 2100), (16, 1056), (16, 4097)])
 def test_large_t_long_k_routes_match_fp64(seed, G, T):
-    """wo_a() at T > 512 with K = Dg = 2048, on both sides of the pingpong rule (64 x 256
+    """wo_a() at T > 1024 with K = Dg = 2048, on both sides of the pingpong rule (64 x 256
     tiles >= 3 per SM): the cooperative 128 x 256 tile at G=8 T = 1100 (288 tiles), the
-    pingpong CTA pairs at 2100 / 1024 / 4097 (528 / 512 / 2064 tiles, T = 4097 ending in a
+    pingpong CTA pairs at 2100 / 1056 / 4097 (528 / 544 / 2064 tiles, T = 4097 ending in a
     one-token tile)."""
     cfg = WoASm90.config_for(T, G, 512, 2048)
     assert cfg.get("pingpong", False) == (T != 1100)
     check_wo_a(T, G, 16, 128, 512)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G, HG, Dv, R", [(8, 16, 128, 512), (8, 8, 128, 1024), (16, 8, 128, 512)])
+@pytest.mark.parametrize("T", [513, 577, 700, 1000, 1024])
+def test_mid_t_swapped_routes_match_fp64(seed, G, HG, Dv, R, T):
+    """wo_a()'s CuTe path at 512 < T <= 1024 where G * R <= 8192: 128-row weight tiles in CTA
+    pairs, tokens on wgmma N in 160 / 192 / 224 / 256-token tiles (T = 513 and 1000: the last
+    tile one / a few tokens deep)."""
+    cfg = WoASm90.config_for(T, G, R, HG * Dv)
+    assert cfg["swap_ab"] and cfg["tile_m"] == 128 and cfg["cluster_m"] == 2
+    check_wo_a(T, G, HG, Dv, R)
 
 
 def profiled_kernels(call):

@@ -202,7 +202,10 @@
 #            engine's candidates for 512 < T <= 1024 (tokens on wgmma N as at T <= 512, in
 #            ceil(T / 256) or one more token tiles; two CTAs per SM; a swapped pingpong) at
 #            the eight supported shapes against the shipped config and bmm (probe_wo_a_ab).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..104)
+#   phase 105: swapped 128-row tiles at 512 < T <= 1024 where G * R <= 8192 (wo_a_sm90's
+#            mid_t_token_tile): the new routes' GPU tests; paired against both earlier configs
+#            (pingpong 64x256, cooperative 128x256) and the other token tiling on a T grid.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..105)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -215,6 +218,12 @@ step() { local t=$1 name=$2; shift 2; echo "== $name: $*"; timeout "$t" "$@" > "
 PYT="python -m pytest -q -rf --tb=short -p no:cacheprovider"
 BENCH="python -m spec_decode.bench --backends baseline,fused"
 case "${1:-1}" in
+105)  # mid-T swapped routes: GPU tests; the rule against the earlier configs on a T grid
+  step 150 mid_t_tests $PYT tests/test_wo_a.py -m gpu -k "mid_t_swapped or large_t_long_k or launch_configs"
+  step 420 probe_mid_t_rule env SHAPES=8x512x2048,16x512x2048,8x1024x1024,8x512x1024,8x1024x2048,16x512x1024 \
+    TS=544,608,672,736,800,864,928,992,1024 TRIALS=11 CONFIGS="tile_n=auto/tile_n=auto+1/swap_ab=0,pingpong=1,tile_m=64,tile_n=256,cluster_m=2,weight_l2_hint=none/swap_ab=0,tile_m=128,tile_n=256,cluster_m=none,weight_l2_hint=none" \
+    python tools/probe_wo_a_ab.py
+  ;;
 104)  # the refactored profile tests; mid-T engine candidates, paired against the shipped config
   step 120 profile_tests $PYT tests/test_wo_a.py -m gpu -k "single_kernel or one_kernel"
   SW="swap_ab=1,pingpong=0,cluster_n=none,cluster_m=2"
