@@ -106,26 +106,31 @@ class WoASm90(WoAGemm):
     PINGPONG_MAX_DG, PINGPONG_MIN_TILES_PER_SM = 1024, 3
     #: operand stages at 256 < T <= 512 (one CTA per SM): fewer than fit ran faster there
     MID_T_MAX_STAGES = 5
-    #: swapped operands also at SWAP_AB_T[1] < T <= this, where G * R <= MID_T_SWAP_MAX_COLS
-    MID_T_SWAP_MAX, MID_T_SWAP_MAX_COLS = 1024, 8192
+    @staticmethod
+    def mid_t_swap_max(G: int, R: int) -> int:
+        """Up to which T past SWAP_AB_T[1] the swapped 128-row tiles run: measured at G * R =
+        4096 and 8192 only (H200, tools/probe_wo_a_ab.py, phases 104 / 105). At 8192 columns
+        the pingpong tiles caught up at T = 960 (0.98-1.03x) and led at 992 / 1024 (1.01-1.06x);
+        at 4096 the swapped tiles still led at 1024 (the pingpong / cooperative tiles 0.89-0.99x).
+        At G=16 R=1024 they lost from T = 640 on (0.87-0.95x). Elsewhere: SWAP_AB_T[1]."""
+        return {4096: 1024, 8192: 960}.get(G * R, WoASm90.SWAP_AB_T[1])
 
     @staticmethod
     def mid_t_token_tile(T: int, G: int, R: int) -> int:
-        """The token tile of the swapped 128-row CTAs at SWAP_AB_T[1] < T <= MID_T_SWAP_MAX:
-        T in ceil(T / 256) or one more tiles (each rounded up to 32), whichever gives the
-        smaller (waves of 132 CTAs) x (tile width) -- the columns the busiest SM computes; on a
-        tie the fewer CTAs. H200, tools/probe_wo_a_ab.py (phase 104, twenty-fourth session):
-        T = 640 four 160-token tiles 1.08-1.42x the shipped config at the six G * R <= 8192
-        shapes where three of 224 read 0.89-1.18x; T = 800 four of 224 1.08-1.21x where five
-        of 160 (1.2 waves at G=8 R=512) read 0.77-1.06x."""
-        best = None
+        """The token tile of the swapped 128-row CTAs past SWAP_AB_T[1]: T in ceil(T / 256) or
+        one more tiles (each rounded up to 32) -- the one in fewer waves of 132 CTAs, then the
+        one padding T less, then the more tiles. H200, tools/probe_wo_a_ab.py (phases 104 /
+        105): it took the faster of the two at 43 of the 48 (shape, T) points where they
+        differed by more than 2%; T = 800 at G=8 R=512 four 224-token tiles (one wave) 1.36x
+        five 160-token tiles (160 CTAs); T = 544 three of 192 1.01-1.13x four of 160; T = 608
+        four of 160 1.14-1.23x three of 224."""
+        options = []
         for n_tiles in (-(-T // 256), -(-T // 256) + 1):
             tile_n = (-(-T // n_tiles) + 31) // 32 * 32
-            ctas = (R // 128) * G * -(-T // tile_n)
-            cost = -(-ctas // WoASm90.NUM_SMS) * tile_n
-            if best is None or cost < best[0]:
-                best = (cost, tile_n)
-        return best[1]
+            n = -(-T // tile_n)
+            waves = -(-(R // 128) * G * n // WoASm90.NUM_SMS)
+            options.append((waves, n * tile_n - T, -n, tile_n))
+        return min(options)[-1]
 
     @staticmethod
     def config_for(T: int, G: int, R: int, Dg: int | None = None, pdl: bool = False) -> dict:
@@ -227,13 +232,12 @@ class WoASm90(WoAGemm):
                 # 21.9 / 21.4 vs 22.7 / 22.7 us, G=8 R=1024 11.3 / 11.1 vs 11.7 / 11.0
                 cfg.update(cluster_m=1, cluster_n=2)
             return cfg
-        if hi < T <= WoASm90.MID_T_SWAP_MAX and G * R <= WoASm90.MID_T_SWAP_MAX_COLS and R % 256 == 0:
+        if hi < T <= WoASm90.mid_t_swap_max(G, R) and R % 256 == 0:
             # past 512 tokens the (T, R) tiles below quantise badly on 132 SMs (T = 520 G=8
             # R=512: 80 CTAs of 128x256, the fifth token row 8 deep); tokens stay on wgmma N,
-            # 128-row weight tiles in CTA pairs along R. H200, tools/probe_wo_a_ab.py (phase 104):
-            # 1.06-1.42x the (T, R) / pingpong configs at T = 520 / 640 / 800 at the six
-            # G * R <= 8192 shapes, 0.98-1.15x at T = 960; at G=16 R=1024 (16384 columns) only
-            # T = 520 gained (1.09-1.11x), 0.87-0.95x at T >= 640, so it keeps the pingpong tiles
+            # 128-row weight tiles in CTA pairs along R. H200, tools/probe_wo_a_ab.py (phases
+            # 104 / 105, the six shapes of G * R = 4096 / 8192): 1.02-1.47x the (T, R) tiles
+            # and 1.01-1.47x the pingpong tiles at T = 520 .. 928
             return dict(tile_m=128, tile_n=WoASm90.mid_t_token_tile(T, G, R), cluster_m=2, swap_ab=True)
         pingpong_tiles = -(-T // 64) * (R // 256) * G
         if (T > hi and tile_n == 256 and not pdl and Dg is not None

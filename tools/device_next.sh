@@ -205,7 +205,10 @@
 #   phase 105: swapped 128-row tiles at 512 < T <= 1024 where G * R <= 8192 (wo_a_sm90's
 #            mid_t_token_tile): the new routes' GPU tests; paired against both earlier configs
 #            (pingpong 64x256, cooperative 128x256) and the other token tiling on a T grid.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..105)
+#   phase 106: the refined mid-T token tiling (fewer waves, then less padding): the routes' GPU
+#            tests; the cuBLAS-vs-CuTe probe at 512 < T <= 1024 on the six G * R <= 8192
+#            shapes (CSV: those rows of bench/data/wo_a_cublas_sm90.csv re-measured).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..106)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -218,6 +221,11 @@ step() { local t=$1 name=$2; shift 2; echo "== $name: $*"; timeout "$t" "$@" > "
 PYT="python -m pytest -q -rf --tb=short -p no:cacheprovider"
 BENCH="python -m spec_decode.bench --backends baseline,fused"
 case "${1:-1}" in
+106)  # refined mid-T tiling: its GPU tests; cuBLAS bands re-measured where the CuTe configs changed
+  step 120 mid_t_tests $PYT tests/test_wo_a.py -m gpu -k "mid_t_swapped or large_t_long_k or cublas_route"
+  step 470 probe_cublas_tm_mid env SHAPES=8x512x2048,16x512x2048,8x1024x1024,8x512x1024,8x1024x2048,16x512x1024 \
+    TS=520:1024:8 TRIALS=15 CSV="$OUT/cublas_tm_mid.csv" python tools/probe_wo_a_cublas_token_major.py
+  ;;
 105)  # mid-T swapped routes: GPU tests; the rule against the earlier configs on a T grid
   step 150 mid_t_tests $PYT tests/test_wo_a.py -m gpu -k "mid_t_swapped or large_t_long_k or launch_configs"
   step 420 probe_mid_t_rule env SHAPES=8x512x2048,16x512x2048,8x1024x1024,8x512x1024,8x1024x2048,16x512x1024 \
