@@ -208,7 +208,9 @@
 #   phase 106: the refined mid-T token tiling (fewer waves, then less padding): the routes' GPU
 #            tests; the cuBLAS-vs-CuTe probe at 512 < T <= 1024 on the six G * R <= 8192
 #            shapes (CSV: those rows of bench/data/wo_a_cublas_sm90.csv re-measured).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..106)
+#   phase 107: the final tree (mid-T tiling, the bands rebuilt from phase 106's rows): WO-A's and
+#            the runtime's GPU tests, the issue's bench at mid-size T off its grid.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..107)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -221,6 +223,11 @@ step() { local t=$1 name=$2; shift 2; echo "== $name: $*"; timeout "$t" "$@" > "
 PYT="python -m pytest -q -rf --tb=short -p no:cacheprovider"
 BENCH="python -m spec_decode.bench --backends baseline,fused"
 case "${1:-1}" in
+107)  # the final tree: WO-A's and the runtime's GPU tests, the bench at mid-size T
+  step 300 wo_a_tests $PYT tests/test_wo_a.py -m gpu
+  step 90 runtime_tests $PYT tests/test_spec_decode.py -m gpu
+  step 150 bench_wo_a_mid python bench/bench_wo_a.py --tokens 517,600,700,800,900,1000 --out "$OUT/bench_wo_a_mid.md"
+  ;;
 106)  # refined mid-T tiling: its GPU tests; cuBLAS bands re-measured where the CuTe configs changed
   step 120 mid_t_tests $PYT tests/test_wo_a.py -m gpu -k "mid_t_swapped or large_t_long_k or cublas_route"
   step 470 probe_cublas_tm_mid env SHAPES=8x512x2048,16x512x2048,8x1024x1024,8x512x1024,8x1024x2048,16x512x1024 \
