@@ -165,7 +165,10 @@ class WoASm90(WoAGemm):
         512, equal at three (T = 512), slower at one; the pairs a further 1.05-1.30x at T >= 200
         except for G=16 R=1024 (0.98-1.02x). Where the grid is more than one wave, two CTAs
         per SM (G=16 R=1024 at T = 272 / 320: 1.07-1.12x on the project's engine with its
-        8-warp inline-producer CTA, eleventh session; a 9-warp CTA cannot fit twice). Elsewhere
+        8-warp inline-producer CTA, eleventh session; a 9-warp CTA cannot fit twice). Past T =
+        512 the same swapped 128-row tiles in CTA pairs where G * R is 4096 / 8192, up to
+        :meth:`mid_t_swap_max` (1024 / 960), token tiles by :meth:`mid_t_token_tile` (twenty-fourth
+        session: 1.01-1.47x the (T, R) tiles they replaced; G=16 R=1024 keeps them). Elsewhere
         :meth:`tile_for` over (T, R): at T >= 1024 neither two CTAs per SM (128x128, 64x256)
         nor swapped operands nor clusters nor a persistent tile loop beat 128x256 reproducibly
         (tenth session, on the vendored engine; CTA pairs on the project's engine at T = 16384:
