@@ -142,12 +142,24 @@ def check_engine(T, G, HG, Dv, R, **config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [(128, 160), (64, 160), (128, 64), (64, 96)])
+@pytest.mark.parametrize("tile", [(128, 160), (64, 160), (128, 64), (64, 96), (128, 80), (64, 48)])
 @pytest.mark.parametrize("T", [1, 77, 320, 333])
 def test_swap_ab_engine_matches_fp64(seed, tile, T):
     """The engine with weight rows on M and tokens on N (M-major C view of token-major y):
-    T past the last token tile is clipped, every element of the poisoned output written."""
+    T past the last token tile is clipped, every element of the poisoned output written
+    (80 / 48-token tiles: 16-column epilogue subtiles)."""
     check_engine(T, 8, 16, 128, 512, tile_m=tile[0], tile_n=tile[1], swap_ab=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile, cluster, swap_ab, pingpong, T", [
+    ((128, 80), (1, 2), True, False, 320), ((128, 176), (2, 1), True, False, 521), ((128, 240), (2, 1), True, False, 700),
+    ((64, 112), (1, 1), False, False, 77), ((64, 176), (2, 1), True, True, 525)])
+def test_engine_16_column_subtiles_matches_fp64(seed, tile, cluster, swap_ab, pingpong, T):
+    """Tiles an odd multiple of 16 wide (16-column epilogue subtiles): in CTA pairs either way,
+    unswapped (N-major C), and in the pingpong schedule's own subtile buffers."""
+    check_engine(T, 8, 16, 128, 512, tile_m=tile[0], tile_n=tile[1], cluster_m=cluster[0], cluster_n=cluster[1],
+                 swap_ab=swap_ab, pingpong=pingpong)
 
 
 @pytest.mark.gpu
@@ -621,8 +633,8 @@ def test_wgmma_decode_kernel_needs_hopper_and_t_64():
 
 @pytest.mark.parametrize("engine, args, kwargs, words", [
     ("sm90", ((96, 128),), {}, "tile_m must be 64 or 128"),
-    ("sm90", ((128, 48),), {}, "tile_n must be a multiple of 32"),
-    ("sm90", ((128, 288),), {}, "tile_n must be a multiple of 32"),
+    ("sm90", ((128, 40),), {}, "tile_n must be a multiple of 16"),
+    ("sm90", ((128, 288),), {}, "tile_n must be a multiple of 16"),
     ("sm90", ((128, 128), (4, 1)), {}, "cluster_mn must be 1 or 2"),
     ("sm90", ((128, 128),), {"occupancy": 3}, "occupancy must be 1 or 2"),
     ("sm90", ((128, 128),), {"pdl_early_operand": "c"}, "pdl_early_operand"),

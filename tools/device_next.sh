@@ -210,7 +210,10 @@
 #            shapes (CSV: those rows of bench/data/wo_a_cublas_sm90.csv re-measured).
 #   phase 107: the final tree (mid-T tiling, the bands rebuilt from phase 106's rows): WO-A's and
 #            the runtime's GPU tests, the issue's bench at mid-size T off its grid.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..107)
+#   phase 108: the engine's 16-column epilogue subtiles again (tiles an odd multiple of 16 wide):
+#            GPU tests; the mid-T token tiles rounded to 16 instead of 32 against the shipped
+#            tiling (probe), and swapped tiles at G=16 R=1024 just past T = 512 (probe).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..108)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -223,6 +226,15 @@ step() { local t=$1 name=$2; shift 2; echo "== $name: $*"; timeout "$t" "$@" > "
 PYT="python -m pytest -q -rf --tb=short -p no:cacheprovider"
 BENCH="python -m spec_decode.bench --backends baseline,fused"
 case "${1:-1}" in
+108)  # 16-column subtiles: GPU tests; token tiles in steps of 16 at mid T (probe)
+  step 150 sub16_tests $PYT tests/test_wo_a.py -m gpu -k "16_column or swap_ab_engine or mid_t_swapped"
+  step 300 probe_mid_t16 env SHAPES=8x512x2048,16x512x2048,8x1024x1024,8x512x1024,8x1024x2048,16x512x1024 \
+    TS=520,600,680,700,840,900 TRIALS=15 CONFIGS="tile_n=auto16/tile_n=auto16+1/tile_n=auto/tile_n=auto+1" \
+    python tools/probe_wo_a_ab.py
+  SW="swap_ab=1,pingpong=0,cluster_n=none,cluster_m=2,tile_m=128,weight_l2_hint=evict_first"
+  step 120 probe_g16r1024 env SHAPES=16x1024x1024,16x1024x2048 TS=520,560,600 TRIALS=15 \
+    CONFIGS="$SW,tile_n=auto/$SW,tile_n=auto16/$SW,tile_n=auto16+1" python tools/probe_wo_a_ab.py
+  ;;
 107)  # the final tree: WO-A's and the runtime's GPU tests, the bench at mid-size T
   step 300 wo_a_tests $PYT tests/test_wo_a.py -m gpu
   step 90 runtime_tests $PYT tests/test_spec_decode.py -m gpu

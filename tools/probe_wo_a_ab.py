@@ -15,13 +15,14 @@ trials it won. Every config is first checked against FP32 on a poisoned output.
 (``pingpong=1,tile_m=64,cluster_m=2``; ``pingpong=0`` drops a flag, ``weight_l2_hint=none`` a
 key; ``weight_l2_hint=evict_last`` a string). ``tile_n=auto`` follows T as the swapped
 mid-size rule does (T in ceil(T / 256) token tiles, each rounded up to 32), ``tile_n=auto+1``
-in one tile more; a resolved tile over 256, or a config the engine refuses to build, is
+in one tile more, ``auto16`` / ``auto16+1`` the same rounded up to 16; a resolved tile over 256, or a config the engine refuses to build, is
 reported and left out of that point. ``SHAPES``: G x R x Dg.
 ``TRIALS`` (default 60). Prints, per (shape, T): us (median over trials) of the shipped config,
 of each override and of ``bmm``; per override its speed-up over the shipped config (median of
 the trials' ratios) and the trials it was faster in; every column's speed-up over ``bmm``.
 """
 import os
+import re
 import statistics
 import sys
 
@@ -48,10 +49,12 @@ def parse(spec: str) -> dict:
 
 def token_tile(spec, T: int) -> int:
     """``tile_n``'s value at ``T``: an int as given, ``auto[+k]`` as described above."""
-    if not (isinstance(spec, str) and spec.startswith("auto")):
+    m = re.fullmatch(r"auto(16)?(\+\d+)?", spec) if isinstance(spec, str) else None
+    if not m:
         return spec
-    n_tiles = -(-T // 256) + int(spec[4:] or 0)
-    return (-(-T // n_tiles) + 31) // 32 * 32
+    step = 16 if m[1] else 32
+    n_tiles = -(-T // 256) + int(m[2] or 0)
+    return (-(-T // n_tiles) + step - 1) // step * step
 
 
 def main():

@@ -67,7 +67,8 @@ reading) points; on the persistent pingpong pairs at T >= 1024 within +-10% eith
 slower on average.
 
 Constraints: A and B of one 16-bit type (bf16 / fp16) or 8-bit floats (e4m3 / e5m2), both
-K-major; ``tile_m`` in {64, 128}; ``tile_n`` a multiple of 32 in 32..256; 16-byte aligned
+K-major; ``tile_m`` in {64, 128}; ``tile_n`` a multiple of 16 in 32..256 (an odd multiple of 16:
+16-column epilogue subtiles); 16-byte aligned
 TMA rows. Written for this project from the public CuTe DSL API (``cutlass.pipeline``,
 ``cutlass.utils.hopper_helpers``).
 
@@ -99,7 +100,7 @@ SMEM_RESERVE = 2048
 EPI_STAGES = 4
 #: epilogue subtiles of each pingpong warp group (its own buffers: A's are the other's operands)
 PINGPONG_EPI_STAGES = 2
-#: epilogue subtile width (columns of C a TMA store writes)
+#: epilogue subtile width (columns of C a TMA store writes); 16 for tiles an odd multiple of 16 wide
 EPI_N = 32
 #: named barriers: 1 the cooperative epilogue; pingpong: 2 + w "warp group w may start its
 #: mainloop", 4 + w warp group w's epilogue
@@ -140,8 +141,8 @@ class Sm90Gemm:
                              f"pdl={pdl}")
         if sm_count < 1:
             raise ValueError(f"Sm90Gemm: sm_count must be >= 1, got {sm_count}")
-        if tile_n % 32 or not 32 <= tile_n <= 256:
-            raise ValueError(f"Sm90Gemm: tile_n must be a multiple of 32 in 32..256, got {tile_n}")
+        if tile_n % 16 or not 32 <= tile_n <= 256:
+            raise ValueError(f"Sm90Gemm: tile_n must be a multiple of 16 in 32..256, got {tile_n}")
         if any(c not in (1, 2) for c in cluster_mn):
             raise ValueError(f"Sm90Gemm: cluster_mn must be 1 or 2 per mode, got {cluster_mn}")
         if occupancy not in (1, 2):
@@ -160,6 +161,8 @@ class Sm90Gemm:
         if pdl_early_operand not in ("a", "b"):
             raise ValueError(f"Sm90Gemm: pdl_early_operand must be 'a' or 'b', got {pdl_early_operand!r}")
         self.tile_mn = (tile_m, tile_n)
+        # epilogue subtile width: EPI_N columns, 16 where the tile is an odd multiple of 16
+        self.epi_n = EPI_N if tile_n % EPI_N == 0 else 16
         self.cluster_mn = tuple(cluster_mn)
         self.pdl, self.pdl_early_a = pdl, pdl_early_operand == "a"
         # the launch attribute alone (host side): a probe may launch the PDL build without it,
@@ -190,7 +193,7 @@ class Sm90Gemm:
     def epilogue_bytes(self, c_width: int) -> int:
         """Shared memory of the persistent kernel's epilogue subtiles, each consumer warp group's
         own 64-row ones (the one-tile-per-CTA epilogue reuses A's buffers: 0)."""
-        return 2 * PINGPONG_EPI_STAGES * 64 * EPI_N * c_width // 8 if self.pingpong or self.persistent else 0
+        return 2 * PINGPONG_EPI_STAGES * 64 * self.epi_n * c_width // 8 if self.pingpong or self.persistent else 0
 
     def stages_for(self, tile_k: int, ab_width: int, c_width: int = 16) -> int:
         """Operand stages that fit ``occupancy`` CTAs per SM (the cooperative epilogue reuses A's
@@ -233,9 +236,9 @@ class Sm90Gemm:
         if const_expr(self.stages < 2):
             raise ValueError(f"Sm90Gemm: a {tile_m}x{tile_n}x{tile_k} tile leaves {self.stages} operand stage(s) "
                              f"at occupancy {self.occupancy}; at least 2 are needed")
-        # EPI_N-column subtiles over the whole tile height (both warp groups' rows); a persistent
+        # epi_n-column subtiles over the whole tile height (both warp groups' rows); a persistent
         # CTA's warp groups each store their own 64 rows
-        epi_tile = (64 if persistent_cta else tile_m, min(EPI_N, tile_n))
+        epi_tile = (64 if persistent_cta else tile_m, self.epi_n)
         self.epi_tile = epi_tile
         sA_layout = sm90_utils.make_smem_layout_a(a_major, self.tile_mnk, self.a_dtype, self.stages)
         sB_layout = sm90_utils.make_smem_layout_b(b_major, self.tile_mnk, self.b_dtype, self.stages)
@@ -681,7 +684,7 @@ class Sm90Gemm:
     @cute.jit
     def store_tile(self, acc, tiled_mma, tma_c, sC, gC, tidx, store_warp, consumers: cutlass.Constexpr,
                    barrier_id, buf0, bufs: cutlass.Constexpr):
-        """Accumulators -> C's type -> EPI_N-column shared subtiles (buffers ``buf0 ..
+        """Accumulators -> C's type -> ``epi_n``-column shared subtiles (buffers ``buf0 ..
         buf0 + bufs - 1`` of ``sC``) -> TMA stores issued by ``store_warp``; ``consumers``
         threads (``tidx`` among them) meet at named barrier ``barrier_id``."""
         c_major = self.c_major
