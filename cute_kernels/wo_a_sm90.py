@@ -108,28 +108,30 @@ class WoASm90(WoAGemm):
     MID_T_MAX_STAGES = 5
     @staticmethod
     def mid_t_swap_max(G: int, R: int) -> int:
-        """Up to which T past SWAP_AB_T[1] the swapped 128-row tiles run: measured at G * R =
-        4096 and 8192 only (H200, tools/probe_wo_a_ab.py, phases 104 / 105). At 8192 columns
-        the pingpong tiles caught up at T = 960 (0.98-1.03x) and led at 992 / 1024 (1.01-1.06x);
-        at 4096 the swapped tiles still led at 1024 (the pingpong / cooperative tiles 0.89-0.99x).
-        At G=16 R=1024 they lost from T = 640 on (0.87-0.95x). Elsewhere: SWAP_AB_T[1]."""
-        return {4096: 1024, 8192: 960}.get(G * R, WoASm90.SWAP_AB_T[1])
+        """Up to which T past SWAP_AB_T[1] the swapped 128-row tiles run, per G * R (measured at
+        the eight supported shapes only; elsewhere SWAP_AB_T[1]). H200, tools/probe_wo_a_ab.py
+        (bench/RESULTS.md, twenty-fourth session): at 8192 columns the pingpong tiles caught up
+        at T = 960 (0.98-1.03x) and led at 992 / 1024 (1.01-1.06x); at 4096 the swapped tiles
+        still led at 1024 (the pingpong / cooperative tiles 0.89-0.99x); at 16384 (G=16 R=1024)
+        they led at T = 520 / 560 (1.08-1.26x) and not at 600 (0.95 / 1.04x)."""
+        return {4096: 1024, 8192: 960, 16384: 576}.get(G * R, WoASm90.SWAP_AB_T[1])
 
     @staticmethod
     def mid_t_token_tile(T: int, G: int, R: int) -> int:
         """The token tile of the swapped 128-row CTAs past SWAP_AB_T[1]: T in ceil(T / 256) or
-        one more tiles (each rounded up to 32) -- the one in fewer waves of 132 CTAs, then the
-        one padding T less, then the more tiles. H200, tools/probe_wo_a_ab.py (phases 104 /
-        105): it took the faster of the two at 43 of the 48 (shape, T) points where they
-        differed by more than 2%; T = 800 at G=8 R=512 four 224-token tiles (one wave) 1.36x
-        five 160-token tiles (160 CTAs); T = 544 three of 192 1.01-1.13x four of 160; T = 608
-        four of 160 1.14-1.23x three of 224."""
+        one more tiles, each rounded up to 16 (the engine's 16-column epilogue subtiles) -- the
+        one in fewer waves of 132 CTAs, then the more tiles. H200, tools/probe_wo_a_ab.py
+        (bench/RESULTS.md, twenty-fourth session): rounding to 16 instead of 32 1.03-1.07x at T
+        = 680 / 700 (four tiles of 176, not 192) and 900 (four of 240, not 256); at T = 520
+        four tiles of 144 1.09-1.12x three of 192 at five of the six shapes of G * R <= 8192;
+        an extra tile that adds a wave loses (T = 840 at G=8 R=512: five of 176, 160 CTAs, 0.67x
+        four of 224)."""
         options = []
         for n_tiles in (-(-T // 256), -(-T // 256) + 1):
-            tile_n = (-(-T // n_tiles) + 31) // 32 * 32
+            tile_n = (-(-T // n_tiles) + 15) // 16 * 16
             n = -(-T // tile_n)
             waves = -(-(R // 128) * G * n // WoASm90.NUM_SMS)
-            options.append((waves, n * tile_n - T, -n, tile_n))
+            options.append((waves, -n, tile_n))
         return min(options)[-1]
 
     @staticmethod
@@ -166,9 +168,9 @@ class WoASm90(WoAGemm):
         except for G=16 R=1024 (0.98-1.02x). Where the grid is more than one wave, two CTAs
         per SM (G=16 R=1024 at T = 272 / 320: 1.07-1.12x on the project's engine with its
         8-warp inline-producer CTA, eleventh session; a 9-warp CTA cannot fit twice). Past T =
-        512 the same swapped 128-row tiles in CTA pairs where G * R is 4096 / 8192, up to
-        :meth:`mid_t_swap_max` (1024 / 960), token tiles by :meth:`mid_t_token_tile` (twenty-fourth
-        session: 1.01-1.47x the (T, R) tiles they replaced; G=16 R=1024 keeps them). Elsewhere
+        512 the same swapped 128-row tiles in CTA pairs up to :meth:`mid_t_swap_max` (T = 1024 /
+        960 / 576 at G * R = 4096 / 8192 / 16384), token tiles by :meth:`mid_t_token_tile`
+        (twenty-fourth session: 1.01-1.47x the (T, R) tiles they replaced). Elsewhere
         :meth:`tile_for` over (T, R): at T >= 1024 neither two CTAs per SM (128x128, 64x256)
         nor swapped operands nor clusters nor a persistent tile loop beat 128x256 reproducibly
         (tenth session, on the vendored engine; CTA pairs on the project's engine at T = 16384:

@@ -71,11 +71,12 @@ def test_large_t_long_k_routes_match_fp64(seed, G, T):
 @pytest.mark.parametrize("G, HG, Dv, R, T", [(G, HG, Dv, R, T) for G, HG, Dv, R in
                                              [(8, 16, 128, 512), (8, 8, 128, 1024), (16, 8, 128, 512)]
                                              for T in (513, 577, 700, 960)] + [(8, 16, 128, 512, 1000),
-                                                                                (8, 8, 256, 512, 1024)])
+                                                                                (8, 8, 256, 512, 1024),
+                                                                                (16, 8, 128, 1024, 521)])
 def test_mid_t_swapped_routes_match_fp64(seed, G, HG, Dv, R, T):
     """wo_a()'s CuTe path at 512 < T <= 960 / 1024 where G * R = 8192 / 4096: 128-row weight
-    tiles in CTA pairs, tokens on wgmma N in 160 / 192 / 224 / 256-token tiles (T = 513 and
-    1000: the last tile one / a few tokens deep)."""
+    tiles in CTA pairs, tokens on wgmma N in 144 / 160 / 176 / 240 / 256-token tiles (16-column
+    epilogue subtiles at 144 / 176 / 240; T = 513 and 1000: the last tile 81 / 232 tokens deep)."""
     cfg = WoASm90.config_for(T, G, R, HG * Dv)
     assert cfg["swap_ab"] and cfg["tile_m"] == 128 and cfg["cluster_m"] == 2
     assert cfg["tile_n"] == WoASm90.mid_t_token_tile(T, G, R)
@@ -716,11 +717,11 @@ def test_launch_configs():
     assert WoASm90.config_for(77, 16, 1024) == dict(tile_m=128, tile_n=96, cluster_m=2, swap_ab=True, **ef)
     assert WoASm90.config_for(200, 8, 512) == dict(tile_m=64, tile_n=128, cluster_m=2, swap_ab=True, **ef)  # 128 CTAs
     assert WoASm90.config_for(96, 8, 512) == dict(tile_m=64, tile_n=96, cluster_m=2, swap_ab=True, **ef)  # not 2x64
-    assert WoASm90.config_for(513, 16, 1024) == dict(tile_m=128, tile_n=256)
+    assert WoASm90.config_for(577, 16, 1024) == dict(tile_m=128, tile_n=256)
     # large T: pingpong CTA pairs where K is short (Dg <= 1024) or where the 64 x 256 tiles
     # number at least 3 per SM (396), not under PDL
     pingpong = dict(tile_m=64, tile_n=256, cluster_m=2, pingpong=True)
-    assert WoASm90.config_for(513, 16, 1024, 1024) == pingpong
+    assert WoASm90.config_for(577, 16, 1024, 1024) == pingpong
     assert WoASm90.config_for(16384, 8, 512, 2048) == pingpong
     assert WoASm90.config_for(4096, 8, 512, 2048) == pingpong
     assert WoASm90.config_for(1024, 16, 512, 2048) == pingpong  # 512 tiles
@@ -729,23 +730,24 @@ def test_launch_configs():
     assert WoASm90.config_for(4096, 16, 1024, 1024, pdl=True) == dict(tile_m=128, tile_n=256)
     assert WoASm90.config_for(320, 16, 1024, 1024) == WoASm90.config_for(320, 16, 1024)  # mid-size: unchanged
     assert WoASm100.config_for(320, 16, 1024) == dict(tile_m=256, tile_n=256)
-    # 512 < T <= 1024 at G * R = 4096 (<= 960 at 8192): swapped 128-row tiles in CTA pairs, the
-    # token tiling in fewer waves / with less padding; G=16 R=1024 keeps its (T, R) tiles
+    # past T = 512 up to 1024 / 960 / 576 at G * R = 4096 / 8192 / 16384: swapped 128-row tiles in
+    # CTA pairs, T in ceil(T / 256) or one more token tiles rounded up to 16: fewer waves, then more tiles
     mid = dict(tile_m=128, cluster_m=2, swap_ab=True, **ef)
-    assert WoASm90.config_for(513, 8, 512, 2048) == dict(tile_n=192, **mid)  # 3 x 192 (96 CTAs), not 4 x 160
-    assert WoASm90.config_for(608, 16, 512, 2048) == dict(tile_n=160, **mid)  # 4 x 160: 32 padded, not 64
-    assert WoASm90.config_for(736, 8, 1024, 1024) == dict(tile_n=192, **mid)  # 4 x 192 = 3 x 256: more tiles
-    assert WoASm90.config_for(800, 8, 512, 2048) == dict(tile_n=224, **mid)  # 5 x 160 would be 160 CTAs
+    assert WoASm90.config_for(513, 8, 512, 2048) == dict(tile_n=144, **mid)  # 4 x 144: 128 CTAs, one wave
+    assert WoASm90.config_for(608, 16, 512, 2048) == dict(tile_n=160, **mid)  # 4 x 160, 256 CTAs: two waves
+    assert WoASm90.config_for(736, 8, 1024, 1024) == dict(tile_n=192, **mid)
+    assert WoASm90.config_for(800, 8, 512, 2048) == dict(tile_n=208, **mid)  # 5 x 160 would be 160 CTAs
     assert WoASm90.config_for(1024, 8, 512, 1024) == dict(tile_n=256, **mid)
+    assert WoASm90.config_for(520, 16, 1024, 1024) == dict(tile_n=176, **mid)  # 4 tiles: a fourth wave
     assert WoASm90.config_for(992, 16, 512, 1024) == pingpong
     assert WoASm90.config_for(600, 16, 1024, 1024) == pingpong
     assert WoASm90.config_for(600, 8, 512, 2048, pdl=True) == dict(tile_n=160, **mid)
-    for G, R in [(8, 512), (8, 1024), (16, 512)]:
+    for G, R in [(8, 512), (8, 1024), (16, 512), (16, 1024)]:
         for T in range(513, WoASm90.mid_t_swap_max(G, R) + 1):
             cfg = WoASm90.config_for(T, G, R)
             tn, n = cfg["tile_n"], -(-T // cfg["tile_n"])
-            assert cfg["swap_ab"] and tn % 32 == 0 and tn <= 256 and n in (-(-T // 256), -(-T // 256) + 1)
-            assert n * tn - T < 32 * n and (R // 128) % 2 == 0
+            assert cfg["swap_ab"] and tn % 16 == 0 and tn <= 256 and n in (-(-T // 256), -(-T // 256) + 1)
+            assert n * tn - T < 16 * n and (R // 128) % 2 == 0
     for T in range(65, 513):  # the fewest legal token tiles, each padded by less than 32 tokens
         for G, R in [(8, 512), (16, 1024)]:
             cfg = WoASm90.config_for(T, G, R)

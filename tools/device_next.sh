@@ -213,7 +213,10 @@
 #   phase 108: the engine's 16-column epilogue subtiles again (tiles an odd multiple of 16 wide):
 #            GPU tests; the mid-T token tiles rounded to 16 instead of 32 against the shipped
 #            tiling (probe), and swapped tiles at G=16 R=1024 just past T = 512 (probe).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..108)
+#   phase 109: the mid-T token tiles in steps of 16, fewer waves then more tiles, and G=16 R=1024
+#            up to T = 576: GPU tests; the rule against the other tilings on a T grid (probe);
+#            the cuBLAS bands re-measured where the configs changed (CSV); the bench at mid T.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..109)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -226,6 +229,20 @@ step() { local t=$1 name=$2; shift 2; echo "== $name: $*"; timeout "$t" "$@" > "
 PYT="python -m pytest -q -rf --tb=short -p no:cacheprovider"
 BENCH="python -m spec_decode.bench --backends baseline,fused"
 case "${1:-1}" in
+109)  # mid-T tiles in steps of 16: GPU tests, the rule on a T grid, the bands' rows, the bench at mid T
+  step 120 mid_t_tests $PYT tests/test_wo_a.py -m gpu -k "mid_t_swapped or 16_column or large_t_long_k"
+  SIX=8x512x2048,16x512x2048,8x1024x1024,8x512x1024,8x1024x2048,16x512x1024
+  step 200 probe_mid_t_v3 env SHAPES=$SIX TS=528:1008:32 TRIALS=11 \
+    CONFIGS="tile_n=auto/tile_n=auto+1/tile_n=auto16/tile_n=auto16+1" python tools/probe_wo_a_ab.py
+  step 60 probe_mid_t_v3_g16 env SHAPES=16x1024x1024,16x1024x2048 TS=528:576:16 TRIALS=11 \
+    CONFIGS="tile_n=auto16/tile_n=auto16+1/swap_ab=0,pingpong=1,tile_m=64,tile_n=256,cluster_m=2,weight_l2_hint=none" \
+    python tools/probe_wo_a_ab.py
+  step 150 probe_cublas_tm_mid env SHAPES=$SIX TS=520:1024:8 TRIALS=15 CSV="$OUT/cublas_tm_mid.csv" \
+    python tools/probe_wo_a_cublas_token_major.py
+  step 40 probe_cublas_tm_mid_g16 env SHAPES=16x1024x1024,16x1024x2048 TS=520:576:8 TRIALS=15 \
+    CSV="$OUT/cublas_tm_mid_g16.csv" python tools/probe_wo_a_cublas_token_major.py
+  step 100 bench_wo_a_mid python bench/bench_wo_a.py --tokens 517,600,700,800,900,1000 --out "$OUT/bench_wo_a_mid.md"
+  ;;
 108)  # 16-column subtiles: GPU tests; token tiles in steps of 16 at mid T (probe)
   step 150 sub16_tests $PYT tests/test_wo_a.py -m gpu -k "16_column or swap_ab_engine or mid_t_swapped"
   step 300 probe_mid_t16 env SHAPES=8x512x2048,16x512x2048,8x1024x1024,8x512x1024,8x1024x2048,16x512x1024 \

@@ -16,7 +16,7 @@ trials it won. Every config is first checked against FP32 on a poisoned output.
 key; ``weight_l2_hint=evict_last`` a string). ``tile_n=auto`` follows T as the swapped
 mid-size rule does (T in ceil(T / 256) token tiles, each rounded up to 32), ``tile_n=auto+1``
 in one tile more, ``auto16`` / ``auto16+1`` the same rounded up to 16; a resolved tile over 256, or a config the engine refuses to build, is
-reported and left out of that point. ``SHAPES``: G x R x Dg.
+reported and left out of that point. ``SHAPES``: G x R x Dg. ``TS``: T values, or ``a:b:s`` (a, a + s, ... up to b).
 ``TRIALS`` (default 60). Prints, per (shape, T): us (median over trials) of the shipped config,
 of each override and of ``bmm``; per override its speed-up over the shipped config (median of
 the trials' ratios) and the trials it was faster in; every column's speed-up over ``bmm``.
@@ -58,7 +58,12 @@ def token_tile(spec, T: int) -> int:
 
 
 def main():
-    TS = [int(t) for t in os.environ.get("TS", "4096").split(",")]
+    ts = os.environ.get("TS", "4096")
+    if ":" in ts:  # "a:b:s": a, a + s, ... up to b
+        a, b, step = (int(v) for v in ts.split(":"))
+        TS = list(range(a, b + 1, step))
+    else:
+        TS = [int(t) for t in ts.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("SHAPES", "16x512x2048,8x512x2048").split(",")]
     overrides = [parse(s) for s in os.environ.get("CONFIGS", "persistent=1").split("/") if s]
     trials = int(os.environ.get("TRIALS", "60"))
