@@ -216,7 +216,10 @@
 #   phase 109: the mid-T token tiles in steps of 16, fewer waves then more tiles, and G=16 R=1024
 #            up to T = 576: GPU tests; the rule against the other tilings on a T grid (probe);
 #            the cuBLAS bands re-measured where the configs changed (CSV); the bench at mid T.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..109)
+#   phase 110: the twenty-fourth session's final tree (the bands rebuilt from phase 109's rows):
+#            the engine's GPU tests (WO-A, FP8 draft head) and the runtime's; the issue's bench;
+#            the bench at mid-size T.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..110)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -229,6 +232,12 @@ step() { local t=$1 name=$2; shift 2; echo "== $name: $*"; timeout "$t" "$@" > "
 PYT="python -m pytest -q -rf --tb=short -p no:cacheprovider"
 BENCH="python -m spec_decode.bench --backends baseline,fused"
 case "${1:-1}" in
+110)  # the final tree: the engine's and the runtime's GPU tests, the issue's bench, mid-size T
+  step 260 engine_tests $PYT tests/test_wo_a.py tests/test_draft_head_fp8.py -m gpu
+  step 60 runtime_tests $PYT tests/test_spec_decode.py -m gpu
+  step 130 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
+  step 100 bench_wo_a_mid python bench/bench_wo_a.py --tokens 517,600,700,800,900,1000 --out "$OUT/bench_wo_a_mid.md"
+  ;;
 109)  # mid-T tiles in steps of 16: GPU tests, the rule on a T grid, the bands' rows, the bench at mid T
   step 120 mid_t_tests $PYT tests/test_wo_a.py -m gpu -k "mid_t_swapped or 16_column or large_t_long_k"
   SIX=8x512x2048,16x512x2048,8x1024x1024,8x512x1024,8x1024x2048,16x512x1024
