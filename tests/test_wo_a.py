@@ -1188,8 +1188,9 @@ def test_aot_entries_serve_every_t_without_compiling(seed, tmp_path, monkeypatch
 # ---- the default route's cuBLAS bands (cute_kernels/wo_a_cublas.py) ----
 
 def test_cublas_bands_are_the_measured_table():
-    """SM90_BANDS is what bands_from_rows makes of the checked-in phase-98 rows (the H200's
-    paired trials): sorted, disjoint (lo, hi] intervals ending on measured grid points."""
+    """SM90_BANDS is what bands_from_rows makes of the checked-in rows (the H200's paired
+    trials, phases 98-102 / 109): sorted, disjoint (lo, hi] intervals ending on measured grid
+    points."""
     import csv
     import os
     import subprocess
@@ -1208,6 +1209,23 @@ def test_cublas_bands_are_the_measured_table():
         flat = [t for band in bands for t in band]
         assert flat == sorted(flat) and all(lo < hi for lo, hi in bands)
         assert all((*shape, hi) in grid for _, hi in bands)
+
+
+@pytest.mark.parametrize("mid, mid_won, edge, bands", [
+    (1.02, 15, 1.10, ((0, 40),)),  # a narrow win between two clear ones joins them
+    (1.02, 11, 1.10, ((0, 16), (24, 40))),  # won in fewer than 80% of the trials: a hole
+    (0.99, 15, 1.10, ((0, 16), (24, 40))),  # a loss: a hole
+    (1.10, 15, 1.02, ((0, 32),)),  # a narrow win at the end: no neighbour above, not taken
+])
+def test_cublas_bands_rule(mid, mid_won, edge, bands):
+    """bands_from_rows: (lo, hi] up to each grid point cuBLAS won by MIN_SPEEDUP in MIN_WON of
+    the trials; a narrower win only between two such points."""
+    from cute_kernels.wo_a_cublas import bands_from_rows
+
+    speedups = [(1.10, 15), (1.10, 15), (mid, mid_won), (1.10, 15), (edge, 15)]
+    rows = [dict(G=8, R=512, Dg=2048, T=8 * (i + 1), c_speedup=sp, c_won=won, trials=15)
+            for i, (sp, won) in enumerate(speedups)]
+    assert bands_from_rows(rows) == {(8, 512, 2048): bands}
 
 
 def test_route_takes_cublas_inside_its_bands_only():

@@ -219,7 +219,9 @@
 #   phase 110: the twenty-fourth session's final tree (the bands rebuilt from phase 109's rows):
 #            the engine's GPU tests (WO-A, FP8 draft head) and the runtime's; the issue's bench;
 #            the bench at mid-size T.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..110)
+#   phase 111: the bands with single-point holes filled (a narrow cuBLAS win between two clear
+#            ones): the cuBLAS route's GPU tests, the bench at mid-size T.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..111)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -232,6 +234,10 @@ step() { local t=$1 name=$2; shift 2; echo "== $name: $*"; timeout "$t" "$@" > "
 PYT="python -m pytest -q -rf --tb=short -p no:cacheprovider"
 BENCH="python -m spec_decode.bench --backends baseline,fused"
 case "${1:-1}" in
+111)  # holes in the bands filled: the cuBLAS route's GPU tests, the bench at mid-size T
+  step 120 cublas_tests $PYT tests/test_wo_a.py -m gpu -k "cublas or backend or aot_entries"
+  step 100 bench_wo_a_mid python bench/bench_wo_a.py --tokens 517,600,700,800,900,1000 --out "$OUT/bench_wo_a_mid.md"
+  ;;
 110)  # the final tree: the engine's and the runtime's GPU tests, the issue's bench, mid-size T
   step 260 engine_tests $PYT tests/test_wo_a.py tests/test_draft_head_fp8.py -m gpu
   step 60 runtime_tests $PYT tests/test_spec_decode.py -m gpu
