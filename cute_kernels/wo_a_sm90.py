@@ -241,8 +241,9 @@ class WoASm90(WoAGemm):
             # past 512 tokens the (T, R) tiles below quantise badly on 132 SMs (T = 520 G=8
             # R=512: 80 CTAs of 128x256, the fifth token row 8 deep); tokens stay on wgmma N,
             # 128-row weight tiles in CTA pairs along R. H200, tools/probe_wo_a_ab.py (phases
-            # 104 / 105, the six shapes of G * R = 4096 / 8192): 1.02-1.47x the (T, R) tiles
-            # and 1.01-1.47x the pingpong tiles at T = 520 .. 928
+            # 104 / 105, the six shapes of G * R = 4096 / 8192, token tiles in steps of 32):
+            # 1.01-1.43x the (T, R) tiles and 0.98-1.47x the pingpong tiles at T = 520 .. 960;
+            # in steps of 16 (phase 109) a further 0.99-1.18x
             return dict(tile_m=128, tile_n=WoASm90.mid_t_token_tile(T, G, R), cluster_m=2, swap_ab=True)
         pingpong_tiles = -(-T // 64) * (R // 256) * G
         if (T > hi and tile_n == 256 and not pdl and Dg is not None
