@@ -221,7 +221,9 @@
 #            the bench at mid-size T.
 #   phase 111: the bands with single-point holes filled (a narrow cuBLAS win between two clear
 #            ones): the cuBLAS route's GPU tests, the bench at mid-size T.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..111)
+#   phase 112: G=8 R=512 (both Dg) at 128 < T <= 512, where cuBLAS leads: token tiles in steps of
+#            16 and 128-row weight tiles in fewer, larger CTAs against the shipped configs (probe).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..112)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -234,6 +236,10 @@ step() { local t=$1 name=$2; shift 2; echo "== $name: $*"; timeout "$t" "$@" > "
 PYT="python -m pytest -q -rf --tb=short -p no:cacheprovider"
 BENCH="python -m spec_decode.bench --backends baseline,fused"
 case "${1:-1}" in
+112)  # G=8 R=512 at 128 < T <= 512: 16-step token tiles, 128-row weight tiles (probe)
+  step 200 probe_g8r512 env SHAPES=8x512x2048,8x512x1024 TS=160,240,320,400,480 TRIALS=15 \
+    CONFIGS="tile_n=auto16/tile_m=128,tile_n=auto16+1/tile_m=128,tile_n=auto16+2" python tools/probe_wo_a_ab.py
+  ;;
 111)  # holes in the bands filled: the cuBLAS route's GPU tests, the bench at mid-size T
   step 120 cublas_tests $PYT tests/test_wo_a.py -m gpu -k "cublas or backend or aot_entries"
   step 100 bench_wo_a_mid python bench/bench_wo_a.py --tokens 517,600,700,800,900,1000 --out "$OUT/bench_wo_a_mid.md"
