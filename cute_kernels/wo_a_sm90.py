@@ -222,7 +222,12 @@ class WoASm90(WoAGemm):
                 # wide -- narrower ones run the wgmma pipe at a loss (T=200: 13.0 vs 14.4 us;
                 # at T=96 two 64-token tiles lose, 11.8 vs 10.2 us)
                 n_tiles *= 2
-            tile_n = (-(-T // n_tiles) + 31) // 32 * 32
+            # token tiles in steps of 16 past 256 tokens (16-column epilogue subtiles where that
+            # is an odd multiple of 16): less padding, H200 tools/probe_wo_a_ab.py (phase 112,
+            # G=8 R=512): T = 400 two tiles of 208 1.06-1.09x two of 224, T = 480 two of 240
+            # 1.03-1.07x two of 256; at T <= 256 not measured, so steps of 32 there
+            step = 16 if T > 256 else 32
+            tile_n = (-(-T // n_tiles) + step - 1) // step * step
             cfg = dict(tile_m=tile_m, tile_n=tile_n, cluster_m=2, swap_ab=True)
             if (R // tile_m) * G * n_tiles > WoASm90.NUM_SMS and tile_m == 128 and tile_n <= 160:
                 # more than one wave at one CTA per SM (G=16 R=1024, 256 < T <= 320: 256 CTAs):

@@ -223,7 +223,9 @@
 #            ones): the cuBLAS route's GPU tests, the bench at mid-size T.
 #   phase 112: G=8 R=512 (both Dg) at 128 < T <= 512, where cuBLAS leads: token tiles in steps of
 #            16 and 128-row weight tiles in fewer, larger CTAs against the shipped configs (probe).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..112)
+#   phase 113: token tiles in steps of 16 at 256 < T <= 512 too: the routes' GPU tests (T = 400),
+#            the eight shapes against the 32-step tiles (probe).
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..113)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -236,6 +238,11 @@ step() { local t=$1 name=$2; shift 2; echo "== $name: $*"; timeout "$t" "$@" > "
 PYT="python -m pytest -q -rf --tb=short -p no:cacheprovider"
 BENCH="python -m spec_decode.bench --backends baseline,fused"
 case "${1:-1}" in
+113)  # 16-step token tiles at 256 < T <= 512: GPU tests, against the 32-step tiles (probe)
+  step 100 tests_400 $PYT tests/test_wo_a.py -m gpu -k "hopper_matches_fp64 and 400"
+  step 200 probe_16_step env SHAPES=16x1024x1024,8x512x2048,16x512x2048,8x1024x1024,8x512x1024,8x1024x2048,16x512x1024,16x1024x2048 \
+    TS=272,336,400,464,480 TRIALS=15 CONFIGS="tile_n=auto" python tools/probe_wo_a_ab.py
+  ;;
 112)  # G=8 R=512 at 128 < T <= 512: 16-step token tiles, 128-row weight tiles (probe)
   step 200 probe_g8r512 env SHAPES=8x512x2048,8x512x1024 TS=160,240,320,400,480 TRIALS=15 \
     CONFIGS="tile_n=auto16/tile_m=128,tile_n=auto16+1/tile_m=128,tile_n=auto16+2" python tools/probe_wo_a_ab.py
