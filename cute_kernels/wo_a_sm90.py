@@ -223,9 +223,9 @@ class WoASm90(WoAGemm):
                 # at T=96 two 64-token tiles lose, 11.8 vs 10.2 us)
                 n_tiles *= 2
             # token tiles in steps of 16 past 256 tokens (16-column epilogue subtiles where that
-            # is an odd multiple of 16): less padding, H200 tools/probe_wo_a_ab.py (phase 112,
-            # G=8 R=512): T = 400 two tiles of 208 1.06-1.09x two of 224, T = 480 two of 240
-            # 1.03-1.07x two of 256; at T <= 256 not measured, so steps of 32 there
+            # is an odd multiple of 16): less padding. H200, tools/probe_wo_a_ab.py (phase 113):
+            # 1.03-1.18x the 32-step tiles at all eight shapes at T = 272 / 336 / 400 / 464 / 480;
+            # at T <= 256 not measured, so steps of 32 there
             step = 16 if T > 256 else 32
             tile_n = (-(-T // n_tiles) + step - 1) // step * step
             cfg = dict(tile_m=tile_m, tile_n=tile_n, cluster_m=2, swap_ab=True)
