@@ -19,7 +19,7 @@ drop), so any T >= 1 works.
     B = o     as (N=T, K=Dg, L=G)  strides (G*Dg, 1, Dg)
     C = y     as (M=R, N=T, L=G)   strides (1, G*R, R)        # M-major C: still token-major y
 
-wgmma's N goes in steps of 8 (the engine's epilogue: 32) where its M is 64 or 128, so the
+wgmma's N goes in steps of 8 (the engine's epilogue: 16) where its M is 64 or 128, so the
 token tile can match T (T = 320 in two 160-token tiles) instead of wasting a third of a
 128-row tile -- what limits the unswapped T = 320 launch (bench/RESULTS.md).
 """
@@ -157,7 +157,7 @@ class WoASm90(WoAGemm):
         tile takes an even number of R tiles, CTA pairs along R sharing the token tile.
 
         64 < T <= 512: tokens on wgmma N, in the fewest <= 256-token tiles, each rounded up to
-        the engine's 32 (T = 320: two tiles of 160, where (T, R) tiling runs 2.5 rows of
+        32 (16 past T = 256) (T = 320: two tiles of 160, where (T, R) tiling runs 2.5 rows of
         128-token tiles); 128 weight rows per CTA unless that leaves most SMs idle; CTA pairs
         along R (cluster 2x1) share each token tile by TMA multicast, halving its L2 reads --
         along T (1x2, sharing the weight tile) for 128-row tiles in an even number of token
