@@ -106,6 +106,7 @@ class WoASm90(WoAGemm):
     PINGPONG_MAX_DG, PINGPONG_MIN_TILES_PER_SM = 1024, 3
     #: operand stages at 256 < T <= 512 (one CTA per SM): fewer than fit ran faster there
     MID_T_MAX_STAGES = 5
+
     @staticmethod
     def mid_t_swap_max(G: int, R: int) -> int:
         """Up to which T past SWAP_AB_T[1] the swapped 128-row tiles run, per G * R (measured at
