@@ -362,6 +362,20 @@ def test_swap_ab_layout_emulation(seed, T):
     assert rel_err(y, wo_a_ref(o, w)) < TOL
 
 
+@pytest.mark.parametrize("T", [400, 513, 700, 1000])
+def test_mid_t_route_layout_emulation(seed, T):
+    """The Hopper route's own swapped tile past T = 256 (token tiles in steps of 16: 208 / 144 /
+    176 / 256 here, the last one partial), emulated on the CPU: every element of y written
+    once through the M-major C view, within the FP32 tolerance."""
+    G, HG, Dv, R = 8, 8, 128, 512
+    cfg = WoASm90.config_for(T, G, R, HG * Dv)
+    assert cfg["swap_ab"] and T % cfg["tile_n"]
+    o, w = make(T, G, HG, Dv, R, "cpu")
+    y = emulate_tiled(o, w, (cfg["tile_m"], cfg["tile_n"]), swap_ab=True)
+    assert not torch.isnan(y.float()).any()
+    assert rel_err(y, wo_a_ref(o, w)) < TOL
+
+
 @pytest.mark.parametrize("tile, cluster_m", [((128, 160), 2), ((64, 96), 1)])
 @pytest.mark.parametrize("pdl", [False, True])
 def test_swap_ab_machine_code(tile, cluster_m, pdl):
@@ -374,6 +388,16 @@ def test_swap_ab_machine_code(tile, cluster_m, pdl):
     assert sass.count(h, "UTMALDG") >= 2 and sass.count(h, "UTMASTG") >= 1 and sass.local_memory_ops(h) == 0
     assert (sass.count(h, "UTMALDG.3D.MULTICAST") >= 1) == (cluster_m == 2)
     assert sass.count(h, "ACQBULK") == (2 if pdl else 0) and sass.count(h, "PREEXIT") == (1 if pdl else 0)
+
+
+@pytest.mark.parametrize("tile_n, epi_n", [(160, 32), (176, 16), (240, 16)])
+def test_16_column_subtiles_machine_code(tile_n, epi_n):
+    """A token tile an odd multiple of 16 wide: one wgmma of that width, its epilogue in
+    16-column subtiles (twice the TMA stores per column of a 32-column build), no spills."""
+    h = sass.sass_histogram("wo_a", "sm_90a", G=8, R=512, Dg=2048, tile_m=128, tile_n=tile_n, cluster_m=2,
+                            swap_ab=True)
+    assert sass.count(h, f"HGMMA.64x{tile_n}x16.F32.BF16") >= 1, h
+    assert sass.count(h, "UTMASTG") == 2 * (tile_n // epi_n) and sass.local_memory_ops(h) == 0, h
 
 
 @pytest.mark.parametrize("cluster_m, swap_ab", [(1, False), (2, False), (2, True)])
