@@ -20,9 +20,10 @@ takes which.
 
 Constraints: bf16 ``o`` and ``wo_a``, contiguous; ``H % G == 0``; ``R % 64 == 0``,
 ``Dg % 64 == 0`` (16-byte TMA rows, whole K tiles); any ``T >= 1``. One compile per tile
-class serves every T in it: per supported shape 13-15 configs on Hopper (decode-kernel plans
-at T <= 16 -- 32 at G=8 R=512 --, engine tiles up to 64, 6 to 10 swapped token tiles matched to T up to
-512, the cooperative and the pingpong tile above), 2 on Blackwell. :func:`route` names the
+class serves every T in it: per supported shape 20-26 configs on Hopper (decode-kernel plans
+at T <= 16 -- 32 at G=8 R=512 --, engine tiles up to 64, swapped token tiles matched to T up to
+T = 1024 / 960 / 576 at G * R = 4096 / 8192 / 16384, the cooperative and the pingpong tile
+above), 2 on Blackwell. :func:`route` names the
 one a call takes; ``python -m cute_kernels build`` compiles every one of them for the
 supported shapes (:func:`aot_routes`), ``--wo-a-shape G,R,Dg`` for a model's own; else each
 compiles on first use.
@@ -230,10 +231,11 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     partials live in ``workspace`` (default: one shared per device and shape -- pass your own
     for concurrent calls on several streams).
 
-    On Hopper the TMA/wgmma engine serves the rest: (T, R) tiles at T <= 64 and T > 512,
-    swapped operands in between and at 32 < T <= 64 where 64-row weight tiles leave most SMs
-    idle (tokens on wgmma N, token tiles matched to T, CTA pairs sharing a tile by multicast --
-    :meth:`WoASm90.config_for`).
+    On Hopper the TMA/wgmma engine serves the rest: (T, R) tiles at T <= 64 and past T = 1024 /
+    960 / 576 (G * R = 4096 / 8192 / 16384; T > 512 for shapes not measured), swapped operands
+    in between and at 32 < T <= 64 where 64-row weight tiles leave most SMs idle (tokens on
+    wgmma N, token tiles matched to T in steps of 32, of 16 past T = 256, CTA pairs sharing a
+    tile by multicast -- :meth:`WoASm90.config_for`).
 
     ``pdl`` (the decode kernel and the Hopper engine; the Blackwell engine ignores it): launch
     as a programmatic dependent of the previous kernel on the stream, so the first weight
@@ -251,8 +253,8 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     strided-batched GEMM storing token-major ``y`` itself (:mod:`.wo_a_cublas`; any CUDA
     device; not with ``decode_kernel`` or ``pdl``); ``None`` (default) -- cuBLAS on Hopper
     inside the bands where the H200 measured it faster than this project's kernels
-    (:data:`.wo_a_cublas.SM90_BANDS`: up to 1.74x at T = 513-800; e.g. T = 320 at G=8 R=512
-    Dg=2048), unless ``decode_kernel`` or ``pdl`` asks for a CuTe kernel; else the CuTe kernels.
+    (:data:`.wo_a_cublas.SM90_BANDS`: up to 1.30x at T = 513-1024 since the twenty-fourth
+    session's mid-T tiles, 1.74x before; e.g. T = 320 at G=8 R=512 Dg=2048), unless ``decode_kernel`` or ``pdl`` asks for a CuTe kernel; else the CuTe kernels.
     """
     op = "wo_a"
     if decode_kernel not in (None, True, False) + DECODE_KINDS:
