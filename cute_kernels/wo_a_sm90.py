@@ -108,6 +108,11 @@ class WoASm90(WoAGemm):
     MID_T_MAX_STAGES = 5
 
     @staticmethod
+    def token_tile(T: int, n_tiles: int, step: int) -> int:
+        """The width of ``n_tiles`` token tiles covering ``T`` tokens, rounded up to ``step``."""
+        return (-(-T // n_tiles) + step - 1) // step * step
+
+    @staticmethod
     def mid_t_swap_max(G: int, R: int) -> int:
         """Up to which T past SWAP_AB_T[1] the swapped 128-row tiles run, per G * R (measured at
         the eight supported shapes only; elsewhere SWAP_AB_T[1]). H200, tools/probe_wo_a_ab.py
@@ -129,7 +134,7 @@ class WoASm90(WoAGemm):
         four of 224)."""
         options = []
         for n_tiles in (-(-T // 256), -(-T // 256) + 1):
-            tile_n = (-(-T // n_tiles) + 15) // 16 * 16
+            tile_n = WoASm90.token_tile(T, n_tiles, 16)
             n = -(-T // tile_n)
             waves = -(-(R // 128) * G * n // WoASm90.NUM_SMS)
             options.append((waves, -n, tile_n))
@@ -228,7 +233,7 @@ class WoASm90(WoAGemm):
             # 1.03-1.18x the 32-step tiles at all eight shapes at T = 272 / 336 / 400 / 464 / 480;
             # at T <= 256 not measured, so steps of 32 there
             step = 16 if T > 256 else 32
-            tile_n = (-(-T // n_tiles) + step - 1) // step * step
+            tile_n = WoASm90.token_tile(T, n_tiles, step)
             cfg = dict(tile_m=tile_m, tile_n=tile_n, cluster_m=2, swap_ab=True)
             if (R // tile_m) * G * n_tiles > WoASm90.NUM_SMS and tile_m == 128 and tile_n <= 160:
                 # more than one wave at one CTA per SM (G=16 R=1024, 256 < T <= 320: 256 CTAs):
