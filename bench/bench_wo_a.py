@@ -58,6 +58,25 @@ def tokens_out_ref(T: int, G: int, R: int, Dg: int, w: torch.Tensor):
     return o, y, ref
 
 
+def token_counts(spec: str) -> list[int]:
+    """The probes' ``TS``: ``"1,5,64"``, or ``"a:b:s"`` for a, a + s, ... up to b."""
+    if ":" in spec:
+        a, b, step = (int(v) for v in spec.split(":"))
+        return list(range(a, b + 1, step))
+    return [int(t) for t in spec.split(",")]
+
+
+def wo_a_points(shapes, tokens):
+    """The probes' loop over (shape, T): per shape its rotating weight sets (:func:`weight_sets`,
+    made once), per T a fresh problem against the first of them (:func:`tokens_out_ref`);
+    yields ``(G, R, Dg, ws, T, o, y, ref)``."""
+    for G, R, Dg in shapes:
+        ws = weight_sets(G, R, Dg)
+        for T in tokens:
+            o, y, ref = tokens_out_ref(T, G, R, Dg, ws[0])
+            yield G, R, Dg, ws, T, o, y, ref
+
+
 def bmm_only(o, w):
     """cuBLAS batched GEMM alone, group-major output [G, T, R] (no transpose)."""
     T = o.shape[0]

@@ -27,7 +27,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-from bench_wo_a import bmm_only, tokens_out_ref, weight_sets  # noqa: E402
+from bench_wo_a import bmm_only, token_counts, wo_a_points  # noqa: E402
 from common import gpu_warmup, poisoned_error, replay_interleaved  # noqa: E402
 
 import cutlass  # noqa: E402
@@ -54,68 +54,59 @@ def token_tile(spec, T: int) -> int:
         return spec
     step = 16 if m[1] else 32
     n_tiles = -(-T // 256) + int(m[2] or 0)
-    return (-(-T // n_tiles) + step - 1) // step * step
+    return WoASm90.token_tile(T, n_tiles, step)
 
 
 def main():
-    ts = os.environ.get("TS", "4096")
-    if ":" in ts:  # "a:b:s": a, a + s, ... up to b
-        a, b, step = (int(v) for v in ts.split(":"))
-        TS = list(range(a, b + 1, step))
-    else:
-        TS = [int(t) for t in ts.split(",")]
+    TS = token_counts(os.environ.get("TS", "4096"))
     shapes = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("SHAPES", "16x512x2048,8x512x2048").split(",")]
     overrides = [parse(s) for s in os.environ.get("CONFIGS", "persistent=1").split("/") if s]
     trials = int(os.environ.get("TRIALS", "60"))
     gpu_warmup()
-    for G, R, Dg in shapes:
-        ws = weight_sets(G, R, Dg)
+    for G, R, Dg, ws, T, o, y, ref in wo_a_points(shapes, TS):
         n = len(ws)
         reps = max(n, 8)
-        for T in TS:
-            o, y, ref = tokens_out_ref(T, G, R, Dg, ws[0])
-            base = WoASm90.config_for(T, G, R, Dg)
-            cfgs, launches = [], []
-            for ov in [{}] + overrides:
-                cfg = {k: v for k, v in {**base, **ov}.items() if v is not False and v is not None}
-                if "tile_n" in cfg:
-                    cfg["tile_n"] = token_tile(cfg["tile_n"], T)
-                    if cfg["tile_n"] > 256:
-                        print(f"  T={T}: {ov} resolves to tile_n {cfg['tile_n']} > 256, left out", flush=True)
-                        continue
-                try:
-                    fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=Dg, **cfg)
-                except Exception as e:  # a probe: report the config the engine refused, go on
-                    if not cfgs:
-                        raise
-                    print(f"  T={T}: {cfg} not built ({type(e).__name__}: {str(e)[:160]})", flush=True)
+        base = WoASm90.config_for(T, G, R, Dg)
+        cfgs, launches = [], []
+        for ov in [{}] + overrides:
+            cfg = {k: v for k, v in {**base, **ov}.items() if v is not False and v is not None}
+            if "tile_n" in cfg:
+                cfg["tile_n"] = token_tile(cfg["tile_n"], T)
+                if cfg["tile_n"] > 256:
+                    print(f"  T={T}: {ov} resolves to tile_n {cfg['tile_n']} > 256, left out", flush=True)
                     continue
+            try:
+                fn = jit.get_kernel("wo_a", "sm_90a", G=G, R=R, Dg=Dg, **cfg)
+            except Exception as e:  # a probe: report the config the engine refused, go on
+                if not cfgs:
+                    raise
+                print(f"  T={T}: {cfg} not built ({type(e).__name__}: {str(e)[:160]})", flush=True)
+                continue
 
-                def call(i, fn=fn):
-                    fn(jit.gmem_ptr(cutlass.BFloat16, o), jit.gmem_ptr(cutlass.BFloat16, ws[i % n]),
-                       jit.gmem_ptr(cutlass.BFloat16, y), jit.i32(T), jit.cu_stream())
+            def call(i, fn=fn):
+                fn(jit.gmem_ptr(cutlass.BFloat16, o), jit.gmem_ptr(cutlass.BFloat16, ws[i % n]),
+                   jit.gmem_ptr(cutlass.BFloat16, y), jit.i32(T), jit.cu_stream())
 
-                err = poisoned_error(call, y, ref)
-                if not err < 1e-2:
-                    assert cfgs, (cfg, err)  # the shipped config must be right
-                    print(f"  T={T}: {cfg} WRONG (err {err:.3g}), left out", flush=True)
-                    continue
-                cfgs.append(cfg)
-                launches.append(call)
-            launches.append(lambda i: bmm_only(o, ws[i % n]))
-            times = replay_interleaved(launches, n, reps, trials)
-            med = [statistics.median(ts) * 1e6 for ts in times]
-            bmm = times[-1]
-            print(f"T={T} G={G} R={R} Dg={Dg}: bmm {med[-1]:.1f} us", flush=True)
-            for j, cfg in enumerate(cfgs):
-                vs_bmm = statistics.median(b / x for b, x in zip(bmm, times[j]))
-                line = f"  {'shipped ' if j == 0 else ''}{cfg}: {med[j]:.1f} us, {vs_bmm:.3f}x bmm"
-                if j:
-                    ratios = [a / x for a, x in zip(times[0], times[j])]
-                    won = sum(r > 1 for r in ratios)
-                    line += f", {statistics.median(ratios):.3f}x shipped (faster in {won}/{trials} trials)"
-                print(line, flush=True)
-        ws = None
+            err = poisoned_error(call, y, ref)
+            if not err < 1e-2:
+                assert cfgs, (cfg, err)  # the shipped config must be right
+                print(f"  T={T}: {cfg} WRONG (err {err:.3g}), left out", flush=True)
+                continue
+            cfgs.append(cfg)
+            launches.append(call)
+        launches.append(lambda i: bmm_only(o, ws[i % n]))
+        times = replay_interleaved(launches, n, reps, trials)
+        med = [statistics.median(ts) * 1e6 for ts in times]
+        bmm = times[-1]
+        print(f"T={T} G={G} R={R} Dg={Dg}: bmm {med[-1]:.1f} us", flush=True)
+        for j, cfg in enumerate(cfgs):
+            vs_bmm = statistics.median(b / x for b, x in zip(bmm, times[j]))
+            line = f"  {'shipped ' if j == 0 else ''}{cfg}: {med[j]:.1f} us, {vs_bmm:.3f}x bmm"
+            if j:
+                ratios = [a / x for a, x in zip(times[0], times[j])]
+                won = sum(r > 1 for r in ratios)
+                line += f", {statistics.median(ratios):.3f}x shipped (faster in {won}/{trials} trials)"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":
