@@ -234,7 +234,7 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     On Hopper the TMA/wgmma engine serves the rest: (T, R) tiles at T <= 64 and past T = 1024 /
     960 / 576 (G * R = 4096 / 8192 / 16384; T > 512 for shapes not measured), swapped operands
     in between and at 32 < T <= 64 where 64-row weight tiles leave most SMs idle (tokens on
-    wgmma N, token tiles matched to T in steps of 32, of 16 past T = 256, CTA pairs sharing a
+    wgmma N, token tiles matched to T in steps of 16, CTA pairs sharing a
     tile by multicast -- :meth:`WoASm90.config_for`).
 
     ``pdl`` (the decode kernel and the Hopper engine; the Blackwell engine ignores it): launch

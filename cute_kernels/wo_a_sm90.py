@@ -228,12 +228,12 @@ class WoASm90(WoAGemm):
                 # wide -- narrower ones run the wgmma pipe at a loss (T=200: 13.0 vs 14.4 us;
                 # at T=96 two 64-token tiles lose, 11.8 vs 10.2 us)
                 n_tiles *= 2
-            # token tiles in steps of 16 past 256 tokens (16-column epilogue subtiles where that
-            # is an odd multiple of 16): less padding. H200, tools/probe_wo_a_ab.py (phase 113):
-            # 1.03-1.18x the 32-step tiles at all eight shapes at T = 272 / 336 / 400 / 464 / 480;
-            # at T <= 256 not measured, so steps of 32 there
-            step = 16 if T > 256 else 32
-            tile_n = WoASm90.token_tile(T, n_tiles, step)
+            # token tiles in steps of 16 (16-column epilogue subtiles where that is an odd
+            # multiple of 16): less padding. H200, tools/probe_wo_a_ab.py against steps of 32,
+            # all eight shapes: 1.03-1.18x at T = 272 / 336 / 400 / 464 / 480 (phase 113),
+            # 1.01-1.10x at T = 80 / 112 / 144 / 176 / 208 / 240 where the tiles differ (46
+            # points, phase 114)
+            tile_n = WoASm90.token_tile(T, n_tiles, 16)
             cfg = dict(tile_m=tile_m, tile_n=tile_n, cluster_m=2, swap_ab=True)
             if (R // tile_m) * G * n_tiles > WoASm90.NUM_SMS and tile_m == 128 and tile_n <= 160:
                 # more than one wave at one CTA per SM (G=16 R=1024, 256 < T <= 320: 256 CTAs):

@@ -738,8 +738,9 @@ def test_launch_configs():
     assert WoASm90.config_for(384, 16, 1024) == dict(tile_m=128, tile_n=192, cluster_m=2, swap_ab=True, **ef5)
     assert WoASm90.config_for(320, 8, 512) == dict(tile_m=64, tile_n=160, cluster_m=2, swap_ab=True, **ef5)  # 128 CTAs
     assert WoASm90.config_for(256, 8, 512) == dict(tile_m=64, tile_n=128, cluster_m=2, swap_ab=True, **ef)
-    assert WoASm90.config_for(77, 16, 1024) == dict(tile_m=128, tile_n=96, cluster_m=2, swap_ab=True, **ef)
-    assert WoASm90.config_for(200, 8, 512) == dict(tile_m=64, tile_n=128, cluster_m=2, swap_ab=True, **ef)  # 128 CTAs
+    # token tiles in steps of 16 (16-column epilogue subtiles where odd multiples of 16)
+    assert WoASm90.config_for(77, 16, 1024) == dict(tile_m=128, tile_n=80, cluster_m=2, swap_ab=True, **ef)
+    assert WoASm90.config_for(200, 8, 512) == dict(tile_m=64, tile_n=112, cluster_m=2, swap_ab=True, **ef)  # 128 CTAs
     assert WoASm90.config_for(96, 8, 512) == dict(tile_m=64, tile_n=96, cluster_m=2, swap_ab=True, **ef)  # not 2x64
     assert WoASm90.config_for(577, 16, 1024) == dict(tile_m=128, tile_n=256)
     # large T: pingpong CTA pairs where K is short (Dg <= 1024) or where the 64 x 256 tiles
@@ -772,11 +773,11 @@ def test_launch_configs():
             tn, n = cfg["tile_n"], -(-T // cfg["tile_n"])
             assert cfg["swap_ab"] and tn % 16 == 0 and tn <= 256 and n in (-(-T // 256), -(-T // 256) + 1)
             assert n * tn - T < 16 * n and (R // 128) % 2 == 0
-    for T in range(65, 513):  # the fewest legal token tiles, each padded by less than one step (32; 16 past 256)
+    for T in range(65, 513):  # the fewest legal token tiles, each padded by less than one 16-token step
         for G, R in [(8, 512), (16, 1024)]:
             cfg = WoASm90.config_for(T, G, R)
-            tn, n, step = cfg["tile_n"], -(-T // cfg["tile_n"]), 16 if T > 256 else 32
-            assert tn % step == 0 and tn <= 256 and n in (-(-T // 256), 2 * -(-T // 256)) and n * tn - T < step * n
+            tn, n = cfg["tile_n"], -(-T // cfg["tile_n"])
+            assert tn % 16 == 0 and tn <= 256 and n in (-(-T // 256), 2 * -(-T // 256)) and n * tn - T < 16 * n
             assert (R // cfg["tile_m"]) % cfg["cluster_m"] == 0  # CTA pairs along R: no idle half-cluster
             assert n % cfg.get("cluster_n", 1) == 0  # pairs along T: no idle half-cluster
 

@@ -225,7 +225,12 @@
 #            16 and 128-row weight tiles in fewer, larger CTAs against the shipped configs (probe).
 #   phase 113: token tiles in steps of 16 at 256 < T <= 512 too: the routes' GPU tests (T = 400),
 #            the eight shapes against the 32-step tiles (probe).
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..113)
+#   phase 114: token tiles in steps of 16 at 64 < T <= 256 against the shipped 32-step tiles
+#            (probe); the cuBLAS bands' rows at 256 < T <= 512 re-measured against the 16-step
+#            tiles (CSV), all eight shapes.
+#   phase 115: token tiles in steps of 16 at 64 < T <= 256 as well: the bands' rows there
+#            re-measured (CSV), then the whole GPU suite.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..115)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -238,6 +243,19 @@ step() { local t=$1 name=$2; shift 2; echo "== $name: $*"; timeout "$t" "$@" > "
 PYT="python -m pytest -q -rf --tb=short -p no:cacheprovider"
 BENCH="python -m spec_decode.bench --backends baseline,fused"
 case "${1:-1}" in
+115)  # 16-step token tiles from T = 65: the bands' rows at 64 < T <= 256 (CSV), the whole GPU suite
+  EIGHT=16x1024x1024,8x512x2048,16x512x2048,8x1024x1024,8x512x1024,8x1024x2048,16x512x1024,16x1024x2048
+  step 140 probe_cublas_tm_72_256 env SHAPES=$EIGHT TS=72:256:8 TRIALS=15 CSV="$OUT/cublas_tm_72_256.csv" \
+    python tools/probe_wo_a_cublas_token_major.py
+  step 430 gpu_suite $PYT tests -m gpu
+  ;;
+114)  # 16-step token tiles at 64 < T <= 256 (probe); the bands' rows at 256 < T <= 512 (CSV)
+  EIGHT=16x1024x1024,8x512x2048,16x512x2048,8x1024x1024,8x512x1024,8x1024x2048,16x512x1024,16x1024x2048
+  step 230 probe_16_step_low env SHAPES=$EIGHT TS=80,112,144,176,208,240 TRIALS=15 CONFIGS="tile_n=shipped16" \
+    python tools/probe_wo_a_ab.py
+  step 300 probe_cublas_tm_264_512 env SHAPES=$EIGHT TS=264:512:8 TRIALS=15 CSV="$OUT/cublas_tm_264_512.csv" \
+    python tools/probe_wo_a_cublas_token_major.py
+  ;;
 113)  # 16-step token tiles at 256 < T <= 512: GPU tests, against the 32-step tiles (probe)
   step 100 tests_400 $PYT tests/test_wo_a.py -m gpu -k "hopper_matches_fp64 and 400"
   step 200 probe_16_step env SHAPES=16x1024x1024,8x512x2048,16x512x2048,8x1024x1024,8x512x1024,8x1024x2048,16x512x1024,16x1024x2048 \

@@ -15,7 +15,9 @@ trials it won. Every config is first checked against FP32 on a poisoned output.
 (``pingpong=1,tile_m=64,cluster_m=2``; ``pingpong=0`` drops a flag, ``weight_l2_hint=none`` a
 key; ``weight_l2_hint=evict_last`` a string). ``tile_n=auto`` follows T as the swapped
 mid-size rule does (T in ceil(T / 256) token tiles, each rounded up to 32), ``tile_n=auto+1``
-in one tile more, ``auto16`` / ``auto16+1`` the same rounded up to 16; a resolved tile over 256, or a config the engine refuses to build, is
+in one tile more, ``auto16`` / ``auto16+1`` the same rounded up to 16, ``shipped16`` the
+shipped config's number of token tiles with each rounded up to 16 instead; a resolved tile over
+256, or a config the engine refuses to build, is
 reported and left out of that point. ``SHAPES``: G x R x Dg. ``TS``: T values, or ``a:b:s`` (a, a + s, ... up to b).
 ``TRIALS`` (default 60). Prints, per (shape, T): us (median over trials) of the shipped config,
 of each override and of ``bmm``; per override its speed-up over the shipped config (median of
@@ -47,8 +49,11 @@ def parse(spec: str) -> dict:
     return out
 
 
-def token_tile(spec, T: int) -> int:
-    """``tile_n``'s value at ``T``: an int as given, ``auto[+k]`` as described above."""
+def token_tile(spec, T: int, shipped: int) -> int:
+    """``tile_n``'s value at ``T``: an int as given, ``auto[+k]`` / ``shipped16`` as described
+    above (``shipped``: the shipped config's token tile)."""
+    if spec == "shipped16":
+        return WoASm90.token_tile(T, -(-T // shipped), 16)
     m = re.fullmatch(r"auto(16)?(\+\d+)?", spec) if isinstance(spec, str) else None
     if not m:
         return spec
@@ -71,7 +76,7 @@ def main():
         for ov in [{}] + overrides:
             cfg = {k: v for k, v in {**base, **ov}.items() if v is not False and v is not None}
             if "tile_n" in cfg:
-                cfg["tile_n"] = token_tile(cfg["tile_n"], T)
+                cfg["tile_n"] = token_tile(cfg["tile_n"], T, base["tile_n"])
                 if cfg["tile_n"] > 256:
                     print(f"  T={T}: {ov} resolves to tile_n {cfg['tile_n']} > 256, left out", flush=True)
                     continue
