@@ -15,9 +15,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-from bench_wo_a import SHAPES, bmm_only  # noqa: E402
+from bench_wo_a import SHAPES, bmm_only, token_counts  # noqa: E402
 
-TS = [int(t) for t in os.environ.get("TS", "1,5,64,320,1024,4096,16384").split(",")]
+TS = token_counts(os.environ.get("TS", "1,5,64,320,1024,4096,16384"))
 
 for G, R, Dg in SHAPES:
     w = (torch.randn(G, R, Dg, device="cuda") / Dg**0.5).bfloat16()

@@ -3,7 +3,7 @@ import sys, os
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 import torch
 from common import time_graph, rotation_count
-from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_split_phi, mhc_stats, num_maps, plan_splits
+from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_split_phi, mhc_stats, plan_splits
 
 N, C = 4, 7168
 for T in (1, 32, 64, 320):

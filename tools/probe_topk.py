@@ -5,7 +5,6 @@
 import sys
 import torch
 sys.path.insert(0, "tests")
-import cutlass
 from cutlass import Float32, Int32
 from cute_kernels import jit
 from cute_kernels.indexer_topk import IndexerWorkspace, indexer_topk

@@ -21,14 +21,14 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-from bench_wo_a import bmm_only, tokens_out_ref, weight_sets  # noqa: E402
+from bench_wo_a import bmm_only, token_counts, tokens_out_ref, weight_sets  # noqa: E402
 from common import H200_COPY_BW, measure, time_graph  # noqa: E402
 
 import cutlass  # noqa: E402
 from cute_kernels import jit  # noqa: E402
 from cute_kernels.wo_a_decode import BK, SMEM_PER_CTA, WoADecode, WoADecodeWorkspace, plan, smem_bytes  # noqa: E402
 
-TS = [int(t) for t in os.environ.get("TS", "1,5,16,64").split(",")]
+TS = token_counts(os.environ.get("TS", "1,5,16,64"))
 SPLITS = [int(s) for s in os.environ.get("SPLITS", "1,2,4,8").split(",")]
 STAGES = [int(s) for s in os.environ.get("STAGES", "4").split(",")]
 BNS = [int(s) for s in os.environ.get("BNS", "64").split(",")]

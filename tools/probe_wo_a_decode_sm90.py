@@ -25,7 +25,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-from bench_wo_a import bmm_only, tokens_out_ref, weight_sets  # noqa: E402
+from bench_wo_a import bmm_only, token_counts, tokens_out_ref, weight_sets  # noqa: E402
 from common import H200_COPY_BW, measure, time_graph  # noqa: E402
 
 import cutlass  # noqa: E402
@@ -35,7 +35,7 @@ from cute_kernels.wo_a import wo_a  # noqa: E402
 from cute_kernels.wo_a_decode import WoADecodeWorkspace  # noqa: E402
 from cute_kernels.wo_a_decode_sm90 import WoADecodeSm90, plan  # noqa: E402
 
-TS = [int(t) for t in os.environ.get("TS", "1,5,16,32,64").split(",")]
+TS = token_counts(os.environ.get("TS", "1,5,16,32,64"))
 SHAPES = [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]
 
 

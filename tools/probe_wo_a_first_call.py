@@ -23,6 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from bench_wo_a import token_counts  # noqa: E402
 from common import markdown_table  # noqa: E402
 
 from cute_kernels import jit  # noqa: E402
@@ -40,7 +41,7 @@ def first_call(o, w, y) -> float:
 
 def main():
     G, R, Dg = (int(v) for v in os.environ.get("SHAPE", "8x512x2048").split("x"))
-    tokens = [int(t) for t in os.environ.get("TS", "1,20,64,320,1100,4096").split(",")]
+    tokens = token_counts(os.environ.get("TS", "1,20,64,320,1100,4096"))
     HG = 16
     w = (torch.randn(G, R, Dg, device="cuda") / Dg**0.5).bfloat16()
     arch, sms = current_arch(), num_sms(torch.device("cuda"))

@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-from bench_wo_a import bmm_only, tokens_out_ref, weight_sets  # noqa: E402
+from bench_wo_a import bmm_only, token_counts, tokens_out_ref, weight_sets  # noqa: E402
 from common import gpu_warmup, time_graphs_interleaved  # noqa: E402
 
 from cute_kernels.wo_a import wo_a  # noqa: E402
@@ -38,7 +38,7 @@ def fit(xs, ys):
 
 
 def main():
-    TS = [int(t) for t in os.environ.get("TS", "320").split(",")]
+    TS = token_counts(os.environ.get("TS", "320"))
     DGS = [int(d) for d in os.environ.get("DGS", "64,128,256,512,1024,2048").split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("SHAPES", "8x512").split(",")]
     gpu_warmup()

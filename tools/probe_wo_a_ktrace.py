@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_wo_a import bmm_only, tokens_out_ref, weight_sets  # noqa: E402
+from bench_wo_a import bmm_only, token_counts, tokens_out_ref, weight_sets  # noqa: E402
 from common import gpu_warmup, measure, time_graph  # noqa: E402
 from probe_wo_a_timeline import Sm90GemmProbe, config_spec  # noqa: E402
 
@@ -187,7 +187,7 @@ def summarize(tr: torch.Tensor, ctas: int, k_tiles: int, stages: int) -> dict:
 
 
 def main():
-    TS = [int(t) for t in os.environ.get("TS", "320").split(",")]
+    TS = token_counts(os.environ.get("TS", "320"))
     MODES = os.environ.get("MODES", "full,load_only").split(",")
     EXTRA = [c for c in os.environ.get("CONFIGS", "").split(",") if c and c != "default"]
     STAGES = [int(n) for n in os.environ.get("STAGES", "").split(",") if n]

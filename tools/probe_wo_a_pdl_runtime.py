@@ -15,11 +15,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from bench_wo_a import token_counts  # noqa: E402
 from common import rotation_count, time_graph  # noqa: E402
 
 from cute_kernels.wo_a import wo_a  # noqa: E402
 
-TS = [int(t) for t in os.environ.get("TS", "5,20,64,320").split(",")]
+TS = token_counts(os.environ.get("TS", "5,20,64,320"))
 
 for G, R, Dg in [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]:
     H, Dv = G * 8, Dg // 8

@@ -20,7 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-from bench_wo_a import bmm_only, tokens_out_ref, weight_sets  # noqa: E402
+from bench_wo_a import bmm_only, token_counts, tokens_out_ref, weight_sets  # noqa: E402
 from common import measure, time_graph  # noqa: E402
 
 import cutlass  # noqa: E402
@@ -46,7 +46,7 @@ OCCUPANCY = [int(v) for v in os.environ.get("OCCUPANCY", "1").split(",")]  # CTA
 EXITS = os.environ.get("EXITS", "default").split(",")
 PICKS = bool(os.environ.get("PICKS"))  # only tile_for()'s tile and config_for()'s config, per T
 CLUSTERS = _pairs("CLUSTERS", "1x1")
-TS = [int(t) for t in os.environ.get("TS", "1,64,320,1024").split(",")]
+TS = token_counts(os.environ.get("TS", "1,64,320,1024"))
 # e.g. BANDS=256:128x256+64:64x128 -- T split into row bands launched one after the other
 # (a full wave of large tiles, then the remainder with small ones); bands not summing to T skip.
 BANDS = [[(int(b.split(":")[0]), tuple(int(v) for v in b.split(":")[1].split("x"))) for b in spec.split("+")]

@@ -35,7 +35,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-from bench_wo_a import bmm_only, tokens_out_ref, weight_sets  # noqa: E402
+from bench_wo_a import bmm_only, token_counts, tokens_out_ref, weight_sets  # noqa: E402
 from common import gpu_warmup, measure, time_graph  # noqa: E402
 
 import cutlass  # noqa: E402
@@ -155,7 +155,7 @@ def summarize(tl: torch.Tensor, ctas: int) -> dict:
 
 
 def main():
-    TS = [int(t) for t in os.environ.get("TS", "320").split(",")]
+    TS = token_counts(os.environ.get("TS", "320"))
     MODES = os.environ.get("MODES", "full,mma_only,load_only").split(",")
     HINTS = [h for h in os.environ.get("HINTS", "").split(",") if h]
     EXTRA = [c for c in os.environ.get("CONFIGS", "").split(",") if c and c != "default"]
