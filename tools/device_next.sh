@@ -230,7 +230,9 @@
 #            tiles (CSV), all eight shapes.
 #   phase 115: token tiles in steps of 16 at 64 < T <= 256 as well: the bands' rows there
 #            re-measured (CSV), then the whole GPU suite.
-#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..115)
+#   phase 116: the twenty-fifth session's final tree (bands rebuilt from phases 114 / 115): the
+#            cuBLAS route's GPU tests, the issue's bench, the bench at off-grid T <= 512.
+#   device run (carry .devcache):  bash tools/device_next.sh N   (N = 1..116)
 # Full logs under $OUT/*.log; the tail of each step on stdout. Run `python -m pyflakes` on the
 # touched files before a device call: a NameError costs a cold start. The sixth session's
 # runs (bench/RESULTS.md) used phases 2-4's commands.
@@ -243,6 +245,11 @@ step() { local t=$1 name=$2; shift 2; echo "== $name: $*"; timeout "$t" "$@" > "
 PYT="python -m pytest -q -rf --tb=short -p no:cacheprovider"
 BENCH="python -m spec_decode.bench --backends baseline,fused"
 case "${1:-1}" in
+116)  # the final tree: the cuBLAS route's GPU tests, the issue's bench, off-grid T <= 512
+  step 120 cublas_tests $PYT tests/test_wo_a.py -m gpu -k "cublas or backend or aot_entries"
+  step 140 bench_wo_a python bench/bench_wo_a.py --tokens 1,5,64,320,4096,16384 --out "$OUT/bench_wo_a.md"
+  step 110 bench_wo_a_low python bench/bench_wo_a.py --tokens 80,150,200,240,333,400,480 --out "$OUT/bench_wo_a_low.md"
+  ;;
 115)  # 16-step token tiles from T = 65: the bands' rows at 64 < T <= 256 (CSV), the whole GPU suite
   EIGHT=16x1024x1024,8x512x2048,16x512x2048,8x1024x1024,8x512x1024,8x1024x2048,16x512x1024,16x1024x2048
   step 140 probe_cublas_tm_72_256 env SHAPES=$EIGHT TS=72:256:8 TRIALS=15 CSV="$OUT/cublas_tm_72_256.csv" \
