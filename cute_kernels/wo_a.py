@@ -254,7 +254,8 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     device; not with ``decode_kernel`` or ``pdl``); ``None`` (default) -- cuBLAS on Hopper
     inside the bands where the H200 measured it faster than this project's kernels
     (:data:`.wo_a_cublas.SM90_BANDS`: up to 1.30x at T = 513-1024 since the twenty-fourth
-    session's mid-T tiles, 1.74x before; e.g. T = 320 at G=8 R=512 Dg=2048), unless ``decode_kernel`` or ``pdl`` asks for a CuTe kernel; else the CuTe kernels.
+    session's mid-T tiles, 1.74x before; e.g. T = 320 at G=8 R=512 Dg=2048), unless
+    ``decode_kernel`` or ``pdl`` asks for a CuTe kernel; else the CuTe kernels.
     """
     op = "wo_a"
     if decode_kernel not in (None, True, False) + DECODE_KINDS:

@@ -163,9 +163,9 @@ class WoASm90(WoAGemm):
         tile takes an even number of R tiles, CTA pairs along R sharing the token tile.
 
         64 < T <= 512: tokens on wgmma N, in the fewest <= 256-token tiles, each rounded up to
-        32 (16 past T = 256) (T = 320: two tiles of 160, where (T, R) tiling runs 2.5 rows of
-        128-token tiles); 128 weight rows per CTA unless that leaves most SMs idle; CTA pairs
-        along R (cluster 2x1) share each token tile by TMA multicast, halving its L2 reads --
+        16 (T = 320: two tiles of 160, where (T, R) tiling runs 2.5 rows of 128-token tiles);
+        128 weight rows per CTA unless that leaves most SMs idle; CTA pairs along R (cluster
+        2x1) share each token tile by TMA multicast, halving its L2 reads --
         along T (1x2, sharing the weight tile) for 128-row tiles in an even number of token
         tiles at one CTA per SM.
         H200, tools/probe_wo_a_tiles.py (bench/RESULTS.md, ninth session): the swapped tiles
@@ -196,7 +196,7 @@ class WoASm90(WoAGemm):
         -> 10.72 / 10.81 / 10.65; G=16 R=512 -2..+2%; T = 400 / 512 0-3% faster; at T <= 256 and
         T = 64 fewer stages were mostly slower (up to 8% / 34%), so the cap stops there."""
         cfg = WoASm90._tile_config(T, G, R, Dg, pdl)
-        if 32 < T <= WoASm90.SWAP_AB_T[1] or (T > 32 and cfg.get("swap_ab")):
+        if T > 32 and (T <= WoASm90.SWAP_AB_T[1] or cfg.get("swap_ab")):
             cfg["weight_l2_hint"] = "evict_first"
         if 256 < T <= WoASm90.SWAP_AB_T[1] and cfg.get("swap_ab") and cfg.get("occupancy", 1) == 1:
             cfg["max_stages"] = WoASm90.MID_T_MAX_STAGES

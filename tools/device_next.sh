@@ -244,6 +244,8 @@ step() { local t=$1 name=$2; shift 2; echo "== $name: $*"; timeout "$t" "$@" > "
   grep -v -e Warning -e _warn_once "$OUT/$name.log" | grep -v "^\s*$" | tail -14; }
 PYT="python -m pytest -q -rf --tb=short -p no:cacheprovider"
 BENCH="python -m spec_decode.bench --backends baseline,fused"
+# WO-A's eight supported shapes (G x R x Dg), for the probes' SHAPES
+EIGHT=16x1024x1024,8x512x2048,16x512x2048,8x1024x1024,8x512x1024,8x1024x2048,16x512x1024,16x1024x2048
 case "${1:-1}" in
 116)  # the final tree: the cuBLAS route's GPU tests, the issue's bench, off-grid T <= 512
   step 120 cublas_tests $PYT tests/test_wo_a.py -m gpu -k "cublas or backend or aot_entries"
@@ -251,13 +253,11 @@ case "${1:-1}" in
   step 110 bench_wo_a_low python bench/bench_wo_a.py --tokens 80,150,200,240,333,400,480 --out "$OUT/bench_wo_a_low.md"
   ;;
 115)  # 16-step token tiles from T = 65: the bands' rows at 64 < T <= 256 (CSV), the whole GPU suite
-  EIGHT=16x1024x1024,8x512x2048,16x512x2048,8x1024x1024,8x512x1024,8x1024x2048,16x512x1024,16x1024x2048
   step 140 probe_cublas_tm_72_256 env SHAPES=$EIGHT TS=72:256:8 TRIALS=15 CSV="$OUT/cublas_tm_72_256.csv" \
     python tools/probe_wo_a_cublas_token_major.py
   step 430 gpu_suite $PYT tests -m gpu
   ;;
 114)  # 16-step token tiles at 64 < T <= 256 (probe); the bands' rows at 256 < T <= 512 (CSV)
-  EIGHT=16x1024x1024,8x512x2048,16x512x2048,8x1024x1024,8x512x1024,8x1024x2048,16x512x1024,16x1024x2048
   step 230 probe_16_step_low env SHAPES=$EIGHT TS=80,112,144,176,208,240 TRIALS=15 CONFIGS="tile_n=shipped16" \
     python tools/probe_wo_a_ab.py
   step 300 probe_cublas_tm_264_512 env SHAPES=$EIGHT TS=264:512:8 TRIALS=15 CSV="$OUT/cublas_tm_264_512.csv" \
