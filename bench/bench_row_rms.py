@@ -71,8 +71,8 @@ def bench_host():
 _CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
-from cute_kernels import jit
-jit.registry()
+from cute_kernels import catalog, jit
+catalog.kernels()
 t_import = time.perf_counter() - t0
 t0 = time.perf_counter()
 jit.get_kernel("row_rms", sys.argv[1], hidden=7168, dtype="bfloat16")

@@ -1,18 +1,15 @@
 """Benchmark WO-A with e4m3 weights (128 x 128 block scales) at decode T against bf16 WO-A.
 
-    python bench/bench_wo_a_fp8.py [--tokens 1,5,16,32] [--variants registers/128/plan,...] [--out FILE]
+    python bench/bench_wo_a_fp8.py [--tokens 1,5,16,32] [--variants 128/plan,...] [--out FILE]
 
 Per shape and T, same run, CUDA-graph replay over rotating weight sets larger than L2: the FP8
 kernel at :func:`cute_kernels.wo_a_decode_fp8.wo_a_fp8`'s plan, bf16 WO-A's default path
-(:func:`cute_kernels.wo_a.wo_a`) and cuBLAS ``bmm`` alone on the bf16 weights (issue 4's
-baseline (b)). Bandwidth: the FP8 call's bytes (e4m3 weights + scales + o + y) against 4.3
-TB/s; the speed-ups are against the bf16 calls, which move twice the weight bytes.
-``--variants``: one row each, ``widen/bk/stages[/chains[/rotate]]`` at the plan's tiles and splits --
-widen ``registers`` (the default) or ``smem``; the K slice 128 (the plan) or 256 (two scale
-blocks, the bf16 kernel's bytes per slice); the depth ``plan``, ``x2`` (twice the plan's: the
-same bytes in flight as the bf16 kernel) or a number, lowered until it fits shared memory;
-the independent MMA accumulators (``plan`` or 1, 2, 4, 8); the per-CTA K walk (``plan``,
-``rotate`` or ``straight``).
+(:func:`cute_kernels.wo_a.wo_a`) and cuBLAS ``bmm`` alone on the bf16 weights. Bandwidth: the
+FP8 call's bytes (e4m3 weights + scales + o + y) against 4.3 TB/s; the speed-ups are against
+the bf16 calls, which move twice the weight bytes. ``--variants``: one row each, ``bk/stages``
+at the plan's tiles and splits -- the K slice 128 (the plan) or 256 (two scale blocks, the
+bf16 kernel's bytes per slice); the depth ``plan``, ``x2`` (twice the plan's) or a number,
+lowered until it fits shared memory.
 """
 
 from __future__ import annotations
@@ -32,28 +29,26 @@ import cutlass  # noqa: E402
 from cute_kernels import jit  # noqa: E402
 from cute_kernels.wo_a import wo_a  # noqa: E402
 from cute_kernels.wo_a_decode import WoADecodeWorkspace  # noqa: E402
-from cute_kernels.wo_a_decode_fp8 import (SMEM_PER_CTA, WIDEN, WoADecodeFp8, plan,  # noqa: E402
-                                          quantize_wo_a_fp8, smem_bytes, wo_a_fp8_reference)
+from cute_kernels.wo_a_decode_fp8 import (SMEM_PER_CTA, WoADecodeFp8, plan, quantize_wo_a_fp8,  # noqa: E402
+                                          smem_bytes, wo_a_fp8_reference)
 
 TOKENS = [1, 5, 16, 32]
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated T values (<= 32)")
-    ap.add_argument("--variants", default="registers/128/plan/plan",
-                    help="comma-separated widen/bk/stages[/chains[/rotate]] (widen: registers or smem; bk: 128 or "
-                         "256; stages: plan, x2 or a number; chains: plan or 1, 2, 4, 8; rotate: plan, rotate "
-                         "or straight)")
+    ap.add_argument("--out", default=None, help="also write the table to this file")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated T values (<= 32; default "
+                    "%(default)s)")
+    ap.add_argument("--variants", default="128/plan",
+                    help="comma-separated bk/stages (bk: 128 or 256; stages: plan, x2 or a number; default "
+                         "%(default)s)")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
-    variants = [(v.split("/") + ["plan", "plan"])[:5] for v in args.variants.split(",")]
+    variants = [(v.split("/") + ["plan"])[:2] for v in args.variants.split(",")]
     for v in variants:
-        if (v[0] not in WIDEN or v[1] not in ("128", "256") or not (v[2] in ("plan", "x2") or v[2].isdigit())
-                or v[3] not in ("plan", "1", "2", "4", "8") or v[4] not in ("plan", "rotate", "straight")):
-            ap.error(f"--variants: {'/'.join(v)!r} is not widen/bk/stages/chains/rotate "
-                     f"(e.g. registers/128/plan/2/rotate)")
+        if v[0] not in ("128", "256") or not (v[1] in ("plan", "x2") or v[1].isdigit()):
+            ap.error(f"--variants: {'/'.join(v)!r} is not bk/stages (e.g. 256/plan)")
     rows = []
     for G, R, Dg in SHAPES:
         n = rotation_count(G * R * Dg * 2)  # sized by the bf16 set, the larger
@@ -67,16 +62,12 @@ def main():
             t16 = time_graph(lambda i: wo_a(o, ws[i], out=y), n, max(n, 8))
             t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
             nbytes = G * R * Dg + qs[0][1].numel() * 4 + o.numel() * 2 + y.numel() * 2
-            for widen, bk, depth, chains, rotate in variants:
+            for bk, depth in variants:
                 bk = int(bk)
-                d = dict(plan(T, G, R, Dg), widen=widen, **({"bk": bk} if bk != 128 else {}))
-                if chains != "plan":
-                    d["chains"] = int(chains)
-                if rotate != "plan":
-                    d["rotate_k"] = rotate == "rotate"
+                d = dict(plan(T, G, R, Dg), **({"bk": bk} if bk != 128 else {}))
                 if depth != "plan":
                     d["stages"] = 2 * d["stages"] if depth == "x2" else int(depth)
-                while smem_bytes(d["bm"], d["stages"], d["bn"], bk, widen, Dg) > SMEM_PER_CTA:
+                while smem_bytes(d["bm"], d["stages"], d["bn"], bk, Dg) > SMEM_PER_CTA:
                     d["stages"] -= 1
                 if not WoADecodeFp8.can_implement(T, G, R, Dg, d["splits"], d["bn"], bk):
                     continue
@@ -91,8 +82,7 @@ def main():
 
                 t8, err = measure(call, y, ref, n)
                 rows.append([f"T={T} G={G} R={R} Dg={Dg} fp8 {d['bm']}x{d['bn']}, {d['splits']} split(s), "
-                             f"{d['stages']} stages, K slice {bk}, widen {widen}, {d.get('chains', 1)} chain(s)"
-                             f"{', K walk rotated' if d.get('rotate_k') else ''}",
+                             f"{d['stages']} stages, K slice {bk}",
                              f"{t8 * 1e6:.2f}", f"{t16 * 1e6:.2f}",
                              f"{t_bmm * 1e6:.2f}", f"{t16 / t8:.2f}x", f"{t_bmm / t8:.2f}x",
                              f"{nbytes / t8 / 1e12:.2f}", f"{100 * nbytes / t8 / H200_COPY_BW:.0f}%", f"{err:.1e}"])

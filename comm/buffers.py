@@ -172,10 +172,10 @@ class PushAllReduceGroup:
                                   delay: int = 0) -> torch.Tensor:
         """One launch: this rank's finalize (-> bf16) + shared add (-> bf16), pushed and
         all-reduced across the group (FP32 in rank order -> bf16)."""
-        from moe.finalize import _check
+        from moe.finalize import check_finalize_args
 
         op = "finalize_shared_allreduce"
-        T, k, H = _check(op, y, topk_weights, routed_row_pos)
+        T, k, H = check_finalize_args(op, y, topk_weights, routed_row_pos)
         if H != self.hidden:
             raise ValueError(f"{op}: y.shape[1]={H} != the group's hidden={self.hidden}")
         check_tensor(op, "shared", shared, dtype=torch.bfloat16, shape=(T, H), contiguous=True)

@@ -40,15 +40,16 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def cmd_build(args) -> int:
-    from . import jit
+    from . import catalog, jit
     from .arch import normalize_arch
     from .artifact_cache import ArtifactCache
 
     archs = [normalize_arch(a) for a in (args.arch or ["sm_100a", "sm_90a"])]
+    reg = catalog.kernels()
     store = ArtifactCache(args.cache)
-    work = [(kdef, cfg, a) for a in archs for kdef, cfg in jit.iter_aot(args.kernel or None, a) if a in kdef.archs]
+    work = [(kdef, cfg, a) for a in archs for kdef, cfg in jit.iter_aot(reg, args.kernel or None, a) if a in kdef.archs]
     if args.wo_a_shape:
-        work += _wo_a_work(archs, args.wo_a_shape, args.max_tokens, args.kernel, work)
+        work += _wo_a_work(reg, archs, args.wo_a_shape, args.max_tokens, args.kernel, work)
     rows, failed = [], 0
     t_all = time.perf_counter()
     for i, (kdef, cfg, a) in enumerate(work):
@@ -76,7 +77,7 @@ def cmd_build(args) -> int:
     return 1 if failed else 0
 
 
-def _wo_a_work(archs, shapes, max_tokens, kernels, work):
+def _wo_a_work(reg, archs, shapes, max_tokens, kernels, work):
     """Build items for every config wo_a() routes to at T = 1 .. max_tokens of ``shapes``
     (each "G,R,Dg") not already in ``work``."""
     from . import jit
@@ -95,7 +96,7 @@ def _wo_a_work(archs, shapes, max_tokens, kernels, work):
     if max_tokens < 1:
         raise SystemExit(f"--max-tokens {max_tokens}: must be >= 1")
     have = {(k.name, json.dumps(c, sort_keys=True), a) for k, c, a in work}
-    reg, extra = jit.registry(), []
+    extra = []
     for a in archs:
         for name, cfg in aot_routes(a, parsed, max_tokens):
             kdef = reg[name]

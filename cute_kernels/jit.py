@@ -96,9 +96,8 @@ def register(kdef: KernelDef) -> KernelDef:
 
 
 def registry() -> dict[str, KernelDef]:
-    """All registered kernels (importing the packages that define them)."""
-    from . import kernels  # noqa: F401  (side effect: registration)
-
+    """The kernels registered so far: those of every module imported. The whole catalogue
+    (which imports them all): :func:`cute_kernels.catalog.kernels`."""
     return dict(_REGISTRY)
 
 
@@ -272,10 +271,11 @@ def get_kernel(name: str, arch: str, *, use_disk: bool = True, artifact_cache=No
     if fn is not None:
         CACHE.stats.hits += 1  # racy increment is fine for a counter
         return fn
-    reg = _REGISTRY if name in _REGISTRY else registry()
-    if name not in reg:
-        raise KeyError(f"unknown kernel {name!r}; registered: {', '.join(sorted(reg))}")
-    fn = CACHE.get(reg[name], arch, config, artifact_cache=artifact_cache, use_disk=use_disk)
+    kdef = _REGISTRY.get(name)
+    if kdef is None:
+        raise KeyError(f"unknown kernel {name!r} (import the module that defines it); registered: "
+                       f"{', '.join(sorted(_REGISTRY))}")
+    fn = CACHE.get(kdef, arch, config, artifact_cache=artifact_cache, use_disk=use_disk)
     CACHE.fast[fast_key] = fn
     return fn
 
@@ -382,13 +382,14 @@ def fake_stream():
     return cute.runtime.make_fake_stream()
 
 
-def iter_aot(names: Iterable[str] | None = None, arch: str = "sm_100a"):
-    """(KernelDef, config) pairs that the AOT build compiles for ``arch``."""
-    reg = registry()
+def iter_aot(reg: dict[str, KernelDef], names: Iterable[str] | None = None, arch: str = "sm_100a"):
+    """(KernelDef, config) pairs of the kernels ``reg`` (by name) that the AOT build compiles
+    for ``arch`` -- all of them, or ``names``."""
     for n in sorted(reg) if names is None else names:
         kdef = reg[n]
         if normalize_arch(arch) not in kdef.archs:
             continue  # e.g. a Blackwell-only engine in an sm_90a build
-        cfgs = kdef.aot_configs(normalize_arch(arch)) if callable(kdef.aot_configs) else kdef.aot_configs
-        for cfg in cfgs or ({},):
-            yield kdef, cfg
+        if callable(kdef.aot_configs):  # configs that depend on the arch: maybe none on this one
+            yield from ((kdef, cfg) for cfg in kdef.aot_configs(normalize_arch(arch)))
+        else:  # a static list; empty: the kernel's one config-less build
+            yield from ((kdef, cfg) for cfg in kdef.aot_configs or ({},))

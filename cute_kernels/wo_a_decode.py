@@ -53,12 +53,12 @@ MAX_T = 64
 
 class WoADecode:
     def __init__(self, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False,
-                 stages: int = STAGES, bn: int = BN, chains: int = 1, rotate_k: bool = False):
+                 stages: int = STAGES, bn: int = BN):
         self.G, self.R, self.Dg, self.bm, self.splits, self.pdl = G, R, Dg, bm, splits, pdl
-        self.stages, self.bn, self.chains, self.rotate_k = stages, bn, chains, rotate_k
+        self.stages, self.bn = stages, bn
         self.bk = BK  # the K slice issue_o loads (the FP8 subclass widens it)
         # 4 warps -- bm = 16 / 32: side by side along N (bm x bn/4 each); bm = 64: 2 x 2
-        # (32 x bn/2). 8 warps measured no faster (bench/RESULTS.md, fourteenth session).
+        # (32 x bn/2).
         self.threads = 128
         self.warp_layout = (1, 4, 1) if bm < 64 else (2, 2, 1)
 
@@ -87,7 +87,6 @@ class WoADecode:
         r0 = nt * self.bn
         KT = self.Dg // BK // self.splits  # K slices of this split
         kt0 = z * KT
-        rot = self.k_rotation(KT)
         smem = cutlass.memory.SmemAllocator()
         sA = smem.allocate_tensor(bf16, cute.make_layout((BM, BK, self.stages), stride=(PITCH, 1, BM * PITCH)), 16)
         sB = smem.allocate_tensor(bf16, cute.make_layout((self.bn, BK, self.stages),
@@ -109,19 +108,18 @@ class WoADecode:
             # loop's wait_group(stages - 2) count.
             for s0 in cutlass.range_constexpr(self.stages - 1):
                 if s0 < KT:
-                    self.issue_w(gWv, sBv, atom, self.k_slice(kt0, s0, KT, rot), s0, w_row0)
+                    self.issue_w(gWv, sBv, atom, kt0 + s0, s0, w_row0)
             cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()
             for s0 in cutlass.range_constexpr(self.stages - 1):
                 if s0 < KT:
-                    self.issue_o(gOv, sAv, atom, self.k_slice(kt0, s0, KT, rot), s0, a_col0, num_tokens)
+                    self.issue_o(gOv, sAv, atom, kt0 + s0, s0, a_col0, num_tokens)
             for s0 in cutlass.range_constexpr(self.stages - 1):
                 cute.arch.cp_async_commit_group()
         else:
             for s0 in cutlass.range_constexpr(self.stages - 1):
                 if s0 < KT:
-                    self.issue(gOv, gWv, sAv, sBv, atom, self.k_slice(kt0, s0, KT, rot), s0, a_col0, w_row0,
-                               num_tokens)
+                    self.issue(gOv, gWv, sAv, sBv, atom, kt0 + s0, s0, a_col0, w_row0, num_tokens)
                 cute.arch.cp_async_commit_group()
 
         thr_mma = tiled_mma.get_slice(tidx)
@@ -129,7 +127,8 @@ class WoADecode:
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB)[None, None, None, 0])
         cC = cute.make_identity_tensor((BM, self.bn))
         tCcC = thr_mma.partition_C(cC)
-        accs = self.make_chains(tiled_mma)
+        acc = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((BM, self.bn)))
+        acc.fill(0.0)
         s2r_A, tAsA, tArA, s2r_B, tBsB, tBrB = ldmatrix_operands(tiled_mma, bf16, tidx, sA, sB, tCrA, tCrB)
 
         for kt in cutlass.range(0, KT, 1):
@@ -139,53 +138,15 @@ class WoADecode:
             cute.arch.barrier()
             if kt + self.stages - 1 < KT:
                 nxt = kt + self.stages - 1
-                self.issue(gOv, gWv, sAv, sBv, atom, self.k_slice(kt0, nxt, KT, rot), nxt % self.stages, a_col0,
-                           w_row0, num_tokens)
+                self.issue(gOv, gWv, sAv, sBv, atom, kt0 + nxt, nxt % self.stages, a_col0, w_row0,
+                           num_tokens)
             cute.arch.cp_async_commit_group()
             for kb in cutlass.range_constexpr(BK // 16):
                 cute.copy(s2r_A, tAsA[None, None, kb, slot], tArA[None, None, kb])
                 cute.copy(s2r_B, tBsB[None, None, kb, slot], tBrB[None, None, kb])
-                acc = accs[kb % self.chains]
                 cute.gemm(tiled_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
 
-        self.store_tile(self.sum_chains(accs), tCcC, mY, mPart, mCount, sFlag, num_tokens)
-
-    def k_rotation(self, KT: int):
-        """Where this CTA starts its walk over its ``KT`` K slices (``rotate_k``): the column
-        tile's index mod KT, so CTAs marching in step read different 256-byte columns of
-        their rows instead of all the same one; else 0. A probe option: 14-17% slower on the
-        default decode route at G=8 R=512, 5-9% faster on the 64-column 32-row tiles (which
-        ``wo_a()`` leaves to the engine) -- bench/RESULTS.md, fifteenth session."""
-        if not self.rotate_k:
-            return 0
-        nt, g, _ = cute.arch.block_idx()
-        return (g * (self.R // self.bn) + nt) % KT
-
-    def k_slice(self, kt0, i, KT: int, rot):
-        """The global K slice of this CTA's i-th step: its split's slices from ``kt0``, walked
-        from ``rot`` round (the reduction order per CTA stays fixed: deterministic)."""
-        if not self.rotate_k:
-            return kt0 + i
-        return kt0 + (i + rot) % KT
-
-    def make_chains(self, tiled_mma: cute.TiledMma) -> list:
-        """``self.chains`` zeroed FP32 accumulators that the k-steps take in turn, so a warp's
-        ``mma.sync`` need not wait for the previous one's accumulator. A probe option: the
-        hypothesis that this chain's latency sets the decode pace at one 4-warp CTA per SM was
-        measured and refuted (no gain at T <= 16; bench/RESULTS.md, fifteenth session)."""
-        accs = []
-        for _ in range(self.chains):  # plain Python: unrolled while tracing
-            acc = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((self.bm, self.bn)))
-            acc.fill(0.0)
-            accs.append(acc)
-        return accs
-
-    def sum_chains(self, accs: list) -> cute.Tensor:
-        """The chains' sum, in the first (FP32, fixed order)."""
-        for c in range(1, self.chains):
-            for i in range(cute.size(accs[0])):
-                accs[0][i] = accs[0][i] + accs[c][i]
-        return accs[0]
+        self.store_tile(acc, tCcC, mY, mPart, mCount, sFlag, num_tokens)
 
     @cute.jit
     def store_tile(self, acc: cute.Tensor, tCcC: cute.Tensor, mY: cute.Tensor, mPart: cute.Tensor,
@@ -314,17 +275,11 @@ def smem_bytes(bm: int, stages: int, bn: int = BN) -> int:
 
 
 def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, pdl: bool = False,
-           stages: int = STAGES, bn: int = BN, chains: int = 1, rotate_k: bool = False):
+           stages: int = STAGES, bn: int = BN):
     """``pdl``: launched as a programmatic dependent of the previous kernel on the stream
     (weight prefetch overlaps its tail); the same results, a separate compile. ``stages``: the
     cp.async pipeline depth (``stages - 1`` K slices in flight per CTA). ``bn``: the weight rows
-    (output columns) of a CTA, 64 or 32. ``chains``: independent accumulators the k-steps
-    alternate between (1, 2, 4 or 8), summed before the store. ``rotate_k``: each CTA walks its
-    K slices from its own start (:meth:`WoADecode.k_rotation`). Weight rows as 256-byte
-    ``cp.async.bulk`` copies under stage mbarriers were measured 1.5-2.9x slower (commit
-    6a8e825 has that ``bulk_w`` option; bench/RESULTS.md, sixteenth session)."""
-    if chains not in (1, 2, 4, 8):
-        raise ValueError(f"wo_a_decode: chains={chains}, expected 1, 2, 4 or 8")
+    (output columns) of a CTA, 64 or 32."""
     if bm not in (16, 32, 64) or not WoADecode.can_implement(1, G, R, Dg, splits, bn):
         raise ValueError(f"wo_a_decode: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, bn={bn}, splits={splits} "
                          f"(bn 32 or 64 dividing R, Dg % 128, splits a power of two dividing Dg / 128, "
@@ -336,7 +291,14 @@ def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1,
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 4), P(Float32, 4), P(Int32, 4),
             Int32(1), jit.fake_stream())
-    return WoADecode(G, R, Dg, bm, splits, pdl, stages, bn, chains, rotate_k), args
+    return WoADecode(G, R, Dg, bm, splits, pdl, stages, bn), args
+
+
+def _aot(arch: str) -> tuple[dict, ...]:
+    """The configs :func:`cute_kernels.wo_a.route` sends here by default."""
+    from .wo_a import aot_routes  # wo_a imports this module
+
+    return tuple(cfg for name, cfg in aot_routes(arch) if name == "wo_a_decode")
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -345,9 +307,6 @@ KERNEL = jit.register(jit.KernelDef(
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
                   for f in ("wo_a_decode.py", "grid_sync.py", "warp_mma.py")),
     archs=("sm_90a", "sm_100a", "sm_103a"),
-    # T = 16 and 64, and T = 32 where wo_a() routes it here (the 32-row tile with 32 columns)
-    aot_configs=tuple({"G": G, "R": R, "Dg": Dg, **plan(t, G, R, Dg)}
-                      for G in (8, 16) for R in (512, 1024) for Dg in (1024, 2048) for t in (16, 32, 64)
-                      if t != 32 or plan(t, G, R, Dg)["bn"] == BN_NARROW),
+    aot_configs=_aot,
     description="WO-A decode (T <= 64): weight-streaming split-K warp-MMA, token-major bf16 out",
 ))

@@ -19,8 +19,7 @@ for o) -- so a slice needs no bf16 buffer and one barrier. The warps' ``mma.sync
 accumulate each scale block of the slice in FP32 from zero, and the block's sum is added to
 the FP32 accumulator times its scale -- the FP32 promotion of block-scaled FP8 GEMMs
 (DeepSeek-V3), so no scale ever rounds through bf16. The o loads, the split partials and the
-last-CTA reduction are the bf16 kernel's (this class derives from it). ``widen="smem"`` keeps
-the first version (the slice widened through a shared bf16 buffer behind a second barrier).
+last-CTA reduction are the bf16 kernel's (this class derives from it).
 
 Constraints: T <= 32 (``bm`` 16 or 32), R % 128 == 0, Dg % 128 == 0, splits a power of two
 dividing Dg / 128, shared memory <= 227 KB. Hopper and Blackwell (warp MMA).
@@ -42,7 +41,6 @@ from cutlass import Float32, Int32
 
 from . import jit
 from .validate import check_cuda, check_tensor
-from .warp_mma import ldmatrix_operands
 from .wo_a_decode import BN, BN_NARROW, SMEM_PER_CTA, VEC, WoADecode, WoADecodeWorkspace, plan as bf16_plan
 
 #: the weights' scale block (rows and K)
@@ -54,25 +52,17 @@ VEC8 = 16
 MAX_T = 32
 
 
-#: where a landed e4m3 slice becomes bf16: in registers (each thread widens its own MMA
-#: fragment) or through a shared bf16 buffer behind a second barrier (the first version)
-WIDEN = ("registers", "smem")
+def pitches(bk: int) -> tuple[int, int]:
+    """Padded shared rows of a K slice: bf16 elements (8 of pad: conflict-free 16-byte loads of
+    the permuted fragments) and e4m3 bytes (64 of pad: the 8 lanes of a 16-byte load phase read
+    two rows' first 64 bytes, and a pitch of 64 mod 128 puts them in disjoint banks)."""
+    return bk + 8, bk + 64
 
 
-def pitches(bk: int, widen: str = "registers") -> tuple[int, int]:
-    """Padded shared rows of a K slice: bf16 elements (8 of pad: conflict-free ldmatrix, and
-    conflict-free 16-byte loads of the permuted fragments) and e4m3 bytes (16 of pad for the
-    shared widening's 16-byte copies; 64 for the register path, whose 8 lanes of a 16-byte load
-    phase read two rows' first 64 bytes: a pitch of 64 mod 128 puts them in disjoint banks)."""
-    return bk + 8, bk + (64 if widen == "registers" else 16)
-
-
-def smem_bytes(bm: int, stages: int, bn: int = BN, bk: int = 128, widen: str = "registers", Dg: int = 2048) -> int:
-    """The o stages (bf16), the e4m3 weight stages, the widened bf16 slice (shared widening
-    only), the flag and a CTA's scales (at most Dg / 128)."""
-    pitch, pitch8 = pitches(bk, widen)
-    return (stages * (bm * pitch * 2 + bn * pitch8) + (bn * pitch * 2 if widen == "smem" else 0) + 16
-            + 4 * (Dg // SCALE_BLOCK) + 16)
+def smem_bytes(bm: int, stages: int, bn: int = BN, bk: int = 128, Dg: int = 2048) -> int:
+    """The o stages (bf16), the e4m3 weight stages, the flag and a CTA's scales (at most Dg / 128)."""
+    pitch, pitch8 = pitches(bk)
+    return stages * (bm * pitch * 2 + bn * pitch8) + 16 + 4 * (Dg // SCALE_BLOCK) + 16
 
 
 def k_permutation(bk: int) -> tuple[tuple, tuple]:
@@ -91,9 +81,9 @@ class WoADecodeFp8(WoADecode):
     split partials (``store_tile``) are the bf16 kernel's."""
 
     def __init__(self, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4, bn: int = BN,
-                 bk: int = 128, widen: str = "registers", chains: int = 1, rotate_k: bool = False):
-        super().__init__(G, R, Dg, bm, splits, False, stages, bn, chains, rotate_k)
-        self.bk, self.widen = bk, widen
+                 bk: int = 128):
+        super().__init__(G, R, Dg, bm, splits, False, stages, bn)
+        self.bk = bk
 
     @cute.jit
     def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, scale_ptr: cute.Pointer, y_ptr: cute.Pointer,
@@ -121,10 +111,9 @@ class WoADecodeFp8(WoADecode):
         BM = self.bm
         r0 = nt * self.bn
         BK = self.bk
-        PITCH, PITCH8 = pitches(BK, self.widen)
+        PITCH, PITCH8 = pitches(BK)
         KT = self.Dg // BK // self.splits  # K slices of this split
         kt0 = z * KT
-        rot = self.k_rotation(KT)
         smem = cutlass.memory.SmemAllocator()
         sA = smem.allocate_tensor(bf16, cute.make_layout((BM, BK, self.stages), stride=(PITCH, 1, BM * PITCH)), 16)
         sW8 = smem.allocate_tensor(f8, cute.make_layout((self.bn, BK, self.stages),
@@ -144,8 +133,7 @@ class WoADecodeFp8(WoADecode):
 
         for s0 in cutlass.range_constexpr(self.stages - 1):
             if s0 < KT:
-                self.issue_fp8(gOv, gWv, sAv, sW8v, atom, atom8, self.k_slice(kt0, s0, KT, rot), s0, a_col0, w_row0,
-                               num_tokens)
+                self.issue_fp8(gOv, gWv, sAv, sW8v, atom, atom8, kt0 + s0, s0, a_col0, w_row0, num_tokens)
             cute.arch.cp_async_commit_group()
         # this CTA's scales, staged once, behind the prologue's loads: read from global memory
         # inside the slice loop, each would put a dependent load's latency between two barriers
@@ -160,59 +148,40 @@ class WoADecodeFp8(WoADecode):
         tCcC = thr_mma.partition_C(cC)
         acc = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((BM, self.bn)))
         acc.fill(0.0)
-        parts = self.make_chains(tiled_mma)  # a scale block's sums, in self.chains MMA chains
-        if cutlass.const_expr(self.widen == "registers"):
-            # both operands seen through the K permutation: each thread's fragments of a slice
-            # are 16-byte runs of shared memory (see k_permutation)
-            kshape, kstride = k_permutation(BK)
-            sAp = cute.make_tensor(sA.iterator, cute.make_layout((BM, kshape, self.stages),
-                                                                 stride=(PITCH, kstride, BM * PITCH)))
-            sW8p = cute.make_tensor(sW8.iterator, cute.make_layout((self.bn, kshape, self.stages),
-                                                                   stride=(PITCH8, kstride, self.bn * PITCH8)))
-            tCsA = thr_mma.partition_A(sAp)
-            tCsB8 = thr_mma.partition_B(sW8p)
-            tCrA = tiled_mma.make_fragment_A(tCsA[None, None, None, 0])
-            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sW8p[None, None, 0]))
-            rA = cute.make_fragment_like(tCsA[None, None, None, 0])  # in shared-memory order
-            rB8 = cute.make_fragment_like(tCsB8[None, None, None, 0])
-        else:
-            # the widened slice the MMAs read (one buffer: a stage mode of 1 for the shared partitioning)
-            sB = smem.allocate_tensor(bf16, cute.make_layout((self.bn, BK, 1), stride=(PITCH, 1, self.bn * PITCH)), 16)
-            sBv = cute.zipped_divide(sB, (1, VEC8, 1))
-            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA)[None, None, None, 0])
-            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB)[None, None, None, 0])
-            s2r_A, tAsA, tArA, s2r_B, tBsB, tBrB = ldmatrix_operands(tiled_mma, bf16, tidx, sA, sB, tCrA, tCrB)
+        part = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((BM, self.bn)))  # a scale block's sum
+        # both operands seen through the K permutation: each thread's fragments of a slice are
+        # 16-byte runs of shared memory (see k_permutation)
+        kshape, kstride = k_permutation(BK)
+        sAp = cute.make_tensor(sA.iterator, cute.make_layout((BM, kshape, self.stages),
+                                                             stride=(PITCH, kstride, BM * PITCH)))
+        sW8p = cute.make_tensor(sW8.iterator, cute.make_layout((self.bn, kshape, self.stages),
+                                                               stride=(PITCH8, kstride, self.bn * PITCH8)))
+        tCsA = thr_mma.partition_A(sAp)
+        tCsB8 = thr_mma.partition_B(sW8p)
+        tCrA = tiled_mma.make_fragment_A(tCsA[None, None, None, 0])
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sW8p[None, None, 0]))
+        rA = cute.make_fragment_like(tCsA[None, None, None, 0])  # in shared-memory order
+        rB8 = cute.make_fragment_like(tCsB8[None, None, None, 0])
 
         for kt in cutlass.range(0, KT, 1):
             slot = kt % self.stages
             cute.arch.cp_async_wait_group(self.stages - 2)
             # K slice kt has landed for all threads' copies; every warp is done with slice kt-1
-            # (its stages, and the shared widening's bf16 buffer)
             cute.arch.barrier()
             if kt + self.stages - 1 < KT:
                 nxt = kt + self.stages - 1
-                self.issue_fp8(gOv, gWv, sAv, sW8v, atom, atom8, self.k_slice(kt0, nxt, KT, rot), nxt % self.stages,
-                               a_col0, w_row0, num_tokens)
+                self.issue_fp8(gOv, gWv, sAv, sW8v, atom, atom8, kt0 + nxt, nxt % self.stages, a_col0, w_row0,
+                               num_tokens)
             cute.arch.cp_async_commit_group()
-            if cutlass.const_expr(self.widen == "registers"):
-                cute.autovec_copy(tCsA[None, None, None, slot], rA)
-                cute.autovec_copy(tCsB8[None, None, None, slot], rB8)
-                tCrA.store(rA.load())
-                tCrB.store(rB8.load().to(Float32).to(bf16))  # exact: every e4m3 value is a bf16
-            else:
-                self.widen_slice(sW8v, sBv, slot)
-                cute.arch.barrier()  # the widened slice is complete before any warp reads it
+            cute.autovec_copy(tCsA[None, None, None, slot], rA)
+            cute.autovec_copy(tCsB8[None, None, None, slot], rB8)
+            tCrA.store(rA.load())
+            tCrB.store(rB8.load().to(Float32).to(bf16))  # exact: every e4m3 value is a bf16
             for h in cutlass.range_constexpr(blocks):
-                scale = sScale[(self.k_slice(kt0, kt, KT, rot) - kt0) * blocks + h]
-                for c in cutlass.range_constexpr(self.chains):
-                    parts[c].fill(0.0)
+                scale = sScale[kt * blocks + h]
+                part.fill(0.0)
                 for kb in cutlass.range_constexpr(h * SCALE_BLOCK // 16, (h + 1) * SCALE_BLOCK // 16):
-                    if cutlass.const_expr(self.widen == "smem"):
-                        cute.copy(s2r_A, tAsA[None, None, kb, slot], tArA[None, None, kb])
-                        cute.copy(s2r_B, tBsB[None, None, kb, 0], tBrB[None, None, kb])
-                    part = parts[kb % self.chains]
                     cute.gemm(tiled_mma, part, tCrA[None, None, kb], tCrB[None, None, kb], part)
-                part = self.sum_chains(parts)
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     acc[i] = acc[i] + scale * part[i]  # the FP32 promotion: one scale per block
 
@@ -231,18 +200,6 @@ class WoADecodeFp8(WoADecode):
             r, v = idx // VPR8, idx % VPR8
             cute.copy(atom8, gWv[(0, None), (w_row0 + r, kt * VPR8 + v)], sW8v[(0, None, 0), (r, v, slot)])
 
-    @cute.jit
-    def widen_slice(self, sW8v: cute.Tensor, sBv: cute.Tensor, slot: Int32):
-        """e4m3 slice ``slot`` -> the bf16 buffer, 16 elements a thread at a time (exact)."""
-        tidx, _, _ = cute.arch.thread_idx()
-        VPR8 = self.bk // VEC8
-        for i in cutlass.range_constexpr(self.bn * VPR8 // self.threads):
-            idx = tidx + i * self.threads
-            r, v = idx // VPR8, idx % VPR8
-            src = sW8v[(0, None, 0), (r, v, slot)]
-            dst = sBv[(0, None, 0), (r, v, 0)]
-            dst.store(src.load().to(Float32).to(cutlass.BFloat16))
-
     @staticmethod
     def can_implement(T: int, G: int, R: int, Dg: int, splits: int = 1, bn: int = BN, bk: int = 128) -> bool:
         kt = Dg // bk if bk in BKS and Dg % bk == 0 else 0
@@ -257,27 +214,21 @@ def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
 
 
 def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4, bn: int = BN,
-           bk: int = 128, widen: str = "registers", chains: int = 1, rotate_k: bool = False):
+           bk: int = 128):
     """``bk``: the K slice, 128 (one scale block) or 256 (two: the bf16 kernel's bytes per
-    weight row and slice, half the slices). ``widen``: one of :data:`WIDEN`. ``chains``: the
-    bf16 kernel's independent MMA accumulators (1, 2, 4 or 8), here per scale block.
-    ``rotate_k``: the bf16 kernel's per-CTA start of the K walk."""
-    if widen not in WIDEN:
-        raise ValueError(f"wo_a_decode_fp8: widen={widen!r}, expected one of {WIDEN}")
-    if chains not in (1, 2, 4, 8):
-        raise ValueError(f"wo_a_decode_fp8: chains={chains}, expected 1, 2, 4 or 8")
+    weight row and slice, half the slices)."""
     if bm not in (16, 32) or not WoADecodeFp8.can_implement(1, G, R, Dg, splits, bn, bk):
         raise ValueError(f"wo_a_decode_fp8: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, bn={bn}, splits={splits}, "
                          f"bk={bk} (bm 16 or 32, bn 32 or 64, bk 128 or 256 dividing Dg, R % 128, splits a power "
                          f"of two dividing Dg / bk)")
-    if stages < 2 or smem_bytes(bm, stages, bn, bk, widen, Dg) > SMEM_PER_CTA:
-        raise ValueError(f"wo_a_decode_fp8: stages={stages} with bm={bm} bn={bn} bk={bk} widen={widen} needs "
-                         f"{smem_bytes(bm, stages, bn, bk, widen, Dg)} B of shared memory; 2 <= stages and at most "
+    if stages < 2 or smem_bytes(bm, stages, bn, bk, Dg) > SMEM_PER_CTA:
+        raise ValueError(f"wo_a_decode_fp8: stages={stages} with bm={bm} bn={bn} bk={bk} needs "
+                         f"{smem_bytes(bm, stages, bn, bk, Dg)} B of shared memory; 2 <= stages and at most "
                          f"{SMEM_PER_CTA} B")
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.Float8E4M3FN, 16), P(Float32, 4), P(cutlass.BFloat16, 4),
             P(Float32, 4), P(Int32, 4), Int32(1), jit.fake_stream())
-    return WoADecodeFp8(G, R, Dg, bm, splits, stages, bn, bk, widen, chains, rotate_k), args
+    return WoADecodeFp8(G, R, Dg, bm, splits, stages, bn, bk), args
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -331,12 +282,12 @@ def wo_a_fp8(o: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, out: torc
     T <= 32, all on one CUDA device (as every entry point here); on a GPU this package does not
     target, the PyTorch reference runs."""
     from .arch import current_arch, dispatch, num_sms
-    from .wo_a import _decode_workspace, _group_shapes
+    from .wo_a import decode_workspace, group_shapes
 
     op = "wo_a_fp8"
     check_tensor(op, "o", o, dtype=torch.bfloat16, ndim=3, contiguous=True)
     check_tensor(op, "w", w, dtype=torch.float8_e4m3fn, ndim=3, contiguous=True)
-    T, H, Dv, G, R, Dg = _group_shapes(op, o, w, "w")
+    T, H, Dv, G, R, Dg = group_shapes(op, o, w, "w")
     if R % SCALE_BLOCK or Dg % SCALE_BLOCK:
         raise ValueError(f"{op}: R={R} and Dg={Dg} must be multiples of {SCALE_BLOCK} (the scale block)")
     if not 1 <= T <= MAX_T:
@@ -352,7 +303,7 @@ def wo_a_fp8(o: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, out: torc
         out.copy_(wo_a_fp8_reference(o, w, scale))
         return out
     cfg = plan(T, G, R, Dg, num_sms(o.device))
-    workspace = _decode_workspace(op, workspace, o, G, R, cfg["splits"])
+    workspace = decode_workspace(op, workspace, o, G, R, cfg["splits"])
     fn = jit.get_kernel("wo_a_decode_fp8", a, G=G, R=R, Dg=Dg, **cfg)
     P = jit.gmem_ptr
     fn(P(cutlass.BFloat16, o, 16), P(cutlass.Float8E4M3FN, w, 16), P(Float32, scale, 4),

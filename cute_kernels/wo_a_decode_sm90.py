@@ -14,13 +14,8 @@ slice, and its 64-row token tile is compute-bound. Here, as in :mod:`moe.experts
 * both tiles arrive by TMA (``bk``-wide K slices, 128-byte swizzle) through a ``stages``-deep
   mbarrier pipeline: one elected thread issues a whole slice (two instructions), the
   warpgroup consumes. Token rows past T are zero-filled by TMA and never stored;
-* ``splits`` > 1 splits K over grid z. Each split writes its FP32 partial ``[T, 64]`` to the
-  workspace and the tile's last split (acq_rel counter, :mod:`.grid_sync`) sums them in a
-  fixed order -- deterministic -- rounds to bf16 once and re-zeroes the counter (graph
-  replays need no reset); or, with ``cluster``, the splits are one thread-block cluster and
-  split z sums its share of the columns from every split's shared memory (two cluster
-  barriers, no global round trip). Measured slower than no split at every decode shape here
-  (:func:`plan`), both kept as options and tested.
+* no K split: a CTA owns its tile's whole K (a split's partial-sum round trip costs more
+  than the SMs it adds win back at every decode shape measured).
 
 Epilogue: the accumulator goes through shared memory (transposed, FP32) so that each
 token's 64 output columns are stored contiguously into token-major ``y [T, G*R]``.
@@ -29,14 +24,10 @@ token's 64 output columns are stored contiguously into token-major ``y [T, G*R]`
 ``griddepcontrol.wait`` (the weights do not depend on the previous kernel); ``o`` and every
 store come after it.
 
-Status (H200, bench/RESULTS.md, sixteenth session): GPU-tested; ``wo_a()``'s default where
-64-row weight tiles fill under 90% of the SMs (G=8 R=512) at T <= 32 -- 1.17-1.19x the warp-MMA
-kernel at T = 20 / 32, 4-9% at T = 1 / 5; elsewhere within 3% of it (``decode_kernel="wgmma"``).
-
 Constraints: T <= ``tok_n`` (the host picks ``tok_n`` from T), ``R % 64 == 0``, ``Dg % bk ==
-0`` and the split's slices whole (``splits`` a power of two dividing ``Dg / bk``), shared
-memory (:func:`smem_bytes`) <= 227 KB. Hopper only (wgmma); Blackwell keeps its tcgen05 engine.
-Run: ``pytest tests/test_wo_a.py -k sm90_decode``; probe: ``python tools/probe_wo_a_decode_sm90.py``.
+0``, shared memory (:func:`smem_bytes`) <= 227 KB. Hopper only (wgmma); Blackwell keeps its
+tcgen05 engine. :func:`cute_kernels.wo_a.route` says where ``wo_a()`` takes it.
+Run: ``pytest tests/test_wo_a.py -k sm90_decode``.
 """
 
 import os
@@ -48,10 +39,8 @@ import cutlass.pipeline as pipeline
 from cutlass.tensor_utils import LayoutEnum
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass._mlir.dialects import llvm
 
 from . import jit
-from .grid_sync import last_arrival
 from .tma_pipeline import single_cta_tma_pipeline, tma_tiles
 from .warp_mma import wgmma_fragments
 from .wo_a_decode import MAX_T, SMEM_PER_CTA
@@ -63,47 +52,29 @@ BKS = (64, 128)
 THREADS = 128
 
 
-def load_peer_f32(smem_ptr: cute.Pointer, rank) -> Float32:
-    """The FP32 at ``smem_ptr`` in the shared memory of the cluster's CTA ``rank``
-    (``ld.shared::cluster`` on the ``mapa`` address; the DSL's typed loads do not take
-    distributed-shared pointers)."""
-    peer = cute.arch.map_dsmem_ptr(smem_ptr, rank)
-    addr = llvm.ptrtoint(Int32.mlir_type, peer.to_llvm_ptr())
-    return Float32(llvm.inline_asm(Float32.mlir_type, [addr], "ld.shared::cluster.f32 $0, [$1];", "=f,r",
-                                   has_side_effects=True))
-
-
 def smem_bytes(tok_n: int, stages: int, bk: int = 64) -> int:
     """Shared memory of one CTA: the swizzled weight and token stages (1 KB aligned), the
-    transposed FP32 output tile, the stage mbarriers and the last-arrival flag."""
-    return 1024 + stages * (BM + tok_n) * bk * 2 + tok_n * (BM + 1) * 4 + 2 * stages * 8 + 16
+    transposed FP32 output tile and the stage mbarriers."""
+    return 1024 + stages * (BM + tok_n) * bk * 2 + tok_n * (BM + 1) * 4 + 2 * stages * 8
 
 
 class WoADecodeSm90:
-    def __init__(self, G: int, R: int, Dg: int, tok_n: int, splits: int = 1, stages: int = 4, bk: int = 64,
-                 pdl: bool = False, cluster: bool = False):
-        self.G, self.R, self.Dg, self.tok_n, self.splits, self.stages, self.bk, self.pdl = \
-            G, R, Dg, tok_n, splits, stages, bk, pdl
-        # cluster: the splits of a tile are one thread-block cluster along z and sum through
-        # distributed shared memory; else through the global workspace and a last-arrival count
-        self.cluster = cluster and splits > 1
+    def __init__(self, G: int, R: int, Dg: int, tok_n: int, stages: int = 4, bk: int = 64, pdl: bool = False):
+        self.G, self.R, self.Dg, self.tok_n, self.stages, self.bk, self.pdl = G, R, Dg, tok_n, stages, bk, pdl
         self.tile = (BM, tok_n, bk)
-        self.kt_split = Dg // bk // splits  # K slices per CTA
+        self.k_tiles = Dg // bk
 
     @cute.jit
-    def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, part_ptr: cute.Pointer,
-                 count_ptr: cute.Pointer, num_tokens: Int32, stream: cuda.CUstream):
+    def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, num_tokens: Int32,
+                 stream: cuda.CUstream):
         G, R, Dg = self.G, self.R, self.Dg
         bf16 = cutlass.BFloat16
         (sw, dw), (so, do), _ = wo_a_layouts(num_tokens, G, R, Dg, swap_ab=True)
         mW = cute.make_tensor(w_ptr, cute.make_layout(sw, stride=dw))  # (R, Dg, G)
         mO = cute.make_tensor(o_ptr, cute.make_layout(so, stride=do))  # (T, Dg, G)
         mY = cute.make_tensor(y_ptr, cute.make_layout((num_tokens, G * R), stride=(G * R, 1)))
-        mPart = cute.make_tensor(part_ptr, cute.make_layout((self.splits, num_tokens, G * R),
-                                                            stride=(num_tokens * G * R, G * R, 1)))
-        mCount = cute.make_tensor(count_ptr, cute.make_layout((G * R // BM,)))
 
-        K_MAJOR = cute.nvgpu.warpgroup.OperandMajorMode.K
+        K_MAJOR = cute.nvgpu.OperandMajorMode.K
         tiled_mma = sm90_utils.make_trivial_tiled_mma(bf16, bf16, K_MAJOR, K_MAJOR, Float32, (1, 1, 1),
                                                       tiler_mn=(BM, self.tok_n))
         w_smem = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.tile, bf16, self.stages)
@@ -113,40 +84,35 @@ class WoADecodeSm90:
                                                                      (BM, self.bk))
         tma_o, tma_tensor_o = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mO, cute.slice_(o_smem, (None, None, 0)),
                                                                      (self.tok_n, self.bk))
-        self.kernel(tiled_mma, tma_w, tma_tensor_w, tma_o, tma_tensor_o, w_smem, o_smem, mY, mPart, mCount,
-                    num_tokens).launch(grid=[G * R // BM, 1, self.splits], block=[THREADS, 1, 1], stream=stream,
-                                       cluster=(1, 1, self.splits) if self.cluster else (1, 1, 1),
-                                       use_pdl=self.pdl)
+        self.kernel(tiled_mma, tma_w, tma_tensor_w, tma_o, tma_tensor_o, w_smem, o_smem, mY, num_tokens).launch(
+            grid=[G * R // BM, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_o: cute.CopyAtom,
                mO: cute.Tensor, w_smem: cute.ComposedLayout, o_smem: cute.ComposedLayout, mY: cute.Tensor,
-               mPart: cute.Tensor, mCount: cute.Tensor, num_tokens: Int32):
+               num_tokens: Int32):
         tidx, _, _ = cute.arch.thread_idx()
-        nt, _, z = cute.arch.block_idx()
+        nt, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         bf16 = cutlass.BFloat16
-        STAGES, TN, KT = self.stages, self.tok_n, self.kt_split
+        STAGES, TN, KT = self.stages, self.tok_n, self.k_tiles
         tiles_per_group = self.R // BM
         g = nt // tiles_per_group
         rt = nt - g * tiles_per_group
 
         smem = cutlass.memory.SmemAllocator()
         mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((2 * STAGES,)), 8)
-        sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
         sW = smem.allocate_tensor(bf16, w_smem.outer, 1024, swizzle=w_smem.inner)
         sO = smem.allocate_tensor(bf16, o_smem.outer, 1024, swizzle=o_smem.inner)
         # FP32 tile, token-major; the odd pitch keeps the transposing writes conflict-free
         sOut = smem.allocate_tensor(Float32, cute.make_layout((TN, BM + 1), stride=(BM + 1, 1)), 16)
         pipe = single_cta_tma_pipeline(mbar, STAGES, THREADS // 32, (bf16, w_smem), (bf16, o_smem))
 
-        # This CTA's 64 weight rows of group g and the group's token rows, in bk-wide K slices;
-        # split z owns slices z*KT .. z*KT + KT - 1.
+        # This CTA's 64 weight rows of group g and the group's token rows, in bk-wide K slices.
         gW = cute.local_tile(mW, (BM, self.bk), (None, None, None))[(None, None, rt, None, g)]
         gO = cute.local_tile(mO, (TN, self.bk), (None, None, None))[(None, None, 0, None, g)]
         tWsW, tWgW = tma_tiles(tma_w, sW, gW)
         tOsO, tOgO = tma_tiles(tma_o, sO, gO)
-        kt0 = z * KT
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         if cutlass.const_expr(self.pdl):
@@ -156,21 +122,21 @@ class WoADecodeSm90:
             if warp_idx == 0:
                 for _ in cutlass.range_constexpr(min(STAGES, KT)):
                     pipe.producer_acquire(prod)
-                    cute.copy(tma_w, tWgW[(None, kt0 + prod.count)], tWsW[(None, prod.index)],
+                    cute.copy(tma_w, tWgW[(None, prod.count)], tWsW[(None, prod.index)],
                               tma_bar_ptr=pipe.producer_get_barrier(prod))
                     prod.advance()
             cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()
             if warp_idx == 0:
                 for _ in cutlass.range_constexpr(min(STAGES, KT)):
-                    cute.copy(tma_o, tOgO[(None, kt0 + head.count)], tOsO[(None, head.index)],
+                    cute.copy(tma_o, tOgO[(None, head.count)], tOsO[(None, head.index)],
                               tma_bar_ptr=pipe.producer_get_barrier(head))
                     pipe.producer_commit(head)
                     head.advance()
         else:
             if warp_idx == 0:
                 for _ in cutlass.range_constexpr(min(STAGES, KT)):
-                    self.load(pipe, prod, tma_w, tWgW, tWsW, tma_o, tOgO, tOsO, kt0)
+                    self.load(pipe, prod, tma_w, tWgW, tWsW, tma_o, tOgO, tOsO)
                     prod.advance()
 
         tCrW, tCrO, tCcC, acc = wgmma_fragments(tiled_mma, tidx, sW, sO, (BM, TN))
@@ -187,72 +153,34 @@ class WoADecodeSm90:
             pipe.consumer_release(cons)
             cons.advance()
             if warp_idx == 0 and prod.count < KT:
-                self.load(pipe, prod, tma_w, tWgW, tWsW, tma_o, tOgO, tOsO, kt0)
+                self.load(pipe, prod, tma_w, tWgW, tWsW, tma_o, tOgO, tOsO)
                 prod.advance()
 
         for i in cutlass.range_constexpr(cute.size(acc)):
             r, c = tCcC[i]
             sOut[c, r] = acc[i]
         col0 = nt * BM  # = g * R + rt * 64: the tile's first column of token-major y
-        if cutlass.const_expr(self.cluster):
-            # Every split's FP32 tile is visible cluster-wide (arrive releases, wait acquires);
-            # split z sums its 1/splits of the columns over all splits in a fixed order.
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-            CW = BM // self.splits
-            for idx in cutlass.range(tidx, num_tokens * CW, THREADS):
-                c = idx // CW
-                r = z * CW + idx - c * CW
-                s = Float32(0.0)
-                for zz in cutlass.range_constexpr(self.splits):
-                    s = s + load_peer_f32(sOut.iterator + (c * (BM + 1) + r), zz)
-                mY[c, col0 + r] = s.to(bf16)
-            # no CTA leaves (and frees its shared memory) while a peer may still read it
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-        else:
-            cute.arch.barrier()
-            if cutlass.const_expr(self.splits == 1):
-                for idx in cutlass.range(tidx, num_tokens * BM, THREADS):
-                    c = idx // BM
-                    r = idx - c * BM
-                    mY[c, col0 + r] = sOut[c, r].to(bf16)  # the one bf16 rounding
-            else:
-                for idx in cutlass.range(tidx, num_tokens * BM, THREADS):
-                    c = idx // BM
-                    r = idx - c * BM
-                    mPart[z, c, col0 + r] = sOut[c, r]
-                # The last split of the tile sees every split's partials (cute_kernels.grid_sync).
-                if last_arrival(mCount.iterator + nt, sFlag, self.splits):
-                    for idx in cutlass.range(tidx, num_tokens * BM, THREADS):
-                        c = idx // BM
-                        r = idx - c * BM
-                        s = Float32(0.0)
-                        for zz in cutlass.range_constexpr(self.splits):  # fixed order: deterministic
-                            s = s + mPart[zz, c, col0 + r]
-                        mY[c, col0 + r] = s.to(bf16)
-                    if tidx == 0:
-                        mCount[nt] = 0  # ready for the next launch (graph replay needs no host reset)
+        cute.arch.barrier()
+        for idx in cutlass.range(tidx, num_tokens * BM, THREADS):
+            c = idx // BM
+            r = idx - c * BM
+            mY[c, col0 + r] = sOut[c, r].to(bf16)  # the one bf16 rounding
 
     @cute.jit
     def load(self, pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, tma_w: cute.CopyAtom,
-             tWgW: cute.Tensor, tWsW: cute.Tensor, tma_o: cute.CopyAtom, tOgO: cute.Tensor, tOsO: cute.Tensor,
-             kt0: Int32):
+             tWgW: cute.Tensor, tWsW: cute.Tensor, tma_o: cute.CopyAtom, tOgO: cute.Tensor, tOsO: cute.Tensor):
         """The CTA's K slice ``prod.count`` of both tiles into stage ``prod.index`` (one thread
         issues; the stage's mbarrier counts the bytes)."""
         pipe.producer_acquire(prod)
-        kt = kt0 + prod.count
+        kt = prod.count
         cute.copy(tma_w, tWgW[(None, kt)], tWsW[(None, prod.index)], tma_bar_ptr=pipe.producer_get_barrier(prod))
         cute.copy(tma_o, tOgO[(None, kt)], tOsO[(None, prod.index)], tma_bar_ptr=pipe.producer_get_barrier(prod))
         pipe.producer_commit(prod)
 
     @staticmethod
-    def can_implement(T: int, G: int, R: int, Dg: int, tok_n: int, splits: int = 1, stages: int = 4,
-                      bk: int = 64) -> bool:
-        kt = Dg // bk if bk in BKS and Dg % bk == 0 else 0
-        return (1 <= T <= tok_n and tok_n in TOK_N and G >= 1 and R % BM == 0 and R > 0 and kt >= 1
-                and splits >= 1 and splits & (splits - 1) == 0 and kt % splits == 0
-                and 2 <= stages and smem_bytes(tok_n, stages, bk) <= SMEM_PER_CTA)
+    def can_implement(T: int, G: int, R: int, Dg: int, tok_n: int, stages: int = 4, bk: int = 64) -> bool:
+        return (1 <= T <= tok_n and tok_n in TOK_N and G >= 1 and R % BM == 0 and R > 0 and bk in BKS
+                and Dg % bk == 0 and Dg >= bk and 2 <= stages and smem_bytes(tok_n, stages, bk) <= SMEM_PER_CTA)
 
 
 def tok_n_for(T: int) -> int | None:
@@ -264,43 +192,29 @@ def tok_n_for(T: int) -> int | None:
 
 
 def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
-    """The compile configuration ``{tok_n, splits, stages, bk}`` of a decode call.
-
-    The narrowest token tile and no K split: every split measured slower wherever the 64-row
-    tiles alone reach 64 CTAs -- the workspace sum costs 1-5 us, the cluster sum 0.3-1 us, more
-    than the SMs they add win back. Where the tiles fit one wave at one CTA per SM, 128-wide
-    slices as deep as shared memory allows (8 stages; 6 for the 64-token tile); else 64-wide
-    slices at 4 stages, two CTAs per SM. H200, tools/probe_wo_a_decode_sm90.py (sixteenth
-    session, bench/RESULTS.md), G=8 R=512 (64 tiles) T = 1 / 16 / 32: 8 stages of 128 7.27 /
-    7.77 / 8.52 us against 8.87 / 9.48 / 11.90 at 4 and 7.56 / 7.74 / 9.02 with the K split in
-    a cluster pair; G=16 R=1024 (256 tiles) T = 1 / 16: 4 stages of 64 10.53 / 11.32 against
-    11.67 / 12.77 at 8 of 128."""
+    """The compile configuration ``{tok_n, stages, bk}`` of a decode call: the narrowest token
+    tile; where the 64-row weight tiles fit one wave at one CTA per SM, 128-wide slices as deep
+    as shared memory allows (8 stages; 6 for the 64-token tile), else 64-wide slices at 4
+    stages, two CTAs per SM (each measured faster than the other where it is chosen, H200)."""
     tok_n = tok_n_for(T)
     if tok_n is None:
         raise ValueError(f"wo_a_decode_sm90: T={T} > {MAX_T}")
     if G * R // BM <= num_sms and Dg % 128 == 0:
-        return {"tok_n": tok_n, "splits": 1, "stages": 8 if tok_n <= 32 else 6, "bk": 128}
-    return {"tok_n": tok_n, "splits": 1, "stages": 4, "bk": 64}
+        return {"tok_n": tok_n, "stages": 8 if tok_n <= 32 else 6, "bk": 128}
+    return {"tok_n": tok_n, "stages": 4, "bk": 64}
 
 
-def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, splits: int = 1, stages: int = 4, bk: int = 64,
-           pdl: bool = False, cluster: bool = False):
-    """``tok_n``: the token tile (wgmma N; T <= tok_n). ``splits``: K splits (grid z).
-    ``stages``: TMA pipeline depth. ``bk``: K elements per slice (64 or 128). ``pdl``: a
-    programmatic dependent launch (weights prefetched before the grid-dependency wait).
-    ``cluster``: a tile's splits as one cluster (at most 8) summing through distributed shared
-    memory instead of the global workspace."""
-    if cluster and splits > 8:
-        raise ValueError(f"wo_a_decode_sm90: cluster=True with splits={splits}: a cluster holds at most 8 CTAs")
-    if not WoADecodeSm90.can_implement(1, G, R, Dg, tok_n, splits, stages, bk):
-        raise ValueError(f"wo_a_decode_sm90: unsupported G={G}, R={R}, Dg={Dg}, tok_n={tok_n}, splits={splits}, "
-                         f"stages={stages}, bk={bk} (R % 64, tok_n in {TOK_N}, bk in {BKS} dividing Dg, splits a "
-                         f"power of two dividing Dg / bk, stages >= 2 within {SMEM_PER_CTA} B of shared memory: "
-                         f"{smem_bytes(tok_n, stages, bk)} B)")
+def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 4, bk: int = 64, pdl: bool = False):
+    """``tok_n``: the token tile (wgmma N; T <= tok_n). ``stages``: TMA pipeline depth. ``bk``:
+    K elements per slice (64 or 128). ``pdl``: a programmatic dependent launch (weights
+    prefetched before the grid-dependency wait)."""
+    if not WoADecodeSm90.can_implement(1, G, R, Dg, tok_n, stages, bk):
+        raise ValueError(f"wo_a_decode_sm90: unsupported G={G}, R={R}, Dg={Dg}, tok_n={tok_n}, stages={stages}, "
+                         f"bk={bk} (R % 64, tok_n in {TOK_N}, bk in {BKS} dividing Dg, stages >= 2 within "
+                         f"{SMEM_PER_CTA} B of shared memory: {smem_bytes(tok_n, stages, bk)} B)")
     P = jit.fake_gmem_ptr
-    args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 4), P(Float32, 4), P(Int32, 4),
-            Int32(1), jit.fake_stream())
-    return WoADecodeSm90(G, R, Dg, tok_n, splits, stages, bk, pdl, cluster), args
+    args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 4), Int32(1), jit.fake_stream())
+    return WoADecodeSm90(G, R, Dg, tok_n, stages, bk, pdl), args
 
 
 def _aot(arch: str) -> tuple[dict, ...]:
@@ -316,8 +230,8 @@ KERNEL = jit.register(jit.KernelDef(
     name="wo_a_decode_sm90",
     build=_build,
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
-                  for f in ("wo_a_decode_sm90.py", "grid_sync.py", "wo_a_sm90.py", "tma_pipeline.py", "warp_mma.py")),
+                  for f in ("wo_a_decode_sm90.py", "wo_a_sm90.py", "tma_pipeline.py", "warp_mma.py")),
     archs=("sm_90a",),
     aot_configs=_aot,
-    description="WO-A decode (T <= 64), Hopper: TMA + wgmma, weight rows as M, split-K, token-major bf16 out",
+    description="WO-A decode (T <= 64), Hopper: TMA + wgmma, weight rows as M, token-major bf16 out",
 ))

@@ -30,7 +30,7 @@ import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 from cutlass import Int32
 
-from .gemm.sm90_gemm import TIMELINE_SLOTS, Sm90Gemm
+from .gemm.sm90_gemm import Sm90Gemm
 
 
 def wo_a_layouts(T, G: int, R: int, Dg: int, swap_ab: bool = False):
@@ -69,19 +69,19 @@ class WoAGemm:
 class WoASm90(WoAGemm):
     """Compile-time configuration: group count, rank, per-group K, CTA tile (over (T, R), or
     (R, T) with ``swap_ab``), and the engine's options (``weight_l2_hint``: the L2 cache hint
-    of the weight operand's loads; ``max_stages``: a cap on the operand stages; ``pingpong`` /
-    ``persistent``: its persistent schedules)."""
+    of the weight operand's loads; ``max_stages``: a cap on the operand stages; ``pingpong``:
+    its persistent schedule)."""
 
     def __init__(self, G: int, R: int, Dg: int, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1),
                  pdl: bool = False, swap_ab: bool = False, occupancy: int = 1, pingpong: bool = False,
                  cluster_exit: str | None = None, weight_l2_hint: str | None = None,
-                 max_stages: int | None = None, persistent: bool = False):
+                 max_stages: int | None = None):
         super().__init__(G, R, Dg, swap_ab)
         # under PDL the weights load before the grid-dependency wait: B, or A when swapped
         hints = dict(l2_hint_a=weight_l2_hint) if swap_ab else dict(l2_hint_b=weight_l2_hint)
         self.gemm = Sm90Gemm(tile_mn, cluster_mn, pdl=pdl, pdl_early_operand="a" if swap_ab else "b",
                              occupancy=occupancy, pingpong=pingpong, sm_count=WoASm90.NUM_SMS,
-                             cluster_exit=cluster_exit, max_stages=max_stages, persistent=persistent, **hints)
+                             cluster_exit=cluster_exit, max_stages=max_stages, **hints)
 
     @staticmethod
     def tile_for(T: int, G: int, R: int) -> tuple[int, int]:
@@ -266,21 +266,3 @@ class WoASm90(WoAGemm):
     @staticmethod
     def can_implement(G: int, R: int, Dg: int) -> bool:
         return G >= 1 and R % 64 == 0 and Dg % 64 == 0
-
-
-class WoASm90Traced(WoASm90):
-    """:class:`WoASm90` with the engine's debug timeline: ``t_ptr`` points at an Int64
-    (``MAX_CTAS``, ``TIMELINE_SLOTS``) trace that every CTA of the one-tile-per-CTA kernel fills
-    with its SM and ``%globaltimer`` stamps (:data:`cute_kernels.gemm.sm90_gemm.TIMELINE_SLOTS`).
-    A diagnostic for a machine without a profiler (``tools/probe_wo_a_timeline.py``); the
-    shipped builds (:class:`WoASm90`) compile no stamps. A grid of more than ``MAX_CTAS``
-    CTAs piles its excess into the last row."""
-
-    MAX_CTAS = 4096
-
-    @cute.jit
-    def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, t_ptr: cute.Pointer,
-                 num_tokens: Int32, stream: cuda.CUstream):
-        a, b, c = wo_a_views(o_ptr, w_ptr, y_ptr, num_tokens, self.G, self.R, self.Dg, self.swap_ab)
-        trace = cute.make_tensor(t_ptr, cute.make_layout((self.MAX_CTAS, TIMELINE_SLOTS), stride=(TIMELINE_SLOTS, 1)))
-        self.gemm(a, b, c, stream, trace)

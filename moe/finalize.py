@@ -118,7 +118,10 @@ KERNEL = jit.register(jit.KernelDef(
 ))
 
 
-def _check(op, y, topk_weights, routed_row_pos, T_expected=None):
+def check_finalize_args(op, y, topk_weights, routed_row_pos):
+    """``(T, k, H)`` of a finalize call's routed rows ``y``, ``topk_weights`` and
+    ``routed_row_pos``, each checked (dtype, shape, contiguity, alignment) with an error naming it
+    (shared by :mod:`comm.push_allreduce`'s fused finalize)."""
     check_tensor(op, "y", y, dtype=torch.bfloat16, ndim=2, contiguous=True, align_bytes=0)
     H = y.shape[1]
     if H % VEC:
@@ -141,7 +144,7 @@ def moe_finalize(y: torch.Tensor, topk_weights: torch.Tensor, routed_row_pos: to
     ``routed + shared`` in bf16. ``routed_row_pos`` entries must index rows of ``y``.
     """
     op = "moe_finalize"
-    T, k, H = _check(op, y, topk_weights, routed_row_pos)
+    T, k, H = check_finalize_args(op, y, topk_weights, routed_row_pos)
     if shared is not None:
         check_tensor(op, "shared", shared, dtype=torch.bfloat16, shape=(T, H), contiguous=True)
     if out is None:

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from cute_kernels import jit
+from cute_kernels import catalog, jit
 from cute_kernels.artifact_cache import ArtifactCache, function_prefix
 
 CFG = dict(hidden=7168, dtype="bfloat16")
@@ -19,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture
 def kdef():
-    return jit.registry()["row_rms"]
+    return catalog.kernels()["row_rms"]
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def test_key_names_every_field(kdef):
 def test_spelled_out_defaults_name_the_same_artifact():
     """A launch that passes build()'s defaults explicitly (the MoE decode kernel's stages=None,
     row_passes=False) hits the AOT entry built from a config that leaves them out."""
-    k = jit.registry()["moe_expert_decode_sm90"]
+    k = catalog.kernels()["moe_expert_decode_sm90"]
     aot = {"E": 256, "N": 4096, "K": 7168, "tok_n": 16, "silu_quant": True}
     assert jit.CacheKey.make(k, "sm_90a", dict(aot, stages=None, row_passes=False)) == \
         jit.CacheKey.make(k, "sm_90a", aot)
@@ -180,7 +180,9 @@ def _writer(root, q):
     import cute_kernels.jit as j
     from cute_kernels.artifact_cache import ArtifactCache as AC
 
-    kd = j.registry()["row_rms"]
+    from cute_kernels.catalog import kernels
+
+    kd = kernels()["row_rms"]
     c = j.compile_now(kd, "sm_100a", CFG)
     q.put(AC(root).put(j.CacheKey.make(kd, "sm_100a", CFG), c.fn))
 
@@ -224,7 +226,7 @@ def test_cli_build_warm_rebuild_list_verify_clear(tmp_path):
     cache = str(tmp_path / "c")
     cold = _cli("build", "--arch", "sm_100a", "--arch", "sm_90a", cache=cache)
     assert cold.returncode == 0, cold.stderr
-    n = len(list(jit.iter_aot(arch="sm_100a"))) + len(list(jit.iter_aot(arch="sm_90a")))
+    n = sum(len(list(jit.iter_aot(catalog.kernels(), arch=a))) for a in ("sm_100a", "sm_90a"))
     assert cold.stdout.count("compiled") == n
     warm = _cli("build", "--arch", "sm_100a", "--arch", "sm_90a", cache=cache)
     assert warm.returncode == 0 and warm.stdout.count("| cached") == n
@@ -241,18 +243,18 @@ def test_cli_build_warm_rebuild_list_verify_clear(tmp_path):
 
 def test_cli_build_wo_a_shape_adds_its_routes(tmp_path):
     """``--wo-a-shape G,R,Dg`` adds every config wo_a() routes to for a model's own shape up to
-    ``--max-tokens`` (here: the wgmma decode kernel's three token tiles), filtered by
+    ``--max-tokens`` (here: the wgmma decode kernel's two token tiles), filtered by
     ``--kernel``; a malformed shape is refused before anything compiles."""
     from cute_kernels.wo_a import aot_routes
 
     cache = str(tmp_path / "c")
-    base = len([1 for k, _ in jit.iter_aot(["wo_a_decode_sm90"], "sm_90a")])
+    base = len([1 for k, _ in jit.iter_aot(catalog.kernels(), ["wo_a_decode_sm90"], "sm_90a")])
     extra = [c for n, c in aot_routes("sm_90a", [(8, 512, 1536)], 40) if n == "wo_a_decode_sm90"]
-    assert len(extra) == 3  # tok_n 8 / 16 / 32; the T = 33..40 engine route is filtered out by --kernel
+    assert len(extra) == 2  # tok_n 8 / 16; the T = 17..40 engine routes are filtered out by --kernel
     r = _cli("build", "--arch", "sm_90a", "--kernel", "wo_a_decode_sm90", "--wo-a-shape", "8,512,1536",
              "--max-tokens", "40", cache=cache)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("| compiled") == base + 3 and r.stdout.count('"Dg": 1536') == 3
+    assert r.stdout.count("| compiled") == base + 2 and r.stdout.count('"Dg": 1536') == 2
     for bad, why in (("8,512", "three integers"), ("8,500,1536", "multiples of 64")):
         r = _cli("build", "--arch", "sm_90a", "--wo-a-shape", bad, cache=cache)
         assert r.returncode != 0 and why in r.stderr and "compiled" not in r.stdout

@@ -5,6 +5,7 @@ import cutlass
 import pytest
 import torch
 
+from cute_kernels import catalog, jit
 from cute_kernels.testing import sass
 from cute_kernels.wo_a import wo_a
 from cute_kernels.wo_a_sm90 import WoASm90, wo_a_layouts
@@ -41,7 +42,7 @@ def check_wo_a(T, G, HG, Dv, R, **kwargs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("G, HG, Dv, R", SHAPES)
 @pytest.mark.parametrize("T", [1, 5, 20, 41, 64, 77, 200, 300, 400])
-@pytest.mark.parametrize("decode", [None, False])  # default path (decode kernel at T <= 16, G=8 R=512 <= 32) / engine
+@pytest.mark.parametrize("decode", [None, False])  # this project's route (decode kernels at T <= 16) / the engine
 def test_hopper_matches_fp64(seed, G, HG, Dv, R, T, decode):
     out = check_wo_a(T, G, HG, Dv, R, decode_kernel=decode)
     assert out.stride() == (G * R, 1)
@@ -253,22 +254,6 @@ def test_pingpong_engine_matches_fp64(seed, tile, cluster, swap_ab, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile, cluster, swap_ab, T", [((128, 256), (1, 1), False, 1100),
-                                                       ((128, 256), (2, 1), False, 4096),
-                                                       ((128, 128), (1, 2), False, 77),
-                                                       ((128, 160), (2, 1), True, 333),
-                                                       ((128, 256), (1, 1), False, 1)])
-def test_persistent_engine_matches_fp64(seed, tile, cluster, swap_ab, T):
-    """The persistent cooperative schedule: each CTA walks tiles 132 (clusters) apart with
-    both warp groups on every 128-row tile, the pipeline running across tile boundaries --
-    9-15 tiles per CTA (T = 1100, 4096: the phases wrap many times), a partial last tile,
-    CTA pairs multicasting either operand, swapped operands, fewer tiles than SMs (T = 1)."""
-    for G, HG, Dv, R in [(16, 8, 128, 1024), (8, 16, 128, 512)]:
-        check_engine(T, G, HG, Dv, R, tile_m=tile[0], tile_n=tile[1], cluster_m=cluster[0],
-                     cluster_n=cluster[1], swap_ab=swap_ab, persistent=True)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("cluster_exit", ["barrier", "producer_tail"])
 @pytest.mark.parametrize("cfg, T", [
     (dict(tile_m=128, tile_n=160, cluster_m=2, swap_ab=True, occupancy=2), 320),  # inline producer
@@ -416,21 +401,6 @@ def test_pingpong_machine_code(cluster_m, swap_ab):
     assert regs <= 224, regs
 
 
-@pytest.mark.parametrize("cluster_m", [1, 2])
-def test_persistent_machine_code(cluster_m):
-    """The persistent cooperative schedule: 64 x 256 HGMMAs per warp group, TMA in (multicast
-    in a CTA pair) and out, no ordering barrier's arrive (both warp groups take every tile), no
-    spills, and a register count that lets its 9 warps launch (288 threads: 224 at most)."""
-    cfg = dict(G=16, R=512, Dg=2048, tile_m=128, tile_n=256, cluster_m=cluster_m, persistent=True)
-    h = sass.sass_histogram("wo_a", "sm_90a", **cfg)
-    assert sass.count(h, "HGMMA.64x256x16.F32.BF16") >= 1, h
-    assert sass.count(h, "UTMALDG") >= 2 and sass.count(h, "UTMASTG") >= 1 and sass.local_memory_ops(h) == 0
-    assert (sass.count(h, "UTMALDG.3D.MULTICAST") >= 1) == (cluster_m == 2)
-    assert sass.count(h, "BAR.ARV") == 0
-    (regs,) = sass.register_counts(sass.compile_cubin("wo_a", "sm_90a", **cfg)).values()
-    assert regs <= 224, regs
-
-
 @pytest.mark.parametrize("cfg", [dict(tile_m=128, tile_n=160, swap_ab=True, occupancy=2),
                                  dict(tile_m=64, tile_n=160, swap_ab=True),
                                  dict(tile_m=64, tile_n=256, pingpong=True)])
@@ -458,7 +428,7 @@ def test_engine_two_ctas_per_sm_fit(tile):
     import cutlass.cute as cute
     from cute_kernels import jit
 
-    obj, args = jit.registry()["wo_a"].build("sm_90a", G=16, R=1024, Dg=1024, tile_m=tile[0], tile_n=tile[1],
+    obj, args = catalog.kernels()["wo_a"].build("sm_90a", G=16, R=1024, Dg=1024, tile_m=tile[0], tile_n=tile[1],
                                              swap_ab=True, occupancy=2)
     cute.compile(obj, *args, options="--gpu-arch=sm_90a")
     assert obj.gemm.stages >= 2
@@ -495,132 +465,11 @@ def test_hopper_cluster_variant_multicasts(cluster):
     assert sass.local_memory_ops(h) == 0
     from cute_kernels import jit
 
-    k = jit.registry()["wo_a"]
+    k = catalog.kernels()["wo_a"]
     assert k.canonical_config(dict(G=16, R=1024, Dg=1024, tile_m=128, tile_n=256, cluster_m=1, cluster_n=1)) == \
         dict(G=16, R=1024, Dg=1024, tile_m=128, tile_n=256)
     with pytest.raises(ValueError, match="only the Hopper path takes a cluster"):
         k.build("sm_100a", G=16, R=1024, Dg=1024, tile_m=128, tile_n=256, cluster_m=2)
-
-
-def _traced_build(cfg, dump_dir=None, rows=None):
-    """The engine's debug-timeline build of a G=8 R=512 Dg=2048 WO-A config (``WoASm90Traced``)
-    for sm_90a; with ``dump_dir``, keeping its cubin; ``rows``: the trace's row count."""
-    import cutlass.cute as cute
-
-    from cute_kernels import jit
-    from cute_kernels.wo_a_sm90 import WoASm90Traced
-
-    obj = WoASm90Traced(8, 512, 2048, (cfg["tile_m"], cfg["tile_n"]),
-                        (cfg.get("cluster_m", 1), cfg.get("cluster_n", 1)), False, cfg.get("swap_ab", False),
-                        cfg.get("occupancy", 1), False, None, cfg.get("weight_l2_hint"))
-    if rows:
-        obj.MAX_CTAS = rows
-    P = jit.fake_gmem_ptr
-    return cute.compile(obj, P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.BFloat16), P(cutlass.Int64, 8),
-                        cutlass.Int32(1), jit.fake_stream(),
-                        options="--gpu-arch=sm_90a" + (f" --keep-cubin --dump-dir={dump_dir}" if dump_dir else ""))
-
-
-def test_timeline_only_in_the_traced_build():
-    """The shipped engine reads no clock (its stamps compile out); the traced build does."""
-    import tempfile
-
-    cfg = WoASm90.config_for(320, 8, 512, 2048)
-    shipped = sass.disassemble(sass.compile_cubin("wo_a", "sm_90a", G=8, R=512, Dg=2048, **cfg))
-    assert "SR_GLOBALTIMER" not in shipped
-    with tempfile.TemporaryDirectory() as d:
-        traced = sass.disassemble(_traced_build(cfg, d).artifacts.CUBIN)
-    assert "SR_GLOBALTIMER" in traced and "SR_VIRTUALSMID" in traced
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T, rows", [(77, None), (320, None), (320, 16)])
-def test_timeline_trace_is_ordered(seed, T, rows):
-    """The traced engine computes the same product, and every CTA of the grid leaves a
-    complete, ordered trace: entry <= init <= first stage <= mainloop end <= epilogue end. A
-    trace shorter than the grid (16 rows for 128 CTAs) takes the excess in its last row, and
-    nothing past it is written."""
-    from cute_kernels import jit
-    from cute_kernels.gemm.sm90_gemm import (STAMP_ENTRY, STAMP_EPILOGUE_END, STAMP_FIRST_STAGE, STAMP_INIT,
-                                             STAMP_MAINLOOP_END, STAMP_SM, TIMELINE_SLOTS)
-    from cute_kernels.wo_a_sm90 import WoASm90Traced
-
-    G, R, Dg = 8, 512, 2048
-    cfg = WoASm90.config_for(T, G, R, Dg)
-    fn = _traced_build(cfg, rows=rows)
-    o, w = make(T, G, 16, 128, R, "cuda")
-    y = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
-    # a guard band past the trace's rows: must stay zero
-    trace = torch.zeros((rows or WoASm90Traced.MAX_CTAS) + 64, TIMELINE_SLOTS, device="cuda", dtype=torch.int64)
-    fn(jit.gmem_ptr(cutlass.BFloat16, o), jit.gmem_ptr(cutlass.BFloat16, w), jit.gmem_ptr(cutlass.BFloat16, y),
-       jit.gmem_ptr(cutlass.Int64, trace, 8), jit.i32(T), jit.cu_stream())
-    torch.cuda.synchronize()
-    assert rel_err(y, wo_a_ref(o, w)) < TOL
-    ctas = min((R // cfg["tile_m"]) * -(-T // cfg["tile_n"]) * G, rows or WoASm90Traced.MAX_CTAS)
-    t = trace.cpu()
-    assert (t[:ctas, STAMP_ENTRY] > 0).all() and (t[ctas:] == 0).all()
-    if rows:  # the shared last row holds some CTA's stamps, not necessarily one CTA's in order
-        ctas -= 1
-    order = [STAMP_ENTRY, STAMP_INIT, STAMP_FIRST_STAGE, STAMP_MAINLOOP_END, STAMP_EPILOGUE_END]
-    assert (t[:ctas, order].diff(dim=1) >= 0).all()
-    assert (t[:ctas, STAMP_SM] < torch.cuda.get_device_properties(0).multi_processor_count).all()
-
-
-def _ktrace_probe():
-    """tools/probe_wo_a_ktrace.py (a script, not a package module)."""
-    import importlib
-    import os
-    import sys
-
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    for d in ("tools", "bench"):
-        if os.path.join(root, d) not in sys.path:
-            sys.path.insert(0, os.path.join(root, d))
-    return importlib.import_module("probe_wo_a_ktrace")
-
-
-def test_ktrace_probe_builds_and_reads_the_sm_clock():
-    """The per-k-tile trace's diagnostic build compiles for sm_90a and reads the SM's cycle
-    counter around its barrier waits (the shipped build reads none: the timeline test above)."""
-    import tempfile
-
-    p = _ktrace_probe()
-    cfg = WoASm90.config_for(320, 8, 512, 2048)
-    with tempfile.TemporaryDirectory() as d:
-        fn, stages = p.compile_ktrace(8, 512, 2048, cfg, "full", options=f"--gpu-arch=sm_90a --keep-cubin --dump-dir={d}")
-        traced = sass.disassemble(fn.artifacts.CUBIN)
-    assert stages == cfg["max_stages"]
-    assert "SR_CLOCKLO" in traced and "SR_GLOBALTIMER" in traced and "HGMMA" in traced
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T, raster", [(320, None), (77, None), (320, "lnm")])
-def test_ktrace_probe_is_ordered(seed, T, raster):
-    """The traced build computes the same product; every CTA of the grid stamps each k-tile,
-    and on its SM's clock a stage is waited for before it lands, acquired before its loads go
-    out, and lands after them; stages land in k order. ``raster``: the probe's own tile order
-    covers every tile once (the poisoned output is fully written)."""
-    from cute_kernels import jit
-
-    p = _ktrace_probe()
-    G, R, Dg = 8, 512, 2048
-    cfg = WoASm90.config_for(T, G, R, Dg)
-    fn, _ = p.compile_ktrace(G, R, Dg, cfg, "full", raster)
-    o, w = make(T, G, 16, 128, R, "cuda")
-    y = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
-    trace = torch.zeros(p.MAX_CTAS, p.KT_ROWS, 4, device="cuda", dtype=torch.int64)
-    fn(jit.gmem_ptr(cutlass.BFloat16, o), jit.gmem_ptr(cutlass.BFloat16, w), jit.gmem_ptr(cutlass.BFloat16, y),
-       jit.gmem_ptr(cutlass.Int64, trace, 8), jit.i32(T), jit.cu_stream())
-    torch.cuda.synchronize()
-    assert rel_err(y, wo_a_ref(o, w)) < TOL
-    ctas = (R // cfg["tile_m"]) * -(-T // cfg["tile_n"]) * G
-    t = trace.cpu()
-    assert (t[:ctas, p.ROW_T, 0] > 0).all() and (t[ctas:] == 0).all()
-    k = t[:ctas, :Dg // 64]
-    c0, c1, p0, p1 = (k[..., i] for i in (p.C0, p.C1, p.P0, p.P1))
-    assert (c0 > 0).all() and (p0 > 0).all()
-    assert (c1 >= c0).all() and (p1 >= p0).all() and (c1 > p1).all()
-    assert (c1.diff(dim=1) >= 0).all()
 
 
 # ------------------------------------------------------------ validation (CPU) --------
@@ -667,10 +516,6 @@ def test_wgmma_decode_kernel_needs_hopper_and_t_64():
     ("sm90", ((64, 256),), {"pingpong": True, "pdl": True}, "without PDL"),
     ("sm90", ((64, 256),), {"pingpong": True, "occupancy": 2}, "one persistent CTA per SM"),
     ("sm90", ((64, 256),), {"pingpong": True, "sm_count": 0}, "sm_count"),
-    ("sm90", ((64, 256),), {"persistent": True}, "persistent runs 128-row cooperative tiles"),
-    ("sm90", ((64, 256),), {"persistent": True, "pingpong": True}, "not pingpong"),
-    ("sm90", ((128, 256),), {"persistent": True, "occupancy": 2}, "one persistent CTA per SM"),
-    ("sm90", ((128, 256),), {"persistent": True, "pdl": True}, "without PDL"),
     ("sm90", ((128, 128), (2, 1)), {"cluster_exit": "fence"}, "cluster_exit must be"),
     ("sm90", ((128, 128),), {"l2_hint_b": "evict"}, "l2_hint_b must be None or one of"),
     ("sm90", ((128, 128),), {"max_stages": 1}, "max_stages must be None or >= 2"),
@@ -701,14 +546,9 @@ def test_engine_warp_roles():
     assert (g.consumer_wgs, g.threads, g.producer_warp) == (2, 288, 8)
     # their own epilogue subtiles, 2 x 2 x (64 x 32) bf16, leave 5 stages of 64x64 + 256x64
     assert g.epilogue_bytes(16) == 16 * 1024 and g.stages_for(64, 16, 16) == 5
-    # a CTA pair leaves by the producer tail, except the persistent pingpong CTA (measured)
+    # a CTA pair leaves by the producer tail, except the persistent pingpong CTA
     assert g.cluster_exit == "barrier" and Sm90Gemm((128, 160), (2, 1)).cluster_exit == "producer_tail"
     assert Sm100Gemm((256, 256)).cluster_mn == (2, 1) and Sm100Gemm((128, 128)).cluster_mn == (1, 1)
-    # the persistent cooperative CTA: 2 x 2 (64 x 32) subtiles of its own leave 4 stages of
-    # 128x64 + 256x64 (the one-tile-per-CTA kernel's epilogue reuses A's buffers: also 4)
-    g = Sm90Gemm((128, 256), persistent=True)
-    assert (g.consumer_wgs, g.threads, g.producer_warp, g.cluster_exit) == (2, 288, 8, "barrier")
-    assert g.epilogue_bytes(16) == 16 * 1024 and g.stages_for(64, 16, 16) == 4
 
 
 def test_tile_heuristics():
@@ -791,21 +631,14 @@ def test_decode_kernel_matches_fp64(seed, G, HG, Dv, R, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bm, splits, bn, stages, chains, rotate_k", [
-    (16, 1, 64, 4, 1, False), (16, 2, 64, 4, 1, False), (16, 8, 64, 4, 1, False), (64, 1, 64, 4, 1, False),
-    (64, 4, 64, 4, 1, False), (16, 1, 64, 6, 1, False), (16, 1, 32, 9, 1, False), (16, 2, 32, 6, 1, False),
-    (64, 2, 32, 4, 1, False), (16, 4, 32, 3, 1, False), (16, 1, 32, 6, 1, False), (32, 1, 32, 6, 1, False),
-    (32, 2, 64, 4, 1, False), (32, 1, 64, 6, 1, False),
-    (16, 1, 32, 6, 2, False), (16, 2, 64, 4, 4, False), (32, 1, 32, 6, 2, False), (64, 1, 64, 4, 2, False),
-    (16, 1, 32, 6, 8, False),
-    (16, 1, 32, 6, 1, True), (16, 2, 64, 4, 1, True), (32, 1, 32, 6, 2, True), (64, 1, 64, 4, 1, True),
-    (16, 4, 32, 3, 1, True)])
-def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits, bn, stages, chains, rotate_k):
-    """Each token tile, column tile, split count, pipeline depth (deeper than the CTA's K
-    slices included), MMA chain count and K walk (rotated per CTA or not), launched twice
-    eagerly and replayed in a graph with fresh inputs: the last-CTA counters re-zero themselves
-    and the sums stay exact."""
-    _check_decode_config(bm=bm, splits=splits, bn=bn, stages=stages, chains=chains, rotate_k=rotate_k)
+@pytest.mark.parametrize("bm, splits, bn, stages", [
+    (16, 1, 64, 4), (16, 2, 64, 4), (16, 8, 64, 4), (64, 1, 64, 4), (64, 4, 64, 4), (16, 1, 64, 6), (16, 1, 32, 9),
+    (16, 2, 32, 6), (64, 2, 32, 4), (16, 4, 32, 3), (16, 1, 32, 6), (32, 1, 32, 6), (32, 2, 64, 4), (32, 1, 64, 6)])
+def test_decode_kernel_every_split_and_graph_replay(seed, bm, splits, bn, stages):
+    """Each token tile, column tile, split count and pipeline depth (deeper than the CTA's K
+    slices included), launched twice eagerly and replayed in a graph with fresh inputs: the
+    last-CTA counters re-zero themselves and the sums stay exact."""
+    _check_decode_config(bm=bm, splits=splits, bn=bn, stages=stages)
 
 
 def _check_decode_config(**cfg):
@@ -813,9 +646,9 @@ def _check_decode_config(**cfg):
 
 
 def _check_decode_build(kernel, T, G, HG, Dv, R, max_splits, **cfg):
-    """One decode kernel build (``wo_a_decode`` / ``wo_a_decode_sm90``: the same arguments)
-    against float64: launched twice eagerly into a poisoned output (the last-split counters
-    re-zero themselves), then replayed in a graph with fresh inputs."""
+    """One decode kernel build (``wo_a_decode``: split-K through a workspace; ``wo_a_decode_sm90``:
+    none) against float64: launched twice eagerly into a poisoned output (the last-split
+    counters re-zero themselves), then replayed in a graph with fresh inputs."""
     from cute_kernels import jit
     from cute_kernels.wo_a_decode import WoADecodeWorkspace
 
@@ -826,8 +659,13 @@ def _check_decode_build(kernel, T, G, HG, Dv, R, max_splits, **cfg):
     P = jit.gmem_ptr
 
     def launch(stream):
-        fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, w, 16), P(cutlass.BFloat16, out, 4),
-           P(cutlass.Float32, ws.partials, 4), P(cutlass.Int32, ws.counters, 4), jit.i32(T), jit.cu_stream(stream))
+        if kernel == "wo_a_decode_sm90":
+            fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, w, 16), P(cutlass.BFloat16, out, 4), jit.i32(T),
+               jit.cu_stream(stream))
+        else:
+            fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, w, 16), P(cutlass.BFloat16, out, 4),
+               P(cutlass.Float32, ws.partials, 4), P(cutlass.Int32, ws.counters, 4), jit.i32(T),
+               jit.cu_stream(stream))
 
     for _ in range(2):
         out.fill_(float("nan"))
@@ -888,25 +726,6 @@ def test_pdl_after_a_writer_and_back_to_back(seed, T, decode):
     replay_fresh(g, srcs, outs, w, [0, 1, 2, 3, 3])
 
 
-def test_decode_kernel_kinds():
-    """Which decode kernel a routed call takes: by default on Hopper the wgmma kernel where
-    64-row weight tiles leave SMs idle (G=8 R=512) or the warp-MMA plan takes 64-column tiles
-    (G=16 R=1024; not under PDL), warp MMAs elsewhere and off Hopper; the caller's choice when
-    given (True: warp MMAs)."""
-    from cute_kernels.wo_a import decode_kernel_kind, use_decode_kernel
-    narrow = (8, 512, 2048)  # 64 weight tiles of 64 rows
-    assert all(decode_kernel_kind(T, None, "sm90", *narrow) == "wgmma" for T in (1, 5, 16, 20, 32))
-    assert all(decode_kernel_kind(T, None, "sm90", 16, 1024, 1024) == "wgmma" for T in (1, 5, 16))
-    assert decode_kernel_kind(1, None, "sm90", 16, 1024, 1024, pdl=True) == "mma"  # as a dependent launch
-    assert decode_kernel_kind(1, None, "sm90", *narrow, pdl=True) == "wgmma"
-    assert all(decode_kernel_kind(T, None, "sm90", G, R, Dg) == "mma" for T in (1, 5, 16)
-               for G, R, Dg in [(16, 512, 2048), (8, 1024, 1024)])
-    assert decode_kernel_kind(20, True, "sm90", *narrow) == "mma" and decode_kernel_kind(20, "mma") == "mma"
-    assert decode_kernel_kind(1, "wgmma") == "wgmma"
-    assert decode_kernel_kind(20, None, "sm100", *narrow) == "mma"
-    assert use_decode_kernel(64, "wgmma") and use_decode_kernel(64, "mma") and not use_decode_kernel(1, False)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("G, HG, Dv, R", [(16, 16, 128, 512), (8, 8, 128, 1024), (16, 8, 128, 1024)])
 @pytest.mark.parametrize("T", [33, 41, 64, 300, 320])
@@ -930,20 +749,6 @@ def test_engine_config_at_33_to_64_tokens():
         assert WoASm90.config_for(T, 16, 1024, 1024) == dict(tile_m=64, tile_n=128, cluster_n=2, **ef)
     assert WoASm90.config_for(32, 8, 512, 2048) == dict(tile_m=64, tile_n=64)  # one token tile: no pair
     assert WoASm90.config_for(32, 16, 512, 2048) == dict(tile_m=64, tile_n=64)  # not measured below 33
-
-
-def test_decode_kernel_default_range():
-    from cute_kernels.wo_a import use_decode_kernel
-    assert use_decode_kernel(1, None) and use_decode_kernel(16, None) and not use_decode_kernel(17, None)
-    # 16 < T <= 32 only where the engine's 64-column tiles leave SMs idle (G=8 R=512: 64 of them)
-    assert use_decode_kernel(20, None, "sm90", 8, 512, 2048) and use_decode_kernel(32, None, "sm90", 8, 512, 2048)
-    assert not use_decode_kernel(33, None, "sm90", 8, 512, 2048)
-    assert not any(use_decode_kernel(20, None, "sm90", G, R, Dg) for G, R, Dg in [(16, 1024, 1024), (16, 512, 2048),
-                                                                                 (8, 1024, 1024)])
-    assert not use_decode_kernel(20, None, "sm100", 8, 512, 2048)
-    assert use_decode_kernel(64, True) and not use_decode_kernel(1, False)
-    assert not use_decode_kernel(1, None, "sm100")  # Blackwell keeps tcgen05 unless asked
-    assert use_decode_kernel(1, True, "sm100")
 
 
 def test_decode_plan():
@@ -970,23 +775,17 @@ def test_decode_kernel_config_errors():
         jit.get_kernel("wo_a_decode", "sm_90a", G=8, R=512, Dg=1024, bm=64, stages=12, use_disk=False)
     with pytest.raises(ValueError, match="bn=48"):
         jit.get_kernel("wo_a_decode", "sm_90a", G=8, R=512, Dg=1024, bm=16, bn=48, use_disk=False)
-    with pytest.raises(ValueError, match="chains=3"):
-        jit.get_kernel("wo_a_decode", "sm_90a", G=8, R=512, Dg=1024, bm=16, chains=3, use_disk=False)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("bm, splits, bn, stages, chains", [(16, 4, 64, 4, 1), (64, 1, 64, 4, 1), (16, 1, 32, 9, 1),
-                                                          (32, 1, 32, 6, 1), (16, 1, 32, 6, 2), (32, 1, 64, 6, 4)])
-def test_decode_kernel_machine_code(arch, bm, splits, bn, stages, chains):
-    """ldmatrix, warp MMAs and cp.async, no spills; with several MMA chains, their sum: one
-    FADD per accumulator element and extra chain."""
-    h = sass.sass_histogram("wo_a_decode", arch, G=16, R=1024, Dg=2048, bm=bm, splits=splits, bn=bn, stages=stages,
-                            chains=chains)
+@pytest.mark.parametrize("bm, splits, bn, stages", [(16, 4, 64, 4), (64, 1, 64, 4), (16, 1, 32, 9), (32, 1, 32, 6)])
+def test_decode_kernel_machine_code(arch, bm, splits, bn, stages):
+    """ldmatrix, warp MMAs and cp.async, no spills."""
+    h = sass.sass_histogram("wo_a_decode", arch, G=16, R=1024, Dg=2048, bm=bm, splits=splits, bn=bn, stages=stages)
     per_k_slice = bm * bn // (16 * 8 * 4) * (128 // 16)  # m16n8k16 per warp (4 warps) over a 128-wide K slice
     assert sass.count(h, "HMMA") >= per_k_slice and sass.count(h, "LDSM") >= 1 and sass.count(h, "LDGSTS") >= 1
     assert sass.local_memory_ops(h) == 0
     assert sass.count(h, "ACQBULK") == 0  # no grid-dependency wait unless asked
-    assert sass.count(h, "FADD") >= bm * bn // 128 * (chains - 1)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
@@ -1014,27 +813,22 @@ def test_engine_pdl_machine_code(cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T, G, HG, Dv, R, cfg", [
-    (1, 8, 16, 128, 512, dict(tok_n=8, splits=4, stages=4)),
-    (3, 16, 8, 128, 1024, dict(tok_n=8, splits=1, stages=4)),
-    (5, 8, 8, 256, 512, dict(tok_n=8, splits=8, stages=3)),
-    (13, 8, 8, 128, 1024, dict(tok_n=16, splits=2, stages=6)),
-    (16, 16, 16, 128, 512, dict(tok_n=16, splits=1, stages=4, bk=128)),
-    (29, 8, 16, 128, 512, dict(tok_n=32, splits=2, stages=4)),
-    (41, 8, 16, 128, 512, dict(tok_n=64, splits=2, stages=4)),
-    (64, 16, 8, 128, 1024, dict(tok_n=64, splits=1, stages=3)),
-    (64, 8, 16, 128, 512, dict(tok_n=64, splits=4, stages=6, bk=128)),
-    (2, 8, 8, 128, 512, dict(tok_n=16, splits=16, stages=2)),  # one K slice per CTA: stages > slices
-    # the splits as one cluster, summed through distributed shared memory
-    (1, 8, 16, 128, 512, dict(tok_n=8, splits=2, stages=8, bk=128, cluster=True)),
-    (7, 16, 8, 128, 1024, dict(tok_n=8, splits=4, stages=4, cluster=True)),
-    (27, 8, 8, 128, 1024, dict(tok_n=32, splits=8, stages=2, cluster=True)),
-    (64, 8, 16, 128, 512, dict(tok_n=64, splits=2, stages=6, bk=128, cluster=True)),
+    (1, 8, 16, 128, 512, dict(tok_n=8, stages=4)),
+    (3, 16, 8, 128, 1024, dict(tok_n=8, stages=4)),
+    (5, 8, 8, 256, 512, dict(tok_n=8, stages=3)),
+    (13, 8, 8, 128, 1024, dict(tok_n=16, stages=6)),
+    (16, 16, 16, 128, 512, dict(tok_n=16, stages=4, bk=128)),
+    (29, 8, 16, 128, 512, dict(tok_n=32, stages=4)),
+    (41, 8, 16, 128, 512, dict(tok_n=64, stages=4)),
+    (64, 16, 8, 128, 1024, dict(tok_n=64, stages=3)),
+    (64, 8, 16, 128, 512, dict(tok_n=64, stages=6, bk=128)),
+    (2, 8, 8, 64, 512, dict(tok_n=16, stages=2)),  # one K slice per CTA
 ])
 def test_sm90_decode_kernel_matches_fp64_and_replays(seed, T, G, HG, Dv, R, cfg):
-    """Each token tile, split count, depth and K slice against float64, with odd T (token rows
-    past T zero-filled by TMA, never stored): launched twice eagerly (the last-split counters
-    re-zero themselves), then replayed in a graph with fresh inputs."""
-    _check_decode_build("wo_a_decode_sm90", T, G, HG, Dv, R, max_splits=16, **cfg)
+    """Each token tile, depth and K slice against float64, with odd T (token rows past T
+    zero-filled by TMA, never stored): launched twice eagerly, then replayed in a graph with
+    fresh inputs."""
+    _check_decode_build("wo_a_decode_sm90", T, G, HG, Dv, R, max_splits=1, **cfg)
 
 
 @pytest.mark.gpu
@@ -1042,22 +836,19 @@ def test_sm90_decode_kernel_matches_fp64_and_replays(seed, T, G, HG, Dv, R, cfg)
 @pytest.mark.parametrize("T", [1, 5, 16, 20, 32, 41, 64])
 def test_sm90_decode_kernel_through_wo_a(seed, G, HG, Dv, R, T):
     """``wo_a(decode_kernel="wgmma")`` at every shape with its plan (which the default takes
-    for 16 < T <= 32 at G=8 R=512)."""
+    at T <= 16 where 64-row weight tiles leave SMs idle, G=8 R=512, and at G=16 R=1024)."""
     check_wo_a(T, G, HG, Dv, R, decode_kernel="wgmma")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits, cluster", [(1, False), (4, False), (2, True)])
-def test_sm90_decode_kernel_pdl_after_a_writer(seed, splits, cluster):
+@pytest.mark.parametrize("bk", [64, 128])
+def test_sm90_decode_kernel_pdl_after_a_writer(seed, bk):
     """The PDL build reads ``o`` only after the kernel before it: a graph of (copy fresh
-    inputs into ``o``, the kernel) x 3 on one ``o`` and workspace gives each step's product."""
+    inputs into ``o``, the kernel) x 3 on one ``o`` gives each step's product."""
     from cute_kernels import jit
-    from cute_kernels.wo_a_decode import WoADecodeWorkspace
 
     T, G, HG, Dv, R = 5, 8, 16, 128, 512
-    fn = jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=G, R=R, Dg=HG * Dv, tok_n=8, splits=splits, pdl=True,
-                        **({"cluster": True} if cluster else {}))
-    ws = WoADecodeWorkspace(G, R, max_splits=splits)
+    fn = jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=G, R=R, Dg=HG * Dv, tok_n=8, bk=bk, pdl=True)
     o, w = make(T, G, HG, Dv, R, "cuda")
     srcs = [make(T, G, HG, Dv, R, "cuda")[0] for _ in range(3)]
     outs = [torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
@@ -1067,19 +858,17 @@ def test_sm90_decode_kernel_pdl_after_a_writer(seed, splits, cluster):
     with torch.cuda.graph(g, stream=s):
         for src, out in zip(srcs, outs):
             o.copy_(src)
-            fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, w, 16), P(cutlass.BFloat16, out, 4),
-               P(cutlass.Float32, ws.partials, 4), P(cutlass.Int32, ws.counters, 4), jit.i32(T), jit.cu_stream(s))
+            fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, w, 16), P(cutlass.BFloat16, out, 4), jit.i32(T),
+               jit.cu_stream(s))
     replay_fresh(g, srcs, outs, w)
 
 
-@pytest.mark.parametrize("cfg", [dict(tok_n=8, splits=1, stages=4), dict(tok_n=64, splits=4, stages=3),
-                                 dict(tok_n=32, splits=2, stages=6, bk=128), dict(tok_n=16, splits=2, pdl=True),
-                                 dict(tok_n=8, splits=2, stages=8, bk=128, cluster=True)])
+@pytest.mark.parametrize("cfg", [dict(tok_n=8, stages=4), dict(tok_n=64, stages=3), dict(tok_n=32, stages=6, bk=128),
+                                 dict(tok_n=16, pdl=True)])
 def test_sm90_decode_kernel_machine_code(cfg):
     """TMA loads and wgmma of the token tile's width (m64n{tok_n}k16), one per 16 of K in a
-    slice; no spills; a grid-dependency wait and early launch only in the PDL build; cluster
-    barriers and no global atomic only in the cluster build (the global split path counts
-    its last arrival with one)."""
+    slice; no spills, no global atomics; a grid-dependency wait and early launch only in the
+    PDL build."""
     h = sass.sass_histogram("wo_a_decode_sm90", "sm_90a", G=16, R=1024, Dg=2048, **cfg)
     bk = cfg.get("bk", 64)
     assert sass.count(h, f"HGMMA.64x{cfg['tok_n']}x16.F32.BF16") >= bk // 16, h
@@ -1087,31 +876,26 @@ def test_sm90_decode_kernel_machine_code(cfg):
     assert sass.local_memory_ops(h) == 0
     pdl = cfg.get("pdl", False)
     assert sass.count(h, "ACQBULK") == int(pdl) and sass.count(h, "PREEXIT") == int(pdl)
-    cluster = cfg.get("cluster", False)
-    assert (sass.count(h, "UCGABAR_ARV") >= 2) == cluster and (sass.count(h, "UCGABAR_WAIT") >= 2) == cluster
-    assert (sass.count(h, "ATOMG") > 0) == (cfg["splits"] > 1 and not cluster)
+    assert sass.count(h, "ATOMG") == 0
 
 
 def test_sm90_decode_plan_and_errors():
     from cute_kernels import jit
     from cute_kernels.wo_a_decode_sm90 import plan
 
-    # one wave of 64-row tiles: 8 stages of 128 (6 for the 64-token tile), no split
-    assert plan(1, 8, 512, 2048) == dict(tok_n=8, splits=1, stages=8, bk=128)
-    assert plan(32, 8, 512, 2048) == dict(tok_n=32, splits=1, stages=8, bk=128)
-    assert plan(33, 16, 512, 2048) == dict(tok_n=64, splits=1, stages=6, bk=128)
+    # one wave of 64-row tiles: 8 stages of 128 (6 for the 64-token tile)
+    assert plan(1, 8, 512, 2048) == dict(tok_n=8, stages=8, bk=128)
+    assert plan(32, 8, 512, 2048) == dict(tok_n=32, stages=8, bk=128)
+    assert plan(33, 16, 512, 2048) == dict(tok_n=64, stages=6, bk=128)
     # 256 tiles: two CTAs per SM at 4 stages of 64
-    assert plan(5, 16, 1024, 1024) == dict(tok_n=8, splits=1, stages=4, bk=64)
+    assert plan(5, 16, 1024, 1024) == dict(tok_n=8, stages=4, bk=64)
     assert plan(16, 8, 512, 1024 + 64)["bk"] == 64  # K not a multiple of 128
     with pytest.raises(ValueError, match="T=65"):
         plan(65, 8, 512, 2048)
     with pytest.raises(ValueError, match="tok_n=24"):
         jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=8, R=512, Dg=1024, tok_n=24, use_disk=False)
-    with pytest.raises(ValueError, match="splits=3"):
-        jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=8, R=512, Dg=1024, tok_n=16, splits=3, use_disk=False)
-    with pytest.raises(ValueError, match="cluster=True with splits=16"):
-        jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=8, R=512, Dg=2048, tok_n=8, splits=16, cluster=True,
-                       use_disk=False)
+    with pytest.raises(TypeError, match="splits"):  # no K split
+        jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=8, R=512, Dg=1024, tok_n=16, splits=2, use_disk=False)
     with pytest.raises(ValueError, match="stages=40"):
         jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=8, R=512, Dg=1024, tok_n=64, stages=40, use_disk=False)
 
@@ -1124,7 +908,7 @@ def _aot_keys(arch):
     from cute_kernels import jit
 
     return {(k.name, json.dumps(k.canonical_config(c), sort_keys=True))
-            for k, c in jit.iter_aot(None, arch) if arch in k.archs}
+            for k, c in jit.iter_aot(catalog.kernels(), None, arch) if arch in k.archs}
 
 
 def _route_key(name, cfg):
@@ -1132,7 +916,7 @@ def _route_key(name, cfg):
 
     from cute_kernels import jit
 
-    return name, json.dumps(jit.registry()[name].canonical_config(cfg), sort_keys=True)
+    return name, json.dumps(catalog.kernels()[name].canonical_config(cfg), sort_keys=True)
 
 
 # every T up to 600, odd ones past the tile edges above, and far past AOT_MAX_T
@@ -1142,20 +926,18 @@ AOT_TOKENS = list(range(1, 601)) + [767, 769, 1023, 1025, 1536, 1537, 2047, 4097
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_aot_build_covers_every_default_route(arch):
-    """`python -m cute_kernels build` leaves no wo_a() call of a supported shape to compile on
-    the hot path: the kernel and config route() picks -- the rule wo_a() launches by -- is an
-    AOT item for every T (decode kernels, swapped mid-size tiles, pingpong prefill)."""
+    """`python -m cute_kernels build` leaves no default wo_a() call of a supported shape to
+    compile on the hot path: the kernel and config route() picks is an AOT item for every T
+    (decode kernels, swapped mid-size tiles, pingpong prefill) outside the cuBLAS ranges."""
     from cute_kernels.wo_a import AOT_SHAPES, route
 
     have = _aot_keys(arch)
-    # the default route, and backend="cute" (this project's kernels inside the cuBLAS bands too)
-    missing = {(G, R, Dg, T, backend) for G, R, Dg in AOT_SHAPES for T in AOT_TOKENS for backend in (None, "cute")
-               if (r := route(T, G, R, Dg, arch, backend=backend))[0] != "wo_a_cublas"
-               and _route_key(*r) not in have}
+    missing = {(G, R, Dg, T) for G, R, Dg in AOT_SHAPES for T in AOT_TOKENS
+               if (r := route(T, G, R, Dg, arch))[0] != "wo_a_cublas" and _route_key(*r) not in have}
     assert not missing, sorted(missing)[:10]
     if arch == "sm_90a":  # every kernel wo_a() dispatches to on Hopper is among them
-        assert {route(T, 8, 512, 2048, arch, backend="cute")[0] for T in (1, 20, 64, 320, 4096)} == \
-            {"wo_a", "wo_a_decode_sm90"}
+        assert {route(T, 8, 512, 2048, arch)[0] for T in (1, 20, 64, 4096)} == \
+            {"wo_a", "wo_a_decode_sm90", "wo_a_cublas"}
         assert route(1, 8, 1024, 1024, arch)[0] == "wo_a_decode"
 
 
@@ -1183,6 +965,34 @@ def test_route_matches_the_configs_it_names():
     assert len({_route_key(*x) for x in r}) == len(r) and aot_routes("sm_90a", [(8, 512, 2048)], 2000) == r
 
 
+def test_default_route_rule():
+    """The default rule, stated independently of route()'s code: on the 132-SM Hopper part, for
+    each measured shape cuBLAS inside its T ranges (16 < T <= 32 among them) and nowhere else;
+    decode kernels at T <= 16 (wgmma where 64-row weight tiles leave SMs idle, G=8 R=512, or
+    at G=16 R=1024 without PDL; warp MMAs otherwise); the engine elsewhere. Unmeasured shapes,
+    another SM count and Blackwell never take cuBLAS by default."""
+    from cute_kernels.wo_a import SM90_CUBLAS_T, route
+
+    assert len(SM90_CUBLAS_T) == 8 and all(len(r) <= 3 for r in SM90_CUBLAS_T.values())
+    for (G, R, Dg), ranges in SM90_CUBLAS_T.items():
+        assert (16, 32) in ranges
+        for T in range(1, 4200, 7):
+            name = route(T, G, R, Dg, "sm_90a")[0]
+            assert (name == "wo_a_cublas") == any(lo < T <= hi for lo, hi in ranges), (G, R, Dg, T)
+            if T <= 16:
+                wgmma = (G, R) in ((8, 512), (16, 1024))
+                assert name == ("wo_a_decode_sm90" if wgmma else "wo_a_decode"), (G, R, Dg, T)
+            assert route(T, G, R, Dg, "sm_90a", backend="cute")[0] != "wo_a_cublas"
+            assert route(T, G, R, Dg, "sm_90a", sms=114)[0] != "wo_a_cublas"
+            assert route(T, G, R, Dg, "sm_100a")[0] == "wo_a"
+    assert route(1, 16, 1024, 1024, "sm_90a", pdl=True)[0] == "wo_a_decode"
+    assert route(1, 8, 512, 2048, "sm_90a", pdl=True)[0] == "wo_a_decode_sm90"
+    assert route(100, 8, 512, 2048, "sm_90a", pdl=True)[0] == "wo_a"  # PDL keeps this project's kernels
+    assert route(20, 8, 512, 2048, "sm_90a", decode_kernel=True)[0] == "wo_a_decode"
+    assert route(100, 8, 1024, 4096, "sm_90a")[0] == "wo_a"  # an unmeasured shape
+    assert route(100, 8, 512, 2048, "sm_90a", backend="cublas")[0] == "wo_a_cublas"
+
+
 @pytest.mark.gpu
 def test_aot_entries_serve_every_t_without_compiling(seed, tmp_path, monkeypatch):
     """A deployment's view: the AOT items of one shape exported to a fresh artifact cache and
@@ -1197,7 +1007,7 @@ def test_aot_entries_serve_every_t_without_compiling(seed, tmp_path, monkeypatch
     monkeypatch.setenv("CUTE_KERNELS_CACHE_DIR", str(tmp_path))
     store = ArtifactCache(str(tmp_path))
     for name, cfg in aot_routes("sm_90a", [(G, R, HG * Dv)], max(Ts)):
-        kdef = jit.registry()[name]
+        kdef = catalog.kernels()[name]
         key = jit.CacheKey.make(kdef, "sm_90a", cfg)
         assert store.put(key, jit.compile_now(kdef, "sm_90a", cfg, options=key.options).fn)
     jit.CACHE.clear()
@@ -1210,69 +1020,7 @@ def test_aot_entries_serve_every_t_without_compiling(seed, tmp_path, monkeypatch
         jit.CACHE.clear()
 
 
-# ---- the default route's cuBLAS bands (cute_kernels/wo_a_cublas.py) ----
-
-def test_cublas_bands_are_the_measured_table():
-    """SM90_BANDS is what bands_from_rows makes of the checked-in rows (the H200's paired
-    trials, phases 98-102 / 109): sorted, disjoint (lo, hi] intervals ending on measured grid
-    points."""
-    import csv
-    import os
-    import subprocess
-    import sys
-
-    from cute_kernels.wo_a_cublas import SM90_BANDS, bands_from_rows
-
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "data", "wo_a_cublas_sm90.csv")
-    rows = list(csv.DictReader(open(path)))
-    assert bands_from_rows(rows) == SM90_BANDS
-    printed = subprocess.run([sys.executable, "-m", "cute_kernels.wo_a_cublas", path], capture_output=True,
-                             text=True, check=True).stdout
-    assert eval(printed.split("=", 1)[1]) == SM90_BANDS  # the retuning command prints the same table
-    grid = {(int(r["G"]), int(r["R"]), int(r["Dg"]), int(r["T"])) for r in rows}
-    for shape, bands in SM90_BANDS.items():
-        flat = [t for band in bands for t in band]
-        assert flat == sorted(flat) and all(lo < hi for lo, hi in bands)
-        assert all((*shape, hi) in grid for _, hi in bands)
-
-
-@pytest.mark.parametrize("mid, mid_won, edge, bands", [
-    (1.02, 15, 1.10, ((0, 40),)),  # a narrow win between two clear ones joins them
-    (1.02, 11, 1.10, ((0, 16), (24, 40))),  # won in fewer than 80% of the trials: a hole
-    (0.99, 15, 1.10, ((0, 16), (24, 40))),  # a loss: a hole
-    (1.10, 15, 1.02, ((0, 32),)),  # a narrow win at the end: no neighbour above, not taken
-])
-def test_cublas_bands_rule(mid, mid_won, edge, bands):
-    """bands_from_rows: (lo, hi] up to each grid point cuBLAS won by MIN_SPEEDUP in MIN_WON of
-    the trials; a narrower win only between two such points."""
-    from cute_kernels.wo_a_cublas import bands_from_rows
-
-    speedups = [(1.10, 15), (1.10, 15), (mid, mid_won), (1.10, 15), (edge, 15)]
-    rows = [dict(G=8, R=512, Dg=2048, T=8 * (i + 1), c_speedup=sp, c_won=won, trials=15)
-            for i, (sp, won) in enumerate(speedups)]
-    assert bands_from_rows(rows) == {(8, 512, 2048): bands}
-
-
-def test_route_takes_cublas_inside_its_bands_only():
-    """The default Hopper route takes cuBLAS inside a band ((lo, hi]: both edges), this
-    project's kernels outside it, under backend="cute", decode_kernel or pdl, off Hopper and
-    for shapes not measured; backend="cublas" takes it anywhere."""
-    from cute_kernels.wo_a import route
-
-    assert route(320, 8, 512, 2048, "sm_90a") == ("wo_a_cublas", dict(G=8, R=512, Dg=2048))
-    assert route(333, 8, 512, 2048, "sm_90a")[0] == "wo_a_cublas"  # off the grid, inside (64, 440]
-    assert route(736, 8, 512, 2048, "sm_90a")[0] == "wo_a"  # (728, 1024]: the mid-T swapped tiles held
-    assert route(288, 16, 1024, 1024, "sm_90a")[0] == "wo_a_cublas"  # a band's upper edge
-    assert route(289, 16, 1024, 1024, "sm_90a")[0] == "wo_a"  # (288, 320] measured ours
-    assert route(256, 16, 1024, 1024, "sm_90a")[0] == "wo_a"  # a band's open lower edge
-    for kw in (dict(backend="cute"), dict(pdl=True), dict(decode_kernel=False)):
-        assert route(320, 8, 512, 2048, "sm_90a", **kw)[0] == "wo_a", kw
-    assert route(320, 8, 512, 2048, "sm_100a")[0] == "wo_a"  # nothing measured on Blackwell
-    assert route(320, 2, 512, 1024, "sm_90a")[0] == "wo_a"  # a shape not measured (the runtime's test model)
-    assert route(320, 8, 512, 2048, "sm_90a", sms=114)[0] == "wo_a"  # a Hopper part not measured (H100 PCIe)
-    assert all(route(T, 8, 512, 2048, "sm_90a")[0] != "wo_a_cublas" for T in (1, 5, 16, 64, 4096, 16384))
-    assert route(5, 8, 512, 2048, "sm_100a", backend="cublas")[0] == "wo_a_cublas"
-
+# ---- the cuBLAS route (cute_kernels/wo_a_cublas.py) ----
 
 @pytest.mark.parametrize("T", [1, 77])
 def test_cublas_views_compute_wo_a_on_cpu(seed, T):

@@ -104,8 +104,6 @@ def test_plan_and_config_errors():
     with pytest.raises(ValueError, match="bk=192"):
         jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=8, R=512, Dg=1024, bk=192, use_disk=False)
     assert not WoADecodeFp8.can_implement(1, 8, 512, 384, bk=256)  # K in whole 256-wide slices
-    with pytest.raises(ValueError, match="widen='global'"):
-        jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=8, R=512, Dg=1024, widen="global", use_disk=False)
 
 
 def k_columns(bk):
@@ -141,34 +139,26 @@ def test_k_permutation_is_a_permutation_with_16_byte_runs(seed, bk):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("bm, splits, bn, stages, bk, widen", [(16, 1, 32, 6, 128, "registers"),
-                                                              (32, 2, 64, 4, 128, "registers"),
-                                                              (16, 1, 32, 4, 256, "registers"),
-                                                              (16, 1, 32, 6, 128, "smem"),
-                                                              (16, 1, 32, 4, 256, "smem")])
-def test_machine_code(arch, bm, splits, bn, stages, bk, widen):
-    """cp.async of both operands, the e4m3 -> bf16 widening (F2FP ... E4M3 unpack, then bf16
-    packs), bf16 warp MMAs per K slice, one FFMA per accumulator element and scale block (the
-    promotion), no spills. Widening in registers: the permuted fragments load as 16-byte shared
-    loads (a thread's slice: 16 o elements per row and 16 weight bytes per column, per 64-wide
-    chunk), no ldmatrix, and one barrier per slice; through shared memory: ldmatrix and a
-    second barrier."""
+@pytest.mark.parametrize("bm, splits, bn, stages, bk", [(16, 1, 32, 6, 128), (32, 2, 64, 4, 128), (16, 1, 32, 4, 256)])
+def test_machine_code(arch, bm, splits, bn, stages, bk):
+    """cp.async of both operands, the e4m3 -> bf16 widening in registers (F2FP ... E4M3 unpack,
+    then bf16 packs), bf16 warp MMAs per K slice, one FFMA per accumulator element and scale
+    block (the promotion), no spills; the permuted fragments load as 16-byte shared loads (a
+    thread's slice: 16 o elements per row and 16 weight bytes per column, per 64-wide chunk),
+    no ldmatrix, and one barrier per slice."""
     h = sass.sass_histogram("wo_a_decode_fp8", arch, G=16, R=1024, Dg=2048, bm=bm, splits=splits, bn=bn,
-                            stages=stages, widen=widen, **({"bk": bk} if bk != 128 else {}))
+                            stages=stages, **({"bk": bk} if bk != 128 else {}))
     per_k_slice = bm * bn // (16 * 8 * 4) * (bk // 16)  # m16n8k16 per warp over a bk-wide K slice
     assert sass.count(h, "HMMA") >= per_k_slice and sass.count(h, "LDGSTS") >= 2, h
     assert any("E4M3" in m for m in h), h
     assert sass.count(h, "FFMA") >= bm * bn // 128 * (bk // 128)
     assert sass.local_memory_ops(h) == 0
     chunks = bk // 64
-    if widen == "registers":
-        a_loads = (bm // 16) * 2 * chunks * 2  # m16 blocks x 2 rows x chunks x two 16-byte loads
-        b_loads = (bn // 32) * chunks  # n8 blocks per warp x chunks
-        assert sass.count(h, "LDS.128") >= a_loads + b_loads and sass.count(h, "LDSM") == 0, h
-        if splits == 1:
-            assert sass.count(h, "BAR.SYNC") == 1, h
-    else:
-        assert sass.count(h, "LDSM") >= 2 and sass.count(h, "BAR.SYNC") >= 2, h
+    a_loads = (bm // 16) * 2 * chunks * 2  # m16 blocks x 2 rows x chunks x two 16-byte loads
+    b_loads = (bn // 32) * chunks  # n8 blocks per warp x chunks
+    assert sass.count(h, "LDS.128") >= a_loads + b_loads and sass.count(h, "LDSM") == 0, h
+    if splits == 1:
+        assert sass.count(h, "BAR.SYNC") == 1, h
 
 
 @pytest.mark.gpu
@@ -187,21 +177,18 @@ def test_matches_reference_on_gpu(seed, G, HG, Dv, R, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("widen", ["registers", "smem"])
 @pytest.mark.parametrize("bm, splits, bn, stages, bk", [(16, 1, 32, 6, 128), (16, 4, 64, 4, 128), (32, 2, 32, 3, 128),
                                                        (32, 1, 64, 6, 128), (16, 1, 32, 4, 256), (32, 2, 64, 3, 256),
                                                        (16, 1, 32, 12, 128)])
-@pytest.mark.parametrize("chains, rotate_k", [(1, False), (2, True)])
-def test_every_config_and_graph_replay(seed, bm, splits, bn, stages, bk, widen, chains, rotate_k):
-    """Each token tile, column tile, split count, depth, K slice and widening: twice eagerly,
+def test_every_config_and_graph_replay(seed, bm, splits, bn, stages, bk):
+    """Each token tile, column tile, split count, depth and K slice: twice eagerly,
     then replayed in a graph with fresh inputs (the split counters re-zero themselves)."""
     from cute_kernels import jit
     from cute_kernels.wo_a_decode import WoADecodeWorkspace
 
     G, HG, Dv, R, T = 8, 8, 128, 512, (3 if bm == 16 else 29)
     fn = jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=G, R=R, Dg=HG * Dv, bm=bm, splits=splits, bn=bn,
-                        stages=stages, widen=widen, chains=chains, rotate_k=rotate_k,
-                        **({"bk": bk} if bk != 128 else {}))
+                        stages=stages, **({"bk": bk} if bk != 128 else {}))
     ws = WoADecodeWorkspace(G, R, max_splits=8)
     o, w8, scale = make(T, G, HG, Dv, R, "cuda")
     out = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)

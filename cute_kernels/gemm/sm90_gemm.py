@@ -38,33 +38,21 @@ waited for every k-tile of tile ``j - 1``. That keeps the tensor cores on one ti
 and it is what makes the stateless phase bits safe: a stage's barrier can then be at most one
 phase behind the position waited on, never two.
 
-``persistent`` (the same persistent CTA and producer, on 128-row cooperative tiles): both
-consumer warp groups take every tile, each storing its 64 rows through its own two subtile
-buffers while the producer already fills the next tile's stages; a stage is freed by both
-warp groups, so neither can run a phase ahead of the other.
-
 Options (compile time): ``cluster_mn`` (1 or 2 per mode: TMA multicast of shared tiles);
 ``pdl`` (launch as a programmatic dependent: the prologue's tiles of ``pdl_early_operand``,
 the one the previous kernel does not write, load before ``griddepcontrol.wait``);
 ``occupancy`` (CTAs per SM that the stage count, and for 128-row tiles the warp count, leave
 room for); ``pingpong`` with ``sm_count`` (64-row tiles, one CTA per SM, no PDL);
-``persistent`` with ``sm_count`` (128-row tiles, one CTA per SM, no PDL; measured 0.98-1.05x
-the one-tile-per-CTA kernel at T = 1024-4096, below pingpong; bench/RESULTS.md twentieth session);
 ``l2_hint_a`` / ``l2_hint_b`` (an :data:`L2_HINTS` cache hint on that operand's TMA loads);
 ``max_stages`` (a cap on the operand stages, which otherwise fill shared memory);
-at call time, ``timeline`` (a debug trace of the one-tile-per-CTA kernel: per-CTA SM and
-``%globaltimer`` stamps, :data:`TIMELINE_SLOTS`; ``tools/probe_wo_a_timeline.py``);
 ``cluster_exit``, how a clustered CTA outlives its peers' arrivals on its barriers:
 ``"barrier"`` (every thread meets the cluster at a ``barrier.cluster`` arrive / wait around
 the epilogue) or ``"producer_tail"`` (the producer -- warp 0 with ``inline_producer``, after
 its epilogue -- waits on every stage's empty barrier, which the last remote consumer release
 completes, as CUTLASS's Hopper kernels do; no cluster-wide barrier, so no release fence
 before the epilogue and no CTA waits for its slower peer to finish its own). Default: the
-producer tail for the one-tile-per-CTA kernel, the barrier for pingpong -- H200,
-tools/probe_wo_a_tiles.py, three readings in one session (bench/RESULTS.md, fourteenth
-session): the tail 1-7% faster for WO-A's swapped CTA pairs at T = 320 in 12 of 12 (shape,
-reading) points; on the persistent pingpong pairs at T >= 1024 within +-10% either way,
-slower on average.
+producer tail for the one-tile-per-CTA kernel (faster for WO-A's swapped CTA pairs), the
+barrier for pingpong.
 
 Constraints: A and B of one 16-bit type (bf16 / fp16) or 8-bit floats (e4m3 / e5m2), both
 K-major; ``tile_m`` in {64, 128}; ``tile_n`` a multiple of 16 in 32..256 (an odd multiple of 16:
@@ -76,8 +64,6 @@ Tests / machine code: ``pytest tests/test_wo_a.py tests/test_draft_head_fp8.py``
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -112,13 +98,6 @@ L2_HINTS = {"evict_first": 0x12F0000000000000, "evict_normal": 0x100000000000000
             "evict_last": 0x14F0000000000000}
 #: M tiles per raster group (L2 reuse of the B tiles across concurrent CTAs)
 RASTER_GROUP_M = 8
-#: the debug timeline's slots (``timeline``): the CTA's SM, then ``%globaltimer`` at kernel
-#: entry, after the barrier-init cluster sync, once the first stage has landed (warp 0),
-#: after the last k-tile's MMAs retired, after the epilogue's stores were issued (thread 0),
-#: and after the producer warp issued its last load
-(STAMP_SM, STAMP_ENTRY, STAMP_INIT, STAMP_FIRST_STAGE, STAMP_MAINLOOP_END, STAMP_EPILOGUE_END,
- STAMP_LOADS_ISSUED) = range(7)
-TIMELINE_SLOTS = 8
 
 
 class Sm90Gemm:
@@ -127,18 +106,13 @@ class Sm90Gemm:
     def __init__(self, tile_mn: tuple[int, int], cluster_mn: tuple[int, int] = (1, 1), *, pdl: bool = False,
                  pdl_early_operand: str = "b", occupancy: int = 1, pingpong: bool = False,
                  sm_count: int = 132, acc_dtype=Float32, cluster_exit: str | None = None,
-                 l2_hint_a: str | None = None, l2_hint_b: str | None = None, max_stages: int | None = None,
-                 persistent: bool = False):
+                 l2_hint_a: str | None = None, l2_hint_b: str | None = None, max_stages: int | None = None):
         tile_m, tile_n = tile_mn
         if tile_m not in (64, 128):
             raise ValueError(f"Sm90Gemm: tile_m must be 64 or 128, got {tile_m}")
         if pingpong and (tile_m != 64 or occupancy != 1 or pdl):
             raise ValueError(f"Sm90Gemm: pingpong runs 64-row tiles, one persistent CTA per SM, without PDL; got "
                              f"tile_m={tile_m}, occupancy={occupancy}, pdl={pdl}")
-        if persistent and (pingpong or tile_m != 128 or occupancy != 1 or pdl):
-            raise ValueError(f"Sm90Gemm: persistent runs 128-row cooperative tiles (not pingpong), one persistent CTA "
-                             f"per SM, without PDL; got tile_m={tile_m}, pingpong={pingpong}, occupancy={occupancy}, "
-                             f"pdl={pdl}")
         if sm_count < 1:
             raise ValueError(f"Sm90Gemm: sm_count must be >= 1, got {sm_count}")
         if tile_n % 16 or not 32 <= tile_n <= 256:
@@ -148,7 +122,7 @@ class Sm90Gemm:
         if occupancy not in (1, 2):
             raise ValueError(f"Sm90Gemm: occupancy must be 1 or 2, got {occupancy}")
         if cluster_exit is None:
-            cluster_exit = "barrier" if pingpong or persistent else "producer_tail"
+            cluster_exit = "barrier" if pingpong else "producer_tail"
         if cluster_exit not in ("barrier", "producer_tail"):
             raise ValueError(f"Sm90Gemm: cluster_exit must be 'barrier' or 'producer_tail', got {cluster_exit!r}")
         for name, hint in (("l2_hint_a", l2_hint_a), ("l2_hint_b", l2_hint_b)):
@@ -165,9 +139,6 @@ class Sm90Gemm:
         self.epi_n = EPI_N if tile_n % EPI_N == 0 else 16
         self.cluster_mn = tuple(cluster_mn)
         self.pdl, self.pdl_early_a = pdl, pdl_early_operand == "a"
-        # the launch attribute alone (host side): a probe may launch the PDL build without it,
-        # to part the build's code from the launch overlap (tools/probe_wo_a_timeline.py PDL=code)
-        self.pdl_launch = pdl
         self.occupancy = occupancy
         self.cluster_exit = cluster_exit
         self.acc_dtype = acc_dtype
@@ -184,16 +155,13 @@ class Sm90Gemm:
         self.pingpong, self.sm_count = pingpong, sm_count
         if pingpong:
             self.consumer_wgs = 2
-        # ``persistent``: the same persistent CTA, both warp groups on every 128-row tile (as the
-        # one-tile-per-CTA kernel) -- the producer fills the next tile's stages during the epilogue
-        self.persistent = persistent
         self.threads = WARP_GROUP * self.consumer_wgs + (0 if self.inline_producer else 32)
         self.producer_warp = 0 if self.inline_producer else 4 * self.consumer_wgs
 
     def epilogue_bytes(self, c_width: int) -> int:
-        """Shared memory of the persistent kernel's epilogue subtiles, each consumer warp group's
+        """Shared memory of the pingpong kernel's epilogue subtiles, each consumer warp group's
         own 64-row ones (the one-tile-per-CTA epilogue reuses A's buffers: 0)."""
-        return 2 * PINGPONG_EPI_STAGES * 64 * self.epi_n * c_width // 8 if self.pingpong or self.persistent else 0
+        return 2 * PINGPONG_EPI_STAGES * 64 * self.epi_n * c_width // 8 if self.pingpong else 0
 
     def stages_for(self, tile_k: int, ab_width: int, c_width: int = 16) -> int:
         """Operand stages that fit ``occupancy`` CTAs per SM (the cooperative epilogue reuses A's
@@ -205,14 +173,7 @@ class Sm90Gemm:
         return fit if self.max_stages is None else min(fit, self.max_stages)
 
     @cute.jit
-    def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda.CUstream,
-                 timeline: Optional[cute.Tensor] = None):
-        """``timeline``: a debug trace -- an Int64 (CTAs, TIMELINE_SLOTS) tensor that each CTA
-        of the one-tile-per-CTA kernel fills with its SM and ``%globaltimer`` stamps (see
-        :data:`TIMELINE_SLOTS`); None (every shipped build) compiles no stamps."""
-        persistent_cta = self.pingpong or self.persistent  # a persistent CTA of either schedule
-        if const_expr(timeline is not None and persistent_cta):
-            raise ValueError("Sm90Gemm: timeline traces the one-tile-per-CTA kernel, not a persistent one")
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda.CUstream):
         self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
         if const_expr(self.a_dtype.width != self.b_dtype.width or self.a_dtype.width not in (8, 16)):
             raise TypeError(f"Sm90Gemm: A and B must both be 16-bit or both 8-bit, got {self.a_dtype}, {self.b_dtype}")
@@ -228,23 +189,22 @@ class Sm90Gemm:
             self.a_dtype, self.b_dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
             self.acc_dtype, (mma_wgs, 1, 1), tiler_mn=(64, tile_n))
         # four wgmma k-steps per stage: 64 (16-bit) or 128 (8-bit) elements, 128 bytes a row (one
-        # swizzle atom). Eight (two TMA boxes a stage, half the barrier round trips) measured no
-        # faster at T = 320 (bench/RESULTS.md, fourteenth session)
+        # swizzle atom)
         tile_k = cute.size(tiled_mma.shape_mnk, mode=[2]) * 4
         self.tile_mnk = (tile_m, tile_n, tile_k)
         self.stages = self.stages_for(tile_k, self.a_dtype.width, self.c_dtype.width)
         if const_expr(self.stages < 2):
             raise ValueError(f"Sm90Gemm: a {tile_m}x{tile_n}x{tile_k} tile leaves {self.stages} operand stage(s) "
                              f"at occupancy {self.occupancy}; at least 2 are needed")
-        # epi_n-column subtiles over the whole tile height (both warp groups' rows); a persistent
-        # CTA's warp groups each store their own 64 rows
-        epi_tile = (64 if persistent_cta else tile_m, self.epi_n)
+        # epi_n-column subtiles over the whole tile height (both warp groups' rows); pingpong's
+        # warp groups each store their own 64 rows
+        epi_tile = (64 if self.pingpong else tile_m, self.epi_n)
         self.epi_tile = epi_tile
         sA_layout = sm90_utils.make_smem_layout_a(a_major, self.tile_mnk, self.a_dtype, self.stages)
         sB_layout = sm90_utils.make_smem_layout_b(b_major, self.tile_mnk, self.b_dtype, self.stages)
-        epi_stages = 2 * PINGPONG_EPI_STAGES if persistent_cta else EPI_STAGES
+        epi_stages = 2 * PINGPONG_EPI_STAGES if self.pingpong else EPI_STAGES
         sC_layout = sm90_utils.make_smem_layout_epi(self.c_dtype, c_major, epi_tile, epi_stages)
-        if const_expr(not persistent_cta
+        if const_expr(not self.pingpong
                       and cute.cosize(sC_layout) * self.c_dtype.width > cute.cosize(sA_layout) * self.a_dtype.width):
             raise ValueError("Sm90Gemm: the epilogue's subtiles do not fit in A's buffers")
 
@@ -257,7 +217,7 @@ class Sm90Gemm:
         M, N, L = cute.size(c, mode=[0]), cute.size(c, mode=[1]), cute.size(c, mode=[2])
         cluster_rows = (M + tile_m * cluster_m - 1) // (tile_m * cluster_m)
         cluster_cols = (N + tile_n * cluster_n - 1) // (tile_n * cluster_n)
-        if const_expr(persistent_cta):
+        if const_expr(self.pingpong):
             @cute.struct
             class PersistentStorage:
                 ab_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
@@ -268,12 +228,7 @@ class Sm90Gemm:
             self.shared_storage = PersistentStorage
             # one cluster per (cluster_m x cluster_n) SMs, each walking cluster tiles P apart
             clusters = cutlass.min(cluster_rows * cluster_cols * L, self.sm_count // (cluster_m * cluster_n))
-            # the epilogue's MMA: one warp group's 64 rows (pingpong's own; a warp group's half of
-            # the persistent cooperative tile)
-            epi_mma = tiled_mma if const_expr(self.pingpong) else sm90_utils.make_trivial_tiled_mma(
-                self.a_dtype, self.b_dtype, a_major.sm90_mma_major_mode(), b_major.sm90_mma_major_mode(),
-                self.acc_dtype, (1, 1, 1), tiler_mn=(64, tile_n))
-            self.kernel_persistent(tma_a, mA, tma_b, mB, tma_c, mC, tiled_mma, epi_mma, sA_layout, sB_layout,
+            self.kernel_pingpong(tma_a, mA, tma_b, mB, tma_c, mC, tiled_mma, sA_layout, sB_layout,
                                    sC_layout, cluster_rows, cluster_cols, L).launch(
                 grid=(clusters * cluster_m, cluster_n, 1), block=[self.threads, 1, 1],
                 cluster=(cluster_m, cluster_n, 1), stream=stream)
@@ -286,10 +241,9 @@ class Sm90Gemm:
 
             self.shared_storage = SharedStorage
             grid = (cluster_rows * cluster_m, cluster_cols * cluster_n, L)
-            self.kernel(tma_a, mA, tma_b, mB, tma_c, mC, tiled_mma, sA_layout, sB_layout, sC_layout,
-                        timeline).launch(
+            self.kernel(tma_a, mA, tma_b, mB, tma_c, mC, tiled_mma, sA_layout, sB_layout, sC_layout).launch(
                 grid=grid, block=[self.threads, 1, 1], cluster=(cluster_m, cluster_n, 1), stream=stream,
-                use_pdl=self.pdl_launch)
+                use_pdl=self.pdl)
 
     @staticmethod
     def _tma_load(t: cute.Tensor, smem_layout_staged, tile: tuple[int, int], multicast: int):
@@ -343,11 +297,9 @@ class Sm90Gemm:
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                tma_c: cute.CopyAtom, mC: cute.Tensor, tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
-               sB_layout: cute.ComposedLayout, sC_layout: cute.ComposedLayout, mT: Optional[cute.Tensor]):
+               sB_layout: cute.ComposedLayout, sC_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        trace = self.trace_row(mT)
-        self.stamp(trace, STAMP_ENTRY, tidx == 0)
         if warp == self.producer_warp:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
@@ -369,31 +321,28 @@ class Sm90Gemm:
         gC = cute.local_tile(mC, self.tile_mnk, coord, proj=(1, 1, None))  # (bM, bN)
         k_tiles = cute.size(gA, mode=[2])
         pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
-        self.stamp(trace, STAMP_INIT, tidx == 0)
 
         loads = self.load_partitions(tma_a, tma_b, sA, sB, gA, gB, cluster_layout, cluster_coord)
-        consume = (ab_pipe, tiled_mma, tma_c, sA, sB, sC_layout, gC, tidx, warp, k_tiles, loads, trace)
+        consume = (ab_pipe, tiled_mma, tma_c, sA, sB, sC_layout, gC, tidx, warp, k_tiles, loads)
         if const_expr(self.inline_producer):
             # every warp consumes (warp 0 also loads): no producer-warp branch in the binary
             self.consume(*consume, is_clustered)
         else:
             if warp >= 4 * self.consumer_wgs:  # the producer warp
                 self.load(ab_pipe, loads, k_tiles)
-                self.stamp(trace, STAMP_LOADS_ISSUED, tidx % 32 == 0)
                 if const_expr(is_clustered):
                     self.exit_tail(ab_pipe, k_tiles)
             else:
                 self.consume(*consume, is_clustered)
 
     @cute.jit
-    def consume(self, ab_pipe, tiled_mma, tma_c, sA, sB, sC_layout, gC, tidx, warp, k_tiles, loads, trace,
+    def consume(self, ab_pipe, tiled_mma, tma_c, sA, sB, sC_layout, gC, tidx, warp, k_tiles, loads,
                 is_clustered: cutlass.Constexpr):
         """A consumer warp group: the MMAs over every k-tile, then its share of the epilogue."""
         if const_expr(self.inline_producer):
             if warp == 0:
                 self.load_prologue(ab_pipe, loads, k_tiles)
-        acc = self.mma(ab_pipe, tiled_mma, sA, sB, gC, warp, k_tiles, loads, trace)
-        self.stamp(trace, STAMP_MAINLOOP_END, tidx == 0)
+        acc = self.mma(ab_pipe, tiled_mma, sA, sB, gC, warp, k_tiles, loads)
         barrier_exit = const_expr(is_clustered and self.cluster_exit == "barrier")
         if const_expr(barrier_exit):
             cute.arch.cluster_arrive()
@@ -401,35 +350,11 @@ class Sm90Gemm:
             # stores after the previous grid's writes (the loads already waited for it)
             cute.arch.griddepcontrol_wait()
         self.epilogue(acc, tiled_mma, tma_c, sA, sC_layout, gC, tidx, warp)
-        self.stamp(trace, STAMP_EPILOGUE_END, tidx == 0)
         if const_expr(barrier_exit):
             cute.arch.cluster_wait()
         if const_expr(is_clustered and not barrier_exit and self.inline_producer):
             if warp == 0:
                 self.exit_tail(ab_pipe, k_tiles)
-
-    @cute.jit
-    def trace_row(self, mT):
-        """This CTA's row of the debug timeline (None without one); its SM in slot 0. CTAs
-        past the timeline's rows share its last one (never a write out of bounds)."""
-        row = None
-        if const_expr(mT is not None):
-            bx, by, bz = cute.arch.block_idx()
-            gx, gy, _ = cute.arch.grid_dim()
-            linear = cutlass.min(bx + by * gx + bz * gx * gy, cute.size(mT, mode=[0]) - 1)
-            row = mT[(linear, None)]
-            tidx, _, _ = cute.arch.thread_idx()
-            if tidx == 0:
-                row[STAMP_SM] = cutlass.Int64(cute.arch.smid())
-        return row
-
-    @cute.jit
-    def stamp(self, row, slot: cutlass.Constexpr, pred):
-        """``%globaltimer`` (ns) into ``slot`` of the debug timeline row where ``pred`` holds;
-        nothing without a timeline."""
-        if const_expr(row is not None):
-            if pred:
-                row[slot] = cute.arch.globaltimer()
 
     @cute.jit
     def exit_tail(self, ab_pipe, loads_issued):
@@ -447,24 +372,21 @@ class Sm90Gemm:
                 pipeline.PipelineState(self.stages, pos, pos % self.stages, (pos // self.stages + 1) % 2))
 
     @cute.kernel
-    def kernel_persistent(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-                          tma_c: cute.CopyAtom, mC: cute.Tensor, tiled_mma: cute.TiledMma, epi_mma: cute.TiledMma,
-                          sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
-                          sC_layout: cute.ComposedLayout, cluster_rows: cutlass.Int32, cluster_cols: cutlass.Int32,
-                          batches: cutlass.Int32):
-        """Persistent: cluster ``c`` of ``P`` takes cluster tiles ``c, c + P, ...``, and the
-        producer warp loads every tile's k-tiles in order at pipeline positions ``j * k_tiles +
-        kt`` for the CTA's j-th tile. ``pingpong``: tile j goes to consumer warp group ``j % 2``;
-        ``persistent``: both warp groups take every tile, each its 64 rows."""
+    def kernel_pingpong(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+                        tma_c: cute.CopyAtom, mC: cute.Tensor, tiled_mma: cute.TiledMma,
+                        sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
+                        sC_layout: cute.ComposedLayout, cluster_rows: cutlass.Int32, cluster_cols: cutlass.Int32,
+                        batches: cutlass.Int32):
+        """Persistent pingpong: cluster ``c`` of ``P`` takes cluster tiles ``c, c + P, ...``,
+        the producer warp loads every tile's k-tiles in order at pipeline positions ``j *
+        k_tiles + kt`` for the CTA's j-th tile, and tile j goes to consumer warp group ``j % 2``."""
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == self.producer_warp:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
-        # pingpong: one warp group reads each stage, its 4 warps (x multicast partners) free it;
-        # persistent: both warp groups
-        cluster_layout, cluster_coord, storage, ab_pipe = self.shared_ab_pipeline(
-            sA_layout, sB_layout, WARP_GROUP if const_expr(self.pingpong) else WARP_GROUP * self.consumer_wgs)
+        # one warp group reads each stage, its 4 warps (x multicast partners) free it
+        cluster_layout, cluster_coord, storage, ab_pipe = self.shared_ab_pipeline(sA_layout, sB_layout, WARP_GROUP)
         is_clustered = const_expr(cute.size(cluster_layout) > 1)
 
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
@@ -491,26 +413,23 @@ class Sm90Gemm:
                 self.exit_tail(ab_pipe, tiles * k_tiles)
         else:  # the consumer warp groups
             wg = warp // 4
-            # pingpong: a 64-row tiled MMA, the same for both warp groups; persistent: the
-            # cooperative one, warp group wg's rows of it
-            thr_mma = tiled_mma.get_slice(0 if const_expr(self.pingpong) else wg * WARP_GROUP)
+            # a 64-row tiled MMA, the same for both warp groups
+            thr_mma = tiled_mma.get_slice(0)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             k_blocks = cute.size(tCrA, mode=[2])
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            first, step = (wg, 2) if const_expr(self.pingpong) else (0, 1)
-            for j in cutlass.range(first, tiles, step, unroll=1):
+            for j in cutlass.range(wg, tiles, 2, unroll=1):
                 linear = cid + j * clusters
                 m, n = self.raster(linear % per_batch, cluster_rows, cluster_cols)
                 gC = cute.local_tile(mC, self.tile_mnk, (m, n, None, linear // per_batch), proj=(1, 1, None))
                 acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape, self.acc_dtype)
                 acc.fill(0.0)
-                if const_expr(self.pingpong):
-                    if j > 0:
-                        # the other warp group has waited for every k-tile of tile j - 1, so the
-                        # stages' phase bits this one waits on are those of tile j (not older
-                        # ones) -- and the tensor cores take the tiles in order
-                        cute.arch.barrier(barrier_id=ORDER_BARRIER + wg, number_of_threads=2 * WARP_GROUP)
+                if j > 0:
+                    # the other warp group has waited for every k-tile of tile j - 1, so the
+                    # stages' phase bits this one waits on are those of tile j (not older
+                    # ones) -- and the tensor cores take the tiles in order
+                    cute.arch.barrier(barrier_id=ORDER_BARRIER + wg, number_of_threads=2 * WARP_GROUP)
                 base = j * k_tiles
                 read = pipeline.PipelineState(self.stages, base, base % self.stages, (base // self.stages) % 2)
                 release = read.clone()
@@ -522,15 +441,12 @@ class Sm90Gemm:
                     ab_pipe.consumer_release(release)
                     release.advance()
                     read.advance()
-                if const_expr(self.pingpong):
-                    if j + 1 < tiles:
-                        cute.arch.barrier_arrive(barrier_id=ORDER_BARRIER + 1 - wg, number_of_threads=2 * WARP_GROUP)
+                if j + 1 < tiles:
+                    cute.arch.barrier_arrive(barrier_id=ORDER_BARRIER + 1 - wg, number_of_threads=2 * WARP_GROUP)
                 warpgroup.wait_group(0)
                 ab_pipe.consumer_release(release)
-                if const_expr(not self.pingpong):
-                    gC = cute.local_tile(gC, (64, self.tile_mnk[1]), (wg, 0))  # this warp group's rows
                 # this warp group's own subtile buffers, store warp and barrier
-                self.store_tile(acc, epi_mma, tma_c, sC, gC, tidx % WARP_GROUP, warp % 4 == 0, WARP_GROUP,
+                self.store_tile(acc, tiled_mma, tma_c, sC, gC, tidx % WARP_GROUP, warp % 4 == 0, WARP_GROUP,
                                 PINGPONG_EPI_BARRIER + wg, wg * PINGPONG_EPI_STAGES, PINGPONG_EPI_STAGES)
         if const_expr(is_clustered and self.cluster_exit == "barrier"):
             self.exit_tail(ab_pipe, tiles * k_tiles)
@@ -571,24 +487,11 @@ class Sm90Gemm:
         pos = kt if const_expr(base is None) else base + kt
         state = pipeline.PipelineState(self.stages, pos, pos % self.stages, (pos // self.stages + 1) % 2)
         if const_expr(acquire):
-            self.acquire_stage(ab_pipe, state)
+            ab_pipe.producer_acquire(state)
         bar = ab_pipe.producer_get_barrier(state)
         for name, (atom, tXgX, tXsX, mask), hint in zip("ab", loads, self.l2_hints):
             if const_expr(name in operands):
                 self.tma_load(atom, tXgX[(None, kt)], tXsX[(None, state.index)], bar, mask, hint)
-
-    @cute.jit
-    def acquire_stage(self, ab_pipe, state):
-        """The producer's wait for stage ``state`` to be free: on its empty barrier, then it
-        expects the stage's A + B bytes on the full one. (One method so that
-        tools/probe_wo_a_ktrace.py can time the wait; inlined, no cost.)"""
-        ab_pipe.producer_acquire(state)
-
-    @cute.jit
-    def wait_stage(self, ab_pipe, read):
-        """A consumer's wait for stage ``read`` to land (its full barrier); timed by
-        tools/probe_wo_a_ktrace.py."""
-        ab_pipe.consumer_wait(read)
 
     @cute.jit
     def load_prologue(self, ab_pipe, loads, k_tiles):
@@ -616,7 +519,7 @@ class Sm90Gemm:
             self.load_k_tile(ab_pipe, loads, kt)
 
     @cute.jit
-    def mma(self, ab_pipe, tiled_mma, sA, sB, gC, warp, k_tiles, loads, trace=None):
+    def mma(self, ab_pipe, tiled_mma, sA, sB, gC, warp, k_tiles, loads):
         """A consumer warp group: its 64 rows of the tile, accumulated over every k-tile (and,
         with ``inline_producer``, warp 0 loading k-tile ``k + stages`` once stage ``k`` is free,
         after the prologue's stages it loaded in :meth:`consume`)."""
@@ -627,7 +530,6 @@ class Sm90Gemm:
         # first k-tile: overwrite the (uninitialised) accumulators
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
         self.mma_k_tile(ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks, first=True)
-        self.stamp(trace, STAMP_FIRST_STAGE, cute.arch.thread_idx()[0] == 0)
         read.advance()
         for _ in cutlass.range(1, k_tiles, unroll=1):
             self.mma_k_tile(ab_pipe, tiled_mma, tCrA, tCrB, acc, read, k_blocks)
@@ -664,7 +566,7 @@ class Sm90Gemm:
         """One k-tile's wgmma batch of a consumer warp group: wait for stage ``read``, issue its
         ``k_blocks`` k-steps into ``acc``, commit. ``first``: the caller cleared ACCUMULATE,
         so the first k-step overwrites ``acc``; the rest accumulate."""
-        self.wait_stage(ab_pipe, read)
+        ab_pipe.consumer_wait(read)
         warpgroup.fence()
         for kb in cutlass.range_constexpr(k_blocks):
             cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc)

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from collections import Counter
 
-from .. import jit
+from .. import catalog, jit
 
 # mnemonic with modifiers; modifiers may hold a lowercase 'x' (HGMMA.64x128x16.F32.BF16, LDTM.x32)
 _INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)")
@@ -38,7 +38,7 @@ def find_nvdisasm() -> str:
 
 
 def compile_cubin(name: str, arch: str, **config) -> bytes:
-    kdef = jit.registry()[name]
+    kdef = catalog.kernels()[name]
     with tempfile.TemporaryDirectory() as d:
         compiled = jit.compile_now(kdef, arch, config,
                                    options=f"{jit.default_options(arch)} --keep-cubin --dump-dir={d}")

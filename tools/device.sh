@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Run one named job on the H200 device machine (repo root as cwd; carry .devcache, see
+# docs/device.md). Logs and tables go under $OUT.
+#
+#   bash tools/device.sh gpu-tests [SHARD]   GPU tests: SHARD 1 / 2 / 3 splits the suite so each
+#                                            part fits one call with a cold compile cache; no
+#                                            SHARD: the whole suite
+#   bash tools/device.sh sanitize [ARGS]     the GPU tests ARGS under compute-sanitizer memcheck
+#   bash tools/device.sh bench-kernels       every kernel benchmark in bench/ (tables in $OUT)
+#   bash tools/device.sh bench-wo-a-routes   WO-A's default route against cuBLAS and the CuTe path
+#   bash tools/device.sh bench-runtime       the decode runtime at the reference lengths
+#   bash tools/device.sh build               the AOT build for sm_90a + sm_100a and its demo
+set -u
+source tools/device-env.sh || exit 1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+PYT="python -m pytest -q -ra -p no:cacheprovider"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" | tee -a "$OUT/gpu.txt"
+
+job=${1:-}; shift || true
+case "$job" in
+gpu-tests)
+  case "${1:-all}" in
+    1) files="tests/test_wo_a.py" ;;
+    2) files="tests/test_wo_a_fp8.py tests/test_draft_head_fp8.py tests/test_moe_experts.py tests/test_moe_quant.py tests/test_moe_router.py tests/test_moe_finalize.py" ;;
+    3) files="tests/test_comm.py tests/test_indexer.py tests/test_mhc.py tests/test_row_rms.py tests/test_masked_softmax.py tests/test_fused_ops_plumbing.py tests/test_spec_decode.py tests/test_caches.py tests/test_arch.py tests/test_provenance.py" ;;
+    all) files="tests" ;;
+    *) echo "gpu-tests: SHARD must be 1, 2, 3 or empty" >&2; exit 2 ;;
+  esac
+  $PYT $files -m gpu 2>&1 | tee "$OUT/gpu-tests-${1:-all}.log" | tail -25
+  exit "${PIPESTATUS[0]}"
+  ;;
+sanitize)
+  compute-sanitizer --tool memcheck --report-api-errors no $PYT -m gpu "$@" 2>&1 | tee "$OUT/sanitize.log" | tail -25
+  exit "${PIPESTATUS[0]}"
+  ;;
+bench-kernels)
+  for b in bench/bench_*.py; do
+    n=$(basename "$b" .py)
+    timeout 300 python "$b" --out "$OUT/$n.md" 2>&1 | tail -40
+  done
+  ;;
+bench-wo-a-routes)
+  python bench/bench_wo_a_routes.py --out "$OUT/bench_wo_a_routes.md" "$@"
+  ;;
+bench-runtime)
+  python -m spec_decode.bench --model slice --out "$OUT/bench_runtime.md" "$@"
+  ;;
+build)
+  python -m cute_kernels build --arch sm_90a --arch sm_100a --demo 2>&1 | tail -20 | tee "$OUT/build.log"
+  ;;
+*)
+  sed -n '2,14p' "$0"; exit 2 ;;
+esac
