@@ -15,7 +15,6 @@ source tools/device-env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PYT="python -m pytest -q -ra -p no:cacheprovider"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" | tee -a "$OUT/gpu.txt"
 
 job=${1:-}; shift || true
 case "$job" in
