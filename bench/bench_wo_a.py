@@ -33,11 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (H200_BF16_FLOPS, H200_COPY_BW, gpu_warmup, markdown_table, rotation_count,  # noqa: E402
                     time_graph, time_graphs_interleaved)
 
-from cute_kernels.wo_a import decode_kernel_kind, route, use_decode_kernel, wo_a  # noqa: E402
+from cute_kernels.wo_a import route, wo_a  # noqa: E402
 from cute_kernels.wo_a_cublas import wo_a_cublas  # noqa: E402
-from cute_kernels.wo_a_decode import plan as decode_plan  # noqa: E402
-from cute_kernels.wo_a_decode_sm90 import plan as sm90_decode_plan  # noqa: E402
-from cute_kernels.wo_a_sm90 import WoASm90  # noqa: E402
 
 SHAPES = [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]  # (G, R, Dg)
 TOKENS = [1, 5, 64, 320, 4096, 16384]
@@ -51,30 +48,11 @@ def weight_sets(G: int, R: int, Dg: int) -> list[torch.Tensor]:
 
 def tokens_out_ref(T: int, G: int, R: int, Dg: int, w: torch.Tensor):
     """A random attention output ``o [T, 8G, Dg/8]``, an output buffer ``y [T, G*R]`` and the
-    FP32 einsum of ``o`` with ``w``, token-major like ``y``: the probes' problem at ``T``."""
+    FP32 einsum of ``o`` with ``w``, token-major like ``y``: the problem at ``T``."""
     o = torch.randn(T, G * 8, Dg // 8, device="cuda").bfloat16()
     y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
     ref = torch.einsum("tgd,grd->tgr", o.view(T, G, Dg).float(), w.float()).reshape(T, G * R)
     return o, y, ref
-
-
-def token_counts(spec: str) -> list[int]:
-    """The probes' ``TS``: ``"1,5,64"``, or ``"a:b:s"`` for a, a + s, ... up to b."""
-    if ":" in spec:
-        a, b, step = (int(v) for v in spec.split(":"))
-        return list(range(a, b + 1, step))
-    return [int(t) for t in spec.split(",")]
-
-
-def wo_a_points(shapes, tokens):
-    """The probes' loop over (shape, T): per shape its rotating weight sets (:func:`weight_sets`,
-    made once), per T a fresh problem against the first of them (:func:`tokens_out_ref`);
-    yields ``(G, R, Dg, ws, T, o, y, ref)``."""
-    for G, R, Dg in shapes:
-        ws = weight_sets(G, R, Dg)
-        for T in tokens:
-            o, y, ref = tokens_out_ref(T, G, R, Dg, ws[0])
-            yield G, R, Dg, ws, T, o, y, ref
 
 
 def bmm_only(o, w):
@@ -87,9 +65,29 @@ def bmm_only(o, w):
 def bmm_token_major(o, w, y):
     """cuBLAS batched GEMM storing token-major ``y [T, G*R]`` itself -- ``y`` viewed as
     ``[G, T, R]`` with strides ``(R, G*R, 1)``, a valid strided-batched C (ldc = G*R) -- on the
-    current stream: the call ``wo_a()``'s cuBLAS route makes (tools/probe_wo_a_cublas_token_major.py
-    checks: one kernel node, ``y`` written in place)."""
+    current stream: the call ``wo_a()``'s cuBLAS route makes."""
     return wo_a_cublas(o, w, y)
+
+
+def describe(kernel_config) -> str:
+    """A route's kernel and tiling in words (the table's shape column)."""
+    name, cfg = kernel_config
+    if name == "wo_a_decode":
+        return f"decode {cfg['bm']}x{cfg['bn']}, {cfg['splits']} split(s), {cfg['stages']} stages"
+    if name == "wo_a_decode_sm90":
+        return f"wgmma decode 64x{cfg['tok_n']}, {cfg['stages']} stages of {cfg['bk']}"
+    tile = f"tile {cfg['tile_m']}x{cfg['tile_n']}"
+    if cfg.get("pingpong"):
+        tile = f"pingpong {tile} cluster {cfg.get('cluster_m', 1)}x{cfg.get('cluster_n', 1)}"
+    if cfg.get("swap_ab"):
+        tile = f"swapped (R x T) {tile} cluster {cfg.get('cluster_m', 1)}x{cfg.get('cluster_n', 1)}"
+        if cfg.get("occupancy", 1) > 1:
+            tile += f", {cfg['occupancy']} CTAs/SM"
+    if cfg.get("weight_l2_hint"):
+        tile += f", weights {cfg['weight_l2_hint']}"
+    if cfg.get("max_stages"):
+        tile += f", at most {cfg['max_stages']} stages"
+    return tile
 
 
 def unfused(o, w):
@@ -115,7 +113,7 @@ def main():
             o = torch.randn(T, G * 8, Dg // 8, device="cuda").bfloat16()
             y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
             # Discarded: the first graph timed after the previous row's launches ran up to 0.8 us
-            # slow at decode T (phase 55: the same kernel 8.15 us first, 7.34 us later in the row).
+            # slow at decode T.
             time_graph(lambda i: wo_a(o, ws[i], out=y), n, max(n, 8), trials=10)
             # the default path and the three baselines interleaved: their ratios are the verdicts
             y_c, y_cute = torch.empty_like(y), torch.empty_like(y)
@@ -132,24 +130,7 @@ def main():
             def lim(t):
                 return (f"{100 * nbytes / t / H200_COPY_BW:.0f}% of 4.3 TB/s" if T <= 64
                         else f"{100 * flops / t / H200_BF16_FLOPS:.0f}% of 790 TFLOP/s")
-            cfg = WoASm90.config_for(T, G, R, Dg)
-            tile = f"tile {cfg['tile_m']}x{cfg['tile_n']}"
-            if cfg.get("pingpong"):
-                tile = f"pingpong {tile} cluster {cfg.get('cluster_m', 1)}x{cfg.get('cluster_n', 1)}"
-            if cfg.get("swap_ab"):
-                tile = f"swapped (R x T) {tile} cluster {cfg.get('cluster_m', 1)}x{cfg.get('cluster_n', 1)}"
-                if cfg.get("occupancy", 1) > 1:
-                    tile += f", {cfg['occupancy']} CTAs/SM"
-            if cfg.get("weight_l2_hint"):
-                tile += f", weights {cfg['weight_l2_hint']}"
-            if cfg.get("max_stages"):
-                tile += f", at most {cfg['max_stages']} stages"
-            if use_decode_kernel(T, None, "sm90", G, R, Dg) and decode_kernel_kind(T, None, "sm90", G, R, Dg) == "mma":
-                d = decode_plan(T, G, R, Dg)
-                tile = f"decode {d['bm']}x{d['bn']}, {d['splits']} split(s), {d['stages']} stages"
-            elif use_decode_kernel(T, None, "sm90", G, R, Dg):
-                d = sm90_decode_plan(T, G, R, Dg)
-                tile = f"wgmma decode 64x{d['tok_n']}, {d['stages']} stages of {d['bk']}"
+            tile = describe(route(T, G, R, Dg, "sm_90a", backend="cute"))
             if route(T, G, R, Dg, "sm_90a")[0] == "wo_a_cublas":
                 tile = f"**cuBLAS into y** (CuTe path: {tile})"
             rows.append([f"T={T} G={G} R={R} Dg={Dg} {tile}",

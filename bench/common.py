@@ -74,7 +74,7 @@ def replay_interleaved(launches, n_inputs: int, reps: int | None = None, trials:
                        warmup: int = 3) -> list[list[float]]:
     """Each trial's seconds per call of every ``launches[j](i)``, the graphs replayed in turn
     as in :func:`time_graphs_interleaved`: ``times[j][t]`` -- trial ``t``'s readings of two
-    launches can be compared with each other (tools/probe_wo_a_ab.py)."""
+    launches can be compared with each other."""
     reps = reps or n_inputs
     s = _capture_stream()
     graphs = [_capture(launch, n_inputs, reps, s) for launch in launches]
@@ -92,7 +92,7 @@ def replay_interleaved(launches, n_inputs: int, reps: int | None = None, trials:
 
 def gpu_warmup(seconds: float = 0.5) -> None:
     """Dense matmuls for ``seconds``: clocks up before the first timed row (the first row of a
-    run measured up to 4% slow, bench/RESULTS.md, seventeenth session)."""
+    run measured up to 4% slow without it)."""
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
