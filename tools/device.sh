@@ -6,7 +6,8 @@
 #                                            part fits one call with a cold compile cache; no
 #                                            SHARD: the whole suite
 #   bash tools/device.sh sanitize [ARGS]     the GPU tests ARGS under compute-sanitizer memcheck
-#   bash tools/device.sh bench-kernels       every kernel benchmark in bench/ (tables in $OUT)
+#   bash tools/device.sh bench-kernels [B..] the kernel benchmarks B (default: every bench/bench_*.py;
+#                                            tables in $OUT)
 #   bash tools/device.sh bench-wo-a-routes   WO-A's default route against cuBLAS and the CuTe path
 #   bash tools/device.sh bench-runtime       the decode runtime at the reference lengths
 #   bash tools/device.sh build               the AOT build for sm_90a + sm_100a and its demo
@@ -34,9 +35,9 @@ sanitize)
   exit "${PIPESTATUS[0]}"
   ;;
 bench-kernels)
-  for b in bench/bench_*.py; do
+  for b in ${@:-bench/bench_*.py}; do
     n=$(basename "$b" .py)
-    timeout 300 python "$b" --out "$OUT/$n.md" 2>&1 | tail -40
+    timeout 300 python "$b" --out "$OUT/$n.md" 2>&1 | grep -v "^|" | tail -5
   done
   ;;
 bench-wo-a-routes)
