@@ -4,7 +4,7 @@
 
 Shapes: the decode runtime's masked-dense attention core over a latent KV pool at the slice
 config (128 heads, 6-token verify blocks): ``[R, 6, 128, M]`` bf16 scores for R = 2 (BS1: the
-pool's two slots read in place) and R = 65 (BS64), M = 592 (``--quick``) and 6160 (the issue's
+pool's two slots read in place) and R = 65 (BS64), M = 592 (``--quick``) and 6160 (the full
 BS64 lengths). Both run in place on the scores, as the runtime does: ours one kernel; the
 composite ``masked_fill_(~mask, -inf)`` then ``softmax(-1)``. Times from CUDA-graph replay
 over rotating inputs (> L2); bandwidth counts one read and one write of the scores plus the

@@ -63,13 +63,10 @@ def order_key(bits: Uint32) -> Uint32:
 
 
 class IndexerTopk:
-    def __init__(self, topk: int, threads: int = 512, debug: bool = False):
+    def __init__(self, topk: int, threads: int = 512):
         self.k, self.threads = topk, threads
         self.warps = threads // 32
-        # debug: each output row has 16 extra words after the k indices holding the select's
-        # state (pass digits, remaining counts, candidates, final run counts) -- for probes.
-        self.debug = debug
-        self.row_words = topk + (16 if debug else 0)
+        self.row_words = topk
 
     @cute.jit
     def __call__(self, score_ptr: cute.Pointer, len_ptr: cute.Pointer, pos_ptr: cute.Pointer, idx_ptr: cute.Pointer,
@@ -101,7 +98,6 @@ class IndexerTopk:
         if warp == 0:
             self.find_digit(sHist, sState, Int32(self.k), 11, True)
         cute.arch.barrier()
-        self.debug_state(mIdx, t, sState, 0, 3)
         thr = Uint32(NEG_INF_KEY)  # K*: the k-th largest key (or -inf's when all are taken)
         take_eq = Int32(0)
         if sState[2] > self.k:
@@ -110,24 +106,14 @@ class IndexerTopk:
             if warp == 0:
                 self.find_digit(sHist, sState, sState[1], 11, False)
             cute.arch.barrier()
-            self.debug_state(mIdx, t, sState, 3, 2)
             d1 = (d0 << 11) | Uint32(sState[0])
             self.histogram(row, limit, sHist, d1, 0, 0x3FF, 10)
             if warp == 0:
                 self.find_digit(sHist, sState, sState[1], 10, False)
             cute.arch.barrier()
-            self.debug_state(mIdx, t, sState, 5, 2)
             thr = (d1 << 10) | Uint32(sState[0])
             take_eq = sState[1]
         self.compact(row, limit, thr, take_eq, sWarp, mIdx, t)
-
-    @cute.jit
-    def debug_state(self, mIdx: cute.Tensor, t: Int32, sState: cute.Tensor, at: int, n: int):
-        if cutlass.const_expr(self.debug):
-            tidx, _, _ = cute.arch.thread_idx()
-            if tidx == 0:
-                for i in cutlass.range_constexpr(n):
-                    mIdx[t, self.k + at + i] = sState[i]
 
     @cute.jit
     def histogram(self, row: cute.Tensor, limit: Int32, sHist: cute.Tensor, prefix: Uint32, shift: int, dmask: int,
@@ -243,11 +229,6 @@ class IndexerTopk:
             gt_run = gt_run + (total & 0xFFFF)
             eq_run = eq_run + (total >> 16)
         n_sel = gt_run + cutlass.min(eq_run, take_eq)
-        if cutlass.const_expr(self.debug):
-            if tidx == 0:
-                mIdx[t, self.k + 7] = gt_run
-                mIdx[t, self.k + 8] = eq_run
-                mIdx[t, self.k + 9] = Int32(thr)
         for p in cutlass.range(n_sel + tidx, self.k, self.threads):
             mIdx[t, p] = -1
 
@@ -256,12 +237,12 @@ class IndexerTopk:
         return 1 <= topk <= 65535
 
 
-def _build(arch: str, *, topk: int, debug: bool = False):
+def _build(arch: str, *, topk: int):
     if not IndexerTopk.can_implement(topk):
         raise ValueError(f"indexer_topk: unsupported topk={topk}")
     P = jit.fake_gmem_ptr
     args = (P(Float32, 16), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(1), Int32(4), Int32(4), jit.fake_stream())
-    return IndexerTopk(topk, debug=debug), args
+    return IndexerTopk(topk), args
 
 
 KERNEL = jit.register(jit.KernelDef(

@@ -2,7 +2,7 @@
 without a thread-block cluster: the Hopper decode kernels (``wo_a_decode_sm90``,
 ``moe.experts_sm90_decode``), the indexer score kernels (sm_90a and sm_100a) and the
 Blackwell MoE expert GEMM. Called while a kernel is traced: they emit exactly the code of the
-inline calls they replace (same machine code, bench/RESULTS.md eighteenth session)."""
+inline calls they replace (the same machine code)."""
 
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline

@@ -228,20 +228,10 @@ def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
     CTAs per SM) where they fill two per SM and 6 where each has its SM alone; K splits only to reach one
     CTA per SM, and only while the FP32 partials (written and read once: 8 * splits * T bytes
     per weight row of Dg * 2 bytes) stay under 1/4 of the weight bytes (16 * splits * T <= Dg).
-    H200, tools/probe_wo_a_decode.py (thirteenth session, T = 1 / 5, us): 32-column tiles at 6
-    stages 6.6 / 6.8 against 7.1 / 7.1 with 64 (G=8 R=1024), 7.7 / 7.8 against 8.2 / 8.9 for the
-    previous plan (G=8 R=512 Dg=2048: 64 columns, K split in two), 10.9 / 10.6 against
-    10.7 / 10.8 (G=16 R=512; under PDL 9.6 against 10.8), and worse at 512 tiles (G=16 R=1024:
-    11.6 against 11.0 with 64 columns at 4 stages). 9 / 17 stages and splits of 32-column tiles
-    measured slower. The 32-row tile (17 <= T <= 32; :func:`cute_kernels.wo_a.wo_a` routes there
-    by default where this rule picks 32 columns, else only with ``decode_kernel=True``):
-    32-column tiles at 4 stages only where 64-column ones would leave SMs idle, else 64 columns
-    at 6 stages where they fit one wave -- H200, the same
-    probe at T = 20 / 32 (fourteenth session, us): G=8 R=512 32 columns 9.5 / 9.9 at 4 stages
-    against 9.9 / 10.4 at 6 and 11.2-13.8 with 64; G=16 R=512 and G=8 R=1024 64 columns at 6
-    stages 12.5 / 12.6 and 7.8 / 8.3, the best of eight configs; G=16 R=1024 64 columns at 4
-    stages 14.0 / 14.9. The 64-row tile (T > 32) keeps 64 columns and 4 stages (6 measured
-    slower at T = 64)."""
+    The 32-row tile (17 <= T <= 32, only with ``decode_kernel=True``): 32-column tiles at 4
+    stages only where 64-column ones would leave SMs idle, else 64 columns at 6 stages where
+    they fit one wave. The 64-row tile (T > 32) keeps 64 columns and 4 stages. Each choice was
+    the fastest of the configs timed on the H200 at its shapes (docs/wo_a.md)."""
     bm = 16 if T <= 16 else 32 if T <= 32 else 64
     if bm == 32:
         bn = BN_NARROW if G * R // BN < num_sms * 0.9 and R % BN_NARROW == 0 else BN

@@ -5,7 +5,7 @@
 over ``o [T, H, Dv]`` (bf16; group g's K = (H/G)*Dv columns), ``w [G, R, Dg]`` (float8_e4m3fn)
 and ``scale [G, R/128, Dg/128]`` (FP32): products and sums in FP32, one bf16 rounding at the
 end -- :func:`wo_a_fp8_reference` (and the tests' FP32 einsum on the dequantised weights) is
-the spec. The issue's optional second variant: the weight bytes, which bound decode T, halve.
+the spec. The weight bytes, which bound decode T, halve against bf16 WO-A.
 
 Schedule: :mod:`cute_kernels.wo_a_decode`'s, on half the weight bytes. One CTA owns ``bn`` (32
 or 64) weight rows of one group -- inside one 128-row scale block -- and a 1/``splits`` slice
@@ -24,10 +24,8 @@ last-CTA reduction are the bf16 kernel's (this class derives from it).
 Constraints: T <= 32 (``bm`` 16 or 32), R % 128 == 0, Dg % 128 == 0, splits a power of two
 dividing Dg / 128, shared memory <= 227 KB. Hopper and Blackwell (warp MMA).
 
-Status: H200-tested (``pytest tests/test_wo_a_fp8.py -m gpu``) and benched
-(``python bench/bench_wo_a_fp8.py``): 1.00-1.34x the bf16 :func:`cute_kernels.wo_a.wo_a` at
-T <= 32 (22-49% of 4.3 TB/s on its own bytes; bench/RESULTS.md, fifteenth session). Opt-in;
-nothing routes to it. Blackwell: compile + SASS only.
+Status: H200-tested (``pytest tests/test_wo_a_fp8.py -m gpu``), benched (``python
+bench/bench_wo_a_fp8.py``); opt-in, nothing routes to it. Blackwell: compile + SASS only.
 """
 
 import os

@@ -21,7 +21,7 @@ drop), so any T >= 1 works.
 
 wgmma's N goes in steps of 8 (the engine's epilogue: 16) where its M is 64 or 128, so the
 token tile can match T (T = 320 in two 160-token tiles) instead of wasting a third of a
-128-row tile -- what limits the unswapped T = 320 launch (bench/RESULTS.md).
+128-row tile -- what limits the unswapped T = 320 launch.
 """
 
 from __future__ import annotations
@@ -87,8 +87,7 @@ class WoASm90(WoAGemm):
     def tile_for(T: int, G: int, R: int) -> tuple[int, int]:
         """Decode (T <= 64): one 64-row tile; 128-wide N tiles unless that leaves most of the
         132 SMs idle. Prefill: 128x256 cooperative tiles (two consumer warp groups), except
-        mid-size T with few output columns (G*R < 8192), where 64x256 keeps more CTAs busy.
-        Chosen from tools/probe_wo_a_tiles.py on the H200 (bench/RESULTS.md)."""
+        mid-size T with few output columns (G*R < 8192), where 64x256 keeps more CTAs busy."""
         if T <= 64:
             return (64, 128) if G * (R // 128) >= 96 else (64, 64)
         if R % 256:
@@ -115,23 +114,16 @@ class WoASm90(WoAGemm):
     @staticmethod
     def mid_t_swap_max(G: int, R: int) -> int:
         """Up to which T past SWAP_AB_T[1] the swapped 128-row tiles run, per G * R (measured at
-        the eight supported shapes only; elsewhere SWAP_AB_T[1]). H200, tools/probe_wo_a_ab.py
-        (bench/RESULTS.md, twenty-fourth session): at 8192 columns the pingpong tiles caught up
-        at T = 960 (0.98-1.03x) and led at 992 / 1024 (1.01-1.06x); at 4096 the swapped tiles
-        still led at 1024 (the pingpong / cooperative tiles 0.89-0.99x); at 16384 (G=16 R=1024)
-        they led at T = 520 / 560 (1.08-1.26x) and not at 600 (0.95 / 1.04x)."""
+        the eight supported shapes only; elsewhere SWAP_AB_T[1]): where the pingpong tiles
+        caught up with them on the H200 (docs/wo_a.md)."""
         return {4096: 1024, 8192: 960, 16384: 576}.get(G * R, WoASm90.SWAP_AB_T[1])
 
     @staticmethod
     def mid_t_token_tile(T: int, G: int, R: int) -> int:
         """The token tile of the swapped 128-row CTAs past SWAP_AB_T[1]: T in ceil(T / 256) or
         one more tiles, each rounded up to 16 (the engine's 16-column epilogue subtiles) -- the
-        one in fewer waves of 132 CTAs, then the more tiles. H200, tools/probe_wo_a_ab.py
-        (bench/RESULTS.md, twenty-fourth session): rounding to 16 instead of 32 1.03-1.07x at T
-        = 680 / 700 (four tiles of 176, not 192) and 900 (four of 240, not 256); at T = 520
-        four tiles of 144 1.09-1.12x three of 192 at five of the six shapes of G * R <= 8192;
-        an extra tile that adds a wave loses (T = 840 at G=8 R=512: five of 176, 160 CTAs, 0.67x
-        four of 224)."""
+        one in fewer waves of 132 CTAs, then the more tiles (an extra tile that adds a wave
+        loses)."""
         options = []
         for n_tiles in (-(-T // 256), -(-T // 256) + 1):
             tile_n = WoASm90.token_tile(T, n_tiles, 16)
@@ -142,59 +134,31 @@ class WoASm90(WoAGemm):
 
     @staticmethod
     def config_for(T: int, G: int, R: int, Dg: int | None = None, pdl: bool = False) -> dict:
-        """The compile config :func:`cute_kernels.wo_a.wo_a` launches for ``T`` tokens.
+        """The compile config :func:`cute_kernels.wo_a.wo_a` launches for ``T`` tokens (every
+        choice below was measured faster than its alternatives on the H200; docs/wo_a.md).
 
-        T > 512 with 256-wide R tiles: the engine's persistent pingpong schedule (64 x 256
-        tiles, CTA pairs along T sharing each weight tile by multicast) where the K loop is
-        short (``Dg <= 1024``: the 128 x 256 cooperative CTA's epilogue and prologue are a
-        large share of it), or where its tiles number at least ``PINGPONG_MIN_TILES_PER_SM``
-        per SM. H200: Dg = 1024 at T = 1024 / 4096 / 16384 1.05-1.17x the cooperative tile
-        (tools/probe_wo_a_tiles.py, twelfth session, bench/RESULTS.md). Dg = 2048, paired A/B
-        (tools/probe_wo_a_ab.py: both configs and ``bmm`` replayed in turn in each of 60 trials,
-        twice; twentieth session): T = 4096 1.11 / 1.11x (G=16 R=512) and 1.09 / 1.10x (G=8
-        R=512) the cooperative tile, faster in 59-60 of 60 trials; T = 2048 1.10x / 1.05x; T =
-        1024 1.04x at G=16 (512 tiles: 3.9 per SM) but 0.97x at G=8 (256 tiles, 1.9 per SM).
-        Timed one config after another (tools/probe_wo_a_tiles.py) the same builds spread by
-        up to 10% from run to run at T = 4096, so either order was read there (twelfth
-        session: G=8 R=512 118 vs 101 us). Not under ``pdl`` (the pingpong CTA is persistent).
+        * 32 < T <= 64 where 64-row weight tiles leave most SMs idle: tokens on wgmma N in two
+          32-token tiles, the CTA pair of a weight tile sharing it by multicast; where the (T, R)
+          tile takes an even number of R tiles, CTA pairs along R sharing the token tile.
+        * 64 < T <= 512: tokens on wgmma N, in the fewest <= 256-token tiles, each rounded up to
+          16 (T = 320: two tiles of 160, where (T, R) tiling runs 2.5 rows of 128-token tiles);
+          128 weight rows per CTA unless that leaves most SMs idle; CTA pairs along R share each
+          token tile by TMA multicast -- along T (sharing the weight tile) for 128-row tiles in
+          an even number of token tiles at one CTA per SM; two CTAs per SM where the grid is
+          more than one wave and the accumulators fit twice.
+        * 512 < T <= :meth:`mid_t_swap_max`: the same swapped 128-row tiles in CTA pairs, token
+          tiles by :meth:`mid_t_token_tile` ((T, R) tiles quantise badly on 132 SMs there).
+        * T > 512 with 256-wide R tiles: the engine's persistent pingpong schedule (64 x 256
+          tiles, CTA pairs along T sharing each weight tile) where the K loop is short (``Dg <=
+          1024``: the cooperative CTA's prologue and epilogue are a large share of it) or its
+          tiles number at least ``PINGPONG_MIN_TILES_PER_SM`` per SM; not under ``pdl`` (the
+          pingpong CTA is persistent). Else :meth:`tile_for` over (T, R).
 
-        32 < T <= 64 where 64-row weight tiles leave most SMs idle: tokens on wgmma N in two
-        32-token tiles, the CTA pair of a weight tile sharing it by multicast; where the (T, R)
-        tile takes an even number of R tiles, CTA pairs along R sharing the token tile.
-
-        64 < T <= 512: tokens on wgmma N, in the fewest <= 256-token tiles, each rounded up to
-        16 (T = 320: two tiles of 160, where (T, R) tiling runs 2.5 rows of 128-token tiles);
-        128 weight rows per CTA unless that leaves most SMs idle; CTA pairs along R (cluster
-        2x1) share each token tile by TMA multicast, halving its L2 reads --
-        along T (1x2, sharing the weight tile) for 128-row tiles in an even number of token
-        tiles at one CTA per SM.
-        H200, tools/probe_wo_a_tiles.py (bench/RESULTS.md, ninth session): the swapped tiles
-        1.05-1.87x faster than the (T, R) tiles at 28 of 32 (shape, T) points with 64 < T <=
-        512, equal at three (T = 512), slower at one; the pairs a further 1.05-1.30x at T >= 200
-        except for G=16 R=1024 (0.98-1.02x). Where the grid is more than one wave, two CTAs
-        per SM (G=16 R=1024 at T = 272 / 320: 1.07-1.12x on the project's engine with its
-        8-warp inline-producer CTA, eleventh session; a 9-warp CTA cannot fit twice). Past T =
-        512 the same swapped 128-row tiles in CTA pairs up to :meth:`mid_t_swap_max` (T = 1024 /
-        960 / 576 at G * R = 4096 / 8192 / 16384), token tiles by :meth:`mid_t_token_tile`
-        (twenty-fourth session: 1.01-1.47x the (T, R) tiles they replaced). Elsewhere
-        :meth:`tile_for` over (T, R): at T >= 1024 neither two CTAs per SM (128x128, 64x256)
-        nor swapped operands nor clusters nor a persistent tile loop beat 128x256 reproducibly
-        (tenth session, on the vendored engine; CTA pairs on the project's engine at T = 16384:
-        0.99-1.01x but for one 1.08x reading, eleventh session).
-
-        At 32 < T <= 512 the weight loads carry an ``evict_first`` L2 hint: the weights are
-        streamed once, the token tiles re-read by every R tile -- without the hint the weight
-        stream pushes them out of L2 (G = 16: 33.5 MB of weights). H200, tools/probe_wo_a_timeline.py
-        twice (bench/RESULTS.md, eighteenth session): T = 320 G=16 R=512 22.4 / 21.9 -> 18.5 /
-        18.0 us, G=16 R=1024 22.0 / 21.7 -> 18.9 / 18.7, T = 64 G=16 4-7% faster; the G = 8
-        shapes -2..+4%; neutral on the 128x256 tile at T = 4096, so not used above 512.
-
-        At 256 < T <= 512 with one CTA per SM, at most ``MID_T_MAX_STAGES`` operand stages
-        (instead of the 6-8 that fit): H200, tools/probe_wo_a_timeline.py ``STAGES=5``
-        (bench/RESULTS.md, nineteenth session), T = 320 G=8 R=512 (8 stages fit) 12.81 / 12.26 /
-        12.35 -> 11.78 / 11.81 / 11.84 us in three calls, G=8 R=1024 (6) 11.03 / 11.04 / 11.34
-        -> 10.72 / 10.81 / 10.65; G=16 R=512 -2..+2%; T = 400 / 512 0-3% faster; at T <= 256 and
-        T = 64 fewer stages were mostly slower (up to 8% / 34%), so the cap stops there."""
+        At 32 < T <= 512 (and on the swapped tiles above) the weight loads carry an
+        ``evict_first`` L2 hint: the weights are streamed once, the token tiles re-read by
+        every R tile, and without the hint the weight stream pushes them out of L2. At 256 < T
+        <= 512 with one CTA per SM, at most ``MID_T_MAX_STAGES`` operand stages (fewer than fit
+        ran faster there)."""
         cfg = WoASm90._tile_config(T, G, R, Dg, pdl)
         if T > 32 and (T <= WoASm90.SWAP_AB_T[1] or cfg.get("swap_ab")):
             cfg["weight_l2_hint"] = "evict_first"
@@ -208,53 +172,98 @@ class WoASm90(WoAGemm):
         lo, hi = WoASm90.SWAP_AB_T
         if 32 < T <= lo and G * (R // 64) < WoASm90.NUM_SMS // 2:
             # 64-row weight tiles alone leave most SMs idle (G=8 R=512: 64): two 32-token tiles
-            # per weight tile, the CTA pair sharing it by multicast -- W read once, 128 CTAs.
-            # H200, tools/probe_wo_a_tiles.py at T = 64 (sixteenth session): 7.7 us against
-            # the 64x64 (T, R) tile's 8.9 and bmm's 8.0.
+            # per weight tile, the CTA pair sharing it by multicast -- W read once, 128 CTAs
             return dict(tile_m=64, tile_n=32, cluster_n=2, swap_ab=True)
         tile_m, tile_n = WoASm90.tile_for(T, G, R)
         if 32 < T <= lo and (R // tile_n) % 2 == 0:
-            # CTA pairs along R sharing the token tile by multicast. H200, tools/probe_wo_a_tiles.py
-            # at T = 64 (phases 54 / 57 / 58): 64x64 at G=16 R=512 12.0 / 11.9 / 11.7 us against
-            # 12.4 / 12.6 / 12.6 for one CTA, at G=8 R=1024 7.3 / 7.1 / 7.1 against 7.6 / 7.4 /
-            # 7.3; 64x128 at G=16 R=1024 11.8 against 12.1 (phase 58), faster in 5 of 6 readings
-            # at T = 33 / 48 / 64 by 1-6% (phase 59; 0.2 us slower once).
+            # CTA pairs along R sharing the token tile by multicast
             return dict(tile_m=tile_m, tile_n=tile_n, cluster_n=2)
         if lo < T <= hi:
             n_tiles = -(-T // 256)
             tile_m = 128 if (R // 128) * G * n_tiles >= 96 else 64
             if (R // tile_m) * G * n_tiles < 96 and -(-T // (2 * n_tiles)) > 96:
                 # still most SMs idle (G=8 R=512): twice the token tiles, if they stay >= 128
-                # wide -- narrower ones run the wgmma pipe at a loss (T=200: 13.0 vs 14.4 us;
-                # at T=96 two 64-token tiles lose, 11.8 vs 10.2 us)
+                # wide -- narrower ones run the wgmma pipe at a loss
                 n_tiles *= 2
             # token tiles in steps of 16 (16-column epilogue subtiles where that is an odd
-            # multiple of 16): less padding. H200, tools/probe_wo_a_ab.py against steps of 32,
-            # all eight shapes: 1.03-1.18x at T = 272 / 336 / 400 / 464 / 480 (phase 113),
-            # 1.01-1.10x at T = 80 / 112 / 144 / 176 / 208 / 240 where the tiles differ (46
-            # points, phase 114)
+            # multiple of 16): less padding
+            tile_n = WoASm90.token_tile(T, n_tiles, 16)
+            n = -(-T // tile_n)
+            waves = -(-(R // 128) * G * n // WoASm90.NUM_SMS)
+            options.append((waves, -n, tile_n))
+        return min(options)[-1]
+
+    @staticmethod
+    def config_for(T: int, G: int, R: int, Dg: int | None = None, pdl: bool = False) -> dict:
+        """The compile config :func:`cute_kernels.wo_a.wo_a` launches for ``T`` tokens (every
+        choice below was measured faster than its alternatives on the H200; docs/wo_a.md).
+
+        * 32 < T <= 64 where 64-row weight tiles leave most SMs idle: tokens on wgmma N in two
+          32-token tiles, the CTA pair of a weight tile sharing it by multicast; where the (T, R)
+          tile takes an even number of R tiles, CTA pairs along R sharing the token tile.
+        * 64 < T <= 512: tokens on wgmma N, in the fewest <= 256-token tiles, each rounded up to
+          16 (T = 320: two tiles of 160, where (T, R) tiling runs 2.5 rows of 128-token tiles);
+          128 weight rows per CTA unless that leaves most SMs idle; CTA pairs along R share each
+          token tile by TMA multicast -- along T (sharing the weight tile) for 128-row tiles in
+          an even number of token tiles at one CTA per SM; two CTAs per SM where the grid is
+          more than one wave and the accumulators fit twice.
+        * 512 < T <= :meth:`mid_t_swap_max`: the same swapped 128-row tiles in CTA pairs, token
+          tiles by :meth:`mid_t_token_tile` ((T, R) tiles quantise badly on 132 SMs there).
+        * T > 512 with 256-wide R tiles: the engine's persistent pingpong schedule (64 x 256
+          tiles, CTA pairs along T sharing each weight tile) where the K loop is short (``Dg <=
+          1024``: the cooperative CTA's prologue and epilogue are a large share of it) or its
+          tiles number at least ``PINGPONG_MIN_TILES_PER_SM`` per SM; not under ``pdl`` (the
+          pingpong CTA is persistent). Else :meth:`tile_for` over (T, R).
+
+        At 32 < T <= 512 (and on the swapped tiles above) the weight loads carry an
+        ``evict_first`` L2 hint: the weights are streamed once, the token tiles re-read by
+        every R tile, and without the hint the weight stream pushes them out of L2. At 256 < T
+        <= 512 with one CTA per SM, at most ``MID_T_MAX_STAGES`` operand stages (fewer than fit
+        ran faster there)."""
+        cfg = WoASm90._tile_config(T, G, R, Dg, pdl)
+        if T > 32 and (T <= WoASm90.SWAP_AB_T[1] or cfg.get("swap_ab")):
+            cfg["weight_l2_hint"] = "evict_first"
+        if 256 < T <= WoASm90.SWAP_AB_T[1] and cfg.get("swap_ab") and cfg.get("occupancy", 1) == 1:
+            cfg["max_stages"] = WoASm90.MID_T_MAX_STAGES
+        return cfg
+
+    @staticmethod
+    def _tile_config(T: int, G: int, R: int, Dg: int | None, pdl: bool) -> dict:
+        """:meth:`config_for`'s tile, cluster, operand order and schedule."""
+        lo, hi = WoASm90.SWAP_AB_T
+        if 32 < T <= lo and G * (R // 64) < WoASm90.NUM_SMS // 2:
+            # 64-row weight tiles alone leave most SMs idle (G=8 R=512: 64): two 32-token tiles
+            # per weight tile, the CTA pair sharing it by multicast -- W read once, 128 CTAs
+            return dict(tile_m=64, tile_n=32, cluster_n=2, swap_ab=True)
+        tile_m, tile_n = WoASm90.tile_for(T, G, R)
+        if 32 < T <= lo and (R // tile_n) % 2 == 0:
+            # CTA pairs along R sharing the token tile by multicast
+            return dict(tile_m=tile_m, tile_n=tile_n, cluster_n=2)
+        if lo < T <= hi:
+            n_tiles = -(-T // 256)
+            tile_m = 128 if (R // 128) * G * n_tiles >= 96 else 64
+            if (R // tile_m) * G * n_tiles < 96 and -(-T // (2 * n_tiles)) > 96:
+                # still most SMs idle (G=8 R=512): twice the token tiles, if they stay >= 128
+                # wide -- narrower ones run the wgmma pipe at a loss
+                n_tiles *= 2
+            # token tiles in steps of 16 (16-column epilogue subtiles where that is an odd
+            # multiple of 16): less padding
             tile_n = WoASm90.token_tile(T, n_tiles, 16)
             cfg = dict(tile_m=tile_m, tile_n=tile_n, cluster_m=2, swap_ab=True)
             if (R // tile_m) * G * n_tiles > WoASm90.NUM_SMS and tile_m == 128 and tile_n <= 160:
                 # more than one wave at one CTA per SM (G=16 R=1024, 256 < T <= 320: 256 CTAs):
                 # stages for two per SM (the engine then drops its producer warp) run them in
-                # one wave, one CTA's epilogue under the other's mainloop (21.7 / 22.6 vs
-                # 24.3 / 24.2 us at T = 272 / 320). Wider token tiles need too many accumulator
-                # registers for a second CTA.
+                # one wave, one CTA's epilogue under the other's mainloop. Wider token tiles need
+                # too many accumulator registers for a second CTA.
                 cfg["occupancy"] = 2
             elif tile_m == 128 and n_tiles % 2 == 0 and tile_n <= 160:
-                # CTA pairs along T sharing the weight tile instead of along R sharing the token
-                # tile. H200, tools/probe_wo_a_tiles.py at T = 320 (phases 57 / 58): G=16 R=512
-                # 21.9 / 21.4 vs 22.7 / 22.7 us, G=8 R=1024 11.3 / 11.1 vs 11.7 / 11.0
+                # CTA pairs along T sharing the weight tile instead of along R sharing the token tile
                 cfg.update(cluster_m=1, cluster_n=2)
             return cfg
         if hi < T <= WoASm90.mid_t_swap_max(G, R) and R % 256 == 0:
             # past 512 tokens the (T, R) tiles below quantise badly on 132 SMs (T = 520 G=8
             # R=512: 80 CTAs of 128x256, the fifth token row 8 deep); tokens stay on wgmma N,
-            # 128-row weight tiles in CTA pairs along R. H200, tools/probe_wo_a_ab.py (phases
-            # 104 / 105, the six shapes of G * R = 4096 / 8192, token tiles in steps of 32):
-            # 1.01-1.43x the (T, R) tiles and 0.98-1.47x the pingpong tiles at T = 520 .. 960;
-            # in steps of 16 (phase 109) a further 0.99-1.18x
+            # 128-row weight tiles in CTA pairs along R
             return dict(tile_m=128, tile_n=WoASm90.mid_t_token_tile(T, G, R), cluster_m=2, swap_ab=True)
         pingpong_tiles = -(-T // 64) * (R // 256) * G
         if (T > hi and tile_n == 256 and not pdl and Dg is not None

@@ -29,9 +29,8 @@ h = bf16(bf16(silu(g)) * u) for the tile's 32 features (gate rows n0..n0+31, up 
 n0+32..n0+63 of :func:`moe.experts.interleave_gate_up`) and one MXFP8 block per token.
 
 Precision: the tensor core sums a block's 32 exact e4m3 products at reduced precision before
-the FP32 promotion (``tools/probe_decode_precision.py``, H200: 2.6% of bf16 outputs differ
-from the FP32-exact emulation, rel-norm 4.4e-4, against 0.008% for the tiled kernel's f16
-HMMA); the MX requantisation hides it except where g cancels to near zero.
+the FP32 promotion (on the H200 a few % of bf16 outputs differ from an FP32-exact emulation,
+relative norm ~4e-4); the MX requantisation hides it except where g cancels to near zero.
 
 Status and speed (H200, 2026-12-02, ``python bench/bench_moe_experts.py --tokens 1,64,320``):
 GPU-tested (the GEMM against the block-scaled emulation with NaN-poisoned padding rows, the

@@ -168,7 +168,7 @@ class RouterTopkAlign:
         sPre = smem.allocate_tensor(Int32, cute.make_layout((W, E), stride=(E, 1)), 16)
         sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
 
-        # ---------------- phase 1: route tokens, one warp per token ----------------------
+        # ---------------- stage 1: route tokens, one warp per token ----------------------
         rBias = cute.make_rmem_tensor(cute.make_layout((V,)), Float32)
         rBias.fill(0.0)
         if cutlass.const_expr(self.has_bias):

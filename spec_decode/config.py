@@ -61,8 +61,8 @@ SMALL = ModelConfig(vocab=512, hidden=1024, layers=2, heads=16, head_dim=128, ro
                     wo_groups=2, wo_rank=512, indexer_heads=64, indexer_dim=128, index_topk=64, experts=32,
                     n_group=4, topk_group=2, top_k=4, expert_inter=256, shared_inter=256)
 #: real per-layer sizes of a DeepSeek-V4-class model with few layers (for the H200), caching
-#: the KV latent as DeepSeek's MLA does (at the issue's BS64 lengths 1 GB of KV pool instead of
-#: 53 GB per-head; both measured in bench/RESULTS.md)
+#: the KV latent as DeepSeek's MLA does (at the benchmark's BS64 lengths 1 GB of KV pool instead
+#: of 53 GB per-head)
 SLICE = ModelConfig(vocab=129280, hidden=7168, layers=2, heads=128, head_dim=128, rope_dim=64, q_lora=1536,
                     kv_lora=512, wo_groups=16, wo_rank=1024, indexer_heads=64, indexer_dim=128, index_topk=2048,
                     experts=256, n_group=8, topk_group=4, top_k=8, expert_inter=2048, shared_inter=2048,

@@ -126,8 +126,8 @@ class FusedOps(Ops):
         p = pos.reshape(-1).int().contiguous()
         # a token has at most max_len candidates: columns past that are always -1, and the
         # attention would gather (and mask) their keys and values -- at the slice config with
-        # top-2048 over 592 positions, 3.5x the attention's gathers (H200 probe: the verify
-        # graph 12.4 ms against 6.9 ms). Same width as the baseline's min(topk, L).
+        # top-2048 over 592 positions, 3.5x the attention's gathers. Same width as the
+        # baseline's min(topk, L).
         k = min(topk, self.max_len)
         # token t = b * S + s: a request's tokens are consecutive, so a group within one
         # request shares its key tiles (groups no larger than a request's S tokens: a group
@@ -142,7 +142,7 @@ class FusedOps(Ops):
     # ------------------------------------------------------------------ WO-A -------------
     def wo_a(self, o, w):
         # no pdl: the kernel before is cuBLAS's (the attention core), which never triggers its
-        # dependents early -- there PDL measured 0.85-1.03x (bench/RESULTS.md, fourteenth session)
+        # dependents early -- there PDL measured slower on the H200
         B, S, H, hd = o.shape
         return wo_a(o.reshape(B * S, H, hd).contiguous(), w).view(B, S, -1)
 

@@ -7,8 +7,8 @@ Per layer (``n`` mHC residual streams ``X [B, L, n, C]``)::
     -> mHC pre-mix -> MoE (sigmoid grouped top-k router, SwiGLU experts, shared expert,
     finalize) -> mHC post-mix
 
-then the streams are averaged, normalised and projected by the LM head. The mHC mappings
-follow issue 7: ``r = rsqrt(mean(X^2) + eps)``, ``P = (X * r) @ phi``,
+then the streams are averaged, normalised and projected by the LM head. The mHC mappings:
+``r = rsqrt(mean(X^2) + eps)``, ``P = (X * r) @ phi``,
 ``H_pre = sigmoid(a_pre P[:n] + b_pre)``, ``H_post = 2 sigmoid(a_post P[n:2n] + b_post)``,
 ``H_res = Sinkhorn(exp(a_res P[2n:] + b_res))``.
 

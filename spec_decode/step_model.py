@@ -12,24 +12,21 @@ rounding (tests/test_spec_decode.py bounds it), not bit for bit.
 Ops are grouped behind :class:`Ops` so the GPU runtime can swap the PyTorch composites
 (``baseline``) for this project's kernels (``fused``) one family at a time.
 
-Attention core (shared by both backends; plain torch, as the issue allows; ``"auto"``, the
+Attention core (shared by both backends; plain torch; ``"auto"``, the
 default, picks per step shape by K/V traffic: :meth:`StepModel.pick_attention_core`):
 ``"masked_dense"`` runs ``scaled_dot_product_attention`` over the request's whole KV row with a
 boolean mask of the selected keys -- the same softmax over the same keys, reading each
 request's row once instead of materialising k copies per token; ``"gather"`` gathers each
 token's selected keys and values, ``[B, S, k, heads, head_dim]``, and computes the softmax in
-the activation dtype. H200, slice config, quick bench: the masked-dense core took the fused
-BS1 verify step from ~4.8 ms of kernels (gather) to a 2.3 ms graph and the BS64 one from
-~160 to 11.5 ms (bench/RESULTS.md).
+the activation dtype. On the H200 (slice config) the masked-dense core is the faster one
+wherever a request's row is short against its tokens' selected keys.
 
 With ``kv_cache="latent"`` (MLA-style: the pool holds the normed latent and one shared RoPE
 key) the step model absorbs the up-projections: scores ``[q_rope ; k_b_h^T q_nope] . entry``
 and ``o_h = v_b_h (softmax . latent)`` -- the reference expands every head's K and V from the
 cached latent instead, equal in exact arithmetic. Both cores then attend one key / value head
 (the masked-dense core by two batched matmuls around a masked softmax: ``Ops.attention_probs``,
-in the fused ops one kernel). H200, slice config at the issue's lengths: the BS64 verify graph
-24.6 ms baseline / 13.6 ms fused against 35.4 / 28.5 with the per-head cache
-(bench/RESULTS.md).
+in the fused ops one kernel); on the H200 it is the faster cache at the slice config.
 """
 
 from __future__ import annotations

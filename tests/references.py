@@ -154,9 +154,9 @@ def allreduce_ref(parts):
 
 # ------------------------------------------------------------------------- mHC ---------
 def mhc_stats_ref(x, phi, alpha, bias, eps, iters):
-    """H [T, 2n + n*n] = [H_pre | H_post | H_res] in float64 (issue 7's formulas).
+    """H [T, 2n + n*n] = [H_pre | H_post | H_res] in float64 (the mHC formulas of spec_decode.model).
 
-    x [T, n, C] bf16, phi [2n + n*n, n*C] (row j is column j of the issue's phi [n*C, m]).
+    x [T, n, C] bf16, phi [2n + n*n, n*C] (row j is column j of the model's phi [n*C, m]).
     """
     T, n, C = x.shape
     xf = x.double().reshape(T, n * C)

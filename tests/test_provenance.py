@@ -1,8 +1,8 @@
 """Provenance: code fetched from public repositories stays out of this tree (the library's
 rules, /work/.library/search/README.md). Third-party source files carry their authors'
 copyright / SPDX headers; this project's files do not. The last exception, CUTLASS's MoE
-grouped GEMM example vendored under moe/gemm_sm100/, was replaced by moe/experts_sm100.py
-(twelfth session): none may come back."""
+grouped GEMM example vendored under moe/gemm_sm100/, was replaced by moe/experts_sm100.py:
+none may come back."""
 
 import os
 import re

@@ -174,7 +174,7 @@ def test_step_model_matches_reference_logits(kv_cache):
 
 
 def test_rope_angles_survive_bf16_positions():
-    """bf16 activations at positions past 4096 (the issue's lengths) rotate like FP32 ones to
+    """bf16 activations at positions past 4096 (the benchmark's lengths) rotate like FP32 ones to
     bf16 rounding: the angles are FP32 (a bf16 position rounds to a multiple of 32 there)."""
     from spec_decode.model import rope
 
@@ -277,9 +277,8 @@ def test_fused_ops_track_fp32_reference_on_gpu(seed, kv_cache):
 
     Why not fused vs baseline directly: the baseline computes mHC mappings, Sinkhorn and the
     mixes in bf16 arithmetic where the kernels use FP32, and the fused experts are MXFP8; a
-    random 2-layer model's discrete steps (expert choice) amplify either difference (the H200
-    probe, tools/probe_fused_ops.py: mHC alone moved the logits 14%, MoE alone 17%, the
-    MXFP8-rounded baseline 11%). So each path is measured against the FP32 truth and the
+    random 2-layer model's discrete steps (expert choice) amplify either difference (on the
+    H200 mHC alone moved the logits 14%, MoE alone 17%, the MXFP8-rounded baseline 11%). So each path is measured against the FP32 truth and the
     fused path must be no worse than the unfused composite on MXFP8-rounded expert operands.
     Both KV caches."""
     from spec_decode.config import SMALL
@@ -317,9 +316,9 @@ def test_fused_ops_track_fp32_reference_on_gpu(seed, kv_cache):
         agree.append(float((out["fused"].argmax(-1) == out["baseline"].argmax(-1)).float().mean()))
     print({k: [round(e, 4) for e in v] for k, v in err.items()}, "token agreement fused/baseline", agree)
     # The precision claim is on the four steps together: one step's error is dominated by which
-    # tokens flip an expert choice, and per-step bounds failed on noise alone (H200 phase 28,
-    # latent: one step 0.173 vs 0.159 with the others 0.119-0.129; phase 35, per_head: one step
-    # 0.163 vs 0.160 with the others 0.07-0.10, no worse than the MXFP8 baseline's 0.09-0.11).
+    # tokens flip an expert choice, and per-step bounds failed on noise alone on the H200
+    # (latent: one step 0.173 vs 0.159 with the others 0.119-0.129; per_head: one step 0.163
+    # vs 0.160 with the others 0.07-0.10, no worse than the MXFP8 baseline's 0.09-0.11).
     # Each step keeps a loose bound that still catches a broken step.
     total = {k: (a / b) ** 0.5 for k, (a, b) in sq.items()}
     assert total["fused"] <= 1.5 * total["mx_baseline"] + 0.02, (total, err)

@@ -1053,7 +1053,7 @@ def test_bad_backend(kwargs, words):
     (8, 16, 128, 512, 320), (8, 16, 128, 512, 333), (8, 8, 256, 512, 1100),  # G=8 R=512 Dg=2048
     (16, 8, 128, 1024, 288), (16, 8, 128, 1024, 517),  # G=16 R=1024 Dg=1024
     (16, 16, 128, 512, 700), (8, 8, 128, 1024, 200),  # G=16 R=512 Dg=2048, G=8 R=1024 Dg=1024
-    (8, 8, 128, 512, 601),  # G=8 R=512 Dg=1024 (phase 102's shapes)
+    (8, 8, 128, 512, 601),  # G=8 R=512 Dg=1024
 ])
 def test_default_route_cublas_matches_fp64(seed, G, HG, Dv, R, T):
     """Inside a band the default route is one cuBLAS GEMM storing token-major y itself:
