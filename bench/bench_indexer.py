@@ -72,7 +72,7 @@ def main():
             wg = time_graph(lambda i: indexer_topk(q, w, kcs[i], off, ln, pos, topk=K, max_keys=S, out=out,
                                                    workspace=ws, use_wgmma=True), n_rot, reps, trials=20)
             # the runtime's token-major layout (a verify block's 6 tokens consecutive), groups of 3
-            # tokens per CTA sharing one key tile (indexer_scores_sm90_group; the runtime's default)
+            # tokens per CTA sharing one key tile (indexer_scores_token_group_sm90; the runtime's default)
             order = torch.sort(off, stable=True).indices
             q_tm, w_tm, off_tm, pos_tm = (x[order].contiguous() for x in (q, w, off, pos))
             grp = time_graph(lambda i: indexer_topk(q_tm, w_tm, kcs[i], off_tm, ln, pos_tm, topk=K, max_keys=S,

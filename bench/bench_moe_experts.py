@@ -11,8 +11,8 @@ a standalone weighted finalize, a separate shared add. Same random weights (bf16
 ours quantised from them). Stage times are CUDA-graph replays of each stage alone; the layer
 time is one graph of the whole layer; launches per layer are counted from a profiled replay.
 The layer's expert kernels are the runtime's choice (moe.experts.expert_kernel_args): the
-swap-AB decode kernel (moe.experts_sm90_decode) at T <= 16, in passes of 16 token columns
-up to T = 384, the tiled kernel (moe.experts_sm90, default tile) above; the second layer
+swap-AB decode kernel (moe.experts_swap_ab_sm90) at T <= 16, in passes of 16 token columns
+up to T = 384, the tiled kernel (moe.experts_tiled_sm90, default tile) above; the second layer
 column forces the tiled kernel with tile_k 256.
 Weight bandwidth at decode T counts the bytes of the experts the router actually selected.
 
@@ -32,7 +32,7 @@ from common import H200_COPY_BW, markdown_table, time_graph  # noqa: E402
 
 from moe.experts import (expert_kernel_args, interleave_gate_up, moe_expert_gate_up, moe_expert_gemm,  # noqa: E402
                         quantize_expert_weights)
-from moe.experts_sm90_decode import MoeExpertDecodeSm90, tok_n_for  # noqa: E402
+from moe.experts_swap_ab_sm90 import MoeExpertSwapABSm90, tok_n_for  # noqa: E402
 from moe.finalize import moe_finalize  # noqa: E402
 from moe.quant import mxfp8_quantize_routed  # noqa: E402
 from moe.router import MoeRouter, RouterConfig  # noqa: E402
@@ -40,7 +40,7 @@ from moe.router import MoeRouter, RouterConfig  # noqa: E402
 C, I, TOPK = 7168, 2048, 8
 #: Hopper expert-kernel (K tile, stages, CTAs per SM) swept per stage
 TILES = ((128, 4, 1), (256, 3, 1), (128, 4, 2), (256, 2, 2))
-#: decode-kernel pipeline depths swept at T <= 64 (the default: moe.experts_sm90_decode.STAGES)
+#: decode-kernel pipeline depths swept at T <= 64 (the default: moe.experts_swap_ab_sm90.STAGES)
 DECODE_STAGES = (3, 4, 5, 6)
 
 
@@ -138,11 +138,11 @@ def stage_times(T, x, logits, bias, W, cfg, ours):
         label = "gate/up (+SiLU, requant)" if name == "gate/up" else name
         for tk, st, c in TILES:
             t[f"{label} {tk}x{st} {c}cta"] = run(tile_k=tk, stages=st, ctas_per_sm=c)
-    # the swap-AB TMA + FP8 wgmma decode kernel (moe.experts_sm90_decode) at T <= 64, by pipeline depth
+    # the swap-AB TMA + FP8 wgmma decode kernel (moe.experts_swap_ab_sm90) at T <= 64, by pipeline depth
     tn = tok_n_for(T)
     for name, run, N, K in gemms:
         for st in DECODE_STAGES:
-            ok = tn is not None and MoeExpertDecodeSm90.can_implement(cfg.num_experts, N, K, tn, st)
+            ok = tn is not None and MoeExpertSwapABSm90.can_implement(cfg.num_experts, N, K, tn, st)
             t[f"{name} decode kernel, {st} stages"] = run(max_expert_rows=T, stages=st) if ok else float("nan")
     # the decode kernel in row passes of 16 / 32 token columns (any rows per expert; 32 halves
     # the passes over each weight tile where experts hold more than 16 rows)

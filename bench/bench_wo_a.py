@@ -74,7 +74,7 @@ def describe(kernel_config) -> str:
     name, cfg = kernel_config
     if name == "wo_a_decode":
         return f"decode {cfg['bm']}x{cfg['bn']}, {cfg['splits']} split(s), {cfg['stages']} stages"
-    if name == "wo_a_decode_sm90":
+    if name == "wo_a_decode_swap_ab":
         return f"wgmma decode 64x{cfg['tok_n']}, {cfg['stages']} stages of {cfg['bk']}"
     tile = f"tile {cfg['tile_m']}x{cfg['tile_n']}"
     if cfg.get("pingpong"):

@@ -10,7 +10,7 @@ with one positive scale per row of ``h`` (``s_b = 448 / max|h[b]|``) and one for
 e4m3 rounding, so each row's argmax -- all the draft needs -- is the logits' argmax up to that
 rounding, and no epilogue rescale is needed. Per-row weight scales would reorder a row;
 hence one scale for ``W``. ``W``'s bytes halve against bf16; unlike the MX block-scaled
-expert kernel (:mod:`moe.experts_sm90_decode`, which promotes an FP32 fragment per 32-wide K
+expert kernel (:mod:`moe.experts_swap_ab_sm90`, which promotes an FP32 fragment per 32-wide K
 block and is bound by that at 64 live rows), the wgmma accumulates across all of K.
 
 Kernel: the project's Hopper TMA + wgmma engine (:mod:`cute_kernels.gemm.sm90_gemm`, e4m3

@@ -43,7 +43,7 @@ from .arch import current_arch, dispatch
 from .indexer_scores import IndexerScores
 from .indexer_scores_fp8 import IndexerScoresFp8
 from .indexer_scores_sm90 import IndexerScoresSm90
-from .indexer_scores_sm90_group import IndexerScoresSm90Group
+from .indexer_scores_token_group_sm90 import IndexerScoresTokenGroupSm90
 from .indexer_scores_sm100 import IndexerScoresSm100
 from .validate import check_cuda, check_tensor
 
@@ -327,7 +327,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
 
     ``token_group`` (2-4; Hopper, bf16, H = 64): one CTA scores that many consecutive tokens
     from one key tile -- for layouts where consecutive tokens share ``kv_offset`` (a verify
-    block's tokens); correct for any layout (:mod:`cute_kernels.indexer_scores_sm90_group`;
+    block's tokens); correct for any layout (:mod:`cute_kernels.indexer_scores_token_group_sm90`;
     GPU-tested; H200: groups of 3 run 1.0-1.44x the one-token wgmma kernel on 6-token
     verify blocks, bench/RESULTS.md). The decode runtime uses 3.
 
@@ -376,7 +376,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
         raise TypeError(f"{op}: use_wgmma must be None, False or True, got {use_wgmma!r}")
     if not isinstance(token_group, int) or isinstance(token_group, bool) or not 1 <= token_group <= 4:
         raise ValueError(f"{op}: token_group must be an int in [1, 4], got {token_group!r}")
-    if token_group > 1 and (fp8 or use_wgmma is False or not IndexerScoresSm90Group.can_implement(H, D, token_group)):
+    if token_group > 1 and (fp8 or use_wgmma is False or not IndexerScoresTokenGroupSm90.can_implement(H, D, token_group)):
         raise ValueError(f"{op}: token_group > 1 needs the wgmma score kernel: bf16 q / k_cache, H = 64 heads "
                          f"(got {q.dtype}, H={H}, use_wgmma={use_wgmma})")
     if use_wgmma and not (not fp8 and IndexerScoresSm90.can_implement(H, D)):
@@ -412,7 +412,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
     if path == "sm100" and IndexerScoresSm100.can_implement(H, D):
         scores_fn = jit.get_kernel("indexer_scores_sm100", a, heads=H, dim=D, has_slot_mask=has_mask)
     elif path == "sm90" and token_group > 1:
-        scores_fn = jit.get_kernel("indexer_scores_sm90_group", a, heads=H, dim=D, has_slot_mask=has_mask,
+        scores_fn = jit.get_kernel("indexer_scores_token_group_sm90", a, heads=H, dim=D, has_slot_mask=has_mask,
                                    group=token_group)
     elif path == "sm90" and use_wgmma is not False and IndexerScoresSm90.can_implement(H, D):
         scores_fn = jit.get_kernel("indexer_scores_sm90", a, heads=H, dim=D, has_slot_mask=has_mask)

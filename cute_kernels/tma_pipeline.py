@@ -1,6 +1,6 @@
 """Single-CTA TMA helpers shared by the kernels that stream operand tiles into shared memory
-without a thread-block cluster: the Hopper decode kernels (``wo_a_decode_sm90``,
-``moe.experts_sm90_decode``), the indexer score kernels (sm_90a and sm_100a) and the
+without a thread-block cluster: the Hopper decode kernels (``wo_a_decode_swap_ab``,
+``moe.experts_swap_ab_sm90``), the indexer score kernels (sm_90a and sm_100a) and the
 Blackwell MoE expert GEMM. Called while a kernel is traced: they emit exactly the code of the
 inline calls they replace (the same machine code)."""
 

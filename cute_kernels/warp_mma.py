@@ -1,7 +1,7 @@
 """Warp-level helpers of the MMA kernels: shared-memory -> register operand copies for the
 ``mma.sync`` kernels (mhc_stats, wo_a_decode, indexer_scores, the Hopper MoE tiled kernel),
-the wgmma kernels' per-thread fragments (indexer_scores_sm90*, wo_a_decode_sm90,
-moe.experts_sm90_decode), and the quad reduction over an accumulator row's 4 threads."""
+the wgmma kernels' per-thread fragments (indexer_scores_sm90*, wo_a_decode_swap_ab,
+moe.experts_swap_ab_sm90), and the quad reduction over an accumulator row's 4 threads."""
 
 import cutlass.cute as cute
 from cutlass import Float32

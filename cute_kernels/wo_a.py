@@ -15,7 +15,7 @@ Kernels (:func:`route` picks one per call; docs/wo_a.md explains the rule):
 * the arch's TMA GEMM engine -- sm_90a :mod:`.wo_a_sm90` (wgmma), sm_100a / sm_103a
   :mod:`.wo_a_sm100` (tcgen05) -- tiled for T;
 * at decode T two weight-streaming kernels: :mod:`.wo_a_decode` (split-K warp MMAs, any arch)
-  and :mod:`.wo_a_decode_sm90` (TMA + wgmma with the weight rows as M; Hopper);
+  and :mod:`.wo_a_decode_swap_ab` (TMA + wgmma with the weight rows as M; Hopper);
 * on a 132-SM Hopper part, inside measured T ranges, one cuBLAS strided-batched GEMM that
   stores token-major ``y`` itself (:mod:`.wo_a_cublas`);
 * any other device: the PyTorch reference, with one warning.
@@ -50,7 +50,7 @@ from .wo_a_cublas import wo_a_cublas
 from .wo_a_sm90 import WoASm90
 from .wo_a_sm100 import WoASm100
 from .wo_a_decode import BN_NARROW, WoADecode, WoADecodeWorkspace, plan as decode_plan
-from .wo_a_decode_sm90 import plan as sm90_decode_plan
+from .wo_a_decode_swap_ab import plan as swap_ab_plan
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _PATHS = {"sm90": WoASm90, "sm100": WoASm100}
@@ -147,7 +147,7 @@ SM90_CUBLAS_T: dict[tuple[int, int, int], tuple[tuple[int, int], ...]] = {
 
 def route(T: int, G: int, R: int, Dg: int, arch: str, *, decode_kernel: bool | str | None = None,
           pdl: bool = False, sms: int = SM90_SMS, backend: str | None = None) -> tuple[str, dict]:
-    """The kernel (``"wo_a"``, ``"wo_a_decode"``, ``"wo_a_decode_sm90"``, or ``"wo_a_cublas"`` --
+    """The kernel (``"wo_a"``, ``"wo_a_decode"``, ``"wo_a_decode_swap_ab"``, or ``"wo_a_cublas"`` --
     nothing to compile) and its whole compile config that :func:`wo_a` launches for ``T``
     tokens of the shape on ``arch`` with ``sms`` SMs.
 
@@ -173,7 +173,7 @@ def route(T: int, G: int, R: int, Dg: int, arch: str, *, decode_kernel: bool | s
         if path != "sm90" or T > 64:
             raise ValueError(f"wo_a: decode_kernel='wgmma' needs a Hopper (sm_90a) device and T <= 64, "
                              f"got {arch} and T={T}")
-        return "wo_a_decode_sm90", dict(G=G, R=R, Dg=Dg, **sm90_decode_plan(T, G, R, Dg, sms), **pdl_cfg)
+        return "wo_a_decode_swap_ab", dict(G=G, R=R, Dg=Dg, **swap_ab_plan(T, G, R, Dg, sms), **pdl_cfg)
     if kind == "mma" and WoADecode.can_implement(T, G, R, Dg):
         return "wo_a_decode", dict(G=G, R=R, Dg=Dg, **decode_plan(T, G, R, Dg, sms), **pdl_cfg)
     cfg = _PATHS[path].config_for(T, G, R, Dg, pdl=pdl)
@@ -226,7 +226,7 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     :func:`route` chooses the kernel; the keyword arguments override it:
 
     ``decode_kernel`` (T <= 64): ``"mma"`` (or ``True``) -- :mod:`cute_kernels.wo_a_decode`
-    (warp MMAs, split-K; any arch); ``"wgmma"`` -- :mod:`cute_kernels.wo_a_decode_sm90` (TMA +
+    (warp MMAs, split-K; any arch); ``"wgmma"`` -- :mod:`cute_kernels.wo_a_decode_swap_ab` (TMA +
     wgmma, weight rows as M; Hopper); ``False`` -- neither. The warp-MMA kernel's split partials
     live in ``workspace`` (default: one shared per device and shape -- pass your own for
     concurrent calls on several streams).
@@ -297,7 +297,7 @@ def aot_routes(arch: str, shapes=AOT_SHAPES, max_tokens: int = AOT_MAX_T, sms: i
     ``pdl``, no ``backend``) takes for T = 1 .. ``max_tokens`` of each (G, R, Dg) in ``shapes`` on
     ``arch`` with ``sms`` SMs, cuBLAS left out (it compiles nothing): what a deployment must
     have built so that no default call compiles. ``wo_a``'s, ``wo_a_decode``'s and
-    ``wo_a_decode_sm90``'s AOT configs are these; ``python -m cute_kernels build --wo-a-shape
+    ``wo_a_decode_swap_ab``'s AOT configs are these; ``python -m cute_kernels build --wo-a-shape
     G,R,Dg`` adds a model's own shape. The configs are fresh dicts (the enumeration is memoised)."""
     routes = _aot_routes(normalize_arch(arch), tuple(tuple(s) for s in shapes), max_tokens, sms)
     return tuple((name, dict(items)) for name, items in routes)

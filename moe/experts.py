@@ -11,8 +11,8 @@
 Paths: sm_100a runs :mod:`moe.experts_sm100` (tcgen05 block-scaled MMA, the expert of each
 128-row tile from the router's ``tile_expert``; compiled and machine-code checked in CI, never
 run here -- no Blackwell GPU); sm_90a runs
-:mod:`moe.experts_sm90_decode` (swap-AB TMA + FP8 wgmma, weights as M) for decode steps --
-:func:`expert_kernel_args` picks it from the token count -- and :mod:`moe.experts_sm90`
+:mod:`moe.experts_swap_ab_sm90` (swap-AB TMA + FP8 wgmma, weights as M) for decode steps --
+:func:`expert_kernel_args` picks it from the token count -- and :mod:`moe.experts_tiled_sm90`
 (FP8 warp MMA per 32-block with scale promotion) for larger steps; both GPU-tested on the
 H200 (timings in ``bench/RESULTS.md``). Other devices get
 the PyTorch reference (exact dequantisation, then a bf16 grouped matmul with FP32
@@ -32,8 +32,8 @@ from cute_kernels import jit
 from cute_kernels.arch import current_arch, dispatch
 from cute_kernels.validate import check_cuda, check_tensor
 
-from .experts_sm90 import STAGE_RANGE, TILE_K, MoeExpertGemmSm90
-from .experts_sm90_decode import TOK_N, MoeExpertDecodeSm90, tok_n_for
+from .experts_tiled_sm90 import STAGE_RANGE, TILE_K, MoeExpertGemmTiledSm90
+from .experts_swap_ab_sm90 import TOK_N, MoeExpertSwapABSm90, tok_n_for
 from .quant import MX_BLOCK, SF_ATOM_COLS, SF_ATOM_ROWS, mxfp8_quantize, scale_buffer_size
 
 F8 = torch.float8_e4m3fn
@@ -156,14 +156,14 @@ def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_
         if expert_row_tile not in TOK_N:
             raise ValueError(f"{op}: expert_row_tile must be one of {TOK_N}, got {expert_row_tile!r}")
         tok_n = expert_row_tile
-    if tok_n is not None:  # the swap-AB TMA + wgmma decode kernel (moe.experts_sm90_decode)
+    if tok_n is not None:  # the swap-AB TMA + wgmma decode kernel (moe.experts_swap_ab_sm90)
         if tile_k is not None or ctas_per_sm is not None:
             raise ValueError(f"{op}: tile_k / ctas_per_sm configure the tiled kernel; max_expert_rows / "
                              f"expert_row_tile select the decode kernel (only stages applies)")
-        if not MoeExpertDecodeSm90.can_implement(E, N, K, tok_n, stages):
+        if not MoeExpertSwapABSm90.can_implement(E, N, K, tok_n, stages):
             raise ValueError(f"{op}: the decode kernel (token tile {tok_n}) cannot run stages={stages} "
                              f"(2-12 within shared memory) or E={E}, N={N}, K={K}")
-        fn = jit.get_kernel("moe_expert_decode_sm90", arch, E=E, N=N, K=K, tok_n=tok_n, silu_quant=fused is not None,
+        fn = jit.get_kernel("moe_expert_swap_ab_sm90", arch, E=E, N=N, K=K, tok_n=tok_n, silu_quant=fused is not None,
                             stages=stages, row_passes=row_passes)
     else:
         if tile_k is None:
@@ -173,10 +173,10 @@ def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_
         ctas_per_sm = 1 if ctas_per_sm is None else ctas_per_sm
         if tile_k not in TILE_K or K % tile_k:
             raise ValueError(f"{op}: tile_k must be one of {sorted(TILE_K)} dividing K={K}, got {tile_k!r}")
-        if not MoeExpertGemmSm90.can_implement(E, N, K, tile_k, stages, ctas_per_sm):
+        if not MoeExpertGemmTiledSm90.can_implement(E, N, K, tile_k, stages, ctas_per_sm):
             raise ValueError(f"{op}: tile_k={tile_k}, stages={stages}, ctas_per_sm={ctas_per_sm} unsupported (stages "
                              f"in {STAGE_RANGE}; ctas_per_sm 1 or 2 with both CTAs' shared memory within 227 KB)")
-        fn = jit.get_kernel("moe_expert_gemm_sm90", arch, E=E, N=N, K=K, silu_quant=fused is not None, tile_k=tile_k,
+        fn = jit.get_kernel("moe_expert_gemm_tiled_sm90", arch, E=E, N=N, K=K, silu_quant=fused is not None, tile_k=tile_k,
                             stages=stages, ctas_per_sm=ctas_per_sm)
     # both kernels take the same arguments
     q_out, s_out = fused if fused is not None else (a_q, a_scales)  # not touched unless fused
@@ -260,7 +260,7 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     ``ctas_per_sm`` (2: a launch bound capping registers so two CTAs share an SM).
     ``max_expert_rows`` (an upper bound on any expert's live rows -- the token count, since a
     token routes to an expert once) <= 64 selects the Hopper swap-AB TMA + FP8 wgmma decode
-    kernel (:mod:`moe.experts_sm90_decode`, 2.3-4.6x faster than the tiled kernel at T = 1 and 64 on
+    kernel (:mod:`moe.experts_swap_ab_sm90`, 2.3-4.6x faster than the tiled kernel at T = 1 and 64 on
     the H200; ``stages`` then sets its pipeline depth); pass the token count at decode.
     ``expert_row_tile`` (16 / 32 / 64) runs the decode kernel for any rows per expert: a CTA
     covers its router tile's live rows in passes of that many token columns (GPU-tested; for
@@ -268,7 +268,7 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     :func:`expert_kernel_args` picks between these from the token count.
     Padding rows of ``out`` are unspecified.
     """
-    op = "moe_expert_gemm"
+    op = "moe_expert_gemm_sm100"
     rows, K, E, N = _check_operand_shapes(op, a_q, w_q)
     if K % 128 or N % 16:
         raise ValueError(f"{op}: need K % 128 == 0 and N % 16 == 0, got K={K}, N={N}")
@@ -310,10 +310,10 @@ def _launch_sm100(op, arch, a_q, a_scales, w_q, w_scales, tile_expert, out, fuse
     P = jit.gmem_ptr
     f8, sf = cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU
     if fused is None:
-        fn = jit.get_kernel("moe_expert_gemm", arch, E=E, N=N, K=K)
+        fn = jit.get_kernel("moe_expert_gemm_sm100", arch, E=E, N=N, K=K)
         c, (q, s) = out, (a_q, a_scales)  # q / s: unused without the fused epilogue
     else:
-        fn = jit.get_kernel("moe_expert_gemm", arch, E=E, N=N, K=K, silu_quant=True)
+        fn = jit.get_kernel("moe_expert_gemm_sm100", arch, E=E, N=N, K=K, silu_quant=True)
         c, (q, s) = a_q, fused
     fn(P(f8, a_q, 16), P(f8, w_q, 16), P(sf, a_scales, 16), P(sf, w_scales, 16), P(cutlass.BFloat16, c, 16),
        P(Int32, tile_expert, 4), P(f8, q, 16), P(cutlass.Uint8, s, 1), jit.i32(rows), jit.cu_stream(stream))

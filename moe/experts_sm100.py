@@ -296,7 +296,7 @@ class MoeExpertGemmSm100:
         this tile (the weights are interleaved by 32); each thread holds one row of each. The
         gate subtile is stashed bf16-rounded; the up subtile completes the row's block:
         h = bf16(bf16(silu(g)) * u), one MXFP8 block and its swizzled scale byte."""
-        from moe.experts_sm90 import MX, mx_scale_index, silu_mul_mx_block
+        from moe.experts_tiled_sm90 import MX, mx_scale_index, silu_mul_mx_block
 
         t2r, thr_t2r, tTR_tAcc = tmem_subtiles(tCtAcc, epi_tile, self.t2r_atom(epi_tile), tidx)
         cC_epi = cute.flat_divide(cute.make_identity_tensor(self.mma_tiler[:2]), epi_tile)
@@ -329,7 +329,7 @@ class MoeExpertGemmSm100:
 
 def _build(arch: str, *, E: int, N: int, K: int, tile_n: int = 128, silu_quant: bool = False):
     if not MoeExpertGemmSm100.can_implement(E, N, K, tile_n, silu_quant):
-        raise ValueError(f"moe_expert_gemm: unsupported E={E}, N={N}, K={K}, tile_n={tile_n}, silu_quant={silu_quant} "
+        raise ValueError(f"moe_expert_gemm_sm100: unsupported E={E}, N={N}, K={K}, tile_n={tile_n}, silu_quant={silu_quant} "
                          f"(K % 128, N % tile_n, tile_n 128 or 256, N % 64 with the fused SiLU)")
     P = jit.fake_gmem_ptr
     f8, sf = cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU
@@ -339,7 +339,7 @@ def _build(arch: str, *, E: int, N: int, K: int, tile_n: int = 128, silu_quant: 
 
 
 KERNEL = jit.register(jit.KernelDef(
-    name="moe_expert_gemm",
+    name="moe_expert_gemm_sm100",
     build=_build,
     sources=(os.path.abspath(__file__),
              os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cute_kernels", "gemm", "sm100_gemm.py"),

@@ -48,7 +48,7 @@ def test_key_names_every_field(kdef):
 def test_spelled_out_defaults_name_the_same_artifact():
     """A launch that passes build()'s defaults explicitly (the MoE decode kernel's stages=None,
     row_passes=False) hits the AOT entry built from a config that leaves them out."""
-    k = catalog.kernels()["moe_expert_decode_sm90"]
+    k = catalog.kernels()["moe_expert_swap_ab_sm90"]
     aot = {"E": 256, "N": 4096, "K": 7168, "tok_n": 16, "silu_quant": True}
     assert jit.CacheKey.make(k, "sm_90a", dict(aot, stages=None, row_passes=False)) == \
         jit.CacheKey.make(k, "sm_90a", aot)
@@ -248,10 +248,10 @@ def test_cli_build_wo_a_shape_adds_its_routes(tmp_path):
     from cute_kernels.wo_a import aot_routes
 
     cache = str(tmp_path / "c")
-    base = len([1 for k, _ in jit.iter_aot(catalog.kernels(), ["wo_a_decode_sm90"], "sm_90a")])
-    extra = [c for n, c in aot_routes("sm_90a", [(8, 512, 1536)], 40) if n == "wo_a_decode_sm90"]
+    base = len([1 for k, _ in jit.iter_aot(catalog.kernels(), ["wo_a_decode_swap_ab"], "sm_90a")])
+    extra = [c for n, c in aot_routes("sm_90a", [(8, 512, 1536)], 40) if n == "wo_a_decode_swap_ab"]
     assert len(extra) == 2  # tok_n 8 / 16; the T = 17..40 engine routes are filtered out by --kernel
-    r = _cli("build", "--arch", "sm_90a", "--kernel", "wo_a_decode_sm90", "--wo-a-shape", "8,512,1536",
+    r = _cli("build", "--arch", "sm_90a", "--kernel", "wo_a_decode_swap_ab", "--wo-a-shape", "8,512,1536",
              "--max-tokens", "40", cache=cache)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("| compiled") == base + 2 and r.stdout.count('"Dg": 1536') == 2

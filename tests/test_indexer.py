@@ -310,7 +310,7 @@ def test_token_group_kernel(seed, T, S, n_seq, group, token_major):
 
 @pytest.mark.parametrize("group", [2, 3, 4])
 def test_machine_code_sm90_token_group(group):
-    h = sass.sass_histogram("indexer_scores_sm90_group", "sm_90a", heads=64, dim=128, has_slot_mask=True,
+    h = sass.sass_histogram("indexer_scores_token_group_sm90", "sm_90a", heads=64, dim=128, has_slot_mask=True,
                             group=group)
     assert sass.count(h, f"HGMMA.64x{64 * group}x16.F32.BF16") >= 8 and sass.count(h, "UTMALDG") >= 2
     assert sass.count(h, "SHFL.BFLY") >= 4 * group  # the quad's head-sum, per token

@@ -161,7 +161,7 @@ def test_machine_code(cfg):
     """The project's Blackwell engine: per k-tile TMA loads of A, W (3-D: the tile's expert)
     and both scale tiles, ``tcgen05.cp`` of the scales to tensor memory, the block-scaled
     MMA on 8-bit operands, tensor-memory loads and TMA stores in the epilogue, no spills."""
-    h = sass.sass_histogram("moe_expert_gemm", "sm_100a", **cfg)
+    h = sass.sass_histogram("moe_expert_gemm_sm100", "sm_100a", **cfg)
     assert sass.count(h, "UTCQMMA") >= 1  # tcgen05 MMA on 8-bit operands ...
     assert sass.count(h, "UTCCP") >= 2  # ... with both scale tiles copied to tensor memory: block-scaled
     assert sass.count(h, "UTMALDG") >= 4 and sass.count(h, "LDTM") >= 1 and sass.count(h, "UTMASTG") >= 1
@@ -172,7 +172,7 @@ def test_machine_code(cfg):
 def test_machine_code_has_no_descriptor_writes():
     """The expert is a TMA batch coordinate: no per-expert descriptors are built on the device
     (no tensormap replace / fence of a descriptor-init kernel) and the launch is one kernel."""
-    h = sass.sass_histogram("moe_expert_gemm", "sm_100a", E=256, N=7168, K=2048)
+    h = sass.sass_histogram("moe_expert_gemm_sm100", "sm_100a", E=256, N=7168, K=2048)
     assert not [op for op in h if "TENSORMAP" in op or op.startswith("UTMACCTL.IV")], h
 
 
@@ -180,7 +180,7 @@ def test_machine_code_has_no_descriptor_writes():
 def test_machine_code_fused_silu_sm100(cfg):
     """Blackwell gate/up with the SiLU * up + MXFP8 epilogue: the same block-scaled tcgen05
     mainloop, tensor-memory loads feeding SiLU's exp, and no C store (UTMASTG) at all."""
-    h = sass.sass_histogram("moe_expert_gemm", "sm_100a", silu_quant=True, **cfg)
+    h = sass.sass_histogram("moe_expert_gemm_sm100", "sm_100a", silu_quant=True, **cfg)
     assert sass.count(h, "UTCQMMA") >= 1 and sass.count(h, "UTCCP") >= 1 and sass.count(h, "UTMALDG") >= 2
     assert sass.count(h, "LDTM") >= 1 and sass.count(h, "MUFU.EX2") >= 32
     assert sass.count(h, "UTMASTG") == 0
@@ -296,7 +296,7 @@ def test_row_offset_bound_is_validated():
     rows, K, E, N = 300_032, 7168, 2, 4096
     m = dict(device="meta")
     with pytest.raises(ValueError, match="2\\^31"):
-        _launch_sm90("moe_expert_gemm", "sm_90a", torch.empty(rows, K, dtype=torch.float8_e4m3fn, **m), None,
+        _launch_sm90("moe_expert_gemm_sm100", "sm_90a", torch.empty(rows, K, dtype=torch.float8_e4m3fn, **m), None,
                      torch.empty(E, N, K, dtype=torch.float8_e4m3fn, **m), None, None,
                      torch.empty(E, dtype=torch.int32, **m), torch.empty(rows // 128, dtype=torch.int32, **m),
                      None, None, None)
@@ -323,11 +323,11 @@ def _gemm_matches_emulation(seed, E, N, K, counts, launches):
 
 
 def test_tile_config_validation():
-    from moe.experts_sm90 import MoeExpertGemmSm90
-    assert MoeExpertGemmSm90.can_implement(256, 4096, 7168, 128, 4, 2)  # 113 KB x 2 fits 227 KB
-    assert not MoeExpertGemmSm90.can_implement(256, 4096, 7168, 256, 3, 2)  # 162 KB x 2 does not
-    assert MoeExpertGemmSm90.can_implement(256, 4096, 7168, 256, None, 1)
-    assert not MoeExpertGemmSm90.can_implement(256, 4096, 7040, 256)  # K % 256
+    from moe.experts_tiled_sm90 import MoeExpertGemmTiledSm90
+    assert MoeExpertGemmTiledSm90.can_implement(256, 4096, 7168, 128, 4, 2)  # 113 KB x 2 fits 227 KB
+    assert not MoeExpertGemmTiledSm90.can_implement(256, 4096, 7168, 256, 3, 2)  # 162 KB x 2 does not
+    assert MoeExpertGemmTiledSm90.can_implement(256, 4096, 7168, 256, None, 1)
+    assert not MoeExpertGemmTiledSm90.can_implement(256, 4096, 7040, 256)  # K % 256
 
 
 def test_grid_tile_bound():
@@ -361,7 +361,7 @@ def test_expert_kernel_args_by_token_count():
 
 @pytest.mark.parametrize("cfg", [dict(E=256, N=4096, K=7168), dict(E=256, N=7168, K=2048)])
 def test_machine_code_sm90(cfg):
-    h = sass.sass_histogram("moe_expert_gemm_sm90", "sm_90a", **cfg)
+    h = sass.sass_histogram("moe_expert_gemm_tiled_sm90", "sm_90a", **cfg)
     assert sass.count(h, "HMMA") >= 1 and sass.count(h, "LDSM") >= 1 and sass.count(h, "LDGSTS") >= 1
     assert sass.count(h, "FFMA") >= 32 * 4  # per-block scale promotion of the 32 accumulators, 4 blocks
     assert sass.local_memory_ops(h) == 0
@@ -455,7 +455,7 @@ def _gate_up_matches_spec(seed, E, I, K, counts, own_gemm=False, **kw):
 
 
 def test_machine_code_sm90_fused():
-    h = sass.sass_histogram("moe_expert_gemm_sm90", "sm_90a", E=256, N=4096, K=7168, silu_quant=True)
+    h = sass.sass_histogram("moe_expert_gemm_tiled_sm90", "sm_90a", E=256, N=4096, K=7168, silu_quant=True)
     assert sass.count(h, "HMMA") >= 1 and sass.count(h, "MUFU.EX2") >= 1  # SiLU's exp in the epilogue
     assert sass.local_memory_ops(h) == 0
 
@@ -572,9 +572,9 @@ def test_gpu_decode_kernel_row_passes_fused(seed):
 
 @pytest.mark.parametrize("tok_n, silu_quant, row_passes", [(16, False, False), (16, True, False), (64, False, False),
                                                            (16, True, True), (32, False, True)])
-def test_machine_code_sm90_decode(tok_n, silu_quant, row_passes):
+def test_machine_code_swap_ab_sm90(tok_n, silu_quant, row_passes):
     """Native FP8 wgmma (QGMMA e4m3, not mma.sync's f16 unpacks) fed by TMA, no spills."""
-    h = sass.sass_histogram("moe_expert_decode_sm90", "sm_90a", E=256, N=4096, K=7168, tok_n=tok_n,
+    h = sass.sass_histogram("moe_expert_swap_ab_sm90", "sm_90a", E=256, N=4096, K=7168, tok_n=tok_n,
                             silu_quant=silu_quant, row_passes=row_passes)
     assert sass.count(h, f"QGMMA.64x{tok_n}x32.F32.E4M3.E4M3") >= 1 and sass.count(h, "UTMALDG") >= 1
     assert sass.count(h, "F2FP.F16.E4M3.UNPACK_B") == 0
@@ -582,17 +582,17 @@ def test_machine_code_sm90_decode(tok_n, silu_quant, row_passes):
 
 
 def test_decode_kernel_selection():
-    from moe.experts_sm90_decode import STAGES, SMEM_PER_SM, MoeExpertDecodeSm90, smem_bytes, tok_n_for
+    from moe.experts_swap_ab_sm90 import STAGES, SMEM_PER_SM, MoeExpertSwapABSm90, smem_bytes, tok_n_for
     assert [tok_n_for(n) for n in (1, 16, 17, 64, 65)] == [16, 16, 32, 64, None]
     # the default depth keeps 6 / 5 / 3 CTAs per SM by shared memory
     assert [SMEM_PER_SM // smem_bytes(tn, STAGES[tn]) for tn in (16, 32, 64)] == [6, 5, 3]
-    assert MoeExpertDecodeSm90.can_implement(256, 4096, 7168, 64, 5)
-    assert not MoeExpertDecodeSm90.can_implement(256, 4096, 7168, 64, 14)  # over shared memory
-    assert not MoeExpertDecodeSm90.can_implement(256, 4096, 7168, 16, 1)
-    assert not MoeExpertDecodeSm90.can_implement(256, 4096, 7168, 48)  # not a token tile
+    assert MoeExpertSwapABSm90.can_implement(256, 4096, 7168, 64, 5)
+    assert not MoeExpertSwapABSm90.can_implement(256, 4096, 7168, 64, 14)  # over shared memory
+    assert not MoeExpertSwapABSm90.can_implement(256, 4096, 7168, 16, 1)
+    assert not MoeExpertSwapABSm90.can_implement(256, 4096, 7168, 48)  # not a token tile
 
 
-def test_sm90_decode_scale_words_transcribed():
+def test_swap_ab_decode_scale_words_transcribed():
     """The decode kernel's scale reads -- one 4-byte word per (row, K slice) at word
     ``(atom + kt) * 128 + (r % 32) * 4 + r // 32``, block ``kb`` in byte ``kb`` -- transcribed
     to Python, land on the quantiser's byte for (row, k-block): weight rows of several experts

@@ -646,7 +646,7 @@ def _check_decode_config(**cfg):
 
 
 def _check_decode_build(kernel, T, G, HG, Dv, R, max_splits, **cfg):
-    """One decode kernel build (``wo_a_decode``: split-K through a workspace; ``wo_a_decode_sm90``:
+    """One decode kernel build (``wo_a_decode``: split-K through a workspace; ``wo_a_decode_swap_ab``:
     none) against float64: launched twice eagerly into a poisoned output (the last-split
     counters re-zero themselves), then replayed in a graph with fresh inputs."""
     from cute_kernels import jit
@@ -659,7 +659,7 @@ def _check_decode_build(kernel, T, G, HG, Dv, R, max_splits, **cfg):
     P = jit.gmem_ptr
 
     def launch(stream):
-        if kernel == "wo_a_decode_sm90":
+        if kernel == "wo_a_decode_swap_ab":
             fn(P(cutlass.BFloat16, o, 16), P(cutlass.BFloat16, w, 16), P(cutlass.BFloat16, out, 4), jit.i32(T),
                jit.cu_stream(stream))
         else:
@@ -809,7 +809,7 @@ def test_engine_pdl_machine_code(cfg):
     assert sass.count(h0, "ACQBULK") == 0 and sass.count(h0, "PREEXIT") == 0
 
 
-# --- the Hopper swap-AB decode kernel (cute_kernels/wo_a_decode_sm90.py) -------------------
+# --- the Hopper swap-AB decode kernel (cute_kernels/wo_a_decode_swap_ab.py) -------------------
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T, G, HG, Dv, R, cfg", [
@@ -824,17 +824,17 @@ def test_engine_pdl_machine_code(cfg):
     (64, 8, 16, 128, 512, dict(tok_n=64, stages=6, bk=128)),
     (2, 8, 8, 64, 512, dict(tok_n=16, stages=2)),  # one K slice per CTA
 ])
-def test_sm90_decode_kernel_matches_fp64_and_replays(seed, T, G, HG, Dv, R, cfg):
+def test_swap_ab_decode_kernel_matches_fp64_and_replays(seed, T, G, HG, Dv, R, cfg):
     """Each token tile, depth and K slice against float64, with odd T (token rows past T
     zero-filled by TMA, never stored): launched twice eagerly, then replayed in a graph with
     fresh inputs."""
-    _check_decode_build("wo_a_decode_sm90", T, G, HG, Dv, R, max_splits=1, **cfg)
+    _check_decode_build("wo_a_decode_swap_ab", T, G, HG, Dv, R, max_splits=1, **cfg)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("G, HG, Dv, R", SHAPES)
 @pytest.mark.parametrize("T", [1, 5, 16, 20, 32, 41, 64])
-def test_sm90_decode_kernel_through_wo_a(seed, G, HG, Dv, R, T):
+def test_swap_ab_decode_kernel_through_wo_a(seed, G, HG, Dv, R, T):
     """``wo_a(decode_kernel="wgmma")`` at every shape with its plan (which the default takes
     at T <= 16 where 64-row weight tiles leave SMs idle, G=8 R=512, and at G=16 R=1024)."""
     check_wo_a(T, G, HG, Dv, R, decode_kernel="wgmma")
@@ -842,13 +842,13 @@ def test_sm90_decode_kernel_through_wo_a(seed, G, HG, Dv, R, T):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bk", [64, 128])
-def test_sm90_decode_kernel_pdl_after_a_writer(seed, bk):
+def test_swap_ab_decode_kernel_pdl_after_a_writer(seed, bk):
     """The PDL build reads ``o`` only after the kernel before it: a graph of (copy fresh
     inputs into ``o``, the kernel) x 3 on one ``o`` gives each step's product."""
     from cute_kernels import jit
 
     T, G, HG, Dv, R = 5, 8, 16, 128, 512
-    fn = jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=G, R=R, Dg=HG * Dv, tok_n=8, bk=bk, pdl=True)
+    fn = jit.get_kernel("wo_a_decode_swap_ab", "sm_90a", G=G, R=R, Dg=HG * Dv, tok_n=8, bk=bk, pdl=True)
     o, w = make(T, G, HG, Dv, R, "cuda")
     srcs = [make(T, G, HG, Dv, R, "cuda")[0] for _ in range(3)]
     outs = [torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
@@ -865,11 +865,11 @@ def test_sm90_decode_kernel_pdl_after_a_writer(seed, bk):
 
 @pytest.mark.parametrize("cfg", [dict(tok_n=8, stages=4), dict(tok_n=64, stages=3), dict(tok_n=32, stages=6, bk=128),
                                  dict(tok_n=16, pdl=True)])
-def test_sm90_decode_kernel_machine_code(cfg):
+def test_swap_ab_decode_kernel_machine_code(cfg):
     """TMA loads and wgmma of the token tile's width (m64n{tok_n}k16), one per 16 of K in a
     slice; no spills, no global atomics; a grid-dependency wait and early launch only in the
     PDL build."""
-    h = sass.sass_histogram("wo_a_decode_sm90", "sm_90a", G=16, R=1024, Dg=2048, **cfg)
+    h = sass.sass_histogram("wo_a_decode_swap_ab", "sm_90a", G=16, R=1024, Dg=2048, **cfg)
     bk = cfg.get("bk", 64)
     assert sass.count(h, f"HGMMA.64x{cfg['tok_n']}x16.F32.BF16") >= bk // 16, h
     assert sass.count(h, "UTMALDG") >= 2 and sass.count(h, "LDGSTS") == 0 and sass.count(h, "HMMA") == 0
@@ -879,9 +879,9 @@ def test_sm90_decode_kernel_machine_code(cfg):
     assert sass.count(h, "ATOMG") == 0
 
 
-def test_sm90_decode_plan_and_errors():
+def test_swap_ab_decode_plan_and_errors():
     from cute_kernels import jit
-    from cute_kernels.wo_a_decode_sm90 import plan
+    from cute_kernels.wo_a_decode_swap_ab import plan
 
     # one wave of 64-row tiles: 8 stages of 128 (6 for the 64-token tile)
     assert plan(1, 8, 512, 2048) == dict(tok_n=8, stages=8, bk=128)
@@ -893,11 +893,11 @@ def test_sm90_decode_plan_and_errors():
     with pytest.raises(ValueError, match="T=65"):
         plan(65, 8, 512, 2048)
     with pytest.raises(ValueError, match="tok_n=24"):
-        jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=8, R=512, Dg=1024, tok_n=24, use_disk=False)
+        jit.get_kernel("wo_a_decode_swap_ab", "sm_90a", G=8, R=512, Dg=1024, tok_n=24, use_disk=False)
     with pytest.raises(TypeError, match="splits"):  # no K split
-        jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=8, R=512, Dg=1024, tok_n=16, splits=2, use_disk=False)
+        jit.get_kernel("wo_a_decode_swap_ab", "sm_90a", G=8, R=512, Dg=1024, tok_n=16, splits=2, use_disk=False)
     with pytest.raises(ValueError, match="stages=40"):
-        jit.get_kernel("wo_a_decode_sm90", "sm_90a", G=8, R=512, Dg=1024, tok_n=64, stages=40, use_disk=False)
+        jit.get_kernel("wo_a_decode_swap_ab", "sm_90a", G=8, R=512, Dg=1024, tok_n=64, stages=40, use_disk=False)
 
 
 # ------------------------------------------------------------ AOT coverage ------------
@@ -937,7 +937,7 @@ def test_aot_build_covers_every_default_route(arch):
     assert not missing, sorted(missing)[:10]
     if arch == "sm_90a":  # every kernel wo_a() dispatches to on Hopper is among them
         assert {route(T, 8, 512, 2048, arch)[0] for T in (1, 20, 64, 4096)} == \
-            {"wo_a", "wo_a_decode_sm90", "wo_a_cublas"}
+            {"wo_a", "wo_a_decode_swap_ab", "wo_a_cublas"}
         assert route(1, 8, 1024, 1024, arch)[0] == "wo_a_decode"
 
 
@@ -945,7 +945,7 @@ def test_route_matches_the_configs_it_names():
     """route() spells the same configs as the tile rules it dispatches to, and rejects the
     wgmma decode kernel off Hopper or above 64 tokens before anything compiles."""
     from cute_kernels.wo_a import aot_routes, route
-    from cute_kernels.wo_a_decode_sm90 import plan as sm90_plan
+    from cute_kernels.wo_a_decode_swap_ab import plan as sm90_plan
 
     assert route(320, 8, 512, 2048, "sm_90a", backend="cute") == \
         ("wo_a", dict(G=8, R=512, Dg=2048, **WoASm90.config_for(320, 8, 512, 2048)))
@@ -953,7 +953,7 @@ def test_route_matches_the_configs_it_names():
     assert "pdl" not in route(320, 8, 512, 2048, "sm_100a", pdl=True)[1]  # the Blackwell engine has no PDL build
     assert route(4096, 16, 1024, 1024, "sm_100a") == ("wo_a", dict(G=16, R=1024, Dg=1024,
                                                                    **WoASm100.config_for(4096, 16, 1024, 1024)))
-    assert route(5, 8, 512, 2048, "sm_90a") == ("wo_a_decode_sm90", dict(G=8, R=512, Dg=2048,
+    assert route(5, 8, 512, 2048, "sm_90a") == ("wo_a_decode_swap_ab", dict(G=8, R=512, Dg=2048,
                                                                           **sm90_plan(5, 8, 512, 2048)))
     assert route(5, 8, 512, 2048, "sm_90a", decode_kernel=False)[0] == "wo_a"
     with pytest.raises(ValueError, match="decode_kernel='wgmma' needs a Hopper"):
@@ -981,12 +981,12 @@ def test_default_route_rule():
             assert (name == "wo_a_cublas") == any(lo < T <= hi for lo, hi in ranges), (G, R, Dg, T)
             if T <= 16:
                 wgmma = (G, R) in ((8, 512), (16, 1024))
-                assert name == ("wo_a_decode_sm90" if wgmma else "wo_a_decode"), (G, R, Dg, T)
+                assert name == ("wo_a_decode_swap_ab" if wgmma else "wo_a_decode"), (G, R, Dg, T)
             assert route(T, G, R, Dg, "sm_90a", backend="cute")[0] != "wo_a_cublas"
             assert route(T, G, R, Dg, "sm_90a", sms=114)[0] != "wo_a_cublas"
             assert route(T, G, R, Dg, "sm_100a")[0] == "wo_a"
     assert route(1, 16, 1024, 1024, "sm_90a", pdl=True)[0] == "wo_a_decode"
-    assert route(1, 8, 512, 2048, "sm_90a", pdl=True)[0] == "wo_a_decode_sm90"
+    assert route(1, 8, 512, 2048, "sm_90a", pdl=True)[0] == "wo_a_decode_swap_ab"
     assert route(100, 8, 512, 2048, "sm_90a", pdl=True)[0] == "wo_a"  # PDL keeps this project's kernels
     assert route(20, 8, 512, 2048, "sm_90a", decode_kernel=True)[0] == "wo_a_decode"
     assert route(100, 8, 1024, 4096, "sm_90a")[0] == "wo_a"  # an unmeasured shape

@@ -137,7 +137,7 @@ def _unit_modes(t: cute.Tensor, rank: cutlass.Constexpr[int]) -> cute.Tensor:
 def routed_gemm_tensors(k, sfa_ptr: cute.Pointer, sfw_ptr: cute.Pointer, out_ptr: cute.Pointer,
                         q_ptr: cute.Pointer, sq_ptr: cute.Pointer, offs_ptr: cute.Pointer, cnt_ptr: cute.Pointer,
                         tile_ptr: cute.Pointer, rows: Int32, tiles: Int32):
-    """The global tensors both Hopper expert kernels (this one and :mod:`moe.experts_sm90_decode`,
+    """The global tensors both Hopper expert kernels (this one and :mod:`moe.experts_swap_ab_sm90`,
     which take the same arguments) view alike, for kernel configuration ``k`` (``E``, ``N``,
     ``kb_pad``, ``n_pad``, ``I``, ``ncb_i``): the swizzled A and W scales, the bf16 output,
     the fused path's requantised output and its scales, and the router's offsets, counts and
@@ -155,7 +155,7 @@ def routed_gemm_tensors(k, sfa_ptr: cute.Pointer, sfw_ptr: cute.Pointer, out_ptr
     return mSA, mSW, mOut, mQ, mSQ, mOffs, mCnt, mTile
 
 
-class MoeExpertGemmSm90:
+class MoeExpertGemmTiledSm90:
     def __init__(self, E: int, N: int, K: int, silu_quant: bool = False, tile_k: int = 128,
                  stages: int | None = None, ctas_per_sm: int = 1):
         self.E, self.N, self.K, self.silu_quant = E, N, K, silu_quant
@@ -362,19 +362,19 @@ class MoeExpertGemmSm90:
 
 def _build(arch: str, *, E: int, N: int, K: int, silu_quant: bool = False, tile_k: int = 128,
            stages: int | None = None, ctas_per_sm: int = 1):
-    if not MoeExpertGemmSm90.can_implement(E, N, K, tile_k, stages, ctas_per_sm):
-        raise ValueError(f"moe_expert_gemm_sm90: unsupported E={E}, N={N}, K={K}, tile_k={tile_k}, stages={stages}, "
+    if not MoeExpertGemmTiledSm90.can_implement(E, N, K, tile_k, stages, ctas_per_sm):
+        raise ValueError(f"moe_expert_gemm_tiled_sm90: unsupported E={E}, N={N}, K={K}, tile_k={tile_k}, stages={stages}, "
                          f"ctas_per_sm={ctas_per_sm} (K % tile_k, N % 64, tile_k in {sorted(TILE_K)}, stages in "
                          f"{STAGE_RANGE}, shared memory of ctas_per_sm CTAs within 227 KB)")
     P = jit.fake_gmem_ptr
     f8 = cutlass.Float8E4M3FN
     args = (P(f8, 16), P(f8, 16), P(cutlass.Uint8, 16), P(cutlass.Uint8, 16), P(cutlass.BFloat16, 16), P(f8, 16),
             P(cutlass.Uint8, 1), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(128), Int32(1), jit.fake_stream())
-    return MoeExpertGemmSm90(E, N, K, silu_quant, tile_k, stages, ctas_per_sm), args
+    return MoeExpertGemmTiledSm90(E, N, K, silu_quant, tile_k, stages, ctas_per_sm), args
 
 
 KERNEL = jit.register(jit.KernelDef(
-    name="moe_expert_gemm_sm90",
+    name="moe_expert_gemm_tiled_sm90",
     build=_build,
     sources=(os.path.abspath(__file__), os.path.abspath(warp_mma.__file__)),
     archs=("sm_90a",),

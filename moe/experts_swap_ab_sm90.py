@@ -1,12 +1,12 @@
 """MXFP8 routed-expert GEMM at decode, Hopper: TMA + native FP8 wgmma with the weights as M.
 
-Same contract as :mod:`moe.experts_sm90` (``out[r] = A[r] @ W[expert(r)]^T``, bf16 out, or
+Same contract as :mod:`moe.experts_tiled_sm90` (``out[r] = A[r] @ W[expert(r)]^T``, bf16 out, or
 the fused SiLU(gate) * up + MXFP8 requantisation), for calls where no expert receives more
 than ``tok_n`` (16 / 32 / 64) rows -- every decode / verify step with at most ``tok_n``
 tokens, since a token routes to an expert at most once -- or, with ``row_passes``, any number
 of rows (a CTA covers its router tile's live rows in passes of ``tok_n`` token columns).
 
-Why: :mod:`moe.experts_sm90` runs at 14-16% of the copy bandwidth at decode (H200). Two
+Why: :mod:`moe.experts_tiled_sm90` runs at 14-16% of the copy bandwidth at decode (H200). Two
 causes this kernel removes: e4m3 ``mma.sync`` is not native on sm_90 (ptxas unpacks every
 fragment to f16 before ``HMMA.16816``), and W streams through per-thread 16-byte cp.async with
 a CTA-wide barrier per K slice. Here ("swap AB", as decode GEMV-like MoE kernels do):
@@ -61,7 +61,7 @@ from cute_kernels import jit
 from cute_kernels.tma_pipeline import single_cta_tma_pipeline, tma_tiles
 from cute_kernels.warp_mma import wgmma_fragments
 
-from .experts_sm90 import MX, e8m0_to_f32, routed_gemm_tensors, store_silu_mul_mx_row
+from .experts_tiled_sm90 import MX, e8m0_to_f32, routed_gemm_tensors, store_silu_mul_mx_row
 
 BM = 64  # weight rows per CTA (wgmma M)
 BK = 128  # bytes of K per pipeline stage: 4 MX blocks
@@ -80,7 +80,7 @@ def smem_bytes(tok_n: int, stages: int) -> int:
     return stages * (BM * BK + tok_n * BK) + tok_n * (BM + 1) * 4 + 2 * stages * 8 + 3 * 128 + 1024
 
 
-class MoeExpertDecodeSm90:
+class MoeExpertSwapABSm90:
     def __init__(self, E: int, N: int, K: int, tok_n: int, silu_quant: bool = False, stages: int = 3,
                  row_passes: bool = False):
         self.E, self.N, self.K, self.tok_n, self.silu_quant, self.stages = E, N, K, tok_n, silu_quant, stages
@@ -294,7 +294,7 @@ class MoeExpertDecodeSm90:
 
 
 def tok_n_for(max_expert_rows: int) -> int | None:
-    """The token tile for a bound on rows per expert, or None (use moe.experts_sm90)."""
+    """The token tile for a bound on rows per expert, or None (use moe.experts_tiled_sm90)."""
     for n in TOK_N:
         if max_expert_rows <= n:
             return n
@@ -303,21 +303,21 @@ def tok_n_for(max_expert_rows: int) -> int | None:
 
 def _build(arch: str, *, E: int, N: int, K: int, tok_n: int, silu_quant: bool = False, stages: int | None = None,
            row_passes: bool = False):
-    if not MoeExpertDecodeSm90.can_implement(E, N, K, tok_n, stages):
-        raise ValueError(f"moe_expert_decode_sm90: unsupported E={E}, N={N}, K={K}, tok_n={tok_n}, stages={stages} "
+    if not MoeExpertSwapABSm90.can_implement(E, N, K, tok_n, stages):
+        raise ValueError(f"moe_expert_swap_ab_sm90: unsupported E={E}, N={N}, K={K}, tok_n={tok_n}, stages={stages} "
                          f"(K % 128, N % 64, tok_n in {TOK_N}, 2 <= stages <= 12 within shared memory)")
     P = jit.fake_gmem_ptr
     f8 = cutlass.Float8E4M3FN
     args = (P(f8, 16), P(f8, 16), P(cutlass.Uint8, 16), P(cutlass.Uint8, 16), P(cutlass.BFloat16, 16), P(f8, 16),
             P(cutlass.Uint8, 1), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(128), Int32(1), jit.fake_stream())
-    return MoeExpertDecodeSm90(E, N, K, tok_n, silu_quant, STAGES[tok_n] if stages is None else stages,
+    return MoeExpertSwapABSm90(E, N, K, tok_n, silu_quant, STAGES[tok_n] if stages is None else stages,
                                row_passes), args
 
 
 KERNEL = jit.register(jit.KernelDef(
-    name="moe_expert_decode_sm90",
+    name="moe_expert_swap_ab_sm90",
     build=_build,
-    sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "experts_sm90.py"),
+    sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "experts_tiled_sm90.py"),
              os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cute_kernels", "tma_pipeline.py"),
              os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cute_kernels", "warp_mma.py")),
     archs=("sm_90a",),

@@ -7,7 +7,7 @@ Why a third WO-A kernel: at decode T the time is the read of the weights (8-64 M
 TMA/wgmma engine puts tokens on M, so a 64-row tile is mostly padding and its (T, R) grid
 leaves SMs idle (T = 64, G=8 R=512: 64 CTAs); the warp-MMA decode kernel
 (:mod:`.wo_a_decode`) streams the weights with 16-byte ``cp.async`` and a CTA barrier per K
-slice, and its 64-row token tile is compute-bound. Here, as in :mod:`moe.experts_sm90_decode`:
+slice, and its 64-row token tile is compute-bound. Here, as in :mod:`moe.experts_swap_ab_sm90`:
 
 * a CTA's 64 weight rows are wgmma's **M** (operand A, shared memory) and the live tokens its
   **N** (operand B), ``tok_n`` = 8 / 16 / 32 / 64 wide -- ``m64n{tok_n}k16``, no padding of M;
@@ -27,7 +27,7 @@ store come after it.
 Constraints: T <= ``tok_n`` (the host picks ``tok_n`` from T), ``R % 64 == 0``, ``Dg % bk ==
 0``, shared memory (:func:`smem_bytes`) <= 227 KB. Hopper only (wgmma); Blackwell keeps its
 tcgen05 engine. :func:`cute_kernels.wo_a.route` says where ``wo_a()`` takes it.
-Run: ``pytest tests/test_wo_a.py -k sm90_decode``.
+Run: ``pytest tests/test_wo_a.py -k swap_ab_decode``.
 """
 
 import os
@@ -58,7 +58,7 @@ def smem_bytes(tok_n: int, stages: int, bk: int = 64) -> int:
     return 1024 + stages * (BM + tok_n) * bk * 2 + tok_n * (BM + 1) * 4 + 2 * stages * 8
 
 
-class WoADecodeSm90:
+class WoADecodeSwapAB:
     def __init__(self, G: int, R: int, Dg: int, tok_n: int, stages: int = 4, bk: int = 64, pdl: bool = False):
         self.G, self.R, self.Dg, self.tok_n, self.stages, self.bk, self.pdl = G, R, Dg, tok_n, stages, bk, pdl
         self.tile = (BM, tok_n, bk)
@@ -198,7 +198,7 @@ def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
     stages, two CTAs per SM (each measured faster than the other where it is chosen, H200)."""
     tok_n = tok_n_for(T)
     if tok_n is None:
-        raise ValueError(f"wo_a_decode_sm90: T={T} > {MAX_T}")
+        raise ValueError(f"wo_a_decode_swap_ab: T={T} > {MAX_T}")
     if G * R // BM <= num_sms and Dg % 128 == 0:
         return {"tok_n": tok_n, "stages": 8 if tok_n <= 32 else 6, "bk": 128}
     return {"tok_n": tok_n, "stages": 4, "bk": 64}
@@ -208,13 +208,13 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 4, b
     """``tok_n``: the token tile (wgmma N; T <= tok_n). ``stages``: TMA pipeline depth. ``bk``:
     K elements per slice (64 or 128). ``pdl``: a programmatic dependent launch (weights
     prefetched before the grid-dependency wait)."""
-    if not WoADecodeSm90.can_implement(1, G, R, Dg, tok_n, stages, bk):
-        raise ValueError(f"wo_a_decode_sm90: unsupported G={G}, R={R}, Dg={Dg}, tok_n={tok_n}, stages={stages}, "
+    if not WoADecodeSwapAB.can_implement(1, G, R, Dg, tok_n, stages, bk):
+        raise ValueError(f"wo_a_decode_swap_ab: unsupported G={G}, R={R}, Dg={Dg}, tok_n={tok_n}, stages={stages}, "
                          f"bk={bk} (R % 64, tok_n in {TOK_N}, bk in {BKS} dividing Dg, stages >= 2 within "
                          f"{SMEM_PER_CTA} B of shared memory: {smem_bytes(tok_n, stages, bk)} B)")
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 4), Int32(1), jit.fake_stream())
-    return WoADecodeSm90(G, R, Dg, tok_n, stages, bk, pdl), args
+    return WoADecodeSwapAB(G, R, Dg, tok_n, stages, bk, pdl), args
 
 
 def _aot(arch: str) -> tuple[dict, ...]:
@@ -223,14 +223,14 @@ def _aot(arch: str) -> tuple[dict, ...]:
     it sends here."""
     from .wo_a import aot_routes  # wo_a imports this module
 
-    return tuple(cfg for name, cfg in aot_routes(arch) if name == "wo_a_decode_sm90")
+    return tuple(cfg for name, cfg in aot_routes(arch) if name == "wo_a_decode_swap_ab")
 
 
 KERNEL = jit.register(jit.KernelDef(
-    name="wo_a_decode_sm90",
+    name="wo_a_decode_swap_ab",
     build=_build,
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
-                  for f in ("wo_a_decode_sm90.py", "wo_a_sm90.py", "tma_pipeline.py", "warp_mma.py")),
+                  for f in ("wo_a_decode_swap_ab.py", "wo_a_sm90.py", "tma_pipeline.py", "warp_mma.py")),
     archs=("sm_90a",),
     aot_configs=_aot,
     description="WO-A decode (T <= 64), Hopper: TMA + wgmma, weight rows as M, token-major bf16 out",

@@ -41,7 +41,7 @@ from .warp_mma import quad_sum, wgmma_fragments
 GROUPS = (2, 3, 4)
 
 
-class IndexerScoresSm90Group:
+class IndexerScoresTokenGroupSm90:
     def __init__(self, heads: int, dim: int, has_slot_mask: bool, group: int):
         self.H, self.D, self.has_slot_mask, self.G = heads, dim, has_slot_mask, group
         self.N = group * heads
@@ -157,17 +157,17 @@ class IndexerScoresSm90Group:
 
 
 def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool, group: int):
-    if not IndexerScoresSm90Group.can_implement(heads, dim, group):
-        raise ValueError(f"indexer_scores_sm90_group: unsupported heads={heads}, dim={dim}, group={group} "
+    if not IndexerScoresTokenGroupSm90.can_implement(heads, dim, group):
+        raise ValueError(f"indexer_scores_token_group_sm90: unsupported heads={heads}, dim={dim}, group={group} "
                          f"(heads must be 64, group in {GROUPS})")
-    return IndexerScoresSm90Group(heads, dim, has_slot_mask, group), fake_args()
+    return IndexerScoresTokenGroupSm90(heads, dim, has_slot_mask, group), fake_args()
 
 
 KERNEL = jit.register(jit.KernelDef(
-    name="indexer_scores_sm90_group",
+    name="indexer_scores_token_group_sm90",
     build=_build,
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
-                  for f in ("indexer_scores_sm90_group.py", "indexer_scores.py", "indexer_scores_sm90.py",
+                  for f in ("indexer_scores_token_group_sm90.py", "indexer_scores.py", "indexer_scores_sm90.py",
                             "warp_mma.py", "tma_pipeline.py")),
     archs=("sm_90a",),
     aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False, "group": 3},),
