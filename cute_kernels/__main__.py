@@ -1,11 +1,11 @@
-"""``python -m cute_kernels {build,list,verify,clear}`` -- the deployable artifact cache.
+"""Build and manage the artifact cache of compiled kernels: ``python -m cute_kernels {build,list,verify,clear}``.
 
-build   AOT-compile every registered kernel (every AOT config) for each ``--arch`` into the
-        artifact cache; works without a GPU. Entries already valid are not rebuilt.
-        WO-A's AOT configs are every config ``wo_a()`` routes to at T = 1 .. 16384 for its
-        supported shapes; ``--wo-a-shape G,R,Dg`` (repeatable) adds a model's own shape at
-        T = 1 .. ``--max-tokens``. On a GPU, ``--demo`` then runs each kernel once from the
-        cache against PyTorch.
+build   AOT-compile every kernel of :mod:`cute_kernels.catalog` (every AOT config) for each
+        ``--arch`` into the artifact cache; works without a GPU. Entries already valid are
+        kept. WO-A's AOT configs are every config its default route takes at T = 1 .. 16384
+        for the supported shapes; ``--wo-a-shape G,R,Dg`` (repeatable) adds a model's own
+        shape at T = 1 .. ``--max-tokens``. ``--demo`` then, on a GPU, runs kernels from the
+        cache against PyTorch and a few steps of the decode runtime (:mod:`cute_kernels.demo`).
 list    one line per entry: kernel, arch, config, size, status.
 verify  re-hash every entry; exit status 1 if any is invalid.
 clear   delete the cache directory.
@@ -22,13 +22,7 @@ import os
 import sys
 import time
 
-
-def _progress(i: int, n: int, label: str) -> None:
-    width = 28
-    done = int(width * i / max(n, 1))
-    end = "\n" if i == n else ""
-    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {label[:60]:<60}{end}")
-    sys.stderr.flush()
+from .progress import progress
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -53,7 +47,7 @@ def cmd_build(args) -> int:
     rows, failed = [], 0
     t_all = time.perf_counter()
     for i, (kdef, cfg, a) in enumerate(work):
-        _progress(i, len(work), f"{kdef.name} {a}")
+        progress(i, len(work), f"{kdef.name} {a}")
         key = jit.CacheKey.make(kdef, a, cfg)
         t0 = time.perf_counter()
         if store.has_valid(key):
@@ -67,7 +61,7 @@ def cmd_build(args) -> int:
                 status = f"FAILED: {str(e).splitlines()[0][:80] if str(e) else type(e).__name__}"
                 failed += 1
         rows.append([kdef.name, a, json.dumps(cfg, sort_keys=True), f"{time.perf_counter() - t0:.3f}", status])
-    _progress(len(work), len(work), "done")
+    progress(len(work), len(work), "done")
     print(_table(rows, ["kernel", "arch", "config", "seconds", "status"]))
     print(f"{len(work)} entries in {time.perf_counter() - t_all:.2f} s -> {store.root}")
     if args.demo:
@@ -144,21 +138,38 @@ def cmd_clear(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (every subcommand and option with its help and default)."""
     p = argparse.ArgumentParser(prog="python -m cute_kernels", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="AOT-compile all kernels into the artifact cache")
-    b.add_argument("--arch", action="append", help="sm_100a, sm_90a, sm_103a (repeatable; default sm_100a + sm_90a)")
-    b.add_argument("--kernel", action="append", help="only these kernels (repeatable)")
-    b.add_argument("--demo", action="store_true", help="on a GPU, run each built kernel once against PyTorch")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{build,list,verify,clear}")
+    b = sub.add_parser("build", help="AOT-compile every kernel into the artifact cache (no GPU needed)",
+                       description="AOT-compile every registered kernel's ahead-of-time configs into the "
+                                   "artifact cache; entries already valid are kept.")
+    b.add_argument("--arch", action="append", metavar="ARCH",
+                   help="sm_100a, sm_103a or sm_90a; repeatable (default: sm_100a and sm_90a)")
+    b.add_argument("--kernel", action="append", metavar="NAME",
+                   help="only this kernel; repeatable (default: every kernel of cute_kernels.catalog)")
+    b.add_argument("--demo", action="store_true",
+                   help="afterwards, on a GPU: run kernels from the cache against PyTorch and a few decode steps "
+                        "of the runtime (default: off)")
     b.add_argument("--wo-a-shape", action="append", metavar="G,R,Dg",
-                   help="also every WO-A config wo_a() routes to for this shape (repeatable)")
-    b.add_argument("--max-tokens", type=int, default=16384, help="T up to which --wo-a-shape is routed (16384)")
+                   help="also every WO-A config the default route takes for this shape; repeatable (default: the "
+                        "supported shapes only)")
+    b.add_argument("--max-tokens", type=int, default=16384, metavar="T",
+                   help="T up to which --wo-a-shape is routed (default: %(default)s)")
+    helps = {"list": "one line per cache entry: kernel, arch, config, size, status",
+             "verify": "re-hash every cache entry; exit status 1 if any is invalid",
+             "clear": "delete the cache directory"}
     for name, fn in (("build", cmd_build), ("list", cmd_list), ("verify", cmd_verify), ("clear", cmd_clear)):
-        sp = b if name == "build" else sub.add_parser(name)
-        sp.add_argument("--cache", default=None, help="artifact cache dir (default $CUTE_KERNELS_CACHE_DIR)")
+        sp = b if name == "build" else sub.add_parser(name, help=helps[name], description=helps[name])
+        sp.add_argument("--cache", default=None, metavar="DIR",
+                        help="artifact cache directory (default: $CUTE_KERNELS_CACHE_DIR, else ~/.cache/cute_kernels)")
         sp.set_defaults(fn=fn)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     return args.fn(args)
 
 

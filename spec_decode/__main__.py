@@ -1,4 +1,4 @@
-"""``python -m spec_decode run [--batch B] [--prompt-len N] [--new M] [--plain]``: decode demo.
+"""``python -m spec_decode run [--backend B] [--device D] [--model M] [--batch B] [--prompt-len N] [--new M] [--plain]``: decode demo.
 
 Runs the chosen backend (``--backend reference|baseline|fused``; baseline and fused replay
 CUDA graphs on a GPU; fused needs ``--device cuda`` and runs in bf16 on the ``small`` model
@@ -11,27 +11,47 @@ from __future__ import annotations
 import argparse
 import hashlib
 import random
+import sys
 import time
+
+import torch
 
 from .config import SLICE, SMALL, TINY, EngineConfig
 from .engine import Engine
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m spec_decode")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    run = sub.add_parser("run", help="decode demo on the tiny model")
-    run.add_argument("--batch", type=int, default=2)
-    run.add_argument("--prompt-len", type=int, default=16)
-    run.add_argument("--new", type=int, default=32)
-    run.add_argument("--plain", action="store_true", help="plain greedy decoding instead of speculative")
-    run.add_argument("--device", default="cpu")
+def parser() -> argparse.ArgumentParser:
+    """The command line (every subcommand and option with its help and default)."""
+    ap = argparse.ArgumentParser(prog="python -m spec_decode", description="The speculative decode runtime.")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{run}")
+    run = sub.add_parser("run", help="decode random prompts and print tokens/s and the acceptance length",
+                         description="Decode random prompts with speculative decoding (block 5) and print "
+                                     "tokens/s and the median acceptance length.")
+    run.add_argument("--batch", type=int, default=2, help="requests (default: %(default)s)")
+    run.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per request (default: %(default)s)")
+    run.add_argument("--new", type=int, default=32, help="new tokens per request (default: %(default)s)")
+    run.add_argument("--plain", action="store_true",
+                     help="plain greedy decoding instead of speculative (default: speculative)")
+    run.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     run.add_argument("--backend", default="reference", choices=("reference", "baseline", "fused"),
                      help="reference: the spec's per-token loops; baseline: sync-free torch ops in step graphs; "
-                          "fused: this project's kernels in step graphs (bf16, CUDA)")
+                          "fused: this project's kernels in step graphs (bf16, needs --device cuda) "
+                          "(default: %(default)s)")
     run.add_argument("--model", choices=("tiny", "small", "slice"), default=None,
-                     help="default: small for the fused backend, tiny otherwise")
-    args = ap.parse_args(argv)
+                     help="model config (default: small for the fused backend, tiny otherwise)")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("python -m spec_decode run: --device cuda, but PyTorch sees no CUDA device here "
+              "(use --device cpu with the reference or baseline backend)", file=sys.stderr)
+        return 2
+    if args.backend == "fused" and not args.device.startswith("cuda"):
+        print("python -m spec_decode run: --backend fused runs this project's GPU kernels; add --device cuda",
+              file=sys.stderr)
+        return 2
     name = args.model or ("small" if args.backend == "fused" else "tiny")
     model = {"tiny": TINY, "small": SMALL, "slice": SLICE}[name]
     cfg = EngineConfig(model=model, device=args.device, max_seq_len=args.prompt_len + args.new + 16,

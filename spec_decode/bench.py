@@ -40,21 +40,14 @@ import time
 
 import torch
 
+from cute_kernels.progress import progress
+
 from .config import KV_CACHES, SLICE, SMALL, TINY, EngineConfig
 from .engine import DRAFT_HEADS, Engine
 from .step_model import StepModel
 
 FAMILIES = ("router top-k / padding", "ID packing (sort / scatter)", "standalone finalize", "shared-expert add",
             "fused finalize (+ shared add)", "all-reduce")
-
-
-def progress(i, n, label):
-    w = 30
-    done = int(w * i / max(n, 1))
-    sys.stderr.write(f"\r{label:<28} [{'#' * done}{'.' * (w - done)}] {i}/{n}")
-    if i >= n:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
 
 
 def prompts(n, length, vocab, seed=0):
@@ -216,32 +209,44 @@ def table_lines(backends: list[str], cases: list[tuple], results: dict) -> list[
     return lines
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m spec_decode.bench")
-    ap.add_argument("--model", choices=("slice", "small", "tiny"), default="slice")
-    ap.add_argument("--backends", default="baseline,fused")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=None)
+def parser() -> argparse.ArgumentParser:
+    """The command line (every option with its help and default)."""
+    ap = argparse.ArgumentParser(prog="python -m spec_decode.bench",
+                                 description="Decode throughput of the runtime's backends at BS1 and BS64 (GPU).")
+    ap.add_argument("--model", choices=("slice", "small", "tiny"), default="slice",
+                    help="model config (default: %(default)s)")
+    ap.add_argument("--backends", default="baseline,fused",
+                    help="comma-separated backends to compare (default: %(default)s)")
+    ap.add_argument("--quick", action="store_true",
+                    help="input 512 / output 64 instead of 4096 / 1024 (BS1) and 4096 / 2048 (BS64) (default: off)")
+    ap.add_argument("--out", default=None, help="also write the table to this file (default: none)")
     ap.add_argument("--prefill-chunk", type=int, default=384,
                     help="prompt positions per eager prefill forward (384: the fused MoE's row-pass kernel "
                          "covers the chunk; the gather attention core materialises [chunk, top-k, heads, "
-                         "head_dim] keys and values: use 64 with it at slice size)")
+                         "head_dim] keys and values: use 64 with it at slice size; default: %(default)s)")
     ap.add_argument("--moe-row-tile", type=int, default=16, choices=(0, 16, 32, 64),
                     help="fused backend: the MoE decode kernel in passes of this many token columns for "
-                         "steps of 17-384 tokens (0: one pass up to 64 tokens, the tiled kernel above)")
+                         "steps of 17-384 tokens (0: one pass up to 64 tokens, the tiled kernel above; "
+                         "default: %(default)s)")
     ap.add_argument("--attention-core", default="auto", choices=StepModel.ATTENTION_CORES,
                     help="both backends: per step shape the core moving fewer K/V rows (default), SDPA over "
                          "the request's KV row with a mask of the selected keys, or gather each token's "
-                         "selected K/V")
+                         "selected K/V (default: %(default)s)")
     ap.add_argument("--kv-cache", default=None, choices=KV_CACHES,
                     help="override the model config's KV cache: every head's K and V, or the MLA-style "
                          "latent + shared RoPE key (default: the config's -- latent at slice, per_head at "
                          "small and tiny)")
     ap.add_argument("--draft-head", default=EngineConfig.draft_head, choices=DRAFT_HEADS,
                     help="fused backend: the draft's LM head -- MXFP8 up to 16 rows and per-tensor e4m3 "
-                         "above (default); MXFP8 up to 16 rows, bf16 above; bf16 throughout")
+                         "above; MXFP8 up to 16 rows, bf16 above; bf16 throughout (default: %(default)s)")
     ap.add_argument("--indexer-token-group", type=int, default=3, choices=(1, 2, 3, 4),
-                    help="fused backend: consecutive tokens of a request scored per indexer CTA")
+                    help="fused backend: consecutive tokens of a request scored per indexer CTA (default: "
+                         "%(default)s)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("spec_decode.bench needs a CUDA GPU", file=sys.stderr)

@@ -1,0 +1,70 @@
+"""The command-line tools: help text, progress output, clear errors (CPU)."""
+
+import argparse
+import io
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def _actions(p: argparse.ArgumentParser):
+    """Every option of ``p`` and of its subcommands, with the parser it belongs to."""
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                yield from _actions(sub)
+        elif not isinstance(a, argparse._HelpAction):
+            yield p.prog, a
+
+
+@pytest.mark.parametrize("module", ["cute_kernels.__main__", "spec_decode.__main__", "spec_decode.bench"])
+def test_every_option_has_help_with_its_default(module):
+    """A reader of ``--help`` learns each option's meaning and default."""
+    import importlib
+
+    p = importlib.import_module(module).parser()
+    for prog, a in _actions(p):
+        assert a.help, (prog, a.option_strings)
+        assert "default" in a.help, (prog, a.option_strings, a.help)
+
+
+def test_subcommands_have_help():
+    from cute_kernels.__main__ import parser
+
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == {"build", "list", "verify", "clear"}
+    assert all(c.help for c in sub._choices_actions)
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_redraws_only_on_a_terminal():
+    """A terminal gets one line redrawn in place; a log one line per step, none for the end."""
+    from cute_kernels.progress import progress
+
+    log = io.StringIO()
+    for i in range(3):
+        progress(i, 3, f"step {i}", log)
+    progress(3, 3, "done", log)
+    assert log.getvalue() == "[1/3] step 0\n[2/3] step 1\n[3/3] step 2\n"
+    tty = _Tty()
+    for i in range(3):
+        progress(i, 3, f"step {i}", tty)
+    progress(3, 3, "done", tty)
+    out = tty.getvalue()
+    assert out.count("\r") == 4 and out.count("\n") == 1 and out.endswith("\n")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_spec_decode_cuda_without_cuda_is_a_clear_error():
+    r = subprocess.run([sys.executable, "-m", "spec_decode", "run", "--device", "cuda"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "no CUDA device" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "spec_decode", "run", "--backend", "fused"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "--device cuda" in r.stderr
