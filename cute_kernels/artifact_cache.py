@@ -37,10 +37,22 @@ import shutil
 import tempfile
 import threading
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 from .arch import warn_once
-from .jit import CacheKey
+
+
+class CacheKey(Protocol):
+    """What the store needs of a key (:class:`cute_kernels.jit.CacheKey` is the one used):
+    the kernel name, arch and DSL version (the entry's path), a digest, and its fields."""
+
+    kernel: str
+    arch: str
+    dsl_version: str
+
+    def digest(self) -> str: ...
+
+    def as_dict(self) -> dict: ...
 
 ENV_VAR = "CUTE_KERNELS_CACHE_DIR"
 MANIFEST_VERSION = 1

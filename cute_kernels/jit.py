@@ -31,6 +31,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from .arch import normalize_arch
+from .artifact_cache import default_cache
 
 _REGISTRY: dict[str, "KernelDef"] = {}
 
@@ -212,8 +213,6 @@ class KernelCache:
             fn = None
             store = None
             if use_disk:
-                from .artifact_cache import default_cache
-
                 store = artifact_cache if artifact_cache is not None else default_cache()
                 t0 = time.perf_counter()
                 loaded = store.load(key)

@@ -35,6 +35,7 @@ Run / bench::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -92,9 +93,8 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tile_m: int, tile_n: int, clus
 
 
 def _aot(arch: str):
-    """Every engine config :func:`wo_a` routes to on ``arch`` at T = 1 .. AOT_MAX_T for each
-    of AOT_SHAPES (:func:`aot_routes`; the decode kernels' AOT configs are the rest)."""
-    return tuple(cfg for name, cfg in aot_routes(arch) if name == "wo_a")
+    """Every engine config the default :func:`route` takes on ``arch`` (:func:`aot_routes`)."""
+    return _routed_configs("wo_a", arch)
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -313,3 +313,14 @@ def _aot_routes(arch: str, shapes: tuple, max_tokens: int, sms: int) -> tuple:
             if name != "wo_a_cublas":
                 seen.setdefault((name, tuple(sorted(cfg.items()))), None)
     return tuple(seen)
+
+
+def _routed_configs(kernel: str, arch: str) -> tuple[dict, ...]:
+    """``kernel``'s configs among :func:`aot_routes` on ``arch``: its ahead-of-time build."""
+    return tuple(cfg for name, cfg in aot_routes(arch) if name == kernel)
+
+
+# The decode kernels' AOT configs are the ones this router sends them: set here, where the
+# routing rule lives, so that their modules need not import it.
+for _kernel in ("wo_a_decode", "wo_a_decode_swap_ab"):
+    jit.register(dataclasses.replace(jit.registry()[_kernel], aot_configs=functools.partial(_routed_configs, _kernel)))

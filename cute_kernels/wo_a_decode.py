@@ -284,19 +284,14 @@ def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1,
     return WoADecode(G, R, Dg, bm, splits, pdl, stages, bn), args
 
 
-def _aot(arch: str) -> tuple[dict, ...]:
-    """The configs :func:`cute_kernels.wo_a.route` sends here by default."""
-    from .wo_a import aot_routes  # wo_a imports this module
-
-    return tuple(cfg for name, cfg in aot_routes(arch) if name == "wo_a_decode")
-
-
 KERNEL = jit.register(jit.KernelDef(
     name="wo_a_decode",
     build=_build,
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
                   for f in ("wo_a_decode.py", "grid_sync.py", "warp_mma.py")),
     archs=("sm_90a", "sm_100a", "sm_103a"),
-    aot_configs=_aot,
+    # the configs wo_a()'s default route takes are set by cute_kernels.wo_a (the router sits
+    # above this kernel); imported alone, nothing is built ahead of time
+    aot_configs=lambda arch: (),
     description="WO-A decode (T <= 64): weight-streaming split-K warp-MMA, token-major bf16 out",
 ))

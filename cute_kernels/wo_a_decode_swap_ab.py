@@ -217,21 +217,14 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 4, b
     return WoADecodeSwapAB(G, R, Dg, tok_n, stages, bk, pdl), args
 
 
-def _aot(arch: str) -> tuple[dict, ...]:
-    """The configs :func:`cute_kernels.wo_a.wo_a` routes here by default (its own rule,
-    :func:`cute_kernels.wo_a.route`): one per token tile of 8 / 16 / 32 tokens of the shapes
-    it sends here."""
-    from .wo_a import aot_routes  # wo_a imports this module
-
-    return tuple(cfg for name, cfg in aot_routes(arch) if name == "wo_a_decode_swap_ab")
-
-
 KERNEL = jit.register(jit.KernelDef(
     name="wo_a_decode_swap_ab",
     build=_build,
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
                   for f in ("wo_a_decode_swap_ab.py", "wo_a_sm90.py", "tma_pipeline.py", "warp_mma.py")),
     archs=("sm_90a",),
-    aot_configs=_aot,
+    # the configs wo_a()'s default route takes are set by cute_kernels.wo_a (the router sits
+    # above this kernel); imported alone, nothing is built ahead of time
+    aot_configs=lambda arch: (),
     description="WO-A decode (T <= 64), Hopper: TMA + wgmma, weight rows as M, token-major bf16 out",
 ))

@@ -268,7 +268,7 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     :func:`expert_kernel_args` picks between these from the token count.
     Padding rows of ``out`` are unspecified.
     """
-    op = "moe_expert_gemm_sm100"
+    op = "moe_expert_gemm"
     rows, K, E, N = _check_operand_shapes(op, a_q, w_q)
     if K % 128 or N % 16:
         raise ValueError(f"{op}: need K % 128 == 0 and N % 16 == 0, got K={K}, N={N}")

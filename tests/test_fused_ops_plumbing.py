@@ -125,7 +125,7 @@ def fakes(monkeypatch):
     monkeypatch.setattr(fo, "MoeRouter", FakeRouter)
     monkeypatch.setattr(fo, "mxfp8_quantize_routed", fake_quant_routed)
     monkeypatch.setattr(fo, "moe_expert_gate_up", fake_gate_up)
-    monkeypatch.setattr(fo, "moe_expert_gemm_sm100", fake_gemm)
+    monkeypatch.setattr(fo, "moe_expert_gemm", fake_gemm)
     monkeypatch.setattr(fo, "moe_finalize", lambda y, w, pos, shared: finalize_shared_ref(y, w, pos, shared))
     monkeypatch.setattr(fo, "quantize_expert_weights", fake_quantize_expert_weights)
 

@@ -296,7 +296,7 @@ def test_row_offset_bound_is_validated():
     rows, K, E, N = 300_032, 7168, 2, 4096
     m = dict(device="meta")
     with pytest.raises(ValueError, match="2\\^31"):
-        _launch_sm90("moe_expert_gemm_sm100", "sm_90a", torch.empty(rows, K, dtype=torch.float8_e4m3fn, **m), None,
+        _launch_sm90("moe_expert_gemm", "sm_90a", torch.empty(rows, K, dtype=torch.float8_e4m3fn, **m), None,
                      torch.empty(E, N, K, dtype=torch.float8_e4m3fn, **m), None, None,
                      torch.empty(E, dtype=torch.int32, **m), torch.empty(rows // 128, dtype=torch.int32, **m),
                      None, None, None)
