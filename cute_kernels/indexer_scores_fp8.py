@@ -21,8 +21,8 @@ archs); thread ``s`` reduces column ``s`` over the heads in a fixed order and sc
 Half the bytes of the bf16 kernel per key; the same select (:mod:`cute_kernels.indexer_topk`)
 follows. Same source on sm_90a and sm_100a (a tcgen05 FP8 variant is not written).
 
-Status: GPU-tested on the H200 (2026-12-02, ``tests/test_indexer.py -k fp8``: three shapes incl.
-short sequences); timed in ``bench/bench_indexer.py``'s FP8 column.
+Status: GPU-tested on the H200 (``tests/test_indexer.py -k fp8``: three shapes incl. short
+sequences); timed in ``bench/bench_indexer.py``'s FP8 column.
 
 Constraints: ``H % 32 == 0`` in [32, 128], ``D % 32 == 0`` in [32, 256]; ``k_scale > 0``.
 """

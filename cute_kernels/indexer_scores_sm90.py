@@ -8,9 +8,9 @@ registers. In wgmma's accumulator layout a row (key) lives in the 4 threads of a
 head columns each: each thread folds ``w[h] * relu(C')`` over its 16 columns, two xor
 shuffles finish the head sum (a fixed order: deterministic), then the mask and the store.
 
-Status: GPU-tested on the H200 (2026-12-02, `tests/test_indexer.py -k wgmma`) and timed there:
-1.1-1.6x faster than the warp-MMA kernel end to end (bench/RESULTS.md), so it is
-:func:`indexer_topk`'s Hopper default for H = 64 (``use_wgmma=False`` keeps the warp-MMA one).
+Status: GPU-tested on the H200 (``tests/test_indexer.py -k wgmma``) and faster than the
+warp-MMA kernel there (``bench/bench_indexer.py``), so it is :func:`indexer_topk`'s Hopper
+default for H = 64 (``use_wgmma=False`` keeps the warp-MMA one).
 
 Constraints: heads = 64, D % 16 == 0 and D <= 256.
 

@@ -15,9 +15,9 @@ never stored.
 
 Status: GPU-tested on the H200 against the FP32 reference (``tests/test_indexer.py -m gpu
 -k token_group``, including layouts whose groups span requests) and machine-code checked on
-the CPU. Speed (H200, 2026-12-02, ``python bench/bench_indexer.py``, S = 4096-131072 keys,
-6-token verify blocks): groups of 3 ran 1.37-1.44x the one-token wgmma kernel at T = 384 and
-1.00-1.11x at T = 6. ``indexer_topk(..., token_group=G)``; the decode runtime passes 3.
+the CPU; ``python bench/bench_indexer.py`` times it against the one-token kernel (faster on
+verify blocks, where a request's tokens share their key tiles). ``indexer_topk(...,
+token_group=G)``; the decode runtime passes 3.
 
 Constraints: heads = 64, ``D % 16 == 0`` and ``D <= 256``, ``G`` in 2..4 (N = 64 G <= 256).
 """

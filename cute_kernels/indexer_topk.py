@@ -321,15 +321,13 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
     the grid, so no host sync reads the lengths. Key s of token t is a candidate iff
     ``s <= pos[t]``, ``s < kv_len[t]``, ``s < max_keys``, its row is inside ``k_cache`` and
     its slot is valid. ``use_wgmma`` picks the Hopper score kernel: ``None`` (default) the
-    TMA + wgmma one where it applies (H = 64; 1.1-1.6x faster than the warp-MMA kernel on the
-    H200, bench/RESULTS.md), ``False`` the warp-MMA one (any supported H), ``True`` requires
-    wgmma.
+    TMA + wgmma one where it applies (H = 64; faster than the warp-MMA kernel on the H200),
+    ``False`` the warp-MMA one (any supported H), ``True`` requires wgmma.
 
     ``token_group`` (2-4; Hopper, bf16, H = 64): one CTA scores that many consecutive tokens
     from one key tile -- for layouts where consecutive tokens share ``kv_offset`` (a verify
     block's tokens); correct for any layout (:mod:`cute_kernels.indexer_scores_token_group_sm90`;
-    GPU-tested; H200: groups of 3 run 1.0-1.44x the one-token wgmma kernel on 6-token
-    verify blocks, bench/RESULTS.md). The decode runtime uses 3.
+    GPU-tested). The decode runtime uses 3.
 
     FP8 variant: ``q`` and ``k_cache`` in ``torch.float8_e4m3fn`` with ``k_scale [R]`` fp32
     (positive, per key row) and ``w`` carrying each query head's scale (DeepSeek's

@@ -14,7 +14,7 @@ run here -- no Blackwell GPU); sm_90a runs
 :mod:`moe.experts_swap_ab_sm90` (swap-AB TMA + FP8 wgmma, weights as M) for decode steps --
 :func:`expert_kernel_args` picks it from the token count -- and :mod:`moe.experts_tiled_sm90`
 (FP8 warp MMA per 32-block with scale promotion) for larger steps; both GPU-tested on the
-H200 (timings in ``bench/RESULTS.md``). Other devices get
+H200 (docs/moe_experts.md). Other devices get
 the PyTorch reference (exact dequantisation, then a bf16 grouped matmul with FP32
 accumulation), with one warning.
 
@@ -199,12 +199,10 @@ def expert_kernel_args(tokens: int, row_tile: int | None = 16) -> dict:
 
     A token routes to an expert at most once, so ``tokens`` bounds every expert's rows:
     ``tokens <= 16`` runs the decode kernel with that bound (one 16-column pass); up to
-    :data:`ROW_PASS_MAX_TOKENS` it runs in passes of ``row_tile`` columns. H200,
-    bench_moe_experts (E=256, hidden 7168, I=2048), gate/up + down: T=1 74 + 42 us either
-    way; T=64 625 + 307 us in passes of 16 against 1217 + 598 with one 64-column pass (81%
-    of 4.3 TB/s of weight bytes against 42%); T=320 1715 + 825 and T=384 1904 + 939 against
-    3696 + 1773 and 3852 + 1846 for the best tiled configuration. ``row_tile=None`` keeps
-    one pass up to 64 tokens (the earlier default) and the tiled kernel above.
+    :data:`ROW_PASS_MAX_TOKENS` it runs in passes of ``row_tile`` columns (one wide pass
+    would promote 64 columns for experts holding ~2 rows; on the H200 passes of 16 halve the
+    expert GEMMs at T = 64 and beat the tiled kernel ~2x up to T = 384). ``row_tile=None``
+    keeps one pass up to 64 tokens and the tiled kernel above.
     """
     if not isinstance(tokens, int) or tokens < 0:
         raise ValueError(f"expert_kernel_args: tokens must be a non-negative int, got {tokens!r}")
@@ -218,12 +216,9 @@ def expert_kernel_args(tokens: int, row_tile: int | None = 16) -> dict:
 
 
 def default_tile(K: int, fused: bool) -> tuple[int, int | None, int]:
-    """The Hopper kernel's (K tile, stages, CTAs per SM) by default. H200, bench_moe_experts
-    (E=256, hidden 7168, I=2048, T = 1 and 64): 256 x 2 at 2 CTAs/SM was the fastest of four
-    configurations for the down projection (160 vs 176 us at T=1, 1286 vs 1490 at T=64) and
-    is GPU-tested; the fused gate/up keeps 128 x 4 at 1 CTA/SM, the fastest of its
-    GPU-tested configurations (256 x 2 x 2 ran 7-11% faster in the bench, whose output is
-    not checked, and has no GPU test yet)."""
+    """The tiled Hopper kernel's (K tile, stages, CTAs per SM) by default: 256 x 2 at 2 CTAs
+    per SM for the down projection, 128 x 4 at 1 CTA per SM for the fused gate/up (the
+    fastest GPU-tested configuration of each on the H200)."""
     if not fused and K % 256 == 0:
         return 256, 2, 2
     return 128, None, 1
@@ -234,7 +229,7 @@ def _grid_tiles(op, rows, tile_capacity, E, routed_rows):
     most one partial tile, so ``ceil(routed_rows / 128) + min(E, routed_rows)`` tiles hold every
     live row. Without ``routed_rows`` the grid spans the whole capacity (``E * 127`` padding
     rows): at decode that is ~250 tiles of which ~9 are live, and the early-exiting CTAs
-    cost more than the work (H200, T = 1: gate/up 346 us against 178 us for the bf16 composite)."""
+    cost more than the work."""
     tiles = min(tile_capacity, -(-rows // 128))
     if routed_rows is None:
         return tiles
@@ -260,8 +255,8 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     ``ctas_per_sm`` (2: a launch bound capping registers so two CTAs share an SM).
     ``max_expert_rows`` (an upper bound on any expert's live rows -- the token count, since a
     token routes to an expert once) <= 64 selects the Hopper swap-AB TMA + FP8 wgmma decode
-    kernel (:mod:`moe.experts_swap_ab_sm90`, 2.3-4.6x faster than the tiled kernel at T = 1 and 64 on
-    the H200; ``stages`` then sets its pipeline depth); pass the token count at decode.
+    kernel (:mod:`moe.experts_swap_ab_sm90`, faster than the tiled kernel at decode; ``stages``
+    then sets its pipeline depth); pass the token count at decode.
     ``expert_row_tile`` (16 / 32 / 64) runs the decode kernel for any rows per expert: a CTA
     covers its router tile's live rows in passes of that many token columns (GPU-tested; for
     T = 17-384, where an expert's rows are usually <= 16 but not bounded by it).

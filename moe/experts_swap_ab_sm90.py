@@ -6,7 +6,7 @@ than ``tok_n`` (16 / 32 / 64) rows -- every decode / verify step with at most ``
 tokens, since a token routes to an expert at most once -- or, with ``row_passes``, any number
 of rows (a CTA covers its router tile's live rows in passes of ``tok_n`` token columns).
 
-Why: :mod:`moe.experts_tiled_sm90` runs at 14-16% of the copy bandwidth at decode (H200). Two
+Why: :mod:`moe.experts_tiled_sm90` runs at 14-16% of the copy bandwidth at decode. Two
 causes this kernel removes: e4m3 ``mma.sync`` is not native on sm_90 (ptxas unpacks every
 fragment to f16 before ``HMMA.16816``), and W streams through per-thread 16-byte cp.async with
 a CTA-wide barrier per K slice. Here ("swap AB", as decode GEMV-like MoE kernels do):
@@ -32,15 +32,9 @@ Precision: the tensor core sums a block's 32 exact e4m3 products at reduced prec
 the FP32 promotion (on the H200 a few % of bf16 outputs differ from an FP32-exact emulation,
 relative norm ~4e-4); the MX requantisation hides it except where g cancels to near zero.
 
-Status and speed (H200, 2026-12-02, ``python bench/bench_moe_experts.py --tokens 1,64,320``):
-GPU-tested (the GEMM against the block-scaled emulation with NaN-poisoned padding rows, the
-fused epilogue against the spec on the kernel's own GEMM output, both with and without
-``row_passes``) and the default for T <= 384 (:func:`moe.experts.expert_kernel_args`, which
-the decode runtime uses). E=256, hidden 7168, I=2048, % of 4.3 TB/s on the selected experts'
-weight bytes: T = 1 gate/up 74 us (75%), down 42 us (67%); T = 64 in passes of 16 columns
-625 + 307 us (81%, 82%; one 64-wide pass: 1217 + 598, since it promotes 64 columns for experts
-holding ~2 rows); T = 320 and 384 in passes of 16: 1715 + 825 and 1904 + 939 us, 2.0-2.15x the
-best tiled configuration.
+Status: GPU-tested on the H200 (with and without ``row_passes``) and the default for
+T <= 384 (:func:`moe.experts.expert_kernel_args`, which the decode runtime uses); run
+``python bench/bench_moe_experts.py`` for its speed.
 
 Constraints: ``K % 128 == 0``, ``N % 64 == 0``; without ``row_passes``, rows per expert <=
 ``tok_n`` (the caller's bound; a larger count would drop rows, so the host only selects this
@@ -67,10 +61,8 @@ BM = 64  # weight rows per CTA (wgmma M)
 BK = 128  # bytes of K per pipeline stage: 4 MX blocks
 TOK_N = (16, 32, 64)
 THREADS = 128
-#: default pipeline stages per token tile. H200, bench_moe_experts (E=256, hidden 7168, I=2048),
-#: stages 3 / 4 / 5 / 6: gate/up 72.9 / 77.9 / 74.3 / 100.7 us at T=1 and 1216 / 1450 / 1344 /
-#: 1349 us at T=64, down 40.9 / 40.9 / 41.5 / 48.0 and 591 / 703 / 670 / 669 us: 3 is fastest
-#: everywhere -- more CTAs per SM (6 / 5 / 3 at tok_n 16 / 32 / 64) beat deeper pipelines.
+#: default pipeline stages per token tile: 3 was the fastest of 3-6 everywhere on the H200 --
+#: more CTAs per SM (6 / 5 / 3 at tok_n 16 / 32 / 64) beat deeper pipelines.
 STAGES = {16: 3, 32: 3, 64: 3}
 SMEM_PER_SM = 228 * 1024
 

@@ -8,12 +8,10 @@ FP32 and a 32-term block sum is within the MMA's accumulator precision, so the r
 block-scaled dot product up to FP32 summation order -- the same numbers the Blackwell path
 computes. Why not wgmma (first choice): its FP8 form accumulates across instructions in the
 same registers, so per-block scales need one wgmma per 32-wide block with a register round
-trip each; the warp MMA keeps the fragment in the thread that applies the scale. Measured
-cost of that choice (H200, 2026-12-02): ptxas lowers e4m3 ``mma.sync`` on sm_90 to
-``F2FP.F16.E4M3.UNPACK_B`` conversions + ``HMMA.16816`` (192 unpacks per 128-wide K slice),
-and the layer runs at 0.49-0.74x a bf16 grouped-mm composite (14-16% of the copy bandwidth at
-decode, bench/RESULTS.md). The next step is a TMA + mbarrier, warp-specialised mainloop with
-native FP8 wgmma per 32-block (promotion in registers), not this cp.async one.
+trip each; the warp MMA keeps the fragment in the thread that applies the scale. The cost of
+that choice: ptxas lowers e4m3 ``mma.sync`` on sm_90 to ``F2FP.F16.E4M3.UNPACK_B`` conversions
++ ``HMMA.16816`` (192 unpacks per 128-wide K slice), so at prefill sizes this kernel is slower
+than a bf16 grouped GEMM; decode steps take :mod:`moe.experts_swap_ab_sm90`.
 
 Tiling: one CTA per (router tile of 128 rows, 64 output columns); only 16-row blocks holding
 live rows are multiplied (decode: one of eight) and only live rows written. A cp.async
