@@ -53,5 +53,5 @@ def run_decode_demo(new_tokens: int = 16) -> None:
         t0 = time.perf_counter()
         out = eng.generate(ids, new_tokens)
         dt = time.perf_counter() - t0
-        print(f"demo: decode runtime ({backend}, small model, BS1): {len(out[0])} tokens in {dt * 1e3:.0f} ms, "
-              f"first {out[0][:6]}")
+        print(f"demo: decode runtime ({backend}, small model, BS1): {len(out[0])} tokens in {dt * 1e3:.0f} ms "
+              f"(prefill and its first-call compiles included), first {out[0][:6]}")
