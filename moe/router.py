@@ -1,12 +1,17 @@
-"""MoE router: DeepSeek-V3/V4 grouped top-k with padded, packed outputs, in one launch.
+"""MoE router: DeepSeek-V3/V4 top-k with padded, packed outputs, in one launch.
 
 Scoring (per token ``t``, experts ``e < E``)::
 
-    s[e] = sigmoid(logits[t, e])                       # FP32
+    s[e] = score(logits[t, e])                         # FP32: sigmoid (V3) or sqrt(softplus) (V4)
     b[e] = s[e] + e_score_correction_bias[e]           # selection score
-    group score g = top1(b in g) + top2(b in g)        # n_group groups of E/n_group experts
+    group score g = top1(b in g) + top2(b in g)        # n_group groups of E/n_group experts (V3)
     keep the topk_group best groups; pick the k best b[e] among their experts
     w[i] = s[id_i] / (s[id_0] + ... + s[id_{k-1}] + 1e-20) * routed_scaling_factor
+
+With ``n_group == 1`` there is no group stage: a plain top-k of ``b`` (DeepSeek-V4: k = 6,
+E = 256 (Flash) or 384 (Pro), ``score="sqrtsoftplus"``). ``sqrt(softplus(x))`` is computed
+as ``sqrt(max(x, 0) + log1p(exp(-|x|)))``: no overflow for large ``x``, full relative
+precision for very negative ``x``.
 
 Ties (groups and experts): the lower index wins, everywhere -- the reference uses a stable
 descending sort, which implements the same rule. ``topk_ids[t]`` lists the experts in
@@ -65,6 +70,8 @@ from cute_kernels.grid_sync import last_arrival
 from cute_kernels.validate import check_cuda, check_tensor
 
 _LOGIT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+#: expert score functions (RouterConfig.score)
+SCORES = ("sigmoid", "sqrtsoftplus")
 _NAME2CUTE = {"float32": Float32, "bfloat16": cutlass.BFloat16}
 
 
@@ -76,6 +83,8 @@ class RouterConfig:
     top_k: int = 8
     routed_scaling_factor: float = 2.5
     tile_m: int = 128
+    #: the expert score: "sigmoid" (DeepSeek-V3) or "sqrtsoftplus" (DeepSeek-V4)
+    score: str = "sigmoid"
 
     def validate(self) -> None:
         E, G, TG, k, tile = self.num_experts, self.n_group, self.topk_group, self.top_k, self.tile_m
@@ -99,8 +108,17 @@ class RouterConfig:
             raise ValueError(f"router: top_k={k} must be <= 32")
         if tile & (tile - 1) or tile > 1024:
             raise ValueError(f"router: tile_m={tile} must be a power of two <= 1024")
+        if self.score not in SCORES:
+            raise ValueError(f"router: score={self.score!r}, expected one of {SCORES}")
         if not isinstance(self.routed_scaling_factor, (int, float)) or not math.isfinite(self.routed_scaling_factor):
             raise ValueError(f"router: routed_scaling_factor must be a finite float, got {self.routed_scaling_factor!r}")
+
+
+#: DeepSeek-V4's routers (no group stage, top-6, sqrt-softplus scores)
+V4_FLASH_ROUTER = RouterConfig(num_experts=256, n_group=1, topk_group=1, top_k=6, routed_scaling_factor=1.5,
+                               score="sqrtsoftplus")
+V4_PRO_ROUTER = RouterConfig(num_experts=384, n_group=1, topk_group=1, top_k=6, routed_scaling_factor=2.5,
+                             score="sqrtsoftplus")
 
 
 def capacity(cfg: RouterConfig, max_tokens: int) -> tuple[int, int]:
@@ -118,6 +136,7 @@ class RouterTopkAlign:
         self.E, self.G, self.TG, self.k = cfg.num_experts, cfg.n_group, cfg.topk_group, cfg.top_k
         self.tile = cfg.tile_m
         self.scale = float(cfg.routed_scaling_factor)
+        self.score = cfg.score
         self.logits_dtype = logits_dtype
         self.has_bias = has_bias
         self.threads = threads
@@ -181,8 +200,7 @@ class RouterTopkAlign:
             rS = cute.make_rmem_tensor(cute.make_layout((V,)), Float32)
             rCand = cute.make_rmem_tensor(cute.make_layout((V,)), Float32)
             for j in cutlass.range_constexpr(V):
-                x = Float32(rL[j])
-                s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
+                s = self.score_of(Float32(rL[j]))
                 rS[j] = s
                 rCand[j] = s + rBias[j]
             if cutlass.const_expr(self.G > 1):
@@ -247,6 +265,15 @@ class RouterTopkAlign:
         if last_arrival(mWs.iterator + E, sFlag, grid):
             self.align(mIds, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos, sOff, sCnt, sCursor, sMask,
                        sPre, num_tokens, tiles_cap)
+
+    @cute.jit
+    def score_of(self, x: Float32) -> Float32:
+        """The expert score of logit ``x`` (FP32)."""
+        if cutlass.const_expr(self.score == "sqrtsoftplus"):
+            # softplus(x) = max(x, 0) + log1p(exp(-|x|)): no overflow, exact-ish for x << 0
+            sp = cutlass.max(x, Float32(0.0)) + cute.math.log1p(cute.math.exp(-cute.math.absf(x)))
+            return cute.math.sqrt(sp)
+        return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
 
     @cute.jit
     def align(self, mIds, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos, sOff, sCnt, sCursor, sMask,
@@ -365,8 +392,8 @@ class RouterTopkAlign:
 
 
 def _build(arch: str, *, num_experts: int, n_group: int, topk_group: int, top_k: int, routed_scaling_factor: float,
-           tile_m: int, logits_dtype: str, has_bias: bool):
-    cfg = RouterConfig(num_experts, n_group, topk_group, top_k, routed_scaling_factor, tile_m)
+           tile_m: int, logits_dtype: str, has_bias: bool, score: str = "sigmoid"):
+    cfg = RouterConfig(num_experts, n_group, topk_group, top_k, routed_scaling_factor, tile_m, score)
     cfg.validate()
     cdt = _NAME2CUTE[logits_dtype]
     P = jit.fake_gmem_ptr
@@ -381,9 +408,10 @@ KERNEL = jit.register(jit.KernelDef(
     sources=(os.path.abspath(__file__),),
     archs=("sm_90a", "sm_100a", "sm_103a"),
     aot_configs=tuple(
-        dict(dataclasses.asdict(RouterConfig()), logits_dtype=dt, has_bias=True) for dt in ("float32", "bfloat16")
+        dict(dataclasses.asdict(cfg), logits_dtype=dt, has_bias=True)
+        for cfg in (RouterConfig(), V4_FLASH_ROUTER, V4_PRO_ROUTER) for dt in ("float32", "bfloat16")
     ),
-    description="sigmoid grouped top-k + moe_align_block_size in one launch",
+    description="sigmoid / sqrt-softplus (grouped) top-k + moe_align_block_size in one launch",
 ))
 
 
@@ -481,7 +509,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: RouterConfig, *,
     dispatch(op, ("portable",), arch=a)
     fn = jit.get_kernel("moe_router", a, num_experts=E, n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=k,
                         routed_scaling_factor=float(cfg.routed_scaling_factor), tile_m=cfg.tile_m,
-                        logits_dtype=_LOGIT_DTYPES[logits.dtype], has_bias=bias is not None)
+                        logits_dtype=_LOGIT_DTYPES[logits.dtype], has_bias=bias is not None, score=cfg.score)
     P = jit.gmem_ptr
     fn(P(_NAME2CUTE[_LOGIT_DTYPES[logits.dtype]], logits, 16), P(Float32, bias if bias is not None else logits, 16),
        P(Int32, out.topk_ids, 4), P(Float32, out.topk_weights, 4), P(Int32, out.expert_counts, 4),

@@ -80,9 +80,23 @@ def unswizzle_scales_ref(flat: torch.Tensor, R: int, C: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- router ---------
-def grouped_topk_ref(logits, bias, n_group, topk_group, k, scale):
-    """DeepSeek-V3/V4 sigmoid grouped top-k in FP32; ties -> lower index (stable sorts)."""
-    s = torch.sigmoid(logits.float())
+def expert_scores_ref(logits, score="sigmoid"):
+    """The router's expert scores from their definitions, in float64, returned as FP32:
+    ``sigmoid(x) = 1 / (1 + e^-x)``; DeepSeek-V4's ``sqrt(softplus(x)) = sqrt(ln(1 + e^x))``."""
+    x = logits.double()
+    if score == "sigmoid":
+        s = 1.0 / (1.0 + torch.exp(-x))
+    elif score == "sqrtsoftplus":
+        s = torch.sqrt(torch.log1p(torch.exp(x)))
+    else:
+        raise ValueError(score)
+    return s.float()
+
+
+def grouped_topk_ref(logits, bias, n_group, topk_group, k, scale, score="sigmoid"):
+    """DeepSeek-V3 (sigmoid, grouped) / V4 (sqrt-softplus, n_group = 1) top-k in FP32 on the
+    float64 scores; ties -> lower index (stable sorts)."""
+    s = expert_scores_ref(logits, score)
     b = s + bias.float() if bias is not None else s.clone()
     T, E = b.shape
     if n_group > 1:

@@ -6,22 +6,27 @@ import pytest
 import torch
 
 from cute_kernels.testing import sass
-from moe.router import MoeRouter, RouterConfig, capacity, route
-from references import align_ref, grouped_topk_ref
+from moe.router import V4_FLASH_ROUTER, V4_PRO_ROUTER, MoeRouter, RouterConfig, capacity, route
+from references import align_ref, expert_scores_ref, grouped_topk_ref
 
 CONFIGS = [
-    RouterConfig(),  # DeepSeek-V3/V4: E=256, 8 groups, keep 4, k=8, scale 2.5, tile 128
+    RouterConfig(),  # DeepSeek-V3: E=256, 8 groups, keep 4, k=8, sigmoid, scale 2.5, tile 128
     RouterConfig(num_experts=64, n_group=1, topk_group=1, top_k=6, routed_scaling_factor=1.0, tile_m=16),
     RouterConfig(num_experts=160, n_group=8, topk_group=3, top_k=6, routed_scaling_factor=16.0, tile_m=64),
+    V4_FLASH_ROUTER,  # DeepSeek-V4-Flash: E=256, no groups, k=6, sqrt-softplus, scale 1.5
+    V4_PRO_ROUTER,  # DeepSeek-V4-Pro: E=384, no groups, k=6, sqrt-softplus, scale 2.5
+    dataclasses.replace(V4_FLASH_ROUTER, n_group=4, topk_group=2, top_k=8),  # sqrt-softplus with groups
 ]
+CONFIG_IDS = ["dsv3", "E64g1", "E160g8", "v4flash", "v4pro", "sqrtsoftplus_g4"]
 
 
 def check_ids_and_weights(ids, w, logits, bias, cfg):
-    """Ids must match the FP32 reference; a token may differ only where the reference's
-    selection scores are within rounding of each other (the kernel's expf and torch's
-    sigmoid can differ by an ulp), and then only at near-tied ranks."""
+    """Ids must match the reference; a token may differ only where the reference's selection
+    scores are within rounding of each other (the kernel's FP32 exp / log1p / sqrt and the
+    float64 definition round differently by an ulp or two), and then only at near-tied ranks.
+    Weights: a ratio of k scores of a few ulp each, times the scale."""
     rid, rw, b = grouped_topk_ref(logits.cpu(), bias.cpu() if bias is not None else None, cfg.n_group,
-                                  cfg.topk_group, cfg.top_k, cfg.routed_scaling_factor)
+                                  cfg.topk_group, cfg.top_k, cfg.routed_scaling_factor, cfg.score)
     ids, w = ids.cpu(), w.cpu()
     same = (ids == rid).all(1)
     for t in torch.nonzero(~same).flatten().tolist():
@@ -29,7 +34,7 @@ def check_ids_and_weights(ids, w, logits, bias, cfg):
         want = b[t, rid[t].long()]
         assert torch.allclose(got, want, rtol=0, atol=1e-6), (t, ids[t], rid[t])
     assert same.float().mean() > 0.99
-    assert torch.allclose(w[same], rw[same], rtol=2e-6, atol=0)
+    assert torch.allclose(w[same], rw[same], rtol=2e-6 if cfg.score == "sigmoid" else 4e-6, atol=0)
 
 
 def check_align(out, T, cfg):
@@ -54,7 +59,7 @@ def poison(r: MoeRouter):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["dsv3", "E64g1", "E160g8"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("T", [1, 5, 33, 64, 320, 4096])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [True, False])
@@ -68,6 +73,25 @@ def test_router_matches_reference(seed, cfg, T, dtype, with_bias):
     check_ids_and_weights(out.topk_ids, out.topk_weights, logits.float(), bias, cfg)
     check_align(out, T, cfg)
     assert (r.workspace == 0).all()  # re-zeroed for the next launch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [V4_FLASH_ROUTER, V4_PRO_ROUTER], ids=["v4flash", "v4pro"])
+def test_sqrtsoftplus_extreme_logits(seed, cfg):
+    """Logits far out on both sides (+-80: softplus's exp would overflow or its log1p round
+    to 0 in a naive FP32 form) and exact zeros: finite scores, the reference's picks."""
+    T = 64
+    r = MoeRouter(cfg, max_tokens=T)
+    logits = torch.randn(T, cfg.num_experts, device="cuda") * 4
+    logits[::4, ::3] = 80.0
+    logits[1::4, ::2] = -80.0
+    logits[2::4] = 0.0
+    poison(r)
+    out = r(logits, None)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out.topk_weights).all()
+    check_ids_and_weights(out.topk_ids, out.topk_weights, logits, None, cfg)
+    check_align(out, T, cfg)
 
 
 @pytest.mark.gpu
@@ -116,6 +140,7 @@ def test_graph_replay_with_changing_inputs(seed):
     (dict(n_group=3, topk_group=2, num_experts=96), "must divide 32"),
     (dict(tile_m=100), "power of two"),
     (dict(top_k=0), "positive int"),
+    (dict(score="softmax"), "score='softmax'"),
 ])
 def test_invalid_configs(kw, words):
     with pytest.raises(ValueError, match=words):
@@ -148,6 +173,30 @@ def test_reference_ties_and_groups():
     logits[0, 200:202] = 5.0  # group 6 wins on its top-2
     ids, _, _ = grouped_topk_ref(logits, None, 8, 1, 8, 1.0)
     assert set(ids[0].tolist()) <= set(range(192, 224))
+
+
+def test_sqrtsoftplus_reference_is_the_definition():
+    """The reference's scores at points with known values: sqrt(ln 2) at 0, ~sqrt(x) far
+    right, ~e^(x/2) far left (no underflow to 0 at -80)."""
+    x = torch.tensor([[0.0, 30.0, -30.0, -80.0]])
+    s = expert_scores_ref(x, "sqrtsoftplus").double()
+    assert abs(s[0, 0] - 0.6931471805599453 ** 0.5) < 1e-7
+    assert abs(s[0, 1] / 30.0 ** 0.5 - 1) < 1e-7
+    assert abs(s[0, 2] / torch.exp(torch.tensor(-15.0, dtype=torch.float64)) - 1) < 1e-6
+    assert s[0, 3] > 0
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("cfg", [V4_FLASH_ROUTER, V4_PRO_ROUTER], ids=["v4flash", "v4pro"])
+def test_machine_code_sqrtsoftplus(arch, cfg):
+    """The V4 routers: each lane's E/32 fp32 logits in 16-byte loads; per expert one exp and one
+    square root on the special-function unit (log1p is a polynomial); no spills."""
+    h = sass.sass_histogram("moe_router", arch, **dataclasses.asdict(cfg), logits_dtype="float32", has_bias=True)
+    V = cfg.num_experts // 32
+    assert h["LDG.E.128"] >= V // 4
+    assert sass.count(h, "MUFU.EX2") >= V
+    assert sass.count(h, "MUFU.SQRT") + sass.count(h, "MUFU.RSQ") >= V
+    assert sass.local_memory_ops(h) == 0
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
