@@ -32,7 +32,7 @@ from cute_kernels import jit
 from cute_kernels.arch import current_arch, dispatch
 from cute_kernels.validate import check_cuda, check_tensor
 
-from .experts_tiled_sm90 import STAGE_RANGE, TILE_K, MoeExpertGemmTiledSm90
+from .experts_tiled_sm90 import STAGE_RANGE, TILE_K, MoeExpertGemmTiledSm90, check_swiglu_limit
 from .experts_swap_ab_sm90 import TOK_N, MoeExpertSwapABSm90, tok_n_for
 from .quant import MX_BLOCK, SF_ATOM_COLS, SF_ATOM_ROWS, mxfp8_quantize, scale_buffer_size
 
@@ -125,7 +125,7 @@ def _check_tile_expert(op, tile_expert, rows, min_tiles):
 
 def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out, fused,
                  stream, routed_rows=None, tile_k=None, stages=None, ctas_per_sm=None, max_expert_rows=None,
-                 expert_row_tile=None):
+                 expert_row_tile=None, swiglu_limit=None):
     """The Hopper kernel: bf16 ``out``, or (``fused`` = (q, scales)) SiLU * up + MXFP8."""
     import cutlass
     from cutlass import Int32
@@ -164,7 +164,7 @@ def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_
             raise ValueError(f"{op}: the decode kernel (token tile {tok_n}) cannot run stages={stages} "
                              f"(2-12 within shared memory) or E={E}, N={N}, K={K}")
         fn = jit.get_kernel("moe_expert_swap_ab_sm90", arch, E=E, N=N, K=K, tok_n=tok_n, silu_quant=fused is not None,
-                            stages=stages, row_passes=row_passes)
+                            stages=stages, row_passes=row_passes, **_limit_cfg(swiglu_limit))
     else:
         if tile_k is None:
             tile_k, d_stages, d_ctas = default_tile(K, fused is not None)
@@ -177,7 +177,7 @@ def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_
             raise ValueError(f"{op}: tile_k={tile_k}, stages={stages}, ctas_per_sm={ctas_per_sm} unsupported (stages "
                              f"in {STAGE_RANGE}; ctas_per_sm 1 or 2 with both CTAs' shared memory within 227 KB)")
         fn = jit.get_kernel("moe_expert_gemm_tiled_sm90", arch, E=E, N=N, K=K, silu_quant=fused is not None, tile_k=tile_k,
-                            stages=stages, ctas_per_sm=ctas_per_sm)
+                            stages=stages, ctas_per_sm=ctas_per_sm, **_limit_cfg(swiglu_limit))
     # both kernels take the same arguments
     q_out, s_out = fused if fused is not None else (a_q, a_scales)  # not touched unless fused
     out_t = out if out is not None else a_q  # not touched when fused
@@ -285,7 +285,7 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     return out
 
 
-def _launch_sm100(op, arch, a_q, a_scales, w_q, w_scales, tile_expert, out, fused, stream):
+def _launch_sm100(op, arch, a_q, a_scales, w_q, w_scales, tile_expert, out, fused, stream, swiglu_limit=None):
     """The Blackwell kernel: bf16 ``out``, or (``fused`` = (q, scales)) the SiLU * up + MXFP8
     epilogue, which writes no C (``a_q`` then stands in for C's never-used address)."""
     import cutlass
@@ -308,7 +308,7 @@ def _launch_sm100(op, arch, a_q, a_scales, w_q, w_scales, tile_expert, out, fuse
         fn = jit.get_kernel("moe_expert_gemm_sm100", arch, E=E, N=N, K=K)
         c, (q, s) = out, (a_q, a_scales)  # q / s: unused without the fused epilogue
     else:
-        fn = jit.get_kernel("moe_expert_gemm_sm100", arch, E=E, N=N, K=K, silu_quant=True)
+        fn = jit.get_kernel("moe_expert_gemm_sm100", arch, E=E, N=N, K=K, silu_quant=True, **_limit_cfg(swiglu_limit))
         c, (q, s) = a_q, fused
     fn(P(f8, a_q, 16), P(f8, w_q, 16), P(sf, a_scales, 16), P(sf, w_scales, 16), P(cutlass.BFloat16, c, 16),
        P(Int32, tile_expert, 4), P(f8, q, 16), P(cutlass.Uint8, s, 1), jit.i32(rows), jit.cu_stream(stream))
@@ -328,12 +328,20 @@ def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor
     return torch.stack([w_gate.view(E, I // 32, 32, K), w_up.view(E, I // 32, 32, K)], 2).reshape(E, 2 * I, K)
 
 
-def silu_mul_interleaved(y: torch.Tensor) -> torch.Tensor:
-    """Reference epilogue on the gate/up GEMM's bf16 output (interleaved columns):
-    ``h = bf16(bf16(silu(g)) * u)`` -- the unfused path's rounding points."""
+def _limit_cfg(swiglu_limit) -> dict:
+    """The kernels' compile config for a clamp: absent without one (the unclamped builds' keys)."""
+    return {} if swiglu_limit is None else {"swiglu_limit": float(swiglu_limit)}
+
+
+def silu_mul_interleaved(y: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
+    """The unfused epilogue on the gate/up GEMM's bf16 output (interleaved columns):
+    ``h = bf16(bf16(silu(g)) * u)`` -- the unfused path's rounding points -- after DeepSeek-V4's
+    clamp ``g <= limit``, ``-limit <= u <= limit`` when ``swiglu_limit`` is given."""
     R, N = y.shape
     blocks = y.view(R, N // 64, 2, 32)
     g, u = blocks[:, :, 0].reshape(R, N // 2), blocks[:, :, 1].reshape(R, N // 2)
+    if swiglu_limit is not None:
+        g, u = g.clamp(max=swiglu_limit), u.clamp(min=-swiglu_limit, max=swiglu_limit)
     return torch.nn.functional.silu(g) * u  # bf16 in, bf16 out at each op
 
 
@@ -344,8 +352,12 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
                        tile_k: int | None = None, stages: int | None = None,
                        ctas_per_sm: int | None = None,
                        max_expert_rows: int | None = None,
-                       expert_row_tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       expert_row_tile: int | None = None,
+                       swiglu_limit: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate/up projection with SiLU(gate) * up and MXFP8 requantisation fused in the epilogue.
+
+    ``swiglu_limit`` (DeepSeek-V4: 10.0): clamp ``gate <= limit`` and ``-limit <= up <= limit``
+    on the GEMM's bf16 outputs before SiLU(gate) * up (``None``: no clamp).
 
     ``w_q`` / ``w_scales`` are the quantised :func:`interleave_gate_up` weights ``[E, 2I, K]``.
     Returns the down projection's input: ``q [rows, I]`` e4m3 and its swizzled scales (live
@@ -354,6 +366,7 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
     here); the CPU fallback runs expert GEMM -> bf16, SiLU * up, then the quantiser.
     """
     op = "moe_expert_gate_up"
+    check_swiglu_limit(op, swiglu_limit, True)
     rows, K, E, N = _check_operand_shapes(op, a_q, w_q)
     if N % 64:
         raise ValueError(f"{op}: w_q.shape[1] = 2I = {N} must be a multiple of 64")
@@ -373,19 +386,20 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
     if path == "sm100":  # tcgen05 GEMM with the SiLU * up + MXFP8 epilogue (compile + SASS checked only)
         check_cuda(op, ("a_q", a_q), ("a_scales", a_scales), ("w_q", w_q), ("w_scales", w_scales),
                    ("expert_offsets", expert_offsets), ("q_out", q_out), ("scales_out", scales_out))
-        _launch_sm100(op, a, a_q, a_scales, w_q, w_scales, tile_expert, None, (q_out, scales_out), stream)
+        _launch_sm100(op, a, a_q, a_scales, w_q, w_scales, tile_expert, None, (q_out, scales_out), stream,
+                      swiglu_limit)
         return q_out, scales_out
     if path == "sm90":
         check_cuda(op, ("a_q", a_q), ("a_scales", a_scales), ("w_q", w_q), ("w_scales", w_scales),
                    ("expert_offsets", expert_offsets), ("q_out", q_out), ("scales_out", scales_out))
         _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, None,
                      (q_out, scales_out), stream, routed_rows, tile_k, stages, ctas_per_sm, max_expert_rows,
-                     expert_row_tile)
+                     expert_row_tile, swiglu_limit)
         return q_out, scales_out
     y = moe_expert_gemm(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, arch=a,
                         stream=stream, routed_rows=routed_rows) if a_q.is_cuda else _reference(
         a_q, a_scales, w_q, w_scales, expert_offsets, torch.zeros(rows, N, dtype=torch.bfloat16))
-    h = silu_mul_interleaved(y)
+    h = silu_mul_interleaved(y, swiglu_limit)
     if a_q.is_cuda:
         mxfp8_quantize(h, layout="swizzled", q=q_out, scales=scales_out, stream=stream)
     else:

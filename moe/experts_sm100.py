@@ -72,11 +72,13 @@ TILE_M = 128
 class MoeExpertGemmSm100:
     """Compile-time configuration: experts, N, K, the CTA's column tile, fused SiLU/MXFP8."""
 
-    def __init__(self, E: int, N: int, K: int, tile_n: int = 128, silu_quant: bool = False):
+    def __init__(self, E: int, N: int, K: int, tile_n: int = 128, silu_quant: bool = False,
+                 swiglu_limit: float | None = None):
         if not self.can_implement(E, N, K, tile_n, silu_quant):
             raise ValueError(f"MoeExpertGemmSm100: unsupported E={E}, N={N}, K={K}, tile_n={tile_n}, "
                              f"silu_quant={silu_quant} (K % 128, N % tile_n, tile_n 128 or 256, N % 64 fused)")
         self.E, self.N, self.K, self.tile_n, self.silu_quant = E, N, K, tile_n, silu_quant
+        self.swiglu_limit = swiglu_limit  # the fused epilogue's clamp of gate / up (None: none)
         self.acc_dtype = Float32
         self.ab_dtype, self.sf_dtype, self.c_dtype = cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU, cutlass.BFloat16
 
@@ -321,13 +323,17 @@ class MoeExpertGemmSm100:
             m, n = tTR_cC[(None, None, None, 2 * f)][0]
             r = m_tile * TILE_M + m
             if r < rows:
-                scale = silu_mul_mx_block(rG, rU, rQ)
+                scale = silu_mul_mx_block(rG, rU, rQ, self.swiglu_limit)
                 fb = (n_tile * self.tile_n + n) // (2 * MX)  # output scale block = feature block
                 cute.autovec_copy(rQ, cute.zipped_divide(mQ, (1, MX))[(0, None), (r, fb)])
                 mSQ[mx_scale_index(r, fb, ncb)] = cutlass.Uint8(scale)
 
 
-def _build(arch: str, *, E: int, N: int, K: int, tile_n: int = 128, silu_quant: bool = False):
+def _build(arch: str, *, E: int, N: int, K: int, tile_n: int = 128, silu_quant: bool = False,
+           swiglu_limit: float | None = None):
+    from moe.experts_tiled_sm90 import check_swiglu_limit
+
+    check_swiglu_limit("moe_expert_gemm_sm100", swiglu_limit, silu_quant)
     if not MoeExpertGemmSm100.can_implement(E, N, K, tile_n, silu_quant):
         raise ValueError(f"moe_expert_gemm_sm100: unsupported E={E}, N={N}, K={K}, tile_n={tile_n}, silu_quant={silu_quant} "
                          f"(K % 128, N % tile_n, tile_n 128 or 256, N % 64 with the fused SiLU)")
@@ -335,7 +341,7 @@ def _build(arch: str, *, E: int, N: int, K: int, tile_n: int = 128, silu_quant: 
     f8, sf = cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU
     args = (P(f8, 16), P(f8, 16), P(sf, 16), P(sf, 16), P(cutlass.BFloat16, 16), P(Int32, 4), P(f8, 16),
             P(cutlass.Uint8, 1), Int32(128), jit.fake_stream())
-    return MoeExpertGemmSm100(E, N, K, tile_n, silu_quant), args
+    return MoeExpertGemmSm100(E, N, K, tile_n, silu_quant, swiglu_limit), args
 
 
 KERNEL = jit.register(jit.KernelDef(

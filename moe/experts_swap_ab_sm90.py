@@ -55,7 +55,7 @@ from cute_kernels import jit
 from cute_kernels.tma_pipeline import single_cta_tma_pipeline, tma_tiles
 from cute_kernels.warp_mma import wgmma_fragments
 
-from .experts_tiled_sm90 import MX, e8m0_to_f32, routed_gemm_tensors, store_silu_mul_mx_row
+from .experts_tiled_sm90 import MX, check_swiglu_limit, e8m0_to_f32, routed_gemm_tensors, store_silu_mul_mx_row
 
 BM = 64  # weight rows per CTA (wgmma M)
 BK = 128  # bytes of K per pipeline stage: 4 MX blocks
@@ -74,8 +74,9 @@ def smem_bytes(tok_n: int, stages: int) -> int:
 
 class MoeExpertSwapABSm90:
     def __init__(self, E: int, N: int, K: int, tok_n: int, silu_quant: bool = False, stages: int = 3,
-                 row_passes: bool = False):
+                 row_passes: bool = False, swiglu_limit: float | None = None):
         self.E, self.N, self.K, self.tok_n, self.silu_quant, self.stages = E, N, K, tok_n, silu_quant, stages
+        self.swiglu_limit = swiglu_limit  # the fused epilogue's clamp of gate / up (None: none)
         # row_passes: a CTA covers every live row of its router tile (up to 128) in passes of
         # tok_n token columns, re-streaming its weight tile per pass; otherwise the caller
         # bounds every expert's rows by tok_n and there is one pass
@@ -246,7 +247,7 @@ class MoeExpertSwapABSm90:
                 mOut[rbase + c, n0 + r] = sOut[c, r].to(bf16)
         else:
             if tidx < live:
-                store_silu_mul_mx_row(sOut, tidx, mQ, mSQ, rbase + tidx, n0, self.ncb_i)
+                store_silu_mul_mx_row(sOut, tidx, mQ, mSQ, rbase + tidx, n0, self.ncb_i, self.swiglu_limit)
 
     @cute.jit
     def promote(self, acc: cute.Tensor, frag: cute.Tensor, rSw: cute.Tensor, rSa: cute.Tensor, kb: cutlass.Constexpr,
@@ -294,7 +295,8 @@ def tok_n_for(max_expert_rows: int) -> int | None:
 
 
 def _build(arch: str, *, E: int, N: int, K: int, tok_n: int, silu_quant: bool = False, stages: int | None = None,
-           row_passes: bool = False):
+           row_passes: bool = False, swiglu_limit: float | None = None):
+    check_swiglu_limit("moe_expert_swap_ab_sm90", swiglu_limit, silu_quant)
     if not MoeExpertSwapABSm90.can_implement(E, N, K, tok_n, stages):
         raise ValueError(f"moe_expert_swap_ab_sm90: unsupported E={E}, N={N}, K={K}, tok_n={tok_n}, stages={stages} "
                          f"(K % 128, N % 64, tok_n in {TOK_N}, 2 <= stages <= 12 within shared memory)")
@@ -303,7 +305,7 @@ def _build(arch: str, *, E: int, N: int, K: int, tok_n: int, silu_quant: bool = 
     args = (P(f8, 16), P(f8, 16), P(cutlass.Uint8, 16), P(cutlass.Uint8, 16), P(cutlass.BFloat16, 16), P(f8, 16),
             P(cutlass.Uint8, 1), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(128), Int32(1), jit.fake_stream())
     return MoeExpertSwapABSm90(E, N, K, tok_n, silu_quant, STAGES[tok_n] if stages is None else stages,
-                               row_passes), args
+                               row_passes, swiglu_limit), args
 
 
 KERNEL = jit.register(jit.KernelDef(

@@ -68,23 +68,28 @@ def e8m0_to_f32(s: Uint32) -> Float32:
 
 
 @cute.jit
-def silu_mul_mx_block(rG: cute.Tensor, rU: cute.Tensor, rQ: cute.Tensor) -> Int32:
+def silu_mul_mx_block(rG: cute.Tensor, rU: cute.Tensor, rQ: cute.Tensor, limit: cutlass.Constexpr = None) -> Int32:
     """32 features of one row: ``h = bf16(bf16(silu(g)) * u)`` from the bf16-rounded gate and
     up GEMM outputs (fp32 registers; the unfused path's rounding points), then one MXFP8
-    block -> e4m3 ``rQ`` and the UE8M0 scale byte (returned). Used by the decode and
-    Blackwell epilogues."""
+    block -> e4m3 ``rQ`` and the UE8M0 scale byte (returned). ``limit`` (DeepSeek-V4's
+    ``swiglu_limit``): ``g = min(g, limit)``, ``u = clamp(u, -limit, limit)`` first -- exact on
+    the bf16 values, as the model clamps its bf16 linear outputs. Used by every fused epilogue."""
     one = Float32(1.0)
     rH = cute.make_rmem_tensor(cute.make_layout((MX,)), cutlass.BFloat16)
     for j in cutlass.range_constexpr(MX):
         g = rG[j]
+        u = rU[j]
+        if cutlass.const_expr(limit is not None):
+            g = cutlass.min(g, Float32(limit))
+            u = cutlass.max(cutlass.min(u, Float32(limit)), Float32(-limit))
         sg = (g / (one + cute.math.exp(-g))).to(cutlass.BFloat16)
-        rH[j] = (Float32(sg) * rU[j]).to(cutlass.BFloat16)
+        rH[j] = (Float32(sg) * u).to(cutlass.BFloat16)
     return mx_quantize_block(rH, rQ)
 
 
 @cute.jit
 def store_silu_mul_mx_row(sH: cute.Tensor, srow: Int32, mQ: cute.Tensor, mSQ: cute.Tensor, row: Int32, n0: Int32,
-                          ncb: cutlass.Constexpr):
+                          ncb: cutlass.Constexpr, limit: cutlass.Constexpr = None):
     """The fused gate/up epilogue for one token: staging row ``srow`` of ``sH`` holds the bf16-
     rounded GEMM outputs of weight rows n0 .. n0 + 63 (gate features in columns 0..31, up in
     32..63, :func:`moe.experts.interleave_gate_up`); h = bf16(bf16(silu(g)) * u) becomes one
@@ -96,10 +101,20 @@ def store_silu_mul_mx_row(sH: cute.Tensor, srow: Int32, mQ: cute.Tensor, mSQ: cu
         rG[j] = sH[srow, j]
         rU[j] = sH[srow, MX + j]
     rQ = cute.make_rmem_tensor(cute.make_layout((MX,)), cutlass.Float8E4M3FN)
-    scale = silu_mul_mx_block(rG, rU, rQ)
+    scale = silu_mul_mx_block(rG, rU, rQ, limit)
     fb = n0 // (2 * MX)  # output scale block = feature block
     cute.autovec_copy(rQ, cute.zipped_divide(mQ, (1, MX))[(0, None), (row, fb)])
     mSQ[mx_scale_index(row, fb, ncb)] = cutlass.Uint8(scale)
+
+
+def check_swiglu_limit(op: str, swiglu_limit, silu_quant: bool) -> None:
+    """A clamp needs the fused SiLU * up epilogue and a finite positive float."""
+    if swiglu_limit is None:
+        return
+    if not silu_quant:
+        raise ValueError(f"{op}: swiglu_limit={swiglu_limit!r} applies to the fused SiLU * up epilogue only")
+    if not isinstance(swiglu_limit, (int, float)) or not (0 < float(swiglu_limit) < float("inf")):
+        raise ValueError(f"{op}: swiglu_limit must be a finite float > 0 or None, got {swiglu_limit!r}")
 
 
 def mx_scale_index(r, fb, ncb):
@@ -155,8 +170,9 @@ def routed_gemm_tensors(k, sfa_ptr: cute.Pointer, sfw_ptr: cute.Pointer, out_ptr
 
 class MoeExpertGemmTiledSm90:
     def __init__(self, E: int, N: int, K: int, silu_quant: bool = False, tile_k: int = 128,
-                 stages: int | None = None, ctas_per_sm: int = 1):
+                 stages: int | None = None, ctas_per_sm: int = 1, swiglu_limit: float | None = None):
         self.E, self.N, self.K, self.silu_quant = E, N, K, silu_quant
+        self.swiglu_limit = swiglu_limit  # the fused epilogue's clamp of gate / up (None: none)
         self.bk, self.stages = tile_k, stages or TILE_K[tile_k]
         self.pitch = tile_k + 16  # bytes per shared row: ldmatrix rows land in distinct 16-byte bank groups
         self.apk = tile_k // 128  # 512-byte scale atoms (128 rows x 4 blocks) per operand per stage
@@ -324,7 +340,7 @@ class MoeExpertGemmTiledSm90:
         # Every warp's accumulators are in shared memory before a row's thread reads them.
         cute.arch.barrier()
         if tidx < live:
-            store_silu_mul_mx_row(sH, tidx, mQ, mSQ, row0 + tidx, n0, self.ncb_i)
+            store_silu_mul_mx_row(sH, tidx, mQ, mSQ, row0 + tidx, n0, self.ncb_i, self.swiglu_limit)
 
     @cute.jit
     def issue(self, gA16: cute.Tensor, gW16: cute.Tensor, gSA16: cute.Tensor, gSW16: cute.Tensor, sA16: cute.Tensor,
@@ -359,7 +375,8 @@ class MoeExpertGemmTiledSm90:
 
 
 def _build(arch: str, *, E: int, N: int, K: int, silu_quant: bool = False, tile_k: int = 128,
-           stages: int | None = None, ctas_per_sm: int = 1):
+           stages: int | None = None, ctas_per_sm: int = 1, swiglu_limit: float | None = None):
+    check_swiglu_limit("moe_expert_gemm_tiled_sm90", swiglu_limit, silu_quant)
     if not MoeExpertGemmTiledSm90.can_implement(E, N, K, tile_k, stages, ctas_per_sm):
         raise ValueError(f"moe_expert_gemm_tiled_sm90: unsupported E={E}, N={N}, K={K}, tile_k={tile_k}, stages={stages}, "
                          f"ctas_per_sm={ctas_per_sm} (K % tile_k, N % 64, tile_k in {sorted(TILE_K)}, stages in "
@@ -368,7 +385,7 @@ def _build(arch: str, *, E: int, N: int, K: int, silu_quant: bool = False, tile_
     f8 = cutlass.Float8E4M3FN
     args = (P(f8, 16), P(f8, 16), P(cutlass.Uint8, 16), P(cutlass.Uint8, 16), P(cutlass.BFloat16, 16), P(f8, 16),
             P(cutlass.Uint8, 1), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(128), Int32(1), jit.fake_stream())
-    return MoeExpertGemmTiledSm90(E, N, K, silu_quant, tile_k, stages, ctas_per_sm), args
+    return MoeExpertGemmTiledSm90(E, N, K, silu_quant, tile_k, stages, ctas_per_sm, swiglu_limit), args
 
 
 KERNEL = jit.register(jit.KernelDef(

@@ -8,6 +8,7 @@ import torch
 import cutlass.cute as cute
 import cutlass.utils.blockscaled_layout as blockscaled_utils
 
+from cute_kernels import jit
 from cute_kernels.testing import sass
 from moe.experts import (_reference, dequantize, expert_scale_bytes, moe_expert_gate_up, moe_expert_gemm,
                          silu_mul_interleaved, unswizzle_scales)
@@ -373,9 +374,10 @@ def _gate_up_problem(E, I, K, counts, gen):
     return aq, asw, wq, wsw, offs, cnt, te
 
 
-def _gate_up_reference(aq, asw, wq, wsw, offs, counts, I, gemm_out=None):
+def _gate_up_reference(aq, asw, wq, wsw, offs, counts, I, gemm_out=None, swiglu_limit=None):
     """Independent spec: per expert, bf16 GEMM outputs (or the given ``gemm_out [rows, 2I]``),
-    de-interleave, bf16(bf16(silu(g)) * u), then the MX rule of tests/references."""
+    de-interleave, DeepSeek-V4's clamp (``swiglu_limit``: gate <= limit, |up| <= limit),
+    bf16(bf16(silu(g)) * u), then the MX rule of tests/references."""
     rows, K = aq.shape
     E = wq.shape[0]
     h = torch.zeros(rows, I).bfloat16()
@@ -387,6 +389,10 @@ def _gate_up_reference(aq, asw, wq, wsw, offs, counts, I, gemm_out=None):
         y = gemm_out[lo:hi] if gemm_out is not None else (a[lo:hi] @ dequantize(wq[e], wsw[e], 2 * I, K).T).bfloat16()
         y = y.view(hi - lo, I // 32, 2, 32)
         g, u = y[:, :, 0].reshape(hi - lo, I), y[:, :, 1].reshape(hi - lo, I)
+        if swiglu_limit is not None:
+            g = torch.minimum(g, torch.tensor(swiglu_limit, dtype=g.dtype))
+            u = torch.maximum(torch.minimum(u, torch.tensor(swiglu_limit, dtype=u.dtype)),
+                              torch.tensor(-swiglu_limit, dtype=u.dtype))
         h[lo:hi] = torch.nn.functional.silu(g) * u
     q, s = mxfp8_quant_ref(h)
     return q, s
@@ -401,13 +407,24 @@ def test_interleave_gate_up_layout():
     assert torch.equal(w[:, 64:96], g[:, 32:64]) and torch.equal(w[:, 96:128], u[:, 32:64])
 
 
-def test_gate_up_fallback_matches_spec():
-    """The CPU path of moe_expert_gate_up (GEMM -> SiLU * up -> MX quantiser) against the spec."""
+#: a SwiGLU clamp small enough that a good share of the test problems' gate / up values hit it
+#: (DeepSeek-V4 uses 10.0 on its real activations)
+TEST_LIMIT = 0.75
+
+
+@pytest.mark.parametrize("limit", [None, TEST_LIMIT])
+def test_gate_up_fallback_matches_spec(limit):
+    """The CPU path of moe_expert_gate_up (GEMM -> clamp -> SiLU * up -> MX quantiser) against
+    the spec; with the clamp, a good share of values is clamped (else the test proves little)."""
     E, I, K, counts = 3, 64, 256, [2, 0, 130]
     gen = torch.Generator().manual_seed(1)
     aq, asw, wq, wsw, offs, cnt, te = _gate_up_problem(E, I, K, counts, gen)
-    q, s = moe_expert_gate_up(aq, asw, wq, wsw, offs, cnt, te)
-    q_ref, s_ref = _gate_up_reference(aq, asw, wq, wsw, offs, counts, I)
+    q, s = moe_expert_gate_up(aq, asw, wq, wsw, offs, cnt, te, swiglu_limit=limit)
+    q_ref, s_ref = _gate_up_reference(aq, asw, wq, wsw, offs, counts, I, swiglu_limit=limit)
+    if limit is not None:  # expert 2's GEMM outputs, from the dequantised operands
+        lo = int(offs[2])
+        y = dequantize(aq, asw, aq.shape[0], K)[lo:lo + counts[2]] @ dequantize(wq[2], wsw[2], 2 * I, K).T
+        assert 0.1 < float((y.abs() > limit).float().mean()) < 0.9
     got_s = unswizzle_scales(s, aq.shape[0], I)
     for e in range(E):
         lo, hi = int(offs[e]), int(offs[e]) + counts[e]
@@ -418,9 +435,12 @@ def test_gate_up_fallback_matches_spec():
 @pytest.mark.gpu
 @pytest.mark.parametrize("E, I, K, counts", [(4, 64, 256, [3, 0, 129, 64]), (8, 2048, 7168, [1, 0, 2, 0, 1, 5, 0, 3])])
 @pytest.mark.parametrize("tile_k, stages, ctas", [(128, None, 1), (256, None, 1), (128, 3, 2)])
-def test_gpu_fused_gate_up_matches_spec(seed, E, I, K, counts, tile_k, stages, ctas):
-    """H200: the fused Hopper epilogue (its staging tile aliases the A stages)."""
-    _gate_up_matches_spec(seed, E, I, K, counts, tile_k=tile_k, stages=stages, ctas_per_sm=ctas)
+@pytest.mark.parametrize("limit", [None, TEST_LIMIT])
+def test_gpu_fused_gate_up_matches_spec(seed, E, I, K, counts, tile_k, stages, ctas, limit):
+    """H200: the fused Hopper epilogue (its staging tile aliases the A stages), with and
+    without the SwiGLU clamp."""
+    _gate_up_matches_spec(seed, E, I, K, counts, tile_k=tile_k, stages=stages, ctas_per_sm=ctas,
+                          swiglu_limit=limit)
 
 
 def _gate_up_matches_spec(seed, E, I, K, counts, own_gemm=False, **kw):
@@ -433,8 +453,10 @@ def _gate_up_matches_spec(seed, E, I, K, counts, own_gemm=False, **kw):
     gen = torch.Generator().manual_seed(seed)
     aq, asw, wq, wsw, offs, cnt, te = _gate_up_problem(E, I, K, counts, gen)
     dev = [t.cuda() for t in (aq, asw, wq, wsw, offs, cnt, te)]
+    limit = kw.pop("swiglu_limit", None)
     y = moe_expert_gemm(*dev, routed_rows=sum(counts), **kw).cpu() if own_gemm else None
-    q_ref, s_ref = _gate_up_reference(aq, asw, wq, wsw, offs, counts, I, gemm_out=y)
+    q_ref, s_ref = _gate_up_reference(aq, asw, wq, wsw, offs, counts, I, gemm_out=y, swiglu_limit=limit)
+    kw = dict(kw, swiglu_limit=limit)
     q, s = moe_expert_gate_up(*dev, routed_rows=sum(counts), **kw)
     torch.cuda.synchronize()
     q, s = q.cpu(), s.cpu()
@@ -505,6 +527,34 @@ def test_sm90_fused_scale_store_addressing_transcribed():
             assert flat[off] == raw[r, fb]
 
 
+@pytest.mark.parametrize("name, cfg, arch", [
+    ("moe_expert_gemm_tiled_sm90", dict(E=8, N=512, K=1024, silu_quant=True), "sm_90a"),
+    ("moe_expert_swap_ab_sm90", dict(E=8, N=512, K=1024, tok_n=16, silu_quant=True), "sm_90a"),
+    ("moe_expert_gemm_sm100", dict(E=8, N=512, K=1024, silu_quant=True), "sm_100a"),
+])
+def test_machine_code_swiglu_clamp(name, cfg, arch):
+    """With ``swiglu_limit`` every fused epilogue clamps each feature's gate once (min) and
+    its up twice (min, max): three float min/max per feature of a 32-feature block; none
+    without it; no spills."""
+    h = sass.sass_histogram(name, arch, **cfg, swiglu_limit=10.0)
+    h0 = sass.sass_histogram(name, arch, **cfg)
+    assert sass.count(h, "FMNMX") >= 3 * 32 and sass.count(h0, "FMNMX") == 0
+    assert sass.local_memory_ops(h) == 0
+
+
+@pytest.mark.parametrize("limit, words", [(-1.0, "finite float > 0"), (float("inf"), "finite float > 0"),
+                                          ("10", "finite float > 0")])
+def test_swiglu_limit_validation(limit, words):
+    aq = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
+    wq = torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn)
+    z = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match=words):
+        moe_expert_gate_up(aq, None, wq, None, z, z, z, swiglu_limit=limit)
+    with pytest.raises(ValueError, match="fused SiLU"):
+        jit.get_kernel("moe_expert_gemm_tiled_sm90", "sm_90a", E=8, N=512, K=1024, swiglu_limit=10.0,
+                       use_disk=False)
+
+
 def test_gate_up_validation():
     aq = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
     wq = torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn)
@@ -541,14 +591,15 @@ def test_gpu_decode_kernel_matches_emulation(seed, E, N, K, counts, max_rows):
     (8, 2048, 7168, [1, 0, 2, 0, 1, 5, 0, 3], 8),
     (4, 1024, 2048, [33, 0, 64, 17], 64),
 ])
-def test_gpu_decode_kernel_fused_gate_up(seed, E, I, K, counts, max_rows):
+@pytest.mark.parametrize("limit", [None, TEST_LIMIT])
+def test_gpu_decode_kernel_fused_gate_up(seed, E, I, K, counts, max_rows, limit):
     """H200: the decode kernel's fused SiLU * up + MXFP8 epilogue against the spec applied to
     the same kernel's bf16 GEMM output. Not the CPU GEMM: FP8 wgmma sums a 32-wide block's
     products at reduced precision (DeepSeek-V3 measured ~14 bits on Hopper) before the FP32
     promotion, so where g cancels to near zero h moves by a few of its block's subnormal e4m3
     steps (the first GPU run: one value of 8 rows, 5 steps); the GEMM itself is checked against
     the emulation in test_gpu_decode_kernel_matches_emulation."""
-    _gate_up_matches_spec(seed, E, I, K, counts, own_gemm=True, max_expert_rows=max_rows)
+    _gate_up_matches_spec(seed, E, I, K, counts, own_gemm=True, max_expert_rows=max_rows, swiglu_limit=limit)
 
 
 @pytest.mark.gpu
@@ -565,9 +616,11 @@ def test_gpu_decode_kernel_row_passes(seed, E, N, K, counts, row_tile):
 
 
 @pytest.mark.gpu
-def test_gpu_decode_kernel_row_passes_fused(seed):
+@pytest.mark.parametrize("limit", [None, TEST_LIMIT])
+def test_gpu_decode_kernel_row_passes_fused(seed, limit):
     """H200: the fused epilogue once per pass (its staging tile reused across passes)."""
-    _gate_up_matches_spec(seed, 4, 1024, 2048, [33, 0, 129, 17], own_gemm=True, expert_row_tile=16)
+    _gate_up_matches_spec(seed, 4, 1024, 2048, [33, 0, 129, 17], own_gemm=True, expert_row_tile=16,
+                          swiglu_limit=limit)
 
 
 @pytest.mark.parametrize("tok_n, silu_quant, row_passes", [(16, False, False), (16, True, False), (64, False, False),
