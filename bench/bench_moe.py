@@ -1,11 +1,14 @@
 """Benchmark the MoE router and MXFP8 quantization against unfused PyTorch composites.
 
-    python bench/bench_moe.py [--out FILE]
+    python bench/bench_moe.py [--sections router,quant,overlap] [--out FILE]
 
 All times: CUDA-graph replay, per call, median of 30 replays, rotating inputs (> L2 for the
-quantization). The router composite is sync-free torch (sigmoid, grouped top-k, scatter-add
-counts, cumsum offsets, stable argsort + scatter packing, searchsorted tile map): the
-separate top-k, padding and packing kernels of the unfused path. The quantization baseline
+quantization). The router composite is sync-free torch (sigmoid or sqrt-softplus scores,
+grouped or plain top-k, scatter-add counts, cumsum offsets, stable argsort + scatter packing,
+searchsorted tile map): the separate top-k, padding and packing kernels of the unfused path.
+Routers: DeepSeek-V3 (E=256, 8 groups, k=8) and DeepSeek-V4-Flash / -Pro (E=256 / 384, no
+groups, k=6, sqrt-softplus); each row first checks that both pick the same experts with the
+same weights. The quantization baseline
 is the same MX rule written in torch ops. A third table profiles a replayed graph in which
 the token-order quantization is forked onto a side stream while the router runs.
 """
@@ -23,20 +26,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import H200_COPY_BW, markdown_table, rotation_count, time_graph  # noqa: E402
 
 from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size  # noqa: E402
-from moe.router import MoeRouter, RouterConfig, capacity  # noqa: E402
+from moe.router import V4_FLASH_ROUTER, V4_PRO_ROUTER, MoeRouter, RouterConfig, capacity  # noqa: E402
 from moe.streams import SideStream  # noqa: E402
 
 
 def router_composite(logits, bias, cfg: RouterConfig, slots, tiles):
     E, G, TG, k, tile = cfg.num_experts, cfg.n_group, cfg.topk_group, cfg.top_k, cfg.tile_m
     T = logits.shape[0]
-    s = logits.float().sigmoid()
+    x = logits.float()
+    s = x.sigmoid() if cfg.score == "sigmoid" else torch.nn.functional.softplus(x).sqrt()
     b = s + bias
-    gscore = b.view(T, G, E // G).topk(2, dim=-1).values.sum(-1)
-    gidx = gscore.topk(TG, dim=-1).indices
-    gmask = torch.zeros_like(gscore).scatter_(1, gidx, 1.0)
-    bm = b.masked_fill(gmask.repeat_interleave(E // G, dim=1) == 0, float("-inf"))
-    ids = bm.topk(k, dim=-1).indices
+    if G > 1:
+        gscore = b.view(T, G, E // G).topk(2, dim=-1).values.sum(-1)
+        gidx = gscore.topk(TG, dim=-1).indices
+        gmask = torch.zeros_like(gscore).scatter_(1, gidx, 1.0)
+        b = b.masked_fill(gmask.repeat_interleave(E // G, dim=1) == 0, float("-inf"))
+    ids = b.topk(k, dim=-1).indices
     w = s.gather(1, ids)
     w = w / (w.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
     flat = ids.flatten()
@@ -64,19 +69,36 @@ def quant_composite(x):
     return q, scale.to(torch.uint8)
 
 
+ROUTERS = (("DeepSeek-V3", RouterConfig()), ("V4-Flash", V4_FLASH_ROUTER), ("V4-Pro", V4_PRO_ROUTER))
+
+
+def check_router(out, ids, w, T):
+    """Our router's experts (as sets per token) and weights (matched by expert) against the
+    composite's: equal up to FP32 rounding of the scores."""
+    ours = torch.sort(out.topk_ids[:T].long(), dim=-1)
+    ref = torch.sort(ids, dim=-1)
+    if not torch.equal(ours.values, ref.values):
+        raise SystemExit(f"router T={T}: expert choices differ from the torch composite")
+    if not torch.allclose(out.topk_weights[:T].gather(1, ours.indices), w.gather(1, ref.indices), rtol=1e-5):
+        raise SystemExit(f"router T={T}: weights differ from the torch composite")
+
+
 def bench_router():
-    cfg = RouterConfig()
     rows = []
-    for T in (1, 8, 64, 320):
-        slots, tiles = capacity(cfg, T)
-        n = 16
-        logits = [torch.randn(T, 256, device="cuda") * 3 for _ in range(n)]
-        bias = torch.randn(256, device="cuda") * 0.1
-        routers = [MoeRouter(cfg, max_tokens=T) for _ in range(n)]
-        t_ours = time_graph(lambda i: routers[i](logits[i], bias), n, 64)
-        t_ref = time_graph(lambda i: router_composite(logits[i], bias, cfg, slots, tiles), n, 64)
-        rows.append([f"T={T}, E=256, k=8, tile 128", f"{t_ours * 1e6:.2f}", f"{t_ref * 1e6:.2f}",
-                     f"{t_ref / t_ours:.1f}x", "yes" if t_ours <= 8e-6 else "no"])
+    for name, cfg in ROUTERS:
+        E = cfg.num_experts
+        for T in (1, 8, 64, 320):
+            slots, tiles = capacity(cfg, T)
+            n = 16
+            logits = [torch.randn(T, E, device="cuda") * 3 for _ in range(n)]
+            bias = torch.randn(E, device="cuda") * 0.1
+            routers = [MoeRouter(cfg, max_tokens=T) for _ in range(n)]
+            check_router(routers[0](logits[0], bias), *router_composite(logits[0], bias, cfg, slots, tiles)[:2], T)
+            t_ours = time_graph(lambda i: routers[i](logits[i], bias), n, 64)
+            t_ref = time_graph(lambda i: router_composite(logits[i], bias, cfg, slots, tiles), n, 64)
+            rows.append([f"{name}: T={T}, E={E}, k={cfg.top_k}, {cfg.score}, tile {cfg.tile_m}",
+                         f"{t_ours * 1e6:.2f}", f"{t_ref * 1e6:.2f}", f"{t_ref / t_ours:.1f}x",
+                         "yes" if t_ours <= 8e-6 else "no"])
     return markdown_table(["router + align", "ours us", "torch composite us", "speedup", "<= 8 us"], rows)
 
 
@@ -167,12 +189,19 @@ def profile_overlap():
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sections", default="router,quant,overlap",
+                    help="comma-separated tables to run: router, quant, overlap (default: %(default)s)")
+    ap.add_argument("--out", default=None, help="also write the tables to this file (default: none)")
     args = ap.parse_args()
+    sections = {"router": bench_router, "quant": bench_quant,
+                "overlap": lambda: "Side-stream overlap (replayed graph, torch profiler):\n\n" + profile_overlap()}
+    wanted = [x.strip() for x in args.sections.split(",") if x.strip()]
+    if not set(wanted) <= set(sections):
+        ap.error(f"--sections: {args.sections!r}, expected a list of {', '.join(sections)}")
     text = "\n".join([f"## MoE router + MXFP8 quantization -- {torch.cuda.get_device_name()}, {datetime.date.today()}",
-                      "", "Command: `python bench/bench_moe.py`", "", bench_router(), "", bench_quant(), "",
-                      "Side-stream overlap (replayed graph, torch profiler):", "", profile_overlap()])
+                      "", f"Command: `python bench/bench_moe.py --sections {args.sections}`", ""]
+                     + [part for w in wanted for part in (sections[w](), "")])
     print(text)
     if args.out:
         open(args.out, "w").write(text + "\n")
