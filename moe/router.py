@@ -9,7 +9,14 @@ Scoring (per token ``t``, experts ``e < E``)::
     w[i] = s[id_i] / (s[id_0] + ... + s[id_{k-1}] + 1e-20) * routed_scaling_factor
 
 With ``n_group == 1`` there is no group stage: a plain top-k of ``b`` (DeepSeek-V4: k = 6,
-E = 256 (Flash) or 384 (Pro), ``score="sqrtsoftplus"``). ``sqrt(softplus(x))`` is computed
+E = 256 (Flash) or 384 (Pro), ``score="sqrtsoftplus"``).
+
+Hash routing (``hash_routed=True``; DeepSeek-V4's first MoE layers): the experts are not
+chosen by score but read from a frozen table, ``id_i = tid2eid[token_ids[t], i]``; the weights
+are the same normalised scores of those experts (no bias). Table rows must hold ``k``
+distinct experts in ``[0, E)`` (:meth:`MoeRouter.set_hash_table` checks once, offline);
+a token id outside ``[0, vocab)`` is clamped into it in the kernel (never an out-of-bounds
+read; the host cannot check ids on the hot path without a sync). ``sqrt(softplus(x))`` is computed
 as ``sqrt(max(x, 0) + log1p(exp(-|x|)))``: no overflow for large ``x``, full relative
 precision for very negative ``x``.
 
@@ -85,6 +92,8 @@ class RouterConfig:
     tile_m: int = 128
     #: the expert score: "sigmoid" (DeepSeek-V3) or "sqrtsoftplus" (DeepSeek-V4)
     score: str = "sigmoid"
+    #: experts from a token-id table instead of a top-k (DeepSeek-V4's hash-routed layers)
+    hash_routed: bool = False
 
     def validate(self) -> None:
         E, G, TG, k, tile = self.num_experts, self.n_group, self.topk_group, self.top_k, self.tile_m
@@ -108,6 +117,8 @@ class RouterConfig:
             raise ValueError(f"router: top_k={k} must be <= 32")
         if tile & (tile - 1) or tile > 1024:
             raise ValueError(f"router: tile_m={tile} must be a power of two <= 1024")
+        if self.hash_routed and self.n_group != 1:
+            raise ValueError(f"router: hash_routed picks experts from a table, without groups (n_group={G})")
         if self.score not in SCORES:
             raise ValueError(f"router: score={self.score!r}, expected one of {SCORES}")
         if not isinstance(self.routed_scaling_factor, (int, float)) or not math.isfinite(self.routed_scaling_factor):
@@ -119,6 +130,9 @@ V4_FLASH_ROUTER = RouterConfig(num_experts=256, n_group=1, topk_group=1, top_k=6
                                score="sqrtsoftplus")
 V4_PRO_ROUTER = RouterConfig(num_experts=384, n_group=1, topk_group=1, top_k=6, routed_scaling_factor=2.5,
                              score="sqrtsoftplus")
+#: ... and their hash-routed first MoE layers
+V4_FLASH_HASH_ROUTER = dataclasses.replace(V4_FLASH_ROUTER, hash_routed=True)
+V4_PRO_HASH_ROUTER = dataclasses.replace(V4_PRO_ROUTER, hash_routed=True)
 
 
 def capacity(cfg: RouterConfig, max_tokens: int) -> tuple[int, int]:
@@ -137,6 +151,7 @@ class RouterTopkAlign:
         self.tile = cfg.tile_m
         self.scale = float(cfg.routed_scaling_factor)
         self.score = cfg.score
+        self.hash_routed = cfg.hash_routed
         self.logits_dtype = logits_dtype
         self.has_bias = has_bias
         self.threads = threads
@@ -150,8 +165,8 @@ class RouterTopkAlign:
     def __call__(self, logits_ptr: cute.Pointer, bias_ptr: cute.Pointer, ids_ptr: cute.Pointer,
                  w_ptr: cute.Pointer, counts_ptr: cute.Pointer, offsets_ptr: cute.Pointer,
                  sorted_ptr: cute.Pointer, tile_expert_ptr: cute.Pointer, total_ptr: cute.Pointer,
-                 ws_ptr: cute.Pointer, pos_ptr: cute.Pointer, num_tokens: Int32, sorted_cap: Int32,
-                 tiles_cap: Int32, stream: cuda.CUstream):
+                 ws_ptr: cute.Pointer, pos_ptr: cute.Pointer, tok_ptr: cute.Pointer, table_ptr: cute.Pointer,
+                 num_tokens: Int32, sorted_cap: Int32, tiles_cap: Int32, vocab: Int32, stream: cuda.CUstream):
         E, k = self.E, self.k
         mLogits = cute.make_tensor(logits_ptr, cute.make_layout((num_tokens, E), stride=(E, 1)))
         mBias = cute.make_tensor(bias_ptr, cute.make_layout((E,)))
@@ -164,14 +179,17 @@ class RouterTopkAlign:
         mTotal = cute.make_tensor(total_ptr, cute.make_layout((1,)))
         mWs = cute.make_tensor(ws_ptr, cute.make_layout((E + 1,)))
         mPos = cute.make_tensor(pos_ptr, cute.make_layout((num_tokens * k,)))
+        mTok = cute.make_tensor(tok_ptr, cute.make_layout((num_tokens,)))  # hash routing only
+        mTable = cute.make_tensor(table_ptr, cute.make_layout((vocab, k), stride=(k, 1)))
         grid = cutlass.min((num_tokens + self.warps - 1) // self.warps, self.max_ctas)
-        self.kernel(mLogits, mBias, mIds, mW, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos,
-                    num_tokens, tiles_cap).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
+        self.kernel(mLogits, mBias, mIds, mW, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos, mTok,
+                    mTable, num_tokens, tiles_cap, vocab).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor,
                mCounts: cute.Tensor, mOffsets: cute.Tensor, mSorted: cute.Tensor, mTileExpert: cute.Tensor,
-               mTotal: cute.Tensor, mWs: cute.Tensor, mPos: cute.Tensor, num_tokens: Int32, tiles_cap: Int32):
+               mTotal: cute.Tensor, mWs: cute.Tensor, mPos: cute.Tensor, mTok: cute.Tensor, mTable: cute.Tensor,
+               num_tokens: Int32, tiles_cap: Int32, vocab: Int32):
         E, V, k, W = self.E, self.V, self.k, self.warps
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -203,6 +221,11 @@ class RouterTopkAlign:
                 s = self.score_of(Float32(rL[j]))
                 rS[j] = s
                 rCand[j] = s + rBias[j]
+            my_tab = Int32(0)  # hash routing: lane i < k holds the token's i-th expert
+            if cutlass.const_expr(self.hash_routed):
+                tok = cutlass.max(cutlass.min(mTok[t], vocab - 1), Int32(0))  # never read past the table
+                if lane < k:
+                    my_tab = mTable[tok, lane]
             if cutlass.const_expr(self.G > 1):
                 # Top-2 of the lane's experts, then merged across the lanes of the group.
                 a1, a2 = neg_inf, neg_inf
@@ -233,19 +256,23 @@ class RouterTopkAlign:
             my_s = Float32(0.0)
             ssum = Float32(0.0)
             for i in cutlass.range_constexpr(k):
-                bv, bi = neg_inf, Int32(E)
-                for j in cutlass.range_constexpr(V):
-                    take = rCand[j] > bv  # strict: the lower index wins a tie within the lane
-                    bv = cutlass.select_(take, rCand[j], bv)
-                    bi = cutlass.select_(take, lane * V + j, bi)
-                for sh in cutlass.range_constexpr(5):
-                    ov = cute.arch.shuffle_sync_bfly(bv, offset=1 << sh)
-                    oi = cute.arch.shuffle_sync_bfly(bi, offset=1 << sh)
-                    better = cutlass.select_(ov > bv, Int32(1),
-                                             cutlass.select_(ov == bv, cutlass.select_(oi < bi, Int32(1), Int32(0)),
-                                                             Int32(0)))
-                    bv = cutlass.select_(better == 1, ov, bv)
-                    bi = cutlass.select_(better == 1, oi, bi)
+                bi = Int32(E)
+                if cutlass.const_expr(self.hash_routed):
+                    bi = cute.arch.shuffle_sync(my_tab, i)
+                else:
+                    bv = neg_inf
+                    for j in cutlass.range_constexpr(V):
+                        take = rCand[j] > bv  # strict: the lower index wins a tie within the lane
+                        bv = cutlass.select_(take, rCand[j], bv)
+                        bi = cutlass.select_(take, lane * V + j, bi)
+                    for sh in cutlass.range_constexpr(5):
+                        ov = cute.arch.shuffle_sync_bfly(bv, offset=1 << sh)
+                        oi = cute.arch.shuffle_sync_bfly(bi, offset=1 << sh)
+                        better = cutlass.select_(ov > bv, Int32(1),
+                                                 cutlass.select_(ov == bv, cutlass.select_(oi < bi, Int32(1), Int32(0)),
+                                                                 Int32(0)))
+                        bv = cutlass.select_(better == 1, ov, bv)
+                        bi = cutlass.select_(better == 1, oi, bi)
                 sv = Float32(0.0)
                 for j in cutlass.range_constexpr(V):
                     hit = bi == lane * V + j
@@ -392,13 +419,14 @@ class RouterTopkAlign:
 
 
 def _build(arch: str, *, num_experts: int, n_group: int, topk_group: int, top_k: int, routed_scaling_factor: float,
-           tile_m: int, logits_dtype: str, has_bias: bool, score: str = "sigmoid"):
-    cfg = RouterConfig(num_experts, n_group, topk_group, top_k, routed_scaling_factor, tile_m, score)
+           tile_m: int, logits_dtype: str, has_bias: bool, score: str = "sigmoid", hash_routed: bool = False):
+    cfg = RouterConfig(num_experts, n_group, topk_group, top_k, routed_scaling_factor, tile_m, score, hash_routed)
     cfg.validate()
     cdt = _NAME2CUTE[logits_dtype]
     P = jit.fake_gmem_ptr
     args = (P(cdt, 16), P(Float32, 16), P(Int32, 4), P(Float32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 16),
-            P(Int32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(1), Int32(1), Int32(1), jit.fake_stream())
+            P(Int32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(1), Int32(1),
+            Int32(1), Int32(1), jit.fake_stream())
     return RouterTopkAlign(cfg, cdt, has_bias), args
 
 
@@ -410,7 +438,8 @@ KERNEL = jit.register(jit.KernelDef(
     aot_configs=tuple(
         dict(dataclasses.asdict(cfg), logits_dtype=dt, has_bias=True)
         for cfg in (RouterConfig(), V4_FLASH_ROUTER, V4_PRO_ROUTER) for dt in ("float32", "bfloat16")
-    ),
+    ) + tuple(dict(dataclasses.asdict(cfg), logits_dtype=dt, has_bias=False)
+              for cfg in (V4_FLASH_HASH_ROUTER, V4_PRO_HASH_ROUTER) for dt in ("float32", "bfloat16")),
     description="sigmoid / sqrt-softplus (grouped) top-k + moe_align_block_size in one launch",
 ))
 
@@ -433,7 +462,8 @@ class MoeRouter:
     """Router with preallocated outputs for up to ``max_tokens`` tokens (graph capturable).
 
     ``router(logits, bias)`` returns a :class:`RouterOutput` whose ``topk_ids`` /
-    ``topk_weights`` are views of the first T rows.
+    ``topk_weights`` are views of the first T rows. A hash-routed router
+    (``cfg.hash_routed``) takes ``router(logits, token_ids=ids)`` after :meth:`set_hash_table`.
     """
 
     def __init__(self, cfg: RouterConfig = RouterConfig(), max_tokens: int = 512, device="cuda"):
@@ -453,9 +483,30 @@ class MoeRouter:
         self.total_rows = torch.empty(1, **i32)
         self.routed_row_pos = torch.empty(max_tokens * k, **i32)
         self.workspace = torch.zeros(E + 1, **i32)  # counts + done counter; the kernel re-zeroes it
+        self.tid2eid: torch.Tensor | None = None
 
-    def __call__(self, logits: torch.Tensor, bias: torch.Tensor | None = None, *, stream=None,
-                 arch: str | None = None) -> RouterOutput:
+    def set_hash_table(self, tid2eid: torch.Tensor) -> None:
+        """The hash-routed layers' token-id -> experts table ``[vocab, k]`` (any integer dtype),
+        checked once -- every row ``k`` distinct experts in ``[0, E)`` -- and kept as int32 on
+        the router's device."""
+        op = "moe_router"
+        if not self.cfg.hash_routed:
+            raise ValueError(f"{op}: set_hash_table needs a RouterConfig with hash_routed=True")
+        if not isinstance(tid2eid, torch.Tensor) or tid2eid.dtype.is_floating_point or tid2eid.dtype == torch.bool:
+            raise TypeError(f"{op}: tid2eid must be an integer torch.Tensor, got "
+                            f"{getattr(tid2eid, 'dtype', type(tid2eid).__name__)}")
+        E, k = self.cfg.num_experts, self.cfg.top_k
+        if tid2eid.dim() != 2 or tid2eid.shape[1] != k or tid2eid.shape[0] < 1:
+            raise ValueError(f"{op}: tid2eid must have shape [vocab, {k}], got {list(tid2eid.shape)}")
+        t = tid2eid.long()
+        if bool(((t < 0) | (t >= E)).any()):
+            raise ValueError(f"{op}: tid2eid holds expert ids outside [0, {E})")
+        if bool((t.sort(dim=1).values.diff(dim=1) == 0).any()):
+            raise ValueError(f"{op}: tid2eid has a row with a repeated expert")
+        self.tid2eid = tid2eid.to(device=self.topk_ids.device, dtype=torch.int32).contiguous()
+
+    def __call__(self, logits: torch.Tensor, bias: torch.Tensor | None = None, *, token_ids: torch.Tensor | None = None,
+                 stream=None, arch: str | None = None) -> RouterOutput:
         T = logits.shape[0] if isinstance(logits, torch.Tensor) and logits.dim() == 2 else -1
         if T > self.max_tokens:
             raise ValueError(f"router: logits has {T} tokens, more than max_tokens={self.max_tokens}")
@@ -463,15 +514,28 @@ class MoeRouter:
         out = RouterOutput(self.topk_ids[:Tv], self.topk_weights[:Tv], self.expert_counts, self.expert_offsets,
                            self.sorted_token_ids, self.tile_expert, self.total_rows,
                            self.routed_row_pos[:Tv * self.cfg.top_k])
-        route(logits, bias, self.cfg, out=out, workspace=self.workspace, stream=stream, arch=arch)
+        route(logits, bias, self.cfg, out=out, workspace=self.workspace, token_ids=token_ids, tid2eid=self.tid2eid,
+              stream=stream, arch=arch)
         return out
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: RouterConfig, *, out: RouterOutput,
-          workspace: torch.Tensor, stream=None, arch: str | None = None) -> RouterOutput:
-    """Launch the fused router into ``out`` (validated; nothing allocated)."""
+          workspace: torch.Tensor, token_ids: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None,
+          stream=None, arch: str | None = None) -> RouterOutput:
+    """Launch the fused router into ``out`` (validated; nothing allocated). Hash-routed configs
+    take ``token_ids`` (int32 ``[T]``) and the int32 table ``tid2eid [vocab, k]``."""
     op = "moe_router"
     cfg.validate()
+    if cfg.hash_routed:
+        if bias is not None:
+            raise ValueError(f"{op}: a hash-routed router takes no bias (its experts come from tid2eid)")
+        if tid2eid is None:
+            raise ValueError(f"{op}: hash routing needs the tid2eid table (MoeRouter.set_hash_table)")
+        check_tensor(op, "tid2eid", tid2eid, dtype=torch.int32, ndim=2, contiguous=True, align_bytes=4)
+        if tid2eid.shape[1] != cfg.top_k:
+            raise ValueError(f"{op}: tid2eid must have shape [vocab, {cfg.top_k}], got {list(tid2eid.shape)}")
+    elif token_ids is not None or tid2eid is not None:
+        raise ValueError(f"{op}: token_ids / tid2eid are for a hash-routed RouterConfig (hash_routed=True)")
     E, k = cfg.num_experts, cfg.top_k
     check_tensor(op, "logits", logits, dtype=tuple(_LOGIT_DTYPES), ndim=2, contiguous=True, align_bytes=16)
     T = logits.shape[0]
@@ -479,6 +543,8 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: RouterConfig, *,
         raise ValueError(f"{op}: logits must have shape [T, {E}], got {list(logits.shape)}")
     if bias is not None:
         check_tensor(op, "bias", bias, dtype=torch.float32, shape=(E,), contiguous=True, align_bytes=16)
+    if cfg.hash_routed:
+        check_tensor(op, "token_ids", token_ids, dtype=torch.int32, shape=(T,), contiguous=True, align_bytes=4)
     check_tensor(op, "topk_ids", out.topk_ids, dtype=torch.int32, shape=(T, k), contiguous=True, align_bytes=4)
     check_tensor(op, "topk_weights", out.topk_weights, dtype=torch.float32, shape=(T, k), contiguous=True,
                  align_bytes=4)
@@ -502,6 +568,8 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: RouterConfig, *,
                ("sorted_token_ids", out.sorted_token_ids), ("workspace", workspace)]
     if bias is not None:
         tensors.append(("bias", bias))
+    if cfg.hash_routed:
+        tensors += [("token_ids", token_ids), ("tid2eid", tid2eid)]
     check_cuda(op, *tensors)
     if T == 0:
         return out
@@ -509,11 +577,15 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: RouterConfig, *,
     dispatch(op, ("portable",), arch=a)
     fn = jit.get_kernel("moe_router", a, num_experts=E, n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=k,
                         routed_scaling_factor=float(cfg.routed_scaling_factor), tile_m=cfg.tile_m,
-                        logits_dtype=_LOGIT_DTYPES[logits.dtype], has_bias=bias is not None, score=cfg.score)
+                        logits_dtype=_LOGIT_DTYPES[logits.dtype], has_bias=bias is not None, score=cfg.score,
+                        hash_routed=cfg.hash_routed)
+    tok = token_ids if cfg.hash_routed else out.topk_ids  # unread without hash routing
+    table = tid2eid if cfg.hash_routed else out.topk_ids
     P = jit.gmem_ptr
     fn(P(_NAME2CUTE[_LOGIT_DTYPES[logits.dtype]], logits, 16), P(Float32, bias if bias is not None else logits, 16),
        P(Int32, out.topk_ids, 4), P(Float32, out.topk_weights, 4), P(Int32, out.expert_counts, 4),
        P(Int32, out.expert_offsets, 4), P(Int32, out.sorted_token_ids, 16), P(Int32, out.tile_expert, 4),
-       P(Int32, out.total_rows, 4), P(Int32, workspace, 4), P(Int32, out.routed_row_pos, 4), jit.i32(T), jit.i32(out.sorted_token_ids.numel()),
-       jit.i32(out.tile_expert.numel()), jit.cu_stream(stream))
+       P(Int32, out.total_rows, 4), P(Int32, workspace, 4), P(Int32, out.routed_row_pos, 4), P(Int32, tok, 4),
+       P(Int32, table, 4), jit.i32(T), jit.i32(out.sorted_token_ids.numel()), jit.i32(out.tile_expert.numel()),
+       jit.i32(table.shape[0] if cfg.hash_routed else 1), jit.cu_stream(stream))
     return out

@@ -116,6 +116,20 @@ def grouped_topk_ref(logits, bias, n_group, topk_group, k, scale, score="sigmoid
     return ids.to(torch.int32), w, b
 
 
+def hash_route_ref(logits, token_ids, tid2eid, k, scale, score="sqrtsoftplus"):
+    """DeepSeek-V4's hash-routed layers: experts ``tid2eid[token_ids]`` (ids clamped into the
+    table, as the kernel does), weights = their scores (float64 definition, FP32) normalised
+    in selection order, times ``scale``."""
+    s = expert_scores_ref(logits, score)
+    tok = token_ids.long().clamp(0, tid2eid.shape[0] - 1)
+    ids = tid2eid[tok].long()
+    w = s.gather(1, ids)
+    ssum = torch.zeros(w.shape[0])
+    for i in range(k):
+        ssum = ssum + w[:, i]
+    return ids.to(torch.int32), w / (ssum[:, None] + 1e-20) * scale
+
+
 def align_ref(ids: torch.Tensor, E: int, tile: int):
     """moe_align_block_size: counts, padded offsets, sorted routed rows (sentinel T*k), tile map."""
     T, k = ids.shape

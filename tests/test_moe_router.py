@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from cute_kernels.testing import sass
-from moe.router import V4_FLASH_ROUTER, V4_PRO_ROUTER, MoeRouter, RouterConfig, capacity, route
-from references import align_ref, expert_scores_ref, grouped_topk_ref
+from moe.router import (V4_FLASH_HASH_ROUTER, V4_FLASH_ROUTER, V4_PRO_HASH_ROUTER, V4_PRO_ROUTER, MoeRouter,
+                        RouterConfig, capacity, route)
+from references import align_ref, expert_scores_ref, grouped_topk_ref, hash_route_ref
 
 CONFIGS = [
     RouterConfig(),  # DeepSeek-V3: E=256, 8 groups, keep 4, k=8, sigmoid, scale 2.5, tile 128
@@ -131,7 +132,101 @@ def test_graph_replay_with_changing_inputs(seed):
         check_align(r, T, cfg)
 
 
+def random_table(vocab, E, k, gen=None):
+    """A tid2eid table: each row k distinct experts."""
+    return torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(vocab)]).int()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [V4_FLASH_HASH_ROUTER, V4_PRO_HASH_ROUTER], ids=["v4flash", "v4pro"])
+@pytest.mark.parametrize("T", [1, 5, 64, 320, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hash_routing_matches_reference(seed, cfg, T, dtype):
+    """Experts straight from the table (exactly), weights from the scores of those experts,
+    and the padded packed layout; token ids past the vocabulary (and negative ones) are
+    clamped into the table, never read out of bounds."""
+    vocab = 1000
+    r = MoeRouter(cfg, max_tokens=T)
+    table = random_table(vocab, cfg.num_experts, cfg.top_k)
+    r.set_hash_table(table)
+    logits = (torch.randn(T, cfg.num_experts, device="cuda") * 4).to(dtype)
+    tok = torch.randint(0, vocab, (T,), dtype=torch.int32, device="cuda")
+    tok[::7] = vocab + 5
+    tok[3::11] = -2
+    poison(r)
+    out = r(logits, token_ids=tok)
+    torch.cuda.synchronize()
+    rid, rw = hash_route_ref(logits.float().cpu(), tok.cpu(), table, cfg.top_k, cfg.routed_scaling_factor, cfg.score)
+    assert torch.equal(out.topk_ids.cpu(), rid)
+    assert torch.allclose(out.topk_weights.cpu(), rw, rtol=4e-6, atol=0)
+    check_align(out, T, cfg)
+    assert (r.workspace == 0).all()
+
+
+@pytest.mark.gpu
+def test_hash_routing_graph_replay_with_changing_tokens(seed):
+    cfg, T, vocab = V4_FLASH_HASH_ROUTER, 64, 4096
+    r = MoeRouter(cfg, max_tokens=T)
+    table = random_table(vocab, cfg.num_experts, cfg.top_k)
+    r.set_hash_table(table)
+    logits = torch.randn(T, cfg.num_experts, device="cuda")
+    tok = torch.randint(0, vocab, (T,), dtype=torch.int32, device="cuda")
+    r(logits, token_ids=tok)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        r(logits, token_ids=tok)
+    for _ in range(5):
+        logits.copy_(torch.randn(T, cfg.num_experts, device="cuda") * 3)
+        tok.copy_(torch.randint(0, vocab, (T,), dtype=torch.int32, device="cuda"))
+        poison(r)
+        g.replay()
+        torch.cuda.synchronize()
+        rid, rw = hash_route_ref(logits.cpu(), tok.cpu(), table, cfg.top_k, cfg.routed_scaling_factor, cfg.score)
+        assert torch.equal(r.topk_ids.cpu(), rid)
+        assert torch.allclose(r.topk_weights.cpu(), rw, rtol=4e-6, atol=0)
+        check_align(r, T, cfg)
+
+
 # ------------------------------------------------------------------ CPU ---------------
+def test_hash_table_and_argument_checks():
+    """The table is checked once (shape, range, distinct experts per row); hash routing
+    refuses a bias and needs token ids; a top-k router refuses hash arguments."""
+    r = MoeRouter(V4_FLASH_HASH_ROUTER, max_tokens=4, device="cpu")
+    with pytest.raises(ValueError, match=r"shape \[vocab, 6\]"):
+        r.set_hash_table(torch.zeros(10, 5, dtype=torch.int64))
+    with pytest.raises(ValueError, match="outside"):
+        r.set_hash_table(torch.full((10, 6), 256))
+    with pytest.raises(ValueError, match="repeated expert"):
+        r.set_hash_table(torch.tensor([[0, 1, 2, 3, 4, 4]]))
+    with pytest.raises(TypeError, match="integer"):
+        r.set_hash_table(torch.zeros(10, 6))
+    r.set_hash_table(random_table(10, 256, 6))
+    assert r.tid2eid.dtype == torch.int32
+    with pytest.raises(ValueError, match="hash_routed=True"):
+        MoeRouter(V4_FLASH_ROUTER, max_tokens=4, device="cpu").set_hash_table(random_table(10, 256, 6))
+    logits = torch.zeros(4, 256)
+    with pytest.raises(ValueError, match="no bias"):
+        r(logits, torch.zeros(256))
+    with pytest.raises(TypeError, match="token_ids must be a torch.Tensor"):
+        r(logits)
+    top = MoeRouter(V4_FLASH_ROUTER, max_tokens=4, device="cpu")
+    with pytest.raises(ValueError, match="hash-routed"):
+        top(logits, token_ids=torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="without groups"):
+        RouterConfig(hash_routed=True).validate()
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_machine_code_hash_routed(arch):
+    """The hash-routed build reads the table instead of running k arg-max butterflies (two
+    shuffles x five rounds each): under a third of the top-k build's warp shuffles; no spills."""
+    cfg = dict(logits_dtype="float32", has_bias=False)
+    h = sass.sass_histogram("moe_router", arch, **dataclasses.asdict(V4_FLASH_HASH_ROUTER), **cfg)
+    h0 = sass.sass_histogram("moe_router", arch, **dataclasses.asdict(V4_FLASH_ROUTER), **cfg)
+    assert 3 * sass.count(h, "SHFL") <= sass.count(h0, "SHFL")
+    assert sass.local_memory_ops(h) == 0
 @pytest.mark.parametrize("kw, words", [
     (dict(num_experts=250), "divisible by n_group"),
     (dict(topk_group=9), "exceeds n_group"),
