@@ -188,67 +188,6 @@ class WoASm90(WoAGemm):
             # token tiles in steps of 16 (16-column epilogue subtiles where that is an odd
             # multiple of 16): less padding
             tile_n = WoASm90.token_tile(T, n_tiles, 16)
-            n = -(-T // tile_n)
-            waves = -(-(R // 128) * G * n // WoASm90.NUM_SMS)
-            options.append((waves, -n, tile_n))
-        return min(options)[-1]
-
-    @staticmethod
-    def config_for(T: int, G: int, R: int, Dg: int | None = None, pdl: bool = False) -> dict:
-        """The compile config :func:`cute_kernels.wo_a.wo_a` launches for ``T`` tokens (every
-        choice below was measured faster than its alternatives on the H200; docs/wo_a.md).
-
-        * 32 < T <= 64 where 64-row weight tiles leave most SMs idle: tokens on wgmma N in two
-          32-token tiles, the CTA pair of a weight tile sharing it by multicast; where the (T, R)
-          tile takes an even number of R tiles, CTA pairs along R sharing the token tile.
-        * 64 < T <= 512: tokens on wgmma N, in the fewest <= 256-token tiles, each rounded up to
-          16 (T = 320: two tiles of 160, where (T, R) tiling runs 2.5 rows of 128-token tiles);
-          128 weight rows per CTA unless that leaves most SMs idle; CTA pairs along R share each
-          token tile by TMA multicast -- along T (sharing the weight tile) for 128-row tiles in
-          an even number of token tiles at one CTA per SM; two CTAs per SM where the grid is
-          more than one wave and the accumulators fit twice.
-        * 512 < T <= :meth:`mid_t_swap_max`: the same swapped 128-row tiles in CTA pairs, token
-          tiles by :meth:`mid_t_token_tile` ((T, R) tiles quantise badly on 132 SMs there).
-        * T > 512 with 256-wide R tiles: the engine's persistent pingpong schedule (64 x 256
-          tiles, CTA pairs along T sharing each weight tile) where the K loop is short (``Dg <=
-          1024``: the cooperative CTA's prologue and epilogue are a large share of it) or its
-          tiles number at least ``PINGPONG_MIN_TILES_PER_SM`` per SM; not under ``pdl`` (the
-          pingpong CTA is persistent). Else :meth:`tile_for` over (T, R).
-
-        At 32 < T <= 512 (and on the swapped tiles above) the weight loads carry an
-        ``evict_first`` L2 hint: the weights are streamed once, the token tiles re-read by
-        every R tile, and without the hint the weight stream pushes them out of L2. At 256 < T
-        <= 512 with one CTA per SM, at most ``MID_T_MAX_STAGES`` operand stages (fewer than fit
-        ran faster there)."""
-        cfg = WoASm90._tile_config(T, G, R, Dg, pdl)
-        if T > 32 and (T <= WoASm90.SWAP_AB_T[1] or cfg.get("swap_ab")):
-            cfg["weight_l2_hint"] = "evict_first"
-        if 256 < T <= WoASm90.SWAP_AB_T[1] and cfg.get("swap_ab") and cfg.get("occupancy", 1) == 1:
-            cfg["max_stages"] = WoASm90.MID_T_MAX_STAGES
-        return cfg
-
-    @staticmethod
-    def _tile_config(T: int, G: int, R: int, Dg: int | None, pdl: bool) -> dict:
-        """:meth:`config_for`'s tile, cluster, operand order and schedule."""
-        lo, hi = WoASm90.SWAP_AB_T
-        if 32 < T <= lo and G * (R // 64) < WoASm90.NUM_SMS // 2:
-            # 64-row weight tiles alone leave most SMs idle (G=8 R=512: 64): two 32-token tiles
-            # per weight tile, the CTA pair sharing it by multicast -- W read once, 128 CTAs
-            return dict(tile_m=64, tile_n=32, cluster_n=2, swap_ab=True)
-        tile_m, tile_n = WoASm90.tile_for(T, G, R)
-        if 32 < T <= lo and (R // tile_n) % 2 == 0:
-            # CTA pairs along R sharing the token tile by multicast
-            return dict(tile_m=tile_m, tile_n=tile_n, cluster_n=2)
-        if lo < T <= hi:
-            n_tiles = -(-T // 256)
-            tile_m = 128 if (R // 128) * G * n_tiles >= 96 else 64
-            if (R // tile_m) * G * n_tiles < 96 and -(-T // (2 * n_tiles)) > 96:
-                # still most SMs idle (G=8 R=512): twice the token tiles, if they stay >= 128
-                # wide -- narrower ones run the wgmma pipe at a loss
-                n_tiles *= 2
-            # token tiles in steps of 16 (16-column epilogue subtiles where that is an odd
-            # multiple of 16): less padding
-            tile_n = WoASm90.token_tile(T, n_tiles, 16)
             cfg = dict(tile_m=tile_m, tile_n=tile_n, cluster_m=2, swap_ab=True)
             if (R // tile_m) * G * n_tiles > WoASm90.NUM_SMS and tile_m == 128 and tile_n <= 160:
                 # more than one wave at one CTA per SM (G=16 R=1024, 256 < T <= 320: 256 CTAs):
