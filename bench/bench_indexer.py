@@ -1,16 +1,21 @@
 """Benchmark the lightning indexer: scores + fused masking + top-k vs the torch composite.
 
-    python bench/bench_indexer.py [--out FILE]
+    python bench/bench_indexer.py [--model v4|v3] [--out FILE]
 
-Shapes: S keys per sequence in {4096, 32768, 131072}; T = 6 (one verify block) and
-T = 64 * 6 (64 sequences, a block each); H_I = 64, D_I = 128, k = 2048. The composite is
-what an unfused implementation runs: per-sequence bf16 bmm of the block's queries with the
-keys, FP32 upcast, ReLU, head-weighted sum, then a separate causal/length mask pass
-(``torch.where`` against ``arange``) and ``torch.topk``. The FP8 column runs the e4m3 variant
+``--model v4`` (default): DeepSeek-V4's CSA indexer -- compressed entries (one per 4 tokens,
+``compress_ratio=4``) of contexts {16K, 128K, 1M} tokens, top-512 (V4-Flash) and top-1024
+(V4-Pro); T = 5 (one DSpark verify block) and T = 64 * 5 (64 sequences, a block each).
+``--model v3``: raw token keys S in {4096, 32768, 131072}, T = 6 and 64 * 6, top-2048.
+H_I = 64, D_I = 128 in both. The composite is what an unfused implementation runs:
+per-sequence bf16 bmm of the block's queries with the keys, FP32 upcast, ReLU, head-weighted
+sum, then a separate causal/length mask pass (``torch.where`` against ``arange``) and
+``torch.topk``. Before timing, each shape's selection is checked once against the
+composite's FP32 scores (every selected entry visible and within 1e-4 of the k-th score's
+scale of it; the count of selected entries exact). The FP8 column runs the e4m3 variant
 (per-key-row scales) on the same shapes; the token-group column scores 3 consecutive tokens
 of a sequence per CTA (tokens reordered sequence-major, as the runtime lays them out). Key
-caches rotate (>= 80 MB in all) so no launch
-reads keys another left in L2. CUDA-graph replay, median of 20.
+caches rotate (>= 80 MB in all) so no launch reads keys another left in L2. CUDA-graph
+replay, median of 20.
 """
 
 from __future__ import annotations
@@ -27,11 +32,12 @@ from common import H200_BF16_FLOPS, markdown_table, time_graph  # noqa: E402
 
 from cute_kernels.indexer_topk import IndexerWorkspace, indexer_topk  # noqa: E402
 
-H, D, K = 64, 128, 2048
+H, D = 64, 128
 ROTATE_BYTES = 80 * 2**20  # > the H200's 60 MB L2
 
 
-def composite(q, w, kc, n_seq, S, pos, topk):
+def composite_scores(q, w, kc, n_seq, S, pos, ratio):
+    """[T, S] FP32 scores, -inf where the entry is not visible: the unfused path's first passes."""
     T = q.shape[0]
     blk = T // n_seq
     keys = kc[: n_seq * S].view(n_seq, S, D)
@@ -42,19 +48,51 @@ def composite(q, w, kc, n_seq, S, pos, topk):
         ww = w.view(blk, n_seq, H).transpose(0, 1)[g:g + 8]  # [g, blk, H]
         scores.append(torch.einsum("gbhs,gbh->gbs", logits.view(-1, blk, H, S), ww))
     sc = torch.cat(scores).transpose(0, 1).reshape(T, S)
-    mask = torch.arange(S, device=q.device)[None, :] <= pos[:, None]  # the separate masking pass
-    sc = torch.where(mask, sc, torch.full_like(sc, float("-inf")))
-    return torch.topk(sc, topk, dim=-1).indices
+    visible = (pos + 1) // ratio
+    mask = torch.arange(S, device=q.device)[None, :] < visible[:, None]  # the separate masking pass
+    return torch.where(mask, sc, torch.full_like(sc, float("-inf")))
+
+
+def composite(q, w, kc, n_seq, S, pos, topk, ratio):
+    return torch.topk(composite_scores(q, w, kc, n_seq, S, pos, ratio), topk, dim=-1).indices
+
+
+def check_selection(idx, scores, topk, what):
+    """Every selected entry visible, none above the k-th's score skipped (1e-4 of the scale), the
+    count exact and the rest -1: the one output check before timing."""
+    finite = torch.isfinite(scores)
+    n_vis = finite.sum(1)
+    want = n_vis.clamp(max=topk)
+    valid = idx >= 0
+    if not torch.equal(valid.sum(1), want):
+        raise SystemExit(f"{what}: wrong number of selected entries")
+    sel = torch.gather(scores, 1, idx.clamp(min=0).long())
+    if not torch.isfinite(sel[valid]).all():
+        raise SystemExit(f"{what}: a masked entry was selected")
+    kth = torch.where(finite, scores, torch.full_like(scores, -3e38)).topk(topk, dim=1).values[:, -1]
+    tol = 1e-4 * scores[finite].abs().max()
+    low = (sel < (kth[:, None] - tol)) & valid & (n_vis[:, None] > topk)
+    if low.any():
+        raise SystemExit(f"{what}: a selected entry scores below the k-th")
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=("v4", "v3"), default="v4",
+                    help="v4: compressed entries, top-512 / top-1024; v3: raw keys, top-2048 (default: v4)")
+    ap.add_argument("--out", default=None, help="also write the markdown table here (default: none)")
     args = ap.parse_args()
+    if args.model == "v4":  # (tokens of context, entries per sequence, block, k, model)
+        ratio, block = 4, 5
+        cases = [(ctx, ctx // 4, k, name) for ctx in (16384, 131072, 1048576)
+                 for k, name in ((512, "Flash"), (1024, "Pro"))]
+    else:
+        ratio, block = 1, 6
+        cases = [(S, S, 2048, "V3") for S in (4096, 32768, 131072)]
     rows = []
-    for S in (4096, 32768, 131072):
+    for ctx, S, K, name in cases:
         for n_seq in (1, 64):
-            T = 6 * n_seq
+            T = block * n_seq
             # key caches rotated so that each launch reads keys not left in L2 (60 MB) by the last
             n_rot = max(1, min(64, -(-ROTATE_BYTES // (n_seq * S * D * 2))))
             kcs = [torch.randn(n_seq * S, D, device="cuda").bfloat16() for _ in range(n_rot)]
@@ -63,38 +101,44 @@ def main():
             seq = torch.arange(T, device="cuda") % n_seq
             off = (seq * S).int()
             ln = torch.full((T,), S, dtype=torch.int32, device="cuda")
-            pos = (S - 6 + torch.arange(T, device="cuda") // n_seq).int()
+            pos = (ctx - block + torch.arange(T, device="cuda") // n_seq).int()
             ws = IndexerWorkspace(T, S)
             out = torch.empty(T, K, dtype=torch.int32, device="cuda")
+            kw = dict(topk=K, max_keys=S, out=out, workspace=ws, compress_ratio=ratio)
+            what = f"{name} ctx={ctx} T={T}"
+            check_selection(indexer_topk(q, w, kcs[0], off, ln, pos, **kw).clone(),
+                            composite_scores(q, w, kcs[0], n_seq, S, pos, ratio), K, what)
             reps = max(n_rot, 3)
-            ours = time_graph(lambda i: indexer_topk(q, w, kcs[i], off, ln, pos, topk=K, max_keys=S, out=out,
-                                                     workspace=ws, use_wgmma=False), n_rot, reps, trials=20)
-            wg = time_graph(lambda i: indexer_topk(q, w, kcs[i], off, ln, pos, topk=K, max_keys=S, out=out,
-                                                   workspace=ws, use_wgmma=True), n_rot, reps, trials=20)
-            # the runtime's token-major layout (a verify block's 6 tokens consecutive), groups of 3
+            ours = time_graph(lambda i: indexer_topk(q, w, kcs[i], off, ln, pos, use_wgmma=False, **kw),
+                              n_rot, reps, trials=20)
+            wg = time_graph(lambda i: indexer_topk(q, w, kcs[i], off, ln, pos, use_wgmma=True, **kw),
+                            n_rot, reps, trials=20)
+            # the runtime's token-major layout (a verify block's tokens consecutive), groups of 3
             # tokens per CTA sharing one key tile (indexer_scores_token_group_sm90; the runtime's default)
             order = torch.sort(off, stable=True).indices
             q_tm, w_tm, off_tm, pos_tm = (x[order].contiguous() for x in (q, w, off, pos))
-            grp = time_graph(lambda i: indexer_topk(q_tm, w_tm, kcs[i], off_tm, ln, pos_tm, topk=K, max_keys=S,
-                                                    out=out, workspace=ws, token_group=3), n_rot, reps, trials=20)
+            grp = time_graph(lambda i: indexer_topk(q_tm, w_tm, kcs[i], off_tm, ln, pos_tm, token_group=3, **kw),
+                             n_rot, reps, trials=20)
             # FP8 variant (DeepSeek's): e4m3 q and keys, a per-key-row scale, the heads' scales in w
             q8 = q.to(torch.float8_e4m3fn)
             kc8s = [kc.to(torch.float8_e4m3fn) for kc in kcs]
             ks = torch.rand(n_seq * S, device="cuda") + 0.5
-            f8 = time_graph(lambda i: indexer_topk(q8, w, kc8s[i], off, ln, pos, topk=K, max_keys=S, out=out,
-                                                   workspace=ws, k_scale=ks), n_rot, reps, trials=20)
-            base = time_graph(lambda i: composite(q, w, kcs[i], n_seq, S, pos, K), n_rot, reps, trials=20)
+            f8 = time_graph(lambda i: indexer_topk(q8, w, kc8s[i], off, ln, pos, k_scale=ks, **kw),
+                            n_rot, reps, trials=20)
+            base = time_graph(lambda i: composite(q, w, kcs[i], n_seq, S, pos, K, ratio), n_rot, reps, trials=20)
             flops = 2.0 * T * H * D * S
-            best = min(ours, wg)
-            rows.append([f"S={S} T={T}", f"{ours * 1e6:.1f}", f"{wg * 1e6:.1f}", f"{grp * 1e6:.1f}", f"{f8 * 1e6:.1f}", f"{base * 1e6:.1f}",
-                         f"{base / best:.2f}x", f"{flops / best / 1e12:.0f}",
-                         f"{100 * flops / best / H200_BF16_FLOPS:.0f}%"])
+            best = min(ours, wg, grp)
+            rows.append([f"{what} N={S} k={K}", f"{ours * 1e6:.1f}", f"{wg * 1e6:.1f}", f"{grp * 1e6:.1f}",
+                         f"{f8 * 1e6:.1f}", f"{base * 1e6:.1f}", f"{base / best:.2f}x",
+                         f"{flops / best / 1e12:.0f}", f"{100 * flops / best / H200_BF16_FLOPS:.0f}%"])
             print(rows[-1], flush=True)
             del kcs, kc8s, ws
             torch.cuda.empty_cache()
-    text = "\n".join([f"## Lightning indexer (scores + masking + top-2048) -- {torch.cuda.get_device_name()}, "
-                      f"{datetime.date.today()}", "", "Command: `python bench/bench_indexer.py`", "",
-                      markdown_table(["shape (H_I=64, D_I=128)", "ours us (warp-MMA scores + select)",
+    title = ("DeepSeek-V4 CSA indexer (compressed entries, scores + masking + top-k)" if args.model == "v4"
+             else "Lightning indexer, raw keys (scores + masking + top-2048)")
+    text = "\n".join([f"## {title} -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
+                      f"Command: `python bench/bench_indexer.py --model {args.model}`", "",
+                      markdown_table(["shape (H_I=64, D_I=128; N entries per sequence)", "ours us (warp-MMA scores + select)",
                                       "ours us (wgmma scores + select)",
                                       "ours us (wgmma, groups of 3 tokens, token-major)",
                                       "ours us (FP8 scores + select)",

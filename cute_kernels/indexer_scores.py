@@ -7,6 +7,10 @@ For query token ``t`` (absolute position ``pos[t]``, its sequence's keys at rows
     score[t, s] = -inf   unless  s <= pos[t]  and  s < kv_len[t]  and  slot_valid[row]
                                  (and the row lies inside k_cache: bad offsets mask, never fault)
 
+With compressed entries (``compress_ratio = m > 1``, DeepSeek-V4's CSA indexer) the rows are
+entries pooled from ``m`` tokens each and ``s <= pos[t]`` becomes ``s < (pos[t] + 1) // m``:
+an entry is visible once its whole window lies at or before the query (a static config).
+
 The mask is evaluated in the epilogue from those per-token integers (and the optional
 per-slot byte array of the paged pool): no ``[T, S]`` mask is materialised and no second
 pass rewrites the scores. Keys past ``min(pos + 1, kv_len)`` are never loaded; a tile with
@@ -48,11 +52,24 @@ KEY_TILE = 128
 
 
 @cute.jit
-def candidate_limit(mOff: cute.Tensor, mLen: cute.Tensor, mPos: cute.Tensor, t: Int32, num_rows: Int32) -> Int32:
-    """Token t's candidates are keys [0, limit): causal (<= pos), cached (< kv_len), and rows
-    inside the cache -- a bad offset masks keys, it never reads out of bounds."""
+def visible_entries(pos: Int32, ratio: cutlass.Constexpr[int]) -> Int32:
+    """Entries a query at position ``pos`` may see: ``pos + 1`` raw keys, or with compressed
+    entries (one per ``ratio`` tokens) the ``(pos + 1) // ratio`` whose whole window ends at or
+    before ``pos``. A negative position (a padding row) sees none."""
+    n = pos + 1
+    if cutlass.const_expr(ratio > 1):
+        n = cutlass.select_(n > 0, n // ratio, Int32(0))
+    return n
+
+
+@cute.jit
+def candidate_limit(mOff: cute.Tensor, mLen: cute.Tensor, mPos: cute.Tensor, t: Int32, num_rows: Int32,
+                    ratio: cutlass.Constexpr[int] = 1) -> Int32:
+    """Token t's candidates are entries [0, limit): causal (:func:`visible_entries`), cached
+    (< kv_len), and rows inside the cache -- a bad offset masks keys, it never reads out of
+    bounds."""
     off = mOff[t]
-    limit = cutlass.min(cutlass.min(mPos[t] + 1, mLen[t]), num_rows - off)
+    limit = cutlass.min(cutlass.min(visible_entries(mPos[t], ratio), mLen[t]), num_rows - off)
     return cutlass.select_(off < 0, Int32(0), limit)
 
 
@@ -103,8 +120,8 @@ class IndexerScores:
     dtype = cutlass.BFloat16
     k_step = 16  # K of one mma.sync
 
-    def __init__(self, heads: int, dim: int, has_slot_mask: bool):
-        self.H, self.D, self.has_slot_mask = heads, dim, has_slot_mask
+    def __init__(self, heads: int, dim: int, has_slot_mask: bool, compress_ratio: int = 1):
+        self.H, self.D, self.has_slot_mask, self.ratio = heads, dim, has_slot_mask, compress_ratio
         self.vec = 128 // self.dtype.width  # elements per 16-byte copy
         # shared-memory row pitch: 16 bytes of padding, so ldmatrix rows land in distinct banks
         self.pitch = dim + self.vec
@@ -136,7 +153,7 @@ class IndexerScores:
         s0 = kt * KEY_TILE
         # Candidates of token t: keys [0, limit) (causal and within the cached length).
         off = mOff[t]
-        limit = candidate_limit(mOff, mLen, mPos, t, num_rows)
+        limit = candidate_limit(mOff, mLen, mPos, t, num_rows, self.ratio)
         neg_inf = Float32(float("-inf"))
         if s0 >= limit:
             for s in cutlass.range(tidx, cutlass.min(KEY_TILE, s_max - s0), self.threads):
@@ -209,10 +226,17 @@ class IndexerScores:
         return heads % 32 == 0 and 32 <= heads <= 128 and dim % 16 == 0 and 16 <= dim <= 256
 
 
-def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool):
+def check_compress_ratio(op: str, compress_ratio) -> None:
+    """``compress_ratio``: tokens per key entry (1: raw keys; DeepSeek-V4's CSA indexer: 4)."""
+    if not isinstance(compress_ratio, int) or isinstance(compress_ratio, bool) or not 1 <= compress_ratio <= 1024:
+        raise ValueError(f"{op}: compress_ratio must be an int in [1, 1024], got {compress_ratio!r}")
+
+
+def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool, compress_ratio: int = 1):
     if not IndexerScores.can_implement(heads, dim):
         raise ValueError(f"indexer_scores: unsupported heads={heads}, dim={dim}")
-    return IndexerScores(heads, dim, has_slot_mask), fake_args()
+    check_compress_ratio("indexer_scores", compress_ratio)
+    return IndexerScores(heads, dim, has_slot_mask, compress_ratio), fake_args()
 
 
 KERNEL = jit.register(jit.KernelDef(

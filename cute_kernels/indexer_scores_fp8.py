@@ -37,7 +37,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from . import jit
-from .indexer_scores import KEY_TILE, IndexerScores, candidate_tensors
+from .indexer_scores import KEY_TILE, IndexerScores, candidate_tensors, check_compress_ratio
 
 
 class IndexerScoresFp8(IndexerScores):
@@ -67,14 +67,15 @@ class IndexerScoresFp8(IndexerScores):
         return heads % 32 == 0 and 32 <= heads <= 128 and dim % 32 == 0 and 32 <= dim <= 256
 
 
-def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool):
+def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool, compress_ratio: int = 1):
     if not IndexerScoresFp8.can_implement(heads, dim):
         raise ValueError(f"indexer_scores_fp8: unsupported heads={heads}, dim={dim}")
     P = jit.fake_gmem_ptr
     f8 = cutlass.Float8E4M3FN
     args = (P(f8, 16), P(Float32, 16), P(f8, 16), P(Float32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 4),
             P(cutlass.Uint8, 1), P(Float32, 16), Int32(1), Int32(1), Int32(4), jit.fake_stream())
-    return IndexerScoresFp8(heads, dim, has_slot_mask), args
+    check_compress_ratio("indexer_scores_fp8", compress_ratio)
+    return IndexerScoresFp8(heads, dim, has_slot_mask, compress_ratio), args
 
 
 KERNEL = jit.register(jit.KernelDef(

@@ -32,7 +32,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from . import jit
-from .indexer_scores import (candidate_limit, candidate_tensors, fake_args, mma_operand_tensors,
+from .indexer_scores import (candidate_limit, candidate_tensors, check_compress_ratio, fake_args, mma_operand_tensors,
                              store_masked_score)
 from .tma_pipeline import tma_tiles
 
@@ -49,8 +49,8 @@ class _Storage:
 
 
 class IndexerScoresSm100:
-    def __init__(self, heads: int, dim: int, has_slot_mask: bool):
-        self.H, self.D, self.has_slot_mask = heads, dim, has_slot_mask
+    def __init__(self, heads: int, dim: int, has_slot_mask: bool, compress_ratio: int = 1):
+        self.H, self.D, self.has_slot_mask, self.ratio = heads, dim, has_slot_mask, compress_ratio
         self.mma_tiler = (KEY_TILE, heads, dim)
 
     @cute.jit
@@ -88,7 +88,7 @@ class IndexerScoresSm100:
         kt, t, _ = cute.arch.block_idx()
         s0 = kt * KEY_TILE
         off = mOff[t]
-        limit = candidate_limit(mOff, mLen, mPos, t, num_rows)
+        limit = candidate_limit(mOff, mLen, mPos, t, num_rows, self.ratio)
         neg_inf = Float32(float("-inf"))
         s = s0 + tidx
         if s0 >= limit:
@@ -175,10 +175,11 @@ class IndexerScoresSm100:
         return heads == 64 and dim % 16 == 0 and 16 <= dim <= 256
 
 
-def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool):
+def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool, compress_ratio: int = 1):
     if not IndexerScoresSm100.can_implement(heads, dim):
         raise ValueError(f"indexer_scores_sm100: unsupported heads={heads}, dim={dim} (heads must be 64)")
-    return IndexerScoresSm100(heads, dim, has_slot_mask), fake_args()
+    check_compress_ratio("indexer_scores_sm100", compress_ratio)
+    return IndexerScoresSm100(heads, dim, has_slot_mask, compress_ratio), fake_args()
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -187,6 +188,7 @@ KERNEL = jit.register(jit.KernelDef(
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
                   for f in ("indexer_scores_sm100.py", "indexer_scores.py", "tma_pipeline.py")),
     archs=("sm_100a",),
-    aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False}, {"heads": 64, "dim": 128, "has_slot_mask": True}),
+    aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False}, {"heads": 64, "dim": 128, "has_slot_mask": True},
+                 {"heads": 64, "dim": 128, "has_slot_mask": False, "compress_ratio": 4}),
     description="lightning-indexer scores, tcgen05 (keys x heads in TMEM) + fused candidate mask",
 ))

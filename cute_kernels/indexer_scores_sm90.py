@@ -28,7 +28,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 
 from . import jit
-from .indexer_scores import (candidate_limit, candidate_tensors, fake_args, mma_operand_tensors,
+from .indexer_scores import (candidate_limit, candidate_tensors, check_compress_ratio, fake_args, mma_operand_tensors,
                              store_masked_score)
 from .tma_pipeline import single_cta_tma_pipeline, tma_tiles
 from .warp_mma import quad_sum, wgmma_fragments
@@ -81,8 +81,8 @@ def wgmma_whole_k(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor,
 
 
 class IndexerScoresSm90:
-    def __init__(self, heads: int, dim: int, has_slot_mask: bool):
-        self.H, self.D, self.has_slot_mask = heads, dim, has_slot_mask
+    def __init__(self, heads: int, dim: int, has_slot_mask: bool, compress_ratio: int = 1):
+        self.H, self.D, self.has_slot_mask, self.ratio = heads, dim, has_slot_mask, compress_ratio
         self.tile = (KEY_TILE, heads, dim)
 
     @cute.jit
@@ -109,7 +109,7 @@ class IndexerScoresSm90:
         kt, t, _ = cute.arch.block_idx()
         s0 = kt * KEY_TILE
         off = mOff[t]
-        limit = candidate_limit(mOff, mLen, mPos, t, num_rows)
+        limit = candidate_limit(mOff, mLen, mPos, t, num_rows, self.ratio)
         neg_inf = Float32(float("-inf"))
         if s0 >= limit:
             for s in cutlass.range(tidx, cutlass.min(KEY_TILE, s_max - s0), THREADS):
@@ -155,10 +155,11 @@ class IndexerScoresSm90:
         return heads == 64 and dim % 16 == 0 and 16 <= dim <= 256
 
 
-def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool):
+def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool, compress_ratio: int = 1):
     if not IndexerScoresSm90.can_implement(heads, dim):
         raise ValueError(f"indexer_scores_sm90: unsupported heads={heads}, dim={dim} (heads must be 64)")
-    return IndexerScoresSm90(heads, dim, has_slot_mask), fake_args()
+    check_compress_ratio("indexer_scores_sm90", compress_ratio)
+    return IndexerScoresSm90(heads, dim, has_slot_mask, compress_ratio), fake_args()
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -167,6 +168,6 @@ KERNEL = jit.register(jit.KernelDef(
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
                   for f in ("indexer_scores_sm90.py", "indexer_scores.py", "warp_mma.py", "tma_pipeline.py")),
     archs=("sm_90a",),
-    aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False},),
+    aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False}, {"heads": 64, "dim": 128, "has_slot_mask": False, "compress_ratio": 4}),
     description="lightning-indexer scores, wgmma (keys x heads) + fused candidate mask",
 ))

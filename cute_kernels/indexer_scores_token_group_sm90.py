@@ -31,7 +31,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 
 from . import jit
-from .indexer_scores import (candidate_limit, candidate_tensors, fake_args, mma_operand_tensors,
+from .indexer_scores import (candidate_limit, candidate_tensors, check_compress_ratio, fake_args, mma_operand_tensors,
                              store_masked_score)
 # the shared one-stage buffers and fragments assume the one-token kernel's key tile and threads
 from .indexer_scores_sm90 import KEY_TILE, THREADS, keys_by_queries, one_stage_buffers, wgmma_whole_k
@@ -42,8 +42,8 @@ GROUPS = (2, 3, 4)
 
 
 class IndexerScoresTokenGroupSm90:
-    def __init__(self, heads: int, dim: int, has_slot_mask: bool, group: int):
-        self.H, self.D, self.has_slot_mask, self.G = heads, dim, has_slot_mask, group
+    def __init__(self, heads: int, dim: int, has_slot_mask: bool, group: int, compress_ratio: int = 1):
+        self.H, self.D, self.has_slot_mask, self.G, self.ratio = heads, dim, has_slot_mask, group, compress_ratio
         self.N = group * heads
         self.tile = (KEY_TILE, self.N, dim)
 
@@ -80,7 +80,7 @@ class IndexerScoresTokenGroupSm90:
         for g in cutlass.range_constexpr(G):
             t = cutlass.min(t0 + g, num_tokens - 1)
             offs[g] = mOff[t]
-            lims[g] = candidate_limit(mOff, mLen, mPos, t, num_rows)
+            lims[g] = candidate_limit(mOff, mLen, mPos, t, num_rows, self.ratio)
             if t0 + g < num_tokens:
                 if offs[g] != offs[0]:
                     same = Int32(0)
@@ -156,11 +156,12 @@ class IndexerScoresTokenGroupSm90:
         return heads == 64 and dim % 16 == 0 and 16 <= dim <= 256 and group in GROUPS
 
 
-def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool, group: int):
+def _build(arch: str, *, heads: int, dim: int, has_slot_mask: bool, group: int, compress_ratio: int = 1):
     if not IndexerScoresTokenGroupSm90.can_implement(heads, dim, group):
         raise ValueError(f"indexer_scores_token_group_sm90: unsupported heads={heads}, dim={dim}, group={group} "
                          f"(heads must be 64, group in {GROUPS})")
-    return IndexerScoresTokenGroupSm90(heads, dim, has_slot_mask, group), fake_args()
+    check_compress_ratio("indexer_scores_token_group_sm90", compress_ratio)
+    return IndexerScoresTokenGroupSm90(heads, dim, has_slot_mask, group, compress_ratio), fake_args()
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -170,6 +171,7 @@ KERNEL = jit.register(jit.KernelDef(
                   for f in ("indexer_scores_token_group_sm90.py", "indexer_scores.py", "indexer_scores_sm90.py",
                             "warp_mma.py", "tma_pipeline.py")),
     archs=("sm_90a",),
-    aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False, "group": 3},),
+    aot_configs=({"heads": 64, "dim": 128, "has_slot_mask": False, "group": 3},
+                 {"heads": 64, "dim": 128, "has_slot_mask": False, "group": 3, "compress_ratio": 4}),
     description="lightning-indexer scores for groups of tokens sharing keys, wgmma (keys x G*heads)",
 ))

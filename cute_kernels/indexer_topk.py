@@ -18,6 +18,10 @@ four 16-byte loads), a block-wide exclusive scan of per-thread counts, and each 
 key written at its rank. With at most ``topk`` candidates the passes are skipped and every
 candidate is written.
 
+Compressed entries (DeepSeek-V4's CSA indexer, ``compress_ratio = 4``, ``topk`` 512 / 1024):
+the same two launches over the compressed key pool, a query at ``pos`` seeing entries
+``[0, (pos + 1) // compress_ratio)`` -- the same static rule in both kernels.
+
 Constraints: ``topk`` static (default 2048), ``topk <= 65535``; the score row pitch is a
 multiple of 4 (the host pads it). Same source on sm_90a and sm_100a.
 
@@ -40,7 +44,7 @@ from cutlass import Float32, Int32, Uint32
 
 from . import jit
 from .arch import current_arch, dispatch
-from .indexer_scores import IndexerScores
+from .indexer_scores import IndexerScores, check_compress_ratio, visible_entries
 from .indexer_scores_fp8 import IndexerScoresFp8
 from .indexer_scores_sm90 import IndexerScoresSm90
 from .indexer_scores_token_group_sm90 import IndexerScoresTokenGroupSm90
@@ -63,8 +67,8 @@ def order_key(bits: Uint32) -> Uint32:
 
 
 class IndexerTopk:
-    def __init__(self, topk: int, threads: int = 512):
-        self.k, self.threads = topk, threads
+    def __init__(self, topk: int, compress_ratio: int = 1, threads: int = 512):
+        self.k, self.ratio, self.threads = topk, compress_ratio, threads
         self.warps = threads // 32
         self.row_words = topk
 
@@ -84,7 +88,7 @@ class IndexerTopk:
         tidx, _, _ = cute.arch.thread_idx()
         t, _, _ = cute.arch.block_idx()
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
-        limit = cutlass.min(cutlass.min(mPos[t] + 1, mLen[t]), s_max)  # keys past it are -inf
+        limit = cutlass.min(cutlass.min(visible_entries(mPos[t], self.ratio), mLen[t]), s_max)  # -inf past it
         mBits = cute.recast_tensor(mScore, Uint32)
         row = mBits[t, None]
 
@@ -237,12 +241,13 @@ class IndexerTopk:
         return 1 <= topk <= 65535
 
 
-def _build(arch: str, *, topk: int):
+def _build(arch: str, *, topk: int, compress_ratio: int = 1):
     if not IndexerTopk.can_implement(topk):
         raise ValueError(f"indexer_topk: unsupported topk={topk}")
+    check_compress_ratio("indexer_topk", compress_ratio)
     P = jit.fake_gmem_ptr
     args = (P(Float32, 16), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(1), Int32(4), Int32(4), jit.fake_stream())
-    return IndexerTopk(topk), args
+    return IndexerTopk(topk, compress_ratio), args
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -250,7 +255,7 @@ KERNEL = jit.register(jit.KernelDef(
     build=_build,
     sources=(os.path.abspath(__file__),),
     archs=("sm_90a", "sm_100a", "sm_103a"),
-    aot_configs=({"topk": 2048},),
+    aot_configs=({"topk": 2048}, {"topk": 512, "compress_ratio": 4}, {"topk": 1024, "compress_ratio": 4}),
     description="radix-select top-k of masked indexer scores, ascending indices, -1 padded",
 ))
 
@@ -268,13 +273,14 @@ class IndexerWorkspace:
 
 
 def indexer_select(workspace: IndexerWorkspace, kv_len: torch.Tensor, pos: torch.Tensor, *, topk: int = 2048,
-                   max_keys: int | None = None, out: torch.Tensor | None = None, stream=None,
-                   arch: str | None = None) -> torch.Tensor:
+                   max_keys: int | None = None, compress_ratio: int = 1, out: torch.Tensor | None = None,
+                   stream=None, arch: str | None = None) -> torch.Tensor:
     """The radix select alone, on score rows already in ``workspace.scores`` (``-inf`` =
-    masked): int32 ``[T, topk]`` ascending, ``-1`` padded, over keys
-    ``[0, min(pos + 1, kv_len, max_keys))`` of each row. :func:`indexer_topk` is the
-    scores kernel followed by this."""
+    masked): int32 ``[T, topk]`` ascending, ``-1`` padded, over entries
+    ``[0, min((pos + 1) // compress_ratio, kv_len, max_keys))`` of each row. :func:`indexer_topk`
+    is the scores kernel followed by this."""
     op = "indexer_select"
+    check_compress_ratio(op, compress_ratio)
     if not isinstance(workspace, IndexerWorkspace):
         raise TypeError(f"{op}: workspace must be an IndexerWorkspace, got {type(workspace).__name__}")
     T = kv_len.shape[0] if isinstance(kv_len, torch.Tensor) else 0
@@ -295,13 +301,18 @@ def indexer_select(workspace: IndexerWorkspace, kv_len: torch.Tensor, pos: torch
     dispatch(op, ("portable",), arch=a)
     if T == 0:
         return out
-    _select(workspace, kv_len, pos, out, T, topk, max_keys, a, jit.cu_stream(stream))
+    _select(workspace, kv_len, pos, out, T, topk, max_keys, compress_ratio, a, jit.cu_stream(stream))
     return out
 
 
-def _select(workspace, kv_len, pos, out, T, topk, max_keys, arch, cs):
+def _ratio_cfg(compress_ratio: int) -> dict:
+    """The compile-config entry of a compress ratio: none for raw keys (the V3-style configs)."""
+    return {"compress_ratio": compress_ratio} if compress_ratio != 1 else {}
+
+
+def _select(workspace, kv_len, pos, out, T, topk, max_keys, compress_ratio, arch, cs):
     P = jit.gmem_ptr
-    topk_fn = jit.get_kernel("indexer_topk", arch, topk=topk)
+    topk_fn = jit.get_kernel("indexer_topk", arch, topk=topk, **_ratio_cfg(compress_ratio))
     topk_fn(P(Float32, workspace.scores, 16), P(Int32, kv_len, 4), P(Int32, pos, 4), P(Int32, out, 4), jit.i32(T),
             jit.i32(workspace.pitch), jit.i32(max_keys), cs)
 
@@ -311,7 +322,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
                  slot_valid: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  workspace: IndexerWorkspace | None = None, stream=None, arch: str | None = None,
                  use_wgmma: bool | None = None, k_scale: torch.Tensor | None = None,
-                 token_group: int = 1) -> torch.Tensor:
+                 token_group: int = 1, compress_ratio: int = 1) -> torch.Tensor:
     """Top-``topk`` candidate keys per token: int32 ``[T, topk]``, ascending, ``-1`` padded.
 
     ``q [T, H, D]`` bf16, ``w [T, H]`` fp32, ``k_cache [R, D]`` bf16 (all sequences' index
@@ -332,8 +343,16 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
     FP8 variant: ``q`` and ``k_cache`` in ``torch.float8_e4m3fn`` with ``k_scale [R]`` fp32
     (positive, per key row) and ``w`` carrying each query head's scale (DeepSeek's
     formulation, :mod:`cute_kernels.indexer_scores_fp8`; GPU-tested on the H200).
+
+    Compressed entries (DeepSeek-V4's CSA indexer): ``compress_ratio = m`` (4 in V4) makes
+    ``k_cache`` rows compressed entries, entry ``i`` pooled from tokens ``[i*m, (i+1)*m)`` (its
+    overlap with the previous window lies earlier still), and ``kv_len`` counts a sequence's
+    entries. A query at position ``pos`` sees entry ``i`` only once that window is whole:
+    ``i < (pos + 1) // m``. With ``topk`` 512 (V4-Flash) or 1024 (V4-Pro). V4 scales the score
+    by ``D**-0.5 * H**-0.5``: fold both into ``w`` (positive, so it commutes with the ReLU).
     """
     op = "indexer_topk"
+    check_compress_ratio(op, compress_ratio)
     fp8 = isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn
     qdt = torch.float8_e4m3fn if fp8 else torch.bfloat16
     check_tensor(op, "q", q, dtype=(torch.bfloat16, torch.float8_e4m3fn), ndim=3, contiguous=True, align_bytes=16)
@@ -401,23 +420,27 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
     pitch = workspace.pitch
     if fp8:
         f8 = cutlass.Float8E4M3FN
-        scores_fn = jit.get_kernel("indexer_scores_fp8", a, heads=H, dim=D, has_slot_mask=has_mask)
+        scores_fn = jit.get_kernel("indexer_scores_fp8", a, heads=H, dim=D, has_slot_mask=has_mask,
+                                    **_ratio_cfg(compress_ratio))
         scores_fn(P(f8, q, 16), P(Float32, w, 16), P(f8, k_cache, 16), P(Float32, k_scale, 4), P(Int32, kv_offset, 4),
                   P(Int32, kv_len, 4), P(Int32, pos, 4), P(cutlass.Uint8, mask, 1), P(Float32, workspace.scores, 16),
                   jit.i32(T), jit.i32(R), jit.i32(pitch), cs)
-        _select(workspace, kv_len, pos, out, T, topk, max_keys, a, cs)
+        _select(workspace, kv_len, pos, out, T, topk, max_keys, compress_ratio, a, cs)
         return out
     if path == "sm100" and IndexerScoresSm100.can_implement(H, D):
-        scores_fn = jit.get_kernel("indexer_scores_sm100", a, heads=H, dim=D, has_slot_mask=has_mask)
+        scores_fn = jit.get_kernel("indexer_scores_sm100", a, heads=H, dim=D, has_slot_mask=has_mask,
+                                    **_ratio_cfg(compress_ratio))
     elif path == "sm90" and token_group > 1:
         scores_fn = jit.get_kernel("indexer_scores_token_group_sm90", a, heads=H, dim=D, has_slot_mask=has_mask,
-                                   group=token_group)
+                                   group=token_group, **_ratio_cfg(compress_ratio))
     elif path == "sm90" and use_wgmma is not False and IndexerScoresSm90.can_implement(H, D):
-        scores_fn = jit.get_kernel("indexer_scores_sm90", a, heads=H, dim=D, has_slot_mask=has_mask)
+        scores_fn = jit.get_kernel("indexer_scores_sm90", a, heads=H, dim=D, has_slot_mask=has_mask,
+                                    **_ratio_cfg(compress_ratio))
     else:
-        scores_fn = jit.get_kernel("indexer_scores", a, heads=H, dim=D, has_slot_mask=has_mask)
+        scores_fn = jit.get_kernel("indexer_scores", a, heads=H, dim=D, has_slot_mask=has_mask,
+                                    **_ratio_cfg(compress_ratio))
     scores_fn(P(cutlass.BFloat16, q, 16), P(Float32, w, 16), P(cutlass.BFloat16, k_cache, 16),
               P(Int32, kv_offset, 4), P(Int32, kv_len, 4), P(Int32, pos, 4), P(cutlass.Uint8, mask, 1),
               P(Float32, workspace.scores, 16), jit.i32(T), jit.i32(R), jit.i32(pitch), cs)
-    _select(workspace, kv_len, pos, out, T, topk, max_keys, a, cs)
+    _select(workspace, kv_len, pos, out, T, topk, max_keys, compress_ratio, a, cs)
     return out

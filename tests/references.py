@@ -240,3 +240,23 @@ def indexer_scores_ref(q, w, k_cache, kv_offset, kv_len, pos, max_keys, slot_val
             s = torch.where(slot_valid[off:off + lim].bool(), s, torch.full_like(s, float("-inf")))
         out[t, :lim] = s
     return out
+
+
+def v4_indexer_scores_ref(q, w, pool, entry_offset, n_entries, pos, compress_ratio, max_entries):
+    """float64 scores [T, max_entries] of DeepSeek-V4's Lightning Indexer over compressed entries,
+    written from its definition: ``sum_h (w[t, h] * H**-0.5) * relu(q[t, h] . pool[i]) * D**-0.5``
+    over entries ``i < min((pos[t] + 1) // compress_ratio, n_entries[t])`` (an entry is visible
+    once its whole window of ``compress_ratio`` tokens ends at or before the query); -inf elsewhere."""
+    T, H, D = q.shape
+    out = torch.full((T, max_entries), float("-inf"), dtype=torch.float64)
+    for t in range(T):
+        p = int(pos[t])
+        visible = (p + 1) // compress_ratio if p >= 0 else 0
+        lim = min(visible, int(n_entries[t]), max_entries)
+        if lim <= 0:
+            continue
+        off = int(entry_offset[t])
+        keys = pool[off:off + lim].double()
+        logits = torch.relu(q[t].double() @ keys.T) * D ** -0.5          # [H, lim]
+        out[t, :lim] = (logits * (w[t].double() * H ** -0.5)[:, None]).sum(0)
+    return out

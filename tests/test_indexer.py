@@ -6,7 +6,7 @@ import torch
 
 from cute_kernels.indexer_topk import IndexerWorkspace, indexer_select, indexer_topk
 from cute_kernels.testing import sass
-from references import indexer_scores_ref
+from references import indexer_scores_ref, v4_indexer_scores_ref
 
 # Score tolerance: bf16 inputs are exact in the FP32 MMA; the sum over D = 128 products and
 # 64 heads in FP32 is good to ~1e-6 relative to the score's scale (|w| ~ 1, |q.k| ~ 10).
@@ -27,7 +27,7 @@ def make(T, S, n_seq=1, H=64, D=128, device="cuda"):
     return q, w, k_cache, kv_offset, kv_len, pos
 
 
-def check(idx, ref_scores, topk):
+def check(idx, ref_scores, topk, atol=ATOL):
     idx, ref = idx.cpu(), ref_scores
     T = idx.shape[0]
     for t in range(T):
@@ -40,7 +40,7 @@ def check(idx, ref_scores, topk):
         assert cand[sel.long()].all(), f"token {t}: a masked key was selected"
         if n_valid > topk:
             kth = ref[t][cand].topk(topk).values[-1]
-            assert (ref[t][sel.long()] >= kth - ATOL).all(), f"token {t}: selected score below the k-th"
+            assert (ref[t][sel.long()] >= kth - atol).all(), f"token {t}: selected score below the k-th"
 
 
 @pytest.mark.gpu
@@ -356,3 +356,96 @@ def _fp8_cpu(T, S, H, D):
     q8 = (q / qs[..., None]).to(torch.float8_e4m3fn).float()
     w8 = torch.randn(T, H, generator=g) * qs
     return q8, w8, k8, ks, None, None, None
+
+
+# ------------------------------------------------- DeepSeek-V4: compressed entries -------
+def make_v4(T, n_tokens, n_seq=1, H=64, D=128, ratio=4):
+    """V4's CSA indexer inputs: n_seq sequences of n_tokens tokens, each with n_tokens // ratio
+    compressed index keys in one pool; T query tokens per sequence group at the sequence's last
+    positions (a verify block), so consecutive queries straddle window boundaries."""
+    n_entries = n_tokens // ratio
+    pool = torch.randn(n_seq * n_entries + 5, D, device="cuda").bfloat16()
+    q = (torch.randn(T, H, D, device="cuda") / 4).bfloat16()
+    w = torch.randn(T, H, device="cuda")                                  # weights_proj output
+    seq = torch.arange(T, device="cuda") % n_seq
+    offset = (seq * n_entries).int()
+    entries = torch.full((T,), n_entries, dtype=torch.int32, device="cuda")
+    pos = (n_tokens - 5 + (torch.arange(T, device="cuda") // n_seq) % 5).int()
+    return q, w, pool, offset, entries, pos
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, n_tokens, n_seq, topk", [
+    (5, 4096, 1, 512),       # V4-Flash, one DSpark verify block of 5
+    (5, 8190, 1, 1024),      # V4-Pro; the block's positions cross a window boundary
+    (1, 1000, 1, 512),       # T = 1, fewer visible entries than k: all taken, -1 padded
+    (7, 131072, 1, 512),     # a long context (32768 entries), T not a block multiple
+    (10, 6001, 2, 1024),     # two sequences in one pool
+])
+@pytest.mark.parametrize("kernel", ["default", "warp_mma", "token_group"])
+def test_v4_compressed_entries_match_reference(seed, T, n_tokens, n_seq, topk, kernel):
+    """H200: the score kernels + select over compressed entries (compress_ratio = 4) against the
+    FP64 V4 definition, V4's two scales folded into the head weights."""
+    H, D = 64, 128
+    q, w, pool, off, ent, pos = make_v4(T, n_tokens, n_seq, H, D)
+    max_entries = n_tokens // 4
+    out = torch.full((T, topk), -7, dtype=torch.int32, device="cuda")  # poison
+    kw = {"default": {}, "warp_mma": {"use_wgmma": False}, "token_group": {"token_group": 3}}[kernel]
+    if kernel == "token_group":  # the group kernel wants a sequence's tokens consecutive
+        order = torch.sort(off, stable=True).indices
+        q, w, off, ent, pos = (x[order].contiguous() for x in (q, w, off, ent, pos))
+    w_folded = w * (H ** -0.5 * D ** -0.5)
+    indexer_topk(q, w_folded, pool, off, ent, pos, topk=topk, max_keys=max_entries, compress_ratio=4, out=out, **kw)
+    torch.cuda.synchronize()
+    ref = v4_indexer_scores_ref(q.cpu(), w.cpu(), pool.cpu(), off.cpu(), ent.cpu(), pos.cpu(), 4, max_entries)
+    # the folded FP32 weights and the FP32 sums: ~1e-6 of the score scale
+    check(out, ref, topk, atol=1e-5 * float(ref[torch.isfinite(ref)].abs().max()))
+    for t in range(T):  # the visibility rule exactly: the count of valid indices
+        visible = min((int(pos[t]) + 1) // 4, int(ent[t]), max_entries)
+        assert int((out[t] >= 0).sum()) == min(topk, visible), f"token {t}"
+
+
+@pytest.mark.gpu
+def test_v4_window_boundaries_and_padding_rows(seed):
+    """Positions at, just before and just after a window's end, and a padding row (pos = -1):
+    the number of selected entries is exactly (pos + 1) // 4 (or 0)."""
+    H, D, ratio = 64, 128, 4
+    pos = torch.tensor([-1, 0, 2, 3, 4, 7, 8, 11, 4095], dtype=torch.int32, device="cuda")
+    T = pos.numel()
+    pool = torch.randn(1024, D, device="cuda").bfloat16()
+    q = (torch.randn(T, H, D, device="cuda") / 4).bfloat16()
+    w = torch.rand(T, H, device="cuda") + 0.1  # positive: every visible entry scores >= 0
+    off = torch.zeros(T, dtype=torch.int32, device="cuda")
+    ent = torch.full((T,), 1024, dtype=torch.int32, device="cuda")
+    out = indexer_topk(q, w, pool, off, ent, pos, topk=2048, max_keys=1024, compress_ratio=ratio)
+    torch.cuda.synchronize()
+    for t in range(T):
+        want = max(int(pos[t]) + 1, 0) // ratio
+        got = out[t].cpu()
+        assert got[:want].tolist() == list(range(want)), f"pos {int(pos[t])}"
+        assert (got[want:] == -1).all(), f"pos {int(pos[t])}"
+
+
+@pytest.mark.parametrize("bad", [0, True, 2.0, 2000])
+def test_v4_compress_ratio_validation(bad):
+    with pytest.raises(ValueError, match="compress_ratio"):
+        indexer_topk(**_cpu(compress_ratio=bad))
+
+
+@pytest.mark.parametrize("name, arch, cfg", [
+    ("indexer_scores_sm90", "sm_90a", {}),
+    ("indexer_scores_token_group_sm90", "sm_90a", {"group": 3}),
+    ("indexer_scores_sm100", "sm_100a", {}),
+    ("indexer_scores", "sm_90a", {}),
+])
+def test_v4_machine_code(name, arch, cfg):
+    """The compressed-entry configs compile to the same tensor-core path, with no local memory
+    beyond the raw-key config's."""
+    h = sass.sass_histogram(name, arch, heads=64, dim=128, has_slot_mask=False, compress_ratio=4, **cfg)
+    h1 = sass.sass_histogram(name, arch, heads=64, dim=128, has_slot_mask=False, **cfg)
+    assert sass.local_memory_ops(h) <= sass.local_memory_ops(h1)
+    mma = {"sm_90a": "HGMMA", "sm_100a": "UTCHMMA"}[arch] if name != "indexer_scores" else "HMMA"
+    assert sass.count(h, mma) >= 1
+    for k in (512, 1024):
+        h = sass.sass_histogram("indexer_topk", arch, topk=k, compress_ratio=4)
+        assert sass.local_memory_ops(h) == 0 and sass.count(h, "ATOMS") >= 1
