@@ -24,8 +24,10 @@ Constraints: bf16 ``o`` and ``wo_a``, contiguous; ``H % G == 0``; ``R % 64 == 0`
 ``Dg % 64 == 0`` (16-byte TMA rows, whole K tiles); any ``T >= 1``. One compile per tile
 class serves every T in it; ``python -m cute_kernels build`` compiles every class the default
 route takes for the supported shapes (:func:`aot_routes`), ``--wo-a-shape G,R,Dg`` a model's
-own; else each compiles on first use. Supported and tested: G in {8, 16}, Dg in {1024, 2048},
-R in {512, 1024}.
+own; else each compiles on first use. Supported and tested: DeepSeek-V4-Flash (G = 8) and
+-Pro (G = 16) -- Dg = 4096, R = 1024 -- first; also G in {8, 16}, Dg in {1024, 2048}, R in
+{512, 1024}. The checkpoints' FP8 format (e4m3, 128 x 128 block scales) at any T:
+:func:`cute_kernels.wo_a_decode_fp8.wo_a_fp8`.
 
 Run / bench::
 
@@ -284,8 +286,9 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
 
 
 #: (G, R, Dg) shapes the AOT build (``python -m cute_kernels build``) covers at every T:
-#: the supported and tested set
-AOT_SHAPES = tuple((G, R, Dg) for G in (8, 16) for R in (512, 1024) for Dg in (1024, 2048))
+#: the supported and tested set, DeepSeek-V4-Flash / -Pro first
+AOT_SHAPES = ((8, 1024, 4096), (16, 1024, 4096)) + tuple(
+    (G, R, Dg) for G in (8, 16) for R in (512, 1024) for Dg in (1024, 2048))
 #: ... for T = 1 .. AOT_MAX_T; every larger T takes one of these configs (the classes stop
 #: changing above the pingpong rule's threshold, T = 1537 at G=8 R=512)
 AOT_MAX_T = 16384

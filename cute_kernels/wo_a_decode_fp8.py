@@ -1,4 +1,4 @@
-"""WO-A at decode T with FP8 weights: e4m3 ``wo_a`` with one FP32 scale per 128 x 128 block.
+"""WO-A with FP8 weights: e4m3 ``wo_a`` with one FP32 scale per 128 x 128 block (the checkpoint format).
 
     y[t, g*R + r] = bf16( sum_kb scale[g, r // 128, kb] * sum_{k in block kb} o[t, g, k] * w[g, r, k] )
 
@@ -21,11 +21,21 @@ the FP32 accumulator times its scale -- the FP32 promotion of block-scaled FP8 G
 (DeepSeek-V3), so no scale ever rounds through bf16. The o loads, the split partials and the
 last-CTA reduction are the bf16 kernel's (this class derives from it).
 
-Constraints: T <= 32 (``bm`` 16 or 32), R % 128 == 0, Dg % 128 == 0, splits a power of two
-dividing Dg / 128, shared memory <= 227 KB. Hopper and Blackwell (warp MMA).
+Above decode T (T > 64) :func:`wo_a_fp8` widens the weights once per call
+(:mod:`cute_kernels.dequant_fp8_blockwise`, into a reused bf16 buffer) and runs bf16 WO-A
+(:func:`cute_kernels.wo_a.wo_a`): there the GEMM is compute bound and the widening costs one
+pass over the weights. The widened weight is exact for power-of-two (UE8M0) scales, the
+format of DeepSeek-V4-Flash / -Pro; with FP32 scales (V4-Flash-Base) each weight is rounded
+once to bf16 (2^-9 relative) -- the one numerical difference from the decode kernel, which
+keeps every scale in FP32. :func:`checkpoint_scales_fp32` turns a checkpoint's UE8M0 scales
+into the FP32 ones this module takes (exactly, once at load time).
+
+Constraints: decode kernel T <= 64 (``bm`` 16, 32 or 64), R % 128 == 0, Dg % 128 == 0, splits
+a power of two dividing Dg / 128, shared memory <= 227 KB; any T through :func:`wo_a_fp8`.
+Hopper and Blackwell (warp MMA; the widened path takes each arch's WO-A engine).
 
 Status: H200-tested (``pytest tests/test_wo_a_fp8.py -m gpu``), benched (``python
-bench/bench_wo_a_fp8.py``); opt-in, nothing routes to it. Blackwell: compile + SASS only.
+bench/bench_wo_a_fp8.py``). Blackwell: compile + SASS only.
 """
 
 import os
@@ -47,7 +57,7 @@ SCALE_BLOCK = 128
 BKS = (128, 256)
 #: e4m3 elements per 16-byte cp.async
 VEC8 = 16
-MAX_T = 32
+MAX_T = 64
 
 
 def pitches(bk: int) -> tuple[int, int]:
@@ -211,13 +221,27 @@ def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
     return bf16_plan(T, G, R, Dg, num_sms)
 
 
+#: (G, R, Dg) of the AOT build at every decode T: DeepSeek-V4-Flash and -Pro first
+AOT_SHAPES = ((8, 1024, 4096), (16, 1024, 4096), (16, 1024, 1024), (8, 512, 2048))
+
+
+def aot_configs(shapes=AOT_SHAPES, num_sms: int = 132) -> tuple[dict, ...]:
+    """Every distinct config :func:`plan` gives for T = 1 .. 64 of ``shapes``."""
+    seen = {}
+    for G, R, Dg in shapes:
+        for T in range(1, MAX_T + 1):
+            cfg = {"G": G, "R": R, "Dg": Dg, **plan(T, G, R, Dg, num_sms)}
+            seen.setdefault(tuple(sorted(cfg.items())), cfg)
+    return tuple(seen.values())
+
+
 def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4, bn: int = BN,
            bk: int = 128):
     """``bk``: the K slice, 128 (one scale block) or 256 (two: the bf16 kernel's bytes per
     weight row and slice, half the slices)."""
-    if bm not in (16, 32) or not WoADecodeFp8.can_implement(1, G, R, Dg, splits, bn, bk):
+    if bm not in (16, 32, 64) or not WoADecodeFp8.can_implement(1, G, R, Dg, splits, bn, bk):
         raise ValueError(f"wo_a_decode_fp8: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, bn={bn}, splits={splits}, "
-                         f"bk={bk} (bm 16 or 32, bn 32 or 64, bk 128 or 256 dividing Dg, R % 128, splits a power "
+                         f"bk={bk} (bm 16, 32 or 64, bn 32 or 64, bk 128 or 256 dividing Dg, R % 128, splits a power "
                          f"of two dividing Dg / bk)")
     if stages < 2 or smem_bytes(bm, stages, bn, bk, Dg) > SMEM_PER_CTA:
         raise ValueError(f"wo_a_decode_fp8: stages={stages} with bm={bm} bn={bn} bk={bk} needs "
@@ -235,10 +259,8 @@ KERNEL = jit.register(jit.KernelDef(
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
                   for f in ("wo_a_decode_fp8.py", "wo_a_decode.py", "grid_sync.py", "warp_mma.py")),
     archs=("sm_90a", "sm_100a", "sm_103a"),
-    # decode T (16) of the two model shapes the WO-A engine's AOT set carries
-    aot_configs=tuple({"G": G, "R": R, "Dg": Dg, **plan(16, G, R, Dg)} for G, R, Dg in ((16, 1024, 1024),
-                                                                                      (8, 512, 2048))),
-    description="WO-A decode (T <= 32) with e4m3 weights and 128x128 block scales, token-major bf16 out",
+    aot_configs=lambda arch: aot_configs(),
+    description="WO-A decode (T <= 64) with e4m3 weights and 128x128 block scales, token-major bf16 out",
 ))
 
 
@@ -273,14 +295,54 @@ def wo_a_fp8_reference(o: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) ->
     return y.reshape(T, G * R).to(torch.bfloat16)
 
 
+def checkpoint_scales_fp32(scale: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's block scales as the FP32 tensor :func:`wo_a_fp8` takes: FP32 as is; UE8M0
+    (``torch.float8_e8m0fnu``, or its exponent bytes as ``torch.uint8``: ``2**(e - 127)``, 255 =
+    NaN), the format of DeepSeek-V4-Flash / -Pro's FP8 linears, converted exactly. Load time,
+    not per call."""
+    op = "checkpoint_scales_fp32"
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"{op}: scale must be a torch.Tensor, got {type(scale).__name__}")
+    if scale.dtype == torch.float32:
+        return scale.contiguous()
+    if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise TypeError(f"{op}: scale must be float32, float8_e8m0fnu or uint8 (UE8M0 bytes), got {scale.dtype}")
+    e = scale.contiguous().view(torch.uint8).to(torch.int32)
+    # the bits of 2**(e - 127) as an FP32: exponent field e, mantissa 0 (e = 0: 2**-127, a subnormal)
+    bits = torch.where(e == 0, torch.full_like(e, 1 << 22), e << 23)
+    out = bits.view(torch.float32).clone()
+    out[e == 255] = float("nan")
+    return out
+
+
+_WIDE_WEIGHTS: dict = {}
+
+
+def _default_wide_weights(device, G: int, R: int, Dg: int) -> torch.Tensor:
+    """The bf16 buffer the T > 64 path widens into: one per (device, shape), reused by every
+    call (one in flight per stream; create it outside graph capture, e.g. by a warm-up call)."""
+    key = (device, G, R, Dg)
+    buf = _WIDE_WEIGHTS.get(key)
+    if buf is None:
+        buf = _WIDE_WEIGHTS[key] = torch.empty(G, R, Dg, dtype=torch.bfloat16, device=device)
+    return buf
+
+
 def wo_a_fp8(o: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None,
-             stream=None, arch: str | None = None, workspace: WoADecodeWorkspace | None = None) -> torch.Tensor:
+             stream=None, arch: str | None = None, workspace: WoADecodeWorkspace | None = None,
+             wide_weights: torch.Tensor | None = None) -> torch.Tensor:
     """``y [T, G*R]`` (bf16, token-major) from ``o [T, H, Dv]`` (bf16), e4m3 ``w [G, R, (H/G)*Dv]``
-    and FP32 ``scale [G, R/128, (H/G)*Dv/128]`` (:func:`quantize_wo_a_fp8` makes both), for
-    T <= 32, all on one CUDA device (as every entry point here); on a GPU this package does not
-    target, the PyTorch reference runs."""
+    and FP32 ``scale [G, R/128, (H/G)*Dv/128]`` (:func:`quantize_wo_a_fp8` makes both;
+    :func:`checkpoint_scales_fp32` converts a checkpoint's UE8M0 scales), any T >= 1, all on
+    one CUDA device (as every entry point here); on a GPU this package does not target, the
+    PyTorch reference runs.
+
+    T <= 64: the decode kernel (split partials in ``workspace``, as :func:`cute_kernels.wo_a.wo_a`).
+    T > 64: the weights widened to bf16 into ``wide_weights`` (``[G, R, Dg]`` bf16; default one
+    shared buffer per device and shape), then :func:`cute_kernels.wo_a.wo_a` (its default route)."""
     from .arch import current_arch, dispatch, num_sms
-    from .wo_a import decode_workspace, group_shapes
+    from .dequant_fp8_blockwise import dequantize_fp8_blockwise
+    from .wo_a import decode_workspace, group_shapes, wo_a
 
     op = "wo_a_fp8"
     check_tensor(op, "o", o, dtype=torch.bfloat16, ndim=3, contiguous=True)
@@ -288,18 +350,28 @@ def wo_a_fp8(o: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, out: torc
     T, H, Dv, G, R, Dg = group_shapes(op, o, w, "w")
     if R % SCALE_BLOCK or Dg % SCALE_BLOCK:
         raise ValueError(f"{op}: R={R} and Dg={Dg} must be multiples of {SCALE_BLOCK} (the scale block)")
-    if not 1 <= T <= MAX_T:
-        raise ValueError(f"{op}: T={T} tokens; the FP8 variant serves decode T, 1 <= T <= {MAX_T}")
+    if T * H * Dv >= 2**31 or T * G * R >= 2**31:
+        raise ValueError(f"{op}: T={T} tokens: o / out exceed 32-bit indexing")
     check_tensor(op, "scale", scale, dtype=torch.float32, shape=(G, R // SCALE_BLOCK, Dg // SCALE_BLOCK),
                  contiguous=True, align_bytes=4)
+    if wide_weights is not None:
+        check_tensor(op, "wide_weights", wide_weights, dtype=torch.bfloat16, shape=(G, R, Dg), contiguous=True)
     if out is None:
         out = torch.empty(T, G * R, dtype=torch.bfloat16, device=o.device)
     check_tensor(op, "out", out, dtype=torch.bfloat16, shape=(T, G * R), contiguous=True)
-    check_cuda(op, ("o", o), ("w", w), ("scale", scale), ("out", out))
+    check_cuda(op, ("o", o), ("w", w), ("scale", scale), ("out", out),
+               *((("wide_weights", wide_weights),) if wide_weights is not None else ()))
     a = arch if arch is not None else current_arch(o.device)
     if dispatch(op, ("sm100", "sm90", "reference"), arch=a) == "reference":
         out.copy_(wo_a_fp8_reference(o, w, scale))
         return out
+    if T == 0:
+        return out
+    if T > MAX_T:
+        if wide_weights is None:
+            wide_weights = _default_wide_weights(o.device, G, R, Dg)
+        dequantize_fp8_blockwise(w, scale, out=wide_weights, stream=stream, arch=a)
+        return wo_a(o, wide_weights, out=out, stream=stream, arch=a)
     cfg = plan(T, G, R, Dg, num_sms(o.device))
     workspace = decode_workspace(op, workspace, o, G, R, cfg["splits"])
     fn = jit.get_kernel("wo_a_decode_fp8", a, G=G, R=R, Dg=Dg, **cfg)

@@ -156,6 +156,19 @@ def wo_a_ref(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y.reshape(T, G * R)
 
 
+def gemm_error_bound(o: torch.Tensor, w: torch.Tensor, K: int, weight_rounding: float = 0.0) -> torch.Tensor:
+    """Per-element bound on |bf16 WO-A output - float64 product| of a K-long FP32-accumulated sum:
+    the output's bf16 rounding (2^-8 of |y|, bf16's unit roundoff), the FP32 accumulation
+    (K * 2^-24 of sum |o w|, any order) and, where the weights were rounded before the MMA, that
+    rounding (``weight_rounding`` relative, of sum |o w|). A wrong or unwritten element breaks it."""
+    T = o.shape[0]
+    G, R, Dg = w.shape
+    y = wo_a_ref(o, w).abs()
+    mag = torch.einsum("tgd,grd->tgr", o.reshape(T, G, Dg).double().abs().cpu(),
+                       w.double().abs().cpu()).reshape(T, G * R)
+    return 2.0 ** -8 * y + (K * 2.0 ** -24 + weight_rounding) * mag + 1e-30
+
+
 # ----------------------------------------------------------- finalize / all-reduce -----
 def finalize_shared_ref(y, w, pos, shared=None):
     """routed = bf16(sum_i (w[:, i] * y[pos[:, i]]) in FP32, in order i, each product and sum

@@ -10,7 +10,7 @@ from cute_kernels.testing import sass
 from cute_kernels.wo_a import wo_a
 from cute_kernels.wo_a_sm90 import WoASm90, wo_a_layouts
 from cute_kernels.wo_a_sm100 import WoASm100
-from references import rel_err, wo_a_ref
+from references import gemm_error_bound, rel_err, wo_a_ref
 
 # bf16 output rounding dominates: ||err||/||ref|| ~ 2^-9 / sqrt(3) ~ 1.1e-3 for an exact
 # accumulation; 4e-3 leaves room for FP32 accumulation over K <= 2048.
@@ -46,6 +46,26 @@ def check_wo_a(T, G, HG, Dv, R, **kwargs):
 def test_hopper_matches_fp64(seed, G, HG, Dv, R, T, decode):
     out = check_wo_a(T, G, HG, Dv, R, decode_kernel=decode)
     assert out.stride() == (G * R, 1)
+
+
+#: DeepSeek-V4's WO-A: 8 (Flash) or 16 (Pro) groups of 8 heads x 512 (Dg = 4096), R = 1024
+V4_SHAPES = [(8, 8, 512, 1024), (16, 8, 512, 1024)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G, HG, Dv, R", V4_SHAPES)
+@pytest.mark.parametrize("T", [1, 5, 16, 17, 33, 64, 65, 200, 1000, 4097])
+def test_v4_shapes_every_route_per_element(seed, G, HG, Dv, R, T):
+    """V4-Flash / V4-Pro at decode and prefill T through the default route (this project's
+    kernels on the H200: no cuBLAS band at Dg = 4096), output poisoned, every element within
+    its own rounding bound (bf16 output, FP32 sum over K = 4096)."""
+    o, w = make(T, G, HG, Dv, R, "cuda")
+    out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
+    wo_a(o, w, out=out)
+    torch.cuda.synchronize()
+    err = (out.double().cpu() - wo_a_ref(o, w)).abs()
+    bound = gemm_error_bound(o, w, HG * Dv)
+    assert bool((err <= bound).all()), f"{int((err > bound).sum())} elements out of bound"
 
 
 @pytest.mark.gpu

@@ -1,14 +1,16 @@
-"""WO-A with e4m3 weights and 128 x 128 block scales (decode T): the reference and the
-quantiser on the CPU, machine code for sm_90a / sm_100a, the kernel on the H200 (staged)."""
+"""WO-A with e4m3 weights and 128 x 128 block scales: the reference, the quantiser and the
+checkpoint-scale conversion on the CPU, machine code for sm_90a / sm_100a, the decode kernel
+and the widened (T > 64) path on the H200."""
 
 import cutlass
 import pytest
 import torch
 
 from cute_kernels.testing import sass
-from cute_kernels.wo_a_decode_fp8 import (SCALE_BLOCK, WoADecodeFp8, k_permutation, plan, quantize_wo_a_fp8,
-                                          wo_a_fp8, wo_a_fp8_reference)
-from references import rel_err
+from cute_kernels.dequant_fp8_blockwise import dequantize_fp8_blockwise
+from cute_kernels.wo_a_decode_fp8 import (SCALE_BLOCK, WoADecodeFp8, checkpoint_scales_fp32, k_permutation, plan,
+                                          quantize_wo_a_fp8, wo_a_fp8, wo_a_fp8_reference)
+from references import gemm_error_bound, rel_err, wo_a_ref
 
 # bf16 output rounding dominates (~1.1e-3 for an exact sum); FP32 accumulation over K <= 2048
 # in another order than the reference's: the engine tests' 4e-3.
@@ -79,7 +81,6 @@ def test_reference_is_the_dequantized_product(seed, T):
 @pytest.mark.parametrize("o, w, scale, words", [
     ((1, 16, 128), (2, 256, 1024), (2, 2, 8), "w must have dtype"),  # bf16 weights
     ((1, 16, 128), (2, 256, 1024), (2, 2, 4), "scale must have shape"),
-    ((33, 16, 128), (2, 256, 1024), (2, 2, 8), "1 <= T <= 32"),
     ((1, 16, 128), (2, 192, 1024), (2, 1, 8), "multiples of 128"),
     ((1, 15, 128), (3, 256, 768), (3, 2, 6), "w.shape\\[2\\]=768 must equal"),
 ])
@@ -95,10 +96,11 @@ def test_plan_and_config_errors():
     from cute_kernels import jit
     assert plan(5, 8, 512, 2048) == dict(bm=16, bn=32, splits=1, stages=6)
     assert plan(20, 8, 512, 2048)["bm"] == 32
-    assert WoADecodeFp8.can_implement(32, 8, 512, 2048) and not WoADecodeFp8.can_implement(33, 8, 512, 2048)
+    assert plan(40, 8, 1024, 4096)["bm"] == 64
+    assert WoADecodeFp8.can_implement(64, 8, 512, 2048) and not WoADecodeFp8.can_implement(65, 8, 512, 2048)
     assert not WoADecodeFp8.can_implement(1, 8, 192, 2048)  # R inside whole scale blocks
-    with pytest.raises(ValueError, match="bm 16 or 32"):
-        jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=8, R=512, Dg=1024, bm=64, use_disk=False)
+    with pytest.raises(ValueError, match="bm 16, 32 or 64"):
+        jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=8, R=512, Dg=1024, bm=128, use_disk=False)
     with pytest.raises(ValueError, match="shared memory"):
         jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=8, R=512, Dg=1024, bm=32, bn=64, stages=20, use_disk=False)
     with pytest.raises(ValueError, match="bk=192"):
@@ -139,7 +141,8 @@ def test_k_permutation_is_a_permutation_with_16_byte_runs(seed, bk):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("bm, splits, bn, stages, bk", [(16, 1, 32, 6, 128), (32, 2, 64, 4, 128), (16, 1, 32, 4, 256)])
+@pytest.mark.parametrize("bm, splits, bn, stages, bk", [(16, 1, 32, 6, 128), (32, 2, 64, 4, 128), (16, 1, 32, 4, 256),
+                                                       (64, 1, 64, 4, 128)])
 def test_machine_code(arch, bm, splits, bn, stages, bk):
     """cp.async of both operands, the e4m3 -> bf16 widening in registers (F2FP ... E4M3 unpack,
     then bf16 packs), bf16 warp MMAs per K slice, one FFMA per accumulator element and scale
@@ -154,11 +157,124 @@ def test_machine_code(arch, bm, splits, bn, stages, bk):
     assert sass.count(h, "FFMA") >= bm * bn // 128 * (bk // 128)
     assert sass.local_memory_ops(h) == 0
     chunks = bk // 64
-    a_loads = (bm // 16) * 2 * chunks * 2  # m16 blocks x 2 rows x chunks x two 16-byte loads
-    b_loads = (bn // 32) * chunks  # n8 blocks per warp x chunks
+    # a warp's tile: bm x bn/4 (warps side by side, bm < 64) or bm/2 x bn/2 (2 x 2 warps, bm = 64)
+    warp_m, warp_n = (bm, bn // 4) if bm < 64 else (bm // 2, bn // 2)
+    a_loads = (warp_m // 16) * 2 * chunks * 2  # m16 blocks x 2 rows x chunks x two 16-byte loads
+    b_loads = (warp_n // 8) * chunks  # n8 blocks per warp x chunks
     assert sass.count(h, "LDS.128") >= a_loads + b_loads and sass.count(h, "LDSM") == 0, h
     if splits == 1:
         assert sass.count(h, "BAR.SYNC") == 1, h
+
+
+# ----------------------------------------------- DeepSeek-V4: Dg = 4096, any T, UE8M0 ------
+V4_SHAPES = [(8, 8, 512, 1024), (16, 8, 512, 1024)]  # (G, H/G, Dv, R): V4-Flash, V4-Pro
+
+
+def make_v4(T, G, HG, Dv, R, scales, device="cuda"):
+    """V4-shaped activations and FP8 weights with either FP32 block scales (V4-Flash-Base) or
+    power-of-two ones (UE8M0: V4-Flash / -Pro), the latter built as UE8M0 bytes and converted
+    by checkpoint_scales_fp32."""
+    Dg = HG * Dv
+    o = torch.randn(T, G * HG, Dv, device=device).bfloat16()
+    w8 = (torch.randn(G, R, Dg, device=device) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    if scales == "ue8m0":
+        e = torch.randint(127 - 16, 127 - 6, (G, R // SCALE_BLOCK, Dg // SCALE_BLOCK), device=device)
+        scale = checkpoint_scales_fp32(e.to(torch.uint8))
+    else:
+        scale = torch.rand(G, R // SCALE_BLOCK, Dg // SCALE_BLOCK, device=device) * 1e-3 + 1e-5
+    return o, w8, scale
+
+
+def fp8_bound(o, w8, scale, widened_with_fp32_scales):
+    """references.gemm_error_bound on the dequantised weights; + one bf16 rounding of each
+    weight where the T > 64 path widened them with non-power-of-two scales."""
+    G, R, Dg = w8.shape
+    w = (w8.double().view(G, R // SCALE_BLOCK, SCALE_BLOCK, Dg // SCALE_BLOCK, SCALE_BLOCK)
+         * scale.double()[:, :, None, :, None]).view(G, R, Dg)
+    return w, gemm_error_bound(o, w, Dg, 2.0 ** -8 if widened_with_fp32_scales else 0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G, HG, Dv, R", V4_SHAPES)
+@pytest.mark.parametrize("T", [1, 5, 17, 33, 64, 65, 300, 4097])
+@pytest.mark.parametrize("scales", ["ue8m0", "fp32"])
+def test_v4_any_t_per_element(seed, G, HG, Dv, R, T, scales):
+    """wo_a_fp8 at V4 shapes on the H200 -- decode kernel (T <= 64, bm 16 / 32 / 64) and the
+    widened path (T > 64) -- output poisoned, every element within its rounding bound against
+    the float64 product of o and the dequantised weights."""
+    o, w8, scale = make_v4(T, G, HG, Dv, R, scales)
+    out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
+    wo_a_fp8(o, w8, scale, out=out)
+    torch.cuda.synchronize()
+    w, bound = fp8_bound(o, w8, scale, T > 64 and scales == "fp32")
+    err = (out.double().cpu() - wo_a_ref(o, w)).abs()
+    assert bool((err <= bound).all()), f"{int((err > bound).sum())} elements out of bound"
+
+
+@pytest.mark.gpu
+def test_v4_widened_path_graph_replay(seed):
+    """The T > 64 path (widen + bf16 WO-A) captured once, replayed with fresh activations,
+    weights and scales each time; every replay checked."""
+    G, HG, Dv, R, T = 8, 8, 512, 1024, 200
+    o, w8, scale = make_v4(T, G, HG, Dv, R, "ue8m0")
+    out = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
+    wide = torch.empty(G, R, HG * Dv, device="cuda", dtype=torch.bfloat16)
+    wo_a_fp8(o, w8, scale, out=out, wide_weights=wide)  # warm-up: compiles outside capture
+    s = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        wo_a_fp8(o, w8, scale, out=out, wide_weights=wide, stream=s)
+    for _ in range(3):
+        o2, w2, s2 = make_v4(T, G, HG, Dv, R, "ue8m0")
+        o.copy_(o2), w8.copy_(w2), scale.copy_(s2)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        w, bound = fp8_bound(o, w8, scale, False)
+        assert bool(((out.double().cpu() - wo_a_ref(o, w)).abs() <= bound).all())
+
+
+def test_checkpoint_scales_are_exact_powers_of_two():
+    """UE8M0 bytes -> 2**(e - 127) exactly (e = 0: 2**-127, a subnormal; 255: NaN), from uint8
+    or float8_e8m0fnu; FP32 passes through; other dtypes are refused."""
+    e = torch.tensor([0, 1, 100, 127, 128, 254, 255], dtype=torch.uint8)
+    got = checkpoint_scales_fp32(e)
+    want = torch.tensor([2.0 ** (int(v) - 127) for v in e[:-1]], dtype=torch.float64)
+    assert got.dtype == torch.float32 and torch.equal(got[:-1].double(), want) and torch.isnan(got[-1])
+    assert torch.equal(checkpoint_scales_fp32(e[:-1].view(torch.float8_e8m0fnu)), got[:-1])
+    f = torch.rand(3)
+    assert checkpoint_scales_fp32(f) is not None and torch.equal(checkpoint_scales_fp32(f), f)
+    with pytest.raises(TypeError, match="scale must be float32"):
+        checkpoint_scales_fp32(torch.ones(3, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("w, scale, words", [
+    ((256, 1024), (2, 8), None),
+    ((256, 1000), (2, 8), "multiples of 128"),
+    ((192, 1024), (1, 8), "multiples of 128"),
+    ((256, 1024), (2, 4), "scale must have shape"),
+])
+def test_dequantize_validation(w, scale, words):
+    """Shapes checked before the device check (a CPU call with good shapes reaches it)."""
+    with pytest.raises((TypeError, ValueError), match=words or "must be a CUDA tensor"):
+        dequantize_fp8_blockwise(torch.zeros(w).to(torch.float8_e4m3fn), torch.ones(scale))
+
+
+def test_wide_weights_validation():
+    G, HG, Dv, R = 8, 2, 128, 256
+    o = torch.zeros(100, G * HG, Dv, dtype=torch.bfloat16)
+    w8 = torch.zeros(G, R, HG * Dv).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="wide_weights must have shape"):
+        wo_a_fp8(o, w8, torch.ones(G, R // 128, HG * Dv // 128), wide_weights=torch.zeros(G, R, 64).bfloat16())
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_dequantize_machine_code(arch):
+    """16-byte loads of the e4m3 weights, 32-byte (two 16-byte) stores of the bf16 ones, one
+    scale load per thread, no local memory."""
+    h = sass.sass_histogram("dequant_fp8_blockwise", arch, K=4096)
+    assert sass.count(h, "LDG.E.128") == 1 and sass.count(h, "STG.E.128") == 2, h
+    assert sass.local_memory_ops(h) == 0
 
 
 @pytest.mark.gpu
