@@ -74,6 +74,50 @@ def quantize_expert_weights(w: torch.Tensor, *, stream=None) -> tuple[torch.Tens
     return w_q, w_s
 
 
+#: e4m3 bytes of the 16 e2m1 codes (sign bit 3, exponent bits 2-1, mantissa bit 0): 0, 0.5, 1,
+#: 1.5, 2, 3, 4, 6 and their negatives -- every e2m1 value is exact in e4m3
+_E2M1_TO_E4M3 = (0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C, 0x80, 0xB0, 0xB8, 0xBC, 0xC0, 0xC4, 0xC8, 0xCC)
+
+
+def mxfp4_expert_weights(w: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A checkpoint's MXFP4 routed-expert weights as this package's MXFP8 operands, exactly.
+
+    DeepSeek-V4-Flash / -Pro store the routed experts as MXFP4 (``expert_dtype: fp4`` in their
+    config; vLLM's ``DeepseekV4FP8Config`` dispatches them to its MXFP4 MoE method): ``w [E, N,
+    K/2]`` uint8 (or ``torch.float4_e2m1fn_x2``), two e2m1 codes per byte, element ``2i`` in the
+    low nibble, and ``w_scale [E, N, K/32]`` UE8M0 (uint8 or ``torch.float8_e8m0fnu``), one per 32
+    consecutive K elements. MXFP8 has the same 32-element blocks and UE8M0 scales and every
+    e2m1 value is exact in e4m3, so the conversion keeps each block's scale and maps each code
+    to its e4m3 byte: ``dequantize`` of the result equals the checkpoint's values bit for bit,
+    and the MXFP8 GEMMs (:func:`moe_expert_gemm`, :func:`moe_expert_gate_up`) then compute with
+    the checkpoint's weights on both archs. The cost: twice the FP4 bytes in memory and per
+    decode step (a native e2m1 operand path is not built). Load time, torch ops, any device.
+
+    Returns ``(w_q [E, N, K]`` e4m3, ``w_scales [E, expert_scale_bytes(N, K)]`` uint8 swizzled)."""
+    op = "mxfp4_expert_weights"
+    if not isinstance(w, torch.Tensor) or w.dtype not in (torch.uint8, torch.float4_e2m1fn_x2):
+        raise TypeError(f"{op}: w must be a uint8 or float4_e2m1fn_x2 tensor [E, N, K/2], got "
+                        f"{getattr(w, 'dtype', type(w).__name__)}")
+    if not isinstance(w_scale, torch.Tensor) or w_scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
+        raise TypeError(f"{op}: w_scale must be a uint8 or float8_e8m0fnu tensor [E, N, K/32], got "
+                        f"{getattr(w_scale, 'dtype', type(w_scale).__name__)}")
+    if w.dim() != 3:
+        raise ValueError(f"{op}: w must have 3 dims [E, N, K/2], got {list(w.shape)}")
+    E, N, half = w.shape
+    K = 2 * half
+    if K % MX_BLOCK:
+        raise ValueError(f"{op}: K = 2 * w.shape[2] = {K} must be a multiple of {MX_BLOCK}")
+    if tuple(w_scale.shape) != (E, N, K // MX_BLOCK):
+        raise ValueError(f"{op}: w_scale must have shape [{E}, {N}, {K // MX_BLOCK}], got {list(w_scale.shape)}")
+    packed = w.contiguous().view(torch.uint8).to(torch.int64)
+    lut = torch.tensor(_E2M1_TO_E4M3, dtype=torch.uint8, device=w.device)
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).view(E, N, K)  # element 2i: low nibble
+    w_q = lut[codes].view(F8)
+    scales = w_scale.contiguous().view(torch.uint8)
+    w_s = torch.stack([swizzle_scales(scales[e]) for e in range(E)])
+    return w_q, w_s
+
+
 def _reference(a_q, a_scales, w_q, w_scales, expert_offsets, out):
     rows, K = a_q.shape
     E, N, _ = w_q.shape
@@ -405,7 +449,7 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
     else:
         q, sc = _mx_quant_torch(h)
         q_out.view(torch.uint8).copy_(q)
-        scales_out.copy_(_swizzle_reference(sc))
+        scales_out.copy_(swizzle_scales(sc))
     return q_out, scales_out
 
 
@@ -424,9 +468,11 @@ def _mx_quant_torch(x: torch.Tensor):
     return q.view(R, K), scale.to(torch.uint8)
 
 
-def _swizzle_reference(scale: torch.Tensor) -> torch.Tensor:
+def swizzle_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Row-major block-scale bytes ``[R, C]`` -> the flat swizzled layout the expert GEMMs read
+    (128 x 4 atoms, zero padded; the inverse of :func:`unswizzle_scales`). Torch ops, any device."""
     R, C = scale.shape
     rb, cb = -(-R // 128), -(-C // 4)
-    p = torch.zeros(rb * 128, cb * 4, dtype=scale.dtype)
+    p = torch.zeros(rb * 128, cb * 4, dtype=scale.dtype, device=scale.device)
     p[:R, :C] = scale
     return p.view(rb, 128, cb, 4).permute(0, 2, 1, 3).reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1)

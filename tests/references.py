@@ -273,3 +273,22 @@ def v4_indexer_scores_ref(q, w, pool, entry_offset, n_entries, pos, compress_rat
         logits = torch.relu(q[t].double() @ keys.T) * D ** -0.5          # [H, lim]
         out[t, :lim] = (logits * (w[t].double() * H ** -0.5)[:, None]).sum(0)
     return out
+
+
+def e2m1_value_ref(code: int) -> float:
+    """The OCP MX e2m1 value of a 4-bit code: sign bit 3, exponent bits 2-1 (bias 1), mantissa
+    bit 0; exponent 0 is subnormal (m * 0.5)."""
+    s, e, m = code >> 3, (code >> 1) & 3, code & 1
+    v = m * 0.5 if e == 0 else 2.0 ** (e - 1) * (1 + m / 2)
+    return -v if s else v
+
+
+def mxfp4_dequant_ref(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float64 [N, K] of MXFP4 ``packed [N, K/2]`` uint8 (element 2i in the low nibble) and UE8M0
+    ``scale [N, K/32]`` uint8 (255 -> NaN)."""
+    lut = torch.tensor([e2m1_value_ref(c) for c in range(16)], dtype=torch.float64)
+    p = packed.to(torch.int64)
+    vals = lut[torch.stack((p & 0xF, p >> 4), dim=-1).reshape(p.shape[0], -1)]
+    f = torch.exp2(scale.double() - 127)
+    f = torch.where(scale == 255, torch.full_like(f, float("nan")), f)
+    return (vals.view(p.shape[0], -1, 32) * f[..., None]).view(p.shape[0], -1)

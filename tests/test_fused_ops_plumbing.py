@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import spec_decode.fused_ops as fo
-from moe.experts import _mx_quant_torch, _reference, _swizzle_reference, silu_mul_interleaved
+from moe.experts import _mx_quant_torch, _reference, swizzle_scales, silu_mul_interleaved
 from moe.router import RouterOutput, capacity
 from references import (align_ref, finalize_shared_ref, grouped_topk_ref, indexer_scores_ref, mhc_post_mix_ref,
                         mhc_pre_mix_ref, mhc_stats_ref)
@@ -76,7 +76,7 @@ def fake_quant_routed(x, sorted_ids, total, topk, zero_padding=True):
     q, s = _mx_quant_torch(g)
     if not zero_padding:
         q[~live], s[~live] = 0x7F, 0xFF
-    return q.view(torch.float8_e4m3fn), _swizzle_reference(s)
+    return q.view(torch.float8_e4m3fn), swizzle_scales(s)
 
 
 EXPERT_CALLS = []  # (max_expert_rows, expert_row_tile) per expert-GEMM call
@@ -99,7 +99,7 @@ def fake_gate_up(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert
     E, N, _ = wq.shape
     y = _reference(aq.view(torch.uint8), asc, wq.view(torch.uint8), ws, offs, torch.zeros(rows, N).bfloat16())
     q, s = _mx_quant_torch(silu_mul_interleaved(y))
-    return q.view(torch.float8_e4m3fn), _swizzle_reference(s)
+    return q.view(torch.float8_e4m3fn), swizzle_scales(s)
 
 
 def fake_gemm(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert_rows=None, expert_row_tile=None):
@@ -112,7 +112,7 @@ def fake_gemm(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert_ro
 def fake_quantize_expert_weights(w):
     E, N, K = w.shape
     qs, ss = zip(*(_mx_quant_torch(w[e]) for e in range(E)))
-    return torch.stack(qs).view(torch.float8_e4m3fn), torch.stack([_swizzle_reference(s) for s in ss])
+    return torch.stack(qs).view(torch.float8_e4m3fn), torch.stack([swizzle_scales(s) for s in ss])
 
 
 @pytest.fixture

@@ -11,10 +11,11 @@ import cutlass.utils.blockscaled_layout as blockscaled_utils
 from cute_kernels import jit
 from cute_kernels.testing import sass
 from moe.experts import (_reference, dequantize, expert_scale_bytes, moe_expert_gate_up, moe_expert_gemm,
-                         silu_mul_interleaved, unswizzle_scales)
+                         mxfp4_expert_weights, silu_mul_interleaved, unswizzle_scales)
 from moe.experts import interleave_gate_up as moe_interleave
 from moe.experts_sm100 import MoeExpertGemmSm100
-from references import e4m3_step_ref, mxfp8_dequant_ref, mxfp8_quant_ref, swizzle_scales_ref
+from references import (e2m1_value_ref, e4m3_step_ref, mxfp4_dequant_ref, mxfp8_dequant_ref, mxfp8_quant_ref,
+                        swizzle_scales_ref)
 
 
 def _sf_offsets(shape, coords):
@@ -677,3 +678,94 @@ def test_swap_ab_decode_scale_words_transcribed():
                 wd = words_a[(sa_atom + kt) * 128 + (m % 32) * 4 + m // 32]
                 for kb in range(4):
                     assert byte(wd, kb) == raw_a[row0 + m, kt * 4 + kb]
+
+
+# ------------------------------------------ DeepSeek-V4's MXFP4 routed-expert checkpoints ------
+def _mxfp4_problem(E, N, K, gen):
+    """Random MXFP4 expert weights as a V4 checkpoint stores them: packed e2m1 codes (every byte
+    value appears) and UE8M0 scales around 2^-7, with NaN (255), 0 and 254 scale edge cases."""
+    packed = torch.randint(0, 256, (E, N, K // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+    packed.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    scale = torch.randint(127 - 10, 127 - 4, (E, N, K // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
+    scale.view(-1)[:3] = torch.tensor([0, 254, 255], dtype=torch.uint8)
+    return packed, scale
+
+
+def test_mxfp4_codes_are_exact_in_e4m3():
+    """Each of the 16 e2m1 codes maps to the e4m3 byte of the same value (OCP definitions)."""
+    packed = torch.arange(16, dtype=torch.uint8).view(1, 1, 16) * 0x11  # code c in both nibbles
+    w_q, _ = mxfp4_expert_weights(packed.expand(1, 1, 16).contiguous(), torch.full((1, 1, 1), 127, dtype=torch.uint8))
+    got = w_q.view(-1).float()
+    assert got.tolist() == [e2m1_value_ref(c) for c in range(16) for _ in (0, 1)]
+
+
+@pytest.mark.parametrize("E, N, K", [(2, 130, 96), (3, 256, 4096)])
+def test_mxfp4_conversion_is_bit_exact(seed, E, N, K):
+    """The converted MXFP8 weights dequantise to the checkpoint's MXFP4 values exactly (float64
+    reference from the e2m1 / UE8M0 definitions, NaN scales included), in the swizzled scale
+    layout the kernels read; the float4 / e8m0 dtypes give the same bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    packed, scale = _mxfp4_problem(E, N, K, gen)
+    w_q, w_s = mxfp4_expert_weights(packed, scale)
+    assert w_q.dtype == torch.float8_e4m3fn and w_q.shape == (E, N, K)
+    assert w_s.shape == (E, expert_scale_bytes(N, K))
+    ones = torch.full((N, K // 32), 127, dtype=torch.uint8)
+    for e in range(E):
+        # element values (scale 2^0 in the reference) and the scales, each exactly the checkpoint's
+        assert torch.equal(w_q[e].double(), mxfp4_dequant_ref(packed[e], ones))
+        assert torch.equal(unswizzle_scales(w_s[e], N, K), scale[e])
+        # and the package's FP32 dequantisation agrees wherever FP32 holds the value
+        ref = mxfp4_dequant_ref(packed[e], scale[e])
+        got = dequantize(w_q[e], w_s[e], N, K).double()
+        fits = ref.abs() < 2.0 ** 127
+        assert torch.equal(torch.isnan(got), torch.isnan(ref))
+        assert torch.equal(got[fits], ref[fits])
+    w_q2, w_s2 = mxfp4_expert_weights(packed.view(torch.float4_e2m1fn_x2), scale.view(torch.float8_e8m0fnu))
+    assert torch.equal(w_q2.view(torch.uint8), w_q.view(torch.uint8)) and torch.equal(w_s2, w_s)
+
+
+@pytest.mark.parametrize("w, s, exc, words", [
+    (torch.zeros(2, 4, 16, dtype=torch.int8), torch.zeros(2, 4, 1, dtype=torch.uint8), TypeError, "w must be"),
+    (torch.zeros(2, 4, 16, dtype=torch.uint8), torch.zeros(2, 4, 1), TypeError, "w_scale must be"),
+    (torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8), ValueError, "3 dims"),
+    (torch.zeros(2, 4, 8, dtype=torch.uint8), torch.zeros(2, 4, 1, dtype=torch.uint8), ValueError, "multiple of 32"),
+    (torch.zeros(2, 4, 16, dtype=torch.uint8), torch.zeros(2, 4, 2, dtype=torch.uint8), ValueError, "w_scale must have"),
+])
+def test_mxfp4_validation(w, s, exc, words):
+    with pytest.raises(exc, match=words):
+        mxfp4_expert_weights(w, s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E, N, K, counts", [
+    (4, 4096, 4096, [1, 0, 3, 2]),    # V4-Flash gate/up (2 x I = 4096, hidden 4096), decode rows
+    (3, 7168, 3072, [5, 0, 130]),     # V4-Pro down (hidden 7168, I = 3072), a two-tile expert
+])
+def test_gpu_mxfp4_weights_per_element(seed, E, N, K, counts):
+    """H200: MXFP8 activations x a V4 checkpoint's MXFP4 weights (converted) through the GEMM,
+    live rows against float64 products of the dequantised operands, each element within its
+    bf16 rounding plus the FP32 accumulation (K * 2^-24 of sum |a w|)."""
+    gen = torch.Generator().manual_seed(seed)
+    packed, scale = _mxfp4_problem(E, N, K, gen)
+    scale.view(-1)[:3] = 120  # finite scales here: a NaN scale poisons its whole row by design
+    w_q, w_s = mxfp4_expert_weights(packed, scale)
+    padded = [-(-c // 128) * 128 for c in counts]
+    offs = torch.tensor([0] + list(torch.tensor(padded).cumsum(0)), dtype=torch.int32)
+    rows = int(offs[-1]) + 128
+    a = torch.randn(rows, K, generator=gen).bfloat16()
+    aq, asc = mxfp8_quant_ref(a)
+    cnt, te = _router_maps(offs, counts, rows)
+    out = torch.full((rows, N), float("nan"), device="cuda").bfloat16()
+    moe_expert_gemm(aq.cuda(), swizzle_scales_ref(asc).cuda(), w_q.cuda(), w_s.cuda(), offs.cuda(), cnt.cuda(),
+                    te.cuda(), out=out, routed_rows=sum(counts))
+    torch.cuda.synchronize()
+    a64 = mxfp8_dequant_ref(aq, asc).double()
+    for e in range(E):
+        lo, hi = int(offs[e]), int(offs[e]) + counts[e]
+        if hi == lo:
+            continue
+        w64 = mxfp4_dequant_ref(packed[e], scale[e])
+        ref = a64[lo:hi] @ w64.T
+        bound = 2.0 ** -8 * ref.abs() + K * 2.0 ** -24 * (a64[lo:hi].abs() @ w64.abs().T) + 1e-30
+        err = (out[lo:hi].double().cpu() - ref).abs()
+        assert bool((err <= bound).all()), f"expert {e}: {int((err > bound).sum())} elements out of bound"
