@@ -7,7 +7,7 @@ import torch
 
 from cute_kernels import catalog, jit
 from cute_kernels.testing import sass
-from cute_kernels.wo_a import wo_a
+from cute_kernels.wo_a import aot_routes, route, wo_a
 from cute_kernels.wo_a_sm90 import WoASm90, wo_a_layouts
 from cute_kernels.wo_a_sm100 import WoASm100
 from references import gemm_error_bound, rel_err, wo_a_ref
@@ -1127,3 +1127,22 @@ def test_cublas_route_explicit_stream_and_graph(seed, as_handle):
         g.replay()
         torch.cuda.synchronize()
         assert torch.isfinite(out).all() and rel_err(out, wo_a_ref(o, w)) < TOL
+
+
+#: per route kernel, the MMA that must appear in its machine code
+_ROUTE_MMA = {("wo_a", "sm_90a"): "HGMMA", ("wo_a", "sm_100a"): "UTCHMMA", ("wo_a_decode", "sm_90a"): "HMMA",
+              ("wo_a_decode", "sm_100a"): "HMMA", ("wo_a_decode_swap_ab", "sm_90a"): "HGMMA"}
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("G", [8, 16])
+@pytest.mark.parametrize("T", [5, 64, 4096])
+def test_v4_routes_compile_machine_code(arch, G, T):
+    """DeepSeek-V4's WO-A (Dg = 4096, R = 1024) on both archs: the kernel and config the default
+    route takes at a decode, the largest decode and a prefill T compile, with their tensor-core
+    instruction and no local memory (the Blackwell proof without a Blackwell GPU)."""
+    name, cfg = route(T, G, 1024, 4096, arch)
+    h = sass.sass_histogram(name, arch, **cfg)
+    assert sass.count(h, _ROUTE_MMA[(name, arch)]) >= 1, (name, cfg)
+    assert sass.local_memory_ops(h) == 0, (name, cfg)
+    assert (name, cfg) in [(n, c) for n, c in aot_routes(arch, shapes=((G, 1024, 4096),))]

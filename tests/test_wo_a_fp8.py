@@ -331,3 +331,18 @@ def test_every_config_and_graph_replay(seed, bm, splits, bn, stages, bk):
     g.replay()
     torch.cuda.synchronize()
     assert rel_err(out, dequantized_ref(o, w8, scale)) < TOL
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("G", [8, 16])
+@pytest.mark.parametrize("T", [5, 20, 64])
+def test_v4_decode_plans_compile(arch, G, T):
+    """The FP8 decode kernel at V4's shapes (Dg = 4096) and the plan's configs for each token
+    tile compile on both archs with the e4m3 widening, warp MMAs and no local memory; each is in
+    the AOT set."""
+    cfg = dict(G=G, R=1024, Dg=4096, **plan(T, G, 1024, 4096))
+    h = sass.sass_histogram("wo_a_decode_fp8", arch, **cfg)
+    assert sass.count(h, "HMMA") >= 1 and any("E4M3" in m for m in h)
+    assert sass.local_memory_ops(h) == 0
+    from cute_kernels.wo_a_decode_fp8 import aot_configs
+    assert cfg in aot_configs()
