@@ -11,6 +11,8 @@
 #   bash tools/device.sh bench-wo-a-routes   WO-A's default route against cuBLAS and the CuTe path
 #   bash tools/device.sh bench-runtime       the decode runtime at the reference lengths
 #   bash tools/device.sh build               the AOT build for sm_90a + sm_100a and its demo
+#   bash tools/device.sh v4 tests|bench      DeepSeek-V4's kernels: their GPU tests (-k "v4 or mxfp4"),
+#                                            or their benches (WO-A bf16 / FP8, indexer, MoE layers)
 set -u
 source tools/device-env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -46,9 +48,24 @@ bench-wo-a-routes)
 bench-runtime)
   python -m spec_decode.bench --model slice --out "$OUT/bench_runtime.md" "$@"
   ;;
+v4)
+  case "${1:-tests}" in
+    tests)
+      $PYT -m gpu -k "v4 or mxfp4 or fp8" tests/test_wo_a.py tests/test_wo_a_fp8.py tests/test_indexer.py \
+        tests/test_moe_experts.py tests/test_moe_router.py 2>&1 | tee "$OUT/v4-tests.log" | tail -25
+      exit "${PIPESTATUS[0]}" ;;
+    bench)
+      python bench/bench_wo_a_v4.py --out "$OUT/bench_wo_a_v4.md" 2>&1 | tail -3
+      python bench/bench_indexer.py --model v4 --out "$OUT/bench_indexer_v4.md" 2>&1 | tail -3
+      for m in v4-flash v4-pro; do
+        timeout 240 python bench/bench_moe_experts.py --model $m --out "$OUT/bench_moe_experts_$m.md" 2>&1 | tail -3
+      done ;;
+    *) echo "v4: tests or bench" >&2; exit 2 ;;
+  esac
+  ;;
 build)
   python -m cute_kernels build --arch sm_90a --arch sm_100a --demo 2>&1 | tail -20 | tee "$OUT/build.log"
   ;;
 *)
-  sed -n '2,14p' "$0"; exit 2 ;;
+  sed -n '2,16p' "$0"; exit 2 ;;
 esac
