@@ -418,27 +418,23 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
     path = dispatch(op, ("sm100", "sm90", "portable"), arch=a)
     mask = slot_valid.view(torch.uint8) if has_mask else kv_len  # any valid pointer when unused
     pitch = workspace.pitch
+    cfg = dict(heads=H, dim=D, has_slot_mask=has_mask, **_ratio_cfg(compress_ratio))  # every score kernel's
     if fp8:
         f8 = cutlass.Float8E4M3FN
-        scores_fn = jit.get_kernel("indexer_scores_fp8", a, heads=H, dim=D, has_slot_mask=has_mask,
-                                    **_ratio_cfg(compress_ratio))
+        scores_fn = jit.get_kernel("indexer_scores_fp8", a, **cfg)
         scores_fn(P(f8, q, 16), P(Float32, w, 16), P(f8, k_cache, 16), P(Float32, k_scale, 4), P(Int32, kv_offset, 4),
                   P(Int32, kv_len, 4), P(Int32, pos, 4), P(cutlass.Uint8, mask, 1), P(Float32, workspace.scores, 16),
                   jit.i32(T), jit.i32(R), jit.i32(pitch), cs)
         _select(workspace, kv_len, pos, out, T, topk, max_keys, compress_ratio, a, cs)
         return out
     if path == "sm100" and IndexerScoresSm100.can_implement(H, D):
-        scores_fn = jit.get_kernel("indexer_scores_sm100", a, heads=H, dim=D, has_slot_mask=has_mask,
-                                    **_ratio_cfg(compress_ratio))
+        scores_fn = jit.get_kernel("indexer_scores_sm100", a, **cfg)
     elif path == "sm90" and token_group > 1:
-        scores_fn = jit.get_kernel("indexer_scores_token_group_sm90", a, heads=H, dim=D, has_slot_mask=has_mask,
-                                   group=token_group, **_ratio_cfg(compress_ratio))
+        scores_fn = jit.get_kernel("indexer_scores_token_group_sm90", a, group=token_group, **cfg)
     elif path == "sm90" and use_wgmma is not False and IndexerScoresSm90.can_implement(H, D):
-        scores_fn = jit.get_kernel("indexer_scores_sm90", a, heads=H, dim=D, has_slot_mask=has_mask,
-                                    **_ratio_cfg(compress_ratio))
+        scores_fn = jit.get_kernel("indexer_scores_sm90", a, **cfg)
     else:
-        scores_fn = jit.get_kernel("indexer_scores", a, heads=H, dim=D, has_slot_mask=has_mask,
-                                    **_ratio_cfg(compress_ratio))
+        scores_fn = jit.get_kernel("indexer_scores", a, **cfg)
     scores_fn(P(cutlass.BFloat16, q, 16), P(Float32, w, 16), P(cutlass.BFloat16, k_cache, 16),
               P(Int32, kv_offset, 4), P(Int32, kv_len, 4), P(Int32, pos, 4), P(cutlass.Uint8, mask, 1),
               P(Float32, workspace.scores, 16), jit.i32(T), jit.i32(R), jit.i32(pitch), cs)

@@ -68,11 +68,17 @@ def test_activation_scale_layout_is_what_the_kernel_reads(rows, K):
     assert torch.equal(unswizzle_scales(flat, rows, K), raw)
 
 
-def _quantized_problem(E, N, K, counts, gen):
-    """Router-like padded layout: expert e's rows at [offs[e], offs[e] + counts[e]), 128-aligned."""
+def _padded_layout(counts):
+    """Router-like padded layout: expert e's rows at [offs[e], offs[e] + counts[e]), 128-aligned;
+    (offs [E + 1], rows = the capacity, one tile beyond the live total)."""
     padded = [-(-c // 128) * 128 for c in counts]
     offs = torch.tensor([0] + list(torch.tensor(padded).cumsum(0)), dtype=torch.int32)
-    rows = int(offs[-1]) + 128  # capacity beyond the live total
+    return offs, int(offs[-1]) + 128
+
+
+def _quantized_problem(E, N, K, counts, gen):
+    """Bf16 operands and their MXFP8 forms in :func:`_padded_layout`."""
+    offs, rows = _padded_layout(counts)
     a = torch.randn(rows, K, generator=gen).bfloat16()
     for e in range(E):  # padding rows are zero, as mxfp8_quantize_routed writes them
         a[int(offs[e]) + counts[e]:int(offs[e + 1])] = 0
@@ -749,9 +755,7 @@ def test_gpu_mxfp4_weights_per_element(seed, E, N, K, counts):
     packed, scale = _mxfp4_problem(E, N, K, gen)
     scale.view(-1)[:3] = 120  # finite scales here: a NaN scale poisons its whole row by design
     w_q, w_s = mxfp4_expert_weights(packed, scale)
-    padded = [-(-c // 128) * 128 for c in counts]
-    offs = torch.tensor([0] + list(torch.tensor(padded).cumsum(0)), dtype=torch.int32)
-    rows = int(offs[-1]) + 128
+    offs, rows = _padded_layout(counts)
     a = torch.randn(rows, K, generator=gen).bfloat16()
     aq, asc = mxfp8_quant_ref(a)
     cnt, te = _router_maps(offs, counts, rows)
