@@ -1,72 +1,117 @@
-"""Model and engine configuration for the decode runtime."""
+"""Model and engine configuration for the decode runtime (DeepSeek-V4's layer structure).
+
+A :class:`ModelConfig` names the per-layer shapes and the layer schedule of a DeepSeek-V4 model
+(huggingface/transformers ``models/deepseek_v4/configuration_deepseek_v4.py``; the checkpoints'
+``config.json``): ``compress_ratios`` per layer (0: sliding window only, ``csa_ratio``: CSA --
+window + the indexer's top-k of overlapping compressed windows, ``hca_ratio``: HCA -- window +
+every compressed entry), the first ``n_hash_layers`` MoE layers hash-routed (``tid2eid``), the
+rest sqrt-softplus top-k. Presets: :data:`V4_FLASH_SLICE` / :data:`V4_PRO_SLICE` (the real
+per-layer shapes, a few layers holding every layer kind), :data:`TINY` and :data:`SMALL` (the
+same structure at CPU-test and fused-kernel-test sizes).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
 
-KV_CACHES = ("per_head", "latent")
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab: int = 128
     hidden: int = 64  # C
-    layers: int = 2
-    mhc_n: int = 4  # residual streams
+    #: per layer: 0 (window only), csa_ratio (CSA) or hca_ratio (HCA)
+    compress_ratios: tuple[int, ...] = (0, 4, 128, 4)
+    n_hash_layers: int = 2  # the first MoE layers route by tid2eid[token]
+    mhc_n: int = 4  # residual streams (hc_mult)
     mhc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
     heads: int = 4
-    head_dim: int = 16  # qk and v head dim
-    rope_dim: int = 8  # leading dims of each head rotated by RoPE
+    head_dim: int = 32  # the one KV head's width, and every query head's
+    rope_dim: int = 8  # the LAST rope_dim dims of a head are rotated (interleaved pairs)
     q_lora: int = 32
-    kv_lora: int = 32
     wo_groups: int = 2  # G
-    wo_rank: int = 32  # R
+    wo_rank: int = 16  # R
+    window: int = 128  # raw keys per query: positions (p - window, p]
+    csa_ratio: int = 4  # m: CSA windows (overlapping, width 2m, stride m)
+    hca_ratio: int = 128  # m': HCA windows (non-overlapping)
     indexer_heads: int = 2  # H_I
-    indexer_dim: int = 16  # D_I
-    index_topk: int = 64  # keys selected per query by the indexer
+    indexer_dim: int = 16  # D_I (its last rope_dim dims rotated)
+    index_topk: int = 8  # compressed entries a CSA query attends
     experts: int = 16
-    n_group: int = 4
-    topk_group: int = 2
-    top_k: int = 4
-    routed_scaling_factor: float = 2.5
-    expert_inter: int = 32  # I
-    shared_inter: int = 32
+    top_k: int = 6
+    routed_scaling_factor: float = 1.5
+    expert_inter: int = 32  # I (routed)
+    shared_inter: int = 32  # the one shared expert's width
+    swiglu_limit: float = 10.0  # routed experts: gate <= limit, |up| <= limit
     eps: float = 1e-6
-    #: "per_head": cache every head's RoPE'd K and V (2 * heads * head_dim values a position);
-    #: "latent": MLA-style -- cache the normed KV latent and one RoPE key shared by the heads
-    #: (kv_lora + rope_dim values a position: 57x fewer at the slice config). K_h =
-    #: [k_rope ; lat @ k_b_h^T] (k_b then spans head_dim - rope_dim per head), V_h = lat @ v_b_h^T.
-    kv_cache: str = "per_head"
+    rope_theta: float = 10000.0  # window-only layers (no YaRN)
+    compress_rope_theta: float = 160000.0  # compressed layers (q, keys, entries, indexer), with YaRN
+    yarn_factor: float = 16.0
+    yarn_original_len: int = 65536
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    #: DSpark-style draft: stages (V4 layers, window-only attention) and the target layers
+    #: whose hidden states (stream means) feed stage 0 through one projection
+    draft_stages: int = 3
+    draft_feature_layers: tuple[int, ...] = (1, 2, 3)
+
+    @property
+    def layers(self) -> int:
+        return len(self.compress_ratios)
+
+    def ratio(self, li: int) -> int:
+        return self.compress_ratios[li]
+
+    def is_hash(self, li: int) -> bool:
+        return li < self.n_hash_layers
 
     def validate(self) -> None:
+        if not self.compress_ratios:
+            raise ValueError("compress_ratios must name at least one layer")
+        bad = [r for r in self.compress_ratios if r not in (0, self.csa_ratio, self.hca_ratio)]
+        if bad:
+            raise ValueError(f"compress_ratios entries must be 0, csa_ratio={self.csa_ratio} or "
+                             f"hca_ratio={self.hca_ratio}, got {bad}")
+        if self.csa_ratio < 1 or self.hca_ratio < 1 or self.csa_ratio == self.hca_ratio:
+            raise ValueError("csa_ratio and hca_ratio must be distinct positive ints")
         if self.heads % self.wo_groups:
             raise ValueError(f"heads={self.heads} must be divisible by wo_groups={self.wo_groups}")
-        if self.rope_dim % 2 or self.rope_dim > self.head_dim:
-            raise ValueError(f"rope_dim={self.rope_dim} must be even and <= head_dim={self.head_dim}")
-        if self.experts % self.n_group or self.topk_group > self.n_group:
-            raise ValueError("experts must be divisible by n_group and topk_group <= n_group")
-        if self.top_k > self.topk_group * (self.experts // self.n_group):
-            raise ValueError("top_k exceeds the experts of the kept groups")
-        if self.kv_cache not in KV_CACHES:
-            raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
-        if self.kv_cache == "latent" and self.rope_dim >= self.head_dim:
-            raise ValueError(f"kv_cache='latent' needs rope_dim={self.rope_dim} < head_dim={self.head_dim}")
+        if self.rope_dim % 2 or self.rope_dim > self.head_dim or self.rope_dim > self.indexer_dim:
+            raise ValueError(f"rope_dim={self.rope_dim} must be even and <= head_dim and indexer_dim")
+        if not 1 <= self.top_k <= min(self.experts, 8):
+            raise ValueError(f"top_k={self.top_k} must be in [1, min(experts, 8)]")
+        if not 0 <= self.n_hash_layers <= self.layers:
+            raise ValueError(f"n_hash_layers={self.n_hash_layers} must be in [0, layers={self.layers}]")
+        if self.window < 1 or self.index_topk < 1:
+            raise ValueError("window and index_topk must be positive")
+        if len(self.draft_feature_layers) != 3 or any(not 0 <= i < self.layers for i in self.draft_feature_layers):
+            raise ValueError(f"draft_feature_layers must name 3 target layers in [0, {self.layers}), got "
+                             f"{self.draft_feature_layers}")
+        if self.draft_stages < 1:
+            raise ValueError("draft_stages must be >= 1")
 
 
+#: every layer kind (window-only, CSA, HCA; two hash-routed MoE layers) at CPU-test sizes
 TINY = ModelConfig()
-#: the smallest config every fused kernel accepts (hidden % 128, 64 indexer heads of 128,
-#: WO-A R % 64 and group width % 128, expert dims % 128): the fused backend's test size
-SMALL = ModelConfig(vocab=512, hidden=1024, layers=2, heads=16, head_dim=128, rope_dim=64, q_lora=256, kv_lora=256,
-                    wo_groups=2, wo_rank=512, indexer_heads=64, indexer_dim=128, index_topk=64, experts=32,
-                    n_group=4, topk_group=2, top_k=4, expert_inter=256, shared_inter=256)
-#: real per-layer sizes of a DeepSeek-V4-class model with few layers (for the H200), caching
-#: the KV latent as DeepSeek's MLA does (at the benchmark's BS64 lengths 1 GB of KV pool instead
-#: of 53 GB per-head)
-SLICE = ModelConfig(vocab=129280, hidden=7168, layers=2, heads=128, head_dim=128, rope_dim=64, q_lora=1536,
-                    kv_lora=512, wo_groups=16, wo_rank=1024, indexer_heads=64, indexer_dim=128, index_topk=2048,
-                    experts=256, n_group=8, topk_group=4, top_k=8, expert_inter=2048, shared_inter=2048,
-                    kv_cache="latent")
+#: the smallest sizes every fused kernel accepts (hidden % 128; 64 indexer heads of 128; WO-A
+#: groups of 4096 (V4's) with R = 1024; expert dims % 128): the fused backend's test size
+SMALL = ModelConfig(vocab=512, hidden=1024, heads=16, head_dim=512, rope_dim=64, q_lora=256, wo_groups=2,
+                    wo_rank=1024, indexer_heads=64, indexer_dim=128, index_topk=64, experts=32, top_k=6,
+                    expert_inter=256, shared_inter=256)
+#: DeepSeek-V4-Flash's per-layer shapes (config.json of deepseek-ai/DeepSeek-V4-Flash) with four
+#: layers holding every kind: window-only, CSA, HCA, CSA; the first three hash-routed
+V4_FLASH_SLICE = ModelConfig(vocab=129280, hidden=4096, compress_ratios=(0, 4, 128, 4), n_hash_layers=3,
+                             heads=64, head_dim=512, rope_dim=64, q_lora=1024, wo_groups=8, wo_rank=1024,
+                             indexer_heads=64, indexer_dim=128, index_topk=512, experts=256, top_k=6,
+                             routed_scaling_factor=1.5, expert_inter=2048, shared_inter=2048)
+#: DeepSeek-V4-Pro's per-layer shapes, same four layer kinds (its bf16 routed experts, 51 GB a
+#: layer, do not fit the H200 four times over: for a larger GPU or several)
+V4_PRO_SLICE = ModelConfig(vocab=129280, hidden=7168, compress_ratios=(0, 4, 128, 4), n_hash_layers=3,
+                           heads=128, head_dim=512, rope_dim=64, q_lora=1536, wo_groups=16, wo_rank=1024,
+                           indexer_heads=64, indexer_dim=128, index_topk=1024, experts=384, top_k=6,
+                           routed_scaling_factor=2.5, expert_inter=3072, shared_inter=3072)
+
+PRESETS = {"tiny": TINY, "small": SMALL, "v4_flash_slice": V4_FLASH_SLICE, "v4_pro_slice": V4_PRO_SLICE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,40 +119,29 @@ class EngineConfig:
     model: ModelConfig = TINY
     block_size: int = 5  # draft tokens per verify
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    max_seq_len: int = 512  # KV slots per request in the preallocated pool
+    max_seq_len: int = 1024  # positions per request (bounds the compressed pools)
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
-    #: "reference" (TargetModel's per-token loops, the spec), "baseline" (sync-free PyTorch
-    #: composites in captured CUDA graphs), "fused" (this project's kernels in the step graphs)
+    #: "reference" (TargetModel's per-token loops over the full history, the spec),
+    #: "baseline" (the sync-free step model over fixed-size state, PyTorch ops, captured CUDA
+    #: graphs), "fused" (this project's kernels in the step graphs)
     backend: str = "reference"
-    #: safetensors file with the model's weights (name map: spec_decode.weights); None = seeded random
+    #: safetensors file with the model's weights in DeepSeek-V4's checkpoint names
+    #: (spec_decode.weights); None = seeded random
     weights: str | None = None
-    #: prompt positions per (eager) prefill forward: bounds the indexer's temporaries; 384 keeps
-    #: the fused MoE on its decode kernel's row passes (moe.experts.ROW_PASS_MAX_TOKENS; H200,
-    #: slice quick bench, chunks of 512: the tiled kernel made the fused prefill slower)
+    #: prompt positions per (eager) prefill forward
     prefill_chunk: int = 384
     #: fused backend, steps of 17-384 tokens: run the MoE decode kernel in passes of this many
     #: token columns (16 / 32 / 64; moe.experts.expert_kernel_args). None: one pass up to 64
-    #: tokens, the tiled kernel above. H200: passes of 16 halve the expert GEMMs at T = 64.
+    #: tokens, the tiled kernel above.
     moe_row_tile: int | None = 16
     #: fused backend: score this many consecutive tokens of a request per CTA in the indexer
-    #: (indexer_topk's token_group: one key tile per group; 1 = one token per CTA). H200,
-    #: bench_indexer: groups of 3 were 1.43x the one-token wgmma kernel at T = 384 (6-token
-    #: verify blocks), 1.07x at T = 6.
+    #: (indexer_topk's token_group; 1 = one token per CTA)
     indexer_token_group: int = 3
-    #: baseline and fused backends: the attention core (spec_decode.step_model): "auto" (per
-    #: step shape, the core moving fewer K/V rows: StepModel.pick_attention_core),
-    #: "masked_dense" (SDPA over each request's KV row with a mask of the selected keys) or
-    #: "gather" (the selected keys per token)
-    attention_core: str = "auto"
     #: fused backend, the draft's LM head (spec_decode.fused_ops.MxDraftHead; heads of 64 MiB
-    #: or more, smaller ones stay bf16): "mxfp8+fp8" -- an MXFP8 copy for batches up to 16 and
-    #: above 16 rows a per-tensor-scaled e4m3 copy whose scores keep each row's argmax
-    #: (cute_kernels.draft_head_fp8; H200 at the slice head: 292-297 us at 32-64 rows against
-    #: bf16's 477-506); "mxfp8" -- the MXFP8 copy up to 16 rows, bf16 above; "bf16" -- the bf16
-    #: head throughout. The draft only proposes, so this can move the acceptance length, never
-    #: the output tokens.
+    #: or more): "mxfp8+fp8", "mxfp8" or "bf16". The draft only proposes, so this can move the
+    #: acceptance length, never the output tokens.
     draft_head: str = "mxfp8+fp8"
 
     @property

@@ -1,61 +1,113 @@
-"""Three-stage draft module: proposes ``block_size`` tokens from the target's last hidden
-state and the last accepted token.
+"""DSpark-style draft: proposes ``block_size`` tokens per step in one forward of three stages.
 
-* stage 1 (fuse): ``h0 = tanh(W_f [hidden ; embed(token)])``;
-* stage 2 (propose): a recurrent cell unrolled ``block_size`` times, each step consuming the
-  token it proposed before -- ``h_{j+1} = tanh(W_r [h_j ; embed(d_j)])``;
-* stage 3 (head): ``d_j = argmax(lm_head(h_j))`` with the target's LM head (the fused
-  engine, batches up to 16 of a large head: an MXFP8 copy of it,
-  :class:`spec_decode.fused_ops.MxDraftHead` -- the draft only proposes, so its rounding moves
-  the acceptance length, never the verified output).
+Each stage is a DeepSeek-V4 decoder layer (:class:`spec_decode.step_model.V4Layer`) with
+sliding-window attention only (no compressor), its own mHC mappings and its own MoE
+(sqrt-softplus top-k); then the draft's own ``hc_head`` collapse and RMSNorm, and the target's
+LM head.
 
-The three stages run as one captured graph in the GPU runtime. ``oracle=True`` replaces the
-proposal with the target's own greedy continuation (a test device that makes every draft
-token correct), and ``corrupt`` flips chosen draft positions, so acceptance logic and KV
-rollback are exercised at every acceptance length.
+* **Context** (the target's view of the committed tokens): at every committed position ``p``,
+  ``c_p = rmsnorm(fc [f_a ; f_b ; f_c])`` of the target's hidden states after three layers
+  (``cfg.draft_feature_layers``; the stream means). Each stage's K = V of position ``p`` is its
+  own ``rope(rmsnorm(wkv c_p))``, kept in a ring of the last ``window`` positions
+  (:class:`spec_decode.step_model.DecodeState` ``draft_win``) and written for committed
+  tokens only: the draft step receives the previous verify's features and how many of its
+  positions were accepted, and writes the others to a discarded row (all on the device,
+  inside the draft graph).
+* **Block**: the last accepted token ``t`` at position ``n`` and ``block_size - 1`` mask
+  embeddings at ``n + 1 ..``; causal attention over the context window and the block; the
+  logits at block position ``j`` give draft ``d_{j+1}``. One forward, no sampling loop.
+
+Not kept from sglang's DSpark (not public here): any low-rank token-to-token bias and any
+confidence head -- every block position proposes its argmax and the target verifies greedily.
+The fused engine puts the LM head on :class:`spec_decode.fused_ops.MxDraftHead`; the draft
+only proposes, so its rounding moves the acceptance length, never the verified output.
+
+``oracle=True`` replaces the proposal with the target's own greedy continuation (a test
+device that makes every draft token correct), and ``corrupt`` flips chosen draft positions,
+so acceptance logic and state rollback are exercised at every acceptance length.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .config import ModelConfig
+from .model import WeightFactory, hc_head, init_layer, layer_weight_shapes, rmsnorm
+from .step_model import DecodeState, Ops, V4Layer
 
 
 class DraftModel:
     def __init__(self, cfg: ModelConfig, target, block_size: int = 5, seed: int = 1, dtype=torch.float32,
                  device="cpu"):
         self.cfg, self.target, self.block = cfg, target, block_size
-        gdev = torch.device(device)
-        g = torch.Generator(device=gdev).manual_seed(seed)
-        C = cfg.hidden
-        self.w_fuse = torch.randn(C, 2 * C, generator=g, device=gdev, dtype=dtype) / math.sqrt(2 * C)
-        self.w_rec = torch.randn(C, 2 * C, generator=g, device=gdev, dtype=dtype) / math.sqrt(2 * C)
-        #: ``h [B, C] -> [B, vocab]`` scores whose per-row argmax is the draft token, for stage
-        #: 3; None: the logits ``h @ lm_head^T`` in the model's dtype. The fused engine sets
-        #: :class:`spec_decode.fused_ops.MxDraftHead`.
+        w = WeightFactory(seed, dtype, device)
+        C, n = cfg.hidden, cfg.mhc_n
+        #: global tensors by name (``draft.`` prefix in a weights file)
+        self.w = {"fc.weight": w(C, 3 * C), "fc_norm.weight": 1 + w(C, scale=0.1), "mask_embed": w(C, scale=1.0),
+                  "norm.weight": 1 + w(C, scale=0.1), "hc_head_fn": w(n, n * C).float(),
+                  "hc_head_base": w(n, scale=0.1).float(), "hc_head_scale": torch.ones(1, device=device)}
+        self.stages = [init_layer(cfg, layer_weight_shapes(cfg, None, hash_routed=False, ratio=0), w, w.g, dtype, device)
+                       for _ in range(cfg.draft_stages)]
+        #: ``h [B, C] -> [B, vocab]`` scores whose per-row argmax is the draft token; None: the
+        #: target's LM head in the model's dtype. The fused engine sets MxDraftHead.
         self.head = None
         self.oracle = False
-        self.corrupt: set[int] = set()  # draft positions (0-based) to flip, for tests
+        #: draft positions (0-based) to flip, for tests: a set, or a function of the proposal
+        #: count returning one (a schedule of acceptance lengths)
+        self.corrupt = set()
+        self.proposals = 0
+        self.bind(Ops())
+
+    def bind(self, ops: Ops) -> None:
+        """Run the stages with ``ops`` (the engine's backend)."""
+        self.ops = ops
+        self.layers = [V4Layer(self.cfg, L, 0, self.target.inv_freq, ops) for L in self.stages]
+
+    def context(self, feats: torch.Tensor) -> torch.Tensor:
+        return rmsnorm(feats @ self.w["fc.weight"].T, self.cfg.eps, self.w["fc_norm.weight"])
 
     @torch.no_grad()
-    def propose(self, hidden: torch.Tensor, last_tokens: torch.Tensor, oracle_ctx=None) -> torch.Tensor:
-        """hidden [B, C], last_tokens [B] -> drafts [B, block]."""
-        if self.oracle:
-            drafts = oracle_ctx()
-        else:
-            emb = self.target.embed
-            h = torch.tanh(torch.cat([hidden, emb[last_tokens]], -1) @ self.w_fuse.T)  # stage 1
-            tok = last_tokens
-            out = []
-            for _ in range(self.block):  # stage 2 + 3
-                h = torch.tanh(torch.cat([h, emb[tok]], -1) @ self.w_rec.T)
-                logits = self.head(h) if self.head is not None else h @ self.target.lm_head.T
-                tok = logits.argmax(-1)
-                out.append(tok)
-            drafts = torch.stack(out, 1)
-        for j in self.corrupt:
+    def write_context(self, feats: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, commit: torch.Tensor,
+                      st: DecodeState) -> None:
+        """Store every stage's K = V of the target features ``feats [B, S, 3C]`` at positions
+        ``pos [B, S]`` (consecutive) where ``commit [B, S]``; the others go to the ring's
+        discarded last row. Only the last ``window`` positions of a long prefill chunk are
+        kept (the older ones share ring rows with them and fall out of the window anyway)."""
+        R = st.win_rows
+        k = min(pos.shape[1], R)
+        feats, pos, commit = feats[:, -k:], pos[:, -k:], commit[:, -k:]
+        c = self.context(feats)
+        dst = torch.where(commit, pos.remainder(R), torch.full_like(pos, R))
+        rows = slots[:, None].expand_as(dst)
+        for s, layer in enumerate(self.layers):
+            st.draft_win[s][rows, dst] = layer.kv(c, pos).to(st.draft_win[s].dtype)
+
+    @torch.no_grad()
+    def forward_block(self, last_tokens: torch.Tensor, last_pos: torch.Tensor, slots: torch.Tensor,
+                      st: DecodeState) -> torch.Tensor:
+        """Drafts ``[B, block]`` for requests whose last accepted token ``last_tokens [B]`` sits
+        at ``last_pos [B]`` (their context rows hold the committed positions before it)."""
+        cfg, K = self.cfg, self.block
+        B = last_tokens.shape[0]
+        dev = last_tokens.device
+        pos = last_pos[:, None] + torch.arange(K, device=dev)
+        x = self.w["mask_embed"].expand(B, K, -1).clone()
+        x[:, 0] = self.target.embed[last_tokens]
+        X = x[:, :, None, :].expand(-1, -1, cfg.mhc_n, -1).contiguous()
+        toks = torch.cat([last_tokens[:, None], last_tokens[:, None].expand(B, K - 1)], 1)
+        for s, layer in enumerate(self.layers):
+            X = layer.forward(X, toks, pos, slots, st, s, win=st.draft_win[s], write_window=False)
+        h = rmsnorm(hc_head(X, self.w, cfg).to(X.dtype), cfg.eps, self.w["norm.weight"])
+        flat = h.reshape(B * K, -1)
+        logits = self.head(flat) if self.head is not None else flat @ self.target.lm_head.T
+        return logits.argmax(-1).view(B, K)
+
+    @torch.no_grad()
+    def propose(self, last_tokens, last_pos, slots, st, oracle_ctx=None) -> torch.Tensor:
+        """-> drafts [B, block] (the oracle's when set), with the ``corrupt`` positions flipped."""
+        drafts = oracle_ctx() if self.oracle else self.forward_block(last_tokens, last_pos, slots, st)
+        flip = self.corrupt(self.proposals) if callable(self.corrupt) else self.corrupt
+        self.proposals += 1
+        for j in flip:
             drafts[:, j] = (drafts[:, j] + 1) % self.cfg.vocab
         return drafts

@@ -2,26 +2,28 @@
 
 ``Engine(config).generate(input_ids, max_new_tokens)`` -> one list of new token ids per
 request. Speculative step for every live request (last accepted token ``t`` at position
-``n``, KV holding positions ``< n``)::
+``n``, the state holding positions ``< n``)::
 
-    drafts d1..d5      = draft.propose(hidden(t), t)
+    drafts d1..d5      = draft(t at n; the draft's context: target features of positions < n)
     target logits      = forward([t, d1, ..., d5] at positions n..n+5)   # one verify pass
     g_i                = argmax(logits[i])                                # greedy targets
     accept j           = longest prefix with d_{i+1} == g_i  (0 <= j <= 5)
     emit               d1..dj, then the bonus token g_j                    # j + 1 tokens
-    KV valid length    = n + 1 + j   (later slots are overwritten by the next verify)
+    new length         = n + 1 + j   (state rows of later positions are never read, then
+                                      overwritten: spec_decode.step_model)
+    draft context     += the target's features at n .. n + j (committed tokens only)
 
 Acceptance length = tokens emitted per verify. With the reference backend the output equals
 plain greedy decoding token for token (tests/test_spec_decode.py). Requests have their own
 lengths (and output lengths) and finish independently; impossible requests are refused
-before any work (a batch above the largest captured graph size, a KV pool too small for
+before any work (a batch above the largest captured graph size, a state too small for
 prompt + output + one block).
 
 Host path (baseline / fused backends, speculative): the acceptance above also runs on the
 device (``j = sum(cumprod(d == g))``), so step s + 1 -- draft graph, verify graph -- is
 enqueued from device state before step s's tokens are read back; the host's bookkeeping for
 step s overlaps step s + 1 on the GPU, and each step costs one device-to-host copy. A request
-that finished in step s rides along in step s + 1 (positions clamped into its own KV slot,
+that finished in step s rides along in step s + 1 (positions clamped into its own state slot,
 tokens dropped). A step whose padded batch size has no captured graph yet is enqueued only
 after the read-back, so a capture never overlaps a step in flight.
 """
@@ -37,8 +39,8 @@ import torch
 from .config import EngineConfig
 from .draft import DraftModel
 from .graphs import StepGraphs
-from .model import KVPool, TargetModel
-from .step_model import Ops, StepModel
+from .model import History, TargetModel
+from .step_model import DecodeState, Ops, StepModel
 
 BACKENDS = ("reference", "baseline", "fused")
 DRAFT_HEADS = ("mxfp8", "mxfp8+fp8", "bf16")
@@ -60,79 +62,104 @@ class GenerationStats:
 class Engine:
     def __init__(self, config: EngineConfig = EngineConfig()):
         self.config = config
-        StepModel.check_attention_core(config.attention_core)  # before tens of GB of weights are made
         if config.draft_head not in DRAFT_HEADS:
             raise ValueError(f"draft_head must be one of {DRAFT_HEADS}, got {config.draft_head!r}")
+        if config.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {config.backend!r}")
+        if not isinstance(config.block_size, int) or config.block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {config.block_size!r}")
         dtype = getattr(torch, config.dtype)
-        self.model = TargetModel(config.model, seed=config.seed, dtype=dtype, device=config.device)
-        self.draft = DraftModel(config.model, self.model, config.block_size, seed=config.seed + 1, dtype=dtype,
+        if config.backend == "fused" and (dtype != torch.bfloat16 or torch.device(config.device).type != "cuda"):
+            raise ValueError("backend='fused' runs this project's kernels: it needs dtype='bfloat16' and a CUDA "
+                             f"device (got {config.dtype!r} on {config.device!r})")
+        mc = config.model
+        mc.validate()
+        self.model = TargetModel(mc, seed=config.seed, dtype=dtype, device=config.device)
+        self.draft = DraftModel(mc, self.model, config.block_size, seed=config.seed + 1, dtype=dtype,
                                 device=config.device)
         if config.weights is not None:
             from .weights import load_weights
 
             load_weights(config.weights, self.model, self.draft)
-        if config.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {config.backend!r}")
-        if config.backend == "fused" and (dtype != torch.bfloat16 or torch.device(config.device).type != "cuda"):
-            raise ValueError("backend='fused' runs this project's kernels: it needs dtype='bfloat16' and a CUDA "
-                             f"device (got {config.dtype!r} on {config.device!r})")
+        K = config.block_size
         # one extra slot: the scratch row that padded graph rows write into
         self.scratch_slot = config.max_batch
-        self.kv = KVPool(config.model, config.max_batch + 1, config.max_seq_len, dtype, config.device)
+        slots = config.max_batch + 1
+        self.state = DecodeState(mc, slots, config.max_seq_len, K + 1, dtype, config.device,
+                                 draft_stages=mc.draft_stages)
+        self.history = History(mc, slots, config.max_seq_len, dtype, config.device) \
+            if config.backend == "reference" else None
         self.stats = GenerationStats()
+        self.feat_dim = 3 * mc.hidden
         if config.backend != "reference":
             if config.backend == "fused":
                 from .fused_ops import FusedOps, MxDraftHead  # imports the CuTe DSL kernels: only when asked for
 
-                width = max(max(config.graph_batch_sizes) * (config.block_size + 1), config.prefill_chunk)
+                width = max(config.max_batch * (K + 1), config.prefill_chunk)
                 ops = FusedOps(self.model, max_tokens=width, max_len=config.max_seq_len,
                                moe_row_tile=config.moe_row_tile, indexer_token_group=config.indexer_token_group,
-                               release_bf16_experts=True)  # this engine's model runs no baseline MoE
+                               draft=self.draft, release_bf16_experts=True)  # this engine runs no baseline MoE
                 if config.draft_head != "bf16" and MxDraftHead.pays_off(self.model.lm_head):
-                    self.draft.head = MxDraftHead(self.model.lm_head, config.max_batch,
+                    self.draft.head = MxDraftHead(self.model.lm_head, config.max_batch * K,
                                                   fp8_above=config.draft_head == "mxfp8+fp8")
             else:
                 ops = Ops()
-            self.step = StepModel(self.model, ops, attention_core=config.attention_core)
-            K, sizes, dev = config.block_size, config.graph_batch_sizes, config.device
-            fwd = lambda tok, pos, slots, _x: self.step.forward(tok, pos, slots, self.kv)  # noqa: E731
+            self.draft.bind(ops)
+            self.step = StepModel(self.model, ops)
+            sizes, dev = config.graph_batch_sizes, config.device
+            fwd = lambda tok, pos, slots: self.step.forward(tok, pos, slots, self.state)  # noqa: E731
             self.verify_graphs = StepGraphs(fwd, sizes, K + 1, self.scratch_slot, dev)
             self.decode_graphs = StepGraphs(fwd, sizes, 1, self.scratch_slot, dev)
-            self.draft_graphs = StepGraphs(lambda tok, pos, slots, hid: (self.draft.propose(hid, tok[:, 0]),),
-                                           sizes, 1, self.scratch_slot, dev, hidden_dim=config.model.hidden,
-                                           hidden_dtype=dtype)
+            self.draft_graphs = StepGraphs(self._draft_step, sizes, 1, self.scratch_slot, dev,
+                                           extras=(((K + 1, self.feat_dim), dtype), ((), torch.long)))
+
+    def _draft_step(self, tok, pos, slots, feats, n_commit):
+        """The draft graph: commit the previous verify's accepted positions to the draft's
+        context (``feats [b, K + 1, 3C]`` of positions ``pos - n_commit ..``; the first
+        ``n_commit`` are accepted), then propose from the last token ``tok`` at ``pos``."""
+        K1 = feats.shape[1]
+        ar = torch.arange(K1, device=pos.device)
+        fpos = pos - n_commit[:, None] + ar
+        self.draft.write_context(feats, fpos, slots, ar < n_commit[:, None], self.state)
+        return (self.draft.forward_block(tok[:, 0], pos[:, 0], slots, self.state),)
 
     def warm_up(self, batch: int, speculative: bool = True) -> None:
         """Compile the kernels and capture the graphs a ``batch``-request ``generate`` replays.
         Otherwise the first step of each padded size compiles and captures inside ``generate``
         (seconds on a cold kernel cache) -- call this before timing. Runs on the scratch slot
-        only, so no request's KV state changes."""
+        only, so no request's state changes."""
         if self.config.backend == "reference" or not self.verify_graphs.use_graphs:
             return
-        dev = self.config.device
+        dev, K = self.config.device, self.config.block_size
         slots = torch.full((batch,), self.scratch_slot, dtype=torch.long, device=dev)
         one = torch.zeros(batch, 1, dtype=torch.long, device=dev)
         if speculative:
-            block = torch.zeros(batch, self.config.block_size + 1, dtype=torch.long, device=dev)
+            block = torch.zeros(batch, K + 1, dtype=torch.long, device=dev)
             self.verify_graphs.run(block, block.clone(), slots)
-            hid = torch.zeros(batch, self.draft_graphs.hidden_dim, dtype=self.draft_graphs.hidden_dtype, device=dev)
-            self.draft_graphs.run(one, one.clone(), slots, hid)
+            feats = torch.zeros(batch, K + 1, self.feat_dim, dtype=self.model.dtype, device=dev)
+            self.draft_graphs.run(one, one.clone(), slots, feats, torch.zeros(batch, dtype=torch.long, device=dev))
         else:
             self.decode_graphs.run(one, one.clone(), slots)
         torch.cuda.synchronize(dev)
 
     def _target(self, tokens, pos, slots):
-        """Target forward of a decode (width 1) or verify (width K+1) step."""
+        """Target forward of a decode (width 1) or verify (width K+1) step -> (logits, feats)."""
         if self.config.backend == "reference":
-            return self.model.forward(tokens, pos, slots, self.kv)
+            return self.model.forward(tokens, pos, slots, self.history)
         runner = self.decode_graphs if tokens.shape[1] == 1 else self.verify_graphs
         return runner.run(tokens, pos, slots)
 
-    def _propose(self, hid, last_t, live, last, length, K):
+    def _propose(self, last_t, len_t, slots, feats, n_commit, live, last, length):
+        """Drafts ``[b, K]``: commits the previous verify's accepted features to the draft's
+        context, then proposes (the oracle / corrupted test drafts eagerly)."""
+        K = self.config.block_size
         if self.config.backend == "reference" or self.draft.oracle or self.draft.corrupt:
-            return self.draft.propose(hid, last_t, oracle_ctx=lambda: self._oracle(live, last, length, K))
-        zeros = torch.zeros_like(last_t)[:, None]
-        return self.draft_graphs.run(last_t[:, None], zeros, zeros[:, 0], hid)[0]
+            ar = torch.arange(K + 1, device=len_t.device)
+            self.draft.write_context(feats, len_t[:, None] - n_commit[:, None] + ar, slots, ar < n_commit[:, None],
+                                     self.state)
+            return self.draft.propose(last_t, len_t, slots, self.state,
+                                      oracle_ctx=lambda: self._oracle(live, last, length, K))
+        return self.draft_graphs.run(last_t[:, None], len_t[:, None], slots, feats, n_commit)[0]
 
     def _check(self, input_ids, max_new_tokens) -> list[int]:
         """Validates a request batch; returns each request's max_new_tokens."""
@@ -147,7 +174,7 @@ class Engine:
         # clamped into the pool and its tokens discarded, so no extra room is needed)
         need = max(len(p) + m for p, m in zip(input_ids, per)) + self.config.block_size + 1
         if need > self.config.max_seq_len:
-            raise ValueError(f"KV pool too small: a request needs {need} positions, the pool holds "
+            raise ValueError(f"state too small: a request needs {need} positions, the state holds "
                              f"{self.config.max_seq_len} per request (raise max_seq_len)")
         for i, p in enumerate(input_ids):
             if not p or any((not isinstance(t, int)) or t < 0 or t >= self.config.model.vocab for t in p):
@@ -155,37 +182,43 @@ class Engine:
         return list(per)
 
     def _chunked_forward(self, seq: list[int], slot: int):
-        """Eager target forwards over ``seq`` at positions 0.. in KV slot ``slot``, one per
-        prefill chunk (exact: causal attention over the cache so far); yields each chunk's
-        (logits, hidden) ``[1, chunk, ...]``."""
+        """Eager target forwards over ``seq`` at positions 0.. in state slot ``slot``, one per
+        prefill chunk (exact: every state row is keyed by position); yields each chunk's
+        (logits, feats, pos) ``[1, chunk, ...]``."""
         dev, ch = self.config.device, self.config.prefill_chunk
-        fwd = self.model.forward if self.config.backend == "reference" else self.step.forward
         slot_t = torch.tensor([slot], device=dev)
         for c0 in range(0, len(seq), ch):
             toks = torch.tensor([seq[c0:c0 + ch]], device=dev)
             pos = torch.arange(c0, c0 + toks.shape[1], device=dev)[None]
-            yield fwd(toks, pos, slot_t, self.kv)
+            if self.config.backend == "reference":
+                logits, feats = self.model.forward(toks, pos, slot_t, self.history)
+            else:
+                logits, feats = self.step.forward(toks, pos, slot_t, self.state)
+            yield logits, feats, pos
 
     def _prefill(self, input_ids):
-        """Per request: run the prompt, return (first new token, its hidden state source)."""
-        first, hidden = [], []
+        """Per request: run the prompt (its features committed to the draft's context);
+        return the first new tokens."""
+        first = []
+        slot_t = None
         for r, prompt in enumerate(input_ids):  # eager and unoptimised
-            *_, (logits, h) = self._chunked_forward(prompt, r)  # the last chunk's last position
+            slot_t = torch.tensor([r], device=self.config.device)
+            for logits, feats, pos in self._chunked_forward(prompt, r):
+                self.draft.write_context(feats, pos, slot_t, torch.ones_like(pos, dtype=torch.bool), self.state)
             first.append(int(logits[0, -1].argmax()))
-            hidden.append(h[0, -1])
-        return first, hidden
+        return first
 
     @torch.no_grad()
     def greedy_given(self, prompt: list[int], continuation: list[int]) -> list[int]:
         """Teacher forcing: this engine's greedy token at each position of ``continuation``
         given the prompt and the continuation before it (``[len(continuation)]`` ids). One
-        eager forward per prefill chunk on the scratch slot (no request's KV state changes).
+        eager forward per prefill chunk on the scratch slot (no request's state changes).
         ``spec_decode.bench`` feeds it another backend's output: the fraction of equal tokens
         is a per-step agreement that one early near-tie cannot collapse, unlike comparing two
         free-running greedy continuations."""
         seq = list(prompt) + list(continuation[:-1])
         self._check([seq], 1)
-        preds = [logits[0].argmax(-1) for logits, _ in self._chunked_forward(seq, self.scratch_slot)]
+        preds = [logits[0].argmax(-1) for logits, _, _ in self._chunked_forward(seq, self.scratch_slot)]
         return torch.cat(preds)[len(prompt) - 1:].tolist()
 
     def generate(self, input_ids: list[list[int]], max_new_tokens: int | list[int],
@@ -197,7 +230,7 @@ class Engine:
         per = self._check(input_ids, max_new_tokens)
         self.stats = GenerationStats()  # this call's
         self.stats.t_start = time.perf_counter()
-        first, hidden = self._prefill(input_ids)
+        first = self._prefill(input_ids)
         self.stats.t_first = time.perf_counter()  # every request has its first token (host-synced)
         can_pipeline = speculative and self.config.backend != "reference" and not (self.draft.oracle or
                                                                                    self.draft.corrupt)
@@ -205,40 +238,43 @@ class Engine:
             raise ValueError("pipelined=True needs speculative decoding with the model draft on the baseline or "
                              "fused backend")
         if can_pipeline and pipelined is not False:
-            out = self._decode_pipelined(input_ids, per, first, hidden)
+            out = self._decode_pipelined(input_ids, per, first)
         else:
-            out = self._decode_sync(input_ids, per, first, hidden, speculative)
+            out = self._decode_sync(input_ids, per, first, speculative)
         self.stats.t_end = time.perf_counter()  # the last step's tokens were read on the host
         return [o[:m] for o, m in zip(out, per)]
 
-    def _decode_sync(self, input_ids, per, first, hidden, speculative):
+    def _decode_sync(self, input_ids, per, first, speculative):
         """One step at a time: enqueue, read the tokens back, bookkeeping (the reference
         backend, plain decoding and the test drafts)."""
-        B, dev = len(input_ids), self.config.device
+        B, dev, K = len(input_ids), self.config.device, self.config.block_size
         out = [[t] for t in first]
         last = list(first)
-        length = [len(p) for p in input_ids]  # KV valid length; `last` sits at position length
+        length = [len(p) for p in input_ids]  # positions processed; `last` sits at position length
+        # the last verify's features and how many of its positions were accepted (0: none yet)
+        feats = torch.zeros(B, K + 1, self.feat_dim, dtype=self.model.dtype, device=dev)
+        n_commit = torch.zeros(B, dtype=torch.long, device=dev)
         live = [r for r in range(B) if len(out[r]) < per[r]]
         while live:
-            slots = torch.tensor(live, device=dev)
+            idx = torch.tensor(live, device=dev)
+            slots = idx
             last_t = torch.tensor([last[r] for r in live], device=dev)
             # Host logic reads each step's tokens with one device-to-host copy: a per-element
             # int(tensor) is a synchronising copy each, ~K x batch of them per step.
             if not speculative:
                 pos = torch.tensor([[length[r]] for r in live], device=dev)
-                logits, h = self._target(last_t[:, None], pos, slots)
+                logits, _ = self._target(last_t[:, None], pos, slots)
                 nxt = logits[:, 0].argmax(-1).tolist()
                 for i, r in enumerate(live):
                     length[r] += 1
                     last[r] = nxt[i]
                     out[r].append(last[r])
             else:
-                K = self.config.block_size
-                hid = torch.stack([hidden[r] for r in live])
-                drafts = self._propose(hid, last_t, live, last, length, K)
+                len_t = torch.tensor([length[r] for r in live], device=dev)
+                drafts = self._propose(last_t, len_t, slots, feats[idx], n_commit[idx], live, last, length)
                 block = torch.cat([last_t[:, None], drafts], 1)  # [b, K+1]
-                pos = torch.tensor([[length[r] + j for j in range(K + 1)] for r in live], device=dev)
-                logits, h = self._target(block, pos, slots)
+                pos = len_t[:, None] + torch.arange(K + 1, device=dev)
+                logits, fv = self._target(block, pos, slots)
                 # [b, 2K + 1] on the host in one copy: the drafts, then the target's greedy tokens
                 both = torch.cat([drafts, logits.argmax(-1)], 1).tolist()
                 self.stats.verify_steps += 1
@@ -246,10 +282,8 @@ class Engine:
                 for i, r in enumerate(live):
                     length[r] += 1 + accepted[i]
                     last[r] = out[r][-1]
-                # the next draft starts from the hidden state of each request's last accepted token
-                h_next = h[torch.arange(len(live), device=dev), torch.tensor(accepted, device=dev)]
-                for i, r in enumerate(live):
-                    hidden[r] = h_next[i]
+                feats[idx] = fv.to(feats.dtype)
+                n_commit[idx] = torch.tensor(accepted, device=dev) + 1
             live = [r for r in live if len(out[r]) < per[r]]
         return out
 
@@ -266,20 +300,23 @@ class Engine:
         self.stats.acceptance_lengths.append(j + 1)
         return j
 
-    def _decode_pipelined(self, input_ids, per, first, hidden):
+    def _decode_pipelined(self, input_ids, per, first):
         """Speculative decoding with the next verify step enqueued before this one's tokens
-        are read back. Everything a step needs from the previous one (last token, KV length,
-        hidden state: greedy acceptance on the device) stays on the device; the host reads
+        are read back. Everything a step needs from the previous one (last token, length,
+        the verify's features and accepted count: greedy acceptance on the device) stays on the device; the host reads
         a step's drafts and greedy tokens once, a step late, for the output lists. A request
         that finished in step s still runs step s + 1 (enqueued before s was read): its
-        positions are clamped into its own KV slot and its tokens dropped."""
+        positions are clamped into its own state slot and its tokens dropped."""
         B, dev = len(input_ids), self.config.device
         out = [[t] for t in first]
         live = [r for r in range(B) if len(out[r]) < per[r]]
         if not live:
             return out
+        K = self.config.block_size
         state = (live, _to_device(live, dev), _to_device([first[r] for r in live], dev),
-                 _to_device([len(input_ids[r]) for r in live], dev), torch.stack([hidden[r] for r in live]))
+                 _to_device([len(input_ids[r]) for r in live], dev),
+                 torch.zeros(len(live), K + 1, self.feat_dim, dtype=self.model.dtype, device=dev),
+                 torch.zeros(len(live), dtype=torch.long, device=dev))
         pending = self._enqueue_verify(state)
         while pending is not None:
             # requests that may outlive `pending` (known: the outputs before it; it adds >= 1 token each)
@@ -305,23 +342,23 @@ class Engine:
 
     def _enqueue_verify(self, state):
         """Enqueues one draft + verify step for ``state`` = (live request ids, slots, last
-        tokens, KV lengths, hidden states); returns a :class:`_Step`."""
-        live, slots, last_t, len_t, hid = state
+        tokens, lengths, the last verify's features, its accepted positions); returns a
+        :class:`_Step`."""
+        live, slots, last_t, len_t, feats, n_commit = state
         K, b, dev = self.config.block_size, len(live), self.config.device
-        # the draft graph gets the real positions / slots (the model draft ignores them)
-        drafts = self.draft_graphs.run(last_t[:, None], len_t[:, None], slots, hid)[0]
+        drafts = self.draft_graphs.run(last_t[:, None], len_t[:, None], slots, feats, n_commit)[0]
         block = torch.cat([last_t[:, None], drafts], 1)  # [b, K+1]
         pos = (len_t[:, None] + torch.arange(K + 1, device=dev)).clamp_max(self.config.max_seq_len - 1)
-        logits, h = self._target(block, pos, slots)
+        logits, fv = self._target(block, pos, slots)
         greedy = logits.argmax(-1)  # [b, K+1]
         j = (drafts == greedy[:, :K]).long().cumprod(1).sum(1)  # accepted drafts per request
         rows = torch.arange(b, device=dev)
-        next_state = (live, slots, greedy[rows, j], len_t + 1 + j, h[rows, j])
+        next_state = (live, slots, greedy[rows, j], len_t + 1 + j, fv, j + 1)
         return _Step(live, next_state, torch.cat([drafts, greedy], 1))
 
     def _oracle(self, live, last, length, K):
-        """Target's own greedy continuation (test-only draft); does not disturb the KV state
-        the verify pass relies on: it writes positions the verify pass then overwrites."""
+        """Target's own greedy continuation (test-only draft); does not disturb the state the
+        verify pass relies on: it writes positions the verify pass then overwrites."""
         dev = self.config.device
         slots = torch.tensor(live, device=dev)
         tok = torch.tensor([last[r] for r in live], device=dev)

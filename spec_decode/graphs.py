@@ -22,12 +22,13 @@ import torch
 
 class StepGraphs:
     def __init__(self, fn: Callable, batch_sizes: tuple[int, ...], width: int, scratch_slot: int, device,
-                 hidden_dim: int | None = None, hidden_dtype: torch.dtype = torch.float32):
-        """``fn(tokens [b, width], pos [b, width], slots [b], extra) -> tuple of tensors``."""
+                 extras: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()):
+        """``fn(tokens [b, width], pos [b, width], slots [b], *extras) -> tuple of tensors``;
+        ``extras``: ``(per-row shape, dtype)`` of each further static input (padded rows zero)."""
         self.fn, self.sizes, self.width = fn, tuple(sorted(batch_sizes)), width
         self.scratch, self.device = scratch_slot, torch.device(device)
         self.use_graphs = self.device.type == "cuda"
-        self.hidden_dim, self.hidden_dtype = hidden_dim, hidden_dtype
+        self.extras = tuple(extras)
         self._static: dict[int, dict] = {}
         self.replays = 0
         self.timing = False  # record CUDA events around each replay (benchmarks)
@@ -52,8 +53,7 @@ class StepGraphs:
             st = {"tokens": torch.zeros(n, self.width, dtype=torch.long, device=dev),
                   "pos": torch.zeros(n, self.width, dtype=torch.long, device=dev),
                   "slots": torch.full((n,), self.scratch, dtype=torch.long, device=dev),
-                  "extra": (torch.zeros(n, self.hidden_dim, device=dev, dtype=self.hidden_dtype)
-                            if self.hidden_dim else None),
+                  "extras": [torch.zeros(n, *shape, device=dev, dtype=dt) for shape, dt in self.extras],
                   "graph": None, "out": None}
             self._static[n] = st
         return st
@@ -65,7 +65,7 @@ class StepGraphs:
         st = self._static.get(self.padded(b))
         return st is not None and st["graph"] is not None
 
-    def run(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, extra: torch.Tensor | None = None):
+    def run(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, *extras: torch.Tensor):
         b = tokens.shape[0]
         n = self.padded(b)
         st = self._buffers(n)
@@ -75,9 +75,12 @@ class StepGraphs:
         st["slots"][b:].fill_(self.scratch)
         st["tokens"][b:].zero_()
         st["pos"][b:].zero_()
-        if extra is not None:
-            st["extra"][:b].copy_(extra)
-        args = (st["tokens"], st["pos"], st["slots"], st["extra"])
+        if len(extras) != len(self.extras):
+            raise ValueError(f"StepGraphs.run: {len(extras)} extra inputs, the graph takes {len(self.extras)}")
+        for buf, x in zip(st["extras"], extras):
+            buf[:b].copy_(x)
+            buf[b:].zero_()
+        args = (st["tokens"], st["pos"], st["slots"], *st["extras"])
         if not self.use_graphs:
             out = self.fn(*args)
         else:

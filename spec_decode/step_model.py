@@ -1,32 +1,31 @@
-"""The target model's forward without host synchronisation: static shapes, tensor indexing
-only, so a CUDA graph can capture a decode / verify step.
+"""DeepSeek-V4's forward without host synchronisation, over fixed-size per-request state, so
+a CUDA graph can capture a decode / verify / draft step.
 
-Same weights and math as :class:`spec_decode.model.TargetModel` (the specification, whose
-per-token Python loops read positions on the host). Differences, all exact in real
-arithmetic: the indexer scores every slot of the sequence's KV row and masks ``s > pos``
-to ``-inf`` before selecting ``min(index_topk, max_len)`` by a stable sort (the reference
-selects from the unmasked prefix; both break ties toward the lower key index -- the same
-set); attention then masks the unselected entries. Sums run in a different order, so logits agree to FP32
-rounding (tests/test_spec_decode.py bounds it), not bit for bit.
+Same weights and math as :class:`spec_decode.model.TargetModel` (the specification, which keeps
+every position's projections and loops over tokens on the host). Here each request owns a
+:class:`DecodeState` slot of preallocated buffers:
 
-Ops are grouped behind :class:`Ops` so the GPU runtime can swap the PyTorch composites
+* ``win[l]`` -- a ring of the last ``window + lookahead`` raw KV rows (row ``p % R``);
+* compressed layers: ``crows`` rings of the compressor's raw ``kv`` / ``gate`` rows (the
+  ``span`` = ``2m`` (CSA) or ``m'`` (HCA) rows an entry pools, plus ``lookahead``), and the
+  pool of compressed entries (entry ``i`` at row ``i``); CSA layers the same for the indexer;
+* the draft's context ring per stage.
+
+**Speculative verify leaves no trace** -- by keying all state by position instead of by
+count. A step of ``S`` tokens at positions ``p0 .. p0 + S - 1`` reads rows of positions
+``< p0`` from the rings and its own rows from the step's fresh projections, writes a pool entry
+for every token that closes a window (``(p + 1) % m == 0``: entry ``(p + 1) / m - 1``), and
+writes its rows to the rings last. A query sees entries ``i < (p + 1) // m`` only (the pool
+needs no count). Tokens rejected after a verify leave rows and entries at positions ``>=`` the
+new length; the next step at ``p0' <=`` those positions reads none of them -- rows of positions
+``>= p0'`` come from its own fresh projections and entries past the visible count are masked
+-- and overwrites them as it moves forward. A ring slot is not clobbered early as long as
+``R >= span + lookahead - 1`` (a stale row of position ``q + R`` can exist only while ``q + R
+<= p0 + lookahead - 2``; the oldest row read is ``p0 - span + 1``), so rings are ``span +
+lookahead`` rows, ``lookahead`` = the verify width. No host sync, no copy, no restore.
+
+Ops are grouped behind :class:`Ops` so the GPU runtime swaps the PyTorch composites
 (``baseline``) for this project's kernels (``fused``) one family at a time.
-
-Attention core (shared by both backends; plain torch; ``"auto"``, the
-default, picks per step shape by K/V traffic: :meth:`StepModel.pick_attention_core`):
-``"masked_dense"`` runs ``scaled_dot_product_attention`` over the request's whole KV row with a
-boolean mask of the selected keys -- the same softmax over the same keys, reading each
-request's row once instead of materialising k copies per token; ``"gather"`` gathers each
-token's selected keys and values, ``[B, S, k, heads, head_dim]``, and computes the softmax in
-the activation dtype. On the H200 (slice config) the masked-dense core is the faster one
-wherever a request's row is short against its tokens' selected keys.
-
-With ``kv_cache="latent"`` (MLA-style: the pool holds the normed latent and one shared RoPE
-key) the step model absorbs the up-projections: scores ``[q_rope ; k_b_h^T q_nope] . entry``
-and ``o_h = v_b_h (softmax . latent)`` -- the reference expands every head's K and V from the
-cached latent instead, equal in exact arithmetic. Both cores then attend one key / value head
-(the masked-dense core by two batched matmuls around a masked softmax: ``Ops.attention_probs``,
-in the fused ops one kernel); on the H200 it is the faster cache at the slice config.
 """
 
 from __future__ import annotations
@@ -35,8 +34,9 @@ import math
 
 import torch
 
-from .model import (KVPool, TargetModel, attention_query, grouped_topk, kv_entries, mhc_mappings, moe_gathered,
-                    post_mix, pre_mix, rmsnorm, shared_expert)
+from .config import ModelConfig
+from .model import (TargetModel, compress_entries, hc_head, mhc_mappings, moe_gathered, post_mix, pre_mix, rmsnorm,
+                    rope, route, shared_expert, sink_attention, swiglu, visible_entries, wo_a_ref)
 
 
 def family(name: str):
@@ -45,12 +45,72 @@ def family(name: str):
     return torch.profiler.record_function(f"family::{name}")
 
 
+# ------------------------------------------------------------------------------- state ----
+class DecodeState:
+    """Fixed-size per-request decode state (see the module docstring). ``slots`` rows (the last
+    is the graphs' scratch slot), positions up to ``max_len``, ``lookahead`` = the widest
+    step that may be rejected (the verify width)."""
+
+    def __init__(self, cfg: ModelConfig, slots: int, max_len: int, lookahead: int, dtype, device,
+                 draft_stages: int = 0):
+        self.cfg, self.slots, self.max_len, self.lookahead = cfg, slots, max_len, lookahead
+        z = lambda *s: torch.zeros(slots, *s, dtype=dtype, device=device)  # noqa: E731
+        hd, D = cfg.head_dim, cfg.indexer_dim
+        self.win_rows = cfg.window + lookahead
+        self.win = [z(self.win_rows, hd) for _ in range(cfg.layers)]
+        self.crows, self.pool, self.irows, self.ipool = {}, {}, {}, {}
+        for li in range(cfg.layers):
+            m = cfg.ratio(li)
+            if not m:
+                continue
+            csa = m == cfg.csa_ratio
+            span, coff = (2 * m, 2) if csa else (m, 1)
+            rows = span + lookahead
+            ne = max_len // m
+            # kv and gate rows side by side: one gather serves both
+            self.crows[li] = z(rows, 2 * coff * hd)
+            self.pool[li] = z(ne + 1, hd)  # + 1: the row non-closing tokens write (never read)
+            if csa:
+                self.irows[li] = z(rows, 4 * D)
+                self.ipool[li] = z(ne + 1, D)
+        # the draft's context rows (target features' K = V per stage): + 1 row that
+        # uncommitted positions write (never read)
+        self.draft_win = [z(self.win_rows + 1, hd) for _ in range(draft_stages)]
+
+    def nbytes(self) -> int:
+        ts = self.win + list(self.crows.values()) + list(self.pool.values()) + list(self.irows.values()) + \
+            list(self.ipool.values()) + self.draft_win
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+def rows_at(fresh: torch.Tensor, ring: torch.Tensor, ring_rows: int, slots: torch.Tensor, pos0: torch.Tensor,
+            q: torch.Tensor) -> torch.Tensor:
+    """Rows of positions ``q [B, S, K]`` (``>= 0``; callers mask the rest): position ``q >=
+    pos0[b]`` from this step's ``fresh [B, S, ch]`` (row ``q - pos0``), older ones from the
+    ring ``[slots, >= ring_rows, ch]`` (row ``q % ring_rows``). -> ``[B, S, K, ch]``."""
+    B, S = fresh.shape[:2]
+    src = torch.cat([ring[slots, :ring_rows], fresh], 1)  # [B, ring_rows + S, ch]
+    rel = q - pos0[:, None, None]
+    idx = torch.where(rel >= 0, ring_rows + rel.clamp(max=S - 1), q.remainder(ring_rows))
+    return src[torch.arange(B, device=q.device)[:, None, None], idx]
+
+
+def write_ring(ring: torch.Tensor, ring_rows: int, slots: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor):
+    """Store a step's rows ``[B, S, ch]`` at ``pos % ring_rows``: only its last ``ring_rows``
+    positions (earlier ones would share ring rows with them)."""
+    k = min(pos.shape[1], ring_rows)
+    p = pos[:, -k:]
+    ring[slots[:, None].expand_as(p), p.remainder(ring_rows)] = rows[:, -k:].to(ring.dtype)
+
+
+# --------------------------------------------------------------------------------- ops ----
 class Ops:
     """PyTorch composites of every op family (the ``baseline`` path; runs on CPU and GPU)."""
 
-    def mhc_mappings(self, X, L, sub, cfg):
-        """-> the mappings object pre_mix / post_mix take (here the tuple (H_pre, H_post, H_res))."""
-        return mhc_mappings(X, L, sub, cfg)
+    def mhc_mappings(self, X, L, site, cfg):
+        """-> the mappings object pre_mix / post_mix take (here (pre, post, comb) in X's dtype)."""
+        pre, post, comb = mhc_mappings(X, L[f"hc_{site}_fn"], L[f"hc_{site}_base"], L[f"hc_{site}_scale"], cfg)
+        return pre.to(X.dtype), post.to(X.dtype), comb.to(X.dtype)
 
     def pre_mix(self, X, maps):
         return pre_mix(X, maps[0])
@@ -58,40 +118,30 @@ class Ops:
     def post_mix(self, X, maps, f):
         return post_mix(X, maps[1], maps[2], f)
 
-    def indexer_topk(self, q_idx, w_idx, k_idx_layer, slots, pos, topk):
-        """q_idx [B,S,H,D], w_idx [B,S,H], k_idx_layer [pool slots, L, D] (one layer of the KV
-        pool), slots [B], pos [B,S] -> (idx [B,S,k] key positions, valid [B,S,k])."""
-        k_idx_seq = k_idx_layer[slots]
-        L = k_idx_seq.shape[1]
-        logits = torch.einsum("bshd,bld->bshl", q_idx, k_idx_seq)
-        score = (torch.relu(logits) * w_idx[..., None]).sum(2)  # [B, S, L]
-        cand = torch.arange(L, device=pos.device)[None, None, :] <= pos[..., None]
-        score = torch.where(cand, score, torch.full_like(score, float("-inf")))
-        # stable descending sort: ties go to the lower key index (the reference's and the
-        # indexer kernel's rule); masked keys sort last
-        vals, idx = torch.sort(score, dim=-1, descending=True, stable=True)
-        k = min(topk, L)
+    def indexer_topk(self, q_idx, w_idx, ipool, slots, pos, topk, ratio):
+        """q_idx [B,S,H,D] (RoPE'd), w_idx [B,S,H] (the score scales folded in), ipool [slots,
+        N + 1, D] (one layer's indexer entries), slots [B], pos [B,S] -> (idx [B,S,k] entry
+        ids, valid [B,S,k]), k = min(topk, N)."""
+        keys = ipool[slots, :-1]  # [B, N, D]
+        N = keys.shape[1]
+        logits = torch.einsum("bshd,bnd->bshn", q_idx.float(), keys.float())
+        score = (torch.relu(logits) * w_idx.float()[..., None]).sum(2)  # [B, S, N]
+        vis = torch.arange(N, device=pos.device) < visible_entries(pos, ratio)[..., None]
+        score = torch.where(vis, score, torch.full_like(score, float("-inf")))
+        vals, idx = torch.sort(score, dim=-1, descending=True, stable=True)  # ties -> lower entry
+        k = min(topk, N)
         return idx[..., :k], torch.isfinite(vals[..., :k])
 
-    @staticmethod
-    def attention_probs(att, mask):
-        """att [R, S, H, M] scores (bf16 on the GPU), mask [R, S, W >= M] bool (the token's
-        selected keys) -> softmax over M of the selected scores (the latent masked-dense core);
-        may overwrite att."""
-        return att.masked_fill_(~mask[:, :, None, :att.shape[-1]], float("-inf")).softmax(-1)
+    def wo_a(self, o, wo_a, cfg):
+        return wo_a_ref(o, wo_a, cfg)
 
-    def wo_a(self, o, wo_a):
-        B, S, G = o.shape[0], o.shape[1], wo_a.shape[0]
-        return torch.einsum("bsgd,grd->bsgr", o.reshape(B, S, G, -1), wo_a).reshape(B, S, -1)
-
-    def moe(self, h, L, cfg):
-        """h [N, C] (normed) -> routed + shared [N, C]."""
+    def moe(self, h, L, cfg, tokens):
+        """h [N, C] (normed), tokens [N] -> routed + shared [N, C]."""
         if h.is_cuda and h.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-            logits = h @ L["router"].T
             with family("router top-k / padding"):
-                ids, w = grouped_topk(logits, L["router_bias"], cfg)
+                ids, w = route(h, L, cfg, tokens)
             return self._moe_grouped(h, L, cfg, ids, w)
-        return moe_gathered(h, L, cfg)  # the spec's per-choice gathers: fine for the CPU's small configs
+        return moe_gathered(h, L, cfg, tokens)  # the spec's per-choice gathers: fine for the CPU's small configs
 
     def expert_operand(self, x):
         """Rounding of every expert-GEMM operand (weights, routed input, SiLU * up): none in the
@@ -100,7 +150,7 @@ class Ops:
 
     def _moe_grouped(self, h, L, cfg, ids, w):
         """The unfused GPU composite: sort the routed rows by expert, bf16 grouped GEMMs,
-        SiLU * up, a standalone weighted finalize, then the separate shared add."""
+        clamped SiLU * up, a standalone weighted finalize, then the separate shared add."""
         N, k = ids.shape
         with family("ID packing (sort / scatter)"):
             flat = ids.flatten()
@@ -111,9 +161,9 @@ class Ops:
             offs = counts.cumsum(0).int()
             xs = h[order // k]
         xs, op = self.expert_operand(xs), self.expert_operand
-        g = torch._grouped_mm(xs, op(L["gate"]).transpose(1, 2), offs=offs)
-        up = torch._grouped_mm(xs, op(L["up"]).transpose(1, 2), offs=offs)
-        y = torch._grouped_mm(op(torch.nn.functional.silu(g) * up), op(L["down"]).transpose(1, 2), offs=offs)
+        g = torch._grouped_mm(xs, op(L["ffn.experts.w1"]).transpose(1, 2), offs=offs)
+        up = torch._grouped_mm(xs, op(L["ffn.experts.w3"]).transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(op(swiglu(g, up, cfg.swiglu_limit)), op(L["ffn.experts.w2"]).transpose(1, 2), offs=offs)
         with family("standalone finalize"):
             routed = torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1)
             out = (routed.float() * w[..., None].float()).sum(1).to(h.dtype)
@@ -122,155 +172,117 @@ class Ops:
             return out + sh
 
 
+# ---------------------------------------------------------------------------- the layer ----
+class V4Layer:
+    """One DeepSeek-V4 decoder layer over :class:`DecodeState` rows (the target's layers and
+    the draft's stages). ``ratio`` 0 / CSA / HCA; ``win`` is the layer's raw-KV ring (the
+    draft's: its context ring, written elsewhere -- ``write_window=False``)."""
+
+    def __init__(self, cfg: ModelConfig, L: dict, ratio: int, inv_freq: dict, ops: Ops):
+        self.cfg, self.L, self.ratio, self.ops = cfg, L, ratio, ops
+        self.inv = inv_freq[ratio > 0]
+        self.inv_c = inv_freq[True]
+
+    def forward(self, X, tokens, pos, slots, st: DecodeState, li, win=None, write_window=True):
+        cfg, ops, L = self.cfg, self.ops, self.L
+        maps = ops.mhc_mappings(X, L, "attn", cfg)
+        h = rmsnorm(ops.pre_mix(X, maps), cfg.eps, L["attn_norm.weight"])
+        X = ops.post_mix(X, maps, self.attention(h, pos, slots, st, li, win, write_window))
+        maps = ops.mhc_mappings(X, L, "ffn", cfg)
+        h = rmsnorm(ops.pre_mix(X, maps), cfg.eps, L["ffn_norm.weight"])
+        B, S, C = h.shape
+        f = ops.moe(h.reshape(-1, C), L, cfg, tokens.reshape(-1)).view(B, S, C)
+        return ops.post_mix(X, maps, f)
+
+    def kv(self, h, pos):
+        """The raw K = V rows ``[B, S, hd]`` of normed hidden states ``h``."""
+        return rope(rmsnorm(h @ self.L["attn.wkv.weight"].T, self.cfg.eps, self.L["attn.kv_norm.weight"]), pos,
+                    self.inv)
+
+    def attention(self, h, pos, slots, st: DecodeState, li, win, write_window):
+        cfg, ops, L = self.cfg, self.ops, self.L
+        B, S, _ = h.shape
+        H, hd, m = cfg.heads, cfg.head_dim, self.ratio
+        pos0 = pos[:, 0]
+        qr = rmsnorm(h @ L["attn.wq_a.weight"].T, cfg.eps, L["attn.q_norm.weight"])
+        q = rope(rmsnorm((qr @ L["attn.wq_b.weight"].T).view(B, S, H, hd), cfg.eps), pos, self.inv)
+        kv = self.kv(h, pos)
+        ring = st.win[li] if win is None else win
+        # window: positions p - W + 1 .. p
+        qpos = pos[..., None] - cfg.window + 1 + torch.arange(cfg.window, device=pos.device)
+        keys = rows_at(kv, ring, st.win_rows, slots, pos0, qpos.clamp_min(0))  # [B, S, W, hd]
+        valid = qpos >= 0
+        if m:
+            ent, ent_valid = self.compressed_keys(h, qr, pos, slots, st, li)
+            keys = torch.cat([keys, ent], 2)
+            valid = torch.cat([valid, ent_valid], 2)
+        o = sink_attention(q, keys, valid, L["attn.attn_sink"], 1 / math.sqrt(hd))
+        if write_window:
+            write_ring(ring, st.win_rows, slots, pos, kv)
+        o = rope(o, pos, self.inv, inverse=True)
+        return ops.wo_a(o, L["attn.wo_a.weight"], cfg) @ L["attn.wo_b.weight"].T
+
+    def _close_windows(self, h, pos, slots, prefix, rows, pool, inv_c):
+        """Pool an entry for every token that closes a window; store this step's raw rows."""
+        cfg, L, m = self.cfg, self.L, self.ratio
+        csa = m == cfg.csa_ratio
+        span = 2 * m if csa else m
+        ring_rows = rows.shape[1]
+        fresh = torch.cat([h @ L[prefix + "wkv.weight"].T, h @ L[prefix + "wgate.weight"].T], -1)
+        qpos = pos[..., None] - span + 1 + torch.arange(span, device=pos.device)  # [B, S, span]
+        r = rows_at(fresh, rows, ring_rows, slots, pos[:, 0], qpos.clamp_min(0))
+        ch = fresh.shape[-1] // 2
+        kv, gate = r[..., :ch], r[..., ch:]
+        before = (qpos < 0)[..., None]  # rows before position 0: kv 0, gate -inf
+        kv = kv.masked_fill(before, 0)
+        gate = gate.masked_fill(before, float("-inf"))
+        entry = torch.div(pos + 1, m, rounding_mode="floor") - 1
+        ent = compress_entries(kv, gate, L[prefix + "ape"], L[prefix + "norm.weight"], csa, entry * m, inv_c, cfg.eps)
+        closes = ((pos + 1) % m == 0) & (entry >= 0) & (entry < pool.shape[1] - 1)
+        dst = torch.where(closes, entry, torch.full_like(entry, pool.shape[1] - 1))
+        pool[slots[:, None].expand_as(dst), dst] = ent.to(pool.dtype)
+        write_ring(rows, ring_rows, slots, pos, fresh)
+
+    def compressed_keys(self, h, qr, pos, slots, st: DecodeState, li):
+        """This layer's compressed keys per query ``[B, S, K, hd]`` and their validity."""
+        cfg, L, m = self.cfg, self.L, self.ratio
+        self._close_windows(h, pos, slots, "attn.compressor.", st.crows[li], st.pool[li], self.inv_c)
+        pool = st.pool[li]
+        if m != cfg.csa_ratio:  # HCA: every visible entry
+            ent = pool[slots, :-1]  # [B, N, hd]
+            N = ent.shape[1]
+            valid = torch.arange(N, device=pos.device) < visible_entries(pos, m)[..., None]  # [B, S, N]
+            return ent[:, None].expand(-1, pos.shape[1], -1, -1), valid
+        p = "attn.indexer."
+        self._close_windows(h, pos, slots, p + "compressor.", st.irows[li], st.ipool[li], self.inv_c)
+        B, S, _ = h.shape
+        HI, D = cfg.indexer_heads, cfg.indexer_dim
+        q_idx = rope((qr @ L[p + "wq_b.weight"].T).view(B, S, HI, D), pos, self.inv_c)
+        # the score's scales D^-1/2 and H^-1/2 ride on the head weights
+        w_idx = (h @ L[p + "weights_proj.weight"].T).float() / math.sqrt(HI * D)
+        idx, valid = self.ops.indexer_topk(q_idx, w_idx, st.ipool[li], slots, pos, cfg.index_topk, m)
+        return pool[slots[:, None, None], idx], valid
+
+
 class StepModel:
-    """Sync-free forward over a :class:`TargetModel`'s weights."""
+    """Sync-free forward over a :class:`TargetModel`'s weights and a :class:`DecodeState`."""
 
-    ATTENTION_CORES = ("auto", "gather", "masked_dense")
-
-    @classmethod
-    def check_attention_core(cls, attention_core: str) -> None:
-        if attention_core not in cls.ATTENTION_CORES:
-            raise ValueError(f"attention_core must be one of {cls.ATTENTION_CORES}, got {attention_core!r}")
-
-    def __init__(self, target: TargetModel, ops: Ops | None = None, attention_core: str = "auto"):
-        self.check_attention_core(attention_core)
+    def __init__(self, target: TargetModel, ops: Ops | None = None):
         self.t, self.cfg = target, target.cfg
         self.ops = ops or Ops()
-        self.attention_core = attention_core
+        self.layers = [V4Layer(self.cfg, L, self.cfg.ratio(li), target.inv_freq, self.ops)
+                       for li, L in enumerate(target.layers)]
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, kv: KVPool):
-        """tokens, pos [B, S] int64 (device), slots [B] -> logits [B, S, V], hidden [B, S, C]."""
-        cfg, ops, t = self.cfg, self.ops, self.t
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, st: DecodeState):
+        """tokens, pos [B, S] int64 (device; a request's positions consecutive), slots [B] ->
+        logits [B, S, V], the draft's features [B, S, 3C]."""
+        cfg, t = self.cfg, self.t
         X = t.embed[tokens][:, :, None, :].expand(-1, -1, cfg.mhc_n, -1).contiguous()
-        for li, L in enumerate(t.layers):
-            maps = ops.mhc_mappings(X, L, "attn", cfg)
-            X = ops.post_mix(X, maps, self.attention(ops.pre_mix(X, maps), L, li, pos, slots, kv))
-            maps = ops.mhc_mappings(X, L, "moe", cfg)
-            u = ops.pre_mix(X, maps)
-            B, S, C = u.shape
-            f = ops.moe(rmsnorm(u, cfg.eps).reshape(-1, C), L, cfg).view(B, S, C)
-            X = ops.post_mix(X, maps, f)
-        hidden = rmsnorm(X.mean(2), cfg.eps)
-        return hidden @ t.lm_head.T, hidden
-
-    def attention(self, u, L, li, pos, slots, kv: KVPool):
-        cfg, ops = self.cfg, self.ops
-        B, S, _ = u.shape
-        H, hd, r = cfg.heads, cfg.head_dim, cfg.rope_dim
-        h = rmsnorm(u, cfg.eps)
-        q = attention_query(h, L, pos, cfg)
-        q_idx = (h @ L["idx_q"].T).view(B, S, cfg.indexer_heads, cfg.indexer_dim)
-        w_idx = h @ L["idx_w"].T
-        k_idx = h @ L["idx_k"].T
-        rows = slots[:, None].expand(B, S)
-        k, v = kv_entries(h, L, pos, cfg)
-        kv.k[li, rows, pos] = k  # tensor-indexed writes: no host sync
-        if v is not None:  # the latent pool's v is a view of its k
-            kv.v[li, rows, pos] = v
-        if kv.latent:  # absorbed: q_h . [k_rope ; k_b_h lat] = [q_rope ; k_b_h^T q_nope] . entry
-            q = torch.cat([q[..., :r], torch.einsum("bshd,hdc->bshc", q[..., r:],
-                                                    L["k_b"].view(H, hd - r, cfg.kv_lora))], -1)
-        kv.k_idx[li, rows, pos] = k_idx
-        idx, valid = ops.indexer_topk(q_idx, w_idx, kv.k_idx[li], slots, pos, cfg.index_topk)  # [B, S, k]
-        core = self.attention_core
-        if core == "auto":
-            core = self.pick_attention_core(B, S, idx.shape[-1], kv.k.shape[1], kv.max_len)
-        if core == "masked_dense":
-            o = self._masked_dense(q, idx, valid, li, slots, kv, 1 / math.sqrt(hd), ops)
-        else:
-            o = self._gather(q, idx, valid, li, slots, kv, 1 / math.sqrt(hd))
-        if kv.latent:  # o_h = v_b_h (softmax . lat)
-            o = torch.einsum("bshc,hdc->bshd", o, L["v_b"].view(H, hd, cfg.kv_lora))
-        return ops.wo_a(o, L["wo_a"]) @ L["wo_b"].T
-
-    @staticmethod
-    def mask_width(M: int) -> int:
-        """Row stride of the masked-dense core's key mask over ``M`` pool positions: one spare
-        column (invalid selections scatter there), padded to 16 elements -- SDPA's
-        memory-efficient kernel wants an aligned mask stride, and the fused ops'
-        masked_softmax a multiple of 8."""
-        return -(-(M + 1) // 16) * 16
-
-    @staticmethod
-    def pool_in_place(B: int, P: int) -> bool:
-        """Whether the masked-dense core reads a ``P``-row pool in place for ``B`` requests (P
-        row reads) rather than gathering the batch's rows first (3B row transfers)."""
-        return P <= 3 * B
-
-    @staticmethod
-    def pick_attention_core(B: int, S: int, k: int, P: int, M: int) -> str:
-        """``"auto"``: the core moving fewer K/V rows per step (static shapes: one choice per
-        captured graph). Gather: ``3 S k`` per request (read, write, read of ``[S, k]``
-        selected rows); masked-dense: ``M`` pool positions per pool row read -- ``P / B``
-        rows per request in place (``P <= 3B``), else 3 (gather the row, read it). H200: the
-        slice config (top-k 2048, M = 592-6160) ran 2x (BS1) and 11x (BS64) faster verify
-        graphs masked-dense; the small config (top-k 64, M = 5136) ran BS1 2.27x baseline
-        gathering and 1.95x masked-dense (bench/RESULTS.md). A latent pool's masked-dense core
-        also writes bf16 scores for every pool position (not counted here); at the slice
-        config's BS64 verify step it still beat gathering, 16.2 vs 17.6 ms of kernels."""
-        dense_rows = P / B if StepModel.pool_in_place(B, P) else 3
-        return "gather" if 3 * S * k < dense_rows * M else "masked_dense"
-
-    @staticmethod
-    def _gather(q, idx, valid, li, slots, kv: KVPool, scale: float):
-        """Each token's selected keys and values gathered, ``[B, S, k, heads, dim]``; the
-        softmax runs in the activation dtype. A latent pool's one key / value head serves every
-        query head."""
-        keys = kv.k[li, slots[:, None, None], idx]  # [B, S, k, Hk, dk]
-        if kv.latent:
-            # the value is the key's latent part (kv.v views it): one gather, not two
-            keys = keys[..., 0, :]
-            vals = keys[..., keys.shape[-1] - kv.v.shape[-1]:]
-            att = torch.einsum("bshd,bskd->bshk", q, keys) * scale
-        else:
-            att = torch.einsum("bshd,bskhd->bshk", q, keys) * scale
-        att = att.masked_fill(~valid[:, :, None, :], float("-inf")).softmax(-1)
-        if kv.latent:
-            return torch.einsum("bshk,bskd->bshd", att, vals)
-        vals = kv.v[li, slots[:, None, None], idx]
-        return torch.einsum("bshk,bskhd->bshd", att, vals)
-
-    @staticmethod
-    def _masked_dense(q, idx, valid, li, slots, kv: KVPool, scale: float, ops: Ops):
-        """Attention over each request's whole KV row, keys outside its token's selection masked.
-
-        Reads the pool in place when the batch covers a third of its slots or more (``P <= 3B``):
-        the queries and masks are scattered into pool-slot order and every pool row is
-        attended, ``P`` row reads. Otherwise the batch's rows are gathered first, 3B row
-        transfers (read, write, read). Padded graph rows share the scratch slot: their scatters
-        collide and their outputs are garbage either way (the runner discards them). Per-head
-        pools run SDPA; a latent pool (one key head, key dim rope_dim + kv_lora) two batched
-        matmuls around a softmax of bf16 scores -- SDPA would expand its key head to every
-        query head."""
-        B, S, _ = idx.shape
-        P, M = kv.k.shape[1], kv.max_len
-        # invalid selections scatter into a discarded column M (a clamped index 0 must not
-        # clear a valid selection of key 0)
-        sel = torch.where(valid, idx, torch.full_like(idx, M))
-        width = StepModel.mask_width(M)
-        mask = torch.zeros(B, S, width, dtype=torch.bool, device=q.device).scatter_(2, sel, True)
-        in_place = StepModel.pool_in_place(B, P)
-        if in_place:
-            # slots outside the batch attend to key 0 only: finite, never read back
-            mask_p = torch.zeros(P, S, width, dtype=torch.bool, device=q.device)
-            mask_p[:, :, 0] = True
-            mask = mask_p.index_copy(0, slots, mask)
-            q = torch.zeros(P, *q.shape[1:], dtype=q.dtype, device=q.device).index_copy(0, slots, q)
-            keys, vals = kv.k[li], kv.v[li]  # [P, M, Hk, d]
-        else:
-            keys, vals = kv.k[li, slots], kv.v[li, slots]  # [B, M, Hk, d]: the batch's pool rows
-        if kv.latent:
-            # [R, S*H, M] scores: at the slice config's BS64 verify step 0.6 GB a layer in bf16,
-            # so the scale rides on q and the masked softmax (FP32 inside) writes bf16 -- the
-            # activation-dtype scores the gather core uses too -- in place where the ops can
-            R, H = q.shape[0], q.shape[2]
-            att = torch.bmm((q * scale).reshape(R, S * H, -1), keys[:, :, 0].transpose(1, 2))
-            att = ops.attention_probs(att.view(R, S, H, M), mask)
-            o = torch.bmm(att.view(R, S * H, M), vals[:, :, 0]).view(R, S, H, -1)
-        else:
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask[:, None, :, :M],
-                scale=scale).transpose(1, 2)
-        # [B, S, H, dv]; every token selects at least itself: no empty row
-        return o[slots] if in_place else o
+        feats = []
+        for li, layer in enumerate(self.layers):
+            X = layer.forward(X, tokens, pos, slots, st, li)
+            if li in cfg.draft_feature_layers:
+                feats.append(X.mean(2))
+        hidden = rmsnorm(hc_head(X, t.w, cfg).to(X.dtype), cfg.eps, t.w["norm.weight"])
+        return hidden @ t.lm_head.T, torch.cat(feats, -1)
