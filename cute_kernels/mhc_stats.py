@@ -4,10 +4,14 @@ For every token ``t`` (``x = X[t].flatten()``, length ``K = n*C``, ``m = 2n + n*
 
     r        = rsqrt(sum(x*x) / K + eps)                    # the RMS statistic
     P[j]     = r * (x . phi[j])          j < m             # phi is [m, K] (rows = outputs)
-    H_pre    = sigmoid(a_pre  * P[0:n]   + b[0:n])
+    H_pre    = sigmoid(a_pre  * P[0:n]   + b[0:n]) + hc_eps
     H_post   = 2 sigmoid(a_post * P[n:2n]  + b[n:2n])
     H_res    = Sinkhorn_iters(exp(a_res * P[2n:].view(n, n) + b[2n:].view(n, n)))
     H[t]     = [H_pre | H_post | H_res (row-major)]        # fp32
+
+``hc_eps`` (static; DeepSeek-V4's ``hc_eps`` = 1e-6, default 0): the first row normalisation
+(a softmax of the logits) is followed by ``+ hc_eps`` and every later normalisation divides
+by ``sum + hc_eps`` -- DeepSeek's ``hc_split_sinkhorn``.
 
 ``(x * r) @ phi`` is computed as ``r * (x @ phi)``: ``r`` is one scalar per token, so the two
 differ only by FP32 rounding (inside the tolerance the tests state). Sinkhorn alternates
@@ -92,7 +96,8 @@ def padded_maps(n: int) -> int:
 class MhcStats:
     """Compile-time configuration: streams ``n``, hidden ``C``, Sinkhorn iterations."""
 
-    def __init__(self, n: int, hidden: int, sinkhorn_iters: int, stages: int = STAGES):
+    def __init__(self, n: int, hidden: int, sinkhorn_iters: int, stages: int = STAGES, hc_eps: float = 0.0):
+        self.hc_eps = float(hc_eps)
         self.n, self.C, self.iters = n, hidden, sinkhorn_iters
         self.K = n * hidden
         self.m = num_maps(n)
@@ -292,7 +297,10 @@ class MhcStats:
             i = idx - tt * (2 * n)
             r = cute.math.rsqrt(sP[tt, m] / Float32(self.K) + eps)
             z = cutlass.select_(i < n, a_pre, a_post) * (r * sP[tt, i]) + mBias[i]
-            mH[tok0 + tt, i] = cutlass.select_(i < n, one, Float32(2.0)) / (one + cute.math.exp(-z))
+            h = cutlass.select_(i < n, one, Float32(2.0)) / (one + cute.math.exp(-z))
+            if cutlass.const_expr(self.hc_eps != 0.0):
+                h = h + cutlass.select_(i < n, Float32(self.hc_eps), Float32(0.0))
+            mH[tok0 + tt, i] = h
         # Sinkhorn: one thread per token, the n x n matrix in registers. rcp.approx (rel.
         # error <= 2^-23) instead of IEEE division: the iterations are a serial latency
         # chain, and an IEEE divide costs ~10x an MUFU.RCP; the n row (column) sums and
@@ -305,18 +313,25 @@ class MhcStats:
             for e in cutlass.range_constexpr(n * n):
                 M[e] = cute.math.exp(a_res * (r * sP[tidx, 2 * n + e]) + mBias[2 * n + e])
             inv = cute.make_rmem_tensor(cute.make_layout((n,)), Float32)
-            for _ in cutlass.range_constexpr(self.iters):
+            he = self.hc_eps
+            for it in cutlass.range_constexpr(self.iters):
                 for i in cutlass.range_constexpr(n):
                     s = M[i * n]
                     for j in cutlass.range_constexpr(1, n):
                         s = s + M[i * n + j]
+                    if cutlass.const_expr(he != 0.0 and it > 0):
+                        s = s + Float32(he)
                     inv[i] = cute.arch.rcp_approx(s)
                 for e in cutlass.range_constexpr(n * n):
                     M[e] = M[e] * inv[e // n]
+                    if cutlass.const_expr(he != 0.0 and it == 0):
+                        M[e] = M[e] + Float32(he)  # the softmax, then + hc_eps
                 for j in cutlass.range_constexpr(n):
                     s = M[j]
                     for i in cutlass.range_constexpr(1, n):
                         s = s + M[i * n + j]
+                    if cutlass.const_expr(he != 0.0):
+                        s = s + Float32(he)
                     inv[j] = cute.arch.rcp_approx(s)
                 for e in cutlass.range_constexpr(n * n):
                     M[e] = M[e] * inv[e % n]
@@ -328,18 +343,19 @@ class MhcStats:
         return 1 <= n <= MAX_STATS_STREAMS and hidden % VEC == 0 and hidden > 0 and 0 <= sinkhorn_iters <= 100
 
     @staticmethod
-    def compile(arch: str, n: int, hidden: int, sinkhorn_iters: int = 20):
-        return jit.get_kernel("mhc_stats", arch, n=n, hidden=hidden, sinkhorn_iters=sinkhorn_iters)
+    def compile(arch: str, n: int, hidden: int, sinkhorn_iters: int = 20, hc_eps: float = 0.0):
+        extra = {"hc_eps": float(hc_eps)} if hc_eps else {}  # the compile key of hc_eps = 0 is unchanged
+        return jit.get_kernel("mhc_stats", arch, n=n, hidden=hidden, sinkhorn_iters=sinkhorn_iters, **extra)
 
 
-def _build(arch: str, *, n: int, hidden: int, sinkhorn_iters: int):
+def _build(arch: str, *, n: int, hidden: int, sinkhorn_iters: int, hc_eps: float = 0.0):
     if not MhcStats.can_implement(n, hidden, sinkhorn_iters):
         raise ValueError(f"mhc_stats: unsupported n={n}, hidden={hidden}, sinkhorn_iters={sinkhorn_iters}")
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(Float32, 4), P(Float32, 4), P(Float32, 4),
             P(Float32, 16),
             P(Int32, 4), Int32(1), Int32(1), Int32(1), Float32(1e-6), jit.fake_stream())
-    return MhcStats(n, hidden, sinkhorn_iters), args
+    return MhcStats(n, hidden, sinkhorn_iters, hc_eps=hc_eps), args
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -348,7 +364,9 @@ KERNEL = jit.register(jit.KernelDef(
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
                   for f in ("mhc_stats.py", "grid_sync.py", "warp_mma.py")),
     archs=("sm_90a", "sm_100a", "sm_103a"),
-    aot_configs=({"n": 4, "hidden": 7168, "sinkhorn_iters": 20},),
+    aot_configs=({"n": 4, "hidden": 4096, "sinkhorn_iters": 20, "hc_eps": 1e-6},
+                 {"n": 4, "hidden": 7168, "sinkhorn_iters": 20, "hc_eps": 1e-6},
+                 {"n": 4, "hidden": 7168, "sinkhorn_iters": 20}),
     description="mHC r, P = (X r) phi, sigmoid / Sinkhorn mappings; split-K, one launch",
 ))
 
@@ -401,7 +419,7 @@ def mhc_split_phi(phi: torch.Tensor) -> torch.Tensor:
     return out.view(2 * mp, K)
 
 
-def _reference_path(x, phi, alpha, bias, eps, iters, out):
+def _reference_path(x, phi, alpha, bias, eps, iters, out, hc_eps=0.0):
     """Fallback for devices without a CuTe path (not the test reference: tests/references.py)."""
     T, n, C = x.shape
     if phi.dtype == torch.bfloat16:
@@ -409,18 +427,21 @@ def _reference_path(x, phi, alpha, bias, eps, iters, out):
         phi = (phi[:mp].float() + phi[mp:].float())[:num_maps(n)]
     xf = x.float().reshape(T, n * C)
     P = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * (xf @ phi.T)
-    h_pre = torch.sigmoid(alpha[0] * P[:, :n] + bias[:n])
+    h_pre = torch.sigmoid(alpha[0] * P[:, :n] + bias[:n]) + hc_eps
     h_post = 2 * torch.sigmoid(alpha[1] * P[:, n:2 * n] + bias[n:2 * n])
     M = torch.exp(alpha[2] * P[:, 2 * n:] + bias[2 * n:]).view(T, n, n)
-    for _ in range(iters):
-        M = M / M.sum(-1, keepdim=True)
-        M = M / M.sum(-2, keepdim=True)
+    for it in range(iters):
+        M = M / (M.sum(-1, keepdim=True) + (hc_eps if it else 0.0))
+        if it == 0:
+            M = M + hc_eps
+        M = M / (M.sum(-2, keepdim=True) + hc_eps)
     out.copy_(torch.cat([h_pre, h_post, M.reshape(T, n * n)], -1))
     return out
 
 
 def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, *, eps: float = 1e-6,
-              sinkhorn_iters: int = 20, workspace: MhcStatsWorkspace | None = None, out: torch.Tensor | None = None,
+              sinkhorn_iters: int = 20, hc_eps: float = 0.0, workspace: MhcStatsWorkspace | None = None,
+              out: torch.Tensor | None = None,
               max_ctas: int | None = None, stream=None, arch: str | None = None) -> torch.Tensor:
     """mHC mappings ``H [T, 2n + n*n]`` (fp32: ``[H_pre | H_post | H_res row-major]``) from ``x [T, n, C]``.
 
@@ -452,13 +473,15 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
         raise ValueError(f"{op}: sinkhorn_iters must be an int in [0, 100], got {sinkhorn_iters!r}")
     if not isinstance(eps, (int, float)) or eps < 0:
         raise TypeError(f"{op}: eps must be a non-negative float, got {eps!r}")
+    if not isinstance(hc_eps, (int, float)) or isinstance(hc_eps, bool) or not 0 <= hc_eps < 1:
+        raise TypeError(f"{op}: hc_eps must be a float in [0, 1), got {hc_eps!r}")
     if out is None:
         out = torch.empty(T, m, dtype=torch.float32, device=x.device)
     check_tensor(op, "out", out, dtype=torch.float32, shape=(T, m), contiguous=True, align_bytes=4)
     check_cuda(op, ("x", x), ("phi", phi), ("alpha", alpha), ("bias", bias), ("out", out))
     a = arch if arch is not None else current_arch(x.device)
     if dispatch(op, ("portable", "reference"), arch=a) == "reference":
-        return _reference_path(x, phi, alpha, bias, eps, sinkhorn_iters, out)
+        return _reference_path(x, phi, alpha, bias, eps, sinkhorn_iters, out, hc_eps)
     if T == 0:
         return out
     if workspace is None:
@@ -474,7 +497,7 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
     splits, per = plan_splits(T, K, max_ctas or 2 * num_sms(x.device.index or 0))
     if phi.dtype == torch.float32:
         phi = mhc_split_phi(phi)  # allocates: callers on the hot path pass the split planes
-    fn = MhcStats.compile(a, n, C, sinkhorn_iters)
+    fn = MhcStats.compile(a, n, C, sinkhorn_iters, hc_eps)
     P = jit.gmem_ptr
     fn(P(cutlass.BFloat16, x, 16), P(cutlass.BFloat16, phi, 16), P(Float32, alpha, 4), P(Float32, bias, 4),
        P(Float32, out, 4), P(Float32, workspace.partials, 16), P(Int32, workspace.counters, 4), jit.i32(T),

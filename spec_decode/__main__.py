@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from .config import SLICE, SMALL, TINY, EngineConfig
+from .config import PRESETS, EngineConfig
 from .engine import Engine
 
 
@@ -37,7 +37,7 @@ def parser() -> argparse.ArgumentParser:
                      help="reference: the spec's per-token loops; baseline: sync-free torch ops in step graphs; "
                           "fused: this project's kernels in step graphs (bf16, needs --device cuda) "
                           "(default: %(default)s)")
-    run.add_argument("--model", choices=("tiny", "small", "slice"), default=None,
+    run.add_argument("--model", choices=tuple(PRESETS), default=None,
                      help="model config (default: small for the fused backend, tiny otherwise)")
     return ap
 
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     name = args.model or ("small" if args.backend == "fused" else "tiny")
-    model = {"tiny": TINY, "small": SMALL, "slice": SLICE}[name]
+    model = PRESETS[name]
     cfg = EngineConfig(model=model, device=args.device, max_seq_len=args.prompt_len + args.new + 16,
                        backend=args.backend, dtype="bfloat16" if args.backend == "fused" else "float32")
     eng = Engine(cfg)

@@ -1,6 +1,7 @@
 """``python -m spec_decode.bench``: the decode runtime's benchmark tables (H200).
 
-    python -m spec_decode.bench [--model slice|small|tiny] [--backends baseline,fused] [--quick]
+    python -m spec_decode.bench [--model v4_flash_slice|v4_pro_slice|small|tiny] [--backends baseline,fused]
+                                [--quick]
                                 [--out bench/spec_decode.md]
 
 Per backend, side by side (same seeded weights, same fixed input ids -- their hash is
@@ -22,17 +23,19 @@ printed):
 
 Random weights make the draft's proposals near-random, so the acceptance length is ~1 and
 both paths do the same number of verify steps -- tok/s compare the step costs. ``--quick``
-shrinks the runs (input 512 / output 64) for a smoke test. ``--model small`` is the smallest
-config every fused kernel accepts (``tiny`` is CPU-test sized: baseline only).
+shrinks the runs (input 512 / output 64) for a smoke test. ``--model v4_flash_slice`` (the
+default) has DeepSeek-V4-Flash's per-layer shapes and one layer of every kind
+(:data:`spec_decode.config.V4_FLASH_SLICE`); ``small`` is the smallest config every fused kernel
+accepts (``tiny`` is CPU-test sized: baseline only).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import gc
 import hashlib
+import math
 import random
 import statistics
 import sys
@@ -42,9 +45,9 @@ import torch
 
 from cute_kernels.progress import progress
 
-from .config import KV_CACHES, SLICE, SMALL, TINY, EngineConfig
+from .config import PRESETS, EngineConfig
 from .engine import DRAFT_HEADS, Engine
-from .step_model import StepModel
+from .model import layer_weight_shapes
 
 FAMILIES = ("router top-k / padding", "ID packing (sort / scatter)", "standalone finalize", "shared-expert add",
             "fused finalize (+ shared add)", "all-reduce")
@@ -60,22 +63,30 @@ GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def estimate_bytes(m, slots: int, max_len: int, backend: str) -> int:
-    """Device memory of one engine, roughly: bf16 weights (target + draft; the fused engine's
-    routed experts as MXFP8 copies, +3% scales, instead), and the KV pool. Activations and
-    graphs come on top."""
-    C, E, I = m.hidden, m.experts, m.expert_inter
-    H, hd, G, R = m.heads, m.head_dim, m.wo_groups, m.wo_rank
-    mp = 2 * m.mhc_n + m.mhc_n ** 2
-    n = 2 * (mp * m.mhc_n * C + 3 + mp)  # mHC phi, alphas and biases of both sublayers
-    n += m.q_lora * C + H * hd * m.q_lora + m.kv_lora * C + 2 * H * hd * m.kv_lora
-    n += m.indexer_heads * m.indexer_dim * C + m.indexer_heads * C + m.indexer_dim * C
-    n += G * R * (H // G) * hd + C * G * R + E * C + E + 3 * E * I * C + 3 * m.shared_inter * C
-    weights = 2 * (m.layers * n + 2 * m.vocab * C + 4 * C * C)
-    # the fused engine keeps MXFP8 expert copies (+3% scales) and releases the bf16 ones
-    fused = int(1.03 * m.layers * 3 * E * I * C) - 2 * m.layers * 3 * E * I * C if backend == "fused" else 0
-    entry = m.rope_dim + m.kv_lora if m.kv_cache == "latent" else 2 * H * hd
-    kv = 2 * m.layers * slots * max_len * (entry + m.indexer_dim)
-    return weights + fused + kv
+    """Device memory of one engine, roughly: bf16 weights (target layers, the draft's stages,
+    embedding and head; the fused engine's routed experts as MXFP8 copies, +3% scales,
+    instead) and the decode state. Activations and graphs come on top."""
+    def numel(shapes):
+        return sum(math.prod(s) for s in shapes.values())
+
+    E, I, C = m.experts, m.expert_inter, m.hidden
+    layers = sum(numel(layer_weight_shapes(m, li, hash_routed=m.is_hash(li), ratio=m.ratio(li)))
+                 for li in range(m.layers))
+    stage = numel(layer_weight_shapes(m, None, hash_routed=False, ratio=0))
+    n_moe = m.layers + m.draft_stages
+    weights = 2 * (layers + m.draft_stages * stage + 2 * m.vocab * C + 3 * C * C)
+    fused = int(1.03 * n_moe * 3 * E * I * C) - 2 * n_moe * 3 * E * I * C if backend == "fused" else 0
+    hd, D = m.head_dim, m.indexer_dim
+    state = 0
+    for li in range(m.layers):
+        r = m.ratio(li)
+        state += (m.window + 8) * hd
+        if r:
+            state += (max_len // r) * hd + (2 * r + 8) * 4 * hd
+        if r == m.csa_ratio:
+            state += (max_len // r) * D + (2 * r + 8) * 4 * D
+    state += m.draft_stages * (m.window + 9) * hd
+    return weights + fused + 2 * slots * state
 
 
 def run_case(backend, model, batch, n_in, n_out, reference=None, **engine):
@@ -88,7 +99,7 @@ def run_case(backend, model, batch, n_in, n_out, reference=None, **engine):
     need = estimate_bytes(model, cfg.max_batch + 1, cfg.max_seq_len, backend)
     have = torch.cuda.get_device_properties(0).total_memory
     if need > 0.92 * have:
-        return {"error": f"needs ~{need / 2**30:.0f} GiB of the device's {have / 2**30:.0f} GiB (weights + KV pool)"}
+        return {"error": f"needs ~{need / 2**30:.0f} GiB of the device's {have / 2**30:.0f} GiB (weights + state)"}
     eng = Engine(cfg)
     ids, digest = prompts(batch, n_in, model.vocab)
     eng.warm_up(batch)  # compile + capture before the clock starts (the first step would otherwise)
@@ -106,7 +117,7 @@ def run_case(backend, model, batch, n_in, n_out, reference=None, **engine):
     res["launches"] = count_families(eng, batch)
     ref = (reference or out)[0]
     res["teacher_forced"] = sum(a == b for a, b in zip(eng.greedy_given(ids[0], ref), ref)) / len(ref)
-    del eng  # free the weights, KV pool and graph pools before the next case
+    del eng  # free the weights, state and graph pools before the next case
     gc.collect()
     torch.cuda.empty_cache()
     return res
@@ -139,10 +150,10 @@ def count_families(eng, batch, cycles=20):
     tok = torch.zeros(batch, K + 1, dtype=torch.long, device=dev)
     pos = torch.arange(K + 1, device=dev)[None].expand(batch, -1).contiguous()
     slots = torch.arange(batch, device=dev)
-    eng.step.forward(tok, pos, slots, eng.kv)  # warm (compiles) outside the profile
+    eng.step.forward(tok, pos, slots, eng.state)  # warm (compiles) outside the profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        eng.step.forward(tok, pos, slots, eng.kv)
+        eng.step.forward(tok, pos, slots, eng.state)
         torch.cuda.synchronize()
 
     def torch_kernels(ev):
@@ -213,7 +224,7 @@ def parser() -> argparse.ArgumentParser:
     """The command line (every option with its help and default)."""
     ap = argparse.ArgumentParser(prog="python -m spec_decode.bench",
                                  description="Decode throughput of the runtime's backends at BS1 and BS64 (GPU).")
-    ap.add_argument("--model", choices=("slice", "small", "tiny"), default="slice",
+    ap.add_argument("--model", choices=tuple(PRESETS), default="v4_flash_slice",
                     help="model config (default: %(default)s)")
     ap.add_argument("--backends", default="baseline,fused",
                     help="comma-separated backends to compare (default: %(default)s)")
@@ -221,21 +232,11 @@ def parser() -> argparse.ArgumentParser:
                     help="input 512 / output 64 instead of 4096 / 1024 (BS1) and 4096 / 2048 (BS64) (default: off)")
     ap.add_argument("--out", default=None, help="also write the table to this file (default: none)")
     ap.add_argument("--prefill-chunk", type=int, default=384,
-                    help="prompt positions per eager prefill forward (384: the fused MoE's row-pass kernel "
-                         "covers the chunk; the gather attention core materialises [chunk, top-k, heads, "
-                         "head_dim] keys and values: use 64 with it at slice size; default: %(default)s)")
+                    help="prompt positions per eager prefill forward (default: %(default)s)")
     ap.add_argument("--moe-row-tile", type=int, default=16, choices=(0, 16, 32, 64),
                     help="fused backend: the MoE decode kernel in passes of this many token columns for "
                          "steps of 17-384 tokens (0: one pass up to 64 tokens, the tiled kernel above; "
                          "default: %(default)s)")
-    ap.add_argument("--attention-core", default="auto", choices=StepModel.ATTENTION_CORES,
-                    help="both backends: per step shape the core moving fewer K/V rows (default), SDPA over "
-                         "the request's KV row with a mask of the selected keys, or gather each token's "
-                         "selected K/V (default: %(default)s)")
-    ap.add_argument("--kv-cache", default=None, choices=KV_CACHES,
-                    help="override the model config's KV cache: every head's K and V, or the MLA-style "
-                         "latent + shared RoPE key (default: the config's -- latent at slice, per_head at "
-                         "small and tiny)")
     ap.add_argument("--draft-head", default=EngineConfig.draft_head, choices=DRAFT_HEADS,
                     help="fused backend: the draft's LM head -- MXFP8 up to 16 rows and per-tensor e4m3 "
                          "above; MXFP8 up to 16 rows, bf16 above; bf16 throughout (default: %(default)s)")
@@ -251,15 +252,12 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("spec_decode.bench needs a CUDA GPU", file=sys.stderr)
         return 2
-    model = {"slice": SLICE, "small": SMALL, "tiny": TINY}[args.model]
-    if args.kv_cache is not None:
-        model = dataclasses.replace(model, kv_cache=args.kv_cache)
+    model = PRESETS[args.model]
     cases = [("BS1 in 4096 / out 1024", 1, 4096, 1024), ("BS64 in 4096 / out 2048", 64, 4096, 2048)]
     if args.quick:
         cases = [("BS1 in 512 / out 64", 1, 512, 64), ("BS64 in 512 / out 64", 64, 512, 64)]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     engine = dict(prefill_chunk=args.prefill_chunk, moe_row_tile=args.moe_row_tile or None,
-                  attention_core=args.attention_core,
                   indexer_token_group=args.indexer_token_group, draft_head=args.draft_head)
     # the command as run: every option that differs from its default
     tuned = "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()

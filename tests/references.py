@@ -194,8 +194,11 @@ def allreduce_ref(parts):
 
 
 # ------------------------------------------------------------------------- mHC ---------
-def mhc_stats_ref(x, phi, alpha, bias, eps, iters):
-    """H [T, 2n + n*n] = [H_pre | H_post | H_res] in float64 (the mHC formulas of spec_decode.model).
+def mhc_stats_ref(x, phi, alpha, bias, eps, iters, hc_eps=0.0):
+    """H [T, 2n + n*n] = [H_pre | H_post | H_res] in float64 (DeepSeek-V4's ``hc_split_sinkhorn``:
+    pre = sigmoid + hc_eps, post = 2 sigmoid, comb = row softmax + hc_eps, then a column
+    normalisation and iters - 1 (row, column) rounds, denominators + hc_eps; hc_eps = 0 is the
+    plain Sinkhorn-Knopp of exp, rows first).
 
     x [T, n, C] bf16, phi [2n + n*n, n*C] (row j is column j of the model's phi [n*C, m]).
     """
@@ -204,12 +207,16 @@ def mhc_stats_ref(x, phi, alpha, bias, eps, iters):
     r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     P = (xf * r) @ phi.double().T
     a, b = alpha.double(), bias.double()
-    h_pre = torch.sigmoid(a[0] * P[:, :n] + b[:n])
+    h_pre = torch.sigmoid(a[0] * P[:, :n] + b[:n]) + hc_eps
     h_post = 2 * torch.sigmoid(a[1] * P[:, n:2 * n] + b[n:2 * n])
-    M = torch.exp(a[2] * P[:, 2 * n:] + b[2 * n:]).view(T, n, n)
-    for _ in range(iters):  # Sinkhorn-Knopp: rows, then columns
-        M = M / M.sum(-1, keepdim=True)
-        M = M / M.sum(-2, keepdim=True)
+    M = (a[2] * P[:, 2 * n:] + b[2 * n:]).view(T, n, n)
+    if iters == 0:
+        return torch.cat([h_pre, h_post, M.exp().reshape(T, n * n)], -1)
+    M = M.softmax(-1) + hc_eps
+    M = M / (M.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        M = M / (M.sum(-1, keepdim=True) + hc_eps)
+        M = M / (M.sum(-2, keepdim=True) + hc_eps)
     return torch.cat([h_pre, h_post, M.reshape(T, n * n)], -1)
 
 

@@ -27,8 +27,8 @@ def make_inputs(T, n, C, device="cuda"):
     return x, phi, alpha, bias
 
 
-def check_stats(x, phi, alpha, bias, H, iters=20):
-    ref = mhc_stats_ref(x.cpu(), phi.cpu(), alpha.cpu(), bias.cpu(), EPS, iters)
+def check_stats(x, phi, alpha, bias, H, iters=20, hc_eps=0.0):
+    ref = mhc_stats_ref(x.cpu(), phi.cpu(), alpha.cpu(), bias.cpu(), EPS, iters, hc_eps)
     err = (H.double().cpu() - ref).abs().max().item()
     assert err < ATOL, err
 
@@ -48,6 +48,21 @@ def test_stats_match_fp64(seed, T, n, C):
     # rows: as converged as 20 iterations of the exact algorithm get (an input property)
     ref_rows = mhc_stats_ref(x.cpu(), phi.cpu(), alpha.cpu(), bias.cpu(), EPS, 20)[:, 2 * n:].view(T, n, n).sum(-1)
     assert (res.sum(-1).cpu() - ref_rows).abs().max() < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 6, 37])
+@pytest.mark.parametrize("C", [4096, 7168])
+def test_stats_v4_hc_eps_match_fp64(seed, T, C):
+    """DeepSeek-V4's mappings (hc_eps = 1e-6 in pre and every Sinkhorn denominator)."""
+    x, phi, alpha, bias = make_inputs(T, 4, C)
+    H = torch.full((T, num_maps(4)), float("nan"), device="cuda")
+    mhc_stats(x, phi, alpha, bias, eps=EPS, hc_eps=1e-6, out=H)
+    torch.cuda.synchronize()
+    check_stats(x, phi, alpha, bias, H, hc_eps=1e-6)
+    # the eps terms are visible: pre is sigmoid + 1e-6, and the reference without them differs
+    plain = mhc_stats_ref(x.cpu(), phi.cpu(), alpha.cpu(), bias.cpu(), EPS, 20)
+    assert (H[:, :4].double().cpu() - plain[:, :4] - 1e-6).abs().max() < ATOL
 
 
 @pytest.mark.gpu
@@ -125,20 +140,21 @@ def test_pre_and_post_mix_bit_exact(seed, T, n, C):
 
 @pytest.mark.gpu
 def test_mhc_sublayer_against_model_reference(seed):
-    """stats -> pre-mix -> F -> post-mix equals the model's fp32 mHC within bf16 rounding."""
-    from spec_decode.model import TargetModel
+    """stats -> pre-mix -> F -> post-mix equals the runtime's fp32 mHC (spec_decode.model, V4's
+    hc_eps) within bf16 rounding."""
+    from spec_decode.model import post_mix, pre_mix
 
     T, n, C = 6, 4, 7168
     x, phi, alpha, bias = make_inputs(T, n, C)
-    H = mhc_stats(x, phi, alpha, bias, eps=EPS)
+    H = mhc_stats(x, phi, alpha, bias, eps=EPS, hc_eps=1e-6)
     u = mhc_pre_mix(x, H)
     f = (u.float() * 0.5).bfloat16()  # a stand-in sublayer
     X2 = mhc_post_mix(x, H, f)
     torch.cuda.synchronize()
-    Hr = mhc_stats_ref(x.cpu(), phi.cpu(), alpha.cpu(), bias.cpu(), EPS, 20).float()
+    Hr = mhc_stats_ref(x.cpu(), phi.cpu(), alpha.cpu(), bias.cpu(), EPS, 20, 1e-6).float()
     hp, hq, hr = Hr[:, :n], Hr[:, n:2 * n], Hr[:, 2 * n:].view(T, n, n)
-    u_ref = TargetModel.pre_mix(x.cpu().float()[None], hp[None])[0]
-    X2_ref = TargetModel.post_mix(x.cpu().float()[None], hq[None], hr[None], (u_ref * 0.5)[None])[0]
+    u_ref = pre_mix(x.cpu().float()[None], hp[None])[0]
+    X2_ref = post_mix(x.cpu().float()[None], hq[None], hr[None], (u_ref * 0.5)[None])[0]
     assert (u.float().cpu() - u_ref).norm() / u_ref.norm() < 2**-8
     assert (X2.float().cpu() - X2_ref).norm() / X2_ref.norm() < 2**-8
 
@@ -215,6 +231,8 @@ def test_machine_code(arch):
     assert sass.count(h, "HMMA") >= 24  # 8 k-steps x 3 n-tiles of m16n8k16 per warp and chunk
     assert sass.count(h, "LDSM") >= 16 and sass.count(h, "LDGSTS") >= 1  # ldmatrix, cp.async
     assert sass.count(h, "ATOMG") >= 1  # the last-CTA counter
+    h = sass.sass_histogram("mhc_stats", arch, n=4, hidden=4096, sinkhorn_iters=20, hc_eps=1e-6)  # V4-Flash
+    assert sass.local_memory_ops(h) == 0 and sass.count(h, "HMMA") >= 24
     for name in ("mhc_pre_mix", "mhc_post_mix"):
         h = sass.sass_histogram(name, arch, n=4, hidden=7168)
         assert sass.local_memory_ops(h) == 0
