@@ -1,35 +1,36 @@
 """The ``fused`` op families: this project's kernels behind :class:`spec_decode.step_model.Ops`.
 
-Per op family (activations bf16 on the GPU; weights prepared once here):
+Per op family (activations bf16 on the GPU; weights prepared once here, for the target's layers
+and the draft's stages):
 
-* mHC: :func:`mhc_stats` (inline: see ``mhc_mappings``), :func:`mhc_pre_mix`,
+* mHC: :func:`mhc_stats` with DeepSeek-V4's ``hc_eps``, :func:`mhc_pre_mix`,
   :func:`mhc_post_mix` (bit-exact rounding sequences);
-* indexer: :func:`indexer_topk` over the layer's KV pool rows (scores + fused causal mask +
-  radix top-k, ties to the lower index -- the reference's rule);
-* WO-A: :func:`wo_a` writing token-major;
-* MoE: :class:`MoeRouter` (one launch), :func:`mxfp8_quantize_routed`, the expert GEMMs
-  (gate/up with SiLU * up + MXFP8 requantisation fused on Hopper) and :func:`moe_finalize`
-  fused with the shared-expert add;
-* attention core (latent KV pool, masked-dense): :func:`masked_softmax`, the selection mask and
-  softmax over the scores in one in-place pass (the matmuls around it stay cuBLAS).
+* indexer: :func:`indexer_topk` over the layer's compressed indexer entries
+  (``compress_ratio = m``: scores + the visible-entry mask + radix top-k, ties to the lower
+  entry -- the reference's rule);
+* WO-A: :func:`wo_a` writing token-major (V4's groups of 4096);
+* MoE: :class:`MoeRouter` (one launch: sqrt-softplus top-k + bias, or hash-routed from the
+  layer's ``tid2eid``), :func:`mxfp8_quantize_routed`, the expert GEMMs (gate/up with the
+  SwiGLU clamp, SiLU * up and MXFP8 requantisation fused) and :func:`moe_finalize` fused with
+  the shared-expert add (the shared expert on a side stream).
 
-Draft: :class:`MxDraftHead`, the draft's LM head on an MXFP8 copy (the engine sets it for
-batches up to 16 and heads of 64 MiB or more; by default per-tensor e4m3 scores above 16 rows).
+The compressors, the window / compressed-key gathers and the sink softmax stay PyTorch ops
+(:class:`spec_decode.step_model.V4Layer`). The mHC statistics run inline (in this layer order
+nothing independent of their input is in flight).
 
-Status: GPU-tested on the H200 (``tests/test_spec_decode.py -m gpu``: each path against an
-FP32 run of the same weights, the draft head against its dequantised operands, the engine in
-captured graphs); timings in ``bench/RESULTS.md`` (``python -m spec_decode.bench``).
+Draft: :class:`MxDraftHead`, the draft's LM head on an MXFP8 copy (heads of 64 MiB or more,
+up to 16 rows; by default per-tensor e4m3 scores above).
+
+Status: CPU-checked glue (``tests/test_fused_ops_plumbing.py``); the V4 GPU tests
+(``tests/test_spec_decode.py -m gpu``) are written and have not run on an H200 yet.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 
 from cute_kernels.draft_head_fp8 import draft_head_scores, quantize_head
 from cute_kernels.indexer_topk import IndexerWorkspace, indexer_topk
-from cute_kernels.masked_softmax import MaskedSoftmax, masked_softmax
 from cute_kernels.mhc_post_mix import mhc_post_mix
 from cute_kernels.mhc_pre_mix import mhc_pre_mix
 from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_split_phi, mhc_stats
@@ -41,18 +42,18 @@ from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size
 from moe.router import MoeRouter, RouterConfig
 
 from .model import shared_expert
-from .step_model import Ops, StepModel, family
+from .step_model import Ops, family
 
 
 class FusedOps(Ops):
-    """Kernels for a bf16 :class:`TargetModel` on a CUDA device (every activation is bf16)."""
+    """Kernels for a bf16 :class:`TargetModel` (and its draft) on a CUDA device."""
 
     def __init__(self, target, max_tokens: int, max_len: int, moe_row_tile: int | None = 16,
-                 indexer_token_group: int = 3, release_bf16_experts: bool = False, _cpu_for_tests: bool = False):
-        """``release_bf16_experts``: delete each layer's bf16 routed-expert weights (``gate``,
-        ``up``, ``down``) from ``target`` once their MXFP8 copies exist -- the fused MoE never
-        reads them (45 GB at the slice config). For an engine that owns its model; leave it
-        off where the same model also runs the baseline ops."""
+                 indexer_token_group: int = 3, draft=None, release_bf16_experts: bool = False,
+                 _cpu_for_tests: bool = False):
+        """``release_bf16_experts``: delete each layer's bf16 routed-expert weights once their
+        MXFP8 copies exist -- the fused MoE never reads them. For an engine that owns its
+        model; leave it off where the same model also runs the baseline ops."""
         cfg = target.cfg
         on_cuda = torch.device(target.device).type == "cuda"
         if target.dtype != torch.bfloat16 or not (on_cuda or _cpu_for_tests):
@@ -62,50 +63,48 @@ class FusedOps(Ops):
         if indexer_token_group not in (1, 2, 3, 4):
             raise ValueError(f"indexer_token_group must be 1, 2, 3 or 4, got {indexer_token_group!r}")
         dev = target.device
-        if cfg.kv_cache == "latent" and not MaskedSoftmax.can_implement(max_len, cfg.heads,
-                                                                        StepModel.mask_width(max_len)):
-            warnings.warn(f"FusedOps: a KV pool of max_len={max_len} positions (not a multiple of 8 in [8, "
-                          f"65536]) runs the latent attention core's softmax as the torch composite; "
-                          f"round max_seq_len up to a multiple of 16 for the masked_softmax kernel", stacklevel=2)
         self.cfg, self.max_tokens, self.max_len = cfg, max_tokens, max_len
         self.moe_row_tile, self.indexer_token_group = moe_row_tile, indexer_token_group
-        n = cfg.mhc_n
-        self.mhc_ws = MhcStatsWorkspace(n, max_tokens, device=dev)
-        self.idx_ws = IndexerWorkspace(max_tokens, max_len, device=dev)
-        self.router = MoeRouter(RouterConfig(num_experts=cfg.experts, n_group=cfg.n_group,
-                                             topk_group=cfg.topk_group, top_k=cfg.top_k,
-                                             routed_scaling_factor=cfg.routed_scaling_factor), max_tokens=max_tokens,
-                                device=dev)
+        self.mhc_ws = MhcStatsWorkspace(cfg.mhc_n, max_tokens, device=dev)
+        self.idx_ws = IndexerWorkspace(max_tokens, max_len // cfg.csa_ratio, device=dev)
+        rc = RouterConfig(num_experts=cfg.experts, n_group=1, topk_group=1, top_k=cfg.top_k,
+                          routed_scaling_factor=cfg.routed_scaling_factor, score="sqrtsoftplus")
+        self.router = MoeRouter(rc, max_tokens=max_tokens, device=dev)
+        self._rc_hash = RouterConfig(num_experts=cfg.experts, n_group=1, topk_group=1, top_k=cfg.top_k,
+                                     routed_scaling_factor=cfg.routed_scaling_factor, score="sqrtsoftplus",
+                                     hash_routed=True)
         # The shared expert needs only h: it runs on this side stream, forked and joined with
         # events (captured into the step graphs as parallel branches), beside the routed path.
         self.side = torch.cuda.Stream(device=dev) if on_cuda else None
         self._layer = {}  # id(layer dict) -> its prepared kernel weights
-        for L in target.layers:
+        layers = list(target.layers) + (list(draft.stages) if draft is not None else [])
+        for L in layers:
             P = {}
-            for sub in ("attn", "moe"):
-                P[f"{sub}_planes"] = mhc_split_phi(L[f"{sub}_phi"].float().contiguous())
-                P[f"{sub}_alpha"] = L[f"{sub}_a"].float().contiguous()
-                P[f"{sub}_bias"] = torch.cat([L[f"{sub}_b_pre"], L[f"{sub}_b_post"],
-                                              L[f"{sub}_b_res"].flatten()]).float().contiguous()
-            P["router_bias"] = L["router_bias"].float().contiguous()
-            P["gu_q"], P["gu_s"] = quantize_expert_weights(interleave_gate_up(L["gate"], L["up"]).contiguous())
-            P["d_q"], P["d_s"] = quantize_expert_weights(L["down"].contiguous())
+            for site in ("attn", "ffn"):
+                P[f"{site}_planes"] = mhc_split_phi(L[f"hc_{site}_fn"].float().contiguous())
+                P[f"{site}_alpha"] = L[f"hc_{site}_scale"].float().contiguous()
+                P[f"{site}_bias"] = L[f"hc_{site}_base"].float().contiguous()
+            if "ffn.gate.tid2eid" in L:  # a hash-routed layer: its own router holds its table
+                P["router"] = MoeRouter(self._rc_hash, max_tokens=max_tokens, device=dev)
+                P["router"].set_hash_table(L["ffn.gate.tid2eid"])
+            else:
+                P["router"], P["router_bias"] = self.router, L["ffn.gate.bias"].float().contiguous()
+            P["gu_q"], P["gu_s"] = quantize_expert_weights(
+                interleave_gate_up(L["ffn.experts.w1"], L["ffn.experts.w3"]).contiguous())
+            P["d_q"], P["d_s"] = quantize_expert_weights(L["ffn.experts.w2"].contiguous())
             if release_bf16_experts:  # per layer: the peak holds one layer's two copies, not all
-                for name in ("gate", "up", "down"):
-                    del L[name]
+                for name in ("w1", "w3", "w2"):
+                    del L[f"ffn.experts.{name}"]
             self._layer[id(L)] = P
 
     # ------------------------------------------------------------------ mHC --------------
-    def mhc_mappings(self, X, L, sub, cfg):
+    def mhc_mappings(self, X, L, site, cfg):
         """-> the packed fp32 [T, 2n + n*n] mappings the mix kernels read."""
         P, n = self._layer[id(L)], cfg.mhc_n
         B, S = X.shape[:2]
         x = X.reshape(B * S, n, cfg.hidden).contiguous()
         H = torch.empty(B * S, 2 * n + n * n, device=X.device)
-        # In this layer order nothing independent of X is in flight here (X is the previous
-        # sublayer's output), so the statistics run inline; bench/bench_mhc.py measures the
-        # side-stream overlap where independent work exists.
-        mhc_stats(x, P[f"{sub}_planes"], P[f"{sub}_alpha"], P[f"{sub}_bias"], eps=cfg.eps,
+        mhc_stats(x, P[f"{site}_planes"], P[f"{site}_alpha"], P[f"{site}_bias"], eps=cfg.eps, hc_eps=cfg.hc_eps,
                   sinkhorn_iters=cfg.mhc_sinkhorn_iters, workspace=self.mhc_ws, out=H)
         return H
 
@@ -119,35 +118,32 @@ class FusedOps(Ops):
         return mhc_post_mix(x, maps, f.reshape(B * S, C).to(torch.bfloat16).contiguous()).view(B, S, n, C)
 
     # -------------------------------------------------------------- indexer --------------
-    def indexer_topk(self, q_idx, w_idx, k_idx_layer, slots, pos, topk):
+    def indexer_topk(self, q_idx, w_idx, ipool, slots, pos, topk, ratio):
         B, S, Hi, D = q_idx.shape
-        rows = k_idx_layer.reshape(-1, D)  # the pool's rows: token t's keys start at slot * max_len
-        off = (slots[:, None].expand(B, S) * self.max_len).reshape(-1).int().contiguous()
+        N = ipool.shape[1] - 1  # entries a request may hold (the last row is the discarded one)
+        rows = ipool.reshape(-1, D)  # request b's entries start at row slot * (N + 1)
+        off = (slots[:, None].expand(B, S) * (N + 1)).reshape(-1).int().contiguous()
         p = pos.reshape(-1).int().contiguous()
-        # a token has at most max_len candidates: columns past that are always -1, and the
-        # attention would gather (and mask) their keys and values -- at the slice config with
-        # top-2048 over 592 positions, 3.5x the attention's gathers. Same width as the
-        # baseline's min(topk, L).
-        k = min(topk, self.max_len)
-        # token t = b * S + s: a request's tokens are consecutive, so a group within one
-        # request shares its key tiles (groups no larger than a request's S tokens: a group
-        # spanning requests scores them in per-token passes, no saving)
-        g = min(self.indexer_token_group, S)
+        k = min(topk, N)  # the baseline's width
+        # a request's tokens are consecutive (t = b * S + s): a group within one request shares
+        # its key tiles (a group spanning two requests would score them in per-token passes)
+        g = self.indexer_token_group if S % self.indexer_token_group == 0 else 1
         group = dict(token_group=g) if g > 1 else {}
+        n_vis = torch.div(p + 1, ratio, rounding_mode="floor").clamp_min(0).int()
         idx = indexer_topk(q_idx.reshape(B * S, Hi, D).contiguous(), w_idx.reshape(B * S, Hi).float().contiguous(),
-                           rows, off, p + 1, p, topk=k, max_keys=self.max_len, workspace=self.idx_ws, **group)
+                           rows, off, n_vis, p, topk=k, max_keys=N, workspace=self.idx_ws, compress_ratio=ratio,
+                           **group)
         idx = idx.view(B, S, k).long()
         return idx.clamp_min(0), idx >= 0
 
     # ------------------------------------------------------------------ WO-A -------------
-    def wo_a(self, o, w):
-        # no pdl: the kernel before is cuBLAS's (the attention core), which never triggers its
-        # dependents early -- there PDL measured slower on the H200
+    def wo_a(self, o, w, cfg):
         B, S, H, hd = o.shape
-        return wo_a(o.reshape(B * S, H, hd).contiguous(), w).view(B, S, -1)
+        G, R = cfg.wo_groups, cfg.wo_rank
+        return wo_a(o.reshape(B * S, H, hd).contiguous(), w.view(G, R, -1)).view(B, S, -1)
 
     # ------------------------------------------------------------------ MoE --------------
-    def moe(self, h, L, cfg):
+    def moe(self, h, L, cfg, tokens):
         P = self._layer[id(L)]
         x = h.contiguous()
         main = torch.cuda.current_stream() if self.side is not None else None
@@ -155,38 +151,26 @@ class FusedOps(Ops):
             self.side.wait_stream(main)  # fork: x is ready
             with torch.cuda.stream(self.side):
                 sh = shared_expert(x, L).contiguous()
-        logits = (x @ L["router"].T).float().contiguous()
-        with family("router top-k / padding"):  # one kernel: top-k, padding and ID packing
-            r = self.router(logits, P["router_bias"])
-        # padding rows left unwritten: at T = 6 they are most of the ~5000 rows (~25 us of each
-        # layer's quantisation on the H200); a padding row's GEMM output is never read back
+        logits = (x @ L["ffn.gate.weight"].T).float().contiguous()
+        with family("router top-k / padding"):  # one kernel: top-k (or the hash table), padding, ID packing
+            if "ffn.gate.tid2eid" in L:
+                r = P["router"](logits, token_ids=tokens.int().contiguous())
+            else:
+                r = P["router"](logits, P["router_bias"])
+        # padding rows left unwritten: a padding row's GEMM output is never read back
         aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, cfg.top_k, zero_padding=False)
         n = x.shape[0] * cfg.top_k  # routed rows: bounds the expert grids to the live tiles
-        # a token routes to an expert at most once: T bounds every expert's rows, which picks
-        # the Hopper decode kernel (weights as wgmma's M), in passes of moe_row_tile columns
-        # above 16 tokens (moe.experts.expert_kernel_args: the measured choice)
         rows = expert_kernel_args(x.shape[0], self.moe_row_tile)
         hq, hs = moe_expert_gate_up(aq, asc, P["gu_q"], P["gu_s"], r.expert_offsets, r.expert_counts, r.tile_expert,
-                                    routed_rows=n, **rows)
+                                    routed_rows=n, swiglu_limit=cfg.swiglu_limit, **rows)
         y = moe_expert_gemm(hq, hs, P["d_q"], P["d_s"], r.expert_offsets, r.expert_counts, r.tile_expert,
                             routed_rows=n, **rows)
         if main is not None:
-            main.wait_stream(self.side)  # join before the add reads sh (every later side-stream
-            # op waits on main first, so sh's memory is not reused while main reads it)
+            main.wait_stream(self.side)  # join before the add reads sh
         else:
             sh = shared_expert(x, L).contiguous()
         with family("fused finalize (+ shared add)"):
             return moe_finalize(y, r.topk_weights, r.routed_row_pos, sh)
-
-    @staticmethod
-    def attention_probs(att, mask):
-        """The latent masked-dense core's softmax in one kernel, in place (the composite makes
-        three passes over 0.6 GB of scores a layer at the slice config's BS64 verify step)."""
-        H, M = att.shape[-2:]
-        if (att.is_cuda and att.dtype == torch.bfloat16 and att.is_contiguous() and mask.is_contiguous()
-                and MaskedSoftmax.can_implement(M, H, mask.shape[-1])):
-            return masked_softmax(att, mask, out=att)
-        return Ops.attention_probs(att, mask)
 
 
 class MxDraftHead:

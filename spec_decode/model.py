@@ -110,8 +110,8 @@ def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, inverse: bo
 def mhc_mappings(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg: ModelConfig):
     """(pre [.., n], post [.., n], comb [.., n, n]) of the streams X ``[B, S, n, C]``."""
     n, e = cfg.mhc_n, cfg.hc_eps
-    Xf = X.flatten(-2)
-    P = torch.rsqrt(Xf.square().mean(-1, keepdim=True) + cfg.eps) * (Xf @ fn.T)
+    Xf = X.flatten(-2).float()  # the mappings in FP32 (fn, base and scale are FP32 tensors)
+    P = torch.rsqrt(Xf.square().mean(-1, keepdim=True) + cfg.eps) * (Xf @ fn.float().T)
     pre = torch.sigmoid(scale[0] * P[..., :n] + base[:n]) + e
     post = 2 * torch.sigmoid(scale[1] * P[..., n:2 * n] + base[n:2 * n])
     comb = (scale[2] * P[..., 2 * n:] + base[2 * n:]).unflatten(-1, (n, n)).softmax(-1) + e
@@ -131,11 +131,11 @@ def post_mix(X, post, comb, f):
 
 
 def hc_head(X: torch.Tensor, W: dict, cfg: ModelConfig, prefix: str = "") -> torch.Tensor:
-    """V4's final collapse of the streams ``X [B, S, n, C]`` -> ``[B, S, C]``."""
-    Xf = X.flatten(-2)
-    P = torch.rsqrt(Xf.square().mean(-1, keepdim=True) + cfg.eps) * (Xf @ W[prefix + "hc_head_fn"].T)
+    """V4's final collapse of the streams ``X [B, S, n, C]`` -> ``[B, S, C]`` (weights in FP32)."""
+    Xf = X.flatten(-2).float()
+    P = torch.rsqrt(Xf.square().mean(-1, keepdim=True) + cfg.eps) * (Xf @ W[prefix + "hc_head_fn"].float().T)
     pre = torch.sigmoid(P * W[prefix + "hc_head_scale"][0] + W[prefix + "hc_head_base"]) + cfg.hc_eps
-    return pre_mix(X, pre)
+    return pre_mix(X.float(), pre).to(X.dtype)
 
 
 def sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:

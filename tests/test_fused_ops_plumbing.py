@@ -9,30 +9,32 @@ import torch
 import spec_decode.fused_ops as fo
 from moe.experts import _mx_quant_torch, _reference, swizzle_scales, silu_mul_interleaved
 from moe.router import RouterOutput, capacity
-from references import (align_ref, finalize_shared_ref, grouped_topk_ref, indexer_scores_ref, mhc_post_mix_ref,
-                        mhc_pre_mix_ref, mhc_stats_ref)
+from references import (align_ref, finalize_shared_ref, grouped_topk_ref, hash_route_ref, mhc_post_mix_ref,
+                        mhc_pre_mix_ref, mhc_stats_ref, v4_indexer_scores_ref)
 from spec_decode.config import ModelConfig
-from spec_decode.model import KVPool, TargetModel
-from spec_decode.step_model import Ops, StepModel
+from spec_decode.draft import DraftModel
+from spec_decode.model import TargetModel
+from spec_decode.step_model import DecodeState, Ops, StepModel
 
 
-def fake_mhc_stats(x, planes, alpha, bias, *, eps, sinkhorn_iters, workspace, out):
+def fake_mhc_stats(x, planes, alpha, bias, *, eps, hc_eps, sinkhorn_iters, workspace, out):
     mp = planes.shape[0] // 2
     m = bias.shape[0]
     phi = (planes[:mp].float() + planes[mp:].float())[:m]
-    out.copy_(mhc_stats_ref(x, phi, alpha, bias, eps, sinkhorn_iters).float())
+    out.copy_(mhc_stats_ref(x, phi, alpha, bias, eps, sinkhorn_iters, hc_eps).float())
     return out
 
 
 INDEXER_GROUPS = []  # token_group per indexer call
 
 
-def fake_indexer_topk(q, w, rows, off, kv_len, pos, *, topk, max_keys, workspace, token_group=1):
+def fake_indexer_topk(q, w, rows, off, kv_len, pos, *, topk, max_keys, workspace, compress_ratio, token_group=1):
     INDEXER_GROUPS.append(token_group)
     if token_group > 1:  # the kernel is correct for any layout; fast when a group shares its offset
         g = off[: off.numel() // token_group * token_group].view(-1, token_group)
         assert (g == g[:, :1]).all(), "token groups should share kv_offset in the runtime's layout"
-    sc = indexer_scores_ref(q, w, rows, off, kv_len, pos, max_keys)
+    # (the reference's constant scales do not move the selection)
+    sc = v4_indexer_scores_ref(q, w, rows, off, kv_len, pos, compress_ratio, max_keys)
     vals, idx = torch.sort(sc, dim=-1, descending=True, stable=True)
     idx = idx[:, :topk].int()
     idx[~torch.isfinite(vals[:, :topk])] = -1
@@ -42,6 +44,7 @@ def fake_indexer_topk(q, w, rows, off, kv_len, pos, *, topk, max_keys, workspace
 
 
 def fake_wo_a(o, w):
+    assert w.dim() == 3
     T, H, hd = o.shape
     G = w.shape[0]
     return torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).float(), w.float()).reshape(T, -1).bfloat16()
@@ -49,11 +52,18 @@ def fake_wo_a(o, w):
 
 class FakeRouter:
     def __init__(self, cfg, max_tokens, device=None):
-        self.cfg = cfg
+        self.cfg, self.tid2eid = cfg, None
 
-    def __call__(self, logits, bias):
+    def set_hash_table(self, t):
+        self.tid2eid = t
+
+    def __call__(self, logits, bias=None, token_ids=None):
         c = self.cfg
-        ids, w, _ = grouped_topk_ref(logits, bias, c.n_group, c.topk_group, c.top_k, c.routed_scaling_factor)
+        assert c.score == "sqrtsoftplus" and c.n_group == 1 and (token_ids is not None) == c.hash_routed
+        if c.hash_routed:
+            ids, w = hash_route_ref(logits, token_ids, self.tid2eid, c.top_k, c.routed_scaling_factor)
+        else:
+            ids, w, _ = grouped_topk_ref(logits, bias, 1, 1, c.top_k, c.routed_scaling_factor, score=c.score)
         counts, offsets, sorted_ids, tile_expert, total = align_ref(ids, c.num_experts, c.tile_m)
         slots, tiles = capacity(c, logits.shape[0])
         sid = torch.full((slots,), ids.numel(), dtype=torch.int32)
@@ -93,12 +103,14 @@ def _check_bounds(counts, routed_rows, max_expert_rows, expert_row_tile):
     # neither: the tiled kernel, any rows per expert
 
 
-def fake_gate_up(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert_rows=None, expert_row_tile=None):
+def fake_gate_up(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert_rows=None, expert_row_tile=None,
+                 swiglu_limit=None):
     _check_bounds(counts, routed_rows, max_expert_rows, expert_row_tile)
+    assert swiglu_limit == CFG.swiglu_limit
     rows, K = aq.shape
     E, N, _ = wq.shape
     y = _reference(aq.view(torch.uint8), asc, wq.view(torch.uint8), ws, offs, torch.zeros(rows, N).bfloat16())
-    q, s = _mx_quant_torch(silu_mul_interleaved(y))
+    q, s = _mx_quant_torch(silu_mul_interleaved(y, swiglu_limit))
     return q.view(torch.float8_e4m3fn), swizzle_scales(s)
 
 
@@ -130,16 +142,19 @@ def fakes(monkeypatch):
     monkeypatch.setattr(fo, "quantize_expert_weights", fake_quantize_expert_weights)
 
 
-CFG = ModelConfig(vocab=64, hidden=128, layers=1, heads=4, head_dim=32, rope_dim=16, q_lora=64, kv_lora=64,
-                  wo_groups=2, wo_rank=64, indexer_heads=64, indexer_dim=32, index_topk=16, experts=32,
-                  n_group=4, topk_group=2, top_k=4, expert_inter=64, shared_inter=64)
+#: every layer kind (window-only hash-routed, CSA hash-routed, HCA) at glue-test sizes (64
+#: indexer heads: the fused indexer's)
+CFG = ModelConfig(vocab=64, hidden=128, compress_ratios=(0, 4, 16), csa_ratio=4, hca_ratio=16, n_hash_layers=2,
+                  heads=4, head_dim=32, rope_dim=16, q_lora=64, wo_groups=2, wo_rank=64, indexer_heads=64,
+                  indexer_dim=32, index_topk=4, experts=32, top_k=6, expert_inter=64, shared_inter=64,
+                  window=8, draft_feature_layers=(0, 1, 2))
 
 
 def _models():
     m = TargetModel(CFG, seed=2, dtype=torch.bfloat16)
     m32 = TargetModel(CFG, seed=2, dtype=torch.float32)  # the same draws, unrounded
-    m32.embed, m32.lm_head = m.embed.float(), m.lm_head.float()
-    m32.layers = [{k: v.float() for k, v in L.items()} for L in m.layers]
+    m32.w = {k: v.float() for k, v in m.w.items()}
+    m32.layers = [{k: v.float() if v.is_floating_point() else v for k, v in L.items()} for L in m.layers]
     return m, m32
 
 
@@ -148,13 +163,14 @@ def test_each_fused_family_matches_its_baseline(fakes):
     layout (a packing or argument-order slip shows up as an O(1) error)."""
     m, m32 = _models()
     fops, base = fo.FusedOps(m, max_tokens=12, max_len=64, _cpu_for_tests=True), Ops()
-    L, L32 = m.layers[0], m32.layers[0]
     g = torch.Generator().manual_seed(1)
     X = (torch.randn(2, 6, CFG.mhc_n, CFG.hidden, generator=g)).bfloat16()
-    H = fops.mhc_mappings(X, L, "attn", CFG)  # packed [T, 2n + n*n]
-    hp, hq, hr = base.mhc_mappings(X.float(), L32, "attn", CFG)
-    ref = torch.cat([hp, hq, hr.flatten(-2)], -1).reshape(12, -1)
-    assert (H - ref).abs().max() < 1e-3  # phi in bf16 planes vs fp32: same weights, FP32 math
+    for li in range(CFG.layers):
+        L, L32 = m.layers[li], m32.layers[li]
+        H = fops.mhc_mappings(X, L, "attn", CFG)  # packed [T, 2n + n*n]
+        hp, hq, hr = base.mhc_mappings(X.float(), L32, "attn", CFG)
+        ref = torch.cat([hp, hq, hr.flatten(-2)], -1).reshape(12, -1)
+        assert (H - ref).abs().max() < 1e-3  # phi in bf16 planes vs fp32: same weights, FP32 math
     u = fops.pre_mix(X, H)
     assert (u.float() - base.pre_mix(X.float(), (hp, hq, hr))).abs().max() < 0.05 * X.float().abs().max()
     f = torch.randn(2, 6, CFG.hidden, generator=g).bfloat16()
@@ -162,29 +178,28 @@ def test_each_fused_family_matches_its_baseline(fakes):
     X2_ref = base.post_mix(X.float(), (hp, hq, hr), f.float())
     assert X2.shape == X.shape and (X2.float() - X2_ref).norm() / X2_ref.norm() < 0.01
 
-    kv = KVPool(CFG, 2, 64, torch.bfloat16, "cpu")
-    kv.k_idx.normal_(generator=g)
+    ipool = torch.randn(3, 64 // 4 + 1, 32, generator=g).bfloat16()
     q_idx = torch.randn(2, 6, 64, 32, generator=g).bfloat16()
     w_idx = torch.randn(2, 6, 64, generator=g).bfloat16()
     slots, pos = torch.tensor([1, 0]), torch.arange(6)[None] + torch.tensor([[20], [3]])
-    i1, v1 = fops.indexer_topk(q_idx, w_idx, kv.k_idx[0], slots, pos, 16)
-    i2, v2 = base.indexer_topk(q_idx.float(), w_idx.float(), kv.k_idx[0].float(), slots, pos, 16)
-    for b in range(2):
-        for s_ in range(6):
-            assert set(i1[b, s_][v1[b, s_]].tolist()) == set(i2[b, s_][v2[b, s_]].tolist())
-    # top-k wider than the pool's positions: both return min(topk, positions) columns, so the
-    # attention gathers no always-masked keys (slice config: top-2048 over 592 positions)
-    i1, v1 = fops.indexer_topk(q_idx, w_idx, kv.k_idx[0], slots, pos, 4096)
-    i2, v2 = base.indexer_topk(q_idx.float(), w_idx.float(), kv.k_idx[0].float(), slots, pos, 4096)
-    assert i1.shape == i2.shape == (2, 6, fops.max_len) and torch.equal(v1, v2)
+    for topk in (4, 100):  # top-k wider than the entries: both return min(topk, entries) columns
+        i1, v1 = fops.indexer_topk(q_idx, w_idx, ipool, slots, pos, topk, 4)
+        i2, v2 = base.indexer_topk(q_idx.float(), w_idx.float(), ipool.float(), slots, pos, topk, 4)
+        assert i1.shape == i2.shape and torch.equal(v1, v2)
+        for b in range(2):
+            for s_ in range(6):
+                assert set(i1[b, s_][v1[b, s_]].tolist()) == set(i2[b, s_][v2[b, s_]].tolist())
 
+    L, L32 = m.layers[1], m32.layers[1]
     o = torch.randn(2, 6, CFG.heads, CFG.head_dim, generator=g).bfloat16()
-    y1, y2 = fops.wo_a(o, L["wo_a"]), base.wo_a(o.float(), L32["wo_a"])
+    y1, y2 = fops.wo_a(o, L["attn.wo_a.weight"], CFG), base.wo_a(o.float(), L32["attn.wo_a.weight"], CFG)
     assert (y1.float() - y2).norm() / y2.norm() < 0.01
 
     h = torch.randn(12, CFG.hidden, generator=g).bfloat16()
-    z1, z2 = fops.moe(h, L, CFG), base.moe(h.float(), L32, CFG)
-    assert (z1.float() - z2).norm() / z2.norm() < 0.1  # MXFP8 activations and weights, twice
+    toks = torch.randint(0, CFG.vocab, (12,), generator=g)
+    for li in (1, 2):  # hash-routed, then top-k
+        z1, z2 = fops.moe(h, m.layers[li], CFG, toks), base.moe(h.float(), m32.layers[li], CFG, toks)
+        assert (z1.float() - z2).norm() / z2.norm() < 0.1  # MXFP8 activations and weights, twice
 
 
 def test_moe_ignores_unwritten_padding_rows(fakes, monkeypatch):
@@ -194,10 +209,11 @@ def test_moe_ignores_unwritten_padding_rows(fakes, monkeypatch):
     m, _ = _models()
     fops = fo.FusedOps(m, max_tokens=12, max_len=64, _cpu_for_tests=True)
     h = torch.randn(12, CFG.hidden).bfloat16()
-    L = m.layers[0]
-    zeroed = fops.moe(h, L, CFG)
+    toks = torch.randint(0, CFG.vocab, (12,))
+    L = m.layers[2]
+    zeroed = fops.moe(h, L, CFG, toks)
     monkeypatch.setattr(fo, "mxfp8_quantize_routed", lambda *a, **k: fake_quant_routed(*a, zero_padding=False))
-    unwritten = fops.moe(h, L, CFG)
+    unwritten = fops.moe(h, L, CFG, toks)
     assert torch.isfinite(unwritten.float()).all() and torch.equal(zeroed, unwritten)
 
 
@@ -209,59 +225,57 @@ def test_moe_kernel_choice_by_step_tokens(fakes, row_tile):
     moe_row_tile=None, one pass up to 64 tokens and the tiled kernel (neither keyword) above."""
     m, _ = _models()
     fops = fo.FusedOps(m, max_tokens=80, max_len=64, moe_row_tile=row_tile, _cpu_for_tests=True)
-    L = m.layers[0]
+    L = m.layers[2]
     want = {6: (6, None), 40: (40, None) if row_tile is None else (None, 16),
             80: (None, None) if row_tile is None else (None, 16)}
     for T, w in want.items():
         EXPERT_CALLS.clear()
-        fops.moe(torch.randn(T, CFG.hidden).bfloat16(), L, CFG)
+        fops.moe(torch.randn(T, CFG.hidden).bfloat16(), L, CFG, torch.zeros(T, dtype=torch.long))
         assert EXPERT_CALLS == [w, w]  # gate/up, then down
     assert fo.FusedOps(m, max_tokens=8, max_len=64, _cpu_for_tests=True).moe_row_tile == 16  # the default
     with pytest.raises(ValueError, match="moe_row_tile"):
         fo.FusedOps(m, max_tokens=8, max_len=64, moe_row_tile=8, _cpu_for_tests=True)
 
 
+def _run_steps(model, ops, steps=4):
+    """A prefill chunk then decode / verify steps over two requests; -> every step's logits."""
+    B, max_len = 2, 64
+    st = DecodeState(CFG, 3, max_len, 6, model.dtype, "cpu", draft_stages=CFG.draft_stages)
+    sm = StepModel(model, ops)
+    g = torch.Generator().manual_seed(4)
+    out, start = [], torch.tensor([0, 5])
+    for step, S in enumerate([13, 6, 6, 1][:steps]):
+        toks = torch.randint(0, CFG.vocab, (B, S), generator=g)
+        pos = torch.arange(S)[None] + start[:, None]
+        out.append(sm.forward(toks, pos, torch.tensor([1, 0]), st)[0])
+        start = start + S
+    return out
+
+
 @pytest.mark.parametrize("group", [1, 3])
-def test_fused_step_model_runs_end_to_end(fakes, group):
-    m, _ = _models()
-    B, S, max_len = 2, 6, 64
+def test_fused_step_model_tracks_baseline(fakes, group):
+    """Every layer kind through the fused glue over several steps (windows and compressor
+    boundaries crossed) against the baseline ops on the FP32 copy of the same weights."""
+    m, m32 = _models()
     INDEXER_GROUPS.clear()
-    fused = StepModel(m, fo.FusedOps(m, max_tokens=B * S, max_len=max_len, indexer_token_group=group,
-                                     _cpu_for_tests=True))
-    kv = KVPool(CFG, B, max_len, torch.bfloat16, "cpu")
-    for step in range(2):
-        toks = torch.randint(0, CFG.vocab, (B, S))
-        pos = torch.arange(S)[None] + step * S + torch.tensor([0, 5])[:, None]
-        logits, hidden = fused.forward(toks, pos, torch.tensor([1, 0]), kv)
-        assert logits.shape == (B, S, CFG.vocab) and torch.isfinite(logits.float()).all()
-    assert INDEXER_GROUPS and set(INDEXER_GROUPS) == {group}
+    fused = _run_steps(m, fo.FusedOps(m, max_tokens=26, max_len=64, indexer_token_group=group,
+                                      _cpu_for_tests=True))
+    base = _run_steps(m32, Ops())
+    for a, b in zip(fused, base):
+        assert torch.isfinite(a.float()).all()
+        assert (a.float() - b).norm() / b.norm() < 0.1  # bf16 activations, MXFP8 experts
+    assert INDEXER_GROUPS and set(INDEXER_GROUPS) <= {1, group}
 
 
 def test_release_bf16_experts_keeps_the_fused_logits(fakes):
     """release_bf16_experts (what the fused engine passes) drops the bf16 routed-expert weights
-    and nothing the fused forward reads: same logits as without it; other weights kept."""
-    B, S, max_len = 2, 6, 64
-    toks = torch.randint(0, CFG.vocab, (B, S))
-    pos = torch.arange(S)[None] + torch.tensor([0, 5])[:, None]
+    (the target's and the draft's) and nothing the fused forward reads."""
     out = []
     for release in (False, True):
         m, _ = _models()
-        ops = fo.FusedOps(m, max_tokens=B * S, max_len=max_len, release_bf16_experts=release, _cpu_for_tests=True)
-        assert all(("gate" in L, "up" in L, "down" in L) == (not release,) * 3 and "sh_gate" in L for L in m.layers)
-        kv = KVPool(CFG, B, max_len, torch.bfloat16, "cpu")
-        out.append(StepModel(m, ops).forward(toks, pos, torch.tensor([1, 0]), kv)[0])
+        d = DraftModel(CFG, m, seed=3, dtype=torch.bfloat16)
+        ops = fo.FusedOps(m, max_tokens=26, max_len=64, draft=d, release_bf16_experts=release, _cpu_for_tests=True)
+        for L in m.layers + d.stages:
+            assert ("ffn.experts.w1" in L) == (not release) and "ffn.shared_experts.w1.weight" in L
+        out.append(_run_steps(m, ops, steps=2)[-1])
     assert torch.equal(out[0], out[1])
-
-
-def test_latent_pool_length_not_a_multiple_of_8_warns(fakes):
-    """The masked_softmax kernel needs the pool length % 8 == 0: another length on a latent pool
-    falls back to the torch softmax, with a warning at construction, not silently."""
-    import dataclasses
-    import warnings
-
-    m = TargetModel(dataclasses.replace(CFG, kv_cache="latent"), seed=2, dtype=torch.bfloat16)
-    with pytest.warns(UserWarning, match="max_len=100"):
-        fo.FusedOps(m, max_tokens=12, max_len=100, _cpu_for_tests=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        fo.FusedOps(m, max_tokens=12, max_len=96, _cpu_for_tests=True)
