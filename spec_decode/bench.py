@@ -81,11 +81,11 @@ def estimate_bytes(m, slots: int, max_len: int, backend: str) -> int:
     for li in range(m.layers):
         r = m.ratio(li)
         state += (m.window + 8) * hd
-        if r:
-            state += (max_len // r) * hd + (2 * r + 8) * 4 * hd
-        if r == m.csa_ratio:
-            state += (max_len // r) * D + (2 * r + 8) * 4 * D
-    state += m.draft_stages * (m.window + 9) * hd
+        if r == m.csa_ratio:  # rings of span 2m (+ lookahead) of kv | gate at 2 x width; pools
+            state += (max_len // r + 1) * (hd + D) + (2 * r + 8) * 4 * (hd + D)
+        elif r:
+            state += (max_len // r + 1) * hd + (r + 8) * 2 * hd
+    state += m.draft_stages * (m.window + 9) * hd  # + the discarded row
     return weights + fused + 2 * slots * state
 
 
