@@ -99,14 +99,15 @@ SMALL = ModelConfig(vocab=512, hidden=1024, heads=16, head_dim=512, rope_dim=64,
                     wo_rank=1024, indexer_heads=64, indexer_dim=128, index_topk=64, experts=32, top_k=6,
                     expert_inter=256, shared_inter=256)
 #: DeepSeek-V4-Flash's per-layer shapes (config.json of deepseek-ai/DeepSeek-V4-Flash) with four
-#: layers holding every kind: window-only, CSA, HCA, CSA; the first three hash-routed
-V4_FLASH_SLICE = ModelConfig(vocab=129280, hidden=4096, compress_ratios=(0, 4, 128, 4), n_hash_layers=3,
+#: layers holding every kind -- the checkpoint's layers 1-4: window-only and CSA (both
+#: hash-routed), HCA, CSA (``load_weights(..., layer_map={i: i + 1 for i in range(4)})``)
+V4_FLASH_SLICE = ModelConfig(vocab=129280, hidden=4096, compress_ratios=(0, 4, 128, 4), n_hash_layers=2,
                              heads=64, head_dim=512, rope_dim=64, q_lora=1024, wo_groups=8, wo_rank=1024,
                              indexer_heads=64, indexer_dim=128, index_topk=512, experts=256, top_k=6,
                              routed_scaling_factor=1.5, expert_inter=2048, shared_inter=2048)
-#: DeepSeek-V4-Pro's per-layer shapes, same four layer kinds (its bf16 routed experts, 51 GB a
+#: DeepSeek-V4-Pro's per-layer shapes, the same four layer kinds (its bf16 routed experts, 51 GB a
 #: layer, do not fit the H200 four times over: for a larger GPU or several)
-V4_PRO_SLICE = ModelConfig(vocab=129280, hidden=7168, compress_ratios=(0, 4, 128, 4), n_hash_layers=3,
+V4_PRO_SLICE = ModelConfig(vocab=129280, hidden=7168, compress_ratios=(0, 4, 128, 4), n_hash_layers=2,
                            heads=128, head_dim=512, rope_dim=64, q_lora=1536, wo_groups=16, wo_rank=1024,
                            indexer_heads=64, indexer_dim=128, index_topk=1024, experts=384, top_k=6,
                            routed_scaling_factor=2.5, expert_inter=3072, shared_inter=3072)

@@ -46,7 +46,7 @@ bench-wo-a-routes)
   python bench/bench_wo_a_routes.py --out "$OUT/bench_wo_a_routes.md" "$@"
   ;;
 bench-runtime)
-  python -m spec_decode.bench --model slice --out "$OUT/bench_runtime.md" "$@"
+  python -m spec_decode.bench --model v4_flash_slice --out "$OUT/bench_runtime.md" "$@"
   ;;
 v4)
   case "${1:-tests}" in
