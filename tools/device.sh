@@ -13,6 +13,8 @@
 #   bash tools/device.sh build               the AOT build for sm_90a + sm_100a and its demo
 #   bash tools/device.sh v4 tests|bench      DeepSeek-V4's kernels: their GPU tests (-k "v4 or mxfp4"),
 #                                            or their benches (WO-A bf16 / FP8, indexer, MoE layers)
+#   bash tools/device.sh v4 runtime [quick]  the V4 runtime's GPU tests (fused vs FP32, graphs at BS
+#                                            1..64), then its bench at v4_flash_slice (quick: --quick)
 set -u
 source tools/device-env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -60,12 +62,16 @@ v4)
       for m in v4-flash v4-pro; do
         timeout 240 python bench/bench_moe_experts.py --model $m --out "$OUT/bench_moe_experts_$m.md" 2>&1 | tail -3
       done ;;
-    *) echo "v4: tests or bench" >&2; exit 2 ;;
+    runtime)
+      $PYT -m gpu tests/test_spec_decode.py "tests/test_mhc.py::test_stats_v4_hc_eps_match_fp64" \
+        "tests/test_mhc.py::test_mhc_sublayer_against_model_reference" 2>&1 | tee "$OUT/v4-runtime-tests.log" | tail -25
+      python -m spec_decode.bench --model v4_flash_slice ${2:+--$2} --out "$OUT/bench_runtime_v4.md" 2>&1 | tail -40 ;;
+    *) echo "v4: tests, bench or runtime" >&2; exit 2 ;;
   esac
   ;;
 build)
   python -m cute_kernels build --arch sm_90a --arch sm_100a --demo 2>&1 | tail -20 | tee "$OUT/build.log"
   ;;
 *)
-  sed -n '2,16p' "$0"; exit 2 ;;
+  sed -n '2,18p' "$0"; exit 2 ;;
 esac
