@@ -110,6 +110,21 @@ class PushAllReduceGroup:
         peers = [[(rb.recv, rb.flags) for rb in ranks] for _ in range(world)]
         return cls(world, max_tokens, hidden, ranks, peers, ctas)
 
+    @classmethod
+    def from_process_group(cls, max_tokens: int, hidden: int, device, group=None,
+                           ctas: int = DEFAULT_CTAS) -> "tuple[PushAllReduceGroup, int]":
+        """This process's view of a real group (one process per GPU): its own buffers, the
+        peers' mapped through CUDA IPC (:func:`exchange_ipc`; every rank of ``group`` must
+        call this). Returns ``(group, rank)``; launch with that rank. Not run here (no
+        multi-GPU machine)."""
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        local = RankBuffers.allocate(world, max_tokens, hidden, ctas, device)
+        peers = exchange_ipc(local, group)
+        ranks = [local if q == rank else None for q in range(world)]
+        return cls(world, max_tokens, hidden, ranks, [peers] * world, ctas), rank
+
     def _ptrs(self, peer_list):
         bf = cutlass.BFloat16
         recv = [jit.gmem_ptr(bf, peer_list[q % self.world][0], 16) for q in range(MAX_WORLD)]
@@ -119,6 +134,8 @@ class PushAllReduceGroup:
     def reset(self) -> None:
         """Zero every rank's state (after a timeout left the phases inconsistent)."""
         for rb in self.ranks:
+            if rb is None:  # a real group: another process's
+                continue
             rb.recv.zero_()
             rb.flags.zero_()
             rb.phase.zero_()
@@ -126,7 +143,7 @@ class PushAllReduceGroup:
 
     def check(self) -> None:
         """Raise AllReduceTimeout if a rank's bounded wait expired (synchronises)."""
-        bad = [r for r, rb in enumerate(self.ranks) if int(rb.error.item())]
+        bad = [r for r, rb in enumerate(self.ranks) if rb is not None and int(rb.error.item())]
         if bad:
             raise AllReduceTimeout(f"push all-reduce: ranks {bad} timed out waiting for peers "
                                    f"(a rank did not launch, or ranks ran different phases); call reset()")

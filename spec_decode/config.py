@@ -140,6 +140,17 @@ class EngineConfig:
     #: fused backend: score this many consecutive tokens of a request per CTA in the indexer
     #: (indexer_topk's token_group; 1 = one token per CTA)
     indexer_token_group: int = 3
+    #: tensor parallelism (experts: ep = tp): one process per rank, started by torchrun (or a
+    #: process group initialised before the engine); heads / WO-A groups, routed experts and
+    #: the shared expert's width split over the ranks, partial sums all-reduced
+    tp: int = 1
+    #: force the all-reduce backend ("custom_push" or "nccl"; tests, benchmarks); None: the
+    #: automatic choice (comm.backend.select_allreduce_backend: custom push on one node of
+    #: P2P-capable sm_90a / sm_100a GPUs for decode-sized messages, else torch.distributed)
+    allreduce: str | None = None
+    #: seconds a rank waits for its peers (process-group set-up and every collective) before
+    #: it raises instead of hanging
+    dist_timeout_s: float = 60.0
     #: fused backend, the draft's LM head (spec_decode.fused_ops.MxDraftHead; heads of 64 MiB
     #: or more): "mxfp8+fp8", "mxfp8" or "bf16". The draft only proposes, so this can move the
     #: acceptance length, never the output tokens.

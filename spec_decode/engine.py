@@ -31,6 +31,8 @@ after the read-back, so a capture never overlaps a step in flight.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import os
 import statistics
 import time
 
@@ -40,7 +42,7 @@ from .config import EngineConfig
 from .draft import DraftModel
 from .graphs import StepGraphs
 from .model import History, TargetModel
-from .step_model import DecodeState, Ops, StepModel
+from .step_model import DecodeState, Ops, StepModel, check_tp, shard_model
 
 BACKENDS = ("reference", "baseline", "fused")
 DRAFT_HEADS = ("mxfp8", "mxfp8+fp8", "bf16")
@@ -74,6 +76,15 @@ class Engine:
                              f"device (got {config.dtype!r} on {config.device!r})")
         mc = config.model
         mc.validate()
+        self.rank = 0
+        if config.tp != 1:
+            check_tp(mc, config.tp)
+            if config.backend == "reference":
+                raise ValueError("tp > 1 runs the step model: backend='baseline' or 'fused'")
+            if config.allreduce not in (None, "custom_push", "nccl"):
+                raise ValueError(f"allreduce must be None, 'custom_push' or 'nccl', got {config.allreduce!r}")
+            self.rank, config = _init_process_group(config)
+            self.config = config
         self.model = TargetModel(mc, seed=config.seed, dtype=dtype, device=config.device)
         self.draft = DraftModel(mc, self.model, config.block_size, seed=config.seed + 1, dtype=dtype,
                                 device=config.device)
@@ -81,6 +92,8 @@ class Engine:
             from .weights import load_weights
 
             load_weights(config.weights, self.model, self.draft)
+        if config.tp != 1:  # every rank made the same full weights; keep this rank's slices
+            shard_model(self.model, self.rank, config.tp)
         K = config.block_size
         # one extra slot: the scratch row that padded graph rows write into
         self.scratch_slot = config.max_batch
@@ -104,6 +117,8 @@ class Engine:
                                                   fp8_above=config.draft_head == "mxfp8+fp8")
             else:
                 ops = Ops()
+            if config.tp != 1:
+                self._bind_group(ops, max(config.max_batch * (K + 1), config.prefill_chunk))
             self.draft.bind(ops)
             self.step = StepModel(self.model, ops)
             sizes, dev = config.graph_batch_sizes, config.device
@@ -112,6 +127,31 @@ class Engine:
             self.decode_graphs = StepGraphs(fwd, sizes, 1, self.scratch_slot, dev)
             self.draft_graphs = StepGraphs(self._draft_step, sizes, 1, self.scratch_slot, dev,
                                            extras=(((K + 1, self.feat_dim), dtype), ((), torch.long)))
+
+    def _bind_group(self, ops, max_tokens: int) -> None:
+        """The ops' all-reduce: the default process group, and on the fused backend the custom
+        push group where select_allreduce_backend picks it (the reason for a fallback is
+        logged once)."""
+        import torch.distributed as dist
+
+        ops.group = dist.group.WORLD
+        cfg = self.config
+        self.allreduce_backend = "torch.distributed"
+        if cfg.backend != "fused":
+            return
+        from comm.backend import peers_p2p_capable, select_allreduce_backend
+        from cute_kernels.arch import current_arch
+
+        dev = torch.device(cfg.device)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.tp))
+        choice = select_allreduce_backend(world_size=cfg.tp, tokens=max_tokens, hidden=cfg.model.hidden,
+                                          arch=current_arch(dev), p2p_ok=peers_p2p_capable(range(local_world)),
+                                          single_node=local_world == cfg.tp, force=cfg.allreduce)
+        self.allreduce_backend = choice.backend
+        if choice.backend == "custom_push":
+            from comm.buffers import PushAllReduceGroup
+
+            ops.push, ops.push_rank = PushAllReduceGroup.from_process_group(max_tokens, cfg.model.hidden, dev)
 
     def _draft_step(self, tok, pos, slots, feats, n_commit):
         """The draft graph: commit the previous verify's accepted positions to the draft's
@@ -228,6 +268,16 @@ class Engine:
         with the captured draft graph) enqueues each verify step before reading the previous
         step's tokens back, so the host's bookkeeping overlaps the GPU."""
         per = self._check(input_ids, max_new_tokens)
+        if self.config.tp != 1:
+            try:
+                return self._generate(input_ids, per, speculative, pipelined)
+            except RuntimeError as e:  # a peer died or timed out inside a collective
+                raise RuntimeError(f"tensor-parallel rank {self.rank} of {self.config.tp}: generate failed in a "
+                                   f"collective (a peer exited or did not answer within "
+                                   f"{self.config.dist_timeout_s:g} s): {e}") from e
+        return self._generate(input_ids, per, speculative, pipelined)
+
+    def _generate(self, input_ids, per, speculative, pipelined):
         self.stats = GenerationStats()  # this call's
         self.stats.t_start = time.perf_counter()
         first = self._prefill(input_ids)
@@ -369,6 +419,32 @@ class Engine:
             tok = logits[:, 0].argmax(-1)
             res.append(tok)
         return torch.stack(res, 1)
+
+
+def _init_process_group(config: EngineConfig):
+    """-> (rank, config on this rank's device). Uses the process group set up by the caller,
+    or initialises one from torchrun's environment (gloo on CPUs, NCCL on GPUs, with NVLink
+    multicast off). The world must be ``config.tp`` ranks."""
+    import torch.distributed as dist
+
+    cuda = torch.device(config.device).type == "cuda"
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise ValueError(f"tp={config.tp}: start one process per rank with torchrun "
+                             f"(python -m torch.distributed.run --nproc-per-node {config.tp} ...) or initialise "
+                             f"torch.distributed before building the engine")
+        if cuda:
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast
+        dist.init_process_group("nccl" if cuda else "gloo",
+                                timeout=datetime.timedelta(seconds=config.dist_timeout_s))
+    if dist.get_world_size() != config.tp:
+        raise ValueError(f"tp={config.tp} but the process group has {dist.get_world_size()} ranks")
+    rank = dist.get_rank()
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        config = dataclasses.replace(config, device=f"cuda:{local}")
+    return rank, config
 
 
 def _to_device(values: list[int], dev) -> torch.Tensor:

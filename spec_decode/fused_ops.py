@@ -139,11 +139,30 @@ class FusedOps(Ops):
     # ------------------------------------------------------------------ WO-A -------------
     def wo_a(self, o, w, cfg):
         B, S, H, hd = o.shape
-        G, R = cfg.wo_groups, cfg.wo_rank
-        return wo_a(o.reshape(B * S, H, hd).contiguous(), w.view(G, R, -1)).view(B, S, -1)
+        R = cfg.wo_rank
+        return wo_a(o.reshape(B * S, H, hd).contiguous(), w.view(w.shape[0] // R, R, -1)).view(B, S, -1)
+
+    # ----------------------------------------------------------- all-reduce --------------
+    #: tensor parallelism: the process group, and the push all-reduce group where
+    #: comm.backend.select_allreduce_backend chose it (else torch.distributed.all_reduce)
+    push = None
+    push_rank = 0
+
+    def all_reduce(self, x):
+        if self.group is None:
+            return x
+        if self.push is not None and x.dtype == torch.bfloat16:
+            shape = x.shape
+            with family("all-reduce"):
+                return self.push.allreduce(self.push_rank, x.reshape(-1, shape[-1]).contiguous()).view(shape)
+        return Ops.all_reduce(self, x)
 
     # ------------------------------------------------------------------ MoE --------------
-    def moe(self, h, L, cfg, tokens):
+    def moe(self, h, L, cfg, tokens, first_expert: int = 0, reduce: bool = False):
+        """Routed + shared experts of ``h``; an expert shard (``first_expert``, its ``E / tp``
+        experts and shared-expert slice) returns its partial, or with ``reduce`` the sum over
+        the ranks -- on the custom push backend in the same launch as the finalize and the
+        shared add (:meth:`comm.buffers.PushAllReduceGroup.finalize_shared_allreduce`)."""
         P = self._layer[id(L)]
         x = h.contiguous()
         main = torch.cuda.current_stream() if self.side is not None else None
@@ -161,16 +180,42 @@ class FusedOps(Ops):
         aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, cfg.top_k, zero_padding=False)
         n = x.shape[0] * cfg.top_k  # routed rows: bounds the expert grids to the live tiles
         rows = expert_kernel_args(x.shape[0], self.moe_row_tile)
-        hq, hs = moe_expert_gate_up(aq, asc, P["gu_q"], P["gu_s"], r.expert_offsets, r.expert_counts, r.tile_expert,
+        offsets, counts, tiles, weights = r.expert_offsets, r.expert_counts, r.tile_expert, r.topk_weights
+        y_out = {}
+        n_local = P["gu_q"].shape[0]
+        if n_local != cfg.experts:
+            # Expert parallel: the router packed every expert's rows; this rank's kernels see
+            # its experts' offsets / counts and a tile map with other ranks' tiles at -1 (the
+            # router's "no expert"). Other ranks' rows of y are never written; the finalize
+            # weighs them 0, and y is a persistent buffer zeroed once, so they hold finite
+            # stale values (0 x finite = 0).
+            e0, e1 = first_expert, first_expert + n_local
+            offsets, counts = offsets[e0:e1 + 1], counts[e0:e1]
+            tiles = torch.where((tiles >= e0) & (tiles < e1), tiles - e0, torch.full_like(tiles, -1))
+            ids = r.topk_ids
+            weights = torch.where((ids >= e0) & (ids < e1), weights, torch.zeros_like(weights))
+            y_out["out"] = self._y_buffer(aq.shape[0], cfg.hidden, x.device)
+        hq, hs = moe_expert_gate_up(aq, asc, P["gu_q"], P["gu_s"], offsets, counts, tiles,
                                     routed_rows=n, swiglu_limit=cfg.swiglu_limit, **rows)
-        y = moe_expert_gemm(hq, hs, P["d_q"], P["d_s"], r.expert_offsets, r.expert_counts, r.tile_expert,
-                            routed_rows=n, **rows)
+        y = moe_expert_gemm(hq, hs, P["d_q"], P["d_s"], offsets, counts, tiles, routed_rows=n, **rows, **y_out)
         if main is not None:
             main.wait_stream(self.side)  # join before the add reads sh
         else:
             sh = shared_expert(x, L).contiguous()
+        if reduce and self.push is not None:
+            with family("fused finalize (+ shared add)"):  # + the all-reduce, one launch
+                return self.push.finalize_shared_allreduce(self.push_rank, y, weights, r.routed_row_pos, sh)
         with family("fused finalize (+ shared add)"):
-            return moe_finalize(y, r.topk_weights, r.routed_row_pos, sh)
+            out = moe_finalize(y, weights, r.routed_row_pos, sh)
+        return self.all_reduce(out) if reduce else out
+
+    def _y_buffer(self, rows, hidden, device):
+        """The expert-parallel down-projection output ``[rows, hidden]`` bf16: one buffer,
+        zeroed once (see :meth:`moe`)."""
+        buf = getattr(self, "_y", None)
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != hidden:
+            buf = self._y = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=device)
+        return buf[:rows]
 
 
 class MxDraftHead:

@@ -165,17 +165,23 @@ def shared_expert(h: torch.Tensor, L: dict) -> torch.Tensor:
     return swiglu(h @ L[p + "w1.weight"].T, h @ L[p + "w3.weight"].T, None) @ L[p + "w2.weight"].T
 
 
-def moe_gathered(h: torch.Tensor, L: dict, cfg: ModelConfig, tokens: torch.Tensor | None) -> torch.Tensor:
+def moe_gathered(h: torch.Tensor, L: dict, cfg: ModelConfig, tokens: torch.Tensor | None,
+                 first_expert: int = 0) -> torch.Tensor:
     """Routed + shared experts of normed h [N, C], gathering each choice's expert weights (the
-    spec; far too big for real sizes on a GPU)."""
+    spec; far too big for real sizes on a GPU). An expert-parallel shard (``L`` holding experts
+    ``first_expert ..`` and a slice of the shared expert) returns its partial sum: choices of
+    other ranks' experts contribute nothing."""
     ids, w = route(h, L, cfg, tokens)
+    n_local = L["ffn.experts.w1"].shape[0]
     out = torch.zeros_like(h)
     for i in range(ids.shape[1]):  # finalize: weighted sum over the k choices, in order
-        e = ids[:, i]
+        e = ids[:, i] - first_expert
+        mine = (e >= 0) & (e < n_local)
+        e = e.clamp(0, n_local - 1)
         g = torch.einsum("nc,nic->ni", h, L["ffn.experts.w1"][e])
         u = torch.einsum("nc,nic->ni", h, L["ffn.experts.w3"][e])
         y = torch.einsum("ni,nci->nc", swiglu(g, u, cfg.swiglu_limit), L["ffn.experts.w2"][e])
-        out = out + w[:, i:i + 1].to(h.dtype) * y
+        out = out + torch.where(mine[:, None], w[:, i:i + 1].to(h.dtype) * y, torch.zeros_like(y))
     return out + shared_expert(h, L)
 
 
@@ -422,8 +428,10 @@ class TargetModel:
 
 def wo_a_ref(o: torch.Tensor, wo_a: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """WO-A of ``o [B, S, H, hd]``: group g (heads ``g H/G ..``) times ``wo_a[g R:(g+1) R]``,
-    token-major ``[B, S, G * R]``."""
+    token-major ``[B, S, G * R]`` (G from ``wo_a``'s rows: a tensor-parallel shard holds G / tp
+    groups)."""
     B, S = o.shape[:2]
-    G, R = cfg.wo_groups, cfg.wo_rank
+    R = cfg.wo_rank
+    G = wo_a.shape[0] // R
     og = o.reshape(B, S, G, -1)
     return torch.einsum("bsgd,grd->bsgr", og, wo_a.view(G, R, -1)).reshape(B, S, G * R)

@@ -135,29 +135,52 @@ class Ops:
     def wo_a(self, o, wo_a, cfg):
         return wo_a_ref(o, wo_a, cfg)
 
-    def moe(self, h, L, cfg, tokens):
-        """h [N, C] (normed), tokens [N] -> routed + shared [N, C]."""
+    #: the tensor-parallel group whose partial sums :meth:`all_reduce` adds (None: one rank)
+    group = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor-parallel partial ``x`` over the ranks (``torch.distributed.all_reduce``:
+        NCCL on GPUs, gloo on CPUs; every rank gets the same sum). One rank: ``x``."""
+        if self.group is None:
+            return x
+        import torch.distributed as dist
+
+        with family("all-reduce"):
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def moe(self, h, L, cfg, tokens, first_expert: int = 0, reduce: bool = False):
+        """h [N, C] (normed), tokens [N] -> routed + shared [N, C]. An expert shard returns its
+        partial, or with ``reduce`` the sum over the ranks (finalize, shared add and
+        all-reduce as separate launches)."""
         if h.is_cuda and h.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
             with family("router top-k / padding"):
                 ids, w = route(h, L, cfg, tokens)
-            return self._moe_grouped(h, L, cfg, ids, w)
-        return moe_gathered(h, L, cfg, tokens)  # the spec's per-choice gathers: fine for the CPU's small configs
+            out = self._moe_grouped(h, L, cfg, ids, w, first_expert)
+        else:
+            out = moe_gathered(h, L, cfg, tokens, first_expert)  # the spec's per-choice gathers: the CPU's small configs
+        return self.all_reduce(out) if reduce else out
 
     def expert_operand(self, x):
         """Rounding of every expert-GEMM operand (weights, routed input, SiLU * up): none in the
         bf16 composite; the tests' MXFP8-rounded yardstick overrides it."""
         return x
 
-    def _moe_grouped(self, h, L, cfg, ids, w):
+    def _moe_grouped(self, h, L, cfg, ids, w, first_expert=0):
         """The unfused GPU composite: sort the routed rows by expert, bf16 grouped GEMMs,
-        clamped SiLU * up, a standalone weighted finalize, then the separate shared add."""
+        clamped SiLU * up, a standalone weighted finalize, then the separate shared add. An
+        expert shard sorts other ranks' choices past its last group (never computed; masked
+        out of the finalize)."""
         N, k = ids.shape
+        n_local = L["ffn.experts.w1"].shape[0]
         with family("ID packing (sort / scatter)"):
-            flat = ids.flatten()
+            local = ids.flatten() - first_expert
+            mine = (local >= 0) & (local < n_local)
+            flat = torch.where(mine, local, torch.full_like(local, n_local))
             order = torch.argsort(flat, stable=True)
             # scatter_add, not bincount: bincount sizes its output on the host (a sync, uncapturable)
-            counts = torch.zeros(cfg.experts, dtype=torch.long, device=h.device).scatter_add_(
-                0, flat, torch.ones_like(flat))
+            counts = torch.zeros(n_local + 1, dtype=torch.long, device=h.device).scatter_add_(
+                0, flat, torch.ones_like(flat))[:n_local]
             offs = counts.cumsum(0).int()
             xs = h[order // k]
         xs, op = self.expert_operand(xs), self.expert_operand
@@ -166,6 +189,7 @@ class Ops:
         y = torch._grouped_mm(op(swiglu(g, up, cfg.swiglu_limit)), op(L["ffn.experts.w2"]).transpose(1, 2), offs=offs)
         with family("standalone finalize"):
             routed = torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1)
+            routed = torch.where(mine.view(N, k, 1), routed, torch.zeros_like(routed))  # rows past the groups
             out = (routed.float() * w[..., None].float()).sum(1).to(h.dtype)
         sh = shared_expert(h, L)
         with family("shared-expert add"):
@@ -178,10 +202,13 @@ class V4Layer:
     the draft's stages). ``ratio`` 0 / CSA / HCA; ``win`` is the layer's raw-KV ring (the
     draft's: its context ring, written elsewhere -- ``write_window=False``)."""
 
-    def __init__(self, cfg: ModelConfig, L: dict, ratio: int, inv_freq: dict, ops: Ops):
+    def __init__(self, cfg: ModelConfig, L: dict, ratio: int, inv_freq: dict, ops: Ops, shard: "Shard | None" = None):
         self.cfg, self.L, self.ratio, self.ops = cfg, L, ratio, ops
         self.inv = inv_freq[ratio > 0]
         self.inv_c = inv_freq[True]
+        #: a tensor-parallel rank's slice of the layer (None: the whole layer, no all-reduce)
+        self.shard = shard
+        self.heads = L["attn.attn_sink"].numel()  # this rank's query heads
 
     def forward(self, X, tokens, pos, slots, st: DecodeState, li, win=None, write_window=True):
         cfg, ops, L = self.cfg, self.ops, self.L
@@ -191,8 +218,10 @@ class V4Layer:
         maps = ops.mhc_mappings(X, L, "ffn", cfg)
         h = rmsnorm(ops.pre_mix(X, maps), cfg.eps, L["ffn_norm.weight"])
         B, S, C = h.shape
-        f = ops.moe(h.reshape(-1, C), L, cfg, tokens.reshape(-1)).view(B, S, C)
-        return ops.post_mix(X, maps, f)
+        sh = self.shard
+        # a shard's experts and shared-expert slice: partial sums, all-reduced
+        f = ops.moe(h.reshape(-1, C), L, cfg, tokens.reshape(-1), sh.first_expert if sh else 0, reduce=sh is not None)
+        return ops.post_mix(X, maps, f.view(B, S, C))
 
     def kv(self, h, pos):
         """The raw K = V rows ``[B, S, hd]`` of normed hidden states ``h``."""
@@ -202,7 +231,7 @@ class V4Layer:
     def attention(self, h, pos, slots, st: DecodeState, li, win, write_window):
         cfg, ops, L = self.cfg, self.ops, self.L
         B, S, _ = h.shape
-        H, hd, m = cfg.heads, cfg.head_dim, self.ratio
+        H, hd, m = self.heads, cfg.head_dim, self.ratio
         pos0 = pos[:, 0]
         qr = rmsnorm(h @ L["attn.wq_a.weight"].T, cfg.eps, L["attn.q_norm.weight"])
         q = rope(rmsnorm((qr @ L["attn.wq_b.weight"].T).view(B, S, H, hd), cfg.eps), pos, self.inv)
@@ -220,7 +249,8 @@ class V4Layer:
         if write_window:
             write_ring(ring, st.win_rows, slots, pos, kv)
         o = rope(o, pos, self.inv, inverse=True)
-        return ops.wo_a(o, L["attn.wo_a.weight"], cfg) @ L["attn.wo_b.weight"].T
+        out = ops.wo_a(o, L["attn.wo_a.weight"], cfg) @ L["attn.wo_b.weight"].T
+        return ops.all_reduce(out) if self.shard is not None else out  # the ranks' head groups
 
     def _close_windows(self, h, pos, slots, prefix, rows, pool, inv_c):
         """Pool an entry for every token that closes a window; store this step's raw rows."""
@@ -264,13 +294,77 @@ class V4Layer:
         return pool[slots[:, None, None], idx], valid
 
 
+class Shard:
+    """Rank ``rank`` of ``tp``'s slice of a layer: query heads ``[rank H/tp, ..)`` (their WO-A
+    groups, WO-B columns and sinks), routed experts ``[first_expert, + E/tp)``, shared-expert
+    width ``[rank I/tp, ..)``. The KV head, compressors, indexer, router, mHC and norms are
+    replicated; the attention output and the MoE output are partial sums, all-reduced."""
+
+    def __init__(self, cfg: ModelConfig, rank: int, tp: int):
+        check_tp(cfg, tp)
+        if not 0 <= rank < tp:
+            raise ValueError(f"rank {rank} outside [0, tp={tp})")
+        self.rank, self.tp = rank, tp
+        self.first_expert = rank * cfg.experts // tp
+
+    def slice_layer(self, L: dict, cfg: ModelConfig) -> dict:
+        """This rank's tensors of layer ``L`` (views of the full ones)."""
+        r, tp = self.rank, self.tp
+        H, hd, G, R = cfg.heads, cfg.head_dim, cfg.wo_groups, cfg.wo_rank
+        E, Is = cfg.experts, cfg.shared_inter
+
+        def part(t, n, dim=0):
+            k = t.shape[dim] // n
+            return t.narrow(dim, r * k, k)
+
+        out = dict(L)
+        out["attn.wq_b.weight"] = part(L["attn.wq_b.weight"], tp)  # [H hd, q_lora]: whole heads
+        out["attn.attn_sink"] = part(L["attn.attn_sink"], tp)
+        out["attn.wo_a.weight"] = part(L["attn.wo_a.weight"], tp)  # [G R, Dg]: whole groups
+        out["attn.wo_b.weight"] = part(L["attn.wo_b.weight"], tp, 1)
+        for w in ("w1", "w3", "w2"):
+            out[f"ffn.experts.{w}"] = part(L[f"ffn.experts.{w}"], tp)
+        p = "ffn.shared_experts."
+        out[p + "w1.weight"], out[p + "w3.weight"] = part(L[p + "w1.weight"], tp), part(L[p + "w3.weight"], tp)
+        out[p + "w2.weight"] = part(L[p + "w2.weight"], tp, 1)
+        assert out["attn.wq_b.weight"].shape[0] == H // tp * hd and out["attn.wo_a.weight"].shape[0] == G // tp * R
+        assert out["ffn.experts.w1"].shape[0] == E // tp and out[p + "w1.weight"].shape[0] == Is // tp
+        return out
+
+
+def shard_model(target: TargetModel, rank: int, tp: int) -> Shard:
+    """Keep only rank ``rank`` of ``tp``'s slices of ``target``'s layers (copies: the rest is
+    freed); the embedding, LM head and final norms stay whole. Marks ``target.shard``, which
+    makes :class:`StepModel` all-reduce the partial sums."""
+    shard = Shard(target.cfg, rank, tp)
+    full = {k for L in target.layers for k in L}
+    target.layers = [{k: v.clone() if v.data_ptr() != L[k].data_ptr() or v.shape != L[k].shape else v
+                      for k, v in shard.slice_layer(L, target.cfg).items()} for L in target.layers]
+    assert full == {k for L in target.layers for k in L}
+    target.shard = shard
+    return shard
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    """Tensor parallelism splits whole WO-A groups (and so heads), routed experts and the shared
+    expert's width evenly."""
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp not in (1, 2, 4, 8):
+        raise ValueError(f"tp must be 1, 2, 4 or 8, got {tp!r}")
+    for name, n in (("wo_groups", cfg.wo_groups), ("experts", cfg.experts), ("shared_inter", cfg.shared_inter)):
+        if n % tp:
+            raise ValueError(f"tp={tp} must divide the model's {name}={n}")
+
+
 class StepModel:
-    """Sync-free forward over a :class:`TargetModel`'s weights and a :class:`DecodeState`."""
+    """Sync-free forward over a :class:`TargetModel`'s weights and a :class:`DecodeState`;
+    with ``shard`` the forward of one tensor-parallel rank (its slices of every layer, partial
+    sums all-reduced through ``ops.all_reduce``)."""
 
     def __init__(self, target: TargetModel, ops: Ops | None = None):
         self.t, self.cfg = target, target.cfg
         self.ops = ops or Ops()
-        self.layers = [V4Layer(self.cfg, L, self.cfg.ratio(li), target.inv_freq, self.ops)
+        self.shard = getattr(target, "shard", None)  # set by shard_model
+        self.layers = [V4Layer(self.cfg, L, self.cfg.ratio(li), target.inv_freq, self.ops, self.shard)
                        for li, L in enumerate(target.layers)]
 
     @torch.no_grad()

@@ -1,0 +1,147 @@
+"""Tensor / expert parallel decode on the CPU: one process per rank (gloo), spawned here.
+
+TP = 2 and 4 generate the greedy tokens of TP = 1 (FP32, `tiny`), plain and speculative, and
+their step logits agree to FP32 reduction-order error; a rank that dies mid-generation makes
+the others raise within a bounded time instead of hanging."""
+
+import dataclasses
+import os
+import queue
+import tempfile
+import time
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from spec_decode import Engine, EngineConfig
+from spec_decode.config import TINY
+from spec_decode.model import TargetModel
+from spec_decode.step_model import Shard, check_tp, shard_model
+
+PROMPTS = [[5, 9, 100, 3, 3, 17, 40], [1, 2], [77] * 11]
+NEW = 21
+#: tiny with 4 WO-A groups (of 2 heads): TP 2 and 4 split whole groups
+MODEL = dataclasses.replace(TINY, heads=8, wo_groups=4)
+
+
+def _config(tp, **kw):
+    return EngineConfig(model=MODEL, tp=tp, backend="baseline", max_seq_len=64, graph_batch_sizes=(1, 2, 4), seed=3,
+                        **kw)
+
+
+def _probe_logits(eng):
+    """One 6-token verify-shaped forward on the scratch slot (no request's state changes)."""
+    toks = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    pos = torch.arange(6)[None] + 9
+    return eng.step.forward(toks, pos, torch.tensor([eng.scratch_slot]), eng.state)[0]
+
+
+def _worker(rank, world, init, results, mode):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # world processes share the machine's cores
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=__import__("datetime").timedelta(seconds=20))
+        eng = Engine(_config(world, dist_timeout_s=20))
+        if mode == "die":
+            calls = [0]
+            real = eng.step.ops.all_reduce
+
+            def dying(x):
+                calls[0] += 1
+                if rank == world - 1 and calls[0] == 40:  # mid-generation
+                    os._exit(3)
+                return real(x)
+            eng.step.ops.all_reduce = dying
+            t0 = time.monotonic()
+            try:
+                eng.generate(PROMPTS, NEW)
+                results.put((rank, "no error", time.monotonic() - t0))
+            except RuntimeError as e:
+                results.put((rank, str(e), time.monotonic() - t0))
+            return
+        out = {"plain": eng.generate(PROMPTS, NEW, speculative=False), "spec": eng.generate(PROMPTS, NEW),
+               "logits": _probe_logits(eng).tolist()}  # plain lists: the process may exit before the read
+        results.put((rank, out, None))
+    except Exception:
+        results.put((rank, traceback.format_exc(), None))
+
+
+def _run(world, mode, timeout=240):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        init = "file://" + os.path.join(d, "rendezvous")
+        procs = [ctx.Process(target=_worker, args=(r, world, init, results, mode)) for r in range(world)]
+        for p in procs:
+            p.start()
+        got = {}
+        deadline = time.monotonic() + timeout
+        want = world if mode != "die" else world - 1
+        while len(got) < want and time.monotonic() < deadline:
+            try:
+                r, val, dt = results.get(timeout=5)
+                got[r] = (val, dt)
+            except queue.Empty:
+                pass
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert len(got) == want, f"ranks answered: {sorted(got)} of {want} within {timeout} s (a hang?)"
+    return got
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    eng = Engine(_config(1))
+    return {"plain": eng.generate(PROMPTS, NEW, speculative=False), "spec": eng.generate(PROMPTS, NEW),
+            "logits": _probe_logits(eng)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_generates_the_tp1_tokens(world, tp1):
+    got = _run(world, "generate")
+    for rank, (out, _) in got.items():
+        assert isinstance(out, dict), out  # a traceback otherwise
+        # every rank holds the same all-reduced logits: the same tokens
+        assert out["plain"] == got[0][0]["plain"] and out["spec"] == got[0][0]["spec"]
+        diff = (torch.tensor(out["logits"]) - tp1["logits"]).abs().max().item()
+        assert diff < 1e-5 * tp1["logits"].abs().max().item(), diff  # FP32 reduction order only
+    assert got[0][0]["spec"] == got[0][0]["plain"]
+    if got[0][0]["plain"] != tp1["plain"]:  # only a near-tie may part them: show its gap
+        pytest.fail(f"TP{world} tokens differ from TP1: {got[0][0]['plain']} vs {tp1['plain']}")
+
+
+def test_a_dead_rank_makes_the_others_raise_in_bounded_time():
+    got = _run(2, "die", timeout=120)
+    msg, dt = got[0]
+    assert "tensor-parallel rank 0 of 2" in msg and "collective" in msg, msg
+    assert dt < 60
+
+
+def test_shards_partition_the_layer():
+    m = TargetModel(TINY, seed=0)
+    full = [dict(L) for L in m.layers]
+    shards = [Shard(TINY, r, 2).slice_layer(full[1], TINY) for r in range(2)]
+    for k in ("attn.wq_b.weight", "attn.attn_sink", "attn.wo_a.weight", "ffn.experts.w1", "ffn.shared_experts.w1.weight"):
+        assert torch.equal(torch.cat([s[k] for s in shards]), full[1][k])
+    assert torch.equal(torch.cat([s["attn.wo_b.weight"] for s in shards], 1), full[1]["attn.wo_b.weight"])
+    assert torch.equal(shards[1]["attn.wkv.weight"], full[1]["attn.wkv.weight"])  # the KV head: replicated
+    shard_model(m, 1, 2)
+    assert m.shard.first_expert == TINY.experts // 2 and m.layers[1]["ffn.experts.w1"].shape[0] == TINY.experts // 2
+    with pytest.raises(ValueError, match="tp must be"):
+        check_tp(TINY, 3)
+    with pytest.raises(ValueError, match="wo_groups"):
+        check_tp(TINY, 4)  # 2 WO-A groups
+    check_tp(MODEL, 4)
+
+
+def test_tp_config_errors():
+    with pytest.raises(ValueError, match="backend='baseline' or 'fused'"):
+        Engine(EngineConfig(tp=2))
+    with pytest.raises(ValueError, match="torchrun"):
+        Engine(EngineConfig(tp=2, backend="baseline"))
