@@ -1,4 +1,8 @@
-"""``python -m spec_decode run [--backend B] [--device D] [--model M] [--batch B] [--prompt-len N] [--new M] [--plain]``: decode demo.
+"""``python -m spec_decode run [--backend B] [--device D] [--model M] [--batch B] [--prompt-len N] [--new M] [--plain] [--tp N]``: decode demo.
+
+Tensor parallel: one process per rank, e.g. ``python -m torch.distributed.run --nproc-per-node 4
+-m spec_decode run --tp 4 --backend fused --device cuda`` (gloo on CPUs with ``--device cpu
+--backend baseline``); rank 0 prints.
 
 Runs the chosen backend (``--backend reference|baseline|fused``; baseline and fused replay
 CUDA graphs on a GPU; fused needs ``--device cuda`` and runs in bf16 on the ``small`` model
@@ -39,6 +43,11 @@ def parser() -> argparse.ArgumentParser:
                           "(default: %(default)s)")
     run.add_argument("--model", choices=tuple(PRESETS), default=None,
                      help="model config (default: small for the fused backend, tiny otherwise)")
+    run.add_argument("--tp", type=int, default=1, choices=(1, 2, 4, 8),
+                     help="tensor-parallel ranks (experts: ep = tp); start one process per rank with torchrun "
+                          "(default: %(default)s)")
+    run.add_argument("--allreduce", default=None, choices=("custom_push", "nccl"),
+                     help="force the all-reduce backend (default: the automatic choice)")
     return ap
 
 
@@ -54,20 +63,32 @@ def main(argv=None) -> int:
         return 2
     name = args.model or ("small" if args.backend == "fused" else "tiny")
     model = PRESETS[name]
+    if args.tp > 1 and args.backend == "reference":
+        print("python -m spec_decode run: --tp > 1 runs the step model: add --backend baseline or fused",
+              file=sys.stderr)
+        return 2
     cfg = EngineConfig(model=model, device=args.device, max_seq_len=args.prompt_len + args.new + 16,
-                       backend=args.backend, dtype="bfloat16" if args.backend == "fused" else "float32")
+                       backend=args.backend, dtype="bfloat16" if args.backend == "fused" else "float32",
+                       tp=args.tp, allreduce=args.allreduce)
     eng = Engine(cfg)
+    say = print if eng.rank == 0 else (lambda *a, **k: None)
     rng = random.Random(0)
     ids = [[rng.randrange(cfg.model.vocab) for _ in range(args.prompt_len)] for _ in range(args.batch)]
-    print(f"input token ids hash: {hashlib.sha256(repr(ids).encode()).hexdigest()[:16]}")
+    say(f"input token ids hash: {hashlib.sha256(repr(ids).encode()).hexdigest()[:16]}")
     t0 = time.perf_counter()
     out = eng.generate(ids, args.new, speculative=not args.plain)
     dt = time.perf_counter() - t0
     n = sum(len(o) for o in out)
-    print(f"{'plain' if args.plain else 'speculative'} greedy, batch {args.batch}: {n} tokens in {dt:.2f} s "
-          f"({n / dt:.1f} tok/s, {args.backend} backend incl. prefill); median acceptance length "
-          f"{eng.stats.median_acceptance:.1f}")
-    print("first request:", out[0][:16], "...")
+    tp = f", TP{args.tp} ({getattr(eng, 'allreduce_backend', '')} all-reduce)" if args.tp > 1 else ""
+    say(f"{'plain' if args.plain else 'speculative'} greedy, batch {args.batch}: {n} tokens in {dt:.2f} s "
+        f"({n / dt:.1f} tok/s, {args.backend} backend incl. prefill{tp}); median acceptance length "
+        f"{eng.stats.median_acceptance:.1f}")
+    say("first request:", out[0][:16], "...")
+    if args.tp > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # no rank tears the group down while a peer still uses it
+        dist.destroy_process_group()
     return 0
 
 

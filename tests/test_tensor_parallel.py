@@ -145,3 +145,20 @@ def test_tp_config_errors():
         Engine(EngineConfig(tp=2))
     with pytest.raises(ValueError, match="torchrun"):
         Engine(EngineConfig(tp=2, backend="baseline"))
+
+
+def test_torchrun_command_line_matches_one_rank():
+    """The README's command: torchrun starts 2 gloo ranks of `python -m spec_decode run --tp 2`;
+    rank 0 prints the tokens one rank prints."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = ["-m", "spec_decode", "run", "--backend", "baseline", "--new", "12"]
+    one = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=env)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *args, "--tp", "2"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    first = [ln for ln in two.stdout.splitlines() if ln.startswith("first request")]
+    assert len(first) == 1 and "TP2 (torch.distributed all-reduce)" in two.stdout  # rank 0 only
+    assert first[0] in one.stdout
