@@ -148,6 +148,10 @@ class EngineConfig:
     #: automatic choice (comm.backend.select_allreduce_backend: custom push on one node of
     #: P2P-capable sm_90a / sm_100a GPUs for decode-sized messages, else torch.distributed)
     allreduce: str | None = None
+    #: tp > 1 in one process: every rank's slices on one device (each rank on its own stream on
+    #: a GPU, with the simulated push all-reduce group; one thread each on a CPU) -- the whole
+    #: TP step captured in one graph, for tests and benchmarks without several GPUs
+    simulate_ranks: bool = False
     #: seconds a rank waits for its peers (process-group set-up and every collective) before
     #: it raises instead of hanging
     dist_timeout_s: float = 60.0

@@ -42,7 +42,8 @@ from .config import EngineConfig
 from .draft import DraftModel
 from .graphs import StepGraphs
 from .model import History, TargetModel
-from .step_model import DecodeState, Ops, StepModel, check_tp, shard_model
+from .step_model import (DecodeState, Ops, RankView, Shard, SimulatedRanks, StepModel, ThreadAllReduce, check_tp,
+                         shard_model)
 
 BACKENDS = ("reference", "baseline", "fused")
 DRAFT_HEADS = ("mxfp8", "mxfp8+fp8", "bf16")
@@ -83,8 +84,9 @@ class Engine:
                 raise ValueError("tp > 1 runs the step model: backend='baseline' or 'fused'")
             if config.allreduce not in (None, "custom_push", "nccl"):
                 raise ValueError(f"allreduce must be None, 'custom_push' or 'nccl', got {config.allreduce!r}")
-            self.rank, config = _init_process_group(config)
-            self.config = config
+            if not config.simulate_ranks:
+                self.rank, config = _init_process_group(config)
+                self.config = config
         self.model = TargetModel(mc, seed=config.seed, dtype=dtype, device=config.device)
         self.draft = DraftModel(mc, self.model, config.block_size, seed=config.seed + 1, dtype=dtype,
                                 device=config.device)
@@ -92,7 +94,7 @@ class Engine:
             from .weights import load_weights
 
             load_weights(config.weights, self.model, self.draft)
-        if config.tp != 1:  # every rank made the same full weights; keep this rank's slices
+        if config.tp != 1 and not config.simulate_ranks:  # every rank made the same weights; keep this rank's
             shard_model(self.model, self.rank, config.tp)
         K = config.block_size
         # one extra slot: the scratch row that padded graph rows write into
@@ -105,22 +107,30 @@ class Engine:
         self.stats = GenerationStats()
         self.feat_dim = 3 * mc.hidden
         if config.backend != "reference":
-            if config.backend == "fused":
-                from .fused_ops import FusedOps, MxDraftHead  # imports the CuTe DSL kernels: only when asked for
+            width = max(config.max_batch * (K + 1), config.prefill_chunk)
+            simulated = config.tp != 1 and config.simulate_ranks
+            if simulated:
+                self.step = self._simulated_ranks(width)
+                ops = self.step.ops
+            elif config.backend == "fused":
+                from .fused_ops import FusedOps  # imports the CuTe DSL kernels: only when asked for
 
-                width = max(config.max_batch * (K + 1), config.prefill_chunk)
                 ops = FusedOps(self.model, max_tokens=width, max_len=config.max_seq_len,
                                moe_row_tile=config.moe_row_tile, indexer_token_group=config.indexer_token_group,
                                draft=self.draft, release_bf16_experts=True)  # this engine runs no baseline MoE
+            else:
+                ops = Ops()
+            if config.backend == "fused":
+                from .fused_ops import MxDraftHead
+
                 if config.draft_head != "bf16" and MxDraftHead.pays_off(self.model.lm_head):
                     self.draft.head = MxDraftHead(self.model.lm_head, config.max_batch * K,
                                                   fp8_above=config.draft_head == "mxfp8+fp8")
-            else:
-                ops = Ops()
-            if config.tp != 1:
-                self._bind_group(ops, max(config.max_batch * (K + 1), config.prefill_chunk))
-            self.draft.bind(ops)
-            self.step = StepModel(self.model, ops)
+            if not simulated:
+                if config.tp != 1:
+                    self._bind_group(ops, width)
+                self.step = StepModel(self.model, ops)
+            self.draft.bind(ops)  # replicated: rank 0's ops run it (simulated ranks: once)
             sizes, dev = config.graph_batch_sizes, config.device
             fwd = lambda tok, pos, slots: self.step.forward(tok, pos, slots, self.state)  # noqa: E731
             self.verify_graphs = StepGraphs(fwd, sizes, K + 1, self.scratch_slot, dev)
@@ -152,6 +162,44 @@ class Engine:
             from comm.buffers import PushAllReduceGroup
 
             ops.push, ops.push_rank = PushAllReduceGroup.from_process_group(max_tokens, cfg.model.hidden, dev)
+
+    def _simulated_ranks(self, max_tokens: int):
+        """``tp`` ranks in this process (:class:`spec_decode.step_model.SimulatedRanks`): rank 0
+        has the engine's state and runs the draft; on a GPU all-reduces run on the simulated push
+        group (FP32 in rank order -> bf16), on a CPU through :class:`ThreadAllReduce`."""
+        cfg, tp = self.config, self.config.tp
+        mc, dev = cfg.model, cfg.device
+        cuda = torch.device(dev).type == "cuda"
+        views = [RankView(self.model, Shard(mc, r, tp)) for r in range(tp)]
+        if cfg.backend == "fused":
+            from .fused_ops import FusedOps
+
+            opss = [FusedOps(views[r], max_tokens=max_tokens, max_len=cfg.max_seq_len, moe_row_tile=cfg.moe_row_tile,
+                             indexer_token_group=cfg.indexer_token_group, draft=self.draft if r == 0 else None,
+                             release_bf16_experts=True) for r in range(tp)]
+            for L in self.model.layers:  # the views' bf16 experts are released: free the storage too
+                for w in ("w1", "w3", "w2"):
+                    L.pop(f"ffn.experts.{w}", None)
+        else:
+            opss = [Ops() for _ in range(tp)]
+        group = None
+        if cuda:
+            from comm.buffers import PushAllReduceGroup
+
+            group = PushAllReduceGroup.simulated(tp, max_tokens, mc.hidden, device=dev)
+            self.allreduce_backend = "custom_push (simulated ranks)"
+        else:
+            group = ThreadAllReduce(tp, timeout=cfg.dist_timeout_s)
+            self.allreduce_backend = "FP32 rank-order sum (simulated ranks, threads)"
+        for r, o in enumerate(opss):
+            o.push_rank = r
+            if cuda:
+                o.push = group
+            else:
+                o.group = group
+        states = [self.state] + [DecodeState(mc, self.state.slots, cfg.max_seq_len, cfg.block_size + 1,
+                                             self.model.dtype, dev) for _ in range(1, tp)]
+        return SimulatedRanks([StepModel(v, o) for v, o in zip(views, opss)], states)
 
     def _draft_step(self, tok, pos, slots, feats, n_commit):
         """The draft graph: commit the previous verify's accepted positions to the draft's

@@ -142,20 +142,6 @@ class FusedOps(Ops):
         R = cfg.wo_rank
         return wo_a(o.reshape(B * S, H, hd).contiguous(), w.view(w.shape[0] // R, R, -1)).view(B, S, -1)
 
-    # ----------------------------------------------------------- all-reduce --------------
-    #: tensor parallelism: the process group, and the push all-reduce group where
-    #: comm.backend.select_allreduce_backend chose it (else torch.distributed.all_reduce)
-    push = None
-    push_rank = 0
-
-    def all_reduce(self, x):
-        if self.group is None:
-            return x
-        if self.push is not None and x.dtype == torch.bfloat16:
-            shape = x.shape
-            with family("all-reduce"):
-                return self.push.allreduce(self.push_rank, x.reshape(-1, shape[-1]).contiguous()).view(shape)
-        return Ops.all_reduce(self, x)
 
     # ------------------------------------------------------------------ MoE --------------
     def moe(self, h, L, cfg, tokens, first_expert: int = 0, reduce: bool = False):

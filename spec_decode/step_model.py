@@ -135,14 +135,24 @@ class Ops:
     def wo_a(self, o, wo_a, cfg):
         return wo_a_ref(o, wo_a, cfg)
 
-    #: the tensor-parallel group whose partial sums :meth:`all_reduce` adds (None: one rank)
+    #: tensor parallelism: the group whose partial sums :meth:`all_reduce` adds (None: one
+    #: rank) -- a torch.distributed group, or a :class:`ThreadAllReduce` (simulated ranks on
+    #: the CPU); ``push`` / ``push_rank``: the custom push all-reduce group (a real one, or
+    #: simulated on one GPU) and this rank in it, which takes precedence for bf16 CUDA tensors
     group = None
+    push = None
+    push_rank = 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum a tensor-parallel partial ``x`` over the ranks (``torch.distributed.all_reduce``:
-        NCCL on GPUs, gloo on CPUs; every rank gets the same sum). One rank: ``x``."""
+        """Sum a tensor-parallel partial ``x`` over the ranks; every rank gets the same sum. One
+        rank: ``x``."""
+        if self.push is not None and x.is_cuda and x.dtype == torch.bfloat16:
+            with family("all-reduce"):  # FP32 in rank order -> bf16
+                return self.push.allreduce(self.push_rank, x.reshape(-1, x.shape[-1]).contiguous()).view(x.shape)
         if self.group is None:
             return x
+        if isinstance(self.group, ThreadAllReduce):
+            return self.group.all_reduce(self.push_rank, x)
         import torch.distributed as dist
 
         with family("all-reduce"):
@@ -292,6 +302,86 @@ class V4Layer:
         w_idx = (h @ L[p + "weights_proj.weight"].T).float() / math.sqrt(HI * D)
         idx, valid = self.ops.indexer_topk(q_idx, w_idx, st.ipool[li], slots, pos, cfg.index_topk, m)
         return pool[slots[:, None, None], idx], valid
+
+
+class ThreadAllReduce:
+    """The all-reduce of simulated ranks on the CPU: one thread per rank; each call waits for
+    every rank's partial (bounded: ``timeout`` s), sums them in rank order in FP32 and gives
+    every rank the same result."""
+
+    def __init__(self, world: int, timeout: float = 60.0):
+        import threading
+
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=timeout)
+        self.parts: list = [None] * world
+
+    def all_reduce(self, rank: int, x: torch.Tensor) -> torch.Tensor:
+        self.parts[rank] = x
+        self.barrier.wait()
+        total = self.parts[0].float()
+        for p in self.parts[1:]:
+            total = total + p.float()
+        self.barrier.wait()  # every rank has read the partials before any is replaced
+        return total.to(x.dtype)
+
+
+class RankView:
+    """One simulated rank's view of a full :class:`TargetModel`: the shared global tensors
+    and this rank's slices of the layers (views: no copy)."""
+
+    def __init__(self, target: TargetModel, shard: "Shard"):
+        self.cfg, self.w, self.inv_freq, self.shard = target.cfg, target.w, target.inv_freq, shard
+        self.dtype, self.device = target.dtype, target.device
+        self.embed, self.lm_head = target.embed, target.lm_head
+        self.layers = [shard.slice_layer(L, target.cfg) for L in target.layers]
+
+
+class SimulatedRanks:
+    """Every tensor-parallel rank in this process: per rank a :class:`StepModel` over its
+    slices, its own :class:`DecodeState` (rank 0's is the engine's) and its own ops. A forward
+    runs all ranks -- on a GPU each on its own stream, forked from and joined to the current
+    one (so one CUDA graph captures the whole TP step, the push all-reduce and its phase
+    counters included), on a CPU one thread each -- and returns rank 0's outputs (every rank
+    holds the same all-reduced values)."""
+
+    def __init__(self, steps: list, states: list):
+        self.steps, self.states = steps, states
+        self.tp = len(steps)
+        self.ops = steps[0].ops
+        cuda = torch.device(steps[0].t.device).type == "cuda"
+        self.streams = [torch.cuda.Stream(device=steps[0].t.device) for _ in steps] if cuda else None
+
+    def forward(self, tokens, pos, slots, st=None):
+        if self.streams is not None:
+            main = torch.cuda.current_stream()
+            outs = []
+            for step, state, s in zip(self.steps, self.states, self.streams):
+                s.wait_stream(main)
+                with torch.cuda.stream(s):
+                    outs.append(step.forward(tokens, pos, slots, state))
+            for s in self.streams:
+                main.wait_stream(s)
+            return outs[0]
+        import threading
+
+        outs, errs = [None] * self.tp, []
+
+        def run(r):
+            try:
+                outs[r] = self.steps[r].forward(tokens, pos, slots, self.states[r])
+            except BaseException as e:  # noqa: BLE001 -- re-raised on the caller's thread
+                errs.append(e)
+                self.ops.group.barrier.abort()  # release the peers waiting on this rank
+        self.ops.group.barrier.reset()  # a failed step broke it; nobody waits on it now
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(self.tp)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errs:
+            raise errs[0]
+        return outs[0]
 
 
 class Shard:

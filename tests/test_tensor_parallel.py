@@ -162,3 +162,28 @@ def test_torchrun_command_line_matches_one_rank():
     first = [ln for ln in two.stdout.splitlines() if ln.startswith("first request")]
     assert len(first) == 1 and "TP2 (torch.distributed all-reduce)" in two.stdout  # rank 0 only
     assert first[0] in one.stdout
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_simulated_ranks_generate_the_tp1_tokens(world, tp1):
+    """EngineConfig(tp=N, simulate_ranks=True): every rank in this process (one thread each on
+    the CPU, an FP32 rank-order sum as the all-reduce): the tokens of TP1, plain and
+    speculative, and the probe logits to FP32 reduction-order error."""
+    eng = Engine(_config(world, simulate_ranks=True))
+    assert eng.step.tp == world and len({id(s.state if hasattr(s, "state") else s) for s in eng.step.states}) == world
+    assert eng.generate(PROMPTS, NEW, speculative=False) == tp1["plain"]
+    assert eng.generate(PROMPTS, NEW) == tp1["spec"]
+    diff = (_probe_logits(eng) - tp1["logits"]).abs().max().item()
+    assert diff < 1e-5 * tp1["logits"].abs().max().item()
+
+
+def test_simulated_rank_failure_raises_on_the_caller():
+    eng = Engine(_config(2, simulate_ranks=True, dist_timeout_s=5))
+
+    def broken(*a, **k):
+        raise RuntimeError("rank 1 broke")
+    eng.step.steps[1].forward = broken
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 broke"):
+        eng.generate(PROMPTS, 4, speculative=False)
+    assert time.monotonic() - t0 < 30
