@@ -51,6 +51,8 @@ from .model import layer_weight_shapes
 
 FAMILIES = ("router top-k / padding", "ID packing (sort / scatter)", "standalone finalize", "shared-expert add",
             "fused finalize (+ shared add)", "all-reduce")
+#: (a push all-reduce kernel counts under "all-reduce"; with TP on the fused backend the MoE's
+#: finalize + shared add + all-reduce is one push kernel, counted there too)
 
 
 def prompts(n, length, vocab, seed=0):
@@ -237,6 +239,13 @@ def parser() -> argparse.ArgumentParser:
                     help="fused backend: the MoE decode kernel in passes of this many token columns for "
                          "steps of 17-384 tokens (0: one pass up to 64 tokens, the tiled kernel above; "
                          "default: %(default)s)")
+    ap.add_argument("--tp", type=int, default=1, choices=(1, 2, 4, 8),
+                    help="tensor-parallel ranks, simulated on this GPU (needs --simulate-ranks; default: %(default)s)")
+    ap.add_argument("--simulate-ranks", action="store_true",
+                    help="run the --tp ranks in this process, each on its own stream, all-reduces on the simulated "
+                         "push group: the kernels and launch counts of a TP step, not its real latency -- the ranks "
+                         "share one GPU's SMs and HBM and the push goes through local memory, not NVLink "
+                         "(default: off)")
     ap.add_argument("--draft-head", default=EngineConfig.draft_head, choices=DRAFT_HEADS,
                     help="fused backend: the draft's LM head -- MXFP8 up to 16 rows and per-tensor e4m3 "
                          "above; MXFP8 up to 16 rows, bf16 above; bf16 throughout (default: %(default)s)")
@@ -259,8 +268,14 @@ def main(argv=None) -> int:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     engine = dict(prefill_chunk=args.prefill_chunk, moe_row_tile=args.moe_row_tile or None,
                   indexer_token_group=args.indexer_token_group, draft_head=args.draft_head)
+    if args.tp > 1:
+        if not args.simulate_ranks:
+            print("spec_decode.bench: --tp > 1 runs simulated ranks on this GPU: add --simulate-ranks (a real "
+                  "multi-GPU run is `python -m torch.distributed.run ... -m spec_decode run --tp N`)", file=sys.stderr)
+            return 2
+        engine.update(tp=args.tp, simulate_ranks=True)
     # the command as run: every option that differs from its default
-    tuned = "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+    tuned = "".join(f" --{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
                     if k not in ("model", "backends", "quick", "out") and v != ap.get_default(k))
     head = [f"## Decode runtime ({args.model}) -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
             f"Command: `python -m spec_decode.bench --model {args.model} --backends {args.backends}"

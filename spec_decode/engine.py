@@ -325,6 +325,14 @@ class Engine:
                                    f"{self.config.dist_timeout_s:g} s): {e}") from e
         return self._generate(input_ids, per, speculative, pipelined)
 
+    def _check_collectives(self) -> None:
+        """Raise comm.buffers.AllReduceTimeout if a push all-reduce gave up waiting for a peer
+        during the last generate (a rank that never launched: its outputs are not to be used)."""
+        push = getattr(getattr(self, "step", None), "ops", None)
+        push = getattr(push, "push", None)
+        if push is not None:
+            push.check()
+
     def _generate(self, input_ids, per, speculative, pipelined):
         self.stats = GenerationStats()  # this call's
         self.stats.t_start = time.perf_counter()
@@ -340,6 +348,7 @@ class Engine:
         else:
             out = self._decode_sync(input_ids, per, first, speculative)
         self.stats.t_end = time.perf_counter()  # the last step's tokens were read on the host
+        self._check_collectives()
         return [o[:m] for o, m in zip(out, per)]
 
     def _decode_sync(self, input_ids, per, first, speculative):
