@@ -118,7 +118,10 @@ def mxfp4_expert_weights(w: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.
     return w_q, w_s
 
 
-def _reference(a_q, a_scales, w_q, w_scales, expert_offsets, out):
+def expert_gemm_torch(a_q, a_scales, w_q, w_scales, expert_offsets, out):
+    """The expert GEMM in PyTorch (the CPU path and the fallback): the MXFP8 operands (uint8
+    e4m3 bits, swizzled scales) dequantised, each expert's rows ``[offsets[e], offsets[e+1])``
+    times its weights, FP32 accumulation, into ``out``; rows past the last offset untouched."""
     rows, K = a_q.shape
     E, N, _ = w_q.shape
     a = dequantize(a_q, a_scales, rows, K)
@@ -320,7 +323,7 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     a = arch if arch is not None else current_arch(a_q.device)
     path = dispatch(op, ("sm100", "sm90", "reference"), arch=a)
     if path == "reference" or rows == 0:
-        return _reference(a_q, a_scales, w_q, w_scales, expert_offsets, out) if rows else out
+        return expert_gemm_torch(a_q, a_scales, w_q, w_scales, expert_offsets, out) if rows else out
     if path == "sm90":
         _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out, None, stream,
                      routed_rows, tile_k, stages, ctas_per_sm, max_expert_rows, expert_row_tile)
@@ -441,19 +444,19 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
                      expert_row_tile, swiglu_limit)
         return q_out, scales_out
     y = moe_expert_gemm(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, arch=a,
-                        stream=stream, routed_rows=routed_rows) if a_q.is_cuda else _reference(
+                        stream=stream, routed_rows=routed_rows) if a_q.is_cuda else expert_gemm_torch(
         a_q, a_scales, w_q, w_scales, expert_offsets, torch.zeros(rows, N, dtype=torch.bfloat16))
     h = silu_mul_interleaved(y, swiglu_limit)
     if a_q.is_cuda:
         mxfp8_quantize(h, layout="swizzled", q=q_out, scales=scales_out, stream=stream)
     else:
-        q, sc = _mx_quant_torch(h)
+        q, sc = mxfp8_quantize_torch(h)
         q_out.view(torch.uint8).copy_(q)
         scales_out.copy_(swizzle_scales(sc))
     return q_out, scales_out
 
 
-def _mx_quant_torch(x: torch.Tensor):
+def mxfp8_quantize_torch(x: torch.Tensor):
     """CPU fallback of moe.quant's MX rule (bf16 [R, K] -> e4m3 bits, UE8M0 scales)."""
     R, K = x.shape
     nb = K // MX_BLOCK

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import spec_decode.fused_ops as fo
-from moe.experts import _mx_quant_torch, _reference, swizzle_scales, silu_mul_interleaved
+from moe.experts import mxfp8_quantize_torch, expert_gemm_torch, swizzle_scales, silu_mul_interleaved
 from moe.router import RouterOutput, capacity
 from references import (align_ref, finalize_shared_ref, grouped_topk_ref, hash_route_ref, mhc_post_mix_ref,
                         mhc_pre_mix_ref, mhc_stats_ref, v4_indexer_scores_ref)
@@ -83,7 +83,7 @@ def fake_quant_routed(x, sorted_ids, total, topk, zero_padding=True):
     g = torch.zeros(rows, K, dtype=torch.bfloat16)
     live = sorted_ids < x.shape[0] * topk
     g[live] = x[(sorted_ids[live] // topk).long()]
-    q, s = _mx_quant_torch(g)
+    q, s = mxfp8_quantize_torch(g)
     if not zero_padding:
         q[~live], s[~live] = 0x7F, 0xFF
     return q.view(torch.float8_e4m3fn), swizzle_scales(s)
@@ -109,21 +109,21 @@ def fake_gate_up(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert
     assert swiglu_limit == CFG.swiglu_limit
     rows, K = aq.shape
     E, N, _ = wq.shape
-    y = _reference(aq.view(torch.uint8), asc, wq.view(torch.uint8), ws, offs, torch.zeros(rows, N).bfloat16())
-    q, s = _mx_quant_torch(silu_mul_interleaved(y, swiglu_limit))
+    y = expert_gemm_torch(aq.view(torch.uint8), asc, wq.view(torch.uint8), ws, offs, torch.zeros(rows, N).bfloat16())
+    q, s = mxfp8_quantize_torch(silu_mul_interleaved(y, swiglu_limit))
     return q.view(torch.float8_e4m3fn), swizzle_scales(s)
 
 
 def fake_gemm(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert_rows=None, expert_row_tile=None):
     _check_bounds(counts, routed_rows, max_expert_rows, expert_row_tile)
     rows = aq.shape[0]
-    return _reference(aq.view(torch.uint8), asc, wq.view(torch.uint8), ws, offs,
+    return expert_gemm_torch(aq.view(torch.uint8), asc, wq.view(torch.uint8), ws, offs,
                       torch.zeros(rows, wq.shape[1]).bfloat16())
 
 
 def fake_quantize_expert_weights(w):
     E, N, K = w.shape
-    qs, ss = zip(*(_mx_quant_torch(w[e]) for e in range(E)))
+    qs, ss = zip(*(mxfp8_quantize_torch(w[e]) for e in range(E)))
     return torch.stack(qs).view(torch.float8_e4m3fn), torch.stack([swizzle_scales(s) for s in ss])
 
 

@@ -10,7 +10,7 @@ import cutlass.utils.blockscaled_layout as blockscaled_utils
 
 from cute_kernels import jit
 from cute_kernels.testing import sass
-from moe.experts import (_reference, dequantize, expert_scale_bytes, moe_expert_gate_up, moe_expert_gemm,
+from moe.experts import (expert_gemm_torch, dequantize, expert_scale_bytes, moe_expert_gate_up, moe_expert_gemm,
                          mxfp4_expert_weights, silu_mul_interleaved, unswizzle_scales)
 from moe.experts import interleave_gate_up as moe_interleave
 from moe.experts_sm100 import MoeExpertGemmSm100
@@ -135,7 +135,7 @@ def test_sm100_tile_walk_emulation_matches_reference(tile_n):
     _, te = _router_maps(offs, counts, rows)
     got = emulate_sm100_tiles(aq, asc, wq, wsc, te, tile_n)
     ref = torch.full((rows, N), float("nan")).bfloat16()
-    _reference(aq, asw, wq, wsw, offs, ref)
+    expert_gemm_torch(aq, asw, wq, wsw, offs, ref)
     live = int(offs[-1])
     assert torch.allclose(got[:live].float(), ref[:live].float(), rtol=2**-7, atol=1e-3)
     assert torch.isnan(got[live:].float()).all()
@@ -151,7 +151,7 @@ def test_block_scaled_math_against_fp64():
     rows = aq.shape[0]
     assert torch.equal(dequantize(aq, asw, rows, K), mxfp8_dequant_ref(aq, asc))
     out = torch.full((rows, N), float("nan")).bfloat16()
-    _reference(aq, asw, wq, wsw, offs, out)
+    expert_gemm_torch(aq, asw, wq, wsw, offs, out)
     for e in range(E):
         lo, hi = int(offs[e]), int(offs[e]) + counts[e]
         ref = mxfp8_dequant_ref(aq[lo:hi], asc[lo:hi]).double() @ mxfp8_dequant_ref(wq[e], wsc[e]).double().T
@@ -277,7 +277,7 @@ def test_gpu_weights_past_2_gib(seed):
     gen = torch.Generator().manual_seed(seed)
     a, w, aq, asw, wq2, wsw2, offs2, asc, wsc = _quantized_problem(2, N, K, counts2, gen)
     cpu = torch.zeros(aq.shape[0], N).bfloat16()
-    _reference(aq, asw, wq2, wsw2, offs2, cpu)
+    expert_gemm_torch(aq, asw, wq2, wsw2, offs2, cpu)
     wq = torch.zeros(E, N, K, dtype=torch.uint8, device="cuda")  # e4m3 bytes, as the CPU problem's
     wsw = torch.zeros(E, wsw2.shape[1], dtype=torch.uint8, device="cuda")
     for src, dst in ((0, 0), (1, E - 1)):
@@ -317,7 +317,7 @@ def _gemm_matches_emulation(seed, E, N, K, counts, launches):
     a, w, aq, asw, wq, wsw, offs, asc, wsc = _quantized_problem(E, N, K, counts, gen)
     cnt, te = _router_maps(offs, counts, aq.shape[0])
     cpu = torch.zeros(aq.shape[0], N).bfloat16()
-    _reference(aq, asw, wq, wsw, offs, cpu)
+    expert_gemm_torch(aq, asw, wq, wsw, offs, cpu)
     aq = _poison_padding(aq, offs, counts)
     for kw in launches:
         out = torch.full((aq.shape[0], N), float("nan"), device="cuda").bfloat16()

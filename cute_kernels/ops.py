@@ -1,0 +1,284 @@
+"""This package's kernels as PyTorch custom ops: ``torch.ops.cute_kernels.<name>``.
+
+Importing this module registers them (``import cute_kernels.ops``; :mod:`moe.ops` adds the MoE
+kernels). Each op has
+
+* a CUDA implementation -- the documented Python entry point of the kernel (validation,
+  compile cache, launch on torch's current stream);
+* a CPU implementation written from the op's definition in PyTorch (the same contract:
+  shapes, dtypes, rounding points where the kernel documents them), so the ops run and are
+  checked without a GPU;
+* a fake (meta) implementation giving the outputs' shapes and dtypes, so ``torch.compile``
+  traces through the ops without graph breaks (``fullgraph=True``).
+
+Functional ops return fresh tensors; ``*_out`` ops write a caller's ``out`` (declared as
+mutated) and return nothing -- the allocation-free form CUDA graphs want. The plain Python
+functions (``cute_kernels.row_rms.row_rms``, ...) stay the documented API; the ops call them.
+
+Ops: ``row_rms`` / ``row_rms_out``, ``masked_softmax`` / ``masked_softmax_out``, ``mhc_stats``,
+``mhc_pre_mix`` / ``mhc_pre_mix_out``, ``mhc_post_mix`` / ``mhc_post_mix_`` (the residual
+update in place), ``wo_a`` / ``wo_a_out``, ``dequantize_fp8_blockwise``. Not registered yet:
+the indexer, WO-A FP8, the draft head.
+
+Test::
+
+    pytest tests/test_ops.py
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import custom_op
+
+from . import dequant_fp8_blockwise as _dq
+from . import masked_softmax as _ms
+from . import mhc_post_mix as _post
+from . import mhc_pre_mix as _pre
+from . import mhc_stats as _stats
+from . import row_rms as _rms
+from . import wo_a as _wo
+
+NS = "cute_kernels"
+Tensor = torch.Tensor
+
+
+def _cuda_op(name: str, mutates=()):
+    return custom_op(f"{NS}::{name}", mutates_args=mutates, device_types="cuda")
+
+
+# ---------------------------------------------------------------------------- row_rms ----
+@_cuda_op("row_rms")
+def row_rms(x: Tensor, eps: float) -> Tensor:
+    """``rsqrt(mean(x**2, -1) + eps)`` in FP32 of bf16/fp16 ``x [T, C]`` -> ``[T]``."""
+    return _rms.row_rms(x, eps)
+
+
+@row_rms.register_kernel("cpu")
+def _(x, eps):
+    return torch.rsqrt(x.float().square().mean(-1) + eps)
+
+
+@row_rms.register_fake
+def _(x, eps):
+    return x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@_cuda_op("row_rms_out", mutates=("out",))
+def row_rms_out(x: Tensor, eps: float, out: Tensor) -> None:
+    _rms.row_rms(x, eps, out=out)
+
+
+@row_rms_out.register_kernel("cpu")
+def _(x, eps, out):
+    out.copy_(torch.rsqrt(x.float().square().mean(-1) + eps))
+
+
+@row_rms_out.register_fake
+def _(x, eps, out):
+    return None
+
+
+# --------------------------------------------------------------------- masked_softmax ----
+def _masked_softmax_cpu(scores, mask):
+    M = scores.shape[-1]
+    p = scores.float().masked_fill(~mask[..., None, :M], float("-inf")).softmax(-1)
+    return p.nan_to_num_(0.0).to(scores.dtype)  # a row selecting nothing: zeros
+
+
+@_cuda_op("masked_softmax")
+def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
+    """Softmax over the last dim of ``scores [*lead, H, M]`` where ``mask [*lead, W >= M]``
+    selects the keys (``-inf`` elsewhere); a row selecting nothing is zeros."""
+    return _ms.masked_softmax(scores, mask)
+
+
+masked_softmax.register_kernel("cpu")(_masked_softmax_cpu)
+
+
+@masked_softmax.register_fake
+def _(scores, mask):
+    return torch.empty_like(scores)
+
+
+@_cuda_op("masked_softmax_out", mutates=("out",))
+def masked_softmax_out(scores: Tensor, mask: Tensor, out: Tensor) -> None:
+    _ms.masked_softmax(scores, mask, out=out)
+
+
+@masked_softmax_out.register_kernel("cpu")
+def _(scores, mask, out):
+    out.copy_(_masked_softmax_cpu(scores, mask))
+
+
+@masked_softmax_out.register_fake
+def _(scores, mask, out):
+    return None
+
+
+# ------------------------------------------------------------------------------- mHC ----
+def _mhc_stats_cpu(x, phi, alpha, bias, eps, sinkhorn_iters, hc_eps):
+    T, n, C = x.shape
+    m = 2 * n + n * n
+    if phi.dtype == torch.bfloat16:  # the split planes of mhc_split_phi
+        mp = phi.shape[0] // 2
+        phi = (phi[:mp].float() + phi[mp:].float())[:m]
+    xf = x.float().reshape(T, n * C)
+    P = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * (xf @ phi.float().T)
+    pre = torch.sigmoid(alpha[0] * P[:, :n] + bias[:n]) + hc_eps
+    post = 2 * torch.sigmoid(alpha[1] * P[:, n:2 * n] + bias[n:2 * n])
+    M = torch.exp(alpha[2] * P[:, 2 * n:] + bias[2 * n:]).view(T, n, n)
+    for it in range(sinkhorn_iters):  # rows first; hc_eps as DeepSeek-V4's hc_split_sinkhorn
+        M = M / (M.sum(-1, keepdim=True) + (hc_eps if it else 0.0))
+        if it == 0:
+            M = M + hc_eps
+        M = M / (M.sum(-2, keepdim=True) + hc_eps)
+    return torch.cat([pre, post, M.reshape(T, n * n)], -1)
+
+
+@_cuda_op("mhc_stats")
+def mhc_stats(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, eps: float, sinkhorn_iters: int,
+              hc_eps: float) -> Tensor:
+    """mHC mappings ``[T, 2n + n*n]`` fp32 of ``x [T, n, C]`` (see :mod:`cute_kernels.mhc_stats`)."""
+    return _stats.mhc_stats(x, phi, alpha, bias, eps=eps, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps)
+
+
+mhc_stats.register_kernel("cpu")(_mhc_stats_cpu)
+
+
+@mhc_stats.register_fake
+def _(x, phi, alpha, bias, eps, sinkhorn_iters, hc_eps):
+    n = x.shape[1]
+    return x.new_empty(x.shape[0], 2 * n + n * n, dtype=torch.float32)
+
+
+def _pre_mix_cpu(x, h):
+    T, n, C = x.shape
+    acc = torch.zeros(T, C, dtype=torch.float32, device=x.device)
+    for i in range(n):  # rounded products, summed in stream order (the kernel's sequence)
+        acc = acc + h[:, i:i + 1] * x[:, i].float()
+    return acc.to(torch.bfloat16)
+
+
+def _post_mix_cpu(x, h, f):
+    T, n, C = x.shape
+    out = torch.empty_like(x)
+    for i in range(n):
+        acc = torch.zeros(T, C, dtype=torch.float32, device=x.device)
+        for j in range(n):
+            acc = acc + h[:, 2 * n + i * n + j:2 * n + i * n + j + 1] * x[:, j].float()
+        out[:, i] = (acc + h[:, n + i:n + i + 1] * f.float()).to(x.dtype)
+    return out
+
+
+@_cuda_op("mhc_pre_mix")
+def mhc_pre_mix(x: Tensor, h: Tensor) -> Tensor:
+    """``u[t] = sum_i H_pre[t, i] X[t, i]`` (bf16) of ``x [T, n, C]`` and mappings ``h``."""
+    return _pre.mhc_pre_mix(x, h)
+
+
+mhc_pre_mix.register_kernel("cpu")(_pre_mix_cpu)
+
+
+@mhc_pre_mix.register_fake
+def _(x, h):
+    return x.new_empty(x.shape[0], x.shape[2])
+
+
+@_cuda_op("mhc_pre_mix_out", mutates=("out",))
+def mhc_pre_mix_out(x: Tensor, h: Tensor, out: Tensor) -> None:
+    _pre.mhc_pre_mix(x, h, out=out)
+
+
+@mhc_pre_mix_out.register_kernel("cpu")
+def _(x, h, out):
+    out.copy_(_pre_mix_cpu(x, h))
+
+
+@mhc_pre_mix_out.register_fake
+def _(x, h, out):
+    return None
+
+
+@_cuda_op("mhc_post_mix")
+def mhc_post_mix(x: Tensor, h: Tensor, f: Tensor) -> Tensor:
+    """``X'[t, i] = sum_j H_res[t, i, j] X[t, j] + H_post[t, i] F[t]`` (bf16)."""
+    return _post.mhc_post_mix(x, h, f)
+
+
+mhc_post_mix.register_kernel("cpu")(_post_mix_cpu)
+
+
+@mhc_post_mix.register_fake
+def _(x, h, f):
+    return torch.empty_like(x)
+
+
+@_cuda_op("mhc_post_mix_", mutates=("x",))
+def mhc_post_mix_(x: Tensor, h: Tensor, f: Tensor) -> None:
+    """:func:`mhc_post_mix` writing the residual streams ``x`` in place."""
+    _post.mhc_post_mix(x, h, f, out=x)
+
+
+@mhc_post_mix_.register_kernel("cpu")
+def _(x, h, f):
+    x.copy_(_post_mix_cpu(x, h, f))
+
+
+@mhc_post_mix_.register_fake
+def _(x, h, f):
+    return None
+
+
+# ------------------------------------------------------------------------------- WO-A ----
+def _wo_a_cpu(o, w):
+    T = o.shape[0]
+    G, R, Dg = w.shape
+    return torch.einsum("tgd,grd->tgr", o.reshape(T, G, Dg).float(), w.float()).reshape(T, G * R).to(torch.bfloat16)
+
+
+@_cuda_op("wo_a")
+def wo_a(o: Tensor, w: Tensor) -> Tensor:
+    """Token-major ``y [T, G*R]`` bf16 of ``o [T, H, Dv]`` and ``w [G, R, (H/G) Dv]`` (the
+    default route of :func:`cute_kernels.wo_a.wo_a`)."""
+    return _wo.wo_a(o, w)
+
+
+wo_a.register_kernel("cpu")(_wo_a_cpu)
+
+
+@wo_a.register_fake
+def _(o, w):
+    return o.new_empty(o.shape[0], w.shape[0] * w.shape[1], dtype=torch.bfloat16)
+
+
+@_cuda_op("wo_a_out", mutates=("out",))
+def wo_a_out(o: Tensor, w: Tensor, out: Tensor) -> None:
+    _wo.wo_a(o, w, out=out)
+
+
+@wo_a_out.register_kernel("cpu")
+def _(o, w, out):
+    out.copy_(_wo_a_cpu(o, w))
+
+
+@wo_a_out.register_fake
+def _(o, w, out):
+    return None
+
+
+# ------------------------------------------------------------------ FP8 dequantisation ----
+@_cuda_op("dequantize_fp8_blockwise")
+def dequantize_fp8_blockwise(w: Tensor, scale: Tensor) -> Tensor:
+    """bf16 ``w * scale`` of e4m3 ``w [..., N, K]`` with FP32 128 x 128 block scales."""
+    return _dq.dequantize_fp8_blockwise(w, scale)
+
+
+@dequantize_fp8_blockwise.register_kernel("cpu")
+def _(w, scale):
+    s = scale.repeat_interleave(128, -2).repeat_interleave(128, -1)
+    return (w.float() * s).to(torch.bfloat16)
+
+
+@dequantize_fp8_blockwise.register_fake
+def _(w, scale):
+    return torch.empty(w.shape, dtype=torch.bfloat16, device=w.device)

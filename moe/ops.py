@@ -1,0 +1,244 @@
+"""The MoE kernels as PyTorch custom ops: ``torch.ops.cute_kernels.<name>`` (see
+:mod:`cute_kernels.ops` for the conventions: a CUDA implementation calling the documented
+entry point, a CPU implementation written from the op's definition, a fake implementation
+for ``torch.compile``).
+
+Ops: ``mxfp8_quantize``, ``mxfp8_quantize_routed``, ``moe_route`` (the fused router's padded,
+packed outputs; sigmoid / sqrt-softplus, grouped or not; the hash-routed variant is not
+registered yet), ``moe_expert_gemm``, ``moe_expert_gate_up`` (SiLU * up, optional SwiGLU
+clamp, MXFP8 requantisation), ``moe_finalize`` (+ the shared-expert add). A compiled MoE
+block is these five calls in a row (``tests/test_ops.py``).
+
+Test::
+
+    pytest tests/test_ops.py
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import custom_op
+
+import cute_kernels.ops  # noqa: F401 -- the core ops and the namespace
+
+from . import experts as _ex
+from . import finalize as _fin
+from . import quant as _q
+from . import router as _rt
+
+Tensor = torch.Tensor
+F8 = torch.float8_e4m3fn
+
+
+def _cuda_op(name: str, mutates=()):
+    return custom_op(f"cute_kernels::{name}", mutates_args=mutates, device_types="cuda")
+
+
+def _scale_shape(rows: int, K: int, layout: str) -> tuple[int, ...]:
+    return (rows, K // _q.MX_BLOCK) if layout == "plain" else (_q.scale_buffer_size(rows, K, layout),)
+
+
+def _quant_cpu(x: Tensor, layout: str) -> tuple[Tensor, Tensor]:
+    q, s = _ex.mxfp8_quantize_torch(x)
+    return q.view(F8), (s if layout == "plain" else _ex.swizzle_scales(s))
+
+
+# ---------------------------------------------------------------------------- MXFP8 ----
+@_cuda_op("mxfp8_quantize")
+def mxfp8_quantize(x: Tensor, layout: str) -> tuple[Tensor, Tensor]:
+    """MXFP8 of bf16 ``x [R, K]``: (e4m3 ``[R, K]``, UE8M0 scales -- ``[R, K/32]`` for
+    ``layout="plain"``, the expert GEMMs' flat swizzled buffer for ``"swizzled"``)."""
+    return _q.mxfp8_quantize(x, layout=layout)
+
+
+mxfp8_quantize.register_kernel("cpu")(_quant_cpu)
+
+
+@mxfp8_quantize.register_fake
+def _(x, layout):
+    R, K = x.shape
+    return x.new_empty(R, K, dtype=F8), x.new_empty(_scale_shape(R, K, layout), dtype=torch.uint8)
+
+
+@_cuda_op("mxfp8_quantize_routed")
+def mxfp8_quantize_routed(x: Tensor, sorted_token_ids: Tensor, total_rows: Tensor, topk: int,
+                          layout: str) -> tuple[Tensor, Tensor]:
+    """Rows of ``x [T, K]`` gathered through the router's ``sorted_token_ids`` (routed row
+    ``t * topk + i`` -> token ``t``; padding slots zero), quantised to MXFP8. Rows at or past
+    ``total_rows[0]`` are unspecified."""
+    return _q.mxfp8_quantize_routed(x, sorted_token_ids, total_rows, topk, layout=layout)
+
+
+@mxfp8_quantize_routed.register_kernel("cpu")
+def _(x, sorted_token_ids, total_rows, topk, layout):
+    T, K = x.shape
+    ids = sorted_token_ids.long()
+    live = (ids < T * topk) & (torch.arange(ids.numel()) < total_rows.long()[0])
+    g = torch.zeros(ids.numel(), K, dtype=x.dtype)
+    g[live] = x[ids[live] // topk]
+    return _quant_cpu(g, layout)
+
+
+@mxfp8_quantize_routed.register_fake
+def _(x, sorted_token_ids, total_rows, topk, layout):
+    R, K = sorted_token_ids.shape[0], x.shape[1]
+    return x.new_empty(R, K, dtype=F8), x.new_empty(_scale_shape(R, K, layout), dtype=torch.uint8)
+
+
+# --------------------------------------------------------------------------- router ----
+def _route_cpu(logits, bias, num_experts, n_group, topk_group, top_k, routed_scaling_factor, score, tile_m):
+    T, E = logits.shape
+    x = logits.float()
+    s = torch.sigmoid(x) if score == "sigmoid" else torch.sqrt(x.clamp_min(0) + torch.log1p(torch.exp(-x.abs())))
+    b = s + bias.float() if bias is not None else s.clone()
+    if n_group > 1:
+        gs = E // n_group
+        top2 = torch.sort(b.view(T, n_group, gs), dim=-1, descending=True, stable=True).values[..., :2]
+        keep = torch.zeros(T, n_group, dtype=torch.bool)
+        keep.scatter_(1, torch.sort(top2.sum(-1), dim=-1, descending=True, stable=True).indices[:, :topk_group], True)
+        b = torch.where(keep.repeat_interleave(gs, 1), b, torch.full_like(b, float("-inf")))
+    ids = torch.sort(b, dim=-1, descending=True, stable=True).indices[:, :top_k]  # ties: the lower expert
+    w = s.gather(1, ids)
+    tot = torch.zeros(T)
+    for i in range(top_k):  # the kernel's summation order
+        tot = tot + w[:, i]
+    w = w / (tot[:, None] + 1e-20) * routed_scaling_factor
+    cfg = _rt.RouterConfig(num_experts=E, n_group=n_group, topk_group=topk_group, top_k=top_k,
+                           routed_scaling_factor=routed_scaling_factor, tile_m=tile_m, score=score)
+    slots, tiles = _rt.capacity(cfg, T)
+    flat = ids.flatten()
+    counts = torch.bincount(flat, minlength=E).int()
+    padded = (counts + tile_m - 1) // tile_m * tile_m
+    offsets = torch.zeros(E + 1, dtype=torch.int32)
+    offsets[1:] = padded.cumsum(0)
+    total = int(offsets[-1])
+    sorted_ids = torch.full((slots,), T * top_k, dtype=torch.int32)
+    pos = torch.empty(T * top_k, dtype=torch.int32)
+    for e in range(E):  # rows of one expert in increasing routed-row order
+        rows = torch.nonzero(flat == e).flatten()
+        at = int(offsets[e]) + torch.arange(rows.numel())
+        sorted_ids[at] = rows.int()
+        pos[rows] = at.int()
+    tile_expert = torch.full((tiles,), -1, dtype=torch.int32)
+    tile_expert[:total // tile_m] = torch.repeat_interleave(torch.arange(E, dtype=torch.int32), padded // tile_m)
+    return (ids.int(), w, counts, offsets, sorted_ids, tile_expert, torch.tensor([total], dtype=torch.int32), pos)
+
+
+@_cuda_op("moe_route")
+def moe_route(logits: Tensor, bias: Tensor | None, num_experts: int, n_group: int, topk_group: int, top_k: int,
+              routed_scaling_factor: float, score: str, tile_m: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                               Tensor, Tensor, Tensor]:
+    """The fused router (:mod:`moe.router`): ``(topk_ids [T, k] int32, topk_weights [T, k]
+    fp32, expert_counts [E], expert_offsets [E + 1], sorted_token_ids [slots],
+    tile_expert [tiles], total_rows [1], routed_row_pos [T k])``, capacities for this T."""
+    T = logits.shape[0]
+    cfg = _rt.RouterConfig(num_experts=num_experts, n_group=n_group, topk_group=topk_group, top_k=top_k,
+                           routed_scaling_factor=routed_scaling_factor, tile_m=tile_m, score=score)
+    r = _rt.MoeRouter(cfg, max_tokens=max(T, 1), device=logits.device)(logits, bias)
+    return (r.topk_ids.clone(), r.topk_weights.clone(), r.expert_counts, r.expert_offsets, r.sorted_token_ids,
+            r.tile_expert, r.total_rows, r.routed_row_pos.clone())
+
+
+moe_route.register_kernel("cpu")(_route_cpu)
+
+
+@moe_route.register_fake
+def _(logits, bias, num_experts, n_group, topk_group, top_k, routed_scaling_factor, score, tile_m):
+    T, E = logits.shape
+    cfg = _rt.RouterConfig(num_experts=E, n_group=n_group, topk_group=topk_group, top_k=top_k,
+                           routed_scaling_factor=routed_scaling_factor, tile_m=tile_m, score=score)
+    slots, tiles = _rt.capacity(cfg, T)
+    i32 = dict(dtype=torch.int32)
+    return (logits.new_empty(T, top_k, **i32), logits.new_empty(T, top_k, dtype=torch.float32),
+            logits.new_empty(E, **i32), logits.new_empty(E + 1, **i32), logits.new_empty(slots, **i32),
+            logits.new_empty(tiles, **i32), logits.new_empty(1, **i32), logits.new_empty(T * top_k, **i32))
+
+
+# ---------------------------------------------------------------------- expert GEMMs ----
+@_cuda_op("moe_expert_gemm")
+def moe_expert_gemm(a_q: Tensor, a_scales: Tensor, w_q: Tensor, w_scales: Tensor, expert_offsets: Tensor,
+                    expert_counts: Tensor, tile_expert: Tensor, routed_rows: int) -> Tensor:
+    """``y [rows, N]`` bf16: each expert's MXFP8 rows times its MXFP8 weights (padding rows
+    unspecified)."""
+    return _ex.moe_expert_gemm(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert,
+                               routed_rows=routed_rows)
+
+
+@moe_expert_gemm.register_kernel("cpu")
+def _(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, routed_rows):
+    out = torch.zeros(a_q.shape[0], w_q.shape[1], dtype=torch.bfloat16)
+    return _ex.expert_gemm_torch(a_q.view(torch.uint8), a_scales, w_q.view(torch.uint8), w_scales, expert_offsets,
+                                 out)
+
+
+@moe_expert_gemm.register_fake
+def _(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, routed_rows):
+    return a_q.new_empty(a_q.shape[0], w_q.shape[1], dtype=torch.bfloat16)
+
+
+@_cuda_op("moe_expert_gate_up")
+def moe_expert_gate_up(a_q: Tensor, a_scales: Tensor, w_q: Tensor, w_scales: Tensor, expert_offsets: Tensor,
+                       expert_counts: Tensor, tile_expert: Tensor, routed_rows: int,
+                       swiglu_limit: float | None) -> tuple[Tensor, Tensor]:
+    """The gate/up GEMM (weights interleaved, :func:`moe.experts.interleave_gate_up`), clamp,
+    SiLU(gate) * up, MXFP8 requantised: ``(h_q [rows, N/2] e4m3, swizzled scales)``."""
+    return _ex.moe_expert_gate_up(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert,
+                                  routed_rows=routed_rows, swiglu_limit=swiglu_limit)
+
+
+@moe_expert_gate_up.register_kernel("cpu")
+def _(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, routed_rows, swiglu_limit):
+    y = torch.zeros(a_q.shape[0], w_q.shape[1], dtype=torch.bfloat16)
+    _ex.expert_gemm_torch(a_q.view(torch.uint8), a_scales, w_q.view(torch.uint8), w_scales, expert_offsets, y)
+    return _quant_cpu(_ex.silu_mul_interleaved(y, swiglu_limit), "swizzled")
+
+
+@moe_expert_gate_up.register_fake
+def _(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, routed_rows, swiglu_limit):
+    R, I = a_q.shape[0], w_q.shape[1] // 2
+    return a_q.new_empty(R, I, dtype=F8), a_q.new_empty(_scale_shape(R, I, "swizzled"), dtype=torch.uint8)
+
+
+# ------------------------------------------------------------------------- finalize ----
+@_cuda_op("moe_finalize")
+def moe_finalize(y: Tensor, topk_weights: Tensor, routed_row_pos: Tensor, shared: Tensor | None) -> Tensor:
+    """``bf16(sum_i w[t, i] y[pos[t, i]])`` (rounded products, summed in choice order), then
+    ``+ shared`` with its own bf16 rounding when given (:mod:`moe.finalize`)."""
+    return _fin.moe_finalize(y, topk_weights, routed_row_pos, shared)
+
+
+@moe_finalize.register_kernel("cpu")
+def _(y, topk_weights, routed_row_pos, shared):
+    T, k = topk_weights.shape
+    rows = y[routed_row_pos.long()].view(T, k, -1).float()
+    acc = torch.zeros(T, y.shape[1])
+    for i in range(k):
+        acc = acc + topk_weights[:, i:i + 1] * rows[:, i]
+    out = acc.to(torch.bfloat16)
+    return out if shared is None else (out.float() + shared.float()).to(torch.bfloat16)
+
+
+@moe_finalize.register_fake
+def _(y, topk_weights, routed_row_pos, shared):
+    return y.new_empty(topk_weights.shape[0], y.shape[1], dtype=torch.bfloat16)
+
+
+def moe_block(x: Tensor, router_logits: Tensor, bias: Tensor | None, gu_q: Tensor, gu_s: Tensor, d_q: Tensor,
+              d_s: Tensor, shared: Tensor | None, *, n_group: int = 1, topk_group: int = 1, top_k: int = 6,
+              routed_scaling_factor: float = 1.5, score: str = "sqrtsoftplus",
+              swiglu_limit: float | None = None) -> Tensor:
+    """A routed MoE layer in ops (router -> routed MXFP8 quantisation -> gate/up -> down ->
+    finalize + shared add), the composition ``torch.compile`` traces whole: bf16 ``x [T, C]``,
+    the router's logits, MXFP8 expert weights from :func:`moe.experts.quantize_expert_weights`
+    (gate/up interleaved)."""
+    T = x.shape[0]
+    E = gu_q.shape[0]
+    ops = torch.ops.cute_kernels
+    ids, w, counts, offsets, sorted_ids, tiles, total, pos = ops.moe_route(
+        router_logits, bias, E, n_group, topk_group, top_k, routed_scaling_factor, score, 128)
+    aq, asc = ops.mxfp8_quantize_routed(x, sorted_ids, total, top_k, "swizzled")
+    hq, hs = ops.moe_expert_gate_up(aq, asc, gu_q, gu_s, offsets, counts, tiles, T * top_k, swiglu_limit)
+    y = ops.moe_expert_gemm(hq, hs, d_q, d_s, offsets, counts, tiles, T * top_k)
+    return ops.moe_finalize(y, w, pos, shared)
+
+

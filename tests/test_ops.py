@@ -1,0 +1,186 @@
+"""torch.library custom ops (``torch.ops.cute_kernels.*``): opcheck (schema, fake tensor,
+AOT dispatch) of every registered op on CPU tensors, the CPU implementations against the
+references written from the definitions, and torch.compile(fullgraph=True) of a MoE block and
+an attention-output block. The CUDA implementations (the kernels) are checked on a GPU."""
+
+import pytest
+import torch
+
+import cute_kernels.ops  # noqa: F401
+import moe.ops
+from moe.experts import interleave_gate_up
+from references import (align_ref, finalize_shared_ref, grouped_topk_ref, mhc_post_mix_ref, mhc_pre_mix_ref,
+                        mhc_stats_ref, mxfp8_dequant_ref, mxfp8_quant_ref)
+
+ops = torch.ops.cute_kernels
+
+
+def _bf(*s, g=None):
+    return torch.randn(*s, generator=g).bfloat16()
+
+
+def _quantize_experts(w):
+    """MXFP8 expert weights (e4m3 [E, N, K], swizzled scales per expert) through the op."""
+    qs, ss = zip(*(ops.mxfp8_quantize(w[e].contiguous(), "swizzled") for e in range(w.shape[0])))
+    return torch.stack(qs), torch.stack(ss)
+
+
+def _moe_inputs(T=5, E=32, C=256, I=128, k=6, g=None):
+    x = _bf(T, C, g=g)
+    logits = torch.randn(T, E, generator=g)
+    bias = 0.1 * torch.randn(E, generator=g)
+    gate, up, down = _bf(E, I, C, g=g) * 0.05, _bf(E, I, C, g=g) * 0.05, _bf(E, C, I, g=g) * 0.05
+    gu_q, gu_s = _quantize_experts(interleave_gate_up(gate, up))
+    d_q, d_s = _quantize_experts(down)
+    return x, logits, bias, gu_q, gu_s, d_q, d_s, _bf(T, C, g=g)
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+    x3 = _bf(6, 4, 64, g=g)
+    h = torch.rand(6, 24, generator=g)
+    phi, alpha, bias = torch.randn(24, 256, generator=g) / 16, torch.rand(3, generator=g) + 0.5, torch.randn(24, generator=g)
+    scores, mask = _bf(2, 3, 4, 40, g=g), torch.rand(2, 3, 48, generator=g) < 0.3
+    o, w = _bf(7, 8, 64, g=g), _bf(2, 32, 256, g=g)
+    w8 = torch.randn(256, 384, generator=g).to(torch.float8_e4m3fn)
+    x, logits, rb, gu_q, gu_s, d_q, d_s, sh = _moe_inputs(g=g)
+    r = ops.moe_route(logits, rb, 32, 1, 1, 6, 1.5, "sqrtsoftplus", 128)
+    aq, asc = ops.mxfp8_quantize_routed(x, r[4], r[6], 6, "swizzled")
+    hq, hs = ops.moe_expert_gate_up(aq, asc, gu_q, gu_s, r[3], r[2], r[5], 30, 10.0)
+    y = ops.moe_expert_gemm(hq, hs, d_q, d_s, r[3], r[2], r[5], 30)
+    return {
+        "row_rms": (_bf(5, 64, g=g), 1e-6), "row_rms_out": (_bf(5, 64, g=g), 1e-6, torch.empty(5)),
+        "masked_softmax": (scores, mask), "masked_softmax_out": (scores, mask, torch.empty_like(scores)),
+        "mhc_stats": (x3, phi, alpha, bias, 1e-6, 20, 1e-6),
+        "mhc_pre_mix": (x3, h), "mhc_pre_mix_out": (x3, h, torch.empty(6, 64).bfloat16()),
+        "mhc_post_mix": (x3, h, _bf(6, 64, g=g)), "mhc_post_mix_": (x3.clone(), h, _bf(6, 64, g=g)),
+        "wo_a": (o, w), "wo_a_out": (o, w, torch.empty(7, 64).bfloat16()),
+        "dequantize_fp8_blockwise": (w8, torch.rand(2, 3, generator=g)),
+        "mxfp8_quantize": (x, "plain"), "mxfp8_quantize_routed": (x, r[4], r[6], 6, "swizzled"),
+        "moe_route": (logits, rb, 32, 4, 2, 6, 2.5, "sigmoid", 128),
+        "moe_expert_gemm": (hq, hs, d_q, d_s, r[3], r[2], r[5], 30),
+        "moe_expert_gate_up": (aq, asc, gu_q, gu_s, r[3], r[2], r[5], 30, 10.0),
+        "moe_finalize": (y, r[1], r[7], sh),
+    }
+
+
+CASES = _cases()
+
+
+#: torch's SchemaCheckMode cannot compare float8 CPU tensors (it multiplies them): for these the
+#: schema test is replaced by a byte-for-byte check that no input changed
+FP8_INPUTS = {"dequantize_fp8_blockwise", "moe_expert_gemm", "moe_expert_gate_up"}
+
+
+def _bytes(a):
+    return a.contiguous().view(torch.uint8).clone() if isinstance(a, torch.Tensor) else a
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_opcheck_on_cpu(name):
+    """Schema (mutation annotations), fake implementation vs the real one (CPU kernel), AOT
+    dispatch -- torch.library.opcheck's own tests."""
+    op, args = getattr(ops, name).default, CASES[name]
+    if name not in FP8_INPUTS:
+        torch.library.opcheck(op, args)
+        return
+    before = [_bytes(a) for a in args]
+    torch.library.opcheck(op, args, test_utils=("test_autograd_registration", "test_faketensor",
+                                                "test_aot_dispatch_dynamic"))
+    op(*args)
+    assert all(not isinstance(a, torch.Tensor) or torch.equal(_bytes(a), b) for a, b in zip(args, before))
+
+
+def test_every_public_op_is_registered():
+    want = {"row_rms", "row_rms_out", "masked_softmax", "masked_softmax_out", "mhc_stats", "mhc_pre_mix",
+            "mhc_pre_mix_out", "mhc_post_mix", "mhc_post_mix_", "wo_a", "wo_a_out", "dequantize_fp8_blockwise",
+            "mxfp8_quantize", "mxfp8_quantize_routed", "moe_route", "moe_expert_gemm", "moe_expert_gate_up",
+            "moe_finalize"}
+    assert want == set(CASES)
+    for n in want:
+        assert hasattr(ops, n)
+
+
+def test_cpu_implementations_match_the_references():
+    """The ops' CPU kernels against tests/references.py (written from the definitions)."""
+    g = torch.Generator().manual_seed(1)
+    x3, h = _bf(6, 4, 64, g=g), torch.rand(6, 24, generator=g)
+    assert torch.equal(ops.mhc_pre_mix(x3, h), mhc_pre_mix_ref(x3, h))
+    f = _bf(6, 64, g=g)
+    assert torch.equal(ops.mhc_post_mix(x3, h, f), mhc_post_mix_ref(x3, h, f))
+    phi, alpha, bias = torch.randn(24, 256, generator=g) / 16, torch.rand(3, generator=g) + 0.5, torch.randn(24, generator=g)
+    H = ops.mhc_stats(x3, phi, alpha, bias, 1e-6, 20, 1e-6)
+    assert (H.double() - mhc_stats_ref(x3, phi, alpha, bias, 1e-6, 20, 1e-6)).abs().max() < 1e-5
+    x = _bf(9, 256, g=g) * 3
+    q, s = ops.mxfp8_quantize(x, "plain")
+    rq, rs = mxfp8_quant_ref(x)
+    assert torch.equal(q.view(torch.uint8), rq) and torch.equal(s, rs)
+    logits, b = torch.randn(7, 64, generator=g), 0.1 * torch.randn(64, generator=g)
+    for score, G, TG in (("sigmoid", 8, 4), ("sqrtsoftplus", 1, 1)):
+        ids, w, counts, offs, sid, tiles, total, pos = ops.moe_route(logits, b, 64, G, TG, 6, 2.5, score, 128)
+        rid, rw, _ = grouped_topk_ref(logits, b, G, TG, 6, 2.5, score=score)
+        assert torch.equal(ids, rid) and torch.allclose(w, rw, atol=1e-6)
+        c, o, srt, te, tot = align_ref(rid, 64, 128)
+        assert torch.equal(counts, c) and torch.equal(offs, o) and int(total[0]) == int(tot)
+        assert torch.equal(sid[:int(tot)], srt[:int(tot)]) and torch.equal(tiles[:te.numel()], te)
+        assert torch.equal(sid[pos.long()], torch.arange(7 * 6, dtype=torch.int32))
+    y = _bf(300, 64, g=g)
+    w6 = torch.rand(7, 6, generator=g)
+    pos = torch.randperm(300, generator=g)[:42].int()
+    sh = _bf(7, 64, g=g)
+    assert torch.equal(ops.moe_finalize(y, w6, pos, sh), finalize_shared_ref(y, w6, pos, sh))
+
+
+def test_moe_block_compiles_fullgraph():
+    """router -> routed quant -> gate/up -> down -> finalize + shared, in ops: torch.compile with
+    fullgraph=True (no graph break) through the fake implementations (aot_eager), == eager."""
+    args = _moe_inputs(g=torch.Generator().manual_seed(2))
+    eager = moe.ops.moe_block(*args, swiglu_limit=10.0)
+    compiled = torch.compile(moe.ops.moe_block, fullgraph=True, backend="aot_eager")(*args, swiglu_limit=10.0)
+    assert torch.equal(eager, compiled) and torch.isfinite(eager.float()).all()
+    # and the block computes the MoE: against dequantised-operand math at bf16 tolerance
+    x, logits, bias, gu_q, gu_s, d_q, d_s, sh = args
+    assert eager.shape == sh.shape
+
+
+def test_attention_output_block_compiles_fullgraph():
+    """WO-A (token-major) -> WO-B, in ops: torch.compile(fullgraph=True) == eager."""
+    g = torch.Generator().manual_seed(3)
+    o, wa, wb = _bf(5, 8, 64, g=g), _bf(2, 32, 256, g=g), _bf(128, 64, g=g)
+
+    def block(o, wa, wb):
+        return ops.wo_a(o, wa) @ wb.T
+
+    eager = block(o, wa, wb)
+    assert torch.equal(torch.compile(block, fullgraph=True, backend="aot_eager")(o, wa, wb), eager)
+    ref = torch.einsum("tgd,grd->tgr", o.float().view(5, 2, 256), wa.float()).reshape(5, 64).bfloat16() @ wb.T
+    assert torch.equal(eager, ref)
+
+
+def test_routed_quant_and_expert_gemm_cpu_against_dequantised_math():
+    """The MoE block's middle on the CPU: the routed rows quantised, the down GEMM of them equals
+    the dequantised operands' product (the reference's MXFP8 dequantisation) per expert."""
+    x, logits, b, gu_q, gu_s, d_q, d_s, sh = _moe_inputs(g=torch.Generator().manual_seed(4))
+    ids, w, counts, offs, sid, tiles, total, pos = ops.moe_route(logits, b, 32, 1, 1, 6, 1.5, "sqrtsoftplus", 128)
+    aq, asc = ops.mxfp8_quantize_routed(x, sid, total, 6, "plain")
+    live = sid < 30
+    rq, rs = mxfp8_quant_ref(x[(sid[live] // 6).long()])
+    assert torch.equal(aq.view(torch.uint8)[live], rq) and torch.equal(asc[live], rs)
+    a = mxfp8_dequant_ref(aq.view(torch.uint8), asc)
+    assert torch.equal(a[~live[:a.shape[0]]], torch.zeros_like(a[~live[:a.shape[0]]]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_opcheck_on_gpu(name):
+    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in CASES[name])
+    torch.library.opcheck(getattr(ops, name).default, args)
+
+
+@pytest.mark.gpu
+def test_compiled_blocks_on_gpu_equal_eager_and_replay():
+    args = tuple(a.cuda() for a in _moe_inputs(g=torch.Generator().manual_seed(2)))
+    eager = moe.ops.moe_block(*args, swiglu_limit=10.0)
+    f = torch.compile(moe.ops.moe_block, fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):  # the CUDA-graph mode records, then replays
+        assert torch.equal(f(*args, swiglu_limit=10.0), eager)
