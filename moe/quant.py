@@ -1,9 +1,11 @@
 """Routed-input MXFP8 quantization: bf16 ``x [T, K]`` -> e4m3 ``q`` + UE8M0 scales per 32 elements.
 
-Scale rule (OCP MX, the rule that never clips). For each block of 32 consecutive elements of
-a row, with ``amax`` the largest magnitude, the scale is the smallest power of two
-``s = 2**e`` with ``amax / s <= 448`` (448 = e4m3's largest finite value). Writing
-``amax = m * 2**E`` with ``1 <= m < 2``::
+Scale rule: round up, so nothing clips -- the rule of cuBLAS, TensorRT-LLM and FlashInfer, not
+OCP MX's floor rule (``e = floor(log2(amax)) - 8``, which clips blocks whose maximum mantissa
+exceeds 1.75). For each block of 32 consecutive elements of a row, with ``amax`` the largest
+magnitude, the scale is the smallest power of two ``s = 2**e`` with ``amax / s <= 448`` (448 =
+e4m3's largest finite value), i.e. ``e = ceil(log2(amax / 448))``. Writing ``amax = m * 2**E``
+with ``1 <= m < 2``::
 
     e = E - 8 + (m > 1.75)          # 448 = 1.75 * 2**8
     scale byte = clamp(e + 127, 0, 254)

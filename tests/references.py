@@ -24,23 +24,56 @@ def masked_softmax_ref(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
 
 # ----------------------------------------------------------------------- MXFP8 ---------
 def mxfp8_quant_ref(x: torch.Tensor):
-    """OCP MX e4m3 quantization of bf16 x [R, K] (K % 32 == 0), the rule in moe/quant.py.
+    """MXFP8 of bf16 x [R, K] (K % 32 == 0) from the definition, in float64.
+
+    Per block of 32: ``amax = max |x|``; the scale is the smallest power of two ``2^e`` with
+    ``amax / 2^e <= 448`` -- ``e = ceil(log2(amax / 448))``, the round-up rule of cuBLAS /
+    TensorRT-LLM / FlashInfer (not OCP's floor rule, which can clip) -- stored as the byte
+    ``clamp(e + 127, 0, 254)`` (an all-zero block: 0); ``q = e4m3(x / 2^(byte - 127))``
+    rounded to nearest even (torch's conversion); a block holding NaN or +-Inf: byte 0xFF and
+    every q 0x7F (e4m3fn has no Inf).
 
     Returns (q uint8 [R, K] (e4m3 bit patterns), scale uint8 [R, K/32]).
     """
     R, K = x.shape
     nb = K // 32
-    bits = (x.contiguous().view(torch.int16).to(torch.int32) & 0x7FFF).view(R, nb, 32)
-    amax = bits.amax(-1)
-    nonfinite = amax >= 0x7F80
-    e_b = (amax >> 7) - 8 + ((amax & 0x7F) > 0x60).to(torch.int32)
-    scale = e_b.clamp(0, 254)
-    # 2**-(scale-127) as fp32 from its exponent field (254 - scale)
-    mult = ((254 - scale) << 23).to(torch.int32).view(torch.float32)
-    q = (x.float().view(R, nb, 32) * mult[..., None]).to(torch.float8_e4m3fn).view(torch.uint8)
-    q = torch.where(nonfinite[..., None], torch.full_like(q, 0x7F), q)
-    scale = torch.where(nonfinite, torch.full_like(scale, 0xFF), scale)
-    return q.view(R, K), scale.to(torch.uint8)
+    xd = x.double().view(R, nb, 32)
+    finite = torch.isfinite(xd).all(-1)
+    amax = torch.where(torch.isfinite(xd), xd.abs(), torch.zeros_like(xd)).amax(-1)
+    e = torch.ceil(torch.log2(amax / 448.0))  # -inf for an all-zero block
+    byte = (e + 127).clamp(0, 254).nan_to_num(0.0)
+    q = (xd / torch.exp2(byte - 127)[..., None]).float().to(torch.float8_e4m3fn).view(torch.uint8)
+    q = torch.where(finite[..., None], q, torch.full_like(q, 0x7F))
+    byte = torch.where(finite, byte, torch.full_like(byte, 255.0))
+    return q.view(R, K), byte.to(torch.uint8)
+
+
+def mx_boundary_blocks() -> tuple[torch.Tensor, list[int]]:
+    """Deterministic blocks on the MXFP8 scale rule's edges, each block's maximum the value named
+    (the other 31 elements far smaller, so nothing hides it): bf16 ``[n, 32]`` and the scale
+    byte the definition gives each (``e = ceil(log2(amax / 448))``, byte ``e + 127``)."""
+    rows, want = [], []
+
+    def block(top, fill=2.0 ** -20, n=31, byte=None):
+        b = torch.full((32,), fill)
+        b[:n] = fill * torch.linspace(-1, 1, n)
+        b[7] = top
+        rows.append(b)
+        want.append(byte)
+
+    block(448.0, byte=127)                       # amax / 2^0 == 448 exactly: no bump
+    block(-1.75 * 2.0 ** 5, byte=127 + 5 - 8)    # 1.75 * 2^k: e = k - 8
+    block(1.7578125 * 2.0 ** 5, byte=127 + 5 - 7)  # the next bf16 above 1.75 * 2^k: e = k - 7
+    block(1.0 * 2.0 ** 5, byte=127 + 5 - 8)      # m = 1: e = k - 8
+    block(1.9921875 * 2.0 ** -3, byte=127 - 3 - 7)  # the largest mantissa
+    block(2.0 ** 120, byte=127 + 120 - 8)        # large
+    block(0.0, fill=0.0, byte=0)                 # all zero
+    block(2.0 ** -130, fill=2.0 ** -133, byte=0)  # bf16 subnormals only: e < -127 clamps
+    block(2.0 ** -126 * 1.5, fill=0.0, byte=0)   # smallest normals: e = -134 clamps
+    block(float("nan"), byte=255)
+    block(float("inf"), byte=255)
+    block(-float("inf"), byte=255)
+    return torch.stack(rows).bfloat16(), want
 
 
 def mxfp8_dequant_ref(q_bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -63,20 +96,29 @@ def e4m3_step_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (torch.exp2(torch.floor(torch.log2(y)) - 3) * s).view(R, K)
 
 
+def swizzled_offset(r, c, C: int):
+    """Byte offset of scale (row r, scale column c) in the block-scaled MMA's layout
+    (cuBLAS "1D block scaling factors layout" / CUTLASS's 128 x 4 scale-factor atom), from
+    its published formula: atoms of 128 rows x 4 columns (512 bytes) ordered with the column
+    blocks fastest; inside an atom ``(r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4``."""
+    n_col_blocks = -(-C // 4)
+    return ((r // 128) * n_col_blocks + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+
+
 def swizzle_scales_ref(scale: torch.Tensor) -> torch.Tensor:
-    """[R, K/32] -> flat tcgen05/cuBLAS block-scale layout (128x4 atoms, K-atoms fastest, zero padded)."""
+    """[R, K/32] -> the flat swizzled layout (every byte placed by :func:`swizzled_offset`;
+    rows padded to 128 and columns to 4 with zeros)."""
     R, C = scale.shape
-    rb, cb = -(-R // 128), -(-C // 4)
-    p = torch.zeros(rb * 128, cb * 4, dtype=scale.dtype)
-    p[:R, :C] = scale
-    blocks = p.view(rb, 128, cb, 4).permute(0, 2, 1, 3)  # (rb, cb, 128, 4)
-    return blocks.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1).contiguous()
+    size = -(-R // 128) * 128 * -(-C // 4) * 4
+    flat = torch.zeros(size, dtype=scale.dtype)
+    r, c = torch.meshgrid(torch.arange(R), torch.arange(C), indexing="ij")
+    flat[swizzled_offset(r, c, C).flatten()] = scale.flatten()
+    return flat
 
 
 def unswizzle_scales_ref(flat: torch.Tensor, R: int, C: int) -> torch.Tensor:
-    rb, cb = -(-R // 128), -(-C // 4)
-    blocks = flat.view(rb * cb, 32, 4, 4).transpose(1, 2).reshape(rb, cb, 128, 4).permute(0, 2, 1, 3)
-    return blocks.reshape(rb * 128, cb * 4)[:R, :C].contiguous()
+    r, c = torch.meshgrid(torch.arange(R), torch.arange(C), indexing="ij")
+    return flat.cpu()[swizzled_offset(r, c, C)].contiguous()
 
 
 # ---------------------------------------------------------------------- router ---------

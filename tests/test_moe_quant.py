@@ -226,3 +226,56 @@ def test_machine_code(arch, layout, routed, extra):
     assert h["STG.E.128"] == 2  # 32 e4m3 = two 16-byte stores
     assert sass.count(h, "F2FP") == 16  # packed fp32x2 -> e4m3x2 conversions
     assert sass.local_memory_ops(h) == 0
+
+
+# --------------------------------------------------- the scale rule's edges (CPU) ------
+def test_reference_boundary_blocks_by_hand():
+    """The float64 reference on deterministic edge blocks gives the scale bytes derived by hand
+    (e = ceil(log2(amax / 448))), and every finite q stays <= 448."""
+    from references import mx_boundary_blocks
+
+    x, want = mx_boundary_blocks()
+    q, s = mxfp8_quant_ref(x.view(1, -1))
+    assert s.view(-1).tolist() == want
+    vals = q.view(torch.float8_e4m3fn).float()
+    assert (vals[torch.isfinite(vals)].abs() <= 448).all()
+    assert (q.view(-1, 32)[torch.tensor(want) == 255] == 0x7F).all()
+
+
+def test_package_cpu_quantizer_matches_the_definition():
+    """moe.experts.mxfp8_quantize_torch (the CPU path of the quantizer ops) against the float64
+    definition: the edge blocks plus random blocks over many binades, byte for byte."""
+    from moe.experts import mxfp8_quantize_torch
+    from references import mx_boundary_blocks
+
+    edges, _ = mx_boundary_blocks()
+    x = torch.cat([edges.view(1, -1).repeat(3, 1), make_x(3, edges.numel(), specials=False)])
+    q, s = mxfp8_quantize_torch(x)
+    qr, sr = mxfp8_quant_ref(x)
+    assert torch.equal(s, sr) and torch.equal(q, qr)
+
+
+def test_swizzled_layout_formula_matches_the_package():
+    """moe.experts.swizzle_scales (the package's permute) against the published per-byte formula."""
+    from moe.experts import swizzle_scales
+
+    for R, C in [(1, 1), (130, 7), (256, 224), (5, 4), (129, 9)]:
+        sc = torch.randint(0, 255, (R, C), dtype=torch.uint8)
+        assert torch.equal(swizzle_scales(sc), swizzle_scales_ref(sc))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+def test_boundary_blocks_bit_exact_on_gpu(layout):
+    """The kernel on the deterministic edge blocks (every block a row of its own and all in one
+    row), plain and swizzled scales."""
+    from references import mx_boundary_blocks
+
+    edges, want = mx_boundary_blocks()
+    for x in (edges.repeat(1, 4), edges.view(1, -1)):
+        x = x.contiguous().cuda()
+        q, s = mxfp8_quantize(x, layout=layout)
+        torch.cuda.synchronize()
+        qr, sr = mxfp8_quant_ref(x.cpu())
+        assert torch.equal(q.cpu().view(torch.uint8), qr)
+        assert torch.equal(s.cpu(), sr if layout == "plain" else swizzle_scales_ref(sr))
