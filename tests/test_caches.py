@@ -230,8 +230,7 @@ def test_cli_build_warm_rebuild_list_verify_clear(tmp_path):
     assert cold.stdout.count("compiled") == n
     warm = _cli("build", "--arch", "sm_100a", "--arch", "sm_90a", cache=cache)
     assert warm.returncode == 0 and warm.stdout.count("| cached") == n
-    secs = [float(line.split("|")[4]) for line in warm.stdout.splitlines() if "| cached" in line]
-    assert len(secs) == n and max(secs) < 0.5  # a warm entry is hashed, never recompiled
+    assert "compiled" not in warm.stdout  # a warm entry is verified and loaded, never recompiled
     assert _cli("list", cache=cache).stdout.count("| ok") == n
     assert _cli("verify", cache=cache).returncode == 0
     obj = next(os.path.join(r, "kernel.o") for r, _, fs in os.walk(cache) if "kernel.o" in fs)

@@ -141,14 +141,25 @@ def test_graph_replays_with_delayed_reader(seed):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(cap), torch.cuda.graph(graph, stream=cap):
         run_ranks(g, lambda r, d: g.allreduce(r, parts[r], out=outs[r], delay=d), streams, delays={2: 20000})
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    bad = torch.zeros((), dtype=torch.int32, device="cuda")
     for it in range(1000):
-        if it % 250 == 0:
-            for p in parts:
-                p.copy_(torch.randn(T, H, device="cuda").bfloat16())
+        for p in parts:  # fresh inputs before every replay: a stale read cannot pass
+            p.copy_(torch.randn(T, H, device="cuda", generator=gen).bfloat16())
         graph.replay()
+        # every replay checked: the FP32 rank-order sum rounded once (on the GPU, no sync)
+        want = parts[0].float()
+        for p in parts[1:]:
+            want = want + p.float()
+        want = want.bfloat16()
+        for r in range(world):
+            bad += (~torch.eq(outs[r], want)).sum().int()
+        if it % 100 == 99:
+            assert int(bad) == 0, f"replay {it}: {int(bad)} wrong elements so far"
     torch.cuda.synchronize()
     g.check()
-    ref = allreduce_ref([p.cpu() for p in parts])
+    assert int(bad) == 0
+    ref = allreduce_ref([p.cpu() for p in parts])  # and the last replay against the CPU reference
     for r in range(world):
         assert torch.equal(outs[r].cpu(), ref)
     assert (torch.stack([rb.phase for rb in g.ranks]) == 1001).all()  # advanced in-kernel, no host reset

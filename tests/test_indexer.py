@@ -334,18 +334,6 @@ def test_fp8_machine_code(arch):
     assert sass.count(h, "HMMA") >= 64 and sass.count(h, "LDSM") >= 1 and sass.count(h, "LDGSTS") >= 1
 
 
-def test_fp8_formulation_equals_dequantised_spec():
-    """The FP8 kernel's order of operations -- k_scale applied after the head-weighted ReLU
-    sum of raw e4m3 dot products -- equals the spec on dequantised operands (k_scale > 0)."""
-    T, S, H, D = 3, 40, 64, 128
-    q8, w8, k8, ks, *_ = _fp8_cpu(T, S, H, D)
-    kernel_form = torch.stack([ks[:S].double() * (torch.relu(k8[:S].double() @ q8[t].double().T)
-                                                   * w8[t].double()).sum(-1) for t in range(T)])
-    spec = torch.stack([(torch.relu((k8[:S].double() * ks[:S, None].double()) @ q8[t].double().T)
-                         * w8[t].double()).sum(-1) for t in range(T)])
-    assert torch.allclose(kernel_form, spec, rtol=1e-12, atol=0)
-
-
 def _fp8_cpu(T, S, H, D):
     g = torch.Generator().manual_seed(5)
     kc = torch.randn(S + 3, D, generator=g)

@@ -993,7 +993,9 @@ def test_default_route_rule():
     another SM count and Blackwell never take cuBLAS by default."""
     from cute_kernels.wo_a import SM90_CUBLAS_T, route
 
-    assert len(SM90_CUBLAS_T) == 8 and all(len(r) <= 3 for r in SM90_CUBLAS_T.values())
+    for ranges in SM90_CUBLAS_T.values():  # at most three sorted, disjoint, non-empty ranges
+        assert 1 <= len(ranges) <= 3 and list(ranges) == sorted(ranges)
+        assert all(0 <= lo < hi for lo, hi in ranges) and all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
     for (G, R, Dg), ranges in SM90_CUBLAS_T.items():
         assert (16, 32) in ranges
         for T in range(1, 4200, 7):
