@@ -71,6 +71,15 @@ def main():
             def ar_only(r):
                 g.allreduce(r, partial[r], out=outs[r])
 
+            fork(fused)  # checked once before timing: every rank holds the FP32 rank-order sum
+            torch.cuda.synchronize()
+            want = None
+            for r in range(world):
+                routed_r = moe_finalize(ys[r], ws[r], pos[r])
+                part = (routed_r.float() + sh[r].float()).bfloat16().float()
+                want = part if want is None else want + part
+            if not all(torch.equal(o, want.bfloat16()) for o in outs):
+                raise SystemExit(f"finalize_shared_allreduce world={world} T={T}: output check failed; not timing it")
             t_f = time_group_step(lambda: fork(fused))
             t_u = time_group_step(lambda: fork(unfused))
             t_a = time_group_step(lambda: fork(ar_only))

@@ -24,7 +24,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import H200_COPY_BW, markdown_table, rotation_count, time_graph  # noqa: E402
 
 from cute_kernels.masked_softmax import masked_softmax  # noqa: E402
-from spec_decode.step_model import StepModel  # noqa: E402
 
 SHAPES = [(2, 6, 128, 592), (65, 6, 128, 592), (2, 6, 128, 6160), (65, 6, 128, 6160)]
 
@@ -35,7 +34,7 @@ def main():
     args = ap.parse_args()
     rows = []
     for R, S, H, M in SHAPES:
-        W = StepModel.mask_width(M)
+        W = -(-(M + 1) // 16) * 16  # a mask row stride padded to 16 (one spare column)
         nbytes = 2 * R * S * H * M * 2 + R * S * W
         n = rotation_count(nbytes)
         xs = [(torch.randn(R, S, H, M, device="cuda") * 4).bfloat16() for _ in range(n)]
@@ -43,6 +42,11 @@ def main():
         for m in masks:
             m[..., 0] = True
         reps = max(n, 20)
+        probe = xs[0].clone()  # one call checked against the FP64 definition before any timing
+        want = probe.double().masked_fill(~masks[0][:, :, None, :M], float("-inf")).softmax(-1).nan_to_num(0.0)
+        got = masked_softmax(probe, masks[0], out=probe).double()
+        if not (got - want).abs().max().item() <= 2 ** -8:  # bf16 output rounding of values <= 1
+            raise SystemExit(f"masked_softmax {R}x{S}x{H}x{M}: output check failed; not timing it")
         t_ours = time_graph(lambda i: masked_softmax(xs[i], masks[i], out=xs[i]), n, reps)
         t_torch = time_graph(lambda i: xs[i].masked_fill_(~masks[i][:, :, None, :M], float("-inf")).softmax(-1),
                              n, reps)

@@ -70,6 +70,10 @@ def bench_stats():
         ws = MhcStatsWorkspace(N, T)
         H = torch.empty(T, m, device="cuda")
         planes = mhc_split_phi(phi)
+        mhc_stats(xs[0], planes, alpha, bias, eps=EPS, workspace=ws, out=H)  # checked once before timing
+        err = (H - stats_composite(xs[0], phi, alpha, bias)).abs().max().item()
+        if not err <= 1e-4:  # H in (0, 2); phi carried to 16 bits, FP32 sums (tests/test_mhc.py)
+            raise SystemExit(f"mhc_stats T={T}: output check failed (max error {err:.3g}); not timing it")
         ours = time_graph(lambda i: mhc_stats(xs[i], planes, alpha, bias, eps=EPS, workspace=ws, out=H), len(xs))
         base = time_graph(lambda i: stats_composite(xs[i], phi, alpha, bias), len(xs))
         nbytes = T * N * C * 2 + phi.numel() * 4 + T * m * 4
@@ -89,10 +93,16 @@ def bench_mix():
         h = torch.rand(T, m, device="cuda")
         u = torch.empty(T, C, device="cuda", dtype=torch.bfloat16)
         outs = [torch.empty_like(x) for x in xs]
+        hres = h[:, 2 * N:].reshape(T, N, N)
+        want_pre = torch.einsum("ti,tic->tc", h[:, :N], xs[0].float())
+        want_post = torch.einsum("tij,tjc->tic", hres, xs[0].float()) + h[:, N:2 * N, None] * fs[0].float()[:, None, :]
+        for got, want, name in ((mhc_pre_mix(xs[0], h, out=u), want_pre, "pre"),
+                                (mhc_post_mix(xs[0], h, fs[0], out=outs[0]), want_post, "post")):
+            if not ((got.float() - want).abs() <= 2 ** -7 * want.abs() + 1e-6).all():  # one bf16 rounding
+                raise SystemExit(f"mhc_{name}_mix T={T}: output check failed; not timing it")
         pre = time_graph(lambda i: mhc_pre_mix(xs[i], h, out=u), rot)
         pre_b = time_graph(lambda i: torch.einsum("ti,tic->tc", h[:, :N], xs[i].float()).bfloat16(), rot)
         post = time_graph(lambda i: mhc_post_mix(xs[i], h, fs[i], out=outs[i]), rot)
-        hres = h[:, 2 * N:].reshape(T, N, N)
         post_b = time_graph(lambda i: (torch.einsum("tij,tjc->tic", hres, xs[i].float())
                                        + h[:, N:2 * N, None] * fs[i].float()[:, None, :]).bfloat16(), rot)
         pre_bytes, post_bytes = T * N * C * 2 + T * C * 2, 2 * T * N * C * 2 + T * C * 2

@@ -30,7 +30,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (H200_BF16_FLOPS, H200_COPY_BW, gpu_warmup, markdown_table, rotation_count,  # noqa: E402
+from common import (check_output, H200_BF16_FLOPS, H200_COPY_BW, gpu_warmup, markdown_table, rotation_count,  # noqa: E402
                     time_graph, time_graphs_interleaved)
 
 from cute_kernels.wo_a import route, wo_a  # noqa: E402
@@ -112,6 +112,12 @@ def main():
         for T in tokens:
             o = torch.randn(T, G * 8, Dg // 8, device="cuda").bfloat16()
             y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
+            ref = torch.einsum("tgd,grd->tgr", o.view(T, G, Dg).float(), ws[0].float()).reshape(T, G * R)
+            what = f"wo_a T={T} G={G} R={R} Dg={Dg}"
+            check_output(what, lambda i: wo_a(o, ws[0], out=y), y, ref)  # the default path, once
+            for k in (("mma", "wgmma") if T <= 64 else ()):
+                check_output(f"{what} decode {k}", lambda i, k=k: wo_a(o, ws[0], out=y, decode_kernel=k), y, ref)
+            check_output(f"{what} engine", lambda i: wo_a(o, ws[0], out=y, decode_kernel=False), y, ref)
             # Discarded: the first graph timed after the previous row's launches ran up to 0.8 us
             # slow at decode T.
             time_graph(lambda i: wo_a(o, ws[i], out=y), n, max(n, 8), trials=10)

@@ -114,10 +114,20 @@ def poisoned_error(call, y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).norm() / ref.norm()).item()
 
 
-def measure(call, y: torch.Tensor, ref: torch.Tensor, n: int) -> tuple[float, float]:
-    """(seconds per ``call(i)``, :func:`poisoned_error`): every element proven written before
-    the time counts."""
+def check_output(what: str, call, y: torch.Tensor, ref: torch.Tensor, tol: float = 1e-2) -> float:
+    """:func:`poisoned_error` of one ``call(0)``; exits the benchmark (status 1, the case named)
+    if it is above ``tol`` or NaN (an unwritten element) -- a wrong kernel is never timed."""
     err = poisoned_error(call, y, ref)
+    if not err <= tol:
+        raise SystemExit(f"{what}: output check failed (relative error {err:.3g} > {tol:g}); not timing it")
+    return err
+
+
+def measure(call, y: torch.Tensor, ref: torch.Tensor, n: int, what: str = "case",
+            tol: float = 1e-2) -> tuple[float, float]:
+    """(seconds per ``call(i)``, :func:`check_output`'s error): every element proven written and
+    right before the time counts."""
+    err = check_output(what, call, y, ref, tol)
     return time_graph(call, n, max(n, 8)), err
 
 

@@ -19,10 +19,10 @@ operands, both K-major) over ``A = h_q (M=B, K=C)``, ``B = W_q (N=V, K=C)``, ``C
 
 Constraints: ``C % 64 == 0`` (whole K tiles, 16-byte TMA rows), ``V % 8 == 0`` (16-byte
 score rows); sm_90a only (other archs: the PyTorch reference, for tests). Status: compiled and
-machine-code checked on the CPU; the GPU test (``tests/test_spec_decode.py -k draft_head``)
-has not run yet.
+machine-code checked on the CPU; GPU tests in ``tests/test_draft_head_fp8.py`` and
+``tests/test_spec_decode.py -k draft_head``.
 
-    pytest tests/test_spec_decode.py -k draft_head_fp8
+    pytest tests/test_draft_head_fp8.py tests/test_spec_decode.py -k draft_head
 """
 
 from __future__ import annotations

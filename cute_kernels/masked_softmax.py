@@ -2,11 +2,11 @@
 
 ``probs[..., h, j] = softmax_j(where(mask[..., j], scores[..., h, j], -inf))`` for scores
 ``[*lead, H, M]`` and a key-selection mask ``[*lead, W]`` (``W >= M``) shared by the ``H``
-query heads of one token. The decode runtime's masked-dense attention core over an MLA-style
-latent cache (``spec_decode.step_model``) computes ``[R, S, H, M]`` bf16 scores with one
-batched matmul, this kernel, then a second matmul; PyTorch's composite (``masked_fill_`` then
-``softmax``) makes three passes over the scores, and its softmax kernel ran at ~25% of the
-H200's copy bandwidth on 6160-long rows (2.4 ms of a 16 ms slice verify step at BS64).
+query heads of one token: the core of a masked-dense sparse attention over an MLA-style latent
+cache -- ``[R, S, H, M]`` bf16 scores from one batched matmul, this kernel, then a second
+matmul -- where PyTorch's composite (``masked_fill_`` then ``softmax``) makes three passes over
+the scores. (The decode runtime used it with its earlier DeepSeek-V3-shaped model; DeepSeek-V4's
+window + compressed attention does not.)
 
 Algorithm. One CTA per ``(lead, h)`` row. Thread ``i`` loads the 16-byte score vectors ``i,
 i+nt, ...`` (8 elements) and the matching 8-byte mask vectors into registers, all loads issued
@@ -167,7 +167,7 @@ KERNEL = jit.register(
         archs=("sm_90a", "sm_100a", "sm_103a"),
         # the slice config's 128 heads over the decode bench's pools (--quick and the full
         # BS64 lengths: 4096 + 2048 + the verify block), with the runtime's mask strides
-        # (spec_decode.step_model.StepModel.mask_width)
+        # (a row stride padded to 16: one spare column for discarded selections)
         aot_configs=tuple({"length": M, "heads": 128, "mask_stride": W, "dtype": "bfloat16"}
                           for M, W in ((592, 608), (6160, 6176))),
         description="softmax over a row of scores with a per-token key mask, bf16 in/out",

@@ -531,3 +531,50 @@ def test_fused_engine_generates_in_graphs_on_gpu(model):
         if B <= 3:
             assert spec == eng.generate(ps, 24, speculative=False)
     assert eng.verify_graphs.use_graphs and eng.draft_graphs.replays > 0
+
+
+@pytest.mark.gpu
+def test_mx_draft_head_on_gpu():
+    """H200: the fused engine's MXFP8 draft head against the FP32 product of its own dequantised
+    operands (the GEMM's spec: rounding only at the bf16 output) and against the bf16 head
+    (MXFP8's own error) for batches of 1, 5 and 16 rows (output poisoned before each call); the
+    bf16 head's product above 16 rows; then one head serving two batch sizes (the MXFP8 and the
+    bf16 path) inside captured graphs."""
+    from moe.experts import dequantize
+    from spec_decode.fused_ops import MxDraftHead
+
+    V, C = 4096 + 64, 1024  # vocab not a multiple of 128 (the kernel's 64-row weight tiles)
+    g = torch.Generator(device="cuda").manual_seed(random.randrange(2**31))  # fresh inputs each run
+    lm_head = (torch.randn(V, C, device="cuda", generator=g) / C ** 0.5).bfloat16()
+    head = MxDraftHead(lm_head, max_batch=64)
+    w = dequantize(head.w_q[0], head.w_s[0], V, C)
+    for B in (1, 5, 16):
+        h = torch.randn(B, C, device="cuda", generator=g).bfloat16()
+        head.out.fill_(float("nan"))
+        out = head(h).float()
+        a = dequantize(head.q, head.s, head.TILE, C)[:B]
+        ref = a @ w.T
+        assert torch.isfinite(out).all()
+        assert ((out - ref).norm() / ref.norm()).item() < 5e-3, B
+        bf = (h.float() @ lm_head.float().T)
+        assert ((out - bf).norm() / bf.norm()).item() < 0.08, B
+    h = torch.randn(40, C, device="cuda", generator=g).bfloat16()
+    assert torch.equal(head(h), h @ lm_head.T)
+    # fp8_above (the default draft head above 16 rows): per-tensor e4m3 scores above 16 rows keep most rows' argmax
+    fp8 = MxDraftHead(lm_head, max_batch=64, fp8_above=True)
+    fp8.fp8[2].fill_(float("nan"))
+    agree = (fp8(h).argmax(-1) == (h @ lm_head.T).argmax(-1)).float().mean().item()
+    assert agree >= 0.75, agree
+    # captured: each graph keeps its batch's inputs, counts and output rows
+    hs = {B: torch.randn(B, C, device="cuda", generator=g).bfloat16() for B in (2, 33)}
+    outs, graphs = {}, {}
+    for B in hs:
+        head(hs[B])  # warm (compiles) outside the capture
+        torch.cuda.synchronize()
+        graphs[B] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[B]):
+            outs[B] = head(hs[B]).argmax(-1)
+    for B in (33, 2, 33):
+        graphs[B].replay()
+        torch.cuda.synchronize()
+        assert torch.equal(outs[B], head(hs[B]).argmax(-1))
