@@ -85,6 +85,20 @@ def mxfp8_dequant_ref(q_bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return (qf * s[..., None]).view(R, K)
 
 
+def expert_gemm_ref(aq: torch.Tensor, asc: torch.Tensor, wq: torch.Tensor, wsc, offs: torch.Tensor,
+                    counts) -> torch.Tensor:
+    """float64 ``y [rows, N]`` of the MXFP8 expert GEMM from the definition: expert ``e``'s rows
+    ``[offs[e], offs[e] + counts[e])`` of the dequantised A (plain scales ``asc [rows, K/32]``)
+    times its dequantised weights (``wsc[e] [N, K/32]``); other rows 0."""
+    a = mxfp8_dequant_ref(aq, asc).double()
+    y = torch.zeros(aq.shape[0], wq.shape[1], dtype=torch.float64)
+    for e in range(wq.shape[0]):
+        lo, n = int(offs[e]), int(counts[e])
+        if n:
+            y[lo:lo + n] = a[lo:lo + n] @ mxfp8_dequant_ref(wq[e], wsc[e]).double().T
+    return y
+
+
 def e4m3_step_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """One e4m3 step (ulp) at |x| [R, K] in blocks of 32 with E8M0 ``scale`` [R, K/32]: 2^-3 of
     x's binade for normals, 2^-9 (the subnormal quantum) below 2^-6, times the block scale.

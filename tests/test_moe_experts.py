@@ -14,7 +14,7 @@ from moe.experts import (expert_gemm_torch, dequantize, expert_scale_bytes, moe_
                          mxfp4_expert_weights, silu_mul_interleaved, unswizzle_scales)
 from moe.experts import interleave_gate_up as moe_interleave
 from moe.experts_sm100 import MoeExpertGemmSm100
-from references import (e2m1_value_ref, e4m3_step_ref, mxfp4_dequant_ref, mxfp8_dequant_ref, mxfp8_quant_ref,
+from references import (expert_gemm_ref, e2m1_value_ref, e4m3_step_ref, mxfp4_dequant_ref, mxfp8_dequant_ref, mxfp8_quant_ref,
                         swizzle_scales_ref)
 
 
@@ -276,8 +276,7 @@ def test_gpu_weights_past_2_gib(seed):
     E, N, K, counts2 = 76, 4096, 7168, [2, 3]
     gen = torch.Generator().manual_seed(seed)
     a, w, aq, asw, wq2, wsw2, offs2, asc, wsc = _quantized_problem(2, N, K, counts2, gen)
-    cpu = torch.zeros(aq.shape[0], N).bfloat16()
-    expert_gemm_torch(aq, asw, wq2, wsw2, offs2, cpu)
+    cpu = expert_gemm_ref(aq, asc, wq2, wsc, offs2, counts2)  # float64, from the definition
     wq = torch.zeros(E, N, K, dtype=torch.uint8, device="cuda")  # e4m3 bytes, as the CPU problem's
     wsw = torch.zeros(E, wsw2.shape[1], dtype=torch.uint8, device="cuda")
     for src, dst in ((0, 0), (1, E - 1)):
@@ -311,13 +310,13 @@ def test_row_offset_bound_is_validated():
 
 
 def _gemm_matches_emulation(seed, E, N, K, counts, launches):
-    """moe_expert_gemm with each keyword set in ``launches`` against the block-scaled CPU
-    emulation, on live rows, with NaN-poisoned padding rows of A."""
+    """moe_expert_gemm with each keyword set in ``launches`` against the float64 product of the
+    dequantised operands (references.expert_gemm_ref), on live rows, with NaN-poisoned padding
+    rows of A."""
     gen = torch.Generator().manual_seed(seed)
     a, w, aq, asw, wq, wsw, offs, asc, wsc = _quantized_problem(E, N, K, counts, gen)
     cnt, te = _router_maps(offs, counts, aq.shape[0])
-    cpu = torch.zeros(aq.shape[0], N).bfloat16()
-    expert_gemm_torch(aq, asw, wq, wsw, offs, cpu)
+    cpu = expert_gemm_ref(aq, asc, wq, wsc, offs, counts)  # float64, from the definition
     aq = _poison_padding(aq, offs, counts)
     for kw in launches:
         out = torch.full((aq.shape[0], N), float("nan"), device="cuda").bfloat16()
