@@ -6,6 +6,9 @@
 #                                            part fits one call with a cold compile cache; no
 #                                            SHARD: the whole suite
 #   bash tools/device.sh sanitize [ARGS]     the GPU tests ARGS under compute-sanitizer memcheck
+#   bash tools/device.sh sanitize-sync TOOL  the grid-synchronising kernels' GPU tests (router, mHC
+#                                            split-K, WO-A decode split-K, push all-reduce) under
+#                                            compute-sanitizer --tool TOOL (racecheck or synccheck)
 #   bash tools/device.sh bench-kernels [B..] the kernel benchmarks B (default: every bench/bench_*.py;
 #                                            tables in $OUT)
 #   bash tools/device.sh bench-wo-a-routes   WO-A's default route against cuBLAS and the CuTe path
@@ -38,6 +41,14 @@ gpu-tests)
   ;;
 sanitize)
   compute-sanitizer --tool memcheck --report-api-errors no $PYT -m gpu "$@" 2>&1 | tee "$OUT/sanitize.log" | tail -25
+  exit "${PIPESTATUS[0]}"
+  ;;
+sanitize-sync)
+  tool=${1:-racecheck}
+  compute-sanitizer --tool "$tool" --report-api-errors no $PYT -m gpu -x \
+    tests/test_moe_router.py "tests/test_mhc.py::test_stats_match_fp64" \
+    tests/test_wo_a.py::test_decode_kernel_every_split_and_graph_replay "tests/test_comm.py::test_fused_finalize_shared_allreduce_bit_exact" \
+    2>&1 | tee "$OUT/sanitize-$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" | tail -10
   exit "${PIPESTATUS[0]}"
   ;;
 bench-kernels)
@@ -80,5 +91,5 @@ build)
   python -m cute_kernels build --arch sm_90a --arch sm_100a --demo 2>&1 | tail -20 | tee "$OUT/build.log"
   ;;
 *)
-  sed -n '2,20p' "$0"; exit 2 ;;
+  sed -n '2,23p' "$0"; exit 2 ;;
 esac
