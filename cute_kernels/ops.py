@@ -17,8 +17,9 @@ functions (``cute_kernels.row_rms.row_rms``, ...) stay the documented API; the o
 
 Ops: ``row_rms`` / ``row_rms_out``, ``masked_softmax`` / ``masked_softmax_out``, ``mhc_stats``,
 ``mhc_pre_mix`` / ``mhc_pre_mix_out``, ``mhc_post_mix`` / ``mhc_post_mix_`` (the residual
-update in place), ``wo_a`` / ``wo_a_out``, ``dequantize_fp8_blockwise``. Not registered yet:
-the indexer, WO-A FP8, the draft head.
+update in place), ``wo_a`` / ``wo_a_out``, ``dequantize_fp8_blockwise``, ``indexer_topk``,
+``wo_a_fp8``, ``draft_head_scores_out``. Not registered: the push all-reduce (its group of
+peer buffers is not a tensor argument).
 
 Test::
 
@@ -31,12 +32,15 @@ import torch
 from torch.library import custom_op
 
 from . import dequant_fp8_blockwise as _dq
+from . import draft_head_fp8 as _dh
+from . import indexer_topk as _idx
 from . import masked_softmax as _ms
 from . import mhc_post_mix as _post
 from . import mhc_pre_mix as _pre
 from . import mhc_stats as _stats
 from . import row_rms as _rms
 from . import wo_a as _wo
+from . import wo_a_decode_fp8 as _wo8
 
 NS = "cute_kernels"
 Tensor = torch.Tensor
@@ -282,3 +286,78 @@ def _(w, scale):
 @dequantize_fp8_blockwise.register_fake
 def _(w, scale):
     return torch.empty(w.shape, dtype=torch.bfloat16, device=w.device)
+
+
+# ---------------------------------------------------------------------------- indexer ----
+def _indexer_topk_cpu(q, w, k_cache, kv_offset, kv_len, pos, topk, max_keys, compress_ratio):
+    T = q.shape[0]
+    R = k_cache.shape[0]
+    out = torch.full((T, topk), -1, dtype=torch.int32)
+    for t in range(T):
+        p = int(pos[t])
+        visible = (p + 1) // compress_ratio if compress_ratio > 1 else p + 1
+        n = max(0, min(visible, int(kv_len[t]), max_keys, R - int(kv_offset[t])))
+        if n == 0:
+            continue
+        keys = k_cache[int(kv_offset[t]):int(kv_offset[t]) + n].float()
+        score = (torch.relu(keys @ q[t].float().T) * w[t].float()).sum(-1)  # sum_h w_h relu(q_h . k)
+        sel = torch.sort(score, descending=True, stable=True).indices[:topk]  # ties: the lower key
+        out[t, :sel.numel()] = sel.sort().values.int()
+    return out
+
+
+@_cuda_op("indexer_topk")
+def indexer_topk(q: Tensor, w: Tensor, k_cache: Tensor, kv_offset: Tensor, kv_len: Tensor, pos: Tensor, topk: int,
+                 max_keys: int, compress_ratio: int) -> Tensor:
+    """Top-``topk`` candidate keys per token (int32 ``[T, topk]``, ascending, -1 padded) of the
+    Lightning Indexer's scores ``sum_h w[t, h] relu(q[t, h] . k)`` over key ``s`` of row
+    ``kv_offset[t] + s``, candidates ``s < min(visible(pos), kv_len, max_keys)`` (visible:
+    ``pos + 1`` raw keys, or ``(pos + 1) // compress_ratio`` compressed entries)."""
+    return _idx.indexer_topk(q, w, k_cache, kv_offset, kv_len, pos, topk=topk, max_keys=max_keys,
+                             compress_ratio=compress_ratio)
+
+
+indexer_topk.register_kernel("cpu")(_indexer_topk_cpu)
+
+
+@indexer_topk.register_fake
+def _(q, w, k_cache, kv_offset, kv_len, pos, topk, max_keys, compress_ratio):
+    return q.new_empty(q.shape[0], topk, dtype=torch.int32)
+
+
+# ----------------------------------------------------------------------- WO-A FP8 ----
+@_cuda_op("wo_a_fp8")
+def wo_a_fp8(o: Tensor, w: Tensor, scale: Tensor) -> Tensor:
+    """Token-major ``y [T, G*R]`` bf16 of ``o`` and e4m3 ``w [G, R, Dg]`` with FP32 128 x 128
+    block ``scale`` (:func:`cute_kernels.wo_a_decode_fp8.wo_a_fp8`)."""
+    return _wo8.wo_a_fp8(o, w, scale)
+
+
+@wo_a_fp8.register_kernel("cpu")
+def _(o, w, scale):
+    return _wo8.wo_a_fp8_reference(o, w, scale).to(torch.bfloat16)
+
+
+@wo_a_fp8.register_fake
+def _(o, w, scale):
+    return o.new_empty(o.shape[0], w.shape[0] * w.shape[1], dtype=torch.bfloat16)
+
+
+# --------------------------------------------------------------------- draft head ----
+@_cuda_op("draft_head_scores_out", mutates=("h_q", "out"))
+def draft_head_scores_out(h: Tensor, w_q: Tensor, h_q: Tensor, out: Tensor) -> None:
+    """``out[:B]`` = bf16 scores whose per-row argmax is the draft token (rows of ``h`` scaled
+    to e4m3 into ``h_q``, times the per-tensor-scaled e4m3 head ``w_q``)."""
+    _dh.draft_head_scores(h, w_q, h_q=h_q, out=out)
+
+
+@draft_head_scores_out.register_kernel("cpu")
+def _(h, w_q, h_q, out):
+    _dh.quantize_rows(h, h_q)
+    B = h.shape[0]
+    out[:B].copy_((h_q[:B].float() @ w_q.float().T).to(torch.bfloat16))
+
+
+@draft_head_scores_out.register_fake
+def _(h, w_q, h_q, out):
+    return None

@@ -48,7 +48,17 @@ def _cases():
     aq, asc = ops.mxfp8_quantize_routed(x, r[4], r[6], 6, "swizzled")
     hq, hs = ops.moe_expert_gate_up(aq, asc, gu_q, gu_s, r[3], r[2], r[5], 30, 10.0)
     y = ops.moe_expert_gemm(hq, hs, d_q, d_s, r[3], r[2], r[5], 30)
+    qi, wi = _bf(4, 2, 16, g=g), torch.rand(4, 2, generator=g)
+    kc = _bf(40, 16, g=g)
+    off, kl, pos = torch.tensor([0, 0, 20, 20]).int(), torch.tensor([20, 20, 20, 20]).int(), torch.tensor([3, 9, 0, 19]).int()
+    o8, w8g = _bf(3, 4, 128, g=g), (torch.randn(2, 128, 256, generator=g)).to(torch.float8_e4m3fn)
+    s8 = torch.rand(2, 1, 2, generator=g) + 0.5
+    hh, wq8 = _bf(3, 64, g=g), torch.randn(100, 64, generator=g).to(torch.float8_e4m3fn)
     return {
+        "indexer_topk": (qi, wi, kc, off, kl, pos, 8, 20, 1),
+        "wo_a_fp8": (o8, w8g, s8),
+        "draft_head_scores_out": (hh, wq8, torch.empty(4, 64, dtype=torch.float8_e4m3fn),
+                                  torch.empty(4, 100, dtype=torch.bfloat16)),
         "row_rms": (_bf(5, 64, g=g), 1e-6), "row_rms_out": (_bf(5, 64, g=g), 1e-6, torch.empty(5)),
         "masked_softmax": (scores, mask), "masked_softmax_out": (scores, mask, torch.empty_like(scores)),
         "mhc_stats": (x3, phi, alpha, bias, 1e-6, 20, 1e-6),
@@ -69,7 +79,7 @@ CASES = _cases()
 
 #: torch's SchemaCheckMode cannot compare float8 CPU tensors (it multiplies them): for these the
 #: schema test is replaced by a byte-for-byte check that no input changed
-FP8_INPUTS = {"dequantize_fp8_blockwise", "moe_expert_gemm", "moe_expert_gate_up"}
+FP8_INPUTS = {"dequantize_fp8_blockwise", "moe_expert_gemm", "moe_expert_gate_up", "wo_a_fp8", "draft_head_scores_out"}
 
 
 def _bytes(a):
@@ -88,11 +98,13 @@ def test_opcheck_on_cpu(name):
     torch.library.opcheck(op, args, test_utils=("test_autograd_registration", "test_faketensor",
                                                 "test_aot_dispatch_dynamic"))
     op(*args)
-    assert all(not isinstance(a, torch.Tensor) or torch.equal(_bytes(a), b) for a, b in zip(args, before))
+    writes = [a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments]
+    assert all(w or not isinstance(a, torch.Tensor) or torch.equal(_bytes(a), b)
+               for a, b, w in zip(args, before, writes))  # only the declared outputs change
 
 
 def test_every_public_op_is_registered():
-    want = {"row_rms", "row_rms_out", "masked_softmax", "masked_softmax_out", "mhc_stats", "mhc_pre_mix",
+    want = {"indexer_topk", "wo_a_fp8", "draft_head_scores_out", "row_rms", "row_rms_out", "masked_softmax", "masked_softmax_out", "mhc_stats", "mhc_pre_mix",
             "mhc_pre_mix_out", "mhc_post_mix", "mhc_post_mix_", "wo_a", "wo_a_out", "dequantize_fp8_blockwise",
             "mxfp8_quantize", "mxfp8_quantize_routed", "moe_route", "moe_expert_gemm", "moe_expert_gate_up",
             "moe_finalize"}
@@ -129,6 +141,26 @@ def test_cpu_implementations_match_the_references():
     pos = torch.randperm(300, generator=g)[:42].int()
     sh = _bf(7, 64, g=g)
     assert torch.equal(ops.moe_finalize(y, w6, pos, sh), finalize_shared_ref(y, w6, pos, sh))
+
+
+def test_indexer_topk_cpu_against_the_v4_reference():
+    """The indexer op's CPU kernel: the selection of references.v4_indexer_scores_ref's top-k
+    (compressed entries, ratio 4) and of the raw-key scores (ratio 1)."""
+    from references import indexer_scores_ref, v4_indexer_scores_ref
+
+    g = torch.Generator().manual_seed(5)
+    q, w, kc = _bf(5, 4, 32, g=g), torch.rand(5, 4, generator=g), _bf(64, 32, g=g)
+    off = torch.tensor([0, 0, 0, 32, 32]).int()
+    kl = torch.tensor([32, 32, 32, 20, 20]).int()
+    pos = torch.tensor([3, 50, 127, 7, 90]).int()
+    for ratio, ref in ((4, lambda: v4_indexer_scores_ref(q, w, kc, off, kl, pos, 4, 32)),
+                       (1, lambda: indexer_scores_ref(q, w, kc, off, kl, pos, 32))):
+        got = ops.indexer_topk(q, w, kc, off, kl, pos, 6, 32, ratio)
+        sc = ref()
+        for t in range(5):
+            vals, idx = torch.sort(sc[t], descending=True, stable=True)
+            want = sorted(idx[:6][torch.isfinite(vals[:6])].tolist())
+            assert got[t][got[t] >= 0].tolist() == want, (ratio, t)
 
 
 def test_moe_block_compiles_fullgraph():
