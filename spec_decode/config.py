@@ -140,6 +140,13 @@ class EngineConfig:
     #: fused backend: score this many consecutive tokens of a request per CTA in the indexer
     #: (indexer_topk's token_group; 1 = one token per CTA)
     indexer_token_group: int = 3
+    #: benchmarks: accept a number of drafts drawn on the device with this mean acceptance
+    #: length (accepted drafts + 1, in [1, block_size + 1]) instead of the drafts' agreement
+    #: with the target's greedy tokens -- every draft position accepted with one probability p
+    #: (the leading run), p solved from the mean, seeded. The verify, bonus token, state
+    #: advance and finish logic run as with real acceptance; the tokens are then not the
+    #: greedy continuation. None: real acceptance.
+    acceptance_length: float | None = None
     #: tensor parallelism (experts: ep = tp): one process per rank, started by torchrun (or a
     #: process group initialised before the engine); heads / WO-A groups, routed experts and
     #: the shared expert's width split over the ranks, partial sums all-reduced

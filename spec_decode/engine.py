@@ -71,6 +71,13 @@ class Engine:
             raise ValueError(f"backend must be one of {BACKENDS}, got {config.backend!r}")
         if not isinstance(config.block_size, int) or config.block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {config.block_size!r}")
+        self._accept_p = None
+        if config.acceptance_length is not None:
+            L = config.acceptance_length
+            if not isinstance(L, (int, float)) or not 1 <= L <= config.block_size + 1:
+                raise ValueError(f"acceptance_length must be in [1, block_size + 1 = {config.block_size + 1}], "
+                                 f"got {L!r}")
+            self._accept_p = acceptance_probability(L, config.block_size)
         dtype = getattr(torch, config.dtype)
         if config.backend == "fused" and (dtype != torch.bfloat16 or torch.device(config.device).type != "cuda"):
             raise ValueError("backend='fused' runs this project's kernels: it needs dtype='bfloat16' and a CUDA "
@@ -382,10 +389,12 @@ class Engine:
                 block = torch.cat([last_t[:, None], drafts], 1)  # [b, K+1]
                 pos = len_t[:, None] + torch.arange(K + 1, device=dev)
                 logits, fv = self._target(block, pos, slots)
-                # [b, 2K + 1] on the host in one copy: the drafts, then the target's greedy tokens
-                both = torch.cat([drafts, logits.argmax(-1)], 1).tolist()
+                # [b, 2K + 2] on the host in one copy: the drafts, the greedy tokens, the accepted count
+                greedy = logits.argmax(-1)
+                js = self._accepted(drafts, greedy)  # [b] on the device
+                both = torch.cat([drafts, greedy, js[:, None]], 1).tolist()
                 self.stats.verify_steps += 1
-                accepted = [self._accept(both[i], out[r]) for i, r in enumerate(live)]
+                accepted = [self._accept(both[i], out[r], both[i][-1]) for i, r in enumerate(live)]
                 for i, r in enumerate(live):
                     length[r] += 1 + accepted[i]
                     last[r] = out[r][-1]
@@ -394,15 +403,17 @@ class Engine:
             live = [r for r in live if len(out[r]) < per[r]]
         return out
 
-    def _accept(self, both: list[int], out_r: list[int]) -> int:
-        """Greedy acceptance of one request's verify step (``both`` = its K drafts, then the
-        target's K + 1 greedy tokens): appends the accepted drafts and the bonus token to
-        ``out_r``, returns the number of accepted drafts."""
+    def _accept(self, both: list[int], out_r: list[int], j: int | None = None) -> int:
+        """Acceptance of one request's verify step (``both`` = its K drafts, then the target's
+        K + 1 greedy tokens): appends the accepted drafts and the bonus token to ``out_r``,
+        returns the number of accepted drafts -- the drafts' greedy agreement, or ``j`` when
+        given (the device's choice: synthetic acceptance, the pipelined loop)."""
         K = self.config.block_size
-        d, g = both[:K], both[K:]
-        j = 0
-        while j < K and d[j] == g[j]:
-            j += 1
+        d, g = both[:K], both[K:2 * K + 1]
+        if j is None:
+            j = 0
+            while j < K and d[j] == g[j]:
+                j += 1
         out_r.extend(d[:j] + [g[j]])
         self.stats.acceptance_lengths.append(j + 1)
         return j
@@ -435,7 +446,7 @@ class Engine:
             self.stats.verify_steps += 1
             for i, r in enumerate(pending.live):
                 if len(out[r]) < per[r]:  # else it finished in an earlier step: drop these tokens
-                    self._accept(both[i], out[r])
+                    self._accept(both[i], out[r], both[i][-1])
             if keep and nxt is None:
                 # a batch size with no captured graph yet: capture with nothing in flight, for
                 # exactly the requests still live
@@ -458,10 +469,23 @@ class Engine:
         pos = (len_t[:, None] + torch.arange(K + 1, device=dev)).clamp_max(self.config.max_seq_len - 1)
         logits, fv = self._target(block, pos, slots)
         greedy = logits.argmax(-1)  # [b, K+1]
-        j = (drafts == greedy[:, :K]).long().cumprod(1).sum(1)  # accepted drafts per request
+        j = self._accepted(drafts, greedy)  # accepted drafts per request
         rows = torch.arange(b, device=dev)
         next_state = (live, slots, greedy[rows, j], len_t + 1 + j, fv, j + 1)
-        return _Step(live, next_state, torch.cat([drafts, greedy], 1))
+        return _Step(live, next_state, torch.cat([drafts, greedy, j[:, None]], 1))
+
+    def _accepted(self, drafts: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+        """Accepted drafts per request ``[b]`` on the device: the leading run of drafts equal to
+        the target's greedy tokens -- or, with ``acceptance_length``, a leading run of
+        Bernoulli(p) successes from the engine's seeded device generator."""
+        K = drafts.shape[1]
+        if self._accept_p is None:
+            ok = drafts == greedy[:, :K]
+        else:
+            if getattr(self, "_accept_gen", None) is None:
+                self._accept_gen = torch.Generator(device=drafts.device).manual_seed(self.config.seed)
+            ok = torch.rand(drafts.shape, generator=self._accept_gen, device=drafts.device) < self._accept_p
+        return ok.long().cumprod(1).sum(1)
 
     def _oracle(self, live, last, length, K):
         """Target's own greedy continuation (test-only draft); does not disturb the state the
@@ -476,6 +500,19 @@ class Engine:
             tok = logits[:, 0].argmax(-1)
             res.append(tok)
         return torch.stack(res, 1)
+
+
+def acceptance_probability(length: float, block: int) -> float:
+    """The per-position acceptance probability ``p`` whose leading-run acceptance has mean
+    length ``length``: ``sum_{i=0..block} p^i = length`` (bisection; 1 -> 0, block + 1 -> 1)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(block + 1)) < length:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def _init_process_group(config: EngineConfig):
@@ -524,7 +561,7 @@ def _select(state, keep: list[int], dev):
 
 class _Step:
     """An enqueued verify step: its requests, the device state the next step starts from, and
-    its [b, 2K + 1] drafts + greedy tokens on their way to the host."""
+    its [b, 2K + 2] drafts, greedy tokens and accepted count on their way to the host."""
 
     def __init__(self, live, next_state, tokens: torch.Tensor):
         self.live, self.next_state = live, next_state

@@ -348,7 +348,7 @@ def test_bench_table_rows():
                ("fused", "BS64 x"): {"error": "out of memory: boom"}}
     lines = bench.table_lines(["baseline", "fused"], cases, results)
     text = "\n".join(lines)
-    assert "| median acceptance length | 1.00 | n/a |" in text
+    assert "| median acceptance length (achieved) | 1.00 | n/a |" in text
     assert "| BS1 x: tokens equal to baseline's | 1.000 | 0.500 |" in text
     assert "| BS64 x: tokens equal to baseline's | 1.000 | n/a |" in text
     assert "| BS1 x: teacher-forced tokens equal to baseline's (request 0) | 1.000 | 0.750 |" in text
@@ -578,3 +578,31 @@ def test_mx_draft_head_on_gpu():
         graphs[B].replay()
         torch.cuda.synchronize()
         assert torch.equal(outs[B], head(hs[B]).argmax(-1))
+
+
+@pytest.mark.parametrize("backend, length", [("baseline", 5.5), ("baseline", 3.0), ("reference", 4.0),
+                                             ("baseline", 1.0), ("baseline", 6.0)])
+def test_synthetic_acceptance(backend, length):
+    """acceptance_length: the verify accepts a device-drawn number of drafts with that mean (the
+    per-position probability solved from it): the achieved mean within 3.5 standard errors of the
+    target (the distribution's own variance), exact at the ends (1: nothing accepted, 6: everything), every request's output
+    length and finish unchanged by it, the pipelined and the synchronous loops alike."""
+    from spec_decode.engine import acceptance_probability
+
+    p = acceptance_probability(length, 5)
+    assert abs(sum(p ** i for i in range(6)) - length) < 1e-9
+    eng = Engine(EngineConfig(seed=2, max_seq_len=320, backend=backend, graph_batch_sizes=(1, 2, 4),
+                              acceptance_length=length))
+    per = [200, 150, 90]
+    out = eng.generate(prompts(3, 3), per)
+    assert [len(o) for o in out] == per
+    acc = eng.stats.acceptance_lengths
+    mean = sum(acc) / len(acc)
+    if length in (1.0, 6.0):
+        assert set(acc) == {int(length)}
+    else:  # the length's variance from the distribution itself: P(j) = p^j (1 - p) for j < 5, P(5) = p^5
+        probs = [p ** j * (1 - p) for j in range(5)] + [p ** 5]
+        var = sum(q * (j + 1 - length) ** 2 for j, q in enumerate(probs))
+        assert abs(mean - length) <= 3.5 * math.sqrt(var / len(acc)), (mean, length, len(acc))
+    with pytest.raises(ValueError, match="acceptance_length"):
+        Engine(EngineConfig(acceptance_length=7.0))
