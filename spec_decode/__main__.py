@@ -37,9 +37,10 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--plain", action="store_true",
                      help="plain greedy decoding instead of speculative (default: speculative)")
     run.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
-    run.add_argument("--backend", default="reference", choices=("reference", "baseline", "fused"),
-                     help="reference: the spec's per-token loops; baseline: sync-free torch ops in step graphs; "
-                          "fused: this project's kernels in step graphs (bf16, needs --device cuda) "
+    run.add_argument("--backend", default="reference", choices=("reference", "baseline", "base", "fused"),
+                     help="reference: the spec's per-token loops; baseline: sync-free torch ops (bf16 experts) in "
+                          "step graphs; base: this project's expert kernels and formats without the fusions; "
+                          "fused: this project's kernels in step graphs (base and fused: bf16, need --device cuda) "
                           "(default: %(default)s)")
     run.add_argument("--model", choices=tuple(PRESETS), default=None,
                      help="model config (default: small for the fused backend, tiny otherwise)")
@@ -57,18 +58,18 @@ def main(argv=None) -> int:
         print("python -m spec_decode run: --device cuda, but PyTorch sees no CUDA device here "
               "(use --device cpu with the reference or baseline backend)", file=sys.stderr)
         return 2
-    if args.backend == "fused" and not args.device.startswith("cuda"):
-        print("python -m spec_decode run: --backend fused runs this project's GPU kernels; add --device cuda",
+    if args.backend in ("base", "fused") and not args.device.startswith("cuda"):
+        print(f"python -m spec_decode run: --backend {args.backend} runs this project's GPU kernels; add --device cuda",
               file=sys.stderr)
         return 2
-    name = args.model or ("small" if args.backend == "fused" else "tiny")
+    name = args.model or ("small" if args.backend in ("base", "fused") else "tiny")
     model = PRESETS[name]
     if args.tp > 1 and args.backend == "reference":
         print("python -m spec_decode run: --tp > 1 runs the step model: add --backend baseline or fused",
               file=sys.stderr)
         return 2
     cfg = EngineConfig(model=model, device=args.device, max_seq_len=args.prompt_len + args.new + 16,
-                       backend=args.backend, dtype="bfloat16" if args.backend == "fused" else "float32",
+                       backend=args.backend, dtype="bfloat16" if args.backend in ("base", "fused") else "float32",
                        tp=args.tp, allreduce=args.allreduce)
     eng = Engine(cfg)
     say = print if eng.rank == 0 else (lambda *a, **k: None)

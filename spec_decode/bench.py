@@ -1,11 +1,13 @@
 """``python -m spec_decode.bench``: the decode runtime's benchmark tables (H200).
 
-    python -m spec_decode.bench [--model v4_flash_slice|v4_pro_slice|small|tiny] [--backends baseline,fused]
+    python -m spec_decode.bench [--model v4_flash_slice|v4_pro_slice|small|tiny] [--backends base,fused]
                                 [--quick]
                                 [--out bench/spec_decode.md]
 
 Per backend, side by side (same seeded weights, same fixed input ids -- their hash is
-printed):
+printed). The default pair is the reference PR's comparison: ``base`` (the fused arm's number
+formats and expert kernels with the PR's fusions undone, :class:`spec_decode.fused_ops.BaseOps`)
+against ``fused``; ``baseline`` is the bf16 PyTorch arm (bf16 experts: other formats).
 
 * BS1, input 4096 / output 1024: output tok/s after the first token;
 * BS64, input 4096 / output 2048: decode tok/s (after every first token) and full-batch
@@ -79,7 +81,7 @@ def estimate_bytes(m, slots: int, max_len: int, backend: str) -> int:
     stage = numel(layer_weight_shapes(m, None, hash_routed=False, ratio=0))
     n_moe = m.layers + m.draft_stages
     weights = 2 * (layers + m.draft_stages * stage + 2 * m.vocab * C + 3 * C * C)
-    fused = int(1.03 * n_moe * 3 * E * I * C) - 2 * n_moe * 3 * E * I * C if backend == "fused" else 0
+    fused = int(1.03 * n_moe * 3 * E * I * C) - 2 * n_moe * 3 * E * I * C if backend in ("base", "fused") else 0
     hd, D = m.head_dim, m.indexer_dim
     state = 0
     for li in range(m.layers):
@@ -233,7 +235,7 @@ def parser() -> argparse.ArgumentParser:
                                  description="Decode throughput of the runtime's backends at BS1 and BS64 (GPU).")
     ap.add_argument("--model", choices=tuple(PRESETS), default="v4_flash_slice",
                     help="model config (default: %(default)s)")
-    ap.add_argument("--backends", default="baseline,fused",
+    ap.add_argument("--backends", default="base,fused",
                     help="comma-separated backends to compare (default: %(default)s)")
     ap.add_argument("--quick", action="store_true",
                     help="input 512 / output 64 instead of 4096 / 1024 (BS1) and 4096 / 2048 (BS64) (default: off)")

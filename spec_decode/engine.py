@@ -45,7 +45,10 @@ from .model import History, TargetModel
 from .step_model import (DecodeState, Ops, RankView, Shard, SimulatedRanks, StepModel, ThreadAllReduce, check_tp,
                          shard_model)
 
-BACKENDS = ("reference", "baseline", "fused")
+#: "base": the fused arm's formats and kernels with the reference PR's fusions undone
+#: (spec_decode.fused_ops.BaseOps) -- the comparison the PR makes
+BACKENDS = ("reference", "baseline", "base", "fused")
+KERNEL_BACKENDS = ("base", "fused")
 DRAFT_HEADS = ("mxfp8", "mxfp8+fp8", "bf16")
 
 
@@ -79,9 +82,9 @@ class Engine:
                                  f"got {L!r}")
             self._accept_p = acceptance_probability(L, config.block_size)
         dtype = getattr(torch, config.dtype)
-        if config.backend == "fused" and (dtype != torch.bfloat16 or torch.device(config.device).type != "cuda"):
-            raise ValueError("backend='fused' runs this project's kernels: it needs dtype='bfloat16' and a CUDA "
-                             f"device (got {config.dtype!r} on {config.device!r})")
+        if config.backend in KERNEL_BACKENDS and (dtype != torch.bfloat16 or torch.device(config.device).type != "cuda"):
+            raise ValueError(f"backend={config.backend!r} runs this project's kernels: it needs dtype='bfloat16' and "
+                             f"a CUDA device (got {config.dtype!r} on {config.device!r})")
         mc = config.model
         mc.validate()
         self.rank = 0
@@ -119,15 +122,15 @@ class Engine:
             if simulated:
                 self.step = self._simulated_ranks(width)
                 ops = self.step.ops
-            elif config.backend == "fused":
-                from .fused_ops import FusedOps  # imports the CuTe DSL kernels: only when asked for
+            elif config.backend in KERNEL_BACKENDS:
+                from .fused_ops import BaseOps, FusedOps  # imports the CuTe DSL kernels: only when asked for
 
-                ops = FusedOps(self.model, max_tokens=width, max_len=config.max_seq_len,
+                ops = (FusedOps if config.backend == "fused" else BaseOps)(self.model, max_tokens=width, max_len=config.max_seq_len,
                                moe_row_tile=config.moe_row_tile, indexer_token_group=config.indexer_token_group,
                                draft=self.draft, release_bf16_experts=True)  # this engine runs no baseline MoE
             else:
                 ops = Ops()
-            if config.backend == "fused":
+            if config.backend in KERNEL_BACKENDS:
                 from .fused_ops import MxDraftHead
 
                 if config.draft_head != "bf16" and MxDraftHead.pays_off(self.model.lm_head):
@@ -154,7 +157,7 @@ class Engine:
         ops.group = dist.group.WORLD
         cfg = self.config
         self.allreduce_backend = "torch.distributed"
-        if cfg.backend != "fused":
+        if cfg.backend not in KERNEL_BACKENDS:
             return
         from comm.backend import peers_p2p_capable, select_allreduce_backend
         from cute_kernels.arch import current_arch
@@ -178,10 +181,10 @@ class Engine:
         mc, dev = cfg.model, cfg.device
         cuda = torch.device(dev).type == "cuda"
         views = [RankView(self.model, Shard(mc, r, tp)) for r in range(tp)]
-        if cfg.backend == "fused":
-            from .fused_ops import FusedOps
+        if cfg.backend in KERNEL_BACKENDS:
+            from .fused_ops import BaseOps, FusedOps
 
-            opss = [FusedOps(views[r], max_tokens=max_tokens, max_len=cfg.max_seq_len, moe_row_tile=cfg.moe_row_tile,
+            opss = [(FusedOps if cfg.backend == "fused" else BaseOps)(views[r], max_tokens=max_tokens, max_len=cfg.max_seq_len, moe_row_tile=cfg.moe_row_tile,
                              indexer_token_group=cfg.indexer_token_group, draft=self.draft if r == 0 else None,
                              release_bf16_experts=True) for r in range(tp)]
             for L in self.model.layers:  # the views' bf16 experts are released: free the storage too

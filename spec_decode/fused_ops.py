@@ -157,11 +157,7 @@ class FusedOps(Ops):
             with torch.cuda.stream(self.side):
                 sh = shared_expert(x, L).contiguous()
         logits = (x @ L["ffn.gate.weight"].T).float().contiguous()
-        with family("router top-k / padding"):  # one kernel: top-k (or the hash table), padding, ID packing
-            if "ffn.gate.tid2eid" in L:
-                r = P["router"](logits, token_ids=tokens.int().contiguous())
-            else:
-                r = P["router"](logits, P["router_bias"])
+        r = self.route(logits, L, P, cfg, tokens)
         # padding rows left unwritten: a padding row's GEMM output is never read back
         aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, cfg.top_k, zero_padding=False)
         n = x.shape[0] * cfg.top_k  # routed rows: bounds the expert grids to the live tiles
@@ -188,11 +184,24 @@ class FusedOps(Ops):
             main.wait_stream(self.side)  # join before the add reads sh
         else:
             sh = shared_expert(x, L).contiguous()
+        return self.finish(y, weights, r.routed_row_pos, sh, reduce)
+
+    def route(self, logits, L, P, cfg, tokens):
+        """The router's padded, packed outputs (:class:`moe.router.RouterOutput`) in one launch:
+        top-k (or the layer's hash table), padding and ID packing."""
+        with family("router top-k / padding"):
+            if "ffn.gate.tid2eid" in L:
+                return P["router"](logits, token_ids=tokens.int().contiguous())
+            return P["router"](logits, P["router_bias"])
+
+    def finish(self, y, weights, pos, sh, reduce):
+        """Deferred finalize fused with the shared add (and, on the custom push backend, the
+        all-reduce: one launch)."""
         if reduce and self.push is not None:
             with family("fused finalize (+ shared add)"):  # + the all-reduce, one launch
-                return self.push.finalize_shared_allreduce(self.push_rank, y, weights, r.routed_row_pos, sh)
+                return self.push.finalize_shared_allreduce(self.push_rank, y, weights, pos, sh)
         with family("fused finalize (+ shared add)"):
-            out = moe_finalize(y, weights, r.routed_row_pos, sh)
+            out = moe_finalize(y, weights, pos, sh)
         return self.all_reduce(out) if reduce else out
 
     def _y_buffer(self, rows, hidden, device):
@@ -202,6 +211,86 @@ class FusedOps(Ops):
         if buf is None or buf.shape[0] < rows or buf.shape[1] != hidden:
             buf = self._y = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=device)
         return buf[:rows]
+
+
+class BaseOps(FusedOps):
+    """The ``base`` arm: the same number formats and expert kernels as :class:`FusedOps` (MXFP8
+    routed experts through :func:`moe_expert_gate_up` / :func:`moe_expert_gemm`, the same
+    mHC statistics kernel and draft head), with the reference PR's changes undone -- what its
+    "before" column measured:
+
+    * router: top-k, then separate padding / ID-packing kernels (torch ops, sync-free)
+      instead of the one-launch router;
+    * shared expert on the main stream after the routed experts, a standalone finalize, then
+      a separate shared-expert add (then the all-reduce when TP > 1) instead of the deferred
+      finalize fused with the add (and the all-reduce);
+    * WO-A group-major (batched GEMM) plus a transpose copy instead of the token-major
+      epilogue;
+    * indexer candidate masking as a separate pass over the scores before the top-k, instead
+      of fused into the select.
+
+    Every rounding point of these composites equals :class:`FusedOps`' except WO-A (cuBLAS's
+    accumulation order) and the indexer scores (FP32 einsum vs the kernel's MMA): both arms
+    run the same experts, so ``base`` vs ``fused`` measures the fusions, not the formats.
+    """
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.side = None  # everything on the main stream
+
+    def route(self, logits, L, P, cfg, tokens):
+        from moe.router import RouterOutput, capacity
+
+        from .model import sqrt_softplus
+
+        T, E, k, tile = logits.shape[0], cfg.experts, cfg.top_k, 128
+        with family("router top-k / padding"):
+            s = sqrt_softplus(logits)
+            if "ffn.gate.tid2eid" in L:
+                ids = L["ffn.gate.tid2eid"][tokens].long()
+            else:
+                ids = torch.sort(s + P["router_bias"], dim=-1, descending=True, stable=True).indices[:, :k]
+            w = s.gather(1, ids)
+            tot = w[:, 0].clone()
+            for i in range(1, k):  # the router kernel's summation order
+                tot = tot + w[:, i]
+            w = w / (tot[:, None] + 1e-20) * cfg.routed_scaling_factor
+        with family("ID packing (sort / scatter)"):
+            flat = ids.flatten()
+            counts = torch.zeros(E, dtype=torch.long, device=logits.device).scatter_add_(0, flat, torch.ones_like(flat))
+            padded = (counts + tile - 1) // tile * tile
+            offsets = torch.zeros(E + 1, dtype=torch.long, device=logits.device)
+            offsets[1:] = padded.cumsum(0)
+            order = torch.argsort(flat, stable=True)  # rows of one expert in increasing order
+            starts = counts.cumsum(0) - counts  # unpadded start of each expert in `order`
+            rank = torch.arange(flat.numel(), device=logits.device) - starts[flat[order]]
+            pos = torch.empty_like(flat).scatter_(0, order, offsets[flat[order]] + rank)
+            slots, tiles = capacity(self.router.cfg, T)
+            sorted_ids = torch.full((slots,), T * k, dtype=torch.long, device=logits.device)
+            sorted_ids.scatter_(0, pos, torch.arange(flat.numel(), device=logits.device))
+            j = torch.arange(tiles, device=logits.device) * tile
+            te = torch.searchsorted(offsets[1:], j, right=True)
+            te = torch.where(j < offsets[-1], te, torch.full_like(te, -1))
+        i32 = torch.int32
+        return RouterOutput(ids.to(i32), w, counts.to(i32), offsets.to(i32), sorted_ids.to(i32), te.to(i32),
+                            offsets[-1:].to(i32), pos.to(i32))
+
+    def finish(self, y, weights, pos, sh, reduce):
+        with family("standalone finalize"):
+            out = moe_finalize(y, weights, pos)
+        with family("shared-expert add"):
+            out = (out.float() + sh.float()).to(torch.bfloat16)  # the fused kernel's second rounding
+        return self.all_reduce(out) if reduce else out
+
+    def wo_a(self, o, w, cfg):
+        B, S, H, hd = o.shape
+        R = cfg.wo_rank
+        G = w.shape[0] // R
+        y = torch.bmm(o.reshape(B * S, G, -1).transpose(0, 1), w.view(G, R, -1).transpose(1, 2))  # [G, T, R]
+        return y.transpose(0, 1).contiguous().view(B, S, G * R)  # the transpose copy
+
+    def indexer_topk(self, q_idx, w_idx, ipool, slots, pos, topk, ratio):
+        return Ops.indexer_topk(self, q_idx, w_idx, ipool, slots, pos, topk, ratio)
 
 
 class MxDraftHead:
