@@ -14,6 +14,8 @@ against ``fused``; ``baseline`` is the bf16 PyTorch arm (bf16 experts: other for
   tok/s including the (eager, unoptimised) prefill;
 * median acceptance length; median target-verify and draft graph replay times at BS1 and BS64 (CUDA events
   around each replay); kernels per verify / draft graph replay (profiled);
+* each graph's roofline: the bytes the step must move at least (:func:`step_bytes`: weights
+  touched, state rows read, activations) over its replay time, as a fraction of 4.3 TB/s;
 * token agreement with the first backend (same prompts and weights): the fraction of
   generated tokens equal to its tokens (free-running greedy continuations part at the first
   near-tie), and teacher-forced -- request 0 of each case: this backend's greedy token at each
@@ -66,6 +68,8 @@ def prompts(n, length, vocab, seed=0):
 
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+#: the H200's measured copy bandwidth (bench/RESULTS.md), the roofline's denominator
+HBM_BYTES_PER_S = 4.3e12
 
 
 def estimate_bytes(m, slots: int, max_len: int, backend: str) -> int:
@@ -123,6 +127,10 @@ def run_case(backend, model, batch, n_in, n_out, reference=None, **engine):
                verify_nodes=eng.verify_graphs.kernels_per_replay(batch),
                draft_nodes=eng.draft_graphs.kernels_per_replay(batch), tokens=out)
     res["launches"] = count_families(eng, batch)
+    K, ctx = cfg.block_size, n_in + n_out // 2  # the mean context of the run
+    for key, width, draft in (("verify", K + 1, False), ("draft", K, True)):
+        need = step_bytes(model, batch, width, ctx, draft=draft)["total"]
+        res[f"{key}_roofline"] = need / (res[f"{key}_ms"] * 1e-3) / HBM_BYTES_PER_S
     ref = (reference or out)[0]
     res["teacher_forced"] = sum(a == b for a, b in zip(eng.greedy_given(ids[0], ref), ref)) / len(ref)
     del eng  # free the weights, state and graph pools before the next case
@@ -206,6 +214,10 @@ def table_lines(backends: list[str], cases: list[tuple], results: dict) -> list[
             ("median draft graph ms (BS1)", bs1, "draft_ms", "{:.3f}"),
             ("median verify graph ms (BS64)", bs64, "verify_ms", "{:.3f}"),
             ("median draft graph ms (BS64)", bs64, "draft_ms", "{:.3f}"),
+            ("verify graph (BS1): minimum bytes / time, of 4.3 TB/s", bs1, "verify_roofline", "{:.1%}"),
+            ("verify graph (BS64): of 4.3 TB/s", bs64, "verify_roofline", "{:.1%}"),
+            ("draft graph (BS1): of 4.3 TB/s", bs1, "draft_roofline", "{:.1%}"),
+            ("draft graph (BS64): of 4.3 TB/s", bs64, "draft_roofline", "{:.1%}"),
             ("kernels per verify graph replay", bs64, "verify_nodes", "{}"),
             ("kernels per draft graph replay", bs64, "draft_nodes", "{}")]
     for label, case, key, fmt in rows:
@@ -321,6 +333,56 @@ def main(argv=None) -> int:
             text = write(partial=i < total)
     print(text)
     return 0
+
+
+def expected_experts_touched(E: int, k: int, tokens: int) -> float:
+    """Expected distinct experts among ``tokens`` tokens' ``k`` distinct choices each, for
+    uniform routing: ``E (1 - (1 - k/E)^tokens)``."""
+    return E * (1 - (1 - k / E) ** tokens)
+
+
+def step_bytes(m, batch: int, width: int, context: int, *, draft: bool = False, experts_touched: float | None = None,
+               expert_bytes_per_param: float = 1 + 1 / 32) -> dict[str, float]:
+    """The bytes one decode step must move at least (HBM reads and writes), by part:
+    ``batch`` requests of ``width`` tokens at ``context`` positions each.
+
+    * weights: every non-expert weight once (bf16; the mHC / sink / bias tensors FP32), the
+      routed experts touched (``experts_touched`` per MoE layer, default the uniform-routing
+      expectation; MXFP8 ``1 + 1/32`` bytes a parameter), the LM head once;
+    * state: per request and layer the window's raw rows (``window`` of them, bf16), the
+      compressed entries read (HCA: all visible; CSA: the visible indexer keys, and up to
+      ``index_topk`` main entries per token); the draft (``draft=True``): its stages' context
+      rows;
+    * activations: the mHC streams in and out of each sublayer (bf16, ``n`` streams).
+
+    A lower bound, not a model of any kernel: re-reads, partial sums and scratch are not
+    counted."""
+    C, n, hd, D = m.hidden, m.mhc_n, m.head_dim, m.indexer_dim
+    T = batch * width
+    layers = [(0, False)] * m.draft_stages if draft else [(m.ratio(li), m.is_hash(li)) for li in range(m.layers)]
+    w = s = a = 0.0
+    for ratio, hashed in layers:
+        shapes = layer_weight_shapes(m, None, hash_routed=hashed, ratio=ratio)
+        for name, shape in shapes.items():
+            size = math.prod(shape)
+            if name.startswith("ffn.experts."):
+                continue
+            if name.endswith("tid2eid"):  # only the step's tokens' rows (int64)
+                w += T * m.top_k * 8
+                continue
+            w += size * (4 if name.endswith(("_fn", "_base", "_scale")) else 2)
+        per_expert = 3 * m.expert_inter * C
+        touched = experts_touched if experts_touched is not None else expected_experts_touched(m.experts, m.top_k, T)
+        w += touched * per_expert * expert_bytes_per_param
+        s += batch * min(m.window, context + width) * hd * 2
+        if ratio == m.hca_ratio:
+            s += batch * ((context + width) // ratio) * hd * 2
+        elif ratio == m.csa_ratio:
+            visible = (context + width) // ratio
+            s += batch * visible * D * 2 + batch * min(visible, m.index_topk * width) * hd * 2
+        a += 2 * 2 * T * n * C * 2  # two sublayers: streams read and written
+    w += m.vocab * C * 2  # the LM head
+    return {"weights": w, "state": s, "activations": a, "total": w + s + a}
 
 
 if __name__ == "__main__":

@@ -606,3 +606,24 @@ def test_synthetic_acceptance(backend, length):
         assert abs(mean - length) <= 3.5 * math.sqrt(var / len(acc)), (mean, length, len(acc))
     with pytest.raises(ValueError, match="acceptance_length"):
         Engine(EngineConfig(acceptance_length=7.0))
+
+
+def test_step_bytes_roofline():
+    """spec_decode.bench.step_bytes: the weights term counts every non-expert weight and the
+    routed experts touched; more requests touch more experts and read more state, never fewer
+    bytes; all experts touched -> every expert's MXFP8 bytes."""
+    from spec_decode.bench import expected_experts_touched, step_bytes
+    from spec_decode.config import V4_FLASH_SLICE as m
+
+    one, many = step_bytes(m, 1, 6, 4096), step_bytes(m, 64, 6, 4096)
+    assert one["weights"] < many["weights"] and one["state"] * 64 == many["state"]
+    assert expected_experts_touched(256, 6, 1) == pytest.approx(6) and expected_experts_touched(256, 6, 10**6) == pytest.approx(256)
+    full = step_bytes(m, 64, 6, 4096, experts_touched=m.experts)
+    per_layer_experts = m.experts * 3 * m.expert_inter * m.hidden * (1 + 1 / 32)
+    none = step_bytes(m, 64, 6, 4096, experts_touched=0)
+    assert full["weights"] - none["weights"] == pytest.approx(m.layers * per_layer_experts)
+    # BS1 verify at the V4-Flash slice: ~0.28 GB of non-expert bf16 weights a layer, ~33 of 256
+    # experts touched by 36 choices (26 MB each in MXFP8) a layer, the 1.06 GB head
+    assert 5.0e9 < one["total"] < 6.5e9
+    d = step_bytes(m, 1, 5, 4096, draft=True)
+    assert d["state"] > 0 and d["weights"] > m.vocab * m.hidden * 2
