@@ -131,6 +131,11 @@ def run_case(backend, model, batch, n_in, n_out, reference=None, **engine):
     for key, width, draft in (("verify", K + 1, False), ("draft", K, True)):
         need = step_bytes(model, batch, width, ctx, draft=draft)["total"]
         res[f"{key}_roofline"] = need / (res[f"{key}_ms"] * 1e-3) / HBM_BYTES_PER_S
+    if batch == 1:
+        try:  # the reference PR's trace metrics (BS1); a failure here keeps the other numbers
+            res.update(timeline(eng, batch))
+        except Exception as e:  # noqa: BLE001
+            res["timeline_error"] = f"{type(e).__name__}: {e}"
     ref = (reference or out)[0]
     res["teacher_forced"] = sum(a == b for a, b in zip(eng.greedy_given(ids[0], ref), ref)) / len(ref)
     del eng  # free the weights, state and graph pools before the next case
@@ -144,6 +149,64 @@ def run_case(backend, model, batch, n_in, n_out, reference=None, **engine):
 #: padding and ID packing in one launch
 CUTE_FAMILIES = {"RouterTopkAlign": "router top-k / padding", "FinalizeShared": "fused finalize (+ shared add)",
                  "PushAllReduce": "all-reduce"}
+
+
+def timeline(eng, batch: int, cycles: int = 20) -> dict:
+    """Trace metrics like the reference PR's: ``cycles`` draft + verify graph replays (the
+    graphs captured for ``batch``, run on the scratch slot) under the CUDA profiler. The kernel
+    stream is cut into replays by the graphs' kernel counts; returns the verify / draft replay
+    medians (first kernel start to last kernel end), the median target-start to next
+    target-start, and the mHC statistics kernels' overlap with other kernels (the fraction of
+    their duration during which another kernel ran)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev, K = eng.config.device, eng.config.block_size
+    nv, nd = eng.verify_graphs.kernels_per_replay(batch), eng.draft_graphs.kernels_per_replay(batch)
+    slots = torch.full((batch,), eng.scratch_slot, dtype=torch.long, device=dev)
+    one = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+    block = torch.zeros(batch, K + 1, dtype=torch.long, device=dev)
+    feats = torch.zeros(batch, K + 1, eng.feat_dim, dtype=eng.model.dtype, device=dev)
+    none = torch.zeros(batch, dtype=torch.long, device=dev)
+    timing = eng.verify_graphs.timing, eng.draft_graphs.timing
+    eng.verify_graphs.timing = eng.draft_graphs.timing = False
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(cycles):
+            eng.draft_graphs.run(one, one, slots, feats, none)
+            eng.verify_graphs.run(block, block, slots)
+        torch.cuda.synchronize()
+    eng.verify_graphs.timing, eng.draft_graphs.timing = timing
+    kern = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and "emcpy" not in e.name
+                   and "emset" not in e.name), key=lambda e: e.time_range.start)
+    if len(kern) != cycles * (nv + nd):
+        raise RuntimeError(f"{len(kern)} kernels traced, expected {cycles} x ({nd} + {nv})")
+    spans = lambda ks: (min(k.time_range.start for k in ks), max(k.time_range.end for k in ks))  # noqa: E731
+    drafts, verifies = [], []
+    for c in range(cycles):
+        base = c * (nv + nd)
+        drafts.append(spans(kern[base:base + nd]))
+        verifies.append(spans(kern[base + nd:base + nd + nv]))
+    starts = [v[0] for v in verifies]
+    mhc = [k for k in kern if "MhcStats" in k.name]
+    overlap = dur = 0.0
+    for k in mhc:
+        a, z = k.time_range.start, k.time_range.end
+        cover = [(max(a, o.time_range.start), min(z, o.time_range.end)) for o in kern
+                 if o is not k and o.time_range.end > a and o.time_range.start < z]
+        cover.sort()
+        covered, cur = 0.0, a
+        for lo, hi in cover:  # the union of the other kernels' intervals inside this one
+            lo = max(lo, cur)
+            if hi > lo:
+                covered += hi - lo
+                cur = hi
+        overlap += covered
+        dur += z - a
+    us = 1e-3  # profiler times are in us; report ms
+    return {"trace_verify_ms": statistics.median(z - a for a, z in verifies) * us,
+            "trace_draft_ms": statistics.median(z - a for a, z in drafts) * us,
+            "target_to_target_ms": statistics.median(b - a for a, b in zip(starts, starts[1:])) * us,
+            "mhc_overlap": overlap / dur if dur else float("nan")}
 
 
 def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -218,6 +281,10 @@ def table_lines(backends: list[str], cases: list[tuple], results: dict) -> list[
             ("verify graph (BS64): of 4.3 TB/s", bs64, "verify_roofline", "{:.1%}"),
             ("draft graph (BS1): of 4.3 TB/s", bs1, "draft_roofline", "{:.1%}"),
             ("draft graph (BS64): of 4.3 TB/s", bs64, "draft_roofline", "{:.1%}"),
+            ("trace (BS1): verify graph median ms", bs1, "trace_verify_ms", "{:.3f}"),
+            ("trace (BS1): draft graph median ms", bs1, "trace_draft_ms", "{:.3f}"),
+            ("trace (BS1): target start to next target start, median ms", bs1, "target_to_target_ms", "{:.3f}"),
+            ("trace (BS1): mHC statistics overlapped with other kernels", bs1, "mhc_overlap", "{:.1%}"),
             ("kernels per verify graph replay", bs64, "verify_nodes", "{}"),
             ("kernels per draft graph replay", bs64, "draft_nodes", "{}")]
     for label, case, key, fmt in rows:
@@ -238,6 +305,9 @@ def table_lines(backends: list[str], cases: list[tuple], results: dict) -> list[
             if "error" in results.get((b, name), {}):
                 lines.append(f"\n{b}: {results[(b, name)]['error']}")
                 break
+        for name, *_ in cases:
+            if "timeline_error" in results.get((b, name), {}):
+                lines.append(f"\n{b}, {name}: trace metrics failed: {results[(b, name)]['timeline_error']}")
     return lines
 
 
