@@ -39,9 +39,9 @@ from moe.experts import (expert_kernel_args, interleave_gate_up, moe_expert_gate
                          quantize_expert_weights)
 from moe.finalize import moe_finalize
 from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size
-from moe.router import MoeRouter, RouterConfig
+from moe.router import MoeRouter, RouterConfig, RouterOutput, capacity
 
-from .model import shared_expert
+from .model import shared_expert, sqrt_softplus
 from .step_model import Ops, family
 
 
@@ -239,10 +239,6 @@ class BaseOps(FusedOps):
         self.side = None  # everything on the main stream
 
     def route(self, logits, L, P, cfg, tokens):
-        from moe.router import RouterOutput, capacity
-
-        from .model import sqrt_softplus
-
         T, E, k, tile = logits.shape[0], cfg.experts, cfg.top_k, 128
         with family("router top-k / padding"):
             s = sqrt_softplus(logits)
