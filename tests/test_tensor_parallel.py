@@ -253,3 +253,19 @@ def test_simulated_tp4_absent_rank_raises():
     absent.moe = lambda h, L, cfg, tokens, first_expert=0, reduce=False: torch.zeros_like(h)
     with pytest.raises(AllReduceTimeout):
         eng.generate([prompts_gpu(0)], 4, speculative=False)
+
+
+@pytest.mark.gpu
+def test_simulated_tp4_delayed_rank_still_correct():
+    """A rank that launches its all-reduces late (an in-kernel delay before its pushes): its
+    peers wait for it within the bounded spin and the outputs are those of an undelayed run."""
+    ps = [prompts_gpu(s) for s in range(2)]
+    want = _gpu_engine("baseline", 4).generate(ps, 8, speculative=False)
+    eng = _gpu_engine("baseline", 4)
+    slow = eng.step.steps[2].ops
+    push = slow.push
+
+    def late(x):
+        return push.allreduce(2, x.reshape(-1, x.shape[-1]).contiguous(), delay=20000).view(x.shape)
+    slow.all_reduce = late
+    assert eng.generate(ps, 8, speculative=False) == want
