@@ -14,6 +14,11 @@
 #   bash tools/device.sh bench-wo-a-routes   WO-A's default route against cuBLAS and the CuTe path
 #   bash tools/device.sh bench-runtime       the decode runtime at the reference lengths
 #   bash tools/device.sh build               the AOT build for sm_90a + sm_100a and its demo
+#   bash tools/device.sh peers               the peer benchmark (bench/bench_peers.py): installs the
+#                                            wheels carried in .devcache/peers into /tmp/site (no deps)
+#                                            first -- carry .devcache/peers (13 MB) or .devcache/peers-
+#                                            flashinfer (62 MB, alone) without the DSL bundle, in
+#                                            a call right after one that unpacked it (same machine)
 #   bash tools/device.sh v4 tests|bench      DeepSeek-V4's kernels: their GPU tests (-k "v4 or mxfp4"),
 #                                            or their benches (WO-A bf16 / FP8, indexer, MoE layers)
 #   bash tools/device.sh v4 runtime [quick]  the V4 runtime's GPU tests (fused vs FP32, graphs at BS
@@ -87,9 +92,15 @@ tp)
   python -m spec_decode.bench --model "${1:-small}" --tp 4 --simulate-ranks --quick \
     --out "$OUT/bench_runtime_tp4.md" 2>&1 | tail -40
   ;;
+peers)
+  for w in .devcache/peers/*.whl .devcache/peers-flashinfer/*.whl; do
+    [ -e "$w" ] && python -m pip install -q --no-deps --no-index --target /tmp/site "$w" 2>&1 | tail -1
+  done
+  python bench/bench_peers.py --out "$OUT/bench_peers.md" 2>&1 | tail -30
+  ;;
 build)
   python -m cute_kernels build --arch sm_90a --arch sm_100a --demo 2>&1 | tail -20 | tee "$OUT/build.log"
   ;;
 *)
-  sed -n '2,23p' "$0"; exit 2 ;;
+  sed -n '2,28p' "$0"; exit 2 ;;
 esac

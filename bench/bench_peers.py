@@ -1,0 +1,174 @@
+"""This project's kernels next to the libraries a serving engineer would pick instead (H200).
+
+    python bench/bench_peers.py [--out FILE]
+
+Per family, on the same inputs in the same process: the peer's result is checked against ours
+first (bit-exact where both follow the same rule, else within the stated tolerance -- a peer
+that disagrees is reported, not timed), then both are timed (CUDA-graph replay, inputs rotated
+past L2) and the table gives shape, ours, peer, ratio and % of 4.3 TB/s. A peer that does not
+import or run here (wheel missing, another torch, no sm_90 path, a JIT compiler it needs) is a
+row saying which and why.
+
+Families and peers (wheels: ``.devcache/peers``, see docs/device.md):
+
+* MXFP8 quantisation, plain and swizzled scales: FlashInfer ``mxfp8_quantize`` (its CUDA
+  backend; the same round-up scale rule, so bit-exact is expected);
+* RMS statistic: quack ``rmsnorm_fwd(..., store_rstd=True)`` (it also writes the normalised
+  rows: its bytes are counted) -- rstd compared to 1e-5 relative;
+* DeepSeek-V3 router (sigmoid, 8 groups, top-4 groups, top-8, bias): FlashInfer
+  ``fused_topk_deepseek`` (top-k and weights only; ours also packs and pads the rows for the
+  expert GEMMs: the comparison is stated as such) -- same experts and weights to 1e-6.
+
+Not covered yet: DeepGEMM's grouped FP8 GEMM (per-128 FP32 scales and its own layouts: needs
+its own harness), FlashInfer's top-k, Liger, torchao's MX path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import H200_COPY_BW, markdown_table, rotation_count, time_graph  # noqa: E402
+
+from cute_kernels.row_rms import row_rms  # noqa: E402
+from moe.quant import mxfp8_quantize, scale_buffer_size  # noqa: E402
+from moe.router import MoeRouter, RouterConfig  # noqa: E402
+
+
+def _peer(name: str):
+    """The imported peer module, or the reason it is unavailable (a string)."""
+    try:
+        if name == "flashinfer":
+            import flashinfer
+            return flashinfer
+        if name == "quack":
+            import quack.rmsnorm
+            return quack.rmsnorm
+    except Exception as e:  # noqa: BLE001 -- any failure to load is a table row
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return f"unknown peer {name}"
+
+
+def row(family, shape, peer, t_ours, t_peer, nbytes, note=""):
+    return [family, shape, peer, f"{t_ours * 1e6:.2f}", f"{t_peer * 1e6:.2f}" if t_peer else "-",
+            f"{t_peer / t_ours:.2f}x" if t_peer else "-", f"{100 * nbytes / t_ours / H200_COPY_BW:.0f}%", note]
+
+
+def mxfp8_rows(fi):
+    rows = []
+    K = 7168
+    for T in (64, 4096, 16384):
+        for swz in (False, True):
+            layout = "swizzled" if swz else "plain"
+            nbytes = T * K * 2 + T * K + scale_buffer_size(T, K, layout)
+            n = rotation_count(nbytes)
+            xs = [torch.randn(T, K, device="cuda").bfloat16() for _ in range(n)]
+            t_ours = time_graph(lambda i: mxfp8_quantize(xs[i], layout=layout), n, max(n, 20))
+            if isinstance(fi, str):
+                rows.append(row("MXFP8 quant", f"{T}x{K} {layout}", "FlashInfer", t_ours, None, nbytes, fi))
+                continue
+            q, s = mxfp8_quantize(xs[0], layout=layout)
+            try:
+                fq, fs = fi.mxfp8_quantize(xs[0], is_sf_swizzled_layout=swz, backend="cuda")
+            except Exception as e:  # noqa: BLE001
+                rows.append(row("MXFP8 quant", f"{T}x{K} {layout}", "FlashInfer", t_ours, None, nbytes,
+                                f"does not run: {type(e).__name__}: {str(e)[:80]}"))
+                continue
+            same_q = torch.equal(q.view(torch.uint8), fq.view(torch.uint8).view(T, K))
+            same_s = fs.numel() >= s.numel() and torch.equal(s.view(-1), fs.view(torch.uint8).view(-1)[:s.numel()])
+            if not same_q:
+                rows.append(row("MXFP8 quant", f"{T}x{K} {layout}", "FlashInfer", t_ours, None, nbytes,
+                                "e4m3 bytes differ from ours: not timed"))
+                continue
+            t_fi = time_graph(lambda i: fi.mxfp8_quantize(xs[i], is_sf_swizzled_layout=swz, backend="cuda"), n,
+                              max(n, 20))
+            rows.append(row("MXFP8 quant", f"{T}x{K} {layout}", "FlashInfer", t_ours, t_fi, nbytes,
+                            "bit-exact" + ("" if same_s else " q; scale buffer laid out differently")))
+    return rows
+
+
+def rms_rows(qk):
+    rows = []
+    for T, C in ((64, 7168), (4096, 7168), (16384, 7168)):
+        nbytes = T * C * 2 + T * 4
+        n = rotation_count(nbytes)
+        xs = [torch.randn(T, C, device="cuda").bfloat16() for _ in range(n)]
+        outs = [torch.empty(T, device="cuda") for _ in range(n)]
+        t_ours = time_graph(lambda i: row_rms(xs[i], 1e-6, out=outs[i]), n, max(n, 20))
+        if isinstance(qk, str):
+            rows.append(row("RMS statistic", f"{T}x{C}", "quack", t_ours, None, nbytes, qk))
+            continue
+        try:
+            _, _, rstd = qk.rmsnorm_fwd(xs[0], None, eps=1e-6, store_rstd=True)
+        except Exception as e:  # noqa: BLE001
+            rows.append(row("RMS statistic", f"{T}x{C}", "quack", t_ours, None, nbytes,
+                            f"does not run: {type(e).__name__}: {str(e)[:80]}"))
+            continue
+        ours = row_rms(xs[0], 1e-6)
+        if not ((rstd - ours).abs() <= 1e-5 * ours).all():
+            rows.append(row("RMS statistic", f"{T}x{C}", "quack", t_ours, None, nbytes, "rstd differs: not timed"))
+            continue
+        t_q = time_graph(lambda i: qk.rmsnorm_fwd(xs[i], None, eps=1e-6, store_rstd=True), n, max(n, 20))
+        rows.append(row("RMS statistic", f"{T}x{C}", "quack (also writes the normalised rows)", t_ours, t_q,
+                        nbytes))
+    return rows
+
+
+def router_rows(fi):
+    rows = []
+    cfg = RouterConfig(num_experts=256, n_group=8, topk_group=4, top_k=8, routed_scaling_factor=2.5)
+    for T in (1, 8, 64, 320):
+        n = 16
+        logits = [torch.randn(T, 256, device="cuda") * 3 for _ in range(n)]
+        bias = torch.randn(256, device="cuda") * 0.1
+        routers = [MoeRouter(cfg, max_tokens=T) for _ in range(n)]
+        t_ours = time_graph(lambda i: routers[i](logits[i], bias), n, 64)
+        nbytes = T * 256 * 4
+        if isinstance(fi, str):
+            rows.append(row("router (V3)", f"T={T} E=256 k=8", "FlashInfer", t_ours, None, nbytes, fi))
+            continue
+        vals = torch.empty(T, 8, device="cuda")
+        idx = torch.empty(T, 8, dtype=torch.int32, device="cuda")
+        try:
+            fi.fused_topk_deepseek(logits[0], bias, 8, 4, 8, 2.5, vals, idx)
+        except Exception as e:  # noqa: BLE001
+            rows.append(row("router (V3)", f"T={T} E=256 k=8", "FlashInfer", t_ours, None, nbytes,
+                            f"does not run: {type(e).__name__}: {str(e)[:80]}"))
+            continue
+        r = routers[0](logits[0], bias)
+        ours = [dict(zip(i, w)) for i, w in zip(r.topk_ids.tolist(), r.topk_weights.tolist())]
+        theirs = [dict(zip(i, w)) for i, w in zip(idx.tolist(), vals.tolist())]
+        same = all(a.keys() == b.keys() and all(abs(a[e] - b[e]) <= 1e-5 for e in a) for a, b in zip(ours, theirs))
+        if not same:
+            rows.append(row("router (V3)", f"T={T} E=256 k=8", "FlashInfer", t_ours, None, nbytes,
+                            "different experts or weights: not timed"))
+            continue
+        t_fi = time_graph(lambda i: fi.fused_topk_deepseek(logits[i], bias, 8, 4, 8, 2.5, vals, idx), n, 64)
+        rows.append(row("router (V3)", f"T={T} E=256 k=8", "FlashInfer (top-k only; ours also packs rows)",
+                        t_ours, t_fi, nbytes))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    fi, qk = _peer("flashinfer"), _peer("quack")
+    rows = mxfp8_rows(fi) + rms_rows(qk) + router_rows(fi)
+    text = "\n".join([f"## Peers -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
+                      "Command: `python bench/bench_peers.py`", "",
+                      markdown_table(["family", "shape", "peer", "ours us", "peer us", "peer / ours", "ours of 4.3 TB/s",
+                                      "note"], rows)])
+    print(text)
+    if args.out:
+        open(args.out, "w").write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
