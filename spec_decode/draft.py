@@ -13,6 +13,10 @@ LM head.
   tokens only: the draft step receives the previous verify's features and how many of its
   positions were accepted, and writes the others to a discarded row (all on the device,
   inside the draft graph).
+* **Overlap**: on a GPU the context write of a draft step runs on a side stream while stage
+  0's mHC statistics, pre-mix and projections run on the main stream (joined before stage 0
+  reads the ring). Stages 1 and 2 have nothing independent of their input in flight, so their
+  statistics run inline.
 * **Block**: the last accepted token ``t`` at position ``n`` and ``block_size - 1`` mask
   embeddings at ``n + 1 ..``; causal attention over the context window and the block; the
   logits at block position ``j`` give draft ``d_{j+1}``. One forward, no sampling loop.
@@ -84,9 +88,11 @@ class DraftModel:
 
     @torch.no_grad()
     def forward_block(self, last_tokens: torch.Tensor, last_pos: torch.Tensor, slots: torch.Tensor,
-                      st: DecodeState) -> torch.Tensor:
+                      st: DecodeState, before_ring=None) -> torch.Tensor:
         """Drafts ``[B, block]`` for requests whose last accepted token ``last_tokens [B]`` sits
-        at ``last_pos [B]`` (their context rows hold the committed positions before it)."""
+        at ``last_pos [B]`` (their context rows hold the committed positions before it).
+        ``before_ring``: called before stage 0 first reads its context rows (a context write
+        still in flight on a side stream joins there)."""
         cfg, K = self.cfg, self.block
         B = last_tokens.shape[0]
         dev = last_tokens.device
@@ -96,7 +102,8 @@ class DraftModel:
         X = x[:, :, None, :].expand(-1, -1, cfg.mhc_n, -1).contiguous()
         toks = torch.cat([last_tokens[:, None], last_tokens[:, None].expand(B, K - 1)], 1)
         for s, layer in enumerate(self.layers):
-            X = layer.forward(X, toks, pos, slots, st, s, win=st.draft_win[s], write_window=False)
+            X = layer.forward(X, toks, pos, slots, st, s, win=st.draft_win[s], write_window=False,
+                              before_ring=before_ring if s == 0 else None)
         h = rmsnorm(hc_head(X, self.w, cfg).to(X.dtype), cfg.eps, self.w["norm.weight"])
         flat = h.reshape(B * K, -1)
         logits = self.head(flat) if self.head is not None else flat @ self.target.lm_head.T

@@ -218,8 +218,20 @@ class Engine:
         K1 = feats.shape[1]
         ar = torch.arange(K1, device=pos.device)
         fpos = pos - n_commit[:, None] + ar
-        self.draft.write_context(feats, fpos, slots, ar < n_commit[:, None], self.state)
-        return (self.draft.forward_block(tok[:, 0], pos[:, 0], slots, self.state),)
+        if not feats.is_cuda:
+            self.draft.write_context(feats, fpos, slots, ar < n_commit[:, None], self.state)
+            return (self.draft.forward_block(tok[:, 0], pos[:, 0], slots, self.state),)
+        # the context write on a side stream, beside stage 0's mHC statistics and projections
+        # (captured as a parallel branch of the draft graph); joined before stage 0 reads it
+        main = torch.cuda.current_stream()
+        side = getattr(self, "_draft_side", None)
+        if side is None:
+            side = self._draft_side = torch.cuda.Stream(device=feats.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            self.draft.write_context(feats, fpos, slots, ar < n_commit[:, None], self.state)
+        return (self.draft.forward_block(tok[:, 0], pos[:, 0], slots, self.state,
+                                         before_ring=lambda: main.wait_stream(side)),)
 
     def warm_up(self, batch: int, speculative: bool = True) -> None:
         """Compile the kernels and capture the graphs a ``batch``-request ``generate`` replays.

@@ -220,11 +220,13 @@ class V4Layer:
         self.shard = shard
         self.heads = L["attn.attn_sink"].numel()  # this rank's query heads
 
-    def forward(self, X, tokens, pos, slots, st: DecodeState, li, win=None, write_window=True):
+    def forward(self, X, tokens, pos, slots, st: DecodeState, li, win=None, write_window=True, before_ring=None):
+        """``before_ring``: called just before the attention first reads the raw-KV ring (the
+        draft joins the side stream that writes its context rows there)."""
         cfg, ops, L = self.cfg, self.ops, self.L
         maps = ops.mhc_mappings(X, L, "attn", cfg)
         h = rmsnorm(ops.pre_mix(X, maps), cfg.eps, L["attn_norm.weight"])
-        X = ops.post_mix(X, maps, self.attention(h, pos, slots, st, li, win, write_window))
+        X = ops.post_mix(X, maps, self.attention(h, pos, slots, st, li, win, write_window, before_ring))
         maps = ops.mhc_mappings(X, L, "ffn", cfg)
         h = rmsnorm(ops.pre_mix(X, maps), cfg.eps, L["ffn_norm.weight"])
         B, S, C = h.shape
@@ -238,7 +240,7 @@ class V4Layer:
         return rope(rmsnorm(h @ self.L["attn.wkv.weight"].T, self.cfg.eps, self.L["attn.kv_norm.weight"]), pos,
                     self.inv)
 
-    def attention(self, h, pos, slots, st: DecodeState, li, win, write_window):
+    def attention(self, h, pos, slots, st: DecodeState, li, win, write_window, before_ring=None):
         cfg, ops, L = self.cfg, self.ops, self.L
         B, S, _ = h.shape
         H, hd, m = self.heads, cfg.head_dim, self.ratio
@@ -249,6 +251,8 @@ class V4Layer:
         ring = st.win[li] if win is None else win
         # window: positions p - W + 1 .. p
         qpos = pos[..., None] - cfg.window + 1 + torch.arange(cfg.window, device=pos.device)
+        if before_ring is not None:
+            before_ring()
         keys = rows_at(kv, ring, st.win_rows, slots, pos0, qpos.clamp_min(0))  # [B, S, W, hd]
         valid = qpos >= 0
         if m:
