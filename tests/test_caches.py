@@ -257,3 +257,56 @@ def test_cli_build_wo_a_shape_adds_its_routes(tmp_path):
     for bad, why in (("8,512", "three integers"), ("8,500,1536", "multiples of 64")):
         r = _cli("build", "--arch", "sm_90a", "--wo-a-shape", bad, cache=cache)
         assert r.returncode != 0 and why in r.stderr and "compiled" not in r.stdout
+
+
+def test_exported_entry_loads_without_the_dsl_compiler(tmp_path):
+    """An artifact-cache entry called through cute_kernels.exported in a fresh process that never
+    imports `cutlass`: kernel.o links against libcute_dsl_runtime.so and its symbols resolve; the
+    launcher's argument list is read from kernel.h; with no GPU the first CUDA call reports a
+    CUDA error (on a GPU: the kernel runs, tests/test_row_rms.py)."""
+    cache = str(tmp_path / "c")
+    built = _cli("build", "--arch", "sm_90a", "--kernel", "row_rms", cache=cache)
+    assert built.returncode == 0, built.stderr
+    entry = next(r for r, _, fs in os.walk(cache) if "kernel.o" in fs)
+    code = f"""
+import sys
+from cute_kernels.exported import ExportedKernel
+k = ExportedKernel({entry!r})
+k.open()
+assert "cutlass" not in sys.modules, "the loader imported the DSL"
+print(k.arg_names)
+try:
+    k.load()
+    print("loaded")
+except RuntimeError as e:
+    print("cuda:", e)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "['x_ptr', 'rstd_ptr', 'num_tokens', 'eps', 'stream']" in r.stdout
+    assert os.path.exists(os.path.join(entry, "kernel.so"))
+    import torch
+
+    assert ("loaded" in r.stdout) == torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+def test_exported_entry_runs_on_gpu_without_the_dsl(tmp_path):
+    """The same entry launched through ctypes on the GPU equals row_rms()'s output."""
+    import torch
+
+    from cute_kernels.exported import ExportedKernel
+    from cute_kernels.row_rms import row_rms
+
+    cache = str(tmp_path / "c")
+    assert _cli("build", "--arch", "sm_90a", "--kernel", "row_rms", cache=cache).returncode == 0
+    entry = next(r for r, _, fs in os.walk(cache) if "kernel.o" in fs)
+    k = ExportedKernel(entry)
+    k.load()
+    import json
+    C = json.loads(json.load(open(os.path.join(entry, "manifest.json")))["key"]["config"])["hidden"]
+    x = torch.randn(5, C, device="cuda").bfloat16()
+    out = torch.full((5,), float("nan"), device="cuda")
+    assert k(x.data_ptr(), out.data_ptr(), 5, 1e-6, torch.cuda.current_stream().cuda_stream) == 0
+    torch.cuda.synchronize()
+    assert torch.equal(out, row_rms(x, 1e-6))
