@@ -94,6 +94,15 @@ KERNEL = jit.register(jit.KernelDef(
 ))
 
 
+def dequantize_fp8_blockwise_torch(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The op in PyTorch (FP32 product, one rounding to bf16): the fallback for devices without
+    a CuTe path and the custom op's CPU kernel."""
+    K = w.shape[-1]
+    rows = w.numel() // K
+    blk = w.float().view(rows // SCALE_BLOCK, SCALE_BLOCK, K // SCALE_BLOCK, SCALE_BLOCK)
+    return (blk * scale.reshape(rows // SCALE_BLOCK, 1, K // SCALE_BLOCK, 1)).view(w.shape).to(torch.bfloat16)
+
+
 def dequantize_fp8_blockwise(w: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None,
                              stream=None, arch: str | None = None) -> torch.Tensor:
     """bf16 ``[..., N, K]`` from e4m3 ``w [..., N, K]`` and FP32 ``scale [..., N/128, K/128]`` (the
@@ -119,9 +128,7 @@ def dequantize_fp8_blockwise(w: torch.Tensor, scale: torch.Tensor, *, out: torch
     check_cuda(op, ("w", w), ("scale", scale), ("out", out))
     a = arch if arch is not None else current_arch(w.device)
     if dispatch(op, ("sm100", "sm90", "reference"), arch=a) == "reference":
-        blk = w.float().view(rows // SCALE_BLOCK, SCALE_BLOCK, K // SCALE_BLOCK, SCALE_BLOCK)
-        out.copy_((blk * scale.view(rows // SCALE_BLOCK, 1, K // SCALE_BLOCK, 1)).view(w.shape))
-        return out
+        return out.copy_(dequantize_fp8_blockwise_torch(w, scale))
     P = jit.gmem_ptr
     fn = jit.get_kernel("dequant_fp8_blockwise", a, K=K)
     fn(P(cutlass.Float8E4M3FN, w, 16), P(Float32, scale, 4), P(cutlass.BFloat16, out, 16), jit.i32(rows),

@@ -175,8 +175,9 @@ KERNEL = jit.register(
 )
 
 
-def _torch_path(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Fallback for devices without a CuTe path (not the test reference: tests/references.py)."""
+def masked_softmax_torch(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The op in PyTorch: the fallback for devices without a CuTe path and the custom op's CPU
+    kernel (not the test reference: tests/references.py)."""
     M = scores.shape[-1]
     x = scores.float().masked_fill(~mask[..., None, :M], float("-inf"))
     p = x.softmax(-1).nan_to_num_(0.0)
@@ -218,7 +219,7 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, *, out: torch.Tenso
     check_cuda(op, ("scores", scores), ("mask", mask), ("out", out))
     a = arch if arch is not None else current_arch(scores.device)
     if dispatch(op, ("portable", "reference"), arch=a) == "reference":
-        out.copy_(_torch_path(scores, mask))
+        out.copy_(masked_softmax_torch(scores, mask))
         return out
     mask_rows = mask.numel() // W
     if mask_rows == 0 or H == 0:

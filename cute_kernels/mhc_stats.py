@@ -419,8 +419,9 @@ def mhc_split_phi(phi: torch.Tensor) -> torch.Tensor:
     return out.view(2 * mp, K)
 
 
-def _reference_path(x, phi, alpha, bias, eps, iters, out, hc_eps=0.0):
-    """Fallback for devices without a CuTe path (not the test reference: tests/references.py)."""
+def mhc_stats_torch(x, phi, alpha, bias, eps, iters, hc_eps=0.0, out=None):
+    """The op in PyTorch (fp32 ``phi`` or its split planes): the fallback for devices without
+    a CuTe path and the custom op's CPU kernel (not the test reference: tests/references.py)."""
     T, n, C = x.shape
     if phi.dtype == torch.bfloat16:
         mp = phi.shape[0] // 2
@@ -435,8 +436,8 @@ def _reference_path(x, phi, alpha, bias, eps, iters, out, hc_eps=0.0):
         if it == 0:
             M = M + hc_eps
         M = M / (M.sum(-2, keepdim=True) + hc_eps)
-    out.copy_(torch.cat([h_pre, h_post, M.reshape(T, n * n)], -1))
-    return out
+    H = torch.cat([h_pre, h_post, M.reshape(T, n * n)], -1)
+    return H if out is None else out.copy_(H)
 
 
 def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, *, eps: float = 1e-6,
@@ -481,7 +482,7 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
     check_cuda(op, ("x", x), ("phi", phi), ("alpha", alpha), ("bias", bias), ("out", out))
     a = arch if arch is not None else current_arch(x.device)
     if dispatch(op, ("portable", "reference"), arch=a) == "reference":
-        return _reference_path(x, phi, alpha, bias, eps, sinkhorn_iters, out, hc_eps)
+        return mhc_stats_torch(x, phi, alpha, bias, eps, sinkhorn_iters, hc_eps, out)
     if T == 0:
         return out
     if workspace is None:

@@ -57,9 +57,7 @@ def row_rms(x: Tensor, eps: float) -> Tensor:
     return _rms.row_rms(x, eps)
 
 
-@row_rms.register_kernel("cpu")
-def _(x, eps):
-    return torch.rsqrt(x.float().square().mean(-1) + eps)
+row_rms.register_kernel("cpu")(_rms.row_rms_torch)
 
 
 @row_rms.register_fake
@@ -74,7 +72,7 @@ def row_rms_out(x: Tensor, eps: float, out: Tensor) -> None:
 
 @row_rms_out.register_kernel("cpu")
 def _(x, eps, out):
-    out.copy_(torch.rsqrt(x.float().square().mean(-1) + eps))
+    out.copy_(_rms.row_rms_torch(x, eps))
 
 
 @row_rms_out.register_fake
@@ -83,12 +81,6 @@ def _(x, eps, out):
 
 
 # --------------------------------------------------------------------- masked_softmax ----
-def _masked_softmax_cpu(scores, mask):
-    M = scores.shape[-1]
-    p = scores.float().masked_fill(~mask[..., None, :M], float("-inf")).softmax(-1)
-    return p.nan_to_num_(0.0).to(scores.dtype)  # a row selecting nothing: zeros
-
-
 @_cuda_op("masked_softmax")
 def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
     """Softmax over the last dim of ``scores [*lead, H, M]`` where ``mask [*lead, W >= M]``
@@ -96,7 +88,7 @@ def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
     return _ms.masked_softmax(scores, mask)
 
 
-masked_softmax.register_kernel("cpu")(_masked_softmax_cpu)
+masked_softmax.register_kernel("cpu")(_ms.masked_softmax_torch)
 
 
 @masked_softmax.register_fake
@@ -111,7 +103,7 @@ def masked_softmax_out(scores: Tensor, mask: Tensor, out: Tensor) -> None:
 
 @masked_softmax_out.register_kernel("cpu")
 def _(scores, mask, out):
-    out.copy_(_masked_softmax_cpu(scores, mask))
+    out.copy_(_ms.masked_softmax_torch(scores, mask))
 
 
 @masked_softmax_out.register_fake
@@ -120,25 +112,6 @@ def _(scores, mask, out):
 
 
 # ------------------------------------------------------------------------------- mHC ----
-def _mhc_stats_cpu(x, phi, alpha, bias, eps, sinkhorn_iters, hc_eps):
-    T, n, C = x.shape
-    m = 2 * n + n * n
-    if phi.dtype == torch.bfloat16:  # the split planes of mhc_split_phi
-        mp = phi.shape[0] // 2
-        phi = (phi[:mp].float() + phi[mp:].float())[:m]
-    xf = x.float().reshape(T, n * C)
-    P = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * (xf @ phi.float().T)
-    pre = torch.sigmoid(alpha[0] * P[:, :n] + bias[:n]) + hc_eps
-    post = 2 * torch.sigmoid(alpha[1] * P[:, n:2 * n] + bias[n:2 * n])
-    M = torch.exp(alpha[2] * P[:, 2 * n:] + bias[2 * n:]).view(T, n, n)
-    for it in range(sinkhorn_iters):  # rows first; hc_eps as DeepSeek-V4's hc_split_sinkhorn
-        M = M / (M.sum(-1, keepdim=True) + (hc_eps if it else 0.0))
-        if it == 0:
-            M = M + hc_eps
-        M = M / (M.sum(-2, keepdim=True) + hc_eps)
-    return torch.cat([pre, post, M.reshape(T, n * n)], -1)
-
-
 @_cuda_op("mhc_stats")
 def mhc_stats(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, eps: float, sinkhorn_iters: int,
               hc_eps: float) -> Tensor:
@@ -146,7 +119,9 @@ def mhc_stats(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, eps: float, s
     return _stats.mhc_stats(x, phi, alpha, bias, eps=eps, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps)
 
 
-mhc_stats.register_kernel("cpu")(_mhc_stats_cpu)
+@mhc_stats.register_kernel("cpu")
+def _(x, phi, alpha, bias, eps, sinkhorn_iters, hc_eps):
+    return _stats.mhc_stats_torch(x, phi, alpha, bias, eps, sinkhorn_iters, hc_eps)
 
 
 @mhc_stats.register_fake
@@ -234,12 +209,6 @@ def _(x, h, f):
 
 
 # ------------------------------------------------------------------------------- WO-A ----
-def _wo_a_cpu(o, w):
-    T = o.shape[0]
-    G, R, Dg = w.shape
-    return torch.einsum("tgd,grd->tgr", o.reshape(T, G, Dg).float(), w.float()).reshape(T, G * R).to(torch.bfloat16)
-
-
 @_cuda_op("wo_a")
 def wo_a(o: Tensor, w: Tensor) -> Tensor:
     """Token-major ``y [T, G*R]`` bf16 of ``o [T, H, Dv]`` and ``w [G, R, (H/G) Dv]`` (the
@@ -247,7 +216,7 @@ def wo_a(o: Tensor, w: Tensor) -> Tensor:
     return _wo.wo_a(o, w)
 
 
-wo_a.register_kernel("cpu")(_wo_a_cpu)
+wo_a.register_kernel("cpu")(_wo.wo_a_torch)
 
 
 @wo_a.register_fake
@@ -262,7 +231,7 @@ def wo_a_out(o: Tensor, w: Tensor, out: Tensor) -> None:
 
 @wo_a_out.register_kernel("cpu")
 def _(o, w, out):
-    out.copy_(_wo_a_cpu(o, w))
+    _wo.wo_a_torch(o, w, out)
 
 
 @wo_a_out.register_fake
@@ -277,10 +246,7 @@ def dequantize_fp8_blockwise(w: Tensor, scale: Tensor) -> Tensor:
     return _dq.dequantize_fp8_blockwise(w, scale)
 
 
-@dequantize_fp8_blockwise.register_kernel("cpu")
-def _(w, scale):
-    s = scale.repeat_interleave(128, -2).repeat_interleave(128, -1)
-    return (w.float() * s).to(torch.bfloat16)
+dequantize_fp8_blockwise.register_kernel("cpu")(_dq.dequantize_fp8_blockwise_torch)
 
 
 @dequantize_fp8_blockwise.register_fake

@@ -128,8 +128,9 @@ KERNEL = jit.register(
 )
 
 
-def _torch_path(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Fallback for devices without a CuTe path (not the test reference: tests/references.py)."""
+def row_rms_torch(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """The op in PyTorch: the fallback for devices without a CuTe path and the custom op's CPU
+    kernel (not the test reference: tests/references.py)."""
     xf = x.float()
     return torch.rsqrt(xf.square().mean(dim=-1) + eps).float()
 
@@ -157,7 +158,7 @@ def row_rms(x: torch.Tensor, eps: float = 1e-6, *, out: torch.Tensor | None = No
     check_cuda(op, ("x", x), ("out", out))
     a = arch if arch is not None else current_arch(x.device)
     if dispatch(op, ("portable", "reference"), arch=a) == "reference":
-        out.copy_(_torch_path(x, eps))
+        out.copy_(row_rms_torch(x, eps))
         return out
     if T == 0:
         return out

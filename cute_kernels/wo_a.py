@@ -110,12 +110,13 @@ KERNEL = jit.register(jit.KernelDef(
 ))
 
 
-def _torch_path(o, w, out):
+def wo_a_torch(o, w, out=None):
+    """The op in PyTorch (FP32 einsum, one rounding to ``out``'s dtype, bf16 by default): the
+    fallback for devices without a CuTe path and the custom op's CPU kernel."""
     T, H, Dv = o.shape
     G, R, Dg = w.shape
-    y = torch.einsum("tgd,grd->tgr", o.reshape(T, G, Dg).float(), w.float())
-    out.copy_(y.reshape(T, G * R))
-    return out
+    y = torch.einsum("tgd,grd->tgr", o.reshape(T, G, Dg).float(), w.float()).reshape(T, G * R)
+    return y.to(torch.bfloat16) if out is None else out.copy_(y)
 
 
 # --------------------------------------------------------------------------------------
@@ -269,7 +270,7 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     a = arch if arch is not None else current_arch(o.device)
     path = dispatch(op, ("sm100", "sm90", "reference"), arch=a)
     if path == "reference":
-        return _torch_path(o, wo_a_weight, out)
+        return wo_a_torch(o, wo_a_weight, out)
     name, cfg = route(T, G, R, Dg, a, decode_kernel=decode_kernel, pdl=pdl, sms=num_sms(o.device), backend=backend)
     if name == "wo_a_cublas":
         return wo_a_cublas(o, wo_a_weight, out, stream)
