@@ -87,41 +87,10 @@ def _(x, sorted_token_ids, total_rows, topk, layout):
 
 # --------------------------------------------------------------------------- router ----
 def _route_cpu(logits, bias, num_experts, n_group, topk_group, top_k, routed_scaling_factor, score, tile_m):
-    T, E = logits.shape
-    x = logits.float()
-    s = torch.sigmoid(x) if score == "sigmoid" else torch.sqrt(x.clamp_min(0) + torch.log1p(torch.exp(-x.abs())))
-    b = s + bias.float() if bias is not None else s.clone()
-    if n_group > 1:
-        gs = E // n_group
-        top2 = torch.sort(b.view(T, n_group, gs), dim=-1, descending=True, stable=True).values[..., :2]
-        keep = torch.zeros(T, n_group, dtype=torch.bool)
-        keep.scatter_(1, torch.sort(top2.sum(-1), dim=-1, descending=True, stable=True).indices[:, :topk_group], True)
-        b = torch.where(keep.repeat_interleave(gs, 1), b, torch.full_like(b, float("-inf")))
-    ids = torch.sort(b, dim=-1, descending=True, stable=True).indices[:, :top_k]  # ties: the lower expert
-    w = s.gather(1, ids)
-    tot = torch.zeros(T)
-    for i in range(top_k):  # the kernel's summation order
-        tot = tot + w[:, i]
-    w = w / (tot[:, None] + 1e-20) * routed_scaling_factor
-    cfg = _rt.RouterConfig(num_experts=E, n_group=n_group, topk_group=topk_group, top_k=top_k,
+    cfg = _rt.RouterConfig(num_experts=logits.shape[1], n_group=n_group, topk_group=topk_group, top_k=top_k,
                            routed_scaling_factor=routed_scaling_factor, tile_m=tile_m, score=score)
-    slots, tiles = _rt.capacity(cfg, T)
-    flat = ids.flatten()
-    counts = torch.bincount(flat, minlength=E).int()
-    padded = (counts + tile_m - 1) // tile_m * tile_m
-    offsets = torch.zeros(E + 1, dtype=torch.int32)
-    offsets[1:] = padded.cumsum(0)
-    total = int(offsets[-1])
-    sorted_ids = torch.full((slots,), T * top_k, dtype=torch.int32)
-    pos = torch.empty(T * top_k, dtype=torch.int32)
-    for e in range(E):  # rows of one expert in increasing routed-row order
-        rows = torch.nonzero(flat == e).flatten()
-        at = int(offsets[e]) + torch.arange(rows.numel())
-        sorted_ids[at] = rows.int()
-        pos[rows] = at.int()
-    tile_expert = torch.full((tiles,), -1, dtype=torch.int32)
-    tile_expert[:total // tile_m] = torch.repeat_interleave(torch.arange(E, dtype=torch.int32), padded // tile_m)
-    return (ids.int(), w, counts, offsets, sorted_ids, tile_expert, torch.tensor([total], dtype=torch.int32), pos)
+    ids, w = _rt.topk_torch(logits, bias, cfg)
+    return (ids.int(), w, *_rt.align_torch(ids, cfg.num_experts, tile_m, *_rt.capacity(cfg, logits.shape[0])))
 
 
 @_cuda_op("moe_route")

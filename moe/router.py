@@ -143,6 +143,56 @@ def capacity(cfg: RouterConfig, max_tokens: int) -> tuple[int, int]:
     return slots, slots // cfg.tile_m
 
 
+def topk_torch(logits: torch.Tensor, bias: torch.Tensor | None, cfg: RouterConfig,
+               tid2eid: torch.Tensor | None = None, token_ids: torch.Tensor | None = None):
+    """The router's selection in PyTorch ops (the ``base`` arm's separate kernels, the custom
+    op's CPU kernel): ``(ids [T, k] int64, weights [T, k] fp32)`` by the rule in the module
+    docstring -- the kernel's sqrt(softplus) formula, ties to the lower index, the weight sum in
+    selection order. Hash-routed configs take ``tid2eid`` and ``token_ids``. Sync-free."""
+    T, E = logits.shape
+    x = logits.float()
+    s = torch.sigmoid(x) if cfg.score == "sigmoid" else torch.sqrt(x.clamp_min(0) + torch.log1p(torch.exp(-x.abs())))
+    if cfg.hash_routed:
+        ids = tid2eid[token_ids.long().clamp(0, tid2eid.shape[0] - 1)].long()
+    else:
+        b = s + bias.float() if bias is not None else s.clone()
+        if cfg.n_group > 1:
+            G, gs = cfg.n_group, E // cfg.n_group
+            top2 = torch.sort(b.view(T, G, gs), dim=-1, descending=True, stable=True).values[..., :2]
+            keep_g = torch.sort(top2[..., 0] + top2[..., 1], dim=-1, descending=True, stable=True).indices
+            keep = torch.zeros(T, G, dtype=torch.bool, device=x.device).scatter_(1, keep_g[:, :cfg.topk_group], True)
+            b = torch.where(keep.repeat_interleave(gs, 1), b, torch.full_like(b, float("-inf")))
+        ids = torch.sort(b, dim=-1, descending=True, stable=True).indices[:, :cfg.top_k]
+    w = s.gather(1, ids)
+    tot = w[:, 0].clone()
+    for i in range(1, cfg.top_k):  # the kernel's summation order
+        tot = tot + w[:, i]
+    return ids, w / (tot[:, None] + 1e-20) * cfg.routed_scaling_factor
+
+
+def align_torch(ids: torch.Tensor, num_experts: int, tile_m: int, slots: int, tiles: int):
+    """``moe_align_block_size`` in PyTorch ops (sync-free): ``(expert_counts [E],
+    expert_offsets [E + 1], sorted_token_ids [slots], tile_expert [tiles], total_rows [1],
+    routed_row_pos [T k])``, int32, the packed layout of the module docstring (rows of one
+    expert in increasing order, padding slots the sentinel ``T k``, tiles past the total -1)."""
+    dev = ids.device
+    flat = ids.flatten().long()
+    n = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + tile_m - 1) // tile_m * tile_m
+    offsets = torch.zeros(num_experts + 1, dtype=torch.long, device=dev)
+    offsets[1:] = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[flat[order]]
+    pos = torch.empty_like(flat).scatter_(0, order, offsets[flat[order]] + rank)
+    sorted_ids = torch.full((slots,), n, dtype=torch.long, device=dev).scatter_(0, pos, torch.arange(n, device=dev))
+    start = torch.arange(tiles, device=dev) * tile_m
+    te = torch.searchsorted(offsets[1:], start, right=True)
+    te = torch.where(start < offsets[-1], te, torch.full_like(te, -1))
+    i32 = torch.int32
+    return (counts.to(i32), offsets.to(i32), sorted_ids.to(i32), te.to(i32), offsets[-1:].to(i32), pos.to(i32))
+
+
 class RouterTopkAlign:
     """Compile-time configuration of the fused router kernel."""
 

@@ -39,9 +39,9 @@ from moe.experts import (expert_kernel_args, interleave_gate_up, moe_expert_gate
                          quantize_expert_weights)
 from moe.finalize import moe_finalize
 from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size
-from moe.router import MoeRouter, RouterConfig, RouterOutput, capacity
+from moe.router import MoeRouter, RouterConfig, RouterOutput, align_torch, capacity, topk_torch
 
-from .model import shared_expert, sqrt_softplus
+from .model import shared_expert
 from .step_model import Ops, family
 
 
@@ -239,37 +239,12 @@ class BaseOps(FusedOps):
         self.side = None  # everything on the main stream
 
     def route(self, logits, L, P, cfg, tokens):
-        T, E, k, tile = logits.shape[0], cfg.experts, cfg.top_k, 128
+        rc = self._rc_hash if "ffn.gate.tid2eid" in L else self.router.cfg
         with family("router top-k / padding"):
-            s = sqrt_softplus(logits)
-            if "ffn.gate.tid2eid" in L:
-                ids = L["ffn.gate.tid2eid"][tokens].long()
-            else:
-                ids = torch.sort(s + P["router_bias"], dim=-1, descending=True, stable=True).indices[:, :k]
-            w = s.gather(1, ids)
-            tot = w[:, 0].clone()
-            for i in range(1, k):  # the router kernel's summation order
-                tot = tot + w[:, i]
-            w = w / (tot[:, None] + 1e-20) * cfg.routed_scaling_factor
+            ids, w = topk_torch(logits, P.get("router_bias"), rc, L.get("ffn.gate.tid2eid"), tokens)
         with family("ID packing (sort / scatter)"):
-            flat = ids.flatten()
-            counts = torch.zeros(E, dtype=torch.long, device=logits.device).scatter_add_(0, flat, torch.ones_like(flat))
-            padded = (counts + tile - 1) // tile * tile
-            offsets = torch.zeros(E + 1, dtype=torch.long, device=logits.device)
-            offsets[1:] = padded.cumsum(0)
-            order = torch.argsort(flat, stable=True)  # rows of one expert in increasing order
-            starts = counts.cumsum(0) - counts  # unpadded start of each expert in `order`
-            rank = torch.arange(flat.numel(), device=logits.device) - starts[flat[order]]
-            pos = torch.empty_like(flat).scatter_(0, order, offsets[flat[order]] + rank)
-            slots, tiles = capacity(self.router.cfg, T)
-            sorted_ids = torch.full((slots,), T * k, dtype=torch.long, device=logits.device)
-            sorted_ids.scatter_(0, pos, torch.arange(flat.numel(), device=logits.device))
-            j = torch.arange(tiles, device=logits.device) * tile
-            te = torch.searchsorted(offsets[1:], j, right=True)
-            te = torch.where(j < offsets[-1], te, torch.full_like(te, -1))
-        i32 = torch.int32
-        return RouterOutput(ids.to(i32), w, counts.to(i32), offsets.to(i32), sorted_ids.to(i32), te.to(i32),
-                            offsets[-1:].to(i32), pos.to(i32))
+            packed = align_torch(ids, cfg.experts, rc.tile_m, *capacity(rc, logits.shape[0]))
+        return RouterOutput(ids.int(), w, *packed)
 
     def finish(self, y, weights, pos, sh, reduce):
         with family("standalone finalize"):
