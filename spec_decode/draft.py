@@ -86,6 +86,14 @@ class DraftModel:
         for s, layer in enumerate(self.layers):
             st.draft_win[s][rows, dst] = layer.kv(c, pos).to(st.draft_win[s].dtype)
 
+    def commit_verify(self, feats: torch.Tensor, next_pos: torch.Tensor, n_commit: torch.Tensor,
+                      slots: torch.Tensor, st: DecodeState) -> None:
+        """Commit a verify step's accepted positions to the context: ``feats [B, K + 1, 3C]`` of
+        positions ``next_pos - n_commit ..``, of which the first ``n_commit [B]`` were accepted
+        (``next_pos [B]``: the position of the token the next draft starts from)."""
+        ar = torch.arange(feats.shape[1], device=feats.device)
+        self.write_context(feats, next_pos[:, None] - n_commit[:, None] + ar, slots, ar < n_commit[:, None], st)
+
     @torch.no_grad()
     def forward_block(self, last_tokens: torch.Tensor, last_pos: torch.Tensor, slots: torch.Tensor,
                       st: DecodeState, before_ring=None) -> torch.Tensor:

@@ -215,11 +215,8 @@ class Engine:
         """The draft graph: commit the previous verify's accepted positions to the draft's
         context (``feats [b, K + 1, 3C]`` of positions ``pos - n_commit ..``; the first
         ``n_commit`` are accepted), then propose from the last token ``tok`` at ``pos``."""
-        K1 = feats.shape[1]
-        ar = torch.arange(K1, device=pos.device)
-        fpos = pos - n_commit[:, None] + ar
         if not feats.is_cuda:
-            self.draft.write_context(feats, fpos, slots, ar < n_commit[:, None], self.state)
+            self.draft.commit_verify(feats, pos[:, 0], n_commit, slots, self.state)
             return (self.draft.forward_block(tok[:, 0], pos[:, 0], slots, self.state),)
         # the context write on a side stream, beside stage 0's mHC statistics and projections
         # (captured as a parallel branch of the draft graph); joined before stage 0 reads it
@@ -229,7 +226,7 @@ class Engine:
             side = self._draft_side = torch.cuda.Stream(device=feats.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            self.draft.write_context(feats, fpos, slots, ar < n_commit[:, None], self.state)
+            self.draft.commit_verify(feats, pos[:, 0], n_commit, slots, self.state)
         return (self.draft.forward_block(tok[:, 0], pos[:, 0], slots, self.state,
                                          before_ring=lambda: main.wait_stream(side)),)
 
@@ -264,9 +261,7 @@ class Engine:
         context, then proposes (the oracle / corrupted test drafts eagerly)."""
         K = self.config.block_size
         if self.config.backend == "reference" or self.draft.oracle or self.draft.corrupt:
-            ar = torch.arange(K + 1, device=len_t.device)
-            self.draft.write_context(feats, len_t[:, None] - n_commit[:, None] + ar, slots, ar < n_commit[:, None],
-                                     self.state)
+            self.draft.commit_verify(feats, len_t, n_commit, slots, self.state)
             return self.draft.propose(last_t, len_t, slots, self.state,
                                       oracle_ctx=lambda: self._oracle(live, last, length, K))
         return self.draft_graphs.run(last_t[:, None], len_t[:, None], slots, feats, n_commit)[0]
