@@ -211,12 +211,13 @@ def sink_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | No
     """``q [..., H, d]``, ``keys [..., K, d]`` (also the values), ``valid [..., K]`` bool or
     None, ``sink [H]`` -> ``[..., H, d]``: softmax over the keys with ``exp(sink_h)`` added to
     each head's denominator (computed in FP32)."""
-    logits = torch.einsum("...hd,...kd->...hk", q.float(), keys.float()) * scale
+    kf = keys.float()  # once: the keys are also the values
+    logits = torch.einsum("...hd,...kd->...hk", q.float(), kf) * scale
     if valid is not None:
         logits = logits.masked_fill(~valid[..., None, :], float("-inf"))
     s = sink.float().view(*([1] * (logits.dim() - 2)), -1, 1).expand(*logits.shape[:-1], 1)
     p = torch.cat([logits, s], -1).softmax(-1)[..., :-1]
-    return torch.einsum("...hk,...kd->...hd", p, keys.float()).to(q.dtype)
+    return torch.einsum("...hk,...kd->...hd", p, kf).to(q.dtype)
 
 
 def visible_entries(pos: torch.Tensor, ratio: int) -> torch.Tensor:
