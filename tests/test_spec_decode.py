@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spec_decode import Engine, EngineConfig
-from spec_decode.config import TINY, ModelConfig
+from spec_decode.config import TINY
 from spec_decode.model import History, TargetModel, entries_from_rows, rope_inv_freq, route, visible_entries
 from spec_decode.step_model import DecodeState, StepModel
 
