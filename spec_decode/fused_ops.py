@@ -267,14 +267,14 @@ class BaseOps(FusedOps):
 class MxDraftHead:
     """The draft's LM head ``logits = h @ lm_head^T`` on this project's MXFP8 expert GEMM: the
     whole head is one "expert" (``[1, vocab, hidden]`` e4m3 + swizzled block scales, made
-    once), the draft's ``B <= 16`` rows one router tile of 128 (rows past ``B`` stay whatever
-    an earlier, larger batch left: computed, never read).
+    once), the draft's rows (requests x block positions, up to 16) one router tile of 128 (rows
+    past them stay whatever an earlier, larger batch left: computed, never read).
 
-    Why: the three-stage draft reads the LM head once per proposed token, five times per step,
-    and at the slice config (vocab 129280, hidden 7168: 1.85 GB bf16) those reads are most of
-    the draft graph (H200: 2.6 ms at BS1, as long as the fused verify graph). MXFP8 halves the
-    bytes. The draft only proposes -- the target verifies every token with its bf16 head -- so
-    the rounding can change the acceptance length, never the output tokens.
+    Why: at small batches the draft step is bound by reading the LM head (vocab 129280 x
+    hidden 4096 at V4-Flash: 1.06 GB in bf16) and MXFP8 halves those bytes (timings:
+    ``bench/bench_draft_head.py``, bench/RESULTS.md). The draft only proposes -- the target
+    verifies every token with its bf16 head -- so the rounding can change the acceptance
+    length, never the output tokens.
 
     Per call (up to :attr:`MX_MAX_BATCH` rows): one copy into the padded input,
     :func:`mxfp8_quantize` (swizzled scales), the Hopper decode kernel (weights as wgmma's M)
@@ -283,14 +283,12 @@ class MxDraftHead:
     """
 
     TILE = 128  # one router tile: the expert GEMM's row granularity
-    #: Largest batch the MXFP8 head serves; above it the bf16 head. H200, slice config, draft
-    #: graph: BS1 1.82 ms against 2.68 (bf16); BS64 3.50 ms in one 64-column pass and 5.38 in
-    #: passes of 16, against 3.04 -- at 64 live columns the per-block FP32 promotion, not the
-    #: weight bytes, bounds the kernel. Up to 16 rows it runs the one 16-column pass of BS1.
+    #: Most rows the MXFP8 head serves (one 16-column pass of the decode kernel); above it the
+    #: bf16 head (or FP8 scores): with more live columns the kernel's per-block FP32 promotion,
+    #: not the weight bytes, bounds it (measured: bench/RESULTS.md, Draft LM head).
     MX_MAX_BATCH = 16
     #: Smallest bf16 head worth an MXFP8 copy: below it the three launches per call (copy,
-    #: quantise, GEMM) outweigh the halved bytes (H200, small config -- vocab 512, hidden 1024,
-    #: a 1 MB head: draft graph 0.180 ms against 0.150 for the bf16 head at BS1).
+    #: quantise, GEMM) cost more than the halved bytes save (a 1 MB head ran slower this way).
     MIN_HEAD_BYTES = 64 << 20
 
     @classmethod
