@@ -10,7 +10,7 @@ H_I = 64, D_I = 128 in both. The composite is what an unfused implementation run
 per-sequence bf16 bmm of the block's queries with the keys, FP32 upcast, ReLU, head-weighted
 sum, then a separate causal/length mask pass (``torch.where`` against ``arange``) and
 ``torch.topk``. Before timing, each shape's selection is checked once against the
-composite's FP32 scores (every selected entry visible and within 1e-4 of the k-th score's
+FP32 scores of the bf16 operands (every selected entry visible and within 1e-4 of the k-th score's
 scale of it; the count of selected entries exact). The FP8 column runs the e4m3 variant
 (per-key-row scales) on the same shapes; the token-group column scores 3 consecutive tokens
 of a sequence per CTA (tokens reordered sequence-major, as the runtime lays them out). Key
@@ -36,15 +36,18 @@ H, D = 64, 128
 ROTATE_BYTES = 80 * 2**20  # > the H200's 60 MB L2
 
 
-def composite_scores(q, w, kc, n_seq, S, pos, ratio):
-    """[T, S] FP32 scores, -inf where the entry is not visible: the unfused path's first passes."""
+def composite_scores(q, w, kc, n_seq, S, pos, ratio, exact=False):
+    """[T, S] FP32 scores, -inf where the entry is not visible: the unfused path's first passes
+    (bf16 bmm, so each logit is rounded to bf16 before the FP32 upcast). ``exact``: the check's
+    reference instead -- FP32 products of the bf16 operands, no bf16 rounding of the logits."""
     T = q.shape[0]
     blk = T // n_seq
     keys = kc[: n_seq * S].view(n_seq, S, D)
     qs = q.view(blk, n_seq, H, D).transpose(0, 1).reshape(n_seq, blk * H, D)  # token t = b * n_seq + seq
     scores = []
     for g in range(0, n_seq, 8):  # groups of 8 sequences bound the [.., blk*H, S] temporaries
-        logits = torch.bmm(qs[g:g + 8], keys[g:g + 8].transpose(1, 2)).float().relu()  # [g, blk*H, S]
+        qg, kg = (qs[g:g + 8].float(), keys[g:g + 8].float()) if exact else (qs[g:g + 8], keys[g:g + 8])
+        logits = torch.bmm(qg, kg.transpose(1, 2)).float().relu()  # [g, blk*H, S]
         ww = w.view(blk, n_seq, H).transpose(0, 1)[g:g + 8]  # [g, blk, H]
         scores.append(torch.einsum("gbhs,gbh->gbs", logits.view(-1, blk, H, S), ww))
     sc = torch.cat(scores).transpose(0, 1).reshape(T, S)
@@ -107,7 +110,7 @@ def main():
             kw = dict(topk=K, max_keys=S, out=out, workspace=ws, compress_ratio=ratio)
             what = f"{name} ctx={ctx} T={T}"
             check_selection(indexer_topk(q, w, kcs[0], off, ln, pos, **kw).clone(),
-                            composite_scores(q, w, kcs[0], n_seq, S, pos, ratio), K, what)
+                            composite_scores(q, w, kcs[0], n_seq, S, pos, ratio, exact=True), K, what)
             reps = max(n_rot, 3)
             ours = time_graph(lambda i: indexer_topk(q, w, kcs[i], off, ln, pos, use_wgmma=False, **kw),
                               n_rot, reps, trials=20)

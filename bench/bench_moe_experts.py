@@ -61,7 +61,11 @@ def mxfp4_checkpoint(E, N, K):
     s = 127 - 2 - int(torch.log2(torch.tensor(K ** 0.5)).round())
     scale = torch.full((E, N, K // 32), s, device="cuda", dtype=torch.uint8)
     q, sc = mxfp4_expert_weights(packed, scale)
-    return q, sc, torch.stack([dequantize(q[e], sc[e], N, K).bfloat16() for e in range(E)])
+    del packed, scale
+    bf = torch.empty(E, N, K, dtype=torch.bfloat16, device="cuda")  # filled per expert: no stacked copy
+    for e in range(E):
+        bf[e] = dequantize(q[e], sc[e], N, K)
+    return q, sc, bf
 
 
 def make_weights(E, mxfp4):

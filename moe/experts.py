@@ -109,10 +109,13 @@ def mxfp4_expert_weights(w: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.
         raise ValueError(f"{op}: K = 2 * w.shape[2] = {K} must be a multiple of {MX_BLOCK}")
     if tuple(w_scale.shape) != (E, N, K // MX_BLOCK):
         raise ValueError(f"{op}: w_scale must have shape [{E}, {N}, {K // MX_BLOCK}], got {list(w_scale.shape)}")
-    packed = w.contiguous().view(torch.uint8).to(torch.int64)
+    packed = w.contiguous().view(torch.uint8)
     lut = torch.tensor(_E2M1_TO_E4M3, dtype=torch.uint8, device=w.device)
-    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).view(E, N, K)  # element 2i: low nibble
-    w_q = lut[codes].view(F8)
+    w_q = torch.empty(E, N, K, dtype=torch.uint8, device=w.device)
+    for e in range(E):  # one expert at a time: the int64 codes of a whole layer would not fit
+        codes = torch.stack((packed[e] & 0xF, packed[e] >> 4), dim=-1).view(N, K).long()  # 2i: low nibble
+        w_q[e] = lut[codes]
+    w_q = w_q.view(F8)
     scales = w_scale.contiguous().view(torch.uint8)
     w_s = torch.stack([swizzle_scales(scales[e]) for e in range(E)])
     return w_q, w_s

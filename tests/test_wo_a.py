@@ -84,9 +84,11 @@ def test_v4_shapes_every_route_per_element(seed, G, HG, Dv, R, T):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 24, 30, 120])
 def test_runtime_small_shape_matches_fp64(seed, T):
-    """The decode runtime's test model (spec_decode.config.SMALL: G=2, R=512, Dg=1024): B x S
-    = 4 x 6 = 24 tokens and its neighbours, two groups only (a 2-deep batch mode)."""
-    check_wo_a(T, 2, 8, 128, 512)
+    """The decode runtime's test model (spec_decode.config.SMALL: G=4, R=1024, Dg=8 x 512 =
+    4096, V4's group width) and one TP4 rank of it (G=1): B x S = 4 x 6 = 24 tokens and its
+    neighbours."""
+    check_wo_a(T, 4, 8, 512, 1024)
+    check_wo_a(T, 1, 8, 512, 1024)
 
 
 @pytest.mark.gpu
