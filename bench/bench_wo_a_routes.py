@@ -1,8 +1,9 @@
 """WO-A's default route against both of its backends at the same points, on the GPU.
 
-    python bench/bench_wo_a_routes.py [--tokens 1,5,64,...] [--out FILE]
+    python bench/bench_wo_a_routes.py [--tokens 1,5,64,...] [--shapes GxRxDg,...] [--out FILE]
 
-For each shape of :data:`bench_wo_a.SHAPES` and each T: ``wo_a()`` (the default route,
+For each shape (default: :data:`bench_wo_a.SHAPES`, then DeepSeek-V4-Flash's and -Pro's
+8x1024x4096 and 16x1024x4096) and each T: ``wo_a()`` (the default route,
 :func:`cute_kernels.wo_a.route`), ``wo_a(backend="cute")`` (this project's kernels) and
 ``wo_a(backend="cublas")`` (one cuBLAS GEMM into token-major ``y``), each checked once against
 FP32 into a NaN-poisoned output, then timed interleaved by CUDA-graph replay over rotating
@@ -28,6 +29,8 @@ from cute_kernels.wo_a import route, wo_a  # noqa: E402
 
 #: the WO-A bench's points, then T between them
 TOKENS = [1, 5, 64, 320, 4096, 16384, 80, 150, 200, 240, 333, 400, 480, 700, 1500]
+#: DeepSeek-V4-Flash's and -Pro's WO-A (G, R, Dg)
+V4_SHAPES = [(8, 1024, 4096), (16, 1024, 4096)]
 #: relative error allowed against FP32: the bf16 output rounding (2^-9 / sqrt(3)), doubled
 TOL = 2.5e-3
 
@@ -35,12 +38,15 @@ TOL = 2.5e-3
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated T (default %(default)s)")
+    ap.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES + V4_SHAPES),
+                    help="comma-separated GxRxDg (default %(default)s)")
     ap.add_argument("--out", default=None, help="also write the table to this file")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     gpu_warmup()
     rows = []
-    for G, R, Dg in SHAPES:
+    for G, R, Dg in shapes:
         ws = weight_sets(G, R, Dg)
         n = len(ws)
         for T in tokens:
@@ -58,7 +64,7 @@ def main():
             print("| " + " | ".join(rows[-1]) + " |", flush=True)
         ws = None
     text = "\n".join([f"## WO-A routes -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
-                      f"Command: `python bench/bench_wo_a_routes.py --tokens {args.tokens}`", "",
+                      f"Command: `python bench/bench_wo_a_routes.py --tokens {args.tokens} --shapes {args.shapes}`", "",
                       markdown_table(["G", "R", "Dg", "T", "default route", "default us", "CuTe us", "cuBLAS us",
                                       "best / default"], rows)])
     print(text)
