@@ -2,7 +2,7 @@
 
 On a supported GPU: one kernel loaded from the artifact cache and checked against PyTorch,
 then a few speculative decode steps of the runtime on its ``fused`` backend (this project's
-kernels in CUDA graphs) against its ``baseline`` backend. Without a GPU it says so and
+kernels in CUDA graphs) against its ``torch-bf16`` backend. Without a GPU it says so and
 returns. This module sits above the kernel packages: it imports ``spec_decode`` lazily and
 nothing in the core imports it.
 """
@@ -46,7 +46,7 @@ def run_decode_demo(new_tokens: int = 16) -> None:
 
     rng = random.Random(0)
     ids = [[rng.randrange(SMALL.vocab) for _ in range(32)]]
-    for backend in ("baseline", "fused"):
+    for backend in ("torch-bf16", "fused"):
         eng = Engine(EngineConfig(model=SMALL, backend=backend, device="cuda", dtype="bfloat16",
                                   max_seq_len=32 + new_tokens + 16, graph_batch_sizes=(1,)))
         eng.warm_up(1)

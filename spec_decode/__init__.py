@@ -1,6 +1,6 @@
 """Decode runtime: a DeepSeek-V4 model (window + CSA / HCA compressed attention, hash-routed and
 sqrt-softplus MoE, mHC), a DSpark-style three-stage draft, and a speculative-decoding engine
-(block size 5). Backends: ``reference`` (the spec's per-token loops), ``baseline`` (a sync-free
+(block size 5). Backends: ``reference`` (the spec's per-token loops), ``torch-bf16`` (a sync-free
 step model over fixed-size state, PyTorch ops, replayed as CUDA graphs per padded batch size;
 eager on a CPU) and ``fused`` (the same graphs with this project's kernels).
 ``from spec_decode import Engine, EngineConfig``."""

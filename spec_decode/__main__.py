@@ -2,9 +2,9 @@
 
 Tensor parallel: one process per rank, e.g. ``python -m torch.distributed.run --nproc-per-node 4
 -m spec_decode run --tp 4 --backend fused --device cuda`` (gloo on CPUs with ``--device cpu
---backend baseline``); rank 0 prints.
+--backend torch-bf16``); rank 0 prints.
 
-Runs the chosen backend (``--backend reference|baseline|fused``; baseline and fused replay
+Runs the chosen backend (``--backend reference|torch-bf16|base|fused``; torch-bf16, base and fused replay
 CUDA graphs on a GPU; fused needs ``--device cuda`` and runs in bf16 on the ``small`` model
 unless ``--model`` says otherwise) with speculative decoding and prints tokens/s and the
 median acceptance length.
@@ -37,8 +37,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--plain", action="store_true",
                      help="plain greedy decoding instead of speculative (default: speculative)")
     run.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
-    run.add_argument("--backend", default="reference", choices=("reference", "baseline", "base", "fused"),
-                     help="reference: the spec's per-token loops; baseline: sync-free torch ops (bf16 experts) in "
+    run.add_argument("--backend", default="reference", choices=("reference", "torch-bf16", "base", "fused"),
+                     help="reference: the spec's per-token loops; torch-bf16: sync-free torch ops (bf16 experts) in "
                           "step graphs; base: this project's expert kernels and formats without the fusions; "
                           "fused: this project's kernels in step graphs (base and fused: bf16, need --device cuda) "
                           "(default: %(default)s)")
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("python -m spec_decode run: --device cuda, but PyTorch sees no CUDA device here "
-              "(use --device cpu with the reference or baseline backend)", file=sys.stderr)
+              "(use --device cpu with the reference or torch-bf16 backend)", file=sys.stderr)
         return 2
     if args.backend in ("base", "fused") and not args.device.startswith("cuda"):
         print(f"python -m spec_decode run: --backend {args.backend} runs this project's GPU kernels; add --device cuda",
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     name = args.model or ("small" if args.backend in ("base", "fused") else "tiny")
     model = PRESETS[name]
     if args.tp > 1 and args.backend == "reference":
-        print("python -m spec_decode run: --tp > 1 runs the step model: add --backend baseline or fused",
+        print("python -m spec_decode run: --tp > 1 runs the step model: add --backend torch-bf16 or fused",
               file=sys.stderr)
         return 2
     cfg = EngineConfig(model=model, device=args.device, max_seq_len=args.prompt_len + args.new + 16,

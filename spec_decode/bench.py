@@ -7,7 +7,7 @@
 Per backend, side by side (same seeded weights, same fixed input ids -- their hash is
 printed). The default pair is the reference PR's comparison: ``base`` (the fused arm's number
 formats and expert kernels with the PR's fusions undone, :class:`spec_decode.fused_ops.BaseOps`)
-against ``fused``; ``baseline`` is the bf16 PyTorch arm (bf16 experts: other formats).
+against ``fused``; ``torch-bf16`` is the bf16 PyTorch arm (bf16 experts: other formats).
 
 * BS1, input 4096 / output 1024: output tok/s after the first token;
 * BS64, input 4096 / output 2048: decode tok/s (after every first token) and full-batch
@@ -32,7 +32,7 @@ measured 5.4-5.8): the multi-token accept path runs and tok/s become a block-5 s
 shrinks the runs (input 512 / output 64) for a smoke test. ``--model v4_flash_slice`` (the
 default) has DeepSeek-V4-Flash's per-layer shapes and one layer of every kind
 (:data:`spec_decode.config.V4_FLASH_SLICE`); ``small`` is the smallest config every fused kernel
-accepts (``tiny`` is CPU-test sized: baseline only).
+accepts (``tiny`` is CPU-test sized: torch-bf16 only).
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     #: "reference" (TargetModel's per-token loops over the full history, the spec),
-    #: "baseline" (the sync-free step model over fixed-size state, PyTorch ops, captured CUDA
+    #: "torch-bf16" (the sync-free step model over fixed-size state, PyTorch ops, captured CUDA
     #: graphs), "fused" (this project's kernels in the step graphs)
     backend: str = "reference"
     #: safetensors file with the model's weights in DeepSeek-V4's checkpoint names

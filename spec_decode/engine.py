@@ -19,7 +19,7 @@ lengths (and output lengths) and finish independently; impossible requests are r
 before any work (a batch above the largest captured graph size, a state too small for
 prompt + output + one block).
 
-Host path (baseline / fused backends, speculative): the acceptance above also runs on the
+Host path (torch-bf16 / base / fused backends, speculative): the acceptance above also runs on the
 device (``j = sum(cumprod(d == g))``), so step s + 1 -- draft graph, verify graph -- is
 enqueued from device state before step s's tokens are read back; the host's bookkeeping for
 step s overlaps step s + 1 on the GPU, and each step costs one device-to-host copy. A request
@@ -47,7 +47,7 @@ from .step_model import (DecodeState, Ops, RankView, Shard, SimulatedRanks, Step
 
 #: "base": the fused arm's formats and kernels with the reference PR's fusions undone
 #: (spec_decode.fused_ops.BaseOps) -- the comparison the PR makes
-BACKENDS = ("reference", "baseline", "base", "fused")
+BACKENDS = ("reference", "torch-bf16", "base", "fused")
 KERNEL_BACKENDS = ("base", "fused")
 DRAFT_HEADS = ("mxfp8", "mxfp8+fp8", "bf16")
 
@@ -91,7 +91,7 @@ class Engine:
         if config.tp != 1:
             check_tp(mc, config.tp)
             if config.backend == "reference":
-                raise ValueError("tp > 1 runs the step model: backend='baseline' or 'fused'")
+                raise ValueError("tp > 1 runs the step model: backend='torch-bf16' or 'fused'")
             if config.allreduce not in (None, "custom_push", "nccl"):
                 raise ValueError(f"allreduce must be None, 'custom_push' or 'nccl', got {config.allreduce!r}")
             if not config.simulate_ranks:
@@ -127,7 +127,7 @@ class Engine:
 
                 ops = (FusedOps if config.backend == "fused" else BaseOps)(self.model, max_tokens=width, max_len=config.max_seq_len,
                                moe_row_tile=config.moe_row_tile, indexer_token_group=config.indexer_token_group,
-                               draft=self.draft, release_bf16_experts=True)  # this engine runs no baseline MoE
+                               draft=self.draft, release_bf16_experts=True)  # this engine runs no torch-bf16 MoE
             else:
                 ops = Ops()
             if config.backend in KERNEL_BACKENDS:
@@ -358,7 +358,7 @@ class Engine:
         can_pipeline = speculative and self.config.backend != "reference" and not (self.draft.oracle or
                                                                                    self.draft.corrupt)
         if pipelined and not can_pipeline:
-            raise ValueError("pipelined=True needs speculative decoding with the model draft on the baseline or "
+            raise ValueError("pipelined=True needs speculative decoding with the model draft on the torch-bf16, base or "
                              "fused backend")
         if can_pipeline and pipelined is not False:
             out = self._decode_pipelined(input_ids, per, first)

@@ -53,7 +53,7 @@ class FusedOps(Ops):
                  _cpu_for_tests: bool = False):
         """``release_bf16_experts``: delete each layer's bf16 routed-expert weights once their
         MXFP8 copies exist -- the fused MoE never reads them. For an engine that owns its
-        model; leave it off where the same model also runs the baseline ops."""
+        model; leave it off where the same model also runs the torch-bf16 ops."""
         cfg = target.cfg
         on_cuda = torch.device(target.device).type == "cuda"
         if target.dtype != torch.bfloat16 or not (on_cuda or _cpu_for_tests):
@@ -124,7 +124,7 @@ class FusedOps(Ops):
         rows = ipool.reshape(-1, D)  # request b's entries start at row slot * (N + 1)
         off = (slots[:, None].expand(B, S) * (N + 1)).reshape(-1).int().contiguous()
         p = pos.reshape(-1).int().contiguous()
-        k = min(topk, N)  # the baseline's width
+        k = min(topk, N)  # the torch-bf16 ops' width
         # a request's tokens are consecutive (t = b * S + s): a group within one request shares
         # its key tiles (a group spanning two requests would score them in per-token passes)
         g = self.indexer_token_group if S % self.indexer_token_group == 0 else 1

@@ -25,7 +25,7 @@ new length; the next step at ``p0' <=`` those positions reads none of them -- ro
 lookahead`` rows, ``lookahead`` = the verify width. No host sync, no copy, no restore.
 
 Ops are grouped behind :class:`Ops` so the GPU runtime swaps the PyTorch composites
-(``baseline``) for this project's kernels (``fused``) one family at a time.
+(``torch-bf16``) for this project's kernels (``fused``) one family at a time.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def write_ring(ring: torch.Tensor, ring_rows: int, slots: torch.Tensor, pos: tor
 
 # --------------------------------------------------------------------------------- ops ----
 class Ops:
-    """PyTorch composites of every op family (the ``baseline`` path; runs on CPU and GPU)."""
+    """PyTorch composites of every op family (the ``torch-bf16`` path; runs on CPU and GPU)."""
 
     def mhc_mappings(self, X, L, site, cfg):
         """-> the mappings object pre_mix / post_mix take (here (pre, post, comb) in X's dtype)."""

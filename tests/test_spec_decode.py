@@ -48,7 +48,7 @@ def test_compressor_state_survives_speculative_verify():
     windows closed, the 128-position raw window wrapped many times), with an oracle draft whose
     accepted count follows a random schedule over 0..5: speculative == plain greedy token for
     token, and every accepted count was seen at every phase of the m = 4 window."""
-    eng = Engine(EngineConfig(seed=4, max_seq_len=768, backend="baseline", graph_batch_sizes=(1, 2)))
+    eng = Engine(EngineConfig(seed=4, max_seq_len=768, backend="torch-bf16", graph_batch_sizes=(1, 2)))
     ps = [prompts(5, 1, lo=13, hi=13)[0], prompts(6, 1, lo=41, hi=41)[0]]
     plain = eng.generate(ps, 700, speculative=False)
     rng = random.Random(0)
@@ -93,7 +93,7 @@ def test_step_model_matches_reference():
         assert (fa - fb).abs().max() < 1e-4 * fa.abs().max()
 
 
-@pytest.mark.parametrize("backend", ["reference", "baseline"])
+@pytest.mark.parametrize("backend", ["reference", "torch-bf16"])
 def test_batched_equals_single_requests(backend):
     eng = Engine(EngineConfig(seed=3, max_seq_len=64, backend=backend, graph_batch_sizes=(1, 2, 4)))
     ps = prompts(7, 4)
@@ -107,18 +107,18 @@ def test_prefill_chunk_boundaries_at_every_phase():
     windows and around the m' = 128 window and the raw window: the same continuation as one
     chunk (state keyed by position: no chunk boundary is special)."""
     p = prompts(3, 1, lo=270, hi=270)
-    want = Engine(EngineConfig(seed=2, max_seq_len=300, backend="baseline", prefill_chunk=384,
+    want = Engine(EngineConfig(seed=2, max_seq_len=300, backend="torch-bf16", prefill_chunk=384,
                                graph_batch_sizes=(1,))).generate(p, 6, speculative=False)
     for chunk in (1, 2, 3, 5, 7, 127, 129):
-        eng = Engine(EngineConfig(seed=2, max_seq_len=300, backend="baseline", prefill_chunk=chunk,
+        eng = Engine(EngineConfig(seed=2, max_seq_len=300, backend="torch-bf16", prefill_chunk=chunk,
                                   graph_batch_sizes=(1,)))
         assert eng.generate(p, 6, speculative=False) == want, chunk
 
 
-def test_baseline_backend_equals_reference():
+def test_torch_bf16_backend_equals_reference():
     ps = prompts(1, 3)
     ref = Engine(EngineConfig(seed=1, max_seq_len=64)).generate(ps, 13, speculative=False)
-    eng = Engine(EngineConfig(seed=1, max_seq_len=64, backend="baseline", graph_batch_sizes=(1, 2, 4)))
+    eng = Engine(EngineConfig(seed=1, max_seq_len=64, backend="torch-bf16", graph_batch_sizes=(1, 2, 4)))
     assert eng.generate(ps, 13) == eng.generate(ps, 13, speculative=False) == ref
     assert eng.verify_graphs.replays > 0 and eng.decode_graphs.replays > 0 and eng.draft_graphs.replays > 0
 
@@ -150,7 +150,7 @@ def test_pipelined_decoding_matches_plain_greedy(seed):
     ps = prompts(seed, 4)
     per = [1, 4, 9, 13]
     ref = Engine(EngineConfig(seed=seed, max_seq_len=64)).generate(ps, per, speculative=False)
-    eng = Engine(EngineConfig(seed=seed, max_seq_len=64, backend="baseline", graph_batch_sizes=(1, 2, 4)))
+    eng = Engine(EngineConfig(seed=seed, max_seq_len=64, backend="torch-bf16", graph_batch_sizes=(1, 2, 4)))
     assert eng.generate(ps, per) == eng.generate(ps, per, pipelined=False) == ref
     assert [len(o) for o in ref] == per
     eng.draft_graphs.run = _oracle_draft_graph(eng, corrupt=2)
@@ -165,7 +165,7 @@ def test_pipelined_decoding_matches_plain_greedy(seed):
 def test_draft_context_holds_committed_positions_only():
     """The draft's context ring after a verify: rows of the accepted positions hold their
     target features' K = V; rejected positions were written to the discarded row only."""
-    eng = Engine(EngineConfig(seed=0, max_seq_len=64, backend="baseline", graph_batch_sizes=(1,)))
+    eng = Engine(EngineConfig(seed=0, max_seq_len=64, backend="torch-bf16", graph_batch_sizes=(1,)))
     st = eng.state
     K, R = eng.config.block_size, st.win_rows
     feats = torch.randn(1, K + 1, eng.feat_dim)
@@ -299,7 +299,7 @@ def test_presets_hold_every_layer_kind():
     assert v4f.heads * v4f.head_dim // v4f.wo_groups == 4096 and v4f.index_topk == 512
 
 
-@pytest.mark.parametrize("backend", ["reference", "baseline"])
+@pytest.mark.parametrize("backend", ["reference", "torch-bf16"])
 def test_teacher_forced_greedy_reproduces_own_generation(backend):
     """Engine.greedy_given fed an engine's own greedy output returns it (prefill chunks that
     split the continuation), writes only the scratch slot, and refuses a sequence the state
@@ -342,16 +342,16 @@ def test_bench_table_rows():
     cases = [("BS1 x", 1, 8, 4), ("BS64 x", 64, 8, 4)]
     ok = dict(hash="ab", decode_tps=10.0, full_tps=5.0, acceptance=1, verify_ms=2.0, draft_ms=0.5, verify_nodes=7,
               draft_nodes=3, launches={f: 2 for f in bench.FAMILIES})
-    results = {("baseline", "BS1 x"): dict(ok, tokens=[[1, 2, 3, 4]], teacher_forced=1.0),
-               ("baseline", "BS64 x"): dict(ok, tokens=[[1, 2], [3, 4]], teacher_forced=1.0),
+    results = {("torch-bf16", "BS1 x"): dict(ok, tokens=[[1, 2, 3, 4]], teacher_forced=1.0),
+               ("torch-bf16", "BS64 x"): dict(ok, tokens=[[1, 2], [3, 4]], teacher_forced=1.0),
                ("fused", "BS1 x"): dict(ok, tokens=[[1, 2, 9, 9]], teacher_forced=0.75),
                ("fused", "BS64 x"): {"error": "out of memory: boom"}}
-    lines = bench.table_lines(["baseline", "fused"], cases, results)
+    lines = bench.table_lines(["torch-bf16", "fused"], cases, results)
     text = "\n".join(lines)
     assert "| median acceptance length (achieved) | 1.00 | n/a |" in text
-    assert "| BS1 x: tokens equal to baseline's | 1.000 | 0.500 |" in text
-    assert "| BS64 x: tokens equal to baseline's | 1.000 | n/a |" in text
-    assert "| BS1 x: teacher-forced tokens equal to baseline's (request 0) | 1.000 | 0.750 |" in text
+    assert "| BS1 x: tokens equal to torch-bf16's | 1.000 | 0.500 |" in text
+    assert "| BS64 x: tokens equal to torch-bf16's | 1.000 | n/a |" in text
+    assert "| BS1 x: teacher-forced tokens equal to torch-bf16's (request 0) | 1.000 | 0.750 |" in text
     assert "| median verify graph ms (BS1) | 2.000 | 2.000 |" in text
     assert "fused: out of memory: boom" in text
     assert bench.token_agreement([[1, 2, 3]], [[1, 5]]) == 0.5
@@ -472,7 +472,7 @@ def test_bench_memory_estimate_matches_the_model():
     tensors = list(m.w.values()) + list(d.w.values())
     tensors += [t for L in m.layers + d.stages for t in L.values()]
     exact = sum(t.numel() * 2 for t in tensors) + st.nbytes()  # estimate counts every weight as bf16
-    assert abs(estimate_bytes(TINY, 3, 64, "baseline") - exact) < 0.02 * exact
+    assert abs(estimate_bytes(TINY, 3, 64, "torch-bf16") - exact) < 0.02 * exact
 
 
 # ---------------------------------------------------------------------------------- GPU ----
@@ -497,7 +497,7 @@ def test_fused_ops_track_fp32_on_gpu():
     from spec_decode.fused_ops import FusedOps
     from spec_decode.step_model import Ops
 
-    eng = Engine(EngineConfig(model=SMALL, device="cuda", dtype="bfloat16", backend="baseline", max_seq_len=256,
+    eng = Engine(EngineConfig(model=SMALL, device="cuda", dtype="bfloat16", backend="torch-bf16", max_seq_len=256,
                               graph_batch_sizes=(2,)))
     m32 = _fp32_copy(eng)
     fused = StepModel(eng.model, FusedOps(eng.model, max_tokens=64, max_len=256))
@@ -593,8 +593,8 @@ def test_mx_draft_head_on_gpu():
         assert torch.equal(outs[B], head(hs[B]).argmax(-1))
 
 
-@pytest.mark.parametrize("backend, length", [("baseline", 5.5), ("baseline", 3.0), ("reference", 4.0),
-                                             ("baseline", 1.0), ("baseline", 6.0)])
+@pytest.mark.parametrize("backend, length", [("torch-bf16", 5.5), ("torch-bf16", 3.0), ("reference", 4.0),
+                                             ("torch-bf16", 1.0), ("torch-bf16", 6.0)])
 def test_synthetic_acceptance(backend, length):
     """acceptance_length: the verify accepts a device-drawn number of drafts with that mean (the
     per-position probability solved from it): the achieved mean within 3.5 standard errors of the

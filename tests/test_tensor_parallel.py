@@ -27,7 +27,7 @@ MODEL = dataclasses.replace(TINY, heads=8, wo_groups=4)
 
 
 def _config(tp, **kw):
-    return EngineConfig(model=MODEL, tp=tp, backend="baseline", max_seq_len=64, graph_batch_sizes=(1, 2, 4), seed=3,
+    return EngineConfig(model=MODEL, tp=tp, backend="torch-bf16", max_seq_len=64, graph_batch_sizes=(1, 2, 4), seed=3,
                         **kw)
 
 
@@ -141,10 +141,10 @@ def test_shards_partition_the_layer():
 
 
 def test_tp_config_errors():
-    with pytest.raises(ValueError, match="backend='baseline' or 'fused'"):
+    with pytest.raises(ValueError, match="backend='torch-bf16' or 'fused'"):
         Engine(EngineConfig(tp=2))
     with pytest.raises(ValueError, match="torchrun"):
-        Engine(EngineConfig(tp=2, backend="baseline"))
+        Engine(EngineConfig(tp=2, backend="torch-bf16"))
 
 
 def test_torchrun_command_line_matches_one_rank():
@@ -154,7 +154,7 @@ def test_torchrun_command_line_matches_one_rank():
     import sys
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    args = ["-m", "spec_decode", "run", "--backend", "baseline", "--new", "12"]
+    args = ["-m", "spec_decode", "run", "--backend", "torch-bf16", "--new", "12"]
     one = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=env)
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *args, "--tp", "2"],
                          capture_output=True, text=True, timeout=300, env=env)
@@ -198,7 +198,7 @@ def _gpu_engine(backend, tp, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["baseline", "fused"])
+@pytest.mark.parametrize("backend", ["torch-bf16", "fused"])
 def test_simulated_tp4_on_gpu_agrees_with_tp1(backend):
     """TP4 on one GPU (simulated ranks, push all-reduce in the graphs) against TP1 of the same
     weights: the same greedy token at >= 90% of teacher-forced positions (bf16: the ranks'
@@ -246,7 +246,7 @@ def test_simulated_tp4_absent_rank_raises():
     raises AllReduceTimeout instead of hanging or returning silently."""
     from comm.buffers import AllReduceTimeout
 
-    eng = _gpu_engine("baseline", 4)
+    eng = _gpu_engine("torch-bf16", 4)
     eng.step.ops.push.max_spins = 1 << 14
     absent = eng.step.steps[3].ops
     absent.all_reduce = lambda x: x
@@ -260,8 +260,8 @@ def test_simulated_tp4_delayed_rank_still_correct():
     """A rank that launches its all-reduces late (an in-kernel delay before its pushes): its
     peers wait for it within the bounded spin and the outputs are those of an undelayed run."""
     ps = [prompts_gpu(s) for s in range(2)]
-    want = _gpu_engine("baseline", 4).generate(ps, 8, speculative=False)
-    eng = _gpu_engine("baseline", 4)
+    want = _gpu_engine("torch-bf16", 4).generate(ps, 8, speculative=False)
+    eng = _gpu_engine("torch-bf16", 4)
     slow = eng.step.steps[2].ops
     push = slow.push
 

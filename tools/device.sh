@@ -23,6 +23,8 @@
 #                                            or their benches (WO-A bf16 / FP8, indexer, MoE layers)
 #   bash tools/device.sh v4 runtime [quick]  the V4 runtime's GPU tests (fused vs FP32, graphs at BS
 #                                            1..64), then its bench at v4_flash_slice (quick: --quick)
+#   bash tools/device.sh numerics [MODEL]    per-op error of fused / base against FP32 (spec_decode.numerics;
+#                                            MODEL default small)
 #   bash tools/device.sh tp [MODEL]          simulated TP4 on one GPU: its GPU tests, then the bench
 #                                            (--tp 4 --simulate-ranks; MODEL default small)
 set -u
@@ -87,6 +89,9 @@ v4)
     *) echo "v4: tests, bench or runtime" >&2; exit 2 ;;
   esac
   ;;
+numerics)
+  python -m spec_decode.numerics --model "${1:-small}" --out "$OUT/numerics_${1:-small}.md" 2>&1 | tail -15
+  ;;
 tp)
   $PYT -m gpu tests/test_tensor_parallel.py 2>&1 | tee "$OUT/tp-tests.log" | tail -25
   python -m spec_decode.bench --model "${1:-small}" --tp 4 --simulate-ranks --quick \
@@ -102,5 +107,5 @@ build)
   python -m cute_kernels build --arch sm_90a --arch sm_100a --demo 2>&1 | tail -20 | tee "$OUT/build.log"
   ;;
 *)
-  sed -n '2,28p' "$0"; exit 2 ;;
+  sed -n '2,30p' "$0"; exit 2 ;;
 esac

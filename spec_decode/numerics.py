@@ -1,0 +1,219 @@
+"""Per-op numerics of the kernel backends: each op family's error against FP32, same inputs.
+
+    python -m spec_decode.numerics [--model small|v4_flash_slice|...] [--out FILE]
+
+The decode benchmark compares ``fused`` and ``base`` by their tokens (teacher-forced
+agreement); this says where their numbers come from. One prefill chunk fills the state, then
+during one verify step of the fused backend (B = 2 requests x S = 6 positions) every call of
+an op family is re-run on the same inputs by
+
+* the base backend's ops (:class:`spec_decode.fused_ops.BaseOps`: the same formats and
+  kernels, the reference PR's fusions undone), and
+* FP32 PyTorch composites (:class:`spec_decode.step_model.Ops` on FP32 copies of the inputs
+  and the bf16 weights: the definition, no rounding but FP32's).
+
+Per op family the table gives the relative error (Frobenius norm) of fused and of base
+against FP32, the largest over the step's calls, and the fused-vs-base difference (0 where
+they are bit-equal: the fusions kept every rounding point). The indexer's row is the fraction
+of its selected entries that the FP32 scores also select (ties aside, it is 1). The op
+families: mHC mappings (``mhc_stats``), pre / post mix, the indexer's top-k, WO-A, and the MoE
+block (router, MXFP8 routed experts, finalize, shared expert): its FP32 reference uses the
+bf16 expert weights, so its row includes the experts' MXFP8 weight rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import torch
+
+from .config import PRESETS
+from .model import TargetModel, mhc_mappings, post_mix, pre_mix
+from .step_model import DecodeState, Ops, StepModel
+
+#: op families in the table's order: (method, row label)
+FAMILIES = (("mhc_mappings", "mHC mappings (statistics, Sinkhorn)"), ("pre_mix", "mHC pre-mix"),
+            ("post_mix", "mHC post-mix"), ("indexer_topk", "indexer top-k (entries also FP32's)"),
+            ("wo_a", "WO-A"), ("moe", "MoE block (router, MXFP8 experts, finalize, shared)"))
+
+
+class _Upcast:
+    """A bf16 expert-weight stack read in FP32 one gather at a time (``w[ids]``): the FP32
+    MoE reference never holds a whole FP32 copy of a layer's experts."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.shape = t, t.shape
+
+    def __getitem__(self, i):
+        return self.t[i].float()
+
+
+def _fp32(x):
+    if isinstance(x, torch.Tensor):
+        return x.float() if x.is_floating_point() else x
+    if isinstance(x, dict):
+        return {k: (_Upcast(v) if k.startswith("ffn.experts.") else _fp32(v)) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_fp32(v) for v in x)
+    return x
+
+
+def _unpack_maps(H: torch.Tensor, X: torch.Tensor, n: int):
+    """The kernels' packed mappings ``[T, 2n + n*n]`` (pre | post | comb row-major) as the FP32
+    composites' (pre, post, comb) for streams ``X [B, S, n, C]``."""
+    B, S = X.shape[:2]
+    H = H.float().view(B, S, -1)
+    return H[..., :n], H[..., n:2 * n], H[..., 2 * n:].unflatten(-1, (n, n))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+class OpProbe:
+    """An ops object for :class:`StepModel` that runs ``fused`` and, while ``active``, re-runs
+    each op family's call with ``base`` and FP32 composites on the same inputs, recording the
+    errors. Everything else is ``fused``'s."""
+
+    def __init__(self, fused, base, cfg):
+        self.fused, self.base, self.cfg, self.ref = fused, base, cfg, Ops()
+        self.active = False
+        self.errors = {name: [] for name, _ in FAMILIES}  # (fused vs FP32, base vs FP32, fused vs base)
+
+    def __getattr__(self, name):
+        return getattr(self.fused, name)
+
+    def _record(self, name, a, b, r):
+        self.errors[name].append((_rel(a, r), _rel(b, r), _rel(a, b)))
+
+    def mhc_mappings(self, X, L, site, cfg):
+        a = self.fused.mhc_mappings(X, L, site, cfg).clone()
+        if self.active:
+            b = self.base.mhc_mappings(X, L, site, cfg)
+            pre, post, comb = mhc_mappings(X.float(), L[f"hc_{site}_fn"], L[f"hc_{site}_base"],
+                                           L[f"hc_{site}_scale"], cfg)
+            r = torch.cat([pre, post, comb.flatten(-2)], -1).flatten(0, 1)
+            self._record("mhc_mappings", a, b, r)
+        return a
+
+    def pre_mix(self, X, maps):
+        a = self.fused.pre_mix(X, maps).clone()
+        if self.active:
+            b = self.base.pre_mix(X, maps)
+            self._record("pre_mix", a, b, pre_mix(X.float(), _unpack_maps(maps, X, self.cfg.mhc_n)[0]))
+        return a
+
+    def post_mix(self, X, maps, f):
+        a = self.fused.post_mix(X, maps, f).clone()
+        if self.active:
+            b = self.base.post_mix(X, maps, f)
+            _, post, comb = _unpack_maps(maps, X, self.cfg.mhc_n)
+            self._record("post_mix", a, b, post_mix(X.float(), post, comb, f.float()))
+        return a
+
+    def indexer_topk(self, q_idx, w_idx, ipool, slots, pos, topk, ratio):
+        idx, valid = (t.clone() for t in self.fused.indexer_topk(q_idx, w_idx, ipool, slots, pos, topk, ratio))
+        if self.active:
+            b_idx, b_valid = self.base.indexer_topk(q_idx, w_idx, ipool, slots, pos, topk, ratio)
+            r_idx, r_valid = self.ref.indexer_topk(*_fp32((q_idx, w_idx, ipool)), slots, pos, topk, ratio)
+
+            def overlap(i, v):  # fraction of FP32's selected entries this selection also holds
+                n = int(r_valid.sum())
+                if n == 0:
+                    return 1.0
+                hit = (i[..., :, None] == r_idx[..., None, :]) & v[..., :, None] & r_valid[..., None, :]
+                return float(hit.any(-2).sum()) / n
+
+            same = float(torch.equal(idx[valid], b_idx[b_valid]))
+            self.errors["indexer_topk"].append((overlap(idx, valid), overlap(b_idx, b_valid), 1.0 - same))
+        return idx, valid
+
+    def wo_a(self, o, w, cfg):
+        a = self.fused.wo_a(o, w, cfg).clone()
+        if self.active:
+            self._record("wo_a", a, self.base.wo_a(o, w, cfg), self.ref.wo_a(o.float(), w.float(), cfg))
+        return a
+
+    def moe(self, h, L, cfg, tokens, first_expert: int = 0, reduce: bool = False):
+        a = self.fused.moe(h, L, cfg, tokens, first_expert, reduce).clone()
+        if self.active:
+            b = self.base.moe(h, L, cfg, tokens, first_expert, reduce)
+            r = self.ref.moe(h.float(), _fp32(L), cfg, tokens, first_expert)
+            self._record("moe", a, b, r)
+        return a
+
+
+def op_errors(model: str = "small", seed: int = 0, prefill: int = 300, device: str = "cuda") -> dict:
+    """``{family: (calls, fused vs FP32, base vs FP32, fused vs base)}`` for one verify step
+    (B = 2, S = 6) after a ``prefill``-position chunk per request, each the largest over the
+    step's calls (the indexer's first two: the smallest overlap). The default 300 positions
+    give ``small``'s CSA layers 75 visible entries for its top-64. Needs a GPU and room for the
+    model's bf16 and two MXFP8 copies of its experts."""
+    from .fused_ops import BaseOps, FusedOps
+
+    cfg = PRESETS[model]
+    target = TargetModel(cfg, seed=seed, dtype=torch.bfloat16, device=device)
+    width, max_len = 2 * prefill, prefill + 64  # the prefill chunk: 2 requests x prefill tokens
+    fused = FusedOps(target, max_tokens=width, max_len=max_len)
+    base = BaseOps(target, max_tokens=width, max_len=max_len)
+    probe = OpProbe(fused, base, cfg)
+    step = StepModel(target, probe)
+    st = DecodeState(cfg, 3, max_len, 6, torch.bfloat16, device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    slots = torch.tensor([0, 1], device=device)
+    with torch.no_grad():
+        toks = torch.randint(0, cfg.vocab, (2, prefill), device=device, generator=g)
+        step.forward(toks, torch.arange(prefill, device=device)[None].expand(2, -1), slots, st)
+        probe.active = True
+        toks = torch.randint(0, cfg.vocab, (2, 6), device=device, generator=g)
+        step.forward(toks, prefill + torch.arange(6, device=device)[None].expand(2, -1), slots, st)
+    torch.cuda.synchronize()
+    out = {}
+    for name, _ in FAMILIES:
+        e = probe.errors[name]
+        if not e:
+            continue
+        pick = min if name == "indexer_topk" else max
+        out[name] = (len(e), pick(x[0] for x in e), pick(x[1] for x in e), max(x[2] for x in e))
+    return out
+
+
+def _markdown(header: list[str], rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(r) + " |" for r in [header, ["---"] * len(header)] + rows])
+
+
+def table(model: str, errors: dict) -> str:
+    rows = []
+    for name, label in FAMILIES:
+        if name not in errors:
+            continue
+        calls, f, b, fb = errors[name]
+        if name == "indexer_topk":
+            rows.append([label, str(calls), f"{f:.4f}", f"{b:.4f}", "equal" if fb == 0 else "differ"])
+        else:
+            rows.append([label, str(calls), f"{f:.2e}", f"{b:.2e}", "bit-equal" if fb == 0 else f"{fb:.2e}"])
+    return "\n".join([f"## Per-op error against FP32, {model} -- {torch.cuda.get_device_name()}, "
+                      f"{datetime.date.today()}", "",
+                      f"Command: `python -m spec_decode.numerics --model {model}`", "",
+                      _markdown(["op family (one verify step, B=2 x 6)", "calls", "fused vs FP32 (rel.)",
+                                      "base vs FP32 (rel.)", "fused vs base"], rows)])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=tuple(PRESETS), default="small")
+    ap.add_argument("--out", default=None, help="also write the table to this file")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("spec_decode.numerics needs a CUDA GPU (the kernel backends)")
+        return 2
+    text = table(args.model, op_errors(args.model))
+    print(text)
+    if args.out:
+        open(args.out, "w").write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
