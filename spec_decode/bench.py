@@ -99,20 +99,99 @@ def estimate_bytes(m, slots: int, max_len: int, backend: str) -> int:
     return weights + fused + 2 * slots * state
 
 
-def run_case(backend, model, batch, n_in, n_out, reference=None, **engine):
-    """One (backend, case) run; ``engine``: further EngineConfig fields (prefill_chunk, ...).
-    ``reference``: another backend's generated tokens for the same prompts (None: this run's
-    own) -- request 0's are teacher-forced through this engine (:meth:`Engine.greedy_given`)."""
+def build_engine(backend, model, batch, n_in, n_out, **engine) -> "Engine | str":
+    """An engine for one case, compiled and its graphs captured for ``batch`` (so no clock
+    sees a compile), or why not (it would not fit the device) as a string."""
     sizes = tuple(s for s in GRAPH_SIZES if s < batch) + (next(s for s in GRAPH_SIZES if s >= batch),)
     cfg = EngineConfig(model=model, device="cuda", dtype="bfloat16", backend=backend,
                        max_seq_len=n_in + n_out + 16, graph_batch_sizes=sizes, **engine)
     need = estimate_bytes(model, cfg.max_batch + 1, cfg.max_seq_len, backend)
     have = torch.cuda.get_device_properties(0).total_memory
     if need > 0.92 * have:
-        return {"error": f"needs ~{need / 2**30:.0f} GiB of the device's {have / 2**30:.0f} GiB (weights + state)"}
+        return f"needs ~{need / 2**30:.0f} GiB of the device's {have / 2**30:.0f} GiB (weights + state)"
     eng = Engine(cfg)
+    eng.warm_up(batch)
+    return eng
+
+
+def sweep_acceptance(backends, model, cases, lengths, **engine) -> list[tuple]:
+    """Decode tok/s of each backend and case at each synthetic acceptance length (one engine
+    per backend and case, :meth:`Engine.set_acceptance_length` between runs): rows
+    ``(backend, case, requested, achieved mean, decode tok/s)``."""
+    rows = []
+    for b in backends:
+        for name, bs, n_in, n_out in cases:
+            eng = build_engine(b, model, bs, n_in, n_out, **engine)
+            if isinstance(eng, str):
+                print(f"[{b}: {name}: {eng}]", flush=True)
+                continue
+            ids, _ = prompts(bs, n_in, model.vocab)
+            for L in lengths:
+                eng.set_acceptance_length(L)
+                out = eng.generate(ids, n_out)
+                st, n = eng.stats, sum(len(o) for o in out)
+                acc = st.acceptance_lengths
+                rows.append((b, name, L, sum(acc) / len(acc) if acc else float("nan"),
+                             (n - bs) / (st.t_end - st.t_first)))
+                print(f"[{b}: {name}: acceptance {L}: {rows[-1][-1]:.1f} tok/s]", flush=True)
+            del eng
+            gc.collect()
+            torch.cuda.empty_cache()
+    return rows
+
+
+def write_sweep(rows, csv_path: str, png_path: str | None, title: str) -> str:
+    """The sweep as CSV, and as a PNG (one panel per case, tok/s vs acceptance length, a line
+    per backend) where matplotlib is installed; returns a note of what was written."""
+    with open(csv_path, "w") as f:
+        f.write("backend,case,acceptance_requested,acceptance_achieved,decode_tok_s\n")
+        for r in rows:
+            f.write(",".join([r[0], r[1], f"{r[2]:g}", f"{r[3]:.3f}", f"{r[4]:.1f}"]) + "\n")
+    if png_path is None:
+        return f"wrote {csv_path}"
+    return plot_sweep(csv_path, png_path, title)
+
+
+def plot_sweep(csv_path: str, png_path: str, title: str = "") -> str:
+    """Draw a sweep's CSV (:func:`write_sweep`) as a PNG; any machine with matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return (f"wrote {csv_path}; matplotlib is not installed here, plot it elsewhere: "
+                f"python -m spec_decode.bench --plot-from {csv_path} --plot {png_path}")
+    lines = open(csv_path).read().strip().split("\n")[1:]
+    data: dict = {}
+    for line in lines:
+        b, case, _, achieved, tps = line.split(",")
+        data.setdefault(case, {}).setdefault(b, []).append((float(achieved), float(tps)))
+    fig, axes = plt.subplots(1, len(data), figsize=(5.5 * len(data), 4), squeeze=False)
+    for ax, (case, per) in zip(axes[0], data.items()):
+        for b, pts in per.items():
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=b)
+        ax.set_title(case)
+        ax.set_xlabel("acceptance length (achieved mean)")
+        ax.set_ylabel("decode tok/s")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    return f"wrote {csv_path} and {png_path}"
+
+
+def run_case(backend, model, batch, n_in, n_out, reference=None, **engine):
+    """One (backend, case) run; ``engine``: further EngineConfig fields (prefill_chunk, ...).
+    ``reference``: another backend's generated tokens for the same prompts (None: this run's
+    own) -- request 0's are teacher-forced through this engine (:meth:`Engine.greedy_given`)."""
+    eng = build_engine(backend, model, batch, n_in, n_out, **engine)
+    if isinstance(eng, str):
+        return {"error": eng}
+    cfg = eng.config
     ids, digest = prompts(batch, n_in, model.vocab)
-    eng.warm_up(batch)  # compile + capture before the clock starts (the first step would otherwise)
     eng.verify_graphs.timing = eng.draft_graphs.timing = True
     out = eng.generate(ids, n_out)
     torch.cuda.synchronize()
@@ -332,6 +411,12 @@ def parser() -> argparse.ArgumentParser:
                     help="synthetic acceptance with this mean (accepted drafts + 1, in [1, 6]) drawn on the device "
                          "through the real multi-token accept path, instead of the random-weight draft's real "
                          "acceptance (about 1); the table shows the achieved mean (default: real acceptance)")
+    ap.add_argument("--sweep-acceptance", default=None,
+                    help="instead of the tables: decode tok/s at each of these comma-separated synthetic "
+                         "acceptance lengths (e.g. 1,2,3,4,5,6) per backend and case, to --out as CSV and to "
+                         "--plot as PNG (default: off)")
+    ap.add_argument("--plot", default=None, help="with --sweep-acceptance or --plot-from: the PNG to write")
+    ap.add_argument("--plot-from", default=None, help="draw a sweep's CSV (needs matplotlib, no GPU) and exit")
     ap.add_argument("--tp", type=int, default=1, choices=(1, 2, 4, 8),
                     help="tensor-parallel ranks, simulated on this GPU (needs --simulate-ranks; default: %(default)s)")
     ap.add_argument("--simulate-ranks", action="store_true",
@@ -351,6 +436,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
+    if args.plot_from:
+        if not args.plot:
+            ap.error("--plot-from needs --plot FILE.png")
+        print(plot_sweep(args.plot_from, args.plot))
+        return 0
     if not torch.cuda.is_available():
         print("spec_decode.bench needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -374,6 +464,14 @@ def main(argv=None) -> int:
     head = [f"## Decode runtime ({args.model}) -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
             f"Command: `python -m spec_decode.bench --model {args.model} --backends {args.backends}"
             f"{' --quick' if args.quick else ''}{tuned}`", ""]
+
+    if args.sweep_acceptance:
+        lengths = [float(x) for x in args.sweep_acceptance.split(",")]
+        engine.pop("acceptance_length")
+        rows = sweep_acceptance(backends, model, cases, lengths, **engine)
+        csv_path = args.out or "acceptance_sweep.csv"
+        print(write_sweep(rows, csv_path, args.plot, f"{args.model}, {torch.cuda.get_device_name()}"))
+        return 0
 
     def write(partial):
         text = "\n".join(head + table_lines(backends, cases, results))

@@ -74,13 +74,7 @@ class Engine:
             raise ValueError(f"backend must be one of {BACKENDS}, got {config.backend!r}")
         if not isinstance(config.block_size, int) or config.block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {config.block_size!r}")
-        self._accept_p = None
-        if config.acceptance_length is not None:
-            L = config.acceptance_length
-            if not isinstance(L, (int, float)) or not 1 <= L <= config.block_size + 1:
-                raise ValueError(f"acceptance_length must be in [1, block_size + 1 = {config.block_size + 1}], "
-                                 f"got {L!r}")
-            self._accept_p = acceptance_probability(L, config.block_size)
+        self.set_acceptance_length(config.acceptance_length)
         dtype = getattr(torch, config.dtype)
         if config.backend in KERNEL_BACKENDS and (dtype != torch.bfloat16 or torch.device(config.device).type != "cuda"):
             raise ValueError(f"backend={config.backend!r} runs this project's kernels: it needs dtype='bfloat16' and "
@@ -483,6 +477,16 @@ class Engine:
         rows = torch.arange(b, device=dev)
         next_state = (live, slots, greedy[rows, j], len_t + 1 + j, fv, j + 1)
         return _Step(live, next_state, torch.cat([drafts, greedy, j[:, None]], 1))
+
+    def set_acceptance_length(self, length: float | None) -> None:
+        """Synthetic acceptance with mean ``length`` (in ``[1, block_size + 1]``) from the next
+        generate on, or the draft's real acceptance (None). Host-side: captured graphs stay
+        valid (a benchmark sweeps it on one engine)."""
+        K = self.config.block_size
+        if length is not None and (isinstance(length, bool) or not isinstance(length, (int, float))
+                                   or not 1 <= length <= K + 1):
+            raise ValueError(f"acceptance_length must be in [1, block_size + 1 = {K + 1}], got {length!r}")
+        self._accept_p = None if length is None else acceptance_probability(length, K)
 
     def _accepted(self, drafts: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
         """Accepted drafts per request ``[b]`` on the device: the leading run of drafts equal to

@@ -621,6 +621,33 @@ def test_synthetic_acceptance(backend, length):
         Engine(EngineConfig(acceptance_length=7.0))
 
 
+def test_acceptance_length_set_on_a_built_engine(tmp_path):
+    """Engine.set_acceptance_length (the bench's sweep): the next generate draws with the new
+    mean on the same engine, None restores the draft's real acceptance, bad values raise; the
+    sweep's CSV round-trips through the plotter (a PNG where matplotlib is installed, else a
+    note naming the command)."""
+    from spec_decode.bench import plot_sweep, write_sweep
+
+    eng = Engine(EngineConfig(seed=2, max_seq_len=320, backend="torch-bf16", graph_batch_sizes=(1, 2)))
+    eng.set_acceptance_length(6.0)
+    eng.generate(prompts(3, 2), 60)
+    assert set(eng.stats.acceptance_lengths) == {6}
+    eng.set_acceptance_length(1.0)
+    eng.generate(prompts(3, 2), 20)
+    assert set(eng.stats.acceptance_lengths) == {1}
+    for bad in (0.5, 6.5, True, "5"):
+        with pytest.raises(ValueError, match="acceptance_length"):
+            eng.set_acceptance_length(bad)
+    rows = [("base", "BS1", 1.0, 1.0, 100.0), ("fused", "BS1", 1.0, 1.0, 130.0), ("base", "BS1", 6.0, 6.0, 500.0)]
+    note = write_sweep(rows, str(tmp_path / "s.csv"), str(tmp_path / "s.png"), "t")
+    assert (tmp_path / "s.csv").read_text().splitlines()[1] == "base,BS1,1,1.000,100.0"
+    try:
+        import matplotlib  # noqa: F401
+        assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+    except ImportError:
+        assert "--plot-from" in note and plot_sweep(str(tmp_path / "s.csv"), "x.png").startswith("wrote")
+
+
 def test_step_bytes_roofline():
     """spec_decode.bench.step_bytes: the weights term counts every non-expert weight and the
     routed experts touched; more requests touch more experts and read more state, never fewer
