@@ -194,6 +194,14 @@ def fp8_bound(o, w8, scale, widened_with_fp32_scales):
     return w, gemm_error_bound(o, w, Dg, 2.0 ** -8 if widened_with_fp32_scales else 0.0)
 
 
+def assert_fp8_per_element(out, o, w8, scale, widened=False):
+    """Every element of ``out`` within :func:`fp8_bound` of the float64 product (zero
+    elements outside it)."""
+    w, bound = fp8_bound(o, w8, scale, widened)
+    err = (out.double().cpu() - wo_a_ref(o, w).double().cpu()).abs()
+    assert bool((err <= bound).all()), f"{int((err > bound).sum())} of {err.numel()} elements out of bound"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("G, HG, Dv, R", V4_SHAPES)
 @pytest.mark.parametrize("T", [1, 5, 17, 33, 64, 65, 300, 4097])
@@ -290,6 +298,7 @@ def test_matches_reference_on_gpu(seed, G, HG, Dv, R, T):
     assert torch.isfinite(out).all()
     assert rel_err(out, dequantized_ref(o, w8, scale)) < TOL
     assert rel_err(out, wo_a_fp8_reference(o, w8, scale)) < TOL
+    assert_fp8_per_element(out, o, w8, scale)
 
 
 @pytest.mark.gpu
@@ -320,6 +329,7 @@ def test_every_config_and_graph_replay(seed, bm, splits, bn, stages, bk):
         launch(None)
         torch.cuda.synchronize()
         assert rel_err(out, dequantized_ref(o, w8, scale)) < TOL
+        assert_fp8_per_element(out, o, w8, scale)
     assert int(ws.counters.abs().sum()) == 0
     s = torch.cuda.Stream()
     g = torch.cuda.CUDAGraph()
@@ -331,6 +341,7 @@ def test_every_config_and_graph_replay(seed, bm, splits, bn, stages, bk):
     g.replay()
     torch.cuda.synchronize()
     assert rel_err(out, dequantized_ref(o, w8, scale)) < TOL
+    assert_fp8_per_element(out, o, w8, scale)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
