@@ -18,8 +18,8 @@ functions (``cute_kernels.row_rms.row_rms``, ...) stay the documented API; the o
 Ops: ``row_rms`` / ``row_rms_out``, ``masked_softmax`` / ``masked_softmax_out``, ``mhc_stats``,
 ``mhc_pre_mix`` / ``mhc_pre_mix_out``, ``mhc_post_mix`` / ``mhc_post_mix_`` (the residual
 update in place), ``wo_a`` / ``wo_a_out``, ``dequantize_fp8_blockwise``, ``indexer_topk``,
-``wo_a_fp8``, ``draft_head_scores_out``. Not registered: the push all-reduce (its group of
-peer buffers is not a tensor argument).
+``wo_a_fp8``, ``draft_head_scores_out``. The push all-reduce's ops (``push_allreduce``,
+``finalize_shared_allreduce``, a group handle for the peer buffers) are in :mod:`comm.ops`.
 
 Test::
 

@@ -216,3 +216,58 @@ def test_compiled_blocks_on_gpu_equal_eager_and_replay():
     f = torch.compile(moe.ops.moe_block, fullgraph=True, mode="reduce-overhead")
     for _ in range(3):  # the CUDA-graph mode records, then replays
         assert torch.equal(f(*args, swiglu_limit=10.0), eager)
+
+
+# ------------------------------------------------------------------- push all-reduce ----
+def _gloo_group(path, rank, world):
+    import torch.distributed as dist
+
+    return dist.ProcessGroupGloo(dist.FileStore(path, world), rank, world)
+
+
+def test_allreduce_ops_opcheck_on_cpu(tmp_path):
+    """push_allreduce / finalize_shared_allreduce on a one-rank gloo group: opcheck's schema,
+    fake and dispatch tests; the result is the rank's own partial (one rank) -- for the fused
+    form, finalize + shared add exactly as moe_finalize's; a bad handle raises by name."""
+    import comm.ops
+
+    h = comm.ops.register_group(_gloo_group(str(tmp_path / "store"), 0, 1))
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = _bf(5, 64, g=g)
+        torch.library.opcheck(ops.push_allreduce.default, (x, h, 0))
+        assert torch.equal(ops.push_allreduce(x, h, 0), x)
+        y, w = _bf(5 * 3 + 7, 64, g=g), torch.rand(5, 3, generator=g)
+        pos, sh = torch.randperm(5 * 3 + 7, generator=g)[:15].view(5, 3).int(), _bf(5, 64, g=g)
+        torch.library.opcheck(ops.finalize_shared_allreduce.default, (y, w, pos, sh, h, 0))
+        assert torch.equal(ops.finalize_shared_allreduce(y, w, pos, sh, h, 0), ops.moe_finalize(y, w, pos, sh))
+        with pytest.raises(ValueError, match="group=999"):
+            ops.push_allreduce(x, 999, 0)
+    finally:
+        comm.ops.unregister_group(h)
+
+
+def _allreduce_rank(rank, world, path, q):
+    import comm.ops
+
+    h = comm.ops.register_group(_gloo_group(path, rank, world))
+    x = (torch.arange(4 * 64, dtype=torch.float32).view(4, 64) * (rank + 1) / 7).bfloat16()
+    q.put((rank, ops.push_allreduce(x, h, rank).float().tolist()))  # plain data: the process may exit first
+
+
+def test_allreduce_op_sums_in_rank_order_across_processes(tmp_path):
+    """Three gloo processes: every rank gets bf16 of the FP32 sum of the partials in rank order."""
+    import torch.multiprocessing as mp
+
+    world, ctx = 3, mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, world, str(tmp_path / "store"), q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=120) for _ in range(world))
+    for p in procs:
+        p.join(timeout=60)
+    parts = [(torch.arange(4 * 64, dtype=torch.float32).view(4, 64) * (r + 1) / 7).bfloat16().float()
+             for r in range(world)]
+    want = (parts[0] + parts[1] + parts[2]).bfloat16()
+    assert all(torch.equal(torch.tensor(got[r]).bfloat16(), want) for r in range(world))
