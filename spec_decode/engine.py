@@ -186,24 +186,21 @@ class Engine:
                     L.pop(f"ffn.experts.{w}", None)
         else:
             opss = [Ops() for _ in range(tp)]
-        group = None
+        # eager forwards (threads) sum through `threads`; on a GPU the captured graphs push
+        threads = ThreadAllReduce(tp, timeout=cfg.dist_timeout_s)
+        push = None
         if cuda:
             from comm.buffers import PushAllReduceGroup
 
-            group = PushAllReduceGroup.simulated(tp, max_tokens, mc.hidden, device=dev)
-            self.allreduce_backend = "custom_push (simulated ranks)"
+            push = PushAllReduceGroup.simulated(tp, max_tokens, mc.hidden, device=dev)
+            self.allreduce_backend = "custom_push in the graphs, threads eagerly (simulated ranks)"
         else:
-            group = ThreadAllReduce(tp, timeout=cfg.dist_timeout_s)
             self.allreduce_backend = "FP32 rank-order sum (simulated ranks, threads)"
         for r, o in enumerate(opss):
-            o.push_rank = r
-            if cuda:
-                o.push = group
-            else:
-                o.group = group
+            o.push_rank, o.push, o.group = r, push, threads
         states = [self.state] + [DecodeState(mc, self.state.slots, cfg.max_seq_len, cfg.block_size + 1,
                                              self.model.dtype, dev) for _ in range(1, tp)]
-        return SimulatedRanks([StepModel(v, o) for v, o in zip(views, opss)], states)
+        return SimulatedRanks([StepModel(v, o) for v, o in zip(views, opss)], states, threads)
 
     def _draft_step(self, tok, pos, slots, feats, n_commit):
         """The draft graph: commit the previous verify's accepted positions to the draft's

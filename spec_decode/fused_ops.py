@@ -35,6 +35,7 @@ from cute_kernels.mhc_post_mix import mhc_post_mix
 from cute_kernels.mhc_pre_mix import mhc_pre_mix
 from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_split_phi, mhc_stats
 from cute_kernels.wo_a import wo_a
+from cute_kernels.wo_a_decode import WoADecodeWorkspace
 from moe.experts import (expert_kernel_args, interleave_gate_up, moe_expert_gate_up, moe_expert_gemm,
                          quantize_expert_weights)
 from moe.finalize import moe_finalize
@@ -77,6 +78,7 @@ class FusedOps(Ops):
         # events (captured into the step graphs as parallel branches), beside the routed path.
         self.side = torch.cuda.Stream(device=dev) if on_cuda else None
         self._layer = {}  # id(layer dict) -> its prepared kernel weights
+        self._wo_ws = {}  # WO-A groups -> this object's split-K workspace
         layers = list(target.layers) + (list(draft.stages) if draft is not None else [])
         for L in layers:
             P = {}
@@ -140,7 +142,14 @@ class FusedOps(Ops):
     def wo_a(self, o, w, cfg):
         B, S, H, hd = o.shape
         R = cfg.wo_rank
-        return wo_a(o.reshape(B * S, H, hd).contiguous(), w.view(w.shape[0] // R, R, -1)).view(B, S, -1)
+        G = w.shape[0] // R
+        # this ops object's own split-K workspace: simulated ranks run WO-A concurrently on
+        # their own streams, and a workspace serves one call in flight (created on the first,
+        # eager call, before any capture)
+        ws = self._wo_ws.get(G)
+        if ws is None:
+            ws = self._wo_ws[G] = WoADecodeWorkspace(G, R, device=o.device)
+        return wo_a(o.reshape(B * S, H, hd).contiguous(), w.view(G, R, -1), workspace=ws).view(B, S, -1)
 
 
     # ------------------------------------------------------------------ MoE --------------

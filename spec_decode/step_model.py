@@ -309,9 +309,11 @@ class V4Layer:
 
 
 class ThreadAllReduce:
-    """The all-reduce of simulated ranks on the CPU: one thread per rank; each call waits for
-    every rank's partial (bounded: ``timeout`` s), sums them in rank order in FP32 and gives
-    every rank the same result."""
+    """The all-reduce of simulated ranks run by threads, one per rank: each call waits for every
+    rank's partial (bounded: ``timeout`` s), sums them in rank order in FP32 and gives every
+    rank the same result -- the push kernel's numbers. CUDA partials (each rank's thread on its
+    own stream): a rank's stream waits for the others' partials (events) before summing, and
+    the partials' memory is held for those reads (``record_stream``)."""
 
     def __init__(self, world: int, timeout: float = 60.0):
         import threading
@@ -319,10 +321,21 @@ class ThreadAllReduce:
         self.world = world
         self.barrier = threading.Barrier(world, timeout=timeout)
         self.parts: list = [None] * world
+        self.events: list = [None] * world
 
     def all_reduce(self, rank: int, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            ev = torch.cuda.Event()
+            ev.record()  # on this rank's current stream
+            self.events[rank] = ev
         self.parts[rank] = x
         self.barrier.wait()
+        if x.is_cuda:
+            s = torch.cuda.current_stream()
+            for q in range(self.world):
+                if q != rank:
+                    s.wait_event(self.events[q])
+                    self.parts[q].record_stream(s)
         total = self.parts[0].float()
         for p in self.parts[1:]:
             total = total + p.float()
@@ -344,20 +357,27 @@ class RankView:
 class SimulatedRanks:
     """Every tensor-parallel rank in this process: per rank a :class:`StepModel` over its
     slices, its own :class:`DecodeState` (rank 0's is the engine's) and its own ops. A forward
-    runs all ranks -- on a GPU each on its own stream, forked from and joined to the current
-    one (so one CUDA graph captures the whole TP step, the push all-reduce and its phase
-    counters included), on a CPU one thread each -- and returns rank 0's outputs (every rank
-    holds the same all-reduced values)."""
+    runs all ranks and returns rank 0's outputs (every rank holds the same all-reduced values):
 
-    def __init__(self, steps: list, states: list):
-        self.steps, self.states = steps, states
+    * captured into a CUDA graph: each rank on its own stream, forked from and joined to the
+      capturing one -- the whole TP step, the push all-reduce (``ops.push``) and its phase
+      counters in one graph, whose replays launch every rank's kernels at once;
+    * eagerly (prefill, graph warm-ups; on a CPU always): one thread per rank (on a GPU each on
+      its own stream), all-reduces through ``threads`` (:class:`ThreadAllReduce`: the same
+      FP32 rank-order sums). Not the push kernel: it spin-waits for its peers' launches,
+      which an eager rank reaches only after the host has enqueued the ranks before it, and a
+      first launch of any kernel (lazy module loading) can synchronise the context while a
+      peer spins -- a deadlock that only the bounded wait would end."""
+
+    def __init__(self, steps: list, states: list, threads: ThreadAllReduce):
+        self.steps, self.states, self.threads = steps, states, threads
         self.tp = len(steps)
         self.ops = steps[0].ops
         cuda = torch.device(steps[0].t.device).type == "cuda"
         self.streams = [torch.cuda.Stream(device=steps[0].t.device) for _ in steps] if cuda else None
 
     def forward(self, tokens, pos, slots, st=None):
-        if self.streams is not None:
+        if self.streams is not None and torch.cuda.is_current_stream_capturing():
             main = torch.cuda.current_stream()
             outs = []
             for step, state, s in zip(self.steps, self.states, self.streams):
@@ -367,22 +387,43 @@ class SimulatedRanks:
             for s in self.streams:
                 main.wait_stream(s)
             return outs[0]
+        return self._threaded(tokens, pos, slots)
+
+    def _threaded(self, tokens, pos, slots):
         import threading
 
         outs, errs = [None] * self.tp, []
+        opss = [step.ops for step in self.steps]
+        saved = [(o.push, o.group) for o in opss]
+        main = torch.cuda.current_stream() if self.streams is not None else None
 
         def run(r):
             try:
-                outs[r] = self.steps[r].forward(tokens, pos, slots, self.states[r])
+                if main is None:
+                    outs[r] = self.steps[r].forward(tokens, pos, slots, self.states[r])
+                    return
+                s = self.streams[r]
+                s.wait_stream(main)
+                with torch.cuda.stream(s):
+                    outs[r] = self.steps[r].forward(tokens, pos, slots, self.states[r])
             except BaseException as e:  # noqa: BLE001 -- re-raised on the caller's thread
                 errs.append(e)
-                self.ops.group.barrier.abort()  # release the peers waiting on this rank
-        self.ops.group.barrier.reset()  # a failed step broke it; nobody waits on it now
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(self.tp)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+                self.threads.barrier.abort()  # release the peers waiting on this rank
+        self.threads.barrier.reset()  # a failed step broke it; nobody waits on it now
+        for o in opss:
+            o.push, o.group = None, self.threads
+        try:
+            threads = [threading.Thread(target=run, args=(r,)) for r in range(self.tp)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            for o, (push, group) in zip(opss, saved):
+                o.push, o.group = push, group
+        if main is not None:
+            for s in self.streams:
+                main.wait_stream(s)
         if errs:
             raise errs[0]
         return outs[0]

@@ -242,30 +242,47 @@ def test_simulated_tp4_graph_replays_with_fresh_inputs():
 
 @pytest.mark.gpu
 def test_simulated_tp4_absent_rank_raises():
-    """A rank that never launches its all-reduce: the others' bounded waits expire and generate
-    raises AllReduceTimeout instead of hanging or returning silently."""
+    """A rank that never joins its all-reduces: eagerly (the prefill) the others' bounded
+    waits expire (dist_timeout_s) and generate raises naming the collective; inside a
+    captured graph the push kernels' bounded spins expire and the engine's check raises
+    AllReduceTimeout -- never a hang or a silent result."""
     from comm.buffers import AllReduceTimeout
 
-    eng = _gpu_engine("torch-bf16", 4)
-    eng.step.ops.push.max_spins = 1 << 14
+    eng = _gpu_engine("torch-bf16", 4, dist_timeout_s=2.0)
     absent = eng.step.steps[3].ops
     absent.all_reduce = lambda x: x
-    absent.moe = lambda h, L, cfg, tokens, first_expert=0, reduce=False: torch.zeros_like(h)
-    with pytest.raises(AllReduceTimeout):
+    with pytest.raises(RuntimeError, match="collective"):
         eng.generate([prompts_gpu(0)], 4, speculative=False)
+    eng = _gpu_engine("torch-bf16", 4)
+    eng.warm_up(1)  # every graph captured while all ranks still push
+    push = eng.step.ops.push
+    push.max_spins = 1 << 14
+    K1 = eng.config.block_size + 1
+    slots = torch.tensor([0], device="cuda")
+    pos = (torch.arange(K1, device="cuda") + 7)[None]
+    toks = torch.zeros(1, K1, dtype=torch.long, device="cuda")
+    push.ranks[3].phase.add_(1)  # rank 3 a phase ahead: its pushes are not the ones its peers wait for
+    eng.verify_graphs.run(toks, pos, slots)
+    torch.cuda.synchronize()
+    with pytest.raises(AllReduceTimeout):
+        eng._check_collectives()
 
 
 @pytest.mark.gpu
 def test_simulated_tp4_delayed_rank_still_correct():
-    """A rank that launches its all-reduces late (an in-kernel delay before its pushes): its
-    peers wait for it within the bounded spin and the outputs are those of an undelayed run."""
+    """A rank whose push all-reduces in the captured graphs start late (an in-kernel delay
+    before its pushes): its peers wait for it within the bounded spin and the outputs equal an
+    undelayed run's."""
     ps = [prompts_gpu(s) for s in range(2)]
     want = _gpu_engine("torch-bf16", 4).generate(ps, 8, speculative=False)
     eng = _gpu_engine("torch-bf16", 4)
     slow = eng.step.steps[2].ops
-    push = slow.push
+    push, eager = slow.push, slow.all_reduce
 
     def late(x):
+        if not torch.cuda.is_current_stream_capturing():
+            return eager(x)  # eager forwards sum through threads
         return push.allreduce(2, x.reshape(-1, x.shape[-1]).contiguous(), delay=20000).view(x.shape)
     slow.all_reduce = late
     assert eng.generate(ps, 8, speculative=False) == want
+    eng._check_collectives()
