@@ -310,7 +310,8 @@ def count_families(eng, batch, cycles=20):
     """Kernels per op family in one eager verify step at ``batch``, times ``cycles`` (a replayed
     verify graph runs exactly the kernels its eager capture launched; the draft step has no MoE
     families): torch kernels launched inside each family's profiler range
-    (:func:`spec_decode.step_model.family`), plus this project's CuTe kernels by class name."""
+    (:func:`spec_decode.step_model.family`), plus this project's CuTe kernels by class name in
+    one replay of the captured verify graph (the eager step where nothing is captured)."""
     from torch.profiler import ProfilerActivity, profile
 
     K = eng.config.block_size
@@ -328,12 +329,23 @@ def count_families(eng, batch, cycles=20):
         own = sum(not k.name.startswith("kernel_cutlass") for k in ev.kernels)
         return own + sum(torch_kernels(c) for c in ev.cpu_children)
 
+    # this project's kernels from one replay of the captured verify graph where there is one:
+    # what the step runs (simulated TP ranks push only inside graphs; eagerly they sum on threads)
+    kernels = prof.events()
+    if eng.verify_graphs.use_graphs:
+        eng.verify_graphs.run(tok, pos, slots)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as replay:
+            eng.verify_graphs.run(tok, pos, slots)
+            torch.cuda.synchronize()
+        kernels = replay.events()
     counts = dict.fromkeys(FAMILIES, 0)
     for ev in prof.events():
         if ev.name.startswith("family::") and (ev.cpu_parent is None or not ev.cpu_parent.name.startswith("family::")):
             fam = ev.name[len("family::"):]
             counts[fam] = counts.get(fam, 0) + torch_kernels(ev)
-        elif ev.device_type.name == "CUDA" and ev.name.startswith("kernel_cutlass"):
+    for ev in kernels:
+        if ev.device_type.name == "CUDA" and ev.name.startswith("kernel_cutlass"):
             for cls, fam in CUTE_FAMILIES.items():
                 if cls in ev.name:
                     counts[fam] += 1
