@@ -43,8 +43,8 @@ def fake_indexer_topk(q, w, rows, off, kv_len, pos, *, topk, max_keys, workspace
     return out
 
 
-def fake_wo_a(o, w):
-    assert w.dim() == 3
+def fake_wo_a(o, w, workspace=None):
+    assert w.dim() == 3 and workspace is not None  # FusedOps passes its own split-K workspace
     T, H, hd = o.shape
     G = w.shape[0]
     return torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).float(), w.float()).reshape(T, -1).bfloat16()
