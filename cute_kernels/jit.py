@@ -165,11 +165,16 @@ class CacheStats:
     disk_writes: int = 0
 
 
+_COMPILE_LOCK = threading.Lock()
+
+
 class KernelCache:
     """Thread-safe in-process cache of compiled kernels.
 
-    A per-key lock makes concurrent first calls of the same kernel compile once; other
-    keys compile in parallel.
+    A per-key lock makes concurrent first calls of the same kernel compile once; other keys
+    load from disk in parallel, but compile one at a time (``_COMPILE_LOCK``: the DSL's
+    compiler is not documented as thread-safe, and threads that enqueue simulated ranks'
+    first steps reach the same compiles together).
     """
 
     def __init__(self) -> None:
@@ -223,7 +228,8 @@ class KernelCache:
                         self.stats.disk_load_seconds += time.perf_counter() - t0
                     self._keep_alive[key] = module
             if fn is None:
-                compiled = compile_now(kdef, key.arch, config, options=key.options)
+                with _COMPILE_LOCK:
+                    compiled = compile_now(kdef, key.arch, config, options=key.options)
                 fn = compiled.fn
                 with self._lock:
                     self.stats.compiles += 1
