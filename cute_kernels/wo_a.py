@@ -145,6 +145,10 @@ SM90_CUBLAS_T: dict[tuple[int, int, int], tuple[tuple[int, int], ...]] = {
     (16, 512, 2048): ((16, 32), (480, 1440), (1536, 1664)),
     (16, 1024, 1024): ((16, 32), (256, 984), (1056, 1088)),
     (16, 1024, 2048): ((16, 32), (256, 872), (888, 984)),
+    # DeepSeek-V4 (Dg = 4096): only 16 < T <= 32 so far, from bench_wo_a_v4's paired points
+    # (cuBLAS 3-7% ahead at T = 32; bench/RESULTS.md); the rest of the grid is not measured
+    (8, 1024, 4096): ((16, 32),),
+    (16, 1024, 4096): ((16, 32),),
 }
 
 
