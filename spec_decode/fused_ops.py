@@ -204,9 +204,9 @@ class FusedOps(Ops):
             return P["router"](logits, P["router_bias"])
 
     def finish(self, y, weights, pos, sh, reduce):
-        """Deferred finalize fused with the shared add (and, on the custom push backend, the
-        all-reduce: one launch)."""
-        if reduce and self.push is not None:
+        """Deferred finalize fused with the shared add (and, on the custom push backend inside
+        a captured graph, the all-reduce: one launch; eagerly the all-reduce follows)."""
+        if reduce and self.pushes(y):
             with family("fused finalize (+ shared add)"):  # + the all-reduce, one launch
                 return self.push.finalize_shared_allreduce(self.push_rank, y, weights, pos, sh)
         with family("fused finalize (+ shared add)"):

@@ -136,18 +136,29 @@ class Ops:
         return wo_a_ref(o, wo_a, cfg)
 
     #: tensor parallelism: the group whose partial sums :meth:`all_reduce` adds (None: one
-    #: rank) -- a torch.distributed group, or a :class:`ThreadAllReduce` (simulated ranks on
-    #: the CPU); ``push`` / ``push_rank``: the custom push all-reduce group (a real one, or
-    #: simulated on one GPU) and this rank in it, which takes precedence for bf16 CUDA tensors
+    #: rank) -- a torch.distributed group, or a :class:`ThreadAllReduce` (simulated ranks);
+    #: ``push`` / ``push_rank``: the custom push all-reduce group (a real one, or simulated on
+    #: one GPU) and this rank in it, used for bf16 CUDA tensors inside captured graphs
     group = None
     push = None
     push_rank = 0
 
+    def pushes(self, x: torch.Tensor) -> bool:
+        """Whether ``x``'s all-reduce takes the push kernel: only while a CUDA graph is being
+        captured. Eagerly (prefill, warm-ups) a rank may reach its push long before its peers
+        (host enqueue skew, a first compile, a lazy module load that synchronises the context
+        while the kernel spins) and the kernel's bounded wait would give up; a graph replay
+        launches every rank's step at once."""
+        return (self.push is not None and x.is_cuda and x.dtype == torch.bfloat16
+                and torch.cuda.is_current_stream_capturing())
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum a tensor-parallel partial ``x`` over the ranks; every rank gets the same sum. One
-        rank: ``x``."""
-        if self.push is not None and x.is_cuda and x.dtype == torch.bfloat16:
-            with family("all-reduce"):  # FP32 in rank order -> bf16
+        """Sum a tensor-parallel partial ``x`` over the ranks: FP32 in rank order, then one
+        rounding to ``x``'s dtype, so every rank gets the same sum and every path the same
+        numbers (the push kernel; else ``group``: threads, or a torch.distributed all-gather
+        then the same sum). One rank: ``x``."""
+        if self.pushes(x):
+            with family("all-reduce"):
                 return self.push.allreduce(self.push_rank, x.reshape(-1, x.shape[-1]).contiguous()).view(x.shape)
         if self.group is None:
             return x
@@ -156,8 +167,12 @@ class Ops:
         import torch.distributed as dist
 
         with family("all-reduce"):
-            dist.all_reduce(x, group=self.group)
-        return x
+            parts = [torch.empty_like(x) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+            total = parts[0].float()
+            for p in parts[1:]:
+                total = total + p.float()
+            return total.to(x.dtype)
 
     def moe(self, h, L, cfg, tokens, first_expert: int = 0, reduce: bool = False):
         """h [N, C] (normed), tokens [N] -> routed + shared [N, C]. An expert shard returns its
@@ -393,8 +408,6 @@ class SimulatedRanks:
         import threading
 
         outs, errs = [None] * self.tp, []
-        opss = [step.ops for step in self.steps]
-        saved = [(o.push, o.group) for o in opss]
         main = torch.cuda.current_stream() if self.streams is not None else None
 
         def run(r):
@@ -410,17 +423,11 @@ class SimulatedRanks:
                 errs.append(e)
                 self.threads.barrier.abort()  # release the peers waiting on this rank
         self.threads.barrier.reset()  # a failed step broke it; nobody waits on it now
-        for o in opss:
-            o.push, o.group = None, self.threads
-        try:
-            threads = [threading.Thread(target=run, args=(r,)) for r in range(self.tp)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        finally:
-            for o, (push, group) in zip(opss, saved):
-                o.push, o.group = push, group
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(self.tp)]
+        for t in threads:  # no capture here: every rank's ops sum through `threads`
+            t.start()
+        for t in threads:
+            t.join()
         if main is not None:
             for s in self.streams:
                 main.wait_stream(s)
