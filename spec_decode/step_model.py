@@ -337,6 +337,17 @@ class ThreadAllReduce:
         self.barrier = threading.Barrier(world, timeout=timeout)
         self.parts: list = [None] * world
         self.events: list = [None] * world
+        #: held by the rank thread that runs (:meth:`SimulatedRanks.forward`): one rank's
+        #: Python -- its kernel launches included -- at a time, handed over at the barriers
+        self.baton = threading.Lock()
+
+    def _wait(self) -> None:
+        """The barrier, with the baton handed to the other ranks while this one waits."""
+        self.baton.release()
+        try:
+            self.barrier.wait()
+        finally:
+            self.baton.acquire()
 
     def all_reduce(self, rank: int, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
@@ -344,7 +355,7 @@ class ThreadAllReduce:
             ev.record()  # on this rank's current stream
             self.events[rank] = ev
         self.parts[rank] = x
-        self.barrier.wait()
+        self._wait()
         if x.is_cuda:
             s = torch.cuda.current_stream()
             for q in range(self.world):
@@ -354,7 +365,7 @@ class ThreadAllReduce:
         total = self.parts[0].float()
         for p in self.parts[1:]:
             total = total + p.float()
-        self.barrier.wait()  # every rank has read the partials before any is replaced
+        self._wait()  # every rank has read the partials before any is replaced
         return total.to(x.dtype)
 
 
@@ -411,14 +422,18 @@ class SimulatedRanks:
         main = torch.cuda.current_stream() if self.streams is not None else None
 
         def run(r):
+            # One rank thread runs at a time (the baton; handed over inside the all-reduce's
+            # barriers): its Python, kernel launches and compiles are never concurrent with
+            # another rank's -- the DSL's launch path is not documented as thread-safe.
             try:
-                if main is None:
-                    outs[r] = self.steps[r].forward(tokens, pos, slots, self.states[r])
-                    return
-                s = self.streams[r]
-                s.wait_stream(main)
-                with torch.cuda.stream(s):
-                    outs[r] = self.steps[r].forward(tokens, pos, slots, self.states[r])
+                with self.threads.baton:
+                    if main is None:
+                        outs[r] = self.steps[r].forward(tokens, pos, slots, self.states[r])
+                        return
+                    s = self.streams[r]
+                    s.wait_stream(main)
+                    with torch.cuda.stream(s):
+                        outs[r] = self.steps[r].forward(tokens, pos, slots, self.states[r])
             except BaseException as e:  # noqa: BLE001 -- re-raised on the caller's thread
                 errs.append(e)
                 self.threads.barrier.abort()  # release the peers waiting on this rank
