@@ -114,11 +114,20 @@ def fake_gate_up(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert
     return q.view(torch.float8_e4m3fn), swizzle_scales(s)
 
 
-def fake_gemm(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert_rows=None, expert_row_tile=None):
+def fake_gemm(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert_rows=None, expert_row_tile=None,
+              out=None):
+    """The down GEMM's contract: each expert's live rows ``[offs[e], offs[e] + counts[e])``
+    (absolute rows of ``aq``) written, every other row of ``out`` left as it was."""
     _check_bounds(counts, routed_rows, max_expert_rows, expert_row_tile)
     rows = aq.shape[0]
-    return expert_gemm_torch(aq.view(torch.uint8), asc, wq.view(torch.uint8), ws, offs,
-                      torch.zeros(rows, wq.shape[1]).bfloat16())
+    y = expert_gemm_torch(aq.view(torch.uint8), asc, wq.view(torch.uint8), ws, offs,
+                          torch.zeros(rows, wq.shape[1]).bfloat16())
+    if out is None:
+        return y
+    for e in range(wq.shape[0]):
+        lo, n = int(offs[e]), int(counts[e])
+        out[lo:lo + n] = y[lo:lo + n]
+    return out
 
 
 def fake_quantize_expert_weights(w):
@@ -304,3 +313,26 @@ def test_base_arm_same_numbers_other_launches(fakes):
     w = m.layers[1]["attn.wo_a.weight"]
     assert (base.wo_a(o, w, CFG).float() - fused.wo_a(o, w, CFG).float()).abs().max() <= 2 ** -7 * (
         fused.wo_a(o, w, CFG).float().abs().max())  # cuBLAS order vs the kernel's: bf16 rounding apart
+
+
+def test_expert_parallel_partials_sum_to_the_whole(fakes):
+    """Expert parallelism's glue: each of 2 ranks (its half of the routed experts, half the
+    shared expert's width; spec_decode.step_model.Shard) runs FusedOps.moe on its slices with
+    the router's full packing -- local offsets, the tile map with other ranks' tiles at -1,
+    other experts' weights zeroed in the finalize, rows it never writes in a persistent
+    buffer. The ranks' partials, summed in FP32, equal one rank's whole MoE within the bf16
+    roundings of the partials (hash-routed and top-k layers)."""
+    from spec_decode.step_model import RankView, Shard
+
+    m, _ = _models()
+    whole = fo.FusedOps(m, max_tokens=12, max_len=64, _cpu_for_tests=True)
+    views = [RankView(m, Shard(CFG, r, 2)) for r in range(2)]
+    ranks = [fo.FusedOps(v, max_tokens=12, max_len=64, _cpu_for_tests=True) for v in views]
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(12, CFG.hidden, generator=g).bfloat16()
+    toks = torch.randint(0, CFG.vocab, (12,), generator=g)
+    for li in (1, 2):
+        want = whole.moe(h, m.layers[li], CFG, toks).float()
+        parts = [ops.moe(h, v.layers[li], CFG, toks, v.shard.first_expert).float() for ops, v in zip(ranks, views)]
+        got = parts[0] + parts[1]
+        assert float((got - want).norm() / want.norm()) < 2 * 2.0**-8  # two partials' bf16 roundings
