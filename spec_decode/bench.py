@@ -200,7 +200,8 @@ def run_case(backend, model, batch, n_in, n_out, reference=None, **engine):
     torch.cuda.synchronize()
     st = eng.stats
     n = sum(len(o) for o in out)
-    res = dict(synthetic=cfg.acceptance_length is not None, hash=digest, decode_tps=(n - batch) / (st.t_end - st.t_first), full_tps=n / (st.t_end - st.t_start),
+    res = dict(synthetic=cfg.acceptance_length is not None, hash=digest,
+               decode_tps=(n - batch) / (st.t_end - st.t_first), full_tps=n / (st.t_end - st.t_start),
                acceptance=st.median_acceptance,
                mean_acceptance=(sum(st.acceptance_lengths) / len(st.acceptance_lengths)
                                 if st.acceptance_lengths else float("nan")),
@@ -442,7 +443,8 @@ def parser() -> argparse.ArgumentParser:
                          "--plot as PNG (default: off)")
     ap.add_argument("--plot", default=None,
                     help="with --sweep-acceptance or --plot-from: the PNG to write (default: none)")
-    ap.add_argument("--plot-from", default=None, help="draw a sweep's CSV (needs matplotlib, no GPU) and exit (default: none)")
+    ap.add_argument("--plot-from", default=None,
+                    help="draw a sweep's CSV (needs matplotlib, no GPU) and exit (default: none)")
     ap.add_argument("--tp", type=int, default=1, choices=(1, 2, 4, 8),
                     help="tensor-parallel ranks, simulated on this GPU (needs --simulate-ranks; default: %(default)s)")
     ap.add_argument("--simulate-ranks", action="store_true",

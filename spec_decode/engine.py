@@ -117,11 +117,7 @@ class Engine:
                 self.step = self._simulated_ranks(width)
                 ops = self.step.ops
             elif config.backend in KERNEL_BACKENDS:
-                from .fused_ops import BaseOps, FusedOps  # imports the CuTe DSL kernels: only when asked for
-
-                ops = (FusedOps if config.backend == "fused" else BaseOps)(self.model, max_tokens=width, max_len=config.max_seq_len,
-                               moe_row_tile=config.moe_row_tile, indexer_token_group=config.indexer_token_group,
-                               draft=self.draft, release_bf16_experts=True)  # this engine runs no torch-bf16 MoE
+                ops = self._kernel_ops(self.model, width, self.draft)
             else:
                 ops = Ops()
             if config.backend in KERNEL_BACKENDS:
@@ -176,11 +172,7 @@ class Engine:
         cuda = torch.device(dev).type == "cuda"
         views = [RankView(self.model, Shard(mc, r, tp)) for r in range(tp)]
         if cfg.backend in KERNEL_BACKENDS:
-            from .fused_ops import BaseOps, FusedOps
-
-            opss = [(FusedOps if cfg.backend == "fused" else BaseOps)(views[r], max_tokens=max_tokens, max_len=cfg.max_seq_len, moe_row_tile=cfg.moe_row_tile,
-                             indexer_token_group=cfg.indexer_token_group, draft=self.draft if r == 0 else None,
-                             release_bf16_experts=True) for r in range(tp)]
+            opss = [self._kernel_ops(views[r], max_tokens, self.draft if r == 0 else None) for r in range(tp)]
             for L in self.model.layers:  # the views' bf16 experts are released: free the storage too
                 for w in ("w1", "w3", "w2"):
                     L.pop(f"ffn.experts.{w}", None)
@@ -201,6 +193,17 @@ class Engine:
         states = [self.state] + [DecodeState(mc, self.state.slots, cfg.max_seq_len, cfg.block_size + 1,
                                              self.model.dtype, dev) for _ in range(1, tp)]
         return SimulatedRanks([StepModel(v, o) for v, o in zip(views, opss)], states, threads)
+
+    def _kernel_ops(self, target, max_tokens: int, draft):
+        """The base or fused backend's ops for ``target`` (the model, or one rank's view of it),
+        preparing the kernel weights of its layers and of ``draft``'s stages. This engine runs
+        no torch-bf16 MoE, so the bf16 expert weights are released."""
+        from .fused_ops import BaseOps, FusedOps  # imports the CuTe DSL kernels: only when asked for
+
+        cfg = self.config
+        return (FusedOps if cfg.backend == "fused" else BaseOps)(
+            target, max_tokens=max_tokens, max_len=cfg.max_seq_len, moe_row_tile=cfg.moe_row_tile,
+            indexer_token_group=cfg.indexer_token_group, draft=draft, release_bf16_experts=True)
 
     def _draft_step(self, tok, pos, slots, feats, n_commit):
         """The draft graph: commit the previous verify's accepted positions to the draft's

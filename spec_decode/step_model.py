@@ -169,10 +169,7 @@ class Ops:
         with family("all-reduce"):
             parts = [torch.empty_like(x) for _ in range(dist.get_world_size(self.group))]
             dist.all_gather(parts, x.contiguous(), group=self.group)
-            total = parts[0].float()
-            for p in parts[1:]:
-                total = total + p.float()
-            return total.to(x.dtype)
+            return rank_order_sum(parts, x.dtype)
 
     def moe(self, h, L, cfg, tokens, first_expert: int = 0, reduce: bool = False):
         """h [N, C] (normed), tokens [N] -> routed + shared [N, C]. An expert shard returns its
@@ -323,6 +320,15 @@ class V4Layer:
         return pool[slots[:, None, None], idx], valid
 
 
+def rank_order_sum(parts: list, dtype: torch.dtype) -> torch.Tensor:
+    """``dtype(parts[0] + parts[1] + ...)`` summed in FP32 in rank order, one rounding at the
+    end: the push all-reduce kernel's numbers, which every all-reduce path here reproduces."""
+    total = parts[0].float()
+    for p in parts[1:]:
+        total = total + p.float()
+    return total.to(dtype)
+
+
 class ThreadAllReduce:
     """The all-reduce of simulated ranks run by threads, one per rank: each call waits for every
     rank's partial (bounded: ``timeout`` s), sums them in rank order in FP32 and gives every
@@ -362,11 +368,9 @@ class ThreadAllReduce:
                 if q != rank:
                     s.wait_event(self.events[q])
                     self.parts[q].record_stream(s)
-        total = self.parts[0].float()
-        for p in self.parts[1:]:
-            total = total + p.float()
+        total = rank_order_sum(self.parts, x.dtype)
         self._wait()  # every rank has read the partials before any is replaced
-        return total.to(x.dtype)
+        return total
 
 
 class RankView:
@@ -425,15 +429,12 @@ class SimulatedRanks:
             # One rank thread runs at a time (the baton; handed over inside the all-reduce's
             # barriers): its Python, kernel launches and compiles are never concurrent with
             # another rank's -- the DSL's launch path is not documented as thread-safe.
+            s = self.streams[r] if main is not None else None  # None: a CPU run, no stream
             try:
-                with self.threads.baton:
-                    if main is None:
-                        outs[r] = self.steps[r].forward(tokens, pos, slots, self.states[r])
-                        return
-                    s = self.streams[r]
-                    s.wait_stream(main)
-                    with torch.cuda.stream(s):
-                        outs[r] = self.steps[r].forward(tokens, pos, slots, self.states[r])
+                with self.threads.baton, torch.cuda.stream(s):
+                    if s is not None:
+                        s.wait_stream(main)
+                    outs[r] = self.steps[r].forward(tokens, pos, slots, self.states[r])
             except BaseException as e:  # noqa: BLE001 -- re-raised on the caller's thread
                 errs.append(e)
                 self.threads.barrier.abort()  # release the peers waiting on this rank
