@@ -339,21 +339,33 @@ class ThreadAllReduce:
     def __init__(self, world: int, timeout: float = 60.0):
         import threading
 
-        self.world = world
+        self.world, self.timeout = world, timeout
         self.barrier = threading.Barrier(world, timeout=timeout)
         self.parts: list = [None] * world
         self.events: list = [None] * world
         #: held by the rank thread that runs (:meth:`SimulatedRanks.forward`): one rank's
         #: Python -- its kernel launches included -- at a time, handed over at the barriers
         self.baton = threading.Lock()
+        self._turn = threading.local()  # whether this thread holds the baton
+
+    def take_turn(self) -> None:
+        """Take the baton, waiting at most ``timeout`` s for the rank that holds it."""
+        if not self.baton.acquire(timeout=self.timeout):
+            raise TimeoutError(f"simulated rank: no turn within {self.timeout:g} s (another rank holds it)")
+        self._turn.held = True
+
+    def end_turn(self) -> None:
+        if getattr(self._turn, "held", False):
+            self._turn.held = False
+            self.baton.release()
 
     def _wait(self) -> None:
         """The barrier, with the baton handed to the other ranks while this one waits."""
-        self.baton.release()
+        self.end_turn()
         try:
             self.barrier.wait()
         finally:
-            self.baton.acquire()
+            self.take_turn()
 
     def all_reduce(self, rank: int, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
@@ -431,13 +443,16 @@ class SimulatedRanks:
             # another rank's -- the DSL's launch path is not documented as thread-safe.
             s = self.streams[r] if main is not None else None  # None: a CPU run, no stream
             try:
-                with self.threads.baton, torch.cuda.stream(s):
+                self.threads.take_turn()
+                with torch.cuda.stream(s):
                     if s is not None:
                         s.wait_stream(main)
                     outs[r] = self.steps[r].forward(tokens, pos, slots, self.states[r])
             except BaseException as e:  # noqa: BLE001 -- re-raised on the caller's thread
                 errs.append(e)
                 self.threads.barrier.abort()  # release the peers waiting on this rank
+            finally:
+                self.threads.end_turn()
         self.threads.barrier.reset()  # a failed step broke it; nobody waits on it now
         threads = [threading.Thread(target=run, args=(r,)) for r in range(self.tp)]
         for t in threads:  # no capture here: every rank's ops sum through `threads`
