@@ -21,6 +21,10 @@ against ``fused``; ``torch-bf16`` is the bf16 PyTorch arm (bf16 experts: other f
   near-tie), and teacher-forced -- request 0 of each case: this backend's greedy token at each
   position given the first backend's prompt and output before it (the first backend's own
   column compares its eager prefill forward with its graph-generated tokens);
+* at BS1, from a trace of 20 draft + verify replays: the graph medians, target start to next
+  target start, the mHC statistics' overlap with other kernels, and where the median verify
+  replay's time goes -- this project's CuTe kernels, cuBLAS GEMMs, other PyTorch kernels, and
+  the time no kernel ran (:func:`kernel_origin`);
 * kernel launches per family over 20 verify + draft cycles (one eager verify step -- what
   its graph replays -- profiled: torch kernels inside each family's range plus this
   project's kernels by class name, times 20; the draft step has no MoE families).
@@ -241,6 +245,22 @@ CUTE_FAMILIES = {"RouterTopkAlign": "router top-k / padding", "FinalizeShared": 
                  "PushAllReduce": "all-reduce"}
 
 
+#: a traced kernel's origin, for the verify replay's time breakdown
+KERNEL_ORIGINS = ("cute", "gemm", "torch")
+
+
+def kernel_origin(name: str) -> str:
+    """``cute``: this project's CuTe DSL kernels; ``gemm``: cuBLAS / cuBLASLt GEMMs (the
+    projections both arms run through torch); ``torch``: every other PyTorch kernel (norms,
+    RoPE, gathers, the compressors, the attention's softmax, copies)."""
+    if name.startswith("kernel_cutlass"):
+        return "cute"
+    low = name.lower()
+    if any(s in low for s in ("gemm", "nvjet", "xmma", "cublas", "cutlass", "splitk")):
+        return "gemm"
+    return "torch"
+
+
 def timeline(eng, batch: int, cycles: int = 20) -> dict:
     """Trace metrics like the reference PR's: ``cycles`` draft + verify graph replays (the
     graphs captured for ``batch``, run on the scratch slot) under the CUDA profiler. The kernel
@@ -293,7 +313,24 @@ def timeline(eng, batch: int, cycles: int = 20) -> dict:
         overlap += covered
         dur += z - a
     us = 1e-3  # profiler times are in us; report ms
-    return {"trace_verify_ms": statistics.median(z - a for a, z in verifies) * us,
+    # Where a verify replay's time goes: the median replay's kernel time by origin, and the
+    # time no kernel of it ran (launch gaps between dependent nodes)
+    mid = sorted(range(cycles), key=lambda c: verifies[c][1] - verifies[c][0])[cycles // 2]
+    vk = kern[mid * (nv + nd) + nd:(mid + 1) * (nv + nd)]
+    split = dict.fromkeys(KERNEL_ORIGINS, 0.0)
+    for k in vk:
+        split[kernel_origin(k.name)] += k.time_range.end - k.time_range.start
+    busy, cur = 0.0, verifies[mid][0]
+    for k in sorted(vk, key=lambda k: k.time_range.start):  # the union of the replay's kernel intervals
+        lo, hi = max(k.time_range.start, cur), k.time_range.end
+        if hi > lo:
+            busy += hi - lo
+            cur = hi
+    breakdown = {f"verify_{o}_ms": t * us for o, t in split.items()}
+    breakdown.update({f"verify_{o}_kernels": sum(kernel_origin(k.name) == o for k in vk) for o in KERNEL_ORIGINS})
+    breakdown["verify_mix"] = " / ".join(str(breakdown[f"verify_{o}_kernels"]) for o in KERNEL_ORIGINS)
+    breakdown["verify_idle_ms"] = (verifies[mid][1] - verifies[mid][0] - busy) * us
+    return {**breakdown, "trace_verify_ms": statistics.median(z - a for a, z in verifies) * us,
             "trace_draft_ms": statistics.median(z - a for a, z in drafts) * us,
             "target_to_target_ms": statistics.median(b - a for a, b in zip(starts, starts[1:])) * us,
             "mhc_overlap": overlap / dur if dur else float("nan")}
@@ -387,6 +424,11 @@ def table_lines(backends: list[str], cases: list[tuple], results: dict) -> list[
             ("trace (BS1): draft graph median ms", bs1, "trace_draft_ms", "{:.3f}"),
             ("trace (BS1): target start to next target start, median ms", bs1, "target_to_target_ms", "{:.3f}"),
             ("trace (BS1): mHC statistics overlapped with other kernels", bs1, "mhc_overlap", "{:.1%}"),
+            ("trace (BS1) verify replay: ms in this project's CuTe kernels", bs1, "verify_cute_ms", "{:.3f}"),
+            ("trace (BS1) verify replay: ms in cuBLAS GEMMs", bs1, "verify_gemm_ms", "{:.3f}"),
+            ("trace (BS1) verify replay: ms in other PyTorch kernels", bs1, "verify_torch_ms", "{:.3f}"),
+            ("trace (BS1) verify replay: ms with no kernel running", bs1, "verify_idle_ms", "{:.3f}"),
+            ("trace (BS1) verify replay: CuTe / cuBLAS / other kernels", bs1, "verify_mix", "{}"),
             ("kernels per verify graph replay", bs64, "verify_nodes", "{}"),
             ("kernels per draft graph replay", bs64, "draft_nodes", "{}")]
     for label, case, key, fmt in rows:

@@ -357,6 +357,18 @@ def test_bench_table_rows():
     assert bench.token_agreement([[1, 2, 3]], [[1, 5]]) == 0.5
 
 
+def test_trace_kernel_origins():
+    """The verify replay's time breakdown sorts traced kernel names by origin: the CuTe DSL's
+    launches, cuBLAS GEMMs, and everything else PyTorch runs."""
+    from spec_decode.bench import kernel_origin
+
+    assert kernel_origin("kernel_cutlass_kernel_MhcStats_object_at_0x7f_0") == "cute"
+    assert kernel_origin("nvjet_tst_128x64_64x8_1x1_v_bz_TNN") == "gemm"
+    assert kernel_origin("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64") == "gemm"
+    assert kernel_origin("void at::native::vectorized_elementwise_kernel<4, ...>") == "torch"
+    assert kernel_origin("void at::native::(anonymous namespace)::cunn_SoftMaxForward<...>") == "torch"
+
+
 def test_bench_cli_refuses_without_gpu_and_formats_progress(capsys):
     from spec_decode import bench
 
