@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
-from .model import WeightFactory, hc_head, init_layer, layer_weight_shapes, rmsnorm
+from .model import WeightFactory, hc_head, init_layer, layer_weight_shapes, rmsnorm, shared_rope_tables
 from .step_model import DecodeState, Ops, V4Layer
 
 
@@ -83,8 +83,9 @@ class DraftModel:
         c = self.context(feats)
         dst = torch.where(commit, pos.remainder(R), torch.full_like(pos, R))
         rows = slots[:, None].expand_as(dst)
-        for s, layer in enumerate(self.layers):
-            st.draft_win[s][rows, dst] = layer.kv(c, pos).to(st.draft_win[s].dtype)
+        with shared_rope_tables():
+            for s, layer in enumerate(self.layers):
+                st.draft_win[s][rows, dst] = layer.kv(c, pos).to(st.draft_win[s].dtype)
 
     def commit_verify(self, feats: torch.Tensor, next_pos: torch.Tensor, n_commit: torch.Tensor,
                       slots: torch.Tensor, st: DecodeState) -> None:
@@ -109,9 +110,10 @@ class DraftModel:
         x[:, 0] = self.target.embed[last_tokens]
         X = x[:, :, None, :].expand(-1, -1, cfg.mhc_n, -1).contiguous()
         toks = torch.cat([last_tokens[:, None], last_tokens[:, None].expand(B, K - 1)], 1)
-        for s, layer in enumerate(self.layers):
-            X = layer.forward(X, toks, pos, slots, st, s, win=st.draft_win[s], write_window=False,
-                              before_ring=before_ring if s == 0 else None)
+        with shared_rope_tables():  # the stages rotate at the same positions
+            for s, layer in enumerate(self.layers):
+                X = layer.forward(X, toks, pos, slots, st, s, win=st.draft_win[s], write_window=False,
+                                  before_ring=before_ring if s == 0 else None)
         h = rmsnorm(hc_head(X, self.w, cfg).to(X.dtype), cfg.eps, self.w["norm.weight"])
         flat = h.reshape(B * K, -1)
         logits = self.head(flat) if self.head is not None else flat @ self.target.lm_head.T

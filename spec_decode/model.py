@@ -54,7 +54,9 @@ rejected speculative token can leave no trace by construction. The step model
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -90,15 +92,38 @@ def rope_inv_freq(cfg: ModelConfig, compressed: bool, device=None) -> torch.Tens
     return freqs / cfg.yarn_factor * (1 - smooth) + freqs * smooth
 
 
+_ROPE = threading.local()  # per thread: simulated tensor-parallel ranks run forwards side by side
+
+
+@contextlib.contextmanager
+def shared_rope_tables():
+    """Inside: :func:`rope` computes the cos / sin of a ``(pos, inv_freq, dtype)`` once and
+    reuses them for every later call with the same tensors (a step's q, kv, indexer q and
+    inverse rotations in every layer share their positions) -- the same numbers, a handful of
+    kernels fewer per call. Scoped to one forward: a cached tensor outlives nothing."""
+    outer = getattr(_ROPE, "tables", None)
+    _ROPE.tables = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _ROPE.tables = outer
+
+
 def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the last ``2 len(inv_freq)`` features of x ``[*pos.shape, ..., d]`` in adjacent
     pairs by ``pos * inv_freq`` (``inverse``: by minus that). ``pos`` has x's leading dims; the
     angles are FP32 and rounded to x's dtype once."""
     r = 2 * inv_freq.shape[0]
-    ang = pos.float()[..., None] * inv_freq  # [*pos, r/2]
+    tables = getattr(_ROPE, "tables", None)
+    key = (id(pos), id(inv_freq), x.dtype)
+    hit = tables.get(key) if tables is not None else None
+    if hit is None:
+        ang = pos.float()[..., None] * inv_freq  # [*pos, r/2]
+        hit = (pos, inv_freq, ang.cos().to(x.dtype), ang.sin().to(x.dtype))  # the tensors keep their ids
+        if tables is not None:
+            tables[key] = hit
     extra = x.dim() - pos.dim() - 1
-    ang = ang.view(*pos.shape, *([1] * extra), r // 2)
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    cos, sin = (t.view(*pos.shape, *([1] * extra), r // 2) for t in hit[2:])
     if inverse:
         sin = -sin
     pairs = x[..., -r:].unflatten(-1, (r // 2, 2))

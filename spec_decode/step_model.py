@@ -36,7 +36,7 @@ import torch
 
 from .config import ModelConfig
 from .model import (TargetModel, compress_entries, hc_head, mhc_mappings, moe_gathered, post_mix, pre_mix, rmsnorm,
-                    rope, route, shared_expert, sink_attention, swiglu, visible_entries, wo_a_ref)
+                    rope, route, shared_expert, shared_rope_tables, sink_attention, swiglu, visible_entries, wo_a_ref)
 
 
 def family(name: str):
@@ -547,9 +547,10 @@ class StepModel:
         cfg, t = self.cfg, self.t
         X = t.embed[tokens][:, :, None, :].expand(-1, -1, cfg.mhc_n, -1).contiguous()
         feats = []
-        for li, layer in enumerate(self.layers):
-            X = layer.forward(X, tokens, pos, slots, st, li)
-            if li in cfg.draft_feature_layers:
-                feats.append(X.mean(2))
+        with shared_rope_tables():  # one cos / sin of `pos` for every layer's rotations
+            for li, layer in enumerate(self.layers):
+                X = layer.forward(X, tokens, pos, slots, st, li)
+                if li in cfg.draft_feature_layers:
+                    feats.append(X.mean(2))
         hidden = rmsnorm(hc_head(X, t.w, cfg).to(X.dtype), cfg.eps, t.w["norm.weight"])
         return hidden @ t.lm_head.T, torch.cat(feats, -1)
