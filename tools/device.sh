@@ -12,7 +12,8 @@
 #   bash tools/device.sh bench-kernels [B..] the kernel benchmarks B (default: every bench/bench_*.py;
 #                                            tables in $OUT)
 #   bash tools/device.sh bench-wo-a-routes   WO-A's default route against cuBLAS and the CuTe path
-#   bash tools/device.sh bench-runtime       the decode runtime at the reference lengths
+#   bash tools/device.sh bench-runtime [A..] the decode runtime at the reference lengths, synthetic
+#                                            acceptance 5.5 (further bench options A)
 #   bash tools/device.sh build               the AOT build for sm_90a + sm_100a and its demo
 #   bash tools/device.sh peers               the peer benchmark (bench/bench_peers.py): installs the
 #                                            wheels carried in .devcache/peers into /tmp/site (no deps)
@@ -68,7 +69,7 @@ bench-wo-a-routes)
   python bench/bench_wo_a_routes.py --out "$OUT/bench_wo_a_routes.md" "$@"
   ;;
 bench-runtime)
-  python -m spec_decode.bench --model v4_flash_slice --out "$OUT/bench_runtime.md" "$@"
+  python -m spec_decode.bench --model v4_flash_slice --acceptance-length 5.5 --out "$OUT/bench_runtime.md" "$@"
   ;;
 v4)
   case "${1:-tests}" in
@@ -85,7 +86,8 @@ v4)
     runtime)
       $PYT -m gpu tests/test_spec_decode.py "tests/test_mhc.py::test_stats_v4_hc_eps_match_fp64" \
         "tests/test_mhc.py::test_mhc_sublayer_against_model_reference" 2>&1 | tee "$OUT/v4-runtime-tests.log" | tail -25
-      python -m spec_decode.bench --model v4_flash_slice ${2:+--$2} --out "$OUT/bench_runtime_v4.md" 2>&1 | tail -40 ;;
+      python -m spec_decode.bench --model v4_flash_slice --acceptance-length 5.5 ${2:+--$2} \
+        --out "$OUT/bench_runtime_v4.md" 2>&1 | tail -45 ;;
     *) echo "v4: tests, bench or runtime" >&2; exit 2 ;;
   esac
   ;;
