@@ -13,10 +13,10 @@ LM head.
   tokens only: the draft step receives the previous verify's features and how many of its
   positions were accepted, and writes the others to a discarded row (all on the device,
   inside the draft graph).
-* **Overlap**: on a GPU the context write of a draft step runs on a side stream while stage
-  0's mHC statistics, pre-mix and projections run on the main stream (joined before stage 0
-  reads the ring). Stages 1 and 2 have nothing independent of their input in flight, so their
-  statistics run inline.
+* **Overlap** (the fused engine on a GPU): each stage's context write runs on a side stream,
+  forked as the stage begins, while the stage's mHC statistics, pre-mix and projections run on
+  the main stream, and joined before the stage reads its ring -- so the statistics of all three
+  stages have work beside them. The base engine writes the context inline.
 * **Block**: the last accepted token ``t`` at position ``n`` and ``block_size - 1`` mask
   embeddings at ``n + 1 ..``; causal attention over the context window and the block; the
   logits at block position ``j`` give draft ``d_{j+1}``. One forward, no sampling loop.
@@ -77,31 +77,46 @@ class DraftModel:
         ``pos [B, S]`` (consecutive) where ``commit [B, S]``; the others go to the ring's
         discarded last row. Only the last ``window`` positions of a long prefill chunk are
         kept (the older ones share ring rows with them and fall out of the window anyway)."""
+        ctx = self.context_rows(feats, pos, slots, commit, st)
+        for s in range(len(self.layers)):
+            self.write_stage_context(s, ctx, st)
+
+    def context_rows(self, feats, pos, slots, commit, st: DecodeState) -> tuple:
+        """``(c, pos, rows, dst)``: the context vectors of the kept positions and where each
+        stage's ring stores them (:meth:`write_context`, in two parts so each stage's write
+        can run beside that stage)."""
         R = st.win_rows
         k = min(pos.shape[1], R)
         feats, pos, commit = feats[:, -k:], pos[:, -k:], commit[:, -k:]
-        c = self.context(feats)
         dst = torch.where(commit, pos.remainder(R), torch.full_like(pos, R))
-        rows = slots[:, None].expand_as(dst)
-        with shared_rope_tables():
-            for s, layer in enumerate(self.layers):
-                st.draft_win[s][rows, dst] = layer.kv(c, pos).to(st.draft_win[s].dtype)
+        return self.context(feats), pos, slots[:, None].expand_as(dst), dst
 
-    def commit_verify(self, feats: torch.Tensor, next_pos: torch.Tensor, n_commit: torch.Tensor,
-                      slots: torch.Tensor, st: DecodeState) -> None:
-        """Commit a verify step's accepted positions to the context: ``feats [B, K + 1, 3C]`` of
+    def write_stage_context(self, s: int, ctx: tuple, st: DecodeState) -> None:
+        c, pos, rows, dst = ctx
+        with shared_rope_tables():
+            st.draft_win[s][rows, dst] = self.layers[s].kv(c, pos).to(st.draft_win[s].dtype)
+
+    def commit_positions(self, feats: torch.Tensor, next_pos: torch.Tensor, n_commit: torch.Tensor) -> tuple:
+        """``(pos, commit)`` ``[B, K + 1]`` of a verify step's features ``feats [B, K + 1, 3C]``:
         positions ``next_pos - n_commit ..``, of which the first ``n_commit [B]`` were accepted
         (``next_pos [B]``: the position of the token the next draft starts from)."""
         ar = torch.arange(feats.shape[1], device=feats.device)
-        self.write_context(feats, next_pos[:, None] - n_commit[:, None] + ar, slots, ar < n_commit[:, None], st)
+        return next_pos[:, None] - n_commit[:, None] + ar, ar < n_commit[:, None]
+
+    def commit_verify(self, feats: torch.Tensor, next_pos: torch.Tensor, n_commit: torch.Tensor,
+                      slots: torch.Tensor, st: DecodeState) -> None:
+        """Commit a verify step's accepted positions to the context (:meth:`commit_positions`)."""
+        pos, commit = self.commit_positions(feats, next_pos, n_commit)
+        self.write_context(feats, pos, slots, commit, st)
 
     @torch.no_grad()
     def forward_block(self, last_tokens: torch.Tensor, last_pos: torch.Tensor, slots: torch.Tensor,
-                      st: DecodeState, before_ring=None) -> torch.Tensor:
+                      st: DecodeState, stage_start=None, before_ring=None) -> torch.Tensor:
         """Drafts ``[B, block]`` for requests whose last accepted token ``last_tokens [B]`` sits
         at ``last_pos [B]`` (their context rows hold the committed positions before it).
-        ``before_ring``: called before stage 0 first reads its context rows (a context write
-        still in flight on a side stream joins there)."""
+        ``stage_start(s)``: called as stage ``s`` begins (the engine forks that stage's context
+        write onto a side stream there); ``before_ring(s)``: called before stage ``s`` first
+        reads its context rows (that write joins there)."""
         cfg, K = self.cfg, self.block
         B = last_tokens.shape[0]
         dev = last_tokens.device
@@ -112,8 +127,10 @@ class DraftModel:
         toks = torch.cat([last_tokens[:, None], last_tokens[:, None].expand(B, K - 1)], 1)
         with shared_rope_tables():  # the stages rotate at the same positions
             for s, layer in enumerate(self.layers):
+                if stage_start is not None:
+                    stage_start(s)
                 X = layer.forward(X, toks, pos, slots, st, s, win=st.draft_win[s], write_window=False,
-                                  before_ring=before_ring if s == 0 else None)
+                                  before_ring=(lambda s=s: before_ring(s)) if before_ring is not None else None)
         h = rmsnorm(hc_head(X, self.w, cfg).to(X.dtype), cfg.eps, self.w["norm.weight"])
         flat = h.reshape(B * K, -1)
         logits = self.head(flat) if self.head is not None else flat @ self.target.lm_head.T

@@ -208,21 +208,31 @@ class Engine:
     def _draft_step(self, tok, pos, slots, feats, n_commit):
         """The draft graph: commit the previous verify's accepted positions to the draft's
         context (``feats [b, K + 1, 3C]`` of positions ``pos - n_commit ..``; the first
-        ``n_commit`` are accepted), then propose from the last token ``tok`` at ``pos``."""
-        if not feats.is_cuda:
+        ``n_commit`` are accepted), then propose from the last token ``tok`` at ``pos``.
+
+        Fused on a GPU: each stage's context write on a side stream, forked as the stage starts
+        and joined before it reads its ring, so it runs beside the stage's mHC statistics and
+        projections (parallel branches of the captured draft graph). Elsewhere (the base arm
+        included): written first, inline."""
+        if not feats.is_cuda or self.config.backend != "fused":
             self.draft.commit_verify(feats, pos[:, 0], n_commit, slots, self.state)
             return (self.draft.forward_block(tok[:, 0], pos[:, 0], slots, self.state),)
-        # the context write on a side stream, beside stage 0's mHC statistics and projections
-        # (captured as a parallel branch of the draft graph); joined before stage 0 reads it
         main = torch.cuda.current_stream()
         side = getattr(self, "_draft_side", None)
         if side is None:
             side = self._draft_side = torch.cuda.Stream(device=feats.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            self.draft.commit_verify(feats, pos[:, 0], n_commit, slots, self.state)
-        return (self.draft.forward_block(tok[:, 0], pos[:, 0], slots, self.state,
-                                         before_ring=lambda: main.wait_stream(side)),)
+        cpos, commit = self.draft.commit_positions(feats, pos[:, 0], n_commit)
+        ctx = []
+
+        def stage_start(s):
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                if not ctx:
+                    ctx.append(self.draft.context_rows(feats, cpos, slots, commit, self.state))
+                self.draft.write_stage_context(s, ctx[0], self.state)
+
+        return (self.draft.forward_block(tok[:, 0], pos[:, 0], slots, self.state, stage_start=stage_start,
+                                         before_ring=lambda s: main.wait_stream(side)),)
 
     def warm_up(self, batch: int, speculative: bool = True) -> None:
         """Compile the kernels and capture the graphs a ``batch``-request ``generate`` replays.
