@@ -9,8 +9,11 @@ median over 5 trials of (wall time of the loop) / calls, measured while the stre
 busy by a long sleep kernel enqueued first -- so the loop never waits on the GPU and what is
 timed is the host path: validation, cache lookup, argument packing, the launch call. The
 kernels' own GPU time is not in it. ``torch.add`` on a small tensor is the yardstick in the
-same run (goal: <= 5 us for single-kernel ops, never more than torch.add). Outputs are not
-re-checked here -- the kernels' own benches and tests check them; this one times the host path.
+same run (goal: <= 5 us for single-kernel ops, never more than torch.add). The entry points
+are timed twice: with :class:`cute_kernels.jit.DirectLaunch` resolving the arguments (the
+default) and through the DSL's own call path (``jit.DIRECT_LAUNCH = False``); before timing,
+each op's output through the first is checked bit-equal to its output through the second. The
+kernels' own benches and tests check the outputs against their references.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import markdown_table  # noqa: E402
 
 import cute_kernels.ops  # noqa: E402,F401
+from cute_kernels import jit  # noqa: E402
 import moe.ops  # noqa: E402,F401
 from cute_kernels.masked_softmax import masked_softmax  # noqa: E402
 from cute_kernels.mhc_post_mix import mhc_post_mix  # noqa: E402
@@ -70,6 +74,7 @@ def cases():
     o, w = bf(T, 64, 512), bf(8, 1024, 4096) / 64
     y = torch.empty(T, 8 * 1024, device=dev, dtype=torch.bfloat16)
     sc, mk = bf(T, 1, 64, 592), torch.rand(T, 1, 608, device=dev) < 0.3
+    sm = torch.empty_like(sc)
     q, s = torch.empty(T, C, dtype=torch.float8_e4m3fn, device=dev), torch.empty(T, C // 32, dtype=torch.uint8,
                                                                                   device=dev)
     yr, wt = bf(T * 6 + 128, C), torch.rand(T, 6, device=dev)
@@ -77,18 +82,34 @@ def cases():
     sh, fo = bf(T, C), torch.empty(T, C, device=dev, dtype=torch.bfloat16)
     small = torch.randn(16, device=dev)
     return [
-        ("torch.add (yardstick)", lambda: torch.add(small, small), None),
-        ("row_rms", lambda: row_rms(x2, 1e-6, out=rms_out), lambda: ops.row_rms_out(x2, 1e-6, rms_out)),
+        ("torch.add (yardstick)", lambda: torch.add(small, small), None, None),
+        ("row_rms", lambda: row_rms(x2, 1e-6, out=rms_out), lambda: ops.row_rms_out(x2, 1e-6, rms_out), rms_out),
         ("mhc_stats", lambda: mhc_stats(x3, planes, alpha, bias, workspace=ws, out=H),
-         lambda: ops.mhc_stats(x3, planes, alpha, bias, 1e-6, 20, 0.0)),
-        ("mhc_pre_mix", lambda: mhc_pre_mix(x3, h, out=u), lambda: ops.mhc_pre_mix_out(x3, h, u)),
-        ("mhc_post_mix", lambda: mhc_post_mix(x3, h, x2, out=xo), lambda: ops.mhc_post_mix(x3, h, x2)),
-        ("masked_softmax", lambda: masked_softmax(sc, mk, out=sc), lambda: ops.masked_softmax(sc, mk)),
-        ("wo_a (Dg 4096)", lambda: wo_a(o, w, out=y), lambda: ops.wo_a_out(o, w, y)),
-        ("mxfp8_quantize", lambda: mxfp8_quantize(x2, q=q, scales=s), lambda: ops.mxfp8_quantize(x2, "plain")),
+         lambda: ops.mhc_stats(x3, planes, alpha, bias, 1e-6, 20, 0.0), H),
+        ("mhc_pre_mix", lambda: mhc_pre_mix(x3, h, out=u), lambda: ops.mhc_pre_mix_out(x3, h, u), u),
+        ("mhc_post_mix", lambda: mhc_post_mix(x3, h, x2, out=xo), lambda: ops.mhc_post_mix(x3, h, x2), xo),
+        ("masked_softmax", lambda: masked_softmax(sc, mk, out=sm), lambda: ops.masked_softmax(sc, mk), sm),
+        ("wo_a (Dg 4096)", lambda: wo_a(o, w, out=y), lambda: ops.wo_a_out(o, w, y), y),
+        ("mxfp8_quantize", lambda: mxfp8_quantize(x2, q=q, scales=s), lambda: ops.mxfp8_quantize(x2, "plain"), q),
         ("moe_finalize (+ shared)", lambda: moe_finalize(yr, wt, pos, sh, out=fo),
-         lambda: ops.moe_finalize(yr, wt, pos, sh)),
+         lambda: ops.moe_finalize(yr, wt, pos, sh), fo),
     ]
+
+
+def direct_equals_dsl(entry, out) -> bool:
+    """The entry point's output through :class:`cute_kernels.jit.DirectLaunch` equals, bit for
+    bit, its output through the DSL's own call path (each into a poisoned buffer)."""
+    jit.DIRECT_LAUNCH = False
+    out.fill_(0x55 if out.dtype in (torch.uint8, torch.float8_e4m3fn) else float("nan"))
+    entry()
+    ref = out.clone()
+    jit.DIRECT_LAUNCH = True
+    entry()
+    entry()  # the first call per argument types checks; this one takes the direct path
+    out.fill_(0x55 if out.dtype in (torch.uint8, torch.float8_e4m3fn) else float("nan"))
+    entry()
+    torch.cuda.synchronize()
+    return torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
 
 
 def main(argv=None) -> int:
@@ -98,16 +119,21 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows = []
     add = None
-    for name, entry, op in cases():
+    for name, entry, op, out in cases():
+        if out is not None and not direct_equals_dsl(entry, out):
+            raise SystemExit(f"{name}: the direct launch's output differs from the DSL call path's; not timing it")
         t_entry = host_us(entry, args.calls)
+        jit.DIRECT_LAUNCH = False
+        t_dsl = host_us(entry, args.calls) if out is not None else float("nan")
+        jit.DIRECT_LAUNCH = True
         t_op = host_us(op, args.calls) if op is not None else float("nan")
         add = t_entry if add is None else add
-        rows.append([name, f"{t_entry:.1f}", f"{t_op:.1f}", f"{t_entry / add:.1f}x"])
+        rows.append([name, f"{t_entry:.1f}", f"{t_dsl:.1f}", f"{t_op:.1f}", f"{t_entry / add:.1f}x"])
         print("| " + " | ".join(rows[-1]) + " |", flush=True)
     text = "\n".join([f"## Eager host cost per call -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
                       f"Command: `python bench/bench_host_cost.py --calls {args.calls}`", "",
-                      markdown_table(["op (decode shapes: T = 6)", "entry point us", "custom op us",
-                                      "entry point vs torch.add"], rows)])
+                      markdown_table(["op (decode shapes: T = 6)", "entry point us", "entry point, DSL call path us",
+                                      "custom op us", "entry point vs torch.add"], rows)])
     print(text)
     if args.out:
         open(args.out, "w").write(text + "\n")

@@ -310,3 +310,88 @@ def test_exported_entry_runs_on_gpu_without_the_dsl(tmp_path):
     assert k(x.data_ptr(), out.data_ptr(), 5, 1e-6, torch.cuda.current_stream().cuda_stream) == 0
     torch.cuda.synchronize()
     assert torch.equal(out, row_rms(x, 1e-6))
+
+
+# ------------------------------------------------------------ direct launch -----------
+def test_c_address_points_at_each_arguments_value():
+    """What the compiled function reads for each kind of argument the entry points pass: the
+    pointer value, the scalar's bits, the stream handle."""
+    import ctypes
+    import struct
+
+    import cutlass
+
+    t = __import__("torch").zeros(64)
+    p = jit.gmem_ptr(cutlass.Float32, t, 4)
+    assert ctypes.c_uint64.from_address(jit.c_address(p)).value == t.data_ptr()
+    assert ctypes.c_int32.from_address(jit.c_address(jit.i32(-7))).value == -7
+    assert ctypes.string_at(jit.c_address(jit.f32(0.1)), 4) == struct.pack("<f", 0.1)
+    assert ctypes.c_uint64.from_address(jit.c_address(jit.cu_stream(0x1234))).value == 0x1234
+    assert jit.c_address(p) == jit.c_address(p)  # memoised: stable while the object lives
+
+
+class _FakeExecutor:
+    def __init__(self):
+        self.calls = []
+
+    def run_compiled_program(self, addrs):
+        import ctypes
+
+        self.calls.append([ctypes.c_int32.from_address(a).value for a in addrs])
+
+
+class _FakeCompiled:
+    """The DSL's compiled-function interface as DirectLaunch uses it; ``lie`` makes its
+    execution args disagree with the arguments' values."""
+
+    def __init__(self, lie=False):
+        self.lie, self.dsl_calls, self._default_executor = lie, 0, _FakeExecutor()
+
+    def __call__(self, *args):
+        self.dsl_calls += 1
+
+    def generate_execution_args(self, *args):
+        import ctypes
+
+        vals = [ctypes.c_int32(int(a) + (1 if self.lie else 0)) for a in args]
+        self._keep = vals
+        return [ctypes.c_void_p(ctypes.addressof(v)) for v in vals], []
+
+
+def test_direct_launch_takes_the_executor_only_after_checking():
+    """The first call per argument-type tuple goes through the DSL; when the DSL's addresses
+    hold the same bytes as DirectLaunch's, later calls go straight to the executor with the
+    values of *their* arguments; a disagreement keeps every call on the DSL's path, and so
+    does DIRECT_LAUNCH = False."""
+    from cutlass import Int32
+
+    fn = _FakeCompiled()
+    d = jit.DirectLaunch(fn)
+    d(Int32(3), Int32(4))
+    assert fn.dsl_calls == 1 and fn._default_executor.calls == []
+    d(Int32(5), Int32(6))
+    assert fn.dsl_calls == 1 and fn._default_executor.calls == [[5, 6]]
+
+    liar = _FakeCompiled(lie=True)
+    d = jit.DirectLaunch(liar)
+    for v in range(3):
+        d(Int32(v))
+    assert liar.dsl_calls == 3 and liar._default_executor.calls == []
+
+    fn = _FakeCompiled()
+    d = jit.DirectLaunch(fn)
+    try:
+        jit.DIRECT_LAUNCH = False
+        for v in range(3):
+            d(Int32(v))
+    finally:
+        jit.DIRECT_LAUNCH = True
+    assert fn.dsl_calls == 3 and fn._default_executor.calls == []
+
+
+def test_get_kernel_wraps_and_forwards_attributes(kdef, fresh_cache, tmp_path):
+    """get_kernel's object is a DirectLaunch; the compiled function's own attributes (what the
+    SASS tests and the artifact export read) come through it."""
+    f = jit.get_kernel("row_rms", "sm_90a", artifact_cache=ArtifactCache(str(tmp_path)), **CFG)
+    assert isinstance(f, jit.DirectLaunch)
+    assert hasattr(f, "export_to_c") and f.export_to_c == f.fn.export_to_c
