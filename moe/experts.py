@@ -175,13 +175,17 @@ def _check_tile_expert(op, tile_expert, rows, min_tiles):
 
 def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out, fused,
                  stream, routed_rows=None, tile_k=None, stages=None, ctas_per_sm=None, max_expert_rows=None,
-                 expert_row_tile=None, swiglu_limit=None):
+                 expert_row_tile=None, swiglu_limit=None, router_experts=None):
     """The Hopper kernel: bf16 ``out``, or (``fused`` = (q, scales)) SiLU * up + MXFP8."""
     import cutlass
     from cutlass import Int32
 
     rows, K = a_q.shape
     E, N, _ = w_q.shape
+    router_e = E if router_experts is None else router_experts
+    if not isinstance(router_e, int) or isinstance(router_e, bool) or router_e < E:
+        raise ValueError(f"{op}: router_experts must be an int >= the weights' {E} experts (the experts the router "
+                         f"packed rows for), got {router_experts!r}")
     if expert_counts is None or tile_expert is None:
         raise ValueError(f"{op}: the Hopper kernel needs the router's expert_counts and tile_expert")
     check_tensor(op, "expert_counts", expert_counts, dtype=torch.int32, shape=(E,), contiguous=True, align_bytes=4)
@@ -234,7 +238,7 @@ def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_
     fn(P(f8, a_q, 16), P(f8, w_q, 16), P(cutlass.Uint8, a_scales, 16), P(cutlass.Uint8, w_scales, 16),
        P(cutlass.BFloat16, out_t, 16), P(f8, q_out, 16), P(cutlass.Uint8, s_out, 1), P(Int32, expert_offsets, 4),
        P(Int32, expert_counts, 4), P(Int32, tile_expert, 4), jit.i32(rows),
-       jit.i32(_grid_tiles(op, rows, tile_expert.numel(), E, routed_rows)), jit.cu_stream(stream))
+       jit.i32(grid_tiles(op, rows, tile_expert.numel(), router_e, routed_rows)), jit.cu_stream(stream))
 
 
 #: Largest step (tokens) for which :func:`expert_kernel_args` picks the decode kernel's row
@@ -274,12 +278,13 @@ def default_tile(K: int, fused: bool) -> tuple[int, int | None, int]:
     return 128, None, 1
 
 
-def _grid_tiles(op, rows, tile_capacity, E, routed_rows):
-    """Router tiles the grid covers. The router packs live tiles first and each expert adds at
-    most one partial tile, so ``ceil(routed_rows / 128) + min(E, routed_rows)`` tiles hold every
-    live row. Without ``routed_rows`` the grid spans the whole capacity (``E * 127`` padding
-    rows): at decode that is ~250 tiles of which ~9 are live, and the early-exiting CTAs
-    cost more than the work."""
+def grid_tiles(op, rows, tile_capacity, E, routed_rows):
+    """Router tiles the Hopper kernels' grid covers. The router packs live tiles first and each
+    of its ``E`` experts adds at most one partial tile, so ``ceil(routed_rows / 128) + min(E,
+    routed_rows)`` tiles hold every live row. ``E`` is the router's expert count: an
+    expert-parallel shard's tiles sit among every expert's. Without ``routed_rows`` the grid
+    spans the whole capacity (``E * 127`` padding rows): at decode that is ~250 tiles of which
+    ~9 are live, and the early-exiting CTAs cost more than the work."""
     tiles = min(tile_capacity, -(-rows // 128))
     if routed_rows is None:
         return tiles
@@ -293,7 +298,8 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
                     stream=None, arch: str | None = None,
                     routed_rows: int | None = None, tile_k: int | None = None,
                     stages: int | None = None, ctas_per_sm: int | None = None,
-                    max_expert_rows: int | None = None, expert_row_tile: int | None = None) -> torch.Tensor:
+                    max_expert_rows: int | None = None, expert_row_tile: int | None = None,
+                    router_experts: int | None = None) -> torch.Tensor:
     """bf16 ``[rows, N]``: expert-sorted rows of ``a`` times their expert's ``W^T``.
 
     ``expert_offsets`` / ``expert_counts`` / ``tile_expert`` are the router's outputs
@@ -311,6 +317,9 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     covers its router tile's live rows in passes of that many token columns (GPU-tested; for
     T = 17-384, where an expert's rows are usually <= 16 but not bounded by it).
     :func:`expert_kernel_args` picks between these from the token count.
+    ``router_experts``: the experts the router packed rows for, when ``w_q`` holds fewer -- an
+    expert-parallel shard's experts, with ``expert_offsets`` / ``expert_counts`` its slice of
+    the router's and the other experts' tiles at -1 in ``tile_expert`` (default: ``E``).
     Padding rows of ``out`` are unspecified.
     """
     op = "moe_expert_gemm"
@@ -329,7 +338,8 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
         return expert_gemm_torch(a_q, a_scales, w_q, w_scales, expert_offsets, out) if rows else out
     if path == "sm90":
         _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out, None, stream,
-                     routed_rows, tile_k, stages, ctas_per_sm, max_expert_rows, expert_row_tile)
+                     routed_rows, tile_k, stages, ctas_per_sm, max_expert_rows, expert_row_tile,
+                     router_experts=router_experts)
         return out
     _launch_sm100(op, a, a_q, a_scales, w_q, w_scales, tile_expert, out, None, stream)
     return out
@@ -403,11 +413,13 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
                        ctas_per_sm: int | None = None,
                        max_expert_rows: int | None = None,
                        expert_row_tile: int | None = None,
-                       swiglu_limit: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       swiglu_limit: float | None = None,
+                       router_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate/up projection with SiLU(gate) * up and MXFP8 requantisation fused in the epilogue.
 
     ``swiglu_limit`` (DeepSeek-V4: 10.0): clamp ``gate <= limit`` and ``-limit <= up <= limit``
-    on the GEMM's bf16 outputs before SiLU(gate) * up (``None``: no clamp).
+    on the GEMM's bf16 outputs before SiLU(gate) * up (``None``: no clamp). ``router_experts``
+    and the kernel choice: as :func:`moe_expert_gemm`.
 
     ``w_q`` / ``w_scales`` are the quantised :func:`interleave_gate_up` weights ``[E, 2I, K]``.
     Returns the down projection's input: ``q [rows, I]`` e4m3 and its swizzled scales (live
@@ -444,10 +456,11 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
                    ("expert_offsets", expert_offsets), ("q_out", q_out), ("scales_out", scales_out))
         _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, None,
                      (q_out, scales_out), stream, routed_rows, tile_k, stages, ctas_per_sm, max_expert_rows,
-                     expert_row_tile, swiglu_limit)
+                     expert_row_tile, swiglu_limit, router_experts)
         return q_out, scales_out
     y = moe_expert_gemm(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, arch=a,
-                        stream=stream, routed_rows=routed_rows) if a_q.is_cuda else expert_gemm_torch(
+                        stream=stream, routed_rows=routed_rows, router_experts=router_experts) if a_q.is_cuda else \
+        expert_gemm_torch(
         a_q, a_scales, w_q, w_scales, expert_offsets, torch.zeros(rows, N, dtype=torch.bfloat16))
     h = silu_mul_interleaved(y, swiglu_limit)
     if a_q.is_cuda:

@@ -177,15 +177,17 @@ class FusedOps(Ops):
         if n_local != cfg.experts:
             # Expert parallel: the router packed every expert's rows; this rank's kernels see
             # its experts' offsets / counts and a tile map with other ranks' tiles at -1 (the
-            # router's "no expert"). Other ranks' rows of y are never written; the finalize
-            # weighs them 0, and y is a persistent buffer zeroed once, so they hold finite
-            # stale values (0 x finite = 0).
+            # router's "no expert"), and bound their grids by the router's expert count (its
+            # tiles sit among every expert's). Other ranks' rows of y are never written; the
+            # finalize weighs them 0, and y is a persistent buffer zeroed once, so they hold
+            # finite stale values (0 x finite = 0).
             e0, e1 = first_expert, first_expert + n_local
             offsets, counts = offsets[e0:e1 + 1], counts[e0:e1]
             tiles = torch.where((tiles >= e0) & (tiles < e1), tiles - e0, torch.full_like(tiles, -1))
             ids = r.topk_ids
             weights = torch.where((ids >= e0) & (ids < e1), weights, torch.zeros_like(weights))
             y_out["out"] = self._y_buffer(aq.shape[0], cfg.hidden, x.device)
+            rows["router_experts"] = cfg.experts
         hq, hs = moe_expert_gate_up(aq, asc, P["gu_q"], P["gu_s"], offsets, counts, tiles,
                                     routed_rows=n, swiglu_limit=cfg.swiglu_limit, **rows)
         y = moe_expert_gemm(hq, hs, P["d_q"], P["d_s"], offsets, counts, tiles, routed_rows=n, **rows, **y_out)

@@ -92,8 +92,18 @@ def fake_quant_routed(x, sorted_ids, total, topk, zero_padding=True):
 EXPERT_CALLS = []  # (max_expert_rows, expert_row_tile) per expert-GEMM call
 
 
-def _check_bounds(counts, routed_rows, max_expert_rows, expert_row_tile):
+def _check_bounds(counts, routed_rows, max_expert_rows, expert_row_tile, offs=None, te=None, router_experts=None):
     assert routed_rows is not None and routed_rows >= int(counts.sum())  # the grid bound covers every live row
+    if offs is not None:
+        # the Hopper kernels' grid covers router tiles [0, grid_tiles(...)): every tile holding
+        # one of these experts' live rows must be inside it (an expert-parallel shard's tiles sit
+        # among every expert's: the bound takes the router's expert count)
+        from moe.experts import grid_tiles
+
+        bound = grid_tiles("fake", te.numel() * 128, te.numel(), router_experts or counts.numel(), routed_rows)
+        for e in range(counts.numel()):
+            if int(counts[e]):
+                assert (int(offs[e]) + int(counts[e]) - 1) // 128 < bound, "live tile outside the kernel's grid"
     EXPERT_CALLS.append((max_expert_rows, expert_row_tile))
     if max_expert_rows is not None:
         # the decode kernel's token tile holds max_expert_rows: it must bound every expert's rows
@@ -104,8 +114,8 @@ def _check_bounds(counts, routed_rows, max_expert_rows, expert_row_tile):
 
 
 def fake_gate_up(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert_rows=None, expert_row_tile=None,
-                 swiglu_limit=None):
-    _check_bounds(counts, routed_rows, max_expert_rows, expert_row_tile)
+                 swiglu_limit=None, router_experts=None):
+    _check_bounds(counts, routed_rows, max_expert_rows, expert_row_tile, offs, te, router_experts)
     assert swiglu_limit == CFG.swiglu_limit
     rows, K = aq.shape
     E, N, _ = wq.shape
@@ -115,10 +125,10 @@ def fake_gate_up(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert
 
 
 def fake_gemm(aq, asc, wq, ws, offs, counts, te, routed_rows=None, max_expert_rows=None, expert_row_tile=None,
-              out=None):
+              out=None, router_experts=None):
     """The down GEMM's contract: each expert's live rows ``[offs[e], offs[e] + counts[e])``
     (absolute rows of ``aq``) written, every other row of ``out`` left as it was."""
-    _check_bounds(counts, routed_rows, max_expert_rows, expert_row_tile)
+    _check_bounds(counts, routed_rows, max_expert_rows, expert_row_tile, offs, te, router_experts)
     rows = aq.shape[0]
     y = expert_gemm_torch(aq.view(torch.uint8), asc, wq.view(torch.uint8), ws, offs,
                           torch.zeros(rows, wq.shape[1]).bfloat16())

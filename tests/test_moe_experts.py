@@ -358,13 +358,16 @@ def test_tile_config_validation():
 
 
 def test_grid_tile_bound():
-    from moe.experts import _grid_tiles
+    from moe.experts import grid_tiles
     # T = 1, k = 8, E = 256: capacity 8 + 256 * 127 rows -> 255 tiles; 8 live rows need <= 9
-    assert _grid_tiles("op", 8 + 256 * 127, 10**6, 256, 8) == 9
-    assert _grid_tiles("op", 8 + 256 * 127, 10**6, 256, None) == 255
-    assert _grid_tiles("op", 1000, 10**6, 4, 10**6) == 8  # never above the capacity
+    assert grid_tiles("op", 8 + 256 * 127, 10**6, 256, 8) == 9
+    assert grid_tiles("op", 8 + 256 * 127, 10**6, 256, None) == 255
+    assert grid_tiles("op", 1000, 10**6, 4, 10**6) == 8  # never above the capacity
+    # an expert-parallel shard (8 of 32 experts) at T = 6, k = 6: the router's live tiles, up to
+    # ceil(36 / 128) + 32 of them, hold the shard's anywhere -- the bound takes the router's 32
+    assert grid_tiles("op", 36 + 32 * 127, 10**6, 32, 36) == 33
     with pytest.raises(ValueError, match="routed_rows"):
-        _grid_tiles("op", 1000, 10, 4, -1)
+        grid_tiles("op", 1000, 10, 4, -1)
 
 
 def test_expert_kernel_args_by_token_count():
