@@ -78,8 +78,9 @@ class DraftModel:
         discarded last row. Only the last ``window`` positions of a long prefill chunk are
         kept (the older ones share ring rows with them and fall out of the window anyway)."""
         ctx = self.context_rows(feats, pos, slots, commit, st)
-        for s in range(len(self.layers)):
-            self.write_stage_context(s, ctx, st)
+        with shared_rope_tables():  # the stages rotate the same positions
+            for s in range(len(self.layers)):
+                self.write_stage_context(s, ctx, st)
 
     def context_rows(self, feats, pos, slots, commit, st: DecodeState) -> tuple:
         """``(c, pos, rows, dst)``: the context vectors of the kept positions and where each
