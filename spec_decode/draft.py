@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
-from .model import WeightFactory, hc_head, init_layer, layer_weight_shapes, rmsnorm, shared_rope_tables
+from .model import WeightFactory, hc_head, init_layer, layer_weight_shapes, shared_rope_tables
 from .step_model import DecodeState, Ops, V4Layer
 
 
@@ -68,7 +68,7 @@ class DraftModel:
         self.layers = [V4Layer(self.cfg, L, 0, self.target.inv_freq, ops) for L in self.stages]
 
     def context(self, feats: torch.Tensor) -> torch.Tensor:
-        return rmsnorm(feats @ self.w["fc.weight"].T, self.cfg.eps, self.w["fc_norm.weight"])
+        return self.ops.rmsnorm(feats @ self.w["fc.weight"].T, self.cfg.eps, self.w["fc_norm.weight"])
 
     @torch.no_grad()
     def write_context(self, feats: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, commit: torch.Tensor,
@@ -132,7 +132,7 @@ class DraftModel:
                     stage_start(s)
                 X = layer.forward(X, toks, pos, slots, st, s, win=st.draft_win[s], write_window=False,
                                   before_ring=(lambda s=s: before_ring(s)) if before_ring is not None else None)
-        h = rmsnorm(hc_head(X, self.w, cfg).to(X.dtype), cfg.eps, self.w["norm.weight"])
+        h = self.ops.rmsnorm(hc_head(X, self.w, cfg).to(X.dtype), cfg.eps, self.w["norm.weight"])
         flat = h.reshape(B * K, -1)
         logits = self.head(flat) if self.head is not None else flat @ self.target.lm_head.T
         return logits.argmax(-1).view(B, K)

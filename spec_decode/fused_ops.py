@@ -5,6 +5,7 @@ and the draft's stages):
 
 * mHC: :func:`mhc_stats` with DeepSeek-V4's ``hc_eps``, :func:`mhc_pre_mix`,
   :func:`mhc_post_mix` (bit-exact rounding sequences);
+* RMSNorm (the sublayer, q, kv, per-head and final norms): the statistic from :func:`row_rms`;
 * indexer: :func:`indexer_topk` over the layer's compressed indexer entries
   (``compress_ratio = m``: scores + the visible-entry mask + radix top-k, ties to the lower
   entry -- the reference's rule);
@@ -15,14 +16,15 @@ and the draft's stages):
   the shared-expert add (the shared expert on a side stream).
 
 The compressors, the window / compressed-key gathers and the sink softmax stay PyTorch ops
-(:class:`spec_decode.step_model.V4Layer`). The mHC statistics run inline (in this layer order
-nothing independent of their input is in flight).
+(:class:`spec_decode.step_model.V4Layer`). In the target layers the mHC statistics run inline
+(nothing independent of their input is in flight there); in the draft each stage's context
+write runs beside them (:meth:`spec_decode.engine.Engine._draft_step`).
 
 Draft: :class:`MxDraftHead`, the draft's LM head on an MXFP8 copy (heads of 64 MiB or more,
 up to 16 rows; by default per-tensor e4m3 scores above).
 
-Status: CPU-checked glue (``tests/test_fused_ops_plumbing.py``); the V4 GPU tests
-(``tests/test_spec_decode.py -m gpu``) are written and have not run on an H200 yet.
+Status: CPU-checked glue (``tests/test_fused_ops_plumbing.py``); GPU tests in
+``tests/test_spec_decode.py`` and ``tests/test_tensor_parallel.py`` (``-m gpu``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from cute_kernels.indexer_topk import IndexerWorkspace, indexer_topk
 from cute_kernels.mhc_post_mix import mhc_post_mix
 from cute_kernels.mhc_pre_mix import mhc_pre_mix
 from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_split_phi, mhc_stats
+from cute_kernels.row_rms import row_rms
 from cute_kernels.wo_a import wo_a
 from cute_kernels.wo_a_decode import WoADecodeWorkspace
 from moe.experts import (expert_kernel_args, interleave_gate_up, moe_expert_gate_up, moe_expert_gemm,
@@ -109,6 +112,17 @@ class FusedOps(Ops):
         mhc_stats(x, P[f"{site}_planes"], P[f"{site}_alpha"], P[f"{site}_bias"], eps=cfg.eps, hc_eps=cfg.hc_eps,
                   sinkhorn_iters=cfg.mhc_sinkhorn_iters, workspace=self.mhc_ws, out=H)
         return H
+
+    def rmsnorm(self, x, eps, weight=None):
+        """:meth:`Ops.rmsnorm` with its statistic ``rsqrt(mean(x^2) + eps)`` from the
+        :func:`row_rms` kernel (FP32, one launch in place of five), then the same bf16
+        multiplies: equal to the composite up to the FP32 sum's order."""
+        if x.dtype != torch.bfloat16 or x.numel() == 0:
+            return Ops.rmsnorm(self, x, eps, weight)
+        C = x.shape[-1]
+        r = row_rms(x.reshape(-1, C).contiguous(), eps).view(*x.shape[:-1], 1).to(x.dtype)
+        y = x * r
+        return y if weight is None else y * weight
 
     def pre_mix(self, X, maps):
         B, S, n, C = X.shape

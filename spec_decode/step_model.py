@@ -112,6 +112,11 @@ class Ops:
         pre, post, comb = mhc_mappings(X, L[f"hc_{site}_fn"], L[f"hc_{site}_base"], L[f"hc_{site}_scale"], cfg)
         return pre.to(X.dtype), post.to(X.dtype), comb.to(X.dtype)
 
+    def rmsnorm(self, x, eps, weight=None):
+        """:func:`spec_decode.model.rmsnorm` (the statistic in FP32, rounded to x's dtype, then
+        x * it, then * weight)."""
+        return rmsnorm(x, eps, weight)
+
     def pre_mix(self, X, maps):
         return pre_mix(X, maps[0])
 
@@ -237,10 +242,10 @@ class V4Layer:
         draft joins the side stream that writes its context rows there)."""
         cfg, ops, L = self.cfg, self.ops, self.L
         maps = ops.mhc_mappings(X, L, "attn", cfg)
-        h = rmsnorm(ops.pre_mix(X, maps), cfg.eps, L["attn_norm.weight"])
+        h = ops.rmsnorm(ops.pre_mix(X, maps), cfg.eps, L["attn_norm.weight"])
         X = ops.post_mix(X, maps, self.attention(h, pos, slots, st, li, win, write_window, before_ring))
         maps = ops.mhc_mappings(X, L, "ffn", cfg)
-        h = rmsnorm(ops.pre_mix(X, maps), cfg.eps, L["ffn_norm.weight"])
+        h = ops.rmsnorm(ops.pre_mix(X, maps), cfg.eps, L["ffn_norm.weight"])
         B, S, C = h.shape
         sh = self.shard
         # a shard's experts and shared-expert slice: partial sums, all-reduced
@@ -249,7 +254,7 @@ class V4Layer:
 
     def kv(self, h, pos):
         """The raw K = V rows ``[B, S, hd]`` of normed hidden states ``h``."""
-        return rope(rmsnorm(h @ self.L["attn.wkv.weight"].T, self.cfg.eps, self.L["attn.kv_norm.weight"]), pos,
+        return rope(self.ops.rmsnorm(h @ self.L["attn.wkv.weight"].T, self.cfg.eps, self.L["attn.kv_norm.weight"]), pos,
                     self.inv)
 
     def attention(self, h, pos, slots, st: DecodeState, li, win, write_window, before_ring=None):
@@ -257,8 +262,8 @@ class V4Layer:
         B, S, _ = h.shape
         H, hd, m = self.heads, cfg.head_dim, self.ratio
         pos0 = pos[:, 0]
-        qr = rmsnorm(h @ L["attn.wq_a.weight"].T, cfg.eps, L["attn.q_norm.weight"])
-        q = rope(rmsnorm((qr @ L["attn.wq_b.weight"].T).view(B, S, H, hd), cfg.eps), pos, self.inv)
+        qr = ops.rmsnorm(h @ L["attn.wq_a.weight"].T, cfg.eps, L["attn.q_norm.weight"])
+        q = rope(ops.rmsnorm((qr @ L["attn.wq_b.weight"].T).view(B, S, H, hd), cfg.eps), pos, self.inv)
         kv = self.kv(h, pos)
         ring = st.win[li] if win is None else win
         # window: positions p - W + 1 .. p
@@ -552,5 +557,5 @@ class StepModel:
                 X = layer.forward(X, tokens, pos, slots, st, li)
                 if li in cfg.draft_feature_layers:
                     feats.append(X.mean(2))
-        hidden = rmsnorm(hc_head(X, t.w, cfg).to(X.dtype), cfg.eps, t.w["norm.weight"])
+        hidden = self.ops.rmsnorm(hc_head(X, t.w, cfg).to(X.dtype), cfg.eps, t.w["norm.weight"])
         return hidden @ t.lm_head.T, torch.cat(feats, -1)

@@ -10,7 +10,7 @@ import spec_decode.fused_ops as fo
 from moe.experts import mxfp8_quantize_torch, expert_gemm_torch, swizzle_scales, silu_mul_interleaved
 from moe.router import RouterOutput, capacity
 from references import (align_ref, finalize_shared_ref, grouped_topk_ref, hash_route_ref, mhc_post_mix_ref,
-                        mhc_pre_mix_ref, mhc_stats_ref, v4_indexer_scores_ref)
+                        mhc_pre_mix_ref, mhc_stats_ref, row_rms_ref, v4_indexer_scores_ref)
 from spec_decode.config import ModelConfig
 from spec_decode.draft import DraftModel
 from spec_decode.model import TargetModel
@@ -149,6 +149,7 @@ def fake_quantize_expert_weights(w):
 @pytest.fixture
 def fakes(monkeypatch):
     monkeypatch.setattr(fo, "mhc_stats", fake_mhc_stats)
+    monkeypatch.setattr(fo, "row_rms", lambda x, eps: row_rms_ref(x, eps).float())
     monkeypatch.setattr(fo, "mhc_pre_mix", lambda x, H: mhc_pre_mix_ref(x, H))
     monkeypatch.setattr(fo, "mhc_post_mix", lambda x, H, f: mhc_post_mix_ref(x, H, f))
     monkeypatch.setattr(fo, "indexer_topk", fake_indexer_topk)
