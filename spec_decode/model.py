@@ -211,14 +211,15 @@ def moe_gathered(h: torch.Tensor, L: dict, cfg: ModelConfig, tokens: torch.Tenso
 
 
 def compress_entries(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, norm_w: torch.Tensor, overlap: bool,
-                     entry_pos: torch.Tensor, inv_freq: torch.Tensor, eps: float) -> torch.Tensor:
+                     entry_pos: torch.Tensor, inv_freq: torch.Tensor, eps: float, norm=None) -> torch.Tensor:
     """Compressed entries from their windows' raw projections.
 
     ``kv``, ``gate [..., rows, coff * d]``: HCA (``overlap=False``) the window's ``m`` rows;
     CSA (``overlap=True``) ``2m`` rows, the previous window's then this one's (a missing
     previous window: kv 0, gate ``-inf``). ``ape [m, coff * d]`` is added per position in
     the window. Returns ``[..., d]``: softmax over the rows per channel (FP32, rounded to kv's
-    dtype), the weighted sum, RMSNorm, RoPE at ``entry_pos`` (the leading dims)."""
+    dtype), the weighted sum, RMSNorm (``norm``: another implementation of :func:`rmsnorm`),
+    RoPE at ``entry_pos`` (the leading dims)."""
     d = norm_w.shape[0]
     m = ape.shape[0]
     if overlap:
@@ -228,7 +229,7 @@ def compress_entries(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, no
     else:
         g = gate + ape
     w = g.float().softmax(-2).to(kv.dtype)
-    return rope(rmsnorm((kv * w).sum(-2), eps, norm_w), entry_pos, inv_freq)
+    return rope((norm or rmsnorm)((kv * w).sum(-2), eps, norm_w), entry_pos, inv_freq)
 
 
 def sink_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None, sink: torch.Tensor,

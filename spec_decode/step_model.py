@@ -298,7 +298,8 @@ class V4Layer:
         kv = kv.masked_fill(before, 0)
         gate = gate.masked_fill(before, float("-inf"))
         entry = torch.div(pos + 1, m, rounding_mode="floor") - 1
-        ent = compress_entries(kv, gate, L[prefix + "ape"], L[prefix + "norm.weight"], csa, entry * m, inv_c, cfg.eps)
+        ent = compress_entries(kv, gate, L[prefix + "ape"], L[prefix + "norm.weight"], csa, entry * m, inv_c, cfg.eps,
+                               norm=self.ops.rmsnorm)
         closes = ((pos + 1) % m == 0) & (entry >= 0) & (entry < pool.shape[1] - 1)
         dst = torch.where(closes, entry, torch.full_like(entry, pool.shape[1] - 1))
         pool[slots[:, None].expand_as(dst), dst] = ent.to(pool.dtype)
