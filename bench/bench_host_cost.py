@@ -120,6 +120,7 @@ def main(argv=None) -> int:
     rows = []
     add = None
     for name, entry, op, out in cases():
+        print(f"{name}: checking, then timing", flush=True)  # a fatal CUDA error names its op
         if out is not None and not direct_equals_dsl(entry, out):
             raise SystemExit(f"{name}: the direct launch's output differs from the DSL call path's; not timing it")
         t_entry = host_us(entry, args.calls)
