@@ -99,14 +99,15 @@ def cases():
 def direct_equals_dsl(entry, out) -> bool:
     """The entry point's output through :class:`cute_kernels.jit.DirectLaunch` equals, bit for
     bit, its output through the DSL's own call path (each into a poisoned buffer)."""
+    poison = 0x55 if out.dtype in (torch.uint8, torch.float8_e4m3fn) else float("nan")
     jit.DIRECT_LAUNCH = False
-    out.fill_(0x55 if out.dtype in (torch.uint8, torch.float8_e4m3fn) else float("nan"))
+    out.fill_(poison)
     entry()
     ref = out.clone()
     jit.DIRECT_LAUNCH = True
     entry()
     entry()  # the first call per argument types checks; this one takes the direct path
-    out.fill_(0x55 if out.dtype in (torch.uint8, torch.float8_e4m3fn) else float("nan"))
+    out.fill_(poison)
     entry()
     torch.cuda.synchronize()
     return torch.equal(out.view(torch.uint8), ref.view(torch.uint8))

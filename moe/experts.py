@@ -458,10 +458,11 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
                      (q_out, scales_out), stream, routed_rows, tile_k, stages, ctas_per_sm, max_expert_rows,
                      expert_row_tile, swiglu_limit, router_experts)
         return q_out, scales_out
-    y = moe_expert_gemm(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, arch=a,
-                        stream=stream, routed_rows=routed_rows, router_experts=router_experts) if a_q.is_cuda else \
-        expert_gemm_torch(
-        a_q, a_scales, w_q, w_scales, expert_offsets, torch.zeros(rows, N, dtype=torch.bfloat16))
+    if a_q.is_cuda:
+        y = moe_expert_gemm(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, arch=a,
+                            stream=stream, routed_rows=routed_rows, router_experts=router_experts)
+    else:
+        y = expert_gemm_torch(a_q, a_scales, w_q, w_scales, expert_offsets, torch.zeros(rows, N, dtype=torch.bfloat16))
     h = silu_mul_interleaved(y, swiglu_limit)
     if a_q.is_cuda:
         mxfp8_quantize(h, layout="swizzled", q=q_out, scales=scales_out, stream=stream)

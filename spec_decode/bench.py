@@ -317,9 +317,11 @@ def timeline(eng, batch: int, cycles: int = 20) -> dict:
     # time no kernel of it ran (launch gaps between dependent nodes)
     mid = sorted(range(cycles), key=lambda c: verifies[c][1] - verifies[c][0])[cycles // 2]
     vk = kern[mid * (nv + nd) + nd:(mid + 1) * (nv + nd)]
-    split = dict.fromkeys(KERNEL_ORIGINS, 0.0)
+    split, count = dict.fromkeys(KERNEL_ORIGINS, 0.0), dict.fromkeys(KERNEL_ORIGINS, 0)
     for k in vk:
-        split[kernel_origin(k.name)] += k.time_range.end - k.time_range.start
+        o = kernel_origin(k.name)
+        split[o] += k.time_range.end - k.time_range.start
+        count[o] += 1
     busy, cur = 0.0, verifies[mid][0]
     for k in sorted(vk, key=lambda k: k.time_range.start):  # the union of the replay's kernel intervals
         lo, hi = max(k.time_range.start, cur), k.time_range.end
@@ -327,8 +329,7 @@ def timeline(eng, batch: int, cycles: int = 20) -> dict:
             busy += hi - lo
             cur = hi
     breakdown = {f"verify_{o}_ms": t * us for o, t in split.items()}
-    breakdown.update({f"verify_{o}_kernels": sum(kernel_origin(k.name) == o for k in vk) for o in KERNEL_ORIGINS})
-    breakdown["verify_mix"] = " / ".join(str(breakdown[f"verify_{o}_kernels"]) for o in KERNEL_ORIGINS)
+    breakdown["verify_mix"] = " / ".join(str(count[o]) for o in KERNEL_ORIGINS)
     breakdown["verify_idle_ms"] = (verifies[mid][1] - verifies[mid][0] - busy) * us
     return {**breakdown, "trace_verify_ms": statistics.median(z - a for a, z in verifies) * us,
             "trace_draft_ms": statistics.median(z - a for a, z in drafts) * us,

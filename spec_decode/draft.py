@@ -94,8 +94,7 @@ class DraftModel:
 
     def write_stage_context(self, s: int, ctx: tuple, st: DecodeState) -> None:
         c, pos, rows, dst = ctx
-        with shared_rope_tables():
-            st.draft_win[s][rows, dst] = self.layers[s].kv(c, pos).to(st.draft_win[s].dtype)
+        st.draft_win[s][rows, dst] = self.layers[s].kv(c, pos).to(st.draft_win[s].dtype)
 
     def commit_positions(self, feats: torch.Tensor, next_pos: torch.Tensor, n_commit: torch.Tensor) -> tuple:
         """``(pos, commit)`` ``[B, K + 1]`` of a verify step's features ``feats [B, K + 1, 3C]``:

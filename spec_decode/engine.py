@@ -222,14 +222,15 @@ class Engine:
         if side is None:
             side = self._draft_side = torch.cuda.Stream(device=feats.device)
         cpos, commit = self.draft.commit_positions(feats, pos[:, 0], n_commit)
-        ctx = []
+        ctx = None
 
         def stage_start(s):
+            nonlocal ctx
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                if not ctx:
-                    ctx.append(self.draft.context_rows(feats, cpos, slots, commit, self.state))
-                self.draft.write_stage_context(s, ctx[0], self.state)
+                if s == 0:  # the context vectors, once, for every stage's write
+                    ctx = self.draft.context_rows(feats, cpos, slots, commit, self.state)
+                self.draft.write_stage_context(s, ctx, self.state)
 
         return (self.draft.forward_block(tok[:, 0], pos[:, 0], slots, self.state, stage_start=stage_start,
                                          before_ring=lambda s: main.wait_stream(side)),)
