@@ -91,23 +91,15 @@ class MoeExpertGemmSm100:
     def __call__(self, a_ptr: cute.Pointer, w_ptr: cute.Pointer, sfa_ptr: cute.Pointer, sfw_ptr: cute.Pointer,
                  out_ptr: cute.Pointer, tile_expert_ptr: cute.Pointer, q_ptr: cute.Pointer, sq_ptr: cute.Pointer,
                  rows: Int32, stream: cuda.CUstream):
-        E, N, K = self.E, self.N, self.K
-        # (M, K, L) / (N, K, L) / (M, N, L) views: A and C one batch, W batched by expert
-        mA_full = cute.make_tensor(a_ptr, cute.make_layout((rows, K, 1), stride=(K, 1, rows * K)))
-        mW_full = cute.make_tensor(w_ptr, cute.make_layout((N, K, E), stride=(K, 1, N * K)))
+        N = self.N
+        mA_full, mW_full, c = self.operand_views(a_ptr, w_ptr, out_ptr, rows)
         # the scales in tcgen05's 128 x 4 atoms, exactly as moe.quant writes them (swizzled):
         # per expert, ceil(N / 128) * ceil(K / 128) atoms of 512 bytes
         sfa = cute.make_tensor(sfa_ptr, blockscaled_utils.tile_atom_to_shape_SF(mA_full.shape, MX_BLOCK))
         sfw = cute.make_tensor(sfw_ptr, blockscaled_utils.tile_atom_to_shape_SF(mW_full.shape, MX_BLOCK))
         tile_expert = cute.make_tensor(tile_expert_ptr, cute.make_layout(((rows + TILE_M - 1) // TILE_M,)))
 
-        k_major = OperandMajorMode.K
-        tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
-            self.ab_dtype, k_major, k_major, self.sf_dtype, MX_BLOCK, tcgen05.CtaGroup.ONE, (TILE_M, self.tile_n))
-        # four MMA K-steps (32 e4m3 = one scale block each) per stage: 128-byte rows
-        self.mma_tiler = (TILE_M, self.tile_n, cute.size(tiled_mma.shape_mnk, mode=[2]) * 4)
-        self.c_major = LayoutEnum.ROW_MAJOR
-        self.epi_tile = sm100_utils.compute_epilogue_tile_shape(self.mma_tiler, False, self.c_major, self.c_dtype)
+        tiled_mma = self.configure()
 
         sA_one = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
         sB_one = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
@@ -145,7 +137,6 @@ class MoeExpertGemmSm100:
             tma_c, mC = None, None
         else:
             mQ, mSQ = None, None
-            c = cute.make_tensor(out_ptr, cute.make_layout((rows, N, 1), stride=(N, 1, rows * N)))
             tma_c, mC = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), c,
                                                     cute.slice_(sC_layout, (None, None, 0)), self.epi_tile)
 
@@ -157,10 +148,44 @@ class MoeExpertGemmSm100:
         # tensor memory is allocated in powers of two columns
         self.tmem_cols = 1 << (self.acc_cols + self.sfa_cols + self.sfb_cols - 1).bit_length()
 
-        grid = ((rows + TILE_M - 1) // TILE_M, N // self.tile_n, 1)
         self.kernel(tiled_mma, tma_a, mA, tma_b, mB, tma_sfa, mSFA, tma_sfb, mSFB, tma_c, mC, mQ, mSQ, tile_expert,
                     sA_layout, sB_layout, sSFA_layout, sSFB_layout, sC_layout, self.epi_tile).launch(
-            grid=grid, block=[THREADS, 1, 1], cluster=(1, 1, 1), stream=stream)
+            grid=self.grid(rows), block=[THREADS, 1, 1], cluster=(1, 1, 1), stream=stream)
+
+    def operand_views(self, a_ptr, w_ptr, out_ptr, rows):
+        """(M, K, L) / (N, K, L) / (M, N, L) views of A, W and the bf16 output: A and C one
+        batch, W batched by expert."""
+        E, N, K = self.E, self.N, self.K
+        return (cute.make_tensor(a_ptr, cute.make_layout((rows, K, 1), stride=(K, 1, rows * K))),
+                cute.make_tensor(w_ptr, cute.make_layout((N, K, E), stride=(K, 1, N * K))),
+                cute.make_tensor(out_ptr, cute.make_layout((rows, N, 1), stride=(N, 1, rows * N))))
+
+    def configure(self) -> cute.TiledMma:
+        """The block-scaled tiled MMA (returned) and the MMA / epilogue tiles. Also called by the
+        CPU evaluation of this kernel's layouts (tests/test_moe_experts.py)."""
+        k_major = OperandMajorMode.K
+        tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
+            self.ab_dtype, k_major, k_major, self.sf_dtype, MX_BLOCK, tcgen05.CtaGroup.ONE, (TILE_M, self.tile_n))
+        # four MMA K-steps (32 e4m3 = one scale block each) per stage: 128-byte rows
+        self.mma_tiler = (TILE_M, self.tile_n, cute.size(tiled_mma.shape_mnk, mode=[2]) * 4)
+        self.c_major = LayoutEnum.ROW_MAJOR
+        self.epi_tile = sm100_utils.compute_epilogue_tile_shape(self.mma_tiler, False, self.c_major, self.c_dtype)
+        return tiled_mma
+
+    def grid(self, rows):
+        """One CTA per (128-row tile, tile_n columns)."""
+        return ((rows + TILE_M - 1) // TILE_M, self.N // self.tile_n, 1)
+
+    def partition_gmem(self, tiled_mma: cute.TiledMma, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor | None = None):
+        """The MMA views of A / W (or their scales), every tile kept as a mode: (MMA, MMA_M|N,
+        MMA_K, RestM|N, RestK, RestL); and of C (MMA, MMA_M, MMA_N, RestM, RestN, RestL) when given."""
+        thr_mma = tiled_mma.get_slice(0)
+        tCgA = thr_mma.partition_A(cute.local_tile(mA, cute.slice_(self.mma_tiler, (None, 0, None)), (None,) * 3))
+        tCgB = thr_mma.partition_B(cute.local_tile(mB, cute.slice_(self.mma_tiler, (0, None, None)), (None,) * 3))
+        if const_expr(mC is None):
+            return tCgA, tCgB
+        return tCgA, tCgB, thr_mma.partition_C(cute.local_tile(mC, cute.slice_(self.mma_tiler, (None, None, 0)),
+                                                               (None,) * 3))
 
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
@@ -199,14 +224,8 @@ class MoeExpertGemmSm100:
             sSFA = smem.allocate_tensor(element_type=self.sf_dtype, layout=sSFA_layout, byte_alignment=128)
             sSFB = smem.allocate_tensor(element_type=self.sf_dtype, layout=sSFB_layout, byte_alignment=128)
 
-            thr_mma = tiled_mma.get_slice(0)
-            tile_mk = cute.slice_(self.mma_tiler, (None, 0, None))
-            tile_nk = cute.slice_(self.mma_tiler, (0, None, None))
-            # (MMA, MMA_M|N, MMA_K, RestM|N, RestK, RestL)
-            tCgA = thr_mma.partition_A(cute.local_tile(mA, tile_mk, (None,) * 3))
-            tCgB = thr_mma.partition_B(cute.local_tile(mB, tile_nk, (None,) * 3))
-            tCgSFA = thr_mma.partition_A(cute.local_tile(mSFA, tile_mk, (None,) * 3))
-            tCgSFB = thr_mma.partition_B(cute.local_tile(mSFB, tile_nk, (None,) * 3))
+            tCgA, tCgB = self.partition_gmem(tiled_mma, mA, mB)
+            tCgSFA, tCgSFB = self.partition_gmem(tiled_mma, mSFA, mSFB)
             k_tiles = cute.size(tCgA, mode=[4])
             tCtAcc_layout = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C(self.mma_tiler[:2])).layout
             pipeline_init_wait(cluster_shape_mn=one_cta)
@@ -239,8 +258,7 @@ class MoeExpertGemmSm100:
                 if const_expr(self.silu_quant):
                     self.epilogue_silu_quant(tCtAcc, mQ, mSQ, epi_tile, m_tile, n_tile, tidx)
                 else:
-                    tCgC = thr_mma.partition_C(cute.local_tile(mC, cute.slice_(self.mma_tiler, (None, None, 0)),
-                                                               (None,) * 3))
+                    _, _, tCgC = self.partition_gmem(tiled_mma, mA, mB, mC)
                     store_tmem_acc(tma_c, tCtAcc, sC, tCgC, epi_tile, (m_tile, n_tile, 0), tidx, warp,
                                    self.t2r_atom(epi_tile), self.c_major, self.c_dtype, self.acc_dtype)
                 # every epilogue warp's tensor-memory loads are done before warp 0 frees the columns
@@ -292,6 +310,12 @@ class MoeExpertGemmSm100:
         """The 32x32b tensor-memory load of a 32-column subtile: thread t holds row t."""
         return sm100_utils.get_tmem_load_op(self.mma_tiler, self.c_major, self.c_dtype, self.acc_dtype, epi_tile, False)
 
+    def subtile_coords(self, thr_t2r, epi_tile) -> cute.Tensor:
+        """The (row, column) in the MMA tile of each value thread ``thr_t2r`` loads from tensor
+        memory: (T2R, T2R_M, T2R_N, subtile)."""
+        tTR_cC = thr_t2r.partition_D(cute.flat_divide(cute.make_identity_tensor(self.mma_tiler[:2]), epi_tile))
+        return cute.group_modes(tTR_cC, 3, cute.rank(tTR_cC))
+
     @cute.jit
     def epilogue_silu_quant(self, tCtAcc, mQ, mSQ, epi_tile, m_tile, n_tile, tidx):
         """Subtiles 2f and 2f + 1 are the gate and up columns of features 32f .. 32f + 31 of
@@ -301,10 +325,8 @@ class MoeExpertGemmSm100:
         from moe.experts_tiled_sm90 import MX, mx_scale_index, silu_mul_mx_block
 
         t2r, thr_t2r, tTR_tAcc = tmem_subtiles(tCtAcc, epi_tile, self.t2r_atom(epi_tile), tidx)
-        cC_epi = cute.flat_divide(cute.make_identity_tensor(self.mma_tiler[:2]), epi_tile)
-        tTR_cC = thr_t2r.partition_D(cC_epi)
-        tTR_rAcc = cute.make_rmem_tensor(tTR_cC[(None, None, None, 0, 0)].shape, self.acc_dtype)
-        tTR_cC = cute.group_modes(tTR_cC, 3, cute.rank(tTR_cC))  # (row, column) of each value, per subtile
+        tTR_cC = self.subtile_coords(thr_t2r, epi_tile)
+        tTR_rAcc = cute.make_rmem_tensor(tTR_cC[(None, None, None, 0)].shape, self.acc_dtype)
         if const_expr(cute.size(tTR_rAcc) != MX or cute.size(epi_tile[1]) != MX):
             raise NotImplementedError(f"the fused SiLU/MXFP8 epilogue needs 32-column subtiles held one row per "
                                       f"thread, got {cute.size(tTR_rAcc)} values per thread")

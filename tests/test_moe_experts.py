@@ -2,14 +2,17 @@
 the block-scaled math against an FP64 reference, and the GPU entry point (reference path
 off Blackwell)."""
 
+import numpy as np
 import pytest
 import torch
 
+import cutlass
 import cutlass.cute as cute
 import cutlass.utils.blockscaled_layout as blockscaled_utils
 
 from cute_kernels import jit
 from cute_kernels.testing import sass
+from cute_kernels.testing.layouts import offsets
 from moe.experts import (expert_gemm_torch, dequantize, expert_scale_bytes, moe_expert_gate_up, moe_expert_gemm,
                          mxfp4_expert_weights, silu_mul_interleaved, unswizzle_scales)
 from moe.experts import interleave_gate_up as moe_interleave
@@ -139,6 +142,110 @@ def test_sm100_tile_walk_emulation_matches_reference(tile_n):
     live = int(offs[-1])
     assert torch.allclose(got[:live].float(), ref[:live].float(), rtol=2**-7, atol=1e-3)
     assert torch.isnan(got[live:].float()).all()
+
+
+def sm100_expert_footprint(E, N, K, rows, tile_n, tile_expert):
+    """Trace the Blackwell expert GEMM on the CPU (compiled for sm_100a, never launched) and
+    read back its own layout objects' coordinates: per CTA (m, n) of its grid, A as its TMA
+    warp loads it (``partition_gmem`` at (m, all k, 0)), W at (n, all k, the tile's expert),
+    C as the bf16 epilogue's TMA stores write it (``epilogue_subtiles`` at (m, n, 0)); and per
+    epilogue thread, the (row, column) of each value it loads from tensor memory per subtile
+    (``subtile_coords``: what the fused SiLU/MXFP8 epilogue pairs). The TMA tensors the kernel
+    partitions are coordinate tensors over the views' shapes: identity tensors here."""
+    from cutlass import Float32
+
+    from cute_kernels.gemm.sm100_gemm import epilogue_subtiles, tmem_subtiles
+    from cute_kernels.testing.layouts import coords, flatten
+
+    kern, got = MoeExpertGemmSm100(E, N, K, tile_n), {}
+
+    def walk(a, w, c):
+        tiled_mma = kern.configure()
+        got["views"] = [(flatten(x.layout.shape), flatten(x.layout.stride)) for x in (a, w, c)]
+        mA, mB, mC = (cute.make_identity_tensor(x.shape) for x in (a, w, c))
+        tCgA, tCgB, tCgC = kern.partition_gmem(tiled_mma, mA, mB, mC)
+        gC = epilogue_subtiles(tCgC, kern.epi_tile)
+        gx, gy, _ = kern.grid(rows)
+        for m in range(gx):
+            for n in range(gy):
+                e = int(tile_expert[m])
+                got[(m, n)] = (coords(tCgA[(None,) * 3 + (m, None, 0)]), coords(tCgB[(None,) * 3 + (n, None, e)]),
+                               coords(gC[(None,) * 4 + (m, n, 0)]))
+        acc = cute.make_tensor(cute.make_ptr(Float32, 0, cute.AddressSpace.tmem),
+                               tiled_mma.make_fragment_C(tiled_mma.partition_shape_C(kern.mma_tiler[:2])).layout)
+        for tidx in range(32 * 4):  # the four epilogue warps
+            _, thr_t2r, _ = tmem_subtiles(acc, kern.epi_tile, kern.t2r_atom(kern.epi_tile), tidx)
+            cC = kern.subtile_coords(thr_t2r, kern.epi_tile)
+            got[("t2r", tidx)] = [coords(cC[(None, None, None, s)]) for s in range(cute.size(cC, mode=[3]))]
+
+    @cute.jit
+    def trace(a_ptr: cute.Pointer, w_ptr: cute.Pointer, out_ptr: cute.Pointer):
+        walk(*kern.operand_views(a_ptr, w_ptr, out_ptr, rows))
+
+    f8 = cutlass.Float8E4M3FN
+    cute.compile(trace, jit.fake_gmem_ptr(f8), jit.fake_gmem_ptr(f8), jit.fake_gmem_ptr(cutlass.BFloat16),
+                 options="--gpu-arch=sm_100a")
+    return got, got.pop("views")
+
+
+@pytest.mark.parametrize("tile_n", [128, 256])
+def test_sm100_kernel_layouts_follow_the_router_tiles(tile_n):
+    """The Blackwell expert GEMM's own layout objects, evaluated on the CPU: CTA (m, n) reads A
+    rows 128m .. 128m + 127 and W rows n*tile_n .. of expert ``tile_expert[m]``, all of K once;
+    its bf16 epilogue writes exactly (those rows) x (those columns), and every output element
+    is written by one CTA; the views put A at ``a[r, k]``, W at ``w[e, n, k]``, C at
+    ``out[r, n]`` (the definitions, as ``torch.arange`` views). The fused epilogue's threads:
+    thread t holds row t, subtile s columns 32s .. 32s + 31 in register order, so subtiles 2f /
+    2f + 1 are the gate / up of one 32-feature block of the interleaved weights (checked
+    against ``interleave_gate_up`` of tagged gate / up rows)."""
+    E, N, K, rows = 3, 2 * tile_n, 256, 300
+    te = torch.tensor([2, 0, 1], dtype=torch.int32)  # 3 tiles of 128 rows (the last partial)
+    blocks, views = sm100_expert_footprint(E, N, K, rows, tile_n, te)
+    written = []
+    for (m, n), (A, W, C) in ((k, v) for k, v in blocks.items() if k[0] != "t2r"):
+        e = int(te[m])
+        A, C = A[A[:, 0] < rows], C[C[:, 0] < rows]
+        want_rows = np.arange(128 * m, min(rows, 128 * m + 128))
+        assert (A[:, 2] == 0).all() and (W[:, 2] == e).all() and (C[:, 2] == 0).all()
+        assert np.array_equal(np.unique(A[:, 0]), want_rows)
+        assert len(np.unique(A[:, 0] * K + A[:, 1])) == len(A) == len(want_rows) * K
+        assert np.array_equal(np.unique(W[:, 0]), np.arange(n * tile_n, (n + 1) * tile_n))
+        assert len(np.unique(W[:, 0] * K + W[:, 1])) == len(W) == tile_n * K
+        assert np.array_equal(np.unique(C[:, 0]), want_rows)
+        assert np.array_equal(np.unique(C[:, 1]), np.arange(n * tile_n, (n + 1) * tile_n))
+        assert len(C) == len(want_rows) * tile_n
+        written.append(C[:, 0] * N + C[:, 1])
+    key = np.concatenate(written)
+    assert len(key) == rows * N and len(np.unique(key)) == rows * N
+    (sa, da), (sw, dw), (sc, dc) = views
+    r, k, n = np.arange(rows), np.arange(K), np.arange(N)
+    xyz = np.stack(np.broadcast_arrays(r[:, None], k[None], 0), -1).reshape(-1, 3)
+    assert np.array_equal(offsets(xyz, sa, da), torch.arange(rows * K).view(rows, K).numpy()[xyz[:, 0], xyz[:, 1]])
+    for e in range(E):
+        xyz = np.stack(np.broadcast_arrays(n[:, None], k[None], e), -1).reshape(-1, 3)
+        w_def = torch.arange(E * N * K).view(E, N, K).numpy()
+        assert np.array_equal(offsets(xyz, sw, dw), w_def[e, xyz[:, 0], xyz[:, 1]])
+    xyz = np.stack(np.broadcast_arrays(r[:, None], n[None], 0), -1).reshape(-1, 3)
+    assert np.array_equal(offsets(xyz, sc, dc), torch.arange(rows * N).view(rows, N).numpy()[xyz[:, 0], xyz[:, 1]])
+    # the fused epilogue's pairing, against the interleave's definition: gate feature i tagged
+    # i + 1, up feature i tagged -(i + 1)
+    I = N // 2
+    tag = torch.arange(1, I + 1, dtype=torch.float64).view(1, I, 1)
+    inter = moe_interleave(tag, -tag)[0, :, 0]  # interleaved weight row -> tag
+    held = []
+    for tidx in range(128):
+        subs = blocks[("t2r", tidx)]
+        assert len(subs) == tile_n // 32
+        for n_tile in range(N // tile_n):
+            for f in range(len(subs) // 2):
+                g, u = subs[2 * f], subs[2 * f + 1]
+                assert (g[:, 0] == tidx).all() and (u[:, 0] == tidx).all()  # one row per thread
+                fb = (n_tile * tile_n + int(g[0, 1])) // 64  # the kernel's output block formula
+                feats = fb * 32 + np.arange(32)
+                assert torch.equal(inter[n_tile * tile_n + g[:, 1]], torch.from_numpy(feats + 1.0))
+                assert torch.equal(inter[n_tile * tile_n + u[:, 1]], torch.from_numpy(-(feats + 1.0)))
+                held.append(tidx * I + feats)
+    assert len(np.unique(np.concatenate(held))) == 128 * I  # every (row, feature) once
 
 
 def test_block_scaled_math_against_fp64():

@@ -2,11 +2,13 @@
 by machine code + CPU emulation of its operand views, validation on the CPU."""
 
 import cutlass
+import numpy as np
 import pytest
 import torch
 
 from cute_kernels import catalog, jit
 from cute_kernels.testing import sass
+from cute_kernels.testing.layouts import offsets
 from cute_kernels.wo_a import aot_routes, route, wo_a
 from cute_kernels.wo_a_sm90 import WoASm90, wo_a_layouts
 from cute_kernels.wo_a_sm100 import WoASm100
@@ -370,6 +372,98 @@ def test_blackwell_layout_emulation(seed, T):
     y = emulate_tiled(o, w, WoASm100.tile_for(T, G, R))
     assert not torch.isnan(y.float()).any()  # every element written through the C view
     assert rel_err(y, wo_a_ref(o, w)) < TOL
+
+
+def sm100_gemm_footprint(T, G, R, Dg, tile_mn):
+    """Trace the Blackwell engine on the CPU (compiled for sm_100a, never launched) and read
+    back, per CTA of its grid, the global coordinates its own layout objects give: A and B as
+    its TMA warp loads them over the whole K loop (``partition_gmem``'s views at the CTA's
+    tile), C as its epilogue's TMA stores write them (``epilogue_subtiles`` at the tile). The
+    TMA tensors the kernel partitions are coordinate tensors over the views' shapes, so the same
+    calls are applied to identity tensors of those shapes (cute_kernels.testing.layouts).
+    -> ({block: (A, B, C) coordinates}, the views' (shape, stride) as the kernel built them)."""
+    import cutlass.cute as cute
+
+    from cute_kernels.gemm.sm100_gemm import Sm100Gemm, epilogue_subtiles
+    from cute_kernels.testing.layouts import coords, flatten
+    from cute_kernels.wo_a_sm90 import wo_a_views
+
+    gemm, got = Sm100Gemm(tile_mn), {}
+
+    def walk(a, b, c):  # plain Python: loops over the grid at trace time
+        tiled_mma = gemm.configure(a, b, c)
+        got["views"] = [(flatten(x.layout.shape), flatten(x.layout.stride)) for x in (a, b, c)]
+        mA, mB, mC = (cute.make_identity_tensor(x.shape) for x in (a, b, c))
+        gx, gy, gz = gemm.grid(c)
+        pair = cute.size(tiled_mma.thr_id.shape)
+        for bx in range(gx):
+            for by in range(gy):
+                for bz in range(gz):
+                    cta_v, (tm, tn, l) = gemm.cta_tile_coord((bx, by, bz), pair)
+                    tCgA, tCgB, tCgC = gemm.partition_gmem(tiled_mma, cta_v, mA, mB, mC)
+                    got[(bx, by, bz)] = (coords(tCgA[(None, None, None, tm, None, l)]),
+                                         coords(tCgB[(None, None, None, tn, None, l)]),
+                                         coords(epilogue_subtiles(tCgC, gemm.epi_tile)[(None,) * 4 + (tm, tn, l)]))
+
+    @cute.jit
+    def trace(o_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer):
+        walk(*wo_a_views(o_ptr, w_ptr, y_ptr, T, G, R, Dg))
+
+    ptr = jit.fake_gmem_ptr(cutlass.BFloat16, 16)
+    cute.compile(trace, ptr, ptr, ptr, options="--gpu-arch=sm_100a")
+    return got, got.pop("views")
+
+
+@pytest.mark.parametrize("T, G, R, Dg, tile", [
+    (1, 2, 256, 128, (128, 128)), (5, 3, 128, 192, (128, 64)), (130, 2, 256, 128, (128, 128)),
+    (130, 2, 512, 128, (256, 256)), (300, 1, 256, 256, (256, 128)), (77, 2, 160, 64, (256, 32)),
+])
+def test_blackwell_engine_layouts_cover_the_product(T, G, R, Dg, tile):
+    """The Blackwell WO-A engine's own layout objects, evaluated on the CPU: every element of
+    token-major ``y`` is written by exactly one CTA's epilogue (rows / columns past the tensor
+    clipped, as TMA does); the C block of each CTA (pair) is exactly (its A rows) x (its B rows)
+    at its group, with all of K read once for each -- C[t, r, g] = sum_k A[t, k, g] B[r, k, g] --
+    and the views the kernel builds put A at ``o[t, g*Dg + k]``, B at ``wo_a[g, r, k]``, C at
+    ``y[t, g*R + r]`` (the definitions, as ``torch.arange`` views)."""
+    blocks, views = sm100_gemm_footprint(T, G, R, Dg, tile)
+    pair = 2 if tile[0] == 256 else 1
+    written = []
+    tiles: dict = {}
+    for (bx, by, bz), (A, B, C) in blocks.items():
+        C = C[(C[:, 0] < T) & (C[:, 1] < R)]
+        A = A[(A[:, 0] < T) & (A[:, 1] < Dg)]
+        B = B[(B[:, 0] < R) & (B[:, 1] < Dg)]
+        assert (A[:, 2] == bz).all() and (B[:, 2] == bz).all() and (C[:, 2] == bz).all()
+        # this CTA's A rows are its C rows, each with all of K exactly once
+        rows = np.unique(C[:, 0])
+        assert np.array_equal(np.unique(A[:, 0]), rows)
+        assert len(np.unique(A[:, 0] * Dg + A[:, 1])) == len(A) == len(rows) * Dg
+        tiles.setdefault((bx // pair, by, bz), []).append((B, C))
+        written.append(C)
+    for (_, _, l), parts in tiles.items():
+        B = np.concatenate([p[0] for p in parts])
+        C = np.concatenate([p[1] for p in parts])
+        cols = np.unique(C[:, 1])
+        # the pair's B rows (each CTA loads its half) are the tile's C columns, all K, once
+        assert np.array_equal(np.unique(B[:, 0]), cols)
+        assert len(np.unique(B[:, 0] * Dg + B[:, 1])) == len(B) == len(cols) * Dg
+        assert len(C) == len(np.unique(C[:, 0])) * len(cols)  # a full (rows x cols) block
+    C = np.concatenate(written)
+    key = (C[:, 2] * T + C[:, 0]) * R + C[:, 1]
+    assert len(key) == T * R * G and len(np.unique(key)) == T * R * G, "y not written exactly once"
+    # the views, against the operands' definitions
+    (sa, da), (sb, db), (sc, dc) = views
+    t, k, g, r = (np.arange(n)[:, None] for n in (T, Dg, G, R))
+    o_def = torch.arange(T * G * Dg).view(T, G * Dg).numpy()
+    w_def = torch.arange(G * R * Dg).view(G, R, Dg).numpy()
+    y_def = torch.arange(T * G * R).view(T, G * R).numpy()
+    for gi in range(G):
+        xyz = np.stack(np.broadcast_arrays(t, k.T, gi), -1).reshape(-1, 3)
+        assert np.array_equal(offsets(xyz, sa, da), o_def[xyz[:, 0], gi * Dg + xyz[:, 1]])
+        xyz = np.stack(np.broadcast_arrays(r, k.T, gi), -1).reshape(-1, 3)
+        assert np.array_equal(offsets(xyz, sb, db), w_def[gi, xyz[:, 0], xyz[:, 1]])
+        xyz = np.stack(np.broadcast_arrays(t, r.T, gi), -1).reshape(-1, 3)
+        assert np.array_equal(offsets(xyz, sc, dc), y_def[xyz[:, 0], gi * R + xyz[:, 1]])
 
 
 @pytest.mark.parametrize("T", [1, 77, 320])

@@ -70,18 +70,7 @@ class Sm100Gemm:
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda.CUstream):
-        self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
-        if const_expr(self.a_dtype != self.b_dtype or self.a_dtype.width != 16):
-            raise TypeError(f"Sm100Gemm: A and B must be one 16-bit type, got {self.a_dtype}, {self.b_dtype}")
-        self.c_major = LayoutEnum.from_tensor(c)
-        tiled_mma = self.make_tiled_mma(LayoutEnum.from_tensor(a), LayoutEnum.from_tensor(b))
-        # four MMA k-steps per stage (64 16-bit elements: 128-byte rows)
-        self.mma_tiler = (*self.tile_mn, cute.size(tiled_mma.shape_mnk, mode=[2]) * 4)
-        self.cta_tile = (self.tile_mn[0] // cute.size(tiled_mma.thr_id.shape), *self.mma_tiler[1:])
-        self.cluster_vmnk = cute.tiled_divide(cute.make_layout((*self.cluster_mn, 1)), (tiled_mma.thr_id.shape,))
-        self.epi_tile = sm100_utils.compute_epilogue_tile_shape(self.cta_tile, self.two_cta, self.c_major,
-                                                                self.c_dtype)
-
+        tiled_mma = self.configure(a, b, c)
         sA_one = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.a_dtype, 1)
         sB_one = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.b_dtype, 1)
         sC_layout = sm100_utils.make_smem_layout_epi(self.c_dtype, self.c_major, self.epi_tile, EPI_STAGES)
@@ -104,13 +93,48 @@ class Sm100Gemm:
         self.tmem_cols = cutlass.memory.get_num_tmem_alloc_cols(
             tiled_mma.make_fragment_C(tiled_mma.partition_shape_C(self.mma_tiler[:2])))
 
-        M, N, L = cute.size(c, mode=[0]), cute.size(c, mode=[1]), cute.size(c, mode=[2])
-        cta_m = self.cta_tile[0]
-        grid = ((M + self.tile_mn[0] - 1) // self.tile_mn[0] * (self.tile_mn[0] // cta_m),
-                (N + self.tile_mn[1] - 1) // self.tile_mn[1], L)
         self.kernel(tiled_mma, tma_a, mA, tma_b, mB, tma_c, mC, sA_layout, sB_layout, sC_layout, self.cluster_vmnk,
                     self.epi_tile).launch(
-            grid=grid, block=[THREADS, 1, 1], cluster=(*self.cluster_mn, 1), stream=stream)
+            grid=self.grid(c), block=[THREADS, 1, 1], cluster=(*self.cluster_mn, 1), stream=stream)
+
+    def configure(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor) -> cute.TiledMma:
+        """What a launch derives from its operands at compile time: their types, the tiled MMA
+        (returned), the MMA / CTA / epilogue tiles and the cluster layout. Also called by the
+        CPU evaluation of this kernel's layouts (tests/test_wo_a.py)."""
+        self.a_dtype, self.b_dtype, self.c_dtype = a.element_type, b.element_type, c.element_type
+        if const_expr(self.a_dtype != self.b_dtype or self.a_dtype.width != 16):
+            raise TypeError(f"Sm100Gemm: A and B must be one 16-bit type, got {self.a_dtype}, {self.b_dtype}")
+        self.c_major = LayoutEnum.from_tensor(c)
+        tiled_mma = self.make_tiled_mma(LayoutEnum.from_tensor(a), LayoutEnum.from_tensor(b))
+        # four MMA k-steps per stage (64 16-bit elements: 128-byte rows)
+        self.mma_tiler = (*self.tile_mn, cute.size(tiled_mma.shape_mnk, mode=[2]) * 4)
+        self.cta_tile = (self.tile_mn[0] // cute.size(tiled_mma.thr_id.shape), *self.mma_tiler[1:])
+        self.cluster_vmnk = cute.tiled_divide(cute.make_layout((*self.cluster_mn, 1)), (tiled_mma.thr_id.shape,))
+        self.epi_tile = sm100_utils.compute_epilogue_tile_shape(self.cta_tile, self.two_cta, self.c_major,
+                                                                self.c_dtype)
+        return tiled_mma
+
+    def grid(self, c: cute.Tensor) -> tuple:
+        """CTAs per (M, N, L) of C: one per MMA tile, two (a pair, x-adjacent) when tile_m is 256."""
+        M, N, L = cute.size(c, mode=[0]), cute.size(c, mode=[1]), cute.size(c, mode=[2])
+        pair = self.tile_mn[0] // self.cta_tile[0]
+        return ((M + self.tile_mn[0] - 1) // self.tile_mn[0] * pair, (N + self.tile_mn[1] - 1) // self.tile_mn[1], L)
+
+    @staticmethod
+    def cta_tile_coord(block: tuple, pair_size: int) -> tuple:
+        """(this CTA's half of a CTA-pair MMA tile, the (m, n, l) MMA tile) of block index
+        ``block`` -- the inverse of :meth:`grid`."""
+        bidx, bidy, l = block
+        return bidx % pair_size, (bidx // pair_size, bidy, l)
+
+    def partition_gmem(self, tiled_mma: cute.TiledMma, cta_v, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor):
+        """CTA ``cta_v``'s MMA views of the operands, every tile kept as a mode:
+        (MMA, MMA_M|N, MMA_K, RestM|N, RestK, RestL) for A / B and (MMA, MMA_M, MMA_N, RestM,
+        RestN, RestL) for C."""
+        thr_mma = tiled_mma.get_slice(cta_v)
+        return (thr_mma.partition_A(cute.local_tile(mA, cute.slice_(self.mma_tiler, (None, 0, None)), (None,) * 3)),
+                thr_mma.partition_B(cute.local_tile(mB, cute.slice_(self.mma_tiler, (0, None, None)), (None,) * 3)),
+                thr_mma.partition_C(cute.local_tile(mC, cute.slice_(self.mma_tiler, (None, None, 0)), (None,) * 3)))
 
     def make_tiled_mma(self, a_major: LayoutEnum, b_major: LayoutEnum):
         group = tcgen05.CtaGroup.TWO if self.two_cta else tcgen05.CtaGroup.ONE
@@ -131,11 +155,8 @@ class Sm100Gemm:
             cpasync.prefetch_descriptor(tma_b)
             cpasync.prefetch_descriptor(tma_c)
 
-        bidx, bidy, l = cute.arch.block_idx()
-        pair_size = cute.size(tiled_mma.thr_id.shape)
-        cta_v = bidx % pair_size  # this CTA's half of a CTA-pair MMA tile
+        cta_v, tile_mnl = self.cta_tile_coord(cute.arch.block_idx(), cute.size(tiled_mma.thr_id.shape))
         is_leader = cta_v == 0
-        tile_mnl = (bidx // pair_size, bidy, l)
         cluster_coord = cluster_vmnk.get_flat_coord(cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()))
 
         @cute.struct
@@ -161,11 +182,7 @@ class Sm100Gemm:
         sB = smem.allocate_tensor(element_type=self.b_dtype, layout=sB_layout.outer, byte_alignment=1024,
                                   swizzle=sB_layout.inner)
 
-        thr_mma = tiled_mma.get_slice(cta_v)
-        # (MMA, MMA_M|N, MMA_K, RestM|N, RestK, RestL) and (MMA, MMA_M, MMA_N, RestM, RestN, RestL)
-        tCgA = thr_mma.partition_A(cute.local_tile(mA, cute.slice_(self.mma_tiler, (None, 0, None)), (None,) * 3))
-        tCgB = thr_mma.partition_B(cute.local_tile(mB, cute.slice_(self.mma_tiler, (0, None, None)), (None,) * 3))
-        tCgC = thr_mma.partition_C(cute.local_tile(mC, cute.slice_(self.mma_tiler, (None, None, 0)), (None,) * 3))
+        tCgA, tCgB, tCgC = self.partition_gmem(tiled_mma, cta_v, mA, mB, mC)
         k_tiles = cute.size(tCgA, mode=[4])
         tCtAcc_layout = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C(self.mma_tiler[:2])).layout
         pipeline_init_wait(cluster_shape_mn=cluster_vmnk)
@@ -273,6 +290,12 @@ def tmem_subtiles(tCtAcc: cute.Tensor, epi_tile, t2r_atom, tidx):
     return t2r, thr_t2r, cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
 
 
+def epilogue_subtiles(tCgC: cute.Tensor, epi_tile) -> cute.Tensor:
+    """C's MMA view split into the epilogue's subtiles: (EPI_M, EPI_N, subtiles M, subtiles N,
+    RestM, RestN, RestL); one TMA store writes one subtile of one tile."""
+    return cute.flat_divide(tCgC[((None, None), 0, 0, None, None, None)], epi_tile)
+
+
 @cute.jit
 def store_tmem_acc(tma_c, tCtAcc, sC, tCgC, epi_tile, tile_mnl, tidx, warp, t2r_atom, c_major, c_dtype, acc_dtype):
     """The four epilogue warps' store of a tensor-memory accumulator: per subtile a
@@ -280,7 +303,7 @@ def store_tmem_acc(tma_c, tCtAcc, sC, tCgC, epi_tile, tile_mnl, tidx, warp, t2r_
     ``s % EPI_STAGES`` of ``sC`` and a TMA store (warp 0) to tile ``tile_mnl`` of ``tCgC``.
     Shared by this engine and :mod:`moe.experts_sm100`."""
     t2r, thr_t2r, tTR_tAcc = tmem_subtiles(tCtAcc, epi_tile, t2r_atom, tidx)
-    gC_epi = cute.flat_divide(tCgC[((None, None), 0, 0, None, None, None)], epi_tile)
+    gC_epi = epilogue_subtiles(tCgC, epi_tile)
     tTR_rAcc = cute.make_rmem_tensor(thr_t2r.partition_D(gC_epi)[(None, None, None, 0, 0, 0, 0, 0)].shape, acc_dtype)
     tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, c_dtype)
     r2s = cute.make_tiled_copy_D(sm100_utils.get_smem_store_op(c_major, c_dtype, acc_dtype, t2r), t2r)
