@@ -11,8 +11,10 @@ register-only loop in a fixed head order -- no cross-thread reduction -- followe
 mask and one coalesced store per key tile.
 
 It cannot run here (no Blackwell GPU): CI compiles it for sm_100a and checks the machine
-code (UTCHMMA, UTMALDG, LDTM); ``tests/test_indexer.py`` emulates its transposed tiling
-(keys x heads, per-thread head reduction, mask) on the CPU against the FP64 reference. The
+code (UTCHMMA, UTMALDG, LDTM); ``tests/test_indexer.py`` evaluates its own layout objects on
+the CPU (the rows each CTA reads, the key and heads each thread loads from tensor memory) and
+emulates its transposed tiling (keys x heads, per-thread head reduction, mask) against the
+FP64 reference. The
 Hopper path is the warp-MMA kernel in :mod:`cute_kernels.indexer_scores`.
 
 Constraints: heads = 64 (the MMA's N; DeepSeek's indexer), D % 16 == 0 and D <= 256.
@@ -63,10 +65,7 @@ class IndexerScoresSm100:
         mOff, mLen, mPos, mValid, mScore = candidate_tensors(off_ptr, len_ptr, pos_ptr, valid_ptr, score_ptr,
                                                              num_tokens, num_rows, s_max)
 
-        op = tcgen05.MmaF16BF16Op(bf16, Float32, (KEY_TILE, H, 16), tcgen05.CtaGroup.ONE,
-                                  tcgen05.OperandSource.SMEM, tcgen05.OperandMajorMode.K,
-                                  tcgen05.OperandMajorMode.K)
-        tiled_mma = cute.make_tiled_mma(op)
+        tiled_mma = self.make_tiled_mma()
         a_smem = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, bf16, 1)
         b_smem = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, bf16, 1)
         tma_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
@@ -77,6 +76,33 @@ class IndexerScoresSm100:
         self.kernel(tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, a_smem, b_smem, mW, mOff, mLen, mPos,
                     mValid, mScore, num_rows, s_max).launch(
             grid=[(s_max + KEY_TILE - 1) // KEY_TILE, num_tokens, 1], block=[THREADS, 1, 1], stream=stream)
+
+    def make_tiled_mma(self) -> cute.TiledMma:
+        """128 keys (M) x the heads (N) x 16, bf16 operands from shared memory, FP32 accumulator."""
+        return cute.make_tiled_mma(tcgen05.MmaF16BF16Op(
+            cutlass.BFloat16, Float32, (KEY_TILE, self.H, 16), tcgen05.CtaGroup.ONE, tcgen05.OperandSource.SMEM,
+            tcgen05.OperandMajorMode.K, tcgen05.OperandMajorMode.K))
+
+    def partition_gmem(self, thr_mma, mK: cute.Tensor, mQ: cute.Tensor, first_row, t):
+        """The MMA views of this CTA's operands, (MMA, MMA_M|N, MMA_K, RestK): A the 128 cache
+        rows from ``first_row`` (the token's row offset plus the key tile's start: the TMA
+        coordinate tensor shifted there, then tiled; TMA zero-fills rows past the cache, and
+        those keys are masked), B token ``t``'s heads."""
+        gA = cute.local_tile(cute.domain_offset((first_row, 0, 0), mK), cute.slice_(self.mma_tiler, (None, 0, None)),
+                             (None, None, None))[(None, None, 0, None, 0)]
+        gB = cute.local_tile(mQ, cute.slice_(self.mma_tiler, (0, None, None)),
+                             (None, None, None))[(None, None, t, None, 0)]
+        return thr_mma.partition_A(gA), thr_mma.partition_B(gB)
+
+    def accumulator_rows(self, tCtAcc: cute.Tensor, thr_mma, tidx):
+        """Thread ``tidx``'s ``tcgen05.ld 32x32b`` of the accumulator (thread i <- tensor-memory
+        lane i: key s0 + i, every head column): (the tiled copy, its source view, the (key,
+        head) of each value it loads)."""
+        tmem_copy = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x64), Float32),
+                                           tCtAcc)
+        thr_copy = tmem_copy.get_slice(tidx)
+        return (tmem_copy, thr_copy.partition_S(tCtAcc),
+                thr_copy.partition_D(thr_mma.partition_C(cute.make_identity_tensor(self.mma_tiler[:2]))))
 
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mK: cute.Tensor, tma_b: cute.CopyAtom,
@@ -119,14 +145,8 @@ class IndexerScoresSm100:
             # The key tile starts at the token's own row offset: shift the TMA coordinate
             # tensor, then tile from there (TMA zero-fills rows past the cache; those keys
             # are masked below anyway).
-            mKoff = cute.domain_offset((off + s0, 0, 0), mK)
-            # (bM, bK, RestM, RestK, RestL) -> this CTA's (bM, bK, RestK); likewise B at tile t
-            gA = cute.local_tile(mKoff, cute.slice_(self.mma_tiler, (None, 0, None)),
-                                 (None, None, None))[(None, None, 0, None, 0)]
-            gB = cute.local_tile(mQ, cute.slice_(self.mma_tiler, (0, None, None)),
-                                 (None, None, None))[(None, None, t, None, 0)]
             thr_mma = tiled_mma.get_slice(0)
-            tCgA, tCgB = thr_mma.partition_A(gA), thr_mma.partition_B(gB)
+            tCgA, tCgB = self.partition_gmem(thr_mma, mK, mQ, off + s0, t)
             tCrA, tCrB = tiled_mma.make_fragment_A(sA), tiled_mma.make_fragment_B(sB)
             tCtAcc = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C(self.mma_tiler[:2]))
             tAsA, tAgA = tma_tiles(tma_a, sA, tCgA, tile_modes=3)
@@ -149,13 +169,7 @@ class IndexerScoresSm100:
 
             tmem.relinquish_alloc_permit()
             acc_full = acc_cons.wait_and_advance()
-            # Thread i <- TMEM lane i (key s0 + i), all 64 head columns.
-            tmem_copy = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x64),
-                                                                   Float32), tCtAcc)
-            thr_copy = tmem_copy.get_slice(tidx)
-            tDtC = thr_copy.partition_S(tCtAcc)
-            cC = cute.make_identity_tensor(self.mma_tiler[:2])
-            tDcC = thr_copy.partition_D(thr_mma.partition_C(cC))
+            tmem_copy, tDtC, tDcC = self.accumulator_rows(tCtAcc, thr_mma, tidx)
             rAcc = cute.make_rmem_tensor(tDcC.shape, Float32)
             cute.copy(tmem_copy, tDtC, rAcc)
             acc_full.release()

@@ -9,8 +9,10 @@ token-major C view. Decode uses 1-CTA 128x128 MMA tiles; prefill 2-CTA 256x256 (
 where the pair of CTAs shares B tiles.
 
 No Blackwell GPU is available to this project: this path is proven by compiling for sm_100a
-on the CPU and asserting its machine code (UTCHMMA, LDTM, UTMALDG, UTMASTG), and its
-numerics by a CPU emulation of the same views and by the Hopper path on the H200.
+on the CPU and asserting its machine code (UTCHMMA, LDTM, UTMALDG, UTMASTG); by evaluating the
+engine's own layout objects on the CPU (every element of ``y`` written by one CTA, each CTA
+reading the A / B rows its C block needs: ``tests/test_wo_a.py -k cover_the_product``); and
+its numerics by a CPU emulation of the same views and by the Hopper path on the H200.
 """
 
 from __future__ import annotations

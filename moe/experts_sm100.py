@@ -32,8 +32,9 @@ epilogue (``store_tmem_acc``) are those of the project's :mod:`cute_kernels.gemm
 
 It cannot run here (no Blackwell GPU): CI compiles it for sm_100a and checks the machine code
 (``UTCQMMA`` with ``UTCCP`` scale copies to tensor memory, ``UTMALDG``; ``pytest
-tests/test_moe_experts.py -k machine_code``), and ``tests/test_moe_experts.py`` checks on the
-CPU that the scale layout the kernel reads (CuTe's ``tile_atom_to_shape_SF``, evaluated on the
+tests/test_moe_experts.py -k machine_code``), and ``tests/test_moe_experts.py`` evaluates the
+kernel's own layout objects on the CPU (each CTA's A / W / C footprint per router tile, the
+fused epilogue's row and gate / up columns per thread) and checks that the scale layout the kernel reads (CuTe's ``tile_atom_to_shape_SF``, evaluated on the
 host) is byte for byte the layout :mod:`moe.quant` writes, the fused epilogue's subtile
 pairing against the unfused rounding points, and the block-scaled math against an FP64
 dequantised reference.

@@ -269,6 +269,66 @@ def test_sm100_tiling_emulation_matches_fp64():
     assert (emu.double()[fin] - ref[fin]).abs().max() < 1e-4 * ref[fin].abs().max()
 
 
+def test_sm100_kernel_layouts_read_the_token_rows():
+    """The Blackwell score kernel's own layout objects, evaluated on the CPU (traced for
+    sm_100a, never launched): the CTA of key tile s0 and token t reads cache rows ``off + s0 ..
+    off + s0 + 127`` and the 64 query rows of token t, all of D once each, through views that
+    put them at ``k_cache[row, d]`` and ``q[t, h, d]`` (the definitions); and epilogue thread i
+    loads key s0 + i's value for every head exactly once -- the kernel's one-key-per-thread
+    head loop and its ``key = tDcC[0][0]``."""
+    import cutlass
+    import cutlass.cute as cute
+    import numpy as np
+    from cutlass import Float32
+
+    from cute_kernels import jit
+    from cute_kernels.indexer_scores import mma_operand_tensors
+    from cute_kernels.indexer_scores_sm100 import IndexerScoresSm100
+    from cute_kernels.testing.layouts import coords, flatten, offsets
+
+    H, D, T, R = 64, 128, 3, 700
+    kern, got = IndexerScoresSm100(H, D, has_slot_mask=False), {}
+    cases = [(0, 0), (37 + 128, 1), (R - 50, 2)]  # (the token's row offset + s0, token)
+
+    def walk(mK, mQ):
+        got["views"] = [(flatten(x.layout.shape), flatten(x.layout.stride)) for x in (mK, mQ)]
+        thr = kern.make_tiled_mma().get_slice(0)
+        mKc, mQc = cute.make_identity_tensor(mK.shape), cute.make_identity_tensor(mQ.shape)
+        for first_row, t in cases:
+            tCgA, tCgB = kern.partition_gmem(thr, mKc, mQc, first_row, t)
+            got[(first_row, t)] = coords(tCgA), coords(tCgB)
+        tiled_mma = kern.make_tiled_mma()
+        acc = cute.make_tensor(cute.make_ptr(Float32, 0, cute.AddressSpace.tmem),
+                               tiled_mma.make_fragment_C(tiled_mma.partition_shape_C(kern.mma_tiler[:2])).layout)
+        for tidx in range(128):
+            got[tidx] = coords(kern.accumulator_rows(acc, thr, tidx)[2])
+
+    @cute.jit
+    def trace(q_ptr: cute.Pointer, w_ptr: cute.Pointer, k_ptr: cute.Pointer):
+        mK, mQ, _ = mma_operand_tensors(q_ptr, w_ptr, k_ptr, T, R, H, D)
+        walk(mK, mQ)
+
+    bf = jit.fake_gmem_ptr(cutlass.BFloat16)
+    cute.compile(trace, bf, jit.fake_gmem_ptr(Float32, 4), bf, options="--gpu-arch=sm_100a")
+    (sk, dk), (sq, dq) = got.pop("views")
+    for first_row, t in cases:
+        A, B = got[(first_row, t)]
+        assert (A[:, 2] == 0).all() and (B[:, 2] == 0).all()
+        assert np.array_equal(np.unique(A[:, 0]), first_row + np.arange(128))  # rows >= R: TMA zero-fills
+        assert len(np.unique(A[:, 0] * D + A[:, 1])) == len(A) == 128 * D
+        assert np.array_equal(np.unique(B[:, 0]), t * H + np.arange(H))
+        assert len(np.unique(B[:, 0] * D + B[:, 1])) == len(B) == H * D
+        live = A[A[:, 0] < R]
+        k_def = torch.arange(R * D).view(R, D).numpy()
+        assert np.array_equal(offsets(live, sk, dk), k_def[live[:, 0], live[:, 1]])
+        q_def = torch.arange(T * H * D).view(T, H, D).numpy()
+        assert np.array_equal(offsets(B, sq, dq), q_def[t, B[:, 0] - t * H, B[:, 1]])
+    for tidx in range(128):
+        kh = got[tidx]
+        assert (kh[:, 0] == tidx).all() and kh[0, 0] == tidx
+        assert sorted(kh[:, 1].tolist()) == list(range(H))
+
+
 @pytest.mark.parametrize("mask", [False, True])
 def test_machine_code_sm100(mask):
     h = sass.sass_histogram("indexer_scores_sm100", "sm_100a", heads=64, dim=128, has_slot_mask=mask)
