@@ -2,7 +2,9 @@
 
 build   AOT-compile every kernel of :mod:`cute_kernels.catalog` (every AOT config) for each
         ``--arch`` into the artifact cache; works without a GPU. Entries already valid are
-        kept. WO-A's AOT configs are every config its default route takes at T = 1 .. 16384
+        kept. ``--kernel NAME --config JSON`` builds one config; ``--with-runtime`` makes the
+        cache a deployment that runs without the DSL compiler (the runtime library copied in,
+        every entry linked: :mod:`cute_kernels.runtime_only`). WO-A's AOT configs are every config its default route takes at T = 1 .. 16384
         for the supported shapes; ``--wo-a-shape G,R,Dg`` (repeatable) adds a model's own
         shape at T = 1 .. ``--max-tokens``. ``--demo`` then, on a GPU, runs kernels from the
         cache against PyTorch and a few steps of the decode runtime (:mod:`cute_kernels.demo`).
@@ -41,7 +43,21 @@ def cmd_build(args) -> int:
     archs = [normalize_arch(a) for a in (args.arch or ["sm_100a", "sm_90a"])]
     reg = catalog.kernels()
     store = ArtifactCache(args.cache)
-    work = [(kdef, cfg, a) for a in archs for kdef, cfg in jit.iter_aot(reg, args.kernel or None, a) if a in kdef.archs]
+    if args.config is not None:
+        if not args.kernel or len(args.kernel) != 1:
+            raise SystemExit("--config needs exactly one --kernel")
+        try:
+            cfg = json.loads(args.config)
+        except ValueError as e:
+            raise SystemExit(f"--config {args.config!r}: not JSON ({e})")
+        if not isinstance(cfg, dict):
+            raise SystemExit(f"--config {args.config!r}: expected a JSON object of the kernel's config")
+        if args.kernel[0] not in reg:
+            raise SystemExit(f"--kernel {args.kernel[0]!r}: unknown (known: {', '.join(sorted(reg))})")
+        work = [(reg[args.kernel[0]], cfg, a) for a in archs if a in reg[args.kernel[0]].archs]
+    else:
+        work = [(kdef, cfg, a) for a in archs for kdef, cfg in jit.iter_aot(reg, args.kernel or None, a)
+                if a in kdef.archs]
     if args.wo_a_shape:
         work += _wo_a_work(reg, archs, args.wo_a_shape, args.max_tokens, args.kernel, work)
     rows, failed = [], 0
@@ -64,6 +80,10 @@ def cmd_build(args) -> int:
     progress(len(work), len(work), "done")
     print(_table(rows, ["kernel", "arch", "config", "seconds", "status"]))
     print(f"{len(work)} entries in {time.perf_counter() - t_all:.2f} s -> {store.root}")
+    if args.with_runtime:
+        lib, linked = store.bundle_runtime(jit.dsl_version())
+        print(f"runtime-only deployment: {lib} and {linked} linked kernel.so (load them without the DSL compiler: "
+              f"cute_kernels.runtime_only)")
     if args.demo:
         from .demo import run_demo
 
@@ -157,6 +177,12 @@ def parser() -> argparse.ArgumentParser:
                         "supported shapes only)")
     b.add_argument("--max-tokens", type=int, default=16384, metavar="T",
                    help="T up to which --wo-a-shape is routed (default: %(default)s)")
+    b.add_argument("--config", default=None, metavar="JSON",
+                   help="build this one config of the one --kernel instead of its AOT configs (what a runtime-only "
+                        "deployment's MissingArtifact error names; default: the AOT configs)")
+    b.add_argument("--with-runtime", action="store_true",
+                   help="also copy the DSL's runtime library into the cache and link every entry, for a deployment "
+                        "without the DSL compiler (cute_kernels.runtime_only; default: off)")
     helps = {"list": "one line per cache entry: kernel, arch, config, size, status",
              "verify": "re-hash every cache entry; exit status 1 if any is invalid",
              "clear": "delete the cache directory"}

@@ -104,6 +104,17 @@ class ArtifactCache:
     def entry_dir(self, key: CacheKey) -> str:
         return os.path.join(self.root, key.dsl_version, key.arch, key.kernel, key.digest()[:24])
 
+    def dsl_versions(self) -> list[str]:
+        """The DSL versions the cache holds entries of (its top-level directories)."""
+        if not os.path.isdir(self.root):
+            return []
+        return sorted(d for d in os.listdir(self.root)
+                      if not d.startswith(".") and os.path.isdir(os.path.join(self.root, d)))
+
+    def runtime_library_path(self, dsl_version: str) -> str:
+        """Where ``build --with-runtime`` puts the DSL's runtime library for ``dsl_version``."""
+        return os.path.join(self.root, dsl_version, "lib", "libcute_dsl_runtime.so")
+
     def entries(self) -> list[str]:
         """Every entry directory under the root (valid or not)."""
         out = []
@@ -148,6 +159,11 @@ class ArtifactCache:
                 return False, f"{name} size {os.path.getsize(p)} != {meta.get('size')} (truncated?)", man
             if _sha256(p) != meta.get("sha256"):
                 return False, f"{name} sha256 mismatch (corrupt)", man
+        for name, meta in man.get("files", {}).items():  # optional files (kernel.so): checked when present
+            p = os.path.join(path, name)
+            if name not in _PAYLOAD and os.path.isfile(p) and (os.path.getsize(p) != meta.get("size")
+                                                              or _sha256(p) != meta.get("sha256")):
+                return False, f"{name} does not match the manifest (corrupt)", man
         return True, "ok", man
 
     def has_valid(self, key: CacheKey) -> bool:
@@ -174,6 +190,22 @@ class ArtifactCache:
             warn_once(f"artifact-load:{path}", f"cute_kernels: could not load {path} ({e}); rebuilding")
             return None
         return module, fn
+
+    def load_exported(self, key: CacheKey):
+        """The entry's launcher without the DSL (:class:`cute_kernels.exported.ExportedKernel`,
+        symbols resolved, loaded onto a device at its first call), else None."""
+        if not self.has_valid(key):
+            return None
+        from .exported import ExportedKernel
+
+        path = self.entry_dir(key)
+        k = ExportedKernel(path, runtime_library=self._bundled_runtime(key.dsl_version))
+        k.open()
+        return k
+
+    def _bundled_runtime(self, dsl_version: str) -> str | None:
+        p = self.runtime_library_path(dsl_version)
+        return p if os.path.isfile(p) else None
 
     def put(self, key: CacheKey, compiled_fn) -> bool:
         """Export ``compiled_fn`` as the entry for ``key``. Returns True if written."""
@@ -225,6 +257,34 @@ class ArtifactCache:
             return True
         except OSError:
             return False
+
+    # -- runtime-only deployment ------------------------------------------------------
+    def bundle_runtime(self, dsl_version: str) -> tuple[str, int]:
+        """For a deployment without the DSL compiler: copy the DSL's runtime library next to the
+        ``dsl_version`` entries and link every valid entry's ``kernel.so`` (recorded in its
+        manifest, hash-checked like the payload). -> (library path, entries linked)."""
+        from .exported import ExportedKernel, runtime_library
+
+        dst = self.runtime_library_path(dsl_version)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        src = runtime_library()
+        if os.path.abspath(src) != dst:
+            tmp = dst + f".tmp{os.getpid()}"
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
+        linked = 0
+        for path in self.entries():
+            ok, _, man = self.check_entry(path)
+            if not ok or man["key"].get("dsl_version") != dsl_version:
+                continue
+            so = ExportedKernel(path, runtime_library=dst).link()
+            man["files"]["kernel.so"] = {"sha256": _sha256(so), "size": os.path.getsize(so)}
+            tmp = os.path.join(path, f".manifest.tmp{os.getpid()}")
+            with open(tmp, "w") as f:
+                json.dump(man, f, indent=1, sort_keys=True)
+            os.replace(tmp, os.path.join(path, "manifest.json"))
+            linked += 1
+        return dst, linked
 
     # -- maintenance ------------------------------------------------------------------
     def verify(self) -> list[tuple[str, bool, str]]:

@@ -1,22 +1,25 @@
-"""Calling an artifact-cache entry without the CuTe DSL compiler: a ctypes loader.
+"""Calling an artifact-cache entry without the CuTe DSL compiler: a ctypes launcher.
 
 An entry of the artifact cache (:mod:`cute_kernels.artifact_cache`) is what the DSL's
 ``export_to_c`` writes: ``kernel.o`` (the host launcher and the cubin) and ``kernel.h``. The
 object needs only the DSL's runtime library, ``libcute_dsl_runtime.so`` (43 MB; CUDA runtime
 inside, the driver loaded lazily), not the MLIR compiler (the ``cutlass`` package, 260 MB,
-about 1 s to import). This module links an entry's ``kernel.o`` into ``kernel.so`` (once,
-with the system C compiler, next to the entry) and calls it through ctypes:
+about 1 s to import). :class:`ExportedKernel` links an entry's ``kernel.o`` into ``kernel.so``
+(``python -m cute_kernels build --with-runtime`` does it for every entry, so a deployment needs
+no C compiler; else the first use, with the system's ``cc``), resolves its symbols against the
+runtime library loaded first (``RTLD_GLOBAL``), and calls it through ctypes:
 
-* ``<prefix>_cuda_init`` and ``<prefix>_cuda_load_to_device`` (per device) load the cubin;
+* ``<prefix>_cuda_init`` and ``<prefix>_cuda_load_to_device`` load the cubin -- on each device
+  at its first call there (``torch.cuda.current_device()``);
 * the launcher ``_mlir_<prefix>__mlir_ciface_...(void **args, int32 n)`` takes a pointer to
   each argument value, then the return code, in the order of ``kernel.h``'s
   ``cute_dsl_<prefix>_wrapper`` -- parsed from the header here (``void *`` pointers,
   ``int32_t`` / ``float`` scalars, ``cudaStream_t``).
 
-Nothing here imports ``cutlass``. What it is: the building block of a compiler-free
-deployment (the entry points still pack their arguments with the DSL's pointer types; a
-runtime-only call path per kernel is not built). Checked on the CPU up to the CUDA calls
-(tests/test_caches.py); the launch itself needs a GPU.
+Nothing here imports ``cutlass``. In runtime-only mode (:mod:`cute_kernels.runtime_only`)
+:func:`cute_kernels.jit.get_kernel` returns these launchers, and the entry points pass them raw
+addresses, numbers and stream handles. A nonzero return code (a CUDA error of the launch)
+raises ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import shutil
 import subprocess
 
 _CTYPES = {"void *": ctypes.c_void_p, "int32_t": ctypes.c_int32, "float": ctypes.c_float,
@@ -31,17 +35,24 @@ _CTYPES = {"void *": ctypes.c_void_p, "int32_t": ctypes.c_int32, "float": ctypes
 _RUNTIME = None
 
 
-def runtime_library() -> str:
-    """Path of ``libcute_dsl_runtime.so`` (``$CUTE_DSL_RUNTIME_LIB``, else found beside the DSL
-    package without importing it)."""
+def runtime_library(bundled: str | None = None) -> str:
+    """Path of ``libcute_dsl_runtime.so``: ``$CUTE_DSL_RUNTIME_LIB``, else ``bundled`` (the copy
+    ``build --with-runtime`` puts in the artifact cache), else the DSL package's own (found
+    without importing it)."""
     env = os.environ.get("CUTE_DSL_RUNTIME_LIB")
     if env:
         return env
+    if bundled and os.path.isfile(bundled):
+        return bundled
     import importlib.util
 
-    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    try:
+        spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    except (ImportError, ValueError):
+        spec = None
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("libcute_dsl_runtime.so: set CUTE_DSL_RUNTIME_LIB (the DSL package is not installed)")
+        raise FileNotFoundError("libcute_dsl_runtime.so: not in the artifact cache (python -m cute_kernels build "
+                                "--with-runtime) and the DSL package is not installed; or set CUTE_DSL_RUNTIME_LIB")
     root = list(spec.submodule_search_locations)[0]
     for sub in ("cu13", "cu12"):
         p = os.path.join(root, sub, "lib", "libcute_dsl_runtime.so")
@@ -50,11 +61,17 @@ def runtime_library() -> str:
     raise FileNotFoundError(f"libcute_dsl_runtime.so not found under {root}")
 
 
-def _load_runtime():
+def _load_runtime(bundled: str | None = None):
     global _RUNTIME
     if _RUNTIME is None:
-        _RUNTIME = ctypes.CDLL(runtime_library(), mode=ctypes.RTLD_GLOBAL)
+        _RUNTIME = ctypes.CDLL(runtime_library(bundled), mode=ctypes.RTLD_GLOBAL)
     return _RUNTIME
+
+
+def _current_device() -> int:
+    import torch
+
+    return torch._C._cuda_getDevice()
 
 
 class ExportedKernel:
@@ -62,7 +79,8 @@ class ExportedKernel:
     without the DSL compiler: ``k = ExportedKernel(path); k.load(); k(x_ptr, out_ptr, T, eps,
     stream)`` with raw device pointers (ints) and scalars in ``k.arg_names`` order."""
 
-    def __init__(self, entry_dir: str):
+    def __init__(self, entry_dir: str, runtime_library: str | None = None):
+        self._runtime_library = runtime_library
         header = open(os.path.join(entry_dir, "kernel.h")).read()
         m = re.search(r"static inline int32_t cute_dsl_\w+?_wrapper\((\w+)_Kernel_Module_t \*module, (.*?)\)", header,
                       re.S)
@@ -85,47 +103,67 @@ class ExportedKernel:
         self._launch_name = launch.group(1)
         self.entry_dir = entry_dir
         self._lib = None
+        self._launch = None
         self._module = ctypes.c_void_p()
+        self._initialised = False
+        self._devices: set[int] = set()
 
     def link(self) -> str:
-        """``kernel.so`` beside the entry (linked once against the runtime library)."""
+        """``kernel.so`` beside the entry (linked once; its runtime symbols stay undefined and
+        resolve against the runtime library loaded before it)."""
         so = os.path.join(self.entry_dir, "kernel.so")
         if not os.path.exists(so):
-            rt = runtime_library()
+            cc = shutil.which("cc")
+            if cc is None:
+                raise FileNotFoundError(f"{self.entry_dir}: kernel.so is missing and there is no C compiler to link "
+                                        f"kernel.o; build the cache with `python -m cute_kernels build --with-runtime`")
             tmp = so + f".tmp{os.getpid()}"
-            subprocess.run(["cc", "-shared", "-o", tmp, os.path.join(self.entry_dir, "kernel.o"),
-                            f"-L{os.path.dirname(rt)}", "-lcute_dsl_runtime", f"-Wl,-rpath,{os.path.dirname(rt)}"],
-                           check=True, capture_output=True)
+            subprocess.run([cc, "-shared", "-o", tmp, os.path.join(self.entry_dir, "kernel.o")], check=True,
+                           capture_output=True)
             os.replace(tmp, so)
         return so
 
     def open(self) -> None:
         """Resolve the object's symbols (no CUDA call yet)."""
         if self._lib is None:
-            _load_runtime()
+            _load_runtime(self._runtime_library)
             self._lib = ctypes.CDLL(self.link(), mode=os.RTLD_NOW)
+            self._launch = getattr(self._lib, self._launch_name)
 
     def load(self, devices=(0,)) -> None:
-        """Load the cubin (CUDA): the header's ``Kernel_Module_Load`` sequence."""
+        """Load the cubin onto ``devices`` (CUDA): the header's ``Kernel_Module_Load`` sequence."""
         self.open()
         ret = ctypes.c_int(0)
         libp = ctypes.pointer(self._module)
-        args = (ctypes.c_void_p * 2)(ctypes.addressof(libp), ctypes.addressof(ret))
-        getattr(self._lib, f"_mlir_{self.prefix}_cuda_init")(args)
-        if ret.value:
-            raise RuntimeError(f"{self.prefix}: cuda_init failed with CUDA error {ret.value}")
+        if not self._initialised:
+            args = (ctypes.c_void_p * 2)(ctypes.addressof(libp), ctypes.addressof(ret))
+            getattr(self._lib, f"_mlir_{self.prefix}_cuda_init")(args)
+            if ret.value:
+                raise RuntimeError(f"{self.prefix}: cuda_init failed with CUDA error {ret.value}")
+            self._initialised = True
         for d in devices:
+            if d in self._devices:
+                continue
             dev = ctypes.c_int32(d)
             largs = (ctypes.c_void_p * 3)(ctypes.addressof(libp), ctypes.addressof(dev), ctypes.addressof(ret))
             getattr(self._lib, f"_mlir_{self.prefix}_cuda_load_to_device")(largs)
             if ret.value:
                 raise RuntimeError(f"{self.prefix}: loading to device {d} failed with CUDA error {ret.value}")
+            self._devices.add(d)
 
     def __call__(self, *args) -> int:
+        """Launch with ``args`` in :attr:`arg_names` order: device pointers and stream handles
+        as ints, scalars as Python numbers. Loads the cubin onto the current device first if
+        it is not there yet."""
         if len(args) != len(self.arg_types):
             raise TypeError(f"{self.prefix}: takes {len(self.arg_types)} arguments {self.arg_names}, got {len(args)}")
+        dev = _current_device()
+        if dev not in self._devices:
+            self.load((dev,))
         vals = [t(a) for t, a in zip(self.arg_types, args)]
         ret = ctypes.c_int32(0)
         ptrs = (ctypes.c_void_p * (len(vals) + 1))(*[ctypes.addressof(v) for v in vals], ctypes.addressof(ret))
-        getattr(self._lib, self._launch_name)(ptrs, ctypes.c_int32(len(vals) + 1))
+        self._launch(ptrs, ctypes.c_int32(len(vals) + 1))
+        if ret.value:
+            raise RuntimeError(f"{self.prefix}: launch failed with CUDA error {ret.value}")
         return ret.value

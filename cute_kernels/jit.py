@@ -19,6 +19,11 @@ tensor on the H200 host, see the device README); :func:`gmem_ptr` caches pointer
 wrappers so steady-state decode calls build nothing, and :class:`DirectLaunch` (what
 :func:`get_kernel` returns) hands their addresses to the DSL's executor without the DSL's
 per-call argument adaptation, once it has checked they are the addresses the DSL would pass.
+
+Runtime-only mode (:mod:`cute_kernels.runtime_only`: the DSL compiler is not installed): step 2
+only, through :class:`cute_kernels.exported.ExportedKernel` (no DSL import); a key the cache
+does not hold raises :class:`~cute_kernels.runtime_only.MissingArtifact` naming the ``build``
+command; the argument helpers pass raw addresses and numbers.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
+from . import runtime_only
 from .arch import normalize_arch
 from .artifact_cache import default_cache
 
@@ -106,6 +112,17 @@ def registry() -> dict[str, KernelDef]:
 
 @functools.lru_cache(maxsize=1)
 def dsl_version() -> str:
+    """The installed DSL's version; in runtime-only mode, the one the artifact cache was built
+    with (its one version directory)."""
+    if runtime_only.active():
+        store = default_cache()
+        versions = store.dsl_versions()
+        if len(versions) != 1:
+            raise runtime_only.MissingArtifact(
+                f"runtime-only mode (no CuTe DSL compiler installed): the artifact cache {store.root} holds "
+                f"{'no kernels' if not versions else 'kernels of several DSL versions ' + ', '.join(versions)}; "
+                f"build it with `python -m cute_kernels build` where the DSL is installed")
+        return versions[0]
     from importlib.metadata import version
 
     return version("nvidia-cutlass-dsl")
@@ -217,6 +234,9 @@ class KernelCache:
                 return fn
             with self._lock:
                 self.stats.misses += 1
+            if runtime_only.active():
+                fn = self._fns[key] = self._load_exported(kdef, key, config, artifact_cache)
+                return fn
             fn = None
             store = None
             if use_disk:
@@ -241,6 +261,28 @@ class KernelCache:
                         self.stats.disk_writes += 1
             fn = self._fns[key] = DirectLaunch(fn)
             return fn
+
+
+    def _load_exported(self, kdef: KernelDef, key: CacheKey, config: dict, artifact_cache=None):
+        """Runtime-only mode: the cache entry's ctypes launcher, or MissingArtifact."""
+        store = artifact_cache if artifact_cache is not None else default_cache()
+        t0 = time.perf_counter()
+        fn = store.load_exported(key)
+        if fn is None:
+            cfg = json.dumps(kdef.canonical_config(config), sort_keys=True)
+            vdir = os.path.join(store.root, key.dsl_version)
+            held = sorted(a for a in (os.listdir(vdir) if os.path.isdir(vdir) else ())
+                          if os.path.isdir(os.path.join(vdir, a, kdef.name)))
+            raise runtime_only.MissingArtifact(
+                f"{kdef.name} for {key.arch} with config {cfg} is not in the artifact cache {store.root} "
+                f"(it holds {kdef.name} for: {', '.join(held) or 'no arch'}; "
+                f"runtime-only mode: the CuTe DSL compiler is not installed, nothing is compiled). Build it where "
+                f"the DSL is installed: python -m cute_kernels build --arch {key.arch} --kernel {kdef.name} "
+                f"--config '{cfg}' --cache {store.root}")
+        with self._lock:
+            self.stats.disk_loads += 1
+            self.stats.disk_load_seconds += time.perf_counter() - t0
+        return fn
 
 
 @dataclasses.dataclass
@@ -480,6 +522,28 @@ def fake_stream():
     import cutlass.cute as cute
 
     return cute.runtime.make_fake_stream()
+
+
+# Runtime-only mode: the launchers take addresses and numbers (ExportedKernel converts them
+# to the C types kernel.h declares).
+def _raw_gmem_ptr(dtype, t, align: int = 16) -> int:
+    return t.data_ptr()
+
+
+def _raw_scalar(v):
+    return v
+
+
+def _raw_stream(stream=None) -> int:
+    import torch
+
+    if stream is None:
+        return _raw_current_stream(torch) if _raw_current_stream else torch.cuda.current_stream().cuda_stream
+    return stream if isinstance(stream, int) else stream.cuda_stream
+
+
+if runtime_only.active():
+    gmem_ptr, i32, f32, cu_stream = _raw_gmem_ptr, _raw_scalar, _raw_scalar, _raw_stream  # noqa: F811
 
 
 def iter_aot(reg: dict[str, KernelDef], names: Iterable[str] | None = None, arch: str = "sm_100a"):

@@ -312,6 +312,146 @@ def test_exported_entry_runs_on_gpu_without_the_dsl(tmp_path):
     assert torch.equal(out, row_rms(x, 1e-6))
 
 
+# ------------------------------------------------------- runtime-only mode -----------
+#: a process without the CuTe DSL: its packages (compiler and runtime library) cannot be found
+_NO_DSL = """
+import importlib.abc, sys
+class _NoDsl(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("cutlass", "nvidia_cutlass_dsl"):
+            raise ModuleNotFoundError(f"no module named {name!r} (blocked)", name=name)
+sys.meta_path.insert(0, _NoDsl())
+"""
+
+
+def _without_dsl(code: str, cache: str):
+    env = dict(os.environ, CUTE_KERNELS_CACHE_DIR=cache)
+    env.pop("CUTE_DSL_RUNTIME_LIB", None)
+    return subprocess.run([sys.executable, "-c", _NO_DSL + code], capture_output=True, text=True, cwd=REPO,
+                          timeout=300, env=env)
+
+
+def test_runtime_only_mode_serves_the_cache_without_the_dsl(tmp_path):
+    """A process that cannot import the DSL (compiler or runtime package): every kernel module
+    of the catalogue and the custom ops import (stand-ins, none left in sys.modules, and another
+    importer of ``cutlass`` still gets ImportError); get_kernel returns the entry that
+    ``build --with-runtime`` wrote -- its launcher linked, the runtime library the cache's own
+    copy; a config or an arch the cache lacks raises MissingArtifact naming the build command,
+    which then builds exactly that entry; the entry points still validate before any launch."""
+    cache = str(tmp_path / "c")
+    built = _cli("build", "--arch", "sm_90a", "--kernel", "row_rms", "--with-runtime", cache=cache)
+    assert built.returncode == 0, built.stderr
+    assert "2 linked kernel.so" in built.stdout
+    code = """
+import sys, torch
+from cute_kernels import catalog, jit, runtime_only
+from cute_kernels.exported import ExportedKernel
+from cute_kernels.row_rms import row_rms
+import cute_kernels.ops, moe.ops, comm.ops
+assert runtime_only.active()
+print("kernels", len(catalog.kernels()))
+print("left", sorted(m for m in sys.modules if m.split(".")[0] == "cutlass"))
+try:
+    import cutlass
+    print("third-party: imported")
+except ImportError:
+    print("third-party: ImportError")
+k = jit.get_kernel("row_rms", "sm_90a", hidden=7168, dtype="bfloat16")
+assert isinstance(k, ExportedKernel), k
+print("args", k.arg_names, "lib", k._runtime_library)
+for arch, hidden in (("sm_90a", 512), ("sm_100a", 7168)):
+    try:
+        jit.get_kernel("row_rms", arch, hidden=hidden, dtype="bfloat16")
+    except runtime_only.MissingArtifact as e:
+        print("missing:", e)
+try:
+    row_rms(torch.zeros(3, 100, dtype=torch.bfloat16))
+except ValueError as e:
+    print("validated:", e)
+"""
+    r = _without_dsl(code, cache)
+    assert r.returncode == 0, r.stderr
+    assert f"kernels {len(catalog.kernels())}" in r.stdout
+    assert "left []" in r.stdout and "third-party: ImportError" in r.stdout
+    assert "'x_ptr', 'rstd_ptr', 'num_tokens', 'eps', 'stream'" in r.stdout
+    assert os.path.join(cache, jit.dsl_version(), "lib", "libcute_dsl_runtime.so") in r.stdout
+    missing = [line for line in r.stdout.splitlines() if line.startswith("missing:")]
+    assert len(missing) == 2 and all("python -m cute_kernels build --arch" in m for m in missing)
+    assert "holds row_rms for: sm_90a" in missing[1] and "--arch sm_100a" in missing[1]
+    assert "validated: row_rms: x.shape[1]=100" in r.stdout
+    # the command the error names builds the missing entry; the next process finds it
+    cmd = missing[0].split("Build it where the DSL is installed: ")[1]
+    args = cmd.split(" --cache ")[0].split("cute_kernels ")[1]
+    import shlex
+
+    assert _cli(*shlex.split(args), "--with-runtime", cache=cache).returncode == 0
+    again = _without_dsl("import cute_kernels.row_rms\nfrom cute_kernels import jit\n"
+                         "print(type(jit.get_kernel('row_rms', 'sm_90a', hidden=512)).__name__)", cache)
+    assert again.returncode == 0 and "ExportedKernel" in again.stdout, again.stderr
+
+
+def test_runtime_only_mode_refuses_a_tampered_or_empty_cache(tmp_path):
+    """A flipped byte in an entry's linked kernel.so makes the entry invalid (MissingArtifact,
+    not a load); an empty cache names the build command."""
+    cache = str(tmp_path / "c")
+    assert _cli("build", "--arch", "sm_90a", "--kernel", "row_rms", "--with-runtime", cache=cache).returncode == 0
+    so = next(os.path.join(r, "kernel.so") for r, _, fs in os.walk(cache) if "kernel.so" in fs and "7168" in
+              open(os.path.join(r, "manifest.json")).read())
+    with open(so, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 1]))
+    code = """
+import cute_kernels.row_rms
+from cute_kernels import jit, runtime_only
+try:
+    jit.get_kernel("row_rms", "sm_90a", hidden=7168)
+except runtime_only.MissingArtifact as e:
+    print("missing:", e)
+"""
+    r = _without_dsl(code, cache)
+    assert r.returncode == 0 and "missing:" in r.stdout, r.stderr
+    assert "kernel.so does not match the manifest" in r.stderr  # the warning names the cause
+    r = _without_dsl(code, str(tmp_path / "empty"))
+    assert r.returncode == 0 and "holds no kernels" in r.stdout and "python -m cute_kernels build" in r.stdout
+
+
+@pytest.mark.gpu
+def test_runtime_only_entry_points_match_the_dsl_path_on_gpu(tmp_path):
+    """On a GPU, in a process without the DSL: row_rms() and masked_softmax() through the
+    cache's ctypes launchers equal the same calls through the DSL in this process, bit for
+    bit (the same machine code)."""
+    import torch
+
+    from cute_kernels.masked_softmax import masked_softmax
+    from cute_kernels.row_rms import row_rms
+
+    cache = str(tmp_path / "c")
+    for kernel, cfg in (("row_rms", '{"hidden": 7168}'), ("masked_softmax", None)):
+        extra = ("--config", cfg) if cfg else ()
+        assert _cli("build", "--arch", "sm_90a", "--kernel", kernel, *extra, "--with-runtime",
+                    cache=cache).returncode == 0
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 7168, generator=g).bfloat16()
+    s = torch.randn(3, 128, 592, generator=g).bfloat16()  # its AOT config: 128 heads x 592 keys, mask 608
+    m = torch.rand(3, 608, generator=g) > 0.3
+    torch.save({"x": x, "s": s, "m": m}, str(tmp_path / "in.pt"))
+    code = f"""
+import torch
+from cute_kernels.row_rms import row_rms
+from cute_kernels.masked_softmax import masked_softmax
+d = torch.load({str(tmp_path / "in.pt")!r})
+out = {{"rms": row_rms(d["x"].cuda(), 1e-6).cpu(), "sm": masked_softmax(d["s"].cuda(), d["m"].cuda()).cpu()}}
+torch.save(out, {str(tmp_path / "out.pt")!r})
+"""
+    r = _without_dsl(code, cache)
+    assert r.returncode == 0, r.stderr
+    got = torch.load(str(tmp_path / "out.pt"))
+    assert torch.equal(got["rms"], row_rms(x.cuda(), 1e-6).cpu())
+    assert torch.equal(got["sm"], masked_softmax(s.cuda(), m.cuda()).cpu())
+
+
 # ------------------------------------------------------------ direct launch -----------
 def test_c_address_points_at_each_arguments_value():
     """What the compiled function reads for each kind of argument the entry points pass: the
