@@ -14,6 +14,14 @@ are timed twice: with :class:`cute_kernels.jit.DirectLaunch` resolving the argum
 default) and through the DSL's own call path (``jit.DIRECT_LAUNCH = False``); before timing,
 each op's output through the first is checked bit-equal to its output through the second. The
 kernels' own benches and tests check the outputs against their references.
+
+Runtime-only mode (:mod:`cute_kernels.runtime_only`): the kernels this run compiled are in the
+artifact cache (``--cache``, default a fresh directory); after the table above, the cache is
+made a deployment (``bundle_runtime``) and this script runs again in a child process that
+cannot import the DSL (compiler or runtime package): it times the entry points through the
+cache's ctypes launchers, after checking each op's output bit-equal to this process's, and
+reports the import time of ``cute_kernels.row_rms`` and its first call (cubin load), next to
+the same two figures of a fresh process with the DSL.
 """
 
 from __future__ import annotations
@@ -25,7 +33,22 @@ import statistics
 import sys
 import time
 
-import torch
+_CHILD = "--runtime-only-child" in sys.argv
+if _CHILD:  # a process without the DSL: its packages cannot be found (before anything imports them)
+    import importlib.abc
+
+    class _NoDsl(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("cutlass", "nvidia_cutlass_dsl"):
+                raise ModuleNotFoundError(f"no module named {name!r} (runtime-only run)", name=name)
+
+    sys.meta_path.insert(0, _NoDsl())
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import markdown_table  # noqa: E402
@@ -62,6 +85,7 @@ def host_us(fn, calls: int, trials: int = 5) -> float:
 
 def cases():
     dev = "cuda"
+    torch.manual_seed(0)  # the same inputs in the runtime-only child
     T, C, n = 6, 7168, 4
     bf = lambda *s: torch.randn(*s, device=dev).bfloat16()  # noqa: E731
     x2, x3 = bf(T, C), bf(T, n, C)
@@ -96,6 +120,60 @@ def cases():
     ]
 
 
+def poisoned_output(entry, out) -> torch.Tensor:
+    """``entry()``'s output written into ``out`` poisoned first, as raw bytes."""
+    out.fill_(0x55 if out.dtype in (torch.uint8, torch.float8_e4m3fn) else float("nan"))
+    entry()
+    torch.cuda.synchronize()
+    return out.view(torch.uint8).cpu().clone()
+
+
+FIRST_CALL = """
+import time, torch
+x = torch.randn(6, 7168, device="cuda").bfloat16(); torch.cuda.synchronize()
+t0 = time.perf_counter()
+from cute_kernels.row_rms import row_rms
+t1 = time.perf_counter()
+row_rms(x); torch.cuda.synchronize()
+t2 = time.perf_counter()
+print(f"IMPORT_FIRST {(t1 - t0) * 1e3:.1f} {(t2 - t1) * 1e3:.1f}")
+"""
+
+
+def import_and_first_call(env: dict, no_dsl: bool) -> tuple[float, float]:
+    """(ms to import cute_kernels.row_rms after torch, ms of its first call) in a fresh process."""
+    pre = ""
+    if no_dsl:
+        pre = ("import importlib.abc, sys\nclass B(importlib.abc.MetaPathFinder):\n def find_spec(s, n, p=None, t=None):"
+               "\n  if n.split('.')[0] in ('cutlass', 'nvidia_cutlass_dsl'): raise ModuleNotFoundError(n, name=n)\n"
+               "sys.meta_path.insert(0, B())\n")
+    r = subprocess.run([sys.executable, "-c", pre + FIRST_CALL], capture_output=True, text=True, env=env, timeout=600)
+    if r.returncode:
+        raise SystemExit(f"first-call probe failed:\n{r.stderr}")
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("IMPORT_FIRST"))
+    a, b = line.split()[1:]
+    return float(a), float(b)
+
+
+def runtime_only_child(args) -> int:
+    """In the child without the DSL: check each op against the parent's bytes, then time it."""
+    from cute_kernels import runtime_only
+
+    assert runtime_only.active() and "cutlass" not in sys.modules
+    want = torch.load(args.expect)
+    res = {}
+    for name, entry, _, out in cases():
+        if out is None:
+            res[name] = host_us(entry, args.calls)
+            continue
+        if not torch.equal(poisoned_output(entry, out), want[name]):
+            raise SystemExit(f"{name}: the runtime-only launch's output differs from the DSL process's")
+        res[name] = host_us(entry, args.calls)
+        print(f"{name}: {res[name]:.1f} us (runtime-only)", flush=True)
+    print("RESULT " + json.dumps(res))
+    return 0
+
+
 def direct_equals_dsl(entry, out) -> bool:
     """The entry point's output through :class:`cute_kernels.jit.DirectLaunch` equals, bit for
     bit, its output through the DSL's own call path (each into a poisoned buffer)."""
@@ -117,8 +195,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cache", default=None, help="artifact cache of this run (default: a fresh temporary one)")
+    ap.add_argument("--runtime-only-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--expect", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    rows = []
+    if not args.runtime_only_child:  # this run's compiles land in its own artifact cache
+        os.environ["CUTE_KERNELS_CACHE_DIR"] = args.cache or tempfile.mkdtemp(prefix="host-cost-cache-")
+    if args.runtime_only_child:
+        return runtime_only_child(args)
+    rows, expect = [], {}
     add = None
     for name, entry, op, out in cases():
         print(f"{name}: checking, then timing", flush=True)  # a fatal CUDA error names its op
@@ -130,12 +215,35 @@ def main(argv=None) -> int:
         jit.DIRECT_LAUNCH = True
         t_op = host_us(op, args.calls) if op is not None else float("nan")
         add = t_entry if add is None else add
+        if out is not None:
+            expect[name] = poisoned_output(entry, out)
         rows.append([name, f"{t_entry:.1f}", f"{t_dsl:.1f}", f"{t_op:.1f}", f"{t_entry / add:.1f}x"])
         print("| " + " | ".join(rows[-1]) + " |", flush=True)
+    # runtime-only: the same entry points from this run's artifact cache, in a process without the DSL
+    from cute_kernels.artifact_cache import default_cache
+
+    lib, linked = default_cache().bundle_runtime(jit.dsl_version())
+    exp = os.path.join(default_cache().root, "expect.pt")
+    torch.save(expect, exp)
+    env = dict(os.environ, CUTE_KERNELS_CACHE_DIR=default_cache().root)
+    child = subprocess.run([sys.executable, os.path.abspath(__file__), "--runtime-only-child", "--expect", exp,
+                            "--calls", str(args.calls)], capture_output=True, text=True, env=env, timeout=1200)
+    print(child.stdout[-4000:], child.stderr[-4000:], flush=True)
+    if child.returncode:
+        raise SystemExit("the runtime-only run failed")
+    ro = json.loads(next(ln for ln in child.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    for r in rows:
+        r.insert(2, f"{ro[r[0]]:.1f}")
+    first = [("with the DSL", *import_and_first_call(env, False)), ("runtime-only", *import_and_first_call(env, True))]
     text = "\n".join([f"## Eager host cost per call -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
                       f"Command: `python bench/bench_host_cost.py --calls {args.calls}`", "",
-                      markdown_table(["op (decode shapes: T = 6)", "entry point us", "entry point, DSL call path us",
-                                      "custom op us", "entry point vs torch.add"], rows)])
+                      markdown_table(["op (decode shapes: T = 6)", "entry point us", "runtime-only entry point us",
+                                      "entry point, DSL call path us", "custom op us", "entry point vs torch.add"],
+                                     rows), "",
+                      f"Import of `cute_kernels.row_rms` (after torch) and its first call (artifact cache warm; "
+                      f"runtime-only: {linked} entries linked, runtime library {os.path.getsize(lib) >> 20} MiB):", "",
+                      markdown_table(["process", "import ms", "first call ms"],
+                                     [[p, f"{a:.0f}", f"{b:.1f}"] for p, a, b in first])])
     print(text)
     if args.out:
         open(args.out, "w").write(text + "\n")

@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 
 _CTYPES = {"void *": ctypes.c_void_p, "int32_t": ctypes.c_int32, "float": ctypes.c_float,
            "cudaStream_t": ctypes.c_void_p, "int64_t": ctypes.c_int64}
@@ -107,6 +108,12 @@ class ExportedKernel:
         self._module = ctypes.c_void_p()
         self._initialised = False
         self._devices: set[int] = set()
+        self._cells = [t() for t in self.arg_types]
+        self._ret = ctypes.c_int32(0)
+        self._ptrs = (ctypes.c_void_p * (len(self._cells) + 1))(*[ctypes.addressof(c) for c in self._cells],
+                                                                 ctypes.addressof(self._ret))
+        self._nargs = ctypes.c_int32(len(self._cells) + 1)
+        self._cells_lock = threading.Lock()
 
     def link(self) -> str:
         """``kernel.so`` beside the entry (linked once; its runtime symbols stay undefined and
@@ -160,10 +167,15 @@ class ExportedKernel:
         dev = _current_device()
         if dev not in self._devices:
             self.load((dev,))
-        vals = [t(a) for t, a in zip(self.arg_types, args)]
-        ret = ctypes.c_int32(0)
-        ptrs = (ctypes.c_void_p * (len(vals) + 1))(*[ctypes.addressof(v) for v in vals], ctypes.addressof(ret))
-        self._launch(ptrs, ctypes.c_int32(len(vals) + 1))
-        if ret.value:
-            raise RuntimeError(f"{self.prefix}: launch failed with CUDA error {ret.value}")
-        return ret.value
+        # one set of argument cells, reused: the values are written, then the launcher reads
+        # them through the fixed pointer array (under a lock: ctypes releases the GIL, and
+        # simulated ranks launch from several threads)
+        with self._cells_lock:
+            for cell, a in zip(self._cells, args):
+                cell.value = a
+            self._ret.value = 0
+            self._launch(self._ptrs, self._nargs)
+            ret = self._ret.value
+        if ret:
+            raise RuntimeError(f"{self.prefix}: launch failed with CUDA error {ret}")
+        return ret
