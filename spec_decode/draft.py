@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
-from .model import WeightFactory, hc_head, init_layer, layer_weight_shapes, shared_rope_tables
+from .model import WeightFactory, hc_head, init_layer, layer_weight_shapes, forward_tables
 from .step_model import DecodeState, Ops, V4Layer
 
 
@@ -78,7 +78,7 @@ class DraftModel:
         discarded last row. Only the last ``window`` positions of a long prefill chunk are
         kept (the older ones share ring rows with them and fall out of the window anyway)."""
         ctx = self.context_rows(feats, pos, slots, commit, st)
-        with shared_rope_tables():  # the stages rotate the same positions
+        with forward_tables():  # the stages rotate the same positions
             for s in range(len(self.layers)):
                 self.write_stage_context(s, ctx, st)
 
@@ -125,7 +125,7 @@ class DraftModel:
         x[:, 0] = self.target.embed[last_tokens]
         X = x[:, :, None, :].expand(-1, -1, cfg.mhc_n, -1).contiguous()
         toks = torch.cat([last_tokens[:, None], last_tokens[:, None].expand(B, K - 1)], 1)
-        with shared_rope_tables():  # the stages rotate at the same positions
+        with forward_tables():  # the stages rotate at the same positions
             for s, layer in enumerate(self.layers):
                 if stage_start is not None:
                     stage_start(s)

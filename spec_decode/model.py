@@ -92,43 +92,52 @@ def rope_inv_freq(cfg: ModelConfig, compressed: bool, device=None) -> torch.Tens
     return freqs / cfg.yarn_factor * (1 - smooth) + freqs * smooth
 
 
-_ROPE = threading.local()  # per thread: simulated tensor-parallel ranks run forwards side by side
+_FORWARD = threading.local()  # per thread: simulated tensor-parallel ranks run forwards side by side
 
 
 @contextlib.contextmanager
-def shared_rope_tables():
-    """Inside: :func:`rope` computes the cos / sin of a ``(pos, inv_freq, dtype)`` once and
-    reuses them for every later call with the same tensors (a step's q, kv, indexer q and
-    inverse rotations in every layer share their positions) -- the same numbers, a handful of
-    kernels fewer per call. Scoped to one forward: a cached tensor outlives nothing."""
-    outer = getattr(_ROPE, "tables", None)
-    _ROPE.tables = {} if outer is None else outer
+def forward_tables():
+    """Scope of one forward: inside it, :func:`forward_memo` builds each table derived from the
+    step's positions (RoPE's rotations, the rings' gather indices, the compressors' entry
+    indices) once and hands the same tensor to every later call -- every layer of a step
+    shares its positions. The same numbers, fewer kernels; nothing cached outlives the scope."""
+    outer = getattr(_FORWARD, "tables", None)
+    _FORWARD.tables = {} if outer is None else outer
     try:
         yield
     finally:
-        _ROPE.tables = outer
+        _FORWARD.tables = outer
+
+
+def forward_memo(key: tuple, inputs: tuple, build):
+    """``build()`` once per forward for ``key`` (ids of ``inputs``, the tensors it derives from,
+    plus any parameters); outside :func:`forward_tables`, every call. The entry holds
+    ``inputs``, so their ids cannot be reused while it lives."""
+    tables = getattr(_FORWARD, "tables", None)
+    if tables is None:
+        return build()
+    full = key + tuple(id(t) for t in inputs)
+    hit = tables.get(full)
+    if hit is None:
+        hit = tables[full] = (inputs, build())
+    return hit[1]
 
 
 def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the last ``2 len(inv_freq)`` features of x ``[*pos.shape, ..., d]`` in adjacent
-    pairs by ``pos * inv_freq`` (``inverse``: by minus that). ``pos`` has x's leading dims; the
-    angles are FP32 and rounded to x's dtype once."""
+    pairs by ``pos * inv_freq`` (``inverse``: by minus that). ``pos`` has x's leading dims. As
+    DeepSeek's ``apply_rotary_emb``: the pairs as complex numbers in FP32 times ``exp(i
+    angle)`` (FP32 angles), one rounding to x's dtype."""
     r = 2 * inv_freq.shape[0]
-    tables = getattr(_ROPE, "tables", None)
-    key = (id(pos), id(inv_freq), x.dtype)
-    hit = tables.get(key) if tables is not None else None
-    if hit is None:
-        ang = pos.float()[..., None] * inv_freq  # [*pos, r/2]
-        hit = (pos, inv_freq, ang.cos().to(x.dtype), ang.sin().to(x.dtype))  # the tensors keep their ids
-        if tables is not None:
-            tables[key] = hit
-    extra = x.dim() - pos.dim() - 1
-    cos, sin = (t.view(*pos.shape, *([1] * extra), r // 2) for t in hit[2:])
-    if inverse:
-        sin = -sin
-    pairs = x[..., -r:].unflatten(-1, (r // 2, 2))
-    a, b = pairs[..., 0], pairs[..., 1]
-    rot = torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2)
+
+    def cis():
+        c = torch.polar(torch.ones((), device=pos.device), pos.float()[..., None] * inv_freq)  # [*pos, r/2]
+        return c, c.conj().resolve_conj()
+
+    c = forward_memo(("rope",), (pos, inv_freq), cis)[1 if inverse else 0]
+    c = c.view(*pos.shape, *([1] * (x.dim() - pos.dim() - 1)), r // 2)
+    pairs = torch.view_as_complex(x[..., -r:].float().unflatten(-1, (r // 2, 2)).contiguous())
+    rot = torch.view_as_real(pairs * c).flatten(-2).to(x.dtype)
     return torch.cat([x[..., :-r], rot], -1)
 
 

@@ -36,7 +36,8 @@ import torch
 
 from .config import ModelConfig
 from .model import (TargetModel, compress_entries, hc_head, mhc_mappings, moe_gathered, post_mix, pre_mix, rmsnorm,
-                    rope, route, shared_expert, shared_rope_tables, sink_attention, swiglu, visible_entries, wo_a_ref)
+                    forward_memo, forward_tables, rope, route, shared_expert, sink_attention, swiglu, visible_entries,
+                    wo_a_ref)
 
 
 def family(name: str):
@@ -83,24 +84,63 @@ class DecodeState:
         return sum(t.numel() * t.element_size() for t in ts)
 
 
-def rows_at(fresh: torch.Tensor, ring: torch.Tensor, ring_rows: int, slots: torch.Tensor, pos0: torch.Tensor,
-            q: torch.Tensor) -> torch.Tensor:
-    """Rows of positions ``q [B, S, K]`` (``>= 0``; callers mask the rest): position ``q >=
-    pos0[b]`` from this step's ``fresh [B, S, ch]`` (row ``q - pos0``), older ones from the
-    ring ``[slots, >= ring_rows, ch]`` (row ``q % ring_rows``). -> ``[B, S, K, ch]``."""
-    B, S = fresh.shape[:2]
-    src = torch.cat([ring[slots, :ring_rows], fresh], 1)  # [B, ring_rows + S, ch]
-    rel = q - pos0[:, None, None]
-    idx = torch.where(rel >= 0, ring_rows + rel.clamp(max=S - 1), q.remainder(ring_rows))
-    return src[torch.arange(B, device=q.device)[:, None, None], idx]
+def ring_index(pos: torch.Tensor, span: int, ring_rows: int) -> tuple:
+    """Where :func:`rows_at` finds the rows of positions ``p - span + 1 .. p`` of each query at
+    ``pos [B, S]`` (a request's positions consecutive): ``(batch index [B, 1, 1], row index [B,
+    S, span] into cat([ring rows, this step's rows]), valid [B, S, span], its negation)``. A position ``q >=
+    pos[b, 0]`` is this step's row ``q - pos[b, 0]``, an older one ring row ``q % ring_rows``;
+    positions below 0 (not ``valid``) read position 0's row -- callers mask them. Built once
+    per forward (:func:`spec_decode.model.forward_memo`): every layer's window shares it."""
+    def build():
+        q = pos[..., None] - span + 1 + torch.arange(span, device=pos.device)
+        valid = q >= 0
+        q = q.clamp_min(0)
+        rel = q - pos[:, :1, None]
+        idx = torch.where(rel >= 0, ring_rows + rel.clamp(max=pos.shape[1] - 1), q.remainder(ring_rows))
+        return torch.arange(pos.shape[0], device=pos.device)[:, None, None], idx, valid, ~valid
+
+    return forward_memo(("ring_index", span, ring_rows), (pos,), build)
+
+
+def rows_at(fresh: torch.Tensor, ring: torch.Tensor, ring_rows: int, slots: torch.Tensor, index: tuple) -> torch.Tensor:
+    """Rows ``[B, S, span, ch]`` at :func:`ring_index` ``index``: from this step's ``fresh [B, S,
+    ch]`` or the ring ``[slots, >= ring_rows, ch]``."""
+    b, idx = index[:2]
+    return torch.cat([ring[slots, :ring_rows], fresh], 1)[b, idx]
 
 
 def write_ring(ring: torch.Tensor, ring_rows: int, slots: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor):
     """Store a step's rows ``[B, S, ch]`` at ``pos % ring_rows``: only its last ``ring_rows``
     positions (earlier ones would share ring rows with them)."""
     k = min(pos.shape[1], ring_rows)
-    p = pos[:, -k:]
-    ring[slots[:, None].expand_as(p), p.remainder(ring_rows)] = rows[:, -k:].to(ring.dtype)
+
+    def build():
+        p = pos[:, -k:]
+        return slots[:, None].expand_as(p), p.remainder(ring_rows)
+
+    at = forward_memo(("write_ring", ring_rows), (slots, pos), build)
+    ring[at] = rows[:, -k:].to(ring.dtype)
+
+
+def window_entries(pos: torch.Tensor, slots: torch.Tensor, m: int, pool_rows: int) -> tuple:
+    """For a compressor of ratio ``m``: each token's entry start position ``i m`` with ``i = (p +
+    1) // m - 1`` (the window it closes, or would), and the pool rows its entry goes to -- ``i``
+    when it closes a window (``(p + 1) % m == 0``, ``0 <= i < pool_rows - 1``), else the pool's
+    last row (written, never read). Built once per forward."""
+    def build():
+        entry = torch.div(pos + 1, m, rounding_mode="floor") - 1
+        closes = ((pos + 1) % m == 0) & (entry >= 0) & (entry < pool_rows - 1)
+        dst = torch.where(closes, entry, torch.full_like(entry, pool_rows - 1))
+        return entry * m, (slots[:, None].expand_as(dst), dst)
+
+    return forward_memo(("window_entries", m, pool_rows), (pos, slots), build)
+
+
+def visible_mask(pos: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """``[B, S, n]``: entry ``i < n`` visible to the query at ``pos`` (its window whole). Built
+    once per forward."""
+    return forward_memo(("visible", m, n), (pos,),
+                        lambda: torch.arange(n, device=pos.device) < visible_entries(pos, m)[..., None])
 
 
 # --------------------------------------------------------------------------------- ops ----
@@ -261,17 +301,16 @@ class V4Layer:
         cfg, ops, L = self.cfg, self.ops, self.L
         B, S, _ = h.shape
         H, hd, m = self.heads, cfg.head_dim, self.ratio
-        pos0 = pos[:, 0]
         qr = ops.rmsnorm(h @ L["attn.wq_a.weight"].T, cfg.eps, L["attn.q_norm.weight"])
         q = rope(ops.rmsnorm((qr @ L["attn.wq_b.weight"].T).view(B, S, H, hd), cfg.eps), pos, self.inv)
         kv = self.kv(h, pos)
         ring = st.win[li] if win is None else win
         # window: positions p - W + 1 .. p
-        qpos = pos[..., None] - cfg.window + 1 + torch.arange(cfg.window, device=pos.device)
+        index = ring_index(pos, cfg.window, st.win_rows)
         if before_ring is not None:
             before_ring()
-        keys = rows_at(kv, ring, st.win_rows, slots, pos0, qpos.clamp_min(0))  # [B, S, W, hd]
-        valid = qpos >= 0
+        keys = rows_at(kv, ring, st.win_rows, slots, index)  # [B, S, W, hd]
+        valid = index[2]
         if m:
             ent, ent_valid = self.compressed_keys(h, qr, pos, slots, st, li)
             keys = torch.cat([keys, ent], 2)
@@ -290,19 +329,16 @@ class V4Layer:
         span = 2 * m if csa else m
         ring_rows = rows.shape[1]
         fresh = torch.cat([h @ L[prefix + "wkv.weight"].T, h @ L[prefix + "wgate.weight"].T], -1)
-        qpos = pos[..., None] - span + 1 + torch.arange(span, device=pos.device)  # [B, S, span]
-        r = rows_at(fresh, rows, ring_rows, slots, pos[:, 0], qpos.clamp_min(0))
+        index = ring_index(pos, span, ring_rows)
+        r = rows_at(fresh, rows, ring_rows, slots, index)  # [B, S, span, 2 ch]
         ch = fresh.shape[-1] // 2
-        kv, gate = r[..., :ch], r[..., ch:]
-        before = (qpos < 0)[..., None]  # rows before position 0: kv 0, gate -inf
-        kv = kv.masked_fill(before, 0)
-        gate = gate.masked_fill(before, float("-inf"))
-        entry = torch.div(pos + 1, m, rounding_mode="floor") - 1
-        ent = compress_entries(kv, gate, L[prefix + "ape"], L[prefix + "norm.weight"], csa, entry * m, inv_c, cfg.eps,
+        # rows before position 0: gate -inf, so their softmax weight is 0 and their (finite)
+        # kv adds nothing -- the spec's "kv 0, gate -inf"
+        kv, gate = r[..., :ch], r[..., ch:].masked_fill(index[3][..., None], float("-inf"))
+        start, dst = window_entries(pos, slots, m, pool.shape[1])
+        ent = compress_entries(kv, gate, L[prefix + "ape"], L[prefix + "norm.weight"], csa, start, inv_c, cfg.eps,
                                norm=self.ops.rmsnorm)
-        closes = ((pos + 1) % m == 0) & (entry >= 0) & (entry < pool.shape[1] - 1)
-        dst = torch.where(closes, entry, torch.full_like(entry, pool.shape[1] - 1))
-        pool[slots[:, None].expand_as(dst), dst] = ent.to(pool.dtype)
+        pool[dst] = ent.to(pool.dtype)
         write_ring(rows, ring_rows, slots, pos, fresh)
 
     def compressed_keys(self, h, qr, pos, slots, st: DecodeState, li):
@@ -312,9 +348,7 @@ class V4Layer:
         pool = st.pool[li]
         if m != cfg.csa_ratio:  # HCA: every visible entry
             ent = pool[slots, :-1]  # [B, N, hd]
-            N = ent.shape[1]
-            valid = torch.arange(N, device=pos.device) < visible_entries(pos, m)[..., None]  # [B, S, N]
-            return ent[:, None].expand(-1, pos.shape[1], -1, -1), valid
+            return ent[:, None].expand(-1, pos.shape[1], -1, -1), visible_mask(pos, m, ent.shape[1])
         p = "attn.indexer."
         self._close_windows(h, pos, slots, p + "compressor.", st.irows[li], st.ipool[li], self.inv_c)
         B, S, _ = h.shape
@@ -553,7 +587,7 @@ class StepModel:
         cfg, t = self.cfg, self.t
         X = t.embed[tokens][:, :, None, :].expand(-1, -1, cfg.mhc_n, -1).contiguous()
         feats = []
-        with shared_rope_tables():  # one cos / sin of `pos` for every layer's rotations
+        with forward_tables():  # position-derived tables (rotations, ring indices) shared by every layer
             for li, layer in enumerate(self.layers):
                 X = layer.forward(X, tokens, pos, slots, st, li)
                 if li in cfg.draft_feature_layers:
