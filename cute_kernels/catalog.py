@@ -17,6 +17,7 @@ from . import jit
 
 MODULES = (
     "cute_kernels.row_rms",
+    "cute_kernels.rms_norm",
     "cute_kernels.masked_softmax",
     "cute_kernels.wo_a",
     "cute_kernels.wo_a_decode",

@@ -15,7 +15,7 @@ Functional ops return fresh tensors; ``*_out`` ops write a caller's ``out`` (dec
 mutated) and return nothing -- the allocation-free form CUDA graphs want. The plain Python
 functions (``cute_kernels.row_rms.row_rms``, ...) stay the documented API; the ops call them.
 
-Ops: ``row_rms`` / ``row_rms_out``, ``masked_softmax`` / ``masked_softmax_out``, ``mhc_stats``,
+Ops: ``rms_norm`` / ``rms_norm_out``, ``row_rms`` / ``row_rms_out``, ``masked_softmax`` / ``masked_softmax_out``, ``mhc_stats``,
 ``mhc_pre_mix`` / ``mhc_pre_mix_out``, ``mhc_post_mix`` / ``mhc_post_mix_`` (the residual
 update in place), ``wo_a`` / ``wo_a_out``, ``dequantize_fp8_blockwise``, ``indexer_topk``,
 ``wo_a_fp8``, ``draft_head_scores_out``. The push all-reduce's ops (``push_allreduce``,
@@ -38,6 +38,7 @@ from . import masked_softmax as _ms
 from . import mhc_post_mix as _post
 from . import mhc_pre_mix as _pre
 from . import mhc_stats as _stats
+from . import rms_norm as _norm
 from . import row_rms as _rms
 from . import wo_a as _wo
 from . import wo_a_decode_fp8 as _wo8
@@ -48,6 +49,36 @@ Tensor = torch.Tensor
 
 def _cuda_op(name: str, mutates=()):
     return custom_op(f"{NS}::{name}", mutates_args=mutates, device_types="cuda")
+
+
+# --------------------------------------------------------------------------- rms_norm ----
+@_cuda_op("rms_norm")
+def rms_norm(x: Tensor, eps: float, weight: Tensor | None = None) -> Tensor:
+    """RMSNorm of bf16/fp16 ``x [..., C]`` times ``weight [C]`` if given, in x's dtype."""
+    return _norm.rms_norm(x, eps, weight)
+
+
+rms_norm.register_kernel("cpu")(_norm.rms_norm_torch)
+
+
+@rms_norm.register_fake
+def _(x, eps, weight=None):
+    return torch.empty_like(x)
+
+
+@_cuda_op("rms_norm_out", mutates=("out",))
+def rms_norm_out(x: Tensor, eps: float, weight: Tensor | None, out: Tensor) -> None:
+    _norm.rms_norm(x, eps, weight, out=out)
+
+
+@rms_norm_out.register_kernel("cpu")
+def _(x, eps, weight, out):
+    out.copy_(_norm.rms_norm_torch(x, eps, weight))
+
+
+@rms_norm_out.register_fake
+def _(x, eps, weight, out):
+    return None
 
 
 # ---------------------------------------------------------------------------- row_rms ----

@@ -69,6 +69,14 @@ class RowRms:
     def kernel(self, mX: cute.Tensor, mR: cute.Tensor, eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
+        rstd = self.row_rstd(self.load_row(mX, row, tidx), eps, tidx)
+        if tidx == 0:
+            mR[row] = rstd
+
+    @cute.jit
+    def load_row(self, mX: cute.Tensor, row, tidx) -> cute.Tensor:
+        """Row ``row`` of ``mX`` into registers: thread ``tidx`` holds 16-byte vectors ``tidx,
+        tidx + threads, ...`` as the ``(vec, iters)`` tensor (zeros past the row)."""
         # ((vec), (n_vec)): mode 0 is one 16-byte vector, contiguous and 16-byte aligned
         # because hidden % vec == 0 and the base pointer is 16-byte aligned.
         gX = cute.zipped_divide(mX[row, None], (self.vec,))
@@ -78,12 +86,20 @@ class RowRms:
             v = tidx + i * self.threads
             if v < self.n_vec:
                 cute.autovec_copy(gX[(None, v)], tXrX[None, i])
+        return tXrX
+
+    @cute.jit
+    def row_rstd(self, tXrX: cute.Tensor, eps: Float32, tidx) -> Float32:
+        """``rsqrt(sum / hidden + eps)`` of the row whose vectors the CTA's threads hold, in
+        every thread: FP32 squares summed per thread, then a warp butterfly, then the warps'
+        partials through shared memory (a fixed order: deterministic)."""
         x = tXrX.load().to(Float32)
         partial = (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         partial = cute.arch.warp_reduction_sum(partial)
 
         smem = cutlass.memory.SmemAllocator()
         sPartial = smem.allocate_tensor(Float32, cute.make_layout(self.warps), 4)
+        sRstd = smem.allocate_tensor(Float32, cute.make_layout(1), 4)
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         if lane == 0:
             sPartial[warp] = partial
@@ -95,7 +111,10 @@ class RowRms:
                 total = sPartial[lane]
             total = cute.arch.warp_reduction_sum(total)
             if lane == 0:
-                mR[row] = cute.math.rsqrt(total / Float32(self.hidden) + eps)
+                sRstd[0] = cute.math.rsqrt(total / Float32(self.hidden) + eps)
+        # warp 0's result, for every thread
+        cute.arch.barrier()
+        return sRstd[0]
 
     @staticmethod
     def compile(arch: str, hidden: int, dtype: str = "bfloat16"):

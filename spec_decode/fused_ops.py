@@ -5,7 +5,8 @@ and the draft's stages):
 
 * mHC: :func:`mhc_stats` with DeepSeek-V4's ``hc_eps``, :func:`mhc_pre_mix`,
   :func:`mhc_post_mix` (bit-exact rounding sequences);
-* RMSNorm (the sublayer, q, kv, per-head and final norms): the statistic from :func:`row_rms`;
+* RMSNorm (the sublayer, q, kv, per-head, compressor-entry and final norms): one launch of
+  :func:`rms_norm`;
 * indexer: :func:`indexer_topk` over the layer's compressed indexer entries
   (``compress_ratio = m``: scores + the visible-entry mask + radix top-k, ties to the lower
   entry -- the reference's rule);
@@ -36,7 +37,7 @@ from cute_kernels.indexer_topk import IndexerWorkspace, indexer_topk
 from cute_kernels.mhc_post_mix import mhc_post_mix
 from cute_kernels.mhc_pre_mix import mhc_pre_mix
 from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_split_phi, mhc_stats
-from cute_kernels.row_rms import row_rms
+from cute_kernels.rms_norm import rms_norm
 from cute_kernels.wo_a import wo_a
 from cute_kernels.wo_a_decode import WoADecodeWorkspace
 from moe.experts import (expert_kernel_args, interleave_gate_up, moe_expert_gate_up, moe_expert_gemm,
@@ -114,15 +115,12 @@ class FusedOps(Ops):
         return H
 
     def rmsnorm(self, x, eps, weight=None):
-        """:meth:`Ops.rmsnorm` with its statistic ``rsqrt(mean(x^2) + eps)`` from the
-        :func:`row_rms` kernel (FP32, one launch in place of five), then the same bf16
-        multiplies: equal to the composite up to the FP32 sum's order."""
-        if x.dtype != torch.bfloat16 or x.numel() == 0:
+        """:meth:`Ops.rmsnorm` in one launch (:func:`rms_norm`: the statistic, its rounding and
+        both bf16 multiplies, in place of eight): equal to the composite up to the order of the
+        statistic's FP32 sum."""
+        if x.dtype != torch.bfloat16 or x.numel() == 0 or (weight is not None and weight.dtype != x.dtype):
             return Ops.rmsnorm(self, x, eps, weight)
-        C = x.shape[-1]
-        r = row_rms(x.reshape(-1, C).contiguous(), eps).view(*x.shape[:-1], 1).to(x.dtype)
-        y = x * r
-        return y if weight is None else y * weight
+        return rms_norm(x.contiguous(), eps, weight)
 
     def pre_mix(self, X, maps):
         B, S, n, C = X.shape

@@ -8,6 +8,14 @@ def row_rms_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(x.double().square().mean(dim=-1) + eps)
 
 
+def rms_norm_ref(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim, in float64 on the exact upcast
+    (no intermediate rounding)."""
+    xd = x.double()
+    y = xd * torch.rsqrt(xd.square().mean(dim=-1, keepdim=True) + eps)
+    return y if weight is None else y * weight.double()
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64."""
     out, ref = out.double().cpu(), ref.double().cpu()

@@ -146,10 +146,18 @@ def fake_quantize_expert_weights(w):
     return torch.stack(qs).view(torch.float8_e4m3fn), torch.stack([swizzle_scales(s) for s in ss])
 
 
+def fake_rms_norm(x, eps, weight=None):
+    """RMSNorm's rounding points (x's dtype): the FP32 statistic rounded, x times it, times the
+    weight -- the statistic from the FP64 reference."""
+    C = x.shape[-1]
+    y = x * row_rms_ref(x.reshape(-1, C), eps).float().view(*x.shape[:-1], 1).to(x.dtype)
+    return y if weight is None else y * weight
+
+
 @pytest.fixture
 def fakes(monkeypatch):
     monkeypatch.setattr(fo, "mhc_stats", fake_mhc_stats)
-    monkeypatch.setattr(fo, "row_rms", lambda x, eps: row_rms_ref(x, eps).float())
+    monkeypatch.setattr(fo, "rms_norm", fake_rms_norm)
     monkeypatch.setattr(fo, "mhc_pre_mix", lambda x, H: mhc_pre_mix_ref(x, H))
     monkeypatch.setattr(fo, "mhc_post_mix", lambda x, H, f: mhc_post_mix_ref(x, H, f))
     monkeypatch.setattr(fo, "indexer_topk", fake_indexer_topk)

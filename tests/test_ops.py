@@ -60,6 +60,8 @@ def _cases():
         "draft_head_scores_out": (hh, wq8, torch.empty(4, 64, dtype=torch.float8_e4m3fn),
                                   torch.empty(4, 100, dtype=torch.bfloat16)),
         "row_rms": (_bf(5, 64, g=g), 1e-6), "row_rms_out": (_bf(5, 64, g=g), 1e-6, torch.empty(5)),
+        "rms_norm": (_bf(5, 3, 64, g=g), 1e-6, _bf(64, g=g)),
+        "rms_norm_out": (_bf(5, 64, g=g), 1e-6, None, torch.empty(5, 64).bfloat16()),
         "masked_softmax": (scores, mask), "masked_softmax_out": (scores, mask, torch.empty_like(scores)),
         "mhc_stats": (x3, phi, alpha, bias, 1e-6, 20, 1e-6),
         "mhc_pre_mix": (x3, h), "mhc_pre_mix_out": (x3, h, torch.empty(6, 64).bfloat16()),
@@ -104,7 +106,7 @@ def test_opcheck_on_cpu(name):
 
 
 def test_every_public_op_is_registered():
-    want = {"indexer_topk", "wo_a_fp8", "draft_head_scores_out", "row_rms", "row_rms_out", "masked_softmax", "masked_softmax_out", "mhc_stats", "mhc_pre_mix",
+    want = {"indexer_topk", "wo_a_fp8", "draft_head_scores_out", "row_rms", "row_rms_out", "rms_norm", "rms_norm_out", "masked_softmax", "masked_softmax_out", "mhc_stats", "mhc_pre_mix",
             "mhc_pre_mix_out", "mhc_post_mix", "mhc_post_mix_", "wo_a", "wo_a_out", "dequantize_fp8_blockwise",
             "mxfp8_quantize", "mxfp8_quantize_routed", "moe_route", "moe_expert_gemm", "moe_expert_gate_up",
             "moe_finalize"}

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
+from cute_kernels.rms_norm import rms_norm, rms_norm_torch
 from cute_kernels.row_rms import row_rms
 from cute_kernels.testing import sass
-from references import rel_err, row_rms_ref
+from references import rel_err, rms_norm_ref, row_rms_ref
 
 # Tolerance: an FP32 sum of C squares has relative error <= ~C * 2^-24 in the worst case
 # and ~sqrt(C) * 2^-24 typically; rsqrt adds ~2 ulp. 1e-5 covers C = 65536 with margin.
@@ -101,3 +102,107 @@ def test_machine_code_vectorised_no_spills(arch):
     assert sass.count(hist, "LDG") == 7
     assert sass.count(hist, "SHFL") >= 10  # two 5-step butterflies
     assert sass.local_memory_ops(hist) == 0
+
+
+# ------------------------------------------------------------------------- rms_norm -----
+# Per element: y = round(round(x * round(r)) * w), three roundings to bf16 (unit roundoff
+# u = 2^-8 each, relative), plus the FP32 statistic's ~1e-6: |y - ref| <= (3u + 4u^2 + 1e-5)
+# |ref| against the unrounded FP64 value -- except where ref is below bf16's normal range,
+# covered by half its smallest subnormal step (2^-134) per rounding.
+BF16_U = 2.0 ** -8
+
+
+def assert_rms_norm_bound(y, x, eps, w):
+    ref = rms_norm_ref(x.cpu(), eps, None if w is None else w.cpu())
+    bound = (3 * BF16_U + 4 * BF16_U ** 2 + 1e-5) * ref.abs() + 3 * 2.0 ** -134
+    bad = int(((y.double().cpu() - ref).abs() > bound).sum())
+    assert bad == 0, f"{bad} of {ref.numel()} elements outside the per-element bound"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 512), (5, 4096), (6, 64, 512), (3, 128), (77, 1024), (2, 8)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_rounding_points_and_fp64_bound(seed, shape, weighted):
+    """The kernel's output equals the composite's rounding sequence applied to the same FP32
+    statistic (row_rms: the same reduction order) bit for bit, and every element is within the
+    three-rounding bound of the FP64 value; written into a poisoned output."""
+    x = (torch.randn(*shape, device="cuda") * 3 + 0.25).bfloat16()
+    w = (torch.randn(shape[-1], device="cuda") + 1).bfloat16() if weighted else None
+    out = torch.full_like(x, float("nan"))
+    rms_norm(x, 1e-6, w, out=out)
+    r = row_rms(x.reshape(-1, shape[-1]), 1e-6).view(*shape[:-1], 1).to(torch.bfloat16)
+    want = x * r if w is None else (x * r) * w
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    assert_rms_norm_bound(out, x, 1e-6, w)
+
+
+@pytest.mark.gpu
+def test_rms_norm_edge_rows(seed):
+    """An all-zero row (0 out), a row holding NaN (NaN out), a row holding +Inf (NaN: Inf * 0),
+    huge and subnormal magnitudes -- each as the composite gives them."""
+    C = 512
+    x = torch.randn(6, C, device="cuda").bfloat16()
+    x[0] = 0
+    x[1, 7] = float("nan")
+    x[2, 3] = float("inf")
+    x[3] *= 2.0 ** 100
+    x[4] = torch.full((C,), 2.0 ** -130, device="cuda").bfloat16()  # subnormal bf16
+    w = torch.randn(C, device="cuda").bfloat16()
+    out = rms_norm(x, 1e-6, w)
+    want = rms_norm_torch(x, 1e-6, w)
+    torch.cuda.synchronize()
+    assert torch.equal(out.isnan(), want.isnan())
+    fin = ~want.isnan()
+    assert torch.equal(out[fin], want[fin])
+    assert (out[0] == 0).all() and out[1].isnan().all() and out[2].isnan().all()
+
+
+@pytest.mark.gpu
+def test_rms_norm_in_cuda_graph_each_replay(seed):
+    """Captured once; every replay with fresh inputs gives the composite's output."""
+    x = torch.randn(6, 4096, device="cuda").bfloat16()
+    w = torch.randn(4096, device="cuda").bfloat16()
+    out = torch.empty_like(x)
+    rms_norm(x, 1e-6, w, out=out)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        rms_norm(x, 1e-6, w, out=out)
+    for _ in range(5):
+        x.copy_(torch.randn_like(x, dtype=torch.float32).bfloat16())
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        r = row_rms(x, 1e-6)[:, None].to(torch.bfloat16)
+        assert torch.equal(out, (x * r) * w)
+
+
+@pytest.mark.parametrize("args, kwargs, words", [
+    ((torch.zeros(3, 64),), {}, "x must have dtype"),
+    ((torch.zeros(3, 100, dtype=torch.bfloat16),), {}, "multiple of 8"),
+    ((torch.zeros(3, 64, dtype=torch.bfloat16), 1e-6, torch.zeros(64)), {}, "weight must have dtype"),
+    ((torch.zeros(3, 64, dtype=torch.bfloat16), 1e-6, torch.zeros(32, dtype=torch.bfloat16)), {}, "weight"),
+    ((torch.zeros(3, 64, dtype=torch.bfloat16),), {"out": torch.zeros(3, 32, dtype=torch.bfloat16)}, "out"),
+    ((torch.zeros(3, 64, dtype=torch.bfloat16), -1.0), {}, "eps"),
+    ((torch.zeros(3, 64, dtype=torch.bfloat16),), {}, "CUDA"),
+])
+def test_rms_norm_rejects_bad_arguments(args, kwargs, words):
+    with pytest.raises((ValueError, TypeError), match=words):
+        rms_norm(*args, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("hidden, weighted", [(512, False), (4096, True)])
+def test_rms_norm_machine_code(arch, hidden, weighted):
+    """x read once in 16-byte vectors and written once in 16-byte vectors (and the weight in
+    16-byte vectors), no local memory."""
+    import cute_kernels.rms_norm  # noqa: F401 -- registers the kernel
+
+    h = sass.sass_histogram("rms_norm", arch, hidden=hidden, weighted=weighted)
+    n_vec = hidden // 8
+    per_thread = -(-n_vec // 128)
+    assert sass.count(h, "LDG.E.128") == per_thread * (2 if weighted else 1)
+    assert sass.count(h, "STG.E.128") == per_thread
+    assert sass.local_memory_ops(h) == 0
