@@ -1,11 +1,15 @@
-"""Benchmark row_rms against PyTorch on the GPU; prints markdown tables for bench/RESULTS.md.
+"""Benchmark row_rms and rms_norm against PyTorch on the GPU; prints markdown tables for bench/RESULTS.md.
 
     python bench/bench_row_rms.py [--out FILE]
 
 Table 1: kernel time per call from CUDA-graph replay over rotating inputs (> L2), vs the
 PyTorch composite ``rsqrt(x.float().square().mean(-1) + eps)`` timed the same way, and
 the achieved fraction of the H200's 4.3 TB/s copy bandwidth (bytes = x read + rstd write).
-Table 2: eager host cost per call (prebuilt pointer wrappers, no graph) and the artifact
+Table 2: rms_norm (statistic + both bf16 multiplies, one launch) at the decode runtime's norm
+shapes against the composite it replaces (``x * rsqrt(...).to(bf16) * w``: row_rms + three
+launches, or the all-PyTorch composite), after checking it equals the row_rms-based composite
+bit for bit; bytes = x read + y written + w read.
+Table 3: eager host cost per call (prebuilt pointer wrappers, no graph) and the artifact
 cache: load from disk vs compile, each in a fresh process.
 """
 
@@ -24,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import H200_COPY_BW, markdown_table, rotation_count, time_graph  # noqa: E402
 
+from cute_kernels.rms_norm import rms_norm  # noqa: E402
 from cute_kernels.row_rms import row_rms  # noqa: E402
 
 SHAPES = [(1, 7168), (5, 7168), (64, 7168), (64, 28672), (1024, 7168), (4096, 7168), (16384, 7168), (4096, 28672)]
@@ -48,6 +53,44 @@ def bench_kernel():
                      f"{bw / 1e12:.2f}", f"{100 * bw / H200_COPY_BW:.0f}%"])
         del xs, outs
     return markdown_table(["T x C (bf16)", "ours us", "torch us", "speedup", "ours TB/s", "% of 4.3 TB/s"], rows)
+
+
+#: (rows, C, weighted): V4-Flash's norms at T = 6 tokens (a verify step) and 384 (BS64 x 6):
+#: sublayer (4096), q-LoRA (1024), kv / entries (512), per head (64 x 512, no weight)
+NORM_SHAPES = [(6, 4096, True), (6, 1024, True), (6, 512, True), (384, 512, False), (384, 4096, True),
+               (24576, 512, False)]
+
+
+def bench_norm():
+    rows = []
+    for T, C, weighted in NORM_SHAPES:
+        nbytes = 2 * T * C * 2 + (C * 2 if weighted else 0)
+        n = rotation_count(nbytes)
+        xs = [torch.randn(T, C, device="cuda").bfloat16() for _ in range(n)]
+        outs = [torch.empty(T, C, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+        w = torch.randn(C, device="cuda").bfloat16() if weighted else None
+        reps = max(n, 20)
+
+        def composite_row_rms(i):
+            y = xs[i] * row_rms(xs[i], EPS)[:, None].to(torch.bfloat16)
+            return y if w is None else y * w
+
+        def composite_torch(i):
+            y = xs[i] * torch.rsqrt(xs[i].float().square().mean(-1, keepdim=True) + EPS).to(torch.bfloat16)
+            return y if w is None else y * w
+
+        rms_norm(xs[0], EPS, w, out=outs[0])
+        if not torch.equal(outs[0], composite_row_rms(0)):
+            raise SystemExit(f"rms_norm {T}x{C}: output differs from the row_rms composite; not timing it")
+        t_ours = time_graph(lambda i: rms_norm(xs[i], EPS, w, out=outs[i]), n, reps)
+        t_rr = time_graph(composite_row_rms, n, reps)
+        t_torch = time_graph(composite_torch, n, reps)
+        bw = nbytes / t_ours
+        rows.append([f"{T}x{C}{'' if weighted else ' (no weight)'}", f"{t_ours * 1e6:.2f}", f"{t_rr * 1e6:.2f}",
+                     f"{t_torch * 1e6:.2f}", f"{t_rr / t_ours:.2f}x", f"{100 * bw / H200_COPY_BW:.0f}%"])
+        del xs, outs
+    return markdown_table(["rms_norm T x C (bf16)", "ours us", "row_rms + 3 torch us", "torch composite us",
+                           "vs row_rms + torch", "% of 4.3 TB/s"], rows)
 
 
 def bench_host():
@@ -104,7 +147,7 @@ def main():
 
     arch = current_arch()
     lines = [f"## row_rms -- {torch.cuda.get_device_name()} ({arch}), {datetime.date.today()}",
-             "", "Command: `python bench/bench_row_rms.py`", "", bench_kernel(), ""]
+             "", "Command: `python bench/bench_row_rms.py`", "", bench_kernel(), "", bench_norm(), ""]
     ours, ref = bench_host()
     cold, warm = bench_artifact(arch)
     lines += [
