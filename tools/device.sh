@@ -28,6 +28,11 @@
 #                                            MODEL default small)
 #   bash tools/device.sh tp [MODEL]          simulated TP4 on one GPU: its GPU tests, then the bench
 #                                            (--tp 4 --simulate-ranks; MODEL default small)
+#   bash tools/device.sh host-cost           eager host cost per call (entry points, the DSL call path,
+#                                            custom ops, runtime-only ctypes launchers) and the
+#                                            import / first-call times with and without the DSL
+#   bash tools/device.sh norms-runtime-only  the GPU tests of rms_norm, the runtime-only mode and the
+#                                            ctypes launcher, then the row_rms / rms_norm bench
 set -u
 source tools/device-env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -98,6 +103,13 @@ tp)
   $PYT -m gpu tests/test_tensor_parallel.py 2>&1 | tee "$OUT/tp-tests.log" | tail -25
   python -m spec_decode.bench --model "${1:-small}" --tp 4 --simulate-ranks --quick \
     --out "$OUT/bench_runtime_tp4.md" 2>&1 | tail -40
+  ;;
+host-cost)
+  timeout 500 python bench/bench_host_cost.py --calls 1000 --out "$OUT/bench_host_cost.md" 2>&1 | tail -30
+  ;;
+norms-runtime-only)
+  $PYT -m gpu tests/test_row_rms.py tests/test_caches.py 2>&1 | tee "$OUT/norms-runtime-only.log" | tail -20
+  timeout 240 python bench/bench_row_rms.py --out "$OUT/bench_row_rms.md" 2>&1 | tail -25
   ;;
 peers)
   for w in .devcache/peers/*.whl .devcache/peers-flashinfer/*.whl; do
