@@ -1,4 +1,4 @@
-"""Build and manage the artifact cache of compiled kernels: ``python -m cute_kernels {build,list,verify,clear}``.
+"""Build and manage the artifact cache of compiled kernels: ``python -m cute_kernels {build,bundle,list,verify,clear}``.
 
 build   AOT-compile every kernel of :mod:`cute_kernels.catalog` (every AOT config) for each
         ``--arch`` into the artifact cache; works without a GPU. Entries already valid are
@@ -8,6 +8,9 @@ build   AOT-compile every kernel of :mod:`cute_kernels.catalog` (every AOT confi
         for the supported shapes; ``--wo-a-shape G,R,Dg`` (repeatable) adds a model's own
         shape at T = 1 .. ``--max-tokens``. ``--demo`` then, on a GPU, runs kernels from the
         cache against PyTorch and a few steps of the decode runtime (:mod:`cute_kernels.demo`).
+bundle  make the cache a deployment without the DSL compiler: the runtime library copied in,
+        every entry linked (what ``build --with-runtime`` adds; no compiles). Every kernel a
+        workload compiled while run with the DSL installed is already an entry.
 list    one line per entry: kernel, arch, config, size, status.
 verify  re-hash every entry; exit status 1 if any is invalid.
 clear   delete the cache directory.
@@ -121,6 +124,17 @@ def _wo_a_work(reg, archs, shapes, max_tokens, kernels, work):
     return extra
 
 
+def cmd_bundle(args) -> int:
+    from . import jit
+    from .artifact_cache import ArtifactCache
+
+    store = ArtifactCache(args.cache)
+    lib, linked = store.bundle_runtime(jit.dsl_version())
+    print(f"{store.root}: runtime library {lib}, {linked} entries linked -- a deployment without the DSL compiler "
+          f"(cute_kernels.runtime_only)")
+    return 0
+
+
 def cmd_list(args) -> int:
     from .artifact_cache import ArtifactCache
 
@@ -161,7 +175,7 @@ def cmd_clear(args) -> int:
 def parser() -> argparse.ArgumentParser:
     """The command line (every subcommand and option with its help and default)."""
     p = argparse.ArgumentParser(prog="python -m cute_kernels", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{build,list,verify,clear}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{build,bundle,list,verify,clear}")
     b = sub.add_parser("build", help="AOT-compile every kernel into the artifact cache (no GPU needed)",
                        description="AOT-compile every registered kernel's ahead-of-time configs into the "
                                    "artifact cache; entries already valid are kept.")
@@ -183,10 +197,13 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--with-runtime", action="store_true",
                    help="also copy the DSL's runtime library into the cache and link every entry, for a deployment "
                         "without the DSL compiler (cute_kernels.runtime_only; default: off)")
-    helps = {"list": "one line per cache entry: kernel, arch, config, size, status",
+    helps = {"bundle": "copy the DSL's runtime library into the cache and link every entry (no compiles): the "
+                       "cache then runs without the DSL compiler",
+             "list": "one line per cache entry: kernel, arch, config, size, status",
              "verify": "re-hash every cache entry; exit status 1 if any is invalid",
              "clear": "delete the cache directory"}
-    for name, fn in (("build", cmd_build), ("list", cmd_list), ("verify", cmd_verify), ("clear", cmd_clear)):
+    for name, fn in (("build", cmd_build), ("bundle", cmd_bundle), ("list", cmd_list), ("verify", cmd_verify),
+                     ("clear", cmd_clear)):
         sp = b if name == "build" else sub.add_parser(name, help=helps[name], description=helps[name])
         sp.add_argument("--cache", default=None, metavar="DIR",
                         help="artifact cache directory (default: $CUTE_KERNELS_CACHE_DIR, else ~/.cache/cute_kernels)")

@@ -337,7 +337,8 @@ def test_runtime_only_mode_serves_the_cache_without_the_dsl(tmp_path):
     importer of ``cutlass`` still gets ImportError); get_kernel returns the entry that
     ``build --with-runtime`` wrote -- its launcher linked, the runtime library the cache's own
     copy; a config or an arch the cache lacks raises MissingArtifact naming the build command,
-    which then builds exactly that entry; the entry points still validate before any launch."""
+    which then builds exactly that entry (``bundle`` links it); the entry points still validate
+    before any launch."""
     cache = str(tmp_path / "c")
     built = _cli("build", "--arch", "sm_90a", "--kernel", "row_rms", "--with-runtime", cache=cache)
     assert built.returncode == 0, built.stderr
@@ -384,7 +385,9 @@ except ValueError as e:
     args = cmd.split(" --cache ")[0].split("cute_kernels ")[1]
     import shlex
 
-    assert _cli(*shlex.split(args), "--with-runtime", cache=cache).returncode == 0
+    assert _cli(*shlex.split(args), cache=cache).returncode == 0
+    bundled = _cli("bundle", cache=cache)  # links the new entry (no compiles)
+    assert bundled.returncode == 0 and "3 entries linked" in bundled.stdout, bundled.stdout + bundled.stderr
     again = _without_dsl("import cute_kernels.row_rms\nfrom cute_kernels import jit\n"
                          "print(type(jit.get_kernel('row_rms', 'sm_90a', hidden=512)).__name__)", cache)
     assert again.returncode == 0 and "ExportedKernel" in again.stdout, again.stderr

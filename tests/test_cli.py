@@ -34,7 +34,7 @@ def test_subcommands_have_help():
     from cute_kernels.__main__ import parser
 
     sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
-    assert set(sub.choices) == {"build", "list", "verify", "clear"}
+    assert set(sub.choices) == {"build", "bundle", "list", "verify", "clear"}
     assert all(c.help for c in sub._choices_actions)
 
 
