@@ -11,8 +11,9 @@ import torch
 
 from spec_decode import Engine, EngineConfig
 from spec_decode.config import TINY
-from spec_decode.model import History, TargetModel, entries_from_rows, rope_inv_freq, route, visible_entries
-from spec_decode.step_model import DecodeState, StepModel
+from spec_decode.model import (History, TargetModel, entries_from_rows, rope_inv_freq, route, shared_expert, swiglu,
+                               visible_entries)
+from spec_decode.step_model import DecodeState, Ops, StepModel
 
 
 def prompts(seed, n, vocab=128, lo=1, hi=12):
@@ -487,42 +488,92 @@ def test_bench_memory_estimate_matches_the_model():
     assert abs(estimate_bytes(TINY, 3, 64, "torch-bf16") - exact) < 0.02 * exact
 
 
-# ---------------------------------------------------------------------------------- GPU ----
-def _fp32_copy(eng):
-    """An FP32 TargetModel holding the bf16 engine's weights exactly (their FP32 values)."""
-    m = TargetModel(eng.config.model, seed=0, dtype=torch.float32, device="cuda")
-    m.w = {k: v.float() for k, v in eng.model.w.items()}
-    m.layers = [{k: (v.float() if v.is_floating_point() else v) for k, v in L.items()} for L in eng.model.layers]
+# ----------------------------------------------------------------- FP32 yardstick ----
+class StreamingFp32Experts(Ops):
+    """FP32 ops whose MoE widens the routed experts -- left bf16 in the layer (:func:`fp32_view`)
+    -- one expert at a time: the spec's math (:func:`spec_decode.model.moe_gathered`: route;
+    per choice, the clamped SwiGLU expert; the weighted sum over the choices in order; the
+    shared expert) without an FP32 copy of every expert, which at V4-Flash's sizes would not fit
+    beside the bf16 and MXFP8 ones."""
+
+    def moe(self, h, L, cfg, tokens, first_expert: int = 0, reduce: bool = False):
+        ids, w = route(h, L, cfg, tokens)
+        N, k = ids.shape
+        Y = torch.zeros(k, N, h.shape[1], dtype=h.dtype, device=h.device)  # each choice's expert output
+        for e in ids.unique().tolist():
+            n, i = (ids == e).nonzero(as_tuple=True)
+            x = h[n]
+            g = x @ L["ffn.experts.w1"][e].float().T
+            u = x @ L["ffn.experts.w3"][e].float().T
+            Y[i, n] = swiglu(g, u, cfg.swiglu_limit) @ L["ffn.experts.w2"][e].float().T
+        out = torch.zeros_like(h)
+        for i in range(k):
+            out = out + w[:, i:i + 1].to(h.dtype) * Y[i]
+        return out + shared_expert(h, L)
+
+
+def fp32_view(target: TargetModel) -> TargetModel:
+    """An FP32 model of ``target``'s weights (their exact FP32 values): every tensor widened but
+    the routed experts, which stay ``target``'s (run it with :class:`StreamingFp32Experts`)."""
+    m = object.__new__(TargetModel)  # the weights are target's: nothing to initialise
+    m.cfg, m.dtype, m.device, m.inv_freq = target.cfg, torch.float32, target.device, target.inv_freq
+    widen = lambda k, v: v if k.startswith("ffn.experts.") or not v.is_floating_point() else v.float()  # noqa: E731
+    m.w = {k: widen(k, v) for k, v in target.w.items()}
+    m.layers = [{k: widen(k, v) for k, v in L.items()} for L in target.layers]
     return m
 
 
-@pytest.mark.gpu
-def test_fused_ops_track_fp32_on_gpu():
-    """The fused backend (small config: every layer kind) against an FP32 baseline run of the
-    same weights over a prefill chunk and verify steps crossing window boundaries: logits within
-    a bound from bf16 activations and MXFP8 experts (relative 2^-3 of the logits' norm), and
-    wherever the greedy tokens differ, a near-tie in FP32: the fused pick's FP32 logit within a
-    quarter of the row's logit spread (std) of the FP32 maximum. (Exact argmax agreement is not
-    the criterion: a random model's top-2 logits are often closer than bf16's rounding; a wrong
-    state row or weight picks tokens whole standard deviations down.)"""
-    from spec_decode.config import SMALL
-    from spec_decode.fused_ops import FusedOps
-    from spec_decode.step_model import Ops
+def test_streaming_fp32_experts_equal_the_spec():
+    """The yardstick's MoE == the spec's per-choice gathers (an FP32 model, every layer kind):
+    the step model's logits and draft features agree to FP32 rounding."""
+    m = TargetModel(TINY, seed=5)
+    g = torch.Generator().manual_seed(1)
+    slots = torch.tensor([1, 0])
+    outs = []
+    for ops in (Ops(), StreamingFp32Experts()):
+        st = DecodeState(TINY, 2, 256, 6, torch.float32, "cpu")
+        step, out = StepModel(m, ops), []
+        g.manual_seed(1)
+        for c0, S in ((0, 40), (40, 6), (46, 6)):
+            toks = torch.randint(0, TINY.vocab, (2, S), generator=g)
+            out.append(step.forward(toks, torch.arange(c0, c0 + S)[None].expand(2, -1), slots, st))
+        outs.append(out)
+    for (a, fa), (b, fb) in zip(*outs):
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max() and (fa - fb).abs().max() <= 1e-5 * fa.abs().max()
 
-    eng = Engine(EngineConfig(model=SMALL, device="cuda", dtype="bfloat16", backend="torch-bf16", max_seq_len=256,
-                              graph_batch_sizes=(2,)))
-    m32 = _fp32_copy(eng)
-    fused = StepModel(eng.model, FusedOps(eng.model, max_tokens=64, max_len=256))
-    base = StepModel(m32, Ops())
-    st_f = DecodeState(SMALL, 3, 256, 6, torch.bfloat16, "cuda")
-    st_b = DecodeState(SMALL, 3, 256, 6, torch.float32, "cuda")
+
+# ---------------------------------------------------------------------------------- GPU ----
+@pytest.mark.gpu
+@pytest.mark.parametrize("model, prefill", [("small", 29), ("v4_flash_slice", 200)])
+def test_fused_ops_track_fp32_on_gpu(model, prefill):
+    """The fused backend (every layer kind) against an FP32 run of the same weights
+    (:func:`fp32_view`, the routed experts widened one at a time) over a prefill chunk and
+    verify steps crossing window boundaries (at V4-Flash's sizes the prefill closes an HCA
+    window of 128): logits within a bound from bf16 activations and MXFP8 experts (relative
+    2^-3 of the logits' norm), and wherever the greedy tokens differ, a near-tie in FP32: the
+    fused pick's FP32 logit within a quarter of the row's logit spread (std) of the FP32
+    maximum. (Exact argmax agreement is not the criterion: a random model's top-2 logits are
+    often closer than bf16's rounding; a wrong state row or weight picks tokens whole standard
+    deviations down.) The V4-Flash case holds the bf16 model, its MXFP8 experts and the FP32
+    view at once (~90 GB: an H200)."""
+    from spec_decode.config import PRESETS
+    from spec_decode.fused_ops import FusedOps
+
+    cfg = PRESETS[model]
+    max_len = 256
+    target = TargetModel(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+    fused = StepModel(target, FusedOps(target, max_tokens=2 * prefill, max_len=max_len))
+    base = StepModel(fp32_view(target), StreamingFp32Experts())
+    st_f = DecodeState(cfg, 3, max_len, 6, torch.bfloat16, "cuda")
+    st_b = DecodeState(cfg, 3, max_len, 6, torch.float32, "cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     slots, start = torch.tensor([2, 0], device="cuda"), torch.tensor([0, 7], device="cuda")
-    for S in (29, 6, 6, 6, 1, 6):
-        toks = torch.randint(0, SMALL.vocab, (2, S), device="cuda", generator=g)
+    for S in (prefill, 6, 6, 6, 1, 6):
+        toks = torch.randint(0, cfg.vocab, (2, S), device="cuda", generator=g)
         pos = torch.arange(S, device="cuda")[None] + start[:, None]
-        a = fused.forward(toks, pos, slots, st_f)[0].float()
-        b = base.forward(toks, pos, slots, st_b)[0]
+        with torch.no_grad():
+            a = fused.forward(toks, pos, slots, st_f)[0].float()
+            b = base.forward(toks, pos, slots, st_b)[0]
         rel = float((a - b).norm() / b.norm())
         assert torch.isfinite(a).all() and rel < 0.125, f"S={S}: relative error {rel:.4f}"
         short = b.amax(-1) - torch.gather(b, -1, a.argmax(-1, keepdim=True))[..., 0]  # >= 0; 0 where equal
