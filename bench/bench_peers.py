@@ -15,12 +15,14 @@ Families and peers (wheels: ``.devcache/peers``, see docs/device.md):
   backend; the same round-up scale rule, so bit-exact is expected);
 * RMS statistic: quack ``rmsnorm_fwd(..., store_rstd=True)`` (it also writes the normalised
   rows: its bytes are counted) -- rstd compared to 1e-5 relative;
+* RMSNorm with a weight (``rms_norm``): quack ``rmsnorm_fwd`` and Liger's
+  ``LigerRMSNormFunction`` (Triton, "llama" casting) -- to 3 bf16 ulps (other rounding points);
 * DeepSeek-V3 router (sigmoid, 8 groups, top-4 groups, top-8, bias): FlashInfer
   ``fused_topk_deepseek`` (top-k and weights only; ours also packs and pads the rows for the
   expert GEMMs: the comparison is stated as such) -- same experts and weights to 1e-6.
 
 Not covered yet: DeepGEMM's grouped FP8 GEMM (per-128 FP32 scales and its own layouts: needs
-its own harness), FlashInfer's top-k, Liger, torchao's MX path.
+its own harness), FlashInfer's top-k, torchao's MX path.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import H200_COPY_BW, markdown_table, rotation_count, time_graph  # noqa: E402
 
+from cute_kernels.rms_norm import rms_norm  # noqa: E402
 from cute_kernels.row_rms import row_rms  # noqa: E402
 from moe.quant import mxfp8_quantize, scale_buffer_size  # noqa: E402
 from moe.router import MoeRouter, RouterConfig  # noqa: E402
@@ -49,6 +52,9 @@ def _peer(name: str):
         if name == "quack":
             import quack.rmsnorm
             return quack.rmsnorm
+        if name == "liger":
+            import liger_kernel.ops.rms_norm
+            return liger_kernel.ops.rms_norm
     except Exception as e:  # noqa: BLE001 -- any failure to load is a table row
         return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
     return f"unknown peer {name}"
@@ -119,6 +125,41 @@ def rms_rows(qk):
     return rows
 
 
+def norm_rows(qk, lg):
+    """RMSNorm with a weight (bf16 in and out) at the decode runtime's norm shapes. The peers
+    round once (quack: x * rstd * w in FP32) or round x * rstd then multiply by w (Liger's
+    "llama" casting); ours rounds the statistic too (the spec's rounding points): outputs are
+    compared to 3 bf16 ulps (relative 3 * 2^-8) of the peer's."""
+    rows = []
+    for T, C in ((6, 4096), (384, 4096), (24576, 512), (4096, 7168)):
+        nbytes = 2 * T * C * 2 + C * 2
+        n = rotation_count(nbytes)
+        xs = [torch.randn(T, C, device="cuda").bfloat16() for _ in range(n)]
+        outs = [torch.empty(T, C, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+        w = (torch.randn(C, device="cuda") * 0.1 + 1).bfloat16()
+        t_ours = time_graph(lambda i: rms_norm(xs[i], 1e-6, w, out=outs[i]), n, max(n, 20))
+        ours = rms_norm(xs[0], 1e-6, w)
+        peers = (("quack", qk, lambda x: qk.rmsnorm_fwd(x, w, eps=1e-6)[0]),
+                 ("Liger (llama casting)", lg, lambda x: lg.LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama")))
+        for name, mod, call in peers:
+            if isinstance(mod, str):
+                rows.append(row("RMSNorm (weighted)", f"{T}x{C}", name, t_ours, None, nbytes, mod))
+                continue
+            try:
+                theirs = call(xs[0])
+            except Exception as e:  # noqa: BLE001
+                rows.append(row("RMSNorm (weighted)", f"{T}x{C}", name, t_ours, None, nbytes,
+                                f"does not run: {type(e).__name__}: {str(e)[:80]}"))
+                continue
+            if not ((ours.float() - theirs.float()).abs() <= 3 * 2.0 ** -8 * theirs.float().abs() + 1e-30).all():
+                rows.append(row("RMSNorm (weighted)", f"{T}x{C}", name, t_ours, None, nbytes,
+                                "outputs differ by more than 3 bf16 ulps: not timed"))
+                continue
+            t_p = time_graph(lambda i: call(xs[i]), n, max(n, 20))
+            rows.append(row("RMSNorm (weighted)", f"{T}x{C}", name, t_ours, t_p, nbytes))
+    return rows
+
+
 def router_rows(fi):
     rows = []
     cfg = RouterConfig(num_experts=256, n_group=8, topk_group=4, top_k=8, routed_scaling_factor=2.5)
@@ -158,8 +199,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    fi, qk = _peer("flashinfer"), _peer("quack")
-    rows = mxfp8_rows(fi) + rms_rows(qk) + router_rows(fi)
+    fi, qk, lg = _peer("flashinfer"), _peer("quack"), _peer("liger")
+    rows = mxfp8_rows(fi) + rms_rows(qk) + norm_rows(qk, lg) + router_rows(fi)
     text = "\n".join([f"## Peers -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
                       "Command: `python bench/bench_peers.py`", "",
                       markdown_table(["family", "shape", "peer", "ours us", "peer us", "peer / ours", "ours of 4.3 TB/s",
