@@ -53,31 +53,32 @@ def _cuda_op(name: str, mutates=()):
 
 # --------------------------------------------------------------------------- rms_norm ----
 @_cuda_op("rms_norm")
-def rms_norm(x: Tensor, eps: float, weight: Tensor | None = None) -> Tensor:
-    """RMSNorm of bf16/fp16 ``x [..., C]`` times ``weight [C]`` if given, in x's dtype."""
-    return _norm.rms_norm(x, eps, weight)
+def rms_norm(x: Tensor, eps: float, weight: Tensor | None = None, rotate: Tensor | None = None) -> Tensor:
+    """RMSNorm of bf16/fp16 ``x [..., C]`` times ``weight [C]`` if given, in x's dtype; with
+    ``rotate`` (FP32 ``[tokens, r/2, 2]`` cos / sin) RoPE on the last r features."""
+    return _norm.rms_norm(x, eps, weight, rotate=rotate)
 
 
 rms_norm.register_kernel("cpu")(_norm.rms_norm_torch)
 
 
 @rms_norm.register_fake
-def _(x, eps, weight=None):
+def _(x, eps, weight=None, rotate=None):
     return torch.empty_like(x)
 
 
 @_cuda_op("rms_norm_out", mutates=("out",))
-def rms_norm_out(x: Tensor, eps: float, weight: Tensor | None, out: Tensor) -> None:
-    _norm.rms_norm(x, eps, weight, out=out)
+def rms_norm_out(x: Tensor, eps: float, weight: Tensor | None, rotate: Tensor | None, out: Tensor) -> None:
+    _norm.rms_norm(x, eps, weight, rotate=rotate, out=out)
 
 
 @rms_norm_out.register_kernel("cpu")
-def _(x, eps, weight, out):
-    out.copy_(_norm.rms_norm_torch(x, eps, weight))
+def _(x, eps, weight, rotate, out):
+    out.copy_(_norm.rms_norm_torch(x, eps, weight, rotate))
 
 
 @rms_norm_out.register_fake
-def _(x, eps, weight, out):
+def _(x, eps, weight, rotate, out):
     return None
 
 

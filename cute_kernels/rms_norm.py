@@ -1,5 +1,6 @@
 """RMSNorm in one launch: ``y = (x * rsqrt(mean(x^2) + eps)) * weight`` with the composite's
-rounding points.
+rounding points, optionally followed by RoPE on the last features (DeepSeek-V4's q, KV and
+compressed-entry norms).
 
 The decode runtime's norms (sublayer, q, kv, per-head, compressor entries, final) were the
 :mod:`cute_kernels.row_rms` statistic plus three PyTorch launches (rounding the statistic, the
@@ -15,10 +16,14 @@ Numerics: the rounding points of ``spec_decode.model.rmsnorm`` in bf16 (or fp16)
 to x's dtype; ``y = round(x * r)``; with a weight, ``round(y * w)`` -- each product exact in
 FP32 and rounded to nearest even once, as PyTorch's bf16 ``mul`` does. So the output equals the
 composite's whenever the two statistics round to the same bf16 value (their FP32 sums differ
-only in order).
+only in order). RoPE (``rotate``): each adjacent pair ``(a, b)`` of the last ``r`` features of
+the rounded ``y`` becomes ``(a cos - b sin, a sin + b cos)`` in FP32 with the token's FP32
+``(cos, sin)``, rounded once -- ``spec_decode.model.rope``'s complex product, equal to it up to
+how the compilers contract the two products into a fused multiply-add (at most one bf16 ulp).
 
 Constraints: ``x`` ``[..., C]`` bf16 / fp16, contiguous; ``weight`` None or ``[C]`` of x's
-dtype; ``C % 8 == 0`` and ``8 <= C <= 65536`` (static: one compile per size and weighting);
+dtype; ``rotate`` None or FP32 ``[tokens, r / 2, 2]`` with ``r % 8 == 0``, ``r <= C``, the rows a
+whole number of groups per token; ``C % 8 == 0`` and ``8 <= C <= 65536`` (static: one compile per size and weighting);
 ``T`` (rows) a runtime value, ``T * C < 2**31``. sm_90a and sm_100a (no tensor cores).
 
     pytest tests/test_row_rms.py -k rms_norm
@@ -46,23 +51,32 @@ _NAME2CUTE = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
 class RmsNorm(RowRms):
-    """Compile-time configuration: element type, row length, whether a weight multiplies."""
+    """Compile-time configuration: element type, row length, whether a weight multiplies, and
+    how many trailing features are rotated (0: none)."""
 
-    def __init__(self, dtype: type[cutlass.Numeric], hidden: int, weighted: bool):
+    def __init__(self, dtype: type[cutlass.Numeric], hidden: int, weighted: bool, rope_dim: int = 0):
         super().__init__(dtype, hidden)
-        self.weighted = weighted
+        if rope_dim % self.vec or not 0 <= rope_dim <= hidden:
+            raise ValueError(f"RmsNorm: rope_dim={rope_dim} must be a multiple of {self.vec} in [0, {hidden}]")
+        self.weighted, self.rope_dim = weighted, rope_dim
+        self.rope_first_vec = (hidden - rope_dim) // self.vec  # the first vector of the rotated features
 
     @cute.jit
-    def __call__(self, x_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, num_tokens: Int32,
-                 eps: Float32, stream: cuda.CUstream):
-        """``w_ptr`` is not read when the configuration has no weight."""
-        layout = cute.make_layout((num_tokens, self.hidden), stride=(self.hidden, 1))
+    def __call__(self, x_ptr: cute.Pointer, w_ptr: cute.Pointer, cs_ptr: cute.Pointer, y_ptr: cute.Pointer,
+                 num_rows: Int32, rows_per_token: Int32, eps: Float32, stream: cuda.CUstream):
+        """``w_ptr`` is not read without a weight, ``cs_ptr`` (FP32 ``[tokens, rope_dim / 2, 2]``
+        cos / sin) and ``rows_per_token`` without a rotation."""
+        layout = cute.make_layout((num_rows, self.hidden), stride=(self.hidden, 1))
         mX, mY = cute.make_tensor(x_ptr, layout), cute.make_tensor(y_ptr, layout)
         mW = cute.make_tensor(w_ptr, cute.make_layout((self.hidden,)))
-        self.kernel(mX, mW, mY, eps).launch(grid=[num_tokens, 1, 1], block=[self.threads, 1, 1], stream=stream)
+        tokens = (num_rows + rows_per_token - 1) // rows_per_token
+        mCS = cute.make_tensor(cs_ptr, cute.make_layout((tokens, max(self.rope_dim, 1)), stride=(self.rope_dim, 1)))
+        self.kernel(mX, mW, mCS, mY, rows_per_token, eps).launch(grid=[num_rows, 1, 1], block=[self.threads, 1, 1],
+                                                                 stream=stream)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, eps: Float32):
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mCS: cute.Tensor, mY: cute.Tensor, rows_per_token: Int32,
+               eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         tXrX = self.load_row(mX, row, tidx)
@@ -79,16 +93,32 @@ class RmsNorm(RowRms):
                     cute.autovec_copy(gW[(None, v)], rW)
                     y = (y.to(Float32) * rW.load().to(Float32)).to(self.dtype)
                 rY.store(y)
+                if const_expr(self.rope_dim > 0):
+                    if v >= self.rope_first_vec:
+                        self.rotate(rY, mCS, row // rows_per_token, (v - self.rope_first_vec) * self.vec)
                 cute.autovec_copy(rY, gY[(None, v)])
 
+    @cute.jit
+    def rotate(self, rY: cute.Tensor, mCS: cute.Tensor, token, first: Int32):
+        """Rotate the vector's adjacent pairs ``(a, b)`` -- features ``first ..`` of the rotated
+        part -- by the token's ``(cos, sin)``: ``(a cos - b sin, a sin + b cos)`` in FP32, one
+        rounding (the complex product of ``spec_decode.model.rope``)."""
+        rCS = cute.make_rmem_tensor(cute.make_layout((self.vec,)), Float32)  # (cos, sin) of vec / 2 pairs
+        cute.autovec_copy(cute.zipped_divide(mCS[token, None], (self.vec,))[(None, first // self.vec)], rCS)
+        for j in cutlass.range_constexpr(self.vec // 2):
+            a, b = Float32(rY[2 * j]), Float32(rY[2 * j + 1])
+            c, sn = rCS[2 * j], rCS[2 * j + 1]
+            rY[2 * j] = (a * c - b * sn).to(self.dtype)
+            rY[2 * j + 1] = (a * sn + b * c).to(self.dtype)
 
-def _build(arch: str, *, hidden: int, dtype: str = "bfloat16", weighted: bool = True):
+
+def _build(arch: str, *, hidden: int, dtype: str = "bfloat16", weighted: bool = True, rope_dim: int = 0):
     if not RowRms.can_implement(hidden, dtype):
         raise ValueError(f"rms_norm: unsupported hidden={hidden}, dtype={dtype}")
     cdt = _NAME2CUTE[dtype]
     P = jit.fake_gmem_ptr
-    return RmsNorm(cdt, hidden, weighted), (P(cdt, 16), P(cdt, 16), P(cdt, 16), Int32(1), Float32(1e-6),
-                                            jit.fake_stream())
+    return RmsNorm(cdt, hidden, weighted, rope_dim), (P(cdt, 16), P(cdt, 16), P(Float32, 16), P(cdt, 16), Int32(1),
+                                                      Int32(1), Float32(1e-6), jit.fake_stream())
 
 
 KERNEL = jit.register(
@@ -97,29 +127,45 @@ KERNEL = jit.register(
         build=_build,
         sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "row_rms.py")),
         archs=("sm_90a", "sm_100a", "sm_103a"),
-        # DeepSeek-V4-Flash's norms: hidden 4096, q-LoRA 1024, the KV / per-head / entry width
-        # 512 (weighted and, per head, not), the indexer's entries 128
-        aot_configs=tuple({"hidden": c, "dtype": "bfloat16", "weighted": w}
-                          for c, w in ((4096, True), (1024, True), (512, True), (512, False), (128, True))),
-        description="RMSNorm (statistic, rounding, weight) in one launch, bf16 / fp16",
+        # DeepSeek-V4-Flash's norms: hidden 4096, q-LoRA 1024; the KV rows and compressed
+        # entries (512, weighted, RoPE on the last 64), the queries per head (512, no weight,
+        # RoPE), the indexer's entries (128, RoPE)
+        aot_configs=tuple({"hidden": c, "dtype": "bfloat16", "weighted": w, "rope_dim": r}
+                          for c, w, r in ((4096, True, 0), (1024, True, 0), (512, True, 64), (512, False, 64),
+                                          (128, True, 64))),
+        description="RMSNorm (statistic, rounding, weight, optional RoPE) in one launch, bf16 / fp16",
     )
 )
 
 
-def rms_norm_torch(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm_torch(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None,
+                   rotate: torch.Tensor | None = None) -> torch.Tensor:
     """The op in PyTorch (the rounding points above): the fallback for devices without a CuTe
     path (not the test reference: tests/references.py)."""
     y = x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-    return y if weight is None else y * weight
+    y = y if weight is None else y * weight
+    if rotate is None:
+        return y
+    r, C = 2 * rotate.shape[1], y.shape[-1]
+    rows = y.reshape(-1, C)
+    cs = rotate.repeat_interleave(rows.shape[0] // rotate.shape[0], 0)  # each row's token's (cos, sin)
+    a, b = rows[:, C - r::2].float(), rows[:, C - r + 1::2].float()
+    c, sn = cs[..., 0], cs[..., 1]
+    rot = torch.stack([a * c - b * sn, a * sn + b * c], -1).flatten(-2).to(y.dtype)
+    return torch.cat([rows[:, :C - r], rot], -1).view(y.shape)
 
 
 def rms_norm(x: torch.Tensor, eps: float = 1e-6, weight: torch.Tensor | None = None, *,
-             out: torch.Tensor | None = None, stream=None, arch: str | None = None) -> torch.Tensor:
+             rotate: torch.Tensor | None = None, out: torch.Tensor | None = None, stream=None,
+             arch: str | None = None) -> torch.Tensor:
     """RMSNorm of bf16 / fp16 ``x [..., C]`` over its last dim, times ``weight [C]`` if given,
     in x's dtype with the composite's rounding points (module docstring).
 
-    ``out`` (x's shape and dtype) makes the call allocation-free; ``stream`` defaults to torch's
-    current stream. Capturable in a CUDA graph.
+    ``rotate`` (FP32 ``[tokens, r / 2, 2]``: each token's (cos, sin) per pair, contiguous)
+    then rotates the last ``r`` features of every row in adjacent pairs -- RoPE, one rounding;
+    the rows are ``tokens`` groups of ``x.numel() / C / tokens`` consecutive rows (a token's
+    heads). ``out`` (x's shape and dtype) makes the call allocation-free; ``stream`` defaults
+    to torch's current stream. Capturable in a CUDA graph.
     """
     op = "rms_norm"
     check_tensor(op, "x", x, dtype=tuple(_TORCH2CUTE), contiguous=True, align_bytes=0)
@@ -134,20 +180,35 @@ def rms_norm(x: torch.Tensor, eps: float = 1e-6, weight: torch.Tensor | None = N
         raise TypeError(f"{op}: eps must be a non-negative float, got {eps!r}")
     if weight is not None:
         check_tensor(op, "weight", weight, dtype=x.dtype, shape=(C,), contiguous=True, align_bytes=16)
+    rows = x.numel() // C
+    rope_dim, per_token = 0, 1
+    if rotate is not None:
+        check_tensor(op, "rotate", rotate, dtype=torch.float32, ndim=3, contiguous=True, align_bytes=0)
+        tokens, half, two = rotate.shape
+        rope_dim = 2 * half
+        if two != 2 or rope_dim % 8 or rope_dim > C:
+            raise ValueError(f"{op}: rotate must be [tokens, r/2, 2] with r a multiple of 8 and <= {C}, got "
+                             f"{list(rotate.shape)}")
+        check_tensor(op, "rotate", rotate.view(tokens, rope_dim), align_bytes=16)  # a token's row: 16-byte loads
+        if tokens == 0 or rows % tokens:
+            raise ValueError(f"{op}: x's {rows} rows are not {tokens} tokens' groups of equal size (rotate.shape[0])")
+        per_token = rows // tokens
     if out is None:
         out = torch.empty_like(x)
     else:
         check_tensor(op, "out", out, dtype=x.dtype, shape=tuple(x.shape), contiguous=True, align_bytes=16)
-    check_cuda(op, ("x", x), ("out", out), *((("weight", weight),) if weight is not None else ()))
+    check_cuda(op, ("x", x), ("out", out), *((("weight", weight),) if weight is not None else ()),
+               *((("rotate", rotate),) if rotate is not None else ()))
     a = arch if arch is not None else current_arch(x.device)
     if dispatch(op, ("portable", "reference"), arch=a) == "reference":
-        out.copy_(rms_norm_torch(x, eps, weight))
+        out.copy_(rms_norm_torch(x, eps, weight, rotate))
         return out
-    T = x.numel() // C
-    if T == 0:
+    if rows == 0:
         return out
     cdt = _TORCH2CUTE[x.dtype]
-    fn = jit.get_kernel(op, a, hidden=C, dtype=str(x.dtype).replace("torch.", ""), weighted=weight is not None)
-    fn(jit.gmem_ptr(cdt, x, 16), jit.gmem_ptr(cdt, weight if weight is not None else x, 16), jit.gmem_ptr(cdt, out, 16),
-       jit.i32(T), jit.f32(eps), jit.cu_stream(stream))
+    fn = jit.get_kernel(op, a, hidden=C, dtype=str(x.dtype).replace("torch.", ""), weighted=weight is not None,
+                        rope_dim=rope_dim)
+    P = jit.gmem_ptr
+    fn(P(cdt, x, 16), P(cdt, weight if weight is not None else x, 16), P(Float32, rotate if rotate is not None else x, 16),
+       P(cdt, out, 16), jit.i32(rows), jit.i32(per_token), jit.f32(eps), jit.cu_stream(stream))
     return out

@@ -6,7 +6,7 @@ and the draft's stages):
 * mHC: :func:`mhc_stats` with DeepSeek-V4's ``hc_eps``, :func:`mhc_pre_mix`,
   :func:`mhc_post_mix` (bit-exact rounding sequences);
 * RMSNorm (the sublayer, q, kv, per-head, compressor-entry and final norms): one launch of
-  :func:`rms_norm`;
+  :func:`rms_norm` each, with the RoPE that follows the per-head q, KV and entry norms fused in;
 * indexer: :func:`indexer_topk` over the layer's compressed indexer entries
   (``compress_ratio = m``: scores + the visible-entry mask + radix top-k, ties to the lower
   entry -- the reference's rule);
@@ -46,7 +46,7 @@ from moe.finalize import moe_finalize
 from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size
 from moe.router import MoeRouter, RouterConfig, RouterOutput, align_torch, capacity, topk_torch
 
-from .model import shared_expert
+from .model import rope_table, shared_expert
 from .step_model import Ops, family
 
 
@@ -121,6 +121,14 @@ class FusedOps(Ops):
         if x.dtype != torch.bfloat16 or x.numel() == 0 or (weight is not None and weight.dtype != x.dtype):
             return Ops.rmsnorm(self, x, eps, weight)
         return rms_norm(x.contiguous(), eps, weight)
+
+    def rmsnorm_rope(self, x, eps, weight, pos, inv_freq):
+        """:meth:`Ops.rmsnorm_rope` in one launch (:func:`rms_norm` with ``rotate``: the
+        forward's (cos, sin) table of ``pos``)."""
+        if x.dtype != torch.bfloat16 or x.numel() == 0 or (weight is not None and weight.dtype != x.dtype):
+            return Ops.rmsnorm_rope(self, x, eps, weight, pos, inv_freq)
+        table = torch.view_as_real(rope_table(pos, inv_freq)).reshape(-1, inv_freq.shape[0], 2)
+        return rms_norm(x.contiguous(), eps, weight, rotate=table)
 
     def pre_mix(self, X, maps):
         B, S, n, C = X.shape

@@ -123,18 +123,24 @@ def forward_memo(key: tuple, inputs: tuple, build):
     return hit[1]
 
 
+def rope_table(pos: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """``exp(i pos * inv_freq)`` (``inverse``: its conjugate), complex64 ``[*pos, len(inv_freq)]``
+    from FP32 angles: what :func:`rope` multiplies by (``torch.view_as_real``: (cos, sin) pairs).
+    Built once per forward."""
+    def cis():
+        c = torch.polar(torch.ones((), device=pos.device), pos.float()[..., None] * inv_freq)
+        return c, c.conj().resolve_conj()
+
+    return forward_memo(("rope",), (pos, inv_freq), cis)[1 if inverse else 0]
+
+
 def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the last ``2 len(inv_freq)`` features of x ``[*pos.shape, ..., d]`` in adjacent
     pairs by ``pos * inv_freq`` (``inverse``: by minus that). ``pos`` has x's leading dims. As
     DeepSeek's ``apply_rotary_emb``: the pairs as complex numbers in FP32 times ``exp(i
     angle)`` (FP32 angles), one rounding to x's dtype."""
     r = 2 * inv_freq.shape[0]
-
-    def cis():
-        c = torch.polar(torch.ones((), device=pos.device), pos.float()[..., None] * inv_freq)  # [*pos, r/2]
-        return c, c.conj().resolve_conj()
-
-    c = forward_memo(("rope",), (pos, inv_freq), cis)[1 if inverse else 0]
+    c = rope_table(pos, inv_freq, inverse)
     c = c.view(*pos.shape, *([1] * (x.dim() - pos.dim() - 1)), r // 2)
     pairs = torch.view_as_complex(x[..., -r:].float().unflatten(-1, (r // 2, 2)).contiguous())
     rot = torch.view_as_real(pairs * c).flatten(-2).to(x.dtype)
@@ -220,15 +226,15 @@ def moe_gathered(h: torch.Tensor, L: dict, cfg: ModelConfig, tokens: torch.Tenso
 
 
 def compress_entries(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, norm_w: torch.Tensor, overlap: bool,
-                     entry_pos: torch.Tensor, inv_freq: torch.Tensor, eps: float, norm=None) -> torch.Tensor:
+                     entry_pos: torch.Tensor, inv_freq: torch.Tensor, eps: float, norm_rope=None) -> torch.Tensor:
     """Compressed entries from their windows' raw projections.
 
     ``kv``, ``gate [..., rows, coff * d]``: HCA (``overlap=False``) the window's ``m`` rows;
     CSA (``overlap=True``) ``2m`` rows, the previous window's then this one's (a missing
     previous window: kv 0, gate ``-inf``). ``ape [m, coff * d]`` is added per position in
     the window. Returns ``[..., d]``: softmax over the rows per channel (FP32, rounded to kv's
-    dtype), the weighted sum, RMSNorm (``norm``: another implementation of :func:`rmsnorm`),
-    RoPE at ``entry_pos`` (the leading dims)."""
+    dtype), the weighted sum, RMSNorm, RoPE at ``entry_pos`` (the leading dims) -- the last two
+    by ``norm_rope(x, eps, weight, pos, inv_freq)`` if given (another implementation of both)."""
     d = norm_w.shape[0]
     m = ape.shape[0]
     if overlap:
@@ -238,7 +244,10 @@ def compress_entries(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, no
     else:
         g = gate + ape
     w = g.float().softmax(-2).to(kv.dtype)
-    return rope((norm or rmsnorm)((kv * w).sum(-2), eps, norm_w), entry_pos, inv_freq)
+    pooled = (kv * w).sum(-2)
+    if norm_rope is not None:
+        return norm_rope(pooled, eps, norm_w, entry_pos, inv_freq)
+    return rope(rmsnorm(pooled, eps, norm_w), entry_pos, inv_freq)
 
 
 def sink_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None, sink: torch.Tensor,

@@ -157,6 +157,11 @@ class Ops:
         x * it, then * weight)."""
         return rmsnorm(x, eps, weight)
 
+    def rmsnorm_rope(self, x, eps, weight, pos, inv_freq):
+        """RoPE at ``pos`` (x's leading dims) of :meth:`rmsnorm`'s output: the q, KV and
+        compressed-entry norms."""
+        return rope(self.rmsnorm(x, eps, weight), pos, inv_freq)
+
     def pre_mix(self, X, maps):
         return pre_mix(X, maps[0])
 
@@ -294,15 +299,15 @@ class V4Layer:
 
     def kv(self, h, pos):
         """The raw K = V rows ``[B, S, hd]`` of normed hidden states ``h``."""
-        return rope(self.ops.rmsnorm(h @ self.L["attn.wkv.weight"].T, self.cfg.eps, self.L["attn.kv_norm.weight"]), pos,
-                    self.inv)
+        return self.ops.rmsnorm_rope(h @ self.L["attn.wkv.weight"].T, self.cfg.eps, self.L["attn.kv_norm.weight"], pos,
+                                     self.inv)
 
     def attention(self, h, pos, slots, st: DecodeState, li, win, write_window, before_ring=None):
         cfg, ops, L = self.cfg, self.ops, self.L
         B, S, _ = h.shape
         H, hd, m = self.heads, cfg.head_dim, self.ratio
         qr = ops.rmsnorm(h @ L["attn.wq_a.weight"].T, cfg.eps, L["attn.q_norm.weight"])
-        q = rope(ops.rmsnorm((qr @ L["attn.wq_b.weight"].T).view(B, S, H, hd), cfg.eps), pos, self.inv)
+        q = ops.rmsnorm_rope((qr @ L["attn.wq_b.weight"].T).view(B, S, H, hd), cfg.eps, None, pos, self.inv)
         kv = self.kv(h, pos)
         ring = st.win[li] if win is None else win
         # window: positions p - W + 1 .. p
@@ -337,7 +342,7 @@ class V4Layer:
         kv, gate = r[..., :ch], r[..., ch:].masked_fill(index[3][..., None], float("-inf"))
         start, dst = window_entries(pos, slots, m, pool.shape[1])
         ent = compress_entries(kv, gate, L[prefix + "ape"], L[prefix + "norm.weight"], csa, start, inv_c, cfg.eps,
-                               norm=self.ops.rmsnorm)
+                               norm_rope=self.ops.rmsnorm_rope)
         pool[dst] = ent.to(pool.dtype)
         write_ring(rows, ring_rows, slots, pos, fresh)
 

@@ -146,12 +146,22 @@ def fake_quantize_expert_weights(w):
     return torch.stack(qs).view(torch.float8_e4m3fn), torch.stack([swizzle_scales(s) for s in ss])
 
 
-def fake_rms_norm(x, eps, weight=None):
+def fake_rms_norm(x, eps, weight=None, rotate=None):
     """RMSNorm's rounding points (x's dtype): the FP32 statistic rounded, x times it, times the
-    weight -- the statistic from the FP64 reference."""
+    weight -- the statistic from the FP64 reference; with ``rotate`` ([tokens, r/2, 2] cos / sin
+    per token, the rows a token's groups), each pair of the last r features of the rounded
+    result rotated in FP32 and rounded once."""
     C = x.shape[-1]
     y = x * row_rms_ref(x.reshape(-1, C), eps).float().view(*x.shape[:-1], 1).to(x.dtype)
-    return y if weight is None else y * weight
+    y = y if weight is None else y * weight
+    if rotate is None:
+        return y
+    r = 2 * rotate.shape[1]
+    rows = y.reshape(-1, C)
+    cs = rotate.repeat_interleave(rows.shape[0] // rotate.shape[0], 0).double()
+    a, b = rows[:, C - r::2].double(), rows[:, C - r + 1::2].double()
+    rot = torch.stack([a * cs[..., 0] - b * cs[..., 1], a * cs[..., 1] + b * cs[..., 0]], -1).flatten(-2)
+    return torch.cat([rows[:, :C - r], rot.to(y.dtype)], -1).view(y.shape)
 
 
 @pytest.fixture

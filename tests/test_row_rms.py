@@ -206,3 +206,97 @@ def test_rms_norm_machine_code(arch, hidden, weighted):
     assert sass.count(h, "LDG.E.128") == per_thread * (2 if weighted else 1)
     assert sass.count(h, "STG.E.128") == per_thread
     assert sass.local_memory_ops(h) == 0
+
+
+def _rope_table(tokens, r, device="cuda"):
+    """(cos, sin) FP32 [tokens, r/2, 2] of positions 0 .. tokens-1 times RoPE frequencies."""
+    pos = torch.arange(tokens, device=device).float() * 37 + 5
+    inv = 1.0 / (10000 ** (torch.arange(0, r, 2, device=device).float() / r))
+    ang = pos[:, None] * inv
+    return torch.stack([ang.cos(), ang.sin()], -1).contiguous()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_per_token, C, weighted", [(1, 512, True), (64, 512, False), (1, 128, True),
+                                                         (3, 64, False)])
+@pytest.mark.parametrize("tokens", [1, 6, 77])
+def test_rms_norm_rope_against_the_composite_and_fp64(seed, rows_per_token, C, weighted, tokens):
+    """RMSNorm + RoPE on the last 64 features in one launch: the unrotated features equal
+    rms_norm's bit for bit; each rotated pair is within one bf16 rounding of the composite's
+    (the spec's FP32 complex product on rms_norm's output) and within the derived bound of the
+    FP64 value: the pair (a, b) carries rms_norm's three roundings (3u relative each), the
+    rotation is exact in FP64 and rounded once (u), so |err| <= 3.1u (|a c| + |b s|) + u |ref| for the
+    first of the pair (|a s| + |b c| for the second)."""
+    r = 64
+    x = (torch.randn(tokens * rows_per_token, C, device="cuda") * 2).bfloat16()
+    w = (torch.randn(C, device="cuda") * 0.2 + 1).bfloat16() if weighted else None
+    cs = _rope_table(tokens, r)
+    out = torch.full_like(x, float("nan"))
+    rms_norm(x, 1e-6, w, rotate=cs, out=out)
+    plain = rms_norm(x, 1e-6, w)
+    torch.cuda.synchronize()
+    assert torch.equal(out[:, :C - r], plain[:, :C - r])
+    # the composite: FP32 complex product of rms_norm's rounded output, rounded once
+    csr = cs.repeat_interleave(rows_per_token, 0)
+    pairs = torch.view_as_complex(plain[:, C - r:].float().unflatten(-1, (r // 2, 2)).contiguous())
+    comp = torch.view_as_real(pairs * torch.view_as_complex(csr)).flatten(-2).to(torch.bfloat16)
+    got = out[:, C - r:]
+    ulp = torch.maximum(comp.float().abs(), torch.tensor(2.0 ** -126, device="cuda")) * 2.0 ** -7
+    assert bool(((got.float() - comp.float()).abs() <= ulp).all())
+    # FP64
+    ref = rms_norm_ref(x.cpu(), 1e-6, None if w is None else w.cpu())[:, C - r:]
+    a, b = ref[:, 0::2], ref[:, 1::2]
+    c, s = csr.cpu().double()[..., 0], csr.cpu().double()[..., 1]
+    rot = torch.stack([a * c - b * s, a * s + b * c], -1).flatten(-2)
+    mag = torch.stack([a.abs() * c.abs() + b.abs() * s.abs(), a.abs() * s.abs() + b.abs() * c.abs()], -1).flatten(-2)
+    bound = 3.1 * BF16_U * mag + BF16_U * rot.abs() + 3 * 2.0 ** -134
+    assert int(((got.double().cpu() - rot).abs() > bound).sum()) == 0
+
+
+@pytest.mark.parametrize("rotate, words", [
+    (torch.zeros(3, 32, 2, dtype=torch.float64), "rotate must have dtype"),
+    (torch.zeros(3, 64), "rotate must be 3-D"),
+    (torch.zeros(3, 32, 3), r"rotate must be \[tokens, r/2, 2\]"),
+    (torch.zeros(3, 3, 2), "multiple of 8"),
+    (torch.zeros(3, 64, 2), "<= 64"),
+    (torch.zeros(4, 32, 2), "not 4 tokens"),
+])
+def test_rms_norm_rejects_bad_rotations(rotate, words):
+    x = torch.zeros(6, 64, dtype=torch.bfloat16)
+    with pytest.raises((ValueError, TypeError), match=words):
+        rms_norm(x, 1e-6, rotate=rotate)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_rms_norm_rope_machine_code(arch):
+    """The rotation reads each rotated vector's (cos, sin) in two 16-byte loads; x and the
+    output still move in 16-byte vectors; no local memory."""
+    import cute_kernels.rms_norm  # noqa: F401
+
+    h = sass.sass_histogram("rms_norm", arch, hidden=512, weighted=False, rope_dim=64)
+    assert sass.count(h, "LDG.E.128") == 3 and sass.count(h, "STG.E.128") == 1
+    assert sass.local_memory_ops(h) == 0
+
+
+@pytest.mark.parametrize("rotated", [False, True])
+def test_cpu_fallback_within_the_bounds(seed, rotated):
+    """The CPU / custom-op implementation (rms_norm_torch) against the FP64 definition, per
+    element, with the bounds of the GPU tests."""
+    from cute_kernels.rms_norm import rms_norm_torch
+
+    x = (torch.randn(12, 128) * 2).bfloat16()
+    w = (torch.randn(128) * 0.2 + 1).bfloat16()
+    cs = _rope_table(4, 64, device="cpu") if rotated else None
+    y = rms_norm_torch(x, 1e-6, w, cs)
+    ref = rms_norm_ref(x, 1e-6, w)
+    if not rotated:
+        assert_rms_norm_bound(y, x, 1e-6, w)
+        return
+    csr = cs.repeat_interleave(3, 0).double()
+    a, b = ref[:, 64::2], ref[:, 65::2]
+    c, s = csr[..., 0], csr[..., 1]
+    rot = torch.stack([a * c - b * s, a * s + b * c], -1).flatten(-2)
+    mag = torch.stack([a.abs() * c.abs() + b.abs() * s.abs(), a.abs() * s.abs() + b.abs() * c.abs()], -1).flatten(-2)
+    assert int(((y[:, 64:].double() - rot).abs() > 3.1 * BF16_U * mag + BF16_U * rot.abs() + 1e-38).sum()) == 0
+    lo = rms_norm_ref(x, 1e-6, w)[:, :64]
+    assert int(((y[:, :64].double() - lo).abs() > (3 * BF16_U + 4 * BF16_U ** 2 + 1e-5) * lo.abs() + 1e-38).sum()) == 0
