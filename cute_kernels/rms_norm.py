@@ -127,12 +127,12 @@ KERNEL = jit.register(
         build=_build,
         sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "row_rms.py")),
         archs=("sm_90a", "sm_100a", "sm_103a"),
-        # DeepSeek-V4-Flash's norms: hidden 4096, q-LoRA 1024; the KV rows and compressed
-        # entries (512, weighted, RoPE on the last 64), the queries per head (512, no weight,
-        # RoPE), the indexer's entries (128, RoPE)
+        # DeepSeek-V4's norms: hidden 4096 / 7168 and q-LoRA 1024 / 1536 (Flash / Pro); the KV
+        # rows and compressed entries (512, weighted, RoPE on the last 64), the queries per head
+        # (512, no weight, RoPE), the indexer's entries (128, RoPE)
         aot_configs=tuple({"hidden": c, "dtype": "bfloat16", "weighted": w, "rope_dim": r}
-                          for c, w, r in ((4096, True, 0), (1024, True, 0), (512, True, 64), (512, False, 64),
-                                          (128, True, 64))),
+                          for c, w, r in ((4096, True, 0), (7168, True, 0), (1024, True, 0), (1536, True, 0),
+                                          (512, True, 64), (512, False, 64), (128, True, 64))),
         description="RMSNorm (statistic, rounding, weight, optional RoPE) in one launch, bf16 / fp16",
     )
 )

@@ -128,10 +128,10 @@ def rope_table(pos: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False)
     from FP32 angles: what :func:`rope` multiplies by (``torch.view_as_real``: (cos, sin) pairs).
     Built once per forward."""
     def cis():
-        c = torch.polar(torch.ones((), device=pos.device), pos.float()[..., None] * inv_freq)
-        return c, c.conj().resolve_conj()
+        return torch.polar(torch.ones((), device=pos.device), pos.float()[..., None] * inv_freq)
 
-    return forward_memo(("rope",), (pos, inv_freq), cis)[1 if inverse else 0]
+    c = forward_memo(("rope",), (pos, inv_freq), cis)
+    return forward_memo(("rope_inverse",), (c,), lambda: c.conj().resolve_conj()) if inverse else c
 
 
 def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -92,7 +92,7 @@ def ring_index(pos: torch.Tensor, span: int, ring_rows: int) -> tuple:
     positions below 0 (not ``valid``) read position 0's row -- callers mask them. Built once
     per forward (:func:`spec_decode.model.forward_memo`): every layer's window shares it."""
     def build():
-        q = pos[..., None] - span + 1 + torch.arange(span, device=pos.device)
+        q = pos[..., None] + torch.arange(1 - span, 1, device=pos.device)
         valid = q >= 0
         q = q.clamp_min(0)
         rel = q - pos[:, :1, None]
@@ -128,8 +128,9 @@ def window_entries(pos: torch.Tensor, slots: torch.Tensor, m: int, pool_rows: in
     when it closes a window (``(p + 1) % m == 0``, ``0 <= i < pool_rows - 1``), else the pool's
     last row (written, never read). Built once per forward."""
     def build():
-        entry = torch.div(pos + 1, m, rounding_mode="floor") - 1
-        closes = ((pos + 1) % m == 0) & (entry >= 0) & (entry < pool_rows - 1)
+        p1 = pos + 1
+        entry = torch.div(p1, m, rounding_mode="floor") - 1
+        closes = (p1 % m == 0) & (entry >= 0) & (entry < pool_rows - 1)
         dst = torch.where(closes, entry, torch.full_like(entry, pool_rows - 1))
         return entry * m, (slots[:, None].expand_as(dst), dst)
 
