@@ -34,6 +34,7 @@ from .step_model import DecodeState, Ops, StepModel
 
 #: op families in the table's order: (method, row label)
 FAMILIES = (("mhc_mappings", "mHC mappings (statistics, Sinkhorn)"), ("pre_mix", "mHC pre-mix"),
+            ("rmsnorm", "RMSNorm"), ("rmsnorm_rope", "RMSNorm + RoPE (q, KV, compressed entries)"),
             ("post_mix", "mHC post-mix"), ("indexer_topk", "indexer top-k (entries also FP32's)"),
             ("wo_a", "WO-A"), ("moe", "MoE block (router, MXFP8 experts, finalize, shared)"))
 
@@ -102,6 +103,21 @@ class OpProbe:
         if self.active:
             b = self.base.pre_mix(X, maps)
             self._record("pre_mix", a, b, pre_mix(X.float(), _unpack_maps(maps, X, self.cfg.mhc_n)[0]))
+        return a
+
+    def rmsnorm(self, x, eps, weight=None):
+        a = self.fused.rmsnorm(x, eps, weight).clone()
+        if self.active:
+            w32 = None if weight is None else weight.float()
+            self._record("rmsnorm", a, self.base.rmsnorm(x, eps, weight), self.ref.rmsnorm(x.float(), eps, w32))
+        return a
+
+    def rmsnorm_rope(self, x, eps, weight, pos, inv_freq):
+        a = self.fused.rmsnorm_rope(x, eps, weight, pos, inv_freq).clone()
+        if self.active:
+            w32 = None if weight is None else weight.float()
+            self._record("rmsnorm_rope", a, self.base.rmsnorm_rope(x, eps, weight, pos, inv_freq),
+                         self.ref.rmsnorm_rope(x.float(), eps, w32, pos, inv_freq))
         return a
 
     def post_mix(self, X, maps, f):

@@ -365,3 +365,24 @@ def test_expert_parallel_partials_sum_to_the_whole(fakes):
         parts = [ops.moe(h, v.layers[li], CFG, toks, v.shard.first_expert).float() for ops, v in zip(ranks, views)]
         got = parts[0] + parts[1]
         assert float((got - want).norm() / want.norm()) < 2 * 2.0**-8  # two partials' bf16 roundings
+
+
+def test_numerics_probe_records_every_family(fakes):
+    """spec_decode.numerics's probe over a verify step (CPU, the fakes): every op family it
+    tabulates -- the norms with and without RoPE included -- is recorded, fused and base agree
+    (the same fakes), and each is near its FP32 composite."""
+    from spec_decode.numerics import FAMILIES, OpProbe
+
+    m, _ = _models()
+    probe = OpProbe(fo.FusedOps(m, max_tokens=26, max_len=64, _cpu_for_tests=True),
+                    fo.BaseOps(m, max_tokens=26, max_len=64, _cpu_for_tests=True), CFG)
+    st = DecodeState(CFG, 3, 64, 6, m.dtype, "cpu")
+    sm = StepModel(m, probe)
+    slots = torch.tensor([0, 1])
+    sm.forward(torch.randint(0, CFG.vocab, (2, 13)), torch.arange(13)[None].expand(2, -1), slots, st)
+    probe.active = True
+    sm.forward(torch.randint(0, CFG.vocab, (2, 6)), 13 + torch.arange(6)[None].expand(2, -1), slots, st)
+    assert {n for n, e in probe.errors.items() if e} == {n for n, _ in FAMILIES}
+    for name in ("rmsnorm", "rmsnorm_rope"):
+        for f32, b32, fb in probe.errors[name]:
+            assert fb == 0 and f32 < 2 ** -7 and b32 < 2 ** -7, (name, f32, b32, fb)
