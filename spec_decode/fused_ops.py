@@ -46,7 +46,7 @@ from moe.finalize import moe_finalize
 from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size
 from moe.router import MoeRouter, RouterConfig, RouterOutput, align_torch, capacity, topk_torch
 
-from .model import rope_table, shared_expert
+from .model import forward_memo, rope_table, shared_expert
 from .step_model import Ops, family
 
 
@@ -144,14 +144,15 @@ class FusedOps(Ops):
         B, S, Hi, D = q_idx.shape
         N = ipool.shape[1] - 1  # entries a request may hold (the last row is the discarded one)
         rows = ipool.reshape(-1, D)  # request b's entries start at row slot * (N + 1)
-        off = (slots[:, None].expand(B, S) * (N + 1)).reshape(-1).int().contiguous()
-        p = pos.reshape(-1).int().contiguous()
+        # the step's per-token cache offsets, positions and visible-entry counts: once per forward
+        off, p, n_vis = forward_memo(("indexer_args", N, ratio), (slots, pos), lambda: (
+            (slots[:, None].expand(B, S) * (N + 1)).reshape(-1).int().contiguous(), pos.reshape(-1).int().contiguous(),
+            torch.div(pos.reshape(-1) + 1, ratio, rounding_mode="floor").clamp_min(0).int()))
         k = min(topk, N)  # the torch-bf16 ops' width
         # a request's tokens are consecutive (t = b * S + s): a group within one request shares
         # its key tiles (a group spanning two requests would score them in per-token passes)
         g = self.indexer_token_group if S % self.indexer_token_group == 0 else 1
         group = dict(token_group=g) if g > 1 else {}
-        n_vis = torch.div(p + 1, ratio, rounding_mode="floor").clamp_min(0).int()
         idx = indexer_topk(q_idx.reshape(B * S, Hi, D).contiguous(), w_idx.reshape(B * S, Hi).float().contiguous(),
                            rows, off, n_vis, p, topk=k, max_keys=N, workspace=self.idx_ws, compress_ratio=ratio,
                            **group)
