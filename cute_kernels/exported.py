@@ -165,12 +165,12 @@ class ExportedKernel:
         if len(args) != len(self.arg_types):
             raise TypeError(f"{self.prefix}: takes {len(self.arg_types)} arguments {self.arg_names}, got {len(args)}")
         dev = _current_device()
-        if dev not in self._devices:
-            self.load((dev,))
         # one set of argument cells, reused: the values are written, then the launcher reads
         # them through the fixed pointer array (under a lock: ctypes releases the GIL, and
         # simulated ranks launch from several threads)
         with self._cells_lock:
+            if dev not in self._devices:
+                self.load((dev,))
             for cell, a in zip(self._cells, args):
                 cell.value = a
             self._ret.value = 0
