@@ -1,6 +1,6 @@
 """Eager host cost per call of every kernel entry point at decode shapes, next to torch.add.
 
-    python bench/bench_host_cost.py [--calls 2000] [--out FILE]
+    python bench/bench_host_cost.py [--calls 2000] [--only row_rms,mhc_stats] [--out FILE]
 
 For each op: the Python entry point (``cute_kernels.*`` / ``moe.*``) and its custom op
 (``torch.ops.cute_kernels.*``), called eagerly ``--calls`` times back to back on warm caches
@@ -120,6 +120,12 @@ def cases():
     ]
 
 
+def selected_cases(only: str | None):
+    """``cases()``, or those named in ``only`` (comma-separated; the torch.add yardstick always)."""
+    names = None if not only else {n.strip() for n in only.split(",")}
+    return [c for c in cases() if names is None or c[0] in names or c[0].startswith("torch.add")]
+
+
 def poisoned_output(entry, out) -> torch.Tensor:
     """``entry()``'s output written into ``out`` poisoned first, as raw bytes."""
     out.fill_(0x55 if out.dtype in (torch.uint8, torch.float8_e4m3fn) else float("nan"))
@@ -162,7 +168,7 @@ def runtime_only_child(args) -> int:
     assert runtime_only.active() and "cutlass" not in sys.modules
     want = torch.load(args.expect)
     res = {}
-    for name, entry, _, out in cases():
+    for name, entry, _, out in selected_cases(args.only):
         if out is None:
             res[name] = host_us(entry, args.calls)
             continue
@@ -196,6 +202,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--out", default=None)
     ap.add_argument("--cache", default=None, help="artifact cache of this run (default: a fresh temporary one)")
+    ap.add_argument("--only", default=None, metavar="OPS",
+                    help="time only these ops (comma-separated names of the table's first column)")
     ap.add_argument("--runtime-only-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--expect", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -205,7 +213,7 @@ def main(argv=None) -> int:
         return runtime_only_child(args)
     rows, expect = [], {}
     add = None
-    for name, entry, op, out in cases():
+    for name, entry, op, out in selected_cases(args.only):
         print(f"{name}: checking, then timing", flush=True)  # a fatal CUDA error names its op
         if out is not None and not direct_equals_dsl(entry, out):
             raise SystemExit(f"{name}: the direct launch's output differs from the DSL call path's; not timing it")
@@ -227,7 +235,8 @@ def main(argv=None) -> int:
     torch.save(expect, exp)
     env = dict(os.environ, CUTE_KERNELS_CACHE_DIR=default_cache().root)
     child = subprocess.run([sys.executable, os.path.abspath(__file__), "--runtime-only-child", "--expect", exp,
-                            "--calls", str(args.calls)], capture_output=True, text=True, env=env, timeout=1200)
+                            "--calls", str(args.calls)] + (["--only", args.only] if args.only else []),
+                           capture_output=True, text=True, env=env, timeout=1200)
     print(child.stdout[-4000:], child.stderr[-4000:], flush=True)
     if child.returncode:
         raise SystemExit("the runtime-only run failed")
