@@ -60,6 +60,7 @@ from cute_kernels.masked_softmax import masked_softmax  # noqa: E402
 from cute_kernels.mhc_post_mix import mhc_post_mix  # noqa: E402
 from cute_kernels.mhc_pre_mix import mhc_pre_mix  # noqa: E402
 from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_split_phi, mhc_stats  # noqa: E402
+from cute_kernels.rms_norm import rms_norm  # noqa: E402
 from cute_kernels.row_rms import row_rms  # noqa: E402
 from cute_kernels.wo_a import wo_a  # noqa: E402
 from moe.finalize import moe_finalize  # noqa: E402
@@ -105,9 +106,13 @@ def cases():
     pos = torch.randperm(T * 6 + 128, device=dev)[:T * 6].int()
     sh, fo = bf(T, C), torch.empty(T, C, device=dev, dtype=torch.bfloat16)
     small = torch.randn(16, device=dev)
+    xq, cs = bf(T, 64, 512), torch.rand(T, 32, 2, device=dev)  # V4's per-head q norm + RoPE
+    yq = torch.empty_like(xq)
     return [
         ("torch.add (yardstick)", lambda: torch.add(small, small), None, None),
         ("row_rms", lambda: row_rms(x2, 1e-6, out=rms_out), lambda: ops.row_rms_out(x2, 1e-6, rms_out), rms_out),
+        ("rms_norm (+ RoPE, per head)", lambda: rms_norm(xq, 1e-6, None, rotate=cs, out=yq),
+         lambda: ops.rms_norm_out(xq, 1e-6, None, cs, yq), yq),
         ("mhc_stats", lambda: mhc_stats(x3, planes, alpha, bias, workspace=ws, out=H),
          lambda: ops.mhc_stats(x3, planes, alpha, bias, 1e-6, 20, 0.0), H),
         ("mhc_pre_mix", lambda: mhc_pre_mix(x3, h, out=u), lambda: ops.mhc_pre_mix_out(x3, h, u), u),
