@@ -23,8 +23,11 @@ The mode is automatic: it is on exactly when the ``cutlass`` package cannot be f
   edited kernel source) raises :class:`MissingArtifact`, naming the ``build`` command that
   would produce it; nothing is compiled.
 
-Measure it: ``python bench/bench_runtime_only.py`` (import time, first call, per-call host time
-against the DSL's own path; on a GPU). Test: ``pytest tests/test_caches.py -k runtime_only``.
+Prepare a cache: ``python -m cute_kernels build --with-runtime`` (the AOT configs, or one with
+``--kernel K --config JSON``), or run the workload once where the DSL is installed and then
+``python -m cute_kernels bundle``. Measure it: ``python bench/bench_host_cost.py`` (its
+runtime-only column, import time and first call; on a GPU). Test: ``pytest
+tests/test_caches.py -k runtime_only``.
 """
 
 from __future__ import annotations
