@@ -112,11 +112,28 @@ def test_machine_code_vectorised_no_spills(arch):
 BF16_U = 2.0 ** -8
 
 
-def assert_rms_norm_bound(y, x, eps, w):
-    ref = rms_norm_ref(x.cpu(), eps, None if w is None else w.cpu())
+def assert_rms_norm_bound(y, x, eps, w, cols=slice(None)):
+    """``y`` (features ``cols`` of the normed rows) within the three-rounding bound above."""
+    ref = rms_norm_ref(x.cpu(), eps, None if w is None else w.cpu())[..., cols]
     bound = (3 * BF16_U + 4 * BF16_U ** 2 + 1e-5) * ref.abs() + 3 * 2.0 ** -134
     bad = int(((y.double().cpu() - ref).abs() > bound).sum())
     assert bad == 0, f"{bad} of {ref.numel()} elements outside the per-element bound"
+
+
+def assert_rope_bound(got, x, eps, w, cs_rows):
+    """The rotated last ``r`` features ``got`` of RMSNorm + RoPE (``cs_rows``: each row's (cos,
+    sin) ``[rows, r/2, 2]``) against the FP64 value: a pair (a, b) carries the norm's three
+    roundings (3u relative each), the rotation is exact in FP64 and rounded once (u), so |err|
+    <= 3.1u (|a c| + |b s|) + u |ref| for the first of the pair, (|a s| + |b c|) for the second."""
+    r = got.shape[-1]
+    ref = rms_norm_ref(x.cpu(), eps, None if w is None else w.cpu())[:, -r:]
+    a, b = ref[:, 0::2], ref[:, 1::2]
+    c, s = cs_rows.cpu().double()[..., 0], cs_rows.cpu().double()[..., 1]
+    rot = torch.stack([a * c - b * s, a * s + b * c], -1).flatten(-2)
+    mag = torch.stack([a.abs() * c.abs() + b.abs() * s.abs(), a.abs() * s.abs() + b.abs() * c.abs()], -1).flatten(-2)
+    bound = 3.1 * BF16_U * mag + BF16_U * rot.abs() + 3 * 2.0 ** -134
+    bad = int(((got.double().cpu() - rot).abs() > bound).sum())
+    assert bad == 0, f"{bad} of {rot.numel()} rotated elements outside the per-element bound"
 
 
 @pytest.mark.gpu
@@ -224,9 +241,7 @@ def test_rms_norm_rope_against_the_composite_and_fp64(seed, rows_per_token, C, w
     """RMSNorm + RoPE on the last 64 features in one launch: the unrotated features equal
     rms_norm's bit for bit; each rotated pair is within one bf16 rounding of the composite's
     (the spec's FP32 complex product on rms_norm's output) and within the derived bound of the
-    FP64 value: the pair (a, b) carries rms_norm's three roundings (3u relative each), the
-    rotation is exact in FP64 and rounded once (u), so |err| <= 3.1u (|a c| + |b s|) + u |ref| for the
-    first of the pair (|a s| + |b c| for the second)."""
+    FP64 value (:func:`assert_rope_bound`)."""
     r = 64
     x = (torch.randn(tokens * rows_per_token, C, device="cuda") * 2).bfloat16()
     w = (torch.randn(C, device="cuda") * 0.2 + 1).bfloat16() if weighted else None
@@ -243,14 +258,7 @@ def test_rms_norm_rope_against_the_composite_and_fp64(seed, rows_per_token, C, w
     got = out[:, C - r:]
     ulp = torch.maximum(comp.float().abs(), torch.tensor(2.0 ** -126, device="cuda")) * 2.0 ** -7
     assert bool(((got.float() - comp.float()).abs() <= ulp).all())
-    # FP64
-    ref = rms_norm_ref(x.cpu(), 1e-6, None if w is None else w.cpu())[:, C - r:]
-    a, b = ref[:, 0::2], ref[:, 1::2]
-    c, s = csr.cpu().double()[..., 0], csr.cpu().double()[..., 1]
-    rot = torch.stack([a * c - b * s, a * s + b * c], -1).flatten(-2)
-    mag = torch.stack([a.abs() * c.abs() + b.abs() * s.abs(), a.abs() * s.abs() + b.abs() * c.abs()], -1).flatten(-2)
-    bound = 3.1 * BF16_U * mag + BF16_U * rot.abs() + 3 * 2.0 ** -134
-    assert int(((got.double().cpu() - rot).abs() > bound).sum()) == 0
+    assert_rope_bound(got, x, 1e-6, w, csr)
 
 
 @pytest.mark.parametrize("rotate, words", [
@@ -288,15 +296,8 @@ def test_cpu_fallback_within_the_bounds(seed, rotated):
     w = (torch.randn(128) * 0.2 + 1).bfloat16()
     cs = _rope_table(4, 64, device="cpu") if rotated else None
     y = rms_norm_torch(x, 1e-6, w, cs)
-    ref = rms_norm_ref(x, 1e-6, w)
     if not rotated:
         assert_rms_norm_bound(y, x, 1e-6, w)
         return
-    csr = cs.repeat_interleave(3, 0).double()
-    a, b = ref[:, 64::2], ref[:, 65::2]
-    c, s = csr[..., 0], csr[..., 1]
-    rot = torch.stack([a * c - b * s, a * s + b * c], -1).flatten(-2)
-    mag = torch.stack([a.abs() * c.abs() + b.abs() * s.abs(), a.abs() * s.abs() + b.abs() * c.abs()], -1).flatten(-2)
-    assert int(((y[:, 64:].double() - rot).abs() > 3.1 * BF16_U * mag + BF16_U * rot.abs() + 1e-38).sum()) == 0
-    lo = rms_norm_ref(x, 1e-6, w)[:, :64]
-    assert int(((y[:, :64].double() - lo).abs() > (3 * BF16_U + 4 * BF16_U ** 2 + 1e-5) * lo.abs() + 1e-38).sum()) == 0
+    assert_rms_norm_bound(y[:, :64], x, 1e-6, w, cols=slice(None, 64))
+    assert_rope_bound(y[:, 64:], x, 1e-6, w, cs.repeat_interleave(3, 0))
