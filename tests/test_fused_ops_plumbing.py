@@ -8,8 +8,8 @@ import torch
 
 import spec_decode.fused_ops as fo
 from moe.experts import mxfp8_quantize_torch, expert_gemm_torch, swizzle_scales, silu_mul_interleaved
-from moe.router import RouterOutput, capacity
-from references import (align_ref, finalize_shared_ref, grouped_topk_ref, hash_route_ref, mhc_post_mix_ref,
+from moe.router import RouterOutput, capacity, topk_torch
+from references import (align_ref, finalize_shared_ref, mhc_post_mix_ref,
                         mhc_pre_mix_ref, mhc_stats_ref, row_rms_ref, v4_indexer_scores_ref)
 from spec_decode.config import ModelConfig
 from spec_decode.draft import DraftModel
@@ -60,10 +60,12 @@ class FakeRouter:
     def __call__(self, logits, bias=None, token_ids=None):
         c = self.cfg
         assert c.score == "sqrtsoftplus" and c.n_group == 1 and (token_ids is not None) == c.hash_routed
-        if c.hash_routed:
-            ids, w = hash_route_ref(logits, token_ids, self.tid2eid, c.top_k, c.routed_scaling_factor)
-        else:
-            ids, w, _ = grouped_topk_ref(logits, bias, 1, 1, c.top_k, c.routed_scaling_factor, score=c.score)
+        # the kernel's FP32 arithmetic (moe.router.topk_torch, checked against the FP64 definition
+        # in tests/test_moe_router.py): the base arm routes with it too, so the two arms' glue is
+        # compared on the same experts and weights -- the FP64 reference's scores round
+        # differently in the last bit, and near-ties then pick other experts
+        ids, w = topk_torch(logits, bias, c, self.tid2eid, token_ids)
+        ids = ids.int()
         counts, offsets, sorted_ids, tile_expert, total = align_ref(ids, c.num_experts, c.tile_m)
         slots, tiles = capacity(c, logits.shape[0])
         sid = torch.full((slots,), ids.numel(), dtype=torch.int32)
