@@ -33,16 +33,17 @@ import statistics
 import sys
 import time
 
-_CHILD = "--runtime-only-child" in sys.argv
-if _CHILD:  # a process without the DSL: its packages cannot be found (before anything imports them)
-    import importlib.abc
-
-    class _NoDsl(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("cutlass", "nvidia_cutlass_dsl"):
-                raise ModuleNotFoundError(f"no module named {name!r} (runtime-only run)", name=name)
-
-    sys.meta_path.insert(0, _NoDsl())
+#: run first, it makes a process one without the DSL: its packages cannot be found
+NO_DSL = """
+import importlib.abc, sys
+class _NoDsl(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("cutlass", "nvidia_cutlass_dsl"):
+            raise ModuleNotFoundError(f"no module named {name!r} (runtime-only run)", name=name)
+sys.meta_path.insert(0, _NoDsl())
+"""
+if "--runtime-only-child" in sys.argv:  # before anything imports the DSL
+    exec(NO_DSL)
 
 import json  # noqa: E402
 import subprocess  # noqa: E402
@@ -153,12 +154,7 @@ print(f"IMPORT_FIRST {(t1 - t0) * 1e3:.1f} {(t2 - t1) * 1e3:.1f}")
 
 def import_and_first_call(env: dict, no_dsl: bool) -> tuple[float, float]:
     """(ms to import cute_kernels.row_rms after torch, ms of its first call) in a fresh process."""
-    pre = ""
-    if no_dsl:
-        pre = ("import importlib.abc, sys\nclass B(importlib.abc.MetaPathFinder):\n def find_spec(s, n, p=None, t=None):"
-               "\n  if n.split('.')[0] in ('cutlass', 'nvidia_cutlass_dsl'): raise ModuleNotFoundError(n, name=n)\n"
-               "sys.meta_path.insert(0, B())\n")
-    r = subprocess.run([sys.executable, "-c", pre + FIRST_CALL], capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run([sys.executable, "-c", (NO_DSL if no_dsl else "") + FIRST_CALL], capture_output=True, text=True, env=env, timeout=600)
     if r.returncode:
         raise SystemExit(f"first-call probe failed:\n{r.stderr}")
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("IMPORT_FIRST"))

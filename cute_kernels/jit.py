@@ -462,21 +462,23 @@ except Exception:  # pragma: no cover - torch without CUDA bindings
     _raw_current_stream = None
 
 
+def stream_handle(stream=None) -> int:
+    """The CUDA handle of a torch stream, of a raw handle, or (None) of torch's current stream."""
+    if stream is None:
+        import torch
+
+        # the raw-stream query skips torch.cuda.current_stream()'s Stream object (~3 us)
+        return _raw_current_stream(torch) if _raw_current_stream else torch.cuda.current_stream().cuda_stream
+    return stream if isinstance(stream, int) else stream.cuda_stream
+
+
 def cu_stream(stream=None):
     """``cuda.CUstream`` for a torch stream (default: the current stream), cached by handle.
 
     Kernels must be launched on an explicit stream: a launch on the legacy default
     stream is silently left out of a CUDA graph being captured on another stream.
     """
-    import torch
-
-    if stream is None:
-        # the raw-stream query skips torch.cuda.current_stream()'s Stream object (~3 us)
-        handle = _raw_current_stream(torch) if _raw_current_stream else torch.cuda.current_stream().cuda_stream
-    elif isinstance(stream, int):
-        handle = stream
-    else:
-        handle = stream.cuda_stream
+    handle = stream_handle(stream)
     s = _stream_cache.get(handle)
     if s is None:
         import cuda.bindings.driver as cuda
@@ -534,16 +536,8 @@ def _raw_scalar(v):
     return v
 
 
-def _raw_stream(stream=None) -> int:
-    import torch
-
-    if stream is None:
-        return _raw_current_stream(torch) if _raw_current_stream else torch.cuda.current_stream().cuda_stream
-    return stream if isinstance(stream, int) else stream.cuda_stream
-
-
 if runtime_only.active():
-    gmem_ptr, i32, f32, cu_stream = _raw_gmem_ptr, _raw_scalar, _raw_scalar, _raw_stream  # noqa: F811
+    gmem_ptr, i32, f32, cu_stream = _raw_gmem_ptr, _raw_scalar, _raw_scalar, stream_handle  # noqa: F811
 
 
 def iter_aot(reg: dict[str, KernelDef], names: Iterable[str] | None = None, arch: str = "sm_100a"):

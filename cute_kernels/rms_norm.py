@@ -23,8 +23,8 @@ how the compilers contract the two products into a fused multiply-add (at most o
 
 Constraints: ``x`` ``[..., C]`` bf16 / fp16, contiguous; ``weight`` None or ``[C]`` of x's
 dtype; ``rotate`` None or FP32 ``[tokens, r / 2, 2]`` with ``r % 8 == 0``, ``r <= C``, the rows a
-whole number of groups per token; ``C % 8 == 0`` and ``8 <= C <= 65536`` (static: one compile per size and weighting);
-``T`` (rows) a runtime value, ``T * C < 2**31``. sm_90a and sm_100a (no tensor cores).
+whole number of groups per token; ``C % 8 == 0`` and ``8 <= C <= 65536`` (static: one compile
+per size, weighting and ``r``); ``T`` (rows) a runtime value, ``T * C < 2**31``. sm_90a and sm_100a (no tensor cores).
 
     pytest tests/test_row_rms.py -k rms_norm
 """
@@ -42,12 +42,8 @@ from cutlass import Float32, Int32, const_expr
 
 from . import jit
 from .arch import current_arch, dispatch
-from .row_rms import MAX_HIDDEN, RowRms
+from .row_rms import MAX_HIDDEN, NAME2CUTE, TORCH2CUTE, RowRms
 from .validate import check_cuda, check_int32_indexable, check_tensor
-
-
-_TORCH2CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
-_NAME2CUTE = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
 class RmsNorm(RowRms):
@@ -115,7 +111,7 @@ class RmsNorm(RowRms):
 def _build(arch: str, *, hidden: int, dtype: str = "bfloat16", weighted: bool = True, rope_dim: int = 0):
     if not RowRms.can_implement(hidden, dtype):
         raise ValueError(f"rms_norm: unsupported hidden={hidden}, dtype={dtype}")
-    cdt = _NAME2CUTE[dtype]
+    cdt = NAME2CUTE[dtype]
     P = jit.fake_gmem_ptr
     return RmsNorm(cdt, hidden, weighted, rope_dim), (P(cdt, 16), P(cdt, 16), P(Float32, 16), P(cdt, 16), Int32(1),
                                                       Int32(1), Float32(1e-6), jit.fake_stream())
@@ -168,7 +164,7 @@ def rms_norm(x: torch.Tensor, eps: float = 1e-6, weight: torch.Tensor | None = N
     to torch's current stream. Capturable in a CUDA graph.
     """
     op = "rms_norm"
-    check_tensor(op, "x", x, dtype=tuple(_TORCH2CUTE), contiguous=True, align_bytes=0)
+    check_tensor(op, "x", x, dtype=tuple(TORCH2CUTE), contiguous=True, align_bytes=0)
     if x.dim() < 1:
         raise ValueError(f"{op}: x must have a last dim to normalise, got shape {tuple(x.shape)}")
     C = x.shape[-1]
@@ -205,7 +201,7 @@ def rms_norm(x: torch.Tensor, eps: float = 1e-6, weight: torch.Tensor | None = N
         return out
     if rows == 0:
         return out
-    cdt = _TORCH2CUTE[x.dtype]
+    cdt = TORCH2CUTE[x.dtype]
     fn = jit.get_kernel(op, a, hidden=C, dtype=str(x.dtype).replace("torch.", ""), weighted=weight is not None,
                         rope_dim=rope_dim)
     P = jit.gmem_ptr

@@ -40,8 +40,9 @@ from . import jit
 from .arch import dispatch, current_arch
 from .validate import check_cuda, check_int32_indexable, check_tensor
 
-_TORCH2CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
-_NAME2CUTE = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+#: the element types the row kernels take (torch dtype / config name -> DSL type)
+TORCH2CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
+NAME2CUTE = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 MAX_HIDDEN = 65536
 
 
@@ -123,13 +124,13 @@ class RowRms:
 
     @staticmethod
     def can_implement(hidden: int, dtype: str = "bfloat16") -> bool:
-        return dtype in _NAME2CUTE and hidden % 8 == 0 and 8 <= hidden <= MAX_HIDDEN
+        return dtype in NAME2CUTE and hidden % 8 == 0 and 8 <= hidden <= MAX_HIDDEN
 
 
 def _build(arch: str, *, hidden: int, dtype: str = "bfloat16"):
     if not RowRms.can_implement(hidden, dtype):
         raise ValueError(f"row_rms: unsupported hidden={hidden}, dtype={dtype}")
-    cdt = _NAME2CUTE[dtype]
+    cdt = NAME2CUTE[dtype]
     args = (jit.fake_gmem_ptr(cdt, 16), jit.fake_gmem_ptr(Float32, 4), Int32(1), Float32(1e-6), jit.fake_stream())
     return RowRms(cdt, hidden), args
 
@@ -162,7 +163,7 @@ def row_rms(x: torch.Tensor, eps: float = 1e-6, *, out: torch.Tensor | None = No
     current stream. Capturable in a CUDA graph.
     """
     op = "row_rms"
-    check_tensor(op, "x", x, dtype=tuple(_TORCH2CUTE), ndim=2, contiguous=True, align_bytes=0)
+    check_tensor(op, "x", x, dtype=tuple(TORCH2CUTE), ndim=2, contiguous=True, align_bytes=0)
     T, C = x.shape
     if C % 8 or not 8 <= C <= MAX_HIDDEN:
         raise ValueError(f"{op}: x.shape[1]={C} must be a multiple of 8 in [8, {MAX_HIDDEN}]")
@@ -182,6 +183,6 @@ def row_rms(x: torch.Tensor, eps: float = 1e-6, *, out: torch.Tensor | None = No
     if T == 0:
         return out
     fn = RowRms.compile(a, C, str(x.dtype).replace("torch.", ""))
-    cdt = _TORCH2CUTE[x.dtype]
+    cdt = TORCH2CUTE[x.dtype]
     fn(jit.gmem_ptr(cdt, x, 16), jit.gmem_ptr(Float32, out, 4), jit.i32(T), jit.f32(eps), jit.cu_stream(stream))
     return out

@@ -114,18 +114,23 @@ class FusedOps(Ops):
                   sinkhorn_iters=cfg.mhc_sinkhorn_iters, workspace=self.mhc_ws, out=H)
         return H
 
+    @staticmethod
+    def _norm_kernel_takes(x, weight) -> bool:
+        """Whether :func:`rms_norm` serves this norm (bf16 rows, a weight of their dtype)."""
+        return x.dtype == torch.bfloat16 and x.numel() > 0 and (weight is None or weight.dtype == x.dtype)
+
     def rmsnorm(self, x, eps, weight=None):
         """:meth:`Ops.rmsnorm` in one launch (:func:`rms_norm`: the statistic, its rounding and
         both bf16 multiplies, in place of eight): equal to the composite up to the order of the
         statistic's FP32 sum."""
-        if x.dtype != torch.bfloat16 or x.numel() == 0 or (weight is not None and weight.dtype != x.dtype):
+        if not self._norm_kernel_takes(x, weight):
             return Ops.rmsnorm(self, x, eps, weight)
         return rms_norm(x.contiguous(), eps, weight)
 
     def rmsnorm_rope(self, x, eps, weight, pos, inv_freq):
         """:meth:`Ops.rmsnorm_rope` in one launch (:func:`rms_norm` with ``rotate``: the
         forward's (cos, sin) table of ``pos``)."""
-        if x.dtype != torch.bfloat16 or x.numel() == 0 or (weight is not None and weight.dtype != x.dtype):
+        if not self._norm_kernel_takes(x, weight):
             return Ops.rmsnorm_rope(self, x, eps, weight, pos, inv_freq)
         table = torch.view_as_real(rope_table(pos, inv_freq)).reshape(-1, inv_freq.shape[0], 2)
         return rms_norm(x.contiguous(), eps, weight, rotate=table)
