@@ -34,6 +34,7 @@ MODULES = (
     "cute_kernels.indexer_scores_token_group_sm90",
     "cute_kernels.indexer_scores_sm100",
     "cute_kernels.indexer_topk",
+    "cute_kernels.sink_attention",
     "moe.quant",
     "moe.router",
     "moe.finalize",

@@ -363,3 +363,35 @@ def mxfp4_dequant_ref(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     f = torch.exp2(scale.double() - 127)
     f = torch.where(scale == 255, torch.full_like(f, float("nan")), f)
     return (vals.view(p.shape[0], -1, 32) * f[..., None]).view(p.shape[0], -1)
+
+
+def sink_attention_ref(q, kv, rows, sink, scale, rotate=None):
+    """Decode attention with a sink from its definition, FP64 on the CPU: ``q [T, H, D]``,
+    ``kv [R, D]``, ``rows [T, K]`` (key k valid iff ``0 <= rows[t, k] < R``), ``sink [H]``,
+    ``rotate`` None or ``[T, r/2, 2]`` (cos, sin) per pair of the last r features. -> ``(out,
+    mag)``: the rotated output ``[T, H, D]`` and, per element, ``sum_k p_k |v_k|`` (for a rotated
+    pair, of both features weighted by |cos|, |sin| as they enter it) -- the magnitude the
+    probabilities' roundings scale -- and the scores' magnitudes ``scale sum_d |q_d k_d|``
+    ``[T, H, K]`` (what their FP32 rounding scales)."""
+    q, kv, sink = q.cpu().double(), kv.cpu().double(), sink.cpu().double()
+    rows = rows.cpu().long()
+    R = kv.shape[0]
+    valid = (rows >= 0) & (rows < R)
+    keys = kv[rows.clamp(0, R - 1)]  # [T, K, D]
+    s = torch.einsum("thd,tkd->thk", q, keys) * scale
+    smag = torch.einsum("thd,tkd->thk", q.abs(), keys.abs()) * abs(scale)
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    full = torch.cat([s, sink[None, :, None].expand(s.shape[0], -1, 1)], -1)
+    p = full.softmax(-1)[..., :-1]
+    o = torch.einsum("thk,tkd->thd", p, keys)
+    mag = torch.einsum("thk,tkd->thd", p, keys.abs())
+    if rotate is not None:
+        r = 2 * rotate.shape[1]
+        cs = rotate.cpu().double()
+        c, sn = cs[:, None, :, 0], cs[:, None, :, 1]
+        a, b = o[..., -r::2], o[..., -r + 1::2]
+        ma, mb = mag[..., -r::2], mag[..., -r + 1::2]
+        o = torch.cat([o[..., :-r], torch.stack([a * c - b * sn, a * sn + b * c], -1).flatten(-2)], -1)
+        mag = torch.cat([mag[..., :-r], torch.stack([ma * c.abs() + mb * sn.abs(), ma * sn.abs() + mb * c.abs()],
+                                                    -1).flatten(-2)], -1)
+    return o, mag, smag.masked_fill(~valid[:, None, :], 0.0)
