@@ -33,6 +33,7 @@
 #                                            import / first-call times with and without the DSL
 #   bash tools/device.sh norms-runtime-only  the GPU tests of rms_norm, the runtime-only mode and the
 #                                            ctypes launcher, then the row_rms / rms_norm bench
+#   bash tools/device.sh attention           sink_attention's GPU tests, then its bench
 set -u
 source tools/device-env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -110,6 +111,10 @@ host-cost)
 norms-runtime-only)
   $PYT -m gpu tests/test_row_rms.py tests/test_caches.py 2>&1 | tee "$OUT/norms-runtime-only.log" | tail -20
   timeout 240 python bench/bench_row_rms.py --out "$OUT/bench_row_rms.md" 2>&1 | tail -25
+  ;;
+attention)
+  $PYT -m gpu tests/test_sink_attention.py 2>&1 | tee "$OUT/attention-tests.log" | tail -20
+  timeout 240 python bench/bench_sink_attention.py --out "$OUT/bench_sink_attention.md" 2>&1 | tail -15
   ;;
 peers)
   for w in .devcache/peers/*.whl .devcache/peers-flashinfer/*.whl; do
