@@ -10,14 +10,17 @@ and the draft's stages):
 * indexer: :func:`indexer_topk` over the layer's compressed indexer entries
   (``compress_ratio = m``: scores + the visible-entry mask + radix top-k, ties to the lower
   entry -- the reference's rule);
+* attention (decode / verify / draft steps): :func:`sink_attention` -- the window's rows and the
+  compressed entries by row index into the layer's K = V buffer, the sink softmax and the
+  inverse RoPE in one launch;
 * WO-A: :func:`wo_a` writing token-major (V4's groups of 4096);
 * MoE: :class:`MoeRouter` (one launch: sqrt-softplus top-k + bias, or hash-routed from the
   layer's ``tid2eid``), :func:`mxfp8_quantize_routed`, the expert GEMMs (gate/up with the
   SwiGLU clamp, SiLU * up and MXFP8 requantisation fused) and :func:`moe_finalize` fused with
   the shared-expert add (the shared expert on a side stream).
 
-The compressors, the window / compressed-key gathers and the sink softmax stay PyTorch ops
-(:class:`spec_decode.step_model.V4Layer`). In the target layers the mHC statistics run inline
+The compressors' pooling and the row-index arithmetic stay PyTorch ops
+(:class:`spec_decode.step_model.V4Layer`); prefill chunks gather their keys (any width). In the target layers the mHC statistics run inline
 (nothing independent of their input is in flight there); in the draft each stage's context
 write runs beside them (:meth:`spec_decode.engine.Engine._draft_step`).
 
@@ -38,6 +41,7 @@ from cute_kernels.mhc_post_mix import mhc_post_mix
 from cute_kernels.mhc_pre_mix import mhc_pre_mix
 from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_split_phi, mhc_stats
 from cute_kernels.rms_norm import rms_norm
+from cute_kernels.sink_attention import SinkAttentionWorkspace, sink_attention
 from cute_kernels.wo_a import wo_a
 from cute_kernels.wo_a_decode import WoADecodeWorkspace
 from moe.experts import (expert_kernel_args, interleave_gate_up, moe_expert_gate_up, moe_expert_gemm,
@@ -83,6 +87,12 @@ class FusedOps(Ops):
         self.side = torch.cuda.Stream(device=dev) if on_cuda else None
         self._layer = {}  # id(layer dict) -> its prepared kernel weights
         self._wo_ws = {}  # WO-A groups -> this object's split-K workspace
+        self._attn_ws = {}  # (heads, head dim) -> this object's sink-attention workspace
+        heads = target.layers[0]["attn.attn_sink"].numel()  # a rank's heads
+        # the attention kernel's shapes (V4: 64 / 128 heads, 16 or 32 per TP4 rank, head dim 512);
+        # the CPU glue tests run the row path with a stand-in at any shape
+        self.row_attention = _cpu_for_tests or (heads % 16 == 0 and cfg.head_dim % 64 == 0
+                                                and 64 <= cfg.head_dim <= 512)
         layers = list(target.layers) + (list(draft.stages) if draft is not None else [])
         for L in layers:
             P = {}
@@ -98,6 +108,7 @@ class FusedOps(Ops):
             P["gu_q"], P["gu_s"] = quantize_expert_weights(
                 interleave_gate_up(L["ffn.experts.w1"], L["ffn.experts.w3"]).contiguous())
             P["d_q"], P["d_s"] = quantize_expert_weights(L["ffn.experts.w2"].contiguous())
+            P["sink"] = L["attn.attn_sink"].float().contiguous()
             if release_bf16_experts:  # per layer: the peak holds one layer's two copies, not all
                 for name in ("w1", "w3", "w2"):
                     del L[f"ffn.experts.{name}"]
@@ -163,6 +174,18 @@ class FusedOps(Ops):
                            **group)
         idx = idx.view(B, S, k).long()
         return idx.clamp_min(0), idx >= 0
+
+    # ------------------------------------------------------------ attention --------------
+    def sink_attention(self, q, kv, rows, L, scale, rotate):
+        """:meth:`Ops.sink_attention` in one launch (:func:`sink_attention`: the window and the
+        compressed entries, the sink softmax and the inverse RoPE; its split workspace is this
+        object's own, created on the first, eager call)."""
+        T, H, hd = q.shape
+        ws = self._attn_ws.get((H, hd))
+        if ws is None:
+            ws = self._attn_ws[(H, hd)] = SinkAttentionWorkspace(self.max_tokens, H, hd, device=q.device)
+        return sink_attention(q.contiguous(), kv, rows.contiguous(), self._layer[id(L)]["sink"], scale,
+                              rotate=rotate.contiguous(), workspace=ws)
 
     # ------------------------------------------------------------------ WO-A -------------
     def wo_a(self, o, w, cfg):

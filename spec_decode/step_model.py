@@ -34,10 +34,12 @@ import math
 
 import torch
 
+from cute_kernels.sink_attention import sink_attention_torch
+
 from .config import ModelConfig
 from .model import (TargetModel, compress_entries, hc_head, mhc_mappings, moe_gathered, post_mix, pre_mix, rmsnorm,
-                    forward_memo, forward_tables, rope, route, shared_expert, sink_attention, swiglu, visible_entries,
-                    wo_a_ref)
+                    forward_memo, forward_tables, rope, rope_table, route, shared_expert, sink_attention, swiglu,
+                    visible_entries, wo_a_ref)
 
 
 def family(name: str):
@@ -58,29 +60,38 @@ class DecodeState:
         z = lambda *s: torch.zeros(slots, *s, dtype=dtype, device=device)  # noqa: E731
         hd, D = cfg.head_dim, cfg.indexer_dim
         self.win_rows = cfg.window + lookahead
-        self.win = [z(self.win_rows, hd) for _ in range(cfg.layers)]
+        #: per layer, one buffer of K = V rows: every slot's raw-KV ring (``win_rows`` rows each),
+        #: then every slot's pool of compressed entries (``pool_rows[l]`` each); ``win[l]`` and
+        #: ``pool[l]`` are views of it, so one row index addresses both (the row attention's ``kv``)
+        self.kv, self.pool_rows = [], {}
+        self.win = []
         self.crows, self.pool, self.irows, self.ipool = {}, {}, {}, {}
         for li in range(cfg.layers):
             m = cfg.ratio(li)
+            ne = max_len // m if m else 0
+            buf = torch.zeros(slots * self.win_rows + (slots * (ne + 1) if m else 0), hd, dtype=dtype, device=device)
+            self.kv.append(buf)
+            self.win.append(buf[:slots * self.win_rows].view(slots, self.win_rows, hd))
             if not m:
                 continue
             csa = m == cfg.csa_ratio
             span, coff = (2 * m, 2) if csa else (m, 1)
             rows = span + lookahead
-            ne = max_len // m
             # kv and gate rows side by side: one gather serves both
             self.crows[li] = z(rows, 2 * coff * hd)
-            self.pool[li] = z(ne + 1, hd)  # + 1: the row non-closing tokens write (never read)
+            self.pool_rows[li] = ne + 1
+            self.pool[li] = buf[slots * self.win_rows:].view(slots, ne + 1, hd)  # + 1: the row non-closing tokens write (never read)
             if csa:
                 self.irows[li] = z(rows, 4 * D)
                 self.ipool[li] = z(ne + 1, D)
         # the draft's context rows (target features' K = V per stage): + 1 row that
-        # uncommitted positions write (never read)
-        self.draft_win = [z(self.win_rows + 1, hd) for _ in range(draft_stages)]
+        # uncommitted positions write (never read), then ``lookahead`` rows for a draft block's
+        # own rows (the row attention reads them there)
+        self.draft_win = [z(self.win_rows + 1 + lookahead, hd) for _ in range(draft_stages)]
 
     def nbytes(self) -> int:
-        ts = self.win + list(self.crows.values()) + list(self.pool.values()) + list(self.irows.values()) + \
-            list(self.ipool.values()) + self.draft_win
+        ts = self.kv + list(self.crows.values()) + list(self.irows.values()) + list(self.ipool.values()) + \
+            self.draft_win
         return sum(t.numel() * t.element_size() for t in ts)
 
 
@@ -144,6 +155,36 @@ def visible_mask(pos: torch.Tensor, m: int, n: int) -> torch.Tensor:
                         lambda: torch.arange(n, device=pos.device) < visible_entries(pos, m)[..., None])
 
 
+def window_rows(pos: torch.Tensor, slots: torch.Tensor, span: int, ring_rows: int, slot_rows: int,
+                block_row: int | None = None) -> torch.Tensor:
+    """Row indices ``[B, S, span]`` (int32, -1 before position 0) of the window positions ``p -
+    span + 1 .. p`` of each query at ``pos [B, S]`` in a buffer of ``slot_rows`` rows per slot:
+    ring row ``q % ring_rows`` of the slot -- or, with ``block_row``, positions ``q >= pos[b,
+    0]`` at the slot's rows ``block_row + q - pos[b, 0]`` (a draft block's own rows, kept apart
+    from the committed context). Built once per forward."""
+    def build():
+        q = pos[..., None] + torch.arange(1 - span, 1, device=pos.device)
+        r = q.remainder(ring_rows)
+        if block_row is not None:
+            rel = q - pos[:, :1, None]
+            r = torch.where(rel >= 0, block_row + rel, r)
+        return torch.where(q >= 0, slots[:, None, None] * slot_rows + r, -1).int()
+
+    return forward_memo(("window_rows", span, ring_rows, slot_rows, block_row), (pos, slots), build)
+
+
+def entry_rows(pos: torch.Tensor, slots: torch.Tensor, m: int, first_row: int, pool_rows: int) -> torch.Tensor:
+    """Row indices ``[B, S, pool_rows - 1]`` (int32) of every entry of each query's pool (slot
+    ``b``'s entry ``i`` at ``first_row + b * pool_rows + i``), -1 where not yet visible: an HCA
+    layer's compressed keys. Built once per forward."""
+    def build():
+        n = pool_rows - 1
+        rows = first_row + slots[:, None, None] * pool_rows + torch.arange(n, device=pos.device)
+        return torch.where(visible_mask(pos, m, n), rows, -1).int()
+
+    return forward_memo(("entry_rows", m, first_row, pool_rows), (pos, slots), build)
+
+
 # --------------------------------------------------------------------------------- ops ----
 class Ops:
     """PyTorch composites of every op family (the ``torch-bf16`` path; runs on CPU and GPU)."""
@@ -185,6 +226,16 @@ class Ops:
 
     def wo_a(self, o, wo_a, cfg):
         return wo_a_ref(o, wo_a, cfg)
+
+    #: whether decode / verify / draft steps take :meth:`V4Layer.row_attention` (row indices
+    #: into the layer's K = V buffer, :meth:`sink_attention`) instead of gathering the keys
+    row_attention = False
+
+    def sink_attention(self, q, kv, rows, L, scale, rotate):
+        """``q [T, H, hd]``, the K = V rows ``kv[rows[t]]`` (``rows [T, K]`` int32, -1: masked),
+        the layer's sink logits, ``rotate [T, r/2, 2]`` the output's (cos, sin) -> ``[T, H, hd]``
+        (the contract of :func:`cute_kernels.sink_attention.sink_attention`), in PyTorch."""
+        return sink_attention_torch(q, kv, rows, L["attn.attn_sink"].float(), scale, rotate)
 
     #: tensor parallelism: the group whose partial sums :meth:`all_reduce` adds (None: one
     #: rank) -- a torch.distributed group, or a :class:`ThreadAllReduce` (simulated ranks);
@@ -306,10 +357,22 @@ class V4Layer:
     def attention(self, h, pos, slots, st: DecodeState, li, win, write_window, before_ring=None):
         cfg, ops, L = self.cfg, self.ops, self.L
         B, S, _ = h.shape
-        H, hd, m = self.heads, cfg.head_dim, self.ratio
+        H, hd = self.heads, cfg.head_dim
         qr = ops.rmsnorm(h @ L["attn.wq_a.weight"].T, cfg.eps, L["attn.q_norm.weight"])
         q = ops.rmsnorm_rope((qr @ L["attn.wq_b.weight"].T).view(B, S, H, hd), cfg.eps, None, pos, self.inv)
         kv = self.kv(h, pos)
+        if ops.row_attention and S <= st.lookahead + 1 and (win is not None or write_window):
+            o = self.row_attention(q, kv, h, qr, pos, slots, st, li, win, before_ring)
+        else:
+            o = self.gathered_attention(q, kv, h, qr, pos, slots, st, li, win, write_window, before_ring)
+        out = ops.wo_a(o, L["attn.wo_a.weight"], cfg) @ L["attn.wo_b.weight"].T
+        return ops.all_reduce(out) if self.shard is not None else out  # the ranks' head groups
+
+    def gathered_attention(self, q, kv, h, qr, pos, slots, st: DecodeState, li, win, write_window, before_ring):
+        """The keys gathered into ``[B, S, K, hd]`` (the ring's rows, this step's fresh ones, the
+        compressed entries), the sink softmax, then the ring written and the inverse RoPE: any
+        step width (a prefill chunk), the ``torch-bf16`` ops' path."""
+        cfg, L = self.cfg, self.L
         ring = st.win[li] if win is None else win
         # window: positions p - W + 1 .. p
         index = ring_index(pos, cfg.window, st.win_rows)
@@ -317,16 +380,54 @@ class V4Layer:
             before_ring()
         keys = rows_at(kv, ring, st.win_rows, slots, index)  # [B, S, W, hd]
         valid = index[2]
-        if m:
-            ent, ent_valid = self.compressed_keys(h, qr, pos, slots, st, li)
+        if self.ratio:
+            idx, ent_valid = self.compressed_entries(h, qr, pos, slots, st, li)
+            pool = st.pool[li]
+            if idx is None:  # HCA: every visible entry
+                ent = pool[slots, :-1][:, None].expand(-1, pos.shape[1], -1, -1)
+            else:
+                ent = pool[slots[:, None, None], idx]
             keys = torch.cat([keys, ent], 2)
             valid = torch.cat([valid, ent_valid], 2)
-        o = sink_attention(q, keys, valid, L["attn.attn_sink"], 1 / math.sqrt(hd))
+        o = sink_attention(q, keys, valid, L["attn.attn_sink"], 1 / math.sqrt(cfg.head_dim))
         if write_window:
             write_ring(ring, st.win_rows, slots, pos, kv)
-        o = rope(o, pos, self.inv, inverse=True)
-        out = ops.wo_a(o, L["attn.wo_a.weight"], cfg) @ L["attn.wo_b.weight"].T
-        return ops.all_reduce(out) if self.shard is not None else out  # the ranks' head groups
+        return rope(o, pos, self.inv, inverse=True)
+
+    def row_attention(self, q, kv, h, qr, pos, slots, st: DecodeState, li, win, before_ring):
+        """A decode / verify / draft step (``S <= lookahead + 1``) in one launch of
+        :meth:`Ops.sink_attention` over row indices into the layer's K = V buffer: the target
+        writes the step's rows into its ring first (the ring holds them beside the window of
+        the step's first query: ``win_rows = window + lookahead``), a draft block into its
+        slot's rows after the context ring; then the window's rows and the compressed entries'
+        (HCA: every visible one; CSA: the indexer's top-k), with the inverse RoPE fused."""
+        cfg, L = self.cfg, self.L
+        B, S = pos.shape
+        W = cfg.window
+        if win is None:  # the target layer's ring, in its buffer
+            write_ring(st.win[li], st.win_rows, slots, pos, kv)
+            buf, slot_rows, block_row = st.kv[li], st.win_rows, None
+        else:  # a draft stage: the block's own rows after the context ring (+ its discarded row)
+            block_row = st.win_rows + 1
+            at = forward_memo(("block_rows", block_row), (slots, pos), lambda: (
+                slots[:, None].expand(B, S), block_row + torch.arange(S, device=pos.device).expand(B, S)))
+            win[at] = kv.to(win.dtype)
+            buf, slot_rows = win.view(-1, win.shape[-1]), win.shape[1]
+        rows = window_rows(pos, slots, W, st.win_rows, slot_rows, block_row)
+        if self.ratio:
+            first, n = st.slots * st.win_rows, st.pool_rows[li]  # the pool's first row; rows per slot
+            idx, valid = self.compressed_entries(h, qr, pos, slots, st, li)
+            if idx is None:  # HCA: the window's rows then every entry's, once per forward
+                ent = entry_rows(pos, slots, self.ratio, first, n)
+                rows = forward_memo(("hca_rows",), (rows, ent), lambda: torch.cat([rows, ent], -1))
+            else:  # CSA: the indexer's choices
+                rows = torch.cat([rows, torch.where(valid, first + slots[:, None, None] * n + idx, -1).int()], -1)
+        if before_ring is not None:
+            before_ring()
+        rot = torch.view_as_real(rope_table(pos, self.inv, inverse=True)).reshape(B * S, -1, 2)
+        o = self.ops.sink_attention(q.reshape(B * S, self.heads, -1), buf, rows.reshape(B * S, -1), L,
+                                    1 / math.sqrt(cfg.head_dim), rot)
+        return o.view(B, S, self.heads, -1)
 
     def _close_windows(self, h, pos, slots, prefix, rows, pool, inv_c):
         """Pool an entry for every token that closes a window; store this step's raw rows."""
@@ -347,14 +448,15 @@ class V4Layer:
         pool[dst] = ent.to(pool.dtype)
         write_ring(rows, ring_rows, slots, pos, fresh)
 
-    def compressed_keys(self, h, qr, pos, slots, st: DecodeState, li):
-        """This layer's compressed keys per query ``[B, S, K, hd]`` and their validity."""
+    def compressed_entries(self, h, qr, pos, slots, st: DecodeState, li):
+        """Close this step's compressor windows (their entries into the pool), and choose the
+        compressed keys: ``(None, visible [B, S, N])`` for HCA (every visible entry of the
+        pool), ``(idx [B, S, k], valid)`` for CSA (the indexer's top-k; ``idx`` -1 where not
+        ``valid``)."""
         cfg, L, m = self.cfg, self.L, self.ratio
         self._close_windows(h, pos, slots, "attn.compressor.", st.crows[li], st.pool[li], self.inv_c)
-        pool = st.pool[li]
         if m != cfg.csa_ratio:  # HCA: every visible entry
-            ent = pool[slots, :-1]  # [B, N, hd]
-            return ent[:, None].expand(-1, pos.shape[1], -1, -1), visible_mask(pos, m, ent.shape[1])
+            return None, visible_mask(pos, m, st.pool[li].shape[1] - 1)
         p = "attn.indexer."
         self._close_windows(h, pos, slots, p + "compressor.", st.irows[li], st.ipool[li], self.inv_c)
         B, S, _ = h.shape
@@ -362,8 +464,7 @@ class V4Layer:
         q_idx = rope((qr @ L[p + "wq_b.weight"].T).view(B, S, HI, D), pos, self.inv_c)
         # the score's scales D^-1/2 and H^-1/2 ride on the head weights
         w_idx = (h @ L[p + "weights_proj.weight"].T).float() / math.sqrt(HI * D)
-        idx, valid = self.ops.indexer_topk(q_idx, w_idx, st.ipool[li], slots, pos, cfg.index_topk, m)
-        return pool[slots[:, None, None], idx], valid
+        return self.ops.indexer_topk(q_idx, w_idx, st.ipool[li], slots, pos, cfg.index_topk, m)
 
 
 def rank_order_sum(parts: list, dtype: torch.dtype) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 import spec_decode.fused_ops as fo
 from moe.experts import mxfp8_quantize_torch, expert_gemm_torch, swizzle_scales, silu_mul_interleaved
 from moe.router import RouterOutput, capacity, topk_torch
+from cute_kernels.sink_attention import sink_attention_torch
 from references import (align_ref, finalize_shared_ref, mhc_post_mix_ref,
                         mhc_pre_mix_ref, mhc_stats_ref, row_rms_ref, v4_indexer_scores_ref)
 from spec_decode.config import ModelConfig
@@ -41,6 +42,20 @@ def fake_indexer_topk(q, w, rows, off, kv_len, pos, *, topk, max_keys, workspace
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int32)
     out[:, :idx.shape[1]] = idx
     return out
+
+
+ATTENTION_CALLS = []  # (tokens, keys) per sink_attention call
+
+
+def fake_sink_attention(q, kv, rows, sink, scale, *, rotate, workspace):
+    """The kernel's contract (cute_kernels.sink_attention, checked against FP64 in
+    tests/test_sink_attention.py) in PyTorch; FusedOps passes its own workspace, int32 rows
+    inside kv or -1, FP32 sinks and an FP32 rotation."""
+    assert workspace is not None and rows.dtype == torch.int32 and sink.dtype == torch.float32
+    assert int(rows.max()) < kv.shape[0] and int(rows.min()) >= -1
+    assert rotate.dtype == torch.float32 and rotate.shape[0] == q.shape[0]
+    ATTENTION_CALLS.append(tuple(rows.shape))
+    return sink_attention_torch(q, kv, rows, sink, scale, rotate)
 
 
 def fake_wo_a(o, w, workspace=None):
@@ -180,6 +195,7 @@ def fakes(monkeypatch):
     monkeypatch.setattr(fo, "moe_expert_gemm", fake_gemm)
     monkeypatch.setattr(fo, "moe_finalize", lambda y, w, pos, shared=None: finalize_shared_ref(y, w, pos, shared))
     monkeypatch.setattr(fo, "quantize_expert_weights", fake_quantize_expert_weights)
+    monkeypatch.setattr(fo, "sink_attention", fake_sink_attention)
 
 
 #: every layer kind (window-only hash-routed, CSA hash-routed, HCA) at glue-test sizes (64
@@ -388,3 +404,89 @@ def test_numerics_probe_records_every_family(fakes):
     for name in ("rmsnorm", "rmsnorm_rope"):
         for f32, b32, fb in probe.errors[name]:
             assert fb == 0 and f32 < 2 ** -7 and b32 < 2 ** -7, (name, f32, b32, fb)
+
+
+def test_row_attention_matches_gathered_keys(fakes):
+    """Layer by layer on the same state: the row path (the step's rows written into the ring
+    first, window / HCA / CSA row indices into the layer buffer, a draft block's rows after its
+    context ring, one attention call) and the gathered-keys path give the same output up to
+    their rounding difference (the row path rounds once, after the inverse RoPE; the gathered
+    one before and after it) and leave the same rings, compressor rows and pools behind, for
+    verify steps at every phase of the compressors' windows and for the draft's stages."""
+    import copy
+
+    from spec_decode.model import forward_tables
+
+    m, _ = _models()
+    d = DraftModel(CFG, m, seed=3, dtype=torch.bfloat16)
+    ops = fo.FusedOps(m, max_tokens=26, max_len=64, draft=d, _cpu_for_tests=True)
+    d.bind(ops)
+    sm = StepModel(m, ops)
+    st = DecodeState(CFG, 3, 64, 6, m.dtype, "cpu", draft_stages=CFG.draft_stages)
+    g = torch.Generator().manual_seed(4)
+    slots, start = torch.tensor([1, 0]), torch.tensor([0, 5])
+    ops.row_attention = False
+    toks = torch.randint(0, CFG.vocab, (2, 13), generator=g)
+    pos = torch.arange(13)[None] + start[:, None]
+    feats = sm.forward(toks, pos, slots, st)[1]
+    d.write_context(feats, pos, slots, torch.ones_like(pos, dtype=torch.bool), st)
+    start = start + 13
+    checked = set()
+    for step in range(8):  # positions 13 .. 60: every phase of m = 4 and 16
+        pos = torch.arange(6)[None] + start[:, None]
+        layers = [(L, li, None) for li, L in enumerate(sm.layers)] + [(L, s, st.draft_win[s])
+                                                                       for s, L in enumerate(d.layers)]
+        for layer, li, win in layers:
+            h = (torch.randn(2, 6, CFG.hidden, generator=g) * 0.5).bfloat16()
+            B, S, _ = h.shape
+            L = layer.L
+            qr = ops.rmsnorm(h @ L["attn.wq_a.weight"].T, CFG.eps, L["attn.q_norm.weight"])
+            q = ops.rmsnorm_rope((qr @ L["attn.wq_b.weight"].T).view(B, S, layer.heads, CFG.head_dim), CFG.eps,
+                                 None, pos, layer.inv)
+            kv = layer.kv(h, pos)
+            states, out = [copy.deepcopy(st), copy.deepcopy(st)], []
+            for row, sx in zip((True, False), states):
+                w = None if win is None else sx.draft_win[li]
+                with forward_tables():
+                    if row:
+                        out.append(layer.row_attention(q, kv, h, qr, pos, slots, sx, li, w, None).float())
+                    else:
+                        out.append(layer.gathered_attention(q, kv, h, qr, pos, slots, sx, li, w, win is None,
+                                                            None).float())
+            a, b = out
+            assert float((a - b).abs().max()) <= 2 ** -7 * float(b.abs().max()), (step, li, win is None)
+            for x, y in zip(states[0].kv + states[0].draft_win, states[1].kv + states[1].draft_win):
+                assert torch.equal(x[:, :st.win_rows + 1] if x.dim() == 3 else x,
+                                   y[:, :st.win_rows + 1] if y.dim() == 3 else y)
+            for name in ("crows", "irows", "ipool"):
+                for k in getattr(states[0], name):
+                    assert torch.equal(getattr(states[0], name)[k], getattr(states[1], name)[k]), name
+            checked.add((layer.ratio, win is None))
+        st = states[1]
+        start = start + 6
+    assert checked == {(0, True), (CFG.csa_ratio, True), (CFG.hca_ratio, True), (0, False)}
+
+
+def test_row_attention_in_the_step_and_draft_forwards(fakes):
+    """Every decode / verify layer and every draft stage takes the row path (one attention call
+    each, with the window / HCA / CSA key counts); prefill chunks wider than the lookahead
+    gather their keys."""
+    m, _ = _models()
+    d = DraftModel(CFG, m, seed=3, dtype=torch.bfloat16)
+    ops = fo.FusedOps(m, max_tokens=26, max_len=64, draft=d, _cpu_for_tests=True)
+    d.bind(ops)
+    st = DecodeState(CFG, 3, 64, 6, m.dtype, "cpu", draft_stages=CFG.draft_stages)
+    sm = StepModel(m, ops)
+    g = torch.Generator().manual_seed(4)
+    slots, start = torch.tensor([1, 0]), torch.tensor([0, 5])
+    ATTENTION_CALLS.clear()
+    for S in (13, 6, 1):
+        toks = torch.randint(0, CFG.vocab, (2, S), generator=g)
+        pos = torch.arange(S)[None] + start[:, None]
+        feats = sm.forward(toks, pos, slots, st)[1]
+        d.write_context(feats, pos, slots, torch.ones_like(pos, dtype=torch.bool), st)
+        start = start + S
+    d.forward_block(toks[:, -1], start - 1, slots, st)
+    assert len(ATTENTION_CALLS) == 2 * CFG.layers + CFG.draft_stages
+    assert {k for _, k in ATTENTION_CALLS} == {CFG.window, CFG.window + 64 // CFG.hca_ratio,
+                                               CFG.window + CFG.index_topk}
