@@ -19,7 +19,10 @@ and the draft's stages):
   SwiGLU clamp, SiLU * up and MXFP8 requantisation fused) and :func:`moe_finalize` fused with
   the shared-expert add (the shared expert on a side stream).
 
-The compressors' pooling and the row-index arithmetic stay PyTorch ops
+* compressors (decode / verify steps): the kv | gate product with the two weights side by side,
+  then :func:`compressor_pool` -- the windows' softmax pooling, norm, RoPE, pool and ring writes;
+
+The row-index arithmetic stays PyTorch ops
 (:class:`spec_decode.step_model.V4Layer`); prefill chunks gather their keys (any width). In the target layers the mHC statistics run inline
 (nothing independent of their input is in flight there); in the draft each stage's context
 write runs beside them (:meth:`spec_decode.engine.Engine._draft_step`).
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from cute_kernels.compressor_pool import compressor_pool
 from cute_kernels.draft_head_fp8 import draft_head_scores, quantize_head
 from cute_kernels.indexer_topk import IndexerWorkspace, indexer_topk
 from cute_kernels.mhc_post_mix import mhc_post_mix
@@ -51,7 +55,7 @@ from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size
 from moe.router import MoeRouter, RouterConfig, RouterOutput, align_torch, capacity, topk_torch
 
 from .model import forward_memo, rope_table, shared_expert
-from .step_model import Ops, family
+from .step_model import Ops, family, window_entries
 
 
 class FusedOps(Ops):
@@ -93,6 +97,10 @@ class FusedOps(Ops):
         # the CPU glue tests run the row path with a stand-in at any shape
         self.row_attention = _cpu_for_tests or (heads % 16 == 0 and cfg.head_dim % 64 == 0
                                                 and 64 <= cfg.head_dim <= 512)
+        # the compressor kernel's widths (V4: entries of 512, indexer entries of 128)
+        dims_ok = all(d % 64 == 0 and 64 <= d <= 1024 for d in (cfg.head_dim, cfg.indexer_dim))
+        if not (_cpu_for_tests or dims_ok):
+            self.compress_step = None
         layers = list(target.layers) + (list(draft.stages) if draft is not None else [])
         for L in layers:
             P = {}
@@ -109,6 +117,9 @@ class FusedOps(Ops):
                 interleave_gate_up(L["ffn.experts.w1"], L["ffn.experts.w3"]).contiguous())
             P["d_q"], P["d_s"] = quantize_expert_weights(L["ffn.experts.w2"].contiguous())
             P["sink"] = L["attn.attn_sink"].float().contiguous()
+            for c in ("attn.compressor.", "attn.indexer.compressor."):  # kv and gate rows in one product
+                if c + "wkv.weight" in L:
+                    P[c + "wkv_gate"] = torch.cat([L[c + "wkv.weight"], L[c + "wgate.weight"]]).contiguous()
             if release_bf16_experts:  # per layer: the peak holds one layer's two copies, not all
                 for name in ("w1", "w3", "w2"):
                     del L[f"ffn.experts.{name}"]
@@ -174,6 +185,20 @@ class FusedOps(Ops):
                            **group)
         idx = idx.view(B, S, k).long()
         return idx.clamp_min(0), idx >= 0
+
+    # ----------------------------------------------------------- compressor --------------
+    def compress_step(self, L, prefix, h, pos, slots, ring, pool, m, csa, inv_freq, eps):
+        """:meth:`spec_decode.step_model.V4Layer._close_windows` in two launches: the kv | gate
+        rows of the step in one product, then :func:`compressor_pool` (the windows' softmax
+        pooling, the norm and RoPE, the pool and ring writes)."""
+        B, S, C = h.shape
+        fresh = h.reshape(B * S, C) @ self._layer[id(L)][prefix + "wkv_gate"].T
+        start, _ = window_entries(pos, slots, m, pool.shape[1])  # each token's entry position
+        rot = torch.view_as_real(rope_table(start, inv_freq)).reshape(B * S, -1, 2)
+        pos_i, slot_i = forward_memo(("compressor_args",), (pos, slots), lambda: (
+            pos.reshape(-1).int().contiguous(), slots[:, None].expand(B, S).reshape(-1).int().contiguous()))
+        compressor_pool(fresh, ring, pool, L[prefix + "ape"], L[prefix + "norm.weight"], rot, pos_i, slot_i, ratio=m,
+                        overlap=csa, eps=eps, tokens_per_request=S)
 
     # ------------------------------------------------------------ attention --------------
     def sink_attention(self, q, kv, rows, L, scale, rotate):

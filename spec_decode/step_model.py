@@ -227,6 +227,12 @@ class Ops:
     def wo_a(self, o, wo_a, cfg):
         return wo_a_ref(o, wo_a, cfg)
 
+    #: a decode / verify step's compressor in one call (the fused ops' kernel), or None:
+    #: ``compress_step(L, prefix, h, pos, slots, ring, pool, m, csa, inv_freq, eps)`` pools an
+    #: entry for every token closing a window into ``pool`` and stores the step's raw rows in
+    #: ``ring`` -- what :meth:`V4Layer._close_windows` does in PyTorch
+    compress_step = None
+
     #: whether decode / verify / draft steps take :meth:`V4Layer.row_attention` (row indices
     #: into the layer's K = V buffer, :meth:`sink_attention`) instead of gathering the keys
     row_attention = False
@@ -435,6 +441,9 @@ class V4Layer:
         csa = m == cfg.csa_ratio
         span = 2 * m if csa else m
         ring_rows = rows.shape[1]
+        if self.ops.compress_step is not None and h.shape[1] <= ring_rows - span + 1:
+            self.ops.compress_step(L, prefix, h, pos, slots, rows, pool, m, csa, inv_c, cfg.eps)
+            return
         fresh = torch.cat([h @ L[prefix + "wkv.weight"].T, h @ L[prefix + "wgate.weight"].T], -1)
         index = ring_index(pos, span, ring_rows)
         r = rows_at(fresh, rows, ring_rows, slots, index)  # [B, S, span, 2 ch]

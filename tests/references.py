@@ -395,3 +395,43 @@ def sink_attention_ref(q, kv, rows, sink, scale, rotate=None):
         mag = torch.cat([mag[..., :-r], torch.stack([ma * c.abs() + mb * sn.abs(), ma * sn.abs() + mb * c.abs()],
                                                     -1).flatten(-2)], -1)
     return o, mag, smag.masked_fill(~valid[:, None, :], 0.0)
+
+
+def compressor_entry_ref(rows, ape, norm_weight, eps, overlap, cs=None):
+    """One compressed entry from its window's raw rows, the definition with DeepSeek-V4's bf16
+    rounding points (``spec_decode.model.compress_entries`` then the rms_norm rounding sequence),
+    evaluated in FP64 on the CPU: ``rows [W, 2 ch]`` (kv | gate; rows before position 0 left
+    out), ``ape [m, ch]`` -- the window's row i takes ``ape[i % m]`` (CSA: rows of the previous
+    window the first d channels, the window's own the second). Returns ``(y, scale)`` -- the
+    entry ``[d]`` (rotated by ``cs [r/2, 2]`` if given) and, per channel, the magnitude a 1-ulp
+    flip of an intermediate rounding moves it by: ``r |norm_w| sum_i w_i |kv_i|`` (pairs mixed
+    as they rotate)."""
+    def bf(x):
+        return x.to(torch.bfloat16).double()
+
+    rows, ape, nw = rows.cpu().double(), ape.cpu().double(), norm_weight.cpu().double()
+    d = nw.shape[0]
+    ch = rows.shape[1] // 2
+    m = ape.shape[0]
+    W = rows.shape[0]
+    first = (2 * m if overlap else m) - W  # window rows missing before position 0
+    kv, g = [], []
+    for j in range(W):
+        i = first + j
+        h = d if overlap and i >= m else 0
+        kv.append(rows[j, h:h + d])
+        g.append(bf(rows[j, ch + h:ch + h + d] + ape[i % m, h:h + d]))
+    kv, g = torch.stack(kv), torch.stack(g)
+    w = bf(g.softmax(0))
+    x = bf((bf(kv * w)).sum(0))
+    r = bf(torch.rsqrt(x.square().mean() + eps))
+    y = bf(bf(x * r) * nw)
+    mag = r * nw.abs() * (w * kv.abs()).sum(0)
+    if cs is not None:
+        rr = 2 * cs.shape[0]
+        c, s = cs.cpu().double()[:, 0], cs.cpu().double()[:, 1]
+        a, b = y[d - rr::2].clone(), y[d - rr + 1::2].clone()
+        ma, mb = mag[d - rr::2].clone(), mag[d - rr + 1::2].clone()
+        y[d - rr::2], y[d - rr + 1::2] = a * c - b * s, a * s + b * c
+        mag[d - rr::2], mag[d - rr + 1::2] = ma * c.abs() + mb * s.abs(), ma * s.abs() + mb * c.abs()
+    return y, mag

@@ -9,6 +9,7 @@ import torch
 import spec_decode.fused_ops as fo
 from moe.experts import mxfp8_quantize_torch, expert_gemm_torch, swizzle_scales, silu_mul_interleaved
 from moe.router import RouterOutput, capacity, topk_torch
+from cute_kernels.compressor_pool import compressor_pool_torch
 from cute_kernels.sink_attention import sink_attention_torch
 from references import (align_ref, finalize_shared_ref, mhc_post_mix_ref,
                         mhc_pre_mix_ref, mhc_stats_ref, row_rms_ref, v4_indexer_scores_ref)
@@ -56,6 +57,17 @@ def fake_sink_attention(q, kv, rows, sink, scale, *, rotate, workspace):
     assert rotate.dtype == torch.float32 and rotate.shape[0] == q.shape[0]
     ATTENTION_CALLS.append(tuple(rows.shape))
     return sink_attention_torch(q, kv, rows, sink, scale, rotate)
+
+
+COMPRESSOR_CALLS = []  # (tokens, ratio, overlap) per compressor_pool call
+
+
+def fake_compressor_pool(fresh, ring, pool, ape, norm_weight, rotate, pos, slot, **kw):
+    """The kernel's contract (cute_kernels.compressor_pool, checked against its definition in
+    tests/test_compressor_pool.py) in PyTorch."""
+    assert fresh.is_contiguous() and pos.dtype == slot.dtype == torch.int32 and rotate.dtype == torch.float32
+    COMPRESSOR_CALLS.append((fresh.shape[0], kw["ratio"], kw["overlap"]))
+    compressor_pool_torch(fresh, ring, pool, ape, norm_weight, rotate, pos, slot, **kw)
 
 
 def fake_wo_a(o, w, workspace=None):
@@ -196,6 +208,7 @@ def fakes(monkeypatch):
     monkeypatch.setattr(fo, "moe_finalize", lambda y, w, pos, shared=None: finalize_shared_ref(y, w, pos, shared))
     monkeypatch.setattr(fo, "quantize_expert_weights", fake_quantize_expert_weights)
     monkeypatch.setattr(fo, "sink_attention", fake_sink_attention)
+    monkeypatch.setattr(fo, "compressor_pool", fake_compressor_pool)
 
 
 #: every layer kind (window-only hash-routed, CSA hash-routed, HCA) at glue-test sizes (64
@@ -490,3 +503,49 @@ def test_row_attention_in_the_step_and_draft_forwards(fakes):
     assert len(ATTENTION_CALLS) == 2 * CFG.layers + CFG.draft_stages
     assert {k for _, k in ATTENTION_CALLS} == {CFG.window, CFG.window + 64 // CFG.hca_ratio,
                                                CFG.window + CFG.index_topk}
+
+
+def test_compress_step_matches_the_composite(fakes):
+    """FusedOps.compress_step (one product, compressor_pool) against the composite of
+    V4Layer._close_windows on the same state, for the main and indexer compressors of CSA and
+    HCA layers over verify steps at every phase of their windows: the same ring rows, and pool
+    entries equal up to one bf16 ulp (the norm's FP32 statistic order), nothing else written."""
+    import copy
+
+    m, _ = _models()
+    ops = fo.FusedOps(m, max_tokens=26, max_len=64, _cpu_for_tests=True)
+    sm = StepModel(m, ops)
+    st = DecodeState(CFG, 3, 64, 6, m.dtype, "cpu")
+    g = torch.Generator().manual_seed(5)
+    slots, start = torch.tensor([2, 0]), torch.tensor([0, 3])
+    COMPRESSOR_CALLS.clear()
+    seen = set()
+    for step in range(9):
+        pos = torch.arange(6)[None] + start[:, None]
+        for li, layer in enumerate(sm.layers):
+            if not layer.ratio:
+                continue
+            h = (torch.randn(2, 6, CFG.hidden, generator=g) * 0.5).bfloat16()
+            prefixes = [("attn.compressor.", st.crows, st.pool)]
+            if layer.ratio == CFG.csa_ratio:
+                prefixes.append(("attn.indexer.compressor.", st.irows, st.ipool))
+            for prefix, rings, pools in prefixes:
+                a, b = copy.deepcopy(st), copy.deepcopy(st)
+                ring_a = getattr(a, "crows" if rings is st.crows else "irows")[li]
+                pool_a = getattr(a, "pool" if pools is st.pool else "ipool")[li]
+                ring_b = getattr(b, "crows" if rings is st.crows else "irows")[li]
+                pool_b = getattr(b, "pool" if pools is st.pool else "ipool")[li]
+                layer._close_windows(h, pos, slots, prefix, ring_a, pool_a, layer.inv_c)
+                ops.compress_step, saved = None, ops.compress_step
+                layer._close_windows(h, pos, slots, prefix, ring_b, pool_b, layer.inv_c)
+                ops.compress_step = saved
+                assert torch.equal(ring_a, ring_b)
+                n = pool_a.shape[1] - 1  # the composite also writes the discarded last row
+                diff = (pool_a[:, :n].float() - pool_b[:, :n].float()).abs()
+                assert float(diff.max()) <= 2 ** -7 * float(pool_b[:, :n].float().abs().max()), (step, li, prefix)
+                seen.add((layer.ratio, prefix))
+            st = b
+        start = start + 6
+    assert seen == {(CFG.csa_ratio, "attn.compressor."), (CFG.csa_ratio, "attn.indexer.compressor."),
+                    (CFG.hca_ratio, "attn.compressor.")}
+    assert COMPRESSOR_CALLS

@@ -1,0 +1,333 @@
+"""DeepSeek-V4's KV compressor for a decode / verify step in one launch: every token that closes
+a window pools its window's raw rows into a compressed entry (softmax gate per channel, RMSNorm,
+RoPE) written to the pool, and every token's raw row goes into the compressor's ring.
+
+For token ``t`` of request ``b`` at position ``p`` (slot ``slot[t]``), ratio ``m``, window span
+``W`` (``m``; CSA's overlapping windows: ``2m``), this step's rows ``fresh [T, 2 ch]`` (kv then
+gate, ``ch = coff d``: ``coff`` 2 for CSA, 1 for HCA)::
+
+    ring[slot, p % ring_rows] = fresh[t]
+    if (p + 1) % m == 0 and e = (p + 1) / m - 1 < pool_rows - 1:
+        row q = p - W + 1 + i (i < W): fresh[t'] when q >= p0 (this step's first position, the
+                                      row of its token t'), ring[slot, q % ring_rows] when 0 <= q < p0,
+                                      none when q < 0 (its weight is 0)
+        channel c of row i: half = d if CSA and i >= m else 0 (the previous window's rows use the
+                            first d channels, this window's the second)
+            kv = row[half + c], g = bf16(row[ch + half + c] + ape[i % m, half + c])
+        w_i   = bf16(softmax_i(g))                        (FP32 softmax over the rows)
+        x_c   = bf16(sum_i bf16(kv_i * w_i))              (FP32 sum)
+        y     = bf16(bf16(x * bf16(rsqrt(mean(x^2) + eps))) * norm_w)
+        pool[slot, e] = y with its last r features rotated in pairs by rotate[t] (the RoPE of the
+                        entry's first position e m), rounded once
+
+-- the rounding points of ``spec_decode.model.compress_entries`` followed by
+:func:`cute_kernels.rms_norm.rms_norm` with ``rotate``, so the entries equal the composite's up to
+``exp``'s and the FP32 sums' evaluation order (the tests bound it per element). It replaces the
+composite's gather of the windows from ring and step (``[B, S, W, 2 ch]``), the masking, the
+gate bias, the channel halves' concatenations, the softmax and its conversions, the weighted
+sum, the norm, the pool scatter and the ring scatter: about fifteen launches per compressor.
+
+Why the ring write cannot race the reads: a step of ``S <= ring_rows - W + 1`` tokens writes the
+rows of positions ``>= p0``, which clobber positions ``< p0 + S - ring_rows <= p0 - W + 1``,
+older than any row a window of the step reads from the ring (the ``DecodeState`` sizing).
+
+Kernel: one CTA per token, ``min(128, d / 2)`` threads, each owning ``d / threads`` adjacent
+channels (whole RoPE pairs); tokens that close no window only store their ring row. Three
+passes over the window's rows per channel (max, sum, weighted sum; the rows stay in L1/L2),
+the squares' sum reduced by shuffles and shared memory.
+
+Constraints: ``d % 64 == 0``, ``64 <= d <= 1024``; ``r`` even, ``r <= d``; ``m >= 1``,
+``W = 2m`` (CSA) or ``m``; bf16 rows, ``ape`` and norm weight; FP32 ``rotate [T, r/2, 2]``;
+int32 ``pos`` / ``slot`` ``[T]`` (a request's tokens consecutive, ``tokens_per_request`` each);
+``tokens_per_request <= ring_rows - W + 1``. Portable CUDA-core kernel (sm_90a, sm_100a).
+
+    pytest tests/test_compressor_pool.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from . import jit
+from .arch import current_arch, dispatch
+from .validate import check_cuda, check_int32_indexable, check_tensor
+
+VEC = 8
+
+
+class CompressorPool:
+    """Compile-time configuration: entry width ``d``, ratio ``m``, CSA overlap, rotated features."""
+
+    def __init__(self, dim: int, ratio: int, overlap: bool, rope_dim: int):
+        if dim % 64 or not 64 <= dim <= 1024 or ratio < 1 or rope_dim % 2 or not 0 <= rope_dim <= dim:
+            raise ValueError(f"compressor_pool: unsupported dim={dim}, ratio={ratio}, rope_dim={rope_dim}")
+        self.d, self.m, self.overlap, self.r = dim, ratio, overlap, rope_dim
+        self.span = 2 * ratio if overlap else ratio
+        self.ch = (2 if overlap else 1) * dim
+        self.threads = 128 if dim >= 256 else dim // 2
+        self.cpt = dim // self.threads  # adjacent channels per thread: whole RoPE pairs
+        self.warps = self.threads // 32
+
+    @cute.jit
+    def __call__(self, fresh_ptr: cute.Pointer, ring_ptr: cute.Pointer, pool_ptr: cute.Pointer,
+                 ape_ptr: cute.Pointer, w_ptr: cute.Pointer, cs_ptr: cute.Pointer, pos_ptr: cute.Pointer,
+                 slot_ptr: cute.Pointer, num_tokens: Int32, per_request: Int32, num_slots: Int32, ring_rows: Int32,
+                 pool_rows: Int32, eps: Float32, stream: cuda.CUstream):
+        d, ch = self.d, self.ch
+        mFresh = cute.make_tensor(fresh_ptr, cute.make_layout((num_tokens, 2 * ch), stride=(2 * ch, 1)))
+        mRing = cute.make_tensor(ring_ptr, cute.make_layout((num_slots * ring_rows, 2 * ch), stride=(2 * ch, 1)))
+        mPool = cute.make_tensor(pool_ptr, cute.make_layout((num_slots * pool_rows, d), stride=(d, 1)))
+        mApe = cute.make_tensor(ape_ptr, cute.make_layout((self.m, ch), stride=(ch, 1)))
+        mW = cute.make_tensor(w_ptr, cute.make_layout((d,)))
+        mCS = cute.make_tensor(cs_ptr, cute.make_layout((num_tokens, max(self.r, 2)), stride=(max(self.r, 2), 1)))
+        mPos = cute.make_tensor(pos_ptr, cute.make_layout((num_tokens,)))
+        mSlot = cute.make_tensor(slot_ptr, cute.make_layout((num_tokens,)))
+        self.kernel(mFresh, mRing, mPool, mApe, mW, mCS, mPos, mSlot, per_request, num_slots, ring_rows, pool_rows,
+                    eps).launch(grid=[num_tokens, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mFresh: cute.Tensor, mRing: cute.Tensor, mPool: cute.Tensor, mApe: cute.Tensor,
+               mW: cute.Tensor, mCS: cute.Tensor, mPos: cute.Tensor, mSlot: cute.Tensor, per_request: Int32,
+               num_slots: Int32, ring_rows: Int32, pool_rows: Int32, eps: Float32):
+        d, ch, m, span, cpt, bf16 = self.d, self.ch, self.m, self.span, self.cpt, cutlass.BFloat16
+        tidx, _, _ = cute.arch.thread_idx()
+        t, _, _ = cute.arch.block_idx()
+        p = mPos[t]
+        slot = mSlot[t]
+        first_t = (t // per_request) * per_request  # this request's first token of the step
+        p0 = mPos[first_t]
+        if p >= 0 and slot >= 0 and slot < num_slots:
+            # this token's raw row into the ring (16-byte vectors)
+            dst = slot * ring_rows + p % ring_rows
+            gF = cute.zipped_divide(mFresh, (1, VEC))
+            gR = cute.zipped_divide(mRing, (1, VEC))
+            for v in cutlass.range(tidx, 2 * ch // VEC, self.threads):
+                cute.autovec_copy(gF[(0, None), (t, v)], gR[(0, None), (dst, v)])
+
+            entry = (p + 1) // m - 1
+            if (p + 1) % m == 0 and entry < pool_rows - 1:
+                smem = cutlass.memory.SmemAllocator()
+                sRed = smem.allocate_tensor(Float32, cute.make_layout((self.warps,)), 16)
+                c0 = tidx * cpt
+                x = cute.make_rmem_tensor(cute.make_layout((cpt,)), Float32)
+                for j in cutlass.range_constexpr(cpt):
+                    x[j] = self.pool_channel(mFresh, mRing, mApe, c0 + j, p, p0, first_t, slot, ring_rows)
+                # RMSNorm with the composite's rounding points
+                ss = Float32(0.0)
+                for j in cutlass.range_constexpr(cpt):
+                    ss = ss + x[j] * x[j]
+                for k in cutlass.range_constexpr(5):
+                    ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=1 << k)
+                if tidx % 32 == 0:
+                    sRed[tidx // 32] = ss
+                cute.arch.barrier()
+                total = Float32(0.0)
+                for k in cutlass.range_constexpr(self.warps):
+                    total = total + sRed[k]
+                r = cute.math.rsqrt(total / Float32(d) + eps).to(bf16).to(Float32)
+                y = cute.make_rmem_tensor(cute.make_layout((cpt,)), Float32)
+                for j in cutlass.range_constexpr(cpt):
+                    y[j] = ((x[j] * r).to(bf16).to(Float32) * mW[c0 + j].to(Float32)).to(bf16).to(Float32)
+                if const_expr(self.r > 0):
+                    for j in cutlass.range_constexpr(cpt // 2):
+                        c = c0 + 2 * j
+                        if c >= d - self.r:
+                            k = c - (d - self.r)  # (cos, sin) of this pair at k, k + 1
+                            cs, sn = mCS[t, k], mCS[t, k + 1]
+                            a, b = y[2 * j], y[2 * j + 1]
+                            y[2 * j] = a * cs - b * sn
+                            y[2 * j + 1] = a * sn + b * cs
+                row = slot * pool_rows + entry
+                for j in cutlass.range_constexpr(cpt):
+                    mPool[row, c0 + j] = y[j].to(bf16)
+
+    @cute.jit
+    def pool_channel(self, mFresh: cute.Tensor, mRing: cute.Tensor, mApe: cute.Tensor, c: Int32, p: Int32, p0: Int32,
+                     first_t: Int32, slot: Int32, ring_rows: Int32) -> Float32:
+        """Channel ``c`` of the entry closed at position ``p``: ``bf16(sum_i bf16(kv_i w_i))``
+        with ``w = bf16(softmax(bf16(gate + ape)))`` over the window's rows (module docstring)."""
+        m, span, ch, bf16 = self.m, self.span, self.ch, cutlass.BFloat16
+        neg_inf = Float32(float("-inf"))
+        mx = neg_inf
+        for i in cutlass.range(span):
+            q = p - span + 1 + i
+            if q >= 0:
+                mx = cutlass.max(mx, self.gate(mFresh, mRing, mApe, c, i, q, p0, first_t, slot, ring_rows))
+        total = Float32(0.0)
+        for i in cutlass.range(span):
+            q = p - span + 1 + i
+            if q >= 0:
+                total = total + cute.math.exp(self.gate(mFresh, mRing, mApe, c, i, q, p0, first_t, slot, ring_rows) - mx)
+        acc = Float32(0.0)
+        for i in cutlass.range(span):
+            q = p - span + 1 + i
+            if q >= 0:
+                g = self.gate(mFresh, mRing, mApe, c, i, q, p0, first_t, slot, ring_rows)
+                w = (cute.math.exp(g - mx) / total).to(bf16).to(Float32)
+                half = self.half(i)
+                kv = Float32(0.0)
+                if q >= p0:
+                    kv = mFresh[first_t + q - p0, half + c].to(Float32)
+                else:
+                    kv = mRing[slot * ring_rows + q % ring_rows, half + c].to(Float32)
+                acc = acc + (kv * w).to(bf16).to(Float32)
+        return acc.to(bf16).to(Float32)
+
+    @cute.jit
+    def half(self, i: Int32) -> Int32:
+        """Channel offset of window row ``i``: CSA's previous-window rows read the first ``d``
+        channels of kv / gate / ape, its own window's the second ``d``; HCA has one half."""
+        h = Int32(0)
+        if const_expr(self.overlap):
+            h = cutlass.select_(i >= self.m, Int32(self.d), Int32(0))
+        return h
+
+    @cute.jit
+    def gate(self, mFresh: cute.Tensor, mRing: cute.Tensor, mApe: cute.Tensor, c: Int32, i: Int32, q: Int32,
+             p0: Int32, first_t: Int32, slot: Int32, ring_rows: Int32) -> Float32:
+        """``bf16(gate + ape)`` of window row ``i`` (position ``q >= 0``), channel ``c``."""
+        half = self.half(i)
+        g = Float32(0.0)
+        if q >= p0:
+            g = mFresh[first_t + q - p0, self.ch + half + c].to(Float32)
+        else:
+            g = mRing[slot * ring_rows + q % ring_rows, self.ch + half + c].to(Float32)
+        return (g + mApe[i % self.m, half + c].to(Float32)).to(cutlass.BFloat16).to(Float32)
+
+
+def _build(arch: str, *, dim: int, ratio: int, overlap: bool, rope_dim: int = 0):
+    k = CompressorPool(dim, ratio, overlap, rope_dim)
+    P = jit.fake_gmem_ptr
+    bf16 = cutlass.BFloat16
+    return k, (P(bf16, 16), P(bf16, 16), P(bf16, 2), P(bf16, 2), P(bf16, 2), P(Float32, 8), P(Int32, 4), P(Int32, 4),
+               Int32(1), Int32(1), Int32(1), Int32(8), Int32(2), Float32(1e-6), jit.fake_stream())
+
+
+KERNEL = jit.register(jit.KernelDef(
+    name="compressor_pool",
+    build=_build,
+    sources=(os.path.abspath(__file__),),
+    archs=("sm_90a", "sm_100a", "sm_103a"),
+    # DeepSeek-V4: CSA (m = 4, overlapping) main (d 512) and indexer (d 128) compressors, HCA (m' = 128)
+    aot_configs=({"dim": 512, "ratio": 4, "overlap": True, "rope_dim": 64},
+                 {"dim": 128, "ratio": 4, "overlap": True, "rope_dim": 64},
+                 {"dim": 512, "ratio": 128, "overlap": False, "rope_dim": 64}),
+    description="V4 KV compressor step: window softmax pooling, RMSNorm, RoPE, pool + ring writes",
+))
+
+
+def compressor_pool_torch(fresh, ring, pool, ape, norm_weight, rotate, pos, slot, *, ratio: int, overlap: bool,
+                          eps: float, tokens_per_request: int) -> None:
+    """The op in PyTorch with the same rounding points: the fallback for devices without a CuTe
+    path (not the test reference: tests/references.py)."""
+    d = norm_weight.shape[0]
+    ch = fresh.shape[1] // 2
+    span = 2 * ratio if overlap else ratio
+    ring_rows = ring.shape[1]
+    T = fresh.shape[0]
+    for t in range(T):
+        p, s = int(pos[t]), int(slot[t])
+        if p < 0 or not 0 <= s < ring.shape[0]:
+            continue
+        first = t // tokens_per_request * tokens_per_request
+        p0 = int(pos[first])
+        e = (p + 1) // ratio - 1
+        if (p + 1) % ratio == 0 and e < pool.shape[1] - 1:
+            kv, g = [], []
+            for i in range(span):
+                q = p - span + 1 + i
+                if q < 0:
+                    continue
+                row = fresh[first + q - p0] if q >= p0 else ring[s, q % ring_rows]
+                h = d if overlap and i >= ratio else 0
+                kv.append(row[h:h + d])
+                g.append(row[ch + h:ch + h + d] + ape[i % ratio, h:h + d])
+            w = torch.stack(g).float().softmax(0).to(fresh.dtype)
+            x = (torch.stack(kv) * w).sum(0)
+            y = x * torch.rsqrt(x.float().square().mean() + eps).to(x.dtype)
+            y = (y * norm_weight).float()
+            if rotate is not None:
+                r = 2 * rotate.shape[1]
+                a, b = y[d - r::2].clone(), y[d - r + 1::2].clone()
+                c, sn = rotate[t, :, 0], rotate[t, :, 1]
+                y[d - r::2], y[d - r + 1::2] = a * c - b * sn, a * sn + b * c
+            pool[s, e] = y.to(pool.dtype)
+    for t in range(T):  # after every window read its rows (the kernel's ordering argument)
+        p, s = int(pos[t]), int(slot[t])
+        if p >= 0 and 0 <= s < ring.shape[0]:
+            ring[s, p % ring_rows] = fresh[t]
+
+
+def compressor_pool(fresh: torch.Tensor, ring: torch.Tensor, pool: torch.Tensor, ape: torch.Tensor,
+                    norm_weight: torch.Tensor, rotate: torch.Tensor | None, pos: torch.Tensor, slot: torch.Tensor, *,
+                    ratio: int, overlap: bool, eps: float, tokens_per_request: int, stream=None,
+                    arch: str | None = None) -> None:
+    """One compressor's step in place (module docstring): ``fresh [T, 2 ch]`` this step's kv |
+    gate rows (bf16), ``ring [slots, ring_rows, 2 ch]``, ``pool [slots, pool_rows, d]`` (its
+    last row per slot is never written), ``ape [m, ch]``, ``norm_weight [d]``, ``rotate`` FP32
+    ``[T, r/2, 2]`` (each token's entry position's (cos, sin)) or None, ``pos`` / ``slot``
+    int32 ``[T]``. Capturable in a CUDA graph; allocates nothing."""
+    op = "compressor_pool"
+    check_tensor(op, "fresh", fresh, dtype=torch.bfloat16, ndim=2, contiguous=True)
+    T, two_ch = fresh.shape
+    coff = 2 if overlap else 1
+    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
+        raise ValueError(f"{op}: ratio must be a positive int, got {ratio!r}")
+    check_tensor(op, "norm_weight", norm_weight, dtype=torch.bfloat16, ndim=1, contiguous=True, align_bytes=2)
+    d = norm_weight.shape[0]
+    if d % 64 or not 64 <= d <= 1024:
+        raise ValueError(f"{op}: norm_weight's width d={d} must be a multiple of 64 in [64, 1024]")
+    if two_ch != 2 * coff * d:
+        raise ValueError(f"{op}: fresh must be [T, {2 * coff * d}] (kv and gate, {coff} x d each), got "
+                         f"{list(fresh.shape)}")
+    check_tensor(op, "ring", ring, dtype=torch.bfloat16, ndim=3, contiguous=True)
+    span = 2 * ratio if overlap else ratio
+    if ring.shape[2] != two_ch or ring.shape[1] < span:
+        raise ValueError(f"{op}: ring must be [slots, >= {span}, {two_ch}], got {list(ring.shape)}")
+    check_tensor(op, "pool", pool, dtype=torch.bfloat16, ndim=3, contiguous=True, align_bytes=2)
+    if pool.shape[0] != ring.shape[0] or pool.shape[2] != d or pool.shape[1] < 1:
+        raise ValueError(f"{op}: pool must be [{ring.shape[0]} (ring's slots), rows >= 1, {d}], got "
+                         f"{list(pool.shape)}")
+    check_tensor(op, "ape", ape, dtype=torch.bfloat16, shape=(ratio, coff * d), contiguous=True, align_bytes=2)
+    for name, t in (("pos", pos), ("slot", slot)):
+        check_tensor(op, name, t, dtype=torch.int32, shape=(T,), contiguous=True, align_bytes=4)
+    if not isinstance(tokens_per_request, int) or tokens_per_request < 1 or T % tokens_per_request:
+        raise ValueError(f"{op}: tokens_per_request must be a positive int dividing T={T}, got "
+                         f"{tokens_per_request!r}")
+    if tokens_per_request > ring.shape[1] - span + 1:
+        raise ValueError(f"{op}: tokens_per_request={tokens_per_request} exceeds ring_rows - span + 1 = "
+                         f"{ring.shape[1] - span + 1}: the ring writes would clobber rows a window reads")
+    r = 0
+    if rotate is not None:
+        check_tensor(op, "rotate", rotate, dtype=torch.float32, ndim=3, contiguous=True, align_bytes=8)
+        if rotate.shape[0] != T or rotate.shape[2] != 2 or not 1 <= 2 * rotate.shape[1] <= d:
+            raise ValueError(f"{op}: rotate must be [{T}, r/2, 2] with 2 <= r <= {d}, got {list(rotate.shape)}")
+        r = 2 * rotate.shape[1]
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
+        raise TypeError(f"{op}: eps must be a non-negative float, got {eps!r}")
+    check_int32_indexable(op, "ring", ring.numel())
+    check_int32_indexable(op, "pool", pool.numel())
+    named = [("fresh", fresh), ("ring", ring), ("pool", pool), ("ape", ape), ("norm_weight", norm_weight),
+             ("pos", pos), ("slot", slot)] + ([("rotate", rotate)] if rotate is not None else [])
+    dev = check_cuda(op, *named)
+    a = arch if arch is not None else current_arch(dev)
+    if dispatch(op, ("portable", "reference"), arch=a) == "reference":
+        compressor_pool_torch(fresh, ring, pool, ape, norm_weight, rotate, pos, slot, ratio=ratio, overlap=overlap,
+                              eps=eps, tokens_per_request=tokens_per_request)
+        return
+    if T == 0:
+        return
+    fn = jit.get_kernel(op, a, dim=d, ratio=ratio, overlap=bool(overlap), rope_dim=r)
+    P = jit.gmem_ptr
+    bf16 = cutlass.BFloat16
+    fn(P(bf16, fresh, 16), P(bf16, ring, 16), P(bf16, pool, 2), P(bf16, ape, 2), P(bf16, norm_weight, 2),
+       P(Float32, rotate if rotate is not None else fresh, 8), P(Int32, pos, 4), P(Int32, slot, 4), jit.i32(T),
+       jit.i32(tokens_per_request), jit.i32(ring.shape[0]), jit.i32(ring.shape[1]), jit.i32(pool.shape[1]),
+       jit.f32(eps), jit.cu_stream(stream))
