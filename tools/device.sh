@@ -33,7 +33,8 @@
 #                                            import / first-call times with and without the DSL
 #   bash tools/device.sh norms-runtime-only  the GPU tests of rms_norm, the runtime-only mode and the
 #                                            ctypes launcher, then the row_rms / rms_norm bench
-#   bash tools/device.sh attention           sink_attention's GPU tests, then its bench
+#   bash tools/device.sh attention           sink_attention and compressor_pool GPU tests, then the
+#                                            attention bench
 set -u
 source tools/device-env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -113,7 +114,7 @@ norms-runtime-only)
   timeout 240 python bench/bench_row_rms.py --out "$OUT/bench_row_rms.md" 2>&1 | tail -25
   ;;
 attention)
-  $PYT -m gpu tests/test_sink_attention.py 2>&1 | tee "$OUT/attention-tests.log" | tail -20
+  $PYT -m gpu tests/test_sink_attention.py tests/test_compressor_pool.py 2>&1 | tee "$OUT/attention-tests.log" | tail -20
   timeout 240 python bench/bench_sink_attention.py --out "$OUT/bench_sink_attention.md" 2>&1 | tail -15
   ;;
 peers)
