@@ -54,7 +54,7 @@ from moe.finalize import moe_finalize
 from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size
 from moe.router import MoeRouter, RouterConfig, RouterOutput, align_torch, capacity, topk_torch
 
-from .model import forward_memo, rope_table, shared_expert
+from .model import forward_memo, rope_table
 from .step_model import Ops, family, window_entries
 
 
@@ -117,6 +117,8 @@ class FusedOps(Ops):
                 interleave_gate_up(L["ffn.experts.w1"], L["ffn.experts.w3"]).contiguous())
             P["d_q"], P["d_s"] = quantize_expert_weights(L["ffn.experts.w2"].contiguous())
             P["sink"] = L["attn.attn_sink"].float().contiguous()
+            sp = "ffn.shared_experts."  # gate and up rows in one product
+            P["shared_w13"] = torch.cat([L[sp + "w1.weight"], L[sp + "w3.weight"]]).contiguous()
             for c in ("attn.compressor.", "attn.indexer.compressor."):  # kv and gate rows in one product
                 if c + "wkv.weight" in L:
                     P[c + "wkv_gate"] = torch.cat([L[c + "wkv.weight"], L[c + "wgate.weight"]]).contiguous()
@@ -238,7 +240,7 @@ class FusedOps(Ops):
         if main is not None:
             self.side.wait_stream(main)  # fork: x is ready
             with torch.cuda.stream(self.side):
-                sh = shared_expert(x, L).contiguous()
+                sh = self.shared_expert(x, L, P)
         logits = (x @ L["ffn.gate.weight"].T).float().contiguous()
         r = self.route(logits, L, P, cfg, tokens)
         # padding rows left unwritten: a padding row's GEMM output is never read back
@@ -268,8 +270,16 @@ class FusedOps(Ops):
         if main is not None:
             main.wait_stream(self.side)  # join before the add reads sh
         else:
-            sh = shared_expert(x, L).contiguous()
+            sh = self.shared_expert(x, L, P)
         return self.finish(y, weights, r.routed_row_pos, sh, reduce)
+
+    @staticmethod
+    def shared_expert(x, L, P):
+        """:func:`spec_decode.model.shared_expert` with the gate and up rows in one product (the
+        same dot products; bf16 outputs as the two separate products')."""
+        gu = x @ P["shared_w13"].T
+        g, u = gu.chunk(2, -1)
+        return (torch.nn.functional.silu(g) * u) @ L["ffn.shared_experts.w2.weight"].T
 
     def route(self, logits, L, P, cfg, tokens):
         """The router's padded, packed outputs (:class:`moe.router.RouterOutput`) in one launch:
