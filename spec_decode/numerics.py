@@ -16,7 +16,8 @@ Per op family the table gives the relative error (Frobenius norm) of fused and o
 against FP32, the largest over the step's calls, and the fused-vs-base difference (0 where
 they are bit-equal: the fusions kept every rounding point). The indexer's row is the fraction
 of its selected entries that the FP32 scores also select (ties aside, it is 1). The op
-families: mHC mappings (``mhc_stats``), pre / post mix, the indexer's top-k, WO-A, and the MoE
+families: mHC mappings (``mhc_stats``), pre / post mix, the indexer's top-k, the attention
+(``sink_attention``: P rounded to bf16 for its product, the one rounding FP32 lacks), WO-A, and the MoE
 block (router, MXFP8 routed experts, finalize, shared expert): its FP32 reference uses the
 bf16 expert weights, so its row includes the experts' MXFP8 weight rounding.
 """
@@ -36,6 +37,7 @@ from .step_model import DecodeState, Ops, StepModel
 FAMILIES = (("mhc_mappings", "mHC mappings (statistics, Sinkhorn)"), ("pre_mix", "mHC pre-mix"),
             ("rmsnorm", "RMSNorm"), ("rmsnorm_rope", "RMSNorm + RoPE (q, KV, compressed entries)"),
             ("post_mix", "mHC post-mix"), ("indexer_topk", "indexer top-k (entries also FP32's)"),
+            ("sink_attention", "attention (window + entries, sink, inverse RoPE)"),
             ("wo_a", "WO-A"), ("moe", "MoE block (router, MXFP8 experts, finalize, shared)"))
 
 
@@ -147,6 +149,13 @@ class OpProbe:
             same = float(torch.equal(chosen(idx, valid), chosen(b_idx, b_valid)))
             self.errors["indexer_topk"].append((overlap(idx, valid), overlap(b_idx, b_valid), 1.0 - same))
         return idx, valid
+
+    def sink_attention(self, q, kv, rows, L, scale, rotate):
+        a = self.fused.sink_attention(q, kv, rows, L, scale, rotate).clone()
+        if self.active:
+            self._record("sink_attention", a, self.base.sink_attention(q, kv, rows, L, scale, rotate),
+                         self.ref.sink_attention(q.float(), kv.float(), rows, L, scale, rotate))
+        return a
 
     def wo_a(self, o, w, cfg):
         a = self.fused.wo_a(o, w, cfg).clone()
