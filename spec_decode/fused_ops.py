@@ -55,7 +55,7 @@ from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size
 from moe.router import MoeRouter, RouterConfig, RouterOutput, align_torch, capacity, topk_torch
 
 from .model import forward_memo, rope_table
-from .step_model import Ops, family, window_entries
+from .step_model import Ops, family
 
 
 class FusedOps(Ops):
@@ -195,7 +195,9 @@ class FusedOps(Ops):
         pooling, the norm and RoPE, the pool and ring writes)."""
         B, S, C = h.shape
         fresh = h.reshape(B * S, C) @ self._layer[id(L)][prefix + "wkv_gate"].T
-        start, _ = window_entries(pos, slots, m, pool.shape[1])  # each token's entry position
+        # each token's entry's first position ((p + 1) // m - 1) m: its RoPE (tokens closing no
+        # window get some rotation they never use); once per forward and ratio
+        start = forward_memo(("entry_start", m), (pos,), lambda: torch.div(pos + 1, m, rounding_mode="floor") * m - m)
         rot = torch.view_as_real(rope_table(start, inv_freq)).reshape(B * S, -1, 2)
         pos_i, slot_i = forward_memo(("compressor_args",), (pos, slots), lambda: (
             pos.reshape(-1).int().contiguous(), slots[:, None].expand(B, S).reshape(-1).int().contiguous()))

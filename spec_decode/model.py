@@ -128,7 +128,8 @@ def rope_table(pos: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False)
     from FP32 angles: what :func:`rope` multiplies by (``torch.view_as_real``: (cos, sin) pairs).
     Built once per forward."""
     def cis():
-        return torch.polar(torch.ones((), device=pos.device), pos.float()[..., None] * inv_freq)
+        # the integer positions convert to FP32 exactly inside the product (|pos| < 2^24)
+        return torch.polar(torch.ones((), device=pos.device), pos[..., None] * inv_freq)
 
     c = forward_memo(("rope",), (pos, inv_freq), cis)
     return forward_memo(("rope_inverse",), (c,), lambda: c.conj().resolve_conj()) if inverse else c
