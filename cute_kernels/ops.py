@@ -18,7 +18,8 @@ functions (``cute_kernels.row_rms.row_rms``, ...) stay the documented API; the o
 Ops: ``rms_norm`` / ``rms_norm_out``, ``row_rms`` / ``row_rms_out``, ``masked_softmax`` / ``masked_softmax_out``, ``mhc_stats``,
 ``mhc_pre_mix`` / ``mhc_pre_mix_out``, ``mhc_post_mix`` / ``mhc_post_mix_`` (the residual
 update in place), ``wo_a`` / ``wo_a_out``, ``dequantize_fp8_blockwise``, ``indexer_topk``,
-``wo_a_fp8``, ``draft_head_scores_out``. The push all-reduce's ops (``push_allreduce``,
+``wo_a_fp8``, ``draft_head_scores_out``, ``sink_attention``, ``compressor_pool_`` (ring and pool
+in place). The push all-reduce's ops (``push_allreduce``,
 ``finalize_shared_allreduce``, a group handle for the peer buffers) are in :mod:`comm.ops`.
 
 Test::
@@ -31,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
+from . import compressor_pool as _cp
 from . import dequant_fp8_blockwise as _dq
 from . import draft_head_fp8 as _dh
 from . import indexer_topk as _idx
@@ -40,6 +42,7 @@ from . import mhc_pre_mix as _pre
 from . import mhc_stats as _stats
 from . import rms_norm as _norm
 from . import row_rms as _rms
+from . import sink_attention as _attn
 from . import wo_a as _wo
 from . import wo_a_decode_fp8 as _wo8
 
@@ -358,4 +361,47 @@ def _(h, w_q, h_q, out):
 
 @draft_head_scores_out.register_fake
 def _(h, w_q, h_q, out):
+    return None
+
+
+# ---------------------------------------------------------------------- attention ----
+@_cuda_op("sink_attention")
+def sink_attention(q: Tensor, kv: Tensor, rows: Tensor, sink: Tensor, scale: float,
+                   rotate: Tensor | None = None) -> Tensor:
+    """Decode attention of ``q [T, H, D]`` over the K = V rows ``kv[rows[t]]`` (-1: masked) with
+    a learned ``sink [H]`` logit, ``rotate`` (FP32 ``[T, r/2, 2]``) applied to the output's
+    last r features. Allocates its output and split workspace (the Python function takes
+    both preallocated)."""
+    return _attn.sink_attention(q, kv, rows, sink, scale, rotate=rotate)
+
+
+@sink_attention.register_kernel("cpu")
+def _(q, kv, rows, sink, scale, rotate=None):
+    return _attn.sink_attention_torch(q, kv, rows, sink, scale, rotate)
+
+
+@sink_attention.register_fake
+def _(q, kv, rows, sink, scale, rotate=None):
+    return torch.empty_like(q)
+
+
+# --------------------------------------------------------------------- compressor ----
+@_cuda_op("compressor_pool_", mutates=("ring", "pool"))
+def compressor_pool_(fresh: Tensor, ring: Tensor, pool: Tensor, ape: Tensor, norm_weight: Tensor,
+                     rotate: Tensor | None, pos: Tensor, slot: Tensor, ratio: int, overlap: bool, eps: float,
+                     tokens_per_request: int) -> None:
+    """DeepSeek-V4's compressor step in place: the closing tokens' entries into ``pool``, every
+    token's raw row into ``ring``."""
+    _cp.compressor_pool(fresh, ring, pool, ape, norm_weight, rotate, pos, slot, ratio=ratio, overlap=overlap,
+                        eps=eps, tokens_per_request=tokens_per_request)
+
+
+@compressor_pool_.register_kernel("cpu")
+def _(fresh, ring, pool, ape, norm_weight, rotate, pos, slot, ratio, overlap, eps, tokens_per_request):
+    _cp.compressor_pool_torch(fresh, ring, pool, ape, norm_weight, rotate, pos, slot, ratio=ratio, overlap=overlap,
+                              eps=eps, tokens_per_request=tokens_per_request)
+
+
+@compressor_pool_.register_fake
+def _(fresh, ring, pool, ape, norm_weight, rotate, pos, slot, ratio, overlap, eps, tokens_per_request):
     return None

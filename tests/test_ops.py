@@ -54,7 +54,15 @@ def _cases():
     o8, w8g = _bf(3, 4, 128, g=g), (torch.randn(2, 128, 256, generator=g)).to(torch.float8_e4m3fn)
     s8 = torch.rand(2, 1, 2, generator=g) + 0.5
     hh, wq8 = _bf(3, 64, g=g), torch.randn(100, 64, generator=g).to(torch.float8_e4m3fn)
+    qa, kva = _bf(3, 16, 64, g=g), _bf(30, 64, g=g)
+    rows_a = torch.randint(-1, 30, (3, 9), generator=g).int()
+    cp_fresh, cp_ring, cp_pool = _bf(4, 256, g=g), _bf(2, 14, 256, g=g), _bf(2, 9, 64, g=g)
+    cp_ape, cp_nw = _bf(4, 128, g=g), _bf(64, g=g)
+    cp_pos, cp_slot = torch.tensor([6, 7, 8, 9]).int(), torch.tensor([1, 1, 0, 0]).int()
     return {
+        "sink_attention": (qa, kva, rows_a, torch.randn(16, generator=g), 0.125, torch.rand(3, 8, 2, generator=g)),
+        "compressor_pool_": (cp_fresh, cp_ring, cp_pool, cp_ape, cp_nw, torch.rand(4, 8, 2, generator=g), cp_pos,
+                             cp_slot, 4, True, 1e-6, 2),
         "indexer_topk": (qi, wi, kc, off, kl, pos, 8, 20, 1),
         "wo_a_fp8": (o8, w8g, s8),
         "draft_head_scores_out": (hh, wq8, torch.empty(4, 64, dtype=torch.float8_e4m3fn),
@@ -109,7 +117,7 @@ def test_every_public_op_is_registered():
     want = {"indexer_topk", "wo_a_fp8", "draft_head_scores_out", "row_rms", "row_rms_out", "rms_norm", "rms_norm_out", "masked_softmax", "masked_softmax_out", "mhc_stats", "mhc_pre_mix",
             "mhc_pre_mix_out", "mhc_post_mix", "mhc_post_mix_", "wo_a", "wo_a_out", "dequantize_fp8_blockwise",
             "mxfp8_quantize", "mxfp8_quantize_routed", "moe_route", "moe_expert_gemm", "moe_expert_gate_up",
-            "moe_finalize"}
+            "moe_finalize", "sink_attention", "compressor_pool_"}
     assert want == set(CASES)
     for n in want:
         assert hasattr(ops, n)
