@@ -35,6 +35,9 @@
 #                                            ctypes launcher, then the row_rms / rms_norm bench
 #   bash tools/device.sh attention           sink_attention and compressor_pool GPU tests, then the
 #                                            attention bench
+#   bash tools/device.sh smoke               one call's first look after kernel / runtime changes:
+#                                            'attention', the runtime's GPU tests at `small`, then the
+#                                            runtime bench at v4_flash_slice (--quick)
 set -u
 source tools/device-env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -116,6 +119,12 @@ norms-runtime-only)
 attention)
   $PYT -m gpu tests/test_sink_attention.py tests/test_compressor_pool.py 2>&1 | tee "$OUT/attention-tests.log" | tail -20
   timeout 240 python bench/bench_sink_attention.py --out "$OUT/bench_sink_attention.md" 2>&1 | tail -15
+  ;;
+smoke)
+  timeout 170 bash "$0" attention
+  timeout 200 $PYT -m gpu tests/test_spec_decode.py -k "small or draft_head" 2>&1 | tee "$OUT/spec-small.log" | tail -15
+  timeout 220 python -m spec_decode.bench --model v4_flash_slice --acceptance-length 5.5 --quick \
+    --out "$OUT/bench_runtime_quick.md" 2>&1 | tail -45
   ;;
 peers)
   for w in .devcache/peers/*.whl .devcache/peers-flashinfer/*.whl; do
