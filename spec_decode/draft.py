@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
-from .model import WeightFactory, hc_head, init_layer, layer_weight_shapes, forward_tables
+from .model import WeightFactory, init_layer, layer_weight_shapes, forward_tables
 from .step_model import DecodeState, Ops, V4Layer
 
 
@@ -131,7 +131,7 @@ class DraftModel:
                     stage_start(s)
                 X = layer.forward(X, toks, pos, slots, st, s, win=st.draft_win[s], write_window=False,
                                   before_ring=(lambda s=s: before_ring(s)) if before_ring is not None else None)
-        h = self.ops.rmsnorm(hc_head(X, self.w, cfg).to(X.dtype), cfg.eps, self.w["norm.weight"])
+        h = self.ops.rmsnorm(self.ops.hc_head(X, self.w, cfg), cfg.eps, self.w["norm.weight"])
         flat = h.reshape(B * K, -1)
         logits = self.head(flat) if self.head is not None else flat @ self.target.lm_head.T
         return logits.argmax(-1).view(B, K)

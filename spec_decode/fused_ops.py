@@ -101,6 +101,18 @@ class FusedOps(Ops):
         dims_ok = all(d % 64 == 0 and 64 <= d <= 1024 for d in (cfg.head_dim, cfg.indexer_dim))
         if not (_cpu_for_tests or dims_ok):
             self.compress_step = None
+        # V4's final stream collapse (target and draft): the mappings kernel with hc_head's
+        # weights as the H_pre rows (the other rows zero, never read), then the pre-mix
+        self._head = {}
+        n, C = cfg.mhc_n, cfg.hidden
+        for W in [target.w] + ([draft.w] if draft is not None else []):
+            phi = torch.zeros((2 + n) * n, n * C, device=dev)
+            phi[:n] = W["hc_head_fn"].float()
+            bias = torch.zeros((2 + n) * n, device=dev)
+            bias[:n] = W["hc_head_base"].float()
+            alpha = torch.zeros(3, device=dev)
+            alpha[0] = W["hc_head_scale"].float()[0]
+            self._head[id(W)] = (mhc_split_phi(phi), alpha, bias)
         layers = list(target.layers) + (list(draft.stages) if draft is not None else [])
         for L in layers:
             P = {}
@@ -130,12 +142,16 @@ class FusedOps(Ops):
     # ------------------------------------------------------------------ mHC --------------
     def mhc_mappings(self, X, L, site, cfg):
         """-> the packed fp32 [T, 2n + n*n] mappings the mix kernels read."""
-        P, n = self._layer[id(L)], cfg.mhc_n
+        P = self._layer[id(L)]
+        return self._mappings(X, P[f"{site}_planes"], P[f"{site}_alpha"], P[f"{site}_bias"], cfg)
+
+    def _mappings(self, X, planes, alpha, bias, cfg):
+        n = cfg.mhc_n
         B, S = X.shape[:2]
         x = X.reshape(B * S, n, cfg.hidden).contiguous()
         H = torch.empty(B * S, 2 * n + n * n, device=X.device)
-        mhc_stats(x, P[f"{site}_planes"], P[f"{site}_alpha"], P[f"{site}_bias"], eps=cfg.eps, hc_eps=cfg.hc_eps,
-                  sinkhorn_iters=cfg.mhc_sinkhorn_iters, workspace=self.mhc_ws, out=H)
+        mhc_stats(x, planes, alpha, bias, eps=cfg.eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.mhc_sinkhorn_iters,
+                  workspace=self.mhc_ws, out=H)
         return H
 
     @staticmethod
@@ -158,6 +174,15 @@ class FusedOps(Ops):
             return Ops.rmsnorm_rope(self, x, eps, weight, pos, inv_freq)
         table = torch.view_as_real(rope_table(pos, inv_freq)).reshape(-1, inv_freq.shape[0], 2)
         return rms_norm(x.contiguous(), eps, weight, rotate=table)
+
+    def hc_head(self, X, W, cfg):
+        """:meth:`Ops.hc_head` in two launches: :func:`mhc_stats` (its ``H_pre`` is hc_head's
+        ``sigmoid(s P + b) + hc_eps``) and :func:`mhc_pre_mix` (FP32 sum, one bf16 rounding --
+        the definition's), in place of thirteen."""
+        head = self._head.get(id(W))
+        if head is None:
+            return Ops.hc_head(self, X, W, cfg)
+        return self.pre_mix(X, self._mappings(X, *head, cfg))
 
     def pre_mix(self, X, maps):
         B, S, n, C = X.shape

@@ -207,6 +207,11 @@ class Ops:
     def pre_mix(self, X, maps):
         return pre_mix(X, maps[0])
 
+    def hc_head(self, X, W, cfg):
+        """V4's final collapse of the streams (:func:`spec_decode.model.hc_head`; ``W`` the
+        target's or the draft's global tensors) in X's dtype."""
+        return hc_head(X, W, cfg).to(X.dtype)
+
     def post_mix(self, X, maps, f):
         return post_mix(X, maps[1], maps[2], f)
 
@@ -708,5 +713,5 @@ class StepModel:
                 X = layer.forward(X, tokens, pos, slots, st, li)
                 if li in cfg.draft_feature_layers:
                     feats.append(X.mean(2))
-        hidden = self.ops.rmsnorm(hc_head(X, t.w, cfg).to(X.dtype), cfg.eps, t.w["norm.weight"])
+        hidden = self.ops.rmsnorm(self.ops.hc_head(X, t.w, cfg), cfg.eps, t.w["norm.weight"])
         return hidden @ t.lm_head.T, torch.cat(feats, -1)

@@ -549,3 +549,23 @@ def test_compress_step_matches_the_composite(fakes):
     assert seen == {(CFG.csa_ratio, "attn.compressor."), (CFG.csa_ratio, "attn.indexer.compressor."),
                     (CFG.hca_ratio, "attn.compressor.")}
     assert COMPRESSOR_CALLS
+
+
+def test_hc_head_through_the_mappings_kernels(fakes):
+    """FusedOps.hc_head (mhc_stats with hc_head's weights as the H_pre rows, then mhc_pre_mix)
+    against the composite for the target's and the draft's collapse: within one bf16 rounding
+    of the output (the two sum in different orders) -- a wrong row of phi, bias or scale is an
+    O(1) error."""
+    m, _ = _models()
+    d = DraftModel(CFG, m, seed=3, dtype=torch.bfloat16)
+    ops = fo.FusedOps(m, max_tokens=26, max_len=64, draft=d, _cpu_for_tests=True)
+    g = torch.Generator().manual_seed(6)
+    for W in (m.w, d.w):
+        W["hc_head_scale"] = W["hc_head_scale"] * 0 + 1.5  # a scale other than 1 is applied
+        ops = fo.FusedOps(m, max_tokens=26, max_len=64, draft=d, _cpu_for_tests=True)
+        X = torch.randn(2, 6, CFG.mhc_n, CFG.hidden, generator=g).bfloat16()
+        got, want = ops.hc_head(X, W, CFG).float(), Ops().hc_head(X, W, CFG).float()
+        assert float((got - want).abs().max()) <= 2 ** -7 * float(want.abs().max())
+        # the composite's weights, perturbed, move it: the comparison can fail
+        W2 = dict(W, hc_head_base=W["hc_head_base"] + 1)
+        assert float((Ops().hc_head(X, W2, CFG).float() - got).abs().max()) > 2 ** -5 * float(want.abs().max())
