@@ -89,7 +89,16 @@ def estimate_bytes(m, slots: int, max_len: int, backend: str) -> int:
     stage = numel(layer_weight_shapes(m, None, hash_routed=False, ratio=0))
     n_moe = m.layers + m.draft_stages
     weights = 2 * (layers + m.draft_stages * stage + 2 * m.vocab * C + 3 * C * C)
-    fused = int(1.03 * n_moe * 3 * E * I * C) - 2 * n_moe * 3 * E * I * C if backend in ("base", "fused") else 0
+    fused = 0
+    if backend in ("base", "fused"):
+        # routed experts as MXFP8 (+3% scales) for bf16; the shared expert's gate | up and each
+        # compressor's kv | gate side by side (bf16 copies FusedOps keeps)
+        fused = int(1.03 * n_moe * 3 * E * I * C) - 2 * n_moe * 3 * E * I * C
+        fused += 2 * n_moe * 2 * m.shared_inter * C
+        for li in range(m.layers):
+            shapes = layer_weight_shapes(m, li, hash_routed=m.is_hash(li), ratio=m.ratio(li))
+            fused += 2 * sum(math.prod(v) for k, v in shapes.items() if k.endswith(("wkv.weight", "wgate.weight"))
+                             and "compressor" in k)
     hd, D = m.head_dim, m.indexer_dim
     state = 0
     for li in range(m.layers):
@@ -99,7 +108,7 @@ def estimate_bytes(m, slots: int, max_len: int, backend: str) -> int:
             state += (max_len // r + 1) * (hd + D) + (2 * r + 8) * 4 * (hd + D)
         elif r:
             state += (max_len // r + 1) * hd + (r + 8) * 2 * hd
-    state += m.draft_stages * (m.window + 9) * hd  # + the discarded row
+    state += m.draft_stages * (m.window + 15) * hd  # + the discarded row, + a draft block's rows
     return weights + fused + 2 * slots * state
 
 
