@@ -431,8 +431,9 @@ class V4Layer:
             if idx is None:  # HCA: the window's rows then every entry's, once per forward
                 ent = entry_rows(pos, slots, self.ratio, first, n)
                 rows = forward_memo(("hca_rows",), (rows, ent), lambda: torch.cat([rows, ent], -1))
-            else:  # CSA: the indexer's choices
-                rows = torch.cat([rows, torch.where(valid, first + slots[:, None, None] * n + idx, -1).int()], -1)
+            else:  # CSA: the indexer's choices, offset by the slot's first pool row
+                base = forward_memo(("pool_base", first, n), (slots,), lambda: first + slots[:, None, None] * n)
+                rows = torch.cat([rows, torch.where(valid, idx + base, -1).int()], -1)
         if before_ring is not None:
             before_ring()
         rot = torch.view_as_real(rope_table(pos, self.inv, inverse=True)).reshape(B * S, -1, 2)
