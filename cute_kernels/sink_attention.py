@@ -113,6 +113,7 @@ class SinkAttention:
         self.cols_per_thread = KEY_TILE // self.row_threads
 
     def smem_bytes(self) -> int:
+        """Shared memory of one CTA (the allocator's order; the output tile reuses the key buffers)."""
         return (self.HT * self.pitch * 2 + 2 * KEY_TILE * self.pitch * 2 + self.HT * self.s_pitch * 4
                 + self.HT * self.p_pitch * 2 + 2 * KEY_TILE * 4 + 3 * self.HT * 4 + 64)
 
@@ -493,6 +494,7 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sink: 
         raise ValueError(f"{op}: q's head dim ({D}) must be a multiple of 64 in [64, 512]")
     if not 1 <= T <= MAX_TOKENS:
         raise ValueError(f"{op}: q must hold 1 .. {MAX_TOKENS} tokens, got {T}")
+    check_int32_indexable(op, "q", q.numel())
     check_tensor(op, "kv", kv, dtype=torch.bfloat16, ndim=2, contiguous=True)
     if kv.shape[1] != D or kv.shape[0] < 1:
         raise ValueError(f"{op}: kv must be [rows >= 1, {D}] (q's head dim), got {list(kv.shape)}")

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from cute_kernels.sink_attention import (KEY_TILE, MAX_SPLITS, SinkAttentionWorkspace, plan, sink_attention,
-                                         sink_attention_torch)
+from cute_kernels.sink_attention import (HEAD_TILES, KEY_TILE, MAX_SPLITS, SinkAttention, SinkAttentionWorkspace,
+                                         plan, sink_attention, sink_attention_torch)
 from cute_kernels.testing import sass
 from references import sink_attention_ref
 
@@ -176,6 +176,9 @@ def test_plan():
     assert plan(1, 16, 640, 132) == (16, 10)
     assert plan(1, 16, 64 * 40, 132) == (16, MAX_SPLITS)
     assert plan(2, 16, 1, 132) == (16, 1)
+    for ht in HEAD_TILES:  # every head tile fits the 227 KB a CTA may use, the output tile over the key buffers
+        k = SinkAttention(ht, 512, 64)
+        assert k.smem_bytes() <= 227 * 1024 and ht * k.o_pitch * 4 <= 2 * KEY_TILE * k.pitch * 2
     for T in range(1, 300, 7):
         for K in (1, 63, 640, 5000):
             ht, sp = plan(T, 64, K, 132)
