@@ -57,7 +57,7 @@ from cutlass import Float32, Int32, const_expr
 
 from . import jit
 from .arch import current_arch, dispatch
-from .validate import check_cuda, check_int32_indexable, check_tensor
+from .validate import check_cuda, check_int32_indexable, check_rotation, check_tensor
 
 VEC = 8
 
@@ -304,12 +304,7 @@ def compressor_pool(fresh: torch.Tensor, ring: torch.Tensor, pool: torch.Tensor,
     if tokens_per_request > ring.shape[1] - span + 1:
         raise ValueError(f"{op}: tokens_per_request={tokens_per_request} exceeds ring_rows - span + 1 = "
                          f"{ring.shape[1] - span + 1}: the ring writes would clobber rows a window reads")
-    r = 0
-    if rotate is not None:
-        check_tensor(op, "rotate", rotate, dtype=torch.float32, ndim=3, contiguous=True, align_bytes=8)
-        if rotate.shape[0] != T or rotate.shape[2] != 2 or not 1 <= 2 * rotate.shape[1] <= d:
-            raise ValueError(f"{op}: rotate must be [{T}, r/2, 2] with 2 <= r <= {d}, got {list(rotate.shape)}")
-        r = 2 * rotate.shape[1]
+    r = 0 if rotate is None else check_rotation(op, rotate, T, d)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
         raise TypeError(f"{op}: eps must be a non-negative float, got {eps!r}")
     check_int32_indexable(op, "ring", ring.numel())

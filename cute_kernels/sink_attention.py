@@ -81,7 +81,7 @@ from cutlass import Float32, Int32, const_expr
 from . import jit
 from .arch import current_arch, dispatch, num_sms
 from .grid_sync import last_arrival
-from .validate import check_cuda, check_int32_indexable, check_tensor
+from .validate import check_cuda, check_int32_indexable, check_rotation, check_tensor
 from .warp_mma import ldmatrix_operands
 
 LOG2E = math.log2(math.e)
@@ -506,12 +506,7 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sink: 
     check_tensor(op, "sink", sink, dtype=torch.float32, shape=(H,), contiguous=True, align_bytes=4)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise TypeError(f"{op}: scale must be a finite float, got {scale!r}")
-    r = 0
-    if rotate is not None:
-        check_tensor(op, "rotate", rotate, dtype=torch.float32, ndim=3, contiguous=True, align_bytes=8)
-        if rotate.shape[0] != T or rotate.shape[2] != 2 or not 1 <= 2 * rotate.shape[1] <= D:
-            raise ValueError(f"{op}: rotate must be [{T}, r/2, 2] with 2 <= r <= {D}, got {list(rotate.shape)}")
-        r = 2 * rotate.shape[1]
+    r = 0 if rotate is None else check_rotation(op, rotate, T, D)
     if out is None:
         out = torch.empty_like(q)
     else:
@@ -532,9 +527,7 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sink: 
     elif not workspace.fits(T, H, D, ht, splits):
         raise ValueError(f"{op}: workspace (max_tokens={workspace.max_tokens}, heads={workspace.heads}, "
                          f"dim={workspace.dim}) does not fit T={T}, H={H}, D={D}")
-    check_cuda(op, ("workspace", workspace.partials))
-    if workspace.partials.device != dev:
-        raise ValueError(f"{op}: workspace is on {workspace.partials.device}, the arguments on {dev}")
+    check_cuda(op, ("q", q), ("workspace", workspace.partials))
     fn = jit.get_kernel(op, a, heads_per_cta=ht, dim=D, rope_dim=r)
     P = jit.gmem_ptr
     bf16 = cutlass.BFloat16

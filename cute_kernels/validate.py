@@ -81,6 +81,15 @@ def check_cuda(op: str, *named: tuple[str, torch.Tensor]) -> torch.device:
     return dev
 
 
+def check_rotation(op: str, rotate, tokens: int, width: int) -> int:
+    """A RoPE rotation table: FP32 ``[tokens, r / 2, 2]`` (each token's (cos, sin) per pair),
+    contiguous, ``2 <= r <= width``. Returns ``r``."""
+    check_tensor(op, "rotate", rotate, dtype=torch.float32, ndim=3, contiguous=True, align_bytes=8)
+    if rotate.shape[0] != tokens or rotate.shape[2] != 2 or not 1 <= 2 * rotate.shape[1] <= width:
+        raise ValueError(f"{op}: rotate must be [{tokens}, r/2, 2] with 2 <= r <= {width}, got {list(rotate.shape)}")
+    return 2 * rotate.shape[1]
+
+
 def check_divisible(op: str, name: str, value: int, by: int, why: str = "") -> None:
     if value % by:
         raise ValueError(f"{op}: {name}={value} must be a multiple of {by}" + (f" ({why})" if why else ""))

@@ -54,7 +54,7 @@ from moe.finalize import moe_finalize
 from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size
 from moe.router import MoeRouter, RouterConfig, RouterOutput, align_torch, capacity, topk_torch
 
-from .model import forward_memo, rope_table
+from .model import forward_memo, rope_table, swiglu
 from .step_model import Ops, family
 
 
@@ -199,9 +199,9 @@ class FusedOps(Ops):
         N = ipool.shape[1] - 1  # entries a request may hold (the last row is the discarded one)
         rows = ipool.reshape(-1, D)  # request b's entries start at row slot * (N + 1)
         # the step's per-token cache offsets, positions and visible-entry counts: once per forward
-        off, p, n_vis = forward_memo(("indexer_args", N, ratio), (slots, pos), lambda: (
-            (slots[:, None].expand(B, S) * (N + 1)).reshape(-1).int().contiguous(), pos.reshape(-1).int().contiguous(),
-            torch.div(pos.reshape(-1) + 1, ratio, rounding_mode="floor").clamp_min(0).int()))
+        p, slot = self._token_ints(pos, slots)
+        off, n_vis = forward_memo(("indexer_args", N, ratio), (p, slot), lambda: (
+            slot * (N + 1), torch.div(p + 1, ratio, rounding_mode="floor").clamp_min(0).int()))
         k = min(topk, N)  # the torch-bf16 ops' width
         # a request's tokens are consecutive (t = b * S + s): a group within one request shares
         # its key tiles (a group spanning two requests would score them in per-token passes)
@@ -212,6 +212,14 @@ class FusedOps(Ops):
                            **group)
         idx = idx.view(B, S, k).long()
         return idx.clamp_min(0), idx >= 0
+
+    @staticmethod
+    def _token_ints(pos, slots):
+        """Each token's position and slot as contiguous int32 ``[B * S]`` (the kernels' per-token
+        metadata), once per forward."""
+        B, S = pos.shape
+        return forward_memo(("token_ints",), (pos, slots), lambda: (
+            pos.reshape(-1).int().contiguous(), slots[:, None].expand(B, S).reshape(-1).int().contiguous()))
 
     # ----------------------------------------------------------- compressor --------------
     def compress_step(self, L, prefix, h, pos, slots, ring, pool, m, csa, inv_freq, eps):
@@ -224,8 +232,7 @@ class FusedOps(Ops):
         # window get some rotation they never use); once per forward and ratio
         start = forward_memo(("entry_start", m), (pos,), lambda: torch.div(pos + 1, m, rounding_mode="floor") * m - m)
         rot = torch.view_as_real(rope_table(start, inv_freq)).reshape(B * S, -1, 2)
-        pos_i, slot_i = forward_memo(("compressor_args",), (pos, slots), lambda: (
-            pos.reshape(-1).int().contiguous(), slots[:, None].expand(B, S).reshape(-1).int().contiguous()))
+        pos_i, slot_i = self._token_ints(pos, slots)
         compressor_pool(fresh, ring, pool, L[prefix + "ape"], L[prefix + "norm.weight"], rot, pos_i, slot_i, ratio=m,
                         overlap=csa, eps=eps, tokens_per_request=S)
 
@@ -304,9 +311,8 @@ class FusedOps(Ops):
     def shared_expert(x, L, P):
         """:func:`spec_decode.model.shared_expert` with the gate and up rows in one product (the
         same dot products; bf16 outputs as the two separate products')."""
-        gu = x @ P["shared_w13"].T
-        g, u = gu.chunk(2, -1)
-        return (torch.nn.functional.silu(g) * u) @ L["ffn.shared_experts.w2.weight"].T
+        g, u = (x @ P["shared_w13"].T).chunk(2, -1)
+        return swiglu(g, u, None) @ L["ffn.shared_experts.w2.weight"].T
 
     def route(self, logits, L, P, cfg, tokens):
         """The router's padded, packed outputs (:class:`moe.router.RouterOutput`) in one launch:

@@ -61,10 +61,9 @@ class DecodeState:
         hd, D = cfg.head_dim, cfg.indexer_dim
         self.win_rows = cfg.window + lookahead
         #: per layer, one buffer of K = V rows: every slot's raw-KV ring (``win_rows`` rows each),
-        #: then every slot's pool of compressed entries (``pool_rows[l]`` each); ``win[l]`` and
-        #: ``pool[l]`` are views of it, so one row index addresses both (the row attention's ``kv``)
-        self.kv, self.pool_rows = [], {}
-        self.win = []
+        #: then every slot's pool of compressed entries; ``win[l]`` and ``pool[l]`` are views of
+        #: it, so one row index addresses both (the row attention's ``kv``)
+        self.kv, self.win = [], []
         self.crows, self.pool, self.irows, self.ipool = {}, {}, {}, {}
         for li in range(cfg.layers):
             m = cfg.ratio(li)
@@ -79,7 +78,6 @@ class DecodeState:
             rows = span + lookahead
             # kv and gate rows side by side: one gather serves both
             self.crows[li] = z(rows, 2 * coff * hd)
-            self.pool_rows[li] = ne + 1
             self.pool[li] = buf[slots * self.win_rows:].view(slots, ne + 1, hd)  # + 1: the row non-closing tokens write (never read)
             if csa:
                 self.irows[li] = z(rows, 4 * D)
@@ -426,7 +424,7 @@ class V4Layer:
             buf, slot_rows = win.view(-1, win.shape[-1]), win.shape[1]
         rows = window_rows(pos, slots, W, st.win_rows, slot_rows, block_row)
         if self.ratio:
-            first, n = st.slots * st.win_rows, st.pool_rows[li]  # the pool's first row; rows per slot
+            first, n = st.slots * st.win_rows, st.pool[li].shape[1]  # the pool's first row; rows per slot
             idx, valid = self.compressed_entries(h, qr, pos, slots, st, li)
             if idx is None:  # HCA: the window's rows then every entry's, once per forward
                 ent = entry_rows(pos, slots, self.ratio, first, n)
