@@ -46,6 +46,7 @@ import datetime
 import gc
 import hashlib
 import math
+import os
 import random
 import statistics
 import sys
@@ -270,6 +271,34 @@ def kernel_origin(name: str) -> str:
     return "torch"
 
 
+def kernel_table(kernels) -> list[tuple[str, int, float]]:
+    """One replay's kernels grouped by name: ``(name, launches, total ms)``, the longest total
+    first (names cut to 90 characters: CuTe DSL names carry their whole signature)."""
+    rows: dict[str, list] = {}
+    for k in kernels:
+        r = rows.setdefault(k.name[:90], [0, 0.0])
+        r[0] += 1
+        r[1] += (k.time_range.end - k.time_range.start) * 1e-3
+    return sorted(((n, c, t) for n, (c, t) in rows.items()), key=lambda r: -r[2])
+
+
+def kernel_lines(backends: list[str], case: str, results: dict) -> list[str]:
+    """Markdown tables of :func:`kernel_table` for the BS1 case's median verify and draft
+    replays of each backend: where a graph's time goes, kernel by kernel."""
+    lines = []
+    for b in backends:
+        res = results.get((b, case), {})
+        for graph in ("verify", "draft"):
+            rows = res.get(f"kernels_{graph}")
+            if not rows:
+                continue
+            total = sum(t for _, _, t in rows)
+            lines += ["", f"### {b}: {graph} graph, {case} (median replay; kernel time {total:.3f} ms)", "",
+                      "| kernel | launches | ms | % |", "|---|---|---|---|"]
+            lines += [f"| `{n}` | {c} | {t:.4f} | {100 * t / total:.1f} |" for n, c, t in rows]
+    return lines
+
+
 def timeline(eng, batch: int, cycles: int = 20) -> dict:
     """Trace metrics like the reference PR's: ``cycles`` draft + verify graph replays (the
     graphs captured for ``batch``, run on the scratch slot) under the CUDA profiler. The kernel
@@ -338,6 +367,9 @@ def timeline(eng, batch: int, cycles: int = 20) -> dict:
             busy += hi - lo
             cur = hi
     breakdown = {f"verify_{o}_ms": t * us for o, t in split.items()}
+    mid_d = sorted(range(cycles), key=lambda c: drafts[c][1] - drafts[c][0])[cycles // 2]
+    breakdown["kernels_verify"] = kernel_table(vk)
+    breakdown["kernels_draft"] = kernel_table(kern[mid_d * (nv + nd):mid_d * (nv + nd) + nd])
     breakdown["verify_mix"] = " / ".join(str(count[o]) for o in KERNEL_ORIGINS)
     breakdown["verify_idle_ms"] = (verifies[mid][1] - verifies[mid][0] - busy) * us
     return {**breakdown, "trace_verify_ms": statistics.median(z - a for a, z in verifies) * us,
@@ -557,6 +589,9 @@ def main(argv=None) -> int:
         text = "\n".join(head + table_lines(backends, cases, results))
         if args.out:  # after every case: a run cut short by a time limit keeps what it measured
             open(args.out, "w").write(text + ("\n\n(partial: the run was cut short)\n" if partial else "\n"))
+            kernels = kernel_lines(backends, cases[0][0], results)
+            if kernels:  # the BS1 graphs kernel by kernel, beside the table
+                open(os.path.splitext(args.out)[0] + ".kernels.md", "w").write("\n".join(head + kernels) + "\n")
         return text
 
     results = {}

@@ -370,6 +370,21 @@ def test_trace_kernel_origins():
     assert kernel_origin("void at::native::(anonymous namespace)::cunn_SoftMaxForward<...>") == "torch"
 
 
+def test_kernel_table_groups_one_replay_by_name():
+    """The per-kernel tables: launches and time summed per kernel name, longest total first,
+    percentages of the replay's kernel time."""
+    from types import SimpleNamespace as NS
+
+    from spec_decode import bench
+
+    ev = lambda name, a, z: NS(name=name, time_range=NS(start=a, end=z))  # noqa: E731 (profiler us)
+    rows = bench.kernel_table([ev("gemm", 0, 10), ev("norm", 10, 12), ev("gemm", 12, 22), ev("x" * 200, 22, 23)])
+    assert rows == [("gemm", 2, 0.02), ("norm", 1, 0.002), ("x" * 90, 1, 0.001)]
+    lines = bench.kernel_lines(["fused"], "BS1", {("fused", "BS1"): {"kernels_verify": rows}})
+    assert "### fused: verify graph, BS1 (median replay; kernel time 0.023 ms)" in lines
+    assert "| `gemm` | 2 | 0.0200 | 87.0 |" in lines
+
+
 def test_bench_cli_refuses_without_gpu_and_formats_progress(capsys):
     from spec_decode import bench
 
