@@ -9,6 +9,16 @@ For every token ``t`` (``x = X[t].flatten()``, length ``K = n*C``, ``m = 2n + n*
     H_res    = Sinkhorn_iters(exp(a_res * P[2n:].view(n, n) + b[2n:].view(n, n)))
     H[t]     = [H_pre | H_post | H_res (row-major)]        # fp32
 
+``maps`` (static) picks the mappings one launch computes: ``"all"``, ``"pre"`` (``H_pre``: the
+rows ``0..n`` of phi -- all a sublayer needs before its input, and all V4's final ``hc_head``
+collapse needs) or ``"post_res"`` (``H_post`` and ``H_res``: the rest, read only when the
+sublayer's output is mixed back). A decode step launches ``"pre"`` on its main stream and
+``"post_res"`` on a side stream beside the sublayer's body, which takes the Sinkhorn chain and
+five sixths of phi's bytes off the critical path. Each column is computed exactly as
+``"all"`` computes it (the same products, splits and summation order): the two parts are
+bit-equal to one ``"all"`` launch. ``H`` keeps its ``[T, 2n + n*n]`` layout; a part writes its
+own columns only.
+
 ``hc_eps`` (static; DeepSeek-V4's ``hc_eps`` = 1e-6, default 0): the first row normalisation
 (a softmax of the logits) is followed by ``+ hc_eps`` and every later normalisation divides
 by ``sum + hc_eps`` -- DeepSeek's ``hc_split_sinkhorn``.
@@ -82,26 +92,40 @@ COLS_PER_PASS = 2  # epilogue: (token, column) sums whose partials are loaded at
 MAX_SPLITS = 64  # partials per (token, column): the last CTA reads them all
 MAX_STREAMS = 8  # pre/post-mix; the statistics kernel takes n <= 4 (its accumulators)
 MAX_STATS_STREAMS = 4
+MAPS = ("all", "pre", "post_res")
 
 
 def num_maps(n: int) -> int:
     return 2 * n + n * n
 
 
-def padded_maps(n: int) -> int:
-    """Rows per phi plane: m rounded up to a multiple of 8 (the MMA's N granularity)."""
-    return -(-num_maps(n) // 8) * 8
+def map_range(n: int, maps: str = "all") -> tuple[int, int]:
+    """``(first, count)``: the columns of ``H`` (rows of phi) that ``maps`` computes."""
+    if maps not in MAPS:
+        raise ValueError(f"mhc_stats: maps must be one of {MAPS}, got {maps!r}")
+    return {"all": (0, num_maps(n)), "pre": (0, n), "post_res": (n, n + n * n)}[maps]
+
+
+def padded_maps(n: int, maps: str = "all") -> int:
+    """Rows per phi plane: the part's map count rounded up to a multiple of 8 (the MMA's N
+    granularity)."""
+    return -(-map_range(n, maps)[1] // 8) * 8
 
 
 class MhcStats:
-    """Compile-time configuration: streams ``n``, hidden ``C``, Sinkhorn iterations."""
+    """Compile-time configuration: streams ``n``, hidden ``C``, Sinkhorn iterations, the
+    mappings computed (``maps``: this launch's ``m`` columns of H from column ``first``)."""
 
-    def __init__(self, n: int, hidden: int, sinkhorn_iters: int, stages: int = STAGES, hc_eps: float = 0.0):
+    def __init__(self, n: int, hidden: int, sinkhorn_iters: int, stages: int = STAGES, hc_eps: float = 0.0,
+                 maps: str = "all"):
         self.hc_eps = float(hc_eps)
         self.n, self.C, self.iters = n, hidden, sinkhorn_iters
         self.K = n * hidden
-        self.m = num_maps(n)
-        self.mp = padded_maps(n)  # rows per phi plane (multiple of 8)
+        self.width = num_maps(n)  # H's row: every mapping
+        self.first, self.m = map_range(n, maps)
+        self.sigmoids = 2 * n - self.first if maps != "pre" else n  # sigmoid columns (pre / post) of the part
+        self.sinkhorn = maps != "pre"  # H_res: the part's columns sigmoids .. m
+        self.mp = padded_maps(n, maps)  # rows per phi plane (multiple of 8)
         self.nvec = self.K // VEC
         self.nchunks = -(-self.K // CHUNK)
         self.threads = 128
@@ -115,8 +139,8 @@ class MhcStats:
         mX = cute.make_tensor(x_ptr, cute.make_layout((num_tokens, self.K), stride=(self.K, 1)))
         mPhi = cute.make_tensor(phi_ptr, cute.make_layout((N2, self.K), stride=(self.K, 1)))  # [hi; lo] planes
         mAlpha = cute.make_tensor(alpha_ptr, cute.make_layout((3,)))
-        mBias = cute.make_tensor(bias_ptr, cute.make_layout((self.m,)))
-        mH = cute.make_tensor(h_ptr, cute.make_layout((num_tokens, self.m), stride=(self.m, 1)))
+        mBias = cute.make_tensor(bias_ptr, cute.make_layout((self.width,)))
+        mH = cute.make_tensor(h_ptr, cute.make_layout((num_tokens, self.width), stride=(self.width, 1)))
         # [t, j, split] with a fixed MAX_SPLITS pitch: one (t, j) column's splits are
         # contiguous 16-byte vectors for the epilogue
         mPart = cute.make_tensor(part_ptr, cute.make_layout((num_tokens, m1, MAX_SPLITS),
@@ -260,7 +284,7 @@ class MhcStats:
     @cute.jit
     def epilogue(self, mAlpha: cute.Tensor, mBias: cute.Tensor, mH: cute.Tensor, mPart: cute.Tensor,
                  sP: cute.Tensor, tok0: Int32, live: Int32, splits: Int32, eps: Float32):
-        m, n = self.m, self.n
+        m, n, first = self.m, self.n, self.first
         tidx, _, _ = cute.arch.thread_idx()
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         # Split partials: thread -> (token, column); all of a thread's loads (up to
@@ -290,28 +314,41 @@ class MhcStats:
                 if tt < live:
                     sP[tt, j] = s
         cute.arch.barrier()
-        a_pre, a_post, a_res = mAlpha[0], mAlpha[1], mAlpha[2]
+        a_pre, a_post = mAlpha[0], mAlpha[1]
         one = Float32(1.0)
-        for idx in cutlass.range(tidx, live * 2 * n, self.threads):
-            tt = idx // (2 * n)
-            i = idx - tt * (2 * n)
+        sig = self.sigmoids
+        for idx in cutlass.range(tidx, live * sig, self.threads):
+            tt = idx // sig
+            i = idx - tt * sig  # the part's column; H's is first + i
+            gi = first + i
             r = cute.math.rsqrt(sP[tt, m] / Float32(self.K) + eps)
-            z = cutlass.select_(i < n, a_pre, a_post) * (r * sP[tt, i]) + mBias[i]
-            h = cutlass.select_(i < n, one, Float32(2.0)) / (one + cute.math.exp(-z))
+            z = cutlass.select_(gi < n, a_pre, a_post) * (r * sP[tt, i]) + mBias[gi]
+            h = cutlass.select_(gi < n, one, Float32(2.0)) / (one + cute.math.exp(-z))
             if cutlass.const_expr(self.hc_eps != 0.0):
-                h = h + cutlass.select_(i < n, Float32(self.hc_eps), Float32(0.0))
-            mH[tok0 + tt, i] = h
-        # Sinkhorn: one thread per token, the n x n matrix in registers. rcp.approx (rel.
-        # error <= 2^-23) instead of IEEE division: the iterations are a serial latency
-        # chain, and an IEEE divide costs ~10x an MUFU.RCP; the n row (column) sums and
-        # reciprocals of a step are independent, so a step is ~one add chain + one RCP.
+                h = h + cutlass.select_(gi < n, Float32(self.hc_eps), Float32(0.0))
+            mH[tok0 + tt, gi] = h
+        if cutlass.const_expr(self.sinkhorn):
+            self.sinkhorn_maps(mAlpha, mBias, mH, sP, tok0, live, eps)
+
+    @cute.jit
+    def sinkhorn_maps(self, mAlpha: cute.Tensor, mBias: cute.Tensor, mH: cute.Tensor, sP: cute.Tensor, tok0: Int32,
+                      live: Int32, eps: Float32):
+        """``H_res`` of the tile's tokens from their summed products (``sP`` columns
+        ``sigmoids ..``, H's columns ``2n ..``). Sinkhorn: one thread per token, the n x n
+        matrix in registers. rcp.approx (rel. error <= 2^-23) instead of IEEE division: the
+        iterations are a serial latency chain, and an IEEE divide costs ~10x an MUFU.RCP; the
+        n row (column) sums and reciprocals of a step are independent, so a step is ~one add
+        chain + one RCP."""
+        m, n, s0 = self.m, self.n, self.sigmoids
+        a_res = mAlpha[2]
+        tidx, _, _ = cute.arch.thread_idx()
         if tidx < live:
             r = cute.math.rsqrt(sP[tidx, m] / Float32(self.K) + eps)
             # Flat, row-major: M[i * n + j]. (A 2-D CuTe tensor indexed with one integer
             # walks its coordinates column-major, which would transpose H_res.)
             M = cute.make_rmem_tensor(cute.make_layout((n * n,)), Float32)
             for e in cutlass.range_constexpr(n * n):
-                M[e] = cute.math.exp(a_res * (r * sP[tidx, 2 * n + e]) + mBias[2 * n + e])
+                M[e] = cute.math.exp(a_res * (r * sP[tidx, s0 + e]) + mBias[2 * n + e])
             inv = cute.make_rmem_tensor(cute.make_layout((n,)), Float32)
             he = self.hc_eps
             for it in cutlass.range_constexpr(self.iters):
@@ -343,19 +380,21 @@ class MhcStats:
         return 1 <= n <= MAX_STATS_STREAMS and hidden % VEC == 0 and hidden > 0 and 0 <= sinkhorn_iters <= 100
 
     @staticmethod
-    def compile(arch: str, n: int, hidden: int, sinkhorn_iters: int = 20, hc_eps: float = 0.0):
-        extra = {"hc_eps": float(hc_eps)} if hc_eps else {}  # the compile key of hc_eps = 0 is unchanged
+    def compile(arch: str, n: int, hidden: int, sinkhorn_iters: int = 20, hc_eps: float = 0.0, maps: str = "all"):
+        # the compile keys of hc_eps = 0 and of every mapping are unchanged
+        extra = ({"hc_eps": float(hc_eps)} if hc_eps else {}) | ({"maps": maps} if maps != "all" else {})
         return jit.get_kernel("mhc_stats", arch, n=n, hidden=hidden, sinkhorn_iters=sinkhorn_iters, **extra)
 
 
-def _build(arch: str, *, n: int, hidden: int, sinkhorn_iters: int, hc_eps: float = 0.0):
+def _build(arch: str, *, n: int, hidden: int, sinkhorn_iters: int, hc_eps: float = 0.0, maps: str = "all"):
     if not MhcStats.can_implement(n, hidden, sinkhorn_iters):
         raise ValueError(f"mhc_stats: unsupported n={n}, hidden={hidden}, sinkhorn_iters={sinkhorn_iters}")
+    map_range(n, maps)
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.BFloat16, 16), P(Float32, 4), P(Float32, 4), P(Float32, 4),
             P(Float32, 16),
             P(Int32, 4), Int32(1), Int32(1), Int32(1), Float32(1e-6), jit.fake_stream())
-    return MhcStats(n, hidden, sinkhorn_iters, hc_eps=hc_eps), args
+    return MhcStats(n, hidden, sinkhorn_iters, hc_eps=hc_eps, maps=maps), args
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -364,9 +403,9 @@ KERNEL = jit.register(jit.KernelDef(
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
                   for f in ("mhc_stats.py", "grid_sync.py", "warp_mma.py")),
     archs=("sm_90a", "sm_100a", "sm_103a"),
-    aot_configs=({"n": 4, "hidden": 4096, "sinkhorn_iters": 20, "hc_eps": 1e-6},
-                 {"n": 4, "hidden": 7168, "sinkhorn_iters": 20, "hc_eps": 1e-6},
-                 {"n": 4, "hidden": 7168, "sinkhorn_iters": 20}),
+    # DeepSeek-V4-Flash / -Pro: every mapping, and the pre / post_res parts of a decode step
+    aot_configs=tuple({"n": 4, "hidden": C, "sinkhorn_iters": 20, "hc_eps": 1e-6} | ({"maps": p} if p != "all" else {})
+                      for C in (4096, 7168) for p in MAPS) + ({"n": 4, "hidden": 7168, "sinkhorn_iters": 20},),
     description="mHC r, P = (X r) phi, sigmoid / Sinkhorn mappings; split-K, one launch",
 ))
 
@@ -399,10 +438,11 @@ class MhcStatsWorkspace:
         self.counters = torch.zeros(-(-max_tokens // TOKEN_TILE), dtype=torch.int32, device=device)
 
 
-def mhc_split_phi(phi: torch.Tensor) -> torch.Tensor:
-    """fp32 ``phi [m, K]`` -> the kernel's bf16 ``[2 * mp, K]``: a high and a low plane.
+def mhc_split_phi(phi: torch.Tensor, maps: str = "all") -> torch.Tensor:
+    """fp32 ``phi [m, K]`` -> the kernel's bf16 ``[2 * mp, K]`` for the mappings ``maps``
+    (their rows of phi, :func:`map_range`): a high and a low plane.
 
-    ``hi = bf16(phi)``, ``lo = bf16(phi - hi)`` (rows ``m..mp-1`` of each plane are zero), so
+    ``hi = bf16(phi)``, ``lo = bf16(phi - hi)`` (rows past the part's count are zero), so
     ``hi + lo`` carries 16 significant bits of every weight (relative error <= 2^-17) and
     one bf16 MMA pass over both planes with FP32 accumulation gives ``x . phi`` to about
     FP32 quality. phi is a weight: split it once at load time, not per call.
@@ -412,22 +452,29 @@ def mhc_split_phi(phi: torch.Tensor) -> torch.Tensor:
     n = next((k for k in range(1, MAX_STATS_STREAMS + 1) if num_maps(k) == m), None)
     if n is None:
         raise ValueError(f"mhc_split_phi: phi.shape[0] = {m} is not 2n + n*n for n in 1..{MAX_STATS_STREAMS}")
-    mp = padded_maps(n)
+    first, count = map_range(n, maps)
+    mp = padded_maps(n, maps)
+    part = phi[first:first + count]
     out = torch.zeros(2, mp, K, dtype=torch.bfloat16, device=phi.device)
-    out[0, :m] = phi.bfloat16()
-    out[1, :m] = (phi - out[0, :m].float()).bfloat16()
+    out[0, :count] = part.bfloat16()
+    out[1, :count] = (part - out[0, :count].float()).bfloat16()
     return out.view(2 * mp, K)
 
 
-def mhc_stats_torch(x, phi, alpha, bias, eps, iters, hc_eps=0.0, out=None):
-    """The op in PyTorch (fp32 ``phi`` or its split planes): the fallback for devices without
-    a CuTe path and the custom op's CPU kernel (not the test reference: tests/references.py)."""
+def mhc_stats_torch(x, phi, alpha, bias, eps, iters, hc_eps=0.0, out=None, maps="all"):
+    """The op in PyTorch (fp32 ``phi`` or the part's split planes): the fallback for devices
+    without a CuTe path and the custom op's CPU kernel (not the test reference:
+    tests/references.py). Writes the columns of ``maps`` only (``out`` None: the others NaN)."""
     T, n, C = x.shape
+    first, count = map_range(n, maps)
     if phi.dtype == torch.bfloat16:
         mp = phi.shape[0] // 2
-        phi = (phi[:mp].float() + phi[mp:].float())[:num_maps(n)]
+        phi = (phi[:mp].float() + phi[mp:].float())[:count]
+    else:
+        phi = phi[first:first + count]
     xf = x.float().reshape(T, n * C)
-    P = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * (xf @ phi.T)
+    P = torch.full((T, num_maps(n)), float("nan"), device=x.device)
+    P[:, first:first + count] = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * (xf @ phi.T)
     h_pre = torch.sigmoid(alpha[0] * P[:, :n] + bias[:n]) + hc_eps
     h_post = 2 * torch.sigmoid(alpha[1] * P[:, n:2 * n] + bias[n:2 * n])
     M = torch.exp(alpha[2] * P[:, 2 * n:] + bias[2 * n:]).view(T, n, n)
@@ -437,17 +484,22 @@ def mhc_stats_torch(x, phi, alpha, bias, eps, iters, hc_eps=0.0, out=None):
             M = M + hc_eps
         M = M / (M.sum(-2, keepdim=True) + hc_eps)
     H = torch.cat([h_pre, h_post, M.reshape(T, n * n)], -1)
-    return H if out is None else out.copy_(H)
+    if out is None:
+        out = torch.full_like(H, float("nan"))
+    out[:, first:first + count] = H[:, first:first + count]
+    return out
 
 
 def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, *, eps: float = 1e-6,
-              sinkhorn_iters: int = 20, hc_eps: float = 0.0, workspace: MhcStatsWorkspace | None = None,
-              out: torch.Tensor | None = None,
+              sinkhorn_iters: int = 20, hc_eps: float = 0.0, maps: str = "all",
+              workspace: MhcStatsWorkspace | None = None, out: torch.Tensor | None = None,
               max_ctas: int | None = None, stream=None, arch: str | None = None) -> torch.Tensor:
     """mHC mappings ``H [T, 2n + n*n]`` (fp32: ``[H_pre | H_post | H_res row-major]``) from ``x [T, n, C]``.
 
     ``phi`` is fp32 ``[2n + n*n, n*C]`` (one row per mapping coefficient) or, for the hot
-    path, its split planes from :func:`mhc_split_phi` (bf16 ``[2 mp, n*C]``), ``alpha`` fp32
+    path, its split planes from :func:`mhc_split_phi` for the same ``maps`` (bf16 ``[2 mp,
+    n*C]``); ``maps`` (``"all"``, ``"pre"``, ``"post_res"``) the columns computed -- the
+    others of ``out`` are left as they were (of a new ``out``: NaN); ``alpha`` fp32
     ``[3]`` = ``(a_pre, a_post, a_res)``, ``bias`` fp32 ``[2n + n*n]``. Pass a
     :class:`MhcStatsWorkspace` and ``out`` to make the call allocation-free (graph capture).
     ``max_ctas`` (default: two per SM, what fits) bounds the split-K grid -- fewer CTAs
@@ -462,12 +514,14 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
         raise ValueError(f"{op}: x.shape[2] (hidden C) = {C} must be a multiple of {VEC}")
     check_tensor(op, "x", x, align_bytes=16)
     m, K = num_maps(n), n * C
+    if not isinstance(maps, str) or maps not in MAPS:
+        raise ValueError(f"{op}: maps must be one of {MAPS}, got {maps!r}")
     check_int32_indexable(op, "x", T * K)
     check_tensor(op, "phi", phi, dtype=(torch.float32, torch.bfloat16), ndim=2, contiguous=True, align_bytes=16)
     if phi.dtype == torch.float32:
         check_tensor(op, "phi", phi, shape=(m, K))
     else:
-        check_tensor(op, "phi", phi, shape=(2 * padded_maps(n), K))
+        check_tensor(op, "phi", phi, shape=(2 * padded_maps(n, maps), K))
     check_tensor(op, "alpha", alpha, dtype=torch.float32, shape=(3,), contiguous=True, align_bytes=4)
     check_tensor(op, "bias", bias, dtype=torch.float32, shape=(m,), contiguous=True, align_bytes=4)
     if not isinstance(sinkhorn_iters, int) or not 0 <= sinkhorn_iters <= 100:
@@ -477,12 +531,13 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
     if not isinstance(hc_eps, (int, float)) or isinstance(hc_eps, bool) or not 0 <= hc_eps < 1:
         raise TypeError(f"{op}: hc_eps must be a float in [0, 1), got {hc_eps!r}")
     if out is None:
-        out = torch.empty(T, m, dtype=torch.float32, device=x.device)
+        out = (torch.empty if maps == "all" else torch.full)((T, m), *(() if maps == "all" else (float("nan"),)),
+                                                              dtype=torch.float32, device=x.device)
     check_tensor(op, "out", out, dtype=torch.float32, shape=(T, m), contiguous=True, align_bytes=4)
     check_cuda(op, ("x", x), ("phi", phi), ("alpha", alpha), ("bias", bias), ("out", out))
     a = arch if arch is not None else current_arch(x.device)
     if dispatch(op, ("portable", "reference"), arch=a) == "reference":
-        return mhc_stats_torch(x, phi, alpha, bias, eps, sinkhorn_iters, hc_eps, out)
+        return mhc_stats_torch(x, phi, alpha, bias, eps, sinkhorn_iters, hc_eps, out, maps)
     if T == 0:
         return out
     if workspace is None:
@@ -497,8 +552,8 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
         raise ValueError(f"{op}: max_ctas must be a positive int, got {max_ctas!r}")
     splits, per = plan_splits(T, K, max_ctas or 2 * num_sms(x.device.index or 0))
     if phi.dtype == torch.float32:
-        phi = mhc_split_phi(phi)  # allocates: callers on the hot path pass the split planes
-    fn = MhcStats.compile(a, n, C, sinkhorn_iters, hc_eps)
+        phi = mhc_split_phi(phi, maps)  # allocates: callers on the hot path pass the split planes
+    fn = MhcStats.compile(a, n, C, sinkhorn_iters, hc_eps, maps)
     P = jit.gmem_ptr
     fn(P(cutlass.BFloat16, x, 16), P(cutlass.BFloat16, phi, 16), P(Float32, alpha, 4), P(Float32, bias, 4),
        P(Float32, out, 4), P(Float32, workspace.partials, 16), P(Int32, workspace.counters, 4), jit.i32(T),

@@ -3,8 +3,11 @@
 Per op family (activations bf16 on the GPU; weights prepared once here, for the target's layers
 and the draft's stages):
 
-* mHC: :func:`mhc_stats` with DeepSeek-V4's ``hc_eps``, :func:`mhc_pre_mix`,
-  :func:`mhc_post_mix` (bit-exact rounding sequences);
+* mHC: :func:`mhc_stats` with DeepSeek-V4's ``hc_eps`` in two parts -- ``H_pre`` on the main
+  stream, ``H_post`` / ``H_res`` (Sinkhorn, five sixths of phi) on a side stream beside the
+  sublayer's attention or MoE, joined at the post-mix; bit-equal to one launch --
+  :func:`mhc_pre_mix`, :func:`mhc_post_mix` (bit-exact rounding sequences); V4's final
+  ``hc_head`` collapse computes ``H_pre`` only;
 * RMSNorm (the sublayer, q, kv, per-head, compressor-entry and final norms): one launch of
   :func:`rms_norm` each, with the RoPE that follows the per-head q, KV and entry norms fused in;
 * indexer: :func:`indexer_topk` over the layer's compressed indexer entries
@@ -17,15 +20,13 @@ and the draft's stages):
 * MoE: :class:`MoeRouter` (one launch: sqrt-softplus top-k + bias, or hash-routed from the
   layer's ``tid2eid``), :func:`mxfp8_quantize_routed`, the expert GEMMs (gate/up with the
   SwiGLU clamp, SiLU * up and MXFP8 requantisation fused) and :func:`moe_finalize` fused with
-  the shared-expert add (the shared expert on a side stream).
-
+  the shared-expert add (the shared expert on a side stream);
 * compressors (decode / verify steps): the kv | gate product with the two weights side by side,
-  then :func:`compressor_pool` -- the windows' softmax pooling, norm, RoPE, pool and ring writes;
+  then :func:`compressor_pool` -- the windows' softmax pooling, norm, RoPE, pool and ring writes.
 
-The row-index arithmetic stays PyTorch ops
-(:class:`spec_decode.step_model.V4Layer`); prefill chunks gather their keys (any width). In the target layers the mHC statistics run inline
-(nothing independent of their input is in flight there); in the draft each stage's context
-write runs beside them (:meth:`spec_decode.engine.Engine._draft_step`).
+The row-index arithmetic stays PyTorch ops (:class:`spec_decode.step_model.V4Layer`); prefill
+chunks gather their keys (any width). In the draft each stage's context write also runs beside
+the stage's mHC statistics (:meth:`spec_decode.engine.Engine._draft_step`).
 
 Draft: :class:`MxDraftHead`, the draft's LM head on an MXFP8 copy (heads of 64 MiB or more,
 up to 16 rows; by default per-tensor e4m3 scores above).
@@ -35,6 +36,8 @@ Status: CPU-checked glue (``tests/test_fused_ops_plumbing.py``); GPU tests in
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -61,6 +64,12 @@ from .step_model import Ops, family
 class FusedOps(Ops):
     """Kernels for a bf16 :class:`TargetModel` (and its draft) on a CUDA device."""
 
+    #: the mHC mappings in two parts: H_pre on the main stream (the sublayer's input needs it
+    #: now), H_post and H_res -- the Sinkhorn chain and most of phi -- on a side stream beside
+    #: the sublayer's body, joined before the post-mix reads them (False: one launch on the
+    #: main stream)
+    split_mhc = True
+
     def __init__(self, target, max_tokens: int, max_len: int, moe_row_tile: int | None = 16,
                  indexer_token_group: int = 3, draft=None, release_bf16_experts: bool = False,
                  _cpu_for_tests: bool = False):
@@ -79,6 +88,10 @@ class FusedOps(Ops):
         self.cfg, self.max_tokens, self.max_len = cfg, max_tokens, max_len
         self.moe_row_tile, self.indexer_token_group = moe_row_tile, indexer_token_group
         self.mhc_ws = MhcStatsWorkspace(cfg.mhc_n, max_tokens, device=dev)
+        if self.split_mhc:  # H_post / H_res's stream and workspace (split_mhc)
+            self.mhc_side = torch.cuda.Stream(device=dev) if on_cuda else None
+            self.mhc_side_ws = MhcStatsWorkspace(cfg.mhc_n, max_tokens, device=dev)
+        self._mhc_joins = 0  # side-stream mappings launched and not yet joined
         self.idx_ws = IndexerWorkspace(max_tokens, max_len // cfg.csa_ratio, device=dev)
         rc = RouterConfig(num_experts=cfg.experts, n_group=1, topk_group=1, top_k=cfg.top_k,
                           routed_scaling_factor=cfg.routed_scaling_factor, score="sqrtsoftplus")
@@ -112,12 +125,14 @@ class FusedOps(Ops):
             bias[:n] = W["hc_head_base"].float()
             alpha = torch.zeros(3, device=dev)
             alpha[0] = W["hc_head_scale"].float()[0]
-            self._head[id(W)] = (mhc_split_phi(phi), alpha, bias)
+            self._head[id(W)] = (mhc_split_phi(phi, "pre"), alpha, bias)  # H_pre: all the collapse reads
         layers = list(target.layers) + (list(draft.stages) if draft is not None else [])
         for L in layers:
             P = {}
             for site in ("attn", "ffn"):
-                P[f"{site}_planes"] = mhc_split_phi(L[f"hc_{site}_fn"].float().contiguous())
+                phi = L[f"hc_{site}_fn"].float().contiguous()
+                for part in ("pre", "post_res") if self.split_mhc else ("all",):
+                    P[f"{site}_planes_{part}"] = mhc_split_phi(phi, part)
                 P[f"{site}_alpha"] = L[f"hc_{site}_scale"].float().contiguous()
                 P[f"{site}_bias"] = L[f"hc_{site}_base"].float().contiguous()
             if "ffn.gate.tid2eid" in L:  # a hash-routed layer: its own router holds its table
@@ -141,17 +156,34 @@ class FusedOps(Ops):
 
     # ------------------------------------------------------------------ mHC --------------
     def mhc_mappings(self, X, L, site, cfg):
-        """-> the packed fp32 [T, 2n + n*n] mappings the mix kernels read."""
+        """-> the packed fp32 [T, 2n + n*n] mappings the mix kernels read: one launch, or (with
+        ``split_mhc``) H_pre on this stream and H_post / H_res forked onto ``mhc_side``,
+        joined by :meth:`post_mix` -- bit-equal either way."""
         P = self._layer[id(L)]
-        return self._mappings(X, P[f"{site}_planes"], P[f"{site}_alpha"], P[f"{site}_bias"], cfg)
+        alpha, bias = P[f"{site}_alpha"], P[f"{site}_bias"]
+        if not self.split_mhc:
+            return self._mappings(X, P[f"{site}_planes_all"], alpha, bias, cfg)
+        x, H = self._mappings_out(X, cfg)
+        stats = dict(eps=cfg.eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.mhc_sinkhorn_iters, out=H)
+        side = self.mhc_side
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())  # fork: X is ready
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            mhc_stats(x, P[f"{site}_planes_post_res"], alpha, bias, maps="post_res", workspace=self.mhc_side_ws,
+                      **stats)
+        self._mhc_joins += side is not None
+        mhc_stats(x, P[f"{site}_planes_pre"], alpha, bias, maps="pre", workspace=self.mhc_ws, **stats)
+        return H
 
-    def _mappings(self, X, planes, alpha, bias, cfg):
+    def _mappings_out(self, X, cfg):
         n = cfg.mhc_n
         B, S = X.shape[:2]
-        x = X.reshape(B * S, n, cfg.hidden).contiguous()
-        H = torch.empty(B * S, 2 * n + n * n, device=X.device)
+        return X.reshape(B * S, n, cfg.hidden).contiguous(), torch.empty(B * S, 2 * n + n * n, device=X.device)
+
+    def _mappings(self, X, planes, alpha, bias, cfg, maps="all"):
+        x, H = self._mappings_out(X, cfg)
         mhc_stats(x, planes, alpha, bias, eps=cfg.eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.mhc_sinkhorn_iters,
-                  workspace=self.mhc_ws, out=H)
+                  maps=maps, workspace=self.mhc_ws, out=H)
         return H
 
     @staticmethod
@@ -182,13 +214,16 @@ class FusedOps(Ops):
         head = self._head.get(id(W))
         if head is None:
             return Ops.hc_head(self, X, W, cfg)
-        return self.pre_mix(X, self._mappings(X, *head, cfg))
+        return self.pre_mix(X, self._mappings(X, *head, cfg, maps="pre"))
 
     def pre_mix(self, X, maps):
         B, S, n, C = X.shape
         return mhc_pre_mix(X.reshape(B * S, n, C).contiguous(), maps).view(B, S, C)
 
     def post_mix(self, X, maps, f):
+        if self._mhc_joins:  # join: the side stream's H_post / H_res
+            torch.cuda.current_stream().wait_stream(self.mhc_side)
+            self._mhc_joins = 0
         B, S, n, C = X.shape
         x = X.reshape(B * S, n, C).contiguous()
         return mhc_post_mix(x, maps, f.reshape(B * S, C).to(torch.bfloat16).contiguous()).view(B, S, n, C)
@@ -355,12 +390,16 @@ class BaseOps(FusedOps):
     * WO-A group-major (batched GEMM) plus a transpose copy instead of the token-major
       epilogue;
     * indexer candidate masking as a separate pass over the scores before the top-k, instead
-      of fused into the select.
+      of fused into the select;
+    * the mHC mappings in one launch on the main stream instead of H_pre there and H_post /
+      H_res on a side stream (bit-equal).
 
     Every rounding point of these composites equals :class:`FusedOps`' except WO-A (cuBLAS's
     accumulation order) and the indexer scores (FP32 einsum vs the kernel's MMA): both arms
     run the same experts, so ``base`` vs ``fused`` measures the fusions, not the formats.
     """
+
+    split_mhc = False
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)

@@ -13,17 +13,25 @@ from cute_kernels.compressor_pool import compressor_pool_torch
 from cute_kernels.sink_attention import sink_attention_torch
 from references import (align_ref, finalize_shared_ref, mhc_post_mix_ref,
                         mhc_pre_mix_ref, mhc_stats_ref, row_rms_ref, v4_indexer_scores_ref)
+from cute_kernels.mhc_stats import map_range
 from spec_decode.config import ModelConfig
 from spec_decode.draft import DraftModel
 from spec_decode.model import TargetModel
 from spec_decode.step_model import DecodeState, Ops, StepModel
 
 
-def fake_mhc_stats(x, planes, alpha, bias, *, eps, hc_eps, sinkhorn_iters, workspace, out):
+MHC_CALLS = []  # (maps, workspace) per mhc_stats call
+
+
+def fake_mhc_stats(x, planes, alpha, bias, *, eps, hc_eps, sinkhorn_iters, workspace, out, maps="all"):
+    """The part's columns of the FP64 reference from the part's planes; the others untouched."""
+    MHC_CALLS.append((maps, workspace))
+    first, count = map_range(x.shape[1], maps)
     mp = planes.shape[0] // 2
-    m = bias.shape[0]
-    phi = (planes[:mp].float() + planes[mp:].float())[:m]
-    out.copy_(mhc_stats_ref(x, phi, alpha, bias, eps, sinkhorn_iters, hc_eps).float())
+    phi = torch.zeros(bias.shape[0], planes.shape[1])
+    phi[first:first + count] = (planes[:mp].float() + planes[mp:].float())[:count]
+    H = mhc_stats_ref(x, phi, alpha, bias, eps, sinkhorn_iters, hc_eps).float()
+    out[:, first:first + count] = H[:, first:first + count]
     return out
 
 
@@ -549,6 +557,38 @@ def test_compress_step_matches_the_composite(fakes):
     assert seen == {(CFG.csa_ratio, "attn.compressor."), (CFG.csa_ratio, "attn.indexer.compressor."),
                     (CFG.hca_ratio, "attn.compressor.")}
     assert COMPRESSOR_CALLS
+
+
+def test_mhc_mappings_in_two_parts_equal_one_launch(fakes):
+    """The fused arm computes each sublayer's mappings as H_pre (main workspace) and H_post /
+    H_res (the side stream's workspace); the base arm in one launch; hc_head H_pre only. The
+    step's outputs equal the one-launch mappings' (the parts are the same columns)."""
+    class OneLaunch(fo.FusedOps):
+        split_mhc = False
+
+    m, _ = _models()
+    out = {}
+    for cls in (fo.FusedOps, OneLaunch, fo.BaseOps):
+        ops = cls(m, max_tokens=26, max_len=64, _cpu_for_tests=True)
+        st = DecodeState(CFG, 3, 64, 6, m.dtype, "cpu", draft_stages=CFG.draft_stages)
+        sm = StepModel(m, ops)
+        slots = torch.tensor([1, 0])
+        g = torch.Generator().manual_seed(2)
+        sm.forward(torch.randint(0, CFG.vocab, (2, 9), generator=g), torch.arange(9)[None].expand(2, -1), slots, st)
+        MHC_CALLS.clear()
+        out[cls] = sm.forward(torch.randint(0, CFG.vocab, (2, 6), generator=g),
+                              9 + torch.arange(6)[None].expand(2, -1), slots, st)
+        calls = list(MHC_CALLS)
+        sublayers = 2 * CFG.layers
+        if cls is fo.FusedOps:
+            assert [c[0] for c in calls] == ["post_res", "pre"] * sublayers + ["pre"]
+            assert all(w is ops.mhc_side_ws for p, w in calls if p == "post_res")
+            assert all(w is ops.mhc_ws for p, w in calls if p == "pre")
+        else:
+            assert [c[0] for c in calls] == ["all"] * sublayers + ["pre"]
+    a, b = out[fo.FusedOps], out[OneLaunch]
+    for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+        assert torch.equal(x, y)
 
 
 def test_hc_head_through_the_mappings_kernels(fakes):

@@ -6,7 +6,8 @@ import torch
 
 from cute_kernels.mhc_pre_mix import mhc_pre_mix
 from cute_kernels.mhc_post_mix import mhc_post_mix
-from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_split_phi, mhc_stats, num_maps, plan_splits
+from cute_kernels.mhc_stats import (MhcStatsWorkspace, map_range, mhc_split_phi, mhc_stats, mhc_stats_torch, num_maps,
+                                    plan_splits)
 from cute_kernels.testing import sass
 from references import mhc_post_mix_ref, mhc_pre_mix_ref, mhc_stats_ref
 
@@ -159,6 +160,68 @@ def test_mhc_sublayer_against_model_reference(seed):
     assert (X2.float().cpu() - X2_ref).norm() / X2_ref.norm() < 2**-8
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 6, 37, 384])
+@pytest.mark.parametrize("n, C, hc_eps", [(4, 4096, 1e-6), (4, 7168, 0.0), (3, 1000, 0.0)])
+def test_stats_parts_bit_equal_to_all(seed, T, n, C, hc_eps):
+    """``"pre"`` and ``"post_res"`` write exactly their columns, each bit-equal to one ``"all"``
+    launch (the same products, splits and sums): launched concurrently on two streams inside a
+    CUDA graph, as the decode step does, with fresh inputs before every replay."""
+    x, phi, alpha, bias = make_inputs(T, n, C)
+    m = num_maps(n)
+    planes = {p: mhc_split_phi(phi, p) for p in ("all", "pre", "post_res")}
+    ws_main, ws_side = MhcStatsWorkspace(n, T), MhcStatsWorkspace(n, T)
+    H_all = torch.empty(T, m, device="cuda")
+    H = torch.empty(T, m, device="cuda")
+    side = torch.cuda.Stream()
+
+    def step():
+        mhc_stats(x, planes["all"], alpha, bias, eps=EPS, hc_eps=hc_eps, workspace=ws_main, out=H_all)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            mhc_stats(x, planes["post_res"], alpha, bias, eps=EPS, hc_eps=hc_eps, maps="post_res",
+                      workspace=ws_side, out=H)
+        mhc_stats(x, planes["pre"], alpha, bias, eps=EPS, hc_eps=hc_eps, maps="pre", workspace=ws_main, out=H)
+        torch.cuda.current_stream().wait_stream(side)
+
+    first, count = map_range(n, "pre")
+    for part in ("pre", "post_res"):  # eager, one part at a time: the other columns untouched
+        H.fill_(float("nan"))
+        mhc_stats(x, planes[part], alpha, bias, eps=EPS, hc_eps=hc_eps, maps=part, workspace=ws_main, out=H)
+        mhc_stats(x, planes["all"], alpha, bias, eps=EPS, hc_eps=hc_eps, workspace=ws_main, out=H_all)
+        torch.cuda.synchronize()
+        a, c = map_range(n, part)
+        assert torch.equal(H[:, a:a + c], H_all[:, a:a + c])
+        assert H[:, :a].isnan().all() and H[:, a + c:].isnan().all()
+    step()  # warm (compiles) outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for _ in range(3):
+        x.copy_((torch.randn(T, n, C, device="cuda") * 2 + 0.3).bfloat16())
+        H.fill_(float("nan"))
+        H_all.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(H, H_all)
+        check_stats(x, phi, alpha, bias, H, hc_eps=hc_eps)
+
+
+def test_stats_parts_cpu_fallback_write_their_columns():
+    """The PyTorch path computes a part's columns as the whole op does and leaves the rest."""
+    x, phi, alpha, bias = make_inputs(3, 4, 64, device="cpu")
+    full = mhc_stats_torch(x, phi, alpha, bias, EPS, 20, 1e-6)
+    for part in ("pre", "post_res"):
+        a, c = map_range(4, part)
+        H = mhc_stats_torch(x, mhc_split_phi(phi, part), alpha, bias, EPS, 20, 1e-6, maps=part)
+        planes = mhc_stats_torch(x, mhc_split_phi(phi), alpha, bias, EPS, 20, 1e-6)
+        assert torch.equal(H[:, a:a + c], planes[:, a:a + c])
+        assert H[:, :a].isnan().all() and H[:, a + c:].isnan().all()
+        H32 = mhc_stats_torch(x, phi, alpha, bias, EPS, 20, 1e-6, maps=part)
+        assert torch.equal(H32[:, a:a + c], full[:, a:a + c])
+
+
 def test_split_phi_planes():
     phi = torch.randn(24, 512) / 20
     planes = mhc_split_phi(phi)
@@ -168,6 +231,15 @@ def test_split_phi_planes():
     assert planes.shape == (32, 64) and planes[15].abs().sum() == 0 and planes[31].abs().sum() == 0
     with pytest.raises(ValueError, match="2n \\+ n\\*n"):
         mhc_split_phi(torch.zeros(7, 64))
+    # a part's planes: its rows of phi, padded to 8 (pre: 4 -> 8; post_res: 20 -> 24)
+    phi = torch.randn(24, 64)
+    pre, rest = mhc_split_phi(phi, "pre"), mhc_split_phi(phi, "post_res")
+    assert pre.shape == (16, 64) and rest.shape == (48, 64)
+    assert torch.equal(pre[:4], phi[:4].bfloat16()) and pre[4:8].abs().sum() == 0
+    assert torch.equal(rest[:20], phi[4:].bfloat16()) and rest[20:24].abs().sum() == 0
+    assert torch.equal(rest[24:44], mhc_split_phi(phi)[28:48])
+    with pytest.raises(ValueError, match="maps"):
+        mhc_split_phi(phi, "res")
 
 
 def test_plan_splits_covers_k_and_bounds_workspace():
@@ -194,6 +266,8 @@ def _cpu_args(**over):
     (dict(phi=torch.zeros(24, 256).bfloat16()), ValueError, "phi must have shape [48, 256]"),
     (dict(alpha=torch.zeros(2)), ValueError, "alpha must have shape [3]"),
     (dict(bias=torch.zeros(20)), ValueError, "bias must have shape [24]"),
+    (dict(maps="res"), ValueError, "maps must be one of"),
+    (dict(maps="pre", phi=torch.zeros(48, 256).bfloat16()), ValueError, "phi must have shape [16, 256]"),
     (dict(), ValueError, "CUDA"),
 ])
 def test_stats_validation(over, exc, words):
@@ -233,6 +307,13 @@ def test_machine_code(arch):
     assert sass.count(h, "ATOMG") >= 1  # the last-CTA counter
     h = sass.sass_histogram("mhc_stats", arch, n=4, hidden=4096, sinkhorn_iters=20, hc_eps=1e-6)  # V4-Flash
     assert sass.local_memory_ops(h) == 0 and sass.count(h, "HMMA") >= 24
+    # the decode step's two parts: H_pre (one n-tile: 8 k-steps) and H_post + H_res
+    pre = sass.sass_histogram("mhc_stats", arch, n=4, hidden=4096, sinkhorn_iters=20, hc_eps=1e-6, maps="pre")
+    rest = sass.sass_histogram("mhc_stats", arch, n=4, hidden=4096, sinkhorn_iters=20, hc_eps=1e-6,
+                               maps="post_res")
+    # Sinkhorn's 20 iterations x 2n reciprocals live in post_res only (pre: the sigmoid's divide)
+    assert sass.local_memory_ops(pre) == 0 and sass.count(pre, "HMMA") == 8 and sass.count(pre, "MUFU.RCP") < 8
+    assert sass.local_memory_ops(rest) == 0 and sass.count(rest, "HMMA") >= 24 and sass.count(rest, "MUFU.RCP") >= 160
     for name in ("mhc_pre_mix", "mhc_post_mix"):
         h = sass.sass_histogram(name, arch, n=4, hidden=7168)
         assert sass.local_memory_ops(h) == 0
