@@ -36,8 +36,8 @@
 #   bash tools/device.sh attention           sink_attention and compressor_pool GPU tests, then the
 #                                            attention bench
 #   bash tools/device.sh smoke               one call's first look after kernel / runtime changes:
-#                                            'attention', the runtime's GPU tests at `small`, then the
-#                                            runtime bench at v4_flash_slice (--quick)
+#                                            'attention', the mHC parts, the runtime's GPU tests at `small`
+#   bash tools/device.sh quick-bench         the runtime bench at v4_flash_slice (--quick, acceptance 5.5)
 set -u
 source tools/device-env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -121,9 +121,12 @@ attention)
   timeout 240 python bench/bench_sink_attention.py --out "$OUT/bench_sink_attention.md" 2>&1 | tail -15
   ;;
 smoke)
-  timeout 170 bash "$0" attention
-  timeout 200 $PYT -m gpu tests/test_spec_decode.py -k "small or draft_head" 2>&1 | tee "$OUT/spec-small.log" | tail -15
-  timeout 220 python -m spec_decode.bench --model v4_flash_slice --acceptance-length 5.5 --quick \
+  timeout 200 bash "$0" attention
+  timeout 90 $PYT -m gpu tests/test_mhc.py -k "parts" 2>&1 | tee "$OUT/mhc-parts.log" | tail -5
+  timeout 280 $PYT -m gpu tests/test_spec_decode.py -k "small or draft_head" 2>&1 | tee "$OUT/spec-small.log" | tail -15
+  ;;
+quick-bench)
+  timeout 560 python -m spec_decode.bench --model v4_flash_slice --acceptance-length 5.5 --quick \
     --out "$OUT/bench_runtime_quick.md" 2>&1 | tail -45
   ;;
 peers)
