@@ -1,4 +1,5 @@
-"""Benchmark mHC: statistics kernel, pre/post-mix, and the side-stream overlap.
+"""Benchmark mHC: statistics kernel (whole, and the decode step's two parts), pre/post-mix, and
+the side-stream overlap.
 
     python bench/bench_mhc.py [--out FILE]
 
@@ -81,6 +82,38 @@ def bench_stats():
                      f"{nbytes / ours / 1e12:.2f}", f"{100 * nbytes / ours / H200_COPY_BW:.0f}%"])
     return markdown_table(["shape (n=4, C=7168)", "mhc_stats us", "torch composite us", "speedup",
                            "TB/s (X + phi)", "% of 4.3 TB/s"], rows)
+
+
+def bench_parts():
+    """The decode step's split: ``maps="pre"`` (the main stream's part) and ``"post_res"`` (the
+    side stream's) against one ``"all"`` launch, at DeepSeek-V4-Flash's C = 4096 with its
+    ``hc_eps``; the parts are checked bit-equal to ``"all"`` first. "critical path saved" is
+    ``all - pre``: what the main stream no longer waits for when the side part is hidden."""
+    rows = []
+    C4, m = 4096, num_maps(N)
+    for T in (1, 6, 64, 384):
+        rot = rotation_count(T * N * C4 * 2)
+        xs = [torch.randn(T, N, C4, device="cuda").bfloat16() for _ in range(rot)]
+        phi = torch.randn(m, N * C4, device="cuda") / (N * C4) ** 0.5
+        alpha, bias = torch.rand(3, device="cuda") + 0.5, torch.randn(m, device="cuda") * 0.5
+        ws = MhcStatsWorkspace(N, T)
+        planes = {p: mhc_split_phi(phi, p) for p in ("all", "pre", "post_res")}
+        H_all, H = torch.empty(T, m, device="cuda"), torch.full((T, m), float("nan"), device="cuda")
+
+        def run(i, p, out):
+            mhc_stats(xs[i], planes[p], alpha, bias, eps=EPS, hc_eps=1e-6, maps=p, workspace=ws, out=out)
+
+        run(0, "all", H_all)
+        run(0, "pre", H)
+        run(0, "post_res", H)
+        torch.cuda.synchronize()
+        if not torch.equal(H, H_all):
+            raise SystemExit(f"mhc_stats parts T={T}: not bit-equal to one launch; not timing them")
+        t = {p: time_graph(lambda i, p=p: run(i, p, H), rot) for p in ("all", "pre", "post_res")}
+        rows.append([f"T={T}", f"{t['all'] * 1e6:.2f}", f"{t['pre'] * 1e6:.2f}", f"{t['post_res'] * 1e6:.2f}",
+                     f"{(t['all'] - t['pre']) * 1e6:.2f}"])
+    return markdown_table(["shape (n=4, C=4096, hc_eps)", "all us", "pre us (main stream)",
+                           "post_res us (side stream)", "critical path saved us"], rows)
 
 
 def bench_mix():
@@ -177,7 +210,7 @@ def main():
     ov = [profile_overlap(T, mc) for T in (5, 64) for mc in (None, 32)]
     text = "\n".join([
         f"## mHC statistics / mixes -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
-        "Command: `python bench/bench_mhc.py`", "", bench_stats(), "", bench_mix(), "",
+        "Command: `python bench/bench_mhc.py`", "", bench_stats(), "", bench_parts(), "", bench_mix(), "",
         "Side-stream overlap (replayed graph, torch profiler; main stream: WO-B GEMM [T,16384]x[16384,7168]):", "",
         markdown_table(["shape", "stats max_ctas", "stats kernels profiled", "stats us (median)", "GEMM us (median)",
                         "stats time overlapped", "GEMM alone us", "serial graph us", "forked graph us",
