@@ -91,7 +91,9 @@ class FusedOps(Ops):
         if self.split_mhc:  # H_post / H_res's stream and workspace (split_mhc)
             self.mhc_side = torch.cuda.Stream(device=dev) if on_cuda else None
             self.mhc_side_ws = MhcStatsWorkspace(cfg.mhc_n, max_tokens, device=dev)
-        self._mhc_joins = 0  # side-stream mappings launched and not yet joined
+        # what the side stream's launches read and write, held until post_mix joins them (the
+        # caching allocator must not hand their memory to the main stream before then)
+        self._mhc_pending = []
         self.idx_ws = IndexerWorkspace(max_tokens, max_len // cfg.csa_ratio, device=dev)
         rc = RouterConfig(num_experts=cfg.experts, n_group=1, topk_group=1, top_k=cfg.top_k,
                           routed_scaling_factor=cfg.routed_scaling_factor, score="sqrtsoftplus")
@@ -171,7 +173,8 @@ class FusedOps(Ops):
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             mhc_stats(x, P[f"{site}_planes_post_res"], alpha, bias, maps="post_res", workspace=self.mhc_side_ws,
                       **stats)
-        self._mhc_joins += side is not None
+        if side is not None:
+            self._mhc_pending.append((x, H))
         mhc_stats(x, P[f"{site}_planes_pre"], alpha, bias, maps="pre", workspace=self.mhc_ws, **stats)
         return H
 
@@ -221,9 +224,9 @@ class FusedOps(Ops):
         return mhc_pre_mix(X.reshape(B * S, n, C).contiguous(), maps).view(B, S, C)
 
     def post_mix(self, X, maps, f):
-        if self._mhc_joins:  # join: the side stream's H_post / H_res
+        if self._mhc_pending:  # join: the side stream's H_post / H_res
             torch.cuda.current_stream().wait_stream(self.mhc_side)
-            self._mhc_joins = 0
+            self._mhc_pending.clear()
         B, S, n, C = X.shape
         x = X.reshape(B * S, n, C).contiguous()
         return mhc_post_mix(x, maps, f.reshape(B * S, C).to(torch.bfloat16).contiguous()).view(B, S, n, C)
