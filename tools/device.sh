@@ -7,7 +7,8 @@
 #                                            SHARD: the whole suite
 #   bash tools/device.sh sanitize [ARGS]     the GPU tests ARGS under compute-sanitizer memcheck
 #   bash tools/device.sh sanitize-sync TOOL  the grid-synchronising kernels' GPU tests (router, mHC
-#                                            split-K, WO-A decode split-K, push all-reduce) under
+#                                            split-K and its two-stream parts, WO-A decode split-K,
+#                                            push all-reduce, sink_attention's split merge) under
 #                                            compute-sanitizer --tool TOOL (racecheck or synccheck)
 #   bash tools/device.sh bench-kernels [B..] the kernel benchmarks B (default: every bench/bench_*.py;
 #                                            tables in $OUT)
@@ -66,6 +67,7 @@ sanitize-sync)
   compute-sanitizer --tool "$tool" --report-api-errors no $PYT -m gpu -x \
     tests/test_moe_router.py "tests/test_mhc.py::test_stats_match_fp64" \
     tests/test_wo_a.py::test_decode_kernel_every_split_and_graph_replay "tests/test_comm.py::test_fused_finalize_shared_allreduce_bit_exact" \
+    tests/test_sink_attention.py::test_deterministic_and_graph_replay "tests/test_mhc.py::test_stats_parts_bit_equal_to_all" \
     2>&1 | tee "$OUT/sanitize-$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" | tail -10
   exit "${PIPESTATUS[0]}"
   ;;
