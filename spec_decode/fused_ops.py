@@ -170,6 +170,8 @@ class FusedOps(Ops):
         side = self.mhc_side
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())  # fork: X is ready
+        # both parts on the default grid: the one-launch kernel's splits, so its summation order
+        # (a smaller side grid would leave SMs to the main stream but change the FP32 sums)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             mhc_stats(x, P[f"{site}_planes_post_res"], alpha, bias, maps="post_res", workspace=self.mhc_side_ws,
                       **stats)
