@@ -123,9 +123,9 @@ attention)
   timeout 240 python bench/bench_sink_attention.py --out "$OUT/bench_sink_attention.md" 2>&1 | tail -15
   ;;
 smoke)
-  timeout 200 bash "$0" attention
-  timeout 90 $PYT -m gpu tests/test_mhc.py -k "parts" 2>&1 | tee "$OUT/mhc-parts.log" | tail -5
-  timeout 280 $PYT -m gpu tests/test_spec_decode.py -k "small or draft_head" 2>&1 | tee "$OUT/spec-small.log" | tail -15
+  timeout 190 bash "$0" attention
+  timeout 80 $PYT -m gpu tests/test_mhc.py -k "parts" 2>&1 | tee "$OUT/mhc-parts.log" | tail -5
+  timeout 250 $PYT -m gpu tests/test_spec_decode.py -k "small or draft_head" 2>&1 | tee "$OUT/spec-small.log" | tail -15
   ;;
 quick-bench)
   timeout 560 python -m spec_decode.bench --model v4_flash_slice --acceptance-length 5.5 --quick \
