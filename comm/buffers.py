@@ -171,6 +171,37 @@ class PushAllReduceGroup:
            jit.i32(delay), jit.cu_stream(stream))
         return out
 
+    def warm_up(self, streams: dict, topk: int | None = None) -> None:
+        """Compile, load and launch once -- before any CUDA-graph capture -- each kernel variant
+        the graphs will replay: the all-reduce, and with ``topk`` the finalize + shared add +
+        all-reduce. A kernel's first call compiles it and loads its module, which a capturing
+        stream does not permit (the capture is invalidated). ``streams``: this process's ranks
+        and the stream each launches on -- every rank of the group must call this at the same
+        point (the launches wait for each other); one token of zeros per variant, the same
+        launches on every rank, so the phase counters stay in step. Synchronises, then raises
+        :class:`AllReduceTimeout` if a rank's bounded wait expired."""
+        if not streams:
+            return
+        dev = next(rb.phase.device for rb in self.ranks if rb is not None)
+        x = torch.zeros(1, self.hidden, dtype=torch.bfloat16, device=dev)
+        outs = {r: torch.empty_like(x) for r in streams}
+        main = torch.cuda.current_stream(dev)
+        variants = [lambda r, s: self.allreduce(r, x, out=outs[r], stream=s)]
+        if topk is not None:
+            y = torch.zeros(topk, self.hidden, dtype=torch.bfloat16, device=dev)
+            w = torch.zeros(1, topk, dtype=torch.float32, device=dev)
+            pos = torch.arange(topk, dtype=torch.int32, device=dev)  # [T * topk]: rows of y
+            variants.append(lambda r, s: self.finalize_shared_allreduce(r, y, w, pos, x, out=outs[r], stream=s))
+        for launch in variants:  # every rank's launch of one variant before the next variant
+            for r, s in streams.items():
+                s.wait_stream(main)
+                with torch.cuda.stream(s):
+                    launch(r, s)
+            for s in streams.values():
+                main.wait_stream(s)
+        torch.cuda.synchronize(dev)
+        self.check()
+
     def allreduce(self, rank: int, partial: torch.Tensor, *, out: torch.Tensor | None = None, stream=None,
                   arch: str | None = None, delay: int = 0) -> torch.Tensor:
         """``out = bf16(sum over ranks of partial)`` -- every rank of the group must call it."""

@@ -162,6 +162,9 @@ class Engine:
             from comm.buffers import PushAllReduceGroup
 
             ops.push, ops.push_rank = PushAllReduceGroup.from_process_group(max_tokens, cfg.model.hidden, dev)
+            # its kernels compiled, loaded and launched once before any graph captures them
+            ops.push.warm_up({ops.push_rank: torch.cuda.current_stream(dev)},
+                             topk=cfg.model.top_k if cfg.backend == "fused" else None)
 
     def _simulated_ranks(self, max_tokens: int):
         """``tp`` ranks in this process (:class:`spec_decode.step_model.SimulatedRanks`): rank 0
@@ -192,7 +195,10 @@ class Engine:
             o.push_rank, o.push, o.group = r, push, threads
         states = [self.state] + [DecodeState(mc, self.state.slots, cfg.max_seq_len, cfg.block_size + 1,
                                              self.model.dtype, dev) for _ in range(1, tp)]
-        return SimulatedRanks([StepModel(v, o) for v, o in zip(views, opss)], states, threads)
+        ranks = SimulatedRanks([StepModel(v, o) for v, o in zip(views, opss)], states, threads)
+        if push is not None:  # the push kernels compiled, loaded and launched before any capture
+            push.warm_up(dict(enumerate(ranks.streams)), topk=mc.top_k if cfg.backend == "fused" else None)
+        return ranks
 
     def _kernel_ops(self, target, max_tokens: int, draft):
         """The base or fused backend's ops for ``target`` (the model, or one rank's view of it),

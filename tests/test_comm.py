@@ -166,6 +166,49 @@ def test_graph_replays_with_delayed_reader(seed):
 
 
 @pytest.mark.gpu
+def test_warm_up_then_first_capture_replays(seed):
+    """A group whose kernels this process has never launched: ``warm_up`` compiles, loads and
+    launches both variants once (phases in step), so a graph can capture them -- the decode
+    runtime's first TP capture. Fresh inputs before every replay, every replay checked."""
+    from comm.buffers import PushAllReduceGroup
+
+    world, T, H, k, rows = 4, 6, 4096, 6, 48  # V4-Flash's hidden and top-k: variants unused above
+    g = PushAllReduceGroup.simulated(world, max_tokens=8, hidden=H)
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    g.warm_up(dict(enumerate(streams)), topk=k)
+    assert (torch.stack([rb.phase for rb in g.ranks]) == 2).all()
+    parts = [torch.empty(T, H, device="cuda", dtype=torch.bfloat16) for _ in range(world)]
+    ys = [torch.empty(rows, H, device="cuda", dtype=torch.bfloat16) for _ in range(world)]
+    ws = [torch.empty(T, k, device="cuda") for _ in range(world)]
+    pos = [torch.randperm(rows, device="cuda")[: T * k].int() for _ in range(world)]
+    outs = [torch.empty(T, H, device="cuda", dtype=torch.bfloat16) for _ in range(world)]
+    fouts = [torch.empty(T, H, device="cuda", dtype=torch.bfloat16) for _ in range(world)]
+    cap = torch.cuda.Stream()
+    cap.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(cap), torch.cuda.graph(graph, stream=cap):
+        run_ranks(g, lambda r, d: g.allreduce(r, parts[r], out=outs[r]), streams)
+        run_ranks(g, lambda r, d: g.finalize_shared_allreduce(r, ys[r], ws[r], pos[r], parts[r], out=fouts[r]),
+                  streams)
+    for it in range(3):
+        for r in range(world):
+            parts[r].copy_(torch.randn(T, H, device="cuda").bfloat16())
+            ys[r].copy_(torch.randn(rows, H, device="cuda").bfloat16())
+            ws[r].copy_(torch.rand(T, k, device="cuda"))
+        for o in outs + fouts:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        g.check()
+        ref = allreduce_ref([p.cpu() for p in parts])
+        fref = allreduce_ref([finalize_shared_ref(ys[r].cpu(), ws[r].cpu(), pos[r].cpu(), parts[r].cpu())
+                              for r in range(world)])
+        for r in range(world):
+            assert torch.equal(outs[r].cpu(), ref) and torch.equal(fouts[r].cpu(), fref), f"replay {it}, rank {r}"
+    assert (torch.stack([rb.phase for rb in g.ranks]) == 2 + 2 * 3).all()
+
+
+@pytest.mark.gpu
 def test_absent_rank_times_out_with_error(seed):
     from comm.buffers import AllReduceTimeout, PushAllReduceGroup
 
