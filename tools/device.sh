@@ -27,7 +27,8 @@
 #                                            1..64), then its bench at v4_flash_slice (quick: --quick)
 #   bash tools/device.sh numerics [MODEL]    per-op error of fused / base against FP32 (spec_decode.numerics;
 #                                            MODEL default small)
-#   bash tools/device.sh tp [MODEL]          simulated TP4 on one GPU: its GPU tests, then the bench
+#   bash tools/device.sh tp [MODEL]          simulated TP4 on one GPU: its GPU tests (and the push group's
+#                                            warm-up before a first capture), then the bench
 #                                            (--tp 4 --simulate-ranks; MODEL default small)
 #   bash tools/device.sh host-cost           eager host cost per call (entry points, the DSL call path,
 #                                            custom ops, runtime-only ctypes launchers) and the
@@ -108,7 +109,7 @@ numerics)
   python -m spec_decode.numerics --model "${1:-small}" --out "$OUT/numerics_${1:-small}.md" 2>&1 | tail -15
   ;;
 tp)
-  $PYT -m gpu tests/test_tensor_parallel.py 2>&1 | tee "$OUT/tp-tests.log" | tail -25
+  $PYT -m gpu tests/test_comm.py -k "warm_up" tests/test_tensor_parallel.py 2>&1 | tee "$OUT/tp-tests.log" | tail -25
   python -m spec_decode.bench --model "${1:-small}" --tp 4 --simulate-ranks --quick \
     --out "$OUT/bench_runtime_tp4.md" 2>&1 | tail -40
   ;;
