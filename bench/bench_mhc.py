@@ -53,7 +53,7 @@ def stats_composite(x, phi, alpha, bias):
     return torch.cat([h_pre, h_post, M.reshape(T, N * N)], -1)
 
 
-def inputs(T):
+def inputs(T, C=C):
     m = num_maps(N)
     rot = rotation_count(T * N * C * 2)
     xs = [torch.randn(T, N, C, device="cuda").bfloat16() for _ in range(rot)]
@@ -90,12 +90,10 @@ def bench_parts():
     ``hc_eps``; the parts are checked bit-equal to ``"all"`` first. "critical path saved" is
     ``all - pre``: what the main stream no longer waits for when the side part is hidden."""
     rows = []
-    C4, m = 4096, num_maps(N)
+    m = num_maps(N)
     for T in (1, 6, 64, 384):
-        rot = rotation_count(T * N * C4 * 2)
-        xs = [torch.randn(T, N, C4, device="cuda").bfloat16() for _ in range(rot)]
-        phi = torch.randn(m, N * C4, device="cuda") / (N * C4) ** 0.5
-        alpha, bias = torch.rand(3, device="cuda") + 0.5, torch.randn(m, device="cuda") * 0.5
+        xs, phi, alpha, bias = inputs(T, C=4096)
+        rot = len(xs)
         ws = MhcStatsWorkspace(N, T)
         planes = {p: mhc_split_phi(phi, p) for p in ("all", "pre", "post_res")}
         H_all, H = torch.empty(T, m, device="cuda"), torch.full((T, m), float("nan"), device="cuda")

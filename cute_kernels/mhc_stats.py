@@ -514,8 +514,7 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
         raise ValueError(f"{op}: x.shape[2] (hidden C) = {C} must be a multiple of {VEC}")
     check_tensor(op, "x", x, align_bytes=16)
     m, K = num_maps(n), n * C
-    if not isinstance(maps, str) or maps not in MAPS:
-        raise ValueError(f"{op}: maps must be one of {MAPS}, got {maps!r}")
+    map_range(n, maps)  # a named ValueError for an unknown part
     check_int32_indexable(op, "x", T * K)
     check_tensor(op, "phi", phi, dtype=(torch.float32, torch.bfloat16), ndim=2, contiguous=True, align_bytes=16)
     if phi.dtype == torch.float32:
@@ -531,8 +530,8 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
     if not isinstance(hc_eps, (int, float)) or isinstance(hc_eps, bool) or not 0 <= hc_eps < 1:
         raise TypeError(f"{op}: hc_eps must be a float in [0, 1), got {hc_eps!r}")
     if out is None:
-        out = (torch.empty if maps == "all" else torch.full)((T, m), *(() if maps == "all" else (float("nan"),)),
-                                                              dtype=torch.float32, device=x.device)
+        out = (torch.empty(T, m, dtype=torch.float32, device=x.device) if maps == "all"
+               else torch.full((T, m), float("nan"), dtype=torch.float32, device=x.device))
     check_tensor(op, "out", out, dtype=torch.float32, shape=(T, m), contiguous=True, align_bytes=4)
     check_cuda(op, ("x", x), ("phi", phi), ("alpha", alpha), ("bias", bias), ("out", out))
     a = arch if arch is not None else current_arch(x.device)

@@ -166,19 +166,16 @@ class FusedOps(Ops):
         if not self.split_mhc:
             return self._mappings(X, P[f"{site}_planes_all"], alpha, bias, cfg)
         x, H = self._mappings_out(X, cfg)
-        stats = dict(eps=cfg.eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.mhc_sinkhorn_iters, out=H)
         side = self.mhc_side
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())  # fork: X is ready
         # both parts on the default grid: the one-launch kernel's splits, so its summation order
         # (a smaller side grid would leave SMs to the main stream but change the FP32 sums)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            mhc_stats(x, P[f"{site}_planes_post_res"], alpha, bias, maps="post_res", workspace=self.mhc_side_ws,
-                      **stats)
+            self._stats(x, H, P[f"{site}_planes_post_res"], alpha, bias, cfg, "post_res", self.mhc_side_ws)
         if side is not None:
             self._mhc_pending.append((x, H))
-        mhc_stats(x, P[f"{site}_planes_pre"], alpha, bias, maps="pre", workspace=self.mhc_ws, **stats)
-        return H
+        return self._stats(x, H, P[f"{site}_planes_pre"], alpha, bias, cfg, "pre", self.mhc_ws)
 
     def _mappings_out(self, X, cfg):
         n = cfg.mhc_n
@@ -186,10 +183,13 @@ class FusedOps(Ops):
         return X.reshape(B * S, n, cfg.hidden).contiguous(), torch.empty(B * S, 2 * n + n * n, device=X.device)
 
     def _mappings(self, X, planes, alpha, bias, cfg, maps="all"):
-        x, H = self._mappings_out(X, cfg)
-        mhc_stats(x, planes, alpha, bias, eps=cfg.eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.mhc_sinkhorn_iters,
-                  maps=maps, workspace=self.mhc_ws, out=H)
-        return H
+        return self._stats(*self._mappings_out(X, cfg), planes, alpha, bias, cfg, maps, self.mhc_ws)
+
+    @staticmethod
+    def _stats(x, H, planes, alpha, bias, cfg, maps, workspace):
+        """``maps``' columns of ``H`` from ``x`` (:func:`mhc_stats` with the model's constants)."""
+        return mhc_stats(x, planes, alpha, bias, eps=cfg.eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.mhc_sinkhorn_iters,
+                         maps=maps, workspace=workspace, out=H)
 
     @staticmethod
     def _norm_kernel_takes(x, weight) -> bool:
