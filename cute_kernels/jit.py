@@ -316,13 +316,16 @@ _ADDR_MAX = 8192
 _addr_memo: dict[int, tuple] = {}
 
 
-def c_address(arg) -> int:
-    """Address of the C value the compiled function reads for ``arg``: a ``cute`` pointer or a
-    DSL scalar (``__c_pointers__``, its one entry) or a ``CUstream`` (``getPtr``, the handle
-    inside it). Memoised per object (the object is held, so its id cannot be reused)."""
+def c_entry(arg) -> tuple:
+    """``(arg, address, owner)``: the address of the C value the compiled function reads for
+    ``arg`` -- a ``cute`` pointer or a DSL scalar (``__c_pointers__``, its one entry) or a
+    ``CUstream`` (``getPtr``, the handle inside it) -- and what keeps that value alive (a
+    scalar's owning C pointer). Memoised per object (the object is held, so its id cannot be
+    reused). The memo is cleared when full, so a caller holds the entries of a launch's
+    arguments until the launch has read them (a cleared owner frees its scalar's value)."""
     hit = _addr_memo.get(id(arg))
     if hit is not None and hit[0] is arg:
-        return hit[1]
+        return hit
     if hasattr(arg, "__c_pointers__"):
         ptrs = arg.__c_pointers__()
         if len(ptrs) != 1:
@@ -331,10 +334,16 @@ def c_address(arg) -> int:
         addr = keep if isinstance(keep, int) else keep.value
     else:
         keep, addr = None, int(arg.getPtr())
+    entry = (arg, addr, keep)
     if len(_addr_memo) >= _ADDR_MAX:
         _addr_memo.clear()
-    _addr_memo[id(arg)] = (arg, addr, keep)
-    return addr
+    _addr_memo[id(arg)] = entry
+    return entry
+
+
+def c_address(arg) -> int:
+    """The address of :func:`c_entry`; valid while ``arg``'s entry is held or memoised."""
+    return c_entry(arg)[1]
 
 
 def _c_width(arg) -> int:
@@ -371,7 +380,8 @@ class DirectLaunch:
     def __call__(self, *args):
         types = tuple(map(type, args))
         if DIRECT_LAUNCH and self._checked.get(types):
-            return self._executor.run_compiled_program([c_address(a) for a in args])
+            entries = [c_entry(a) for a in args]  # held: the scalars' values live through the launch
+            return self._executor.run_compiled_program([e[1] for e in entries])
         out = self.fn(*args)
         if DIRECT_LAUNCH and types not in self._checked:
             self._checked[types] = self._same_addresses(args)
@@ -386,7 +396,8 @@ class DirectLaunch:
             return False
         try:
             theirs, _adapted = generate(*args)
-            ours = [c_address(a) for a in args]
+            entries = [c_entry(a) for a in args]
+            ours = [e[1] for e in entries]
         except Exception:  # noqa: BLE001 -- any surprise: stay on the DSL's path
             return False
         if len(theirs) != len(ours):

@@ -357,6 +357,8 @@ class SinkAttention:
             rsum = rsum + p
         for k in cutlass.range_constexpr(int(math.log2(G))):
             rsum = rsum + cute.arch.shuffle_sync_bfly(rsum, offset=1 << k)
+        # every lane of the row read sMax[h] above; a shuffle does not order shared memory
+        cute.arch.sync_warp()
         if lane == 0:
             sMax[h] = m_new
             sSum[h] = sSum[h] * corr + rsum

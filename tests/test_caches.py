@@ -532,6 +532,29 @@ def test_direct_launch_takes_the_executor_only_after_checking():
     assert fn.dsl_calls == 3 and fn._default_executor.calls == []
 
 
+def test_direct_launch_keeps_scalar_values_alive_when_the_memo_clears(monkeypatch):
+    """A memo that fills up mid-argument-list drops the owners of earlier scalars' C values;
+    the launch must still read every argument's own value (a dangling address would pass
+    freed memory -- a garbage size or pointer -- to the kernel)."""
+    import ctypes
+
+    from cutlass import Int32
+
+    fn = _FakeCompiled()
+    d = jit.DirectLaunch(fn)
+    d(Int32(1), Int32(2), Int32(3))  # checked through the DSL
+
+    def run(addrs):  # reuse freed small blocks before reading, as a busy process would
+        junk = [ctypes.c_void_p(ctypes.addressof(ctypes.c_int32(-1))) for _ in range(4096)]
+        fn._default_executor.calls.append([ctypes.c_int32.from_address(a).value for a in addrs])
+        del junk
+
+    monkeypatch.setattr(fn._default_executor, "run_compiled_program", run)
+    monkeypatch.setattr(jit, "_ADDR_MAX", 1)  # every new entry clears the memo
+    d(Int32(101), Int32(202), Int32(303))
+    assert fn._default_executor.calls == [[101, 202, 303]]
+
+
 def test_get_kernel_wraps_and_forwards_attributes(kdef, fresh_cache, tmp_path):
     """get_kernel's object is a DirectLaunch; the compiled function's own attributes (what the
     SASS tests and the artifact export read) come through it."""

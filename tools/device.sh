@@ -109,7 +109,8 @@ numerics)
   python -m spec_decode.numerics --model "${1:-small}" --out "$OUT/numerics_${1:-small}.md" 2>&1 | tail -15
   ;;
 tp)
-  $PYT -m gpu tests/test_comm.py -k "warm_up" tests/test_tensor_parallel.py 2>&1 | tee "$OUT/tp-tests.log" | tail -25
+  $PYT -m gpu "tests/test_comm.py::test_warm_up_then_first_capture_replays" tests/test_tensor_parallel.py 2>&1 \
+    | tee "$OUT/tp-tests.log" | tail -25
   python -m spec_decode.bench --model "${1:-small}" --tp 4 --simulate-ranks --quick \
     --out "$OUT/bench_runtime_tp4.md" 2>&1 | tail -40
   ;;
