@@ -198,7 +198,7 @@ def _gpu_engine(backend, tp, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["torch-bf16", "fused"])
+@pytest.mark.parametrize("backend", ["torch-bf16", "base", "fused"])
 def test_simulated_tp4_on_gpu_agrees_with_tp1(backend):
     """TP4 on one GPU (simulated ranks, push all-reduce in the graphs) against TP1 of the same
     weights: the same greedy token at >= 90% of teacher-forced positions (bf16: the ranks'
