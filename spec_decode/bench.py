@@ -256,7 +256,8 @@ def run_case(backend, model, batch, n_in, n_out, reference=None, **engine):
 #: ``FinalizeSharedAllReduce`` when it also finalizes and adds the shared expert)
 CUTE_FAMILIES = {"RouterTopkAlign": "router top-k / padding",
                  "FinalizeSharedAllReduce": "fused finalize (+ shared add)",
-                 "FinalizeShared": "fused finalize (+ shared add)", "PushAllReduce": "all-reduce"}
+                 "FinalizeShared": "fused finalize (+ shared add)", "MoeFinalize": "standalone finalize",
+                 "PushAllReduce": "all-reduce"}
 
 
 #: a traced kernel's origin, for the verify replay's time breakdown
