@@ -438,6 +438,21 @@ class MhcStatsWorkspace:
         self.counters = torch.zeros(-(-max_tokens // TOKEN_TILE), dtype=torch.int32, device=device)
 
 
+_WORKSPACES: dict = {}
+
+
+def _default_workspace(n: int, T: int, device: torch.device, stream) -> MhcStatsWorkspace:
+    """A call without a workspace (the custom op's): one per (device, stream, n), reused by
+    every such call on that stream and replaced by a larger one when T outgrows it (a call's
+    split-K partials and counters serve one launch in flight; launches on one stream run in
+    order). Its first use allocates: warm up outside a graph capture."""
+    key = (device, jit.stream_handle(stream), n)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws.max_tokens < T:
+        ws = _WORKSPACES[key] = MhcStatsWorkspace(n, max(T, 64), device=device)
+    return ws
+
+
 def mhc_split_phi(phi: torch.Tensor, maps: str = "all") -> torch.Tensor:
     """fp32 ``phi [m, K]`` -> the kernel's bf16 ``[2 * mp, K]`` for the mappings ``maps``
     (their rows of phi, :func:`map_range`): a high and a low plane.
@@ -501,7 +516,8 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
     n*C]``); ``maps`` (``"all"``, ``"pre"``, ``"post_res"``) the columns computed -- the
     others of ``out`` are left as they were (of a new ``out``: NaN); ``alpha`` fp32
     ``[3]`` = ``(a_pre, a_post, a_res)``, ``bias`` fp32 ``[2n + n*n]``. Pass a
-    :class:`MhcStatsWorkspace` and ``out`` to make the call allocation-free (graph capture).
+    :class:`MhcStatsWorkspace` and ``out`` to make the call allocation-free (graph capture);
+    without one, a cached workspace per (device, stream) serves the call (its first use allocates).
     ``max_ctas`` (default: two per SM, what fits) bounds the split-K grid -- fewer CTAs
     leave SMs to the kernels a side-stream launch should overlap.
     """
@@ -540,7 +556,7 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
     if T == 0:
         return out
     if workspace is None:
-        workspace = MhcStatsWorkspace(n, T, device=x.device)
+        workspace = _default_workspace(n, T, x.device, stream)
     if not isinstance(workspace, MhcStatsWorkspace):
         raise TypeError(f"{op}: workspace must be an MhcStatsWorkspace, got {type(workspace).__name__}")
     if workspace.n != n or workspace.max_tokens < T:

@@ -42,16 +42,18 @@ from .step_model import DecodeState, Ops, V4Layer
 
 class DraftModel:
     def __init__(self, cfg: ModelConfig, target, block_size: int = 5, seed: int = 1, dtype=torch.float32,
-                 device="cpu"):
+                 device="cpu", on_layer=None):
+        """``on_layer``: as :class:`spec_decode.model.TargetModel`'s, for each stage's weights."""
         self.cfg, self.target, self.block = cfg, target, block_size
+        keep = on_layer or (lambda L: L)
         w = WeightFactory(seed, dtype, device)
         C, n = cfg.hidden, cfg.mhc_n
         #: global tensors by name (``draft.`` prefix in a weights file)
         self.w = {"fc.weight": w(C, 3 * C), "fc_norm.weight": 1 + w(C, scale=0.1), "mask_embed": w(C, scale=1.0),
                   "norm.weight": 1 + w(C, scale=0.1), "hc_head_fn": w(n, n * C).float(),
                   "hc_head_base": w(n, scale=0.1).float(), "hc_head_scale": torch.ones(1, device=device)}
-        self.stages = [init_layer(cfg, layer_weight_shapes(cfg, None, hash_routed=False, ratio=0), w, w.g, dtype, device)
-                       for _ in range(cfg.draft_stages)]
+        self.stages = [keep(init_layer(cfg, layer_weight_shapes(cfg, None, hash_routed=False, ratio=0), w, w.g,
+                                       dtype, device)) for _ in range(cfg.draft_stages)]
         #: ``h [B, C] -> [B, vocab]`` scores whose per-row argmax is the draft token; None: the
         #: target's LM head in the model's dtype. The fused engine sets MxDraftHead.
         self.head = None

@@ -91,9 +91,17 @@ class Engine:
             if not config.simulate_ranks:
                 self.rank, config = _init_process_group(config)
                 self.config = config
-        self.model = TargetModel(mc, seed=config.seed, dtype=dtype, device=config.device)
+        on_layer = None
+        if config.backend in KERNEL_BACKENDS and config.weights is None:
+            # random weights for the kernel backends: each layer's routed experts become their
+            # MXFP8 operands as the layer is made (the bf16 experts of a V4-Flash slice alone
+            # would fill an 80 GB card)
+            from .fused_ops import quantize_layer_experts
+
+            on_layer = quantize_layer_experts
+        self.model = TargetModel(mc, seed=config.seed, dtype=dtype, device=config.device, on_layer=on_layer)
         self.draft = DraftModel(mc, self.model, config.block_size, seed=config.seed + 1, dtype=dtype,
-                                device=config.device)
+                                device=config.device, on_layer=on_layer)
         if config.weights is not None:
             from .weights import load_weights
 

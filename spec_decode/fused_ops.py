@@ -61,6 +61,29 @@ from .model import forward_memo, rope_table, swiglu
 from .step_model import Ops, family
 
 
+#: a layer's routed experts as the kernel backends read them (:func:`quantize_layer_experts`)
+EXPERT_OPERANDS = ("ffn.experts.gate_up_q", "ffn.experts.gate_up_s", "ffn.experts.down_q", "ffn.experts.down_s")
+
+
+def quantize_layer_experts(L: dict) -> dict:
+    """Replace layer ``L``'s bf16 routed experts (``ffn.experts.w1 / w3 / w2``) by the MXFP8
+    operands :class:`FusedOps` reads (:data:`EXPERT_OPERANDS`: gate and up rows interleaved,
+    e4m3 with swizzled UE8M0 block scales; the down projection likewise), in place; returns
+    ``L``. Passed as a model's ``on_layer``, each layer is converted as it is made, so the
+    model never holds every layer's bf16 experts (V4-Flash's four-layer slice and three draft
+    stages: 90 GB of them, against 47 GB as MXFP8). The torch-bf16 and reference backends
+    need the bf16 experts: a model converted this way serves only the kernel backends."""
+    if EXPERT_OPERANDS[0] in L:
+        return L
+    gu = interleave_gate_up(L["ffn.experts.w1"], L["ffn.experts.w3"]).contiguous()
+    L[EXPERT_OPERANDS[0]], L[EXPERT_OPERANDS[1]] = quantize_expert_weights(gu)
+    del gu
+    L[EXPERT_OPERANDS[2]], L[EXPERT_OPERANDS[3]] = quantize_expert_weights(L["ffn.experts.w2"].contiguous())
+    for name in ("w1", "w3", "w2"):
+        del L[f"ffn.experts.{name}"]
+    return L
+
+
 class FusedOps(Ops):
     """Kernels for a bf16 :class:`TargetModel` (and its draft) on a CUDA device."""
 
@@ -142,9 +165,12 @@ class FusedOps(Ops):
                 P["router"].set_hash_table(L["ffn.gate.tid2eid"])
             else:
                 P["router"], P["router_bias"] = self.router, L["ffn.gate.bias"].float().contiguous()
-            P["gu_q"], P["gu_s"] = quantize_expert_weights(
-                interleave_gate_up(L["ffn.experts.w1"], L["ffn.experts.w3"]).contiguous())
-            P["d_q"], P["d_s"] = quantize_expert_weights(L["ffn.experts.w2"].contiguous())
+            if EXPERT_OPERANDS[0] in L:  # converted as the model was made (quantize_layer_experts)
+                P["gu_q"], P["gu_s"], P["d_q"], P["d_s"] = (L[k] for k in EXPERT_OPERANDS)
+            else:
+                P["gu_q"], P["gu_s"] = quantize_expert_weights(
+                    interleave_gate_up(L["ffn.experts.w1"], L["ffn.experts.w3"]).contiguous())
+                P["d_q"], P["d_s"] = quantize_expert_weights(L["ffn.experts.w2"].contiguous())
             P["sink"] = L["attn.attn_sink"].float().contiguous()
             sp = "ffn.shared_experts."  # gate and up rows in one product
             P["shared_w13"] = torch.cat([L[sp + "w1.weight"], L[sp + "w3.weight"]]).contiguous()
@@ -153,7 +179,7 @@ class FusedOps(Ops):
                     P[c + "wkv_gate"] = torch.cat([L[c + "wkv.weight"], L[c + "wgate.weight"]]).contiguous()
             if release_bf16_experts:  # per layer: the peak holds one layer's two copies, not all
                 for name in ("w1", "w3", "w2"):
-                    del L[f"ffn.experts.{name}"]
+                    L.pop(f"ffn.experts.{name}", None)
             self._layer[id(L)] = P
 
     # ------------------------------------------------------------------ mHC --------------

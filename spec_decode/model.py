@@ -385,16 +385,22 @@ class TargetModel:
     ``self.layers[i]``: layer ``i``'s, names relative to ``layers.{i}.``) and the reference
     forward."""
 
-    def __init__(self, cfg: ModelConfig, seed: int = 0, dtype=torch.float32, device="cpu"):
+    def __init__(self, cfg: ModelConfig, seed: int = 0, dtype=torch.float32, device="cpu", on_layer=None):
+        """``on_layer``: called with each layer's weights as they are made (draws nothing): the
+        kernel backends turn the routed experts into their MXFP8 operands there
+        (:func:`spec_decode.fused_ops.quantize_layer_experts`), so the model never holds every
+        layer's bf16 experts at once."""
         cfg.validate()
         self.cfg, self.dtype, self.device = cfg, dtype, device
+        keep = on_layer or (lambda L: L)
         w = WeightFactory(seed, dtype, device)
         C, n = cfg.hidden, cfg.mhc_n
         self.w = {"embed.weight": w(cfg.vocab, C, scale=1.0), "head.weight": w(cfg.vocab, C),
                   "norm.weight": 1 + w(C, scale=0.1), "hc_head_fn": w(n, n * C).float(),
                   "hc_head_base": w(n, scale=0.1).float(), "hc_head_scale": torch.ones(1, device=device)}
-        self.layers = [init_layer(cfg, layer_weight_shapes(cfg, li, hash_routed=cfg.is_hash(li), ratio=cfg.ratio(li)),
-                                  w, w.g, dtype, device) for li in range(cfg.layers)]
+        self.layers = [keep(init_layer(cfg, layer_weight_shapes(cfg, li, hash_routed=cfg.is_hash(li),
+                                                                ratio=cfg.ratio(li)), w, w.g, dtype, device))
+                       for li in range(cfg.layers)]
         self.inv_freq = {False: rope_inv_freq(cfg, False, device), True: rope_inv_freq(cfg, True, device)}
 
     @property

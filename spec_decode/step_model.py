@@ -655,13 +655,14 @@ class Shard:
         out["attn.attn_sink"] = part(L["attn.attn_sink"], tp)
         out["attn.wo_a.weight"] = part(L["attn.wo_a.weight"], tp)  # [G R, Dg]: whole groups
         out["attn.wo_b.weight"] = part(L["attn.wo_b.weight"], tp, 1)
-        for w in ("w1", "w3", "w2"):
-            out[f"ffn.experts.{w}"] = part(L[f"ffn.experts.{w}"], tp)
+        experts = [k for k in L if k.startswith("ffn.experts.")]  # bf16 w1 / w3 / w2, or MXFP8 operands
+        for k in experts:  # each [E, ...]: whole experts
+            out[k] = part(L[k], tp)
         p = "ffn.shared_experts."
         out[p + "w1.weight"], out[p + "w3.weight"] = part(L[p + "w1.weight"], tp), part(L[p + "w3.weight"], tp)
         out[p + "w2.weight"] = part(L[p + "w2.weight"], tp, 1)
         assert out["attn.wq_b.weight"].shape[0] == H // tp * hd and out["attn.wo_a.weight"].shape[0] == G // tp * R
-        assert out["ffn.experts.w1"].shape[0] == E // tp and out[p + "w1.weight"].shape[0] == Is // tp
+        assert all(out[k].shape[0] == E // tp for k in experts) and out[p + "w1.weight"].shape[0] == Is // tp
         return out
 
 

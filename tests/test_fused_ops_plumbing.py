@@ -609,3 +609,37 @@ def test_hc_head_through_the_mappings_kernels(fakes):
         # the composite's weights, perturbed, move it: the comparison can fail
         W2 = dict(W, hc_head_base=W["hc_head_base"] + 1)
         assert float((Ops().hc_head(X, W2, CFG).float() - got).abs().max()) > 2 ** -5 * float(want.abs().max())
+
+
+def test_experts_converted_as_the_model_is_made(fakes):
+    """A model made with ``on_layer=quantize_layer_experts`` (what the kernel engines build:
+    no bf16 copy of every layer's experts at once) draws the same weights as a plain one,
+    holds only the MXFP8 expert operands, and gives FusedOps the operands it would have made
+    from the bf16 experts -- also through a tensor-parallel rank's view (whole experts)."""
+    from spec_decode.step_model import RankView, Shard
+
+    plain = TargetModel(CFG, seed=2, dtype=torch.bfloat16)
+    made = TargetModel(CFG, seed=2, dtype=torch.bfloat16, on_layer=fo.quantize_layer_experts)
+    d_plain = DraftModel(CFG, plain, seed=3, dtype=torch.bfloat16)
+    d_made = DraftModel(CFG, made, seed=3, dtype=torch.bfloat16, on_layer=fo.quantize_layer_experts)
+    for Lp, Lm in zip(plain.layers + d_plain.stages, made.layers + d_made.stages):
+        assert not any(k in Lm for k in ("ffn.experts.w1", "ffn.experts.w3", "ffn.experts.w2"))
+        assert set(Lm) - set(fo.EXPERT_OPERANDS) == set(Lp) - {"ffn.experts.w1", "ffn.experts.w3", "ffn.experts.w2"}
+        for k in set(Lp) & set(Lm):
+            assert torch.equal(Lp[k], Lm[k]), k  # the conversion draws nothing
+    ops_plain = fo.FusedOps(plain, max_tokens=12, max_len=64, draft=d_plain, _cpu_for_tests=True)
+    ops_made = fo.FusedOps(made, max_tokens=12, max_len=64, draft=d_made, _cpu_for_tests=True)
+    for Lp, Lm in zip(plain.layers + d_plain.stages, made.layers + d_made.stages):
+        Pp, Pm = ops_plain._layer[id(Lp)], ops_made._layer[id(Lm)]
+        for k in ("gu_q", "gu_s", "d_q", "d_s"):
+            assert torch.equal(Pp[k].view(torch.uint8), Pm[k].view(torch.uint8)), k
+    tp = 2  # CFG's two WO-A groups
+    for r in range(tp):
+        vp, vm = RankView(plain, Shard(CFG, r, tp)), RankView(made, Shard(CFG, r, tp))
+        rank_plain = fo.FusedOps(vp, max_tokens=12, max_len=64, _cpu_for_tests=True)
+        rank_made = fo.FusedOps(vm, max_tokens=12, max_len=64, _cpu_for_tests=True)
+        for Lp, Lm in zip(vp.layers, vm.layers):
+            Pp, Pm = rank_plain._layer[id(Lp)], rank_made._layer[id(Lm)]
+            assert Pm["gu_q"].shape[0] == CFG.experts // tp
+            for k in ("gu_q", "gu_s", "d_q", "d_s"):
+                assert torch.equal(Pp[k].view(torch.uint8), Pm[k].view(torch.uint8)), (r, k)
