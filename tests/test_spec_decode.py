@@ -599,9 +599,9 @@ def test_fused_ops_track_fp32_on_gpu(model, prefill):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model", ["small", "v4_flash_slice"])
-def test_fused_engine_generates_in_graphs_on_gpu(model):
-    """The fused engine at BS 1, 3 and 64 in captured graphs: speculative decoding with the model
+@pytest.mark.parametrize("model,backend", [("small", "fused"), ("v4_flash_slice", "fused"), ("small", "base")])
+def test_kernel_engine_generates_in_graphs_on_gpu(model, backend):
+    """The fused (and the base) engine at BS 1, 3 and 64 in captured graphs: speculative decoding with the model
     draft and plain greedy decoding each produce as many tokens as asked, and each token is the
     engine's own greedy pick given the tokens before it (teacher-forced, one eager prefill
     forward) at >= 75% of positions, checked for every request of BS 1 and 3 and 4 of BS 64.
@@ -612,7 +612,7 @@ def test_fused_engine_generates_in_graphs_on_gpu(model):
     position or slot picks a near-random token: agreement near 0.)"""
     from spec_decode.config import PRESETS
 
-    eng = Engine(EngineConfig(model=PRESETS[model], device="cuda", dtype="bfloat16", backend="fused",
+    eng = Engine(EngineConfig(model=PRESETS[model], device="cuda", dtype="bfloat16", backend=backend,
                               max_seq_len=320))
     for B in (1, 3, 64):
         ps = prompts(B, B, vocab=PRESETS[model].vocab, lo=200, hi=260)
