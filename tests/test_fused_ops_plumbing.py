@@ -633,6 +633,10 @@ def test_experts_converted_as_the_model_is_made(fakes):
         Pp, Pm = ops_plain._layer[id(Lp)], ops_made._layer[id(Lm)]
         for k in ("gu_q", "gu_s", "d_q", "d_s"):
             assert torch.equal(Pp[k].view(torch.uint8), Pm[k].view(torch.uint8)), k
+    from spec_decode.weights import named_tensors
+
+    with pytest.raises(ValueError, match="converted to MXFP8"):  # a checkpoint loads into bf16 experts
+        named_tensors(made)
     tp = 2  # CFG's two WO-A groups
     for r in range(tp):
         vp, vm = RankView(plain, Shard(CFG, r, tp)), RankView(made, Shard(CFG, r, tp))
