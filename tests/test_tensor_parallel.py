@@ -260,12 +260,18 @@ def test_simulated_tp4_graph_replays_with_fresh_inputs(backend, batch, replays):
     """Replays of one captured TP4 verify graph (push all-reduce and phase counters inside),
     new tokens before every replay, each replay's logits == an eager TP4 forward of the same
     tokens at the same positions (the same kernels, the same FP32 rank-order sums: bit for
-    bit)."""
+    bit) -- over a history an eager prefill wrote first (160 positions: full sliding windows,
+    closed CSA and HCA compressor windows), so the graph reads the state the prefill left."""
     eng = _gpu_engine(backend, 4)
     K1 = eng.config.block_size + 1
-    slots = torch.arange(batch, device="cuda")
-    pos = (torch.arange(K1, device="cuda") + 7)[None].expand(batch, -1).contiguous()
     g = torch.Generator(device="cuda").manual_seed(0)
+    n_hist = 160
+    for slot in range(batch):
+        seq = torch.randint(0, eng.config.model.vocab, (n_hist,), generator=torch.Generator().manual_seed(slot))
+        for _ in eng._chunked_forward(seq.tolist(), slot):
+            pass
+    slots = torch.arange(batch, device="cuda")
+    pos = (torch.arange(K1, device="cuda") + n_hist)[None].expand(batch, -1).contiguous()
     for i in range(replays):
         toks = torch.randint(0, eng.config.model.vocab, (batch, K1), device="cuda", generator=g)
         got = eng.verify_graphs.run(toks, pos, slots)[0].clone()
