@@ -112,7 +112,15 @@ tp)
   $PYT -m gpu "tests/test_comm.py::test_warm_up_then_first_capture_replays" tests/test_tensor_parallel.py 2>&1 \
     | tee "$OUT/tp-tests.log" | tail -25
   python -m spec_decode.bench --model "${1:-small}" --tp 4 --simulate-ranks --quick \
-    --out "$OUT/bench_runtime_tp4.md" 2>&1 | tail -40
+    --out "$OUT/bench_runtime_tp4.md" > "$OUT/tp4.log" 2>&1
+  rc=$?
+  grep -v "^frame" "$OUT/tp4.log" | tail -40
+  if [ $rc -ne 0 ]; then  # localise the failing launch: every launch synchronises
+    echo "bench failed (rc=$rc): rerun with CUDA_LAUNCH_BLOCKING=1"
+    CUDA_LAUNCH_BLOCKING=1 timeout 400 python -m spec_decode.bench --model "${1:-small}" --tp 4 --simulate-ranks \
+      --quick --out "$OUT/bench_runtime_tp4_blocking.md" > "$OUT/tp4-blocking.log" 2>&1
+    grep -n -A30 "Traceback" "$OUT/tp4-blocking.log" | grep -v "^[0-9]*-frame" | head -60
+  fi
   ;;
 host-cost)
   timeout 500 python bench/bench_host_cost.py --calls 1000 --out "$OUT/bench_host_cost.md" 2>&1 | tail -30
