@@ -399,11 +399,18 @@ class FusedOps(Ops):
         return self.all_reduce(out) if reduce else out
 
     def _y_buffer(self, rows, hidden, device):
-        """The expert-parallel down-projection output ``[rows, hidden]`` bf16: one buffer,
-        zeroed once (see :meth:`moe`)."""
+        """The expert-parallel down-projection output ``[rows, hidden]`` bf16 (see :meth:`moe`):
+        one buffer for the largest step, zeroed once and never replaced -- captured graphs hold
+        its address, so a buffer regrown for a later, larger step (a prefill chunk after the
+        decode graphs' capture) would leave them writing freed memory and reading whatever the
+        allocator put there as the other ranks' rows."""
         buf = getattr(self, "_y", None)
-        if buf is None or buf.shape[0] < rows or buf.shape[1] != hidden:
-            buf = self._y = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=device)
+        if buf is None:
+            most = capacity(self.router.cfg, self.max_tokens)[0]  # any step's router slots
+            buf = self._y = torch.zeros(max(most, rows), hidden, dtype=torch.bfloat16, device=device)
+        if buf.shape[0] < rows or buf.shape[1] != hidden:
+            raise RuntimeError(f"FusedOps: the expert-parallel output holds {tuple(buf.shape)}; a step needs "
+                               f"({rows}, {hidden}) (more tokens than max_tokens={self.max_tokens}?)")
         return buf[:rows]
 
 

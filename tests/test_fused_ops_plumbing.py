@@ -647,3 +647,24 @@ def test_experts_converted_as_the_model_is_made(fakes):
             assert Pm["gu_q"].shape[0] == CFG.experts // tp
             for k in ("gu_q", "gu_s", "d_q", "d_s"):
                 assert torch.equal(Pp[k].view(torch.uint8), Pm[k].view(torch.uint8)), (r, k)
+
+
+@pytest.mark.parametrize("arm", ["fused", "base"])
+def test_expert_parallel_output_buffer_is_never_replaced(fakes, arm):
+    """A rank's expert-parallel down-projection output is one buffer for the largest step,
+    made on first use: a decode step's graph captured before a larger prefill chunk keeps
+    writing the memory it captured (the base arm packs its routed rows per step's T, so a
+    buffer grown for the chunk would free the captured one)."""
+    from spec_decode.step_model import RankView, Shard
+
+    m, _ = _models()
+    view = RankView(m, Shard(CFG, 1, 2))
+    ops = (fo.FusedOps if arm == "fused" else fo.BaseOps)(view, max_tokens=80, max_len=64, _cpu_for_tests=True)
+    g = torch.Generator().manual_seed(4)
+    ptrs = []
+    for T in (6, 80, 1, 80):  # a verify step, a prefill chunk, a decode step, a chunk again
+        h = torch.randn(T, CFG.hidden, generator=g).bfloat16()
+        toks = torch.randint(0, CFG.vocab, (T,), generator=g)
+        ops.moe(h, view.layers[1], CFG, toks, view.shard.first_expert)
+        ptrs.append(ops._y.data_ptr())
+    assert len(set(ptrs)) == 1
