@@ -439,17 +439,22 @@ class MhcStatsWorkspace:
 
 
 _WORKSPACES: dict = {}
+_RETIRED: list = []  # outgrown default workspaces: a captured graph may still hold their addresses
 
 
 def _default_workspace(n: int, T: int, device: torch.device, stream) -> MhcStatsWorkspace:
     """A call without a workspace (the custom op's): one per (device, stream, n), reused by
-    every such call on that stream and replaced by a larger one when T outgrows it (a call's
-    split-K partials and counters serve one launch in flight; launches on one stream run in
-    order). Its first use allocates: warm up outside a graph capture."""
+    every such call on that stream (a call's split-K partials and counters serve one launch in
+    flight; launches on one stream run in order). A larger T gets a workspace twice as large
+    or more; the outgrown one is kept, never freed, since a CUDA graph captured earlier may
+    replay it. A new one allocates: warm up outside a graph capture."""
     key = (device, jit.stream_handle(stream), n)
     ws = _WORKSPACES.get(key)
     if ws is None or ws.max_tokens < T:
-        ws = _WORKSPACES[key] = MhcStatsWorkspace(n, max(T, 64), device=device)
+        if ws is not None:
+            _RETIRED.append(ws)
+        size = max(T, 64, 2 * ws.max_tokens if ws is not None else 0)
+        ws = _WORKSPACES[key] = MhcStatsWorkspace(n, size, device=device)
     return ws
 
 
