@@ -3,7 +3,7 @@
 entry point, a CPU implementation written from the op's definition, a fake implementation
 for ``torch.compile``).
 
-Ops: ``mxfp8_quantize``, ``mxfp8_quantize_routed``, ``moe_route`` (the fused router's padded,
+Ops: ``mxfp8_quantize``, ``mxfp8_quantize_routed``, ``mxfp8_gather_routed``, ``moe_route`` (the fused router's padded,
 packed outputs; sigmoid / sqrt-softplus, grouped or not; the hash-routed variant is not
 registered yet), ``moe_expert_gemm``, ``moe_expert_gate_up`` (SiLU * up, optional SwiGLU
 clamp, MXFP8 requantisation), ``moe_finalize`` (+ the shared-expert add). A compiled MoE
@@ -83,6 +83,33 @@ def _(x, sorted_token_ids, total_rows, topk, layout):
 def _(x, sorted_token_ids, total_rows, topk, layout):
     R, K = sorted_token_ids.shape[0], x.shape[1]
     return x.new_empty(R, K, dtype=F8), x.new_empty(_scale_shape(R, K, layout), dtype=torch.uint8)
+
+
+@_cuda_op("mxfp8_gather_routed")
+def mxfp8_gather_routed(xq: Tensor, xs: Tensor, sorted_token_ids: Tensor, total_rows: Tensor, topk: int,
+                        layout: str) -> tuple[Tensor, Tensor]:
+    """:func:`mxfp8_quantize_routed` of tokens already quantized (``mxfp8_quantize(x, "plain")``:
+    ``xq [T, K]`` e4m3, ``xs [T, K/32]``): their blocks and scale bytes gathered into the
+    routed order -- the same bytes. Rows at or past ``total_rows[0]`` are unspecified."""
+    return _q.mxfp8_gather_routed(xq, xs, sorted_token_ids, total_rows, topk, layout=layout)
+
+
+@mxfp8_gather_routed.register_kernel("cpu")
+def _(xq, xs, sorted_token_ids, total_rows, topk, layout):
+    T, K = xq.shape
+    ids = sorted_token_ids.long()
+    live = (ids >= 0) & (ids < T * topk) & (torch.arange(ids.numel()) < total_rows.long()[0])
+    q = torch.zeros(ids.numel(), K, dtype=torch.uint8)
+    s = torch.zeros(ids.numel(), K // _q.MX_BLOCK, dtype=torch.uint8)
+    q[live] = xq.view(torch.uint8)[ids[live] // topk]
+    s[live] = xs[ids[live] // topk]
+    return q.view(F8), (s if layout == "plain" else _ex.swizzle_scales(s))
+
+
+@mxfp8_gather_routed.register_fake
+def _(xq, xs, sorted_token_ids, total_rows, topk, layout):
+    R, K = sorted_token_ids.shape[0], xq.shape[1]
+    return xq.new_empty(R, K, dtype=F8), xq.new_empty(_scale_shape(R, K, layout), dtype=torch.uint8)
 
 
 # --------------------------------------------------------------------------- router ----

@@ -43,9 +43,15 @@ Routed variant: output row ``r`` is the routed row ``sorted_token_ids[r]`` of th
 zero row for the padding sentinel ``T * k``. Only rows below the router's padded total
 (read from device memory, no host sync) are written; rows past it are never read.
 
+Prequantized routed variant (:func:`mxfp8_gather_routed`): the tokens were quantized first
+(``layout="plain"``; the decode runtime does it on a side stream while the router runs), and
+each output block is the routed token's block, moved byte for byte with its scale byte --
+the same bytes as quantizing the gathered rows, since every row is quantized on its own.
+
 Kernel: one thread per 32-element block: four 16-byte loads, integer amax of the bf16
 magnitude bits, the scale byte, 32 multiplies and packed fp32->e4m3 conversions, two
-16-byte stores and one scale byte. A grid-stride loop over a fixed grid keeps launches
+16-byte stores and one scale byte (the prequantized gather: two 16-byte loads and stores and
+a scale byte). A grid-stride loop over a fixed grid keeps launches
 graph-capturable when the live row count is a device value.
 
 Constraints: K % 32 == 0 (the MX block; other K raise ``ValueError``), 16-byte aligned
@@ -87,12 +93,15 @@ def scale_buffer_size(rows: int, K: int, layout: str) -> int:
 
 
 class MxQuant:
-    """Compile-time configuration: row length, scale layout, routed gather (and its top-k)."""
+    """Compile-time configuration: row length, scale layout, routed gather (and its top-k);
+    ``prequantized``: the input is already MXFP8 (e4m3 rows + plain scales), so a routed call
+    only gathers its blocks and scale bytes into the routed order and scale layout."""
 
     def __init__(self, K: int, layout: str, routed: bool, topk: int = 1, threads: int = 256,
-                 zero_padding: bool = True):
+                 zero_padding: bool = True, prequantized: bool = False):
         self.K = K
         self.zero_padding = zero_padding
+        self.prequantized = prequantized
         self.nblk = K // MX_BLOCK
         self.layout = layout
         self.routed = routed
@@ -100,13 +109,19 @@ class MxQuant:
         self.threads = threads
         self.ncb = -(-self.nblk // SF_ATOM_COLS)  # swizzled: scale-column atoms per row block
 
+    def __str__(self) -> str:
+        # the DSL names the kernel after str(self): profiles tell the variants apart
+        return "MxGatherRouted" if self.prequantized else ("MxQuantRouted" if self.routed else "MxQuant")
+
     @cute.jit
-    def __call__(self, x_ptr: cute.Pointer, q_ptr: cute.Pointer, s_ptr: cute.Pointer, ids_ptr: cute.Pointer,
-                 total_ptr: cute.Pointer, num_tokens: Int32, out_rows: Int32, max_ctas: Int32,
-                 stream: cuda.CUstream):
+    def __call__(self, x_ptr: cute.Pointer, xs_ptr: cute.Pointer, q_ptr: cute.Pointer, s_ptr: cute.Pointer,
+                 ids_ptr: cute.Pointer, total_ptr: cute.Pointer, num_tokens: Int32, out_rows: Int32,
+                 max_ctas: Int32, stream: cuda.CUstream):
         # Routed: x has num_tokens rows, q has out_rows (capacity) rows and the live row count
-        # is *total_ptr. Plain: out_rows == num_tokens and ids/total are unused.
+        # is *total_ptr. Plain: out_rows == num_tokens and ids/total are unused. xs: x's plain
+        # scales (prequantized only; unused otherwise).
         mX = cute.make_tensor(x_ptr, cute.make_layout((num_tokens, self.K), stride=(self.K, 1)))
+        mXs = cute.make_tensor(xs_ptr, cute.make_layout((num_tokens * self.nblk,)))
         mQ = cute.make_tensor(q_ptr, cute.make_layout((out_rows, self.K), stride=(self.K, 1)))
         mS = cute.make_tensor(s_ptr, cute.make_layout(((out_rows + SF_ATOM_ROWS) * self.ncb * SF_ATOM_COLS,)))
         mIds = cute.make_tensor(ids_ptr, cute.make_layout((out_rows,)))
@@ -117,12 +132,12 @@ class MxQuant:
         if cutlass.const_expr(self.layout == "swizzled"):
             work = (out_rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * SF_ATOM_ROWS * (self.ncb * SF_ATOM_COLS)
         grid = cutlass.min((work + self.threads - 1) // self.threads, max_ctas)
-        self.kernel(mX, mQ, mS, mIds, mTotal, num_tokens, out_rows, grid).launch(
+        self.kernel(mX, mXs, mQ, mS, mIds, mTotal, num_tokens, out_rows, grid).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, mIds: cute.Tensor, mTotal: cute.Tensor,
-               num_tokens: Int32, out_rows: Int32, grid: Int32):
+    def kernel(self, mX: cute.Tensor, mXs: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, mIds: cute.Tensor,
+               mTotal: cute.Tensor, num_tokens: Int32, out_rows: Int32, grid: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         live_rows = num_tokens
@@ -163,33 +178,12 @@ class MxQuant:
                         src = -1
                         if rid < sentinel and rid >= 0:
                             src = rid // self.topk
-                    tXrX = cute.make_rmem_tensor(cute.make_layout((MX_BLOCK,)), mX.element_type)
-                    tXrX.fill(0.0)
-                    if src >= 0:
-                        cute.autovec_copy(gX[(0, None), (src, c)], tXrX)
-                    # amax as the integer max of the bf16 magnitude bits: monotonic for finite
-                    # values, and any NaN/Inf (bits >= 0x7F80) dominates.
-                    bits = cute.recast_tensor(tXrX, Uint16)
-                    amax = Int32(0)
-                    for i in cutlass.range_constexpr(MX_BLOCK):
-                        amax = cutlass.max(amax, Int32(bits[i]) & 0x7FFF)
-                    nonfinite = amax >= 0x7F80
-                    expfield = amax >> 7
-                    # m > 1.75 <=> top two mantissa bits set and any lower bit set (mantissa7 > 0x60)
-                    e_biased = expfield - 8 + cutlass.select_(Int32(amax & 0x7F) > 0x60, Int32(1), Int32(0))
-                    scale = cutlass.max(cutlass.min(e_biased, Int32(254)), Int32(0))
-                    # 2**-e as fp32: exponent field 254 - scale (scale <= 248 for finite bf16).
-                    inv = cutlass.Uint32(254 - scale) << 23
-                    inv_f = cute.make_rmem_tensor(cute.make_layout((1,)), Uint32)
-                    inv_f[0] = inv
-                    mult = cute.recast_tensor(inv_f, Float32)[0]
-                    tQrQ = cute.make_rmem_tensor(cute.make_layout((MX_BLOCK,)), mQ.element_type)
-                    tQrQ.store((tXrX.load().to(Float32) * mult).to(mQ.element_type))
-                    if nonfinite:
-                        scale = Int32(0xFF)
-                        qbits = cute.recast_tensor(tQrQ, Uint8)
-                        qbits.fill(0x7F)
-                    cute.autovec_copy(tQrQ, gQ[(0, None), (r, c)])
+                    if cutlass.const_expr(self.prequantized):
+                        self.copy_block(gX, gQ, src, r, c)
+                        if src >= 0:
+                            scale = Int32(mXs[src * self.nblk + c])
+                    else:
+                        scale = self.quantize_block(gX, gQ, src, r, c)
                 if cutlass.const_expr(self.layout == "plain"):
                     mS[r * self.nblk + c] = Uint8(scale)
                 else:
@@ -197,18 +191,64 @@ class MxQuant:
                         + (r % 32) * 16 + ((r // 32) % 4) * 4 + c % 4
                     mS[off] = Uint8(scale)
 
+    @cute.jit
+    def copy_block(self, gX: cute.Tensor, gQ: cute.Tensor, src: Int32, r: Int32, c: Int32):
+        """Prequantized input: output block (r, c) is x's block (src, c) byte for byte (zeros
+        for a padding row, src < 0)."""
+        tQrQ = cute.make_rmem_tensor(cute.make_layout((MX_BLOCK,)), gQ.element_type)
+        cute.recast_tensor(tQrQ, Uint8).fill(0)
+        if src >= 0:
+            cute.autovec_copy(gX[(0, None), (src, c)], tQrQ)
+        cute.autovec_copy(tQrQ, gQ[(0, None), (r, c)])
+
+    @cute.jit
+    def quantize_block(self, gX: cute.Tensor, gQ: cute.Tensor, src: Int32, r: Int32, c: Int32) -> Int32:
+        """Output block (r, c) = MXFP8 of x's block (src, c) (zeros for a padding row, src < 0);
+        returns its scale byte."""
+        tXrX = cute.make_rmem_tensor(cute.make_layout((MX_BLOCK,)), gX.element_type)
+        tXrX.fill(0.0)
+        if src >= 0:
+            cute.autovec_copy(gX[(0, None), (src, c)], tXrX)
+        # amax as the integer max of the bf16 magnitude bits: monotonic for finite
+        # values, and any NaN/Inf (bits >= 0x7F80) dominates.
+        bits = cute.recast_tensor(tXrX, Uint16)
+        amax = Int32(0)
+        for i in cutlass.range_constexpr(MX_BLOCK):
+            amax = cutlass.max(amax, Int32(bits[i]) & 0x7FFF)
+        nonfinite = amax >= 0x7F80
+        expfield = amax >> 7
+        # m > 1.75 <=> top two mantissa bits set and any lower bit set (mantissa7 > 0x60)
+        e_biased = expfield - 8 + cutlass.select_(Int32(amax & 0x7F) > 0x60, Int32(1), Int32(0))
+        scale = cutlass.max(cutlass.min(e_biased, Int32(254)), Int32(0))
+        # 2**-e as fp32: exponent field 254 - scale (scale <= 248 for finite bf16).
+        inv = cutlass.Uint32(254 - scale) << 23
+        inv_f = cute.make_rmem_tensor(cute.make_layout((1,)), Uint32)
+        inv_f[0] = inv
+        mult = cute.recast_tensor(inv_f, Float32)[0]
+        tQrQ = cute.make_rmem_tensor(cute.make_layout((MX_BLOCK,)), gQ.element_type)
+        tQrQ.store((tXrX.load().to(Float32) * mult).to(gQ.element_type))
+        if nonfinite:
+            scale = Int32(0xFF)
+            qbits = cute.recast_tensor(tQrQ, Uint8)
+            qbits.fill(0x7F)
+        cute.autovec_copy(tQrQ, gQ[(0, None), (r, c)])
+        return scale
+
     @staticmethod
     def can_implement(K: int) -> bool:
         return K % MX_BLOCK == 0 and 0 < K <= 1 << 16
 
 
-def _build(arch: str, *, K: int, layout: str, routed: bool, topk: int = 1, zero_padding: bool = True):
-    if not MxQuant.can_implement(K) or layout not in LAYOUTS:
-        raise ValueError(f"moe.quant: unsupported K={K}, layout={layout}")
-    args = (jit.fake_gmem_ptr(cutlass.BFloat16, 16), jit.fake_gmem_ptr(cutlass.Float8E4M3FN, 16),
+def _build(arch: str, *, K: int, layout: str, routed: bool, topk: int = 1, zero_padding: bool = True,
+           prequantized: bool = False):
+    if not MxQuant.can_implement(K) or layout not in LAYOUTS or (prequantized and not routed):
+        raise ValueError(f"moe.quant: unsupported K={K}, layout={layout}, prequantized={prequantized} "
+                         f"(routed={routed})")
+    x_type = cutlass.Float8E4M3FN if prequantized else cutlass.BFloat16
+    args = (jit.fake_gmem_ptr(x_type, 16), jit.fake_gmem_ptr(Uint8, 1), jit.fake_gmem_ptr(cutlass.Float8E4M3FN, 16),
             jit.fake_gmem_ptr(Uint8, 1), jit.fake_gmem_ptr(Int32, 4), jit.fake_gmem_ptr(Int32, 4),
             Int32(1), Int32(1), Int32(1), jit.fake_stream())
-    return MxQuant(K, layout, routed, topk, zero_padding=zero_padding), args
+    return MxQuant(K, layout, routed, topk, zero_padding=zero_padding, prequantized=prequantized), args
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -219,8 +259,12 @@ KERNEL = jit.register(jit.KernelDef(
     aot_configs=tuple(
         {"K": 7168, "layout": lay, "routed": routed, "topk": 8 if routed else 1}
         for lay in LAYOUTS for routed in (False, True)
-    ) + ({"K": 7168, "layout": "swizzled", "routed": True, "topk": 8, "zero_padding": False},),
-    description="bf16 -> MXFP8 (e4m3 + UE8M0 per 32), plain or tcgen05-swizzled scales, optional routed gather",
+    ) + ({"K": 7168, "layout": "swizzled", "routed": True, "topk": 8, "zero_padding": False},
+         # DeepSeek-V4-Flash's routed input: tokens quantized on a side stream, then gathered
+         {"K": 4096, "layout": "plain", "routed": False, "topk": 1},
+         {"K": 4096, "layout": "swizzled", "routed": True, "topk": 6, "zero_padding": False, "prequantized": True}),
+    description="bf16 -> MXFP8 (e4m3 + UE8M0 per 32), plain or tcgen05-swizzled scales, optional routed gather "
+                "(of bf16 rows, or of rows already MXFP8)",
 ))
 
 
@@ -252,7 +296,7 @@ def _outputs(op: str, x: torch.Tensor, rows: int, K: int, layout: str, q, scales
 
 
 def _launch(op, x, q, s, ids, total, T, out_rows, K, layout, routed, topk, stream, arch, max_ctas,
-            zero_padding=True):
+            zero_padding=True, xs=None):
     if max_ctas is None:
         max_ctas = DEFAULT_MAX_CTAS
     if not isinstance(max_ctas, int) or max_ctas < 1:
@@ -260,10 +304,13 @@ def _launch(op, x, q, s, ids, total, T, out_rows, K, layout, routed, topk, strea
     a = arch if arch is not None else current_arch(x.device)
     if dispatch(op, ("portable",), arch=a) != "portable":  # pragma: no cover - portable always exists
         raise RuntimeError(op)
-    fn = jit.get_kernel("mxfp8_quant", a, K=K, layout=layout, routed=routed, topk=topk, zero_padding=zero_padding)
-    fn(jit.gmem_ptr(cutlass.BFloat16, x, 16), jit.gmem_ptr(cutlass.Float8E4M3FN, q, 16), jit.gmem_ptr(Uint8, s, 1),
-       jit.gmem_ptr(Int32, ids, 4), jit.gmem_ptr(Int32, total, 4), jit.i32(T), jit.i32(out_rows),
-       jit.i32(max_ctas), jit.cu_stream(stream))
+    pre = xs is not None  # x is MXFP8 already (xs: its plain scales): gather only
+    cfg = dict(prequantized=True) if pre else {}
+    fn = jit.get_kernel("mxfp8_quant", a, K=K, layout=layout, routed=routed, topk=topk, zero_padding=zero_padding,
+                        **cfg)
+    fn(jit.gmem_ptr(cutlass.Float8E4M3FN if pre else cutlass.BFloat16, x, 16), jit.gmem_ptr(Uint8, xs if pre else s, 1),
+       jit.gmem_ptr(cutlass.Float8E4M3FN, q, 16), jit.gmem_ptr(Uint8, s, 1), jit.gmem_ptr(Int32, ids, 4),
+       jit.gmem_ptr(Int32, total, 4), jit.i32(T), jit.i32(out_rows), jit.i32(max_ctas), jit.cu_stream(stream))
 
 
 def mxfp8_quantize(x: torch.Tensor, *, layout: str = "plain", q: torch.Tensor | None = None,
@@ -321,4 +368,44 @@ def mxfp8_quantize_routed(x: torch.Tensor, sorted_token_ids: torch.Tensor, total
         return q, scales
     _launch(op, x, q, scales, sorted_token_ids, total_rows, T, cap, K, layout, True, topk, stream, arch, max_ctas,
             zero_padding)
+    return q, scales
+
+
+def mxfp8_gather_routed(xq: torch.Tensor, xs: torch.Tensor, sorted_token_ids: torch.Tensor, total_rows: torch.Tensor,
+                        topk: int, *, layout: str = "swizzled", q: torch.Tensor | None = None,
+                        scales: torch.Tensor | None = None, stream=None, arch: str | None = None,
+                        max_ctas: int | None = None, zero_padding: bool = True):
+    """:func:`mxfp8_quantize_routed` for tokens already quantized (:func:`mxfp8_quantize`,
+    ``layout="plain"``: ``xq [T, K]`` e4m3, ``xs [T, K/32]`` uint8): the routed rows' 32-byte
+    blocks and scale bytes gathered into the expert-sorted, tile-padded order and ``layout``.
+    MXFP8 quantizes each row on its own, so ``mxfp8_gather_routed(*mxfp8_quantize(x), ...)``
+    equals ``mxfp8_quantize_routed(x, ...)`` byte for byte. Why: the tokens can be quantized on
+    a side stream while the router runs; what stays on the critical path after the router
+    reads a byte per element instead of two and computes nothing."""
+    op = "mxfp8_gather_routed"
+    if layout not in LAYOUTS:
+        raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
+    check_tensor(op, "xq", xq, dtype=torch.float8_e4m3fn, ndim=2, contiguous=True, align_bytes=16)
+    T, K = xq.shape
+    if K % MX_BLOCK:
+        raise ValueError(f"{op}: xq.shape[1]={K} must be a multiple of {MX_BLOCK} (the MX block)")
+    check_int32_indexable(op, "xq", T * K)
+    check_tensor(op, "xs", xs, dtype=torch.uint8, shape=(T, K // MX_BLOCK), contiguous=True, align_bytes=0)
+    if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
+        raise ValueError(f"{op}: topk must be a positive int, got {topk!r}")
+    if not isinstance(zero_padding, bool):
+        raise TypeError(f"{op}: zero_padding must be a bool, got {zero_padding!r}")
+    check_tensor(op, "sorted_token_ids", sorted_token_ids, dtype=torch.int32, ndim=1, contiguous=True, align_bytes=4)
+    check_tensor(op, "total_rows", total_rows, dtype=torch.int32, contiguous=True, align_bytes=4)
+    if total_rows.numel() < 1:
+        raise ValueError(f"{op}: total_rows must hold at least one int32")
+    cap = sorted_token_ids.numel()
+    check_int32_indexable(op, "q (sorted_token_ids.numel() rows x K)", cap * K)
+    q, scales = _outputs(op, xq, cap, K, layout, q, scales)
+    check_cuda(op, ("xq", xq), ("xs", xs), ("sorted_token_ids", sorted_token_ids), ("total_rows", total_rows),
+               ("q", q), ("scales", scales))
+    if cap == 0:
+        return q, scales
+    _launch(op, xq, q, scales, sorted_token_ids, total_rows, T, cap, K, layout, True, topk, stream, arch, max_ctas,
+            zero_padding, xs=xs)
     return q, scales

@@ -54,7 +54,7 @@ from cute_kernels.wo_a_decode import WoADecodeWorkspace
 from moe.experts import (expert_kernel_args, interleave_gate_up, moe_expert_gate_up, moe_expert_gemm,
                          quantize_expert_weights)
 from moe.finalize import moe_finalize
-from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size
+from moe.quant import mxfp8_gather_routed, mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size
 from moe.router import MoeRouter, RouterConfig, RouterOutput, align_torch, capacity, topk_torch
 
 from .model import forward_memo, rope_table, swiglu
@@ -92,6 +92,11 @@ class FusedOps(Ops):
     #: the sublayer's body, joined before the post-mix reads them (False: one launch on the
     #: main stream)
     split_mhc = True
+    #: the routed experts' input: the step's tokens MXFP8-quantized on the side stream while the
+    #: gate product and the router run, then gathered into the router's packing (the same bytes
+    #: as quantizing the gathered rows); False: the gathered rows quantized after the router,
+    #: on the main stream
+    prequantize_routed_input = True
 
     def __init__(self, target, max_tokens: int, max_len: int, moe_row_tile: int | None = 16,
                  indexer_token_group: int = 3, draft=None, release_bf16_experts: bool = False,
@@ -125,8 +130,12 @@ class FusedOps(Ops):
                                      routed_scaling_factor=cfg.routed_scaling_factor, score="sqrtsoftplus",
                                      hash_routed=True)
         # The shared expert needs only h: it runs on this side stream, forked and joined with
-        # events (captured into the step graphs as parallel branches), beside the routed path.
+        # events (captured into the step graphs as parallel branches), beside the routed path
+        # (after the tokens' MXFP8 quantization, prequantize_routed_input).
         self.side = torch.cuda.Stream(device=dev) if on_cuda else None
+        if self.prequantize_routed_input:  # one buffer for any step: the graphs hold its address
+            self._xq = torch.empty(max_tokens, cfg.hidden, dtype=torch.float8_e4m3fn, device=dev)
+            self._xs = torch.empty(max_tokens, cfg.hidden // 32, dtype=torch.uint8, device=dev)
         self._layer = {}  # id(layer dict) -> its prepared kernel weights
         self._wo_ws = {}  # WO-A groups -> this object's split-K workspace
         self._attn_ws = {}  # (heads, head dim) -> this object's sink-attention workspace
@@ -337,14 +346,25 @@ class FusedOps(Ops):
         P = self._layer[id(L)]
         x = h.contiguous()
         main = torch.cuda.current_stream() if self.side is not None else None
+        xq = q_ready = None
         if main is not None:
             self.side.wait_stream(main)  # fork: x is ready
             with torch.cuda.stream(self.side):
+                if self.prequantize_routed_input:
+                    xq = self.quantize_tokens(x)
+                    q_ready = self.side.record_event()
                 sh = self.shared_expert(x, L, P)
+        elif self.prequantize_routed_input:
+            xq = self.quantize_tokens(x)
         logits = (x @ L["ffn.gate.weight"].T).float().contiguous()
         r = self.route(logits, L, P, cfg, tokens)
         # padding rows left unwritten: a padding row's GEMM output is never read back
-        aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, cfg.top_k, zero_padding=False)
+        if xq is None:
+            aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, cfg.top_k, zero_padding=False)
+        else:
+            if q_ready is not None:
+                main.wait_event(q_ready)  # the tokens' quantization, not the shared expert behind it
+            aq, asc = mxfp8_gather_routed(*xq, r.sorted_token_ids, r.total_rows, cfg.top_k, zero_padding=False)
         n = x.shape[0] * cfg.top_k  # routed rows: bounds the expert grids to the live tiles
         rows = expert_kernel_args(x.shape[0], self.moe_row_tile)
         offsets, counts, tiles, weights = r.expert_offsets, r.expert_counts, r.tile_expert, r.topk_weights
@@ -372,6 +392,11 @@ class FusedOps(Ops):
         else:
             sh = self.shared_expert(x, L, P)
         return self.finish(y, weights, r.routed_row_pos, sh, reduce)
+
+    def quantize_tokens(self, x):
+        """The step's tokens ``x [T, hidden]`` as MXFP8 (plain scales) in this object's buffers."""
+        T = x.shape[0]
+        return mxfp8_quantize(x, layout="plain", q=self._xq[:T], scales=self._xs[:T])
 
     @staticmethod
     def shared_expert(x, L, P):
@@ -422,6 +447,9 @@ class BaseOps(FusedOps):
 
     * router: top-k, then separate padding / ID-packing kernels (torch ops, sync-free)
       instead of the one-launch router;
+    * routed input: the gathered rows MXFP8-quantized after the router, on the main stream,
+      instead of the tokens quantized on the side stream beside the router and their bytes
+      gathered (the same bytes);
     * shared expert on the main stream after the routed experts, a standalone finalize, then
       a separate shared-expert add (then the all-reduce when TP > 1) instead of the deferred
       finalize fused with the add (and the all-reduce);
@@ -438,6 +466,7 @@ class BaseOps(FusedOps):
     """
 
     split_mhc = False
+    prequantize_routed_input = False
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)

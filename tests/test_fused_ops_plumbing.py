@@ -126,6 +126,29 @@ def fake_quant_routed(x, sorted_ids, total, topk, zero_padding=True):
     return q.view(torch.float8_e4m3fn), swizzle_scales(s)
 
 
+def fake_quantize_plain(x, layout="plain", q=None, scales=None):
+    """The tokens' MXFP8 (the fused arm's side-stream quantization) into its buffers."""
+    assert layout == "plain"
+    qq, ss = mxfp8_quantize_torch(x)
+    q.view(torch.uint8).copy_(qq)
+    scales.copy_(ss)
+    return q, scales
+
+
+def fake_gather_routed(xq, xs, sorted_ids, total, topk, zero_padding=True):
+    """The prequantized tokens' blocks gathered into the routed order; padding rows as
+    :func:`fake_quant_routed` leaves them."""
+    rows, K = sorted_ids.numel(), xq.shape[1]
+    q = torch.zeros(rows, K, dtype=torch.uint8)
+    s = torch.zeros(rows, K // 32, dtype=torch.uint8)
+    live = sorted_ids < xq.shape[0] * topk
+    q[live] = xq.view(torch.uint8)[(sorted_ids[live] // topk).long()]
+    s[live] = xs[(sorted_ids[live] // topk).long()]
+    if not zero_padding:
+        q[~live], s[~live] = 0x7F, 0xFF
+    return q.view(torch.float8_e4m3fn), swizzle_scales(s)
+
+
 EXPERT_CALLS = []  # (max_expert_rows, expert_row_tile) per expert-GEMM call
 
 
@@ -211,6 +234,8 @@ def fakes(monkeypatch):
     monkeypatch.setattr(fo, "wo_a", fake_wo_a)
     monkeypatch.setattr(fo, "MoeRouter", FakeRouter)
     monkeypatch.setattr(fo, "mxfp8_quantize_routed", fake_quant_routed)
+    monkeypatch.setattr(fo, "mxfp8_quantize", fake_quantize_plain)
+    monkeypatch.setattr(fo, "mxfp8_gather_routed", fake_gather_routed)
     monkeypatch.setattr(fo, "moe_expert_gate_up", fake_gate_up)
     monkeypatch.setattr(fo, "moe_expert_gemm", fake_gemm)
     monkeypatch.setattr(fo, "moe_finalize", lambda y, w, pos, shared=None: finalize_shared_ref(y, w, pos, shared))
@@ -668,3 +693,22 @@ def test_expert_parallel_output_buffer_is_never_replaced(fakes, arm):
         ops.moe(h, view.layers[1], CFG, toks, view.shard.first_expert)
         ptrs.append(ops._y.data_ptr())
     assert len(set(ptrs)) == 1
+
+
+def test_routed_input_quantized_before_the_router_on_the_fused_arm(fakes, monkeypatch):
+    """The fused arm quantizes the step's tokens (on the side stream, beside the router) and
+    gathers their bytes; the base arm quantizes the gathered rows after the router. Same
+    expert outputs."""
+    calls = []
+    monkeypatch.setattr(fo, "mxfp8_gather_routed", lambda *a, **k: calls.append("gather") or fake_gather_routed(*a, **k))
+    monkeypatch.setattr(fo, "mxfp8_quantize_routed", lambda *a, **k: calls.append("routed") or fake_quant_routed(*a, **k))
+    m, _ = _models()
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(6, CFG.hidden, generator=g).bfloat16()
+    toks = torch.randint(0, CFG.vocab, (6,), generator=g)
+    out = {}
+    for arm in (fo.FusedOps, fo.BaseOps):
+        calls.clear()
+        out[arm] = arm(m, max_tokens=12, max_len=64, _cpu_for_tests=True).moe(h, m.layers[2], CFG, toks)
+        assert calls == (["gather"] if arm is fo.FusedOps else ["routed"])
+    assert torch.equal(out[fo.FusedOps], out[fo.BaseOps])

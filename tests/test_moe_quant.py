@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size
+from moe.quant import mxfp8_gather_routed, mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size
 from references import (align_ref, mxfp8_dequant_ref, mxfp8_quant_ref, swizzle_scales_ref, unswizzle_scales_ref)
 from cute_kernels.testing import sass
 
@@ -212,6 +212,42 @@ def test_side_stream_eager_and_graph(seed):
         _check_plain(x, q, s)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+@pytest.mark.parametrize("T", [1, 6, 64, 384])
+@pytest.mark.parametrize("zero_padding", [True, False])
+def test_gather_of_prequantized_tokens_equals_routed_quantization(seed, layout, T, zero_padding):
+    """V4-Flash's routed input (K = 4096, top-6): the tokens quantized first (plain layout),
+    then gathered through the router's packing, equal the routed quantization of the bf16
+    rows byte for byte -- q and scales, padding rows and the untouched rows past the total
+    included (both outputs poisoned alike), special values in the blocks included."""
+    E, k, tile, K = 256, 6, 128, 4096
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(torch.int32)
+    _, _, sorted_ids, _, total = align_ref(ids, E, tile)
+    cap = total + 2 * tile
+    sorted_full = torch.full((cap,), -7, dtype=torch.int32)
+    sorted_full[:total] = sorted_ids
+    sorted_full, total_t = sorted_full.cuda(), torch.tensor([total], dtype=torch.int32, device="cuda")
+    x = make_x(T, K, "cuda")
+    xq, xs = mxfp8_quantize(x)
+    outs = []
+    for gather in (False, True):
+        q = torch.full((cap, K), 0xAB, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+        s = torch.full((scale_buffer_size(cap, K, layout),), 0xAB, dtype=torch.uint8, device="cuda")
+        if gather:
+            mxfp8_gather_routed(xq, xs, sorted_full, total_t, k, layout=layout, q=q, scales=s,
+                                zero_padding=zero_padding)
+        else:
+            mxfp8_quantize_routed(x, sorted_full, total_t, k, layout=layout, q=q, scales=s, zero_padding=zero_padding)
+        torch.cuda.synchronize()
+        outs.append((q.view(torch.uint8).cpu(), s.cpu()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    src = sorted_ids.long()
+    live = src < T * k
+    qr, _ = mxfp8_quant_ref(x.cpu()[src[live] // k])  # and both equal the definition
+    assert torch.equal(outs[1][0][:total][live], qr)
+
+
 # -------------------------------------------------------------- validation (CPU) ------
 @pytest.mark.parametrize("kw, exc, words", [
     (dict(x=torch.randn(4, 64)), TypeError, "x must have dtype bfloat16"),
@@ -242,6 +278,22 @@ def test_routed_bad_arguments():
                               torch.empty(1, dtype=torch.int32, device="meta"), 8)
 
 
+def test_gather_routed_bad_arguments():
+    xq = torch.zeros(4, 64, dtype=torch.float8_e4m3fn)
+    xs = torch.zeros(4, 2, dtype=torch.uint8)
+    ids, total = torch.zeros(8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(TypeError, match="xq must have dtype"):
+        mxfp8_gather_routed(xq.view(torch.uint8), xs, ids, total, 2)
+    with pytest.raises(ValueError, match="xs"):
+        mxfp8_gather_routed(xq, torch.zeros(4, 3, dtype=torch.uint8), ids, total, 2)
+    with pytest.raises(ValueError, match="topk"):
+        mxfp8_gather_routed(xq, xs, ids, total, 0)
+    with pytest.raises(TypeError, match="sorted_token_ids"):
+        mxfp8_gather_routed(xq, xs, ids.long(), total, 2)
+    with pytest.raises(ValueError, match="CUDA"):
+        mxfp8_gather_routed(xq, xs, ids, total, 2)
+
+
 # ------------------------------------------------------------ machine code (CPU) ------
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("layout, routed, extra", [("plain", False, {}), ("swizzled", True, {}),
@@ -252,6 +304,16 @@ def test_machine_code(arch, layout, routed, extra):
     assert h["LDG.E.128"] == 4  # 32 bf16 = four 16-byte loads
     assert h["STG.E.128"] == 2  # 32 e4m3 = two 16-byte stores
     assert sass.count(h, "F2FP") == 16  # packed fp32x2 -> e4m3x2 conversions
+    assert sass.local_memory_ops(h) == 0
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_machine_code_of_the_prequantized_gather(arch):
+    """A 32-byte block moves as two 16-byte loads and stores, with nothing to convert."""
+    h = sass.sass_histogram("mxfp8_quant", arch, K=4096, layout="swizzled", routed=True, topk=6,
+                            zero_padding=False, prequantized=True)
+    assert h["LDG.E.128"] == 2 and h["STG.E.128"] == 2
+    assert sass.count(h, "F2FP") == 0
     assert sass.local_memory_ops(h) == 0
 
 

@@ -77,6 +77,7 @@ def _cases():
         "wo_a": (o, w), "wo_a_out": (o, w, torch.empty(7, 64).bfloat16()),
         "dequantize_fp8_blockwise": (w8, torch.rand(2, 3, generator=g)),
         "mxfp8_quantize": (x, "plain"), "mxfp8_quantize_routed": (x, r[4], r[6], 6, "swizzled"),
+        "mxfp8_gather_routed": (*ops.mxfp8_quantize(x, "plain"), r[4], r[6], 6, "swizzled"),
         "moe_route": (logits, rb, 32, 4, 2, 6, 2.5, "sigmoid", 128),
         "moe_expert_gemm": (hq, hs, d_q, d_s, r[3], r[2], r[5], 30),
         "moe_expert_gate_up": (aq, asc, gu_q, gu_s, r[3], r[2], r[5], 30, 10.0),
@@ -89,7 +90,7 @@ CASES = _cases()
 
 #: torch's SchemaCheckMode cannot compare float8 CPU tensors (it multiplies them): for these the
 #: schema test is replaced by a byte-for-byte check that no input changed
-FP8_INPUTS = {"dequantize_fp8_blockwise", "moe_expert_gemm", "moe_expert_gate_up", "wo_a_fp8", "draft_head_scores_out"}
+FP8_INPUTS = {"mxfp8_gather_routed", "dequantize_fp8_blockwise", "moe_expert_gemm", "moe_expert_gate_up", "wo_a_fp8", "draft_head_scores_out"}
 
 
 def _bytes(a):
@@ -116,7 +117,7 @@ def test_opcheck_on_cpu(name):
 def test_every_public_op_is_registered():
     want = {"indexer_topk", "wo_a_fp8", "draft_head_scores_out", "row_rms", "row_rms_out", "rms_norm", "rms_norm_out", "masked_softmax", "masked_softmax_out", "mhc_stats", "mhc_pre_mix",
             "mhc_pre_mix_out", "mhc_post_mix", "mhc_post_mix_", "wo_a", "wo_a_out", "dequantize_fp8_blockwise",
-            "mxfp8_quantize", "mxfp8_quantize_routed", "moe_route", "moe_expert_gemm", "moe_expert_gate_up",
+            "mxfp8_quantize", "mxfp8_quantize_routed", "mxfp8_gather_routed", "moe_route", "moe_expert_gemm", "moe_expert_gate_up",
             "moe_finalize", "sink_attention", "compressor_pool_"}
     assert want == set(CASES)
     for n in want:
@@ -281,3 +282,23 @@ def test_allreduce_op_sums_in_rank_order_across_processes(tmp_path):
              for r in range(world)]
     want = (parts[0] + parts[1] + parts[2]).bfloat16()
     assert all(torch.equal(torch.tensor(got[r]).bfloat16(), want) for r in range(world))
+
+
+def test_gather_of_prequantized_tokens_equals_routed_quantization_on_cpu():
+    """The gather's CPU kernel: tokens quantized first, then gathered, give the routed
+    quantization's bytes (each row is quantized on its own), in both scale layouts."""
+    g = torch.Generator().manual_seed(5)
+    x = _bf(7, 256, g=g) * 3
+    x[2, 40] = float("nan")  # a special block travels with its row
+    r = ops.moe_route(torch.randn(7, 64, generator=g), 0.1 * torch.randn(64, generator=g), 64, 1, 1, 6, 1.5,
+                      "sqrtsoftplus", 128)
+    xq, xs = ops.mxfp8_quantize(x, "plain")
+    for layout in ("plain", "swizzled"):
+        want = ops.mxfp8_quantize_routed(x, r[4], r[6], 6, layout)
+        got = ops.mxfp8_gather_routed(xq, xs, r[4], r[6], 6, layout)
+        live = int(r[6][0])
+        assert torch.equal(got[0].view(torch.uint8)[:live], want[0].view(torch.uint8)[:live])
+        if layout == "plain":
+            assert torch.equal(got[1][:live], want[1][:live])
+        else:
+            assert torch.equal(got[1], want[1])
