@@ -38,7 +38,8 @@
 #   bash tools/device.sh attention           sink_attention and compressor_pool GPU tests, then the
 #                                            attention bench
 #   bash tools/device.sh smoke               one call's first look after kernel / runtime changes:
-#                                            'attention', the mHC parts, the runtime's GPU tests at `small`
+#                                            'attention', the mHC parts, the routed-input gather,
+#                                            the runtime's GPU tests at `small`
 #   bash tools/device.sh smoke-kernels       the new kernels' GPU tests alone (a short call)
 #   bash tools/device.sh quick-bench         the runtime bench at v4_flash_slice (--quick, acceptance 5.5)
 set -u
@@ -136,11 +137,13 @@ attention)
 smoke)
   timeout 190 bash "$0" attention
   timeout 80 $PYT -m gpu tests/test_mhc.py -k "parts" 2>&1 | tee "$OUT/mhc-parts.log" | tail -5
+  timeout 60 $PYT -m gpu tests/test_moe_quant.py -k "prequantized" 2>&1 | tee "$OUT/gather.log" | tail -5
   timeout 250 $PYT -m gpu tests/test_spec_decode.py -k "small or draft_head" 2>&1 | tee "$OUT/spec-small.log" | tail -15
   ;;
 smoke-kernels)
   timeout 300 $PYT -m gpu tests/test_sink_attention.py tests/test_compressor_pool.py 2>&1 | tee "$OUT/attention-tests.log" | tail -20
   timeout 90 $PYT -m gpu tests/test_mhc.py -k "parts" 2>&1 | tee "$OUT/mhc-parts.log" | tail -5
+  timeout 60 $PYT -m gpu tests/test_moe_quant.py -k "prequantized" 2>&1 | tee "$OUT/gather.log" | tail -5
   ;;
 quick-bench)
   timeout 560 python -m spec_decode.bench --model v4_flash_slice --acceptance-length 5.5 --quick \
