@@ -505,8 +505,9 @@ def test_bench_memory_estimate_matches_the_model():
 
 # ----------------------------------------------------------------- FP32 yardstick ----
 class StreamingFp32Experts(Ops):
-    """FP32 ops whose MoE widens the routed experts -- left bf16 in the layer (:func:`fp32_view`)
-    -- one expert at a time: the spec's math (:func:`spec_decode.model.moe_gathered`: route;
+    """FP32 ops whose MoE widens the routed experts -- left in the layer as they are, bf16 or
+    the MXFP8 operands of a model made with ``quantize_layer_experts`` (:func:`fp32_view`) --
+    one expert at a time: the spec's math (:func:`spec_decode.model.moe_gathered`: route;
     per choice, the clamped SwiGLU expert; the weighted sum over the choices in order; the
     shared expert) without an FP32 copy of every expert, which at V4-Flash's sizes would not fit
     beside the bf16 and MXFP8 ones."""
@@ -518,13 +519,31 @@ class StreamingFp32Experts(Ops):
         for e in ids.unique().tolist():
             n, i = (ids == e).nonzero(as_tuple=True)
             x = h[n]
-            g = x @ L["ffn.experts.w1"][e].float().T
-            u = x @ L["ffn.experts.w3"][e].float().T
-            Y[i, n] = swiglu(g, u, cfg.swiglu_limit) @ L["ffn.experts.w2"][e].float().T
+            w1, w3, w2 = self.expert(L, e)
+            g = x @ w1.T
+            u = x @ w3.T
+            Y[i, n] = swiglu(g, u, cfg.swiglu_limit) @ w2.T
         out = torch.zeros_like(h)
         for i in range(k):
             out = out + w[:, i:i + 1].to(h.dtype) * Y[i]
         return out + shared_expert(h, L)
+
+    @staticmethod
+    def expert(L, e):
+        """Expert ``e``'s (gate, up, down) weights in FP32, their exact values."""
+        if "ffn.experts.w1" in L:
+            return (L["ffn.experts.w1"][e].float(), L["ffn.experts.w3"][e].float(), L["ffn.experts.w2"][e].float())
+        from references import mxfp8_dequant_ref, unswizzle_scales_ref
+
+        def mx(q, flat):  # e4m3 rows with swizzled UE8M0 block scales -> FP32, by definition
+            R, K = q.shape
+            return mxfp8_dequant_ref(q.view(torch.uint8), unswizzle_scales_ref(flat, R, K // 32).to(q.device))
+
+        gu = mx(L["ffn.experts.gate_up_q"][e], L["ffn.experts.gate_up_s"][e])  # blocks of 32 rows: gate, up, ...
+        I2, C = gu.shape
+        blocks = gu.view(I2 // 64, 2, 32, C)
+        return (blocks[:, 0].reshape(I2 // 2, C), blocks[:, 1].reshape(I2 // 2, C),
+                mx(L["ffn.experts.down_q"][e], L["ffn.experts.down_s"][e]))
 
 
 def fp32_view(target: TargetModel) -> TargetModel:
@@ -557,10 +576,46 @@ def test_streaming_fp32_experts_equal_the_spec():
         assert (a - b).abs().max() <= 1e-5 * a.abs().max() and (fa - fb).abs().max() <= 1e-5 * fa.abs().max()
 
 
+def test_streaming_fp32_experts_read_mxfp8_operands(monkeypatch):
+    """The yardstick on a model made with ``quantize_layer_experts`` (the MXFP8 operands, gate
+    and up interleaved in 32-row blocks, swizzled scales) equals an FP32 model holding those
+    operands' values as plain w1 / w3 / w2 (dequantized by the definition): the yardstick
+    reads each expert's exact weights, in the right rows."""
+    import spec_decode.fused_ops as fo
+    from moe.experts import mxfp8_quantize_torch, swizzle_scales
+    from references import mxfp8_dequant_ref
+
+    def quantize_cpu(w):  # the kernel's rule, on the CPU (tests/test_moe_quant.py checks the kernel)
+        qs, ss = zip(*(mxfp8_quantize_torch(w[e]) for e in range(w.shape[0])))
+        return torch.stack(qs).view(torch.float8_e4m3fn), torch.stack([swizzle_scales(x) for x in ss])
+
+    monkeypatch.setattr(fo, "quantize_expert_weights", quantize_cpu)
+    made = TargetModel(TINY, seed=5, dtype=torch.bfloat16, on_layer=fo.quantize_layer_experts)
+    plain = TargetModel(TINY, seed=5, dtype=torch.bfloat16)
+    for L in plain.layers:  # the same experts, through the same rounding, kept unfused
+        for w in ("w1", "w3", "w2"):
+            E, N, K = L[f"ffn.experts.{w}"].shape
+            q, sc = zip(*(mxfp8_quantize_torch(L[f"ffn.experts.{w}"][e]) for e in range(E)))
+            L[f"ffn.experts.{w}"] = torch.stack([mxfp8_dequant_ref(a, b) for a, b in zip(q, sc)])
+    a32, b32 = fp32_view(made), fp32_view(plain)
+    for L in b32.layers:
+        for w in ("w1", "w3", "w2"):
+            L[f"ffn.experts.{w}"] = L[f"ffn.experts.{w}"].float()
+    g = torch.Generator().manual_seed(2)
+    toks = torch.randint(0, TINY.vocab, (2, 30), generator=g)
+    pos, slots = torch.arange(30)[None].expand(2, -1), torch.tensor([1, 0])
+    outs = []
+    for m in (a32, b32):
+        st = DecodeState(TINY, 2, 64, 6, torch.float32, "cpu")
+        outs.append(StepModel(m, StreamingFp32Experts()).forward(toks, pos, slots, st)[0])
+    assert (outs[0] - outs[1]).abs().max() <= 1e-5 * outs[1].abs().max()
+
+
 # ---------------------------------------------------------------------------------- GPU ----
 @pytest.mark.gpu
-@pytest.mark.parametrize("model, prefill", [("small", 29), ("v4_flash_slice", 200)])
-def test_fused_ops_track_fp32_on_gpu(model, prefill):
+@pytest.mark.parametrize("model, prefill, experts", [("small", 29, "bf16"), ("v4_flash_slice", 200, "bf16"),
+                                                     ("v4_flash_slice", 200, "mxfp8")])
+def test_fused_ops_track_fp32_on_gpu(model, prefill, experts):
     """The fused backend (every layer kind) against an FP32 run of the same weights
     (:func:`fp32_view`, the routed experts widened one at a time) over a prefill chunk and
     verify steps crossing window boundaries (at V4-Flash's sizes the prefill closes an HCA
@@ -569,14 +624,19 @@ def test_fused_ops_track_fp32_on_gpu(model, prefill):
     fused pick's FP32 logit within a quarter of the row's logit spread (std) of the FP32
     maximum. (Exact argmax agreement is not the criterion: a random model's top-2 logits are
     often closer than bf16's rounding; a wrong state row or weight picks tokens whole standard
-    deviations down.) The V4-Flash case holds the bf16 model, its MXFP8 experts and the FP32
-    view at once (~90 GB: an H200)."""
+    deviations down.) The V4-Flash case with bf16 experts holds the bf16 model, its MXFP8
+    experts and the FP32 view at once (~100 GB: an H200); with ``experts="mxfp8"`` the model is
+    made as the kernel engines make it (each layer's experts MXFP8 as it is made), and the FP32
+    run reads those MXFP8 weights' exact values (~55 GB)."""
     from spec_decode.config import PRESETS
-    from spec_decode.fused_ops import FusedOps
+    from spec_decode.fused_ops import FusedOps, quantize_layer_experts
 
     cfg = PRESETS[model]
     max_len = 256
-    target = TargetModel(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+    if model != "small" and experts == "bf16" and torch.cuda.get_device_properties(0).total_memory < 100 << 30:
+        pytest.skip("the bf16 V4-Flash slice beside its MXFP8 experts and FP32 view needs ~100 GB")
+    target = TargetModel(cfg, seed=0, dtype=torch.bfloat16, device="cuda",
+                         on_layer=quantize_layer_experts if experts == "mxfp8" else None)
     fused = StepModel(target, FusedOps(target, max_tokens=2 * prefill, max_len=max_len))
     base = StepModel(fp32_view(target), StreamingFp32Experts())
     st_f = DecodeState(cfg, 3, max_len, 6, torch.bfloat16, "cuda")
