@@ -42,6 +42,9 @@
 #                                            the runtime's GPU tests at `small`
 #   bash tools/device.sh smoke-kernels       the new kernels' GPU tests alone (a short call)
 #   bash tools/device.sh quick-bench         the runtime bench at v4_flash_slice (--quick, acceptance 5.5)
+#   bash tools/device.sh cache-out           the machine's compiled-kernel cache as $OUT/kernel-cache.tar.xz
+#   bash tools/device.sh cache-in            unpack a carried .devcache/kernel-cache.tar.xz into the cache
+#                                            (a call right after one that unpacked the DSL: see docs/device.md)
 set -u
 source tools/device-env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -158,6 +161,19 @@ peers)
 build)
   python -m cute_kernels build --arch sm_90a --arch sm_100a --demo 2>&1 | tail -20 | tee "$OUT/build.log"
   ;;
+cache-out)
+  # the machine's compiled-kernel cache, brought home through $OUT: carried into a later
+  # session's machine (cache-in), its kernels load instead of compiling (entries whose kernel
+  # source changed since are simply not found)
+  tar -cJf "$OUT/kernel-cache.tar.xz" -C "$(dirname "$CUTE_KERNELS_CACHE_DIR")" "$(basename "$CUTE_KERNELS_CACHE_DIR")"
+  ls -la "$OUT/kernel-cache.tar.xz"
+  ;;
+cache-in)
+  # in a call that carries .devcache/kernel-cache.tar.xz (right after one that unpacked the DSL)
+  mkdir -p "$(dirname "$CUTE_KERNELS_CACHE_DIR")"
+  tar -xJf .devcache/kernel-cache.tar.xz -C "$(dirname "$CUTE_KERNELS_CACHE_DIR")" && \
+    find "$CUTE_KERNELS_CACHE_DIR" -name manifest.json | wc -l
+  ;;
 *)
-  sed -n '2,30p' "$0"; exit 2 ;;
+  sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 2 ;;
 esac
