@@ -7,3 +7,9 @@ fi
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 export CUTE_KERNELS_CACHE_DIR=${CUTE_KERNELS_CACHE_DIR:-/tmp/cute_kernels_cache}
+# compiled kernels carried in (docs/device.md): a fresh machine loads them instead of compiling
+if [ -f .devcache/kernel-cache.tar.xz ] && [ ! -d "$CUTE_KERNELS_CACHE_DIR" ]; then
+  mkdir -p "$(dirname "$CUTE_KERNELS_CACHE_DIR")"
+  tar -xJf .devcache/kernel-cache.tar.xz -C "$(dirname "$CUTE_KERNELS_CACHE_DIR")" \
+    && mv -n "$(dirname "$CUTE_KERNELS_CACHE_DIR")/cute_kernels_cache" "$CUTE_KERNELS_CACHE_DIR" 2>/dev/null
+fi
