@@ -75,12 +75,12 @@ def quantize_layer_experts(L: dict) -> dict:
     need the bf16 experts: a model converted this way serves only the kernel backends."""
     if EXPERT_OPERANDS[0] in L:
         return L
-    gu = interleave_gate_up(L["ffn.experts.w1"], L["ffn.experts.w3"]).contiguous()
+    # each bf16 tensor dropped as soon as its copy exists: the peak holds one layer's experts
+    # once plus the interleaved gate | up, not two copies of everything
+    gu = interleave_gate_up(L.pop("ffn.experts.w1"), L.pop("ffn.experts.w3")).contiguous()
     L[EXPERT_OPERANDS[0]], L[EXPERT_OPERANDS[1]] = quantize_expert_weights(gu)
     del gu
-    L[EXPERT_OPERANDS[2]], L[EXPERT_OPERANDS[3]] = quantize_expert_weights(L["ffn.experts.w2"].contiguous())
-    for name in ("w1", "w3", "w2"):
-        del L[f"ffn.experts.{name}"]
+    L[EXPERT_OPERANDS[2]], L[EXPERT_OPERANDS[3]] = quantize_expert_weights(L.pop("ffn.experts.w2").contiguous())
     return L
 
 
