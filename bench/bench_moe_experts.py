@@ -40,7 +40,7 @@ from moe.experts import (dequantize, expert_kernel_args, interleave_gate_up, moe
                         moe_expert_gemm, mxfp4_expert_weights, quantize_expert_weights)
 from moe.experts_swap_ab_sm90 import MoeExpertSwapABSm90, tok_n_for  # noqa: E402
 from moe.finalize import moe_finalize  # noqa: E402
-from moe.quant import mxfp8_quantize_routed  # noqa: E402
+from moe.quant import mxfp8_gather_routed, mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size  # noqa: E402
 from moe.router import V4_FLASH_ROUTER, V4_PRO_ROUTER, MoeRouter, RouterConfig  # noqa: E402
 
 #: model -> (hidden C, expert width I, router config, SwiGLU clamp, MXFP4 checkpoint weights)
@@ -167,6 +167,18 @@ def stage_times(T, x, logits, bias, W, cfg, ours, sweep):
     t["quant"] = us(lambda: mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, TOPK, q=aq, scales=asc))
     t["quant, padding unwritten"] = us(lambda: mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, TOPK, q=aq,
                                                                      scales=asc, zero_padding=False))
+    # the decode runtime's fused arm: the tokens quantized beside the router (side stream), then
+    # only their bytes gathered after it (the critical path's part)
+    xq, xs = mxfp8_quantize(x)
+    gq, gs = mxfp8_gather_routed(xq, xs, r.sorted_token_ids, r.total_rows, TOPK)
+    live = int(r.total_rows[0])
+    if not (torch.equal(gq[:live].view(torch.uint8), aq[:live].view(torch.uint8))
+            and torch.equal(gs[:scale_buffer_size(live, C, "swizzled")], asc[:scale_buffer_size(live, C, "swizzled")])):
+        raise SystemExit(f"T={T}: the gather of the quantized tokens differs from the routed quantization")
+    t["tokens' quant (side stream)"] = us(lambda: mxfp8_quantize(x, q=xq, scales=xs))
+    t["gather of the quantized tokens, padding unwritten"] = us(
+        lambda: mxfp8_gather_routed(xq, xs, r.sorted_token_ids, r.total_rows, TOPK, q=aq, scales=asc,
+                                    zero_padding=False))
 
     def gate_up(**kw):
         return us(lambda: moe_expert_gate_up(aq, asc, W["gu_q"], W["gu_s"], r.expert_offsets, r.expert_counts,
