@@ -286,7 +286,6 @@ class MhcStats:
                  sP: cute.Tensor, tok0: Int32, live: Int32, splits: Int32, eps: Float32):
         m, n, first = self.m, self.n, self.first
         tidx, _, _ = cute.arch.thread_idx()
-        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         # Split partials: thread -> (token, column); all of a thread's loads (up to
         # COLS_PER_THREAD x MAX_SPLITS floats, 16-byte vectors) are issued before the first
         # add, so the tile's partials stream in one latency round; summed in split order.
