@@ -260,6 +260,12 @@ CUTE_FAMILIES = {"RouterTopkAlign": "router top-k / padding",
                  "PushAllReduce": "all-reduce"}
 
 
+def cute_family(kernel_name: str) -> str | None:
+    """The launch family of one of this project's kernels by its name (the DSL names a kernel
+    after its class, or the string its configuration object gives), or None."""
+    return next((f for cls, f in CUTE_FAMILIES.items() if cls in kernel_name), None)
+
+
 #: a traced kernel's origin, for the verify replay's time breakdown
 KERNEL_ORIGINS = ("cute", "gemm", "torch")
 
@@ -437,7 +443,7 @@ def count_families(eng, batch, cycles=20):
             counts[fam] = counts.get(fam, 0) + torch_kernels(ev)
     for ev in kernels:
         if ev.device_type.name == "CUDA" and ev.name.startswith("kernel_cutlass"):
-            fam = next((f for cls, f in CUTE_FAMILIES.items() if cls in ev.name), None)
+            fam = cute_family(ev.name)
             if fam is not None:
                 counts[fam] += 1
     return {fam: n * cycles for fam, n in counts.items()}

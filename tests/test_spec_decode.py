@@ -370,6 +370,21 @@ def test_trace_kernel_origins():
     assert kernel_origin("void at::native::(anonymous namespace)::cunn_SoftMaxForward<...>") == "torch"
 
 
+def test_launch_families_of_this_projects_kernels():
+    """Launch counts as the reference PR counts them: the push kernel that also finalizes and
+    adds the shared expert is a fused finalize, not an all-reduce; the finalize without the
+    add is a standalone finalize (the kernels' names, as the DSL gives them)."""
+    from spec_decode.bench import cute_family
+
+    name = "kernel_cutlass_kernel_{}_tensorptrbf16gmemalign16o716871681_0".format
+    assert cute_family(name("FinalizeSharedAllReduce")) == "fused finalize (+ shared add)"
+    assert cute_family(name("PushAllReduce")) == "all-reduce"
+    assert cute_family(name("FinalizeShared")) == "fused finalize (+ shared add)"
+    assert cute_family(name("MoeFinalize")) == "standalone finalize"
+    assert cute_family("kernel_cutlass_kernel_moerouterRouterTopkAlign_object_at__0") == "router top-k / padding"
+    assert cute_family(name("MxGatherRouted")) is None
+
+
 def test_kernel_table_groups_one_replay_by_name():
     """The per-kernel tables: launches and time summed per kernel name, longest total first,
     percentages of the replay's kernel time."""
