@@ -10,9 +10,11 @@ busy by a long sleep kernel enqueued first -- so the loop never waits on the GPU
 timed is the host path: validation, cache lookup, argument packing, the launch call. The
 kernels' own GPU time is not in it. ``torch.add`` on a small tensor is the yardstick in the
 same run (goal: <= 5 us for single-kernel ops, never more than torch.add). The entry points
-are timed twice: with :class:`cute_kernels.jit.DirectLaunch` resolving the arguments (the
-default) and through the DSL's own call path (``jit.DIRECT_LAUNCH = False``); before timing,
-each op's output through the first is checked bit-equal to its output through the second. The
+are timed three ways: with :class:`cute_kernels.jit.DirectLaunch` resolving the arguments (the
+default), through the DSL's own call path (``jit.DIRECT_LAUNCH = False``) and, where the
+``apache-tvm-ffi`` package imports, compiled with the DSL's TVM-FFI calling convention
+(:func:`cute_kernels.jit.use_tvm_ffi`); before timing, each op's output through the first is
+checked bit-equal to its output through the other two. The
 kernels' own benches and tests check the outputs against their references.
 
 Runtime-only mode (:mod:`cute_kernels.runtime_only`): the kernels this run compiled are in the
@@ -228,6 +230,25 @@ def main(argv=None) -> int:
             expect[name] = poisoned_output(entry, out)
         rows.append([name, f"{t_entry:.1f}", f"{t_dsl:.1f}", f"{t_op:.1f}", f"{t_entry / add:.1f}x"])
         print("| " + " | ".join(rows[-1]) + " |", flush=True)
+    # TVM-FFI launches (jit.use_tvm_ffi): the same entry points, each output checked against the
+    # direct launch's bytes first; n/a without the apache-tvm-ffi package
+    try:
+        jit.use_tvm_ffi(True)
+        tvm_ffi = True
+    except ImportError:
+        tvm_ffi = False
+    try:
+        for r, (name, entry, _, out) in zip(rows, selected_cases(args.only)):
+            t = float("nan")
+            if tvm_ffi:
+                if out is not None and not torch.equal(poisoned_output(entry, out), expect[name]):
+                    raise SystemExit(f"{name}: the TVM-FFI launch's output differs from the direct launch's")
+                t = host_us(entry, args.calls)
+                print(f"{name}: {t:.1f} us (TVM-FFI)", flush=True)
+            r.insert(2, f"{t:.1f}" if tvm_ffi else "n/a")
+    finally:
+        if tvm_ffi:
+            jit.use_tvm_ffi(False)
     # runtime-only: the same entry points from this run's artifact cache, in a process without the DSL
     from cute_kernels.artifact_cache import default_cache
 
@@ -248,7 +269,8 @@ def main(argv=None) -> int:
     text = "\n".join([f"## Eager host cost per call -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
                       f"Command: `python bench/bench_host_cost.py --calls {args.calls}`", "",
                       markdown_table(["op (decode shapes: T = 6)", "entry point us", "runtime-only entry point us",
-                                      "entry point, DSL call path us", "custom op us", "entry point vs torch.add"],
+                                      "entry point, TVM-FFI us", "entry point, DSL call path us", "custom op us",
+                                      "entry point vs torch.add"],
                                      rows), "",
                       f"Import of `cute_kernels.row_rms` (after torch) and its first call (artifact cache warm; "
                       f"runtime-only: {linked} entries linked, runtime library {os.path.getsize(lib) >> 20} MiB):", "",

@@ -24,6 +24,13 @@ Runtime-only mode (:mod:`cute_kernels.runtime_only`: the DSL compiler is not ins
 only, through :class:`cute_kernels.exported.ExportedKernel` (no DSL import); a key the cache
 does not hold raises :class:`~cute_kernels.runtime_only.MissingArtifact` naming the ``build``
 command; the argument helpers pass raw addresses and numbers.
+
+TVM-FFI launches (:func:`use_tvm_ffi`, needs the ``apache-tvm-ffi`` package): kernels compile
+with the DSL's ``--enable-tvm-ffi`` calling convention, whose compiled function converts its
+arguments in C (pointers as ints, scalars as Python numbers, the stream as its handle); the
+argument helpers then pass raw addresses and numbers, as in runtime-only mode. Such kernels are
+compiled in the process (step 3 without the export: the artifact cache holds the plain-ABI
+objects).
 """
 
 from __future__ import annotations
@@ -259,7 +266,8 @@ class KernelCache:
                 if store is not None and store.put(key, compiled.fn):
                     with self._lock:
                         self.stats.disk_writes += 1
-            fn = self._fns[key] = DirectLaunch(fn)
+            # a TVM-FFI function converts its own arguments (C), nothing to skip around it
+            fn = self._fns[key] = fn if TVM_FFI_OPTION in key.options else DirectLaunch(fn)
             return fn
 
 
@@ -413,13 +421,13 @@ class DirectLaunch:
 
 def get_kernel(name: str, arch: str, *, use_disk: bool = True, artifact_cache=None, **config):
     """Compiled function for ``name`` built for ``arch`` with static ``config``
-    (a :class:`DirectLaunch` around it).
+    (a :class:`DirectLaunch` around it; with :func:`use_tvm_ffi`, the TVM-FFI function).
 
     The hot path is one dict lookup on (name, arch, config): the full :class:`CacheKey`
     (source hash, DSL version) is built only on the first call, so source edits made while
     a process runs are picked up by the next process, not by the running one.
     """
-    fast_key = (name, arch, tuple(sorted(config.items())), use_disk, id(artifact_cache))
+    fast_key = (name, arch, tuple(sorted(config.items())), use_disk, id(artifact_cache), TVM_FFI)
     fn = CACHE.fast.get(fast_key)
     if fn is not None:
         CACHE.stats.hits += 1  # racy increment is fine for a counter
@@ -428,7 +436,10 @@ def get_kernel(name: str, arch: str, *, use_disk: bool = True, artifact_cache=No
     if kdef is None:
         raise KeyError(f"unknown kernel {name!r} (import the module that defines it); registered: "
                        f"{', '.join(sorted(_REGISTRY))}")
-    fn = CACHE.get(kdef, arch, config, artifact_cache=artifact_cache, use_disk=use_disk)
+    if TVM_FFI:
+        fn = CACHE.get(kdef, arch, config, options=f"{default_options(arch)} {TVM_FFI_OPTION}", use_disk=False)
+    else:
+        fn = CACHE.get(kdef, arch, config, artifact_cache=artifact_cache, use_disk=use_disk)
     CACHE.fast[fast_key] = fn
     return fn
 
@@ -549,6 +560,31 @@ def _raw_scalar(v):
 
 if runtime_only.active():
     gmem_ptr, i32, f32, cu_stream = _raw_gmem_ptr, _raw_scalar, _raw_scalar, stream_handle  # noqa: F811
+
+
+# TVM-FFI launches (module docstring).
+TVM_FFI_OPTION = "--enable-tvm-ffi"
+TVM_FFI = False
+_DSL_HELPERS = (gmem_ptr, i32, f32, cu_stream)
+
+
+def use_tvm_ffi(enabled: bool = True) -> None:
+    """Launch every kernel fetched from now on through the DSL's TVM-FFI calling convention
+    (``enabled``), or through :class:`DirectLaunch` again. Process-wide; switch between calls,
+    not while another thread launches. Raises ``ImportError`` without the ``apache-tvm-ffi``
+    package, ``RuntimeError`` in runtime-only mode (no compiler to build the TVM-FFI functions)."""
+    global TVM_FFI, gmem_ptr, i32, f32, cu_stream
+    if enabled:
+        if runtime_only.active():
+            raise RuntimeError("use_tvm_ffi: runtime-only mode has no DSL compiler to build TVM-FFI functions")
+        try:
+            import tvm_ffi  # noqa: F401
+        except ImportError as e:
+            raise ImportError("use_tvm_ffi needs the apache-tvm-ffi package (pip install apache-tvm-ffi)") from e
+        gmem_ptr, i32, f32, cu_stream = _raw_gmem_ptr, _raw_scalar, _raw_scalar, stream_handle
+    else:
+        gmem_ptr, i32, f32, cu_stream = _DSL_HELPERS
+    TVM_FFI = bool(enabled)
 
 
 def iter_aot(reg: dict[str, KernelDef], names: Iterable[str] | None = None, arch: str = "sm_100a"):

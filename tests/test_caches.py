@@ -561,3 +561,55 @@ def test_get_kernel_wraps_and_forwards_attributes(kdef, fresh_cache, tmp_path):
     f = jit.get_kernel("row_rms", "sm_90a", artifact_cache=ArtifactCache(str(tmp_path)), **CFG)
     assert isinstance(f, jit.DirectLaunch)
     assert hasattr(f, "export_to_c") and f.export_to_c == f.fn.export_to_c
+
+
+# ------------------------------------------------------------ TVM-FFI launches ---------
+_TVM_FFI_SCRIPT = """
+import cutlass, pytest, torch
+import cute_kernels.row_rms  # registers the kernel
+from cute_kernels import jit
+
+t = torch.zeros(8)
+jit.use_tvm_ffi(True)
+fn = jit.get_kernel("row_rms", "sm_90a", hidden=4096, dtype="bfloat16")
+assert not isinstance(fn, jit.DirectLaunch) and "TVMFFI" in type(fn).__name__
+assert jit.gmem_ptr(cutlass.Float32, t, 4) == t.data_ptr()
+assert jit.i32(5) == 5 and jit.f32(0.5) == 0.5 and jit.cu_stream(0x1234) == 0x1234
+with pytest.raises(TypeError, match="argument #0"):
+    fn("x", 0, 1, 1e-6, 0)
+if not torch.cuda.is_available():  # the arguments were accepted: the CUDA runtime refuses
+    with pytest.raises(RuntimeError, match="(?i)cuda"):
+        fn(t.data_ptr(), t.data_ptr(), 1, 1e-6, 0)
+jit.use_tvm_ffi(False)
+assert isinstance(jit.get_kernel("row_rms", "sm_90a", hidden=4096, dtype="bfloat16"), jit.DirectLaunch)
+assert not isinstance(jit.gmem_ptr(cutlass.Float32, t, 4), int)
+print("ok")
+"""
+
+
+def test_tvm_ffi_launch_mode_converts_plain_arguments():
+    """``jit.use_tvm_ffi()``: kernels compile with the DSL's TVM-FFI calling convention and take
+    raw addresses, Python numbers and the stream handle (the argument helpers switch with it);
+    a wrong argument type is a TypeError naming the argument before any launch; switching back
+    gives DirectLaunch again. Run in a fresh process: without a GPU the DSL builds the
+    function's host side only when the target arch is set at start-up (CUTE_DSL_ARCH); the
+    call then reaches the CUDA runtime and fails there, which shows the arguments were
+    accepted."""
+    pytest.importorskip("tvm_ffi")
+    import torch
+
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["CUTE_DSL_ARCH"] = "sm_90a"
+    res = subprocess.run([sys.executable, "-c", _TVM_FFI_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+def test_tvm_ffi_mode_needs_its_package(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tvm_ffi", None)  # an import of it now fails
+    with pytest.raises(ImportError, match="apache-tvm-ffi"):
+        jit.use_tvm_ffi(True)
+    assert not jit.TVM_FFI

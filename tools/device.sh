@@ -31,6 +31,7 @@
 #                                            warm-up before a first capture), then the bench
 #                                            (--tp 4 --simulate-ranks; MODEL default small)
 #   bash tools/device.sh host-cost           eager host cost per call (entry points, the DSL call path,
+#                                            TVM-FFI launches when apache-tvm-ffi's wheel is carried,
 #                                            custom ops, runtime-only ctypes launchers) and the
 #                                            import / first-call times with and without the DSL
 #   bash tools/device.sh norms-runtime-only  the GPU tests of rms_norm, the runtime-only mode and the
@@ -127,6 +128,11 @@ tp)
   fi
   ;;
 host-cost)
+  # the TVM-FFI column needs apache-tvm-ffi: a carried wheel (.devcache/peers/apache_tvm_ffi-*.whl,
+  # 3.3 MB: in a call after one that unpacked the DSL) is installed into /tmp/site first
+  for w in .devcache/peers/apache_tvm_ffi-*.whl; do
+    [ -e "$w" ] && python -m pip install -q --no-deps --no-index --target /tmp/site "$w" 2>&1 | tail -1
+  done
   timeout 500 python bench/bench_host_cost.py --calls 1000 --out "$OUT/bench_host_cost.md" 2>&1 | tail -30
   ;;
 norms-runtime-only)
