@@ -241,10 +241,15 @@ def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_
        jit.i32(grid_tiles(op, rows, tile_expert.numel(), router_e, routed_rows)), jit.cu_stream(stream))
 
 
-#: Largest step (tokens) for which :func:`expert_kernel_args` picks the decode kernel's row
-#: passes: a BS64 verify step (64 x 6 tokens); above it the tiled kernel (row passes not
-#: measured beyond T = 384).
+#: Largest step (tokens) for which :func:`expert_kernel_args` takes the caller's row tile: a
+#: BS64 verify step (64 x 6 tokens) and the runtime's prefill chunks; above it, passes of
+#: :data:`LARGE_ROW_TILE` columns.
 ROW_PASS_MAX_TOKENS = 384
+#: Row passes above :data:`ROW_PASS_MAX_TOKENS` tokens: wider passes re-stream each weight
+#: tile fewer times once experts hold ~100 rows. On the H200 (V3-shaped layer, T = 4096,
+#: bench/RESULTS.md) passes of 32 took the gate/up and down GEMMs 10.9 + 4.9 ms against 14.8 +
+#: 7.4 ms for the tiled kernel's best configurations (passes of 16: 13.8 + 5.9 ms).
+LARGE_ROW_TILE = 32
 
 
 def expert_kernel_args(tokens: int, row_tile: int | None = 16) -> dict:
@@ -255,8 +260,9 @@ def expert_kernel_args(tokens: int, row_tile: int | None = 16) -> dict:
     ``tokens <= 16`` runs the decode kernel with that bound (one 16-column pass); up to
     :data:`ROW_PASS_MAX_TOKENS` it runs in passes of ``row_tile`` columns (one wide pass
     would promote 64 columns for experts holding ~2 rows; on the H200 passes of 16 halve the
-    expert GEMMs at T = 64 and beat the tiled kernel ~2x up to T = 384). ``row_tile=None``
-    keeps one pass up to 64 tokens and the tiled kernel above.
+    expert GEMMs at T = 64 and beat the tiled kernel ~2x up to T = 384), above it in passes
+    of :data:`LARGE_ROW_TILE`. ``row_tile=None`` keeps one pass up to 64 tokens and the tiled
+    kernel above.
     """
     if not isinstance(tokens, int) or tokens < 0:
         raise ValueError(f"expert_kernel_args: tokens must be a non-negative int, got {tokens!r}")
@@ -264,8 +270,8 @@ def expert_kernel_args(tokens: int, row_tile: int | None = 16) -> dict:
         raise ValueError(f"expert_kernel_args: row_tile must be None or one of {TOK_N}, got {row_tile!r}")
     if tokens <= 16 or (row_tile is None and tokens <= TOK_N[-1]):
         return dict(max_expert_rows=max(tokens, 1))
-    if row_tile is not None and tokens <= ROW_PASS_MAX_TOKENS:
-        return dict(expert_row_tile=row_tile)
+    if row_tile is not None:
+        return dict(expert_row_tile=row_tile if tokens <= ROW_PASS_MAX_TOKENS else LARGE_ROW_TILE)
     return {}
 
 

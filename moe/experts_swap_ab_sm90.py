@@ -32,9 +32,9 @@ Precision: the tensor core sums a block's 32 exact e4m3 products at reduced prec
 the FP32 promotion (on the H200 a few % of bf16 outputs differ from an FP32-exact emulation,
 relative norm ~4e-4); the MX requantisation hides it except where g cancels to near zero.
 
-Status: GPU-tested on the H200 (with and without ``row_passes``) and the default for
-T <= 384 (:func:`moe.experts.expert_kernel_args`, which the decode runtime uses); run
-``python bench/bench_moe_experts.py`` for its speed.
+Status: GPU-tested on the H200 (with and without ``row_passes``) and the default at every T
+(:func:`moe.experts.expert_kernel_args`, which the decode runtime uses: passes of 32 token
+columns above 384 tokens); run ``python bench/bench_moe_experts.py`` for its speed.
 
 Constraints: ``K % 128 == 0``, ``N % 64 == 0``; without ``row_passes``, rows per expert <=
 ``tok_n`` (the caller's bound; a larger count would drop rows, so the host only selects this

@@ -479,15 +479,17 @@ def test_grid_tile_bound():
 
 def test_expert_kernel_args_by_token_count():
     """The runtime's kernel choice: one decode pass while the token count bounds every expert
-    at 16 rows, row passes up to ROW_PASS_MAX_TOKENS, the tiled kernel above."""
-    from moe.experts import ROW_PASS_MAX_TOKENS, expert_kernel_args
+    at 16 rows, row passes of the caller's tile up to ROW_PASS_MAX_TOKENS and of LARGE_ROW_TILE
+    above; without a row tile, one pass up to 64 tokens and the tiled kernel above."""
+    from moe.experts import LARGE_ROW_TILE, ROW_PASS_MAX_TOKENS, expert_kernel_args
     assert expert_kernel_args(0) == dict(max_expert_rows=1)
     assert expert_kernel_args(1) == dict(max_expert_rows=1)
     assert expert_kernel_args(16) == dict(max_expert_rows=16)
     assert expert_kernel_args(17) == dict(expert_row_tile=16)
     assert expert_kernel_args(64, 32) == dict(expert_row_tile=32)
     assert expert_kernel_args(ROW_PASS_MAX_TOKENS) == dict(expert_row_tile=16)
-    assert expert_kernel_args(ROW_PASS_MAX_TOKENS + 1) == {}
+    assert expert_kernel_args(ROW_PASS_MAX_TOKENS + 1) == dict(expert_row_tile=LARGE_ROW_TILE)
+    assert expert_kernel_args(4096, None) == {}  # no row tile: the tiled kernel
     assert expert_kernel_args(64, None) == dict(max_expert_rows=64)
     assert expert_kernel_args(65, None) == {}
     with pytest.raises(ValueError, match="row_tile"):
@@ -753,14 +755,15 @@ def test_gpu_decode_kernel_row_passes(seed, E, N, K, counts, row_tile):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("limit", [None, TEST_LIMIT])
-def test_gpu_decode_kernel_row_passes_fused(seed, limit):
+@pytest.mark.parametrize("row_tile", [16, 32])  # 32: expert_kernel_args above ROW_PASS_MAX_TOKENS
+def test_gpu_decode_kernel_row_passes_fused(seed, limit, row_tile):
     """H200: the fused epilogue once per pass (its staging tile reused across passes)."""
-    _gate_up_matches_spec(seed, 4, 1024, 2048, [33, 0, 129, 17], own_gemm=True, expert_row_tile=16,
+    _gate_up_matches_spec(seed, 4, 1024, 2048, [33, 0, 129, 17], own_gemm=True, expert_row_tile=row_tile,
                           swiglu_limit=limit)
 
 
 @pytest.mark.parametrize("tok_n, silu_quant, row_passes", [(16, False, False), (16, True, False), (64, False, False),
-                                                           (16, True, True), (32, False, True)])
+                                                           (16, True, True), (32, False, True), (32, True, True)])
 def test_machine_code_swap_ab_sm90(tok_n, silu_quant, row_passes):
     """Native FP8 wgmma (QGMMA e4m3, not mma.sync's f16 unpacks) fed by TMA, no spills."""
     h = sass.sass_histogram("moe_expert_swap_ab_sm90", "sm_90a", E=256, N=4096, K=7168, tok_n=tok_n,
