@@ -295,6 +295,22 @@ def _outputs(op: str, x: torch.Tensor, rows: int, K: int, layout: str, q, scales
     return q, scales
 
 
+def _check_routing(op: str, sorted_token_ids, total_rows, topk, zero_padding, K: int) -> int:
+    """The router's packing as a routed call takes it (and ``topk``, ``zero_padding``);
+    returns the output rows (the capacity: ``sorted_token_ids.numel()``)."""
+    if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
+        raise ValueError(f"{op}: topk must be a positive int, got {topk!r}")
+    if not isinstance(zero_padding, bool):
+        raise TypeError(f"{op}: zero_padding must be a bool, got {zero_padding!r}")
+    check_tensor(op, "sorted_token_ids", sorted_token_ids, dtype=torch.int32, ndim=1, contiguous=True, align_bytes=4)
+    check_tensor(op, "total_rows", total_rows, dtype=torch.int32, contiguous=True, align_bytes=4)
+    if total_rows.numel() < 1:
+        raise ValueError(f"{op}: total_rows must hold at least one int32")
+    cap = sorted_token_ids.numel()
+    check_int32_indexable(op, "q (sorted_token_ids.numel() rows x K)", cap * K)
+    return cap
+
+
 def _launch(op, x, q, s, ids, total, T, out_rows, K, layout, routed, topk, stream, arch, max_ctas,
             zero_padding=True, xs=None):
     if max_ctas is None:
@@ -351,16 +367,7 @@ def mxfp8_quantize_routed(x: torch.Tensor, sorted_token_ids: torch.Tensor, total
     if layout not in LAYOUTS:
         raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
     T, K = _check_x(op, x)
-    if not isinstance(topk, int) or topk < 1:
-        raise ValueError(f"{op}: topk must be a positive int, got {topk!r}")
-    if not isinstance(zero_padding, bool):
-        raise TypeError(f"{op}: zero_padding must be a bool, got {zero_padding!r}")
-    check_tensor(op, "sorted_token_ids", sorted_token_ids, dtype=torch.int32, ndim=1, contiguous=True, align_bytes=4)
-    check_tensor(op, "total_rows", total_rows, dtype=torch.int32, contiguous=True, align_bytes=4)
-    if total_rows.numel() < 1:
-        raise ValueError(f"{op}: total_rows must hold at least one int32")
-    cap = sorted_token_ids.numel()
-    check_int32_indexable(op, "q (sorted_token_ids.numel() rows x K)", cap * K)
+    cap = _check_routing(op, sorted_token_ids, total_rows, topk, zero_padding, K)
     q, scales = _outputs(op, x, cap, K, layout, q, scales)
     check_cuda(op, ("x", x), ("sorted_token_ids", sorted_token_ids), ("total_rows", total_rows), ("q", q),
                ("scales", scales))
@@ -391,16 +398,7 @@ def mxfp8_gather_routed(xq: torch.Tensor, xs: torch.Tensor, sorted_token_ids: to
         raise ValueError(f"{op}: xq.shape[1]={K} must be a multiple of {MX_BLOCK} (the MX block)")
     check_int32_indexable(op, "xq", T * K)
     check_tensor(op, "xs", xs, dtype=torch.uint8, shape=(T, K // MX_BLOCK), contiguous=True, align_bytes=0)
-    if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
-        raise ValueError(f"{op}: topk must be a positive int, got {topk!r}")
-    if not isinstance(zero_padding, bool):
-        raise TypeError(f"{op}: zero_padding must be a bool, got {zero_padding!r}")
-    check_tensor(op, "sorted_token_ids", sorted_token_ids, dtype=torch.int32, ndim=1, contiguous=True, align_bytes=4)
-    check_tensor(op, "total_rows", total_rows, dtype=torch.int32, contiguous=True, align_bytes=4)
-    if total_rows.numel() < 1:
-        raise ValueError(f"{op}: total_rows must hold at least one int32")
-    cap = sorted_token_ids.numel()
-    check_int32_indexable(op, "q (sorted_token_ids.numel() rows x K)", cap * K)
+    cap = _check_routing(op, sorted_token_ids, total_rows, topk, zero_padding, K)
     q, scales = _outputs(op, xq, cap, K, layout, q, scales)
     check_cuda(op, ("xq", xq), ("xs", xs), ("sorted_token_ids", sorted_token_ids), ("total_rows", total_rows),
                ("q", q), ("scales", scales))

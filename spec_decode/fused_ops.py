@@ -174,12 +174,10 @@ class FusedOps(Ops):
                 P["router"].set_hash_table(L["ffn.gate.tid2eid"])
             else:
                 P["router"], P["router_bias"] = self.router, L["ffn.gate.bias"].float().contiguous()
-            if EXPERT_OPERANDS[0] in L:  # converted as the model was made (quantize_layer_experts)
-                P["gu_q"], P["gu_s"], P["d_q"], P["d_s"] = (L[k] for k in EXPERT_OPERANDS)
-            else:
-                P["gu_q"], P["gu_s"] = quantize_expert_weights(
-                    interleave_gate_up(L["ffn.experts.w1"], L["ffn.experts.w3"]).contiguous())
-                P["d_q"], P["d_s"] = quantize_expert_weights(L["ffn.experts.w2"].contiguous())
+            # converted as the model was made, or here from the bf16 experts (the layer keeps them)
+            mx = L if EXPERT_OPERANDS[0] in L else quantize_layer_experts(
+                {f"ffn.experts.{w}": L[f"ffn.experts.{w}"] for w in ("w1", "w3", "w2")})
+            P["gu_q"], P["gu_s"], P["d_q"], P["d_s"] = (mx[k] for k in EXPERT_OPERANDS)
             P["sink"] = L["attn.attn_sink"].float().contiguous()
             sp = "ffn.shared_experts."  # gate and up rows in one product
             P["shared_w13"] = torch.cat([L[sp + "w1.weight"], L[sp + "w3.weight"]]).contiguous()
