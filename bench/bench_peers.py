@@ -11,9 +11,9 @@ row saying which and why.
 
 Families and peers (wheels: ``.devcache/peers``, see docs/device.md):
 
-* MXFP8 quantisation, plain and swizzled scales: FlashInfer ``mxfp8_quantize`` (its CUDA
-  backend; the same round-up scale rule: equal scales, e4m3 codes equal or one step apart
-  -- the row counts those, see :func:`e4m3_agreement`);
+* MXFP8 quantisation, plain and swizzled scales: FlashInfer ``mxfp8_quantize``, its "cuda" and
+  "cute-dsl" backends (the same round-up scale rule: equal scales, e4m3 codes equal or one
+  step apart -- the row counts those, see :func:`e4m3_agreement`);
 * RMS statistic: quack ``rmsnorm_fwd(..., store_rstd=True)`` (it also writes the normalised
   rows: its bytes are counted) -- rstd compared to 1e-5 relative;
 * MXFP8 quantisation, plain scales: torchao ``triton_to_mxfp8_dim0`` ("rceil", the same rule:
@@ -93,35 +93,46 @@ def e4m3_agreement(q: torch.Tensor, peer: torch.Tensor) -> str | None:
 
 
 def mxfp8_rows(fi):
+    """FlashInfer's ``mxfp8_quantize``, each backend: "cuda" (on sm_90 it returns zeros -- its
+    kernel converts with sm_100 instructions -- which the check reports) and "cute-dsl"."""
     rows = []
     K = 7168
     for T in (64, 4096, 16384):
         for swz in (False, True):
             layout = "swizzled" if swz else "plain"
+            shape = f"{T}x{K} {layout}"
             nbytes = T * K * 2 + T * K + scale_buffer_size(T, K, layout)
             n = rotation_count(nbytes)
             xs = [torch.randn(T, K, device="cuda").bfloat16() for _ in range(n)]
             t_ours = time_graph(lambda i: mxfp8_quantize(xs[i], layout=layout), n, max(n, 20))
             if isinstance(fi, str):
-                rows.append(row("MXFP8 quant", f"{T}x{K} {layout}", "FlashInfer", t_ours, None, nbytes, fi))
+                rows.append(row("MXFP8 quant", shape, "FlashInfer", t_ours, None, nbytes, fi))
                 continue
             q, s = mxfp8_quantize(xs[0], layout=layout)
-            try:
-                fq, fs = fi.mxfp8_quantize(xs[0], is_sf_swizzled_layout=swz, backend="cuda")
-            except Exception as e:  # noqa: BLE001
-                rows.append(row("MXFP8 quant", f"{T}x{K} {layout}", "FlashInfer", t_ours, None, nbytes,
-                                f"does not run: {type(e).__name__}: {str(e)[:80]}"))
-                continue
-            same_s = fs.numel() >= s.numel() and torch.equal(s.view(-1), fs.view(torch.uint8).view(-1)[:s.numel()])
-            agree = e4m3_agreement(q, fq.view(T, K))
-            if agree is None:
-                rows.append(row("MXFP8 quant", f"{T}x{K} {layout}", "FlashInfer", t_ours, None, nbytes,
-                                "e4m3 values more than one code apart from ours: not timed"))
-                continue
-            t_fi = time_graph(lambda i: fi.mxfp8_quantize(xs[i], is_sf_swizzled_layout=swz, backend="cuda"), n,
-                              max(n, 20))
-            rows.append(row("MXFP8 quant", f"{T}x{K} {layout}", "FlashInfer", t_ours, t_fi, nbytes,
-                            agree + ("; scales equal" if same_s else "; scale buffer differs")))
+            for backend in ("cuda", "cute-dsl"):
+                peer = f"FlashInfer ({backend})"
+
+                def call(i, swz=swz, backend=backend):
+                    return fi.mxfp8_quantize(xs[i], is_sf_swizzled_layout=swz, backend=backend)
+
+                try:
+                    fq, fs = call(0)
+                except Exception as e:  # noqa: BLE001
+                    rows.append(row("MXFP8 quant", shape, peer, t_ours, None, nbytes,
+                                    f"does not run: {type(e).__name__}: {str(e)[:80]}"))
+                    continue
+                fs8 = fs.view(torch.uint8).view(-1)
+                same_s = fs8.numel() >= s.numel() and torch.equal(s.view(-1), fs8[:s.numel()])
+                agree = e4m3_agreement(q, fq.view(T, K))
+                if agree is None:
+                    zeros = not bool(fq.view(torch.uint8).any())
+                    rows.append(row("MXFP8 quant", shape, peer, t_ours, None, nbytes,
+                                    "returns all zeros here: not timed" if zeros else
+                                    "e4m3 values more than one code apart from ours: not timed"))
+                    continue
+                t_fi = time_graph(call, n, max(n, 20))
+                rows.append(row("MXFP8 quant", shape, peer, t_ours, t_fi, nbytes,
+                                agree + ("; scales equal" if same_s else "; scale buffer differs")))
     return rows
 
 
