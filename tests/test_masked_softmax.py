@@ -6,17 +6,22 @@ import torch
 from cute_kernels.masked_softmax import masked_softmax
 from cute_kernels.testing import sass
 from references import masked_softmax_ref, rel_err
-from spec_decode.step_model import StepModel
 
 # Tolerance: each probability is rounded once to bf16 (relative 2^-9) from an FP32 value whose
 # exp2 / sum / rcp error is ~1e-6; ||round(p) - p|| / ||p|| <= 2^-9 ~ 2.0e-3, typically half.
 TOL = {torch.bfloat16: 2.5e-3, torch.float16: 4e-4}
 
 
+def _mask_width(M: int) -> int:
+    """A masked-dense attention core's mask row stride over M keys: one spare column, padded to
+    16 (a multiple of 8 that is not M itself, so the kernel's stride handling is exercised)."""
+    return -(-(M + 1) // 16) * 16
+
+
 def _inputs(lead, H, M, W=None, dtype=torch.bfloat16, density=0.4):
     """Attention-like scores (a few large logits per row) and a random selection mask with at
     least one key per token and garbage in the unused columns past M."""
-    W = W or StepModel.mask_width(M)  # the decode runtime's mask rows
+    W = W or _mask_width(M)
     scores = (torch.randn(*lead, H, M, device="cuda") * 4).to(dtype)
     mask = torch.rand(*lead, W, device="cuda") < density
     first = torch.randint(0, M, (*lead, 1), device="cuda")

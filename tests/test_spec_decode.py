@@ -637,9 +637,11 @@ def test_fused_ops_track_fp32_on_gpu(model, prefill, experts):
     window of 128): logits within a bound from bf16 activations and MXFP8 experts (relative
     2^-3 of the logits' norm), and wherever the greedy tokens differ, a near-tie in FP32: the
     fused pick's FP32 logit within a quarter of the row's logit spread (std) of the FP32
-    maximum. (Exact argmax agreement is not the criterion: a random model's top-2 logits are
+    maximum, or within 8 rms errors of the row (the MXFP8 experts' 3-bit-mantissa activations
+    leave ~9% noise at V4-Flash's size; a pick further down needs an error far in its row's
+    tail). (Exact argmax agreement is not the criterion: a random model's top-2 logits are
     often closer than bf16's rounding; a wrong state row or weight picks tokens whole standard
-    deviations down.) The V4-Flash case with bf16 experts holds the bf16 model, its MXFP8
+    deviations down and fails the relative bound too.) The V4-Flash case with bf16 experts holds the bf16 model, its MXFP8
     experts and the FP32 view at once (~100 GB: an H200); with ``experts="mxfp8"`` the model is
     made as the kernel engines make it (each layer's experts MXFP8 as it is made), and the FP32
     run reads those MXFP8 weights' exact values (~55 GB)."""
@@ -668,7 +670,9 @@ def test_fused_ops_track_fp32_on_gpu(model, prefill, experts):
         assert torch.isfinite(a).all() and rel < 0.125, f"S={S}: relative error {rel:.4f}"
         short = b.amax(-1) - torch.gather(b, -1, a.argmax(-1, keepdim=True))[..., 0]  # >= 0; 0 where equal
         spread = b.std(-1)
-        assert bool((short <= 0.25 * spread).all()), \
+        noise = (a - b).pow(2).mean(-1).sqrt()  # the row's rms error
+        tie = torch.maximum(0.25 * spread, 8 * noise)
+        assert bool((short <= tie).all()), \
             f"S={S}: fused pick {float((short / spread).max()):.2f} std below the FP32 maximum (rel {rel:.4f})"
         start = start + S
 
