@@ -25,8 +25,12 @@ Families and peers (wheels: ``.devcache/peers``, see docs/device.md):
   ``fused_topk_deepseek`` (top-k and weights only; ours also packs and pads the rows for the
   expert GEMMs: the comparison is stated as such) -- same experts and weights to 1e-6.
 
-Not covered yet: DeepGEMM's grouped FP8 GEMM (per-128 FP32 scales and its own layouts: needs
-its own harness), FlashInfer's top-k, torchao's swizzled-scale path.
+* routed-expert down projection at V4-Flash's shapes: DeepGEMM's masked grouped FP8 GEMM
+  (``sgl-deep-gemm``; per-128 FP32 scales: not the same math, both checked against FP32,
+  :func:`deepgemm_rows`).
+
+Not covered yet: FlashInfer's top-k, torchao's swizzled-scale path, a gate/up comparison (ours
+fuses SiLU * up and the requantisation into it).
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ from common import H200_COPY_BW, markdown_table, rotation_count, time_graph  # n
 
 from cute_kernels.rms_norm import rms_norm  # noqa: E402
 from cute_kernels.row_rms import row_rms  # noqa: E402
-from moe.quant import mxfp8_quantize, scale_buffer_size  # noqa: E402
-from moe.router import MoeRouter, RouterConfig  # noqa: E402
+from moe.experts import expert_kernel_args, moe_expert_gemm, quantize_expert_weights  # noqa: E402
+from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size  # noqa: E402
+from moe.router import V4_FLASH_ROUTER, MoeRouter, RouterConfig  # noqa: E402
 
 
 #: |ours - peer| <= NORM_REL_BOUND * |peer| per element for the weighted RMSNorm (norm_rows)
@@ -61,6 +66,8 @@ def _peer(name: str):
             return flashinfer
         if name == "quack":  # the package re-exports a function named rmsnorm over its module
             return importlib.import_module("quack.rmsnorm")
+        if name == "deepgemm":
+            return importlib.import_module("deep_gemm")
         if name == "torchao":
             return importlib.import_module("torchao.prototype.mx_formats.kernels")
         if name == "liger":
@@ -84,11 +91,14 @@ def e4m3_agreement(q: torch.Tensor, peer: torch.Tensor) -> str | None:
     if torch.equal(a, b):
         return "bit-exact"
     # e4m3 codes of one sign are ordered like their values: one step apart == adjacent values
-    sign_same = ((a & 0x80) == (b & 0x80)) | (((a | b) & 0x7F) == 0)  # +0 and -0 alike
+    zeros = ((a | b) & 0x7F) == 0  # +0 and -0: one value
+    sign_same = ((a & 0x80) == (b & 0x80)) | zeros
     near = ((a & 0x7F) - (b & 0x7F)).abs() <= 1
     if not bool((sign_same & near).all()):
         return None
-    n = int((a != b).sum())
+    n = int(((a != b) & ~zeros).sum())
+    if n == 0:
+        return "equal values (signed zeros differ)"
     return f"{n} of {a.numel()} e4m3 codes one step from ours ({100 * n / a.numel():.3f}%)"
 
 
@@ -236,6 +246,97 @@ def torchao_rows(tao):
     return rows
 
 
+#: e4m3's unit roundoff is 2^-4; a product of two rounded operands is off by up to 2 * 2^-4, and
+#: the rms relative error of a K-long dot product of random-signed terms stays near that
+#: product's (2 * 2^-4 / sqrt(3) ~ 0.07 for uniform rounding): twice it is the gross-error bound
+#: on either FP8 GEMM against the FP32 product of its bf16 inputs
+FP8_GEMM_REL_BOUND = 2.0 ** -3
+
+
+def deepgemm_rows(dg):
+    """The routed experts' down projection at V4-Flash's shapes (E = 256, k = 6, N = 4096,
+    K = 2048) at decode T: ours (``moe_expert_gemm``, MXFP8 with 32-element UE8M0 block
+    scales, the router's packed rows, ``expert_kernel_args``) against DeepGEMM's masked grouped
+    FP8 GEMM (``m_grouped_fp8_gemm_nt_masked``: per-token 1x128 and per-block 128x128 FP32
+    scales, a ``[E, M, K]`` slab per expert) on the same bf16 weights and tokens. Not the same
+    math (other block scales): each is checked against the FP32 product of the bf16 inputs
+    (:data:`FP8_GEMM_REL_BOUND`), and the row states both errors. Bytes (for the % column):
+    the weights and scales of the experts hit, the routed rows in and out (ours)."""
+    E, k, N, K = 256, 6, 4096, 2048
+    rows = []
+    w = torch.randn(E, N, K, device="cuda").bfloat16() / K ** 0.5
+    d_q, d_s = quantize_expert_weights(w)
+    cast = None
+    if not isinstance(dg, str):
+        try:
+            from deep_gemm.utils.math import per_block_cast_to_fp8, per_token_cast_to_fp8
+            b_q = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device="cuda")
+            b_s = torch.empty(E, N // 128, K // 128, device="cuda")
+            for e in range(E):
+                b_q[e], b_s[e] = per_block_cast_to_fp8(w[e], use_ue8m0=False)
+            cast = per_token_cast_to_fp8
+        except Exception as e:  # noqa: BLE001
+            dg = f"does not run: {type(e).__name__}: {str(e)[:80]}"
+    for T in (1, 64, 320):
+        shape = f"V4-Flash down, T={T}"
+        router = MoeRouter(V4_FLASH_ROUTER, max_tokens=T)
+        r = router(torch.randn(T, E, device="cuda"), torch.zeros(E, device="cuda"))
+        x = torch.randn(T, K, device="cuda").bfloat16()
+        n = T * k
+        aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, k)
+        kw = expert_kernel_args(T)
+        y = moe_expert_gemm(aq, asc, d_q, d_s, r.expert_offsets, r.expert_counts, r.tile_expert, routed_rows=n, **kw)
+        t_ours = time_graph(lambda i: moe_expert_gemm(aq, asc, d_q, d_s, r.expert_offsets, r.expert_counts,
+                                                      r.tile_expert, out=y, routed_rows=n, **kw), 1, 20)
+        ids, counts = r.topk_ids.long().cpu(), r.expert_counts.cpu()
+        hit = [e for e in range(E) if counts[e] > 0]
+        nbytes = len(hit) * N * K * (1 + 1 / 32) + n * K * (1 + 1 / 32) + n * N * 2
+        # the FP32 product of the bf16 inputs, per expert, rows in token order
+        tok_of = {e: [t for t in range(T) for i in range(k) if ids[t, i] == e] for e in hit}
+        ref = {e: x[tok_of[e]].float() @ w[e].float().T for e in hit}
+        slots = r.sorted_token_ids[:int(r.total_rows[0])].cpu()
+        got = {e: [] for e in hit}
+        for p, rid in enumerate(slots.tolist()):
+            if rid < n:
+                got[int(ids[rid // k, rid % k])].append(p)  # slots of one expert in increasing row order
+        err_ours = rel_norm(torch.cat([y[got[e]].float() for e in hit]), torch.cat([ref[e] for e in hit]))
+        if isinstance(dg, str):
+            rows.append(row("routed-expert GEMM", shape, "DeepGEMM", t_ours, None, nbytes, dg))
+            continue
+        m_pad = max(64, -(-int(counts.max()) // 64) * 64)
+        a = torch.zeros(E, m_pad, K, dtype=torch.bfloat16, device="cuda")
+        for e in hit:
+            a[e, :len(tok_of[e])] = x[tok_of[e]]
+        a_q, a_s = cast(a.view(-1, K), use_ue8m0=False)
+        a_q, a_s = a_q.view(E, m_pad, K), a_s.view(E, m_pad, K // 128)
+        d = torch.empty(E, m_pad, N, dtype=torch.bfloat16, device="cuda")
+        masked_m = counts.to(torch.int32).cuda()
+        expected_m = max(1, -(-n // len(hit)))
+
+        def call(i):
+            dg.m_grouped_fp8_gemm_nt_masked((a_q, a_s), (b_q, b_s), d, masked_m, expected_m)
+
+        try:
+            call(0)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            rows.append(row("routed-expert GEMM", shape, "DeepGEMM", t_ours, None, nbytes,
+                            f"does not run: {type(e).__name__}: {str(e)[:80]}"))
+            continue
+        err_dg = rel_norm(torch.cat([d[e, :len(tok_of[e])].float() for e in hit]), torch.cat([ref[e] for e in hit]))
+        note = f"rel. error vs FP32: ours {err_ours:.3f}, DeepGEMM {err_dg:.3f} (other block scales)"
+        if not (err_ours <= FP8_GEMM_REL_BOUND and err_dg <= FP8_GEMM_REL_BOUND):
+            rows.append(row("routed-expert GEMM", shape, "DeepGEMM", t_ours, None, nbytes, note + ": not timed"))
+            continue
+        t_dg = time_graph(call, 1, 20)
+        rows.append(row("routed-expert GEMM", shape, "DeepGEMM (masked)", t_ours, t_dg, nbytes, note))
+    return rows
+
+
+def rel_norm(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
 def router_rows(fi):
     rows = []
     cfg = RouterConfig(num_experts=256, n_group=8, topk_group=4, top_k=8, routed_scaling_factor=2.5)
@@ -275,8 +376,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    fi, qk, lg, tao = _peer("flashinfer"), _peer("quack"), _peer("liger"), _peer("torchao")
-    rows = mxfp8_rows(fi) + torchao_rows(tao) + rms_rows(qk) + norm_rows(qk, lg) + router_rows(fi)
+    fi, qk, lg, tao, dg = (_peer(p) for p in ("flashinfer", "quack", "liger", "torchao", "deepgemm"))
+    rows = (mxfp8_rows(fi) + torchao_rows(tao) + rms_rows(qk) + norm_rows(qk, lg) + router_rows(fi)
+            + deepgemm_rows(dg))
     text = "\n".join([f"## Peers -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
                       "Command: `python bench/bench_peers.py`", "",
                       markdown_table(["family", "shape", "peer", "ours us", "peer us", "peer / ours", "ours of 4.3 TB/s",

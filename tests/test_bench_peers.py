@@ -1,0 +1,33 @@
+"""The peer benchmark's output checks (bench/bench_peers.py), on the CPU: they decide whether a
+peer is timed, so a wrong check would time a peer that computes something else."""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import bench_peers  # noqa: E402
+
+
+def _codes(vals):
+    return torch.tensor(vals, dtype=torch.uint8).view(torch.float8_e4m3fn)
+
+
+def test_e4m3_agreement_counts_one_step_codes_and_refuses_further():
+    q = _codes([0x00, 0x38, 0xB8, 0x7E, 0x01])  # +0, 1.0, -1.0, 448, the smallest subnormal
+    assert bench_peers.e4m3_agreement(q, q.clone()) == "bit-exact"
+    one = _codes([0x80, 0x39, 0xB7, 0x7E, 0x00])  # -0, next up, next toward 0, equal, 0
+    assert bench_peers.e4m3_agreement(q, one).startswith("3 of 5 e4m3 codes one step")
+    assert bench_peers.e4m3_agreement(q, _codes([0x00, 0x3A, 0xB8, 0x7E, 0x01])) is None  # two steps
+    assert bench_peers.e4m3_agreement(q, _codes([0x00, 0xB8, 0xB8, 0x7E, 0x01])) is None  # sign
+    zeros = torch.zeros(5, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert bench_peers.e4m3_agreement(q, zeros) is None  # a peer that wrote nothing
+
+
+def test_rel_norm_and_bounds():
+    a = torch.tensor([1.0, 2.0, 2.0])
+    assert bench_peers.rel_norm(a, a) == 0.0
+    assert abs(bench_peers.rel_norm(a * 1.01, a) - 0.01) < 1e-6
+    # the bounds are the documented rounding counts
+    assert bench_peers.NORM_REL_BOUND == 6 * 2.0 ** -8 and bench_peers.FP8_GEMM_REL_BOUND == 2.0 ** -3
