@@ -34,6 +34,7 @@ from common import H200_COPY_BW, markdown_table, rotation_count, time_graph  # n
 from cute_kernels.mhc_post_mix import mhc_post_mix  # noqa: E402
 from cute_kernels.mhc_pre_mix import mhc_pre_mix  # noqa: E402
 from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_split_phi, mhc_stats, num_maps  # noqa: E402
+from cute_kernels.profiling import cuda_profile  # noqa: E402
 from moe.streams import SideStream  # noqa: E402
 
 N, C, EPS, ITERS = 4, 7168, 1e-6, 20
@@ -145,7 +146,6 @@ def bench_mix():
 
 
 def profile_overlap(T=64, max_ctas=None):
-    from torch.profiler import ProfilerActivity, profile
 
     xs, phi, alpha, bias = inputs(T)
     x = xs[0]
@@ -180,7 +180,7 @@ def profile_overlap(T=64, max_ctas=None):
     for _ in range(5):
         g.replay()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with cuda_profile() as prof:
         for _ in range(20):
             g.replay()
         torch.cuda.synchronize()

@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import H200_COPY_BW, markdown_table, rotation_count, time_graph  # noqa: E402
 
+from cute_kernels.profiling import cuda_profile  # noqa: E402
 from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size  # noqa: E402
 from moe.router import V4_FLASH_ROUTER, V4_PRO_ROUTER, MoeRouter, RouterConfig, capacity  # noqa: E402
 from moe.streams import SideStream  # noqa: E402
@@ -145,7 +146,6 @@ def bench_quant():
 
 
 def profile_overlap():
-    from torch.profiler import ProfilerActivity, profile
 
     cfg, T, K = RouterConfig(), 320, 7168
     r = MoeRouter(cfg, max_tokens=T)
@@ -173,7 +173,7 @@ def profile_overlap():
     for _ in range(5):
         g.replay()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with cuda_profile() as prof:
         for _ in range(10):
             g.replay()
         torch.cuda.synchronize()

@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import H200_COPY_BW, markdown_table, time_graph  # noqa: E402
 
+from cute_kernels.profiling import cuda_profile  # noqa: E402
 from moe.experts import (dequantize, expert_kernel_args, interleave_gate_up, moe_expert_gate_up,  # noqa: E402
                         moe_expert_gemm, mxfp4_expert_weights, quantize_expert_weights)
 from moe.experts_swap_ab_sm90 import MoeExpertSwapABSm90, tok_n_for  # noqa: E402
@@ -229,8 +230,6 @@ def stage_times(T, x, logits, bias, W, cfg, ours, sweep):
 
 
 def count_launches(fn):
-    from torch.profiler import ProfilerActivity, profile
-
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     g = torch.cuda.CUDAGraph()
@@ -238,7 +237,7 @@ def count_launches(fn):
         fn()
     g.replay()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with cuda_profile() as prof:
         g.replay()
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0]

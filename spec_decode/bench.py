@@ -54,6 +54,7 @@ import time
 
 import torch
 
+from cute_kernels.profiling import cuda_profile
 from cute_kernels.progress import progress
 
 from .config import PRESETS, EngineConfig
@@ -317,8 +318,6 @@ def timeline(eng, batch: int, cycles: int = 20) -> dict:
     medians (first kernel start to last kernel end), the median target-start to next
     target-start, and the mHC statistics kernels' overlap with other kernels (the fraction of
     their duration during which another kernel ran)."""
-    from torch.profiler import ProfilerActivity, profile
-
     dev, K = eng.config.device, eng.config.block_size
     nv, nd = eng.verify_graphs.kernels_per_replay(batch), eng.draft_graphs.kernels_per_replay(batch)
     slots = torch.full((batch,), eng.scratch_slot, dtype=torch.long, device=dev)
@@ -329,7 +328,7 @@ def timeline(eng, batch: int, cycles: int = 20) -> dict:
     timing = eng.verify_graphs.timing, eng.draft_graphs.timing
     eng.verify_graphs.timing = eng.draft_graphs.timing = False
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with cuda_profile() as prof:
         for _ in range(cycles):
             eng.draft_graphs.run(one, one, slots, feats, none)
             eng.verify_graphs.run(block, block, slots)
@@ -409,8 +408,6 @@ def count_families(eng, batch, cycles=20):
     families): torch kernels launched inside each family's profiler range
     (:func:`spec_decode.step_model.family`), plus this project's CuTe kernels by class name in
     one replay of the captured verify graph (the eager step where nothing is captured)."""
-    from torch.profiler import ProfilerActivity, profile
-
     K = eng.config.block_size
     dev = "cuda"
     tok = torch.zeros(batch, K + 1, dtype=torch.long, device=dev)
@@ -418,7 +415,7 @@ def count_families(eng, batch, cycles=20):
     slots = torch.arange(batch, device=dev)
     eng.step.forward(tok, pos, slots, eng.state)  # warm (compiles) outside the profile
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with cuda_profile(cpu=True) as prof:
         eng.step.forward(tok, pos, slots, eng.state)
         torch.cuda.synchronize()
 
@@ -432,7 +429,7 @@ def count_families(eng, batch, cycles=20):
     if eng.verify_graphs.use_graphs:
         eng.verify_graphs.run(tok, pos, slots)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as replay:
+        with cuda_profile() as replay:
             eng.verify_graphs.run(tok, pos, slots)
             torch.cuda.synchronize()
         kernels = replay.events()

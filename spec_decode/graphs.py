@@ -112,10 +112,10 @@ class StepGraphs:
         st = self._static.get(self.padded(b))
         if st is None or st["graph"] is None:
             return None
-        from torch.profiler import ProfilerActivity, profile
+        from cute_kernels.profiling import cuda_profile
 
         torch.cuda.synchronize(self.device)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with cuda_profile() as prof:
             st["graph"].replay()
             torch.cuda.synchronize(self.device)
         return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and "emcpy" not in e.name

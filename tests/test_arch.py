@@ -1,3 +1,4 @@
+import os
 import warnings
 
 import pytest
@@ -50,3 +51,16 @@ def test_override_is_scoped():
 def test_no_reference_path_raises():
     with pytest.raises(RuntimeError, match="no kernel"):
         arch.dispatch("ky", ("sm100",), arch="sm_90a")
+
+
+def test_cuda_profile_keeps_cupti_initialised(monkeypatch):
+    """Every profiler session of the benches goes through cute_kernels.profiling, which keeps
+    CUPTI initialised between sessions (graphs in the process) unless the environment says
+    otherwise."""
+    from cute_kernels import profiling
+
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    monkeypatch.setenv("DISABLE_CUPTI_LAZY_REINIT", "0")  # the user's choice stands
+    prof = profiling.cuda_profile(cpu=True)
+    assert os.environ["TEARDOWN_CUPTI"] == "0" and os.environ["DISABLE_CUPTI_LAZY_REINIT"] == "0"
+    assert prof is not None  # not entered: nothing is profiled on this machine

@@ -124,11 +124,11 @@ def test_mid_t_swapped_routes_match_fp64(seed, G, HG, Dv, R, T):
 def profiled_kernels(call):
     """The CUDA kernels one ``call()`` launches, by name, from a profile (after one warm-up
     call outside it: compiles, workspaces)."""
-    from torch.profiler import ProfilerActivity, profile
+    from cute_kernels.profiling import cuda_profile
 
     call()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with cuda_profile() as prof:
         call()
         torch.cuda.synchronize()
     return [e.name for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0]
