@@ -21,6 +21,10 @@ Families and peers (wheels: ``.devcache/peers``, see docs/device.md):
 * RMSNorm with a weight (``rms_norm``): quack ``rmsnorm_fwd`` and Liger's
   ``LigerRMSNormFunction`` (Triton, "llama" casting) -- to 6 bf16 unit roundoffs relative
   (other rounding points; :func:`norm_rows`);
+* softmax over bf16 score rows: quack ``softmax_fwd`` against ``masked_softmax`` with every key
+  selected -- to 3 bf16 unit roundoffs (:data:`SOFTMAX_REL_BOUND`);
+* the indexer's top-k select (``indexer_select``): FlashInfer ``top_k`` and ``torch.topk`` --
+  the same index sets;
 * DeepSeek-V3 router (sigmoid, 8 groups, top-4 groups, top-8, bias): FlashInfer
   ``fused_topk_deepseek`` (top-k and weights only; ours also packs and pads the rows for the
   expert GEMMs: the comparison is stated as such) -- same experts and weights to 1e-6.
@@ -29,7 +33,7 @@ Families and peers (wheels: ``.devcache/peers``, see docs/device.md):
   (``sgl-deep-gemm``; per-128 FP32 scales: not the same math, both checked against FP32,
   :func:`deepgemm_rows`).
 
-Not covered yet: FlashInfer's top-k, torchao's swizzled-scale path, a gate/up comparison (ours
+Not covered yet: torchao's swizzled-scale path, a gate/up comparison (ours
 fuses SiLU * up and the requantisation into it).
 """
 
@@ -46,6 +50,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import H200_COPY_BW, markdown_table, rotation_count, time_graph  # noqa: E402
 
+from cute_kernels.indexer_topk import IndexerWorkspace, indexer_select  # noqa: E402
+from cute_kernels.masked_softmax import masked_softmax  # noqa: E402
 from cute_kernels.rms_norm import rms_norm  # noqa: E402
 from cute_kernels.row_rms import row_rms  # noqa: E402
 from moe.experts import expert_kernel_args, moe_expert_gemm, quantize_expert_weights  # noqa: E402
@@ -337,6 +343,87 @@ def rel_norm(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def topk_rows(fi):
+    """The indexer's top-k alone (``indexer_select``: a radix select over score rows, indices
+    ascending, ties to the lower index) against FlashInfer's ``top_k`` (unsorted, ties to the
+    lower index, its graph-safe path) and ``torch.topk``, at the CSA indexer's top-512 and the
+    raw-key top-2048 over decode rows. Random FP32 scores have no ties: the selected index
+    sets must be equal."""
+    rows = []
+    for T, N, k in ((6, 4096, 512), (384, 4096, 512), (6, 32768, 2048), (384, 32768, 2048)):
+        shape = f"T={T} N={N} k={k}"
+        nbytes = T * N * 4 + T * k * 4
+        n = rotation_count(nbytes)
+        wss = [IndexerWorkspace(T, N) for _ in range(n)]
+        for w in wss:
+            w.scores.copy_(torch.randn(T, N, device="cuda"))  # pitch == N: N % 4 == 0
+        kv_len = torch.full((T,), N, dtype=torch.int32, device="cuda")
+        pos = torch.full((T,), N - 1, dtype=torch.int32, device="cuda")
+        outs = [torch.empty(T, k, dtype=torch.int32, device="cuda") for _ in range(n)]
+        t_ours = time_graph(lambda i: indexer_select(wss[i], kv_len, pos, topk=k, out=outs[i]), n, max(n, 20))
+        ours = indexer_select(wss[0], kv_len, pos, topk=k).long()
+        peers = [("torch.topk", lambda i: torch.topk(wss[i].scores, k, dim=-1, sorted=False))]
+        if isinstance(fi, str):
+            rows.append(row("top-k select", shape, "FlashInfer", t_ours, None, nbytes, fi))
+        else:
+            peers.insert(0, ("FlashInfer top_k", lambda i: fi.top_k(wss[i].scores, k, sorted=False, tie_break=1,
+                                                                    dsa_graph_safe=True)))
+        for name, call in peers:
+            try:
+                theirs = call(0)[1].long().sort(-1).values
+            except Exception as e:  # noqa: BLE001
+                rows.append(row("top-k select", shape, name, t_ours, None, nbytes,
+                                f"does not run: {type(e).__name__}: {str(e)[:80]}"))
+                continue
+            if not torch.equal(ours, theirs):
+                rows.append(row("top-k select", shape, name, t_ours, None, nbytes, "other indices: not timed"))
+                continue
+            rows.append(row("top-k select", shape, name, t_ours, time_graph(call, n, max(n, 20)), nbytes,
+                            "same indices"))
+    return rows
+
+
+#: |ours - peer| <= SOFTMAX_REL_BOUND * |peer| per probability: each rounds an FP32 value once to
+#: bf16 (u = 2^-8 each) from exponentials and sums whose FP32 errors are far smaller
+SOFTMAX_REL_BOUND = 3 * 2.0 ** -8
+
+
+def softmax_rows(qk):
+    """Softmax over rows of bf16 scores: ours (``masked_softmax`` with every key selected: the
+    mask costs one 8-byte load per 8 scores) against quack's ``softmax_fwd``."""
+    rows = []
+    for lead, H, M in (((1, 6), 128, 592), ((64, 6), 128, 592), ((1, 6), 128, 6160)):
+        R = lead[0] * lead[1] * H
+        shape = f"{R}x{M}"
+        nbytes = 2 * R * M * 2 + lead[0] * lead[1] * -(-(M + 1) // 16) * 16
+        n = rotation_count(nbytes)
+        xs = [(torch.randn(*lead, H, M, device="cuda") * 4).bfloat16() for _ in range(n)]
+        W = -(-(M + 1) // 16) * 16  # the mask stride of the AOT configs
+        mask = torch.ones(*lead, W, dtype=torch.bool, device="cuda")
+        outs = [torch.empty_like(x) for x in xs]
+        t_ours = time_graph(lambda i: masked_softmax(xs[i], mask, out=outs[i]), n, max(n, 20))
+        if isinstance(qk, str):
+            rows.append(row("softmax", shape, "quack", t_ours, None, nbytes, qk))
+            continue
+        try:
+            from quack.softmax import softmax_fwd
+            theirs = softmax_fwd(xs[0].view(R, M))
+        except Exception as e:  # noqa: BLE001
+            rows.append(row("softmax", shape, "quack", t_ours, None, nbytes,
+                            f"does not run: {type(e).__name__}: {str(e)[:80]}"))
+            continue
+        ours = masked_softmax(xs[0], mask).view(R, M).float()
+        diff = (ours - theirs.float()).abs()
+        if not bool((diff <= SOFTMAX_REL_BOUND * theirs.float().abs()).all()):
+            rows.append(row("softmax", shape, "quack", t_ours, None, nbytes,
+                            f"probabilities differ by more than {SOFTMAX_REL_BOUND / 2.0 ** -8:.0f} u: not timed"))
+            continue
+        rel = (diff / theirs.float().abs().clamp_min(1e-30)).max().item()
+        t_p = time_graph(lambda i: softmax_fwd(xs[i].view(R, M)), n, max(n, 20))
+        rows.append(row("softmax", shape, "quack", t_ours, t_p, nbytes, f"max relative difference {rel / 2.0 ** -8:.1f} u"))
+    return rows
+
+
 def router_rows(fi):
     rows = []
     cfg = RouterConfig(num_experts=256, n_group=8, topk_group=4, top_k=8, routed_scaling_factor=2.5)
@@ -377,8 +464,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     fi, qk, lg, tao, dg = (_peer(p) for p in ("flashinfer", "quack", "liger", "torchao", "deepgemm"))
-    rows = (mxfp8_rows(fi) + torchao_rows(tao) + rms_rows(qk) + norm_rows(qk, lg) + router_rows(fi)
-            + deepgemm_rows(dg))
+    rows = (mxfp8_rows(fi) + torchao_rows(tao) + rms_rows(qk) + norm_rows(qk, lg) + softmax_rows(qk)
+            + router_rows(fi) + topk_rows(fi) + deepgemm_rows(dg))
     text = "\n".join([f"## Peers -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
                       "Command: `python bench/bench_peers.py`", "",
                       markdown_table(["family", "shape", "peer", "ours us", "peer us", "peer / ours", "ours of 4.3 TB/s",
