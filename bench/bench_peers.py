@@ -9,32 +9,33 @@ past L2) and the table gives shape, ours, peer, ratio and % of 4.3 TB/s. A peer 
 import or run here (wheel missing, another torch, no sm_90 path, a JIT compiler it needs) is a
 row saying which and why.
 
-Families and peers (wheels: ``.devcache/peers``, see docs/device.md):
+Families and peers (wheels: ``.devcache/peers`` and ``.devcache/peers-flashinfer``, see
+docs/device.md), in the table's order:
 
 * MXFP8 quantisation, plain and swizzled scales: FlashInfer ``mxfp8_quantize``, its "cuda" and
   "cute-dsl" backends (the same round-up scale rule: equal scales, e4m3 codes equal or one
-  step apart -- the row counts those, see :func:`e4m3_agreement`);
+  step apart -- the row counts those, :func:`e4m3_agreement`); plain scales: torchao
+  ``triton_to_mxfp8_dim0`` ("rceil", the same rule: bit-exact expected);
 * RMS statistic: quack ``rmsnorm_fwd(..., store_rstd=True)`` (it also writes the normalised
   rows: its bytes are counted) -- rstd compared to 1e-5 relative;
-* MXFP8 quantisation, plain scales: torchao ``triton_to_mxfp8_dim0`` ("rceil", the same rule:
-  bit-exact expected);
 * RMSNorm with a weight (``rms_norm``): quack ``rmsnorm_fwd`` and Liger's
   ``LigerRMSNormFunction`` (Triton, "llama" casting) -- to 6 bf16 unit roundoffs relative
   (other rounding points; :func:`norm_rows`);
 * softmax over bf16 score rows: quack ``softmax_fwd`` against ``masked_softmax`` with every key
   selected -- to 3 bf16 unit roundoffs (:data:`SOFTMAX_REL_BOUND`);
-* the indexer's top-k select (``indexer_select``): FlashInfer ``top_k`` and ``torch.topk`` --
-  the same index sets;
 * DeepSeek-V3 router (sigmoid, 8 groups, top-4 groups, top-8, bias): FlashInfer
   ``fused_topk_deepseek`` (top-k and weights only; ours also packs and pads the rows for the
-  expert GEMMs: the comparison is stated as such) -- same experts and weights to 1e-6.
-
+  expert GEMMs: the comparison is stated as such) -- same experts and weights to 1e-5;
+* the indexer's top-k select (``indexer_select``): FlashInfer ``top_k`` and ``torch.topk`` --
+  the same index sets;
+* WO-A (bf16, V4-Flash): ``torch._grouped_mm`` (group-major output; ``bmm`` is in
+  ``bench/bench_wo_a_v4.py``);
 * routed-expert down projection at V4-Flash's shapes: DeepGEMM's masked grouped FP8 GEMM
   (``sgl-deep-gemm``; per-128 FP32 scales: not the same math, both checked against FP32,
   :func:`deepgemm_rows`).
 
-Not covered yet: torchao's swizzled-scale path, a gate/up comparison (ours
-fuses SiLU * up and the requantisation into it).
+Not covered yet: torchao's swizzled-scale path, a gate/up comparison (ours fuses SiLU * up and
+the requantisation into it), a finalize peer (FlashInfer's runs inside its fused MoE only).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from common import H200_COPY_BW, markdown_table, rotation_count, time_graph  # n
 
 from cute_kernels.indexer_topk import IndexerWorkspace, indexer_select  # noqa: E402
 from cute_kernels.masked_softmax import masked_softmax  # noqa: E402
+from cute_kernels.wo_a import wo_a  # noqa: E402
 from cute_kernels.rms_norm import rms_norm  # noqa: E402
 from cute_kernels.row_rms import row_rms  # noqa: E402
 from moe.experts import expert_kernel_args, moe_expert_gemm, quantize_expert_weights  # noqa: E402
@@ -424,6 +426,46 @@ def softmax_rows(qk):
     return rows
 
 
+def wo_a_rows():
+    """bf16 WO-A at V4-Flash's shape (G = 8 groups, Dg = 4096, R = 1024) against PyTorch's
+    grouped GEMM (``torch._grouped_mm``, 3-D x 3-D: CUTLASS on sm_90), which writes
+    group-major ``[G, T, R]`` (ours token-major ``[T, G * R]``: a transpose copy would come on
+    top of the peer's time and is not counted). Both against the FP32 product (relative norm
+    error <= 2^-7: bf16 outputs of an FP32-accumulated product)."""
+    G, R, Dg = 8, 1024, 4096
+    rows = []
+    n = rotation_count(G * R * Dg * 2)
+    ws = [(torch.randn(G, R, Dg, device="cuda") / Dg ** 0.5).bfloat16() for _ in range(n)]
+    gm = getattr(torch, "_grouped_mm", None)
+    for T in (1, 5, 16, 64, 320):
+        shape = f"V4-Flash T={T}"
+        o = torch.randn(T, G * 8, Dg // 8, device="cuda").bfloat16()
+        y = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
+        nbytes = G * R * Dg * 2 + T * G * Dg * 2 + T * G * R * 2
+        t_ours = time_graph(lambda i: wo_a(o, ws[i], out=y), n, max(n, 20))
+        ref = torch.einsum("tgd,grd->gtr", o.view(T, G, Dg).float(), ws[0].float())
+        err_ours = rel_norm(wo_a(o, ws[0]).view(T, G, R).transpose(0, 1).float(), ref)
+        a = o.view(T, G, Dg).transpose(0, 1).contiguous()  # [G, T, Dg], made once: not timed
+
+        def call(i):
+            return gm(a, ws[i].transpose(1, 2))
+
+        try:
+            if gm is None:
+                raise AttributeError("this torch has no torch._grouped_mm")
+            err_p = rel_norm(call(0).float(), ref)
+        except Exception as e:  # noqa: BLE001
+            rows.append(row("WO-A bf16", shape, "torch._grouped_mm", t_ours, None, nbytes,
+                            f"does not run: {type(e).__name__}: {str(e)[:80]}"))
+            continue
+        note = f"rel. error vs FP32: ours {err_ours:.1e}, peer {err_p:.1e}; peer writes group-major"
+        if not (err_ours <= 2.0 ** -7 and err_p <= 2.0 ** -7):
+            rows.append(row("WO-A bf16", shape, "torch._grouped_mm", t_ours, None, nbytes, note + ": not timed"))
+            continue
+        rows.append(row("WO-A bf16", shape, "torch._grouped_mm", t_ours, time_graph(call, n, max(n, 20)), nbytes, note))
+    return rows
+
+
 def router_rows(fi):
     rows = []
     cfg = RouterConfig(num_experts=256, n_group=8, topk_group=4, top_k=8, routed_scaling_factor=2.5)
@@ -465,7 +507,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     fi, qk, lg, tao, dg = (_peer(p) for p in ("flashinfer", "quack", "liger", "torchao", "deepgemm"))
     rows = (mxfp8_rows(fi) + torchao_rows(tao) + rms_rows(qk) + norm_rows(qk, lg) + softmax_rows(qk)
-            + router_rows(fi) + topk_rows(fi) + deepgemm_rows(dg))
+            + router_rows(fi) + topk_rows(fi) + wo_a_rows() + deepgemm_rows(dg))
     text = "\n".join([f"## Peers -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
                       "Command: `python bench/bench_peers.py`", "",
                       markdown_table(["family", "shape", "peer", "ours us", "peer us", "peer / ours", "ours of 4.3 TB/s",
