@@ -9,7 +9,9 @@ two multiplies); this is the same statistic kernel with the multiplies in its ep
 Algorithm. One CTA per row, as :class:`cute_kernels.row_rms.RowRms` (whose row load and
 statistic it reuses): the row's 16-byte vectors stay in registers while the statistic is
 reduced, and its result is broadcast through shared memory; each thread then scales its own
-vectors and stores them -- ``x`` is read once.
+vectors and stores them -- ``x`` is read once. The weight's vectors (and the rotation's cos /
+sin) are loaded with the row, before the statistic's barriers, so that a short row -- decode
+has a few -- waits for one memory round trip, not two.
 
 Numerics: the rounding points of ``spec_decode.model.rmsnorm`` in bf16 (or fp16) exactly:
 ``r = rsqrt(sum(x^2) / C + eps)`` in FP32 (the sum in :class:`RowRms`'s fixed order), rounded
@@ -76,31 +78,44 @@ class RmsNorm(RowRms):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         tXrX = self.load_row(mX, row, tidx)
+        # The weight and the rotation's (cos, sin) are issued with the row, before the statistic:
+        # its barriers would otherwise hold their loads back to the epilogue, one more memory
+        # round trip on the critical path of a short row.
+        tWrW = cute.make_rmem_tensor(cute.make_layout((self.vec, self.iters)), self.dtype)
+        if const_expr(self.weighted):
+            gW = cute.zipped_divide(mW, (self.vec,))
+            for i in cutlass.range_constexpr(self.iters):
+                v = tidx + i * self.threads
+                if v < self.n_vec:
+                    cute.autovec_copy(gW[(None, v)], tWrW[None, i])
+        tCrCS = cute.make_rmem_tensor(cute.make_layout((self.vec, self.iters)), Float32)  # vec / 2 (cos, sin) pairs
+        if const_expr(self.rope_dim > 0):
+            gCS = cute.zipped_divide(mCS[row // rows_per_token, None], (self.vec,))
+            for i in cutlass.range_constexpr(self.iters):
+                v = tidx + i * self.threads
+                if v < self.n_vec:
+                    if v >= self.rope_first_vec:
+                        cute.autovec_copy(gCS[(None, v - self.rope_first_vec)], tCrCS[None, i])
         r = self.row_rstd(tXrX, eps, tidx).to(self.dtype).to(Float32)  # the statistic in x's dtype
         gY = cute.zipped_divide(mY[row, None], (self.vec,))
-        gW = cute.zipped_divide(mW, (self.vec,))
-        rW = cute.make_rmem_tensor(cute.make_layout((self.vec,)), self.dtype)
         rY = cute.make_rmem_tensor(cute.make_layout((self.vec,)), self.dtype)
         for i in cutlass.range_constexpr(self.iters):
             v = tidx + i * self.threads
             if v < self.n_vec:
                 y = (tXrX[None, i].load().to(Float32) * r).to(self.dtype)
                 if const_expr(self.weighted):
-                    cute.autovec_copy(gW[(None, v)], rW)
-                    y = (y.to(Float32) * rW.load().to(Float32)).to(self.dtype)
+                    y = (y.to(Float32) * tWrW[None, i].load().to(Float32)).to(self.dtype)
                 rY.store(y)
                 if const_expr(self.rope_dim > 0):
                     if v >= self.rope_first_vec:
-                        self.rotate(rY, mCS, row // rows_per_token, (v - self.rope_first_vec) * self.vec)
+                        self.rotate(rY, tCrCS[None, i])
                 cute.autovec_copy(rY, gY[(None, v)])
 
     @cute.jit
-    def rotate(self, rY: cute.Tensor, mCS: cute.Tensor, token, first: Int32):
-        """Rotate the vector's adjacent pairs ``(a, b)`` -- features ``first ..`` of the rotated
-        part -- by the token's ``(cos, sin)``: ``(a cos - b sin, a sin + b cos)`` in FP32, one
-        rounding (the complex product of ``spec_decode.model.rope``)."""
-        rCS = cute.make_rmem_tensor(cute.make_layout((self.vec,)), Float32)  # (cos, sin) of vec / 2 pairs
-        cute.autovec_copy(cute.zipped_divide(mCS[token, None], (self.vec,))[(None, first // self.vec)], rCS)
+    def rotate(self, rY: cute.Tensor, rCS: cute.Tensor):
+        """Rotate the vector's adjacent pairs ``(a, b)`` by their ``(cos, sin)`` (``rCS``, FP32,
+        loaded with the row): ``(a cos - b sin, a sin + b cos)`` in FP32, one rounding (the
+        complex product of ``spec_decode.model.rope``)."""
         for j in cutlass.range_constexpr(self.vec // 2):
             a, b = Float32(rY[2 * j]), Float32(rY[2 * j + 1])
             c, sn = rCS[2 * j], rCS[2 * j + 1]

@@ -228,6 +228,22 @@ def test_rms_norm_machine_code(arch, hidden, weighted):
     assert sass.local_memory_ops(h) == 0
 
 
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("cfg", [dict(hidden=4096, weighted=True), dict(hidden=512, weighted=True, rope_dim=64)])
+def test_rms_norm_issues_every_load_before_the_statistic(arch, cfg):
+    """The row, the weight and the rotation's (cos, sin) are all loaded before the statistic's
+    first barrier: a load issued after it would add a memory round trip to a short row."""
+    import cute_kernels.rms_norm  # noqa: F401 -- registers the kernel
+
+    lines = sass.disassemble(sass.compile_cubin("rms_norm", arch, dtype="bfloat16", **cfg)).splitlines()
+    loads = [i for i, ln in enumerate(lines) if "LDG." in ln]
+    first_bar = next(i for i, ln in enumerate(lines) if "BAR.SYNC" in ln)
+    n_vec = cfg["hidden"] // 8
+    per_thread = -(-n_vec // 128)
+    want = per_thread * 2 + (2 if cfg.get("rope_dim") else 0)  # x, w; (cos, sin): 8 FP32 = 2 x 16 B
+    assert len(loads) == want and max(loads) < first_bar
+
 def _rope_table(tokens, r, device="cuda"):
     """(cos, sin) FP32 [tokens, r/2, 2] of positions 0 .. tokens-1 times RoPE frequencies."""
     pos = torch.arange(tokens, device=device).float() * 37 + 5
