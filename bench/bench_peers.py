@@ -112,7 +112,9 @@ def e4m3_agreement(q: torch.Tensor, peer: torch.Tensor) -> str | None:
 
 def mxfp8_rows(fi):
     """FlashInfer's ``mxfp8_quantize``, each backend: "cuda" (on sm_90 it returns zeros -- its
-    kernel converts with sm_100 instructions -- which the check reports) and "cute-dsl"."""
+    kernel converts with sm_100 instructions -- which the check reports) and "cute-dsl", with
+    its default programmatic dependent launch (PDL: in the timed graph of back-to-back calls a
+    launch overlaps the previous one's tail; ours do not use PDL) and without."""
     rows = []
     K = 7168
     for T in (64, 4096, 16384):
@@ -127,11 +129,11 @@ def mxfp8_rows(fi):
                 rows.append(row("MXFP8 quant", shape, "FlashInfer", t_ours, None, nbytes, fi))
                 continue
             q, s = mxfp8_quantize(xs[0], layout=layout)
-            for backend in ("cuda", "cute-dsl"):
-                peer = f"FlashInfer ({backend})"
+            for backend, pdl in (("cuda", None), ("cute-dsl", None), ("cute-dsl", False)):
+                peer = f"FlashInfer ({backend}{', no PDL' if pdl is False else ''})"
 
-                def call(i, swz=swz, backend=backend):
-                    return fi.mxfp8_quantize(xs[i], is_sf_swizzled_layout=swz, backend=backend)
+                def call(i, swz=swz, backend=backend, pdl=pdl):
+                    return fi.mxfp8_quantize(xs[i], is_sf_swizzled_layout=swz, backend=backend, enable_pdl=pdl)
 
                 try:
                     fq, fs = call(0)
@@ -495,9 +497,11 @@ def router_rows(fi):
             rows.append(row("router (V3)", f"T={T} E=256 k=8", "FlashInfer", t_ours, None, nbytes,
                             "different experts or weights: not timed"))
             continue
-        t_fi = time_graph(lambda i: fi.fused_moe.fused_topk_deepseek(logits[i], bias, 8, 4, 8, 2.5, vals, idx), n, 64)
-        rows.append(row("router (V3)", f"T={T} E=256 k=8", "FlashInfer (top-k only; ours also packs rows)",
-                        t_ours, t_fi, nbytes))
+        for pdl in (True, False):
+            t_fi = time_graph(lambda i, pdl=pdl: fi.fused_moe.fused_topk_deepseek(logits[i], bias, 8, 4, 8, 2.5, vals,
+                                                                                   idx, launch_with_pdl=pdl), n, 64)
+            rows.append(row("router (V3)", f"T={T} E=256 k=8", "FlashInfer (top-k only; ours also packs rows"
+                            + ("" if pdl else "; no PDL") + ")", t_ours, t_fi, nbytes))
     return rows
 
 
