@@ -47,6 +47,10 @@ scan of padded counts, then rounds of 32 tokens per warp where one ballot per ex
 each row its rank among equal experts (``popc(mask & lanemask_lt)``) and a per-expert
 prefix over warps orders the rounds. It then zeroes the workspace, so graph replays need no
 host reset. ``workspace`` (int32, E+1 entries) must be zero before the first launch.
+Up to ``SINGLE_CTA_MAX_TOKENS`` tokens (decode) one CTA routes them all, counting in shared
+memory and keeping its picks there: the layout stage follows one barrier -- no count atomics
+in global memory, no grid handshake, no re-read of the picks -- and leaves the workspace
+alone (a host-side choice from T: a compile configuration of its own).
 
 Constraints: E % 32 == 0, E <= 512; n_group divides 32 and E; topk_group <= n_group;
 k <= 32 and k <= topk_group * E / n_group; tile a power of two <= 1024. Logits fp32 or bf16
@@ -77,6 +81,9 @@ from cute_kernels.grid_sync import last_arrival
 from cute_kernels.validate import check_cuda, check_tensor
 
 _LOGIT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+#: Up to this many tokens one CTA routes them all (two per warp at most) and builds the layout
+#: from shared memory: no grid handshake, no global count atomics (decode's T of a few)
+SINGLE_CTA_MAX_TOKENS = 32
 #: expert score functions (RouterConfig.score)
 SCORES = ("sigmoid", "sqrtsoftplus")
 _NAME2CUTE = {"float32": Float32, "bfloat16": cutlass.BFloat16}
@@ -196,7 +203,8 @@ def align_torch(ids: torch.Tensor, num_experts: int, tile_m: int, slots: int, ti
 class RouterTopkAlign:
     """Compile-time configuration of the fused router kernel."""
 
-    def __init__(self, cfg: RouterConfig, logits_dtype, has_bias: bool, threads: int = 512, max_ctas: int = 132):
+    def __init__(self, cfg: RouterConfig, logits_dtype, has_bias: bool, threads: int = 512, max_ctas: int = 132,
+                 single_cta: bool = False):
         self.E, self.G, self.TG, self.k = cfg.num_experts, cfg.n_group, cfg.topk_group, cfg.top_k
         self.tile = cfg.tile_m
         self.scale = float(cfg.routed_scaling_factor)
@@ -210,6 +218,7 @@ class RouterTopkAlign:
         self.V = self.E // 32  # experts per lane
         self.L = 32 // self.G  # lanes per group
         self.log2E = max(1, math.ceil(math.log2(self.E + 1)))
+        self.single_cta = single_cta  # T <= SINGLE_CTA_MAX_TOKENS: one CTA, counts and ids in shared memory
 
     @cute.jit
     def __call__(self, logits_ptr: cute.Pointer, bias_ptr: cute.Pointer, ids_ptr: cute.Pointer,
@@ -232,6 +241,8 @@ class RouterTopkAlign:
         mTok = cute.make_tensor(tok_ptr, cute.make_layout((num_tokens,)))  # hash routing only
         mTable = cute.make_tensor(table_ptr, cute.make_layout((vocab, k), stride=(k, 1)))
         grid = cutlass.min((num_tokens + self.warps - 1) // self.warps, self.max_ctas)
+        if cutlass.const_expr(self.single_cta):
+            grid = 1
         self.kernel(mLogits, mBias, mIds, mW, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos, mTok,
                     mTable, num_tokens, tiles_cap, vocab).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
@@ -254,6 +265,12 @@ class RouterTopkAlign:
         sMask = smem.allocate_tensor(Uint32, cute.make_layout((W, E), stride=(E, 1)), 16)
         sPre = smem.allocate_tensor(Int32, cute.make_layout((W, E), stride=(E, 1)), 16)
         sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
+        sIds = sFlag  # the single-CTA path's copy of the picks (read back by its align stage)
+        if cutlass.const_expr(self.single_cta):
+            sIds = smem.allocate_tensor(Int32, cute.make_layout((SINGLE_CTA_MAX_TOKENS, k), stride=(k, 1)), 16)
+            for e in cutlass.range(tidx, E, self.threads):
+                sCnt[e] = 0
+            cute.arch.barrier()
 
         # ---------------- stage 1: route tokens, one warp per token ----------------------
         rBias = cute.make_rmem_tensor(cute.make_layout((V,)), Float32)
@@ -335,13 +352,23 @@ class RouterTopkAlign:
             if lane < k:
                 mIds[t, lane] = my_id
                 mW[t, lane] = my_s / (ssum + Float32(1e-20)) * Float32(self.scale)
-                cute.arch.atomic_add((mWs.iterator + my_id).llvm_ptr, Int32(1), sem="relaxed", scope="gpu")
+                if cutlass.const_expr(self.single_cta):
+                    sIds[t, lane] = my_id
+                    cute.arch.atomic_add((sCnt.iterator + my_id).llvm_ptr, Int32(1), sem="relaxed", scope="cta")
+                else:
+                    cute.arch.atomic_add((mWs.iterator + my_id).llvm_ptr, Int32(1), sem="relaxed", scope="gpu")
 
-        # ---------------- last CTA: padded, packed layout --------------------------------
-        # The last CTA sees every CTA's ids / weights / count atomics (cute_kernels.grid_sync).
-        if last_arrival(mWs.iterator + E, sFlag, grid):
-            self.align(mIds, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos, sOff, sCnt, sCursor, sMask,
+        # ---------------- padded, packed layout -------------------------------------------
+        if cutlass.const_expr(self.single_cta):
+            # the CTA's own counts and picks, in shared memory: one barrier, no grid handshake
+            cute.arch.barrier()
+            self.align(sIds, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos, sOff, sCnt, sCursor, sMask,
                        sPre, num_tokens, tiles_cap)
+        else:
+            # The last CTA sees every CTA's ids / weights / count atomics (cute_kernels.grid_sync).
+            if last_arrival(mWs.iterator + E, sFlag, grid):
+                self.align(mIds, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos, sOff, sCnt, sCursor,
+                           sMask, sPre, num_tokens, tiles_cap)
 
     @cute.jit
     def score_of(self, x: Float32) -> Float32:
@@ -353,8 +380,10 @@ class RouterTopkAlign:
         return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
 
     @cute.jit
-    def align(self, mIds, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos, sOff, sCnt, sCursor, sMask,
+    def align(self, ids, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos, sOff, sCnt, sCursor, sMask,
               sPre, num_tokens: Int32, tiles_cap: Int32):
+        """The padded, packed layout from the picks ``ids [T, k]`` (global memory, or the single-CTA
+        path's shared copy) and the counts (``mWs``, or ``sCnt`` counted in shared memory)."""
         E, V, k, W, tile = self.E, self.V, self.k, self.warps, self.tile
         tidx, _, _ = cute.arch.thread_idx()
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
@@ -363,8 +392,11 @@ class RouterTopkAlign:
             rLocal = cute.make_rmem_tensor(cute.make_layout((V,)), Int32)
             run = Int32(0)
             for j in cutlass.range_constexpr(V):
-                c = mWs[lane * V + j]
-                sCnt[lane * V + j] = c
+                if cutlass.const_expr(self.single_cta):
+                    c = sCnt[lane * V + j]  # counted in shared memory
+                else:
+                    c = mWs[lane * V + j]
+                    sCnt[lane * V + j] = c
                 rLocal[j] = run
                 run += (c + tile - 1) // tile * tile
             incl = run
@@ -382,11 +414,13 @@ class RouterTopkAlign:
         for e in cutlass.range(tidx, E, self.threads):
             mCounts[e] = sCnt[e]
             mOffsets[e] = sOff[e]
-            mWs[e] = 0  # ready for the next launch (graph replay needs no host reset)
+            if cutlass.const_expr(not self.single_cta):
+                mWs[e] = 0  # ready for the next launch (graph replay needs no host reset)
             sCursor[e] = 0
         if tidx == 0:
             mOffsets[E] = total
-            mWs[E] = 0
+            if cutlass.const_expr(not self.single_cta):
+                mWs[E] = 0
         ntiles = total // tile
         for j in cutlass.range(tidx, tiles_cap, self.threads):
             e = Int32(-1)
@@ -421,7 +455,7 @@ class RouterTopkAlign:
             for i in cutlass.range_constexpr(k):
                 rId[i] = E
                 if t < num_tokens:
-                    rId[i] = mIds[t, i]
+                    rId[i] = ids[t, i]
             rMine = cute.make_rmem_tensor(cute.make_layout((V,)), Uint32)
             rMine.fill(0)
             # Warps with no live token skip the ballots (their masks stay zero).
@@ -469,7 +503,8 @@ class RouterTopkAlign:
 
 
 def _build(arch: str, *, num_experts: int, n_group: int, topk_group: int, top_k: int, routed_scaling_factor: float,
-           tile_m: int, logits_dtype: str, has_bias: bool, score: str = "sigmoid", hash_routed: bool = False):
+           tile_m: int, logits_dtype: str, has_bias: bool, score: str = "sigmoid", hash_routed: bool = False,
+           single_cta: bool = False):
     cfg = RouterConfig(num_experts, n_group, topk_group, top_k, routed_scaling_factor, tile_m, score, hash_routed)
     cfg.validate()
     cdt = _NAME2CUTE[logits_dtype]
@@ -477,7 +512,7 @@ def _build(arch: str, *, num_experts: int, n_group: int, topk_group: int, top_k:
     args = (P(cdt, 16), P(Float32, 16), P(Int32, 4), P(Float32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 16),
             P(Int32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(1), Int32(1),
             Int32(1), Int32(1), jit.fake_stream())
-    return RouterTopkAlign(cfg, cdt, has_bias), args
+    return RouterTopkAlign(cfg, cdt, has_bias, single_cta=single_cta), args
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -486,10 +521,12 @@ KERNEL = jit.register(jit.KernelDef(
     sources=(os.path.abspath(__file__),),
     archs=("sm_90a", "sm_100a", "sm_103a"),
     aot_configs=tuple(
-        dict(dataclasses.asdict(cfg), logits_dtype=dt, has_bias=True)
+        dict(dataclasses.asdict(cfg), logits_dtype=dt, has_bias=True, single_cta=one)
         for cfg in (RouterConfig(), V4_FLASH_ROUTER, V4_PRO_ROUTER) for dt in ("float32", "bfloat16")
-    ) + tuple(dict(dataclasses.asdict(cfg), logits_dtype=dt, has_bias=False)
-              for cfg in (V4_FLASH_HASH_ROUTER, V4_PRO_HASH_ROUTER) for dt in ("float32", "bfloat16")),
+        for one in (False, True)
+    ) + tuple(dict(dataclasses.asdict(cfg), logits_dtype=dt, has_bias=False, single_cta=one)
+              for cfg in (V4_FLASH_HASH_ROUTER, V4_PRO_HASH_ROUTER) for dt in ("float32", "bfloat16")
+              for one in (False, True)),
     description="sigmoid / sqrt-softplus (grouped) top-k + moe_align_block_size in one launch",
 ))
 
@@ -628,7 +665,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: RouterConfig, *,
     fn = jit.get_kernel("moe_router", a, num_experts=E, n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=k,
                         routed_scaling_factor=float(cfg.routed_scaling_factor), tile_m=cfg.tile_m,
                         logits_dtype=_LOGIT_DTYPES[logits.dtype], has_bias=bias is not None, score=cfg.score,
-                        hash_routed=cfg.hash_routed)
+                        hash_routed=cfg.hash_routed, single_cta=T <= SINGLE_CTA_MAX_TOKENS)
     tok = token_ids if cfg.hash_routed else out.topk_ids  # unread without hash routing
     table = tid2eid if cfg.hash_routed else out.topk_ids
     P = jit.gmem_ptr

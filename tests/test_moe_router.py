@@ -61,7 +61,7 @@ def poison(r: MoeRouter):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
-@pytest.mark.parametrize("T", [1, 5, 33, 64, 320, 4096])
+@pytest.mark.parametrize("T", [1, 5, 32, 33, 64, 320, 4096])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_router_matches_reference(seed, cfg, T, dtype, with_bias):
@@ -112,8 +112,9 @@ def test_ties_lower_index_wins(seed, T):
 
 
 @pytest.mark.gpu
-def test_graph_replay_with_changing_inputs(seed):
-    cfg, T = RouterConfig(), 64
+@pytest.mark.parametrize("T", [6, 64])  # the single-CTA path (counts re-zeroed in shared memory) and the grid's
+def test_graph_replay_with_changing_inputs(seed, T):
+    cfg = RouterConfig()
     r = MoeRouter(cfg, max_tokens=T)
     logits = torch.randn(T, 256, device="cuda")
     bias = torch.randn(256, device="cuda") * 0.1
@@ -139,7 +140,7 @@ def random_table(vocab, E, k, gen=None):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [V4_FLASH_HASH_ROUTER, V4_PRO_HASH_ROUTER], ids=["v4flash", "v4pro"])
-@pytest.mark.parametrize("T", [1, 5, 64, 320, 1000])
+@pytest.mark.parametrize("T", [1, 5, 32, 33, 64, 320, 1000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hash_routing_matches_reference(seed, cfg, T, dtype):
     """Experts straight from the table (exactly), weights from the scores of those experts,
@@ -302,4 +303,18 @@ def test_machine_code(arch):
     assert sass.count(h, "VOTE") >= 256  # one ballot per expert in the packing pass
     assert sass.count(h, "POPC") >= 8
     assert sass.count(h, "ATOMG") + sass.count(h, "RED") >= 2  # counts + last-CTA counter
+    assert sass.local_memory_ops(h) == 0
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("cfg", [RouterConfig(), V4_FLASH_ROUTER, V4_FLASH_HASH_ROUTER], ids=["v3", "v4flash", "hash"])
+def test_machine_code_single_cta(arch, cfg):
+    """The decode-size path (T <= SINGLE_CTA_MAX_TOKENS): counts in shared memory, no global
+    atomics, no memory fences of a grid handshake; the same ballot packing; no spills."""
+    h = sass.sass_histogram("moe_router", arch, **dataclasses.asdict(cfg), logits_dtype="float32",
+                            has_bias=not cfg.hash_routed, single_cta=True)
+    assert sass.count(h, "ATOMS") >= 1
+    assert sass.count(h, "ATOMG") + sass.count(h, "RED") == 0
+    assert sass.count(h, "MEMBAR") == 0
+    assert sass.count(h, "VOTE") >= cfg.num_experts
     assert sass.local_memory_ops(h) == 0
