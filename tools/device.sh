@@ -41,8 +41,9 @@
 #   bash tools/device.sh smoke               one call's first look after kernel / runtime changes:
 #                                            'attention', the mHC parts, the routed-input gather,
 #                                            the runtime's GPU tests at `small`
-#   bash tools/device.sh smoke-kernels       the new kernels' GPU tests alone (attention, compressor,
-#                                            mHC parts, the routed-input gather, the experts' row passes)
+#   bash tools/device.sh smoke-kernels       the recently changed kernels' GPU tests alone (router,
+#                                            rms_norm / row_rms, masked_softmax, attention, compressor,
+#                                            mHC parts, the routed-input gather)
 #   bash tools/device.sh quick-bench         the runtime bench at v4_flash_slice (--quick, acceptance 5.5)
 #   bash tools/device.sh cache-out           the machine's compiled-kernel cache as $OUT/kernel-cache.tar.xz
 #   bash tools/device.sh cache-in            unpack a carried .devcache/kernel-cache.tar.xz into the cache
@@ -151,10 +152,11 @@ smoke)
   timeout 250 $PYT -m gpu tests/test_spec_decode.py -k "small or draft_head" 2>&1 | tee "$OUT/spec-small.log" | tail -15
   ;;
 smoke-kernels)
-  timeout 300 $PYT -m gpu tests/test_sink_attention.py tests/test_compressor_pool.py 2>&1 | tee "$OUT/attention-tests.log" | tail -20
+  timeout 120 $PYT -m gpu tests/test_moe_router.py 2>&1 | tee "$OUT/router-tests.log" | tail -5
+  timeout 90 $PYT -m gpu tests/test_row_rms.py tests/test_masked_softmax.py 2>&1 | tee "$OUT/norm-tests.log" | tail -5
+  timeout 200 $PYT -m gpu tests/test_sink_attention.py tests/test_compressor_pool.py 2>&1 | tee "$OUT/attention-tests.log" | tail -10
   timeout 90 $PYT -m gpu tests/test_mhc.py -k "parts" 2>&1 | tee "$OUT/mhc-parts.log" | tail -5
   timeout 60 $PYT -m gpu tests/test_moe_quant.py -k "prequantized" 2>&1 | tee "$OUT/gather.log" | tail -5
-  timeout 90 $PYT -m gpu tests/test_moe_experts.py -k "row_passes" 2>&1 | tee "$OUT/row-passes.log" | tail -5
   ;;
 quick-bench)
   timeout 560 python -m spec_decode.bench --model v4_flash_slice --acceptance-length 5.5 --quick \
