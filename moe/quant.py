@@ -51,7 +51,8 @@ the same bytes as quantizing the gathered rows, since every row is quantized on 
 Kernel: one thread per 32-element block: four 16-byte loads, integer amax of the bf16
 magnitude bits, the scale byte, 32 multiplies and packed fp32->e4m3 conversions, two
 16-byte stores and one scale byte (the prequantized gather: two 16-byte loads and stores and
-a scale byte). A grid-stride loop over a fixed grid keeps launches
+a scale byte); in the swizzled layout the four scale bytes of a row's 4-column group, held by
+four adjacent lanes, go out as one 32-bit store (shuffles). A grid-stride loop over a fixed grid keeps launches
 graph-capturable when the live row count is a device value.
 
 Constraints: K % 32 == 0 (the MX block; other K raise ``ValueError``), 16-byte aligned
@@ -81,6 +82,8 @@ from cute_kernels.validate import check_cuda, check_int32_indexable, check_tenso
 MX_BLOCK = 32
 SF_ATOM_ROWS, SF_ATOM_COLS = 128, 4
 LAYOUTS = ("plain", "swizzled")
+#: the scale buffer's alignment (bytes): the swizzled layout's scales are stored as 32-bit words
+SCALE_ALIGN = {"plain": 1, "swizzled": 4}
 DEFAULT_MAX_CTAS = 132 * 8  # H200 SMs x resident CTAs; the kernel grid-strides over the rest
 
 
@@ -153,15 +156,28 @@ class MxQuant:
         gX = cute.zipped_divide(mX, (1, MX_BLOCK))
         gQ = cute.zipped_divide(mQ, (1, MX_BLOCK))
         sentinel = num_tokens * self.topk
+        work = rows * cols
+        end = work
+        lane = cute.arch.lane_idx()
+        mS32 = mS
+        if cutlass.const_expr(self.layout == "swizzled"):
+            # Whole warps run every iteration (the end rounded up to 32): the four lanes of a
+            # row's 4-column group hold c % 4 = 0..3 (cols % 4 == 0), and their scale bytes --
+            # contiguous in the atom -- are stored as one 32-bit word by the group's first lane.
+            end = (work + 31) // 32 * 32
+            mS32 = cute.recast_tensor(mS, Uint32)
 
-        for idx in cutlass.range(bidx * self.threads + tidx, rows * cols, grid * self.threads):
+        for idx in cutlass.range(bidx * self.threads + tidx, end, grid * self.threads):
             r = idx // cols
             c = idx - r * cols
+            active = idx < work
             # zero_padding=False: padding rows (the router's sentinel ids, and the swizzled
             # atom's rows past the live total) are skipped -- every consumer reads a row on its
             # own (a GEMM column / row, the finalize's live rows), and at decode they are most
             # of the rows (T = 6: ~40 experts x 128-row tiles for 48 live rows)
             skip = Int32(0)
+            if not active:
+                skip = Int32(1)
             if cutlass.const_expr(self.routed and not self.zero_padding):
                 if r >= live_rows:
                     skip = Int32(1)
@@ -169,8 +185,8 @@ class MxQuant:
                     pid = mIds[r]
                     if pid >= sentinel or pid < 0:
                         skip = Int32(1)
+            scale = Int32(0)
             if skip == 0:
-                scale = Int32(0)
                 if r < live_rows and c < self.nblk:
                     src = r
                     if cutlass.const_expr(self.routed):
@@ -186,10 +202,14 @@ class MxQuant:
                         scale = self.quantize_block(gX, gQ, src, r, c)
                 if cutlass.const_expr(self.layout == "plain"):
                     mS[r * self.nblk + c] = Uint8(scale)
-                else:
-                    off = ((r // SF_ATOM_ROWS) * self.ncb + c // SF_ATOM_COLS) * 512 \
-                        + (r % 32) * 16 + ((r // 32) % 4) * 4 + c % 4
-                    mS[off] = Uint8(scale)
+            if cutlass.const_expr(self.layout == "swizzled"):
+                word = scale & 0xFF
+                for j in cutlass.range_constexpr(1, SF_ATOM_COLS):
+                    word = word | ((cute.arch.shuffle_sync_down(scale, offset=j) & 0xFF) << (8 * j))
+                if lane % SF_ATOM_COLS == 0 and skip == 0:
+                    # byte offset ((r // 128) * ncb + c // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4, in words
+                    mS32[((r // SF_ATOM_ROWS) * self.ncb + c // SF_ATOM_COLS) * 128 + (r % 32) * 4 + (r // 32) % 4] = \
+                        Uint32(word)
 
     @cute.jit
     def copy_block(self, gX: cute.Tensor, gQ: cute.Tensor, src: Int32, r: Int32, c: Int32):
@@ -246,7 +266,7 @@ def _build(arch: str, *, K: int, layout: str, routed: bool, topk: int = 1, zero_
                          f"(routed={routed})")
     x_type = cutlass.Float8E4M3FN if prequantized else cutlass.BFloat16
     args = (jit.fake_gmem_ptr(x_type, 16), jit.fake_gmem_ptr(Uint8, 1), jit.fake_gmem_ptr(cutlass.Float8E4M3FN, 16),
-            jit.fake_gmem_ptr(Uint8, 1), jit.fake_gmem_ptr(Int32, 4), jit.fake_gmem_ptr(Int32, 4),
+            jit.fake_gmem_ptr(Uint8, SCALE_ALIGN[layout]), jit.fake_gmem_ptr(Int32, 4), jit.fake_gmem_ptr(Int32, 4),
             Int32(1), Int32(1), Int32(1), jit.fake_stream())
     return MxQuant(K, layout, routed, topk, zero_padding=zero_padding, prequantized=prequantized), args
 
@@ -292,6 +312,8 @@ def _outputs(op: str, x: torch.Tensor, rows: int, K: int, layout: str, q, scales
     if not scales.is_contiguous() or scales.numel() != nbytes:
         raise ValueError(f"{op}: scales must be contiguous with {nbytes} bytes for layout={layout!r}, "
                          f"got shape {list(scales.shape)}")
+    if scales.data_ptr() % SCALE_ALIGN[layout]:
+        raise ValueError(f"{op}: scales data pointer must be {SCALE_ALIGN[layout]}-byte aligned for layout={layout!r}")
     return q, scales
 
 
@@ -325,7 +347,7 @@ def _launch(op, x, q, s, ids, total, T, out_rows, K, layout, routed, topk, strea
     fn = jit.get_kernel("mxfp8_quant", a, K=K, layout=layout, routed=routed, topk=topk, zero_padding=zero_padding,
                         **cfg)
     fn(jit.gmem_ptr(cutlass.Float8E4M3FN if pre else cutlass.BFloat16, x, 16), jit.gmem_ptr(Uint8, xs if pre else s, 1),
-       jit.gmem_ptr(cutlass.Float8E4M3FN, q, 16), jit.gmem_ptr(Uint8, s, 1), jit.gmem_ptr(Int32, ids, 4),
+       jit.gmem_ptr(cutlass.Float8E4M3FN, q, 16), jit.gmem_ptr(Uint8, s, SCALE_ALIGN[layout]), jit.gmem_ptr(Int32, ids, 4),
        jit.gmem_ptr(Int32, total, 4), jit.i32(T), jit.i32(out_rows), jit.i32(max_ctas), jit.cu_stream(stream))
 
 

@@ -304,6 +304,10 @@ def test_machine_code(arch, layout, routed, extra):
     assert h["LDG.E.128"] == 4  # 32 bf16 = four 16-byte loads
     assert h["STG.E.128"] == 2  # 32 e4m3 = two 16-byte stores
     assert sass.count(h, "F2FP") == 16  # packed fp32x2 -> e4m3x2 conversions
+    if layout == "swizzled":  # a row's four scale bytes gathered by shuffles, one 32-bit store
+        assert h["STG.E"] == 1 and sass.count(h, "STG.E.U8") == 0 and sass.count(h, "SHFL") >= 3
+    else:
+        assert h["STG.E.U8"] == 1
     assert sass.local_memory_ops(h) == 0
 
 
@@ -368,3 +372,13 @@ def test_boundary_blocks_bit_exact_on_gpu(layout):
         qr, sr = mxfp8_quant_ref(x.cpu())
         assert torch.equal(q.cpu().view(torch.uint8), qr)
         assert torch.equal(s.cpu(), sr if layout == "plain" else swizzle_scales_ref(sr))
+
+
+def test_swizzled_scales_must_be_word_aligned():
+    """The swizzled layout's scales are stored as 32-bit words: a buffer that is not 4-byte
+    aligned is refused before any launch (the plain layout takes any byte)."""
+    x = torch.zeros(8, 128, dtype=torch.bfloat16)
+    n = scale_buffer_size(8, 128, "swizzled")
+    backing = torch.zeros(n + 1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="scales data pointer must be 4-byte aligned"):
+        mxfp8_quantize(x, layout="swizzled", scales=backing[1:])
