@@ -29,12 +29,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import H200_COPY_BW, markdown_table, rotation_count, time_graph  # noqa: E402
+from common import (H200_COPY_BW, markdown_table, median, overlap_fractions,  # noqa: E402
+                    profiled_graph_kernels, rotation_count, time_graph)
 
 from cute_kernels.mhc_post_mix import mhc_post_mix  # noqa: E402
 from cute_kernels.mhc_pre_mix import mhc_pre_mix  # noqa: E402
 from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_split_phi, mhc_stats, num_maps  # noqa: E402
-from cute_kernels.profiling import cuda_profile  # noqa: E402
 from moe.streams import SideStream  # noqa: E402
 
 N, C, EPS, ITERS = 4, 7168, 1e-6, 20
@@ -170,29 +170,11 @@ def profile_overlap(T=64, max_ctas=None):
         stats()
         torch.matmul(a, w, out=y)
 
-    forked()
-    torch.cuda.synchronize()
-    cs = torch.cuda.Stream()
-    cs.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(cs), torch.cuda.graph(g, stream=cs):
-        forked()
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    with cuda_profile() as prof:
-        for _ in range(20):
-            g.replay()
-        torch.cuda.synchronize()
-    kern = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0]
+    kern = profiled_graph_kernels(forked, 20)
     st = [e.time_range for e in kern if "MhcStats" in e.name]
     others = [e.time_range for e in kern if "MhcStats" not in e.name]
-    fr = []
-    for s in st:
-        ov = sum(max(0, min(s.end, o.end) - max(s.start, o.start)) for o in others)
-        fr.append(min(ov, s.elapsed_us()) / max(s.elapsed_us(), 1e-9))
-    sd = sorted(s.elapsed_us() for s in st)[len(st) // 2]
-    gd = sorted(o.elapsed_us() for o in others)[len(others) // 2]
+    fr = overlap_fractions(st, others)
+    sd, gd = median([e.elapsed_us() for e in st]), median([e.elapsed_us() for e in others])
     t_ser = time_graph(lambda i: serial(), 1, 10)
     t_par = time_graph(lambda i: forked(), 1, 10)
     t_gemm = time_graph(lambda i: torch.matmul(a, w, out=y), 1, 10)

@@ -23,9 +23,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import H200_COPY_BW, markdown_table, rotation_count, time_graph  # noqa: E402
+from common import (H200_COPY_BW, markdown_table, median, overlap_fractions,  # noqa: E402
+                    profiled_graph_kernels, rotation_count, time_graph)
 
-from cute_kernels.profiling import cuda_profile  # noqa: E402
 from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size  # noqa: E402
 from moe.router import V4_FLASH_ROUTER, V4_PRO_ROUTER, MoeRouter, RouterConfig, capacity  # noqa: E402
 from moe.streams import SideStream  # noqa: E402
@@ -163,29 +163,11 @@ def profile_overlap():
         r(logits, bias)
         side.join()
 
-    step()
-    torch.cuda.synchronize()
-    cs = torch.cuda.Stream()
-    cs.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(cs), torch.cuda.graph(g, stream=cs):
-        step()
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    with cuda_profile() as prof:
-        for _ in range(10):
-            g.replay()
-        torch.cuda.synchronize()
-    kern = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0]
+    kern = profiled_graph_kernels(step, 10)
     quants = [e.time_range for e in kern if "MxQuant" in e.name]
     routers = [e.time_range for e in kern if "Router" in e.name]
-    fr = []
-    for qt in quants:
-        ov = max((max(0, min(qt.end, rt.end) - max(qt.start, rt.start)) for rt in routers), default=0)
-        fr.append(ov / max(qt.elapsed_us(), 1e-9))
-    qd = sorted(q.elapsed_us() for q in quants)[len(quants) // 2]
-    rd = sorted(r.elapsed_us() for r in routers)[len(routers) // 2]
+    fr = overlap_fractions(quants, routers)
+    qd, rd = median([e.elapsed_us() for e in quants]), median([e.elapsed_us() for e in routers])
     a_ser = time_graph(lambda i: (mxfp8_quantize(x, q=q, scales=s), r(logits, bias)), 1, 10)
     a_par = time_graph(lambda i: step(), 1, 10)
     rows = [[f"T={T}", len(quants), f"{qd:.1f}", f"{rd:.1f}", f"{100 * sum(fr) / max(len(fr), 1):.0f}%",

@@ -131,6 +131,44 @@ def measure(call, y: torch.Tensor, ref: torch.Tensor, n: int, what: str = "case"
     return time_graph(call, n, max(n, 8)), err
 
 
+def profiled_graph_kernels(step, replays: int) -> list:
+    """The kernels (profiler events with a duration) of ``replays`` replays of a CUDA graph of
+    ``step()`` -- captured on a side stream after one eager call (compiles, workspaces) and five
+    warm-up replays -- for side-stream overlap measurements."""
+    from cute_kernels.profiling import cuda_profile
+
+    step()
+    torch.cuda.synchronize()
+    cs = torch.cuda.Stream()
+    cs.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(cs), torch.cuda.graph(g, stream=cs):
+        step()
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    with cuda_profile() as prof:
+        for _ in range(replays):
+            g.replay()
+        torch.cuda.synchronize()
+    return [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0]
+
+
+def overlap_fractions(spans, others) -> list[float]:
+    """For each ``span`` (objects with ``start`` / ``end``), the fraction of its duration during
+    which one of ``others`` ran (overlaps summed, capped at the whole span)."""
+    out = []
+    for s in spans:
+        d = s.end - s.start
+        ov = sum(max(0, min(s.end, o.end) - max(s.start, o.start)) for o in others)
+        out.append(min(ov, d) / d if d > 0 else 0.0)
+    return out
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]

@@ -1,5 +1,7 @@
-"""The peer benchmark's output checks (bench/bench_peers.py), on the CPU: they decide whether a
-peer is timed, so a wrong check would time a peer that computes something else."""
+"""The benchmarks' checks and measurement helpers, on the CPU: the peer bench's output checks
+(bench/bench_peers.py) decide whether a peer is timed, so a wrong check would time a peer that
+computes something else; the overlap helper (bench/common.py) is what the side-stream tables
+report."""
 
 import os
 import sys
@@ -8,6 +10,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import bench_peers  # noqa: E402
+import common  # noqa: E402
 
 
 def _codes(vals):
@@ -31,3 +34,14 @@ def test_rel_norm_and_bounds():
     assert abs(bench_peers.rel_norm(a * 1.01, a) - 0.01) < 1e-6
     # the bounds are the documented rounding counts
     assert bench_peers.NORM_REL_BOUND == 6 * 2.0 ** -8 and bench_peers.FP8_GEMM_REL_BOUND == 2.0 ** -3
+
+
+def test_overlap_fractions_and_median():
+    from types import SimpleNamespace as S
+
+    spans = [S(start=0, end=10), S(start=20, end=30), S(start=40, end=40)]
+    others = [S(start=5, end=8), S(start=7, end=12), S(start=25, end=100)]
+    # [0, 10]: 3 + 3 (summed, the two others overlap each other) = 6 of 10; [20, 30]: 5 of 10; empty span: 0
+    assert common.overlap_fractions(spans, others) == [0.6, 0.5, 0.0]
+    assert common.overlap_fractions([S(start=0, end=4)], [S(start=0, end=4), S(start=1, end=3)]) == [1.0]  # capped
+    assert common.median([3.0, 1.0, 2.0]) == 2.0 and common.median([]) != common.median([])  # NaN when empty
