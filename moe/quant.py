@@ -170,13 +170,12 @@ class MxQuant:
         for idx in cutlass.range(bidx * self.threads + tidx, end, grid * self.threads):
             r = idx // cols
             c = idx - r * cols
-            active = idx < work
             # zero_padding=False: padding rows (the router's sentinel ids, and the swizzled
             # atom's rows past the live total) are skipped -- every consumer reads a row on its
             # own (a GEMM column / row, the finalize's live rows), and at decode they are most
             # of the rows (T = 6: ~40 experts x 128-row tiles for 48 live rows)
             skip = Int32(0)
-            if not active:
+            if idx >= work:  # the swizzled layout's rounded-up end: a lane with no block
                 skip = Int32(1)
             if cutlass.const_expr(self.routed and not self.zero_padding):
                 if r >= live_rows:
