@@ -3,13 +3,11 @@
 ``cuda_profile()`` is ``torch.profiler.profile`` over CUDA activity (and CPU with ``cpu=True``)
 with CUPTI kept initialised between sessions: Kineto's ``TEARDOWN_CUPTI=0`` and
 ``DISABLE_CUPTI_LAZY_REINIT=1``. When a session ends, Kineto otherwise finalises CUPTI and
-re-initialises it at the next session; with CUDA graphs in the process that has crashed with
-illegal memory accesses (pytorch/pytorch#75504; torch applies the same two settings itself, but
-only for torch.compile's graphs and only below CUDA 12.6). In this project a CuTe-kernel engine
-built after an earlier engine had been profiled faulted at its first launches on an H100 with
-CUDA 13 (simulated TP4, `spec_decode.bench --backends base,fused`), and ran when nothing had
-been profiled before it. The settings are process-wide and only keep CUPTI loaded; an
-environment that sets them already wins.
+re-initialises it at the next session, which with CUDA graphs in the process has crashed with
+illegal memory accesses (pytorch/pytorch#75504). torch sets the same two variables itself, but
+only for torch.compile's graphs and only below CUDA 12.6; this project's runtime captures its
+own graphs (docs/runtime.md: the simulated-TP bench's fault). The settings are process-wide and
+only keep CUPTI loaded; values already in the environment win.
 
     from cute_kernels.profiling import cuda_profile
     with cuda_profile() as prof:
