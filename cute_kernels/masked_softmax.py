@@ -165,9 +165,8 @@ KERNEL = jit.register(
         build=_build,
         sources=(os.path.abspath(__file__),),
         archs=("sm_90a", "sm_100a", "sm_103a"),
-        # the slice config's 128 heads over the decode bench's pools (--quick and the full
-        # BS64 lengths: 4096 + 2048 + the verify block), with the runtime's mask strides
-        # (a row stride padded to 16: one spare column for discarded selections)
+        # 128 heads over KV pools of 592 and 6160 keys (the earlier V3-shaped runtime's bench
+        # lengths; the peer bench's shapes), mask rows padded to 16 with one spare column
         aot_configs=tuple({"length": M, "heads": 128, "mask_stride": W, "dtype": "bfloat16"}
                           for M, W in ((592, 608), (6160, 6176))),
         description="softmax over a row of scores with a per-token key mask, bf16 in/out",
