@@ -66,7 +66,7 @@ class RmsNorm(RowRms):
         cos / sin) and ``rows_per_token`` without a rotation."""
         layout = cute.make_layout((num_rows, self.hidden), stride=(self.hidden, 1))
         mX, mY = cute.make_tensor(x_ptr, layout), cute.make_tensor(y_ptr, layout)
-        mW = cute.make_tensor(w_ptr, cute.make_layout((self.hidden,)))
+        mW = cute.make_tensor(w_ptr, cute.make_layout((1, self.hidden), stride=(self.hidden, 1)))  # a row: load_row
         tokens = (num_rows + rows_per_token - 1) // rows_per_token
         mCS = cute.make_tensor(cs_ptr, cute.make_layout((tokens, max(self.rope_dim, 1)), stride=(self.rope_dim, 1)))
         self.kernel(mX, mW, mCS, mY, rows_per_token, eps).launch(grid=[num_rows, 1, 1], block=[self.threads, 1, 1],
@@ -81,13 +81,9 @@ class RmsNorm(RowRms):
         # The weight and the rotation's (cos, sin) are issued with the row, before the statistic:
         # its barriers would otherwise hold their loads back to the epilogue, one more memory
         # round trip on the critical path of a short row.
-        tWrW = cute.make_rmem_tensor(cute.make_layout((self.vec, self.iters)), self.dtype)
+        tWrW = tXrX
         if const_expr(self.weighted):
-            gW = cute.zipped_divide(mW, (self.vec,))
-            for i in cutlass.range_constexpr(self.iters):
-                v = tidx + i * self.threads
-                if v < self.n_vec:
-                    cute.autovec_copy(gW[(None, v)], tWrW[None, i])
+            tWrW = self.load_row(mW, 0, tidx)
         tCrCS = cute.make_rmem_tensor(cute.make_layout((self.vec, self.iters)), Float32)  # vec / 2 (cos, sin) pairs
         if const_expr(self.rope_dim > 0):
             gCS = cute.zipped_divide(mCS[row // rows_per_token, None], (self.vec,))
