@@ -34,9 +34,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import H200_COPY_BW, markdown_table, time_graph  # noqa: E402
+from common import H200_COPY_BW, markdown_table, profiled_graph_kernels, time_graph  # noqa: E402
 
-from cute_kernels.profiling import cuda_profile  # noqa: E402
 from moe.experts import (dequantize, expert_kernel_args, interleave_gate_up, moe_expert_gate_up,  # noqa: E402
                         moe_expert_gemm, mxfp4_expert_weights, quantize_expert_weights)
 from moe.experts_swap_ab_sm90 import MoeExpertSwapABSm90, tok_n_for  # noqa: E402
@@ -230,17 +229,8 @@ def stage_times(T, x, logits, bias, W, cfg, ours, sweep):
 
 
 def count_launches(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    with cuda_profile() as prof:
-        g.replay()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0]
+    """Kernels one replay of a graph of ``fn()`` launches, and how many of them finalize."""
+    names = [e.name for e in profiled_graph_kernels(fn, 1)]
     return len(names), sum("Finalize" in n or "finalize" in n for n in names)
 
 
