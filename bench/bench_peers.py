@@ -86,6 +86,11 @@ def _peer(name: str):
     return f"unknown peer {name}"
 
 
+def does_not_run(e: Exception) -> str:
+    """A table row's note for a peer call that raised."""
+    return f"does not run: {type(e).__name__}: {str(e)[:80]}"
+
+
 def row(family, shape, peer, t_ours, t_peer, nbytes, note=""):
     return [family, shape, peer, f"{t_ours * 1e6:.2f}", f"{t_peer * 1e6:.2f}" if t_peer else "-",
             f"{t_peer / t_ours:.2f}x" if t_peer else "-", f"{100 * nbytes / t_ours / H200_COPY_BW:.0f}%", note]
@@ -139,7 +144,7 @@ def mxfp8_rows(fi):
                     fq, fs = call(0)
                 except Exception as e:  # noqa: BLE001
                     rows.append(row("MXFP8 quant", shape, peer, t_ours, None, nbytes,
-                                    f"does not run: {type(e).__name__}: {str(e)[:80]}"))
+                                    does_not_run(e)))
                     continue
                 fs8 = fs.view(torch.uint8).view(-1)
                 same_s = fs8.numel() >= s.numel() and torch.equal(s.view(-1), fs8[:s.numel()])
@@ -171,7 +176,7 @@ def rms_rows(qk):
             _, _, rstd = qk.rmsnorm_fwd(xs[0], None, eps=1e-6, store_rstd=True)
         except Exception as e:  # noqa: BLE001
             rows.append(row("RMS statistic", f"{T}x{C}", "quack", t_ours, None, nbytes,
-                            f"does not run: {type(e).__name__}: {str(e)[:80]}"))
+                            does_not_run(e)))
             continue
         ours = row_rms(xs[0], 1e-6)
         if not ((rstd - ours).abs() <= 1e-5 * ours).all():
@@ -209,7 +214,7 @@ def norm_rows(qk, lg):
                 theirs = call(xs[0])
             except Exception as e:  # noqa: BLE001
                 rows.append(row("RMSNorm (weighted)", f"{T}x{C}", name, t_ours, None, nbytes,
-                                f"does not run: {type(e).__name__}: {str(e)[:80]}"))
+                                does_not_run(e)))
                 continue
             diff = (ours.float() - theirs.float()).abs()
             if not (diff <= NORM_REL_BOUND * theirs.float().abs()).all():
@@ -242,7 +247,7 @@ def torchao_rows(tao):
             tq, ts = tao.triton_to_mxfp8_dim0(xs[0], 32, "rceil")
         except Exception as e:  # noqa: BLE001
             rows.append(row("MXFP8 quant", f"{T}x{K} plain", peer, t_ours, None, nbytes,
-                            f"does not run: {type(e).__name__}: {str(e)[:80]}"))
+                            does_not_run(e)))
             continue
         q, s = mxfp8_quantize(xs[0], layout="plain")
         same_q = torch.equal(q.view(torch.uint8), tq.view(torch.uint8).view(T, K))
@@ -286,7 +291,7 @@ def deepgemm_rows(dg):
                 b_q[e], b_s[e] = per_block_cast_to_fp8(w[e], use_ue8m0=False)
             cast = per_token_cast_to_fp8
         except Exception as e:  # noqa: BLE001
-            dg = f"does not run: {type(e).__name__}: {str(e)[:80]}"
+            dg = does_not_run(e)
     for T in (1, 64, 320):
         shape = f"V4-Flash down, T={T}"
         router = MoeRouter(V4_FLASH_ROUTER, max_tokens=T)
@@ -331,7 +336,7 @@ def deepgemm_rows(dg):
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001
             rows.append(row("routed-expert GEMM", shape, "DeepGEMM", t_ours, None, nbytes,
-                            f"does not run: {type(e).__name__}: {str(e)[:80]}"))
+                            does_not_run(e)))
             continue
         err_dg = rel_norm(torch.cat([d[e, :len(tok_of[e])].float() for e in hit]), torch.cat([ref[e] for e in hit]))
         note = f"rel. error vs FP32: ours {err_ours:.3f}, DeepGEMM {err_dg:.3f} (other block scales)"
@@ -377,7 +382,7 @@ def topk_rows(fi):
                 theirs = call(0)[1].long().sort(-1).values
             except Exception as e:  # noqa: BLE001
                 rows.append(row("top-k select", shape, name, t_ours, None, nbytes,
-                                f"does not run: {type(e).__name__}: {str(e)[:80]}"))
+                                does_not_run(e)))
                 continue
             if not torch.equal(ours, theirs):
                 rows.append(row("top-k select", shape, name, t_ours, None, nbytes, "other indices: not timed"))
@@ -414,7 +419,7 @@ def softmax_rows(qk):
             theirs = softmax_fwd(xs[0].view(R, M))
         except Exception as e:  # noqa: BLE001
             rows.append(row("softmax", shape, "quack", t_ours, None, nbytes,
-                            f"does not run: {type(e).__name__}: {str(e)[:80]}"))
+                            does_not_run(e)))
             continue
         ours = masked_softmax(xs[0], mask).view(R, M).float()
         diff = (ours - theirs.float()).abs()
@@ -458,7 +463,7 @@ def wo_a_rows():
             err_p = rel_norm(call(0).float(), ref)
         except Exception as e:  # noqa: BLE001
             rows.append(row("WO-A bf16", shape, "torch._grouped_mm", t_ours, None, nbytes,
-                            f"does not run: {type(e).__name__}: {str(e)[:80]}"))
+                            does_not_run(e)))
             continue
         note = f"rel. error vs FP32: ours {err_ours:.1e}, peer {err_p:.1e}; peer writes group-major"
         if not (err_ours <= 2.0 ** -7 and err_p <= 2.0 ** -7):
@@ -487,7 +492,7 @@ def router_rows(fi):
             fi.fused_moe.fused_topk_deepseek(logits[0], bias, 8, 4, 8, 2.5, vals, idx)
         except Exception as e:  # noqa: BLE001
             rows.append(row("router (V3)", f"T={T} E=256 k=8", "FlashInfer", t_ours, None, nbytes,
-                            f"does not run: {type(e).__name__}: {str(e)[:80]}"))
+                            does_not_run(e)))
             continue
         r = routers[0](logits[0], bias)
         ours = [dict(zip(i, w)) for i, w in zip(r.topk_ids.tolist(), r.topk_weights.tolist())]
