@@ -57,12 +57,8 @@ from moe.finalize import moe_finalize
 from moe.quant import mxfp8_gather_routed, mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size
 from moe.router import MoeRouter, RouterConfig, RouterOutput, align_torch, capacity, topk_torch
 
-from .model import forward_memo, rope_table, swiglu
+from .model import EXPERT_OPERANDS, forward_memo, rope_table, swiglu
 from .step_model import Ops, family
-
-
-#: a layer's routed experts as the kernel backends read them (:func:`quantize_layer_experts`)
-EXPERT_OPERANDS = ("ffn.experts.gate_up_q", "ffn.experts.gate_up_s", "ffn.experts.down_q", "ffn.experts.down_s")
 
 
 def quantize_layer_experts(L: dict) -> dict:

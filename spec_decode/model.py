@@ -271,6 +271,11 @@ def visible_entries(pos: torch.Tensor, ratio: int) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------------------- weights ----
+#: a layer's routed experts as the kernel backends read them, in place of ``ffn.experts.w1 / w3 /
+#: w2`` once converted (:func:`spec_decode.fused_ops.quantize_layer_experts`)
+EXPERT_OPERANDS = ("ffn.experts.gate_up_q", "ffn.experts.gate_up_s", "ffn.experts.down_q", "ffn.experts.down_s")
+
+
 def layer_weight_shapes(cfg: ModelConfig, li: int | None, *, hash_routed: bool, ratio: int) -> dict:
     """``{name: shape}`` of one decoder layer's tensors (names relative to ``layers.{i}.``,
     DeepSeek's checkpoint names; routed experts stacked as ``ffn.experts.w1 [E, I, C]``, ``w3``,

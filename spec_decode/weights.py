@@ -47,13 +47,15 @@ import os
 
 import torch
 
+from .model import EXPERT_OPERANDS
+
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def _layer_tensors(prefix: str, L: dict, E: int) -> dict[str, tuple[torch.Tensor, int | None]]:
     """``{checkpoint name: (model tensor, expert index or None)}`` of one layer dict."""
     out = {}
-    if "ffn.experts.gate_up_q" in L:
+    if EXPERT_OPERANDS[0] in L:
         raise ValueError("weights: this model's routed experts were converted to MXFP8 as it was made "
                          "(on_layer=quantize_layer_experts); load into a model made without on_layer")
     for k, v in L.items():
