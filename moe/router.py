@@ -52,6 +52,11 @@ memory and keeping its picks there: the layout stage follows one barrier -- no c
 in global memory, no grid handshake, no re-read of the picks -- and leaves the workspace
 alone (a host-side choice from T: a compile configuration of its own).
 
+NaN: a NaN score (a NaN logit or bias) ranks above every number and ties among NaNs go to
+the lower index -- ``torch.sort``'s order, so the picks stay real experts and match the
+PyTorch definition; the token's weights are then NaN. (A NaN and a +inf score tie here, to
+the lower index; torch puts the NaN first.)
+
 Constraints: E % 32 == 0, E <= 512; n_group divides 32 and E; topk_group <= n_group;
 k <= 32 and k <= topk_group * E / n_group; tile a power of two <= 1024. Logits fp32 or bf16
 ``[T, E]`` row-major; bias fp32 ``[E]`` or None.
@@ -287,7 +292,10 @@ class RouterTopkAlign:
             for j in cutlass.range_constexpr(V):
                 s = self.score_of(Float32(rL[j]))
                 rS[j] = s
-                rCand[j] = s + rBias[j]
+                c = s + rBias[j]
+                # a NaN candidate ranks above every number (torch.sort's order): +inf here, so
+                # every comparison below stays ordered and a pick is always a real expert
+                rCand[j] = cutlass.select_(c != c, Float32(math.inf), c)
             my_tab = Int32(0)  # hash routing: lane i < k holds the token's i-th expert
             if cutlass.const_expr(self.hash_routed):
                 tok = cutlass.max(cutlass.min(mTok[t], vocab - 1), Int32(0))  # never read past the table

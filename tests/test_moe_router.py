@@ -96,6 +96,38 @@ def test_sqrtsoftplus_extreme_logits(seed, cfg):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [RouterConfig(), V4_FLASH_ROUTER], ids=["dsv3", "v4flash"])
+@pytest.mark.parametrize("T", [5, 64])  # the single-CTA path and the grid's
+def test_nan_logits_pick_real_experts(seed, cfg, T):
+    """NaN logits (one in a row, several, a whole row) rank first, ties to the lower index
+    (torch.sort's order, the reference's): every pick a real expert, the ids the reference's,
+    a row's weights NaN exactly where it picked a NaN score; the layout stays consistent."""
+    E = cfg.num_experts
+    logits = torch.randn(T, E, device="cuda") * 4
+    logits[0, 7] = float("nan")
+    logits[1, 3::17] = float("nan")
+    logits[2] = float("nan")
+    logits[4, -1] = float("nan")
+    r = MoeRouter(cfg, max_tokens=T)
+    poison(r)
+    out = r(logits, None)
+    torch.cuda.synchronize()
+    rid, rw, b = grouped_topk_ref(logits.cpu(), None, cfg.n_group, cfg.topk_group, cfg.top_k,
+                                  cfg.routed_scaling_factor, cfg.score)
+    ids, w = out.topk_ids.cpu(), out.topk_weights.cpu()
+    assert ((ids >= 0) & (ids < E)).all()
+    nan_rows = [0, 1, 2, 4]
+    assert torch.equal(ids[nan_rows], rid[nan_rows]) and torch.isnan(w[nan_rows]).all()
+    for t in range(T):  # the other rows: the reference's picks up to FP32-rounding near-ties
+        if t not in nan_rows and not torch.equal(ids[t], rid[t]):
+            assert torch.allclose(b[t, ids[t].long()], b[t, rid[t].long()], rtol=0, atol=1e-6), t
+        elif t not in nan_rows:
+            assert torch.allclose(w[t], rw[t], rtol=4e-6, atol=0), t
+    check_align(out, T, cfg)
+    assert (r.workspace == 0).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 64, 320])
 def test_ties_lower_index_wins(seed, T):
     cfg = RouterConfig()
