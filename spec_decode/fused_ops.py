@@ -362,30 +362,39 @@ class FusedOps(Ops):
         n = x.shape[0] * cfg.top_k  # routed rows: bounds the expert grids to the live tiles
         rows = expert_kernel_args(x.shape[0], self.moe_row_tile)
         offsets, counts, tiles, weights = r.expert_offsets, r.expert_counts, r.tile_expert, r.topk_weights
+        row_pos, y_full = r.routed_row_pos, None
         y_out = {}
         n_local = P["gu_q"].shape[0]
         if n_local != cfg.experts:
             # Expert parallel: the router packed every expert's rows; this rank's kernels see
             # its experts' offsets / counts and a tile map with other ranks' tiles at -1 (the
             # router's "no expert"), and bound their grids by the router's expert count (its
-            # tiles sit among every expert's). Other ranks' rows of y are never written; the
-            # finalize weighs them 0, and y is a persistent buffer zeroed once, so they hold
-            # finite stale values (0 x finite = 0).
+            # tiles sit among every expert's). Other ranks' rows of y are never written this
+            # step: they hold whatever an earlier step left there -- a padding row's output
+            # of unwritten (garbage, possibly NaN) input bytes included -- so the finalize
+            # reads a routed row of another rank's expert from the buffer's last row instead,
+            # never written and zero, with weight 0 (0 x 0: the partial sum is exact).
             e0, e1 = first_expert, first_expert + n_local
             offsets, counts = offsets[e0:e1 + 1], counts[e0:e1]
             tiles = torch.where((tiles >= e0) & (tiles < e1), tiles - e0, torch.full_like(tiles, -1))
             ids = r.topk_ids
-            weights = torch.where((ids >= e0) & (ids < e1), weights, torch.zeros_like(weights))
-            y_out["out"] = self._y_buffer(aq.shape[0], cfg.hidden, x.device)
+            local = (ids >= e0) & (ids < e1)
+            weights = torch.where(local, weights, torch.zeros_like(weights))
+            y_full = self._y_buffer(aq.shape[0], cfg.hidden, x.device)
+            zero_row = y_full.shape[0] - 1
+            row_pos = torch.where(local.flatten(), row_pos, torch.full_like(row_pos, zero_row))
+            y_out["out"] = y_full[:aq.shape[0]]
             rows["router_experts"] = cfg.experts
         hq, hs = moe_expert_gate_up(aq, asc, P["gu_q"], P["gu_s"], offsets, counts, tiles,
                                     routed_rows=n, swiglu_limit=cfg.swiglu_limit, **rows)
         y = moe_expert_gemm(hq, hs, P["d_q"], P["d_s"], offsets, counts, tiles, routed_rows=n, **rows, **y_out)
+        if y_full is not None:
+            y = y_full  # the finalize reads the zero row too
         if main is not None:
             main.wait_stream(self.side)  # join before the add reads sh
         else:
             sh = self.shared_expert(x, L, P)
-        return self.finish(y, weights, r.routed_row_pos, sh, reduce)
+        return self.finish(y, weights, row_pos, sh, reduce)
 
     def quantize_tokens(self, x):
         """The step's tokens ``x [T, hidden]`` as MXFP8 (plain scales) in this object's buffers."""
@@ -418,19 +427,19 @@ class FusedOps(Ops):
         return self.all_reduce(out) if reduce else out
 
     def _y_buffer(self, rows, hidden, device):
-        """The expert-parallel down-projection output ``[rows, hidden]`` bf16 (see :meth:`moe`):
-        one buffer for the largest step, zeroed once and never replaced -- captured graphs hold
-        its address, so a buffer regrown for a later, larger step (a prefill chunk after the
-        decode graphs' capture) would leave them writing freed memory and reading whatever the
-        allocator put there as the other ranks' rows."""
+        """The expert-parallel down-projection output (see :meth:`moe`): ``[slots + 1, hidden]``
+        bf16, the router's slots for the largest step then one zero row that no GEMM writes
+        (other ranks' routed rows read it). One buffer, zeroed once and never replaced --
+        captured graphs hold its address, so a buffer regrown for a later, larger step (a
+        prefill chunk after the decode graphs' capture) would leave them writing freed memory."""
         buf = getattr(self, "_y", None)
         if buf is None:
             most = capacity(self.router.cfg, self.max_tokens)[0]  # any step's router slots
-            buf = self._y = torch.zeros(max(most, rows), hidden, dtype=torch.bfloat16, device=device)
-        if buf.shape[0] < rows or buf.shape[1] != hidden:
+            buf = self._y = torch.zeros(max(most, rows) + 1, hidden, dtype=torch.bfloat16, device=device)
+        if buf.shape[0] <= rows or buf.shape[1] != hidden:
             raise RuntimeError(f"FusedOps: the expert-parallel output holds {tuple(buf.shape)}; a step needs "
                                f"({rows}, {hidden}) (more tokens than max_tokens={self.max_tokens}?)")
-        return buf[:rows]
+        return buf
 
 
 class BaseOps(FusedOps):

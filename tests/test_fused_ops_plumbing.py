@@ -695,6 +695,29 @@ def test_expert_parallel_output_buffer_is_never_replaced(fakes, arm):
     assert len(set(ptrs)) == 1
 
 
+@pytest.mark.parametrize("arm", ["fused", "base"])
+def test_expert_parallel_stale_rows_never_reach_the_output(fakes, arm):
+    """Rows of the expert-parallel output that this step's GEMMs do not write hold whatever an
+    earlier step left (a padding row's output of unwritten input bytes: NaN in recycled
+    memory). Poisoned with NaN between two identical steps, they change nothing: another
+    rank's routed rows are read from the buffer's zero row, not from stale rows."""
+    from spec_decode.step_model import RankView, Shard
+
+    m, _ = _models()
+    view = RankView(m, Shard(CFG, 1, 2))
+    ops = (fo.FusedOps if arm == "fused" else fo.BaseOps)(view, max_tokens=12, max_len=64, _cpu_for_tests=True)
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(6, CFG.hidden, generator=g).bfloat16()
+    toks = torch.randint(0, CFG.vocab, (6,), generator=g)
+    L = view.layers[1]
+    want = ops.moe(h, L, CFG, toks, view.shard.first_expert)
+    assert torch.isfinite(want.float()).all()
+    ops._y[:-1].fill_(float("nan"))  # every row but the zero row
+    got = ops.moe(h, L, CFG, toks, view.shard.first_expert)
+    assert torch.equal(got, want)
+    assert (ops._y[-1] == 0).all()
+
+
 def test_routed_input_quantized_before_the_router_on_the_fused_arm(fakes, monkeypatch):
     """The fused arm quantizes the step's tokens (on the side stream, beside the router) and
     gathers their bytes; the base arm quantizes the gathered rows after the router. Same
