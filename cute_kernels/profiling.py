@@ -6,8 +6,8 @@ with CUPTI kept initialised between sessions: Kineto's ``TEARDOWN_CUPTI=0`` and
 re-initialises it at the next session, which with CUDA graphs in the process has crashed with
 illegal memory accesses (pytorch/pytorch#75504). torch sets the same two variables itself, but
 only for torch.compile's graphs and only below CUDA 12.6; this project's runtime captures its
-own graphs (docs/runtime.md: the simulated-TP bench's fault). The settings are process-wide and
-only keep CUPTI loaded; values already in the environment win.
+own graphs and profiles them between captures. The settings are process-wide and only keep
+CUPTI loaded; values already in the environment win.
 
     from cute_kernels.profiling import cuda_profile
     with cuda_profile() as prof:
