@@ -28,3 +28,27 @@ def seed():
     torch.manual_seed(s)
     print(f"seed={s}")
     return s
+
+
+def _fill_cached_memory(byte: int) -> None:
+    """Leave the caching allocator's free blocks filled with ``byte``: one block of most of the
+    free memory (the large pool) and a few hundred 256 KiB blocks (the small pool), written
+    and freed, so a buffer allocated next and not initialised holds ``byte``s (0xFF: NaN in
+    bf16, FP32 and e4m3, a NaN UE8M0 scale)."""
+    import gc
+
+    gc.collect()  # an engine dropped before: its memory back into the cache first
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    big = torch.empty(int(free * 0.8), dtype=torch.uint8, device="cuda").fill_(byte)
+    small = [torch.empty(256 << 10, dtype=torch.uint8, device="cuda").fill_(byte) for _ in range(400)]
+    torch.cuda.synchronize()
+    del big, small
+
+
+@pytest.fixture
+def fill_cached_memory():
+    """``fill(byte)``: recycled memory of known contents for tests that a result never depends
+    on a buffer's bytes before it is written (run once with 0x00, once with 0xFF, compare)."""
+    return _fill_cached_memory
