@@ -196,7 +196,8 @@ def rms_norm(x: torch.Tensor, eps: float = 1e-6, weight: torch.Tensor | None = N
         if two != 2 or rope_dim % 8 or rope_dim > C:
             raise ValueError(f"{op}: rotate must be [tokens, r/2, 2] with r a multiple of 8 and <= {C}, got "
                              f"{list(rotate.shape)}")
-        check_tensor(op, "rotate", rotate.view(tokens, rope_dim), align_bytes=16)  # a token's row: 16-byte loads
+        if rotate.data_ptr() % 16:  # contiguous, r a multiple of 8: every token's row 16-byte aligned
+            raise ValueError(f"{op}: rotate data pointer must be 16-byte aligned")
         if tokens == 0 or rows % tokens:
             raise ValueError(f"{op}: x's {rows} rows are not {tokens} tokens' groups of equal size (rotate.shape[0])")
         per_token = rows // tokens
