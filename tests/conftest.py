@@ -31,20 +31,22 @@ def seed():
 
 
 def _fill_cached_memory(byte: int) -> None:
-    """Leave the caching allocator's free blocks filled with ``byte``: one block of most of the
-    free memory (the large pool) and a few hundred 256 KiB blocks (the small pool), written
-    and freed, so a buffer allocated next and not initialised holds ``byte``s (0xFF: NaN in
-    bf16, FP32 and e4m3, a NaN UE8M0 scale)."""
+    """Leave the caching allocator's free blocks filled with ``byte``: 128 MiB blocks (the large
+    pool; up to 16 GiB) and a few hundred 256 KiB blocks (the small pool), written and freed,
+    so a buffer allocated next and not initialised holds ``byte``s (0xFF: NaN in bf16, FP32
+    and e4m3, a NaN UE8M0 scale). Blocks, not one segment: a long-lived allocation made from
+    one (a cuBLAS workspace) keeps only its block from being released."""
     import gc
 
     gc.collect()  # an engine dropped before: its memory back into the cache first
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
-    big = torch.empty(int(free * 0.8), dtype=torch.uint8, device="cuda").fill_(byte)
+    n = min(int(free * 0.5), 16 << 30) // (128 << 20)
+    large = [torch.empty(128 << 20, dtype=torch.uint8, device="cuda").fill_(byte) for _ in range(n)]
     small = [torch.empty(256 << 10, dtype=torch.uint8, device="cuda").fill_(byte) for _ in range(400)]
     torch.cuda.synchronize()
-    del big, small
+    del large, small
 
 
 @pytest.fixture
