@@ -318,12 +318,14 @@ def test_sqrtsoftplus_reference_is_the_definition():
 @pytest.mark.parametrize("cfg", [V4_FLASH_ROUTER, V4_PRO_ROUTER], ids=["v4flash", "v4pro"])
 def test_machine_code_sqrtsoftplus(arch, cfg):
     """The V4 routers: each lane's E/32 fp32 logits in 16-byte loads; per expert one exp and one
-    square root on the special-function unit (log1p is a polynomial); no spills."""
+    square root on the special-function unit (log1p is a polynomial), and one NaN test of its
+    candidate (a NaN ranks first: not folded away); no spills."""
     h = sass.sass_histogram("moe_router", arch, **dataclasses.asdict(cfg), logits_dtype="float32", has_bias=True)
     V = cfg.num_experts // 32
     assert h["LDG.E.128"] >= V // 4
     assert sass.count(h, "MUFU.EX2") >= V
     assert sass.count(h, "MUFU.SQRT") + sass.count(h, "MUFU.RSQ") >= V
+    assert sass.count(h, "FSETP.NAN") >= V
     assert sass.local_memory_ops(h) == 0
 
 
