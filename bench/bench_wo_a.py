@@ -37,6 +37,8 @@ from cute_kernels.wo_a import route, wo_a  # noqa: E402
 from cute_kernels.wo_a_cublas import wo_a_cublas  # noqa: E402
 
 SHAPES = [(16, 1024, 1024), (8, 512, 2048), (16, 512, 2048), (8, 1024, 1024)]  # (G, R, Dg)
+#: DeepSeek-V4-Flash's and -Pro's WO-A (G, R, Dg)
+V4_SHAPES = [(8, 1024, 4096), (16, 1024, 4096)]
 TOKENS = [1, 5, 64, 320, 4096, 16384]
 
 

@@ -1,6 +1,6 @@
 """Benchmark WO-A with e4m3 weights (128 x 128 block scales) at decode T against bf16 WO-A.
 
-    python bench/bench_wo_a_fp8.py [--tokens 1,5,16,32] [--variants 128/plan,...] [--out FILE]
+    python bench/bench_wo_a_fp8.py [--tokens 1,5,16,32] [--shapes GxRxDg,...] [--variants 128/plan,...] [--out FILE]
 
 Per shape and T, same run, CUDA-graph replay over rotating weight sets larger than L2: the FP8
 kernel at :func:`cute_kernels.wo_a_decode_fp8.wo_a_fp8`'s plan, bf16 WO-A's default path
@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_wo_a import SHAPES, bmm_only  # noqa: E402
+from bench_wo_a import SHAPES, V4_SHAPES, bmm_only  # noqa: E402
 from common import H200_COPY_BW, markdown_table, measure, rotation_count, time_graph  # noqa: E402
 
 import cutlass  # noqa: E402
@@ -38,19 +38,22 @@ TOKENS = [1, 5, 16, 32]
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="also write the table to this file")
-    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated T values (<= 32; default "
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated T values (<= 64; default "
                     "%(default)s)")
+    ap.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in V4_SHAPES + SHAPES),
+                    help="comma-separated GxRxDg (default: V4-Flash, V4-Pro, then the bf16 bench's: %(default)s)")
     ap.add_argument("--variants", default="128/plan",
                     help="comma-separated bk/stages (bk: 128 or 256; stages: plan, x2 or a number; default "
                          "%(default)s)")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     variants = [(v.split("/") + ["plan"])[:2] for v in args.variants.split(",")]
     for v in variants:
         if v[0] not in ("128", "256") or not (v[1] in ("plan", "x2") or v[1].isdigit()):
             ap.error(f"--variants: {'/'.join(v)!r} is not bk/stages (e.g. 256/plan)")
     rows = []
-    for G, R, Dg in SHAPES:
+    for G, R, Dg in shapes:
         n = rotation_count(G * R * Dg * 2)  # sized by the bf16 set, the larger
         ws = [(torch.randn(G, R, Dg, device="cuda") / Dg**0.5).bfloat16() for _ in range(n)]
         qs = [quantize_wo_a_fp8(w) for w in ws]
@@ -90,7 +93,7 @@ def main():
         ws = qs = None  # free this shape's weights before the next
     text = "\n".join([f"## WO-A with FP8 weights -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
                       f"Command: `python bench/bench_wo_a_fp8.py --tokens {args.tokens} "
-                      f"--variants {args.variants}`", "",
+                      f"--shapes {args.shapes} --variants {args.variants}`", "",
                       markdown_table(["shape", "fp8 us", "bf16 wo_a us", "bmm alone (bf16) us", "vs bf16 wo_a",
                                       "vs bmm", "TB/s", "of 4.3 TB/s", "rel. err vs spec"], rows)])
     print(text)

@@ -22,15 +22,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_wo_a import SHAPES, tokens_out_ref, weight_sets  # noqa: E402
+from bench_wo_a import SHAPES, V4_SHAPES, tokens_out_ref, weight_sets  # noqa: E402
 from common import gpu_warmup, markdown_table, poisoned_error, time_graphs_interleaved  # noqa: E402
 
 from cute_kernels.wo_a import route, wo_a  # noqa: E402
 
 #: the WO-A bench's points, then T between them
 TOKENS = [1, 5, 64, 320, 4096, 16384, 80, 150, 200, 240, 333, 400, 480, 700, 1500]
-#: DeepSeek-V4-Flash's and -Pro's WO-A (G, R, Dg)
-V4_SHAPES = [(8, 1024, 4096), (16, 1024, 4096)]
 #: relative error allowed against FP32: the bf16 output rounding (2^-9 / sqrt(3)), doubled
 TOL = 2.5e-3
 
