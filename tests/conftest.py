@@ -49,8 +49,22 @@ def _fill_cached_memory(byte: int) -> None:
     del large, small
 
 
+def _generate_on_recycled_memory(make_engine, prompts, max_new_tokens) -> dict:
+    """``{byte: outputs}`` for 0x00 and 0xFF: each time the cached memory filled with ``byte``,
+    then ``make_engine()`` built on it generates ``prompts`` (its collectives checked)."""
+    outs = {}
+    for byte in (0x00, 0xFF):
+        _fill_cached_memory(byte)
+        eng = make_engine()
+        outs[byte] = eng.generate(prompts, max_new_tokens)
+        eng._check_collectives()
+        del eng
+    return outs
+
+
 @pytest.fixture
-def fill_cached_memory():
-    """``fill(byte)``: recycled memory of known contents for tests that a result never depends
-    on a buffer's bytes before it is written (run once with 0x00, once with 0xFF, compare)."""
-    return _fill_cached_memory
+def generate_on_recycled_memory():
+    """``generate(make_engine, prompts, max_new_tokens) -> {0x00: outputs, 0xFF: outputs}``:
+    engines built on recycled memory of known contents, for tests that a result never depends
+    on a buffer's bytes before it is written (0xFF is NaN in every float format here)."""
+    return _generate_on_recycled_memory

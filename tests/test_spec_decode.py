@@ -707,7 +707,7 @@ def test_kernel_engine_generates_in_graphs_on_gpu(model, backend):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["base", "fused"])
-def test_kernel_engine_does_not_read_uninitialised_memory(backend, fill_cached_memory):
+def test_kernel_engine_does_not_read_uninitialised_memory(backend, generate_on_recycled_memory):
     """An engine built on recycled memory full of NaN bytes generates exactly the tokens of the
     same engine built on memory full of zeros (BS 3, speculative, captured graphs): no result
     depends on a buffer's bytes before the engine writes it -- padding rows of the expert
@@ -715,12 +715,9 @@ def test_kernel_engine_does_not_read_uninitialised_memory(backend, fill_cached_m
     from spec_decode.config import SMALL
 
     ps = prompts(3, 3, vocab=SMALL.vocab, lo=40, hi=80)
-    outs = {}
-    for byte in (0x00, 0xFF):
-        fill_cached_memory(byte)
-        eng = Engine(EngineConfig(model=SMALL, device="cuda", dtype="bfloat16", backend=backend, max_seq_len=160))
-        outs[byte] = eng.generate(ps, 16)
-        del eng
+    outs = generate_on_recycled_memory(
+        lambda: Engine(EngineConfig(model=SMALL, device="cuda", dtype="bfloat16", backend=backend, max_seq_len=160)),
+        ps, 16)
     assert outs[0xFF] == outs[0x00]
 
 

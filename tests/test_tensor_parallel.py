@@ -222,20 +222,13 @@ def test_simulated_tp4_on_gpu_agrees_with_tp1(backend):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["base", "fused"])
-def test_simulated_tp4_does_not_read_uninitialised_memory(backend, fill_cached_memory):
+def test_simulated_tp4_does_not_read_uninitialised_memory(backend, generate_on_recycled_memory):
     """An engine built on recycled memory full of NaN bytes generates exactly the tokens of the
     same engine built on memory full of zeros: no result depends on a buffer's bytes before
     the engine writes it (a rank's expert-parallel output rows that its GEMMs do not write,
     padding rows, split-K partials, rings before their first write). Speculative decoding
     through the captured TP4 graphs, four requests."""
-    ps = [prompts_gpu(s) for s in range(4)]
-    outs = {}
-    for byte in (0x00, 0xFF):
-        fill_cached_memory(byte)
-        eng = _gpu_engine(backend, 4)
-        outs[byte] = eng.generate(ps, 12)
-        eng._check_collectives()
-        del eng
+    outs = generate_on_recycled_memory(lambda: _gpu_engine(backend, 4), [prompts_gpu(s) for s in range(4)], 12)
     assert outs[0xFF] == outs[0x00]
 
 
