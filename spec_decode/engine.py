@@ -38,6 +38,8 @@ import time
 
 import torch
 
+from moe.streams import dedicated_stream
+
 from .config import EngineConfig
 from .draft import DraftModel
 from .graphs import StepGraphs
@@ -234,7 +236,7 @@ class Engine:
         main = torch.cuda.current_stream()
         side = getattr(self, "_draft_side", None)
         if side is None:
-            side = self._draft_side = torch.cuda.Stream(device=feats.device)
+            side = self._draft_side = dedicated_stream(feats.device)
         cpos, commit = self.draft.commit_positions(feats, pos[:, 0], n_commit)
         ctx = None
 

@@ -56,6 +56,7 @@ from moe.experts import (expert_kernel_args, interleave_gate_up, moe_expert_gate
 from moe.finalize import moe_finalize
 from moe.quant import mxfp8_gather_routed, mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size
 from moe.router import MoeRouter, RouterConfig, RouterOutput, align_torch, capacity, topk_torch
+from moe.streams import dedicated_stream
 
 from .model import EXPERT_OPERANDS, forward_memo, rope_table, swiglu
 from .step_model import Ops, family
@@ -113,7 +114,7 @@ class FusedOps(Ops):
         self.moe_row_tile, self.indexer_token_group = moe_row_tile, indexer_token_group
         self.mhc_ws = MhcStatsWorkspace(cfg.mhc_n, max_tokens, device=dev)
         if self.split_mhc:  # H_post / H_res's stream and workspace (split_mhc)
-            self.mhc_side = torch.cuda.Stream(device=dev) if on_cuda else None
+            self.mhc_side = dedicated_stream(dev) if on_cuda else None
             self.mhc_side_ws = MhcStatsWorkspace(cfg.mhc_n, max_tokens, device=dev)
         # what the side stream's launches read and write, held until post_mix joins them (the
         # caching allocator must not hand their memory to the main stream before then)
@@ -128,7 +129,7 @@ class FusedOps(Ops):
         # The shared expert needs only h: it runs on this side stream, forked and joined with
         # events (captured into the step graphs as parallel branches), beside the routed path
         # (after the tokens' MXFP8 quantization, prequantize_routed_input).
-        self.side = torch.cuda.Stream(device=dev) if on_cuda else None
+        self.side = dedicated_stream(dev) if on_cuda else None
         if self.prequantize_routed_input:  # one buffer for any step: the graphs hold its address
             self._xq = torch.empty(max_tokens, cfg.hidden, dtype=torch.float8_e4m3fn, device=dev)
             self._xs = torch.empty(max_tokens, cfg.hidden // 32, dtype=torch.uint8, device=dev)

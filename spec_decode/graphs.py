@@ -15,9 +15,29 @@ every kernel is compiled and every lazy allocation made before the graph records
 
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 import torch
+
+
+def _capture(fn: Callable, args: tuple) -> tuple:
+    """``(graph, outputs)`` of ``fn(*args)`` captured. Python's garbage collector is run first
+    and held off until the capture ends: PyTorch no longer collects before a capture, and a
+    collection inside one that frees a dead engine (its graphs, its events and memory) makes
+    CUDA calls that invalidate the capture (cudaErrorStreamCaptureInvalidated at whichever
+    launch comes next)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = fn(*args)
+    finally:
+        if enabled:
+            gc.enable()
+    return g, out
 
 
 class StepGraphs:
@@ -85,15 +105,12 @@ class StepGraphs:
             out = self.fn(*args)
         else:
             if st["graph"] is None:
-                s = torch.cuda.Stream(self.device)
+                s = self._warm_up_stream = getattr(self, "_warm_up_stream", None) or torch.cuda.Stream(self.device)
                 s.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(s):
                     self.fn(*args)  # warm-up: compile kernels, allocate lazily-created state
                 torch.cuda.current_stream(self.device).wait_stream(s)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    st["out"] = self.fn(*args)
-                st["graph"] = g
+                st["graph"], st["out"] = _capture(self.fn, args)
             if self.timing:
                 a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()

@@ -35,6 +35,7 @@ import math
 import torch
 
 from cute_kernels.sink_attention import sink_attention_torch
+from moe.streams import dedicated_stream
 
 from .config import ModelConfig
 from .model import (TargetModel, compress_entries, hc_head, mhc_mappings, moe_gathered, post_mix, pre_mix, rmsnorm,
@@ -576,7 +577,7 @@ class SimulatedRanks:
         self.tp = len(steps)
         self.ops = steps[0].ops
         cuda = torch.device(steps[0].t.device).type == "cuda"
-        self.streams = [torch.cuda.Stream(device=steps[0].t.device) for _ in steps] if cuda else None
+        self.streams = [dedicated_stream(steps[0].t.device) for _ in steps] if cuda else None
 
     def forward(self, tokens, pos, slots, st=None):
         if self.streams is not None and torch.cuda.is_current_stream_capturing():

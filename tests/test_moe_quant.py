@@ -110,6 +110,41 @@ def test_plain_bit_exact(seed, T, K):
     _check_plain(x, q, s)
 
 
+def test_dedicated_stream_rejects_a_cpu_device():
+    from moe.streams import dedicated_stream
+
+    with pytest.raises(ValueError, match="device"):
+        dedicated_stream("cpu")
+
+
+@pytest.mark.gpu
+def test_dedicated_stream_is_never_a_pooled_one():
+    """After PyTorch's stream pool has wrapped around (64 requests: every pooled stream twice),
+    dedicated streams are distinct from each of them and from each other, and order work like
+    any stream (a fork / join inside a capture replays)."""
+    from moe.streams import dedicated_stream
+
+    pooled = {torch.cuda.Stream().cuda_stream for _ in range(64)}
+    own = [dedicated_stream() for _ in range(4)]
+    handles = [s.cuda_stream for s in own]
+    assert len(set(handles)) == 4 and not set(handles) & pooled
+    x = torch.randn(1 << 20, device="cuda")
+    y = torch.empty_like(x)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        main = torch.cuda.current_stream()
+        own[0].wait_stream(main)
+        with torch.cuda.stream(own[0]):
+            y.copy_(x * 3)
+        main.wait_stream(own[0])
+    for _ in range(3):
+        x.normal_()
+        y.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, x * 3)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["plain", "swizzled"])
 def test_tiny_grid_strides_over_all_work(seed, layout):
