@@ -6,4 +6,4 @@ eager on a CPU) and ``fused`` (the same graphs with this project's kernels).
 ``from spec_decode import Engine, EngineConfig``."""
 
 from .config import PRESETS, SMALL, TINY, V4_FLASH_SLICE, V4_PRO_SLICE, EngineConfig, ModelConfig  # noqa: F401
-from .engine import Engine  # noqa: F401
+from .engine import CollectiveError, Engine  # noqa: F401

@@ -67,6 +67,17 @@ class GenerationStats:
         return statistics.median(self.acceptance_lengths) if self.acceptance_lengths else 0.0
 
 
+class CollectiveError(RuntimeError):
+    """A tensor-parallel generate that failed in a collective (a peer exited, or did not answer
+    within ``EngineConfig.dist_timeout_s``). ``outputs[i]``: request i's tokens produced before
+    the failure, a prefix of what it would have generated; ``finished[i]``: whether that is all
+    of them -- a request that completed before the failure keeps its whole output."""
+
+    def __init__(self, message: str, outputs: list[list[int]], finished: list[bool]):
+        super().__init__(message)
+        self.outputs, self.finished = outputs, finished
+
+
 class Engine:
     def __init__(self, config: EngineConfig = EngineConfig()):
         self.config = config
@@ -355,13 +366,33 @@ class Engine:
         step's tokens back, so the host's bookkeeping overlaps the GPU."""
         per = self._check(input_ids, max_new_tokens)
         if self.config.tp != 1:
+            self._outputs = None
             try:
                 return self._generate(input_ids, per, speculative, pipelined)
             except RuntimeError as e:  # a peer died or timed out inside a collective
-                raise RuntimeError(f"tensor-parallel rank {self.rank} of {self.config.tp}: generate failed in a "
-                                   f"collective (a peer exited or did not answer within "
-                                   f"{self.config.dist_timeout_s:g} s): {e}") from e
+                raise CollectiveError(f"tensor-parallel rank {self.rank} of {self.config.tp}: generate failed in a "
+                                      f"collective (a peer exited or did not answer within "
+                                      f"{self.config.dist_timeout_s:g} s): {e}",
+                                      *self._outputs_before_failure(e, per)) from e
         return self._generate(input_ids, per, speculative, pipelined)
+
+    def _outputs_before_failure(self, err, per):
+        """``(outputs, finished)`` of a generate that failed with ``err``: each request's tokens
+        read back before the failure. A collective that raises where it fails (gloo, the
+        simulated ranks' threads) leaves every earlier step's tokens valid. A push all-reduce
+        that timed out is only seen when the generate ends (its reduction was skipped, so any
+        step after it may be wrong): then no token is reported."""
+        try:
+            from comm.buffers import AllReduceTimeout
+        except ImportError:  # no push group could have run
+            AllReduceTimeout = ()
+        cause = err
+        while cause is not None and not isinstance(cause, AllReduceTimeout):
+            cause = cause.__cause__
+        if self._outputs is None or cause is not None:
+            return [[] for _ in per], [False] * len(per)
+        outs = [o[:m] for o, m in zip(self._outputs, per)]
+        return outs, [len(o) == m for o, m in zip(outs, per)]
 
     def _check_collectives(self) -> None:
         """Raise comm.buffers.AllReduceTimeout if a push all-reduce gave up waiting for a peer
@@ -393,7 +424,7 @@ class Engine:
         """One step at a time: enqueue, read the tokens back, bookkeeping (the reference
         backend, plain decoding and the test drafts)."""
         B, dev, K = len(input_ids), self.config.device, self.config.block_size
-        out = [[t] for t in first]
+        out = self._outputs = [[t] for t in first]  # the lists a failed generate reports
         last = list(first)
         length = [len(p) for p in input_ids]  # positions processed; `last` sits at position length
         # the last verify's features and how many of its positions were accepted (0: none yet)
@@ -457,7 +488,7 @@ class Engine:
         that finished in step s still runs step s + 1 (enqueued before s was read): its
         positions are clamped into its own state slot and its tokens dropped."""
         B, dev = len(input_ids), self.config.device
-        out = [[t] for t in first]
+        out = self._outputs = [[t] for t in first]  # the lists a failed generate reports
         live = [r for r in range(B) if len(out[r]) < per[r]]
         if not live:
             return out
