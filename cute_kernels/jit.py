@@ -31,6 +31,16 @@ arguments in C (pointers as ints, scalars as Python numbers, the stream as its h
 argument helpers then pass raw addresses and numbers, as in runtime-only mode. Such kernels are
 compiled in the process (step 3 without the export: the artifact cache holds the plain-ABI
 objects).
+
+Tensor entries (:func:`get_tensor_kernel`, with :func:`use_tvm_ffi` on): a kernel registered
+a second time with a build that takes ``cute.Tensor`` arguments of symbolic extents
+(:func:`fake_tensor`) and the stream TVM-FFI tracks (torch's current stream), compiled with
+``--enable-tvm-ffi``. Its compiled function takes the torch tensors themselves and checks
+their dtype, rank, static extents, extents shared between arguments, strides, alignment and
+device in C, raising a ``ValueError`` that names the parameter before any launch -- so an
+entry point's eager hot path is one dictionary lookup and this call (the pattern quack and
+FlashInfer use). The entry point keeps its Python validation for the first call and for any
+call the C checks refuse, so errors still name the entry point's argument.
 """
 
 from __future__ import annotations
@@ -64,6 +74,9 @@ class KernelDef:
     #: where the static config (tile shapes) depends on the arch
     aot_configs: tuple[dict, ...] | Callable[[str], tuple[dict, ...]] = ()
     description: str = ""
+    #: a tensor entry (:func:`get_tensor_kernel`) of the kernel of this name: compiled with
+    #: TVM-FFI in the process when first called, never by the AOT build
+    tensor_entry_of: str = ""
 
     def source_hash(self) -> str:
         return _source_hash(self.sources)
@@ -542,6 +555,65 @@ def fake_gmem_ptr(dtype, align: int = 16):
     return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
 
 
+def fake_tensor(dtype, shape: tuple, align: int = 16, symbols: dict | None = None):
+    """Placeholder row-major compact tensor for a tensor entry: ``shape`` holds ints (static
+    extents) and names (symbolic extents; one symbol per name within ``symbols``, so two
+    arguments that share a name must have equal extents -- checked by the compiled function)."""
+    import cutlass.cute as cute
+
+    symbols = {} if symbols is None else symbols
+    dims = tuple(d if isinstance(d, int) else symbols.setdefault(d, cute.sym_int()) for d in shape)
+    return cute.runtime.make_fake_compact_tensor(dtype, dims, stride_order=tuple(range(len(dims) - 1, -1, -1)),
+                                                 assumed_align=align)
+
+
+def fake_env_stream():
+    """The stream argument of a tensor entry: TVM-FFI passes torch's current stream."""
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def get_tensor_kernel(name: str, arch: str, **config):
+    """The TVM-FFI function of tensor entry ``name`` (module docstring) for ``arch`` and static
+    ``config``, or None while :func:`use_tvm_ffi` is off. Compiled on first use per process."""
+    if not TVM_FFI:
+        return None
+    fast_key = (name, arch, tuple(sorted(config.items())), "tensors")
+    fn = CACHE.fast.get(fast_key)
+    if fn is None:
+        kdef = _REGISTRY[name]
+        if arch not in kdef.archs:
+            return None
+        fn = CACHE.fast[fast_key] = CACHE.get(kdef, arch, config, use_disk=False,
+                                              options=f"{default_options(arch)} {TVM_FFI_OPTION}")
+    return fn
+
+
+def launch_tensor_entry(memo: dict, key, *args) -> bool:
+    """The eager hot path of an entry point with a tensor entry: launch ``memo[key]`` (filled by
+    :func:`remember_tensor_entry`) on ``args`` and return True; False when there is none or its
+    C checks refused the arguments (nothing launched) -- the caller then validates in Python,
+    which names the bad argument."""
+    fn = memo.get(key)
+    if fn is None:
+        return False
+    try:
+        fn(*args)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def remember_tensor_entry(memo: dict, key, name: str, arch: str | None, **config) -> None:
+    """After a validated launch on the current stream with TVM-FFI on (and no ``arch``
+    override): memoise tensor entry ``name`` under ``key`` for the next calls' hot path."""
+    if TVM_FFI and arch is not None and key not in memo:
+        fn = get_tensor_kernel(name, arch, **config)
+        if fn is not None:
+            memo[key] = fn
+
+
 def fake_stream():
     import cutlass.cute as cute
 
@@ -592,7 +664,7 @@ def iter_aot(reg: dict[str, KernelDef], names: Iterable[str] | None = None, arch
     for ``arch`` -- all of them, or ``names``."""
     for n in sorted(reg) if names is None else names:
         kdef = reg[n]
-        if normalize_arch(arch) not in kdef.archs:
+        if normalize_arch(arch) not in kdef.archs or kdef.tensor_entry_of:
             continue  # e.g. a Blackwell-only engine in an sm_90a build
         if callable(kdef.aot_configs):  # configs that depend on the arch: maybe none on this one
             yield from ((kdef, cfg) for cfg in kdef.aot_configs(normalize_arch(arch)))

@@ -66,6 +66,11 @@ class RowRms:
         mR = cute.make_tensor(rstd_ptr, cute.make_layout((num_tokens,)))
         self.kernel(mX, mR, eps).launch(grid=[num_tokens, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
+    @cute.jit
+    def tensor_call(self, mX: cute.Tensor, mR: cute.Tensor, eps: Float32, stream: cuda.CUstream):
+        """The tensor entry (``jit.get_tensor_kernel``): ``mX [T, hidden]``, ``mR [T]``."""
+        self.__call__(mX.iterator, mR.iterator, mX.shape[0], eps, stream)
+
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mR: cute.Tensor, eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
@@ -135,6 +140,14 @@ def _build(arch: str, *, hidden: int, dtype: str = "bfloat16"):
     return RowRms(cdt, hidden), args
 
 
+def _build_tensors(arch: str, *, hidden: int, dtype: str = "bfloat16"):
+    op, _ = _build(arch, hidden=hidden, dtype=dtype)
+    sym = {}
+    args = (jit.fake_tensor(op.dtype, ("T", hidden), 16, sym), jit.fake_tensor(Float32, ("T",), 4, sym),
+            Float32(1e-6), jit.fake_env_stream())
+    return op.tensor_call, args
+
+
 KERNEL = jit.register(
     jit.KernelDef(
         name="row_rms",
@@ -146,6 +159,15 @@ KERNEL = jit.register(
         description="rsqrt(mean(x^2)+eps) per row, bf16 -> fp32",
     )
 )
+
+
+jit.register(jit.KernelDef(name="row_rms_tensors", build=_build_tensors, sources=(os.path.abspath(__file__),),
+                           archs=("sm_90a", "sm_100a"), tensor_entry_of="row_rms",
+                           description="row_rms taking torch tensors through TVM-FFI"))
+
+#: (dtype, hidden, device index) -> the tensor entry, filled by a first validated call with
+#: TVM-FFI on (jit.use_tvm_ffi)
+_TENSOR_FNS: dict = {}
 
 
 def row_rms_torch(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -162,6 +184,11 @@ def row_rms(x: torch.Tensor, eps: float = 1e-6, *, out: torch.Tensor | None = No
     ``out`` (fp32 ``[T]``) makes the call allocation-free; ``stream`` defaults to torch's
     current stream. Capturable in a CUDA graph.
     """
+    if out is not None and stream is None and arch is None and jit.TVM_FFI:  # the eager hot path
+        shape = x.shape  # (the C checks: dtype, extents, strides, alignment, device)
+        if (len(shape) == 2 and shape[0] and x.numel() < 2**31 and isinstance(eps, float) and eps >= 0
+                and jit.launch_tensor_entry(_TENSOR_FNS, (x.dtype, shape[1], x.get_device()), x, out, eps)):
+            return out
     op = "row_rms"
     check_tensor(op, "x", x, dtype=tuple(TORCH2CUTE), ndim=2, contiguous=True, align_bytes=0)
     T, C = x.shape
@@ -182,7 +209,11 @@ def row_rms(x: torch.Tensor, eps: float = 1e-6, *, out: torch.Tensor | None = No
         return out
     if T == 0:
         return out
-    fn = RowRms.compile(a, C, str(x.dtype).replace("torch.", ""))
+    dtype = str(x.dtype).replace("torch.", "")
+    fn = RowRms.compile(a, C, dtype)
     cdt = TORCH2CUTE[x.dtype]
     fn(jit.gmem_ptr(cdt, x, 16), jit.gmem_ptr(Float32, out, 4), jit.i32(T), jit.f32(eps), jit.cu_stream(stream))
+    if stream is None and arch is None:
+        jit.remember_tensor_entry(_TENSOR_FNS, (x.dtype, C, x.get_device()), "row_rms_tensors", a, hidden=C,
+                                  dtype=dtype)
     return out

@@ -89,6 +89,14 @@ class FinalizeShared:
         self.kernel(mY, mW, mPos, mShared, mOut, total).launch(
             grid=[(total + self.threads - 1) // self.threads, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
+    @cute.jit
+    def tensor_call(self, mY: cute.Tensor, mW: cute.Tensor, mPos: cute.Tensor, mShared: cute.Tensor,
+                    mOut: cute.Tensor, stream: cuda.CUstream):
+        """The tensor entry (``jit.get_tensor_kernel``): ``mY [rows, H]``, ``mW [T, k]``, ``mPos
+        [T * k]`` (its length checked by the caller), ``mShared`` / ``mOut [T, H]``."""
+        self.__call__(mY.iterator, mW.iterator, mPos.iterator, mShared.iterator, mOut.iterator, mW.shape[0],
+                      mY.shape[0], stream)
+
     @cute.kernel
     def kernel(self, mY: cute.Tensor, mW: cute.Tensor, mPos: cute.Tensor, mShared: cute.Tensor, mOut: cute.Tensor,
                total: Int32):
@@ -122,6 +130,21 @@ KERNEL = jit.register(jit.KernelDef(
 ))
 
 
+def _build_tensors(arch: str, *, hidden: int, topk: int, add_shared: bool):
+    op, _ = _build(arch, hidden=hidden, topk=topk, add_shared=add_shared)
+    sym, bf, T = {}, cutlass.BFloat16, jit.fake_tensor
+    args = (T(bf, ("rows", hidden), 16, sym), T(Float32, ("T", topk), 4, sym), T(Int32, ("Tk",), 4, sym),
+            T(bf, ("T", hidden), 16, sym), T(bf, ("T", hidden), 16, sym), jit.fake_env_stream())
+    return op.tensor_call, args
+
+
+jit.register(jit.KernelDef(name="moe_finalize_tensors", build=_build_tensors, sources=KERNEL.sources,
+                           archs=("sm_90a", "sm_100a"), tensor_entry_of="moe_finalize",
+                           description="moe_finalize taking torch tensors through TVM-FFI"))
+#: (hidden, topk, add_shared, device index) -> the tensor entry (jit.launch_tensor_entry)
+_TENSOR_FNS: dict = {}
+
+
 def check_finalize_args(op, y, topk_weights, routed_row_pos):
     """``(T, k, H)`` of a finalize call's routed rows ``y``, ``topk_weights`` and
     ``routed_row_pos``, each checked (dtype, shape, contiguity, alignment) with an error naming it
@@ -147,6 +170,12 @@ def moe_finalize(y: torch.Tensor, topk_weights: torch.Tensor, routed_row_pos: to
     ``shared=None`` is the standalone (unfused) finalize; the unfused add is then
     ``routed + shared`` in bf16. ``routed_row_pos`` entries must index rows of ``y``.
     """
+    if out is not None and stream is None and arch is None and jit.TVM_FFI:  # the eager hot path
+        ws = topk_weights.shape  # (the C checks: dtypes, extents, strides, alignment, device)
+        if (len(ws) == 2 and ws[0] and routed_row_pos.numel() == ws[0] * ws[1] and y.numel() < 2**31
+                and jit.launch_tensor_entry(_TENSOR_FNS, (y.shape[-1], ws[1], shared is not None, y.get_device()),
+                                            y, topk_weights, routed_row_pos, out if shared is None else shared, out)):
+            return out
     op = "moe_finalize"
     T, k, H = check_finalize_args(op, y, topk_weights, routed_row_pos)
     if shared is not None:
@@ -165,4 +194,7 @@ def moe_finalize(y: torch.Tensor, topk_weights: torch.Tensor, routed_row_pos: to
     fn(P(cutlass.BFloat16, y, 16), P(Float32, topk_weights, 4), P(Int32, routed_row_pos, 4),
        P(cutlass.BFloat16, shared if shared is not None else out, 16), P(cutlass.BFloat16, out, 16), jit.i32(T),
        jit.i32(y.shape[0]), jit.cu_stream(stream))
+    if stream is None and arch is None:
+        jit.remember_tensor_entry(_TENSOR_FNS, (H, k, shared is not None, y.get_device()), "moe_finalize_tensors", a,
+                                  hidden=H, topk=k, add_shared=shared is not None)
     return out

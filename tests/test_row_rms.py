@@ -67,6 +67,73 @@ def test_explicit_stream_argument(seed):
     assert rel_err(out, row_rms_ref(x, 1e-6)) < TOL
 
 
+@pytest.mark.gpu
+def test_tensor_entry_through_tvm_ffi(seed):
+    """With TVM-FFI on, calls after the first validated one take the tensor entry (torch tensors
+    checked in C): bit-equal to the pointer launch, on the current stream and in a graph; every
+    input the C checks or the hot path refuse still gets the entry point's named error, and a
+    refused call launches nothing (the poisoned output stays poisoned)."""
+    pytest.importorskip("tvm_ffi")
+    from cute_kernels import jit
+    from cute_kernels import row_rms as mod
+
+    T, C = 6, 7168
+    x = torch.randn(T, C, device="cuda").bfloat16()
+    want = torch.empty(T, device="cuda")
+    row_rms(x, out=want)  # the pointer launch (TVM-FFI off)
+    jit.use_tvm_ffi()
+    try:
+        out = torch.empty(T, device="cuda")
+        row_rms(x, out=out)  # first call: validated, registers the tensor entry
+        assert (x.dtype, C, x.get_device()) in mod._TENSOR_FNS
+        for _ in range(3):
+            x.copy_(torch.randn(T, C, device="cuda").bfloat16())
+            row_rms(x, out=want)  # (the tensor entry too: checked against the reference below)
+            out.fill_(float("nan"))
+            assert row_rms(x, out=out) is out
+            torch.cuda.synchronize()
+            assert torch.equal(out, want) and rel_err(out, row_rms_ref(x, 1e-6)) < TOL
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            out.fill_(float("nan"))
+            row_rms(x, out=out)
+        s.synchronize()
+        assert torch.equal(out, want)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            row_rms(x, out=out)
+        for _ in range(2):
+            x.copy_(torch.randn(T, C, device="cuda").bfloat16())
+            out.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert rel_err(out, row_rms_ref(x, 1e-6)) < TOL
+        poisoned = torch.full((T,), float("nan"), device="cuda")
+        buf = torch.randn(T * C + 8, device="cuda").bfloat16()
+        bad = [
+            (dict(x=x.float(), out=poisoned), TypeError, "x must have dtype"),
+            (dict(x=x, out=poisoned[:5]), ValueError, "out must have shape"),
+            (dict(x=x, out=poisoned.double()), TypeError, "out must have dtype"),
+            (dict(x=torch.randn(2 * T, C, device="cuda").bfloat16()[::2], out=poisoned), ValueError, "contiguous"),
+            (dict(x=buf[1:1 + T * C].view(T, C), out=poisoned), ValueError, "16-byte aligned"),
+            (dict(x=x.cpu(), out=poisoned), ValueError, "CUDA tensor"),
+            (dict(x=x, out=poisoned, eps=-1.0), TypeError, "eps"),
+            (dict(x=x, out=poisoned, eps="1e-6"), TypeError, "eps"),
+        ]
+        for kw, exc, words in bad:
+            with pytest.raises(exc, match=words):
+                row_rms(**kw)
+        torch.cuda.synchronize()
+        assert poisoned.isnan().all()
+        assert row_rms(x[:0], out=poisoned[:0]).shape == (0,)
+        # the aligned 16-byte-offset view is legal: computed, not refused
+        v = buf[8:8 + T * C].view(T, C)
+        assert rel_err(row_rms(v, out=out), row_rms_ref(v, 1e-6)) < TOL
+    finally:
+        jit.use_tvm_ffi(False)
+
+
 # ---------------------------------------------------------------- validation (CPU) ----
 def _x(*shape, dtype=torch.bfloat16):
     return torch.randn(*shape).to(dtype)
