@@ -30,7 +30,8 @@
 #   bash tools/device.sh tp [MODEL]          simulated TP4 on one GPU: its GPU tests (and the push group's
 #                                            warm-up before a first capture), then the bench
 #                                            (--tp 4 --simulate-ranks; MODEL default small)
-#   bash tools/device.sh host-cost           eager host cost per call (entry points, the DSL call path,
+#   bash tools/device.sh host-cost           the tensor entries' GPU tests, then the eager host cost per
+#                                            call (entry points, the DSL call path,
 #                                            TVM-FFI launches when apache-tvm-ffi's wheel is carried,
 #                                            custom ops, runtime-only ctypes launchers) and the
 #                                            import / first-call times with and without the DSL
@@ -130,7 +131,10 @@ host-cost)
   for w in .devcache/peers/apache_tvm_ffi-*.whl; do
     [ -e "$w" ] && python -m pip install -q --no-deps --no-index --target /tmp/site "$w" 2>&1 | tail -1
   done
-  timeout 500 python bench/bench_host_cost.py --calls 1000 --out "$OUT/bench_host_cost.md" 2>&1 | tail -30
+  # the tensor entries (TVM-FFI taking torch tensors) first: bit-equal to the pointer launch, refusals named
+  timeout 150 $PYT -m gpu tests/test_tensor_entries.py "tests/test_row_rms.py::test_tensor_entry_through_tvm_ffi" \
+    2>&1 | tee "$OUT/tensor-entries.log" | tail -8
+  timeout 400 python bench/bench_host_cost.py --calls 1000 --out "$OUT/bench_host_cost.md" 2>&1 | tail -30
   ;;
 norms-runtime-only)
   $PYT -m gpu tests/test_row_rms.py tests/test_caches.py 2>&1 | tee "$OUT/norms-runtime-only.log" | tail -20
