@@ -78,6 +78,12 @@ class MaskedSoftmax:
         mO = cute.make_tensor(out_ptr, cute.make_layout((rows, self.length), stride=(self.length, 1)))
         self.kernel(mS, mM, mO).launch(grid=[rows, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
+    @cute.jit
+    def tensor_call(self, mS: cute.Tensor, mM: cute.Tensor, mO: cute.Tensor, stream: cuda.CUstream):
+        """The tensor entry of the one-lead-dim form (``jit.get_tensor_kernel``): ``mS`` / ``mO
+        [R, heads, length]``, the bool ``mM [R, mask_stride]`` (read as bytes)."""
+        self.__call__(mS.iterator, cute.recast_ptr(mM.iterator, dtype=Uint8), mO.iterator, mM.shape[0], stream)
+
     @cute.kernel
     def kernel(self, mS: cute.Tensor, mM: cute.Tensor, mO: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
@@ -174,6 +180,22 @@ KERNEL = jit.register(
 )
 
 
+def _build_tensors(arch: str, *, length: int, heads: int, mask_stride: int, dtype: str = "bfloat16"):
+    op, _ = _build(arch, length=length, heads=heads, mask_stride=mask_stride, dtype=dtype)
+    sym, cdt = {}, _NAME2CUTE[dtype]
+    scores = ("R", heads, length)
+    args = (jit.fake_tensor(cdt, scores, 16, sym), jit.fake_tensor(cutlass.Boolean, ("R", mask_stride), 8, sym),
+            jit.fake_tensor(cdt, scores, 16, sym), jit.fake_env_stream())
+    return op.tensor_call, args
+
+
+jit.register(jit.KernelDef(name="masked_softmax_tensors", build=_build_tensors, sources=KERNEL.sources,
+                           archs=("sm_90a", "sm_100a"), tensor_entry_of="masked_softmax",
+                           description="masked_softmax (scores [R, H, M], mask [R, W]) through TVM-FFI"))
+#: (dtype, scores.shape[1:], mask.shape[1], device index) -> the tensor entry (jit.launch_tensor_entry)
+_TENSOR_FNS: dict = {}
+
+
 def masked_softmax_torch(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The op in PyTorch: the fallback for devices without a CuTe path and the custom op's CPU
     kernel (not the test reference: tests/references.py)."""
@@ -193,6 +215,12 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, *, out: torch.Tenso
     call allocation-free; ``stream`` defaults to torch's current stream. Capturable in a CUDA
     graph.
     """
+    if out is not None and stream is None and arch is None and jit.TVM_FFI:  # the eager hot path (3-D scores)
+        shape = scores.shape  # (the C checks: dtypes, extents, strides, alignment, device)
+        if (len(shape) == 3 and shape[0] and scores.numel() < 2**31 and mask.dim() == 2
+                and jit.launch_tensor_entry(_TENSOR_FNS, (scores.dtype, shape[1:], mask.shape[1], scores.get_device()),
+                                            scores, mask, out)):
+            return out
     op = "masked_softmax"
     check_tensor(op, "scores", scores, dtype=tuple(_TORCH2CUTE), contiguous=True, align_bytes=0)
     if scores.dim() < 2:
@@ -227,4 +255,8 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, *, out: torch.Tenso
     cdt = _TORCH2CUTE[scores.dtype]
     fn(jit.gmem_ptr(cdt, scores, 16), jit.gmem_ptr(Uint8, mask, 8), jit.gmem_ptr(cdt, out, 16), jit.i32(mask_rows),
        jit.cu_stream(stream))
+    if scores.dim() == 3 and stream is None and arch is None:
+        jit.remember_tensor_entry(_TENSOR_FNS, (scores.dtype, scores.shape[1:], W, scores.get_device()),
+                                  "masked_softmax_tensors", a, length=M, heads=H, mask_stride=W,
+                                  dtype=str(scores.dtype).replace("torch.", ""))
     return out

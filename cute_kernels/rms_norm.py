@@ -72,6 +72,14 @@ class RmsNorm(RowRms):
         self.kernel(mX, mW, mCS, mY, rows_per_token, eps).launch(grid=[num_rows, 1, 1], block=[self.threads, 1, 1],
                                                                  stream=stream)
 
+    @cute.jit
+    def tensor_call(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, eps: Float32, stream: cuda.CUstream):
+        """The tensor entry of the weighted, unrotated form (``jit.get_tensor_kernel``): ``mX`` /
+        ``mY [rows, hidden]``, ``mW [hidden]``; no rotation, so ``x``'s address stands in for
+        the (unread) cos / sin."""
+        cs = cute.recast_ptr(mX.iterator, dtype=Float32)
+        self.__call__(mX.iterator, mW.iterator, cs, mY.iterator, mX.shape[0], 1, eps, stream)
+
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mCS: cute.Tensor, mY: cute.Tensor, rows_per_token: Int32,
                eps: Float32):
@@ -128,6 +136,14 @@ def _build(arch: str, *, hidden: int, dtype: str = "bfloat16", weighted: bool = 
                                                       Int32(1), Float32(1e-6), jit.fake_stream())
 
 
+def _build_tensors(arch: str, *, hidden: int, dtype: str = "bfloat16"):
+    op, _ = _build(arch, hidden=hidden, dtype=dtype, weighted=True)
+    sym, cdt = {}, NAME2CUTE[dtype]
+    args = (jit.fake_tensor(cdt, ("rows", hidden), 16, sym), jit.fake_tensor(cdt, (hidden,), 16, sym),
+            jit.fake_tensor(cdt, ("rows", hidden), 16, sym), Float32(1e-6), jit.fake_env_stream())
+    return op.tensor_call, args
+
+
 KERNEL = jit.register(
     jit.KernelDef(
         name="rms_norm",
@@ -143,6 +159,13 @@ KERNEL = jit.register(
         description="RMSNorm (statistic, rounding, weight, optional RoPE) in one launch, bf16 / fp16",
     )
 )
+
+
+jit.register(jit.KernelDef(name="rms_norm_tensors", build=_build_tensors, sources=KERNEL.sources,
+                           archs=("sm_90a", "sm_100a"), tensor_entry_of="rms_norm",
+                           description="rms_norm (weighted, 2-D, unrotated) through TVM-FFI"))
+#: (dtype, hidden, device index) -> the tensor entry (jit.launch_tensor_entry)
+_TENSOR_FNS: dict = {}
 
 
 def rms_norm_torch(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None,
@@ -174,6 +197,12 @@ def rms_norm(x: torch.Tensor, eps: float = 1e-6, weight: torch.Tensor | None = N
     heads). ``out`` (x's shape and dtype) makes the call allocation-free; ``stream`` defaults
     to torch's current stream. Capturable in a CUDA graph.
     """
+    if (out is not None and weight is not None and rotate is None and stream is None and arch is None
+            and jit.TVM_FFI):  # the eager hot path of the 2-D weighted form
+        shape = x.shape  # (the C checks: dtypes, extents, strides, alignment, device)
+        if (len(shape) == 2 and shape[0] and x.numel() < 2**31 and isinstance(eps, float) and eps >= 0
+                and jit.launch_tensor_entry(_TENSOR_FNS, (x.dtype, shape[1], x.get_device()), x, weight, out, eps)):
+            return out
     op = "rms_norm"
     check_tensor(op, "x", x, dtype=tuple(TORCH2CUTE), contiguous=True, align_bytes=0)
     if x.dim() < 1:
@@ -219,4 +248,7 @@ def rms_norm(x: torch.Tensor, eps: float = 1e-6, weight: torch.Tensor | None = N
     P = jit.gmem_ptr
     fn(P(cdt, x, 16), P(cdt, weight if weight is not None else x, 16), P(Float32, rotate if rotate is not None else x, 16),
        P(cdt, out, 16), jit.i32(rows), jit.i32(per_token), jit.f32(eps), jit.cu_stream(stream))
+    if weight is not None and rotate is None and x.dim() == 2 and stream is None and arch is None:
+        jit.remember_tensor_entry(_TENSOR_FNS, (x.dtype, C, x.get_device()), "rms_norm_tensors", a, hidden=C,
+                                  dtype=str(x.dtype).replace("torch.", ""))
     return out

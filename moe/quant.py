@@ -138,6 +138,15 @@ class MxQuant:
         self.kernel(mX, mXs, mQ, mS, mIds, mTotal, num_tokens, out_rows, grid).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
+    @cute.jit
+    def tensor_call(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, max_ctas: Int32, stream: cuda.CUstream):
+        """The tensor entry of the plain, unrouted quantization (``jit.get_tensor_kernel``):
+        ``mX [T, K]`` bf16, ``mQ [T, K]`` e4m3, ``mS [T, K / 32]`` uint8. The routing pointers
+        are not read on this path: ``x``'s address stands in for them."""
+        ids = cute.recast_ptr(mX.iterator, dtype=Int32)
+        self.__call__(mX.iterator, mS.iterator, mQ.iterator, mS.iterator, ids, ids, mX.shape[0], mX.shape[0],
+                      max_ctas, stream)
+
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mXs: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, mIds: cute.Tensor,
                mTotal: cute.Tensor, num_tokens: Int32, out_rows: Int32, grid: Int32):
@@ -287,6 +296,22 @@ KERNEL = jit.register(jit.KernelDef(
 ))
 
 
+def _build_tensors(arch: str, *, K: int):
+    op, _ = _build(arch, K=K, layout="plain", routed=False)
+    sym = {}
+    T = jit.fake_tensor
+    args = (T(cutlass.BFloat16, ("T", K), 16, sym), T(cutlass.Float8E4M3FN, ("T", K), 16, sym),
+            T(Uint8, ("T", K // MX_BLOCK), 1, sym), Int32(1), jit.fake_env_stream())
+    return op.tensor_call, args
+
+
+jit.register(jit.KernelDef(name="mxfp8_quantize_tensors", build=_build_tensors, sources=KERNEL.sources,
+                           archs=("sm_90a", "sm_100a"), tensor_entry_of="mxfp8_quant",
+                           description="mxfp8_quantize (plain scales) taking torch tensors through TVM-FFI"))
+#: (K, device index) -> the tensor entry (jit.launch_tensor_entry)
+_TENSOR_FNS: dict = {}
+
+
 def _check_x(op: str, x: torch.Tensor) -> tuple[int, int]:
     check_tensor(op, "x", x, dtype=torch.bfloat16, ndim=2, contiguous=True, align_bytes=0)
     T, K = x.shape
@@ -360,6 +385,12 @@ def mxfp8_quantize(x: torch.Tensor, *, layout: str = "plain", q: torch.Tensor | 
     ``max_ctas`` caps the grid (default 132 SMs x 8): on a side stream, a small cap leaves
     SMs to the kernels it should overlap with.
     """
+    if (scales is not None and q is not None and layout == "plain" and stream is None and arch is None
+            and max_ctas is None and jit.TVM_FFI):  # the eager hot path
+        shape = x.shape  # (the C checks: dtypes, extents, strides, alignment, device)
+        if (len(shape) == 2 and shape[0] and x.numel() < 2**31
+                and jit.launch_tensor_entry(_TENSOR_FNS, (shape[1], x.get_device()), x, q, scales, DEFAULT_MAX_CTAS)):
+            return q, scales
     op = "mxfp8_quantize"
     if layout not in LAYOUTS:
         raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
@@ -369,6 +400,9 @@ def mxfp8_quantize(x: torch.Tensor, *, layout: str = "plain", q: torch.Tensor | 
     if T == 0:
         return q, scales
     _launch(op, x, q, scales, x, x, T, T, K, layout, False, 1, stream, arch, max_ctas)
+    if layout == "plain" and stream is None and arch is None and max_ctas is None and scales.dim() == 2:
+        jit.remember_tensor_entry(_TENSOR_FNS, (K, x.get_device()), "mxfp8_quantize_tensors",
+                                  current_arch(x.device), K=K)
     return q, scales
 
 

@@ -13,7 +13,9 @@ from cute_kernels import catalog, jit
 
 ENTRIES = {"row_rms_tensors": dict(hidden=7168), "mhc_pre_mix_tensors": dict(n=4, hidden=4096),
            "mhc_post_mix_tensors": dict(n=4, hidden=4096),
-           "moe_finalize_tensors": dict(hidden=4096, topk=6, add_shared=True)}
+           "moe_finalize_tensors": dict(hidden=4096, topk=6, add_shared=True),
+           "mxfp8_quantize_tensors": dict(K=4096), "rms_norm_tensors": dict(hidden=4096),
+           "masked_softmax_tensors": dict(length=592, heads=16, mask_stride=608)}
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
@@ -31,20 +33,36 @@ def _cases():
     """(name, call(out) -> out, fresh() re-randomising the inputs in place, out, bad calls) per op."""
     from cute_kernels.mhc_post_mix import mhc_post_mix
     from cute_kernels.mhc_pre_mix import mhc_pre_mix
+    from cute_kernels.masked_softmax import masked_softmax
+    from cute_kernels.rms_norm import rms_norm
     from moe.finalize import moe_finalize
 
     T, n, C, k, rows = 6, 4, 4096, 6, 48
     bf = lambda *s: torch.randn(*s, device="cuda").bfloat16()  # noqa: E731
     x, h, f = bf(T, n, C), torch.rand(T, 2 * n + n * n, device="cuda"), bf(T, C)
+    rn = bf(T, C)  # rms_norm's input, and its weight below
+    rw = bf(C)
+    sc, mask = bf(T, 16, 592), torch.rand(T, 608, device="cuda") < 0.7  # masked_softmax's scores, mask
     xx = bf(T + 1, n, C)  # two overlapping [T, n, C] views
     y, w, sh = bf(rows, C), torch.rand(T, k, device="cuda"), bf(T, C)
     pos = torch.randperm(rows, device="cuda")[:T * k].int()
 
     def fresh():
-        for t in (x, h, f, y, w, sh):
+        for t in (x, h, f, y, w, sh, rn, rw, sc):
             t.copy_(torch.randn_like(t.float()).to(t.dtype))
+        mask.copy_(torch.rand(T, 608, device="cuda") < 0.7)
 
     cases = [
+        ("masked_softmax", lambda out, **kw: masked_softmax(sc, mask, out=out, **kw), torch.empty_like(sc),
+         [(lambda out: masked_softmax(sc, mask.byte(), out=out), TypeError, "mask must have dtype"),
+          (lambda out: masked_softmax(sc, mask[:5], out=out), ValueError, "mask must be"),
+          (lambda out: masked_softmax(sc, mask[:, :584].contiguous(), out=out), ValueError, "mask.shape"),
+          (lambda out: masked_softmax(sc, mask, out=out[:, :8]), ValueError, "out must have shape")]),
+        ("rms_norm", lambda out, **kw: rms_norm(rn, 1e-6, rw, out=out, **kw), torch.empty_like(rn),
+         [(lambda out: rms_norm(rn, 1e-6, rw[:C // 2], out=out), ValueError, "weight must have shape"),
+          (lambda out: rms_norm(rn, 1e-6, rw.float(), out=out), TypeError, "weight must have dtype"),
+          (lambda out: rms_norm(rn, 1e-6, rw, out=out[:5]), ValueError, "out must have shape"),
+          (lambda out: rms_norm(rn, -1.0, rw, out=out), TypeError, "eps")]),
         ("mhc_pre_mix", lambda out, **kw: mhc_pre_mix(x, h, out=out, **kw), torch.empty(T, C, device="cuda").bfloat16(),
          [(lambda out: mhc_pre_mix(x.float(), h, out=out), TypeError, "x must have dtype"),
           (lambda out: mhc_pre_mix(x, h[:5], out=out), ValueError, "h must have shape"),
@@ -68,12 +86,15 @@ def _cases():
 @pytest.mark.gpu
 def test_tensor_entries_equal_the_pointer_launch_and_refuse_by_name(seed):
     pytest.importorskip("tvm_ffi")
+    import cute_kernels.masked_softmax as msm
     import cute_kernels.mhc_post_mix as post
     import cute_kernels.mhc_pre_mix as pre
+    import cute_kernels.rms_norm as rms
     import moe.finalize as fin
 
     cases, fresh = _cases()
-    memos = {"mhc_pre_mix": pre._TENSOR_FNS, "mhc_post_mix": post._TENSOR_FNS, "moe_finalize": fin._TENSOR_FNS}
+    memos = {"masked_softmax": msm._TENSOR_FNS, "rms_norm": rms._TENSOR_FNS, "mhc_pre_mix": pre._TENSOR_FNS,
+             "mhc_post_mix": post._TENSOR_FNS, "moe_finalize": fin._TENSOR_FNS}
     for name, call, out, bad in cases:
         want = out.clone()
         jit.use_tvm_ffi()
@@ -115,3 +136,51 @@ def test_tensor_entries_equal_the_pointer_launch_and_refuse_by_name(seed):
             assert poisoned.float().isnan().all(), f"{name}: a refused call wrote its output"
         finally:
             jit.use_tvm_ffi(False)
+
+
+@pytest.mark.gpu
+def test_mxfp8_quantize_tensor_entry_equals_the_pointer_launch(seed):
+    """mxfp8_quantize (plain scales, q and scales given): the tensor entry's bytes equal the
+    pointer launch's over fresh inputs and in a graph; refused calls are named and write
+    nothing."""
+    pytest.importorskip("tvm_ffi")
+    import moe.quant as mq
+
+    T, K = 6, 4096
+    x = torch.randn(T, K, device="cuda").bfloat16()
+    q, s = torch.empty(T, K, device="cuda").to(torch.float8_e4m3fn), torch.empty(T, K // 32, device="cuda").byte()
+    wq, ws = q.clone(), s.clone()
+
+    def launch(q, s):
+        return mq.mxfp8_quantize(x, q=q, scales=s)
+
+    jit.use_tvm_ffi()
+    try:
+        launch(q, s)
+        assert mq._TENSOR_FNS
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            launch(q, s)
+        for replay in (False, True):
+            for _ in range(2):
+                x.copy_(torch.randn(T, K, device="cuda").bfloat16() * 100)
+                jit.use_tvm_ffi(False)
+                launch(wq, ws)
+                jit.use_tvm_ffi()
+                q.view(torch.uint8).fill_(0xAB)
+                s.fill_(0xAB)
+                g.replay() if replay else launch(q, s)
+                torch.cuda.synchronize()
+                assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws)
+        pq, ps = q.clone().view(torch.uint8).fill_(0xAB).view(torch.float8_e4m3fn), s.clone().fill_(0xAB)
+        for kw, exc, words in [(dict(x=x.float()), TypeError, "x must have dtype"),
+                               (dict(x=x, scales=ps[:5]), ValueError, "scales must be contiguous"),
+                               (dict(x=x, q=pq.view(torch.uint8)), TypeError, "q must have dtype"),
+                               (dict(x=x[:, :K // 2]), ValueError, "contiguous")]:
+            kw = {"q": pq, "scales": ps, **kw}
+            with pytest.raises(exc, match=words):
+                mq.mxfp8_quantize(**kw)
+        torch.cuda.synchronize()
+        assert (pq.view(torch.uint8) == 0xAB).all() and (ps == 0xAB).all()
+    finally:
+        jit.use_tvm_ffi(False)
