@@ -611,7 +611,26 @@ def remember_tensor_entry(memo: dict, key, name: str, arch: str | None, **config
     if TVM_FFI and arch is not None and key not in memo:
         fn = get_tensor_kernel(name, arch, **config)
         if fn is not None:
-            memo[key] = fn
+            memo[key] = _FirstTensorCall(memo, key, fn)
+
+
+class _FirstTensorCall:
+    """A memoised tensor entry until its first call, which loads its module: refused inside a
+    CUDA graph capture (the caller falls back to the pointer launch, loaded already -- a module
+    load inside a capture can invalidate it); after it, the memo holds the bare
+    ``tvm_ffi.Function`` (positional, without the DSL's Python call wrapper)."""
+
+    def __init__(self, memo: dict, key, fn):
+        self.memo, self.key, self.fn = memo, key, fn
+
+    def __call__(self, *args):
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise ValueError("tensor entry: first call inside a CUDA graph capture")
+        self.fn(*args)
+        raw = getattr(self.fn, "__tvm_ffi_object__", None)
+        self.memo[self.key] = (raw() if raw is not None else None) or self.fn
 
 
 def fake_stream():

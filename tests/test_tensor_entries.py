@@ -83,8 +83,15 @@ def _cases():
     return cases, fresh
 
 
+def _pointer_path_forbidden(*args, **kwargs):
+    raise AssertionError("the call took the validated pointer path, not its tensor entry")
+
+
 @pytest.mark.gpu
-def test_tensor_entries_equal_the_pointer_launch_and_refuse_by_name(seed):
+def test_tensor_entries_equal_the_pointer_launch_and_refuse_by_name(seed, monkeypatch):
+    """Per op: after its first (validated) call, every call -- eager, on a side stream, captured
+    -- goes through the tensor entry (the pointer path's kernel lookup is made to fail), and
+    its output equals the pointer launch's bit for bit on fresh inputs."""
     pytest.importorskip("tvm_ffi")
     import cute_kernels.masked_softmax as msm
     import cute_kernels.mhc_post_mix as post
@@ -97,37 +104,40 @@ def test_tensor_entries_equal_the_pointer_launch_and_refuse_by_name(seed):
              "mhc_post_mix": post._TENSOR_FNS, "moe_finalize": fin._TENSOR_FNS}
     for name, call, out, bad in cases:
         want = out.clone()
-        jit.use_tvm_ffi()
+
+        def reference():
+            fresh()
+            call(want)  # the pointer launch (TVM-FFI off)
+            out.fill_(float("nan"))
+
         try:
+            jit.use_tvm_ffi()
             call(out)  # first call: validated, memoises the tensor entry
             assert memos[name], f"{name}: no tensor entry memoised"
-            for _ in range(3):
-                fresh()
+            for step in ("eager", "eager", "eager", "side stream", "graph"):
                 jit.use_tvm_ffi(False)
-                call(want)  # the pointer launch
+                reference()
                 jit.use_tvm_ffi()
-                out.fill_(float("nan"))
-                assert call(out) is out
+                with monkeypatch.context() as m:
+                    m.setattr(jit, "get_kernel", _pointer_path_forbidden)
+                    if step == "eager":
+                        assert call(out) is out
+                    elif step == "side stream":
+                        s = torch.cuda.Stream()
+                        s.wait_stream(torch.cuda.current_stream())
+                        with torch.cuda.stream(s):
+                            call(out)
+                        torch.cuda.current_stream().wait_stream(s)
+                    else:
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g):
+                            call(out)
+                        jit.use_tvm_ffi(False)
+                        reference()  # new inputs after the capture, then the replay
+                        g.replay()
+                        jit.use_tvm_ffi()
                 torch.cuda.synchronize()
-                assert torch.equal(out, want), name
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                out.fill_(float("nan"))
-                call(out)
-            s.synchronize()
-            assert torch.equal(out, want), f"{name} on a side stream"
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                call(out)
-            fresh()
-            jit.use_tvm_ffi(False)
-            call(want)
-            jit.use_tvm_ffi()
-            out.fill_(float("nan"))
-            g.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, want), f"{name} in a graph"
+                assert torch.equal(out, want), f"{name}: {step}"
             poisoned = torch.full_like(out, float("nan"))
             for make, exc, words in bad:
                 with pytest.raises(exc, match=words):
@@ -158,10 +168,12 @@ def test_mxfp8_quantize_tensor_entry_equals_the_pointer_launch(seed):
     try:
         launch(q, s)
         assert mq._TENSOR_FNS
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            launch(q, s)
+        g = None
         for replay in (False, True):
+            if replay:  # captured after the eager calls loaded the tensor entry
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    launch(q, s)
             for _ in range(2):
                 x.copy_(torch.randn(T, K, device="cuda").bfloat16() * 100)
                 jit.use_tvm_ffi(False)
