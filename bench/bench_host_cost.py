@@ -13,8 +13,10 @@ same run (goal: <= 5 us for single-kernel ops, never more than torch.add). The e
 are timed three ways: with :class:`cute_kernels.jit.DirectLaunch` resolving the arguments (the
 default), through the DSL's own call path (``jit.DIRECT_LAUNCH = False``) and, where the
 ``apache-tvm-ffi`` package imports, compiled with the DSL's TVM-FFI calling convention
-(:func:`cute_kernels.jit.use_tvm_ffi`); before timing, each op's output through the first is
-checked bit-equal to its output through the other two. The
+(:func:`cute_kernels.jit.use_tvm_ffi`: the ops with a tensor entry take it from their second
+call on -- the rows "rms_norm (weighted, 2-D)" and "masked_softmax (3-D)" are the forms that
+have one); before timing, each op's output through the first is checked bit-equal to its
+output through the other two. The
 kernels' own benches and tests check the outputs against their references.
 
 Runtime-only mode (:mod:`cute_kernels.runtime_only`): the kernels this run compiled are in the
@@ -111,16 +113,22 @@ def cases():
     small = torch.randn(16, device=dev)
     xq, cs = bf(T, 64, 512), torch.rand(T, 32, 2, device=dev)  # V4's per-head q norm + RoPE
     yq = torch.empty_like(xq)
+    nw, yn = bf(C), torch.empty_like(x2)  # a weighted 2-D RMSNorm (q_a / kv norms)
+    sc3, mk2 = sc.view(T, 64, 592), mk.view(T, 608)  # masked_softmax's one-lead-dim form
+    sm3 = torch.empty_like(sc3)
     return [
         ("torch.add (yardstick)", lambda: torch.add(small, small), None, None),
         ("row_rms", lambda: row_rms(x2, 1e-6, out=rms_out), lambda: ops.row_rms_out(x2, 1e-6, rms_out), rms_out),
         ("rms_norm (+ RoPE, per head)", lambda: rms_norm(xq, 1e-6, None, rotate=cs, out=yq),
          lambda: ops.rms_norm_out(xq, 1e-6, None, cs, yq), yq),
+        ("rms_norm (weighted, 2-D)", lambda: rms_norm(x2, 1e-6, nw, out=yn),
+         lambda: ops.rms_norm_out(x2, 1e-6, nw, None, yn), yn),
         ("mhc_stats", lambda: mhc_stats(x3, planes, alpha, bias, workspace=ws, out=H),
          lambda: ops.mhc_stats(x3, planes, alpha, bias, 1e-6, 20, 0.0), H),
         ("mhc_pre_mix", lambda: mhc_pre_mix(x3, h, out=u), lambda: ops.mhc_pre_mix_out(x3, h, u), u),
         ("mhc_post_mix", lambda: mhc_post_mix(x3, h, x2, out=xo), lambda: ops.mhc_post_mix(x3, h, x2), xo),
         ("masked_softmax", lambda: masked_softmax(sc, mk, out=sm), lambda: ops.masked_softmax(sc, mk), sm),
+        ("masked_softmax (3-D)", lambda: masked_softmax(sc3, mk2, out=sm3), lambda: ops.masked_softmax(sc3, mk2), sm3),
         ("wo_a (Dg 4096)", lambda: wo_a(o, w, out=y), lambda: ops.wo_a_out(o, w, y), y),
         ("mxfp8_quantize", lambda: mxfp8_quantize(x2, q=q, scales=s), lambda: ops.mxfp8_quantize(x2, "plain"), q),
         ("moe_finalize (+ shared)", lambda: moe_finalize(yr, wt, pos, sh, out=fo),

@@ -68,7 +68,7 @@ def test_explicit_stream_argument(seed):
 
 
 @pytest.mark.gpu
-def test_tensor_entry_through_tvm_ffi(seed):
+def test_tensor_entry_through_tvm_ffi(seed, monkeypatch):
     """With TVM-FFI on, calls after the first validated one take the tensor entry (torch tensors
     checked in C): bit-equal to the pointer launch, on the current stream and in a graph; every
     input the C checks or the hot path refuse still gets the entry point's named error, and a
@@ -81,14 +81,24 @@ def test_tensor_entry_through_tvm_ffi(seed):
     x = torch.randn(T, C, device="cuda").bfloat16()
     want = torch.empty(T, device="cuda")
     row_rms(x, out=want)  # the pointer launch (TVM-FFI off)
+    real_get_kernel = jit.get_kernel
     jit.use_tvm_ffi()
     try:
         out = torch.empty(T, device="cuda")
         row_rms(x, out=out)  # first call: validated, registers the tensor entry
         assert (x.dtype, C, x.get_device()) in mod._TENSOR_FNS
+
+        def pointer_path(*args, **kwargs):
+            raise AssertionError("a call that the tensor entry takes reached the pointer path")
+
+        monkeypatch.setattr(jit, "get_kernel", pointer_path)  # from here on: tensor entries or a named error
         for _ in range(3):
             x.copy_(torch.randn(T, C, device="cuda").bfloat16())
-            row_rms(x, out=want)  # (the tensor entry too: checked against the reference below)
+            jit.use_tvm_ffi(False)
+            with monkeypatch.context() as m:
+                m.setattr(jit, "get_kernel", real_get_kernel)
+                row_rms(x, out=want)  # the pointer launch
+            jit.use_tvm_ffi()
             out.fill_(float("nan"))
             assert row_rms(x, out=out) is out
             torch.cuda.synchronize()
