@@ -13,6 +13,8 @@
 #   bash tools/device.sh bench-kernels [B..] the kernel benchmarks B (default: every bench/bench_*.py;
 #                                            tables in $OUT)
 #   bash tools/device.sh bench-wo-a-routes   WO-A's default route against cuBLAS and the CuTe path
+#   bash tools/device.sh wo-a-fp8-variants   the FP8 WO-A decode kernel's K-step / stage variants at
+#                                            V4's shapes (which should be the default plan)
 #   bash tools/device.sh bench-runtime [A..] the decode runtime at the reference lengths, synthetic
 #                                            acceptance 5.5 (further bench options A)
 #   bash tools/device.sh build               the AOT build for sm_90a + sm_100a and its demo
@@ -89,6 +91,10 @@ bench-kernels)
   ;;
 bench-wo-a-routes)
   python bench/bench_wo_a_routes.py --out "$OUT/bench_wo_a_routes.md" "$@"
+  ;;
+wo-a-fp8-variants)
+  timeout 400 python bench/bench_wo_a_fp8.py --tokens 1,5,16,32,64 --shapes 8x1024x4096,16x1024x4096 \
+    --variants 128/plan,256/plan,256/x2 --out "$OUT/bench_wo_a_fp8_variants.md" 2>&1 | tail -30
   ;;
 bench-runtime)
   python -m spec_decode.bench --model v4_flash_slice --acceptance-length 5.5 --out "$OUT/bench_runtime.md" "$@"
