@@ -48,6 +48,7 @@ class StepGraphs:
         self.fn, self.sizes, self.width = fn, tuple(sorted(batch_sizes)), width
         self.scratch, self.device = scratch_slot, torch.device(device)
         self.use_graphs = self.device.type == "cuda"
+        self._warm_up_stream = None
         self.extras = tuple(extras)
         self._static: dict[int, dict] = {}
         self.replays = 0
@@ -105,7 +106,9 @@ class StepGraphs:
             out = self.fn(*args)
         else:
             if st["graph"] is None:
-                s = self._warm_up_stream = getattr(self, "_warm_up_stream", None) or torch.cuda.Stream(self.device)
+                if self._warm_up_stream is None:  # one for every capture: the pool's streams are few
+                    self._warm_up_stream = torch.cuda.Stream(self.device)
+                s = self._warm_up_stream
                 s.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(s):
                     self.fn(*args)  # warm-up: compile kernels, allocate lazily-created state
