@@ -600,7 +600,7 @@ def launch_tensor_entry(memo: dict, key, *args) -> bool:
         return False
     try:
         fn(*args)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, BufferError):  # raised converting or checking, before the launch
         return False
     return True
 
