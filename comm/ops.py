@@ -32,10 +32,9 @@ from __future__ import annotations
 import itertools
 
 import torch
-from torch.library import custom_op
 
-import cute_kernels.ops  # noqa: F401 -- the namespace
 import moe.ops  # noqa: F401 -- moe_finalize's CPU implementation, used below
+from cute_kernels.ops import cuda_op
 
 Tensor = torch.Tensor
 
@@ -82,7 +81,7 @@ def _gloo_sum(op: str, x: Tensor, handle: int) -> Tensor:
     return acc.to(torch.bfloat16)
 
 
-@custom_op("cute_kernels::push_allreduce", mutates_args=(), device_types="cuda")
+@cuda_op("push_allreduce")
 def push_allreduce(partial: Tensor, group: int, rank: int) -> Tensor:
     """``bf16(sum over the group's ranks of partial [T, H])`` (bf16); every rank calls it."""
     return _group("push_allreduce", group, cuda=True).allreduce(rank, partial)
@@ -101,7 +100,7 @@ def _(partial, group, rank):
     return torch.empty_like(partial)
 
 
-@custom_op("cute_kernels::finalize_shared_allreduce", mutates_args=(), device_types="cuda")
+@cuda_op("finalize_shared_allreduce")
 def finalize_shared_allreduce(y: Tensor, topk_weights: Tensor, routed_row_pos: Tensor, shared: Tensor,
                               group: int, rank: int) -> Tensor:
     """This rank's MoE finalize + shared add, all-reduced over the group, in one launch."""

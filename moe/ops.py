@@ -17,9 +17,8 @@ Test::
 from __future__ import annotations
 
 import torch
-from torch.library import custom_op
 
-import cute_kernels.ops  # noqa: F401 -- the core ops and the namespace
+from cute_kernels.ops import cuda_op  # the core ops, the namespace's library and its op definition
 
 from . import experts as _ex
 from . import finalize as _fin
@@ -28,10 +27,6 @@ from . import router as _rt
 
 Tensor = torch.Tensor
 F8 = torch.float8_e4m3fn
-
-
-def _cuda_op(name: str, mutates=()):
-    return custom_op(f"cute_kernels::{name}", mutates_args=mutates, device_types="cuda")
 
 
 def _scale_shape(rows: int, K: int, layout: str) -> tuple[int, ...]:
@@ -44,7 +39,7 @@ def _quant_cpu(x: Tensor, layout: str) -> tuple[Tensor, Tensor]:
 
 
 # ---------------------------------------------------------------------------- MXFP8 ----
-@_cuda_op("mxfp8_quantize")
+@cuda_op("mxfp8_quantize")
 def mxfp8_quantize(x: Tensor, layout: str) -> tuple[Tensor, Tensor]:
     """MXFP8 of bf16 ``x [R, K]``: (e4m3 ``[R, K]``, UE8M0 scales -- ``[R, K/32]`` for
     ``layout="plain"``, the expert GEMMs' flat swizzled buffer for ``"swizzled"``)."""
@@ -60,7 +55,7 @@ def _(x, layout):
     return x.new_empty(R, K, dtype=F8), x.new_empty(_scale_shape(R, K, layout), dtype=torch.uint8)
 
 
-@_cuda_op("mxfp8_quantize_routed")
+@cuda_op("mxfp8_quantize_routed")
 def mxfp8_quantize_routed(x: Tensor, sorted_token_ids: Tensor, total_rows: Tensor, topk: int,
                           layout: str) -> tuple[Tensor, Tensor]:
     """Rows of ``x [T, K]`` gathered through the router's ``sorted_token_ids`` (routed row
@@ -85,7 +80,7 @@ def _(x, sorted_token_ids, total_rows, topk, layout):
     return x.new_empty(R, K, dtype=F8), x.new_empty(_scale_shape(R, K, layout), dtype=torch.uint8)
 
 
-@_cuda_op("mxfp8_gather_routed")
+@cuda_op("mxfp8_gather_routed")
 def mxfp8_gather_routed(xq: Tensor, xs: Tensor, sorted_token_ids: Tensor, total_rows: Tensor, topk: int,
                         layout: str) -> tuple[Tensor, Tensor]:
     """:func:`mxfp8_quantize_routed` of tokens already quantized (``mxfp8_quantize(x, "plain")``:
@@ -120,7 +115,7 @@ def _route_cpu(logits, bias, num_experts, n_group, topk_group, top_k, routed_sca
     return (ids.int(), w, *_rt.align_torch(ids, cfg.num_experts, tile_m, *_rt.capacity(cfg, logits.shape[0])))
 
 
-@_cuda_op("moe_route")
+@cuda_op("moe_route")
 def moe_route(logits: Tensor, bias: Tensor | None, num_experts: int, n_group: int, topk_group: int, top_k: int,
               routed_scaling_factor: float, score: str, tile_m: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
                                                                                Tensor, Tensor, Tensor]:
@@ -151,7 +146,7 @@ def _(logits, bias, num_experts, n_group, topk_group, top_k, routed_scaling_fact
 
 
 # ---------------------------------------------------------------------- expert GEMMs ----
-@_cuda_op("moe_expert_gemm")
+@cuda_op("moe_expert_gemm")
 def moe_expert_gemm(a_q: Tensor, a_scales: Tensor, w_q: Tensor, w_scales: Tensor, expert_offsets: Tensor,
                     expert_counts: Tensor, tile_expert: Tensor, routed_rows: int) -> Tensor:
     """``y [rows, N]`` bf16: each expert's MXFP8 rows times its MXFP8 weights (padding rows
@@ -172,7 +167,7 @@ def _(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, 
     return a_q.new_empty(a_q.shape[0], w_q.shape[1], dtype=torch.bfloat16)
 
 
-@_cuda_op("moe_expert_gate_up")
+@cuda_op("moe_expert_gate_up")
 def moe_expert_gate_up(a_q: Tensor, a_scales: Tensor, w_q: Tensor, w_scales: Tensor, expert_offsets: Tensor,
                        expert_counts: Tensor, tile_expert: Tensor, routed_rows: int,
                        swiglu_limit: float | None) -> tuple[Tensor, Tensor]:
@@ -196,7 +191,7 @@ def _(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, 
 
 
 # ------------------------------------------------------------------------- finalize ----
-@_cuda_op("moe_finalize")
+@cuda_op("moe_finalize")
 def moe_finalize(y: Tensor, topk_weights: Tensor, routed_row_pos: Tensor, shared: Tensor | None) -> Tensor:
     """``bf16(sum_i w[t, i] y[pos[t, i]])`` (rounded products, summed in choice order), then
     ``+ shared`` with its own bf16 rounding when given (:mod:`moe.finalize`)."""
