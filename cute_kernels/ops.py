@@ -57,10 +57,10 @@ class CudaOp:
     ``fn`` as its CUDA kernel. ``register_kernel("cpu")`` and ``register_fake`` add the CPU and
     fake (meta) kernels, as on ``torch.library.custom_op``'s objects; calling it calls the op.
 
-    Why not ``torch.library.custom_op``: its Python autograd and in-place-view wrappers cost
-    more than a microsecond-scale kernel launch on every eager call (about 12 us per call on
-    this project's CPU machines, against about 1.5 us through a plain ``Library``
-    definition). These ops are inference ops: no autograd formula is registered, as with
+    Why not ``torch.library.custom_op``: its Python autograd and in-place-view wrappers run on
+    every eager call and cost several times a plain ``Library`` definition's dispatch -- more
+    than these kernels take at decode sizes (``bench/bench_host_cost.py``, its custom-op
+    column). These are inference ops: no autograd formula is registered, as with
     ``custom_op`` without ``register_autograd``."""
 
     def __init__(self, name: str, fn, mutates=()):
