@@ -606,8 +606,9 @@ def launch_tensor_entry(memo: dict, key, *args) -> bool:
 
 
 def remember_tensor_entry(memo: dict, key, name: str, arch: str | None, **config) -> None:
-    """After a validated launch on the current stream with TVM-FFI on (and no ``arch``
-    override): memoise tensor entry ``name`` under ``key`` for the next calls' hot path."""
+    """After a validated launch on torch's current stream with TVM-FFI on: memoise tensor entry
+    ``name`` for ``arch`` (the device's; callers skip this when a call names a stream or an
+    arch of its own) under ``key`` for the next calls' hot path."""
     if TVM_FFI and arch is not None and key not in memo:
         fn = get_tensor_kernel(name, arch, **config)
         if fn is not None:
