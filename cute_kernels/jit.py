@@ -590,6 +590,16 @@ def get_tensor_kernel(name: str, arch: str, **config):
     return fn
 
 
+def register_tensor_entry(of: KernelDef, build: Callable[..., tuple[Any, tuple]], name: str = "",
+                          description: str = "") -> KernelDef:
+    """Register the tensor entry of kernel ``of`` (module docstring): ``name`` (default
+    ``<of.name>_tensors``) built by ``build(arch, **config)``, hashed from ``of``'s sources, for
+    the sm_90a / sm_100a of ``of``'s archs (elsewhere its pointer launch serves)."""
+    return register(KernelDef(name=name or f"{of.name}_tensors", build=build, sources=of.sources,
+                              archs=tuple(a for a in of.archs if a in ("sm_90a", "sm_100a")), tensor_entry_of=of.name,
+                              description=description or f"{of.name} taking torch tensors through TVM-FFI"))
+
+
 def launch_tensor_entry(memo: dict, key, *args) -> bool:
     """The eager hot path of an entry point with a tensor entry: launch ``memo[key]`` (filled by
     :func:`remember_tensor_entry`) on ``args`` and return True; False when there is none or its

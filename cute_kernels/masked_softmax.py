@@ -189,9 +189,8 @@ def _build_tensors(arch: str, *, length: int, heads: int, mask_stride: int, dtyp
     return op.tensor_call, args
 
 
-jit.register(jit.KernelDef(name="masked_softmax_tensors", build=_build_tensors, sources=KERNEL.sources,
-                           archs=("sm_90a", "sm_100a"), tensor_entry_of="masked_softmax",
-                           description="masked_softmax (scores [R, H, M], mask [R, W]) through TVM-FFI"))
+jit.register_tensor_entry(KERNEL, _build_tensors,
+                          description="masked_softmax (scores [R, H, M], mask [R, W]) through TVM-FFI")
 #: (dtype, scores.shape[1:], mask.shape[1], device index) -> the tensor entry (jit.launch_tensor_entry)
 _TENSOR_FNS: dict = {}
 

@@ -127,9 +127,7 @@ def _build_tensors(arch: str, *, n: int, hidden: int):
     return op.tensor_call, args
 
 
-jit.register(jit.KernelDef(name="mhc_post_mix_tensors", build=_build_tensors, sources=KERNEL.sources,
-                           archs=("sm_90a", "sm_100a"), tensor_entry_of="mhc_post_mix",
-                           description="mhc_post_mix taking torch tensors through TVM-FFI"))
+jit.register_tensor_entry(KERNEL, _build_tensors)
 #: (x.shape[1:], device index) -> the tensor entry (jit.launch_tensor_entry)
 _TENSOR_FNS: dict = {}
 

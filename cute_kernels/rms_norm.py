@@ -161,9 +161,8 @@ KERNEL = jit.register(
 )
 
 
-jit.register(jit.KernelDef(name="rms_norm_tensors", build=_build_tensors, sources=KERNEL.sources,
-                           archs=("sm_90a", "sm_100a"), tensor_entry_of="rms_norm",
-                           description="rms_norm (weighted, 2-D, unrotated) through TVM-FFI"))
+jit.register_tensor_entry(KERNEL, _build_tensors,
+                          description="rms_norm (weighted, 2-D, unrotated) through TVM-FFI")
 #: (dtype, hidden, device index) -> the tensor entry (jit.launch_tensor_entry)
 _TENSOR_FNS: dict = {}
 

@@ -161,9 +161,7 @@ KERNEL = jit.register(
 )
 
 
-jit.register(jit.KernelDef(name="row_rms_tensors", build=_build_tensors, sources=(os.path.abspath(__file__),),
-                           archs=("sm_90a", "sm_100a"), tensor_entry_of="row_rms",
-                           description="row_rms taking torch tensors through TVM-FFI"))
+jit.register_tensor_entry(KERNEL, _build_tensors)
 
 #: (dtype, hidden, device index) -> the tensor entry, filled by a first validated call with
 #: TVM-FFI on (jit.use_tvm_ffi)

@@ -138,9 +138,7 @@ def _build_tensors(arch: str, *, hidden: int, topk: int, add_shared: bool):
     return op.tensor_call, args
 
 
-jit.register(jit.KernelDef(name="moe_finalize_tensors", build=_build_tensors, sources=KERNEL.sources,
-                           archs=("sm_90a", "sm_100a"), tensor_entry_of="moe_finalize",
-                           description="moe_finalize taking torch tensors through TVM-FFI"))
+jit.register_tensor_entry(KERNEL, _build_tensors)
 #: (hidden, topk, add_shared, device index) -> the tensor entry (jit.launch_tensor_entry)
 _TENSOR_FNS: dict = {}
 

@@ -305,9 +305,8 @@ def _build_tensors(arch: str, *, K: int):
     return op.tensor_call, args
 
 
-jit.register(jit.KernelDef(name="mxfp8_quantize_tensors", build=_build_tensors, sources=KERNEL.sources,
-                           archs=("sm_90a", "sm_100a"), tensor_entry_of="mxfp8_quant",
-                           description="mxfp8_quantize (plain scales) taking torch tensors through TVM-FFI"))
+jit.register_tensor_entry(KERNEL, _build_tensors, "mxfp8_quantize_tensors",
+                          "mxfp8_quantize (plain scales) taking torch tensors through TVM-FFI")
 #: (K, device index) -> the tensor entry (jit.launch_tensor_entry)
 _TENSOR_FNS: dict = {}
 
