@@ -6,10 +6,10 @@ Per shape and T, same run, CUDA-graph replay over rotating weight sets larger th
 kernel at :func:`cute_kernels.wo_a_decode_fp8.wo_a_fp8`'s plan, bf16 WO-A's default path
 (:func:`cute_kernels.wo_a.wo_a`) and cuBLAS ``bmm`` alone on the bf16 weights. Bandwidth: the
 FP8 call's bytes (e4m3 weights + scales + o + y) against 4.3 TB/s; the speed-ups are against
-the bf16 calls, which move twice the weight bytes. ``--variants``: one row each, ``bk/stages``
-at the plan's tiles and splits -- the K slice 128 (the plan) or 256 (two scale blocks, the
-bf16 kernel's bytes per slice); the depth ``plan``, ``x2`` (twice the plan's) or a number,
-lowered until it fits shared memory.
+the bf16 calls, which move twice the weight bytes. ``--variants``: one row each, ``bk/stages[/splits]``
+at the plan's tiles -- the K slice 128 (the plan) or 256 (two scale blocks, the bf16 kernel's
+bytes per slice); the depth ``plan``, ``x2`` (twice the plan's) or a number, lowered until it
+fits shared memory; the K splits ``plan`` (the default), ``x2`` or a number.
 """
 
 from __future__ import annotations
@@ -35,6 +35,16 @@ from cute_kernels.wo_a_decode_fp8 import (SMEM_PER_CTA, WoADecodeFp8, plan, quan
 TOKENS = [1, 5, 16, 32]
 
 
+def variant_config(d: dict, bk: int, depth: str, splits: str) -> dict:
+    """The plan ``d`` with the K slice ``bk``, the depth and the splits of a ``--variants`` entry."""
+    d = dict(d, **({"bk": bk} if bk != 128 else {}))
+    if depth != "plan":
+        d["stages"] = 2 * d["stages"] if depth == "x2" else int(depth)
+    if splits != "plan":
+        d["splits"] = 2 * d["splits"] if splits == "x2" else int(splits)
+    return d
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="also write the table to this file")
@@ -48,10 +58,10 @@ def main():
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    variants = [(v.split("/") + ["plan"])[:2] for v in args.variants.split(",")]
+    variants = [(v.split("/") + ["plan", "plan"])[:3] for v in args.variants.split(",")]
     for v in variants:
-        if v[0] not in ("128", "256") or not (v[1] in ("plan", "x2") or v[1].isdigit()):
-            ap.error(f"--variants: {'/'.join(v)!r} is not bk/stages (e.g. 256/plan)")
+        if v[0] not in ("128", "256") or not all(x in ("plan", "x2") or x.isdigit() for x in v[1:]):
+            ap.error(f"--variants: {'/'.join(v)!r} is not bk/stages[/splits] (e.g. 256/plan or 128/plan/x2)")
     rows = []
     for G, R, Dg in shapes:
         n = rotation_count(G * R * Dg * 2)  # sized by the bf16 set, the larger
@@ -65,11 +75,9 @@ def main():
             t16 = time_graph(lambda i: wo_a(o, ws[i], out=y), n, max(n, 8))
             t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
             nbytes = G * R * Dg + qs[0][1].numel() * 4 + o.numel() * 2 + y.numel() * 2
-            for bk, depth in variants:
+            for bk, depth, splits in variants:
                 bk = int(bk)
-                d = dict(plan(T, G, R, Dg), **({"bk": bk} if bk != 128 else {}))
-                if depth != "plan":
-                    d["stages"] = 2 * d["stages"] if depth == "x2" else int(depth)
+                d = variant_config(plan(T, G, R, Dg), bk, depth, splits)
                 while smem_bytes(d["bm"], d["stages"], d["bn"], bk, Dg) > SMEM_PER_CTA:
                     d["stages"] -= 1
                 if not WoADecodeFp8.can_implement(T, G, R, Dg, d["splits"], d["bn"], bk):

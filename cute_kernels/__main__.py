@@ -4,7 +4,8 @@ build   AOT-compile every kernel of :mod:`cute_kernels.catalog` (every AOT confi
         ``--arch`` into the artifact cache; works without a GPU. Entries already valid are
         kept. ``--kernel NAME --config JSON`` builds one config; ``--with-runtime`` makes the
         cache a deployment that runs without the DSL compiler (the runtime library copied in,
-        every entry linked: :mod:`cute_kernels.runtime_only`). WO-A's AOT configs are every config its default route takes at T = 1 .. 16384
+        every entry linked: :mod:`cute_kernels.runtime_only`); ``--tensor-entries`` adds the
+        TVM-FFI tensor entries (:func:`cute_kernels.jit.get_tensor_kernel`). WO-A's AOT configs are every config its default route takes at T = 1 .. 16384
         for the supported shapes; ``--wo-a-shape G,R,Dg`` (repeatable) adds a model's own
         shape at T = 1 .. ``--max-tokens``. ``--demo`` then, on a GPU, runs kernels from the
         cache against PyTorch and a few steps of the decode runtime (:mod:`cute_kernels.demo`).
@@ -59,7 +60,8 @@ def cmd_build(args) -> int:
             raise SystemExit(f"--kernel {args.kernel[0]!r}: unknown (known: {', '.join(sorted(reg))})")
         work = [(reg[args.kernel[0]], cfg, a) for a in archs if a in reg[args.kernel[0]].archs]
     else:
-        work = [(kdef, cfg, a) for a in archs for kdef, cfg in jit.iter_aot(reg, args.kernel or None, a)
+        work = [(kdef, cfg, a) for a in archs
+                for kdef, cfg in jit.iter_aot(reg, args.kernel or None, a, tensor_entries=args.tensor_entries)
                 if a in kdef.archs]
     if args.wo_a_shape:
         work += _wo_a_work(reg, archs, args.wo_a_shape, args.max_tokens, args.kernel, work)
@@ -194,6 +196,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--config", default=None, metavar="JSON",
                    help="build this one config of the one --kernel instead of its AOT configs (what a runtime-only "
                         "deployment's MissingArtifact error names; default: the AOT configs)")
+    b.add_argument("--tensor-entries", action="store_true",
+                   help="also the tensor entries' AOT configs (TVM-FFI functions taking torch tensors, for "
+                        "cute_kernels.jit.use_tvm_ffi; needs apache-tvm-ffi; default: off)")
     b.add_argument("--with-runtime", action="store_true",
                    help="also copy the DSL's runtime library into the cache and link every entry, for a deployment "
                         "without the DSL compiler (cute_kernels.runtime_only; default: off)")

@@ -6,6 +6,10 @@ object holding the host launcher and the cubin -- plus ``manifest.json``::
     <root>/<dsl version>/<arch>/<kernel>/<key digest[:24]>/
         kernel.o  kernel.h  manifest.json
 
+An entry compiled with TVM-FFI (its key's options hold ``--enable-tvm-ffi``: tensor entries,
+and launches under ``jit.use_tvm_ffi``) is the object alone, exporting one TVM-FFI function;
+it loads as a ``tvm_ffi.Function`` and is left out of the runtime-only bundle.
+
 The manifest records every key field (kernel, source hash, config, arch, compile options,
 DSL version), the function prefix, and the sha256 and size of each payload file. An entry
 is loaded (``cute.runtime.load_module``, no compiler involved) only if the manifest parses,
@@ -48,6 +52,7 @@ class CacheKey(Protocol):
 
     kernel: str
     arch: str
+    options: str
     dsl_version: str
 
     def digest(self) -> str: ...
@@ -57,6 +62,17 @@ class CacheKey(Protocol):
 ENV_VAR = "CUTE_KERNELS_CACHE_DIR"
 MANIFEST_VERSION = 1
 _PAYLOAD = ("kernel.o", "kernel.h")
+_TVM_FFI_PAYLOAD = ("kernel.o",)
+TVM_FFI_OPTION = "--enable-tvm-ffi"
+
+
+def is_tvm_ffi(options: str) -> bool:
+    """Whether compile ``options`` build a TVM-FFI function (an object without a C header)."""
+    return TVM_FFI_OPTION in options.split()
+
+
+def _payload(options: str) -> tuple[str, ...]:
+    return _TVM_FFI_PAYLOAD if is_tvm_ffi(options) else _PAYLOAD
 
 
 def default_root() -> str:
@@ -148,7 +164,8 @@ class ArtifactCache:
                     return False, f"manifest {field} is {got.get(field)!r}, expected {v!r}", man
             if man.get("function_prefix") != function_prefix(key):
                 return False, "function prefix mismatch", man
-        for name in _PAYLOAD:
+        payload = _payload(str(man.get("key", {}).get("options", "")))
+        for name in payload:
             p = os.path.join(path, name)
             meta = man.get("files", {}).get(name)
             if meta is None:
@@ -161,7 +178,7 @@ class ArtifactCache:
                 return False, f"{name} sha256 mismatch (corrupt)", man
         for name, meta in man.get("files", {}).items():  # optional files (kernel.so): checked when present
             p = os.path.join(path, name)
-            if name not in _PAYLOAD and os.path.isfile(p) and (os.path.getsize(p) != meta.get("size")
+            if name not in payload and os.path.isfile(p) and (os.path.getsize(p) != meta.get("size")
                                                               or _sha256(p) != meta.get("sha256")):
                 return False, f"{name} does not match the manifest (corrupt)", man
         return True, "ok", man
@@ -184,7 +201,7 @@ class ArtifactCache:
 
         path = self.entry_dir(key)
         try:
-            module = load_module(os.path.join(path, "kernel.o"), enable_tvm_ffi=False)
+            module = load_module(os.path.join(path, "kernel.o"), enable_tvm_ffi=is_tvm_ffi(key.options))
             fn = getattr(module, function_prefix(key))
         except Exception as e:  # a DSL-level load failure is treated like corruption
             warn_once(f"artifact-load:{path}", f"cute_kernels: could not load {path} ({e}); rebuilding")
@@ -216,9 +233,12 @@ class ArtifactCache:
         tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
         try:
             prefix = function_prefix(key)
-            compiled_fn.export_to_c(tmp, "kernel", function_prefix=prefix)
+            if is_tvm_ffi(key.options):
+                compiled_fn.export_to_c(os.path.join(tmp, "kernel.o"), prefix)
+            else:
+                compiled_fn.export_to_c(tmp, "kernel", function_prefix=prefix)
             files = {}
-            for name in _PAYLOAD:
+            for name in _payload(key.options):
                 p = os.path.join(tmp, name)
                 files[name] = {"sha256": _sha256(p), "size": os.path.getsize(p)}
             man = {
@@ -275,7 +295,7 @@ class ArtifactCache:
         linked = 0
         for path in self.entries():
             ok, _, man = self.check_entry(path)
-            if not ok or man["key"].get("dsl_version") != dsl_version:
+            if not ok or man["key"].get("dsl_version") != dsl_version or is_tvm_ffi(man["key"].get("options", "")):
                 continue
             so = ExportedKernel(path, runtime_library=dst).link()
             man["files"]["kernel.so"] = {"sha256": _sha256(so), "size": os.path.getsize(so)}

@@ -28,9 +28,9 @@ command; the argument helpers pass raw addresses and numbers.
 TVM-FFI launches (:func:`use_tvm_ffi`, needs the ``apache-tvm-ffi`` package): kernels compile
 with the DSL's ``--enable-tvm-ffi`` calling convention, whose compiled function converts its
 arguments in C (pointers as ints, scalars as Python numbers, the stream as its handle); the
-argument helpers then pass raw addresses and numbers, as in runtime-only mode. Such kernels are
-compiled in the process (step 3 without the export: the artifact cache holds the plain-ABI
-objects).
+argument helpers then pass raw addresses and numbers, as in runtime-only mode. Such kernels go
+through the same three steps under a key whose options name ``--enable-tvm-ffi``: the artifact
+cache holds them as TVM-FFI objects, loaded as ``tvm_ffi.Function``.
 
 Tensor entries (:func:`get_tensor_kernel`, with :func:`use_tvm_ffi` on): a kernel registered
 a second time with a build that takes ``cute.Tensor`` arguments of symbolic extents
@@ -56,7 +56,7 @@ from typing import Any, Callable, Iterable
 
 from . import runtime_only
 from .arch import normalize_arch
-from .artifact_cache import default_cache
+from .artifact_cache import TVM_FFI_OPTION, default_cache
 
 _REGISTRY: dict[str, "KernelDef"] = {}
 
@@ -74,8 +74,9 @@ class KernelDef:
     #: where the static config (tile shapes) depends on the arch
     aot_configs: tuple[dict, ...] | Callable[[str], tuple[dict, ...]] = ()
     description: str = ""
-    #: a tensor entry (:func:`get_tensor_kernel`) of the kernel of this name: compiled with
-    #: TVM-FFI in the process when first called, never by the AOT build
+    #: a tensor entry (:func:`get_tensor_kernel`) of the kernel of this name: always compiled
+    #: with TVM-FFI (its key's default options); the AOT build compiles its ``aot_configs``
+    #: only when asked to (``build --tensor-entries``: it needs apache-tvm-ffi)
     tensor_entry_of: str = ""
 
     def source_hash(self) -> str:
@@ -152,6 +153,11 @@ def default_options(arch: str) -> str:
     return f"--gpu-arch={arch}"
 
 
+def entry_options(kdef: "KernelDef", arch: str) -> str:
+    """The compile options of ``kdef``'s entries: a tensor entry's add TVM-FFI."""
+    return f"{default_options(arch)} {TVM_FFI_OPTION}" if kdef.tensor_entry_of else default_options(arch)
+
+
 def _canon(v: Any) -> Any:
     """JSON-stable form of a config value (dtypes and DSL types by name)."""
     if isinstance(v, (bool, int, float, str)) or v is None:
@@ -182,7 +188,7 @@ class CacheKey:
             source_hash=kdef.source_hash(),
             config=cfg,
             arch=arch,
-            options=options if options is not None else default_options(arch),
+            options=options if options is not None else entry_options(kdef, arch),
             dsl_version=dsl_version(),
         )
 
@@ -450,7 +456,8 @@ def get_kernel(name: str, arch: str, *, use_disk: bool = True, artifact_cache=No
         raise KeyError(f"unknown kernel {name!r} (import the module that defines it); registered: "
                        f"{', '.join(sorted(_REGISTRY))}")
     if TVM_FFI:
-        fn = CACHE.get(kdef, arch, config, options=f"{default_options(arch)} {TVM_FFI_OPTION}", use_disk=False)
+        fn = CACHE.get(kdef, arch, config, options=f"{default_options(arch)} {TVM_FFI_OPTION}",
+                       artifact_cache=artifact_cache, use_disk=use_disk)
     else:
         fn = CACHE.get(kdef, arch, config, artifact_cache=artifact_cache, use_disk=use_disk)
     CACHE.fast[fast_key] = fn
@@ -576,7 +583,8 @@ def fake_env_stream():
 
 def get_tensor_kernel(name: str, arch: str, **config):
     """The TVM-FFI function of tensor entry ``name`` (module docstring) for ``arch`` and static
-    ``config``, or None while :func:`use_tvm_ffi` is off. Compiled on first use per process."""
+    ``config``, or None while :func:`use_tvm_ffi` is off. Loaded from the artifact cache, or
+    compiled (and stored there), on first use per process."""
     if not TVM_FFI:
         return None
     fast_key = (name, arch, tuple(sorted(config.items())), "tensors")
@@ -585,18 +593,19 @@ def get_tensor_kernel(name: str, arch: str, **config):
         kdef = _REGISTRY[name]
         if arch not in kdef.archs:
             return None
-        fn = CACHE.fast[fast_key] = CACHE.get(kdef, arch, config, use_disk=False,
-                                              options=f"{default_options(arch)} {TVM_FFI_OPTION}")
+        fn = CACHE.fast[fast_key] = CACHE.get(kdef, arch, config)
     return fn
 
 
 def register_tensor_entry(of: KernelDef, build: Callable[..., tuple[Any, tuple]], name: str = "",
-                          description: str = "") -> KernelDef:
+                          description: str = "", aot_configs: tuple[dict, ...] = ()) -> KernelDef:
     """Register the tensor entry of kernel ``of`` (module docstring): ``name`` (default
     ``<of.name>_tensors``) built by ``build(arch, **config)``, hashed from ``of``'s sources, for
-    the sm_90a / sm_100a of ``of``'s archs (elsewhere its pointer launch serves)."""
+    the sm_90a / sm_100a of ``of``'s archs (elsewhere its pointer launch serves); ``aot_configs``:
+    what ``python -m cute_kernels build --tensor-entries`` compiles."""
     return register(KernelDef(name=name or f"{of.name}_tensors", build=build, sources=of.sources,
                               archs=tuple(a for a in of.archs if a in ("sm_90a", "sm_100a")), tensor_entry_of=of.name,
+                              aot_configs=aot_configs,
                               description=description or f"{of.name} taking torch tensors through TVM-FFI"))
 
 
@@ -665,7 +674,6 @@ if runtime_only.active():
 
 
 # TVM-FFI launches (module docstring).
-TVM_FFI_OPTION = "--enable-tvm-ffi"
 TVM_FFI = False
 _DSL_HELPERS = (gmem_ptr, i32, f32, cu_stream)
 
@@ -689,12 +697,14 @@ def use_tvm_ffi(enabled: bool = True) -> None:
     TVM_FFI = bool(enabled)
 
 
-def iter_aot(reg: dict[str, KernelDef], names: Iterable[str] | None = None, arch: str = "sm_100a"):
+def iter_aot(reg: dict[str, KernelDef], names: Iterable[str] | None = None, arch: str = "sm_100a",
+             tensor_entries: bool = False):
     """(KernelDef, config) pairs of the kernels ``reg`` (by name) that the AOT build compiles
-    for ``arch`` -- all of them, or ``names``."""
+    for ``arch`` -- all of them, or ``names``; tensor entries only with ``tensor_entries``
+    (named or not: compiling them needs apache-tvm-ffi)."""
     for n in sorted(reg) if names is None else names:
         kdef = reg[n]
-        if normalize_arch(arch) not in kdef.archs or kdef.tensor_entry_of:
+        if normalize_arch(arch) not in kdef.archs or (kdef.tensor_entry_of and not tensor_entries):
             continue  # e.g. a Blackwell-only engine in an sm_90a build
         if callable(kdef.aot_configs):  # configs that depend on the arch: maybe none on this one
             yield from ((kdef, cfg) for cfg in kdef.aot_configs(normalize_arch(arch)))

@@ -190,7 +190,8 @@ def _build_tensors(arch: str, *, length: int, heads: int, mask_stride: int, dtyp
 
 
 jit.register_tensor_entry(KERNEL, _build_tensors,
-                          description="masked_softmax (scores [R, H, M], mask [R, W]) through TVM-FFI")
+                          description="masked_softmax (scores [R, H, M], mask [R, W]) through TVM-FFI",
+                          aot_configs=KERNEL.aot_configs)
 #: (dtype, scores.shape[1:], mask.shape[1], device index) -> the tensor entry (jit.launch_tensor_entry)
 _TENSOR_FNS: dict = {}
 

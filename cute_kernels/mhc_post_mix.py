@@ -127,7 +127,7 @@ def _build_tensors(arch: str, *, n: int, hidden: int):
     return op.tensor_call, args
 
 
-jit.register_tensor_entry(KERNEL, _build_tensors)
+jit.register_tensor_entry(KERNEL, _build_tensors, aot_configs=KERNEL.aot_configs)
 #: (x.shape[1:], device index) -> the tensor entry (jit.launch_tensor_entry)
 _TENSOR_FNS: dict = {}
 

@@ -162,7 +162,9 @@ KERNEL = jit.register(
 
 
 jit.register_tensor_entry(KERNEL, _build_tensors,
-                          description="rms_norm (weighted, 2-D, unrotated) through TVM-FFI")
+                          description="rms_norm (weighted, 2-D, unrotated) through TVM-FFI",
+                          aot_configs=tuple({"hidden": c["hidden"], "dtype": c["dtype"]} for c in KERNEL.aot_configs
+                                            if c["weighted"] and not c["rope_dim"]))
 #: (dtype, hidden, device index) -> the tensor entry (jit.launch_tensor_entry)
 _TENSOR_FNS: dict = {}
 

@@ -161,7 +161,7 @@ KERNEL = jit.register(
 )
 
 
-jit.register_tensor_entry(KERNEL, _build_tensors)
+jit.register_tensor_entry(KERNEL, _build_tensors, aot_configs=KERNEL.aot_configs)
 
 #: (dtype, hidden, device index) -> the tensor entry, filled by a first validated call with
 #: TVM-FFI on (jit.use_tvm_ffi)

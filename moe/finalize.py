@@ -138,7 +138,7 @@ def _build_tensors(arch: str, *, hidden: int, topk: int, add_shared: bool):
     return op.tensor_call, args
 
 
-jit.register_tensor_entry(KERNEL, _build_tensors)
+jit.register_tensor_entry(KERNEL, _build_tensors, aot_configs=KERNEL.aot_configs)
 #: (hidden, topk, add_shared, device index) -> the tensor entry (jit.launch_tensor_entry)
 _TENSOR_FNS: dict = {}
 

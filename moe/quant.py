@@ -306,7 +306,9 @@ def _build_tensors(arch: str, *, K: int):
 
 
 jit.register_tensor_entry(KERNEL, _build_tensors, "mxfp8_quantize_tensors",
-                          "mxfp8_quantize (plain scales) taking torch tensors through TVM-FFI")
+                          "mxfp8_quantize (plain scales) taking torch tensors through TVM-FFI",
+                          aot_configs=tuple({"K": c["K"]} for c in KERNEL.aot_configs
+                                            if c["layout"] == "plain" and not c["routed"]))
 #: (K, device index) -> the tensor entry (jit.launch_tensor_entry)
 _TENSOR_FNS: dict = {}
 

@@ -259,6 +259,35 @@ def test_cli_build_wo_a_shape_adds_its_routes(tmp_path):
         assert r.returncode != 0 and why in r.stderr and "compiled" not in r.stdout
 
 
+def test_cli_build_tensor_entries_as_tvm_ffi_objects(tmp_path):
+    """``build --tensor-entries``: each tensor entry's AOT configs become TVM-FFI objects in the
+    cache (kernel.o, no C header; the key's options name TVM-FFI) that load as tvm_ffi
+    functions; without the flag none is built; ``--with-runtime`` links the plain entries and
+    leaves these out (they need the DSL's TVM-FFI loader); a flipped byte fails ``verify``."""
+    pytest.importorskip("tvm_ffi")
+    cache = str(tmp_path / "c")
+    plain = _cli("build", "--arch", "sm_90a", "--kernel", "row_rms", "--kernel", "row_rms_tensors", cache=cache)
+    assert plain.returncode == 0 and plain.stdout.count("| compiled") == 2 and "row_rms_tensors" not in plain.stdout
+    r = _cli("build", "--arch", "sm_90a", "--kernel", "row_rms", "--kernel", "row_rms_tensors", "--tensor-entries",
+             "--with-runtime", cache=cache)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("| compiled") == 2 and r.stdout.count("| cached") == 2 and "2 linked kernel.so" in r.stdout
+    store = ArtifactCache(cache)
+    kdef = catalog.kernels()["row_rms_tensors"]
+    for cfg in kdef.aot_configs:
+        key = jit.CacheKey.make(kdef, "sm_90a", cfg)
+        assert jit.TVM_FFI_OPTION in key.options.split()
+        entry = store.entry_dir(key)
+        assert sorted(os.listdir(entry)) == ["kernel.o", "manifest.json"]
+        _, fn = store.load(key)
+        assert type(fn).__module__.startswith("tvm_ffi")
+    assert _cli("verify", cache=cache).returncode == 0
+    open(os.path.join(entry, "kernel.o"), "ab").write(b"x")
+    with pytest.warns(RuntimeWarning, match="invalid"):
+        assert not store.has_valid(key)
+    assert _cli("verify", cache=cache).returncode == 1
+
+
 def test_exported_entry_loads_without_the_dsl_compiler(tmp_path):
     """An artifact-cache entry called through cute_kernels.exported in a fresh process that never
     imports `cutlass`: kernel.o links against libcute_dsl_runtime.so and its symbols resolve; the
@@ -565,14 +594,19 @@ def test_get_kernel_wraps_and_forwards_attributes(kdef, fresh_cache, tmp_path):
 
 # ------------------------------------------------------------ TVM-FFI launches ---------
 _TVM_FFI_SCRIPT = """
+import sys
 import cutlass, pytest, torch
 import cute_kernels.row_rms  # registers the kernel
+from cute_kernels.artifact_cache import ArtifactCache
 from cute_kernels import jit
 
 t = torch.zeros(8)
 jit.use_tvm_ffi(True)
 fn = jit.get_kernel("row_rms", "sm_90a", hidden=4096, dtype="bfloat16")
-assert not isinstance(fn, jit.DirectLaunch) and "TVMFFI" in type(fn).__name__
+assert not isinstance(fn, jit.DirectLaunch) and "TVMFFI" in type(fn).__name__  # compiled in this process
+assert type(ArtifactCache(sys.argv[1]).load(  # and exported: the entry loads as a TVM-FFI function
+    jit.CacheKey.make(jit.registry()["row_rms"], "sm_90a", dict(hidden=4096, dtype="bfloat16"),
+                      f"--gpu-arch=sm_90a {jit.TVM_FFI_OPTION}"))[1]).__module__.startswith("tvm_ffi")
 assert jit.gmem_ptr(cutlass.Float32, t, 4) == t.data_ptr()
 assert jit.i32(5) == 5 and jit.f32(0.5) == 0.5 and jit.cu_stream(0x1234) == 0x1234
 with pytest.raises(TypeError, match="argument #0"):
@@ -587,7 +621,7 @@ print("ok")
 """
 
 
-def test_tvm_ffi_launch_mode_converts_plain_arguments():
+def test_tvm_ffi_launch_mode_converts_plain_arguments(tmp_path):
     """``jit.use_tvm_ffi()``: kernels compile with the DSL's TVM-FFI calling convention and take
     raw addresses, Python numbers and the stream handle (the argument helpers switch with it);
     a wrong argument type is a TypeError naming the argument before any launch; switching back
@@ -601,8 +635,9 @@ def test_tvm_ffi_launch_mode_converts_plain_arguments():
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env["CUTE_DSL_ARCH"] = "sm_90a"
-    res = subprocess.run([sys.executable, "-c", _TVM_FFI_SCRIPT], env=env, capture_output=True, text=True,
-                         timeout=600)
+    env["CUTE_KERNELS_CACHE_DIR"] = str(tmp_path)
+    res = subprocess.run([sys.executable, "-c", _TVM_FFI_SCRIPT, str(tmp_path)], env=env, capture_output=True,
+                         text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 

@@ -4,7 +4,8 @@ them in C. The launch must be the pointer launch's, bit for bit, on the current 
 a graph; an input the C checks or the hot path refuse must still get the entry point's named
 error with nothing launched. (row_rms: the same in ``tests/test_row_rms.py``.)
 
-CPU: the tensor entries compile for sm_90a and sm_100a, and the AOT build leaves them out."""
+CPU: the tensor entries compile for sm_90a and sm_100a, with TVM-FFI in their key's options; the
+AOT build compiles them only when asked (``--tensor-entries``)."""
 
 import pytest
 import torch
@@ -25,7 +26,9 @@ def test_tensor_entry_compiles(name, arch):
     kdef = catalog.kernels()[name]
     assert kdef.tensor_entry_of and kdef.tensor_entry_of in catalog.kernels()
     assert not [k for k, _ in jit.iter_aot(catalog.kernels(), arch=arch) if k.name == name]
-    fn = jit.compile_now(kdef, arch, ENTRIES[name], options=f"{jit.default_options(arch)} {jit.TVM_FFI_OPTION}").fn
+    assert [k for k, _ in jit.iter_aot(catalog.kernels(), arch=arch, tensor_entries=True) if k.name == name]
+    assert jit.CacheKey.make(kdef, arch, ENTRIES[name]).options == jit.entry_options(kdef, arch)
+    fn = jit.compile_now(kdef, arch, ENTRIES[name], options=jit.entry_options(kdef, arch)).fn
     assert callable(fn)
 
 

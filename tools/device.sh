@@ -13,7 +13,7 @@
 #   bash tools/device.sh bench-kernels [B..] the kernel benchmarks B (default: every bench/bench_*.py;
 #                                            tables in $OUT)
 #   bash tools/device.sh bench-wo-a-routes   WO-A's default route against cuBLAS and the CuTe path
-#   bash tools/device.sh wo-a-fp8-variants   the FP8 WO-A decode kernel's K-step / stage variants at
+#   bash tools/device.sh wo-a-fp8-variants   the FP8 WO-A decode kernel's K-slice / stage / split variants at
 #                                            V4's shapes (which should be the default plan)
 #   bash tools/device.sh bench-runtime [A..] the decode runtime at the reference lengths, synthetic
 #                                            acceptance 5.5 (further bench options A)
@@ -94,7 +94,7 @@ bench-wo-a-routes)
   ;;
 wo-a-fp8-variants)
   timeout 400 python bench/bench_wo_a_fp8.py --tokens 1,5,16,32,64 --shapes 8x1024x4096,16x1024x4096 \
-    --variants 128/plan,256/plan,256/x2 --out "$OUT/bench_wo_a_fp8_variants.md" 2>&1 | tail -30
+    --variants 128/plan,256/plan,256/x2,128/x2,128/plan/x2,256/plan/x2 --out "$OUT/bench_wo_a_fp8_variants.md" 2>&1 | tail -30
   ;;
 bench-runtime)
   python -m spec_decode.bench --model v4_flash_slice --acceptance-length 5.5 --out "$OUT/bench_runtime.md" "$@"
