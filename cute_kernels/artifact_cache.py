@@ -8,7 +8,8 @@ object holding the host launcher and the cubin -- plus ``manifest.json``::
 
 An entry compiled with TVM-FFI (its key's options hold ``--enable-tvm-ffi``: tensor entries,
 and launches under ``jit.use_tvm_ffi``) is the object alone, exporting one TVM-FFI function;
-it loads as a ``tvm_ffi.Function`` and is left out of the runtime-only bundle.
+it loads as a ``tvm_ffi.Function`` -- through the DSL, or in runtime-only mode through
+apache-tvm-ffi from its linked ``kernel.so``.
 
 The manifest records every key field (kernel, source hash, config, arch, compile options,
 DSL version), the function prefix, and the sha256 and size of each payload file. An entry
@@ -210,12 +211,15 @@ class ArtifactCache:
 
     def load_exported(self, key: CacheKey):
         """The entry's launcher without the DSL (:class:`cute_kernels.exported.ExportedKernel`,
-        symbols resolved, loaded onto a device at its first call), else None."""
+        symbols resolved, loaded onto a device at its first call; for a TVM-FFI entry its
+        ``tvm_ffi.Function``), else None."""
         if not self.has_valid(key):
             return None
-        from .exported import ExportedKernel
+        from .exported import ExportedKernel, load_tvm_ffi_entry
 
         path = self.entry_dir(key)
+        if is_tvm_ffi(key.options):  # a tvm_ffi.Function (apache-tvm-ffi, no DSL)
+            return load_tvm_ffi_entry(path, function_prefix(key), self._bundled_runtime(key.dsl_version))
         k = ExportedKernel(path, runtime_library=self._bundled_runtime(key.dsl_version))
         k.open()
         return k
@@ -283,7 +287,7 @@ class ArtifactCache:
         """For a deployment without the DSL compiler: copy the DSL's runtime library next to the
         ``dsl_version`` entries and link every valid entry's ``kernel.so`` (recorded in its
         manifest, hash-checked like the payload). -> (library path, entries linked)."""
-        from .exported import ExportedKernel, runtime_library
+        from .exported import link_entry, runtime_library
 
         dst = self.runtime_library_path(dsl_version)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
@@ -295,9 +299,9 @@ class ArtifactCache:
         linked = 0
         for path in self.entries():
             ok, _, man = self.check_entry(path)
-            if not ok or man["key"].get("dsl_version") != dsl_version or is_tvm_ffi(man["key"].get("options", "")):
+            if not ok or man["key"].get("dsl_version") != dsl_version:
                 continue
-            so = ExportedKernel(path, runtime_library=dst).link()
+            so = link_entry(path)
             man["files"]["kernel.so"] = {"sha256": _sha256(so), "size": os.path.getsize(so)}
             tmp = os.path.join(path, f".manifest.tmp{os.getpid()}")
             with open(tmp, "w") as f:

@@ -75,6 +75,38 @@ def _current_device() -> int:
     return torch._C._cuda_getDevice()
 
 
+def link_entry(entry_dir: str) -> str:
+    """``kernel.so`` beside the entry's ``kernel.o`` (linked once; its runtime symbols stay
+    undefined and resolve against the runtime library loaded before it)."""
+    so = os.path.join(entry_dir, "kernel.so")
+    if not os.path.exists(so):
+        cc = shutil.which("cc")
+        if cc is None:
+            raise FileNotFoundError(f"{entry_dir}: kernel.so is missing and there is no C compiler to link "
+                                    f"kernel.o; build the cache with `python -m cute_kernels build --with-runtime`")
+        tmp = so + f".tmp{os.getpid()}"
+        subprocess.run([cc, "-shared", "-o", tmp, os.path.join(entry_dir, "kernel.o")], check=True,
+                       capture_output=True)
+        os.replace(tmp, so)
+    return so
+
+
+_TVM_FFI_MODULES: dict[str, object] = {}
+
+
+def load_tvm_ffi_entry(entry_dir: str, name: str, runtime_library: str | None = None):
+    """The ``tvm_ffi.Function`` ``name`` of a TVM-FFI entry (its ``kernel.o`` exports one),
+    without the DSL: the runtime library loaded first, ``kernel.so`` linked once and loaded by
+    ``tvm_ffi.load_module`` (the module kept for the process). Its first call loads the cubin."""
+    import tvm_ffi
+
+    _load_runtime(runtime_library)
+    mod = _TVM_FFI_MODULES.get(entry_dir)
+    if mod is None:
+        mod = _TVM_FFI_MODULES[entry_dir] = tvm_ffi.load_module(link_entry(entry_dir))
+    return mod[name]
+
+
 class ExportedKernel:
     """One artifact-cache entry (a directory holding ``kernel.o`` and ``kernel.h``), callable
     without the DSL compiler: ``k = ExportedKernel(path); k.load(); k(x_ptr, out_ptr, T, eps,
@@ -116,19 +148,8 @@ class ExportedKernel:
         self._cells_lock = threading.Lock()
 
     def link(self) -> str:
-        """``kernel.so`` beside the entry (linked once; its runtime symbols stay undefined and
-        resolve against the runtime library loaded before it)."""
-        so = os.path.join(self.entry_dir, "kernel.so")
-        if not os.path.exists(so):
-            cc = shutil.which("cc")
-            if cc is None:
-                raise FileNotFoundError(f"{self.entry_dir}: kernel.so is missing and there is no C compiler to link "
-                                        f"kernel.o; build the cache with `python -m cute_kernels build --with-runtime`")
-            tmp = so + f".tmp{os.getpid()}"
-            subprocess.run([cc, "-shared", "-o", tmp, os.path.join(self.entry_dir, "kernel.o")], check=True,
-                           capture_output=True)
-            os.replace(tmp, so)
-        return so
+        """``kernel.so`` beside the entry (:func:`link_entry`)."""
+        return link_entry(self.entry_dir)
 
     def open(self) -> None:
         """Resolve the object's symbols (no CUDA call yet)."""

@@ -455,7 +455,7 @@ def get_kernel(name: str, arch: str, *, use_disk: bool = True, artifact_cache=No
     if kdef is None:
         raise KeyError(f"unknown kernel {name!r} (import the module that defines it); registered: "
                        f"{', '.join(sorted(_REGISTRY))}")
-    if TVM_FFI:
+    if TVM_FFI and not runtime_only.active():  # (runtime-only: the ctypes launchers take the same arguments)
         fn = CACHE.get(kdef, arch, config, options=f"{default_options(arch)} {TVM_FFI_OPTION}",
                        artifact_cache=artifact_cache, use_disk=use_disk)
     else:
@@ -680,19 +680,20 @@ _DSL_HELPERS = (gmem_ptr, i32, f32, cu_stream)
 
 def use_tvm_ffi(enabled: bool = True) -> None:
     """Launch every kernel fetched from now on through the DSL's TVM-FFI calling convention
-    (``enabled``), or through :class:`DirectLaunch` again. Process-wide; switch between calls,
-    not while another thread launches. Raises ``ImportError`` without the ``apache-tvm-ffi``
-    package, ``RuntimeError`` in runtime-only mode (no compiler to build the TVM-FFI functions)."""
+    (``enabled``), and let entry points take their tensor entries; or through
+    :class:`DirectLaunch` again. Process-wide; switch between calls, not while another thread
+    launches. Raises ``ImportError`` without the ``apache-tvm-ffi`` package. In runtime-only
+    mode only the tensor entries change: they come from the artifact cache (``build
+    --tensor-entries --with-runtime``) through apache-tvm-ffi, and the other kernels keep their
+    ctypes launchers."""
     global TVM_FFI, gmem_ptr, i32, f32, cu_stream
     if enabled:
-        if runtime_only.active():
-            raise RuntimeError("use_tvm_ffi: runtime-only mode has no DSL compiler to build TVM-FFI functions")
         try:
             import tvm_ffi  # noqa: F401
         except ImportError as e:
             raise ImportError("use_tvm_ffi needs the apache-tvm-ffi package (pip install apache-tvm-ffi)") from e
         gmem_ptr, i32, f32, cu_stream = _raw_gmem_ptr, _raw_scalar, _raw_scalar, stream_handle
-    else:
+    elif not runtime_only.active():
         gmem_ptr, i32, f32, cu_stream = _DSL_HELPERS
     TVM_FFI = bool(enabled)
 

@@ -262,8 +262,8 @@ def test_cli_build_wo_a_shape_adds_its_routes(tmp_path):
 def test_cli_build_tensor_entries_as_tvm_ffi_objects(tmp_path):
     """``build --tensor-entries``: each tensor entry's AOT configs become TVM-FFI objects in the
     cache (kernel.o, no C header; the key's options name TVM-FFI) that load as tvm_ffi
-    functions; without the flag none is built; ``--with-runtime`` links the plain entries and
-    leaves these out (they need the DSL's TVM-FFI loader); a flipped byte fails ``verify``."""
+    functions; without the flag none is built; ``--with-runtime`` links them like the plain
+    entries; a flipped byte fails ``verify``."""
     pytest.importorskip("tvm_ffi")
     cache = str(tmp_path / "c")
     plain = _cli("build", "--arch", "sm_90a", "--kernel", "row_rms", "--kernel", "row_rms_tensors", cache=cache)
@@ -271,14 +271,14 @@ def test_cli_build_tensor_entries_as_tvm_ffi_objects(tmp_path):
     r = _cli("build", "--arch", "sm_90a", "--kernel", "row_rms", "--kernel", "row_rms_tensors", "--tensor-entries",
              "--with-runtime", cache=cache)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("| compiled") == 2 and r.stdout.count("| cached") == 2 and "2 linked kernel.so" in r.stdout
+    assert r.stdout.count("| compiled") == 2 and r.stdout.count("| cached") == 2 and "4 linked kernel.so" in r.stdout
     store = ArtifactCache(cache)
     kdef = catalog.kernels()["row_rms_tensors"]
     for cfg in kdef.aot_configs:
         key = jit.CacheKey.make(kdef, "sm_90a", cfg)
         assert jit.TVM_FFI_OPTION in key.options.split()
         entry = store.entry_dir(key)
-        assert sorted(os.listdir(entry)) == ["kernel.o", "manifest.json"]
+        assert sorted(os.listdir(entry)) == ["kernel.o", "kernel.so", "manifest.json"]  # no C header
         _, fn = store.load(key)
         assert type(fn).__module__.startswith("tvm_ffi")
     assert _cli("verify", cache=cache).returncode == 0
@@ -422,6 +422,44 @@ except ValueError as e:
     assert again.returncode == 0 and "ExportedKernel" in again.stdout, again.stderr
 
 
+def test_runtime_only_mode_serves_tensor_entries_through_tvm_ffi(tmp_path):
+    """Runtime-only mode with apache-tvm-ffi: ``use_tvm_ffi()`` is accepted; the tensor entries
+    that ``build --tensor-entries --with-runtime`` wrote load as tvm_ffi functions from their
+    linked kernel.so (no DSL in the process), whose C checks refuse a CPU tensor with a
+    ValueError before any launch; the pointer launchers stay ctypes; a missing tensor entry
+    raises MissingArtifact naming the build command."""
+    pytest.importorskip("tvm_ffi")
+    cache = str(tmp_path / "c")
+    built = _cli("build", "--arch", "sm_90a", "--kernel", "row_rms", "--kernel", "row_rms_tensors",
+                 "--tensor-entries", "--with-runtime", cache=cache)
+    assert built.returncode == 0 and "4 linked kernel.so" in built.stdout, built.stdout + built.stderr
+    code = """
+import sys, torch
+from cute_kernels import jit, runtime_only
+from cute_kernels.exported import ExportedKernel
+import cute_kernels.row_rms
+assert runtime_only.active()
+jit.use_tvm_ffi()
+fn = jit.get_tensor_kernel("row_rms_tensors", "sm_90a", hidden=7168, dtype="bfloat16")
+print("entry", type(fn).__module__)
+assert isinstance(jit.get_kernel("row_rms", "sm_90a", hidden=7168, dtype="bfloat16"), ExportedKernel)
+try:
+    fn(torch.zeros(2, 7168, dtype=torch.bfloat16), torch.zeros(2), 1e-6)
+except ValueError as e:
+    print("refused:", e)
+try:
+    jit.get_tensor_kernel("row_rms_tensors", "sm_90a", hidden=512, dtype="bfloat16")
+except runtime_only.MissingArtifact as e:
+    print("missing:", e)
+print("left", sorted(m for m in sys.modules if m.split(".")[0] == "cutlass"))
+"""
+    r = _without_dsl(code, cache)
+    assert r.returncode == 0, r.stderr
+    assert "entry tvm_ffi" in r.stdout and "left []" in r.stdout
+    assert "refused:" in r.stdout and "mX" in r.stdout, r.stdout
+    assert "missing:" in r.stdout and "--kernel row_rms_tensors" in r.stdout and '"hidden": 512' in r.stdout
+
+
 def test_runtime_only_mode_refuses_a_tampered_or_empty_cache(tmp_path):
     """A flipped byte in an entry's linked kernel.so makes the entry invalid (MissingArtifact,
     not a load); an empty cache names the build command."""
@@ -453,7 +491,8 @@ except runtime_only.MissingArtifact as e:
 def test_runtime_only_entry_points_match_the_dsl_path_on_gpu(tmp_path):
     """On a GPU, in a process without the DSL: row_rms() and masked_softmax() through the
     cache's ctypes launchers equal the same calls through the DSL in this process, bit for
-    bit (the same machine code)."""
+    bit (the same machine code); with apache-tvm-ffi, so do row_rms()'s calls through its
+    tensor entry (the first validated, the next two through the entry)."""
     import torch
 
     from cute_kernels.masked_softmax import masked_softmax
@@ -482,6 +521,26 @@ torch.save(out, {str(tmp_path / "out.pt")!r})
     got = torch.load(str(tmp_path / "out.pt"))
     assert torch.equal(got["rms"], row_rms(x.cuda(), 1e-6).cpu())
     assert torch.equal(got["sm"], masked_softmax(s.cuda(), m.cuda()).cpu())
+    try:  # the tensor entry through apache-tvm-ffi, still without the DSL: the same bits
+        import tvm_ffi  # noqa: F401
+    except ImportError:
+        return
+    assert _cli("build", "--arch", "sm_90a", "--kernel", "row_rms_tensors", "--tensor-entries", "--with-runtime",
+                cache=cache).returncode == 0
+    code = f"""
+import torch
+from cute_kernels import jit
+from cute_kernels.row_rms import _TENSOR_FNS, row_rms
+jit.use_tvm_ffi()
+x = torch.load({str(tmp_path / "in.pt")!r})["x"].cuda()
+outs = [row_rms(x, 1e-6, out=torch.full((x.shape[0],), float("nan"), device="cuda")) for _ in range(3)]
+assert _TENSOR_FNS and type(next(iter(_TENSOR_FNS.values()))).__module__.startswith("tvm_ffi")
+torch.save([o.cpu() for o in outs], {str(tmp_path / "out.pt")!r})
+"""
+    r = _without_dsl(code, cache)
+    assert r.returncode == 0, r.stderr
+    for got in torch.load(str(tmp_path / "out.pt")):
+        assert torch.equal(got, row_rms(x.cuda(), 1e-6).cpu())
 
 
 # ------------------------------------------------------------ direct launch -----------
