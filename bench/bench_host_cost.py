@@ -23,8 +23,9 @@ Runtime-only mode (:mod:`cute_kernels.runtime_only`): the kernels this run compi
 artifact cache (``--cache``, default a fresh directory); after the table above, the cache is
 made a deployment (``bundle_runtime``) and this script runs again in a child process that
 cannot import the DSL (compiler or runtime package): it times the entry points through the
-cache's ctypes launchers, after checking each op's output bit-equal to this process's, and
-reports the import time of ``cute_kernels.row_rms`` and its first call (cubin load), next to
+cache's ctypes launchers and then, with apache-tvm-ffi, with :func:`cute_kernels.jit.use_tvm_ffi`
+on (the tensor entries this run compiled, loaded through apache-tvm-ffi from the cache), after
+checking each op's output bit-equal to this process's, and reports the import time of ``cute_kernels.row_rms`` and its first call (cubin load), next to
 the same two figures of a fresh process with the DSL.
 """
 
@@ -179,14 +180,17 @@ def runtime_only_child(args) -> int:
     assert runtime_only.active() and "cutlass" not in sys.modules
     want = torch.load(args.expect)
     res = {}
-    for name, entry, _, out in selected_cases(args.only):
-        if out is None:
-            res[name] = host_us(entry, args.calls)
-            continue
-        if not torch.equal(poisoned_output(entry, out), want[name]):
-            raise SystemExit(f"{name}: the runtime-only launch's output differs from the DSL process's")
-        res[name] = host_us(entry, args.calls)
-        print(f"{name}: {res[name]:.1f} us (runtime-only)", flush=True)
+    for mode in ("ctypes", "TVM-FFI"):
+        if mode == "TVM-FFI":  # the tensor entries the parent compiled, through apache-tvm-ffi
+            try:
+                jit.use_tvm_ffi(True)
+            except ImportError:
+                break
+        for name, entry, _, out in selected_cases(args.only):
+            if out is not None and not torch.equal(poisoned_output(entry, out), want[name]):
+                raise SystemExit(f"{name}: the runtime-only ({mode}) launch's output differs from the DSL process's")
+            res[f"{mode}:{name}"] = host_us(entry, args.calls)
+            print(f"{name}: {res[f'{mode}:{name}']:.1f} us (runtime-only, {mode})", flush=True)
     print("RESULT " + json.dumps(res))
     return 0
 
@@ -272,13 +276,15 @@ def main(argv=None) -> int:
         raise SystemExit("the runtime-only run failed")
     ro = json.loads(next(ln for ln in child.stdout.splitlines() if ln.startswith("RESULT "))[7:])
     for r in rows:
-        r.insert(2, f"{ro[r[0]]:.1f}")
+        r.insert(2, f"{ro[f'ctypes:{r[0]}']:.1f}")
+        t = ro.get(f"TVM-FFI:{r[0]}")
+        r.insert(4, "n/a" if t is None else f"{t:.1f}")
     first = [("with the DSL", *import_and_first_call(env, False)), ("runtime-only", *import_and_first_call(env, True))]
     text = "\n".join([f"## Eager host cost per call -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
                       f"Command: `python bench/bench_host_cost.py --calls {args.calls}`", "",
                       markdown_table(["op (decode shapes: T = 6)", "entry point us", "runtime-only entry point us",
-                                      "entry point, TVM-FFI us", "entry point, DSL call path us", "custom op us",
-                                      "entry point vs torch.add"],
+                                      "entry point, TVM-FFI us", "runtime-only, TVM-FFI us",
+                                      "entry point, DSL call path us", "custom op us", "entry point vs torch.add"],
                                      rows), "",
                       f"Import of `cute_kernels.row_rms` (after torch) and its first call (artifact cache warm; "
                       f"runtime-only: {linked} entries linked, runtime library {os.path.getsize(lib) >> 20} MiB):", "",
