@@ -190,6 +190,13 @@ def route(T: int, G: int, R: int, Dg: int, arch: str, *, decode_kernel: bool | s
 _WORKSPACES: dict = {}
 
 
+#: (o.shape, wo_a_weight.shape, device index) -> the decode kernel's tensor entry
+#: (jit.launch_tensor_entry), filled by a first validated call of the default route with TVM-FFI
+#: on; the split kernel's default workspace under the same key
+_TENSOR_FNS: dict = {}
+_TENSOR_WORKSPACES: dict = {}
+
+
 def _default_workspace(device, G, R) -> WoADecodeWorkspace:
     """One per (device, G, R), created on first use (do that outside graph capture: a warm-up)."""
     key = (device, G, R)
@@ -249,6 +256,13 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     strided-batched GEMM storing token-major ``y`` (:mod:`.wo_a_cublas`; any CUDA device; not
     with ``decode_kernel`` or ``pdl``); ``None`` -- the default rule.
     """
+    if (out is not None and jit.TVM_FFI and stream is None and arch is None and decode_kernel is None
+            and workspace is None and not pdl and backend is None):  # the eager hot path (T <= 64)
+        key = (o.shape, wo_a_weight.shape, o.get_device())  # (the C checks: dtypes, extents, strides, ...)
+        ws = _TENSOR_WORKSPACES.get(key)
+        if (jit.launch_tensor_entry(_TENSOR_FNS, key, o, wo_a_weight, out) if ws is None else
+                jit.launch_tensor_entry(_TENSOR_FNS, key, o, wo_a_weight, out, ws.partials, ws.counters)):
+            return out
     op = "wo_a"
     if decode_kernel not in (None, True, False) + DECODE_KINDS:
         raise ValueError(f"{op}: decode_kernel={decode_kernel!r}, expected None, True, False, 'mma' or 'wgmma'")
@@ -280,6 +294,7 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
         return wo_a_cublas(o, wo_a_weight, out, stream)
     P, bf16 = jit.gmem_ptr, cutlass.BFloat16
     fn = jit.get_kernel(name, a, **cfg)
+    ws = None
     if name == "wo_a_decode":  # split-K: FP32 partials and tile counters in the workspace
         ws = decode_workspace(op, workspace, o, G, R, cfg["splits"])
         fn(P(bf16, o, 16), P(bf16, wo_a_weight, 16), P(bf16, out, 4), P(Float32, ws.partials, 4),
@@ -287,6 +302,12 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     else:  # the engine (TMA-stored y: 16-byte aligned) and the wgmma decode kernel
         fn(P(bf16, o, 16), P(bf16, wo_a_weight, 16), P(bf16, out, 16 if name == op else 4), jit.i32(T),
            jit.cu_stream(stream))
+    if (name != op and stream is None and arch is None and decode_kernel is None and workspace is None and not pdl
+            and backend is None):  # a decode kernel by the default route: its tensor entry for the next calls
+        key = (o.shape, wo_a_weight.shape, o.get_device())
+        if ws is not None:
+            _TENSOR_WORKSPACES[key] = ws
+        jit.remember_tensor_entry(_TENSOR_FNS, key, f"{name}_tensors", a, **cfg)
     return out
 
 
@@ -332,3 +353,5 @@ def _routed_configs(kernel: str, arch: str) -> tuple[dict, ...]:
 # routing rule lives, so that their modules need not import it.
 for _kernel in ("wo_a_decode", "wo_a_decode_swap_ab"):
     jit.register(dataclasses.replace(jit.registry()[_kernel], aot_configs=functools.partial(_routed_configs, _kernel)))
+    jit.register(dataclasses.replace(jit.registry()[f"{_kernel}_tensors"],
+                                     aot_configs=functools.partial(_routed_configs, _kernel)))

@@ -77,6 +77,14 @@ class WoADecode:
         self.kernel(mO, mW, mY, mPart, mCount, tiled_mma, num_tokens).launch(
             grid=[R // self.bn, G, self.splits], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl)
 
+    @cute.jit
+    def tensor_call(self, mO: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mPart: cute.Tensor, mCount: cute.Tensor,
+                    stream: cuda.CUstream):
+        """The tensor entry (``jit.get_tensor_kernel``): ``mO [T, H, Dv]`` (H * Dv = G * Dg:
+        checked by the caller), ``mW [G, R, Dg]``, ``mY [T, G * R]``, the workspace's
+        ``mPart`` / ``mCount`` (1-D, their lengths checked by the caller)."""
+        self.__call__(mO.iterator, mW.iterator, mY.iterator, mPart.iterator, mCount.iterator, mO.shape[0], stream)
+
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mPart: cute.Tensor, mCount: cute.Tensor,
                tiled_mma: cute.TiledMma, num_tokens: Int32):
@@ -284,6 +292,15 @@ def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1,
     return WoADecode(G, R, Dg, bm, splits, pdl, stages, bn), args
 
 
+def _build_tensors(arch: str, *, G: int, R: int, Dg: int, bm: int = 64, splits: int = 1, stages: int = STAGES,
+                   bn: int = BN):
+    op, _ = _build(arch, G=G, R=R, Dg=Dg, bm=bm, splits=splits, stages=stages, bn=bn)
+    sym, bf, T = {}, cutlass.BFloat16, jit.fake_tensor
+    args = (T(bf, ("T", "H", "Dv"), 16, sym), T(bf, (G, R, Dg), 16, sym), T(bf, ("T", G * R), 4, sym),
+            T(Float32, ("P",), 4, sym), T(Int32, ("C",), 4, sym), jit.fake_env_stream())
+    return op.tensor_call, args
+
+
 KERNEL = jit.register(jit.KernelDef(
     name="wo_a_decode",
     build=_build,
@@ -295,3 +312,4 @@ KERNEL = jit.register(jit.KernelDef(
     aot_configs=lambda arch: (),
     description="WO-A decode (T <= 64): weight-streaming split-K warp-MMA, token-major bf16 out",
 ))
+jit.register_tensor_entry(KERNEL, _build_tensors)  # its AOT configs: cute_kernels.wo_a's routes

@@ -87,6 +87,12 @@ class WoADecodeSwapAB:
         self.kernel(tiled_mma, tma_w, tma_tensor_w, tma_o, tma_tensor_o, w_smem, o_smem, mY, num_tokens).launch(
             grid=[G * R // BM, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
+    @cute.jit
+    def tensor_call(self, mO: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, stream: cuda.CUstream):
+        """The tensor entry (``jit.get_tensor_kernel``): ``mO [T, H, Dv]`` (H * Dv = G * Dg and
+        T <= tok_n: checked by the caller), ``mW [G, R, Dg]``, ``mY [T, G * R]``."""
+        self.__call__(mO.iterator, mW.iterator, mY.iterator, mO.shape[0], stream)
+
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_o: cute.CopyAtom,
                mO: cute.Tensor, w_smem: cute.ComposedLayout, o_smem: cute.ComposedLayout, mY: cute.Tensor,
@@ -217,6 +223,14 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 4, b
     return WoADecodeSwapAB(G, R, Dg, tok_n, stages, bk, pdl), args
 
 
+def _build_tensors(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 4, bk: int = 64):
+    op, _ = _build(arch, G=G, R=R, Dg=Dg, tok_n=tok_n, stages=stages, bk=bk)
+    sym, bf, T = {}, cutlass.BFloat16, jit.fake_tensor
+    args = (T(bf, ("T", "H", "Dv"), 16, sym), T(bf, (G, R, Dg), 16, sym), T(bf, ("T", G * R), 4, sym),
+            jit.fake_env_stream())
+    return op.tensor_call, args
+
+
 KERNEL = jit.register(jit.KernelDef(
     name="wo_a_decode_swap_ab",
     build=_build,
@@ -228,3 +242,4 @@ KERNEL = jit.register(jit.KernelDef(
     aot_configs=lambda arch: (),
     description="WO-A decode (T <= 64), Hopper: TMA + wgmma, weight rows as M, token-major bf16 out",
 ))
+jit.register_tensor_entry(KERNEL, _build_tensors)  # its AOT configs: cute_kernels.wo_a's routes

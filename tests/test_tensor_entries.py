@@ -16,7 +16,9 @@ ENTRIES = {"row_rms_tensors": dict(hidden=7168), "mhc_pre_mix_tensors": dict(n=4
            "mhc_post_mix_tensors": dict(n=4, hidden=4096),
            "moe_finalize_tensors": dict(hidden=4096, topk=6, add_shared=True),
            "mxfp8_quantize_tensors": dict(K=4096), "rms_norm_tensors": dict(hidden=4096),
-           "masked_softmax_tensors": dict(length=592, heads=16, mask_stride=608)}
+           "masked_softmax_tensors": dict(length=592, heads=16, mask_stride=608),
+           "wo_a_decode_tensors": dict(G=8, R=1024, Dg=4096, bm=16, bn=32, splits=1, stages=6),
+           "wo_a_decode_swap_ab_tensors": dict(G=16, R=1024, Dg=4096, tok_n=8, stages=4, bk=64)}
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
@@ -24,9 +26,13 @@ ENTRIES = {"row_rms_tensors": dict(hidden=7168), "mhc_pre_mix_tensors": dict(n=4
 def test_tensor_entry_compiles(name, arch):
     pytest.importorskip("tvm_ffi")
     kdef = catalog.kernels()[name]
+    if arch not in kdef.archs:
+        pytest.skip(f"{name} has no {arch} path")
     assert kdef.tensor_entry_of and kdef.tensor_entry_of in catalog.kernels()
     assert not [k for k, _ in jit.iter_aot(catalog.kernels(), arch=arch) if k.name == name]
-    assert [k for k, _ in jit.iter_aot(catalog.kernels(), arch=arch, tensor_entries=True) if k.name == name]
+    built = [c for k, c in jit.iter_aot(catalog.kernels(), arch=arch, tensor_entries=True) if k.name == name]
+    # every AOT config (WO-A's decode kernels: those its default route takes, none on sm_100a)
+    assert built or (arch == "sm_100a" and name.startswith("wo_a_decode"))
     assert jit.CacheKey.make(kdef, arch, ENTRIES[name]).options == jit.entry_options(kdef, arch)
     fn = jit.compile_now(kdef, arch, ENTRIES[name], options=jit.entry_options(kdef, arch)).fn
     assert callable(fn)
@@ -38,6 +44,7 @@ def _cases():
     from cute_kernels.mhc_pre_mix import mhc_pre_mix
     from cute_kernels.masked_softmax import masked_softmax
     from cute_kernels.rms_norm import rms_norm
+    from cute_kernels.wo_a import wo_a
     from moe.finalize import moe_finalize
 
     T, n, C, k, rows = 6, 4, 4096, 6, 48
@@ -49,13 +56,23 @@ def _cases():
     xx = bf(T + 1, n, C)  # two overlapping [T, n, C] views
     y, w, sh = bf(rows, C), torch.rand(T, k, device="cuda"), bf(T, C)
     pos = torch.randperm(rows, device="cuda")[:T * k].int()
+    # WO-A at V4-Flash (G = 8: the split-K warp-MMA decode kernel) and V4-Pro (G = 16: the
+    # wgmma one) shapes, o [T, H, 512]
+    wo = {G: (bf(T, 8 * G, 512), bf(G, 1024, 4096) / 64) for G in (8, 16)}
 
     def fresh():
-        for t in (x, h, f, y, w, sh, rn, rw, sc):
+        for t in (x, h, f, y, w, sh, rn, rw, sc, wo[8][0], wo[16][0]):
             t.copy_(torch.randn_like(t.float()).to(t.dtype))
         mask.copy_(torch.rand(T, 608, device="cuda") < 0.7)
 
-    cases = [
+    cases = [(f"wo_a G={G}", lambda out, G=G, **kw: wo_a(*wo[G], out=out, **kw),
+              torch.empty(T, G * 1024, device="cuda").bfloat16(),
+              [(lambda out, G=G: wo_a(wo[G][0].float(), wo[G][1], out=out), TypeError, "o must have dtype"),
+               (lambda out, G=G: wo_a(wo[G][0], wo[G][1][:, :512], out=out), ValueError, "out must have shape"),
+               (lambda out, G=G: wo_a(wo[G][0], wo[G][1], out=out[:5]), ValueError, "out must have shape"),
+               (lambda out, G=G: wo_a(wo[G][0].transpose(1, 2), wo[G][1], out=out), ValueError, "contiguous")])
+             for G in (8, 16)]
+    cases += [
         ("masked_softmax", lambda out, **kw: masked_softmax(sc, mask, out=out, **kw), torch.empty_like(sc),
          [(lambda out: masked_softmax(sc, mask.byte(), out=out), TypeError, "mask must have dtype"),
           (lambda out: masked_softmax(sc, mask[:5], out=out), ValueError, "mask must be"),
@@ -103,8 +120,11 @@ def test_tensor_entries_equal_the_pointer_launch_and_refuse_by_name(seed, monkey
     import moe.finalize as fin
 
     cases, fresh = _cases()
+    import cute_kernels.wo_a as woa
+
     memos = {"masked_softmax": msm._TENSOR_FNS, "rms_norm": rms._TENSOR_FNS, "mhc_pre_mix": pre._TENSOR_FNS,
-             "mhc_post_mix": post._TENSOR_FNS, "moe_finalize": fin._TENSOR_FNS}
+             "mhc_post_mix": post._TENSOR_FNS, "moe_finalize": fin._TENSOR_FNS, "wo_a G=8": woa._TENSOR_FNS,
+             "wo_a G=16": woa._TENSOR_FNS}
     for name, call, out, bad in cases:
         want = out.clone()
 
