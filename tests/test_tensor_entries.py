@@ -17,6 +17,7 @@ ENTRIES = {"row_rms_tensors": dict(hidden=7168), "mhc_pre_mix_tensors": dict(n=4
            "moe_finalize_tensors": dict(hidden=4096, topk=6, add_shared=True),
            "mxfp8_quantize_tensors": dict(K=4096), "rms_norm_tensors": dict(hidden=4096),
            "masked_softmax_tensors": dict(length=592, heads=16, mask_stride=608),
+           "mhc_stats_tensors": dict(n=4, hidden=4096, sinkhorn_iters=20, hc_eps=1e-6),
            "wo_a_decode_tensors": dict(G=8, R=1024, Dg=4096, bm=16, bn=32, splits=1, stages=6),
            "wo_a_decode_swap_ab_tensors": dict(G=16, R=1024, Dg=4096, tok_n=8, stages=4, bk=64)}
 
@@ -44,6 +45,7 @@ def _cases():
     from cute_kernels.mhc_pre_mix import mhc_pre_mix
     from cute_kernels.masked_softmax import masked_softmax
     from cute_kernels.rms_norm import rms_norm
+    from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_split_phi, mhc_stats
     from cute_kernels.wo_a import wo_a
     from moe.finalize import moe_finalize
 
@@ -72,6 +74,19 @@ def _cases():
                (lambda out, G=G: wo_a(wo[G][0], wo[G][1], out=out[:5]), ValueError, "out must have shape"),
                (lambda out, G=G: wo_a(wo[G][0].transpose(1, 2), wo[G][1], out=out), ValueError, "contiguous")])
              for G in (8, 16)]
+    phi = mhc_split_phi(torch.randn(2 * n + n * n, n * C, device="cuda") / (n * C) ** 0.5)
+    alpha, bias, ws = torch.rand(3, device="cuda") + 0.5, torch.randn(2 * n + n * n, device="cuda"), \
+        MhcStatsWorkspace(n, T, device="cuda")
+    cases.append(("mhc_stats", lambda out, **kw: mhc_stats(x, phi, alpha, bias, hc_eps=1e-6, workspace=ws, out=out,
+                                                           **kw), torch.empty(T, 2 * n + n * n, device="cuda"),
+                  [(lambda out: mhc_stats(x, phi.float(), alpha, bias, hc_eps=1e-6, workspace=ws, out=out), ValueError,
+                    "phi must have shape"),
+                   (lambda out: mhc_stats(x, phi, alpha[:2], bias, hc_eps=1e-6, workspace=ws, out=out), ValueError,
+                    "alpha must have shape"),
+                   (lambda out: mhc_stats(x, phi, alpha, bias, hc_eps=1e-6, workspace=MhcStatsWorkspace(n, T - 1),
+                                          out=out), ValueError, "workspace is for"),
+                   (lambda out: mhc_stats(x, phi, alpha, bias, hc_eps=1e-6, workspace=ws, out=out[:, :8]), ValueError,
+                    "out must have shape")]))
     cases += [
         ("masked_softmax", lambda out, **kw: masked_softmax(sc, mask, out=out, **kw), torch.empty_like(sc),
          [(lambda out: masked_softmax(sc, mask.byte(), out=out), TypeError, "mask must have dtype"),
@@ -120,11 +135,12 @@ def test_tensor_entries_equal_the_pointer_launch_and_refuse_by_name(seed, monkey
     import moe.finalize as fin
 
     cases, fresh = _cases()
+    import cute_kernels.mhc_stats as stats
     import cute_kernels.wo_a as woa
 
     memos = {"masked_softmax": msm._TENSOR_FNS, "rms_norm": rms._TENSOR_FNS, "mhc_pre_mix": pre._TENSOR_FNS,
              "mhc_post_mix": post._TENSOR_FNS, "moe_finalize": fin._TENSOR_FNS, "wo_a G=8": woa._TENSOR_FNS,
-             "wo_a G=16": woa._TENSOR_FNS}
+             "wo_a G=16": woa._TENSOR_FNS, "mhc_stats": stats._TENSOR_FNS}
     for name, call, out, bad in cases:
         want = out.clone()
 
