@@ -70,7 +70,8 @@ from cute_kernels.rms_norm import rms_norm  # noqa: E402
 from cute_kernels.row_rms import row_rms  # noqa: E402
 from cute_kernels.wo_a import wo_a  # noqa: E402
 from moe.finalize import moe_finalize  # noqa: E402
-from moe.quant import mxfp8_quantize  # noqa: E402
+from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size  # noqa: E402
+from moe.router import V4_FLASH_ROUTER, MoeRouter  # noqa: E402
 
 ops = torch.ops.cute_kernels
 
@@ -117,6 +118,14 @@ def cases():
     nw, yn = bf(C), torch.empty_like(x2)  # a weighted 2-D RMSNorm (q_a / kv norms)
     sc3, mk2 = sc.view(T, 64, 592), mk.view(T, 608)  # masked_softmax's one-lead-dim form
     sm3 = torch.empty_like(sc3)
+    cfg = V4_FLASH_ROUTER  # the router and the routed quantization at DeepSeek-V4-Flash's shapes
+    router, logits = MoeRouter(cfg, max_tokens=64, device=dev), torch.randn(T, cfg.num_experts, device=dev)
+    rbias = torch.randn(cfg.num_experts, device=dev) * 0.1
+    routed = router(logits, rbias)
+    xv4 = bf(T, 4096)
+    slots = routed.sorted_token_ids.numel()
+    qr, sr = torch.empty(slots, 4096, dtype=torch.float8_e4m3fn, device=dev), \
+        torch.empty(scale_buffer_size(slots, 4096, "swizzled"), dtype=torch.uint8, device=dev)
     return [
         ("torch.add (yardstick)", lambda: torch.add(small, small), None, None),
         ("row_rms", lambda: row_rms(x2, 1e-6, out=rms_out), lambda: ops.row_rms_out(x2, 1e-6, rms_out), rms_out),
@@ -134,6 +143,14 @@ def cases():
         ("mxfp8_quantize", lambda: mxfp8_quantize(x2, q=q, scales=s), lambda: ops.mxfp8_quantize(x2, "plain"), q),
         ("moe_finalize (+ shared)", lambda: moe_finalize(yr, wt, pos, sh, out=fo),
          lambda: ops.moe_finalize(yr, wt, pos, sh), fo),
+        ("router (V4-Flash, + align)", lambda: router(logits, rbias),
+         lambda: ops.moe_route(logits, rbias, cfg.num_experts, cfg.n_group, cfg.topk_group, cfg.top_k,
+                               cfg.routed_scaling_factor, cfg.score, cfg.tile_m), router.topk_ids[:T]),
+        ("mxfp8_quantize_routed (swizzled)",
+         lambda: mxfp8_quantize_routed(xv4, routed.sorted_token_ids, routed.total_rows, cfg.top_k, layout="swizzled",
+                                       q=qr, scales=sr),
+         lambda: ops.mxfp8_quantize_routed(xv4, routed.sorted_token_ids, routed.total_rows, cfg.top_k, "swizzled"),
+         sr),
     ]
 
 
@@ -143,9 +160,16 @@ def selected_cases(only: str | None):
     return [c for c in cases() if names is None or c[0] in names or c[0].startswith("torch.add")]
 
 
+def poison_value(out: torch.Tensor):
+    """What a poisoned output holds: NaN, or a byte / integer no kernel writes here."""
+    if out.dtype in (torch.uint8, torch.float8_e4m3fn):
+        return 0x55
+    return float("nan") if out.dtype.is_floating_point else -7
+
+
 def poisoned_output(entry, out) -> torch.Tensor:
     """``entry()``'s output written into ``out`` poisoned first, as raw bytes."""
-    out.fill_(0x55 if out.dtype in (torch.uint8, torch.float8_e4m3fn) else float("nan"))
+    out.fill_(poison_value(out))
     entry()
     torch.cuda.synchronize()
     return out.view(torch.uint8).cpu().clone()
@@ -198,7 +222,7 @@ def runtime_only_child(args) -> int:
 def direct_equals_dsl(entry, out) -> bool:
     """The entry point's output through :class:`cute_kernels.jit.DirectLaunch` equals, bit for
     bit, its output through the DSL's own call path (each into a poisoned buffer)."""
-    poison = 0x55 if out.dtype in (torch.uint8, torch.float8_e4m3fn) else float("nan")
+    poison = poison_value(out)
     jit.DIRECT_LAUNCH = False
     out.fill_(poison)
     entry()

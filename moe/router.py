@@ -251,6 +251,20 @@ class RouterTopkAlign:
         self.kernel(mLogits, mBias, mIds, mW, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos, mTok,
                     mTable, num_tokens, tiles_cap, vocab).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
+    @cute.jit
+    def tensor_call(self, mLogits: cute.Tensor, mBias: cute.Tensor, mTok: cute.Tensor, mTable: cute.Tensor,
+                    mIds: cute.Tensor, mW: cute.Tensor, mCounts: cute.Tensor, mOffsets: cute.Tensor,
+                    mSorted: cute.Tensor, mTileExpert: cute.Tensor, mTotal: cute.Tensor, mWs: cute.Tensor,
+                    mPos: cute.Tensor, stream: cuda.CUstream):
+        """The tensor entry (``jit.get_tensor_kernel``): ``mLogits [T, E]``, ``mBias [E]``,
+        ``mTok [T]`` and ``mTable [vocab, k]`` (hash routing; stand-ins otherwise, as is ``mBias``
+        without a bias), then the outputs and workspace of :class:`RouterOutput` (``mPos [T k]``
+        and the capacities of ``mSorted`` / ``mTileExpert``: checked by the caller)."""
+        self.__call__(mLogits.iterator, mBias.iterator, mIds.iterator, mW.iterator, mCounts.iterator,
+                      mOffsets.iterator, mSorted.iterator, mTileExpert.iterator, mTotal.iterator, mWs.iterator,
+                      mPos.iterator, mTok.iterator, mTable.iterator, mLogits.shape[0], mSorted.shape[0],
+                      mTileExpert.shape[0], mTable.shape[0], stream)
+
     @cute.kernel
     def kernel(self, mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor,
                mCounts: cute.Tensor, mOffsets: cute.Tensor, mSorted: cute.Tensor, mTileExpert: cute.Tensor,
@@ -523,6 +537,17 @@ def _build(arch: str, *, num_experts: int, n_group: int, topk_group: int, top_k:
     return RouterTopkAlign(cfg, cdt, has_bias, single_cta=single_cta), args
 
 
+def _build_tensors(arch: str, **config):
+    op, _ = _build(arch, **config)
+    E, k, cdt = config["num_experts"], config["top_k"], _NAME2CUTE[config["logits_dtype"]]
+    sym, T = {}, jit.fake_tensor
+    args = (T(cdt, ("T", E), 16, sym), T(Float32, (E,), 16, sym), T(Int32, ("T",), 4, sym), T(Int32, ("V", k), 4, sym),
+            T(Int32, ("T", k), 4, sym), T(Float32, ("T", k), 4, sym), T(Int32, (E,), 4, sym),
+            T(Int32, (E + 1,), 4, sym), T(Int32, ("S",), 16, sym), T(Int32, ("N",), 4, sym), T(Int32, (1,), 4, sym),
+            T(Int32, (E + 1,), 4, sym), T(Int32, ("Tk",), 4, sym), jit.fake_env_stream())
+    return op.tensor_call, args
+
+
 KERNEL = jit.register(jit.KernelDef(
     name="moe_router",
     build=_build,
@@ -537,6 +562,7 @@ KERNEL = jit.register(jit.KernelDef(
               for one in (False, True)),
     description="sigmoid / sqrt-softplus (grouped) top-k + moe_align_block_size in one launch",
 ))
+jit.register_tensor_entry(KERNEL, _build_tensors, aot_configs=KERNEL.aot_configs)
 
 
 @dataclasses.dataclass
@@ -579,6 +605,14 @@ class MoeRouter:
         self.routed_row_pos = torch.empty(max_tokens * k, **i32)
         self.workspace = torch.zeros(E + 1, **i32)  # counts + done counter; the kernel re-zeroes it
         self.tid2eid: torch.Tensor | None = None
+        # the tensor entry's hot path (TVM-FFI on): per (logits shape, dtype, bias or not,
+        # device) the RouterOutput views and the output tensors, memoised by a validated call;
+        # stand-ins for the bias, token ids and table a call does not have (never read)
+        self._tensor_calls: dict = {}
+        self._tensor_fns: dict = {}
+        self._no_bias = torch.zeros(E, dtype=torch.float32, device=device)
+        self._no_tok = torch.zeros(max_tokens, **i32)
+        self._no_table = torch.zeros(1, k, **i32)
 
     def set_hash_table(self, tid2eid: torch.Tensor) -> None:
         """The hash-routed layers' token-id -> experts table ``[vocab, k]`` (any integer dtype),
@@ -602,6 +636,17 @@ class MoeRouter:
 
     def __call__(self, logits: torch.Tensor, bias: torch.Tensor | None = None, *, token_ids: torch.Tensor | None = None,
                  stream=None, arch: str | None = None) -> RouterOutput:
+        if jit.TVM_FFI and stream is None and arch is None and type(logits) is torch.Tensor:  # the eager hot path
+            key = (logits.shape, logits.dtype, bias is None, logits.get_device())
+            hit = self._tensor_calls.get(key)
+            if hit is not None and (token_ids is None) != self.cfg.hash_routed and (
+                    bias is None or not self.cfg.hash_routed):
+                out, fixed, tok = hit  # (the C checks: dtypes, extents, strides, alignment, device)
+                if jit.launch_tensor_entry(
+                        self._tensor_fns, key, logits, self._no_bias if bias is None else bias,
+                        tok if token_ids is None else token_ids,
+                        self.tid2eid if self.tid2eid is not None else self._no_table, *fixed):
+                    return out
         T = logits.shape[0] if isinstance(logits, torch.Tensor) and logits.dim() == 2 else -1
         if T > self.max_tokens:
             raise ValueError(f"router: logits has {T} tokens, more than max_tokens={self.max_tokens}")
@@ -611,7 +656,23 @@ class MoeRouter:
                            self.routed_row_pos[:Tv * self.cfg.top_k])
         route(logits, bias, self.cfg, out=out, workspace=self.workspace, token_ids=token_ids, tid2eid=self.tid2eid,
               stream=stream, arch=arch)
+        if jit.TVM_FFI and stream is None and arch is None and T > 0:  # its tensor entry for the next calls
+            key = (logits.shape, logits.dtype, bias is None, logits.get_device())
+            fixed = (out.topk_ids, out.topk_weights, out.expert_counts, out.expert_offsets, out.sorted_token_ids,
+                     out.tile_expert, out.total_rows, self.workspace, out.routed_row_pos)
+            self._tensor_calls[key] = (out, fixed, self._no_tok[:T])
+            jit.remember_tensor_entry(self._tensor_fns, key, "moe_router_tensors", current_arch(logits.device),
+                                      **kernel_config(self.cfg, logits.dtype, bias is not None, T))
         return out
+
+
+def kernel_config(cfg: RouterConfig, logits_dtype: torch.dtype, has_bias: bool, T: int) -> dict:
+    """The compile configuration of the router kernel for ``cfg`` and a call's logits dtype,
+    bias and token count."""
+    return dict(num_experts=cfg.num_experts, n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=cfg.top_k,
+                routed_scaling_factor=float(cfg.routed_scaling_factor), tile_m=cfg.tile_m,
+                logits_dtype=_LOGIT_DTYPES[logits_dtype], has_bias=has_bias, score=cfg.score,
+                hash_routed=cfg.hash_routed, single_cta=T <= SINGLE_CTA_MAX_TOKENS)
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: RouterConfig, *, out: RouterOutput,
@@ -670,10 +731,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: RouterConfig, *,
         return out
     a = arch if arch is not None else current_arch(logits.device)
     dispatch(op, ("portable",), arch=a)
-    fn = jit.get_kernel("moe_router", a, num_experts=E, n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=k,
-                        routed_scaling_factor=float(cfg.routed_scaling_factor), tile_m=cfg.tile_m,
-                        logits_dtype=_LOGIT_DTYPES[logits.dtype], has_bias=bias is not None, score=cfg.score,
-                        hash_routed=cfg.hash_routed, single_cta=T <= SINGLE_CTA_MAX_TOKENS)
+    fn = jit.get_kernel("moe_router", a, **kernel_config(cfg, logits.dtype, bias is not None, T))
     tok = token_ids if cfg.hash_routed else out.topk_ids  # unread without hash routing
     table = tid2eid if cfg.hash_routed else out.topk_ids
     P = jit.gmem_ptr

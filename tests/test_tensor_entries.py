@@ -17,6 +17,9 @@ ENTRIES = {"row_rms_tensors": dict(hidden=7168), "mhc_pre_mix_tensors": dict(n=4
            "moe_finalize_tensors": dict(hidden=4096, topk=6, add_shared=True),
            "mxfp8_quantize_tensors": dict(K=4096), "rms_norm_tensors": dict(hidden=4096),
            "masked_softmax_tensors": dict(length=592, heads=16, mask_stride=608),
+           "moe_router_tensors": dict(num_experts=256, n_group=1, topk_group=1, top_k=6, routed_scaling_factor=1.5,
+                                      tile_m=16, logits_dtype="float32", has_bias=True, score="sqrtsoftplus",
+                                      single_cta=True),
            "mhc_stats_tensors": dict(n=4, hidden=4096, sinkhorn_iters=20, hc_eps=1e-6),
            "wo_a_decode_tensors": dict(G=8, R=1024, Dg=4096, bm=16, bn=32, splits=1, stages=6),
            "wo_a_decode_swap_ab_tensors": dict(G=16, R=1024, Dg=4096, tok_n=8, stages=4, bk=64)}
@@ -171,10 +174,11 @@ def test_tensor_entries_equal_the_pointer_launch_and_refuse_by_name(seed, monkey
                         g = torch.cuda.CUDAGraph()
                         with torch.cuda.graph(g):
                             call(out)
-                        jit.use_tvm_ffi(False)
-                        reference()  # new inputs after the capture, then the replay
-                        g.replay()
-                        jit.use_tvm_ffi()
+                if step == "graph":  # new inputs after the capture (the pointer launch allowed again), then the replay
+                    jit.use_tvm_ffi(False)
+                    reference()
+                    g.replay()
+                    jit.use_tvm_ffi()
                 torch.cuda.synchronize()
                 assert torch.equal(out, want), f"{name}: {step}"
             poisoned = torch.full_like(out, float("nan"))
@@ -233,5 +237,74 @@ def test_mxfp8_quantize_tensor_entry_equals_the_pointer_launch(seed):
                 mq.mxfp8_quantize(**kw)
         torch.cuda.synchronize()
         assert (pq.view(torch.uint8) == 0xAB).all() and (ps == 0xAB).all()
+    finally:
+        jit.use_tvm_ffi(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hashed", [False, True], ids=["scored", "hash-routed"])
+def test_router_tensor_entry_equals_the_pointer_launch(seed, monkeypatch, hashed):
+    """MoeRouter (DeepSeek-V4-Flash's scored and hash-routed configs, T = 6): after its first
+    call every call -- eager and captured -- takes the tensor entry, and every output equals a
+    second router's pointer launch on the same fresh inputs; a refused call is named."""
+    pytest.importorskip("tvm_ffi")
+    from moe.router import V4_FLASH_HASH_ROUTER, V4_FLASH_ROUTER, MoeRouter
+
+    cfg = V4_FLASH_HASH_ROUTER if hashed else V4_FLASH_ROUTER
+    T, E, k = 6, cfg.num_experts, cfg.top_k
+    ours, ref = MoeRouter(cfg, max_tokens=64), MoeRouter(cfg, max_tokens=64)
+    logits = torch.randn(T, E, device="cuda")
+    bias = None if hashed else torch.randn(E, device="cuda") * 0.1
+    ids = torch.randint(0, 1000, (T,), device="cuda", dtype=torch.int32) if hashed else None
+    if hashed:
+        table = torch.stack([torch.randperm(E)[:k] for _ in range(1000)]).int()
+        ours.set_hash_table(table)
+        ref.set_hash_table(table)
+
+    def outputs(r):
+        total = int(r.total_rows[0])
+        return [r.topk_ids[:T], r.topk_weights[:T], r.expert_counts, r.expert_offsets, r.sorted_token_ids[:total],
+                r.total_rows, r.routed_row_pos[:T * k]]
+
+    def fresh():
+        logits.copy_(torch.randn(T, E, device="cuda"))
+        if hashed:
+            ids.copy_(torch.randint(0, 1000, (T,), device="cuda", dtype=torch.int32))
+        ref(logits, bias, token_ids=ids)  # the pointer launch (TVM-FFI off)
+        for t in outputs(ours):
+            t.fill_(-7)
+
+    try:
+        jit.use_tvm_ffi()
+        ours(logits, bias, token_ids=ids)
+        assert ours._tensor_fns, "no tensor entry memoised"
+        g = None
+        for step in ("eager", "eager", "graph"):
+            jit.use_tvm_ffi(False)
+            fresh()
+            jit.use_tvm_ffi()
+            with monkeypatch.context() as m:
+                m.setattr(jit, "get_kernel", _pointer_path_forbidden)
+                if step == "eager":
+                    ours(logits, bias, token_ids=ids)
+                else:
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        ours(logits, bias, token_ids=ids)
+            if step == "graph":  # new inputs after the capture (the pointer launch allowed again), then the replay
+                jit.use_tvm_ffi(False)
+                fresh()
+                g.replay()
+            torch.cuda.synchronize()
+            for got, want in zip(outputs(ours), outputs(ref)):
+                assert torch.equal(got, want), step
+        with pytest.raises(TypeError, match="logits must have dtype"):
+            ours(logits.double(), bias, token_ids=ids)
+        if hashed:
+            with pytest.raises(ValueError, match="token_ids must have shape"):
+                ours(logits, token_ids=ids[:3])
+        else:
+            with pytest.raises(ValueError, match="bias must have shape"):
+                ours(logits, bias[:10])
     finally:
         jit.use_tvm_ffi(False)
