@@ -125,6 +125,38 @@ def _pointer_path_forbidden(*args, **kwargs):
     raise AssertionError("the call took the validated pointer path, not its tensor entry")
 
 
+def _through_tensor_entry(monkeypatch, call, reference, steps):
+    """For each step (``"eager"``, ``"side stream"`` or ``"graph"``): ``reference()`` with TVM-FFI
+    off (fresh inputs, the pointer launch), then ``call()`` with TVM-FFI on and the pointer path
+    forbidden -- eagerly, on a side stream, or captured (then new inputs through
+    ``reference()`` and a replay); yields the step once the GPU is done, for the caller's check."""
+    for step in steps:
+        jit.use_tvm_ffi(False)
+        reference()
+        jit.use_tvm_ffi()
+        with monkeypatch.context() as m:
+            m.setattr(jit, "get_kernel", _pointer_path_forbidden)
+            if step == "eager":
+                call()
+            elif step == "side stream":
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    call()
+                torch.cuda.current_stream().wait_stream(s)
+            else:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    call()
+        if step == "graph":  # new inputs after the capture (the pointer launch allowed again), then the replay
+            jit.use_tvm_ffi(False)
+            reference()
+            g.replay()
+            jit.use_tvm_ffi()
+        torch.cuda.synchronize()
+        yield step
+
+
 @pytest.mark.gpu
 def test_tensor_entries_equal_the_pointer_launch_and_refuse_by_name(seed, monkeypatch):
     """Per op: after its first (validated) call, every call -- eager, on a side stream, captured
@@ -135,12 +167,11 @@ def test_tensor_entries_equal_the_pointer_launch_and_refuse_by_name(seed, monkey
     import cute_kernels.mhc_post_mix as post
     import cute_kernels.mhc_pre_mix as pre
     import cute_kernels.rms_norm as rms
+    import cute_kernels.mhc_stats as stats
+    import cute_kernels.wo_a as woa
     import moe.finalize as fin
 
     cases, fresh = _cases()
-    import cute_kernels.mhc_stats as stats
-    import cute_kernels.wo_a as woa
-
     memos = {"masked_softmax": msm._TENSOR_FNS, "rms_norm": rms._TENSOR_FNS, "mhc_pre_mix": pre._TENSOR_FNS,
              "mhc_post_mix": post._TENSOR_FNS, "moe_finalize": fin._TENSOR_FNS, "wo_a G=8": woa._TENSOR_FNS,
              "wo_a G=16": woa._TENSOR_FNS, "mhc_stats": stats._TENSOR_FNS}
@@ -156,30 +187,8 @@ def test_tensor_entries_equal_the_pointer_launch_and_refuse_by_name(seed, monkey
             jit.use_tvm_ffi()
             call(out)  # first call: validated, memoises the tensor entry
             assert memos[name], f"{name}: no tensor entry memoised"
-            for step in ("eager", "eager", "eager", "side stream", "graph"):
-                jit.use_tvm_ffi(False)
-                reference()
-                jit.use_tvm_ffi()
-                with monkeypatch.context() as m:
-                    m.setattr(jit, "get_kernel", _pointer_path_forbidden)
-                    if step == "eager":
-                        assert call(out) is out
-                    elif step == "side stream":
-                        s = torch.cuda.Stream()
-                        s.wait_stream(torch.cuda.current_stream())
-                        with torch.cuda.stream(s):
-                            call(out)
-                        torch.cuda.current_stream().wait_stream(s)
-                    else:
-                        g = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(g):
-                            call(out)
-                if step == "graph":  # new inputs after the capture (the pointer launch allowed again), then the replay
-                    jit.use_tvm_ffi(False)
-                    reference()
-                    g.replay()
-                    jit.use_tvm_ffi()
-                torch.cuda.synchronize()
+            for step in _through_tensor_entry(monkeypatch, lambda: call(out), reference,
+                                              ("eager", "eager", "eager", "side stream", "graph")):
                 assert torch.equal(out, want), f"{name}: {step}"
             poisoned = torch.full_like(out, float("nan"))
             for make, exc, words in bad:
@@ -278,24 +287,8 @@ def test_router_tensor_entry_equals_the_pointer_launch(seed, monkeypatch, hashed
         jit.use_tvm_ffi()
         ours(logits, bias, token_ids=ids)
         assert ours._tensor_fns, "no tensor entry memoised"
-        g = None
-        for step in ("eager", "eager", "graph"):
-            jit.use_tvm_ffi(False)
-            fresh()
-            jit.use_tvm_ffi()
-            with monkeypatch.context() as m:
-                m.setattr(jit, "get_kernel", _pointer_path_forbidden)
-                if step == "eager":
-                    ours(logits, bias, token_ids=ids)
-                else:
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        ours(logits, bias, token_ids=ids)
-            if step == "graph":  # new inputs after the capture (the pointer launch allowed again), then the replay
-                jit.use_tvm_ffi(False)
-                fresh()
-                g.replay()
-            torch.cuda.synchronize()
+        for step in _through_tensor_entry(monkeypatch, lambda: ours(logits, bias, token_ids=ids), fresh,
+                                          ("eager", "eager", "graph")):
             for got, want in zip(outputs(ours), outputs(ref)):
                 assert torch.equal(got, want), step
         with pytest.raises(TypeError, match="logits must have dtype"):
