@@ -2,7 +2,7 @@
 # Run one named job on the H200 device machine (repo root as cwd; carry .devcache, see
 # docs/device.md). Logs and tables go under $OUT.
 #
-#   bash tools/device.sh gpu-tests [SHARD]   GPU tests: SHARD 1 / 2 / 3 splits the suite so each
+#   bash tools/device.sh gpu-tests [SHARD]   GPU tests: SHARD 1 / 2 / 3 / 4 splits the suite so each
 #                                            part fits one call with a cold compile cache; no
 #                                            SHARD: the whole suite
 #   bash tools/device.sh sanitize [ARGS]     the GPU tests ARGS under compute-sanitizer memcheck
@@ -64,8 +64,9 @@ gpu-tests)
     1) files="tests/test_wo_a.py" ;;
     2) files="tests/test_wo_a_fp8.py tests/test_draft_head_fp8.py tests/test_moe_experts.py tests/test_moe_quant.py tests/test_moe_router.py tests/test_moe_finalize.py" ;;
     3) files="tests/test_comm.py tests/test_indexer.py tests/test_mhc.py tests/test_row_rms.py tests/test_masked_softmax.py tests/test_fused_ops_plumbing.py tests/test_spec_decode.py tests/test_caches.py tests/test_arch.py tests/test_provenance.py" ;;
+    4) files="tests/test_ops.py tests/test_tensor_entries.py tests/test_tensor_parallel.py tests/test_sink_attention.py tests/test_compressor_pool.py" ;;
     all) files="tests" ;;
-    *) echo "gpu-tests: SHARD must be 1, 2, 3 or empty" >&2; exit 2 ;;
+    *) echo "gpu-tests: SHARD must be 1, 2, 3, 4 or empty" >&2; exit 2 ;;
   esac
   $PYT $files -m gpu 2>&1 | tee "$OUT/gpu-tests-${1:-all}.log" | tail -25
   exit "${PIPESTATUS[0]}"
