@@ -68,3 +68,21 @@ def test_spec_decode_cuda_without_cuda_is_a_clear_error():
     r = subprocess.run([sys.executable, "-m", "spec_decode", "run", "--backend", "fused"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "--device cuda" in r.stderr
+
+
+def test_device_script_gpu_shards_cover_every_gpu_test_file():
+    """``tools/device.sh gpu-tests 1..4`` together run every test file that has GPU tests, each
+    once (a file left out of the shards would never run in the split GPU suite)."""
+    import glob
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = open(os.path.join(root, "tools", "device.sh")).read()
+    shards = [s.split() for s in re.findall(r'^\s*\d\) files="([^"]+)"', script, re.MULTILINE)]
+    listed = [f for s in shards for f in s]
+    assert len(shards) == 4 and len(listed) == len(set(listed))
+    gpu = {os.path.relpath(f, root) for f in glob.glob(os.path.join(root, "tests", "test_*.py"))
+           if "pytest.mark.gpu" in open(f).read()}
+    assert gpu <= set(listed), sorted(gpu - set(listed))
+    assert all(os.path.exists(os.path.join(root, f)) for f in listed)
