@@ -83,6 +83,6 @@ def test_device_script_gpu_shards_cover_every_gpu_test_file():
     listed = [f for s in shards for f in s]
     assert len(shards) == 4 and len(listed) == len(set(listed))
     gpu = {os.path.relpath(f, root) for f in glob.glob(os.path.join(root, "tests", "test_*.py"))
-           if "pytest.mark.gpu" in open(f).read()}
+           if re.search(r"^(@pytest\.mark\.gpu|pytestmark = .*gpu)", open(f).read(), re.MULTILINE)}
     assert gpu <= set(listed), sorted(gpu - set(listed))
     assert all(os.path.exists(os.path.join(root, f)) for f in listed)
