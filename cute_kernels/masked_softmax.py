@@ -215,7 +215,8 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, *, out: torch.Tenso
     call allocation-free; ``stream`` defaults to torch's current stream. Capturable in a CUDA
     graph.
     """
-    if out is not None and stream is None and arch is None and jit.TVM_FFI:  # the eager hot path (3-D scores)
+    if (out is not None and stream is None and arch is None and jit.TVM_FFI and isinstance(scores, torch.Tensor)
+            and isinstance(mask, torch.Tensor)):  # the eager hot path (3-D scores)
         shape = scores.shape  # (the C checks: dtypes, extents, strides, alignment, device)
         if (len(shape) == 3 and shape[0] and scores.numel() < 2**31 and mask.dim() == 2
                 and jit.launch_tensor_entry(_TENSOR_FNS, (scores.dtype, shape[1:], mask.shape[1], scores.get_device()),

@@ -135,7 +135,8 @@ _TENSOR_FNS: dict = {}
 def mhc_post_mix(x: torch.Tensor, h: torch.Tensor, f: torch.Tensor, *, out: torch.Tensor | None = None,
                  stream=None, arch: str | None = None) -> torch.Tensor:
     """``X' [T, n, C]`` bf16; ``out=x`` updates the residual streams in place."""
-    if out is not None and stream is None and arch is None and jit.TVM_FFI:  # the eager hot path
+    if (out is not None and stream is None and arch is None and jit.TVM_FFI
+            and isinstance(x, torch.Tensor)):  # the eager hot path
         shape = x.shape  # (the C checks: dtypes, extents, strides, alignment, device)
         if (len(shape) == 3 and shape[0] and x.numel() < 2**31 and (out is x or not _overlaps(out, x))
                 and jit.launch_tensor_entry(_TENSOR_FNS, (shape[1:], x.get_device()), x, h, f, out)):

@@ -132,7 +132,8 @@ def check_mappings(op: str, x: torch.Tensor, h: torch.Tensor):
 def mhc_pre_mix(x: torch.Tensor, h: torch.Tensor, *, out: torch.Tensor | None = None, stream=None,
                 arch: str | None = None) -> torch.Tensor:
     """``u [T, C]`` bf16 from ``x [T, n, C]`` and the mappings ``h`` of :func:`mhc_stats`."""
-    if out is not None and stream is None and arch is None and jit.TVM_FFI:  # the eager hot path
+    if (out is not None and stream is None and arch is None and jit.TVM_FFI
+            and isinstance(x, torch.Tensor)):  # the eager hot path
         shape = x.shape  # (the C checks: dtypes, extents, strides, alignment, device)
         if (len(shape) == 3 and shape[0] and x.numel() < 2**31
                 and jit.launch_tensor_entry(_TENSOR_FNS, (shape[1:], x.get_device()), x, h, out)):

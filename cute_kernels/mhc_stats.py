@@ -553,7 +553,8 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
     leave SMs to the kernels a side-stream launch should overlap.
     """
     if (out is not None and jit.TVM_FFI and type(workspace) is MhcStatsWorkspace and stream is None
-            and arch is None):  # the eager hot path (the C checks: dtypes, extents, strides, alignment, device)
+            and arch is None and isinstance(x, torch.Tensor)):  # the eager hot path (the C checks: dtypes,
+        # extents, strides, alignment, device)
         key = (x.shape, sinkhorn_iters, hc_eps, maps, max_ctas, x.get_device())
         plan = _TENSOR_PLANS.get(key)
         if (plan is not None and workspace.n == x.shape[1] and workspace.max_tokens >= x.shape[0]

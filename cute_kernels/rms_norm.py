@@ -199,7 +199,7 @@ def rms_norm(x: torch.Tensor, eps: float = 1e-6, weight: torch.Tensor | None = N
     to torch's current stream. Capturable in a CUDA graph.
     """
     if (out is not None and weight is not None and rotate is None and stream is None and arch is None
-            and jit.TVM_FFI):  # the eager hot path of the 2-D weighted form
+            and jit.TVM_FFI and isinstance(x, torch.Tensor)):  # the eager hot path of the 2-D weighted form
         shape = x.shape  # (the C checks: dtypes, extents, strides, alignment, device)
         if (len(shape) == 2 and shape[0] and x.numel() < 2**31 and isinstance(eps, float) and eps >= 0
                 and jit.launch_tensor_entry(_TENSOR_FNS, (x.dtype, shape[1], x.get_device()), x, weight, out, eps)):

@@ -182,7 +182,8 @@ def row_rms(x: torch.Tensor, eps: float = 1e-6, *, out: torch.Tensor | None = No
     ``out`` (fp32 ``[T]``) makes the call allocation-free; ``stream`` defaults to torch's
     current stream. Capturable in a CUDA graph.
     """
-    if out is not None and stream is None and arch is None and jit.TVM_FFI:  # the eager hot path
+    if (out is not None and stream is None and arch is None and jit.TVM_FFI
+            and isinstance(x, torch.Tensor)):  # the eager hot path
         shape = x.shape  # (the C checks: dtype, extents, strides, alignment, device)
         if (len(shape) == 2 and shape[0] and x.numel() < 2**31 and isinstance(eps, float) and eps >= 0
                 and jit.launch_tensor_entry(_TENSOR_FNS, (x.dtype, shape[1], x.get_device()), x, out, eps)):

@@ -257,7 +257,8 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     with ``decode_kernel`` or ``pdl``); ``None`` -- the default rule.
     """
     if (out is not None and jit.TVM_FFI and stream is None and arch is None and decode_kernel is None
-            and workspace is None and not pdl and backend is None):  # the eager hot path (T <= 64)
+            and workspace is None and not pdl and backend is None and isinstance(o, torch.Tensor)
+            and isinstance(wo_a_weight, torch.Tensor)):  # the eager hot path (T <= 64)
         key = (o.shape, wo_a_weight.shape, o.get_device())  # (the C checks: dtypes, extents, strides, ...)
         ws = _TENSOR_WORKSPACES.get(key)
         if (jit.launch_tensor_entry(_TENSOR_FNS, key, o, wo_a_weight, out) if ws is None else

@@ -168,7 +168,8 @@ def moe_finalize(y: torch.Tensor, topk_weights: torch.Tensor, routed_row_pos: to
     ``shared=None`` is the standalone (unfused) finalize; the unfused add is then
     ``routed + shared`` in bf16. ``routed_row_pos`` entries must index rows of ``y``.
     """
-    if out is not None and stream is None and arch is None and jit.TVM_FFI:  # the eager hot path
+    if (out is not None and stream is None and arch is None and jit.TVM_FFI and isinstance(y, torch.Tensor)
+            and isinstance(topk_weights, torch.Tensor) and isinstance(routed_row_pos, torch.Tensor)):  # hot path
         ws = topk_weights.shape  # (the C checks: dtypes, extents, strides, alignment, device)
         if (len(ws) == 2 and ws[0] and routed_row_pos.numel() == ws[0] * ws[1] and y.numel() < 2**31
                 and jit.launch_tensor_entry(_TENSOR_FNS, (y.shape[-1], ws[1], shared is not None, y.get_device()),

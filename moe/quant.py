@@ -387,7 +387,7 @@ def mxfp8_quantize(x: torch.Tensor, *, layout: str = "plain", q: torch.Tensor | 
     SMs to the kernels it should overlap with.
     """
     if (scales is not None and q is not None and layout == "plain" and stream is None and arch is None
-            and max_ctas is None and jit.TVM_FFI):  # the eager hot path
+            and max_ctas is None and jit.TVM_FFI and isinstance(x, torch.Tensor)):  # the eager hot path
         shape = x.shape  # (the C checks: dtypes, extents, strides, alignment, device)
         if (len(shape) == 2 and shape[0] and x.numel() < 2**31
                 and jit.launch_tensor_entry(_TENSOR_FNS, (shape[1], x.get_device()), x, q, scales, DEFAULT_MAX_CTAS)):

@@ -636,7 +636,7 @@ class MoeRouter:
 
     def __call__(self, logits: torch.Tensor, bias: torch.Tensor | None = None, *, token_ids: torch.Tensor | None = None,
                  stream=None, arch: str | None = None) -> RouterOutput:
-        if jit.TVM_FFI and stream is None and arch is None and type(logits) is torch.Tensor:  # the eager hot path
+        if jit.TVM_FFI and stream is None and arch is None and isinstance(logits, torch.Tensor):  # the eager hot path
             key = (logits.shape, logits.dtype, bias is None, logits.get_device())
             hit = self._tensor_calls.get(key)
             if hit is not None and (token_ids is None) != self.cfg.hash_routed and (

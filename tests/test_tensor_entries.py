@@ -301,3 +301,38 @@ def test_router_tensor_entry_equals_the_pointer_launch(seed, monkeypatch, hashed
                 ours(logits, bias[:10])
     finally:
         jit.use_tvm_ffi(False)
+
+
+def test_hot_paths_name_a_non_tensor_argument(monkeypatch):
+    """With TVM-FFI on, each entry point's tensor-entry hot path reads its tensors' attributes
+    only after checking they are tensors: a non-tensor argument still gets the validated
+    path's TypeError naming it (CPU: the memo is empty, nothing launches)."""
+    from cute_kernels.masked_softmax import masked_softmax
+    from cute_kernels.mhc_post_mix import mhc_post_mix
+    from cute_kernels.mhc_pre_mix import mhc_pre_mix
+    from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_stats
+    from cute_kernels.rms_norm import rms_norm
+    from cute_kernels.row_rms import row_rms
+    from cute_kernels.wo_a import wo_a
+    from moe.finalize import moe_finalize
+    from moe.quant import mxfp8_quantize
+    from moe.router import MoeRouter
+
+    monkeypatch.setattr(jit, "TVM_FFI", True)
+    t, rows, b = torch.zeros(2, 64), [[0.0] * 64] * 2, torch.zeros(1, 2, 64, dtype=torch.bfloat16)
+    calls = [
+        (lambda: row_rms(rows, out=t[:, 0]), "x must be a torch.Tensor"),
+        (lambda: rms_norm(rows, 1e-6, t[0], out=t), "x must be a torch.Tensor"),
+        (lambda: masked_softmax(b, rows, out=b), "mask must be a torch.Tensor"),
+        (lambda: mhc_pre_mix(rows, t, out=t), "x must be a torch.Tensor"),
+        (lambda: mhc_post_mix(rows, t, t, out=t), "x must be a torch.Tensor"),
+        (lambda: mhc_stats(rows, t, t, t, workspace=MhcStatsWorkspace(4, 2, device="cpu"), out=t),
+         "x must be a torch.Tensor"),
+        (lambda: wo_a(rows, t, out=t), "o must be a torch.Tensor"),
+        (lambda: moe_finalize(b[0], rows, t, out=b[0]), "topk_weights must be a torch.Tensor"),
+        (lambda: mxfp8_quantize(rows, q=t, scales=t), "x must be a torch.Tensor"),
+        (lambda: MoeRouter(max_tokens=4, device="cpu")(rows), "logits must be a torch.Tensor"),
+    ]
+    for call, words in calls:
+        with pytest.raises(TypeError, match=words):
+            call()
