@@ -72,13 +72,35 @@ class RmsNorm(RowRms):
         self.kernel(mX, mW, mCS, mY, rows_per_token, eps).launch(grid=[num_rows, 1, 1], block=[self.threads, 1, 1],
                                                                  stream=stream)
 
+    # The tensor entries (``jit.get_tensor_kernel``), one per form: ``mX`` / ``mY`` ``[rows, C]``
+    # or ``[T, H, C]`` (a token's heads), ``mW [C]``, ``mCS`` FP32 ``[rows or T, r / 2, 2]``. An
+    # absent weight or rotation is not read: ``x``'s address stands in for it.
     @cute.jit
     def tensor_call(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, eps: Float32, stream: cuda.CUstream):
-        """The tensor entry of the weighted, unrotated form (``jit.get_tensor_kernel``): ``mX`` /
-        ``mY [rows, hidden]``, ``mW [hidden]``; no rotation, so ``x``'s address stands in for
-        the (unread) cos / sin."""
-        cs = cute.recast_ptr(mX.iterator, dtype=Float32)
-        self.__call__(mX.iterator, mW.iterator, cs, mY.iterator, mX.shape[0], 1, eps, stream)
+        self._tensor_launch(mX, mW.iterator, cute.recast_ptr(mX.iterator, dtype=Float32), mY, eps, stream)
+
+    @cute.jit
+    def tensor_call_rotated(self, mX: cute.Tensor, mCS: cute.Tensor, mY: cute.Tensor, eps: Float32,
+                            stream: cuda.CUstream):
+        self._tensor_launch(mX, mX.iterator, mCS.iterator, mY, eps, stream)
+
+    @cute.jit
+    def tensor_call_weighted_rotated(self, mX: cute.Tensor, mW: cute.Tensor, mCS: cute.Tensor, mY: cute.Tensor,
+                                     eps: Float32, stream: cuda.CUstream):
+        self._tensor_launch(mX, mW.iterator, mCS.iterator, mY, eps, stream)
+
+    @cute.jit
+    def tensor_call_plain(self, mX: cute.Tensor, mY: cute.Tensor, eps: Float32, stream: cuda.CUstream):
+        self._tensor_launch(mX, mX.iterator, cute.recast_ptr(mX.iterator, dtype=Float32), mY, eps, stream)
+
+    @cute.jit
+    def _tensor_launch(self, mX: cute.Tensor, w_ptr: cute.Pointer, cs_ptr: cute.Pointer, mY: cute.Tensor,
+                       eps: Float32, stream: cuda.CUstream):
+        if const_expr(cute.rank(mX.shape) == 3):  # [T, H, C]: a token's H heads share its rotation
+            self.__call__(mX.iterator, w_ptr, cs_ptr, mY.iterator, mX.shape[0] * mX.shape[1], mX.shape[1], eps,
+                          stream)
+        else:
+            self.__call__(mX.iterator, w_ptr, cs_ptr, mY.iterator, mX.shape[0], 1, eps, stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mCS: cute.Tensor, mY: cute.Tensor, rows_per_token: Int32,
@@ -136,12 +158,29 @@ def _build(arch: str, *, hidden: int, dtype: str = "bfloat16", weighted: bool = 
                                                       Int32(1), Float32(1e-6), jit.fake_stream())
 
 
-def _build_tensors(arch: str, *, hidden: int, dtype: str = "bfloat16"):
-    op, _ = _build(arch, hidden=hidden, dtype=dtype, weighted=True)
-    sym, cdt = {}, NAME2CUTE[dtype]
-    args = (jit.fake_tensor(cdt, ("rows", hidden), 16, sym), jit.fake_tensor(cdt, (hidden,), 16, sym),
-            jit.fake_tensor(cdt, ("rows", hidden), 16, sym), Float32(1e-6), jit.fake_env_stream())
-    return op.tensor_call, args
+def _build_tensors(arch: str, *, hidden: int, dtype: str = "bfloat16", weighted: bool = True, rope_dim: int = 0,
+                   rank: int = 2):
+    op, _ = _build(arch, hidden=hidden, dtype=dtype, weighted=weighted, rope_dim=rope_dim)
+    if rank not in (2, 3):
+        raise ValueError(f"rms_norm tensor entry: rank={rank} must be 2 ([rows, C]) or 3 ([T, H, C])")
+    sym, cdt, T = {}, NAME2CUTE[dtype], jit.fake_tensor
+    rows = ("R", hidden) if rank == 2 else ("R", "H", hidden)
+    x, y = T(cdt, rows, 16, sym), T(cdt, rows, 16, sym)
+    w, cs = T(cdt, (hidden,), 16, sym), T(Float32, ("R", rope_dim // 2, 2), 16, sym)
+    tail = (Float32(1e-6), jit.fake_env_stream())
+    if weighted and rope_dim:
+        return op.tensor_call_weighted_rotated, (x, w, cs, y) + tail
+    if weighted:
+        return op.tensor_call, (x, w, y) + tail
+    if rope_dim:
+        return op.tensor_call_rotated, (x, cs, y) + tail
+    return op.tensor_call_plain, (x, y) + tail
+
+
+def tensor_entry_config(c: dict) -> dict:
+    """The tensor entry's config serving an AOT config ``c`` of the kernel in its natural form:
+    a rotated, unweighted norm is the per-head one (``[T, H, C]``), the others ``[rows, C]``."""
+    return dict(c, rank=3 if c.get("rope_dim") and not c.get("weighted", True) else 2)
 
 
 KERNEL = jit.register(
@@ -162,10 +201,11 @@ KERNEL = jit.register(
 
 
 jit.register_tensor_entry(KERNEL, _build_tensors,
-                          description="rms_norm (weighted, 2-D, unrotated) through TVM-FFI",
-                          aot_configs=tuple({"hidden": c["hidden"], "dtype": c["dtype"]} for c in KERNEL.aot_configs
-                                            if c["weighted"] and not c["rope_dim"]))
-#: (dtype, hidden, device index) -> the tensor entry (jit.launch_tensor_entry)
+                          description="rms_norm ([rows, C] or [T, H, C], weighted or not, rotated or not) through "
+                                      "TVM-FFI",
+                          aot_configs=tuple(tensor_entry_config(c) for c in KERNEL.aot_configs))
+#: (dtype, x.shape[1:], no weight, rotate.shape[1:] or None, device index) -> the tensor entry
+#: (jit.launch_tensor_entry)
 _TENSOR_FNS: dict = {}
 
 
@@ -198,12 +238,14 @@ def rms_norm(x: torch.Tensor, eps: float = 1e-6, weight: torch.Tensor | None = N
     heads). ``out`` (x's shape and dtype) makes the call allocation-free; ``stream`` defaults
     to torch's current stream. Capturable in a CUDA graph.
     """
-    if (out is not None and weight is not None and rotate is None and stream is None and arch is None
-            and jit.TVM_FFI and isinstance(x, torch.Tensor)):  # the eager hot path of the 2-D weighted form
+    if (out is not None and stream is None and arch is None and jit.TVM_FFI and isinstance(x, torch.Tensor)
+            and (rotate is None or isinstance(rotate, torch.Tensor))):  # the eager hot path
         shape = x.shape  # (the C checks: dtypes, extents, strides, alignment, device)
-        if (len(shape) == 2 and shape[0] and x.numel() < 2**31 and isinstance(eps, float) and eps >= 0
-                and jit.launch_tensor_entry(_TENSOR_FNS, (x.dtype, shape[1], x.get_device()), x, weight, out, eps)):
-            return out
+        if 2 <= len(shape) <= 3 and shape[0] and x.numel() < 2**31 and isinstance(eps, float) and eps >= 0:
+            key = (x.dtype, shape[1:], weight is None, None if rotate is None else rotate.shape[1:], x.get_device())
+            args = (x,) + ((weight,) if weight is not None else ()) + ((rotate,) if rotate is not None else ())
+            if jit.launch_tensor_entry(_TENSOR_FNS, key, *args, out, eps):
+                return out
     op = "rms_norm"
     check_tensor(op, "x", x, dtype=tuple(TORCH2CUTE), contiguous=True, align_bytes=0)
     if x.dim() < 1:
@@ -249,7 +291,10 @@ def rms_norm(x: torch.Tensor, eps: float = 1e-6, weight: torch.Tensor | None = N
     P = jit.gmem_ptr
     fn(P(cdt, x, 16), P(cdt, weight if weight is not None else x, 16), P(Float32, rotate if rotate is not None else x, 16),
        P(cdt, out, 16), jit.i32(rows), jit.i32(per_token), jit.f32(eps), jit.cu_stream(stream))
-    if weight is not None and rotate is None and x.dim() == 2 and stream is None and arch is None:
-        jit.remember_tensor_entry(_TENSOR_FNS, (x.dtype, C, x.get_device()), "rms_norm_tensors", a, hidden=C,
-                                  dtype=str(x.dtype).replace("torch.", ""))
+    if (stream is None and arch is None and x.dim() in (2, 3)
+            and (rotate is None or rotate.shape[0] == x.shape[0])):  # a natural form: its tensor entry next time
+        key = (x.dtype, x.shape[1:], weight is None, None if rotate is None else rotate.shape[1:], x.get_device())
+        jit.remember_tensor_entry(_TENSOR_FNS, key, "rms_norm_tensors", a, **tensor_entry_config(
+            dict(hidden=C, dtype=str(x.dtype).replace("torch.", ""), weighted=weight is not None, rope_dim=rope_dim,
+                 rank=x.dim())))
     return out

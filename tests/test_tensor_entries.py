@@ -15,7 +15,7 @@ from cute_kernels import catalog, jit
 ENTRIES = {"row_rms_tensors": dict(hidden=7168), "mhc_pre_mix_tensors": dict(n=4, hidden=4096),
            "mhc_post_mix_tensors": dict(n=4, hidden=4096),
            "moe_finalize_tensors": dict(hidden=4096, topk=6, add_shared=True),
-           "mxfp8_quantize_tensors": dict(K=4096), "rms_norm_tensors": dict(hidden=4096),
+           "mxfp8_quantize_tensors": dict(K=4096), "rms_norm_tensors": dict(hidden=512, weighted=False, rope_dim=64, rank=3),
            "masked_softmax_tensors": dict(length=592, heads=16, mask_stride=608),
            "moe_router_tensors": dict(num_experts=256, n_group=1, topk_group=1, top_k=6, routed_scaling_factor=1.5,
                                       tile_m=16, logits_dtype="float32", has_bias=True, score="sqrtsoftplus",
@@ -57,6 +57,9 @@ def _cases():
     x, h, f = bf(T, n, C), torch.rand(T, 2 * n + n * n, device="cuda"), bf(T, C)
     rn = bf(T, C)  # rms_norm's input, and its weight below
     rw = bf(C)
+    qh, kv, kw_ = bf(T, 64, 512), bf(T, 512), bf(512)  # the V4 norms with RoPE on the last 64 features
+    ang = torch.rand(T, 32, device="cuda") * 6.3
+    cs = torch.stack([ang.cos(), ang.sin()], -1)
     sc, mask = bf(T, 16, 592), torch.rand(T, 608, device="cuda") < 0.7  # masked_softmax's scores, mask
     xx = bf(T + 1, n, C)  # two overlapping [T, n, C] views
     y, w, sh = bf(rows, C), torch.rand(T, k, device="cuda"), bf(T, C)
@@ -66,7 +69,7 @@ def _cases():
     wo = {G: (bf(T, 8 * G, 512), bf(G, 1024, 4096) / 64) for G in (8, 16)}
 
     def fresh():
-        for t in (x, h, f, y, w, sh, rn, rw, sc, wo[8][0], wo[16][0]):
+        for t in (x, h, f, y, w, sh, rn, rw, sc, wo[8][0], wo[16][0], qh, kv, kw_):
             t.copy_(torch.randn_like(t.float()).to(t.dtype))
         mask.copy_(torch.rand(T, 608, device="cuda") < 0.7)
 
@@ -101,6 +104,14 @@ def _cases():
           (lambda out: rms_norm(rn, 1e-6, rw.float(), out=out), TypeError, "weight must have dtype"),
           (lambda out: rms_norm(rn, 1e-6, rw, out=out[:5]), ValueError, "out must have shape"),
           (lambda out: rms_norm(rn, -1.0, rw, out=out), TypeError, "eps")]),
+        # V4's per-head q norm + RoPE ([T, H, 512], no weight) and its KV norm + RoPE ([T, 512], weighted)
+        ("rms_norm per head", lambda out, **kw: rms_norm(qh, 1e-6, None, rotate=cs, out=out, **kw), torch.empty_like(qh),
+         [(lambda out: rms_norm(qh, 1e-6, None, rotate=cs[..., :1].contiguous(), out=out), ValueError, "rotate must be"),
+          (lambda out: rms_norm(qh, 1e-6, None, rotate=cs.double(), out=out), TypeError, "rotate must have dtype"),
+          (lambda out: rms_norm(qh, 1e-6, None, rotate=cs[:5], out=out), ValueError, "groups")]),
+        ("rms_norm kv", lambda out, **kw: rms_norm(kv, 1e-6, kw_, rotate=cs, out=out, **kw), torch.empty_like(kv),
+         [(lambda out: rms_norm(kv, 1e-6, kw_[:256], rotate=cs, out=out), ValueError, "weight must have shape"),
+          (lambda out: rms_norm(kv, 1e-6, kw_, rotate=cs, out=out[:, :256]), ValueError, "out must have shape")]),
         ("mhc_pre_mix", lambda out, **kw: mhc_pre_mix(x, h, out=out, **kw), torch.empty(T, C, device="cuda").bfloat16(),
          [(lambda out: mhc_pre_mix(x.float(), h, out=out), TypeError, "x must have dtype"),
           (lambda out: mhc_pre_mix(x, h[:5], out=out), ValueError, "h must have shape"),
@@ -174,7 +185,8 @@ def test_tensor_entries_equal_the_pointer_launch_and_refuse_by_name(seed, monkey
     cases, fresh = _cases()
     memos = {"masked_softmax": msm._TENSOR_FNS, "rms_norm": rms._TENSOR_FNS, "mhc_pre_mix": pre._TENSOR_FNS,
              "mhc_post_mix": post._TENSOR_FNS, "moe_finalize": fin._TENSOR_FNS, "wo_a G=8": woa._TENSOR_FNS,
-             "wo_a G=16": woa._TENSOR_FNS, "mhc_stats": stats._TENSOR_FNS}
+             "wo_a G=16": woa._TENSOR_FNS, "mhc_stats": stats._TENSOR_FNS, "rms_norm per head": rms._TENSOR_FNS,
+             "rms_norm kv": rms._TENSOR_FNS}
     for name, call, out, bad in cases:
         want = out.clone()
 
