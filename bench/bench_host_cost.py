@@ -14,8 +14,7 @@ are timed three ways: with :class:`cute_kernels.jit.DirectLaunch` resolving the 
 default), through the DSL's own call path (``jit.DIRECT_LAUNCH = False``) and, where the
 ``apache-tvm-ffi`` package imports, compiled with the DSL's TVM-FFI calling convention
 (:func:`cute_kernels.jit.use_tvm_ffi`: the ops with a tensor entry take it from their second
-call on; of the two masked_softmax rows only "masked_softmax (3-D)" has one, and the routed
-quantization has none); before timing, each op's output through the first is checked bit-equal to its
+call on; the routed quantization has none); before timing, each op's output through the first is checked bit-equal to its
 output through the other two. The
 kernels' own benches and tests check the outputs against their references.
 

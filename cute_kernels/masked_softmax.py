@@ -44,7 +44,7 @@ import torch
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint8
+from cutlass import Float32, Int32, Uint8, const_expr
 
 from . import jit
 from .arch import current_arch, dispatch
@@ -80,9 +80,13 @@ class MaskedSoftmax:
 
     @cute.jit
     def tensor_call(self, mS: cute.Tensor, mM: cute.Tensor, mO: cute.Tensor, stream: cuda.CUstream):
-        """The tensor entry of the one-lead-dim form (``jit.get_tensor_kernel``): ``mS`` / ``mO
-        [R, heads, length]``, the bool ``mM [R, mask_stride]`` (read as bytes)."""
-        self.__call__(mS.iterator, cute.recast_ptr(mM.iterator, dtype=Uint8), mO.iterator, mM.shape[0], stream)
+        """The tensor entry (``jit.get_tensor_kernel``) of the one- or two-lead-dim form: ``mS`` /
+        ``mO [R, heads, length]`` or ``[B, S, heads, length]``, the bool ``mM [R, mask_stride]``
+        or ``[B, S, mask_stride]`` (read as bytes)."""
+        rows = mM.shape[0]
+        if const_expr(cute.rank(mM.shape) == 3):
+            rows = mM.shape[0] * mM.shape[1]
+        self.__call__(mS.iterator, cute.recast_ptr(mM.iterator, dtype=Uint8), mO.iterator, rows, stream)
 
     @cute.kernel
     def kernel(self, mS: cute.Tensor, mM: cute.Tensor, mO: cute.Tensor):
@@ -180,19 +184,25 @@ KERNEL = jit.register(
 )
 
 
-def _build_tensors(arch: str, *, length: int, heads: int, mask_stride: int, dtype: str = "bfloat16"):
+def _build_tensors(arch: str, *, length: int, heads: int, mask_stride: int, dtype: str = "bfloat16",
+                   lead_dims: int = 1):
     op, _ = _build(arch, length=length, heads=heads, mask_stride=mask_stride, dtype=dtype)
+    if lead_dims not in (1, 2):
+        raise ValueError(f"masked_softmax tensor entry: lead_dims={lead_dims} must be 1 or 2")
     sym, cdt = {}, _NAME2CUTE[dtype]
-    scores = ("R", heads, length)
-    args = (jit.fake_tensor(cdt, scores, 16, sym), jit.fake_tensor(cutlass.Boolean, ("R", mask_stride), 8, sym),
+    lead = ("R",) if lead_dims == 1 else ("B", "S")
+    scores = lead + (heads, length)
+    args = (jit.fake_tensor(cdt, scores, 16, sym), jit.fake_tensor(cutlass.Boolean, lead + (mask_stride,), 8, sym),
             jit.fake_tensor(cdt, scores, 16, sym), jit.fake_env_stream())
     return op.tensor_call, args
 
 
 jit.register_tensor_entry(KERNEL, _build_tensors,
-                          description="masked_softmax (scores [R, H, M], mask [R, W]) through TVM-FFI",
+                          description="masked_softmax (scores [*lead, H, M], mask [*lead, W], one or two lead dims) "
+                                      "through TVM-FFI",
                           aot_configs=KERNEL.aot_configs)
-#: (dtype, scores.shape[1:], mask.shape[1], device index) -> the tensor entry (jit.launch_tensor_entry)
+#: (dtype, (heads, length), mask.shape[-1], scores.dim(), device index) -> the tensor entry
+#: (jit.launch_tensor_entry)
 _TENSOR_FNS: dict = {}
 
 
@@ -216,11 +226,11 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, *, out: torch.Tenso
     graph.
     """
     if (out is not None and stream is None and arch is None and jit.TVM_FFI and isinstance(scores, torch.Tensor)
-            and isinstance(mask, torch.Tensor)):  # the eager hot path (3-D scores)
+            and isinstance(mask, torch.Tensor)):  # the eager hot path (3-D or 4-D scores)
         shape = scores.shape  # (the C checks: dtypes, extents, strides, alignment, device)
-        if (len(shape) == 3 and shape[0] and scores.numel() < 2**31 and mask.dim() == 2
-                and jit.launch_tensor_entry(_TENSOR_FNS, (scores.dtype, shape[1:], mask.shape[1], scores.get_device()),
-                                            scores, mask, out)):
+        if (3 <= len(shape) <= 4 and shape[0] and scores.numel() < 2**31 and mask.dim() == len(shape) - 1
+                and jit.launch_tensor_entry(_TENSOR_FNS, (scores.dtype, shape[len(shape) - 2:], mask.shape[-1],
+                                                          len(shape), scores.get_device()), scores, mask, out)):
             return out
     op = "masked_softmax"
     check_tensor(op, "scores", scores, dtype=tuple(_TORCH2CUTE), contiguous=True, align_bytes=0)
@@ -256,8 +266,8 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, *, out: torch.Tenso
     cdt = _TORCH2CUTE[scores.dtype]
     fn(jit.gmem_ptr(cdt, scores, 16), jit.gmem_ptr(Uint8, mask, 8), jit.gmem_ptr(cdt, out, 16), jit.i32(mask_rows),
        jit.cu_stream(stream))
-    if scores.dim() == 3 and stream is None and arch is None:
-        jit.remember_tensor_entry(_TENSOR_FNS, (scores.dtype, scores.shape[1:], W, scores.get_device()),
+    if scores.dim() in (3, 4) and stream is None and arch is None:
+        jit.remember_tensor_entry(_TENSOR_FNS, (scores.dtype, (H, M), W, scores.dim(), scores.get_device()),
                                   "masked_softmax_tensors", a, length=M, heads=H, mask_stride=W,
-                                  dtype=str(scores.dtype).replace("torch.", ""))
+                                  dtype=str(scores.dtype).replace("torch.", ""), lead_dims=scores.dim() - 2)
     return out

@@ -16,7 +16,7 @@ ENTRIES = {"row_rms_tensors": dict(hidden=7168), "mhc_pre_mix_tensors": dict(n=4
            "mhc_post_mix_tensors": dict(n=4, hidden=4096),
            "moe_finalize_tensors": dict(hidden=4096, topk=6, add_shared=True),
            "mxfp8_quantize_tensors": dict(K=4096), "rms_norm_tensors": dict(hidden=512, weighted=False, rope_dim=64, rank=3),
-           "masked_softmax_tensors": dict(length=592, heads=16, mask_stride=608),
+           "masked_softmax_tensors": dict(length=592, heads=16, mask_stride=608, lead_dims=2),
            "moe_router_tensors": dict(num_experts=256, n_group=1, topk_group=1, top_k=6, routed_scaling_factor=1.5,
                                       tile_m=16, logits_dtype="float32", has_bias=True, score="sqrtsoftplus",
                                       single_cta=True),
@@ -61,6 +61,7 @@ def _cases():
     ang = torch.rand(T, 32, device="cuda") * 6.3
     cs = torch.stack([ang.cos(), ang.sin()], -1)
     sc, mask = bf(T, 16, 592), torch.rand(T, 608, device="cuda") < 0.7  # masked_softmax's scores, mask
+    sc4, mask4 = sc.view(2, T // 2, 16, 592), mask.view(2, T // 2, 608)
     xx = bf(T + 1, n, C)  # two overlapping [T, n, C] views
     y, w, sh = bf(rows, C), torch.rand(T, k, device="cuda"), bf(T, C)
     pos = torch.randperm(rows, device="cuda")[:T * k].int()
@@ -99,6 +100,10 @@ def _cases():
           (lambda out: masked_softmax(sc, mask[:5], out=out), ValueError, "mask must be"),
           (lambda out: masked_softmax(sc, mask[:, :584].contiguous(), out=out), ValueError, "mask.shape"),
           (lambda out: masked_softmax(sc, mask, out=out[:, :8]), ValueError, "out must have shape")]),
+        # two lead dims: [B, S, H, M] scores, [B, S, W] mask (the runtime's [batch, step] form)
+        ("masked_softmax 4-D", lambda out, **kw: masked_softmax(sc4, mask4, out=out, **kw), torch.empty_like(sc4),
+         [(lambda out: masked_softmax(sc4, mask4[:, :1].contiguous(), out=out), ValueError, "mask must be"),
+          (lambda out: masked_softmax(sc4, mask4, out=out[:1]), ValueError, "out must have shape")]),
         ("rms_norm", lambda out, **kw: rms_norm(rn, 1e-6, rw, out=out, **kw), torch.empty_like(rn),
          [(lambda out: rms_norm(rn, 1e-6, rw[:C // 2], out=out), ValueError, "weight must have shape"),
           (lambda out: rms_norm(rn, 1e-6, rw.float(), out=out), TypeError, "weight must have dtype"),
@@ -186,7 +191,7 @@ def test_tensor_entries_equal_the_pointer_launch_and_refuse_by_name(seed, monkey
     memos = {"masked_softmax": msm._TENSOR_FNS, "rms_norm": rms._TENSOR_FNS, "mhc_pre_mix": pre._TENSOR_FNS,
              "mhc_post_mix": post._TENSOR_FNS, "moe_finalize": fin._TENSOR_FNS, "wo_a G=8": woa._TENSOR_FNS,
              "wo_a G=16": woa._TENSOR_FNS, "mhc_stats": stats._TENSOR_FNS, "rms_norm per head": rms._TENSOR_FNS,
-             "rms_norm kv": rms._TENSOR_FNS}
+             "rms_norm kv": rms._TENSOR_FNS, "masked_softmax 4-D": msm._TENSOR_FNS}
     for name, call, out, bad in cases:
         want = out.clone()
 
