@@ -55,7 +55,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from . import runtime_only
-from .arch import normalize_arch
+from .arch import normalize_arch, warn_once
 from .artifact_cache import TVM_FFI_OPTION, default_cache
 
 _REGISTRY: dict[str, "KernelDef"] = {}
@@ -627,9 +627,16 @@ def launch_tensor_entry(memo: dict, key, *args) -> bool:
 def remember_tensor_entry(memo: dict, key, name: str, arch: str | None, **config) -> None:
     """After a validated launch on torch's current stream with TVM-FFI on: memoise tensor entry
     ``name`` for ``arch`` (the device's; callers skip this when a call names a stream or an
-    arch of its own) under ``key`` for the next calls' hot path."""
+    arch of its own) under ``key`` for the next calls' hot path. An entry that fails to build
+    or load warns once and leaves ``key`` on the validated path (the launch has been made)."""
     if TVM_FFI and arch is not None and key not in memo:
-        fn = get_tensor_kernel(name, arch, **config)
+        try:
+            fn = get_tensor_kernel(name, arch, **config)
+        except Exception as e:  # noqa: BLE001 -- the call itself succeeded; only the fast path is lost
+            warn_once(f"tensor-entry:{name}", f"cute_kernels: tensor entry {name} {config} is unavailable "
+                                              f"({type(e).__name__}: {e}); its calls take the validated path")
+            memo[key] = None
+            return
         if fn is not None:
             memo[key] = _FirstTensorCall(memo, key, fn)
 

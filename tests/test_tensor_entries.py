@@ -353,3 +353,19 @@ def test_hot_paths_name_a_non_tensor_argument(monkeypatch):
     for call, words in calls:
         with pytest.raises(TypeError, match=words):
             call()
+
+
+def test_an_entry_that_fails_to_build_leaves_the_validated_path(monkeypatch):
+    """remember_tensor_entry after a launch: a tensor entry that fails to build or load warns
+    once and marks its key, so the call that launched does not fail and later calls take the
+    validated path (CPU)."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("no TVM-FFI here")
+
+    monkeypatch.setattr(jit, "TVM_FFI", True)
+    monkeypatch.setattr(jit, "get_tensor_kernel", broken)
+    memo = {}
+    with pytest.warns(RuntimeWarning, match="row_rms_tensors .* unavailable"):
+        jit.remember_tensor_entry(memo, "k", "row_rms_tensors", "sm_90a", hidden=7168)
+    assert memo == {"k": None} and not jit.launch_tensor_entry(memo, "k", 1, 2)
+    jit.remember_tensor_entry(memo, "k", "row_rms_tensors", "sm_90a", hidden=7168)  # marked: not retried
