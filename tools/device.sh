@@ -49,7 +49,7 @@
 #                                            mHC parts, the routed-input gather)
 #   bash tools/device.sh quick-bench         the runtime bench at v4_flash_slice (--quick, acceptance 5.5)
 #   bash tools/device.sh cache-out           the machine's compiled-kernel cache as $OUT/kernel-cache.tar.xz
-#   bash tools/device.sh cache-in            unpack a carried .devcache/kernel-cache.tar.xz into the cache
+#   bash tools/device.sh cache-in [FILE]     unpack a carried cache (default .devcache/kernel-cache.tar.xz) into it
 #                                            (a call right after one that unpacked the DSL: see docs/device.md)
 set -u
 source tools/device-env.sh || exit 1
@@ -188,9 +188,9 @@ cache-out)
   ls -la "$OUT/kernel-cache.tar.xz"
   ;;
 cache-in)
-  # in a call that carries .devcache/kernel-cache.tar.xz (right after one that unpacked the DSL)
+  # in a call that carries the cache file (right after one that unpacked the DSL)
   mkdir -p "$(dirname "$CUTE_KERNELS_CACHE_DIR")"
-  tar -xJf .devcache/kernel-cache.tar.xz -C "$(dirname "$CUTE_KERNELS_CACHE_DIR")" && \
+  tar -xJf "${1:-.devcache/kernel-cache.tar.xz}" -C "$(dirname "$CUTE_KERNELS_CACHE_DIR")" && \
     find "$CUTE_KERNELS_CACHE_DIR" -name manifest.json | wc -l
   ;;
 *)

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Build the sm_90a compile cache on this machine (no GPU) and pack it for the device machine in
+# two parts (docs/device.md): .devcache/kernel-cache.tar.xz (the GEMM-side kernels: carried
+# beside the DSL bundle, unpacked by tools/device-env.sh) and .devcache/kernel-cache-b.tar.xz
+# (the rest and the tensor entries: carried in the next call, `bash tools/device.sh cache-in
+# .devcache/kernel-cache-b.tar.xz`). Both together no longer fit beside the bundle.
+#
+#   bash tools/build-kernel-cache.sh [extra `python -m cute_kernels build` arguments]
+set -eu
+root=${KC_ROOT:-/tmp/kc}
+rm -rf "$root"
+python -m cute_kernels build --arch sm_90a --tensor-entries --cache "$root/cute_kernels_cache" "$@" | tail -1
+version=$(ls "$root/cute_kernels_cache")
+second="sink_attention compressor_pool indexer_scores indexer_scores_fp8 indexer_scores_sm90
+  indexer_scores_token_group_sm90 indexer_topk mhc_stats mhc_pre_mix mhc_post_mix push_allreduce rms_norm row_rms
+  masked_softmax"
+exclude=() include=()
+for d in "$root/cute_kernels_cache/$version"/sm_90a/*; do
+  k=$(basename "$d")
+  case " $(echo $second) " in
+    *" $k "*) ;;
+    *) [[ $k == *_tensors ]] || { exclude+=("--exclude=cute_kernels_cache/$version/sm_90a/$k"); continue; } ;;
+  esac
+  include+=("cute_kernels_cache/$version/sm_90a/$k")
+done
+mkdir -p .devcache
+tar -cJf .devcache/kernel-cache-b.tar.xz -C "$root" "${include[@]}"
+tar -cJf .devcache/kernel-cache.tar.xz -C "$root" "${include[@]/#/--exclude=}" cute_kernels_cache
+ls -la .devcache/kernel-cache.tar.xz .devcache/kernel-cache-b.tar.xz
