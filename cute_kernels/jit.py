@@ -153,9 +153,10 @@ def default_options(arch: str) -> str:
     return f"--gpu-arch={arch}"
 
 
-def entry_options(kdef: "KernelDef", arch: str) -> str:
-    """The compile options of ``kdef``'s entries: a tensor entry's add TVM-FFI."""
-    return f"{default_options(arch)} {TVM_FFI_OPTION}" if kdef.tensor_entry_of else default_options(arch)
+def entry_options(kdef: "KernelDef", arch: str, tvm_ffi: bool = False) -> str:
+    """The compile options of ``kdef``'s entries: with TVM-FFI for a tensor entry, or for any
+    kernel with ``tvm_ffi`` (:func:`use_tvm_ffi`)."""
+    return f"{default_options(arch)} {TVM_FFI_OPTION}" if tvm_ffi or kdef.tensor_entry_of else default_options(arch)
 
 
 def _canon(v: Any) -> Any:
@@ -456,7 +457,7 @@ def get_kernel(name: str, arch: str, *, use_disk: bool = True, artifact_cache=No
         raise KeyError(f"unknown kernel {name!r} (import the module that defines it); registered: "
                        f"{', '.join(sorted(_REGISTRY))}")
     if TVM_FFI and not runtime_only.active():  # (runtime-only: the ctypes launchers take the same arguments)
-        fn = CACHE.get(kdef, arch, config, options=f"{default_options(arch)} {TVM_FFI_OPTION}",
+        fn = CACHE.get(kdef, arch, config, options=entry_options(kdef, arch, tvm_ffi=True),
                        artifact_cache=artifact_cache, use_disk=use_disk)
     else:
         fn = CACHE.get(kdef, arch, config, artifact_cache=artifact_cache, use_disk=use_disk)

@@ -391,9 +391,14 @@ class MhcStats:
 
     @staticmethod
     def compile(arch: str, n: int, hidden: int, sinkhorn_iters: int = 20, hc_eps: float = 0.0, maps: str = "all"):
-        # the compile keys of hc_eps = 0 and of every mapping are unchanged
+        return jit.get_kernel("mhc_stats", arch, **MhcStats.config(n, hidden, sinkhorn_iters, hc_eps, maps))
+
+    @staticmethod
+    def config(n: int, hidden: int, sinkhorn_iters: int = 20, hc_eps: float = 0.0, maps: str = "all") -> dict:
+        """The compile configuration (of the kernel and of its tensor entry); ``hc_eps = 0`` and
+        every mapping leave it as it was before they existed, so their compile keys are unchanged."""
         extra = ({"hc_eps": float(hc_eps)} if hc_eps else {}) | ({"maps": maps} if maps != "all" else {})
-        return jit.get_kernel("mhc_stats", arch, n=n, hidden=hidden, sinkhorn_iters=sinkhorn_iters, **extra)
+        return dict(n=n, hidden=hidden, sinkhorn_iters=sinkhorn_iters, **extra)
 
 
 def _build(arch: str, *, n: int, hidden: int, sinkhorn_iters: int, hc_eps: float = 0.0, maps: str = "all"):
@@ -618,7 +623,6 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
     if split_planes and stream is None and arch is None:
         key = (x.shape, sinkhorn_iters, hc_eps, maps, max_ctas, x.get_device())
         _TENSOR_PLANS[key] = (splits, per)
-        extra = ({"hc_eps": float(hc_eps)} if hc_eps else {}) | ({"maps": maps} if maps != "all" else {})
-        jit.remember_tensor_entry(_TENSOR_FNS, key, "mhc_stats_tensors", a, n=n, hidden=C,
-                                  sinkhorn_iters=sinkhorn_iters, **extra)
+        jit.remember_tensor_entry(_TENSOR_FNS, key, "mhc_stats_tensors", a,
+                                  **MhcStats.config(n, C, sinkhorn_iters, hc_eps, maps))
     return out

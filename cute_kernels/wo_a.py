@@ -256,8 +256,10 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     strided-batched GEMM storing token-major ``y`` (:mod:`.wo_a_cublas`; any CUDA device; not
     with ``decode_kernel`` or ``pdl``); ``None`` -- the default rule.
     """
-    if (out is not None and jit.TVM_FFI and stream is None and arch is None and decode_kernel is None
-            and workspace is None and not pdl and backend is None and isinstance(o, torch.Tensor)
+    # the default route on torch's current stream: the calls that take a tensor entry
+    default_call = (stream is None and arch is None and decode_kernel is None and workspace is None and not pdl
+                    and backend is None)
+    if (out is not None and jit.TVM_FFI and default_call and isinstance(o, torch.Tensor)
             and isinstance(wo_a_weight, torch.Tensor)):  # the eager hot path (T <= 64)
         key = (o.shape, wo_a_weight.shape, o.get_device())  # (the C checks: dtypes, extents, strides, ...)
         ws = _TENSOR_WORKSPACES.get(key)
@@ -303,8 +305,7 @@ def wo_a(o: torch.Tensor, wo_a_weight: torch.Tensor, *, out: torch.Tensor | None
     else:  # the engine (TMA-stored y: 16-byte aligned) and the wgmma decode kernel
         fn(P(bf16, o, 16), P(bf16, wo_a_weight, 16), P(bf16, out, 16 if name == op else 4), jit.i32(T),
            jit.cu_stream(stream))
-    if (name != op and stream is None and arch is None and decode_kernel is None and workspace is None and not pdl
-            and backend is None):  # a decode kernel by the default route: its tensor entry for the next calls
+    if name != op and default_call:  # a decode kernel by the default route: its tensor entry for the next calls
         key = (o.shape, wo_a_weight.shape, o.get_device())
         if ws is not None:
             _TENSOR_WORKSPACES[key] = ws

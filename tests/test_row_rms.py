@@ -36,6 +36,17 @@ def test_large_magnitudes_and_eps(seed):
     assert abs(out[3].item() - 10.0) < 1e-4
 
 
+def _check_replays(g, x, out, replays: int):
+    """Replay ``g`` (row_rms of ``x`` into ``out``) on fresh ``x`` each time, ``out`` poisoned
+    first, and check every replay against the FP64 reference."""
+    for _ in range(replays):
+        x.copy_(torch.randn(*x.shape, device="cuda").bfloat16())
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, row_rms_ref(x, 1e-6)) < TOL
+
+
 @pytest.mark.gpu
 def test_side_stream_and_cuda_graph(seed):
     T, C = 6, 28672
@@ -48,12 +59,7 @@ def test_side_stream_and_cuda_graph(seed):
     with torch.cuda.stream(s):
         with torch.cuda.graph(g, stream=s):
             row_rms(x, out=out)
-    for _ in range(3):
-        x.copy_(torch.randn(T, C, device="cuda").bfloat16())
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert rel_err(out, row_rms_ref(x, 1e-6)) < TOL
+    _check_replays(g, x, out, 3)
 
 
 @pytest.mark.gpu
@@ -113,12 +119,7 @@ def test_tensor_entry_through_tvm_ffi(seed, monkeypatch):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             row_rms(x, out=out)
-        for _ in range(2):
-            x.copy_(torch.randn(T, C, device="cuda").bfloat16())
-            out.fill_(float("nan"))
-            g.replay()
-            torch.cuda.synchronize()
-            assert rel_err(out, row_rms_ref(x, 1e-6)) < TOL
+        _check_replays(g, x, out, 2)
         poisoned = torch.full((T,), float("nan"), device="cuda")
         buf = torch.randn(T * C + 8, device="cuda").bfloat16()
         bad = [
