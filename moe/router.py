@@ -40,17 +40,25 @@ capacities for a maximum T (:func:`capacity`), so a captured CUDA graph serves a
 
 Kernel (one launch, no host sync): every warp routes whole tokens -- lane ``l`` holds experts
 ``[l*V, (l+1)*V)`` with ``V = E/32``; group top-2 merges across the ``32/n_group`` lanes of a
-group with butterfly shuffles; each of the k picks is a warp arg-max (value, then lower
-index) -- and counts its experts with integer atomics in a workspace. The last CTA to
-finish (a release/acquire counter) builds the padded layout deterministically: a warp
-scan of padded counts, then rounds of 32 tokens per warp where one ballot per expert gives
-each row its rank among equal experts (``popc(mask & lanemask_lt)``) and a per-expert
-prefix over warps orders the rounds. It then zeroes the workspace, so graph replays need no
-host reset. ``workspace`` (int32, E+1 entries) must be zero before the first launch.
-Up to ``SINGLE_CTA_MAX_TOKENS`` tokens (decode) one CTA routes them all, counting in shared
-memory and keeping its picks there: the layout stage follows one barrier -- no count atomics
-in global memory, no grid handshake, no re-read of the picks -- and leaves the workspace
-alone (a host-side choice from T: a compile configuration of its own).
+group with butterfly shuffles; each of the k picks is a warp arg-max: every lane's best
+candidate as an order-preserving unsigned key, one ``redux.sync`` maximum, and the lowest lane
+holding it (a ballot) wins -- its experts have the lower indices, so ties go to the lower
+index. Two paths build the packed layout:
+
+* up to ``SINGLE_CTA_MAX_TOKENS`` = 64 tokens (decode) one CTA routes them all and keeps, per
+  expert, the mask of tokens that picked it in shared memory (``atomicOr`` into two 32-bit
+  words, one bit per token). After one barrier the counts are popcounts, a warp scan gives the padded offsets,
+  and routed row ``t*k + i`` of expert ``e`` lands at ``offset[e] + popc(mask[e] & (2^t - 1))``
+  -- its rank among the expert's rows, in row order, since a token picks an expert once. No
+  count atomics in global memory, no grid handshake, no ballots.
+* above that, a grid of CTAs counts with integer atomics in a workspace; the last CTA to finish
+  (a release/acquire counter) builds the layout deterministically: a warp scan of padded counts,
+  then rounds of 32 tokens per warp where one ballot per expert gives each row its rank among
+  equal experts (``popc(mask & lanemask_lt)``) and a per-expert prefix over warps orders the
+  rounds. It then zeroes the workspace, so graph replays need no host reset. ``workspace``
+  (int32, E+1 entries) must be zero before the first launch.
+
+The path is a host-side choice from T (a compile configuration of its own).
 
 NaN: a NaN score (a NaN logit or bias) ranks above every number and ties among NaNs go to
 the lower index -- ``torch.sort``'s order, so the picks stay real experts and match the
@@ -79,6 +87,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 from cute_kernels import jit
 from cute_kernels.arch import current_arch, dispatch
@@ -86,12 +96,27 @@ from cute_kernels.grid_sync import last_arrival
 from cute_kernels.validate import check_cuda, check_tensor
 
 _LOGIT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-#: Up to this many tokens one CTA routes them all (two per warp at most) and builds the layout
-#: from shared memory: no grid handshake, no global count atomics (decode's T of a few)
-SINGLE_CTA_MAX_TOKENS = 32
+#: Up to this many tokens one CTA routes them all (four per warp at most) and builds the layout
+#: from shared memory: no grid handshake, no global count atomics (decode's T of a few; one
+#: bit per token in a 64-bit mask per expert)
+SINGLE_CTA_MAX_TOKENS = 64
 #: expert score functions (RouterConfig.score)
 SCORES = ("sigmoid", "sqrtsoftplus")
 _NAME2CUTE = {"float32": Float32, "bfloat16": cutlass.BFloat16}
+
+
+@dsl_user_op
+def _f32_bits(x: Float32, *, loc=None, ip=None) -> Uint32:
+    return Uint32(llvm.bitcast(Uint32.mlir_type, Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@cute.jit
+def ordered_key(x: Float32) -> Uint32:
+    """An unsigned integer with the order of the float ``x`` (not NaN): negative values have
+    every bit flipped, others the sign bit set; -0.0 maps to +0.0's key (they compare equal)."""
+    u = _f32_bits(x)
+    flip = cutlass.select_(Int32(u) < 0, Uint32(0xFFFFFFFF), Uint32(0x80000000))
+    return cutlass.select_(x == Float32(0.0), Uint32(0x80000000), u ^ flip)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,17 +304,19 @@ class RouterTopkAlign:
 
         smem = cutlass.memory.SmemAllocator()
         sOff = smem.allocate_tensor(Int32, cute.make_layout((E + 1,)), 16)
-        sCnt = smem.allocate_tensor(Int32, cute.make_layout((E,)), 16)
-        sCursor = smem.allocate_tensor(Int32, cute.make_layout((E,)), 16)
-        sMask = smem.allocate_tensor(Uint32, cute.make_layout((W, E), stride=(E, 1)), 16)
-        sPre = smem.allocate_tensor(Int32, cute.make_layout((W, E), stride=(E, 1)), 16)
-        sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
-        sIds = sFlag  # the single-CTA path's copy of the picks (read back by its align stage)
         if cutlass.const_expr(self.single_cta):
+            # the picks, and per expert the mask of tokens that picked it (T <= 64: one bit each)
             sIds = smem.allocate_tensor(Int32, cute.make_layout((SINGLE_CTA_MAX_TOKENS, k), stride=(k, 1)), 16)
-            for e in cutlass.range(tidx, E, self.threads):
-                sCnt[e] = 0
+            sTokMask = smem.allocate_tensor(Uint32, cute.make_layout((2, E), stride=(E, 1)), 16)  # tokens 0-31, 32-63
+            for e in cutlass.range(tidx, 2 * E, self.threads):
+                sTokMask[e] = Uint32(0)
             cute.arch.barrier()
+        else:
+            sCnt = smem.allocate_tensor(Int32, cute.make_layout((E,)), 16)
+            sCursor = smem.allocate_tensor(Int32, cute.make_layout((E,)), 16)
+            sMask = smem.allocate_tensor(Uint32, cute.make_layout((W, E), stride=(E, 1)), 16)
+            sPre = smem.allocate_tensor(Int32, cute.make_layout((W, E), stride=(E, 1)), 16)
+            sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
 
         # ---------------- stage 1: route tokens, one warp per token ----------------------
         rBias = cute.make_rmem_tensor(cute.make_layout((V,)), Float32)
@@ -345,29 +372,29 @@ class RouterTopkAlign:
             my_s = Float32(0.0)
             ssum = Float32(0.0)
             for i in cutlass.range_constexpr(k):
-                bi = Int32(E)
                 if cutlass.const_expr(self.hash_routed):
                     bi = cute.arch.shuffle_sync(my_tab, i)
-                else:
-                    bv = neg_inf
+                    sv = Float32(0.0)
                     for j in cutlass.range_constexpr(V):
-                        take = rCand[j] > bv  # strict: the lower index wins a tie within the lane
+                        sv = cutlass.select_(bi == lane * V + j, rS[j], sv)
+                    sw = cute.arch.shuffle_sync(sv, bi // V)
+                else:
+                    # The lane's best (strict >: the lower index wins a tie within the lane),
+                    # then the warp's: one redux of order-preserving keys, and the lowest lane
+                    # holding the maximum (its experts have the lower indices) wins a tie.
+                    bv, bj, bs = neg_inf, Int32(0), Float32(0.0)
+                    for j in cutlass.range_constexpr(V):
+                        take = rCand[j] > bv
                         bv = cutlass.select_(take, rCand[j], bv)
-                        bi = cutlass.select_(take, lane * V + j, bi)
-                    for sh in cutlass.range_constexpr(5):
-                        ov = cute.arch.shuffle_sync_bfly(bv, offset=1 << sh)
-                        oi = cute.arch.shuffle_sync_bfly(bi, offset=1 << sh)
-                        better = cutlass.select_(ov > bv, Int32(1),
-                                                 cutlass.select_(ov == bv, cutlass.select_(oi < bi, Int32(1), Int32(0)),
-                                                                 Int32(0)))
-                        bv = cutlass.select_(better == 1, ov, bv)
-                        bi = cutlass.select_(better == 1, oi, bi)
-                sv = Float32(0.0)
-                for j in cutlass.range_constexpr(V):
-                    hit = bi == lane * V + j
-                    sv = cutlass.select_(hit, rS[j], sv)
-                    rCand[j] = cutlass.select_(hit, neg_inf, rCand[j])
-                sw = cute.arch.shuffle_sync(sv, bi // V)
+                        bj = cutlass.select_(take, Int32(j), bj)
+                        bs = cutlass.select_(take, rS[j], bs)
+                    key = ordered_key(bv)
+                    best = cute.arch.warp_redux_sync(key, "umax")
+                    src = Int32(cute.arch.clz(cute.arch.brev(Uint32(cute.arch.vote_ballot_sync(key == best)))))
+                    bi = cute.arch.shuffle_sync(lane * V + bj, src)
+                    sw = cute.arch.shuffle_sync(bs, src)
+                    for j in cutlass.range_constexpr(V):
+                        rCand[j] = cutlass.select_((lane == src) & (bj == j), neg_inf, rCand[j])
                 ssum = ssum + sw
                 my_id = cutlass.select_(lane == i, bi, my_id)
                 my_s = cutlass.select_(lane == i, sw, my_s)
@@ -376,16 +403,17 @@ class RouterTopkAlign:
                 mW[t, lane] = my_s / (ssum + Float32(1e-20)) * Float32(self.scale)
                 if cutlass.const_expr(self.single_cta):
                     sIds[t, lane] = my_id
-                    cute.arch.atomic_add((sCnt.iterator + my_id).llvm_ptr, Int32(1), sem="relaxed", scope="cta")
+                    cute.arch.atomic_or((sTokMask.iterator + (t >> 5) * E + my_id).llvm_ptr, Uint32(1) << Uint32(t & 31), sem="relaxed",
+                                        scope="cta")
                 else:
                     cute.arch.atomic_add((mWs.iterator + my_id).llvm_ptr, Int32(1), sem="relaxed", scope="gpu")
 
         # ---------------- padded, packed layout -------------------------------------------
         if cutlass.const_expr(self.single_cta):
-            # the CTA's own counts and picks, in shared memory: one barrier, no grid handshake
+            # the CTA's own picks and token masks, in shared memory: one barrier, no grid handshake
             cute.arch.barrier()
-            self.align(sIds, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos, sOff, sCnt, sCursor, sMask,
-                       sPre, num_tokens, tiles_cap)
+            self.align_single_cta(sIds, sTokMask, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mPos, sOff,
+                                  num_tokens, tiles_cap)
         else:
             # The last CTA sees every CTA's ids / weights / count atomics (cute_kernels.grid_sync).
             if last_arrival(mWs.iterator + E, sFlag, grid):
@@ -402,47 +430,106 @@ class RouterTopkAlign:
         return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
 
     @cute.jit
-    def align(self, ids, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos, sOff, sCnt, sCursor, sMask,
+    def align_single_cta(self, sIds, sTokMask, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mPos, sOff,
+                         num_tokens: Int32, tiles_cap: Int32):
+        """The padded, packed layout from the single-CTA path's picks ``sIds [T, k]`` and token
+        masks ``sTokMask[:, e]`` (bit t of the 64 in two words: token t picked expert e). A token
+        picks an expert at most once, so routed row ``t k + i`` of expert ``e`` has rank
+        ``popc(mask_e & (2^t - 1))`` among that expert's rows, in row order: no ballots, no
+        cross-warp prefix."""
+        E, V, k, tile = self.E, self.V, self.k, self.tile
+        tidx, _, _ = cute.arch.thread_idx()
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        if warp == 0:
+            self.scan_padded_counts(sTokMask, True, sOff, mTotal)
+        cute.arch.barrier()
+        total = sOff[E]
+        for e in cutlass.range(tidx, E, self.threads):
+            mCounts[e] = Int32(cute.arch.popc(sTokMask[0, e])) + Int32(cute.arch.popc(sTokMask[1, e]))
+            mOffsets[e] = sOff[e]
+            for j in cutlass.range(sOff[e] // tile, sOff[e + 1] // tile):  # the expert's M-tiles
+                mTileExpert[j] = e
+        if tidx == 0:
+            mOffsets[E] = total
+        for j in cutlass.range(total // tile + tidx, tiles_cap, self.threads):
+            mTileExpert[j] = Int32(-1)
+        self.fill_sentinels(mSorted, total, num_tokens * k)
+        cute.arch.barrier()  # sentinels land before the live slots are written
+        for r in cutlass.range(tidx, num_tokens * k, self.threads):
+            t = r // k
+            e = sIds[t, r - t * k]
+            below = (Uint32(1) << Uint32(t & 31)) - Uint32(1)  # the tokens before t in its word
+            hi = t >= 32
+            rank = Int32(cute.arch.popc(sTokMask[0, e] & cutlass.select_(hi, Uint32(0xFFFFFFFF), below)))
+            rank += Int32(cute.arch.popc(sTokMask[1, e] & cutlass.select_(hi, below, Uint32(0))))
+            pos = sOff[e] + rank
+            mSorted[pos] = r
+            mPos[r] = pos
+
+    @cute.jit
+    def scan_padded_counts(self, counts, as_masks: cutlass.Constexpr, sOff, mTotal):
+        """Warp 0: ``sOff`` = exclusive scan of the tile-padded counts (lane l owns experts
+        ``[l V, l V + V)``), ``sOff[E]`` and ``mTotal[0]`` the padded total. ``counts[e]`` is
+        the count, or (``as_masks``) ``counts[:, e]`` two words whose set bits are counted."""
+        E, V, tile = self.E, self.V, self.tile
+        lane = cute.arch.lane_idx()
+        rLocal = cute.make_rmem_tensor(cute.make_layout((V,)), Int32)
+        run = Int32(0)
+        for j in cutlass.range_constexpr(V):
+            if cutlass.const_expr(as_masks):
+                c = Int32(cute.arch.popc(counts[0, lane * V + j])) + Int32(cute.arch.popc(counts[1, lane * V + j]))
+            else:
+                c = counts[lane * V + j]
+            rLocal[j] = run
+            run += (c + tile - 1) // tile * tile
+        incl = run
+        for sh in cutlass.range_constexpr(5):
+            o = cute.arch.shuffle_sync_up(incl, offset=1 << sh)
+            incl += cutlass.select_(lane >= (1 << sh), o, Int32(0))
+        excl = incl - run
+        for j in cutlass.range_constexpr(V):
+            sOff[lane * V + j] = excl + rLocal[j]
+        if lane == 31:
+            sOff[E] = incl
+            mTotal[0] = incl
+
+    @cute.jit
+    def fill_sentinels(self, mSorted, total: Int32, sentinel: Int32):
+        """``mSorted[0:total] = sentinel`` by the whole CTA (16-byte stores when ``tile % 4 == 0``:
+        ``total`` is a multiple of ``tile``)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        if cutlass.const_expr(self.tile % 4 == 0):
+            gSorted4 = cute.zipped_divide(mSorted, (4,))
+            rSent = cute.make_rmem_tensor(cute.make_layout((4,)), Int32)
+            rSent.fill(sentinel)
+            for p in cutlass.range(tidx, total // 4, self.threads):
+                cute.autovec_copy(rSent, gSorted4[(None, p)])
+        else:
+            for p in cutlass.range(tidx, total, self.threads):
+                mSorted[p] = sentinel
+
+    @cute.jit
+    def align(self, mIds, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos, sOff, sCnt, sCursor, sMask,
               sPre, num_tokens: Int32, tiles_cap: Int32):
-        """The padded, packed layout from the picks ``ids [T, k]`` (global memory, or the single-CTA
-        path's shared copy) and the counts (``mWs``, or ``sCnt`` counted in shared memory)."""
+        """The grid path's padded, packed layout (last CTA) from every CTA's picks ``mIds [T, k]``
+        and count atomics ``mWs``; zeroes ``mWs`` for the next launch."""
         E, V, k, W, tile = self.E, self.V, self.k, self.warps, self.tile
         tidx, _, _ = cute.arch.thread_idx()
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
-        # Exclusive scan of tile-padded counts by warp 0 (lane l owns experts [l*V, l*V+V)).
         if warp == 0:
-            rLocal = cute.make_rmem_tensor(cute.make_layout((V,)), Int32)
-            run = Int32(0)
             for j in cutlass.range_constexpr(V):
-                if cutlass.const_expr(self.single_cta):
-                    c = sCnt[lane * V + j]  # counted in shared memory
-                else:
-                    c = mWs[lane * V + j]
-                    sCnt[lane * V + j] = c
-                rLocal[j] = run
-                run += (c + tile - 1) // tile * tile
-            incl = run
-            for sh in cutlass.range_constexpr(5):
-                o = cute.arch.shuffle_sync_up(incl, offset=1 << sh)
-                incl += cutlass.select_(lane >= (1 << sh), o, Int32(0))
-            excl = incl - run
-            for j in cutlass.range_constexpr(V):
-                sOff[lane * V + j] = excl + rLocal[j]
-            if lane == 31:
-                sOff[E] = incl
-                mTotal[0] = incl
+                sCnt[lane * V + j] = mWs[lane * V + j]  # (each lane reads back its own experts)
+            self.scan_padded_counts(sCnt, False, sOff, mTotal)
         cute.arch.barrier()
         total = sOff[E]
         for e in cutlass.range(tidx, E, self.threads):
             mCounts[e] = sCnt[e]
             mOffsets[e] = sOff[e]
-            if cutlass.const_expr(not self.single_cta):
-                mWs[e] = 0  # ready for the next launch (graph replay needs no host reset)
+            mWs[e] = 0  # ready for the next launch (graph replay needs no host reset)
             sCursor[e] = 0
         if tidx == 0:
             mOffsets[E] = total
-            if cutlass.const_expr(not self.single_cta):
-                mWs[E] = 0
+            mWs[E] = 0
         ntiles = total // tile
         for j in cutlass.range(tidx, tiles_cap, self.threads):
             e = Int32(-1)
@@ -457,17 +544,7 @@ class RouterTopkAlign:
                     hi = cutlass.select_(go & (mid < E), hi, mid - 1)
                 e = lo
             mTileExpert[j] = e
-        sentinel = num_tokens * k
-        if cutlass.const_expr(tile % 4 == 0):
-            # total is a multiple of tile: fill with 16-byte stores
-            gSorted4 = cute.zipped_divide(mSorted, (4,))
-            rSent = cute.make_rmem_tensor(cute.make_layout((4,)), Int32)
-            rSent.fill(sentinel)
-            for p in cutlass.range(tidx, total // 4, self.threads):
-                cute.autovec_copy(rSent, gSorted4[(None, p)])
-        else:
-            for p in cutlass.range(tidx, total, self.threads):
-                mSorted[p] = sentinel
+        self.fill_sentinels(mSorted, total, num_tokens * k)
         # Sentinels land before the scatter below overwrites the live slots.
         cute.arch.barrier()
 
@@ -477,7 +554,7 @@ class RouterTopkAlign:
             for i in cutlass.range_constexpr(k):
                 rId[i] = E
                 if t < num_tokens:
-                    rId[i] = ids[t, i]
+                    rId[i] = mIds[t, i]
             rMine = cute.make_rmem_tensor(cute.make_layout((V,)), Uint32)
             rMine.fill(0)
             # Warps with no live token skip the ballots (their masks stay zero).
