@@ -48,12 +48,16 @@ Prequantized routed variant (:func:`mxfp8_gather_routed`): the tokens were quant
 each output block is the routed token's block, moved byte for byte with its scale byte --
 the same bytes as quantizing the gathered rows, since every row is quantized on its own.
 
-Kernel: one thread per 32-element block: four 16-byte loads, integer amax of the bf16
-magnitude bits, the scale byte, 32 multiplies and packed fp32->e4m3 conversions, two
-16-byte stores and one scale byte (the prequantized gather: two 16-byte loads and stores and
-a scale byte); in the swizzled layout the four scale bytes of a row's 4-column group, held by
-four adjacent lanes, go out as one 32-bit store (shuffles). A grid-stride loop over a fixed grid keeps launches
-graph-capturable when the live row count is a device value.
+Kernel, plain scales: one thread per 32-element block: four 16-byte loads, integer amax of the
+bf16 magnitude bits, the scale byte, 32 multiplies and packed fp32->e4m3 conversions, two
+16-byte stores and one scale byte (consecutive lanes: consecutive blocks, so a warp's scale
+bytes are one 32-byte segment). Swizzled scales: one thread per 32-bit word of the scale
+atoms -- one row's four scale bytes of a 4-column group -- so a thread quantizes four
+consecutive blocks of a row (sixteen 16-byte loads issued first, eight 16-byte stores) and
+stores its word whole; word ``t`` of an atom is row ``32 (t % 4) + t // 4`` of it, so a
+warp's words are 128 contiguous bytes. The prequantized gather moves 32-byte blocks (two
+16-byte loads and stores) and scale bytes. A grid-stride loop over a fixed grid keeps
+launches graph-capturable when the live row count is a device value.
 
 Constraints: K % 32 == 0 (the MX block; other K raise ``ValueError``), 16-byte aligned
 rows; T * K < 2**31. The same source compiles for sm_90a and sm_100a (no tensor cores).
@@ -131,9 +135,9 @@ class MxQuant:
         mTotal = cute.make_tensor(total_ptr, cute.make_layout((1,)))
         # Size the grid by the (upper bound of the) work so that a small quantization
         # leaves SMs free for work running beside it on another stream.
-        work = out_rows * self.nblk
-        if cutlass.const_expr(self.layout == "swizzled"):
-            work = (out_rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * SF_ATOM_ROWS * (self.ncb * SF_ATOM_COLS)
+        work = out_rows * self.nblk  # plain: a thread per block
+        if cutlass.const_expr(self.layout == "swizzled"):  # a thread per scale word (four blocks)
+            work = (out_rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * SF_ATOM_ROWS * self.ncb
         grid = cutlass.min((work + self.threads - 1) // self.threads, max_ctas)
         self.kernel(mX, mXs, mQ, mS, mIds, mTotal, num_tokens, out_rows, grid).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
@@ -150,74 +154,118 @@ class MxQuant:
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mXs: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, mIds: cute.Tensor,
                mTotal: cute.Tensor, num_tokens: Int32, out_rows: Int32, grid: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
         live_rows = num_tokens
         if cutlass.const_expr(self.routed):
             live_rows = cutlass.min(mTotal[0], out_rows)
-        # Swizzled scales also cover the zero padding of the last 128-row / 4-column atom.
-        rows = live_rows
-        cols = self.nblk
-        if cutlass.const_expr(self.layout == "swizzled"):
-            rows = (live_rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * SF_ATOM_ROWS
-            cols = self.ncb * SF_ATOM_COLS
         # (32 elements, (row, block)) views of x and q.
         gX = cute.zipped_divide(mX, (1, MX_BLOCK))
         gQ = cute.zipped_divide(mQ, (1, MX_BLOCK))
-        sentinel = num_tokens * self.topk
-        work = rows * cols
-        end = work
-        lane = cute.arch.lane_idx()
-        mS32 = mS
         if cutlass.const_expr(self.layout == "swizzled"):
-            # Whole warps run every iteration (the end rounded up to 32): the four lanes of a
-            # row's 4-column group hold c % 4 = 0..3 (cols % 4 == 0), and their scale bytes --
-            # contiguous in the atom -- are stored as one 32-bit word by the group's first lane.
-            end = (work + 31) // 32 * 32
-            mS32 = cute.recast_tensor(mS, Uint32)
+            self.swizzled_rows(gX, gQ, mXs, mS, mIds, live_rows, num_tokens, grid)
+        else:
+            self.plain_blocks(gX, gQ, mXs, mS, mIds, live_rows, num_tokens, grid)
 
-        for idx in cutlass.range(bidx * self.threads + tidx, end, grid * self.threads):
+    @cute.jit
+    def padding_row(self, mIds: cute.Tensor, r: Int32, live_rows: Int32, sentinel: Int32) -> Int32:
+        """1 when output row ``r`` is skipped (``zero_padding=False``): past the live total (the
+        swizzled atom's last rows) or a router sentinel. Every consumer reads a row on its own
+        (a GEMM column / row, the finalize's live rows), and at decode padding is most of the
+        rows (T = 6: ~40 experts x 128-row tiles for 48 live rows)."""
+        skip = Int32(0)
+        if cutlass.const_expr(self.routed and not self.zero_padding):
+            if r >= live_rows:
+                skip = Int32(1)
+            else:
+                pid = mIds[r]
+                if pid >= sentinel or pid < 0:
+                    skip = Int32(1)
+        return skip
+
+    @cute.jit
+    def source_row(self, mIds: cute.Tensor, r: Int32, sentinel: Int32) -> Int32:
+        """The x row of output row ``r``: ``r`` itself, or (routed) the token of its routed row;
+        -1 for a padding slot (a zero row)."""
+        src = r
+        if cutlass.const_expr(self.routed):
+            rid = mIds[r]
+            src = -1
+            if rid < sentinel and rid >= 0:
+                src = rid // self.topk
+        return src
+
+    @cute.jit
+    def plain_blocks(self, gX, gQ, mXs, mS, mIds, live_rows: Int32, num_tokens: Int32, grid: Int32):
+        """Plain scales: one thread per 32-element block, ``mS[r, c]`` its byte (consecutive
+        lanes: consecutive blocks of a row, so the scale bytes go out as one 32-byte segment)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        cols = self.nblk
+        sentinel = num_tokens * self.topk
+        for idx in cutlass.range(bidx * self.threads + tidx, live_rows * cols, grid * self.threads):
             r = idx // cols
             c = idx - r * cols
-            # zero_padding=False: padding rows (the router's sentinel ids, and the swizzled
-            # atom's rows past the live total) are skipped -- every consumer reads a row on its
-            # own (a GEMM column / row, the finalize's live rows), and at decode they are most
-            # of the rows (T = 6: ~40 experts x 128-row tiles for 48 live rows)
-            skip = Int32(0)
-            if idx >= work:  # the swizzled layout's rounded-up end: a lane with no block
-                skip = Int32(1)
-            if cutlass.const_expr(self.routed and not self.zero_padding):
-                if r >= live_rows:
-                    skip = Int32(1)
+            if self.padding_row(mIds, r, live_rows, sentinel) == 0:
+                src = self.source_row(mIds, r, sentinel)
+                scale = Int32(0)
+                if cutlass.const_expr(self.prequantized):
+                    self.copy_block(gX, gQ, src, r, c)
+                    if src >= 0:
+                        scale = Int32(mXs[src * self.nblk + c])
                 else:
-                    pid = mIds[r]
-                    if pid >= sentinel or pid < 0:
-                        skip = Int32(1)
-            scale = Int32(0)
-            if skip == 0:
-                if r < live_rows and c < self.nblk:
-                    src = r
-                    if cutlass.const_expr(self.routed):
-                        rid = mIds[r]
-                        src = -1
-                        if rid < sentinel and rid >= 0:
-                            src = rid // self.topk
+                    scale = self.quantize_block(gX, gQ, src, r, c)
+                mS[r * self.nblk + c] = Uint8(scale)
+
+    @cute.jit
+    def swizzled_rows(self, gX, gQ, mXs, mS, mIds, live_rows: Int32, num_tokens: Int32, grid: Int32):
+        """Swizzled scales: one thread per 32-bit word of the scale atoms -- the four scale bytes
+        of one row's 4-column group, so each thread quantizes four consecutive blocks of a row
+        (128 elements: 256 contiguous bytes in, 128 out) and stores its word whole. Word ``t``
+        of atom ``(R, C4)`` (byte ``4 t`` = ``16 (r % 32) + 4 ((r // 32) % 4)``) is row
+        ``r = 128 R + 32 (t % 4) + t // 4``; consecutive threads write consecutive words, so a
+        warp stores 128 contiguous bytes. The atom's rows past the live total and its columns
+        past ``K / 32`` get zero bytes."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        sentinel = num_tokens * self.topk
+        mS32 = cute.recast_tensor(mS, Uint32)
+        words = (live_rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * self.ncb * SF_ATOM_ROWS
+        for w in cutlass.range(bidx * self.threads + tidx, words, grid * self.threads):
+            atom = w // SF_ATOM_ROWS  # R * ncb + C4
+            t = w - atom * SF_ATOM_ROWS
+            R = atom // self.ncb
+            c0 = (atom - R * self.ncb) * SF_ATOM_COLS
+            r = R * SF_ATOM_ROWS + (t % 4) * 32 + t // 4
+            if self.padding_row(mIds, r, live_rows, sentinel) == 0:
+                word = Uint32(0)
+                if r < live_rows:
+                    src = self.source_row(mIds, r, sentinel)
                     if cutlass.const_expr(self.prequantized):
-                        self.copy_block(gX, gQ, src, r, c)
-                        if src >= 0:
-                            scale = Int32(mXs[src * self.nblk + c])
+                        for j in cutlass.range_constexpr(SF_ATOM_COLS):
+                            if c0 + j < self.nblk:
+                                self.copy_block(gX, gQ, src, r, c0 + j)
+                                if src >= 0:
+                                    word = word | (Uint32(mXs[src * self.nblk + c0 + j]) << Uint32(8 * j))
                     else:
-                        scale = self.quantize_block(gX, gQ, src, r, c)
-                if cutlass.const_expr(self.layout == "plain"):
-                    mS[r * self.nblk + c] = Uint8(scale)
-            if cutlass.const_expr(self.layout == "swizzled"):
-                word = scale & 0xFF
-                for j in cutlass.range_constexpr(1, SF_ATOM_COLS):
-                    word = word | ((cute.arch.shuffle_sync_down(scale, offset=j) & 0xFF) << (8 * j))
-                if lane % SF_ATOM_COLS == 0 and skip == 0:
-                    # byte offset ((r // 128) * ncb + c // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4, in words
-                    mS32[((r // SF_ATOM_ROWS) * self.ncb + c // SF_ATOM_COLS) * 128 + (r % 32) * 4 + (r // 32) % 4] = \
-                        Uint32(word)
+                        word = self.quantize_blocks4(gX, gQ, src, r, c0)
+                mS32[w] = word
+
+    @cute.jit
+    def quantize_blocks4(self, gX: cute.Tensor, gQ: cute.Tensor, src: Int32, r: Int32, c0: Int32) -> Uint32:
+        """Output blocks ``(r, c0 .. c0 + 3)`` (those below ``K / 32``) = MXFP8 of x's blocks
+        ``(src, ...)``; all four are loaded before the first is quantized (four 64-byte requests
+        in flight). Returns their scale bytes as one little-endian word."""
+        rX = cute.make_rmem_tensor(cute.make_layout((MX_BLOCK, SF_ATOM_COLS), stride=(1, MX_BLOCK)),
+                                   gX.element_type)
+        rX.fill(0.0)
+        for j in cutlass.range_constexpr(SF_ATOM_COLS):
+            if (src >= 0) & (c0 + j < self.nblk):
+                cute.autovec_copy(gX[(0, None), (src, c0 + j)], rX[None, j])
+        word = Uint32(0)
+        for j in cutlass.range_constexpr(SF_ATOM_COLS):
+            if c0 + j < self.nblk:
+                scale = self.quantize_loaded(rX[None, j], gQ, r, c0 + j)
+                word = word | (Uint32(scale) << Uint32(8 * j))
+        return word
 
     @cute.jit
     def copy_block(self, gX: cute.Tensor, gQ: cute.Tensor, src: Int32, r: Int32, c: Int32):
@@ -237,6 +285,12 @@ class MxQuant:
         tXrX.fill(0.0)
         if src >= 0:
             cute.autovec_copy(gX[(0, None), (src, c)], tXrX)
+        return self.quantize_loaded(tXrX, gQ, r, c)
+
+    @cute.jit
+    def quantize_loaded(self, tXrX: cute.Tensor, gQ: cute.Tensor, r: Int32, c: Int32) -> Int32:
+        """Output block (r, c) = MXFP8 of the 32 bf16 values ``tXrX`` (registers); returns its
+        scale byte."""
         # amax as the integer max of the bf16 magnitude bits: monotonic for finite
         # values, and any NaN/Inf (bits >= 0x7F80) dominates.
         bits = cute.recast_tensor(tXrX, Uint16)
