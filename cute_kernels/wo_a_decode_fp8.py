@@ -110,6 +110,16 @@ class WoADecodeFp8(WoADecode):
         self.kernel(mO, mW, mScale, mY, mPart, mCount, tiled_mma, num_tokens).launch(
             grid=[R // self.bn, G, self.splits], block=[self.threads, 1, 1], stream=stream)
 
+    @cute.jit
+    def tensor_call(self, mO: cute.Tensor, mW: cute.Tensor, mScale: cute.Tensor, mY: cute.Tensor, mPart: cute.Tensor,
+                    mCount: cute.Tensor, stream: cuda.CUstream):
+        """The tensor entry (``jit.get_tensor_kernel``): ``mO [T, H, Dv]`` (H * Dv = G * Dg:
+        checked by the caller), ``mW [G, R, Dg]`` e4m3, ``mScale [G, R / 128, Dg / 128]`` FP32,
+        ``mY [T, G * R]``, the workspace's ``mPart`` / ``mCount`` (1-D, their lengths checked
+        by the caller)."""
+        self.__call__(mO.iterator, mW.iterator, mScale.iterator, mY.iterator, mPart.iterator, mCount.iterator,
+                      mO.shape[0], stream)
+
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mW: cute.Tensor, mScale: cute.Tensor, mY: cute.Tensor, mPart: cute.Tensor,
                mCount: cute.Tensor, tiled_mma: cute.TiledMma, num_tokens: Int32):
@@ -253,6 +263,16 @@ def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1,
     return WoADecodeFp8(G, R, Dg, bm, splits, stages, bn, bk), args
 
 
+def _build_tensors(arch: str, *, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4,
+                   bn: int = BN, bk: int = 128):
+    op, _ = _build(arch, G=G, R=R, Dg=Dg, bm=bm, splits=splits, stages=stages, bn=bn, bk=bk)
+    sym, T = {}, jit.fake_tensor
+    args = (T(cutlass.BFloat16, ("T", "H", "Dv"), 16, sym), T(cutlass.Float8E4M3FN, (G, R, Dg), 16, sym),
+            T(Float32, (G, R // SCALE_BLOCK, Dg // SCALE_BLOCK), 4, sym), T(cutlass.BFloat16, ("T", G * R), 4, sym),
+            T(Float32, ("P",), 4, sym), T(Int32, ("C",), 4, sym), jit.fake_env_stream())
+    return op.tensor_call, args
+
+
 KERNEL = jit.register(jit.KernelDef(
     name="wo_a_decode_fp8",
     build=_build,
@@ -262,6 +282,11 @@ KERNEL = jit.register(jit.KernelDef(
     aot_configs=lambda arch: aot_configs(),
     description="WO-A decode (T <= 64) with e4m3 weights and 128x128 block scales, token-major bf16 out",
 ))
+jit.register_tensor_entry(KERNEL, _build_tensors, aot_configs=KERNEL.aot_configs)
+#: (o.shape, w.shape, device index) -> the tensor entry (jit.launch_tensor_entry), filled by a
+#: first validated call at T <= 64 with TVM-FFI on; that call's workspace under the same key
+_TENSOR_FNS: dict = {}
+_TENSOR_WORKSPACES: dict = {}
 
 
 def quantize_wo_a_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -340,6 +365,13 @@ def wo_a_fp8(o: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, out: torc
     T <= 64: the decode kernel (split partials in ``workspace``, as :func:`cute_kernels.wo_a.wo_a`).
     T > 64: the weights widened to bf16 into ``wide_weights`` (``[G, R, Dg]`` bf16; default one
     shared buffer per device and shape), then :func:`cute_kernels.wo_a.wo_a` (its default route)."""
+    default_call = stream is None and arch is None and workspace is None
+    if (out is not None and default_call and jit.TVM_FFI and isinstance(o, torch.Tensor)
+            and isinstance(w, torch.Tensor)):  # the eager hot path (T <= 64)
+        key = (o.shape, w.shape, o.get_device())  # (the C checks: dtypes, extents, strides, alignment, device)
+        ws = _TENSOR_WORKSPACES.get(key)
+        if ws is not None and jit.launch_tensor_entry(_TENSOR_FNS, key, o, w, scale, out, ws.partials, ws.counters):
+            return out
     from .arch import current_arch, dispatch, num_sms
     from .dequant_fp8_blockwise import dequantize_fp8_blockwise
     from .wo_a import decode_workspace, group_shapes, wo_a
@@ -379,4 +411,8 @@ def wo_a_fp8(o: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, out: torc
     fn(P(cutlass.BFloat16, o, 16), P(cutlass.Float8E4M3FN, w, 16), P(Float32, scale, 4),
        P(cutlass.BFloat16, out, 4), P(Float32, workspace.partials, 4), P(Int32, workspace.counters, 4), jit.i32(T),
        jit.cu_stream(stream))
+    if default_call:  # its tensor entry for the next calls of this shape
+        key = (o.shape, w.shape, o.get_device())
+        _TENSOR_WORKSPACES[key] = workspace
+        jit.remember_tensor_entry(_TENSOR_FNS, key, "wo_a_decode_fp8_tensors", a, G=G, R=R, Dg=Dg, **cfg)
     return out

@@ -22,7 +22,8 @@ ENTRIES = {"row_rms_tensors": dict(hidden=7168), "mhc_pre_mix_tensors": dict(n=4
                                       single_cta=True),
            "mhc_stats_tensors": dict(n=4, hidden=4096, sinkhorn_iters=20, hc_eps=1e-6),
            "wo_a_decode_tensors": dict(G=8, R=1024, Dg=4096, bm=16, bn=32, splits=1, stages=6),
-           "wo_a_decode_swap_ab_tensors": dict(G=16, R=1024, Dg=4096, tok_n=8, stages=4, bk=64)}
+           "wo_a_decode_swap_ab_tensors": dict(G=16, R=1024, Dg=4096, tok_n=8, stages=4, bk=64),
+           "wo_a_decode_fp8_tensors": dict(G=8, R=1024, Dg=4096, bm=16, bn=32, splits=1, stages=6)}
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
@@ -50,6 +51,7 @@ def _cases():
     from cute_kernels.rms_norm import rms_norm
     from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_split_phi, mhc_stats
     from cute_kernels.wo_a import wo_a
+    from cute_kernels.wo_a_decode_fp8 import quantize_wo_a_fp8, wo_a_fp8
     from moe.finalize import moe_finalize
 
     T, n, C, k, rows = 6, 4, 4096, 6, 48
@@ -68,6 +70,7 @@ def _cases():
     # WO-A at V4-Flash (G = 8: the split-K warp-MMA decode kernel) and V4-Pro (G = 16: the
     # wgmma one) shapes, o [T, H, 512]
     wo = {G: (bf(T, 8 * G, 512), bf(G, 1024, 4096) / 64) for G in (8, 16)}
+    w8, s8 = quantize_wo_a_fp8(wo[8][1])  # the checkpoint's format: e4m3, 128 x 128 block scales
 
     def fresh():
         for t in (x, h, f, y, w, sh, rn, rw, sc, wo[8][0], wo[16][0], qh, kv, kw_):
@@ -81,6 +84,12 @@ def _cases():
                (lambda out, G=G: wo_a(wo[G][0], wo[G][1], out=out[:5]), ValueError, "out must have shape"),
                (lambda out, G=G: wo_a(wo[G][0].transpose(1, 2), wo[G][1], out=out), ValueError, "contiguous")])
              for G in (8, 16)]
+    cases.append(("wo_a_fp8", lambda out, **kw: wo_a_fp8(wo[8][0], w8, s8, out=out, **kw),
+                  torch.empty(T, 8 * 1024, device="cuda").bfloat16(),
+                  [(lambda out: wo_a_fp8(wo[8][0], w8, s8[:, :4], out=out), ValueError, "scale must have shape"),
+                   (lambda out: wo_a_fp8(wo[8][0], w8.view(torch.uint8), s8, out=out), TypeError,
+                    "w must have dtype"),
+                   (lambda out: wo_a_fp8(wo[8][0], w8, s8, out=out[:5]), ValueError, "out must have shape")]))
     phi = mhc_split_phi(torch.randn(2 * n + n * n, n * C, device="cuda") / (n * C) ** 0.5)
     alpha, bias, ws = torch.rand(3, device="cuda") + 0.5, torch.randn(2 * n + n * n, device="cuda"), \
         MhcStatsWorkspace(n, T, device="cuda")
@@ -185,13 +194,14 @@ def test_tensor_entries_equal_the_pointer_launch_and_refuse_by_name(seed, monkey
     import cute_kernels.rms_norm as rms
     import cute_kernels.mhc_stats as stats
     import cute_kernels.wo_a as woa
+    import cute_kernels.wo_a_decode_fp8 as woa8
     import moe.finalize as fin
 
     cases, fresh = _cases()
     memos = {"masked_softmax": msm._TENSOR_FNS, "rms_norm": rms._TENSOR_FNS, "mhc_pre_mix": pre._TENSOR_FNS,
              "mhc_post_mix": post._TENSOR_FNS, "moe_finalize": fin._TENSOR_FNS, "wo_a G=8": woa._TENSOR_FNS,
              "wo_a G=16": woa._TENSOR_FNS, "mhc_stats": stats._TENSOR_FNS, "rms_norm per head": rms._TENSOR_FNS,
-             "rms_norm kv": rms._TENSOR_FNS, "masked_softmax 4-D": msm._TENSOR_FNS}
+             "rms_norm kv": rms._TENSOR_FNS, "masked_softmax 4-D": msm._TENSOR_FNS, "wo_a_fp8": woa8._TENSOR_FNS}
     for name, call, out, bad in cases:
         want = out.clone()
 
@@ -331,6 +341,7 @@ def test_hot_paths_name_a_non_tensor_argument(monkeypatch):
     from cute_kernels.rms_norm import rms_norm
     from cute_kernels.row_rms import row_rms
     from cute_kernels.wo_a import wo_a
+    from cute_kernels.wo_a_decode_fp8 import quantize_wo_a_fp8, wo_a_fp8
     from moe.finalize import moe_finalize
     from moe.quant import mxfp8_quantize
     from moe.router import MoeRouter
