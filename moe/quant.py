@@ -151,6 +151,23 @@ class MxQuant:
         self.__call__(mX.iterator, mS.iterator, mQ.iterator, mS.iterator, ids, ids, mX.shape[0], mX.shape[0],
                       max_ctas, stream)
 
+    @cute.jit
+    def tensor_call_routed(self, mX: cute.Tensor, mIds: cute.Tensor, mTotal: cute.Tensor, mQ: cute.Tensor,
+                           mS: cute.Tensor, max_ctas: Int32, stream: cuda.CUstream):
+        """The routed quantization's tensor entry: ``mX [T, K]`` bf16, the router's
+        ``mIds [S]`` and ``mTotal [1]``, ``mQ [S, K]`` e4m3, ``mS`` the scale buffer (its size
+        for ``S`` rows checked by the caller)."""
+        self.__call__(mX.iterator, mS.iterator, mQ.iterator, mS.iterator, mIds.iterator, mTotal.iterator,
+                      mX.shape[0], mIds.shape[0], max_ctas, stream)
+
+    @cute.jit
+    def tensor_call_gather(self, mX: cute.Tensor, mXs: cute.Tensor, mIds: cute.Tensor, mTotal: cute.Tensor,
+                           mQ: cute.Tensor, mS: cute.Tensor, max_ctas: Int32, stream: cuda.CUstream):
+        """The prequantized gather's tensor entry: ``mX [T, K]`` e4m3 and ``mXs [T, K / 32]``
+        uint8 (plain scales), then as :meth:`tensor_call_routed`."""
+        self.__call__(mX.iterator, mXs.iterator, mQ.iterator, mS.iterator, mIds.iterator, mTotal.iterator,
+                      mX.shape[0], mIds.shape[0], max_ctas, stream)
+
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mXs: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, mIds: cute.Tensor,
                mTotal: cute.Tensor, num_tokens: Int32, out_rows: Int32, grid: Int32):
@@ -367,6 +384,55 @@ jit.register_tensor_entry(KERNEL, _build_tensors, "mxfp8_quantize_tensors",
 _TENSOR_FNS: dict = {}
 
 
+def _build_routed_tensors(arch: str, *, K: int, layout: str, topk: int, zero_padding: bool = True,
+                          prequantized: bool = False):
+    op, _ = _build(arch, K=K, layout=layout, routed=True, topk=topk, zero_padding=zero_padding,
+                   prequantized=prequantized)
+    sym, T, f8 = {}, jit.fake_tensor, cutlass.Float8E4M3FN
+    x = T(f8 if prequantized else cutlass.BFloat16, ("T", K), 16, sym)
+    routing = (T(Int32, ("S",), 4, sym), T(Int32, (1,), 4, sym))
+    q = T(f8, ("S", K), 16, sym)
+    s = T(Uint8, ("S", K // MX_BLOCK), 1, sym) if layout == "plain" else T(Uint8, ("B",), SCALE_ALIGN[layout], sym)
+    tail = (Int32(1), jit.fake_env_stream())
+    if prequantized:
+        return op.tensor_call_gather, (x, T(Uint8, ("T", K // MX_BLOCK), 1, sym)) + routing + (q, s) + tail
+    return op.tensor_call_routed, (x,) + routing + (q, s) + tail
+
+
+jit.register_tensor_entry(KERNEL, _build_routed_tensors, "mxfp8_quantize_routed_tensors",
+                          "mxfp8_quantize_routed / mxfp8_gather_routed taking torch tensors through TVM-FFI",
+                          aot_configs=tuple({k: v for k, v in c.items() if k != "routed"}
+                                            for c in KERNEL.aot_configs if c["routed"]))
+#: (K, capacity, topk, layout, zero_padding, prequantized, device index) -> the routed tensor
+#: entry; the scale buffer's bytes for that capacity under the same key (the one size the C
+#: checks cannot make)
+_ROUTED_TENSOR_FNS: dict = {}
+_ROUTED_SCALE_BYTES: dict = {}
+
+
+def _routed_hot_path(x, xs, sorted_token_ids, total_rows, topk, layout, q, scales, zero_padding) -> bool:
+    """The routed calls' eager hot path (the caller checked TVM-FFI, the defaults and the
+    tensors' types): launch the memoised tensor entry and return True, or False (validate)."""
+    shape = x.shape
+    key = (shape[1], sorted_token_ids.shape[0], topk, layout, zero_padding, xs is not None, x.get_device())
+    nbytes = _ROUTED_SCALE_BYTES.get(key)
+    if nbytes is None or scales.numel() != nbytes or x.numel() >= 2**31:
+        return False
+    args = (x,) if xs is None else (x, xs)
+    return jit.launch_tensor_entry(_ROUTED_TENSOR_FNS, key, *args, sorted_token_ids, total_rows, q, scales,
+                                   DEFAULT_MAX_CTAS)
+
+
+def _remember_routed(x, xs, sorted_token_ids, topk, layout, scales, zero_padding) -> None:
+    """After a validated routed call with the defaults: its tensor entry for the next calls."""
+    K, cap = x.shape[1], sorted_token_ids.shape[0]
+    key = (K, cap, topk, layout, zero_padding, xs is not None, x.get_device())
+    _ROUTED_SCALE_BYTES[key] = scales.numel()
+    jit.remember_tensor_entry(_ROUTED_TENSOR_FNS, key, "mxfp8_quantize_routed_tensors", current_arch(x.device),
+                              K=K, layout=layout, topk=topk, zero_padding=zero_padding,
+                              **(dict(prequantized=True) if xs is not None else {}))
+
+
 def _check_x(op: str, x: torch.Tensor) -> tuple[int, int]:
     check_tensor(op, "x", x, dtype=torch.bfloat16, ndim=2, contiguous=True, align_bytes=0)
     T, K = x.shape
@@ -473,6 +539,11 @@ def mxfp8_quantize_routed(x: torch.Tensor, sorted_token_ids: torch.Tensor, total
     total): for consumers that read each row on its own, as the expert GEMMs do (a padding
     row only ever feeds its own, discarded, output row); at decode most rows are padding.
     """
+    default_call = stream is None and arch is None and max_ctas is None
+    if (q is not None and scales is not None and default_call and jit.TVM_FFI and isinstance(x, torch.Tensor)
+            and isinstance(sorted_token_ids, torch.Tensor) and isinstance(scales, torch.Tensor)
+            and _routed_hot_path(x, None, sorted_token_ids, total_rows, topk, layout, q, scales, zero_padding)):
+        return q, scales
     op = "mxfp8_quantize_routed"
     if layout not in LAYOUTS:
         raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
@@ -485,6 +556,8 @@ def mxfp8_quantize_routed(x: torch.Tensor, sorted_token_ids: torch.Tensor, total
         return q, scales
     _launch(op, x, q, scales, sorted_token_ids, total_rows, T, cap, K, layout, True, topk, stream, arch, max_ctas,
             zero_padding)
+    if default_call and total_rows.numel() == 1:
+        _remember_routed(x, None, sorted_token_ids, topk, layout, scales, zero_padding)
     return q, scales
 
 
@@ -499,6 +572,11 @@ def mxfp8_gather_routed(xq: torch.Tensor, xs: torch.Tensor, sorted_token_ids: to
     equals ``mxfp8_quantize_routed(x, ...)`` byte for byte. Why: the tokens can be quantized on
     a side stream while the router runs; what stays on the critical path after the router
     reads a byte per element instead of two and computes nothing."""
+    default_call = stream is None and arch is None and max_ctas is None
+    if (q is not None and scales is not None and default_call and jit.TVM_FFI and isinstance(xq, torch.Tensor)
+            and isinstance(sorted_token_ids, torch.Tensor) and isinstance(scales, torch.Tensor)
+            and _routed_hot_path(xq, xs, sorted_token_ids, total_rows, topk, layout, q, scales, zero_padding)):
+        return q, scales
     op = "mxfp8_gather_routed"
     if layout not in LAYOUTS:
         raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
@@ -516,4 +594,6 @@ def mxfp8_gather_routed(xq: torch.Tensor, xs: torch.Tensor, sorted_token_ids: to
         return q, scales
     _launch(op, xq, q, scales, sorted_token_ids, total_rows, T, cap, K, layout, True, topk, stream, arch, max_ctas,
             zero_padding, xs=xs)
+    if default_call and total_rows.numel() == 1:
+        _remember_routed(xq, xs, sorted_token_ids, topk, layout, scales, zero_padding)
     return q, scales

@@ -23,7 +23,9 @@ ENTRIES = {"row_rms_tensors": dict(hidden=7168), "mhc_pre_mix_tensors": dict(n=4
            "mhc_stats_tensors": dict(n=4, hidden=4096, sinkhorn_iters=20, hc_eps=1e-6),
            "wo_a_decode_tensors": dict(G=8, R=1024, Dg=4096, bm=16, bn=32, splits=1, stages=6),
            "wo_a_decode_swap_ab_tensors": dict(G=16, R=1024, Dg=4096, tok_n=8, stages=4, bk=64),
-           "wo_a_decode_fp8_tensors": dict(G=8, R=1024, Dg=4096, bm=16, bn=32, splits=1, stages=6)}
+           "wo_a_decode_fp8_tensors": dict(G=8, R=1024, Dg=4096, bm=16, bn=32, splits=1, stages=6),
+           "mxfp8_quantize_routed_tensors": dict(K=4096, layout="swizzled", topk=6, zero_padding=False,
+                                                 prequantized=True)}
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
@@ -278,6 +280,64 @@ def test_mxfp8_quantize_tensor_entry_equals_the_pointer_launch(seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", ["routed", "gather"])
+def test_routed_quantization_tensor_entry_equals_the_pointer_launch(seed, monkeypatch, form):
+    """mxfp8_quantize_routed / mxfp8_gather_routed (V4-Flash: K = 4096, top-6, swizzled scales,
+    padding left unwritten) behind the router's packing at T = 6: after the first call every
+    call -- eager, captured -- takes the tensor entry, and the live rows' bytes and every scale
+    byte equal the pointer launch's on fresh inputs; a wrong-sized scale buffer (the one size
+    the C checks cannot make) and other bad arguments are refused by name."""
+    pytest.importorskip("tvm_ffi")
+    import moe.quant as mq
+    from moe.router import V4_FLASH_ROUTER, MoeRouter
+
+    T, K, k = 6, 4096, 6
+    router = MoeRouter(V4_FLASH_ROUTER, max_tokens=T)
+    r = router(torch.randn(T, 256, device="cuda"), torch.zeros(256, device="cuda"))
+    cap = r.sorted_token_ids.numel()
+    x = torch.randn(T, K, device="cuda").bfloat16()
+    xq, xs = mq.mxfp8_quantize(x)
+    nbytes = mq.scale_buffer_size(cap, K, "swizzled")
+    q, s = torch.zeros(cap, K, device="cuda").to(torch.float8_e4m3fn), torch.zeros(nbytes, device="cuda").byte()
+    wq, ws = q.clone(), s.clone()
+    live = int(r.total_rows[0])
+
+    def call(q, s):
+        if form == "gather":
+            return mq.mxfp8_gather_routed(xq, xs, r.sorted_token_ids, r.total_rows, k, q=q, scales=s,
+                                          zero_padding=False)
+        return mq.mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, k, q=q, scales=s, zero_padding=False)
+
+    def fresh():
+        x.copy_(torch.randn(T, K, device="cuda").bfloat16() * 10)
+        mq.mxfp8_quantize(x, q=xq, scales=xs)
+        call(wq, ws)  # the pointer launch (TVM-FFI off)
+        q.view(torch.uint8).fill_(0xAB)
+        s.fill_(0xAB)
+
+    try:
+        jit.use_tvm_ffi()
+        call(q, s)
+        assert mq._ROUTED_TENSOR_FNS, "no tensor entry memoised"
+        for step in _through_tensor_entry(monkeypatch, lambda: call(q, s), fresh, ("eager", "eager", "graph")):
+            assert torch.equal(q.view(torch.uint8)[:live], wq.view(torch.uint8)[:live]), step
+            assert torch.equal(s[:mq.scale_buffer_size(live, K, "swizzled")],
+                               ws[:mq.scale_buffer_size(live, K, "swizzled")]), step
+        pq, ps = q.clone().view(torch.uint8).fill_(0xAB).view(torch.float8_e4m3fn), s.clone().fill_(0xAB)
+        with pytest.raises(ValueError, match="scales must be contiguous"):
+            call(pq, ps[:-4])
+        with pytest.raises(ValueError, match="q must have shape"):
+            call(pq[:-1], ps)
+        with pytest.raises(TypeError, match="sorted_token_ids must have dtype"):
+            mq.mxfp8_quantize_routed(x, r.sorted_token_ids.long(), r.total_rows, k, q=pq, scales=ps,
+                                     zero_padding=False)
+        torch.cuda.synchronize()
+        assert (pq.view(torch.uint8) == 0xAB).all() and (ps == 0xAB).all()
+    finally:
+        jit.use_tvm_ffi(False)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("hashed", [False, True], ids=["scored", "hash-routed"])
 def test_router_tensor_entry_equals_the_pointer_launch(seed, monkeypatch, hashed):
     """MoeRouter (DeepSeek-V4-Flash's scored and hash-routed configs, T = 6): after its first
@@ -343,7 +403,7 @@ def test_hot_paths_name_a_non_tensor_argument(monkeypatch):
     from cute_kernels.wo_a import wo_a
     from cute_kernels.wo_a_decode_fp8 import quantize_wo_a_fp8, wo_a_fp8
     from moe.finalize import moe_finalize
-    from moe.quant import mxfp8_quantize
+    from moe.quant import mxfp8_gather_routed, mxfp8_quantize, mxfp8_quantize_routed
     from moe.router import MoeRouter
 
     monkeypatch.setattr(jit, "TVM_FFI", True)
@@ -359,6 +419,10 @@ def test_hot_paths_name_a_non_tensor_argument(monkeypatch):
         (lambda: wo_a(rows, t, out=t), "o must be a torch.Tensor"),
         (lambda: moe_finalize(b[0], rows, t, out=b[0]), "topk_weights must be a torch.Tensor"),
         (lambda: mxfp8_quantize(rows, q=t, scales=t), "x must be a torch.Tensor"),
+        (lambda: mxfp8_quantize_routed(rows, t, t, 2, q=t, scales=t), "x must be a torch.Tensor"),
+        (lambda: mxfp8_quantize_routed(b[0], rows, t, 2, q=t, scales=t), "sorted_token_ids must be a torch.Tensor"),
+        (lambda: mxfp8_gather_routed(rows, t, t, t, 2, q=t, scales=t), "xq must be a torch.Tensor"),
+        (lambda: wo_a_fp8(rows, t, t, out=t), "o must be a torch.Tensor"),
         (lambda: MoeRouter(max_tokens=4, device="cpu")(rows), "logits must be a torch.Tensor"),
     ]
     for call, words in calls:
