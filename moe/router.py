@@ -403,8 +403,8 @@ class RouterTopkAlign:
                 mW[t, lane] = my_s / (ssum + Float32(1e-20)) * Float32(self.scale)
                 if cutlass.const_expr(self.single_cta):
                     sIds[t, lane] = my_id
-                    cute.arch.atomic_or((sTokMask.iterator + (t >> 5) * E + my_id).llvm_ptr, Uint32(1) << Uint32(t & 31), sem="relaxed",
-                                        scope="cta")
+                    cute.arch.atomic_or((sTokMask.iterator + (t >> 5) * E + my_id).llvm_ptr,
+                                        Uint32(1) << Uint32(t & 31), sem="relaxed", scope="cta")
                 else:
                     cute.arch.atomic_add((mWs.iterator + my_id).llvm_ptr, Int32(1), sem="relaxed", scope="gpu")
 
