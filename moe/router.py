@@ -50,12 +50,12 @@ index. Two paths build the packed layout:
   words, one bit per token). After one barrier the counts are popcounts, a warp scan gives the padded offsets,
   and routed row ``t*k + i`` of expert ``e`` lands at ``offset[e] + popc(mask[e] & (2^t - 1))``
   -- its rank among the expert's rows, in row order, since a token picks an expert once. No
-  count atomics in global memory, no grid handshake, no ballots.
+  count atomics in global memory, no grid handshake.
 * above that, a grid of CTAs counts with integer atomics in a workspace; the last CTA to finish
   (a release/acquire counter) builds the layout deterministically: a warp scan of padded counts,
-  then rounds of 32 tokens per warp where one ballot per expert gives each row its rank among
-  equal experts (``popc(mask & lanemask_lt)``) and a per-expert prefix over warps orders the
-  rounds. It then zeroes the workspace, so graph replays need no host reset. ``workspace``
+  then rounds of 32 tokens per warp where a per-warp mask per expert (each pick one
+  shared-memory ``atomicOr`` of its lane's bit) gives each row its rank among equal experts
+  (``popc(mask & lanemask_lt)``) and a per-expert prefix over warps orders the rounds. It then zeroes the workspace, so graph replays need no host reset. ``workspace``
   (int32, E+1 entries) must be zero before the first launch.
 
 The path is a host-side choice from T (a compile configuration of its own).
@@ -555,13 +555,15 @@ class RouterTopkAlign:
                 rId[i] = E
                 if t < num_tokens:
                     rId[i] = mIds[t, i]
-            rMine = cute.make_rmem_tensor(cute.make_layout((V,)), Uint32)
-            rMine.fill(0)
-            # Warps with no live token skip the ballots (their masks stay zero).
-            if base + warp * 32 < num_tokens:
-                self.ballot_masks(rId, rMine)
+            # sMask[warp, e]: bit l set when lane l's token picked expert e -- each pick one
+            # shared-memory atomicOr into the warp's own (zeroed) row
             for wd in cutlass.range_constexpr(V):
-                sMask[warp, wd * 32 + lane] = rMine[wd]
+                sMask[warp, wd * 32 + lane] = Uint32(0)
+            cute.arch.sync_warp()
+            if t < num_tokens:
+                for i in cutlass.range_constexpr(k):
+                    cute.arch.atomic_or((sMask.iterator + warp * E + rId[i]).llvm_ptr, Uint32(1) << Uint32(lane),
+                                        sem="relaxed", scope="cta")
             cute.arch.barrier()
             for e in cutlass.range(tidx, E, self.threads):
                 run = sCursor[e]
@@ -578,19 +580,6 @@ class RouterTopkAlign:
                     mSorted[pos] = t * k + i
                     mPos[t * k + i] = pos
             cute.arch.barrier()
-
-    @cute.jit
-    def ballot_masks(self, rId: cute.Tensor, rMine: cute.Tensor):
-        """rMine[wd] on lane l = mask of this warp's tokens that chose expert 32*wd + l."""
-        lane = cute.arch.lane_idx()
-        for wd in cutlass.range_constexpr(self.V):
-            word = Uint32(0)  # bit b: this lane's token chose expert 32*wd + b
-            for i in cutlass.range_constexpr(self.k):
-                bit = Uint32(1) << Uint32(rId[i] & 31)
-                word = word | cutlass.select_((rId[i] >> 5) == wd, bit, Uint32(0))
-            for b in cutlass.range_constexpr(32):
-                m = Uint32(cute.arch.vote_ballot_sync(((word >> b) & 1) != 0))
-                rMine[wd] = cutlass.select_(lane == b, m, rMine[wd])
 
     @staticmethod
     def can_implement(cfg: RouterConfig) -> bool:

@@ -335,7 +335,8 @@ def test_machine_code(arch):
     h = sass.sass_histogram("moe_router", arch, **dataclasses.asdict(RouterConfig()), logits_dtype="float32",
                             has_bias=True)
     assert h["LDG.E.128"] >= 2  # 8 fp32 logits per lane as two 16-byte loads
-    assert sass.count(h, "VOTE") >= 256  # one ballot per expert in the packing pass
+    assert sass.count(h, "ATOMS") >= 1  # the packing pass's per-warp expert masks (atomicOr)
+    assert sass.count(h, "VOTE") <= 8  # no ballot packing: one ballot per pick (the arg-max's tie-break)
     assert sass.count(h, "REDUX") + sass.count(h, "CREDUX") >= 8  # one warp maximum per pick
     assert sass.count(h, "POPC") >= 8
     assert sass.count(h, "ATOMG") + sass.count(h, "RED") >= 2  # counts + last-CTA counter
