@@ -41,7 +41,11 @@ Scale layouts:
 Routed variant: output row ``r`` is the routed row ``sorted_token_ids[r]`` of the router
 (:mod:`moe.router`): token ``id // k`` (the same x row for each of its k experts), or a
 zero row for the padding sentinel ``T * k``. Only rows below the router's padded total
-(read from device memory, no host sync) are written; rows past it are never read.
+(read from device memory, no host sync) are written; rows past it are never read. With the
+padding left unwritten (``zero_padding=False``) and the router's ``routed_row_pos``, the kernel
+walks the ``T * k`` routed rows instead (``by_row_pos``): routed row ``t*k + i`` is quantized
+into slot ``routed_row_pos[t*k + i]`` -- the same bytes in the live rows, work proportional to
+them rather than to the padded total (at decode, ~40 experts x 128-row tiles for 48 rows).
 
 Prequantized routed variant (:func:`mxfp8_gather_routed`): the tokens were quantized first
 (``layout="plain"``; the decode runtime does it on a side stream while the router runs), and
@@ -105,8 +109,11 @@ class MxQuant:
     only gathers its blocks and scale bytes into the routed order and scale layout."""
 
     def __init__(self, K: int, layout: str, routed: bool, topk: int = 1, threads: int = 256,
-                 zero_padding: bool = True, prequantized: bool = False):
+                 zero_padding: bool = True, prequantized: bool = False, by_row_pos: bool = False):
         self.K = K
+        # routed, padding unwritten: walk the T k routed rows through the router's
+        # routed_row_pos (work proportional to the live rows) instead of every padded slot
+        self.by_row_pos = by_row_pos
         self.zero_padding = zero_padding
         self.prequantized = prequantized
         self.nblk = K // MX_BLOCK
@@ -132,12 +139,16 @@ class MxQuant:
         mQ = cute.make_tensor(q_ptr, cute.make_layout((out_rows, self.K), stride=(self.K, 1)))
         mS = cute.make_tensor(s_ptr, cute.make_layout(((out_rows + SF_ATOM_ROWS) * self.ncb * SF_ATOM_COLS,)))
         mIds = cute.make_tensor(ids_ptr, cute.make_layout((out_rows,)))
+        if cutlass.const_expr(self.by_row_pos):  # ids: routed_row_pos [T k]
+            mIds = cute.make_tensor(ids_ptr, cute.make_layout((num_tokens * self.topk,)))
         mTotal = cute.make_tensor(total_ptr, cute.make_layout((1,)))
         # Size the grid by the (upper bound of the) work so that a small quantization
         # leaves SMs free for work running beside it on another stream.
         work = out_rows * self.nblk  # plain: a thread per block
         if cutlass.const_expr(self.layout == "swizzled"):  # a thread per scale word (four blocks)
             work = (out_rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * SF_ATOM_ROWS * self.ncb
+        if cutlass.const_expr(self.by_row_pos):  # the routed rows only
+            work = num_tokens * self.topk * (self.ncb if self.layout == "swizzled" else self.nblk)
         grid = cutlass.min((work + self.threads - 1) // self.threads, max_ctas)
         self.kernel(mX, mXs, mQ, mS, mIds, mTotal, num_tokens, out_rows, grid).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
@@ -168,6 +179,16 @@ class MxQuant:
         self.__call__(mX.iterator, mXs.iterator, mQ.iterator, mS.iterator, mIds.iterator, mTotal.iterator,
                       mX.shape[0], mIds.shape[0], max_ctas, stream)
 
+    @cute.jit
+    def tensor_call_by_row_pos(self, mX: cute.Tensor, mXs: cute.Tensor, mSorted: cute.Tensor, mPos: cute.Tensor,
+                               mQ: cute.Tensor, mS: cute.Tensor, max_ctas: Int32, stream: cuda.CUstream):
+        """The routed rows' tensor entry (``by_row_pos``): ``mX [T, K]`` (bf16, or e4m3 with its
+        plain scales ``mXs``; without, ``mXs`` is a stand-in, not read), ``mSorted [S]`` (not
+        read: it ties ``mQ [S, K]`` to the router's capacity), ``mPos [T k]`` (its length
+        checked by the caller), ``mS`` (its size checked by the caller)."""
+        self.__call__(mX.iterator, mXs.iterator, mQ.iterator, mS.iterator, mPos.iterator, mPos.iterator,
+                      mX.shape[0], mSorted.shape[0], max_ctas, stream)
+
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mXs: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, mIds: cute.Tensor,
                mTotal: cute.Tensor, num_tokens: Int32, out_rows: Int32, grid: Int32):
@@ -177,7 +198,9 @@ class MxQuant:
         # (32 elements, (row, block)) views of x and q.
         gX = cute.zipped_divide(mX, (1, MX_BLOCK))
         gQ = cute.zipped_divide(mQ, (1, MX_BLOCK))
-        if cutlass.const_expr(self.layout == "swizzled"):
+        if cutlass.const_expr(self.by_row_pos):
+            self.routed_rows(gX, gQ, mXs, mS, mIds, num_tokens, out_rows, grid)
+        elif cutlass.const_expr(self.layout == "swizzled"):
             self.swizzled_rows(gX, gQ, mXs, mS, mIds, live_rows, num_tokens, grid)
         else:
             self.plain_blocks(gX, gQ, mXs, mS, mIds, live_rows, num_tokens, grid)
@@ -267,6 +290,45 @@ class MxQuant:
                 mS32[w] = word
 
     @cute.jit
+    def routed_rows(self, gX, gQ, mXs, mS, mPos, num_tokens: Int32, out_rows: Int32, grid: Int32):
+        """Routed rows only (padding left unwritten): routed row ``rr = t k + i`` is token
+        ``t``'s row, written to slot ``p = routed_row_pos[rr]`` (skipped unless ``0 <= p <
+        out_rows``). Plain scales: a thread per (routed row, block); swizzled: a thread per
+        (routed row, 4-column group) -- four blocks and their scale word, at the word of row
+        ``p`` in its atom (consecutive threads: consecutive 256-byte pieces of one x row)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        cols = self.ncb if self.layout == "swizzled" else self.nblk
+        mS32 = mS
+        if cutlass.const_expr(self.layout == "swizzled"):
+            mS32 = cute.recast_tensor(mS, Uint32)
+        for u in cutlass.range(bidx * self.threads + tidx, num_tokens * self.topk * cols, grid * self.threads):
+            rr = u // cols
+            c = u - rr * cols
+            p = mPos[rr]
+            src = rr // self.topk
+            if (p >= 0) & (p < out_rows):
+                if cutlass.const_expr(self.layout == "swizzled"):
+                    word = Uint32(0)
+                    c0 = c * SF_ATOM_COLS
+                    if cutlass.const_expr(self.prequantized):
+                        for j in cutlass.range_constexpr(SF_ATOM_COLS):
+                            if c0 + j < self.nblk:
+                                self.copy_block(gX, gQ, src, p, c0 + j)
+                                word = word | (Uint32(mXs[src * self.nblk + c0 + j]) << Uint32(8 * j))
+                    else:
+                        word = self.quantize_blocks4(gX, gQ, src, p, c0)
+                    mS32[((p // SF_ATOM_ROWS) * self.ncb + c) * SF_ATOM_ROWS + (p % 32) * 4 + (p // 32) % 4] = word
+                else:
+                    scale = Int32(0)
+                    if cutlass.const_expr(self.prequantized):
+                        self.copy_block(gX, gQ, src, p, c)
+                        scale = Int32(mXs[src * self.nblk + c])
+                    else:
+                        scale = self.quantize_block(gX, gQ, src, p, c)
+                    mS[p * self.nblk + c] = Uint8(scale)
+
+    @cute.jit
     def quantize_blocks4(self, gX: cute.Tensor, gQ: cute.Tensor, src: Int32, r: Int32, c0: Int32) -> Uint32:
         """Output blocks ``(r, c0 .. c0 + 3)`` (those below ``K / 32``) = MXFP8 of x's blocks
         ``(src, ...)``; all four are loaded before the first is quantized (four 64-byte requests
@@ -339,15 +401,17 @@ class MxQuant:
 
 
 def _build(arch: str, *, K: int, layout: str, routed: bool, topk: int = 1, zero_padding: bool = True,
-           prequantized: bool = False):
-    if not MxQuant.can_implement(K) or layout not in LAYOUTS or (prequantized and not routed):
+           prequantized: bool = False, by_row_pos: bool = False):
+    if not MxQuant.can_implement(K) or layout not in LAYOUTS or (prequantized and not routed) or (
+            by_row_pos and (not routed or zero_padding)):
         raise ValueError(f"moe.quant: unsupported K={K}, layout={layout}, prequantized={prequantized} "
-                         f"(routed={routed})")
+                         f"(routed={routed}, zero_padding={zero_padding}, by_row_pos={by_row_pos})")
     x_type = cutlass.Float8E4M3FN if prequantized else cutlass.BFloat16
     args = (jit.fake_gmem_ptr(x_type, 16), jit.fake_gmem_ptr(Uint8, 1), jit.fake_gmem_ptr(cutlass.Float8E4M3FN, 16),
             jit.fake_gmem_ptr(Uint8, SCALE_ALIGN[layout]), jit.fake_gmem_ptr(Int32, 4), jit.fake_gmem_ptr(Int32, 4),
             Int32(1), Int32(1), Int32(1), jit.fake_stream())
-    return MxQuant(K, layout, routed, topk, zero_padding=zero_padding, prequantized=prequantized), args
+    return MxQuant(K, layout, routed, topk, zero_padding=zero_padding, prequantized=prequantized,
+                   by_row_pos=by_row_pos), args
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -361,7 +425,11 @@ KERNEL = jit.register(jit.KernelDef(
     ) + ({"K": 7168, "layout": "swizzled", "routed": True, "topk": 8, "zero_padding": False},
          # DeepSeek-V4-Flash's routed input: tokens quantized on a side stream, then gathered
          {"K": 4096, "layout": "plain", "routed": False, "topk": 1},
-         {"K": 4096, "layout": "swizzled", "routed": True, "topk": 6, "zero_padding": False, "prequantized": True}),
+         {"K": 4096, "layout": "swizzled", "routed": True, "topk": 6, "zero_padding": False, "prequantized": True},
+         # ... walking the routed rows only (routed_row_pos), as the decode runtime calls them
+         {"K": 4096, "layout": "swizzled", "routed": True, "topk": 6, "zero_padding": False, "prequantized": True,
+          "by_row_pos": True},
+         {"K": 7168, "layout": "swizzled", "routed": True, "topk": 8, "zero_padding": False, "by_row_pos": True}),
     description="bf16 -> MXFP8 (e4m3 + UE8M0 per 32), plain or tcgen05-swizzled scales, optional routed gather "
                 "(of bf16 rows, or of rows already MXFP8)",
 ))
@@ -385,15 +453,18 @@ _TENSOR_FNS: dict = {}
 
 
 def _build_routed_tensors(arch: str, *, K: int, layout: str, topk: int, zero_padding: bool = True,
-                          prequantized: bool = False):
+                          prequantized: bool = False, by_row_pos: bool = False):
     op, _ = _build(arch, K=K, layout=layout, routed=True, topk=topk, zero_padding=zero_padding,
-                   prequantized=prequantized)
+                   prequantized=prequantized, by_row_pos=by_row_pos)
     sym, T, f8 = {}, jit.fake_tensor, cutlass.Float8E4M3FN
     x = T(f8 if prequantized else cutlass.BFloat16, ("T", K), 16, sym)
     routing = (T(Int32, ("S",), 4, sym), T(Int32, (1,), 4, sym))
     q = T(f8, ("S", K), 16, sym)
     s = T(Uint8, ("S", K // MX_BLOCK), 1, sym) if layout == "plain" else T(Uint8, ("B",), SCALE_ALIGN[layout], sym)
     tail = (Int32(1), jit.fake_env_stream())
+    if by_row_pos:
+        xs = T(Uint8, ("T", K // MX_BLOCK), 1, sym) if prequantized else T(Uint8, ("X",), 1, sym)
+        return op.tensor_call_by_row_pos, (x, xs, routing[0], T(Int32, ("Tk",), 4, sym), q, s) + tail
     if prequantized:
         return op.tensor_call_gather, (x, T(Uint8, ("T", K // MX_BLOCK), 1, sym)) + routing + (q, s) + tail
     return op.tensor_call_routed, (x,) + routing + (q, s) + tail
@@ -403,34 +474,53 @@ jit.register_tensor_entry(KERNEL, _build_routed_tensors, "mxfp8_quantize_routed_
                           "mxfp8_quantize_routed / mxfp8_gather_routed taking torch tensors through TVM-FFI",
                           aot_configs=tuple({k: v for k, v in c.items() if k != "routed"}
                                             for c in KERNEL.aot_configs if c["routed"]))
-#: (K, capacity, topk, layout, zero_padding, prequantized, device index) -> the routed tensor
+#: (K, capacity, topk, layout, zero_padding, prequantized, by_row_pos, device index) -> the routed tensor
 #: entry; the scale buffer's bytes for that capacity under the same key (the one size the C
 #: checks cannot make)
 _ROUTED_TENSOR_FNS: dict = {}
 _ROUTED_SCALE_BYTES: dict = {}
 
 
-def _routed_hot_path(x, xs, sorted_token_ids, total_rows, topk, layout, q, scales, zero_padding) -> bool:
+def _routed_hot_path(x, xs, sorted_token_ids, total_rows, topk, layout, q, scales, zero_padding, row_pos) -> bool:
     """The routed calls' eager hot path (the caller checked TVM-FFI, the defaults and the
     tensors' types): launch the memoised tensor entry and return True, or False (validate)."""
     shape = x.shape
-    key = (shape[1], sorted_token_ids.shape[0], topk, layout, zero_padding, xs is not None, x.get_device())
+    by_pos = row_pos is not None
+    key = (shape[1], sorted_token_ids.shape[0], topk, layout, zero_padding, xs is not None, by_pos, x.get_device())
     nbytes = _ROUTED_SCALE_BYTES.get(key)
     if nbytes is None or scales.numel() != nbytes or x.numel() >= 2**31:
         return False
+    if by_pos:
+        if not isinstance(row_pos, torch.Tensor) or row_pos.numel() != shape[0] * topk:
+            return False
+        return jit.launch_tensor_entry(_ROUTED_TENSOR_FNS, key, x, scales if xs is None else xs, sorted_token_ids,
+                                       row_pos, q, scales, DEFAULT_MAX_CTAS)
     args = (x,) if xs is None else (x, xs)
     return jit.launch_tensor_entry(_ROUTED_TENSOR_FNS, key, *args, sorted_token_ids, total_rows, q, scales,
                                    DEFAULT_MAX_CTAS)
 
 
-def _remember_routed(x, xs, sorted_token_ids, topk, layout, scales, zero_padding) -> None:
+def _remember_routed(x, xs, sorted_token_ids, topk, layout, scales, zero_padding, row_pos) -> None:
     """After a validated routed call with the defaults: its tensor entry for the next calls."""
     K, cap = x.shape[1], sorted_token_ids.shape[0]
-    key = (K, cap, topk, layout, zero_padding, xs is not None, x.get_device())
+    by_pos = row_pos is not None
+    key = (K, cap, topk, layout, zero_padding, xs is not None, by_pos, x.get_device())
     _ROUTED_SCALE_BYTES[key] = scales.numel()
     jit.remember_tensor_entry(_ROUTED_TENSOR_FNS, key, "mxfp8_quantize_routed_tensors", current_arch(x.device),
                               K=K, layout=layout, topk=topk, zero_padding=zero_padding,
-                              **(dict(prequantized=True) if xs is not None else {}))
+                              **(dict(prequantized=True) if xs is not None else {}),
+                              **(dict(by_row_pos=True) if by_pos else {}))
+
+
+def _check_row_pos(op: str, row_pos, T: int, topk, zero_padding) -> None:
+    """``routed_row_pos``: the router's int32 ``[T topk]`` slots; only with padding unwritten."""
+    if row_pos is None:
+        return
+    if zero_padding:
+        raise ValueError(f"{op}: routed_row_pos walks the routed rows only: it needs zero_padding=False "
+                         f"(padding rows unwritten)")
+    check_tensor(op, "routed_row_pos", row_pos, dtype=torch.int32, shape=(T * topk,), contiguous=True,
+                 align_bytes=4)
 
 
 def _check_x(op: str, x: torch.Tensor) -> tuple[int, int]:
@@ -479,7 +569,7 @@ def _check_routing(op: str, sorted_token_ids, total_rows, topk, zero_padding, K:
 
 
 def _launch(op, x, q, s, ids, total, T, out_rows, K, layout, routed, topk, stream, arch, max_ctas,
-            zero_padding=True, xs=None):
+            zero_padding=True, xs=None, row_pos=None):
     if max_ctas is None:
         max_ctas = DEFAULT_MAX_CTAS
     if not isinstance(max_ctas, int) or max_ctas < 1:
@@ -489,6 +579,9 @@ def _launch(op, x, q, s, ids, total, T, out_rows, K, layout, routed, topk, strea
         raise RuntimeError(op)
     pre = xs is not None  # x is MXFP8 already (xs: its plain scales): gather only
     cfg = dict(prequantized=True) if pre else {}
+    if row_pos is not None:  # the routed rows only: the kernel reads routed_row_pos where it read the ids
+        cfg["by_row_pos"] = True
+        ids = row_pos
     fn = jit.get_kernel("mxfp8_quant", a, K=K, layout=layout, routed=routed, topk=topk, zero_padding=zero_padding,
                         **cfg)
     fn(jit.gmem_ptr(cutlass.Float8E4M3FN if pre else cutlass.BFloat16, x, 16), jit.gmem_ptr(Uint8, xs if pre else s, 1),
@@ -530,7 +623,8 @@ def mxfp8_quantize(x: torch.Tensor, *, layout: str = "plain", q: torch.Tensor | 
 def mxfp8_quantize_routed(x: torch.Tensor, sorted_token_ids: torch.Tensor, total_rows: torch.Tensor, topk: int, *,
                           layout: str = "swizzled", q: torch.Tensor | None = None,
                           scales: torch.Tensor | None = None, stream=None, arch: str | None = None,
-                          max_ctas: int | None = None, zero_padding: bool = True):
+                          max_ctas: int | None = None, zero_padding: bool = True,
+                          routed_row_pos: torch.Tensor | None = None):
     """Gather ``x`` rows through the router's ``sorted_token_ids`` and quantize them in
     expert-sorted, tile-padded order. ``q`` is ``[capacity, K]`` with capacity =
     ``sorted_token_ids.numel()``; rows at or past ``total_rows[0]`` are not written.
@@ -538,33 +632,39 @@ def mxfp8_quantize_routed(x: torch.Tensor, sorted_token_ids: torch.Tensor, total
     ``zero_padding=False``, are not written at all (nor the swizzled atom's rows past the
     total): for consumers that read each row on its own, as the expert GEMMs do (a padding
     row only ever feeds its own, discarded, output row); at decode most rows are padding.
+    With ``zero_padding=False``, passing the router's ``routed_row_pos`` (int32 ``[T topk]``)
+    walks the ``T topk`` routed rows instead of every padded slot: the same bytes in the live
+    rows, work proportional to them (``sorted_token_ids`` then only sizes the output).
     """
     default_call = stream is None and arch is None and max_ctas is None
     if (q is not None and scales is not None and default_call and jit.TVM_FFI and isinstance(x, torch.Tensor)
             and isinstance(sorted_token_ids, torch.Tensor) and isinstance(scales, torch.Tensor)
-            and _routed_hot_path(x, None, sorted_token_ids, total_rows, topk, layout, q, scales, zero_padding)):
+            and _routed_hot_path(x, None, sorted_token_ids, total_rows, topk, layout, q, scales, zero_padding,
+                                 routed_row_pos)):
         return q, scales
     op = "mxfp8_quantize_routed"
     if layout not in LAYOUTS:
         raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
     T, K = _check_x(op, x)
     cap = _check_routing(op, sorted_token_ids, total_rows, topk, zero_padding, K)
+    _check_row_pos(op, routed_row_pos, T, topk, zero_padding)
     q, scales = _outputs(op, x, cap, K, layout, q, scales)
     check_cuda(op, ("x", x), ("sorted_token_ids", sorted_token_ids), ("total_rows", total_rows), ("q", q),
-               ("scales", scales))
+               ("scales", scales), *((("routed_row_pos", routed_row_pos),) if routed_row_pos is not None else ()))
     if cap == 0:
         return q, scales
     _launch(op, x, q, scales, sorted_token_ids, total_rows, T, cap, K, layout, True, topk, stream, arch, max_ctas,
-            zero_padding)
+            zero_padding, row_pos=routed_row_pos)
     if default_call and total_rows.numel() == 1:
-        _remember_routed(x, None, sorted_token_ids, topk, layout, scales, zero_padding)
+        _remember_routed(x, None, sorted_token_ids, topk, layout, scales, zero_padding, routed_row_pos)
     return q, scales
 
 
 def mxfp8_gather_routed(xq: torch.Tensor, xs: torch.Tensor, sorted_token_ids: torch.Tensor, total_rows: torch.Tensor,
                         topk: int, *, layout: str = "swizzled", q: torch.Tensor | None = None,
                         scales: torch.Tensor | None = None, stream=None, arch: str | None = None,
-                        max_ctas: int | None = None, zero_padding: bool = True):
+                        max_ctas: int | None = None, zero_padding: bool = True,
+                        routed_row_pos: torch.Tensor | None = None):
     """:func:`mxfp8_quantize_routed` for tokens already quantized (:func:`mxfp8_quantize`,
     ``layout="plain"``: ``xq [T, K]`` e4m3, ``xs [T, K/32]`` uint8): the routed rows' 32-byte
     blocks and scale bytes gathered into the expert-sorted, tile-padded order and ``layout``.
@@ -575,7 +675,8 @@ def mxfp8_gather_routed(xq: torch.Tensor, xs: torch.Tensor, sorted_token_ids: to
     default_call = stream is None and arch is None and max_ctas is None
     if (q is not None and scales is not None and default_call and jit.TVM_FFI and isinstance(xq, torch.Tensor)
             and isinstance(sorted_token_ids, torch.Tensor) and isinstance(scales, torch.Tensor)
-            and _routed_hot_path(xq, xs, sorted_token_ids, total_rows, topk, layout, q, scales, zero_padding)):
+            and _routed_hot_path(xq, xs, sorted_token_ids, total_rows, topk, layout, q, scales, zero_padding,
+                                 routed_row_pos)):
         return q, scales
     op = "mxfp8_gather_routed"
     if layout not in LAYOUTS:
@@ -587,13 +688,15 @@ def mxfp8_gather_routed(xq: torch.Tensor, xs: torch.Tensor, sorted_token_ids: to
     check_int32_indexable(op, "xq", T * K)
     check_tensor(op, "xs", xs, dtype=torch.uint8, shape=(T, K // MX_BLOCK), contiguous=True, align_bytes=0)
     cap = _check_routing(op, sorted_token_ids, total_rows, topk, zero_padding, K)
+    _check_row_pos(op, routed_row_pos, T, topk, zero_padding)
     q, scales = _outputs(op, xq, cap, K, layout, q, scales)
     check_cuda(op, ("xq", xq), ("xs", xs), ("sorted_token_ids", sorted_token_ids), ("total_rows", total_rows),
-               ("q", q), ("scales", scales))
+               ("q", q), ("scales", scales),
+               *((("routed_row_pos", routed_row_pos),) if routed_row_pos is not None else ()))
     if cap == 0:
         return q, scales
     _launch(op, xq, q, scales, sorted_token_ids, total_rows, T, cap, K, layout, True, topk, stream, arch, max_ctas,
-            zero_padding, xs=xs)
+            zero_padding, xs=xs, row_pos=routed_row_pos)
     if default_call and total_rows.numel() == 1:
-        _remember_routed(xq, xs, sorted_token_ids, topk, layout, scales, zero_padding)
+        _remember_routed(xq, xs, sorted_token_ids, topk, layout, scales, zero_padding, routed_row_pos)
     return q, scales

@@ -353,13 +353,16 @@ class FusedOps(Ops):
             xq = self.quantize_tokens(x)
         logits = (x @ L["ffn.gate.weight"].T).float().contiguous()
         r = self.route(logits, L, P, cfg, tokens)
-        # padding rows left unwritten: a padding row's GEMM output is never read back
+        # padding rows left unwritten (a padding row's GEMM output is never read back), the
+        # routed rows walked through routed_row_pos: work proportional to the T k live rows
         if xq is None:
-            aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, cfg.top_k, zero_padding=False)
+            aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, cfg.top_k, zero_padding=False,
+                                            routed_row_pos=r.routed_row_pos)
         else:
             if q_ready is not None:
                 main.wait_event(q_ready)  # the tokens' quantization, not the shared expert behind it
-            aq, asc = mxfp8_gather_routed(*xq, r.sorted_token_ids, r.total_rows, cfg.top_k, zero_padding=False)
+            aq, asc = mxfp8_gather_routed(*xq, r.sorted_token_ids, r.total_rows, cfg.top_k, zero_padding=False,
+                                          routed_row_pos=r.routed_row_pos)
         n = x.shape[0] * cfg.top_k  # routed rows: bounds the expert grids to the live tiles
         rows = expert_kernel_args(x.shape[0], self.moe_row_tile)
         offsets, counts, tiles, weights = r.expert_offsets, r.expert_counts, r.tile_expert, r.topk_weights

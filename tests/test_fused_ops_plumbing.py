@@ -112,10 +112,21 @@ class FakeRouter:
         return RouterOutput(ids, w, counts, offsets, sid, te, torch.tensor([total], dtype=torch.int32), pos)
 
 
-def fake_quant_routed(x, sorted_ids, total, topk, zero_padding=True):
+def _check_row_pos(sorted_ids, topk, tokens, zero_padding, routed_row_pos):
+    """``routed_row_pos`` (the routed rows walked one by one) is the router's: the inverse of
+    the live part of ``sorted_ids``, and only with the padding left unwritten."""
+    if routed_row_pos is None:
+        return
+    assert not zero_padding and routed_row_pos.numel() == tokens * topk
+    live = torch.nonzero(sorted_ids < tokens * topk).flatten()
+    assert torch.equal(routed_row_pos[sorted_ids[live].long()].long(), live)
+
+
+def fake_quant_routed(x, sorted_ids, total, topk, zero_padding=True, routed_row_pos=None):
     """The routed quantisation; ``zero_padding=False`` leaves padding rows "unwritten" -- here
     the worst case, e4m3 NaN with NaN scale bytes -- so the test proves no consumer mixes a
     padding row into a live one."""
+    _check_row_pos(sorted_ids, topk, x.shape[0], zero_padding, routed_row_pos)
     rows, K = sorted_ids.numel(), x.shape[1]
     g = torch.zeros(rows, K, dtype=torch.bfloat16)
     live = sorted_ids < x.shape[0] * topk
@@ -135,9 +146,10 @@ def fake_quantize_plain(x, layout="plain", q=None, scales=None):
     return q, scales
 
 
-def fake_gather_routed(xq, xs, sorted_ids, total, topk, zero_padding=True):
+def fake_gather_routed(xq, xs, sorted_ids, total, topk, zero_padding=True, routed_row_pos=None):
     """The prequantized tokens' blocks gathered into the routed order; padding rows as
     :func:`fake_quant_routed` leaves them."""
+    _check_row_pos(sorted_ids, topk, xq.shape[0], zero_padding, routed_row_pos)
     rows, K = sorted_ids.numel(), xq.shape[1]
     q = torch.zeros(rows, K, dtype=torch.uint8)
     s = torch.zeros(rows, K // 32, dtype=torch.uint8)
@@ -305,18 +317,30 @@ def test_each_fused_family_matches_its_baseline(fakes):
 
 
 def test_moe_ignores_unwritten_padding_rows(fakes, monkeypatch):
-    """mxfp8_quantize_routed(zero_padding=False), as the runtime calls it: padding rows left as NaN garbage
-    (the emulation's worst case) change no live output -- the expert GEMMs, the SiLU * up
-    requantisation and the finalize read every routed row on its own."""
+    """The routed input as the runtime makes it -- mxfp8_gather_routed / mxfp8_quantize_routed
+    with zero_padding=False and the router's routed_row_pos: padding rows left as NaN garbage
+    (the emulations' worst case) -- changes no live output against zeroed padding rows: the
+    expert GEMMs, the SiLU * up requantisation and the finalize read every routed row on its
+    own. Both routed-input paths (tokens quantized first, or the routed rows quantized)."""
     m, _ = _models()
-    fops = fo.FusedOps(m, max_tokens=12, max_len=64, _cpu_for_tests=True)
     h = torch.randn(12, CFG.hidden).bfloat16()
     toks = torch.randint(0, CFG.vocab, (12,))
     L = m.layers[2]
-    zeroed = fops.moe(h, L, CFG, toks)
-    monkeypatch.setattr(fo, "mxfp8_quantize_routed", lambda *a, **k: fake_quant_routed(*a, zero_padding=False))
-    unwritten = fops.moe(h, L, CFG, toks)
-    assert torch.isfinite(unwritten.float()).all() and torch.equal(zeroed, unwritten)
+    calls = []
+    for prequantize in (True, False):
+        monkeypatch.setattr(fo.FusedOps, "prequantize_routed_input", prequantize)
+        fops = fo.FusedOps(m, max_tokens=12, max_len=64, _cpu_for_tests=True)
+        outs = []
+        for zero in (False, True):  # the runtime's own arguments, then padding zeroed
+            over = {"zero_padding": True, "routed_row_pos": None} if zero else {}
+            monkeypatch.setattr(fo, "mxfp8_quantize_routed", lambda *a, over=over, **k: calls.append(
+                ("routed", k.get("routed_row_pos") is not None)) or fake_quant_routed(*a, **{**k, **over}))
+            monkeypatch.setattr(fo, "mxfp8_gather_routed", lambda *a, over=over, **k: calls.append(
+                ("gather", k.get("routed_row_pos") is not None)) or fake_gather_routed(*a, **{**k, **over}))
+            outs.append(fops.moe(h, L, CFG, toks))
+        assert torch.isfinite(outs[0].float()).all() and torch.equal(outs[0], outs[1])
+    # each path taken, the runtime's calls walking the routed rows (routed_row_pos)
+    assert {c for c in calls if c[1]} == {("gather", True), ("routed", True)}
 
 
 @pytest.mark.parametrize("row_tile", [None, 16])

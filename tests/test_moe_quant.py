@@ -255,7 +255,9 @@ def test_gather_of_prequantized_tokens_equals_routed_quantization(seed, layout, 
     """V4-Flash's routed input (K = 4096, top-6): the tokens quantized first (plain layout),
     then gathered through the router's packing, equal the routed quantization of the bf16
     rows byte for byte -- q and scales, padding rows and the untouched rows past the total
-    included (both outputs poisoned alike), special values in the blocks included."""
+    included (all outputs poisoned alike), special values in the blocks included. With the
+    padding unwritten, both walked through ``routed_row_pos`` (the routed rows only) write
+    the same bytes again."""
     E, k, tile, K = 256, 6, 128, 4096
     ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(torch.int32)
     _, _, sorted_ids, _, total = align_ref(ids, E, tile)
@@ -265,18 +267,22 @@ def test_gather_of_prequantized_tokens_equals_routed_quantization(seed, layout, 
     sorted_full, total_t = sorted_full.cuda(), torch.tensor([total], dtype=torch.int32, device="cuda")
     x = make_x(T, K, "cuda")
     xq, xs = mxfp8_quantize(x)
+    row_pos = torch.empty(T * k, dtype=torch.int32)
+    row_pos[sorted_ids[sorted_ids < T * k].long()] = torch.nonzero(sorted_ids < T * k).flatten().int()
+    row_pos = row_pos.cuda()
     outs = []
-    for gather in (False, True):
+    for gather, by_pos in ((False, False), (True, False)) + (((False, True), (True, True)) if not zero_padding else ()):
         q = torch.full((cap, K), 0xAB, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
         s = torch.full((scale_buffer_size(cap, K, layout),), 0xAB, dtype=torch.uint8, device="cuda")
+        kw = dict(layout=layout, q=q, scales=s, zero_padding=zero_padding, routed_row_pos=row_pos if by_pos else None)
         if gather:
-            mxfp8_gather_routed(xq, xs, sorted_full, total_t, k, layout=layout, q=q, scales=s,
-                                zero_padding=zero_padding)
+            mxfp8_gather_routed(xq, xs, sorted_full, total_t, k, **kw)
         else:
-            mxfp8_quantize_routed(x, sorted_full, total_t, k, layout=layout, q=q, scales=s, zero_padding=zero_padding)
+            mxfp8_quantize_routed(x, sorted_full, total_t, k, **kw)
         torch.cuda.synchronize()
         outs.append((q.view(torch.uint8).cpu(), s.cpu()))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    for i in range(1, len(outs)):
+        assert torch.equal(outs[0][0], outs[i][0]) and torch.equal(outs[0][1], outs[i][1]), i
     src = sorted_ids.long()
     live = src < T * k
     qr, _ = mxfp8_quant_ref(x.cpu()[src[live] // k])  # and both equal the definition
@@ -306,6 +312,13 @@ def test_routed_bad_arguments():
     with pytest.raises(TypeError, match="zero_padding"):
         mxfp8_quantize_routed(x, torch.zeros(8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 2,
                               zero_padding=0)
+    ids, total = torch.zeros(8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="routed_row_pos walks the routed rows only"):
+        mxfp8_quantize_routed(x, ids, total, 2, routed_row_pos=torch.zeros(8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="routed_row_pos must have shape"):
+        mxfp8_quantize_routed(x, ids, total, 2, zero_padding=False, routed_row_pos=torch.zeros(7, dtype=torch.int32))
+    with pytest.raises(TypeError, match="routed_row_pos must have dtype"):
+        mxfp8_quantize_routed(x, ids, total, 2, zero_padding=False, routed_row_pos=torch.zeros(8))
     # q [capacity, K] past 2^31 elements would wrap the 32-bit offsets (meta tensors: no memory)
     with pytest.raises(ValueError, match="2\\*\\*31"):
         mxfp8_quantize_routed(torch.empty(8, 7168, dtype=torch.bfloat16, device="meta"),
@@ -327,12 +340,16 @@ def test_gather_routed_bad_arguments():
         mxfp8_gather_routed(xq, xs, ids.long(), total, 2)
     with pytest.raises(ValueError, match="CUDA"):
         mxfp8_gather_routed(xq, xs, ids, total, 2)
+    with pytest.raises(ValueError, match="routed_row_pos must have shape"):
+        mxfp8_gather_routed(xq, xs, ids, total, 2, zero_padding=False, routed_row_pos=ids[:3])
 
 
 # ------------------------------------------------------------ machine code (CPU) ------
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("layout, routed, extra", [("plain", False, {}), ("swizzled", True, {}),
-                                                  ("swizzled", True, {"zero_padding": False})])
+                                                  ("swizzled", True, {"zero_padding": False}),
+                                                  ("swizzled", True, {"zero_padding": False, "by_row_pos": True}),
+                                                  ("plain", True, {"zero_padding": False, "by_row_pos": True})])
 def test_machine_code(arch, layout, routed, extra):
     """Plain: a thread per block (32 bf16 = four 16-byte loads, 32 e4m3 = two 16-byte stores, 16
     packed conversions, one scale byte). Swizzled: a thread per scale word -- four blocks, all
