@@ -42,7 +42,7 @@ def keys_by_queries(mK: cute.Tensor, mQ: cute.Tensor, tile: tuple):
     rows as B (N), both K-major bf16 in 128B-swizzled shared memory. Returns the tiled MMA,
     the two TMA atoms with their tensors, and the two shared-memory layouts."""
     bf16 = cutlass.BFloat16
-    K_MAJOR = cute.nvgpu.warpgroup.OperandMajorMode.K
+    K_MAJOR = cute.nvgpu.OperandMajorMode.K
     tiled_mma = sm90_utils.make_trivial_tiled_mma(bf16, bf16, K_MAJOR, K_MAJOR, Float32, (1, 1, 1),
                                                   tiler_mn=(tile[0], tile[1]))
     a_smem = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, tile, bf16, 1)

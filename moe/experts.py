@@ -217,8 +217,8 @@ def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_
         if not MoeExpertSwapABSm90.can_implement(E, N, K, tok_n, stages):
             raise ValueError(f"{op}: the decode kernel (token tile {tok_n}) cannot run stages={stages} "
                              f"(2-12 within shared memory) or E={E}, N={N}, K={K}")
-        fn = jit.get_kernel("moe_expert_swap_ab_sm90", arch, E=E, N=N, K=K, tok_n=tok_n, silu_quant=fused is not None,
-                            stages=stages, row_passes=row_passes, **_limit_cfg(swiglu_limit))
+        name, cfg = "moe_expert_swap_ab_sm90", dict(E=E, N=N, K=K, tok_n=tok_n, silu_quant=fused is not None,
+                                                     stages=stages, row_passes=row_passes, **_limit_cfg(swiglu_limit))
     else:
         if tile_k is None:
             tile_k, d_stages, d_ctas = default_tile(K, fused is not None)
@@ -230,15 +230,57 @@ def _launch_sm90(op, arch, a_q, a_scales, w_q, w_scales, expert_offsets, expert_
         if not MoeExpertGemmTiledSm90.can_implement(E, N, K, tile_k, stages, ctas_per_sm):
             raise ValueError(f"{op}: tile_k={tile_k}, stages={stages}, ctas_per_sm={ctas_per_sm} unsupported (stages "
                              f"in {STAGE_RANGE}; ctas_per_sm 1 or 2 with both CTAs' shared memory within 227 KB)")
-        fn = jit.get_kernel("moe_expert_gemm_tiled_sm90", arch, E=E, N=N, K=K, silu_quant=fused is not None, tile_k=tile_k,
-                            stages=stages, ctas_per_sm=ctas_per_sm, **_limit_cfg(swiglu_limit))
+        name, cfg = "moe_expert_gemm_tiled_sm90", dict(E=E, N=N, K=K, silu_quant=fused is not None, tile_k=tile_k,
+                                                        stages=stages, ctas_per_sm=ctas_per_sm,
+                                                        **_limit_cfg(swiglu_limit))
+    fn = jit.get_kernel(name, arch, **cfg)
     # both kernels take the same arguments
     q_out, s_out = fused if fused is not None else (a_q, a_scales)  # not touched unless fused
     out_t = out if out is not None else a_q  # not touched when fused
+    tiles = grid_tiles(op, rows, tile_expert.numel(), router_e, routed_rows)
     fn(P(f8, a_q, 16), P(f8, w_q, 16), P(cutlass.Uint8, a_scales, 16), P(cutlass.Uint8, w_scales, 16),
        P(cutlass.BFloat16, out_t, 16), P(f8, q_out, 16), P(cutlass.Uint8, s_out, 1), P(Int32, expert_offsets, 4),
-       P(Int32, expert_counts, 4), P(Int32, tile_expert, 4), jit.i32(rows),
-       jit.i32(grid_tiles(op, rows, tile_expert.numel(), router_e, routed_rows)), jit.cu_stream(stream))
+       P(Int32, expert_counts, 4), P(Int32, tile_expert, 4), jit.i32(rows), jit.i32(tiles), jit.cu_stream(stream))
+    return f"{name}_tensors", cfg, tiles
+
+
+#: (a_q.shape, w_q.shape, tile_expert length, fused, the kernel-choice arguments, device index)
+#: -> the Hopper kernel's tensor entry (jit.launch_tensor_entry), filled by a first validated
+#: call with TVM-FFI on; under the same key (grid tiles, a_scales bytes, scales_out bytes): the
+#: grid and the two buffer sizes the C checks cannot make
+_TENSOR_FNS: dict = {}
+_TENSOR_ARGS: dict = {}
+
+
+def _tensor_key(a_q, w_q, tile_expert, fused: bool, *choice):
+    try:
+        key = (a_q.shape, w_q.shape, tile_expert.shape[0], fused, *choice, a_q.get_device())
+        hash(key)
+    except (TypeError, AttributeError, IndexError):  # an argument the validated path will name
+        return None
+    return key
+
+
+def _tensor_hot_path(key, a_q, a_scales, w_q, w_scales, out, q_out, s_out, expert_offsets, expert_counts,
+                     tile_expert) -> bool:
+    """Launch the memoised tensor entry of ``key`` (the caller checked TVM-FFI and the
+    defaults) and return True, or False: the validated path then runs."""
+    extra = _TENSOR_ARGS.get(key)
+    if extra is None or not isinstance(a_scales, torch.Tensor) or a_scales.numel() != extra[1] or (
+            s_out is not None and (not isinstance(s_out, torch.Tensor) or s_out.numel() != extra[2])):
+        return False
+    return jit.launch_tensor_entry(_TENSOR_FNS, key, a_q, w_q, a_scales, w_scales, a_q if out is None else out,
+                                   a_q if q_out is None else q_out, a_scales if s_out is None else s_out,
+                                   expert_offsets, expert_counts, tile_expert, extra[0])
+
+
+def _remember(key, launched, a_q, a_scales, s_out) -> None:
+    """After a validated Hopper launch with the defaults: its tensor entry for the next calls."""
+    if key is None or not jit.TVM_FFI:
+        return
+    name, cfg, tiles = launched
+    _TENSOR_ARGS[key] = (tiles, a_scales.numel(), None if s_out is None else s_out.numel())
+    jit.remember_tensor_entry(_TENSOR_FNS, key, name, current_arch(a_q.device), **cfg)
 
 
 #: Largest step (tokens) for which :func:`expert_kernel_args` takes the caller's row tile: a
@@ -328,6 +370,14 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     the router's and the other experts' tiles at -1 in ``tile_expert`` (default: ``E``).
     Padding rows of ``out`` are unspecified.
     """
+    key = None
+    if (out is not None and stream is None and arch is None and tile_k is None and stages is None
+            and ctas_per_sm is None and jit.TVM_FFI and isinstance(a_q, torch.Tensor) and isinstance(w_q, torch.Tensor)
+            and isinstance(tile_expert, torch.Tensor)):  # the eager hot path (Hopper)
+        key = _tensor_key(a_q, w_q, tile_expert, False, routed_rows, max_expert_rows, expert_row_tile, router_experts)
+        if key is not None and _tensor_hot_path(key, a_q, a_scales, w_q, w_scales, out, None, None, expert_offsets,
+                                                expert_counts, tile_expert):
+            return out
     op = "moe_expert_gemm"
     rows, K, E, N = _check_operand_shapes(op, a_q, w_q)
     if K % 128 or N % 16:
@@ -343,9 +393,10 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     if path == "reference" or rows == 0:
         return expert_gemm_torch(a_q, a_scales, w_q, w_scales, expert_offsets, out) if rows else out
     if path == "sm90":
-        _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out, None, stream,
-                     routed_rows, tile_k, stages, ctas_per_sm, max_expert_rows, expert_row_tile,
-                     router_experts=router_experts)
+        launched = _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, out,
+                                None, stream, routed_rows, tile_k, stages, ctas_per_sm, max_expert_rows,
+                                expert_row_tile, router_experts=router_experts)
+        _remember(key, launched, a_q, a_scales, None)
         return out
     _launch_sm100(op, a, a_q, a_scales, w_q, w_scales, tile_expert, out, None, stream)
     return out
@@ -433,6 +484,15 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
     Blackwell (the tcgen05 GEMM's epilogue: compile + SASS checked only, no Blackwell GPU
     here); the CPU fallback runs expert GEMM -> bf16, SiLU * up, then the quantiser.
     """
+    key = None
+    if (q_out is not None and scales_out is not None and stream is None and arch is None and tile_k is None
+            and stages is None and ctas_per_sm is None and jit.TVM_FFI and isinstance(a_q, torch.Tensor)
+            and isinstance(w_q, torch.Tensor) and isinstance(tile_expert, torch.Tensor)):  # the eager hot path (Hopper)
+        key = _tensor_key(a_q, w_q, tile_expert, True, routed_rows, max_expert_rows, expert_row_tile, router_experts,
+                          swiglu_limit)
+        if key is not None and _tensor_hot_path(key, a_q, a_scales, w_q, w_scales, None, q_out, scales_out,
+                                                expert_offsets, expert_counts, tile_expert):
+            return q_out, scales_out
     op = "moe_expert_gate_up"
     check_swiglu_limit(op, swiglu_limit, True)
     rows, K, E, N = _check_operand_shapes(op, a_q, w_q)
@@ -460,9 +520,10 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
     if path == "sm90":
         check_cuda(op, ("a_q", a_q), ("a_scales", a_scales), ("w_q", w_q), ("w_scales", w_scales),
                    ("expert_offsets", expert_offsets), ("q_out", q_out), ("scales_out", scales_out))
-        _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, None,
-                     (q_out, scales_out), stream, routed_rows, tile_k, stages, ctas_per_sm, max_expert_rows,
-                     expert_row_tile, swiglu_limit, router_experts)
+        launched = _launch_sm90(op, a, a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, None,
+                                (q_out, scales_out), stream, routed_rows, tile_k, stages, ctas_per_sm,
+                                max_expert_rows, expert_row_tile, swiglu_limit, router_experts)
+        _remember(key, launched, a_q, a_scales, scales_out)
         return q_out, scales_out
     if a_q.is_cuda:
         y = moe_expert_gemm(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, arch=a,

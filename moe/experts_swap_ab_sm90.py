@@ -55,7 +55,8 @@ from cute_kernels import jit
 from cute_kernels.tma_pipeline import single_cta_tma_pipeline, tma_tiles
 from cute_kernels.warp_mma import wgmma_fragments
 
-from .experts_tiled_sm90 import MX, check_swiglu_limit, e8m0_to_f32, routed_gemm_tensors, store_silu_mul_mx_row
+from .experts_tiled_sm90 import (MX, RoutedGemmTensorEntry, check_swiglu_limit, e8m0_to_f32, routed_gemm_tensor_args,
+                                 routed_gemm_tensors, store_silu_mul_mx_row)
 
 BM = 64  # weight rows per CTA (wgmma M)
 BK = 128  # bytes of K per pipeline stage: 4 MX blocks
@@ -72,7 +73,7 @@ def smem_bytes(tok_n: int, stages: int) -> int:
     return stages * (BM * BK + tok_n * BK) + tok_n * (BM + 1) * 4 + 2 * stages * 8 + 3 * 128 + 1024
 
 
-class MoeExpertSwapABSm90:
+class MoeExpertSwapABSm90(RoutedGemmTensorEntry):
     def __init__(self, E: int, N: int, K: int, tok_n: int, silu_quant: bool = False, stages: int = 3,
                  row_passes: bool = False, swiglu_limit: float | None = None):
         self.E, self.N, self.K, self.tok_n, self.silu_quant, self.stages = E, N, K, tok_n, silu_quant, stages
@@ -98,7 +99,7 @@ class MoeExpertSwapABSm90:
         mSA, mSW, mOut, mQ, mSQ, mOffs, mCnt, mTile = routed_gemm_tensors(
             self, sfa_ptr, sfw_ptr, out_ptr, q_ptr, sq_ptr, offs_ptr, cnt_ptr, tile_ptr, rows, tiles)
 
-        K_MAJOR = cute.nvgpu.warpgroup.OperandMajorMode.K
+        K_MAJOR = cute.nvgpu.OperandMajorMode.K
         tiled_mma = sm90_utils.make_trivial_tiled_mma(f8, f8, K_MAJOR, K_MAJOR, Float32, (1, 1, 1),
                                                       tiler_mn=(BM, self.tok_n))
         w_smem = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, self.tile, f8, self.stages)
@@ -325,3 +326,11 @@ KERNEL = jit.register(jit.KernelDef(
                  {"E": 1, "N": 129280, "K": 7168, "tok_n": 16, "silu_quant": False}),
     description="MXFP8 routed-expert GEMM at decode, Hopper: TMA + FP8 wgmma, weights as M",
 ))
+
+
+def _build_tensors(arch: str, **config):
+    op, _ = _build(arch, **config)
+    return op.tensor_call, routed_gemm_tensor_args(op, op.silu_quant)
+
+
+jit.register_tensor_entry(KERNEL, _build_tensors, aot_configs=KERNEL.aot_configs)

@@ -168,7 +168,39 @@ def routed_gemm_tensors(k, sfa_ptr: cute.Pointer, sfw_ptr: cute.Pointer, out_ptr
     return mSA, mSW, mOut, mQ, mSQ, mOffs, mCnt, mTile
 
 
-class MoeExpertGemmTiledSm90:
+class RoutedGemmTensorEntry:
+    """The tensor entry both Hopper expert kernels share (``jit.get_tensor_kernel``): their
+    pointer arguments as torch tensors (:func:`routed_gemm_tensor_args` declares them)."""
+
+    @cute.jit
+    def tensor_call(self, mA: cute.Tensor, mW: cute.Tensor, mSA: cute.Tensor, mSW: cute.Tensor, mOut: cute.Tensor,
+                    mQ: cute.Tensor, mSQ: cute.Tensor, mOffs: cute.Tensor, mCnt: cute.Tensor, mTile: cute.Tensor,
+                    tiles: Int32, stream: cuda.CUstream):
+        self.__call__(mA.iterator, mW.iterator, mSA.iterator, mSW.iterator,
+                      cute.recast_ptr(mOut.iterator, dtype=cutlass.BFloat16), mQ.iterator, mSQ.iterator,
+                      mOffs.iterator, mCnt.iterator, mTile.iterator, mA.shape[0], tiles, stream)
+
+
+def routed_gemm_tensor_args(k, silu_quant: bool) -> tuple:
+    """The tensor entry's arguments for kernel configuration ``k``: ``mA [rows, K]`` e4m3,
+    ``mW [E, N, K]`` e4m3, ``mSA`` (its size for ``rows`` checked by the caller), ``mSW``
+    ``[E, n_pad x kb_pad]`` bytes, then the plain GEMM's ``mOut [rows, N]`` bf16 (``mQ`` / ``mSQ``
+    stand-ins, not read: the caller passes ``a_q`` / ``a_scales``) or the fused epilogue's
+    ``mQ [rows, N / 2]`` e4m3 and ``mSQ`` (size checked by the caller; ``mOut`` a stand-in),
+    the router's ``mOffs [E + 1]``, ``mCnt [E]`` and ``mTile``, the grid's tile count."""
+    sym, T, f8, u8 = {}, jit.fake_tensor, cutlass.Float8E4M3FN, cutlass.Uint8
+    E, N, K = k.E, k.N, k.K
+    a, w = T(f8, ("R", K), 16, sym), T(f8, (E, N, K), 16, sym)
+    sa, sw = T(u8, ("SA",), 16, sym), T(u8, (E, k.n_pad * k.kb_pad), 16, sym)
+    if silu_quant:
+        out, q, sq = T(f8, ("X0", "X1"), 16, sym), T(f8, ("R", N // 2), 16, sym), T(u8, ("SQ",), 1, sym)
+    else:
+        out, q, sq = T(cutlass.BFloat16, ("R", N), 16, sym), T(f8, ("X0", "X1"), 16, sym), T(u8, ("X2",), 1, sym)
+    router = (T(Int32, (E + 1,), 4, sym), T(Int32, (E,), 4, sym), T(Int32, ("NT",), 4, sym))
+    return (a, w, sa, sw, out, q, sq) + router + (Int32(1), jit.fake_env_stream())
+
+
+class MoeExpertGemmTiledSm90(RoutedGemmTensorEntry):
     def __init__(self, E: int, N: int, K: int, silu_quant: bool = False, tile_k: int = 128,
                  stages: int | None = None, ctas_per_sm: int = 1, swiglu_limit: float | None = None):
         self.E, self.N, self.K, self.silu_quant = E, N, K, silu_quant
@@ -399,3 +431,11 @@ KERNEL = jit.register(jit.KernelDef(
                  {"E": 256, "N": 7168, "K": 2048, "silu_quant": False, "tile_k": 256, "stages": 2, "ctas_per_sm": 2}),
     description="MXFP8 routed-expert grouped GEMM, Hopper: FP8 mma.sync per 32-block + scale promotion",
 ))
+
+
+def _build_tensors(arch: str, **config):
+    op, _ = _build(arch, **config)
+    return op.tensor_call, routed_gemm_tensor_args(op, op.silu_quant)
+
+
+jit.register_tensor_entry(KERNEL, _build_tensors, aot_configs=KERNEL.aot_configs)

@@ -25,7 +25,11 @@ ENTRIES = {"row_rms_tensors": dict(hidden=7168), "mhc_pre_mix_tensors": dict(n=4
            "wo_a_decode_swap_ab_tensors": dict(G=16, R=1024, Dg=4096, tok_n=8, stages=4, bk=64),
            "wo_a_decode_fp8_tensors": dict(G=8, R=1024, Dg=4096, bm=16, bn=32, splits=1, stages=6),
            "mxfp8_quantize_routed_tensors": dict(K=4096, layout="swizzled", topk=6, zero_padding=False,
-                                                 prequantized=True)}
+                                                 prequantized=True),
+           "moe_expert_swap_ab_sm90_tensors": dict(E=256, N=4096, K=4096, tok_n=16, silu_quant=True,
+                                                   swiglu_limit=10.0),
+           "moe_expert_gemm_tiled_sm90_tensors": dict(E=256, N=4096, K=2048, silu_quant=False, tile_k=256, stages=2,
+                                                      ctas_per_sm=2)}
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
@@ -338,6 +342,70 @@ def test_routed_quantization_tensor_entry_equals_the_pointer_launch(seed, monkey
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T", [6, 40], ids=["decode-kernel", "row-passes"])
+def test_expert_gemm_tensor_entries_equal_the_pointer_launch(seed, monkeypatch, T):
+    """The routed experts as the runtime calls them (V4-Flash's widths on 16 experts: gate/up
+    with the SwiGLU clamp and the MXFP8 requantisation fused, then down; the kernel choice of
+    expert_kernel_args): after the first calls both take their tensor entries, eager and
+    captured, and the live rows equal the pointer launches' bit for bit on fresh inputs; a
+    wrong-sized scale buffer (a size the C checks cannot make) and a bad dtype are refused by
+    name."""
+    pytest.importorskip("tvm_ffi")
+    import moe.experts as mx
+    from moe.quant import mxfp8_quantize_routed, scale_buffer_size
+    from moe.router import MoeRouter, RouterConfig
+
+    E, H, I, k = 16, 4096, 2048, 6
+    cfg = RouterConfig(num_experts=E, n_group=1, topk_group=1, top_k=k, routed_scaling_factor=1.5,
+                       score="sqrtsoftplus")
+    r = MoeRouter(cfg, max_tokens=T)(torch.randn(T, E, device="cuda"), torch.zeros(E, device="cuda"))
+    cap = r.sorted_token_ids.numel()
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    aq, asc = mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, k, zero_padding=False)
+    wgu = mx.quantize_expert_weights(mx.interleave_gate_up(*(torch.randn(E, I, H, device="cuda").bfloat16() / 32
+                                                             for _ in range(2))))
+    wd = mx.quantize_expert_weights(torch.randn(E, H, I, device="cuda").bfloat16() / 32)
+    kw = dict(routed_rows=T * k, **mx.expert_kernel_args(T))
+    router = (r.expert_offsets, r.expert_counts, r.tile_expert)
+    hq, hs = torch.empty(cap, I, device="cuda").to(torch.float8_e4m3fn), \
+        torch.empty(scale_buffer_size(cap, I, "swizzled"), device="cuda").byte()
+    y = torch.empty(cap, H, device="cuda").bfloat16()
+    want = [t.clone() for t in (hq, hs, y)]
+    rows = r.sorted_token_ids[:int(r.total_rows[0])]
+    live = (rows < T * k).nonzero().flatten()
+
+    def call(hq, hs, y):
+        mx.moe_expert_gate_up(aq, asc, *wgu, *router, q_out=hq, scales_out=hs, swiglu_limit=10.0, **kw)
+        mx.moe_expert_gemm(hq, hs, *wd, *router, out=y, **kw)
+
+    def fresh():
+        x.copy_(torch.randn(T, H, device="cuda").bfloat16())
+        mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, k, q=aq, scales=asc, zero_padding=False)
+        call(*want)  # the pointer launches (TVM-FFI off)
+        for t in (hq, y):
+            t.view(torch.uint8).fill_(0xFF)
+
+    try:
+        jit.use_tvm_ffi()
+        call(hq, hs, y)
+        assert len(mx._TENSOR_FNS) >= 2, "no tensor entries memoised"
+        for step in _through_tensor_entry(monkeypatch, lambda: call(hq, hs, y), fresh, ("eager", "eager", "graph")):
+            assert torch.equal(hq.view(torch.uint8)[live], want[0].view(torch.uint8)[live]), step
+            assert torch.equal(y[live], want[2][live]), step
+        py = torch.full_like(y, float("nan"))
+        with pytest.raises(ValueError, match="scales_out must have shape"):
+            mx.moe_expert_gate_up(aq, asc, *wgu, *router, q_out=hq, scales_out=hs[:-16], swiglu_limit=10.0, **kw)
+        with pytest.raises(TypeError, match="out must have dtype"):
+            mx.moe_expert_gemm(hq, hs, *wd, *router, out=py.float(), **kw)
+        with pytest.raises(ValueError, match="a_scales"):
+            mx.moe_expert_gemm(hq, hs[:-16], *wd, *router, out=py, **kw)
+        torch.cuda.synchronize()
+        assert py.isnan().all()
+    finally:
+        jit.use_tvm_ffi(False)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("hashed", [False, True], ids=["scored", "hash-routed"])
 def test_router_tensor_entry_equals_the_pointer_launch(seed, monkeypatch, hashed):
     """MoeRouter (DeepSeek-V4-Flash's scored and hash-routed configs, T = 6): after its first
@@ -402,6 +470,7 @@ def test_hot_paths_name_a_non_tensor_argument(monkeypatch):
     from cute_kernels.row_rms import row_rms
     from cute_kernels.wo_a import wo_a
     from cute_kernels.wo_a_decode_fp8 import quantize_wo_a_fp8, wo_a_fp8
+    from moe.experts import moe_expert_gate_up, moe_expert_gemm
     from moe.finalize import moe_finalize
     from moe.quant import mxfp8_gather_routed, mxfp8_quantize, mxfp8_quantize_routed
     from moe.router import MoeRouter
@@ -423,6 +492,8 @@ def test_hot_paths_name_a_non_tensor_argument(monkeypatch):
         (lambda: mxfp8_quantize_routed(b[0], rows, t, 2, q=t, scales=t), "sorted_token_ids must be a torch.Tensor"),
         (lambda: mxfp8_gather_routed(rows, t, t, t, 2, q=t, scales=t), "xq must be a torch.Tensor"),
         (lambda: wo_a_fp8(rows, t, t, out=t), "o must be a torch.Tensor"),
+        (lambda: moe_expert_gemm(rows, t, t, t, t, t, t, out=t), "a_q must be a torch.Tensor"),
+        (lambda: moe_expert_gate_up(rows, t, t, t, t, t, t, q_out=t, scales_out=t), "a_q must be a torch.Tensor"),
         (lambda: MoeRouter(max_tokens=4, device="cpu")(rows), "logits must be a torch.Tensor"),
     ]
     for call, words in calls:
