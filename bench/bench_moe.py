@@ -122,8 +122,8 @@ def bench_quant():
         mxfp8_quantize(xs[0], layout=layout, q=qs[0], scales=ss[0])  # checked once before timing
         qc, sc = quant_composite(xs[0])
         plain = ss[0] if layout == "plain" else None
-        if not torch.equal(qs[0].view(torch.uint8), qc.view(torch.uint8)) or (plain is not None and
-                                                                           not torch.equal(plain, sc)):
+        if not torch.equal(qs[0].view(torch.uint8), qc.view(torch.uint8).reshape(T, K)) or (
+                plain is not None and not torch.equal(plain, sc)):
             raise SystemExit(f"mxfp8_quantize {T}x{K} {layout}: output check failed; not timing it")
         t_ours = time_graph(lambda i: mxfp8_quantize(xs[i], layout=layout, q=qs[i], scales=ss[i]), n, reps)
         t_ref = time_graph(lambda i: quant_composite(xs[i]), n, reps) if layout == "plain" else float("nan")

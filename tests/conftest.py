@@ -23,8 +23,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def seed():
-    """Fresh random inputs every run; the seed is printed so a failure can be replayed."""
-    s = int.from_bytes(os.urandom(4), "little")
+    """Fresh random inputs every run; the seed is printed so a failure can be replayed
+    (``CUTE_KERNELS_TEST_SEED=<seed> pytest ...``)."""
+    s = int(os.environ.get("CUTE_KERNELS_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     torch.manual_seed(s)
     print(f"seed={s}")
     return s
