@@ -482,8 +482,12 @@ _ROUTED_SCALE_BYTES: dict = {}
 
 
 def _routed_hot_path(x, xs, sorted_token_ids, total_rows, topk, layout, q, scales, zero_padding, row_pos) -> bool:
-    """The routed calls' eager hot path (the caller checked TVM-FFI, the defaults and the
-    tensors' types): launch the memoised tensor entry and return True, or False (validate)."""
+    """The routed calls' eager hot path (the caller checked the defaults: no stream, arch or
+    grid cap): with TVM-FFI on and the outputs given, launch the memoised tensor entry and
+    return True, or False (the caller validates)."""
+    if not (jit.TVM_FFI and q is not None and isinstance(x, torch.Tensor) and isinstance(sorted_token_ids, torch.Tensor)
+            and isinstance(scales, torch.Tensor)):
+        return False
     shape = x.shape
     by_pos = row_pos is not None
     key = (shape[1], sorted_token_ids.shape[0], topk, layout, zero_padding, xs is not None, by_pos, x.get_device())
@@ -637,10 +641,8 @@ def mxfp8_quantize_routed(x: torch.Tensor, sorted_token_ids: torch.Tensor, total
     rows, work proportional to them (``sorted_token_ids`` then only sizes the output).
     """
     default_call = stream is None and arch is None and max_ctas is None
-    if (q is not None and scales is not None and default_call and jit.TVM_FFI and isinstance(x, torch.Tensor)
-            and isinstance(sorted_token_ids, torch.Tensor) and isinstance(scales, torch.Tensor)
-            and _routed_hot_path(x, None, sorted_token_ids, total_rows, topk, layout, q, scales, zero_padding,
-                                 routed_row_pos)):
+    if default_call and _routed_hot_path(x, None, sorted_token_ids, total_rows, topk, layout, q, scales,
+                                         zero_padding, routed_row_pos):
         return q, scales
     op = "mxfp8_quantize_routed"
     if layout not in LAYOUTS:
@@ -673,10 +675,8 @@ def mxfp8_gather_routed(xq: torch.Tensor, xs: torch.Tensor, sorted_token_ids: to
     a side stream while the router runs; what stays on the critical path after the router
     reads a byte per element instead of two and computes nothing."""
     default_call = stream is None and arch is None and max_ctas is None
-    if (q is not None and scales is not None and default_call and jit.TVM_FFI and isinstance(xq, torch.Tensor)
-            and isinstance(sorted_token_ids, torch.Tensor) and isinstance(scales, torch.Tensor)
-            and _routed_hot_path(xq, xs, sorted_token_ids, total_rows, topk, layout, q, scales, zero_padding,
-                                 routed_row_pos)):
+    if default_call and _routed_hot_path(xq, xs, sorted_token_ids, total_rows, topk, layout, q, scales,
+                                         zero_padding, routed_row_pos):
         return q, scales
     op = "mxfp8_gather_routed"
     if layout not in LAYOUTS:
