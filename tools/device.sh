@@ -32,7 +32,7 @@
 #   bash tools/device.sh tp [MODEL]          simulated TP4 on one GPU: its GPU tests (and the push group's
 #                                            warm-up before a first capture), then the bench
 #                                            (--tp 4 --simulate-ranks; MODEL default small)
-#   bash tools/device.sh host-cost           the tensor entries' GPU tests, then the eager host cost per
+#   bash tools/device.sh host-cost [A..]     the tensor entries' GPU tests, then the eager host cost per
 #                                            call (entry points, the DSL call path,
 #                                            TVM-FFI launches when apache-tvm-ffi's wheel is carried,
 #                                            custom ops, runtime-only ctypes launchers) and the
@@ -143,8 +143,10 @@ host-cost)
     "tests/test_caches.py::test_runtime_only_entry_points_match_the_dsl_path_on_gpu" \
     2>&1 | tee "$OUT/tensor-entries.log" | tail -8
   # the machine's cache: what the carried cache and the tests hold is not compiled again
+  # (further bench_host_cost options pass through, e.g. --only row_rms,mxfp8_quantize: the whole
+  # bench compiles every entry point's TVM-FFI pointer variant and can outlast one call)
   timeout 400 python bench/bench_host_cost.py --calls 1000 --cache "$CUTE_KERNELS_CACHE_DIR" \
-    --out "$OUT/bench_host_cost.md" 2>&1 | tail -30
+    --out "$OUT/bench_host_cost.md" "$@" 2>&1 | tail -30
   ;;
 norms-runtime-only)
   $PYT -m gpu tests/test_row_rms.py tests/test_caches.py 2>&1 | tee "$OUT/norms-runtime-only.log" | tail -20
