@@ -83,6 +83,15 @@ class IndexerTopk:
         self.kernel(mScore, mLen, mPos, mIdx, s_max).launch(grid=[num_tokens, 1, 1], block=[self.threads, 1, 1],
                                                             stream=stream)
 
+    @cute.jit
+    def tensor_call(self, mScore: cute.Tensor, mLen: cute.Tensor, mPos: cute.Tensor, mIdx: cute.Tensor, s_max: Int32,
+                    stream: cuda.CUstream):
+        """The tensor entry of :func:`indexer_select` (``jit.get_tensor_kernel``): the workspace's
+        ``mScore [max_tokens, pitch]`` (pitch a multiple of 4; T <= max_tokens checked by the
+        caller), ``mLen`` / ``mPos [T]``, ``mIdx [T, topk]``, the key bound ``s_max``."""
+        self.__call__(mScore.iterator, mLen.iterator, mPos.iterator, mIdx.iterator, mLen.shape[0], mScore.shape[1],
+                      s_max, stream)
+
     @cute.kernel
     def kernel(self, mScore: cute.Tensor, mLen: cute.Tensor, mPos: cute.Tensor, mIdx: cute.Tensor, s_max: Int32):
         tidx, _, _ = cute.arch.thread_idx()
@@ -260,6 +269,18 @@ KERNEL = jit.register(jit.KernelDef(
 ))
 
 
+def _build_tensors(arch: str, *, topk: int, compress_ratio: int = 1):
+    op, _ = _build(arch, topk=topk, compress_ratio=compress_ratio)
+    sym, T = {}, jit.fake_tensor
+    return op.tensor_call, (T(Float32, ("N", "P"), 16, sym), T(Int32, ("T",), 4, sym), T(Int32, ("T",), 4, sym),
+                            T(Int32, ("T", topk), 4, sym), Int32(1), jit.fake_env_stream())
+
+
+jit.register_tensor_entry(KERNEL, _build_tensors, aot_configs=KERNEL.aot_configs)
+#: (topk, compress_ratio, device index) -> indexer_select's tensor entry (jit.launch_tensor_entry)
+_TENSOR_FNS: dict = {}
+
+
 class IndexerWorkspace:
     """Score rows for up to ``max_tokens`` tokens and ``max_keys`` keys (graph capturable)."""
 
@@ -279,6 +300,15 @@ def indexer_select(workspace: IndexerWorkspace, kv_len: torch.Tensor, pos: torch
     masked): int32 ``[T, topk]`` ascending, ``-1`` padded, over entries
     ``[0, min((pos + 1) // compress_ratio, kv_len, max_keys))`` of each row. :func:`indexer_topk`
     is the scores kernel followed by this."""
+    if (out is not None and stream is None and arch is None and jit.TVM_FFI and isinstance(workspace, IndexerWorkspace)
+            and isinstance(kv_len, torch.Tensor)):  # the eager hot path
+        bound = workspace.max_keys if max_keys is None else max_keys
+        shape = kv_len.shape
+        if (len(shape) == 1 and 0 < shape[0] <= workspace.max_tokens and isinstance(bound, int)
+                and 1 <= bound <= workspace.max_keys and jit.launch_tensor_entry(
+                    _TENSOR_FNS, (topk, compress_ratio, kv_len.get_device()), workspace.scores, kv_len, pos, out,
+                    bound)):
+            return out
     op = "indexer_select"
     check_compress_ratio(op, compress_ratio)
     if not isinstance(workspace, IndexerWorkspace):
@@ -302,6 +332,9 @@ def indexer_select(workspace: IndexerWorkspace, kv_len: torch.Tensor, pos: torch
     if T == 0:
         return out
     _select(workspace, kv_len, pos, out, T, topk, max_keys, compress_ratio, a, jit.cu_stream(stream))
+    if stream is None and arch is None:  # its tensor entry for the next calls
+        jit.remember_tensor_entry(_TENSOR_FNS, (topk, compress_ratio, kv_len.get_device()), "indexer_topk_tensors", a,
+                                  topk=topk, **_ratio_cfg(compress_ratio))
     return out
 
 

@@ -29,7 +29,8 @@ ENTRIES = {"row_rms_tensors": dict(hidden=7168), "mhc_pre_mix_tensors": dict(n=4
            "moe_expert_swap_ab_sm90_tensors": dict(E=256, N=4096, K=4096, tok_n=16, silu_quant=True,
                                                    swiglu_limit=10.0),
            "moe_expert_gemm_tiled_sm90_tensors": dict(E=256, N=4096, K=2048, silu_quant=False, tile_k=256, stages=2,
-                                                      ctas_per_sm=2)}
+                                                      ctas_per_sm=2),
+           "indexer_topk_tensors": dict(topk=512, compress_ratio=4)}
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
@@ -56,6 +57,7 @@ def _cases():
     from cute_kernels.masked_softmax import masked_softmax
     from cute_kernels.rms_norm import rms_norm
     from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_split_phi, mhc_stats
+    from cute_kernels.indexer_topk import IndexerWorkspace, indexer_select
     from cute_kernels.wo_a import wo_a
     from cute_kernels.wo_a_decode_fp8 import quantize_wo_a_fp8, wo_a_fp8
     from moe.finalize import moe_finalize
@@ -77,9 +79,13 @@ def _cases():
     # wgmma one) shapes, o [T, H, 512]
     wo = {G: (bf(T, 8 * G, 512), bf(G, 1024, 4096) / 64) for G in (8, 16)}
     w8, s8 = quantize_wo_a_fp8(wo[8][1])  # the checkpoint's format: e4m3, 128 x 128 block scales
+    # V4-Flash's CSA indexer select: top-512 of compressed entries (ratio 4) over score rows
+    iws = IndexerWorkspace(T + 2, 3000, device="cuda")
+    kv_len = torch.tensor([3000, 2500, 17, 1, 3000, 700], dtype=torch.int32, device="cuda")
+    ipos = torch.tensor([11999, 9000, 70, 3, 2047, 2799], dtype=torch.int32, device="cuda")
 
     def fresh():
-        for t in (x, h, f, y, w, sh, rn, rw, sc, wo[8][0], wo[16][0], qh, kv, kw_):
+        for t in (x, h, f, y, w, sh, rn, rw, sc, wo[8][0], wo[16][0], qh, kv, kw_, iws.scores):
             t.copy_(torch.randn_like(t.float()).to(t.dtype))
         mask.copy_(torch.rand(T, 608, device="cuda") < 0.7)
 
@@ -97,6 +103,15 @@ def _cases():
                    (lambda out: wo_a_fp8(wo[8][0], w8.view(torch.uint8), s8, out=out), TypeError,
                     "w must have dtype"),
                    (lambda out: wo_a_fp8(wo[8][0], w8, s8, out=out[:5]), ValueError, "out must have shape")]))
+    cases.append(("indexer_select", lambda out, **kw: indexer_select(iws, kv_len, ipos, topk=512, compress_ratio=4,
+                                                                     out=out, **kw),
+                  torch.empty(T, 512, dtype=torch.int32, device="cuda"),
+                  [(lambda out: indexer_select(iws, kv_len.long(), ipos, topk=512, compress_ratio=4, out=out),
+                    TypeError, "kv_len must have dtype"),
+                   (lambda out: indexer_select(iws, kv_len, ipos[:3], topk=512, compress_ratio=4, out=out), ValueError,
+                    "pos must have shape"),
+                   (lambda out: indexer_select(iws, kv_len, ipos, topk=512, compress_ratio=4, out=out[:, :100]),
+                    ValueError, "out must have shape")]))
     phi = mhc_split_phi(torch.randn(2 * n + n * n, n * C, device="cuda") / (n * C) ** 0.5)
     alpha, bias, ws = torch.rand(3, device="cuda") + 0.5, torch.randn(2 * n + n * n, device="cuda"), \
         MhcStatsWorkspace(n, T, device="cuda")
@@ -201,6 +216,7 @@ def test_tensor_entries_equal_the_pointer_launch_and_refuse_by_name(seed, monkey
     import cute_kernels.rms_norm as rms
     import cute_kernels.mhc_stats as stats
     import cute_kernels.wo_a as woa
+    import cute_kernels.indexer_topk as itk
     import cute_kernels.wo_a_decode_fp8 as woa8
     import moe.finalize as fin
 
@@ -208,7 +224,8 @@ def test_tensor_entries_equal_the_pointer_launch_and_refuse_by_name(seed, monkey
     memos = {"masked_softmax": msm._TENSOR_FNS, "rms_norm": rms._TENSOR_FNS, "mhc_pre_mix": pre._TENSOR_FNS,
              "mhc_post_mix": post._TENSOR_FNS, "moe_finalize": fin._TENSOR_FNS, "wo_a G=8": woa._TENSOR_FNS,
              "wo_a G=16": woa._TENSOR_FNS, "mhc_stats": stats._TENSOR_FNS, "rms_norm per head": rms._TENSOR_FNS,
-             "rms_norm kv": rms._TENSOR_FNS, "masked_softmax 4-D": msm._TENSOR_FNS, "wo_a_fp8": woa8._TENSOR_FNS}
+             "rms_norm kv": rms._TENSOR_FNS, "masked_softmax 4-D": msm._TENSOR_FNS, "wo_a_fp8": woa8._TENSOR_FNS,
+             "indexer_select": itk._TENSOR_FNS}
     failures = []  # every op is checked; the failures are reported together
     for name, call, out, bad in cases:
         want = out.clone()
@@ -475,6 +492,7 @@ def test_hot_paths_name_a_non_tensor_argument(monkeypatch):
     from cute_kernels.row_rms import row_rms
     from cute_kernels.wo_a import wo_a
     from cute_kernels.wo_a_decode_fp8 import quantize_wo_a_fp8, wo_a_fp8
+    from cute_kernels.indexer_topk import IndexerWorkspace, indexer_select
     from moe.experts import moe_expert_gate_up, moe_expert_gemm
     from moe.finalize import moe_finalize
     from moe.quant import mxfp8_gather_routed, mxfp8_quantize, mxfp8_quantize_routed
@@ -497,6 +515,7 @@ def test_hot_paths_name_a_non_tensor_argument(monkeypatch):
         (lambda: mxfp8_quantize_routed(b[0], rows, t, 2, q=t, scales=t), "sorted_token_ids must be a torch.Tensor"),
         (lambda: mxfp8_gather_routed(rows, t, t, t, 2, q=t, scales=t), "xq must be a torch.Tensor"),
         (lambda: wo_a_fp8(rows, t, t, out=t), "o must be a torch.Tensor"),
+        (lambda: indexer_select(IndexerWorkspace(2, 8, device="cpu"), rows, t, out=t), "kv_len must be a torch.Tensor"),
         (lambda: moe_expert_gemm(rows, t, t, t, t, t, t, out=t), "a_q must be a torch.Tensor"),
         (lambda: moe_expert_gate_up(rows, t, t, t, t, t, t, q_out=t, scales_out=t), "a_q must be a torch.Tensor"),
         (lambda: MoeRouter(max_tokens=4, device="cpu")(rows), "logits must be a torch.Tensor"),
