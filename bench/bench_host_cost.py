@@ -68,8 +68,9 @@ from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_split_phi, mhc_stats  
 from cute_kernels.rms_norm import rms_norm  # noqa: E402
 from cute_kernels.row_rms import row_rms  # noqa: E402
 from cute_kernels.wo_a import wo_a  # noqa: E402
+from cute_kernels.wo_a_decode_fp8 import quantize_wo_a_fp8, wo_a_fp8  # noqa: E402
 from moe.finalize import moe_finalize  # noqa: E402
-from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size  # noqa: E402
+from moe.quant import mxfp8_gather_routed, mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size  # noqa: E402
 from moe.router import V4_FLASH_ROUTER, MoeRouter  # noqa: E402
 
 ops = torch.ops.cute_kernels
@@ -125,6 +126,8 @@ def cases():
     slots = routed.sorted_token_ids.numel()
     qr, sr = torch.empty(slots, 4096, dtype=torch.float8_e4m3fn, device=dev), \
         torch.empty(scale_buffer_size(slots, 4096, "swizzled"), dtype=torch.uint8, device=dev)
+    xq4, xs4 = mxfp8_quantize(xv4)  # the decode runtime's routed input: tokens quantized, then gathered
+    w8, s8 = quantize_wo_a_fp8(w)  # the checkpoint's WO-A format: e4m3, 128 x 128 block scales
     return [
         ("torch.add (yardstick)", lambda: torch.add(small, small), None, None),
         ("row_rms", lambda: row_rms(x2, 1e-6, out=rms_out), lambda: ops.row_rms_out(x2, 1e-6, rms_out), rms_out),
@@ -150,6 +153,11 @@ def cases():
                                        q=qr, scales=sr),
          lambda: ops.mxfp8_quantize_routed(xv4, routed.sorted_token_ids, routed.total_rows, cfg.top_k, "swizzled"),
          sr),
+        # as the decode runtime calls it: padding unwritten, the routed rows walked (no custom-op form)
+        ("mxfp8_gather_routed (routed rows)",
+         lambda: mxfp8_gather_routed(xq4, xs4, routed.sorted_token_ids, routed.total_rows, cfg.top_k, q=qr, scales=sr,
+                                     zero_padding=False, routed_row_pos=routed.routed_row_pos), None, sr),
+        ("wo_a_fp8 (Dg 4096)", lambda: wo_a_fp8(o, w8, s8, out=y), lambda: ops.wo_a_fp8(o, w8, s8), y),
     ]
 
 
