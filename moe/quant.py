@@ -245,14 +245,7 @@ class MxQuant:
             r = idx // cols
             c = idx - r * cols
             if self.padding_row(mIds, r, live_rows, sentinel) == 0:
-                src = self.source_row(mIds, r, sentinel)
-                scale = Int32(0)
-                if cutlass.const_expr(self.prequantized):
-                    self.copy_block(gX, gQ, src, r, c)
-                    if src >= 0:
-                        scale = Int32(mXs[src * self.nblk + c])
-                else:
-                    scale = self.quantize_block(gX, gQ, src, r, c)
+                scale = self.block(gX, gQ, mXs, self.source_row(mIds, r, sentinel), r, c)
                 mS[r * self.nblk + c] = Uint8(scale)
 
     @cute.jit
@@ -278,15 +271,7 @@ class MxQuant:
             if self.padding_row(mIds, r, live_rows, sentinel) == 0:
                 word = Uint32(0)
                 if r < live_rows:
-                    src = self.source_row(mIds, r, sentinel)
-                    if cutlass.const_expr(self.prequantized):
-                        for j in cutlass.range_constexpr(SF_ATOM_COLS):
-                            if c0 + j < self.nblk:
-                                self.copy_block(gX, gQ, src, r, c0 + j)
-                                if src >= 0:
-                                    word = word | (Uint32(mXs[src * self.nblk + c0 + j]) << Uint32(8 * j))
-                    else:
-                        word = self.quantize_blocks4(gX, gQ, src, r, c0)
+                    word = self.blocks4(gX, gQ, mXs, self.source_row(mIds, r, sentinel), r, c0)
                 mS32[w] = word
 
     @cute.jit
@@ -309,24 +294,36 @@ class MxQuant:
             src = rr // self.topk
             if (p >= 0) & (p < out_rows):
                 if cutlass.const_expr(self.layout == "swizzled"):
-                    word = Uint32(0)
-                    c0 = c * SF_ATOM_COLS
-                    if cutlass.const_expr(self.prequantized):
-                        for j in cutlass.range_constexpr(SF_ATOM_COLS):
-                            if c0 + j < self.nblk:
-                                self.copy_block(gX, gQ, src, p, c0 + j)
-                                word = word | (Uint32(mXs[src * self.nblk + c0 + j]) << Uint32(8 * j))
-                    else:
-                        word = self.quantize_blocks4(gX, gQ, src, p, c0)
+                    word = self.blocks4(gX, gQ, mXs, src, p, c * SF_ATOM_COLS)
                     mS32[((p // SF_ATOM_ROWS) * self.ncb + c) * SF_ATOM_ROWS + (p % 32) * 4 + (p // 32) % 4] = word
                 else:
-                    scale = Int32(0)
-                    if cutlass.const_expr(self.prequantized):
-                        self.copy_block(gX, gQ, src, p, c)
-                        scale = Int32(mXs[src * self.nblk + c])
-                    else:
-                        scale = self.quantize_block(gX, gQ, src, p, c)
-                    mS[p * self.nblk + c] = Uint8(scale)
+                    mS[p * self.nblk + c] = Uint8(self.block(gX, gQ, mXs, src, p, c))
+
+    @cute.jit
+    def block(self, gX, gQ, mXs, src: Int32, r: Int32, c: Int32) -> Int32:
+        """Output block ``(r, c)`` from x's row ``src`` (zeros for ``src < 0``): quantized, or
+        (prequantized) copied with its plain scale byte; returns the scale byte."""
+        scale = Int32(0)
+        if cutlass.const_expr(self.prequantized):
+            self.copy_block(gX, gQ, src, r, c)
+            if src >= 0:
+                scale = Int32(mXs[src * self.nblk + c])
+        else:
+            scale = self.quantize_block(gX, gQ, src, r, c)
+        return scale
+
+    @cute.jit
+    def blocks4(self, gX, gQ, mXs, src: Int32, r: Int32, c0: Int32) -> Uint32:
+        """Output blocks ``(r, c0 .. c0 + 3)`` (those below ``K / 32``) as :meth:`block`; their
+        scale bytes as one little-endian word (the swizzled layout's)."""
+        word = Uint32(0)
+        if cutlass.const_expr(self.prequantized):
+            for j in cutlass.range_constexpr(SF_ATOM_COLS):
+                if c0 + j < self.nblk:
+                    word = word | (Uint32(self.block(gX, gQ, mXs, src, r, c0 + j)) << Uint32(8 * j))
+        else:
+            word = self.quantize_blocks4(gX, gQ, src, r, c0)
+        return word
 
     @cute.jit
     def quantize_blocks4(self, gX: cute.Tensor, gQ: cute.Tensor, src: Int32, r: Int32, c0: Int32) -> Uint32:
