@@ -47,16 +47,18 @@ index. Two paths build the packed layout:
 
 * up to ``SINGLE_CTA_MAX_TOKENS`` = 64 tokens (decode) one CTA routes them all and keeps, per
   expert, the mask of tokens that picked it in shared memory (``atomicOr`` into two 32-bit
-  words, one bit per token). After one barrier the counts are popcounts, a warp scan gives the padded offsets,
-  and routed row ``t*k + i`` of expert ``e`` lands at ``offset[e] + popc(mask[e] & (2^t - 1))``
-  -- its rank among the expert's rows, in row order, since a token picks an expert once. No
-  count atomics in global memory, no grid handshake.
+  words, one bit per token). After one barrier the counts are popcounts, a warp scan gives
+  the padded offsets, and routed row ``t*k + i`` of expert ``e`` lands at
+  ``offset[e] + popc(mask[e] & (2^t - 1))`` -- its rank among the expert's rows, in row
+  order, since a token picks an expert once. No count atomics in global memory, no grid
+  handshake.
 * above that, a grid of CTAs counts with integer atomics in a workspace; the last CTA to finish
   (a release/acquire counter) builds the layout deterministically: a warp scan of padded counts,
   then rounds of 32 tokens per warp where a per-warp mask per expert (each pick one
   shared-memory ``atomicOr`` of its lane's bit) gives each row its rank among equal experts
-  (``popc(mask & lanemask_lt)``) and a per-expert prefix over warps orders the rounds. It then zeroes the workspace, so graph replays need no host reset. ``workspace``
-  (int32, E+1 entries) must be zero before the first launch.
+  (``popc(mask & lanemask_lt)``) and a per-expert prefix over warps orders the rounds. It
+  then zeroes the workspace, so graph replays need no host reset. ``workspace`` (int32, E+1
+  entries) must be zero before the first launch.
 
 The path is a host-side choice from T (a compile configuration of its own).
 
@@ -437,10 +439,9 @@ class RouterTopkAlign:
         picks an expert at most once, so routed row ``t k + i`` of expert ``e`` has rank
         ``popc(mask_e & (2^t - 1))`` among that expert's rows, in row order: no ballots, no
         cross-warp prefix."""
-        E, V, k, tile = self.E, self.V, self.k, self.tile
+        E, k, tile = self.E, self.k, self.tile
         tidx, _, _ = cute.arch.thread_idx()
-        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
-        if warp == 0:
+        if cute.arch.warp_idx() == 0:
             self.scan_padded_counts(sTokMask, True, sOff, mTotal)
         cute.arch.barrier()
         total = sOff[E]
