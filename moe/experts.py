@@ -252,7 +252,12 @@ _TENSOR_FNS: dict = {}
 _TENSOR_ARGS: dict = {}
 
 
-def _tensor_key(a_q, w_q, tile_expert, fused: bool, *choice):
+def _tensor_key(hot: bool, a_q, w_q, tile_expert, fused: bool, *choice):
+    """The memo key of a call that may take the eager hot path (``hot``: the caller's defaults
+    -- no stream, arch or tiling override -- and its outputs given), or None."""
+    if not (hot and jit.TVM_FFI and isinstance(a_q, torch.Tensor) and isinstance(w_q, torch.Tensor)
+            and isinstance(tile_expert, torch.Tensor)):
+        return None
     try:
         key = (a_q.shape, w_q.shape, tile_expert.shape[0], fused, *choice, a_q.get_device())
         hash(key)
@@ -370,14 +375,12 @@ def moe_expert_gemm(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Tensor
     the router's and the other experts' tiles at -1 in ``tile_expert`` (default: ``E``).
     Padding rows of ``out`` are unspecified.
     """
-    key = None
-    if (out is not None and stream is None and arch is None and tile_k is None and stages is None
-            and ctas_per_sm is None and jit.TVM_FFI and isinstance(a_q, torch.Tensor) and isinstance(w_q, torch.Tensor)
-            and isinstance(tile_expert, torch.Tensor)):  # the eager hot path (Hopper)
-        key = _tensor_key(a_q, w_q, tile_expert, False, routed_rows, max_expert_rows, expert_row_tile, router_experts)
-        if key is not None and _tensor_hot_path(key, a_q, a_scales, w_q, w_scales, out, None, None, expert_offsets,
-                                                expert_counts, tile_expert):
-            return out
+    defaults = stream is None and arch is None and tile_k is None and stages is None and ctas_per_sm is None
+    key = _tensor_key(defaults and out is not None, a_q, w_q, tile_expert, False, routed_rows, max_expert_rows,
+                      expert_row_tile, router_experts)
+    if key is not None and _tensor_hot_path(key, a_q, a_scales, w_q, w_scales, out, None, None, expert_offsets,
+                                            expert_counts, tile_expert):  # the eager hot path (Hopper)
+        return out
     op = "moe_expert_gemm"
     rows, K, E, N = _check_operand_shapes(op, a_q, w_q)
     if K % 128 or N % 16:
@@ -484,15 +487,12 @@ def moe_expert_gate_up(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Ten
     Blackwell (the tcgen05 GEMM's epilogue: compile + SASS checked only, no Blackwell GPU
     here); the CPU fallback runs expert GEMM -> bf16, SiLU * up, then the quantiser.
     """
-    key = None
-    if (q_out is not None and scales_out is not None and stream is None and arch is None and tile_k is None
-            and stages is None and ctas_per_sm is None and jit.TVM_FFI and isinstance(a_q, torch.Tensor)
-            and isinstance(w_q, torch.Tensor) and isinstance(tile_expert, torch.Tensor)):  # the eager hot path (Hopper)
-        key = _tensor_key(a_q, w_q, tile_expert, True, routed_rows, max_expert_rows, expert_row_tile, router_experts,
-                          swiglu_limit)
-        if key is not None and _tensor_hot_path(key, a_q, a_scales, w_q, w_scales, None, q_out, scales_out,
-                                                expert_offsets, expert_counts, tile_expert):
-            return q_out, scales_out
+    defaults = stream is None and arch is None and tile_k is None and stages is None and ctas_per_sm is None
+    key = _tensor_key(defaults and q_out is not None and scales_out is not None, a_q, w_q, tile_expert, True,
+                      routed_rows, max_expert_rows, expert_row_tile, router_experts, swiglu_limit)
+    if key is not None and _tensor_hot_path(key, a_q, a_scales, w_q, w_scales, None, q_out, scales_out,
+                                            expert_offsets, expert_counts, tile_expert):  # the eager hot path (Hopper)
+        return q_out, scales_out
     op = "moe_expert_gate_up"
     check_swiglu_limit(op, swiglu_limit, True)
     rows, K, E, N = _check_operand_shapes(op, a_q, w_q)
