@@ -13,10 +13,10 @@ same run (goal: <= 5 us for single-kernel ops, never more than torch.add). The e
 are timed three ways: with :class:`cute_kernels.jit.DirectLaunch` resolving the arguments (the
 default), through the DSL's own call path (``jit.DIRECT_LAUNCH = False``) and, where the
 ``apache-tvm-ffi`` package imports, compiled with the DSL's TVM-FFI calling convention
-(:func:`cute_kernels.jit.use_tvm_ffi`: the ops with a tensor entry take it from their second
-call on; the routed quantization has none); before timing, each op's output through the first is checked bit-equal to its
-output through the other two. The
-kernels' own benches and tests check the outputs against their references.
+(:func:`cute_kernels.jit.use_tvm_ffi`: the ops with a tensor entry -- every row here --
+take it from their second call on); before timing, each op's output through the first is
+checked bit-equal to its output through the other two. The kernels' own benches and tests
+check the outputs against their references.
 
 Runtime-only mode (:mod:`cute_kernels.runtime_only`): the kernels this run compiled are in the
 artifact cache (``--cache``, default a fresh directory); after the table above, the cache is
@@ -24,8 +24,9 @@ made a deployment (``bundle_runtime``) and this script runs again in a child pro
 cannot import the DSL (compiler or runtime package): it times the entry points through the
 cache's ctypes launchers and then, with apache-tvm-ffi, with :func:`cute_kernels.jit.use_tvm_ffi`
 on (the tensor entries this run compiled, loaded through apache-tvm-ffi from the cache), after
-checking each op's output bit-equal to this process's, and reports the import time of ``cute_kernels.row_rms`` and its first call (cubin load), next to
-the same two figures of a fresh process with the DSL.
+checking each op's output bit-equal to this process's, and reports the import time of
+``cute_kernels.row_rms`` and its first call (cubin load), next to the same two figures of a
+fresh process with the DSL.
 """
 
 from __future__ import annotations
