@@ -1,6 +1,6 @@
 """Benchmark the MoE router and MXFP8 quantization against unfused PyTorch composites.
 
-    python bench/bench_moe.py [--sections router,quant,overlap] [--out FILE]
+    python bench/bench_moe.py [--sections router,router-paths,quant,overlap] [--out FILE]
 
 All times: CUDA-graph replay, per call, median of 30 replays, rotating inputs (> L2 for the
 quantization). The router composite is sync-free torch (sigmoid or sqrt-softplus scores,
@@ -8,7 +8,8 @@ grouped or plain top-k, scatter-add counts, cumsum offsets, stable argsort + sca
 searchsorted tile map): the separate top-k, padding and packing kernels of the unfused path.
 Routers: DeepSeek-V3 (E=256, 8 groups, k=8) and DeepSeek-V4-Flash / -Pro (E=256 / 384, no
 groups, k=6, sqrt-softplus); each row first checks that both pick the same experts with the
-same weights. The quantization baseline
+same weights. ``router-paths`` times the router's single-CTA and grid paths at decode T (where
+the dispatch threshold belongs). The quantization baseline
 is the same MX rule written in torch ops; the routed rows (decode T, swizzled scales) compare
 padding rows zeroed, left unwritten, and the routed rows alone (``routed_row_pos``, the decode
 runtime's call), their live rows checked equal first. A third table profiles a replayed graph in which
@@ -107,6 +108,35 @@ def bench_router():
     return markdown_table(["router + align", "ours us", "torch composite us", "speedup", "<= 6 us (T <= 64)"], rows)
 
 
+def bench_router_paths():
+    """The router's two paths at decode T (the single-CTA path's range): the dispatch threshold
+    ``moe.router.SINGLE_CTA_MAX_TOKENS`` should sit where the grid path becomes the faster."""
+    import moe.router as router_mod
+
+    rows, saved = [], router_mod.SINGLE_CTA_MAX_TOKENS
+    try:
+        for name, cfg in ROUTERS:
+            E = cfg.num_experts
+            for T in (4, 8, 12, 16, 24, 32, 48, 64):
+                slots, tiles = capacity(cfg, T)
+                n = 16
+                logits = [torch.randn(T, E, device="cuda") * 3 for _ in range(n)]
+                bias = torch.randn(E, device="cuda") * 0.1
+                times = []
+                for threshold in (router_mod.SINGLE_CTA_CAPACITY, 0):  # single CTA, then the grid
+                    router_mod.SINGLE_CTA_MAX_TOKENS = threshold
+                    routers = [MoeRouter(cfg, max_tokens=T) for _ in range(n)]
+                    check_router(routers[0](logits[0], bias), *router_composite(logits[0], bias, cfg, slots, tiles)[:2],
+                                 T)
+                    times.append(time_graph(lambda i: routers[i](logits[i], bias), n, 64))
+                rows.append([f"{name}: T={T}, E={E}, k={cfg.top_k}", f"{times[0] * 1e6:.2f}", f"{times[1] * 1e6:.2f}",
+                             "single CTA" if times[0] <= times[1] else "grid",
+                             "single CTA" if T <= saved else "grid"])
+    finally:
+        router_mod.SINGLE_CTA_MAX_TOKENS = saved
+    return markdown_table(["router + align", "single-CTA path us", "grid path us", "faster", "dispatched to"], rows)
+
+
 def bench_quant():
     rows = []
     K = 7168
@@ -198,10 +228,11 @@ def profile_overlap():
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", default="router,quant,overlap",
-                    help="comma-separated tables to run: router, quant, overlap (default: %(default)s)")
+                    help="comma-separated tables to run: router, router-paths, quant, overlap "
+                         "(default: %(default)s)")
     ap.add_argument("--out", default=None, help="also write the tables to this file (default: none)")
     args = ap.parse_args()
-    sections = {"router": bench_router, "quant": bench_quant,
+    sections = {"router": bench_router, "router-paths": bench_router_paths, "quant": bench_quant,
                 "overlap": lambda: "Side-stream overlap (replayed graph, torch profiler):\n\n" + profile_overlap()}
     wanted = [x.strip() for x in args.sections.split(",") if x.strip()]
     if not set(wanted) <= set(sections):

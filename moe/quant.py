@@ -55,11 +55,11 @@ the same bytes as quantizing the gathered rows, since every row is quantized on 
 Kernel, plain scales: one thread per 32-element block: four 16-byte loads, integer amax of the
 bf16 magnitude bits, the scale byte, 32 multiplies and packed fp32->e4m3 conversions, two
 16-byte stores and one scale byte (consecutive lanes: consecutive blocks, so a warp's scale
-bytes are one 32-byte segment). Swizzled scales: one thread per 32-bit word of the scale
-atoms -- one row's four scale bytes of a 4-column group -- so a thread quantizes four
-consecutive blocks of a row (sixteen 16-byte loads issued first, eight 16-byte stores) and
-stores its word whole; word ``t`` of an atom is row ``32 (t % 4) + t // 4`` of it, so a
-warp's words are 128 contiguous bytes. The prequantized gather moves 32-byte blocks (two
+bytes are one 32-byte segment). Swizzled scales: the same walk over whole atoms; the four
+lanes holding one row's 4-column group pass their scale bytes down by shuffles and the first
+stores the word (no byte stores into the atoms). The routed-rows walk (``by_row_pos``) takes
+one thread per 32-bit scale word instead: four consecutive blocks of a row (sixteen 16-byte
+loads issued first, eight 16-byte stores), the word stored whole. The prequantized gather moves 32-byte blocks (two
 16-byte loads and stores) and scale bytes. A grid-stride loop over a fixed grid keeps
 launches graph-capturable when the live row count is a device value.
 
@@ -145,9 +145,9 @@ class MxQuant:
         # Size the grid by the (upper bound of the) work so that a small quantization
         # leaves SMs free for work running beside it on another stream.
         work = out_rows * self.nblk  # plain: a thread per block
-        if cutlass.const_expr(self.layout == "swizzled"):  # a thread per scale word (four blocks)
-            work = (out_rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * SF_ATOM_ROWS * self.ncb
-        if cutlass.const_expr(self.by_row_pos):  # the routed rows only
+        if cutlass.const_expr(self.layout == "swizzled"):  # the whole atoms
+            work = (out_rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * SF_ATOM_ROWS * self.ncb * SF_ATOM_COLS
+        if cutlass.const_expr(self.by_row_pos):  # the routed rows only (swizzled: a thread per scale word)
             work = num_tokens * self.topk * (self.ncb if self.layout == "swizzled" else self.nblk)
         grid = cutlass.min((work + self.threads - 1) // self.threads, max_ctas)
         self.kernel(mX, mXs, mQ, mS, mIds, mTotal, num_tokens, out_rows, grid).launch(
@@ -201,7 +201,7 @@ class MxQuant:
         if cutlass.const_expr(self.by_row_pos):
             self.routed_rows(gX, gQ, mXs, mS, mIds, num_tokens, out_rows, grid)
         elif cutlass.const_expr(self.layout == "swizzled"):
-            self.swizzled_rows(gX, gQ, mXs, mS, mIds, live_rows, num_tokens, grid)
+            self.swizzled_blocks(gX, gQ, mXs, mS, mIds, live_rows, num_tokens, grid)
         else:
             self.plain_blocks(gX, gQ, mXs, mS, mIds, live_rows, num_tokens, grid)
 
@@ -249,30 +249,38 @@ class MxQuant:
                 mS[r * self.nblk + c] = Uint8(scale)
 
     @cute.jit
-    def swizzled_rows(self, gX, gQ, mXs, mS, mIds, live_rows: Int32, num_tokens: Int32, grid: Int32):
-        """Swizzled scales: one thread per 32-bit word of the scale atoms -- the four scale bytes
-        of one row's 4-column group, so each thread quantizes four consecutive blocks of a row
-        (128 elements: 256 contiguous bytes in, 128 out) and stores its word whole. Word ``t``
-        of atom ``(R, C4)`` (byte ``4 t`` = ``16 (r % 32) + 4 ((r // 32) % 4)``) is row
-        ``r = 128 R + 32 (t % 4) + t // 4``; consecutive threads write consecutive words, so a
-        warp stores 128 contiguous bytes. The atom's rows past the live total and its columns
-        past ``K / 32`` get zero bytes."""
+    def swizzled_blocks(self, gX, gQ, mXs, mS, mIds, live_rows: Int32, num_tokens: Int32, grid: Int32):
+        """Swizzled scales: one thread per 32-element block as in :meth:`plain_blocks`, over the
+        whole atoms (rows padded to 128, scale columns to 4: zero bytes there). The four lanes
+        of a row's 4-column group (``c % 4 = 0..3``, since a row has ``4 ncb`` columns and
+        whole warps run every iteration) pass their scale bytes down by shuffles and the
+        group's first lane stores them as one 32-bit word: no byte stores into the atoms."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
         sentinel = num_tokens * self.topk
         mS32 = cute.recast_tensor(mS, Uint32)
-        words = (live_rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * self.ncb * SF_ATOM_ROWS
-        for w in cutlass.range(bidx * self.threads + tidx, words, grid * self.threads):
-            atom = w // SF_ATOM_ROWS  # R * ncb + C4
-            t = w - atom * SF_ATOM_ROWS
-            R = atom // self.ncb
-            c0 = (atom - R * self.ncb) * SF_ATOM_COLS
-            r = R * SF_ATOM_ROWS + (t % 4) * 32 + t // 4
-            if self.padding_row(mIds, r, live_rows, sentinel) == 0:
-                word = Uint32(0)
-                if r < live_rows:
-                    word = self.blocks4(gX, gQ, mXs, self.source_row(mIds, r, sentinel), r, c0)
-                mS32[w] = word
+        cols = self.ncb * SF_ATOM_COLS
+        work = (live_rows + SF_ATOM_ROWS - 1) // SF_ATOM_ROWS * SF_ATOM_ROWS * cols
+        for idx in cutlass.range(bidx * self.threads + tidx, (work + 31) // 32 * 32, grid * self.threads):
+            r = idx // cols
+            c = idx - r * cols
+            skip = Int32(1)
+            if idx < work:  # (else: a lane of the rounded-up last warp, with no block)
+                skip = self.padding_row(mIds, r, live_rows, sentinel)
+            scale = Int32(0)
+            if (skip == 0) & (r < live_rows) & (c < self.nblk):
+                scale = self.block(gX, gQ, mXs, self.source_row(mIds, r, sentinel), r, c)
+            word = scale & 0xFF
+            for j in cutlass.range_constexpr(1, SF_ATOM_COLS):
+                word = word | ((cute.arch.shuffle_sync_down(scale, offset=j) & 0xFF) << (8 * j))
+            if (lane % SF_ATOM_COLS == 0) & (skip == 0):
+                mS32[self.scale_word(r, c // SF_ATOM_COLS)] = Uint32(word)
+
+    @cute.jit
+    def scale_word(self, r: Int32, g: Int32) -> Int32:
+        """Index of row ``r``'s 32-bit word of column group ``g`` in the swizzled scale layout."""
+        return ((r // SF_ATOM_ROWS) * self.ncb + g) * SF_ATOM_ROWS + (r % 32) * 4 + (r // 32) % 4
 
     @cute.jit
     def routed_rows(self, gX, gQ, mXs, mS, mPos, num_tokens: Int32, out_rows: Int32, grid: Int32):
@@ -295,7 +303,7 @@ class MxQuant:
             if (p >= 0) & (p < out_rows):
                 if cutlass.const_expr(self.layout == "swizzled"):
                     word = self.blocks4(gX, gQ, mXs, src, p, c * SF_ATOM_COLS)
-                    mS32[((p // SF_ATOM_ROWS) * self.ncb + c) * SF_ATOM_ROWS + (p % 32) * 4 + (p // 32) % 4] = word
+                    mS32[self.scale_word(p, c)] = word
                 else:
                     mS[p * self.nblk + c] = Uint8(self.block(gX, gQ, mXs, src, p, c))
 
@@ -307,7 +315,7 @@ class MxQuant:
         if cutlass.const_expr(self.prequantized):
             self.copy_block(gX, gQ, src, r, c)
             if src >= 0:
-                scale = Int32(mXs[src * self.nblk + c])
+                scale = Int32(mXs[src * self.nblk + c]) & 0xFF  # (the uint8 widens with its sign)
         else:
             scale = self.quantize_block(gX, gQ, src, r, c)
         return scale

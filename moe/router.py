@@ -45,7 +45,8 @@ candidate as an order-preserving unsigned key, one ``redux.sync`` maximum, and t
 holding it (a ballot) wins -- its experts have the lower indices, so ties go to the lower
 index. Two paths build the packed layout:
 
-* up to ``SINGLE_CTA_MAX_TOKENS`` = 64 tokens (decode) one CTA routes them all and keeps, per
+* up to ``SINGLE_CTA_MAX_TOKENS`` = 16 tokens (a verify step of BS1-2) one CTA routes them all
+  (its capacity is 64; above 16 the grid path's parallel routing wins) and keeps, per
   expert, the mask of tokens that picked it in shared memory (``atomicOr`` into two 32-bit
   words, one bit per token). After one barrier the counts are popcounts, a warp scan gives
   the padded offsets, and routed row ``t*k + i`` of expert ``e`` lands at
@@ -98,10 +99,14 @@ from cute_kernels.grid_sync import last_arrival
 from cute_kernels.validate import check_cuda, check_tensor
 
 _LOGIT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-#: Up to this many tokens one CTA routes them all (four per warp at most) and builds the layout
-#: from shared memory: no grid handshake, no global count atomics (decode's T of a few; one
-#: bit per token in a 64-bit mask per expert)
-SINGLE_CTA_MAX_TOKENS = 64
+#: The single-CTA path's capacity: one CTA routes them all (four per warp at most) and builds the
+#: layout from shared memory -- no grid handshake, no global count atomics (one bit per token in
+#: a 64-bit mask per expert)
+SINGLE_CTA_CAPACITY = 64
+#: Up to this many tokens the router takes the single-CTA path (<= SINGLE_CTA_CAPACITY); above,
+#: the grid path, whose CTAs route the tokens in parallel (``bench/bench_moe.py --sections
+#: router-paths`` times both at each T)
+SINGLE_CTA_MAX_TOKENS = 16
 #: expert score functions (RouterConfig.score)
 SCORES = ("sigmoid", "sqrtsoftplus")
 _NAME2CUTE = {"float32": Float32, "bfloat16": cutlass.BFloat16}
@@ -308,7 +313,7 @@ class RouterTopkAlign:
         sOff = smem.allocate_tensor(Int32, cute.make_layout((E + 1,)), 16)
         if cutlass.const_expr(self.single_cta):
             # the picks, and per expert the mask of tokens that picked it (T <= 64: one bit each)
-            sIds = smem.allocate_tensor(Int32, cute.make_layout((SINGLE_CTA_MAX_TOKENS, k), stride=(k, 1)), 16)
+            sIds = smem.allocate_tensor(Int32, cute.make_layout((SINGLE_CTA_CAPACITY, k), stride=(k, 1)), 16)
             sTokMask = smem.allocate_tensor(Uint32, cute.make_layout((2, E), stride=(E, 1)), 16)  # tokens 0-31, 32-63
             for e in cutlass.range(tidx, 2 * E, self.threads):
                 sTokMask[e] = Uint32(0)
@@ -739,7 +744,7 @@ def kernel_config(cfg: RouterConfig, logits_dtype: torch.dtype, has_bias: bool, 
     return dict(num_experts=cfg.num_experts, n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=cfg.top_k,
                 routed_scaling_factor=float(cfg.routed_scaling_factor), tile_m=cfg.tile_m,
                 logits_dtype=_LOGIT_DTYPES[logits_dtype], has_bias=has_bias, score=cfg.score,
-                hash_routed=cfg.hash_routed, single_cta=T <= SINGLE_CTA_MAX_TOKENS)
+                hash_routed=cfg.hash_routed, single_cta=T <= min(SINGLE_CTA_MAX_TOKENS, SINGLE_CTA_CAPACITY))
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: RouterConfig, *, out: RouterOutput,
