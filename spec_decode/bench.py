@@ -525,6 +525,9 @@ def parser() -> argparse.ArgumentParser:
                     help="comma-separated backends to compare (default: %(default)s)")
     ap.add_argument("--quick", action="store_true",
                     help="input 512 / output 64 instead of 4096 / 1024 (BS1) and 4096 / 2048 (BS64) (default: off)")
+    ap.add_argument("--cases", default=None,
+                    help="comma-separated BATCHxINPUTxOUTPUT cases instead of the reference lengths (e.g. "
+                         "1x4096x1024,64x1024x512; default: the reference PR's, or --quick's)")
     ap.add_argument("--out", default=None, help="also write the table to this file (default: none)")
     ap.add_argument("--prefill-chunk", type=int, default=384,
                     help="prompt positions per eager prefill forward (default: %(default)s)")
@@ -560,6 +563,25 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def run_cases(ap: argparse.ArgumentParser, args) -> list[tuple[str, int, int, int]]:
+    """The (name, batch, input, output) cases of a run: the reference PR's lengths, ``--quick``'s,
+    or ``--cases`` (``BATCHxINPUTxOUTPUT``, comma-separated; a malformed one is a usage error)."""
+    cases = [("BS1 in 4096 / out 1024", 1, 4096, 1024), ("BS64 in 4096 / out 2048", 64, 4096, 2048)]
+    if args.quick:
+        cases = [("BS1 in 512 / out 64", 1, 512, 64), ("BS64 in 512 / out 64", 64, 512, 64)]
+    if args.cases:
+        cases = []
+        for spec in args.cases.split(","):
+            try:
+                bs, n_in, n_out = (int(v) for v in spec.strip().lower().split("x"))
+            except ValueError:
+                ap.error(f"--cases: {spec!r} is not BATCHxINPUTxOUTPUT")
+            if min(bs, n_in, n_out) < 1:
+                ap.error(f"--cases: {spec!r} needs positive sizes")
+            cases.append((f"BS{bs} in {n_in} / out {n_out}", bs, n_in, n_out))
+    return cases
+
+
 def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
@@ -568,13 +590,11 @@ def main(argv=None) -> int:
             ap.error("--plot-from needs --plot FILE.png")
         print(plot_sweep(args.plot_from, args.plot))
         return 0
+    model = PRESETS[args.model]
+    cases = run_cases(ap, args)
     if not torch.cuda.is_available():
         print("spec_decode.bench needs a CUDA GPU", file=sys.stderr)
         return 2
-    model = PRESETS[args.model]
-    cases = [("BS1 in 4096 / out 1024", 1, 4096, 1024), ("BS64 in 4096 / out 2048", 64, 4096, 2048)]
-    if args.quick:
-        cases = [("BS1 in 512 / out 64", 1, 512, 64), ("BS64 in 512 / out 64", 64, 512, 64)]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     engine = dict(prefill_chunk=args.prefill_chunk, moe_row_tile=args.moe_row_tile or None,
                   indexer_token_group=args.indexer_token_group, draft_head=args.draft_head,

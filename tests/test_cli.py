@@ -86,3 +86,19 @@ def test_device_script_gpu_shards_cover_every_gpu_test_file():
            if re.search(r"^(@pytest\.mark\.gpu|pytestmark = .*gpu)", open(f).read(), re.MULTILINE)}
     assert gpu <= set(listed), sorted(gpu - set(listed))
     assert all(os.path.exists(os.path.join(root, f)) for f in listed)
+
+
+def test_bench_cases_option():
+    """``spec_decode.bench --cases``: BATCHxINPUTxOUTPUT specs become the run's cases; a
+    malformed or non-positive one is a usage error naming the option, before any GPU work."""
+    from spec_decode.bench import parser, run_cases
+
+    ap = parser()
+    got = run_cases(ap, ap.parse_args(["--cases", "1x4096x1024, 64X1024x512"]))
+    assert got == [("BS1 in 4096 / out 1024", 1, 4096, 1024), ("BS64 in 1024 / out 512", 64, 1024, 512)]
+    assert [c[1:] for c in run_cases(ap, ap.parse_args([]))] == [(1, 4096, 1024), (64, 4096, 2048)]
+    for bad in ("1x4096", "0x16x16", "axbxc"):
+        err = io.StringIO()
+        with pytest.raises(SystemExit), __import__("contextlib").redirect_stderr(err):
+            run_cases(ap, ap.parse_args(["--cases", bad]))
+        assert "--cases" in err.getvalue()
