@@ -134,7 +134,7 @@ DECODE_MAX_T = 16
 SM90_SMS = 132
 #: (G, R, Dg) -> T ranges ``(lo, hi]`` where the Hopper default takes cuBLAS (one strided-batched
 #: GEMM into token-major ``y``, :mod:`.wo_a_cublas`): at most three ranges per shape, fitted to
-#: the H200's paired CuTe / cuBLAS timings (bench/data/wo_a_cublas_sm90.csv, docs/wo_a.md).
+#: paired CuTe / cuBLAS timings (bench/data/wo_a_cublas_sm90*.csv, docs/wo_a.md).
 #: Other shapes, other SM counts and Blackwell take this project's kernels at every T.
 SM90_CUBLAS_T: dict[tuple[int, int, int], tuple[tuple[int, int], ...]] = {
     (8, 512, 1024): ((16, 32), (64, 664), (704, 3584)),
@@ -145,10 +145,12 @@ SM90_CUBLAS_T: dict[tuple[int, int, int], tuple[tuple[int, int], ...]] = {
     (16, 512, 2048): ((16, 32), (480, 1440), (1536, 1664)),
     (16, 1024, 1024): ((16, 32), (256, 984), (1056, 1088)),
     (16, 1024, 2048): ((16, 32), (256, 872), (888, 984)),
-    # DeepSeek-V4 (Dg = 4096): only 16 < T <= 32 so far, from bench_wo_a_v4's paired points
-    # (cuBLAS 3-7% ahead at T = 32; bench/RESULTS.md); the rest of the grid is not measured
-    (8, 1024, 4096): ((16, 32),),
-    (16, 1024, 4096): ((16, 32),),
+    # DeepSeek-V4 (Dg = 4096): 16 < T <= 32 from the H200's paired points of bench_wo_a_v4
+    # (cuBLAS 3-7% ahead at T = 32); above 64 from an H100's grid of 48 T per shape
+    # (bench/data/wo_a_cublas_sm90_v4_h100.csv), capped at T = 2048 where the H200 measured this
+    # project's engine ahead at T = 4096 / 16384 and the H100 cuBLAS (docs/wo_a.md)
+    (8, 1024, 4096): ((16, 32), (320, 640), (896, 2048)),
+    (16, 1024, 4096): ((16, 32), (256, 2048)),
 }
 
 

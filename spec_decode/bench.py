@@ -198,7 +198,7 @@ def plot_sweep(csv_path: str, png_path: str, title: str = "") -> str:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
+    fig.savefig(png_path, dpi=80)
     return f"wrote {csv_path} and {png_path}"
 
 

@@ -71,9 +71,9 @@ V4_SHAPES = [(8, 8, 512, 1024), (16, 8, 512, 1024)]
 @pytest.mark.parametrize("G, HG, Dv, R", V4_SHAPES)
 @pytest.mark.parametrize("T", [1, 5, 16, 17, 33, 64, 65, 200, 1000, 4097])
 def test_v4_shapes_every_route_per_element(seed, G, HG, Dv, R, T):
-    """V4-Flash / V4-Pro at decode and prefill T through the default route (this project's
-    kernels on the H200: no cuBLAS band at Dg = 4096), output poisoned, every element within
-    its own rounding bound (bf16 output, FP32 sum over K = 4096)."""
+    """V4-Flash / V4-Pro at decode and prefill T through the default route (decode kernels,
+    the engine, and cuBLAS at T = 1000, inside both shapes' cuBLAS ranges), output poisoned,
+    every element within its own rounding bound (bf16 output, FP32 sum over K = 4096)."""
     o, w = make(T, G, HG, Dv, R, "cuda")
     out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
     wo_a(o, w, out=out)
@@ -1120,7 +1120,7 @@ def test_default_route_rule():
     assert route(1, 8, 512, 2048, "sm_90a", pdl=True)[0] == "wo_a_decode_swap_ab"
     assert route(100, 8, 512, 2048, "sm_90a", pdl=True)[0] == "wo_a"  # PDL keeps this project's kernels
     assert route(20, 8, 512, 2048, "sm_90a", decode_kernel=True)[0] == "wo_a_decode"
-    assert route(100, 8, 1024, 4096, "sm_90a")[0] == "wo_a"  # an unmeasured shape
+    assert route(500, 4, 1024, 4096, "sm_90a")[0] == "wo_a"  # an unmeasured shape
     assert route(100, 8, 512, 2048, "sm_90a", backend="cublas")[0] == "wo_a_cublas"
 
 
