@@ -272,7 +272,8 @@ def main(argv=None) -> int:
         add = t_entry if add is None else add
         if out is not None:
             expect[name] = poisoned_output(entry, out)
-        rows.append([name, f"{t_entry:.1f}", f"{t_dsl:.1f}", f"{t_op:.1f}", f"{t_entry / add:.1f}x"])
+        us = lambda t: "-" if t != t else f"{t:.1f}"  # noqa: E731  (NaN: no such path for this row)
+        rows.append([name, f"{t_entry:.1f}", us(t_dsl), us(t_op), f"{t_entry / add:.1f}x"])
         print("| " + " | ".join(rows[-1]) + " |", flush=True)
     # TVM-FFI launches (jit.use_tvm_ffi): the same entry points, each output checked against the
     # direct launch's bytes first; n/a without the apache-tvm-ffi package
