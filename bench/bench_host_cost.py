@@ -14,7 +14,8 @@ are timed three ways: with :class:`cute_kernels.jit.DirectLaunch` resolving the 
 default), through the DSL's own call path (``jit.DIRECT_LAUNCH = False``) and, where the
 ``apache-tvm-ffi`` package imports, compiled with the DSL's TVM-FFI calling convention
 (:func:`cute_kernels.jit.use_tvm_ffi`: the ops with a tensor entry -- every row here --
-take it from their second call on); before timing, each op's output through the first is
+take it from their second call on; the custom ops, whose kernels are the entry points, are
+timed that way too); before timing, each op's output through the first is
 checked bit-equal to its output through the other two. The kernels' own benches and tests
 check the outputs against their references.
 
@@ -283,14 +284,18 @@ def main(argv=None) -> int:
     except ImportError:
         tvm_ffi = False
     try:
-        for r, (name, entry, _, out) in zip(rows, selected_cases(args.only)):
-            t = float("nan")
+        for r, (name, entry, op, out) in zip(rows, selected_cases(args.only)):
+            t = t_op = float("nan")
             if tvm_ffi:
                 if out is not None and not torch.equal(poisoned_output(entry, out), expect[name]):
                     raise SystemExit(f"{name}: the TVM-FFI launch's output differs from the direct launch's")
                 t = host_us(entry, args.calls)
                 print(f"{name}: {t:.1f} us (TVM-FFI)", flush=True)
+                if op is not None:  # the custom op's kernel is the entry point: its hot path too
+                    t_op = host_us(op, args.calls)
+                    print(f"{name}: {t_op:.1f} us (custom op, TVM-FFI)", flush=True)
             r.insert(2, f"{t:.1f}" if tvm_ffi else "n/a")
+            r.insert(len(r) - 1, ("-" if t_op != t_op else f"{t_op:.1f}") if tvm_ffi else "n/a")
     finally:
         if tvm_ffi:
             jit.use_tvm_ffi(False)
@@ -314,10 +319,12 @@ def main(argv=None) -> int:
         r.insert(4, "n/a" if t is None else f"{t:.1f}")
     first = [("with the DSL", *import_and_first_call(env, False)), ("runtime-only", *import_and_first_call(env, True))]
     text = "\n".join([f"## Eager host cost per call -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
-                      f"Command: `python bench/bench_host_cost.py --calls {args.calls}`", "",
+                      f"Command: `python bench/bench_host_cost.py --calls {args.calls}"
+                      + (f" --only '{args.only}'" if args.only else "") + "`", "",
                       markdown_table(["op (decode shapes: T = 6)", "entry point us", "runtime-only entry point us",
                                       "entry point, TVM-FFI us", "runtime-only, TVM-FFI us",
-                                      "entry point, DSL call path us", "custom op us", "entry point vs torch.add"],
+                                      "entry point, DSL call path us", "custom op us", "custom op, TVM-FFI us",
+                                      "entry point vs torch.add"],
                                      rows), "",
                       f"Import of `cute_kernels.row_rms` (after torch) and its first call (artifact cache warm; "
                       f"runtime-only: {linked} entries linked, runtime library {os.path.getsize(lib) >> 20} MiB):", "",
