@@ -15,7 +15,8 @@ against ``fused``; ``torch-bf16`` is the bf16 PyTorch arm (bf16 experts: other f
 * median acceptance length; median target-verify and draft graph replay times at BS1 and BS64 (CUDA events
   around each replay); kernels per verify / draft graph replay (profiled);
 * each graph's roofline: the bytes the step must move at least (:func:`step_bytes`: weights
-  touched, state rows read, activations) over its replay time, as a fraction of 4.3 TB/s;
+  touched, state rows read, activations) over its replay time, as a fraction of 4.3 TB/s and
+  of this card's copy bandwidth measured at the start of the run (:func:`card_copy_bandwidth`);
 * token agreement with the first backend (same prompts and weights): the fraction of
   generated tokens equal to its tokens (free-running greedy continuations part at the first
   near-tie), and teacher-forced -- request 0 of each case: this backend's greedy token at each
@@ -77,6 +78,39 @@ def prompts(n, length, vocab, seed=0):
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 #: the H200's measured copy bandwidth (bench/RESULTS.md), the roofline's denominator
 HBM_BYTES_PER_S = 4.3e12
+_CARD_COPY_BW: list[float] = []
+
+
+def card_copy_bandwidth(nbytes: int = 256 << 20, pairs: int = 4, trials: int = 10) -> float:
+    """This card's copy bandwidth (bytes read + written per second), measured once per process
+    before any engine is built: a replayed graph of ``pairs`` copies of ``nbytes`` (2 GiB in
+    all, past L2), median of ``trials`` -- the roofline's second denominator, beside 4.3 TB/s,
+    for a card other than the H200."""
+    if not _CARD_COPY_BW:
+        src = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(pairs)]
+        dst = [torch.empty_like(x) for x in src]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for d, x in zip(dst, src):
+                d.copy_(x)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=side):
+            for d, x in zip(dst, src):
+                d.copy_(x)
+        times = []
+        for _ in range(trials + 2):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e-3)
+        _CARD_COPY_BW.append(2 * nbytes * pairs / statistics.median(times[2:]))
+        del g, src, dst
+        torch.cuda.empty_cache()
+    return _CARD_COPY_BW[0]
 
 
 def estimate_bytes(m, slots: int, max_len: int, backend: str) -> int:
@@ -230,6 +264,7 @@ def run_case(backend, model, batch, n_in, n_out, reference=None, **engine):
     for key, width, draft in (("verify", K + 1, False), ("draft", K, True)):
         need = step_bytes(model, batch, width, ctx, draft=draft)["total"]
         res[f"{key}_roofline"] = need / (res[f"{key}_ms"] * 1e-3) / HBM_BYTES_PER_S
+        res[f"{key}_roofline_card"] = need / (res[f"{key}_ms"] * 1e-3) / card_copy_bandwidth()
     if batch == 1:
         try:  # the reference PR's trace metrics (BS1); a failure here keeps the other numbers
             res.update(timeline(eng, batch))
@@ -446,6 +481,11 @@ def count_families(eng, batch, cycles=20):
     return {fam: n * cycles for fam, n in counts.items()}
 
 
+def card_bw_tb() -> str:
+    """The measured copy bandwidth the ``*_roofline_card`` rows divide by, for their label."""
+    return f"{_CARD_COPY_BW[0] / 1e12:.2f} TB/s" if _CARD_COPY_BW else "not measured"
+
+
 def table_lines(backends: list[str], cases: list[tuple], results: dict) -> list[str]:
     """The Markdown table (and error lines) of ``results[(backend, case name)]`` as ``run_case``
     returns them, one column per backend, ``cases`` as (name, batch, input, output) with the
@@ -476,6 +516,11 @@ def table_lines(backends: list[str], cases: list[tuple], results: dict) -> list[
             ("verify graph (BS64): of 4.3 TB/s", bs64, "verify_roofline", "{:.1%}"),
             ("draft graph (BS1): of 4.3 TB/s", bs1, "draft_roofline", "{:.1%}"),
             ("draft graph (BS64): of 4.3 TB/s", bs64, "draft_roofline", "{:.1%}"),
+            (f"verify graph (BS1): of this card's measured copy bandwidth ({card_bw_tb()})", bs1,
+             "verify_roofline_card", "{:.1%}"),
+            ("verify graph (BS64): of this card's copy", bs64, "verify_roofline_card", "{:.1%}"),
+            ("draft graph (BS1): of this card's copy", bs1, "draft_roofline_card", "{:.1%}"),
+            ("draft graph (BS64): of this card's copy", bs64, "draft_roofline_card", "{:.1%}"),
             ("trace (BS1): verify graph median ms", bs1, "trace_verify_ms", "{:.3f}"),
             ("trace (BS1): draft graph median ms", bs1, "trace_draft_ms", "{:.3f}"),
             ("trace (BS1): target start to next target start, median ms", bs1, "target_to_target_ms", "{:.3f}"),
@@ -629,6 +674,7 @@ def main(argv=None) -> int:
                 open(os.path.splitext(args.out)[0] + ".kernels.md", "w").write("\n".join(head + kernels) + "\n")
         return text
 
+    card_copy_bandwidth()  # before any engine holds the memory
     results = {}
     total = len(cases) * len(backends)
     t0 = time.perf_counter()

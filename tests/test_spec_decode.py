@@ -355,6 +355,7 @@ def test_bench_table_rows():
     assert "| BS1 x: teacher-forced tokens equal to torch-bf16's (request 0) | 1.000 | 0.750 |" in text
     assert "| median verify graph ms (BS1) | 2.000 | 2.000 |" in text
     assert "fused: out of memory: boom" in text
+    assert "| verify graph (BS1): of this card's measured copy bandwidth (not measured) | - | - |" in text
     assert bench.token_agreement([[1, 2, 3]], [[1, 5]]) == 0.5
 
 
