@@ -13,6 +13,11 @@ Per T, same run, CUDA-graph replay over rotating weight sets larger than L2, int
   then ``bmm`` into token-major ``y``, and ``torch._scaled_mm`` per group with 1 x 128
   activation / 128 x 128 weight block scales (the activation quantisation timed with it;
   "n/a" with the reason where this torch / GPU does not take block-wise scales).
+* FP8 weights and MXFP8 activations (T <= 64, Hopper) -- ours:
+  :func:`moe.quant.mxfp8_quantize` of ``o`` then :func:`cute_kernels.wo_a_fp8_act_sm90.wo_a_fp8_act`
+  (timed together, and the GEMM alone): the like-for-like peer of ``_scaled_mm``'s quantised
+  activations, numerically not the bf16-activation FP8 path's (each activation rounds to e4m3);
+  checked against an FP32 einsum of the dequantised MXFP8 activations and weights.
 
 Each of our outputs is checked once against an FP32 einsum before timing (NaN-poisoned
 output; relative error < 1e-2). Limits: T <= 64 rows report weight-streaming bandwidth (all
@@ -35,6 +40,8 @@ from common import (H200_BF16_FLOPS, H200_COPY_BW, gpu_warmup, markdown_table, p
 from cute_kernels.wo_a import wo_a  # noqa: E402
 from cute_kernels.wo_a_cublas import wo_a_cublas  # noqa: E402
 from cute_kernels.wo_a_decode_fp8 import SCALE_BLOCK, checkpoint_scales_fp32, wo_a_fp8  # noqa: E402
+from cute_kernels.wo_a_fp8_act_sm90 import MAX_T as FP8_ACT_MAX_T, wo_a_fp8_act  # noqa: E402
+from moe.quant import mxfp8_quantize  # noqa: E402
 
 TOKENS = [1, 5, 16, 32, 64, 128, 320, 1024, 4096, 16384]
 SHAPES = [("V4-Flash", 8, 1024, 4096), ("V4-Pro", 16, 1024, 4096)]
@@ -123,6 +130,26 @@ def main():
             if not scaled_mm_error:
                 f8_launches.append(lambda i: torch_scaled_mm(o, *fs[i % len(fs)], yb))
             f8 = time_graphs_interleaved(f8_launches, n, reps, trials=15)
+            act_cols = ["-", "-", "-"]
+            if T <= FP8_ACT_MAX_T and torch.cuda.get_device_capability()[0] == 9:
+                q8 = torch.empty(T, G * 8, Dg // 8, dtype=torch.float8_e4m3fn, device="cuda")
+                qs = torch.empty(T, G * Dg // 32, dtype=torch.uint8, device="cuda")
+
+                def quant():
+                    mxfp8_quantize(o.view(T, -1), q=q8.view(T, -1), scales=qs)
+
+                quant()
+                a = (q8.float().view(T, -1, 32) * torch.exp2(qs.float() - 127)[..., None]).view(T, G, Dg)
+                ref_act = torch.einsum("tgd,grd->tgr", a, w_deq).reshape(T, G * R)
+                if poisoned_error(lambda i: wo_a_fp8_act(q8, qs, w8, sc, out=y), y, ref_act) > 1e-2:
+                    raise SystemExit(f"{model} T={T}: FP8-activation WO-A output check failed")
+                t_q, t_g = time_graphs_interleaved(
+                    [lambda i: (quant(), wo_a_fp8_act(q8, qs, *fs[i % len(fs)], out=y)),
+                     lambda i: wo_a_fp8_act(q8, qs, *fs[i % len(fs)], out=y)], n, reps, trials=15)
+                wbytes8 = G * R * Dg + G * R * Dg // 128 ** 2 * 4
+                act_cols = [f"{t_q * 1e6:.1f}", f"{t_g * 1e6:.1f}",
+                            f"{100 * (wbytes8 + T * G * Dg * 33 // 32 + T * G * R * 2) / t_g / H200_COPY_BW:.0f}%"
+                            " of 4.3 TB/s"]
             t_bf, best_bf = bf[0], min(bf[1], bf[2])
             t_f8, best_f8 = f8[0], min(f8[1:])
             flops = 2 * T * G * R * Dg
@@ -136,7 +163,7 @@ def main():
                          f"{best_bf / t_bf:.2f}x", limit(t_bf, G * R * Dg * 2),
                          f"{t_f8 * 1e6:.1f}", f"{f8[1] * 1e6:.1f}",
                          f"{f8[2] * 1e6:.1f}" if len(f8) > 2 else "n/a",
-                         f"{best_f8 / t_f8:.2f}x", limit(t_f8, G * R * Dg + G * R * Dg // 128 ** 2 * 4)])
+                         f"{best_f8 / t_f8:.2f}x", limit(t_f8, G * R * Dg + G * R * Dg // 128 ** 2 * 4)] + act_cols)
             print("| " + " | ".join(rows[-1]) + " |", flush=True)
         ws = fs = None
         torch.cuda.empty_cache()
@@ -147,7 +174,8 @@ def main():
                       markdown_table(["shape (Dg=4096, R=1024)", "bf16 ours us", "bmm group-major us",
                                       "bmm into token-major y us", "bf16 vs best", "bf16 of limit",
                                       "FP8 ours us", "torch dequant + bmm us", "_scaled_mm per group us",
-                                      "FP8 vs best", "FP8 of limit"], rows)])
+                                      "FP8 vs best", "FP8 of limit", "FP8 act. ours us (quant + GEMM)",
+                                      "FP8 act. GEMM alone us", "FP8 act. GEMM of limit"], rows)])
     print(text)
     if args.out:
         open(args.out, "w").write(text + "\n")

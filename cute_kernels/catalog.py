@@ -23,6 +23,7 @@ MODULES = (
     "cute_kernels.wo_a_decode",
     "cute_kernels.wo_a_decode_swap_ab",
     "cute_kernels.wo_a_decode_fp8",
+    "cute_kernels.wo_a_fp8_act_sm90",
     "cute_kernels.dequant_fp8_blockwise",
     "cute_kernels.draft_head_fp8",
     "cute_kernels.mhc_stats",

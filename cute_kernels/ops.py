@@ -18,7 +18,7 @@ functions (``cute_kernels.row_rms.row_rms``, ...) stay the documented API; the o
 Ops: ``rms_norm`` / ``rms_norm_out``, ``row_rms`` / ``row_rms_out``, ``masked_softmax`` / ``masked_softmax_out``, ``mhc_stats``,
 ``mhc_pre_mix`` / ``mhc_pre_mix_out``, ``mhc_post_mix`` / ``mhc_post_mix_`` (the residual
 update in place), ``wo_a`` / ``wo_a_out``, ``dequantize_fp8_blockwise``, ``indexer_topk``,
-``wo_a_fp8``, ``draft_head_scores_out``, ``sink_attention``, ``compressor_pool_`` (ring and pool
+``wo_a_fp8``, ``wo_a_fp8_act``, ``draft_head_scores_out``, ``sink_attention``, ``compressor_pool_`` (ring and pool
 in place). The push all-reduce's ops (``push_allreduce``,
 ``finalize_shared_allreduce``, a group handle for the peer buffers) are in :mod:`comm.ops`.
 
@@ -44,6 +44,7 @@ from . import row_rms as _rms
 from . import sink_attention as _attn
 from . import wo_a as _wo
 from . import wo_a_decode_fp8 as _wo8
+from . import wo_a_fp8_act_sm90 as _wo8a
 
 NS = "cute_kernels"
 Tensor = torch.Tensor
@@ -382,6 +383,24 @@ def _(o, w, scale):
 @wo_a_fp8.register_fake
 def _(o, w, scale):
     return o.new_empty(o.shape[0], w.shape[0] * w.shape[1], dtype=torch.bfloat16)
+
+
+@cuda_op("wo_a_fp8_act")
+def wo_a_fp8_act(q: Tensor, q_scales: Tensor, w: Tensor, w_scale: Tensor) -> Tensor:
+    """Token-major ``y [T, G*R]`` bf16 of MXFP8 activations ``q [T, H, Dv]`` (e4m3) with UE8M0
+    ``q_scales [T, H*Dv/32]`` and e4m3 ``w [G, R, Dg]`` with FP32 128 x 128 block ``w_scale``
+    (:func:`cute_kernels.wo_a_fp8_act_sm90.wo_a_fp8_act`; Hopper, T <= 64)."""
+    return _wo8a.wo_a_fp8_act(q, q_scales, w, w_scale)
+
+
+@wo_a_fp8_act.register_kernel("cpu")
+def _(q, q_scales, w, w_scale):
+    return _wo8a.wo_a_fp8_act_reference(q, q_scales, w, w_scale)
+
+
+@wo_a_fp8_act.register_fake
+def _(q, q_scales, w, w_scale):
+    return q.new_empty(q.shape[0], w.shape[0] * w.shape[1], dtype=torch.bfloat16)
 
 
 # --------------------------------------------------------------------- draft head ----

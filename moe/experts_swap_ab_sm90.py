@@ -52,10 +52,11 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Uint32
 
 from cute_kernels import jit
+from cute_kernels.mx_scales import e8m0_to_f32
 from cute_kernels.tma_pipeline import single_cta_tma_pipeline, tma_tiles
 from cute_kernels.warp_mma import wgmma_fragments
 
-from .experts_tiled_sm90 import (MX, RoutedGemmTensorEntry, check_swiglu_limit, e8m0_to_f32, routed_gemm_tensor_args,
+from .experts_tiled_sm90 import (MX, RoutedGemmTensorEntry, check_swiglu_limit, routed_gemm_tensor_args,
                                  routed_gemm_tensors, store_silu_mul_mx_row)
 
 BM = 64  # weight rows per CTA (wgmma M)
@@ -314,7 +315,8 @@ KERNEL = jit.register(jit.KernelDef(
     build=_build,
     sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "experts_tiled_sm90.py"),
              os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cute_kernels", "tma_pipeline.py"),
-             os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cute_kernels", "warp_mma.py")),
+             os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cute_kernels", "warp_mma.py"),
+             os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cute_kernels", "mx_scales.py")),
     archs=("sm_90a",),
     # the runtime's configs (moe.experts.expert_kernel_args): one pass at T <= 16, row passes above
     aot_configs=({"E": 256, "N": 4096, "K": 7168, "tok_n": 16, "silu_quant": True},

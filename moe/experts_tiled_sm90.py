@@ -41,10 +41,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
 
-from cute_kernels import jit, warp_mma
+from cute_kernels import jit, mx_scales, warp_mma
+from cute_kernels.mx_scales import e8m0_to_f32, u32_as_f32
 from cute_kernels.warp_mma import ldmatrix_operands
 
 BM, BN = 128, 64
@@ -54,17 +53,6 @@ BM, BN = 128, 64
 TILE_K = {128: 4, 256: 3}
 STAGE_RANGE = (2, 3, 4)
 MX = 32
-
-
-@dsl_user_op
-def _u32_as_f32(x: Uint32, *, loc=None, ip=None) -> Float32:
-    return Float32(llvm.bitcast(Float32.mlir_type, Uint32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
-@cute.jit
-def e8m0_to_f32(s: Uint32) -> Float32:
-    """2^(s - 127) from its exponent field; 0xFF (E8M0 NaN) -> NaN; 0 -> 0 (zero blocks)."""
-    return _u32_as_f32(cutlass.select_(s == Uint32(0xFF), Uint32(0x7FC00000), s << 23))
 
 
 @cute.jit
@@ -133,7 +121,7 @@ def mx_quantize_block(rX: cute.Tensor, rQ: cute.Tensor) -> Int32:
         amax = cutlass.max(amax, Int32(bits[i]) & 0x7FFF)
     e_biased = (amax >> 7) - 8 + cutlass.select_(Int32(amax & 0x7F) > 0x60, Int32(1), Int32(0))
     scale = cutlass.max(cutlass.min(e_biased, Int32(254)), Int32(0))
-    mult = _u32_as_f32(Uint32(254 - scale) << 23)
+    mult = u32_as_f32(Uint32(254 - scale) << 23)
     rQ.store((rX.load().to(Float32) * mult).to(rQ.element_type))
     if amax >= 0x7F80:
         scale = Int32(0xFF)
@@ -423,7 +411,7 @@ def _build(arch: str, *, E: int, N: int, K: int, silu_quant: bool = False, tile_
 KERNEL = jit.register(jit.KernelDef(
     name="moe_expert_gemm_tiled_sm90",
     build=_build,
-    sources=(os.path.abspath(__file__), os.path.abspath(warp_mma.__file__)),
+    sources=(os.path.abspath(__file__), os.path.abspath(warp_mma.__file__), os.path.abspath(mx_scales.__file__)),
     archs=("sm_90a",),
     # the configs moe.experts launches by default (moe.experts.default_tile) at the model's sizes
     aot_configs=({"E": 256, "N": 4096, "K": 7168, "silu_quant": True, "tile_k": 128, "stages": None, "ctas_per_sm": 1},

@@ -65,6 +65,8 @@ def _cases():
                              cp_slot, 4, True, 1e-6, 2),
         "indexer_topk": (qi, wi, kc, off, kl, pos, 8, 20, 1),
         "wo_a_fp8": (o8, w8g, s8),
+        "wo_a_fp8_act": (o8.to(torch.float8_e4m3fn), torch.randint(120, 130, (3, 16), generator=g).to(torch.uint8),
+                         w8g, s8),
         "draft_head_scores_out": (hh, wq8, torch.empty(4, 64, dtype=torch.float8_e4m3fn),
                                   torch.empty(4, 100, dtype=torch.bfloat16)),
         "row_rms": (_bf(5, 64, g=g), 1e-6), "row_rms_out": (_bf(5, 64, g=g), 1e-6, torch.empty(5)),
@@ -90,7 +92,8 @@ CASES = _cases()
 
 #: torch's SchemaCheckMode cannot compare float8 CPU tensors (it multiplies them): for these the
 #: schema test is replaced by a byte-for-byte check that no input changed
-FP8_INPUTS = {"mxfp8_gather_routed", "dequantize_fp8_blockwise", "moe_expert_gemm", "moe_expert_gate_up", "wo_a_fp8", "draft_head_scores_out"}
+FP8_INPUTS = {"mxfp8_gather_routed", "dequantize_fp8_blockwise", "moe_expert_gemm", "moe_expert_gate_up", "wo_a_fp8",
+              "wo_a_fp8_act", "draft_head_scores_out"}
 
 
 def _bytes(a):
@@ -115,7 +118,7 @@ def test_opcheck_on_cpu(name):
 
 
 def test_every_public_op_is_registered():
-    want = {"indexer_topk", "wo_a_fp8", "draft_head_scores_out", "row_rms", "row_rms_out", "rms_norm", "rms_norm_out", "masked_softmax", "masked_softmax_out", "mhc_stats", "mhc_pre_mix",
+    want = {"indexer_topk", "wo_a_fp8", "wo_a_fp8_act", "draft_head_scores_out", "row_rms", "row_rms_out", "rms_norm", "rms_norm_out", "masked_softmax", "masked_softmax_out", "mhc_stats", "mhc_pre_mix",
             "mhc_pre_mix_out", "mhc_post_mix", "mhc_post_mix_", "wo_a", "wo_a_out", "dequantize_fp8_blockwise",
             "mxfp8_quantize", "mxfp8_quantize_routed", "mxfp8_gather_routed", "moe_route", "moe_expert_gemm", "moe_expert_gate_up",
             "moe_finalize", "sink_attention", "compressor_pool_"}

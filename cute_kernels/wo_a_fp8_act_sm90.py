@@ -1,0 +1,311 @@
+"""WO-A with FP8 weights and FP8 activations at decode T (<= 64), Hopper: TMA + e4m3 wgmma, the
+weight rows as M.
+
+    y[t, g*R + r] = bf16( sum_kb  ws[g, r // 128, kb // 4] * sa[t, g*Dg/32 + kb]
+                                  * sum_{k in 32-block kb} q[t, g, k] * w[g, r, k] )
+
+over the activations in MXFP8 (``q [T, H, Dv]`` e4m3 and ``q_scales [T, H*Dv/32]`` UE8M0: one
+power-of-two scale per token and 32 consecutive columns of ``o``, the plain layout of
+:func:`moe.quant.mxfp8_quantize` on ``o.view(T, H*Dv)``) and the checkpoint's weights
+(``w [G, R, Dg]`` e4m3, ``w_scale [G, R/128, Dg/128]`` FP32 per 128 x 128 block, as
+:mod:`.wo_a_decode_fp8` takes them). :func:`wo_a_fp8_act_reference` is the spec.
+
+Why a second FP8 WO-A kernel: :mod:`.wo_a_decode_fp8` keeps the activations in bf16, so it
+widens every e4m3 weight to bf16 in registers before a bf16 MMA, and that instruction stream
+bounds it at about half the copy bandwidth (``docs/wo_a.md``). Here both operands go to the
+FP8 tensor cores as stored, and the activations round to e4m3 -- as DeepSeek's own inference
+quantises the inputs of its FP8 linears -- so it is a numerically different op, chosen by the
+caller, not a faster schedule of the same one.
+
+Schedule (:mod:`.wo_a_decode_swap_ab`'s, on e4m3 operands): a CTA owns 64 weight rows of one
+group (wgmma **M**; inside one 128-row weight-scale block) and the group's ``tok_n`` token
+rows (**N**, 16 / 32 / 64; rows past T are zero-filled by TMA and never stored). Both tiles
+arrive by TMA in 128-byte K slices (128B swizzle) through a ``stages``-deep mbarrier pipeline,
+one elected thread issuing. A slice is four MX blocks and one weight-scale block: per 32-wide
+block an ``m64n{tok_n}k32`` e4m3 wgmma writes a zeroed FP32 fragment, promoted into the
+accumulator as ``acc += frag * (ws * sa[t])`` (the promotion of
+:mod:`moe.experts_swap_ab_sm90`: two fragments alternate, so block kb's wgmma runs while
+block kb - 1 is promoted). A thread holds ``tok_n / 4`` token columns: per slice one 4-byte
+load of each column's four scale bytes and one FP32 weight scale for the whole CTA. The
+epilogue transposes the tile through shared memory into token-major ``y [T, G*R]``.
+
+Numerics: the activations' e4m3 rounding (relative 2^-4 per element, before this kernel);
+products of e4m3 values are exact, the tensor core sums a block's 32 of them keeping about 14
+mantissa bits, ``ws * sa`` is exact (a power of two times an FP32), the promotion rounds in
+FP32, and ``y`` is rounded once to bf16. A NaN activation block (scale byte 0xFF) makes its
+token's outputs NaN.
+
+Constraints: T <= ``tok_n`` (the host picks it from T), R % 128 == 0, Dg % 128 == 0, shared
+memory (:func:`smem_bytes`) <= 227 KB; Hopper only (Blackwell's block-scaled tcgen05 MMA takes
+MXFP8 operands directly: not built). Status: compiled and its machine code checked on the CPU
+(``pytest tests/test_wo_a_fp8.py -k fp8_act``); its GPU tests are written, not yet run.
+"""
+
+import os
+
+import torch
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Uint32
+from cutlass.tensor_utils import LayoutEnum
+
+from . import jit
+from .arch import current_arch
+from .mx_scales import e8m0_to_f32
+from .tma_pipeline import single_cta_tma_pipeline, tma_tiles
+from .validate import check_arch_supported, check_cuda, check_tensor
+from .warp_mma import wgmma_fragments
+from .wo_a_decode import SMEM_PER_CTA
+from .wo_a_sm90 import wo_a_layouts
+
+BM = 64  # weight rows (output columns) per CTA: wgmma M
+BK = 128  # K elements (bytes) per pipeline stage: four MX blocks, one weight-scale block
+MX = 32  # the activations' scale block: one e4m3 wgmma's K
+SCALE_BLOCK = 128  # the weights' scale block (rows and K)
+TOK_N = (16, 32, 64)
+THREADS = 128
+MAX_T = 64
+
+
+def smem_bytes(tok_n: int, stages: int) -> int:
+    """Shared memory of one CTA: the swizzled weight and token stages (1 KB aligned), the
+    transposed FP32 output tile and the stage mbarriers."""
+    return 1024 + stages * (BM + tok_n) * BK + tok_n * (BM + 1) * 4 + 2 * stages * 8
+
+
+class WoAFp8ActSm90:
+    def __init__(self, G: int, R: int, Dg: int, tok_n: int, stages: int = 8):
+        self.G, self.R, self.Dg, self.tok_n, self.stages = G, R, Dg, tok_n, stages
+        self.tile = (BM, tok_n, BK)
+        self.k_tiles = Dg // BK
+
+    @cute.jit
+    def __call__(self, q_ptr: cute.Pointer, qs_ptr: cute.Pointer, w_ptr: cute.Pointer, ws_ptr: cute.Pointer,
+                 y_ptr: cute.Pointer, num_tokens: Int32, stream: cuda.CUstream):
+        G, R, Dg = self.G, self.R, self.Dg
+        f8 = cutlass.Float8E4M3FN
+        (sw, dw), (so, do), _ = wo_a_layouts(num_tokens, G, R, Dg, swap_ab=True)
+        mW = cute.make_tensor(w_ptr, cute.make_layout(sw, stride=dw))  # (R, Dg, G)
+        mQ = cute.make_tensor(q_ptr, cute.make_layout(so, stride=do))  # (T, Dg, G)
+        # the activations' scale words: token t's row holds G * Dg / 128 of them (four blocks each)
+        mQs = cute.make_tensor(qs_ptr, cute.make_layout((num_tokens * (G * Dg // BK),)))
+        mWs = cute.make_tensor(ws_ptr, cute.make_layout((G * (R // SCALE_BLOCK) * (Dg // SCALE_BLOCK),)))
+        mY = cute.make_tensor(y_ptr, cute.make_layout((num_tokens, G * R), stride=(G * R, 1)))
+
+        K_MAJOR = cute.nvgpu.OperandMajorMode.K
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(f8, f8, K_MAJOR, K_MAJOR, Float32, (1, 1, 1),
+                                                      tiler_mn=(BM, self.tok_n))
+        w_smem = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.tile, f8, self.stages)
+        q_smem = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.tile, f8, self.stages)
+        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_w, tma_tensor_w = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mW, cute.slice_(w_smem, (None, None, 0)),
+                                                                     (BM, BK))
+        tma_q, tma_tensor_q = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mQ, cute.slice_(q_smem, (None, None, 0)),
+                                                                     (self.tok_n, BK))
+        self.kernel(tiled_mma, tma_w, tma_tensor_w, tma_q, tma_tensor_q, w_smem, q_smem, mQs, mWs, mY,
+                    num_tokens).launch(grid=[G * R // BM, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_q: cute.CopyAtom,
+               mQ: cute.Tensor, w_smem: cute.ComposedLayout, q_smem: cute.ComposedLayout, mQs: cute.Tensor,
+               mWs: cute.Tensor, mY: cute.Tensor, num_tokens: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        nt, _, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        f8 = cutlass.Float8E4M3FN
+        STAGES, TN, KT = self.stages, self.tok_n, self.k_tiles
+        tiles_per_group = self.R // BM
+        g = nt // tiles_per_group
+        rt = nt - g * tiles_per_group
+
+        smem = cutlass.memory.SmemAllocator()
+        mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((2 * STAGES,)), 8)
+        sW = smem.allocate_tensor(f8, w_smem.outer, 1024, swizzle=w_smem.inner)
+        sQ = smem.allocate_tensor(f8, q_smem.outer, 1024, swizzle=q_smem.inner)
+        # FP32 tile, token-major; the odd pitch keeps the transposing writes conflict-free
+        sOut = smem.allocate_tensor(Float32, cute.make_layout((TN, BM + 1), stride=(BM + 1, 1)), 16)
+        pipe = single_cta_tma_pipeline(mbar, STAGES, THREADS // 32, (f8, w_smem), (f8, q_smem))
+
+        # This CTA's 64 weight rows of group g and the group's token rows, in 128-byte K slices.
+        gW = cute.local_tile(mW, (BM, BK), (None, None, None))[(None, None, rt, None, g)]
+        gQ = cute.local_tile(mQ, (TN, BK), (None, None, None))[(None, None, 0, None, g)]
+        tWsW, tWgW = tma_tiles(tma_w, sW, gW)
+        tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
+        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        if warp_idx == 0:
+            for _ in cutlass.range_constexpr(min(STAGES, KT)):
+                self.load(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ)
+                prod.advance()
+
+        tCrW, tCrQ, tCcC, acc = wgmma_fragments(tiled_mma, tidx, sW, sQ, (BM, TN))
+        acc.fill(0.0)
+        # Two block partials in flight: the wgmma of block kb runs while block kb - 1 is promoted.
+        frags = [cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(2)]
+        NV = cute.size(acc)  # (column pair, row + 8, TN / 8 column blocks) per thread
+        NC = NV // 2  # token columns per thread: 2 per 8-column block
+        mQs32 = cute.recast_tensor(mQs, Uint32)
+        row_words = self.G * self.Dg // BK  # scale words per token row (one per K slice of a group)
+        q_word0 = g * (self.Dg // BK)  # group g's first word in a token's row
+        ws_row = (g * (self.R // SCALE_BLOCK) + rt * BM // SCALE_BLOCK) * (self.Dg // SCALE_BLOCK)
+        rSa = cute.make_rmem_tensor(cute.make_layout((NC,)), Uint32)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)  # every block's wgmma: a fresh partial
+        for kt in cutlass.range(KT, unroll=1):
+            self.k_slice(pipe, cons, tiled_mma, tCrW, tCrQ, tCcC, acc, frags, rSa, mQs32, mWs, row_words, q_word0,
+                         ws_row, kt, num_tokens, NV, NC)
+            cons.advance()
+            if warp_idx == 0 and prod.count < KT:
+                self.load(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ)
+                prod.advance()
+
+        bf16 = cutlass.BFloat16
+        for i in cutlass.range_constexpr(NV):
+            r, c = tCcC[i]
+            sOut[c, r] = acc[i]
+        col0 = nt * BM  # = g * R + rt * 64: the tile's first column of token-major y
+        cute.arch.barrier()
+        for idx in cutlass.range(tidx, num_tokens * BM, THREADS):
+            c = idx // BM
+            r = idx - c * BM
+            mY[c, col0 + r] = sOut[c, r].to(bf16)  # the one bf16 rounding
+
+    @cute.jit
+    def k_slice(self, pipe: pipeline.PipelineTmaAsync, cons: pipeline.PipelineState, tiled_mma: cute.TiledMma,
+                tCrW: cute.Tensor, tCrQ: cute.Tensor, tCcC: cute.Tensor, acc: cute.Tensor, frags: list,
+                rSa: cute.Tensor, mQs32: cute.Tensor, mWs: cute.Tensor, row_words: cutlass.Constexpr,
+                q_word0: Int32, ws_row: Int32, kt: Int32, num_tokens: Int32, NV: cutlass.Constexpr,
+                NC: cutlass.Constexpr):
+        """acc += K slice ``kt`` (stage ``cons.index``): 4 MX blocks, each an e4m3 wgmma promoted
+        with the slice's weight scale and its token's block scale."""
+        # Flat fragment index i = (column pair, row + 8, column block): token column j of
+        # element i is (i // 4) * 2 + i % 2. Columns past T read no scale (their tile rows are zero).
+        for j in cutlass.range_constexpr(NC):
+            t = tCcC[(j // 2) * 4 + j % 2][1]
+            word = Uint32(0)
+            if t < num_tokens:
+                word = mQs32[t * row_words + q_word0 + kt]
+            rSa[j] = word
+        ws = mWs[ws_row + kt]
+        pipe.consumer_wait(cons)
+        for kb in cutlass.range_constexpr(BK // MX + 1):
+            if cutlass.const_expr(kb < BK // MX):
+                # the fence orders this wgmma after the promotion's reads of the same registers
+                cute.nvgpu.warpgroup.fence()
+                cute.gemm(tiled_mma, frags[kb % 2], tCrW[(None, None, kb, cons.index)],
+                          tCrQ[(None, None, kb, cons.index)], frags[kb % 2])
+                cute.nvgpu.warpgroup.commit_group()
+            if cutlass.const_expr(kb > 0):
+                cute.nvgpu.warpgroup.wait_group(1 if kb < BK // MX else 0)
+                self.promote(acc, frags[(kb - 1) % 2], ws, rSa, kb - 1, NV)
+        pipe.consumer_release(cons)
+
+    @cute.jit
+    def promote(self, acc: cute.Tensor, frag: cute.Tensor, ws: Float32, rSa: cute.Tensor, kb: cutlass.Constexpr,
+                NV: cutlass.Constexpr):
+        """acc += one 32-wide K block's FP32 partial times the weight scale and its token's scale."""
+        for i in cutlass.range_constexpr(NV):
+            sa = e8m0_to_f32((rSa[(i // 4) * 2 + i % 2] >> (8 * kb)) & Uint32(0xFF))
+            acc[i] = acc[i] + frag[i] * (ws * sa)
+
+    @cute.jit
+    def load(self, pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, tma_w: cute.CopyAtom,
+             tWgW: cute.Tensor, tWsW: cute.Tensor, tma_q: cute.CopyAtom, tQgQ: cute.Tensor, tQsQ: cute.Tensor):
+        """The CTA's K slice ``prod.count`` of both tiles into stage ``prod.index`` (one thread
+        issues; the stage's mbarrier counts the bytes)."""
+        pipe.producer_acquire(prod)
+        kt = prod.count
+        cute.copy(tma_w, tWgW[(None, kt)], tWsW[(None, prod.index)], tma_bar_ptr=pipe.producer_get_barrier(prod))
+        cute.copy(tma_q, tQgQ[(None, kt)], tQsQ[(None, prod.index)], tma_bar_ptr=pipe.producer_get_barrier(prod))
+        pipe.producer_commit(prod)
+
+    @staticmethod
+    def can_implement(T: int, G: int, R: int, Dg: int, tok_n: int, stages: int = 8) -> bool:
+        return (1 <= T <= tok_n and tok_n in TOK_N and G >= 1 and R % SCALE_BLOCK == 0 and R > 0
+                and Dg % BK == 0 and Dg > 0 and 2 <= stages and smem_bytes(tok_n, stages) <= SMEM_PER_CTA)
+
+
+def plan(T: int) -> dict:
+    """The compile configuration ``{tok_n, stages}`` of a call with ``T`` tokens: the narrowest
+    token tile, 8 stages (6 for the 64-token tile) -- the bf16 swap-AB kernel's depth for
+    128-wide slices, here 8 KB of weights per stage."""
+    for tok_n in TOK_N:
+        if T <= tok_n:
+            return {"tok_n": tok_n, "stages": 8 if tok_n <= 32 else 6}
+    raise ValueError(f"wo_a_fp8_act: T={T} > {MAX_T} (a decode kernel; prefill takes wo_a_fp8)")
+
+
+def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 8):
+    """``tok_n``: the token tile (wgmma N; T <= tok_n). ``stages``: TMA pipeline depth."""
+    if not WoAFp8ActSm90.can_implement(1, G, R, Dg, tok_n, stages):
+        raise ValueError(f"wo_a_fp8_act: unsupported G={G}, R={R}, Dg={Dg}, tok_n={tok_n}, stages={stages} "
+                         f"(R % 128, Dg % 128, tok_n in {TOK_N}, stages >= 2 within {SMEM_PER_CTA} B of shared "
+                         f"memory: {smem_bytes(tok_n, stages)} B)")
+    P = jit.fake_gmem_ptr
+    f8 = cutlass.Float8E4M3FN
+    args = (P(f8, 16), P(cutlass.Uint8, 4), P(f8, 16), P(Float32, 4), P(cutlass.BFloat16, 4), Int32(1),
+            jit.fake_stream())
+    return WoAFp8ActSm90(G, R, Dg, tok_n, stages), args
+
+
+KERNEL = jit.register(jit.KernelDef(
+    name="wo_a_fp8_act_sm90",
+    build=_build,
+    sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
+                  for f in ("wo_a_fp8_act_sm90.py", "wo_a_sm90.py", "tma_pipeline.py", "warp_mma.py", "mx_scales.py")),
+    archs=("sm_90a",),
+    # DeepSeek-V4-Flash / -Pro at every decode token tile
+    aot_configs=tuple({"G": G, "R": 1024, "Dg": 4096, **plan(T)} for G in (8, 16) for T in (16, 32, 64)),
+    description="WO-A decode (T <= 64), Hopper: FP8 weights and MXFP8 activations, e4m3 wgmma, token-major bf16 out",
+))
+
+
+def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *,
+                 out: torch.Tensor | None = None, stream=None, arch: str | None = None) -> torch.Tensor:
+    """``y [T, G*R]`` (bf16, token-major) from MXFP8 activations ``q [T, H, Dv]`` (e4m3) with
+    ``q_scales [T, H*Dv/32]`` (uint8 UE8M0, :func:`moe.quant.mxfp8_quantize`'s plain layout of
+    ``o.view(T, H*Dv)``), e4m3 ``w [G, R, (H/G)*Dv]`` and FP32 ``w_scale [G, R/128, Dg/128]``;
+    T <= 64. ``out``: a preallocated ``y`` (nothing allocated). Launched on ``stream`` (default:
+    torch's current stream)."""
+    op = "wo_a_fp8_act"
+    check_tensor(op, "q", q, dtype=torch.float8_e4m3fn, ndim=3, contiguous=True, align_bytes=16)
+    check_tensor(op, "w", w, dtype=torch.float8_e4m3fn, ndim=3, contiguous=True, align_bytes=16)
+    T, H, Dv = q.shape
+    G, R, Dg = w.shape
+    if H * Dv != G * Dg:
+        raise ValueError(f"{op}: q has H*Dv = {H * Dv} columns but w's {G} groups take {G * Dg}")
+    if not 1 <= T <= MAX_T:
+        raise ValueError(f"{op}: T={T} tokens; this decode kernel takes 1..{MAX_T}")
+    if R % SCALE_BLOCK or Dg % BK:
+        raise ValueError(f"{op}: w of shape {list(w.shape)} needs R % {SCALE_BLOCK} == 0 and Dg % {BK} == 0")
+    check_tensor(op, "q_scales", q_scales, dtype=torch.uint8, shape=(T, H * Dv // MX), contiguous=True,
+                 align_bytes=4)
+    check_tensor(op, "w_scale", w_scale, dtype=torch.float32, shape=(G, R // SCALE_BLOCK, Dg // SCALE_BLOCK),
+                 contiguous=True, align_bytes=4)
+    if out is None:
+        out = torch.empty(T, G * R, dtype=torch.bfloat16, device=q.device)
+    check_tensor(op, "out", out, dtype=torch.bfloat16, shape=(T, G * R), contiguous=True, align_bytes=4)
+    check_cuda(op, ("q", q), ("q_scales", q_scales), ("w", w), ("w_scale", w_scale), ("out", out))
+    arch = check_arch_supported(op, arch or current_arch(q.device), ("sm_90a",))
+    fn = jit.get_kernel("wo_a_fp8_act_sm90", arch, G=G, R=R, Dg=Dg, **plan(T))
+    P = jit.gmem_ptr
+    fn(P(cutlass.Float8E4M3FN, q, 16), P(cutlass.Uint8, q_scales, 4), P(cutlass.Float8E4M3FN, w, 16),
+       P(Float32, w_scale, 4), P(cutlass.BFloat16, out, 4), jit.i32(T), jit.cu_stream(stream))
+    return out
+
+
+def wo_a_fp8_act_reference(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor,
+                           w_scale: torch.Tensor) -> torch.Tensor:
+    """The spec in plain PyTorch (float64): the dequantised operands' product, each 32-block of
+    an activation row scaled by its power of two, each 128 x 128 weight block by its FP32
+    scale; bf16 out."""
+    T, H, Dv = q.shape
+    G, R, Dg = w.shape
+    a = q.double().reshape(T, H * Dv // MX, MX) * torch.exp2(q_scales.double() - 127)[..., None]
+    a = torch.where((q_scales == 0xFF)[..., None], torch.full_like(a, float("nan")), a).reshape(T, G, Dg)
+    ws = w_scale.double().repeat_interleave(SCALE_BLOCK, 1).repeat_interleave(SCALE_BLOCK, 2)
+    y = torch.einsum("tgd,grd->tgr", a, w.double() * ws)
+    return y.reshape(T, G * R).to(torch.bfloat16)

@@ -1,0 +1,176 @@
+"""WO-A with FP8 weights and MXFP8 activations (cute_kernels.wo_a_fp8_act_sm90): the reference,
+the plan and the named refusals on the CPU, its sm_90a machine code, and on a Hopper GPU every
+output element against the float64 product of the dequantised operands."""
+
+import pytest
+import torch
+
+from cute_kernels.testing import sass
+from cute_kernels.wo_a_decode_fp8 import SCALE_BLOCK, checkpoint_scales_fp32
+from cute_kernels.wo_a_fp8_act_sm90 import (MAX_T, TOK_N, WoAFp8ActSm90, plan, smem_bytes, wo_a_fp8_act,
+                                            wo_a_fp8_act_reference)
+from references import mxfp8_quant_ref
+
+V4_SHAPES = [(8, 8, 512, 1024), (16, 8, 512, 1024)]  # (G, H/G, Dv, R): V4-Flash, V4-Pro
+
+
+def make(T, G, HG, Dv, R, device="cpu"):
+    """o quantised to MXFP8 by the definition (references.mxfp8_quant_ref, rows of H*Dv), e4m3
+    weights over their whole range and power-of-two (UE8M0, V4's) 128 x 128 block scales."""
+    Dg = HG * Dv
+    o = (torch.randn(T, G * HG * Dv) * torch.exp2(torch.randint(-6, 6, (T, G * HG * Dv // 32, 1)).float())
+         .repeat_interleave(32, 1).view(T, -1)).bfloat16()
+    qb, qs = mxfp8_quant_ref(o)
+    q = qb.view(torch.float8_e4m3fn).view(T, G * HG, Dv)
+    w8 = (torch.randn(G, R, Dg) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    e = torch.randint(127 - 16, 127 - 6, (G, R // SCALE_BLOCK, Dg // SCALE_BLOCK))
+    ws = checkpoint_scales_fp32(e.to(torch.uint8))
+    return tuple(t.to(device) for t in (q, qs, w8, ws))
+
+
+def dequantized(q, qs, w8, ws):
+    """float64 operands: activations ``[T, G, Dg]`` (each 32-block times 2^(byte - 127); NaN
+    for byte 0xFF) and weights ``[G, R, Dg]`` (each 128 x 128 block times its scale)."""
+    T = q.shape[0]
+    G, R, Dg = w8.shape
+    a = q.double().cpu().reshape(T, -1, 32) * torch.exp2(qs.double().cpu() - 127)[..., None]
+    a = torch.where((qs.cpu() == 0xFF)[..., None], torch.full_like(a, float("nan")), a).reshape(T, G, Dg)
+    w = (w8.double().cpu().view(G, R // SCALE_BLOCK, SCALE_BLOCK, Dg // SCALE_BLOCK, SCALE_BLOCK)
+         * ws.double().cpu()[:, :, None, :, None]).view(G, R, Dg)
+    return a, w
+
+
+def error_bound(a, w):
+    """Per element, sound whatever the data: the bf16 output rounding (2^-8 of |y|: half an ulp,
+    doubled for the accumulator's own error) plus the FP8 tensor core's sum of each 32-deep
+    block, which keeps ~14 mantissa bits before the FP32 promotion -- at most 32 additions of
+    2^-14 of the running sum, <= 2^-9 of the block's sum of |a_k w_k|, summed over blocks:
+    2^-9 (|a| @ |w|). The exact products, the power-of-two activation scales and the FP32
+    promotion (K / 32 additions of 2^-24) are inside that. Returns (reference, bound)."""
+    T, G, _ = a.shape
+    R = w.shape[1]
+    ref = torch.einsum("tgd,grd->tgr", a, w).reshape(T, G * R)
+    mag = torch.einsum("tgd,grd->tgr", a.abs(), w.abs()).reshape(T, G * R)
+    return ref, 2.0**-8 * ref.abs() + 2.0**-9 * mag + 2.0**-126
+
+
+# ------------------------------------------------------------------------- CPU ------
+def test_reference_is_the_definition(seed):
+    """The spec (wo_a_fp8_act_reference) is the bf16 rounding of the float64 product of the
+    dequantised operands; a NaN activation block (scale byte 0xFF) makes its token's outputs
+    in that group NaN and nothing else."""
+    q, qs, w8, ws = make(3, 2, 2, 128, 256)
+    a, w = dequantized(q, qs, w8, ws)
+    ref, _ = error_bound(a, w)
+    assert torch.equal(wo_a_fp8_act_reference(q, qs, w8, ws), ref.bfloat16())
+    qs = qs.clone()
+    qs[1, 9] = 0xFF  # token 1, group 1's second 32-block (Dg = 256: 8 blocks per group)
+    y = wo_a_fp8_act_reference(q, qs, w8, ws).view(3, 2, 256)
+    assert y[1, 1].isnan().all() and not y[1, 0].isnan().any() and not y[[0, 2]].isnan().any()
+
+
+def test_plan_maps_every_decode_t_to_a_config_that_fits():
+    for T in range(1, MAX_T + 1):
+        cfg = plan(T)
+        assert cfg["tok_n"] in TOK_N and T <= cfg["tok_n"] and (cfg["tok_n"] == TOK_N[0] or T > cfg["tok_n"] // 2)
+        for G, HG, Dv, R in V4_SHAPES:
+            assert WoAFp8ActSm90.can_implement(T, G, R, HG * Dv, **cfg)
+        assert smem_bytes(**cfg) <= 227 * 1024
+    with pytest.raises(ValueError, match="T=65"):
+        plan(65)
+
+
+def _args(T=5, G=2, HG=2, Dv=128, R=256):
+    q, qs, w8, ws = make(T, G, HG, Dv, R)
+    return dict(q=q, q_scales=qs, w=w8, w_scale=ws)
+
+
+@pytest.mark.parametrize("change, exc, words", [
+    (dict(q=torch.zeros(5, 4, 128, dtype=torch.bfloat16)), TypeError, "q must have dtype"),
+    (dict(w=torch.zeros(2, 256, 256)), TypeError, "w must have dtype"),
+    (dict(q_scales=torch.zeros(5, 15, dtype=torch.uint8)), ValueError, "q_scales must have shape"),
+    (dict(q_scales=torch.zeros(5, 16, dtype=torch.int32)), TypeError, "q_scales must have dtype"),
+    (dict(w_scale=torch.zeros(2, 2, 2, dtype=torch.float16)), TypeError, "w_scale must have dtype"),
+    (dict(w_scale=torch.zeros(2, 2, 1)), ValueError, "w_scale must have shape"),
+    (dict(w=torch.zeros(3, 256, 256, dtype=torch.float8_e4m3fn)), ValueError, "groups take"),
+    (dict(w=torch.zeros(2, 192, 256, dtype=torch.float8_e4m3fn)), ValueError, "R % 128"),
+    (dict(q=torch.zeros(65, 4, 128, dtype=torch.float8_e4m3fn)), ValueError, "T=65"),
+    (dict(q=torch.zeros(5, 8, 128, dtype=torch.float8_e4m3fn)[:, ::2]), ValueError, "q must be contiguous"),
+    (dict(), ValueError, "must be a CUDA tensor"),
+])
+def test_bad_arguments_are_refused_by_name(change, exc, words):
+    """Every argument is checked before any launch, its name in the error (CPU tensors: the
+    last check, the device, refuses them)."""
+    kw = dict(_args(), **change)
+    with pytest.raises(exc, match=words):
+        wo_a_fp8_act(kw["q"], kw["q_scales"], kw["w"], kw["w_scale"])
+
+
+@pytest.mark.parametrize("tok_n, stages", [(16, 8), (32, 8), (64, 6)])
+def test_machine_code(tok_n, stages):
+    """Per 128-byte K slice: four e4m3 x e4m3 wgmmas (m64 n{tok_n} k32) into FP32, each block's
+    partial promoted with one FFMA per accumulator element; the weight and token tiles by TMA;
+    one 4-byte scale load per token column and one weight-scale load per slice; no spills."""
+    h = sass.sass_histogram("wo_a_fp8_act_sm90", "sm_90a", G=8, R=1024, Dg=4096, tok_n=tok_n, stages=stages)
+    assert h[f"QGMMA.64x{tok_n}x32.F32.E4M3.E4M3"] == 4, h
+    nv = 64 * tok_n // 128  # accumulator elements per thread
+    assert h["FFMA"] == 4 * nv, h
+    assert h["LDG.E"] == nv // 2 + 1, h
+    assert sass.count(h, "UTMALDG") >= 2 and sass.count(h, "HMMA") == 0
+    assert sass.local_memory_ops(h) == 0
+
+
+# ------------------------------------------------------------------------- GPU ------
+@pytest.mark.gpu
+@pytest.mark.parametrize("G, HG, Dv, R", V4_SHAPES)
+@pytest.mark.parametrize("T", [1, 5, 16, 17, 33, 64])
+def test_v4_per_element(seed, G, HG, Dv, R, T):
+    """V4-Flash / -Pro at every token tile (odd T among them): output poisoned, every element
+    within its rounding bound of the float64 product of the dequantised operands, and the
+    norm-wise error below what one dropped 32-block would cost."""
+    q, qs, w8, ws = make(T, G, HG, Dv, R, "cuda")
+    out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
+    wo_a_fp8_act(q, qs, w8, ws, out=out)
+    torch.cuda.synchronize()
+    ref, bound = error_bound(*dequantized(q, qs, w8, ws))
+    err = (out.double().cpu() - ref).abs()
+    assert int((~(err <= bound)).sum()) == 0, f"{int((~(err <= bound)).sum())} of {err.numel()} out of bound"
+    assert float((out.double().cpu() - ref).norm() / ref.norm()) <= 2.0**-8
+
+
+@pytest.mark.gpu
+def test_nan_block_and_zero_blocks():
+    """A NaN activation block poisons its token's outputs in that group only; all-zero blocks
+    (scale byte 0) contribute nothing."""
+    G, HG, Dv, R, T = 8, 8, 512, 1024, 5
+    q, qs, w8, ws = make(T, G, HG, Dv, R, "cuda")
+    qs[2, 130] = 0xFF  # token 2, group 1 (blocks 128..255)
+    q.view(torch.uint8).view(T, -1)[3, :4096] = 0
+    qs[3, :128] = 0  # token 3's group 0: zero blocks
+    out = wo_a_fp8_act(q, qs, w8, ws)
+    torch.cuda.synchronize()
+    y = out.float().cpu().view(T, G, R)
+    assert y[2, 1].isnan().all() and not y[2, [0, 2, 3, 4, 5, 6, 7]].isnan().any()
+    assert not y[[0, 1, 3, 4]].isnan().any() and (y[3, 0] == 0).all()
+
+
+@pytest.mark.gpu
+def test_graph_replay_with_fresh_inputs(seed):
+    """Captured once; every replay gets fresh activations, scales and weights and is checked."""
+    G, HG, Dv, R, T = 16, 8, 512, 1024, 6
+    q, qs, w8, ws = make(T, G, HG, Dv, R, "cuda")
+    out = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
+    wo_a_fp8_act(q, qs, w8, ws, out=out)  # compile outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        wo_a_fp8_act(q, qs, w8, ws, out=out, stream=s)
+    for it in range(3):
+        for dst, src in zip((q, qs, w8, ws), make(T, G, HG, Dv, R, "cuda")):
+            dst.copy_(src)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref, bound = error_bound(*dequantized(q, qs, w8, ws))
+        assert bool(((out.double().cpu() - ref).abs() <= bound).all()), f"replay {it}"
