@@ -62,7 +62,7 @@ case "$job" in
 gpu-tests)
   case "${1:-all}" in
     1) files="tests/test_wo_a.py" ;;
-    2) files="tests/test_wo_a_fp8.py tests/test_draft_head_fp8.py tests/test_moe_experts.py tests/test_moe_quant.py tests/test_moe_router.py tests/test_moe_finalize.py" ;;
+    2) files="tests/test_wo_a_fp8.py tests/test_wo_a_fp8_act.py tests/test_draft_head_fp8.py tests/test_moe_experts.py tests/test_moe_quant.py tests/test_moe_router.py tests/test_moe_finalize.py" ;;
     3) files="tests/test_comm.py tests/test_indexer.py tests/test_mhc.py tests/test_row_rms.py tests/test_masked_softmax.py tests/test_fused_ops_plumbing.py tests/test_spec_decode.py tests/test_caches.py tests/test_arch.py tests/test_provenance.py" ;;
     4) files="tests/test_ops.py tests/test_tensor_entries.py tests/test_tensor_parallel.py tests/test_sink_attention.py tests/test_compressor_pool.py" ;;
     all) files="tests" ;;
@@ -103,7 +103,7 @@ bench-runtime)
 v4)
   case "${1:-tests}" in
     tests)
-      $PYT -m gpu -k "v4 or mxfp4 or fp8" tests/test_wo_a.py tests/test_wo_a_fp8.py tests/test_indexer.py \
+      $PYT -m gpu -k "v4 or mxfp4 or fp8" tests/test_wo_a.py tests/test_wo_a_fp8.py tests/test_wo_a_fp8_act.py tests/test_indexer.py \
         tests/test_moe_experts.py tests/test_moe_router.py 2>&1 | tee "$OUT/v4-tests.log" | tail -25
       exit "${PIPESTATUS[0]}" ;;
     bench)
