@@ -91,8 +91,8 @@ class WoAFp8ActSm90:
         (sw, dw), (so, do), _ = wo_a_layouts(num_tokens, G, R, Dg, swap_ab=True)
         mW = cute.make_tensor(w_ptr, cute.make_layout(sw, stride=dw))  # (R, Dg, G)
         mQ = cute.make_tensor(q_ptr, cute.make_layout(so, stride=do))  # (T, Dg, G)
-        # the activations' scale words: token t's row holds G * Dg / 128 of them (four blocks each)
-        mQs = cute.make_tensor(qs_ptr, cute.make_layout((num_tokens * (G * Dg // BK),)))
+        # the activations' scale bytes [T, G * Dg / 32], read as words (a K slice's four blocks)
+        mQs = cute.make_tensor(qs_ptr, cute.make_layout((num_tokens * (G * Dg // MX),)))
         mWs = cute.make_tensor(ws_ptr, cute.make_layout((G * (R // SCALE_BLOCK) * (Dg // SCALE_BLOCK),)))
         mY = cute.make_tensor(y_ptr, cute.make_layout((num_tokens, G * R), stride=(G * R, 1)))
 
