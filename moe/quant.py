@@ -59,9 +59,9 @@ bytes are one 32-byte segment). Swizzled scales: the same walk over whole atoms;
 lanes holding one row's 4-column group pass their scale bytes down by shuffles and the first
 stores the word (no byte stores into the atoms). The routed-rows walk (``by_row_pos``) takes
 one thread per 32-bit scale word instead: four consecutive blocks of a row (sixteen 16-byte
-loads issued first, eight 16-byte stores), the word stored whole. The prequantized gather moves 32-byte blocks (two
-16-byte loads and stores) and scale bytes. A grid-stride loop over a fixed grid keeps
-launches graph-capturable when the live row count is a device value.
+loads issued first, eight 16-byte stores), the word stored whole. The prequantized gather
+moves 32-byte blocks (two 16-byte loads and stores) and scale bytes. A grid-stride loop over a
+fixed grid keeps launches graph-capturable when the live row count is a device value.
 
 Constraints: K % 32 == 0 (the MX block; other K raise ``ValueError``), 16-byte aligned
 rows; T * K < 2**31. The same source compiles for sm_90a and sm_100a (no tensor cores).
