@@ -174,3 +174,42 @@ def test_graph_replay_with_fresh_inputs(seed):
         torch.cuda.synchronize()
         ref, bound = error_bound(*dequantized(q, qs, w8, ws))
         assert bool(((out.double().cpu() - ref).abs() <= bound).all()), f"replay {it}"
+
+
+@pytest.mark.parametrize("tok_n", TOK_N)
+def test_accumulator_columns_match_the_scale_indexing(tok_n):
+    """The kernel's tiled MMA (``make_trivial_tiled_mma`` of e4m3 operands, 64 x tok_n), its C
+    thread-value layout evaluated on the CPU for all 128 threads (what ``partition_C`` hands each
+    thread): value ``i`` of a thread lies in the token column of value ``(j // 2) * 4 + j % 2``
+    with ``j = (i // 4) * 2 + i % 2`` -- the column whose scale word ``k_slice`` loads into
+    ``rSa[j]`` and ``promote`` applies to value ``i`` -- and the threads cover the tile once."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    import numpy as np
+    from cutlass import Float32
+
+    got = {}
+
+    @cute.jit
+    def trace():
+        f8 = cutlass.Float8E4M3FN
+        K_MAJOR = cute.nvgpu.OperandMajorMode.K
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(f8, f8, K_MAJOR, K_MAJOR, Float32, (1, 1, 1),
+                                                      tiler_mn=(64, tok_n))
+        tv = tiled_mma.tv_layout_C_tiled  # (thread, value) -> m + 64 n
+        nv = cute.size(tv, mode=[1])
+        got["nv"] = nv
+        got.update({tidx: [tv((tidx, v)) for v in range(nv)] for tidx in range(128)})  # (no traced loop)
+
+    cute.compile(trace, options="--gpu-arch=sm_90a")
+    nv = got.pop("nv")
+    assert nv == 64 * tok_n // 128
+    seen = np.zeros((64, tok_n), dtype=np.int64)
+    for tidx, idx in got.items():
+        col = [v // 64 for v in idx]
+        for i in range(nv):
+            j = (i // 4) * 2 + i % 2
+            assert col[i] == col[(j // 2) * 4 + j % 2], (tidx, i)
+            seen[idx[i] % 64, col[i]] += 1
+    assert (seen == 1).all()
