@@ -109,6 +109,14 @@ class WoAFp8ActSm90:
         self.kernel(tiled_mma, tma_w, tma_tensor_w, tma_q, tma_tensor_q, w_smem, q_smem, mQs, mWs, mY,
                     num_tokens).launch(grid=[G * R // BM, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
+    @cute.jit
+    def tensor_call(self, mQ: cute.Tensor, mQs: cute.Tensor, mW: cute.Tensor, mWs: cute.Tensor, mY: cute.Tensor,
+                    stream: cuda.CUstream):
+        """The tensor entry (``jit.get_tensor_kernel``): ``mQ [T, H, Dv]`` e4m3, ``mQs [T, G*Dg/32]``
+        uint8, ``mW [G, R, Dg]`` e4m3, ``mWs [G, R/128, Dg/128]`` FP32, ``mY [T, G*R]`` bf16
+        (``H * Dv = G * Dg`` and ``T <= tok_n``: the validated first call of these shapes)."""
+        self.__call__(mQ.iterator, mQs.iterator, mW.iterator, mWs.iterator, mY.iterator, mQ.shape[0], stream)
+
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_q: cute.CopyAtom,
                mQ: cute.Tensor, w_smem: cute.ComposedLayout, q_smem: cute.ComposedLayout, mQs: cute.Tensor,
@@ -251,6 +259,15 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 8):
     return WoAFp8ActSm90(G, R, Dg, tok_n, stages), args
 
 
+def _build_tensors(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 8):
+    op, _ = _build(arch, G=G, R=R, Dg=Dg, tok_n=tok_n, stages=stages)
+    sym, T, f8 = {}, jit.fake_tensor, cutlass.Float8E4M3FN
+    args = (T(f8, ("T", "H", "Dv"), 16, sym), T(cutlass.Uint8, ("T", G * Dg // MX), 4, sym), T(f8, (G, R, Dg), 16, sym),
+            T(Float32, (G, R // SCALE_BLOCK, Dg // SCALE_BLOCK), 4, sym), T(cutlass.BFloat16, ("T", G * R), 4, sym),
+            jit.fake_env_stream())
+    return op.tensor_call, args
+
+
 KERNEL = jit.register(jit.KernelDef(
     name="wo_a_fp8_act_sm90",
     build=_build,
@@ -261,6 +278,11 @@ KERNEL = jit.register(jit.KernelDef(
     aot_configs=tuple({"G": G, "R": 1024, "Dg": 4096, **plan(T)} for G in (8, 16) for T in (16, 32, 64)),
     description="WO-A decode (T <= 64), Hopper: FP8 weights and MXFP8 activations, e4m3 wgmma, token-major bf16 out",
 ))
+jit.register_tensor_entry(KERNEL, _build_tensors, aot_configs=KERNEL.aot_configs)
+
+#: (q.shape, w.shape, device index) -> the tensor entry (jit.launch_tensor_entry), filled by a
+#: first validated call with TVM-FFI on
+_TENSOR_FNS: dict = {}
 
 
 def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *,
@@ -270,6 +292,11 @@ def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_sca
     ``o.view(T, H*Dv)``), e4m3 ``w [G, R, (H/G)*Dv]`` and FP32 ``w_scale [G, R/128, Dg/128]``;
     T <= 64. ``out``: a preallocated ``y`` (nothing allocated). Launched on ``stream`` (default:
     torch's current stream)."""
+    default_call = stream is None and arch is None
+    if (out is not None and default_call and jit.TVM_FFI and isinstance(q, torch.Tensor)
+            and isinstance(w, torch.Tensor)):  # the eager hot path (the C checks: dtypes, extents, strides, alignment)
+        if jit.launch_tensor_entry(_TENSOR_FNS, (q.shape, w.shape, q.get_device()), q, q_scales, w, w_scale, out):
+            return out
     op = "wo_a_fp8_act"
     check_tensor(op, "q", q, dtype=torch.float8_e4m3fn, ndim=3, contiguous=True, align_bytes=16)
     check_tensor(op, "w", w, dtype=torch.float8_e4m3fn, ndim=3, contiguous=True, align_bytes=16)
@@ -289,11 +316,14 @@ def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_sca
         out = torch.empty(T, G * R, dtype=torch.bfloat16, device=q.device)
     check_tensor(op, "out", out, dtype=torch.bfloat16, shape=(T, G * R), contiguous=True, align_bytes=4)
     check_cuda(op, ("q", q), ("q_scales", q_scales), ("w", w), ("w_scale", w_scale), ("out", out))
-    arch = check_arch_supported(op, arch or current_arch(q.device), ("sm_90a",))
-    fn = jit.get_kernel("wo_a_fp8_act_sm90", arch, G=G, R=R, Dg=Dg, **plan(T))
+    a = check_arch_supported(op, arch or current_arch(q.device), ("sm_90a",))
+    fn = jit.get_kernel("wo_a_fp8_act_sm90", a, G=G, R=R, Dg=Dg, **plan(T))
     P = jit.gmem_ptr
     fn(P(cutlass.Float8E4M3FN, q, 16), P(cutlass.Uint8, q_scales, 4), P(cutlass.Float8E4M3FN, w, 16),
        P(Float32, w_scale, 4), P(cutlass.BFloat16, out, 4), jit.i32(T), jit.cu_stream(stream))
+    if default_call:  # its tensor entry for the next calls of these shapes
+        jit.remember_tensor_entry(_TENSOR_FNS, (q.shape, w.shape, q.get_device()), "wo_a_fp8_act_sm90_tensors", a,
+                                  G=G, R=R, Dg=Dg, **plan(T))
     return out
 
 

@@ -30,7 +30,8 @@ ENTRIES = {"row_rms_tensors": dict(hidden=7168), "mhc_pre_mix_tensors": dict(n=4
                                                    swiglu_limit=10.0),
            "moe_expert_gemm_tiled_sm90_tensors": dict(E=256, N=4096, K=2048, silu_quant=False, tile_k=256, stages=2,
                                                       ctas_per_sm=2),
-           "indexer_topk_tensors": dict(topk=512, compress_ratio=4)}
+           "indexer_topk_tensors": dict(topk=512, compress_ratio=4),
+           "wo_a_fp8_act_sm90_tensors": dict(G=8, R=1024, Dg=4096, tok_n=16, stages=8)}
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
@@ -60,6 +61,7 @@ def _cases():
     from cute_kernels.indexer_topk import IndexerWorkspace, indexer_select
     from cute_kernels.wo_a import wo_a
     from cute_kernels.wo_a_decode_fp8 import quantize_wo_a_fp8, wo_a_fp8
+    from cute_kernels.wo_a_fp8_act_sm90 import wo_a_fp8_act
     from moe.finalize import moe_finalize
 
     T, n, C, k, rows = 6, 4, 4096, 6, 48
@@ -79,14 +81,18 @@ def _cases():
     # wgmma one) shapes, o [T, H, 512]
     wo = {G: (bf(T, 8 * G, 512), bf(G, 1024, 4096) / 64) for G in (8, 16)}
     w8, s8 = quantize_wo_a_fp8(wo[8][1])  # the checkpoint's format: e4m3, 128 x 128 block scales
+    # MXFP8 activations for wo_a_fp8_act: e4m3 values and UE8M0 block scales near 1
+    q8 = torch.randn(T, 64, 512, device="cuda").to(torch.float8_e4m3fn)
+    qs8 = torch.randint(120, 130, (T, 8 * 4096 // 32), device="cuda").to(torch.uint8)
     # V4-Flash's CSA indexer select: top-512 of compressed entries (ratio 4) over score rows
     iws = IndexerWorkspace(T + 2, 3000, device="cuda")
     kv_len = torch.tensor([3000, 2500, 17, 1, 3000, 700], dtype=torch.int32, device="cuda")
     ipos = torch.tensor([11999, 9000, 70, 3, 2047, 2799], dtype=torch.int32, device="cuda")
 
     def fresh():
-        for t in (x, h, f, y, w, sh, rn, rw, sc, wo[8][0], wo[16][0], qh, kv, kw_, iws.scores):
+        for t in (x, h, f, y, w, sh, rn, rw, sc, wo[8][0], wo[16][0], qh, kv, kw_, iws.scores, q8):
             t.copy_(torch.randn_like(t.float()).to(t.dtype))
+        qs8.copy_(torch.randint(120, 130, qs8.shape, device="cuda").to(torch.uint8))
         mask.copy_(torch.rand(T, 608, device="cuda") < 0.7)
 
     cases = [(f"wo_a G={G}", lambda out, G=G, **kw: wo_a(*wo[G], out=out, **kw),
@@ -103,6 +109,12 @@ def _cases():
                    (lambda out: wo_a_fp8(wo[8][0], w8.view(torch.uint8), s8, out=out), TypeError,
                     "w must have dtype"),
                    (lambda out: wo_a_fp8(wo[8][0], w8, s8, out=out[:5]), ValueError, "out must have shape")]))
+    cases.append(("wo_a_fp8_act", lambda out, **kw: wo_a_fp8_act(q8, qs8, w8, s8, out=out, **kw),
+                  torch.empty(T, 8 * 1024, device="cuda").bfloat16(),
+                  [(lambda out: wo_a_fp8_act(q8, qs8[:, :512], w8, s8, out=out), ValueError,
+                    "q_scales must have shape"),
+                   (lambda out: wo_a_fp8_act(q8, qs8, w8, s8[:, :4], out=out), ValueError, "w_scale must have shape"),
+                   (lambda out: wo_a_fp8_act(q8, qs8, w8, s8, out=out[:5]), ValueError, "out must have shape")]))
     cases.append(("indexer_select", lambda out, **kw: indexer_select(iws, kv_len, ipos, topk=512, compress_ratio=4,
                                                                      out=out, **kw),
                   torch.empty(T, 512, dtype=torch.int32, device="cuda"),
@@ -225,6 +237,7 @@ def test_tensor_entries_equal_the_pointer_launch_and_refuse_by_name(seed, monkey
     import cute_kernels.wo_a as woa
     import cute_kernels.indexer_topk as itk
     import cute_kernels.wo_a_decode_fp8 as woa8
+    import cute_kernels.wo_a_fp8_act_sm90 as woa8a
     import moe.finalize as fin
 
     cases, fresh = _cases()
@@ -232,7 +245,7 @@ def test_tensor_entries_equal_the_pointer_launch_and_refuse_by_name(seed, monkey
              "mhc_post_mix": post._TENSOR_FNS, "moe_finalize": fin._TENSOR_FNS, "wo_a G=8": woa._TENSOR_FNS,
              "wo_a G=16": woa._TENSOR_FNS, "mhc_stats": stats._TENSOR_FNS, "rms_norm per head": rms._TENSOR_FNS,
              "rms_norm kv": rms._TENSOR_FNS, "masked_softmax 4-D": msm._TENSOR_FNS, "wo_a_fp8": woa8._TENSOR_FNS,
-             "indexer_select": itk._TENSOR_FNS}
+             "indexer_select": itk._TENSOR_FNS, "wo_a_fp8_act": woa8a._TENSOR_FNS}
     failures = []  # every op is checked; the failures are reported together
     for name, call, out, bad in cases:
         want = out.clone()
