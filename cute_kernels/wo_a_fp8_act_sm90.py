@@ -37,8 +37,11 @@ token's outputs NaN.
 
 Constraints: T <= ``tok_n`` (the host picks it from T), R % 128 == 0, Dg % 128 == 0, shared
 memory (:func:`smem_bytes`) <= 227 KB; Hopper only (Blackwell's block-scaled tcgen05 MMA takes
-MXFP8 operands directly: not built). Status: compiled and its machine code checked on the CPU
-(``pytest tests/test_wo_a_fp8.py -k fp8_act``); its GPU tests are written, not yet run.
+MXFP8 operands directly: not built, ``docs/wo_a.md``). Status: compiled, its machine code and
+its accumulator layout checked on the CPU; its GPU tests are written, not yet run::
+
+    pytest tests/test_wo_a_fp8_act.py
+    python bench/bench_wo_a_v4.py --tokens 1,5,16,32,64
 """
 
 import os
