@@ -79,28 +79,38 @@ ROUTERS = (("DeepSeek-V3", RouterConfig()), ("V4-Flash", V4_FLASH_ROUTER), ("V4-
 ROUTER_GOAL_S = 6e-6
 
 
-def check_router(out, ids, w, T, logits, bias, cfg: RouterConfig):
-    """Our router's experts (as sets per token) and weights (matched by expert) against the
-    composite's. A token may pick other experts only at a near-tie the two FP32 evaluations of
-    the scores can break either way: its picks' selection scores equal the composite's picks'
-    within 1e-5, or (grouped routing) the groups kept differently score within 2e-5. Weights are
-    compared on the tokens whose picks agree."""
-    ours = torch.sort(out.topk_ids[:T].long(), dim=-1)
-    ref = torch.sort(ids, dim=-1)
-    same = (ours.values == ref.values).all(-1)
+def unexplained_picks(our_ids, ids, logits, bias, cfg: RouterConfig) -> tuple[torch.Tensor, list[int]]:
+    """Tokens whose experts (as sets) differ from the reference picks ``ids``: ``(same, bad)`` --
+    the mask of tokens that agree, and the differing tokens *not* at a near-tie the two FP32
+    evaluations of the scores can break either way (their picks' selection scores equal the
+    reference picks' within 1e-5, or, with grouped routing, the groups kept differently score
+    within 2e-5)."""
+    ours, ref = torch.sort(our_ids.long(), dim=-1).values, torch.sort(ids.long(), dim=-1).values
+    same = (ours == ref).all(-1)
     x = logits.float()
     s = x.sigmoid() if cfg.score == "sigmoid" else torch.nn.functional.softplus(x).sqrt()
-    b = s + bias
+    b = s + (bias if bias is not None else 0.0)
     gs = cfg.num_experts // cfg.n_group
+    bad = []
     for t in torch.nonzero(~same).flatten().tolist():
-        mine, theirs = b[t, ours.values[t]].sort().values, b[t, ref.values[t]].sort().values
-        tie = bool(torch.allclose(mine, theirs, rtol=0, atol=1e-5))
+        tie = bool(torch.allclose(b[t, ours[t]].sort().values, b[t, ref[t]].sort().values, rtol=0, atol=1e-5))
         if not tie and cfg.n_group > 1:
             g = b[t].view(cfg.n_group, gs).topk(2, dim=-1).values.sum(-1)
-            differ = set((ours.values[t] // gs).tolist()) ^ set((ref.values[t] // gs).tolist())
-            tie = len(differ) == 2 and float(g[list(differ)].max() - g[list(differ)].min()) <= 2e-5
+            differ = sorted(set((ours[t] // gs).tolist()) ^ set((ref[t] // gs).tolist()))
+            tie = len(differ) == 2 and float((g[differ[0]] - g[differ[1]]).abs()) <= 2e-5
         if not tie:
-            raise SystemExit(f"router T={T}: token {t}'s experts differ from the torch composite's (no near-tie)")
+            bad.append(t)
+    return same, bad
+
+
+def check_router(out, ids, w, T, logits, bias, cfg: RouterConfig):
+    """Our router's experts (as sets per token) and weights (matched by expert) against the
+    composite's: a token may differ only at a near-tie (:func:`unexplained_picks`); weights are
+    compared on the tokens whose picks agree."""
+    same, bad = unexplained_picks(out.topk_ids[:T], ids, logits, bias, cfg)
+    if bad:
+        raise SystemExit(f"router T={T}: tokens {bad[:8]} pick other experts than the torch composite (no near-tie)")
+    ours, ref = torch.sort(out.topk_ids[:T].long(), dim=-1), torch.sort(ids, dim=-1)
     if not torch.allclose(out.topk_weights[:T].gather(1, ours.indices)[same], w.gather(1, ref.indices)[same],
                           rtol=1e-5):
         raise SystemExit(f"router T={T}: weights differ from the torch composite")
