@@ -141,15 +141,21 @@ def main():
                 quant()
                 a = (q8.float().view(T, -1, 32) * torch.exp2(qs.float() - 127)[..., None]).view(T, G, Dg)
                 ref_act = torch.einsum("tgd,grd->tgr", a, w_deq).reshape(T, G * R)
-                if poisoned_error(lambda i: wo_a_fp8_act(q8, qs, w8, sc, out=y), y, ref_act) > 1e-2:
-                    raise SystemExit(f"{model} T={T}: FP8-activation WO-A output check failed")
-                t_q, t_g = time_graphs_interleaved(
-                    [lambda i: (quant(), wo_a_fp8_act(q8, qs, *fs[i % len(fs)], out=y)),
-                     lambda i: wo_a_fp8_act(q8, qs, *fs[i % len(fs)], out=y)], n, reps, trials=15)
-                wbytes8 = G * R * Dg + G * R * Dg // 128 ** 2 * 4
-                act_cols = [f"{t_q * 1e6:.1f}", f"{t_g * 1e6:.1f}",
-                            f"{100 * (wbytes8 + T * G * Dg * 33 // 32 + T * G * R * 2) / t_g / H200_COPY_BW:.0f}%"
-                            " of 4.3 TB/s"]
+                try:  # (a newer kernel: a failure marks its cells, loudly, and keeps the other columns)
+                    err = poisoned_error(lambda i: wo_a_fp8_act(q8, qs, w8, sc, out=y), y, ref_act)
+                except Exception as e:  # noqa: BLE001
+                    err, act_cols = None, [f"FAILED: {type(e).__name__}: {str(e)[:80]}", "-", "-"]
+                if err is not None and not err < 1e-2:
+                    print(f"{model} T={T}: FP8-activation WO-A OUTPUT CHECK FAILED (rel. error {err:.2e})", flush=True)
+                    act_cols = [f"OUTPUT CHECK FAILED (rel. error {err:.1e}): not timed", "-", "-"]
+                elif err is not None:
+                    t_q, t_g = time_graphs_interleaved(
+                        [lambda i: (quant(), wo_a_fp8_act(q8, qs, *fs[i % len(fs)], out=y)),
+                         lambda i: wo_a_fp8_act(q8, qs, *fs[i % len(fs)], out=y)], n, reps, trials=15)
+                    wbytes8 = G * R * Dg + G * R * Dg // 128 ** 2 * 4
+                    act_cols = [f"{t_q * 1e6:.1f}", f"{t_g * 1e6:.1f}",
+                                f"{100 * (wbytes8 + T * G * Dg * 33 // 32 + T * G * R * 2) / t_g / H200_COPY_BW:.0f}%"
+                                " of 4.3 TB/s"]
             t_bf, best_bf = bf[0], min(bf[1], bf[2])
             t_f8, best_f8 = f8[0], min(f8[1:])
             flops = 2 * T * G * R * Dg
