@@ -58,6 +58,45 @@ def smem_bytes(tok_n: int, stages: int, bk: int = 64) -> int:
     return 1024 + stages * (BM + tok_n) * bk * 2 + tok_n * (BM + 1) * 4 + 2 * stages * 8
 
 
+def group_operand_tiles(tma_w: cute.CopyAtom, mW: cute.Tensor, sW: cute.Tensor, tma_o: cute.CopyAtom,
+                        mO: cute.Tensor, sO: cute.Tensor, tile_w: tuple, tile_o: tuple, rt, g):
+    """The TMA views of a swap-AB WO-A CTA's operands, per K slice: weight-row tile ``rt`` of
+    group ``g`` of ``mW (R, Dg, G)`` and the group's token rows of ``mO (T, Dg, G)`` (tiles
+    ``tile_w`` / ``tile_o``; token rows past T are zero-filled by TMA): ``(tWsW, tWgW, tOsO,
+    tOgO)``. Called while a kernel is traced (this module's and :mod:`.wo_a_fp8_act_sm90`'s)."""
+    gW = cute.local_tile(mW, tile_w, (None, None, None))[(None, None, rt, None, g)]
+    gO = cute.local_tile(mO, tile_o, (None, None, None))[(None, None, 0, None, g)]
+    return (*tma_tiles(tma_w, sW, gW), *tma_tiles(tma_o, sO, gO))
+
+
+@cute.jit
+def load_k_slice(pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, tma_w: cute.CopyAtom,
+                 tWgW: cute.Tensor, tWsW: cute.Tensor, tma_o: cute.CopyAtom, tOgO: cute.Tensor, tOsO: cute.Tensor):
+    """K slice ``prod.count`` of both tiles into stage ``prod.index`` (one thread issues; the
+    stage's mbarrier counts the bytes)."""
+    pipe.producer_acquire(prod)
+    kt = prod.count
+    cute.copy(tma_w, tWgW[(None, kt)], tWsW[(None, prod.index)], tma_bar_ptr=pipe.producer_get_barrier(prod))
+    cute.copy(tma_o, tOgO[(None, kt)], tOsO[(None, prod.index)], tma_bar_ptr=pipe.producer_get_barrier(prod))
+    pipe.producer_commit(prod)
+
+
+@cute.jit
+def store_token_major(acc: cute.Tensor, tCcC: cute.Tensor, sOut: cute.Tensor, mY: cute.Tensor, col0: Int32,
+                      num_tokens: Int32, tidx: Int32):
+    """The epilogue: the FP32 accumulator of a (BM weight rows, tokens) tile transposed through
+    ``sOut`` (token-major, odd pitch: conflict-free) into columns ``col0 ..`` of token-major
+    ``mY``, each element rounded once to bf16."""
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        r, c = tCcC[i]
+        sOut[c, r] = acc[i]
+    cute.arch.barrier()
+    for idx in cutlass.range(tidx, num_tokens * BM, THREADS):
+        c = idx // BM
+        r = idx - c * BM
+        mY[c, col0 + r] = sOut[c, r].to(cutlass.BFloat16)  # the one bf16 rounding
+
+
 class WoADecodeSwapAB:
     def __init__(self, G: int, R: int, Dg: int, tok_n: int, stages: int = 4, bk: int = 64, pdl: bool = False):
         self.G, self.R, self.Dg, self.tok_n, self.stages, self.bk, self.pdl = G, R, Dg, tok_n, stages, bk, pdl
@@ -115,10 +154,7 @@ class WoADecodeSwapAB:
         pipe = single_cta_tma_pipeline(mbar, STAGES, THREADS // 32, (bf16, w_smem), (bf16, o_smem))
 
         # This CTA's 64 weight rows of group g and the group's token rows, in bk-wide K slices.
-        gW = cute.local_tile(mW, (BM, self.bk), (None, None, None))[(None, None, rt, None, g)]
-        gO = cute.local_tile(mO, (TN, self.bk), (None, None, None))[(None, None, 0, None, g)]
-        tWsW, tWgW = tma_tiles(tma_w, sW, gW)
-        tOsO, tOgO = tma_tiles(tma_o, sO, gO)
+        tWsW, tWgW, tOsO, tOgO = group_operand_tiles(tma_w, mW, sW, tma_o, mO, sO, (BM, self.bk), (TN, self.bk), rt, g)
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         if cutlass.const_expr(self.pdl):
@@ -142,7 +178,7 @@ class WoADecodeSwapAB:
         else:
             if warp_idx == 0:
                 for _ in cutlass.range_constexpr(min(STAGES, KT)):
-                    self.load(pipe, prod, tma_w, tWgW, tWsW, tma_o, tOgO, tOsO)
+                    load_k_slice(pipe, prod, tma_w, tWgW, tWsW, tma_o, tOgO, tOsO)
                     prod.advance()
 
         tCrW, tCrO, tCcC, acc = wgmma_fragments(tiled_mma, tidx, sW, sO, (BM, TN))
@@ -159,29 +195,10 @@ class WoADecodeSwapAB:
             pipe.consumer_release(cons)
             cons.advance()
             if warp_idx == 0 and prod.count < KT:
-                self.load(pipe, prod, tma_w, tWgW, tWsW, tma_o, tOgO, tOsO)
+                load_k_slice(pipe, prod, tma_w, tWgW, tWsW, tma_o, tOgO, tOsO)
                 prod.advance()
 
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            r, c = tCcC[i]
-            sOut[c, r] = acc[i]
-        col0 = nt * BM  # = g * R + rt * 64: the tile's first column of token-major y
-        cute.arch.barrier()
-        for idx in cutlass.range(tidx, num_tokens * BM, THREADS):
-            c = idx // BM
-            r = idx - c * BM
-            mY[c, col0 + r] = sOut[c, r].to(bf16)  # the one bf16 rounding
-
-    @cute.jit
-    def load(self, pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, tma_w: cute.CopyAtom,
-             tWgW: cute.Tensor, tWsW: cute.Tensor, tma_o: cute.CopyAtom, tOgO: cute.Tensor, tOsO: cute.Tensor):
-        """The CTA's K slice ``prod.count`` of both tiles into stage ``prod.index`` (one thread
-        issues; the stage's mbarrier counts the bytes)."""
-        pipe.producer_acquire(prod)
-        kt = prod.count
-        cute.copy(tma_w, tWgW[(None, kt)], tWsW[(None, prod.index)], tma_bar_ptr=pipe.producer_get_barrier(prod))
-        cute.copy(tma_o, tOgO[(None, kt)], tOsO[(None, prod.index)], tma_bar_ptr=pipe.producer_get_barrier(prod))
-        pipe.producer_commit(prod)
+        store_token_major(acc, tCcC, sOut, mY, nt * BM, num_tokens, tidx)  # nt * BM = g * R + rt * 64
 
     @staticmethod
     def can_implement(T: int, G: int, R: int, Dg: int, tok_n: int, stages: int = 4, bk: int = 64) -> bool:

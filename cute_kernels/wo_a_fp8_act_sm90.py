@@ -59,10 +59,11 @@ from cutlass.tensor_utils import LayoutEnum
 from . import jit
 from .arch import current_arch
 from .mx_scales import e8m0_to_f32
-from .tma_pipeline import single_cta_tma_pipeline, tma_tiles
+from .tma_pipeline import single_cta_tma_pipeline
 from .validate import check_arch_supported, check_cuda, check_tensor
 from .warp_mma import wgmma_fragments
 from .wo_a_decode import SMEM_PER_CTA
+from .wo_a_decode_swap_ab import group_operand_tiles, load_k_slice, store_token_major
 from .wo_a_sm90 import wo_a_layouts
 
 BM = 64  # weight rows (output columns) per CTA: wgmma M
@@ -142,15 +143,12 @@ class WoAFp8ActSm90:
         pipe = single_cta_tma_pipeline(mbar, STAGES, THREADS // 32, (f8, w_smem), (f8, q_smem))
 
         # This CTA's 64 weight rows of group g and the group's token rows, in 128-byte K slices.
-        gW = cute.local_tile(mW, (BM, BK), (None, None, None))[(None, None, rt, None, g)]
-        gQ = cute.local_tile(mQ, (TN, BK), (None, None, None))[(None, None, 0, None, g)]
-        tWsW, tWgW = tma_tiles(tma_w, sW, gW)
-        tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
+        tWsW, tWgW, tQsQ, tQgQ = group_operand_tiles(tma_w, mW, sW, tma_q, mQ, sQ, (BM, BK), (TN, BK), rt, g)
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         if warp_idx == 0:
             for _ in cutlass.range_constexpr(min(STAGES, KT)):
-                self.load(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ)
+                load_k_slice(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ)
                 prod.advance()
 
         tCrW, tCrQ, tCcC, acc = wgmma_fragments(tiled_mma, tidx, sW, sQ, (BM, TN))
@@ -170,19 +168,10 @@ class WoAFp8ActSm90:
                          ws_row, kt, num_tokens, NV, NC)
             cons.advance()
             if warp_idx == 0 and prod.count < KT:
-                self.load(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ)
+                load_k_slice(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ)
                 prod.advance()
 
-        bf16 = cutlass.BFloat16
-        for i in cutlass.range_constexpr(NV):
-            r, c = tCcC[i]
-            sOut[c, r] = acc[i]
-        col0 = nt * BM  # = g * R + rt * 64: the tile's first column of token-major y
-        cute.arch.barrier()
-        for idx in cutlass.range(tidx, num_tokens * BM, THREADS):
-            c = idx // BM
-            r = idx - c * BM
-            mY[c, col0 + r] = sOut[c, r].to(bf16)  # the one bf16 rounding
+        store_token_major(acc, tCcC, sOut, mY, nt * BM, num_tokens, tidx)  # nt * BM = g * R + rt * 64
 
     @cute.jit
     def k_slice(self, pipe: pipeline.PipelineTmaAsync, cons: pipeline.PipelineState, tiled_mma: cute.TiledMma,
@@ -221,17 +210,6 @@ class WoAFp8ActSm90:
         for i in cutlass.range_constexpr(NV):
             sa = e8m0_to_f32((rSa[(i // 4) * 2 + i % 2] >> (8 * kb)) & Uint32(0xFF))
             acc[i] = acc[i] + frag[i] * (ws * sa)
-
-    @cute.jit
-    def load(self, pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, tma_w: cute.CopyAtom,
-             tWgW: cute.Tensor, tWsW: cute.Tensor, tma_q: cute.CopyAtom, tQgQ: cute.Tensor, tQsQ: cute.Tensor):
-        """The CTA's K slice ``prod.count`` of both tiles into stage ``prod.index`` (one thread
-        issues; the stage's mbarrier counts the bytes)."""
-        pipe.producer_acquire(prod)
-        kt = prod.count
-        cute.copy(tma_w, tWgW[(None, kt)], tWsW[(None, prod.index)], tma_bar_ptr=pipe.producer_get_barrier(prod))
-        cute.copy(tma_q, tQgQ[(None, kt)], tQsQ[(None, prod.index)], tma_bar_ptr=pipe.producer_get_barrier(prod))
-        pipe.producer_commit(prod)
 
     @staticmethod
     def can_implement(T: int, G: int, R: int, Dg: int, tok_n: int, stages: int = 8) -> bool:
@@ -275,7 +253,8 @@ KERNEL = jit.register(jit.KernelDef(
     name="wo_a_fp8_act_sm90",
     build=_build,
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
-                  for f in ("wo_a_fp8_act_sm90.py", "wo_a_sm90.py", "tma_pipeline.py", "warp_mma.py", "mx_scales.py")),
+                  for f in ("wo_a_fp8_act_sm90.py", "wo_a_decode_swap_ab.py", "wo_a_sm90.py", "tma_pipeline.py",
+                            "warp_mma.py", "mx_scales.py")),
     archs=("sm_90a",),
     # DeepSeek-V4-Flash / -Pro at every decode token tile
     aot_configs=tuple({"G": G, "R": 1024, "Dg": 4096, **plan(T)} for G in (8, 16) for T in (16, 32, 64)),
