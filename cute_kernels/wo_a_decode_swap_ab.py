@@ -58,6 +58,19 @@ def smem_bytes(tok_n: int, stages: int, bk: int = 64) -> int:
     return 1024 + stages * (BM + tok_n) * bk * 2 + tok_n * (BM + 1) * 4 + 2 * stages * 8
 
 
+def shared_storage(dtype, w_smem: cute.ComposedLayout, o_smem: cute.ComposedLayout, stages: int, tok_n: int):
+    """A swap-AB WO-A CTA's shared memory: the stage mbarriers, the swizzled weight and token
+    stages of ``dtype``, the FP32 output tile (token-major; the odd pitch keeps the transposing
+    writes conflict-free) and the TMA pipeline over the stages: ``(sW, sO, sOut, pipe)``.
+    Called while a kernel is traced."""
+    smem = cutlass.memory.SmemAllocator()
+    mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((2 * stages,)), 8)
+    sW = smem.allocate_tensor(dtype, w_smem.outer, 1024, swizzle=w_smem.inner)
+    sO = smem.allocate_tensor(dtype, o_smem.outer, 1024, swizzle=o_smem.inner)
+    sOut = smem.allocate_tensor(Float32, cute.make_layout((tok_n, BM + 1), stride=(BM + 1, 1)), 16)
+    return sW, sO, sOut, single_cta_tma_pipeline(mbar, stages, THREADS // 32, (dtype, w_smem), (dtype, o_smem))
+
+
 def group_operand_tiles(tma_w: cute.CopyAtom, mW: cute.Tensor, sW: cute.Tensor, tma_o: cute.CopyAtom,
                         mO: cute.Tensor, sO: cute.Tensor, tile_w: tuple, tile_o: tuple, rt, g):
     """The TMA views of a swap-AB WO-A CTA's operands, per K slice: weight-row tile ``rt`` of
@@ -145,13 +158,7 @@ class WoADecodeSwapAB:
         g = nt // tiles_per_group
         rt = nt - g * tiles_per_group
 
-        smem = cutlass.memory.SmemAllocator()
-        mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((2 * STAGES,)), 8)
-        sW = smem.allocate_tensor(bf16, w_smem.outer, 1024, swizzle=w_smem.inner)
-        sO = smem.allocate_tensor(bf16, o_smem.outer, 1024, swizzle=o_smem.inner)
-        # FP32 tile, token-major; the odd pitch keeps the transposing writes conflict-free
-        sOut = smem.allocate_tensor(Float32, cute.make_layout((TN, BM + 1), stride=(BM + 1, 1)), 16)
-        pipe = single_cta_tma_pipeline(mbar, STAGES, THREADS // 32, (bf16, w_smem), (bf16, o_smem))
+        sW, sO, sOut, pipe = shared_storage(bf16, w_smem, o_smem, STAGES, TN)
 
         # This CTA's 64 weight rows of group g and the group's token rows, in bk-wide K slices.
         tWsW, tWgW, tOsO, tOgO = group_operand_tiles(tma_w, mW, sW, tma_o, mO, sO, (BM, self.bk), (TN, self.bk), rt, g)

@@ -59,11 +59,10 @@ from cutlass.tensor_utils import LayoutEnum
 from . import jit
 from .arch import current_arch
 from .mx_scales import e8m0_to_f32
-from .tma_pipeline import single_cta_tma_pipeline
 from .validate import check_arch_supported, check_cuda, check_tensor
 from .warp_mma import wgmma_fragments
 from .wo_a_decode import SMEM_PER_CTA
-from .wo_a_decode_swap_ab import group_operand_tiles, load_k_slice, store_token_major
+from .wo_a_decode_swap_ab import group_operand_tiles, load_k_slice, shared_storage, store_token_major
 from .wo_a_sm90 import wo_a_layouts
 
 BM = 64  # weight rows (output columns) per CTA: wgmma M
@@ -134,13 +133,7 @@ class WoAFp8ActSm90:
         g = nt // tiles_per_group
         rt = nt - g * tiles_per_group
 
-        smem = cutlass.memory.SmemAllocator()
-        mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((2 * STAGES,)), 8)
-        sW = smem.allocate_tensor(f8, w_smem.outer, 1024, swizzle=w_smem.inner)
-        sQ = smem.allocate_tensor(f8, q_smem.outer, 1024, swizzle=q_smem.inner)
-        # FP32 tile, token-major; the odd pitch keeps the transposing writes conflict-free
-        sOut = smem.allocate_tensor(Float32, cute.make_layout((TN, BM + 1), stride=(BM + 1, 1)), 16)
-        pipe = single_cta_tma_pipeline(mbar, STAGES, THREADS // 32, (f8, w_smem), (f8, q_smem))
+        sW, sQ, sOut, pipe = shared_storage(f8, w_smem, q_smem, STAGES, TN)
 
         # This CTA's 64 weight rows of group g and the group's token rows, in 128-byte K slices.
         tWsW, tWgW, tQsQ, tQgQ = group_operand_tiles(tma_w, mW, sW, tma_q, mQ, sQ, (BM, BK), (TN, BK), rt, g)
