@@ -1,7 +1,8 @@
 """Warp-level helpers of the MMA kernels: shared-memory -> register operand copies for the
 ``mma.sync`` kernels (mhc_stats, wo_a_decode, indexer_scores, the Hopper MoE tiled kernel),
 the wgmma kernels' per-thread fragments (indexer_scores_sm90*, wo_a_decode_swap_ab,
-moe.experts_swap_ab_sm90), and the quad reduction over an accumulator row's 4 threads."""
+moe.experts_swap_ab_sm90), the FP8 wgmma kernels' per-block promotion (moe.experts_swap_ab_sm90,
+wo_a_fp8_act_sm90), and the quad reduction over an accumulator row's 4 threads."""
 
 import cutlass.cute as cute
 from cutlass import Float32
@@ -37,3 +38,22 @@ def quad_sum(v):
     layouts they hold one row's columns. Every lane of the quad gets the sum."""
     v = v + cute.arch.shuffle_sync_bfly(v, offset=1)
     return v + cute.arch.shuffle_sync_bfly(v, offset=2)
+
+
+def fp8_wgmma_blocks(tiled_mma: cute.TiledMma, tCrA: cute.Tensor, tCrB: cute.Tensor, stage, frags: list, blocks: int,
+                     promote):
+    """One K slice of a block-scaled FP8 wgmma kernel: per 32-wide K block ``kb`` (the K mode of
+    stage ``stage``'s fragments ``tCrA`` / ``tCrB``) a wgmma into a fresh FP32 fragment (the
+    caller's tiled MMA has ACCUMULATE off), then ``promote(frag, kb)`` adds it into the caller's
+    accumulator with the block's scales. Two fragments (``frags``) alternate, so block kb's
+    wgmma runs while block kb - 1 is promoted; the fence orders a wgmma after the promotion's
+    reads of the same registers. Called while a kernel is traced (the loop unrolls there)."""
+    for kb in range(blocks + 1):
+        if kb < blocks:
+            cute.nvgpu.warpgroup.fence()
+            cute.gemm(tiled_mma, frags[kb % 2], tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)],
+                      frags[kb % 2])
+            cute.nvgpu.warpgroup.commit_group()
+        if kb > 0:
+            cute.nvgpu.warpgroup.wait_group(1 if kb < blocks else 0)
+            promote(frags[(kb - 1) % 2], kb - 1)

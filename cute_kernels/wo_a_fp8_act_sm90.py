@@ -60,7 +60,7 @@ from . import jit
 from .arch import current_arch
 from .mx_scales import e8m0_to_f32
 from .validate import check_arch_supported, check_cuda, check_tensor
-from .warp_mma import wgmma_fragments
+from .warp_mma import fp8_wgmma_blocks, wgmma_fragments
 from .wo_a_decode import SMEM_PER_CTA
 from .wo_a_decode_swap_ab import group_operand_tiles, load_k_slice, shared_storage, store_token_major
 from .wo_a_sm90 import wo_a_layouts
@@ -184,16 +184,8 @@ class WoAFp8ActSm90:
             rSa[j] = word
         ws = mWs[ws_row + kt]
         pipe.consumer_wait(cons)
-        for kb in cutlass.range_constexpr(BK // MX + 1):
-            if cutlass.const_expr(kb < BK // MX):
-                # the fence orders this wgmma after the promotion's reads of the same registers
-                cute.nvgpu.warpgroup.fence()
-                cute.gemm(tiled_mma, frags[kb % 2], tCrW[(None, None, kb, cons.index)],
-                          tCrQ[(None, None, kb, cons.index)], frags[kb % 2])
-                cute.nvgpu.warpgroup.commit_group()
-            if cutlass.const_expr(kb > 0):
-                cute.nvgpu.warpgroup.wait_group(1 if kb < BK // MX else 0)
-                self.promote(acc, frags[(kb - 1) % 2], ws, rSa, kb - 1, NV)
+        fp8_wgmma_blocks(tiled_mma, tCrW, tCrQ, cons.index, frags, BK // MX,
+                         lambda frag, kb: self.promote(acc, frag, ws, rSa, kb, NV))
         pipe.consumer_release(cons)
 
     @cute.jit

@@ -54,7 +54,7 @@ from cutlass import Float32, Int32, Uint32
 from cute_kernels import jit
 from cute_kernels.mx_scales import e8m0_to_f32
 from cute_kernels.tma_pipeline import single_cta_tma_pipeline, tma_tiles
-from cute_kernels.warp_mma import wgmma_fragments
+from cute_kernels.warp_mma import fp8_wgmma_blocks, wgmma_fragments
 
 from .experts_tiled_sm90 import (MX, RoutedGemmTensorEntry, check_swiglu_limit, routed_gemm_tensor_args,
                                  routed_gemm_tensors, store_silu_mul_mx_row)
@@ -220,16 +220,8 @@ class MoeExpertSwapABSm90(RoutedGemmTensorEntry):
             rSa[j] = mSA32[(sa_atom + kt) * 128 + (m % 32) * 4 + m // 32]
         pipe.consumer_wait(cons)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-        for kb in cutlass.range_constexpr(BK // MX + 1):
-            if cutlass.const_expr(kb < BK // MX):
-                # the fence orders this wgmma after the promotion's reads of the same registers
-                cute.nvgpu.warpgroup.fence()
-                cute.gemm(tiled_mma, frags[kb % 2], tCrW[(None, None, kb, cons.index)],
-                          tCrA[(None, None, kb, cons.index)], frags[kb % 2])
-                cute.nvgpu.warpgroup.commit_group()
-            if cutlass.const_expr(kb > 0):
-                cute.nvgpu.warpgroup.wait_group(1 if kb < BK // MX else 0)
-                self.promote(acc, frags[(kb - 1) % 2], rSw, rSa, kb - 1, NV)
+        fp8_wgmma_blocks(tiled_mma, tCrW, tCrA, cons.index, frags, BK // MX,
+                         lambda frag, kb: self.promote(acc, frag, rSw, rSa, kb, NV))
         pipe.consumer_release(cons)
 
     @cute.jit

@@ -41,7 +41,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
-
 from cute_kernels import jit, mx_scales, warp_mma
 from cute_kernels.mx_scales import e8m0_to_f32, u32_as_f32
 from cute_kernels.warp_mma import ldmatrix_operands
