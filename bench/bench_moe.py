@@ -26,21 +26,28 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (H200_COPY_BW, copy_bandwidth, markdown_table, median, overlap_fractions,  # noqa: E402
+from common import (H200_COPY_BW, markdown_table, median, overlap_fractions,  # noqa: E402
                     profiled_graph_kernels, rotation_count, time_graph)
 
+from cute_kernels.profiling import copy_bandwidth  # noqa: E402
 from moe.experts import swizzle_scales  # noqa: E402
 from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size  # noqa: E402
 from moe.router import V4_FLASH_ROUTER, V4_PRO_ROUTER, MoeRouter, RouterConfig, capacity  # noqa: E402
 from moe.streams import SideStream  # noqa: E402
 
 
+def selection_scores(logits, bias, cfg: RouterConfig):
+    """The routing rule's FP32 expert scores ``s`` (sigmoid or sqrt-softplus of the logits) and
+    selection scores ``b = s + bias``."""
+    x = logits.float()
+    s = x.sigmoid() if cfg.score == "sigmoid" else torch.nn.functional.softplus(x).sqrt()
+    return s, (s if bias is None else s + bias)
+
+
 def router_composite(logits, bias, cfg: RouterConfig, slots, tiles):
     E, G, TG, k, tile = cfg.num_experts, cfg.n_group, cfg.topk_group, cfg.top_k, cfg.tile_m
     T = logits.shape[0]
-    x = logits.float()
-    s = x.sigmoid() if cfg.score == "sigmoid" else torch.nn.functional.softplus(x).sqrt()
-    b = s + bias
+    s, b = selection_scores(logits, bias, cfg)
     if G > 1:
         gscore = b.view(T, G, E // G).topk(2, dim=-1).values.sum(-1)
         gidx = gscore.topk(TG, dim=-1).indices
@@ -87,9 +94,7 @@ def unexplained_picks(our_ids, ids, logits, bias, cfg: RouterConfig) -> tuple[to
     within 2e-5)."""
     ours, ref = torch.sort(our_ids.long(), dim=-1).values, torch.sort(ids.long(), dim=-1).values
     same = (ours == ref).all(-1)
-    x = logits.float()
-    s = x.sigmoid() if cfg.score == "sigmoid" else torch.nn.functional.softplus(x).sqrt()
-    b = s + (bias if bias is not None else 0.0)
+    _, b = selection_scores(logits, bias, cfg)
     gs = cfg.num_experts // cfg.n_group
     bad = []
     for t in torch.nonzero(~same).flatten().tolist():
@@ -116,20 +121,32 @@ def check_router(out, ids, w, T, logits, bias, cfg: RouterConfig):
         raise SystemExit(f"router T={T}: weights differ from the torch composite")
 
 
+def router_inputs(cfg: RouterConfig, T: int, n: int = 16):
+    """``n`` rotating logits ``[T, E]`` and one bias of the router benches."""
+    return [torch.randn(T, cfg.num_experts, device="cuda") * 3 for _ in range(n)], \
+        torch.randn(cfg.num_experts, device="cuda") * 0.1
+
+
+def time_router(cfg: RouterConfig, T: int, logits: list, bias) -> float:
+    """Seconds per call of our router over the rotating ``logits`` (CUDA-graph replay), its
+    output checked once against the composite first; the path is the one
+    ``moe.router.SINGLE_CTA_MAX_TOKENS`` picks for T."""
+    slots, tiles = capacity(cfg, T)
+    routers = [MoeRouter(cfg, max_tokens=T) for _ in logits]
+    check_router(routers[0](logits[0], bias), *router_composite(logits[0], bias, cfg, slots, tiles)[:2], T,
+                 logits[0], bias, cfg)
+    return time_graph(lambda i: routers[i](logits[i], bias), len(logits), 64)
+
+
 def bench_router():
     rows = []
     for name, cfg in ROUTERS:
         E = cfg.num_experts
         for T in (1, 6, 8, 64, 320, 384):  # decode: a verify step is 6 tokens per request (BS1: 6, BS64: 384)
             slots, tiles = capacity(cfg, T)
-            n = 16
-            logits = [torch.randn(T, E, device="cuda") * 3 for _ in range(n)]
-            bias = torch.randn(E, device="cuda") * 0.1
-            routers = [MoeRouter(cfg, max_tokens=T) for _ in range(n)]
-            check_router(routers[0](logits[0], bias), *router_composite(logits[0], bias, cfg, slots, tiles)[:2], T,
-                         logits[0], bias, cfg)
-            t_ours = time_graph(lambda i: routers[i](logits[i], bias), n, 64)
-            t_ref = time_graph(lambda i: router_composite(logits[i], bias, cfg, slots, tiles), n, 64)
+            logits, bias = router_inputs(cfg, T)
+            t_ours = time_router(cfg, T, logits, bias)
+            t_ref = time_graph(lambda i: router_composite(logits[i], bias, cfg, slots, tiles), len(logits), 64)
             rows.append([f"{name}: T={T}, E={E}, k={cfg.top_k}, {cfg.score}, tile {cfg.tile_m}",
                          f"{t_ours * 1e6:.2f}", f"{t_ref * 1e6:.2f}", f"{t_ref / t_ours:.1f}x",
                          ("yes" if t_ours <= ROUTER_GOAL_S else "no") if T <= 64 else "-"])
@@ -144,21 +161,14 @@ def bench_router_paths():
     rows, saved = [], router_mod.SINGLE_CTA_MAX_TOKENS
     try:
         for name, cfg in ROUTERS:
-            E = cfg.num_experts
             for T in (4, 8, 12, 16, 24, 32, 48, 64):
-                slots, tiles = capacity(cfg, T)
-                n = 16
-                logits = [torch.randn(T, E, device="cuda") * 3 for _ in range(n)]
-                bias = torch.randn(E, device="cuda") * 0.1
+                logits, bias = router_inputs(cfg, T)
                 times = []
                 for threshold in (router_mod.SINGLE_CTA_CAPACITY, 0):  # single CTA, then the grid
                     router_mod.SINGLE_CTA_MAX_TOKENS = threshold
-                    routers = [MoeRouter(cfg, max_tokens=T) for _ in range(n)]
-                    check_router(routers[0](logits[0], bias), *router_composite(logits[0], bias, cfg, slots, tiles)[:2],
-                                 T, logits[0], bias, cfg)
-                    times.append(time_graph(lambda i: routers[i](logits[i], bias), n, 64))
-                rows.append([f"{name}: T={T}, E={E}, k={cfg.top_k}", f"{times[0] * 1e6:.2f}", f"{times[1] * 1e6:.2f}",
-                             "single CTA" if times[0] <= times[1] else "grid",
+                    times.append(time_router(cfg, T, logits, bias))
+                rows.append([f"{name}: T={T}, E={cfg.num_experts}, k={cfg.top_k}", f"{times[0] * 1e6:.2f}",
+                             f"{times[1] * 1e6:.2f}", "single CTA" if times[0] <= times[1] else "grid",
                              "single CTA" if T <= saved else "grid"])
     finally:
         router_mod.SINGLE_CTA_MAX_TOKENS = saved

@@ -21,18 +21,6 @@ def rotation_count(bytes_per_call: int, l2_bytes: int = 60 << 20, min_count: int
     return max(min_count, -(-2 * l2_bytes // max(bytes_per_call, 1)))
 
 
-def copy_bandwidth(nbytes: int = 256 << 20) -> float:
-    """This card's device copy bandwidth, bytes read + written per second: ``dst.copy_(src)`` of
-    ``nbytes`` buffers, rotated past L2, timed as every kernel here is (:func:`time_graph`). On a
-    card other than the H200 a bandwidth-bound kernel's share of the limit is quoted against this,
-    measured in the same run, beside the share of :data:`H200_COPY_BW`."""
-    n = rotation_count(2 * nbytes)
-    src = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(n)]
-    dst = [torch.empty_like(x) for x in src]
-    t = time_graph(lambda i: dst[i].copy_(src[i]), n, n)
-    return 2 * nbytes / t
-
-
 def _capture(launch, n_inputs: int, reps: int, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
     """A graph of ``reps`` back-to-back ``launch(r % n_inputs)`` calls on ``stream``, captured
     after up to three eager calls (compile / autotune outside capture)."""

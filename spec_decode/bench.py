@@ -55,7 +55,7 @@ import time
 
 import torch
 
-from cute_kernels.profiling import cuda_profile
+from cute_kernels.profiling import copy_bandwidth, cuda_profile
 from cute_kernels.progress import progress
 
 from .config import PRESETS, EngineConfig
@@ -81,35 +81,12 @@ HBM_BYTES_PER_S = 4.3e12
 _CARD_COPY_BW: list[float] = []
 
 
-def card_copy_bandwidth(nbytes: int = 256 << 20, pairs: int = 4, trials: int = 10) -> float:
-    """This card's copy bandwidth (bytes read + written per second), measured once per process
-    before any engine is built: a replayed graph of ``pairs`` copies of ``nbytes`` (2 GiB in
-    all, past L2), median of ``trials`` -- the roofline's second denominator, beside 4.3 TB/s,
-    for a card other than the H200."""
+def card_copy_bandwidth() -> float:
+    """This card's copy bandwidth (:func:`cute_kernels.profiling.copy_bandwidth`), measured once
+    per process, before any engine is built -- the roofline's second denominator, beside 4.3
+    TB/s, for a card other than the H200."""
     if not _CARD_COPY_BW:
-        src = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(pairs)]
-        dst = [torch.empty_like(x) for x in src]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for d, x in zip(dst, src):
-                d.copy_(x)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=side):
-            for d, x in zip(dst, src):
-                d.copy_(x)
-        times = []
-        for _ in range(trials + 2):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e-3)
-        _CARD_COPY_BW.append(2 * nbytes * pairs / statistics.median(times[2:]))
-        del g, src, dst
-        torch.cuda.empty_cache()
+        _CARD_COPY_BW.append(copy_bandwidth())
     return _CARD_COPY_BW[0]
 
 
