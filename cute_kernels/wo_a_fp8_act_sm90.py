@@ -62,16 +62,15 @@ from .mx_scales import e8m0_to_f32
 from .validate import check_arch_supported, check_cuda, check_tensor
 from .warp_mma import fp8_wgmma_blocks, wgmma_fragments
 from .wo_a_decode import SMEM_PER_CTA
-from .wo_a_decode_swap_ab import group_operand_tiles, load_k_slice, shared_storage, store_token_major
+from .wo_a_decode_fp8 import SCALE_BLOCK  # the weights' scale block (rows and K): the checkpoint format's
+# BM weight rows (output columns) per CTA -- wgmma M -- and THREADS: the shared schedule's
+from .wo_a_decode_swap_ab import BM, THREADS, group_operand_tiles, load_k_slice, shared_storage, store_token_major
 from .wo_a_sm90 import wo_a_layouts
 
-BM = 64  # weight rows (output columns) per CTA: wgmma M
 BK = 128  # K elements (bytes) per pipeline stage: four MX blocks, one weight-scale block
 MX = 32  # the activations' scale block: one e4m3 wgmma's K
-SCALE_BLOCK = 128  # the weights' scale block (rows and K)
 TOK_N = (16, 32, 64)
-THREADS = 128
-MAX_T = 64
+MAX_T = TOK_N[-1]
 
 
 def smem_bytes(tok_n: int, stages: int) -> int:
