@@ -245,6 +245,11 @@ def direct_equals_dsl(entry, out) -> bool:
     return torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
 
 
+def us_cell(t: float) -> str:
+    """A host time (us) for the table; ``-`` where a row has no such path (NaN)."""
+    return "-" if t != t else f"{t:.1f}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=2000)
@@ -273,8 +278,7 @@ def main(argv=None) -> int:
         add = t_entry if add is None else add
         if out is not None:
             expect[name] = poisoned_output(entry, out)
-        us = lambda t: "-" if t != t else f"{t:.1f}"  # noqa: E731  (NaN: no such path for this row)
-        rows.append([name, f"{t_entry:.1f}", us(t_dsl), us(t_op), f"{t_entry / add:.1f}x"])
+        rows.append([name, f"{t_entry:.1f}", us_cell(t_dsl), us_cell(t_op), f"{t_entry / add:.1f}x"])
         print("| " + " | ".join(rows[-1]) + " |", flush=True)
     # TVM-FFI launches (jit.use_tvm_ffi): the same entry points, each output checked against the
     # direct launch's bytes first; n/a without the apache-tvm-ffi package
@@ -295,7 +299,7 @@ def main(argv=None) -> int:
                     t_op = host_us(op, args.calls)
                     print(f"{name}: {t_op:.1f} us (custom op, TVM-FFI)", flush=True)
             r.insert(2, f"{t:.1f}" if tvm_ffi else "n/a")
-            r.insert(len(r) - 1, ("-" if t_op != t_op else f"{t_op:.1f}") if tvm_ffi else "n/a")
+            r.insert(len(r) - 1, us_cell(t_op) if tvm_ffi else "n/a")
     finally:
         if tvm_ffi:
             jit.use_tvm_ffi(False)

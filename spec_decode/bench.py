@@ -240,8 +240,9 @@ def run_case(backend, model, batch, n_in, n_out, reference=None, **engine):
     K, ctx = cfg.block_size, n_in + n_out // 2  # the mean context of the run
     for key, width, draft in (("verify", K + 1, False), ("draft", K, True)):
         need = step_bytes(model, batch, width, ctx, draft=draft)["total"]
-        res[f"{key}_roofline"] = need / (res[f"{key}_ms"] * 1e-3) / HBM_BYTES_PER_S
-        res[f"{key}_roofline_card"] = need / (res[f"{key}_ms"] * 1e-3) / card_copy_bandwidth()
+        bytes_per_s = need / (res[f"{key}_ms"] * 1e-3)
+        res[f"{key}_roofline"] = bytes_per_s / HBM_BYTES_PER_S
+        res[f"{key}_roofline_card"] = bytes_per_s / card_copy_bandwidth()
     if batch == 1:
         try:  # the reference PR's trace metrics (BS1); a failure here keeps the other numbers
             res.update(timeline(eng, batch))
