@@ -172,12 +172,17 @@ def grouped_topk_ref(logits, bias, n_group, topk_group, k, scale, score="sigmoid
         keep.scatter_(1, order, True)
         b = torch.where(keep.repeat_interleave(gs, dim=1), b, torch.full_like(b, float("-inf")))
     ids = torch.sort(b, dim=-1, descending=True, stable=True).indices[:, :k]
-    w = s.gather(1, ids)
-    ssum = torch.zeros(T)
-    for i in range(k):  # the kernel's summation order (selection order)
+    return ids.to(torch.int32), routing_weights_ref(s, ids, scale), b
+
+
+def routing_weights_ref(s, ids, scale):
+    """A token's routing weights: the expert scores ``s`` of its picks ``ids [T, k]``, normalised
+    by their FP32 sum taken in selection order (the kernel's order), times ``scale``."""
+    w = s.gather(1, ids.long())
+    ssum = torch.zeros(w.shape[0])
+    for i in range(w.shape[1]):
         ssum = ssum + w[:, i]
-    w = w / (ssum[:, None] + 1e-20) * scale
-    return ids.to(torch.int32), w, b
+    return w / (ssum[:, None] + 1e-20) * scale
 
 
 def hash_route_ref(logits, token_ids, tid2eid, k, scale, score="sqrtsoftplus"):
@@ -187,11 +192,7 @@ def hash_route_ref(logits, token_ids, tid2eid, k, scale, score="sqrtsoftplus"):
     s = expert_scores_ref(logits, score)
     tok = token_ids.long().clamp(0, tid2eid.shape[0] - 1)
     ids = tid2eid[tok].long()
-    w = s.gather(1, ids)
-    ssum = torch.zeros(w.shape[0])
-    for i in range(k):
-        ssum = ssum + w[:, i]
-    return ids.to(torch.int32), w / (ssum[:, None] + 1e-20) * scale
+    return ids.to(torch.int32), routing_weights_ref(s, ids, scale)
 
 
 def align_ref(ids: torch.Tensor, E: int, tile: int):

@@ -8,7 +8,7 @@ import torch
 from cute_kernels.testing import sass
 from moe.router import (V4_FLASH_HASH_ROUTER, V4_FLASH_ROUTER, V4_PRO_HASH_ROUTER, V4_PRO_ROUTER, MoeRouter,
                         RouterConfig, capacity, route, topk_torch)
-from references import align_ref, expert_scores_ref, grouped_topk_ref, hash_route_ref
+from references import align_ref, expert_scores_ref, grouped_topk_ref, hash_route_ref, routing_weights_ref
 
 CONFIGS = [
     RouterConfig(),  # DeepSeek-V3: E=256, 8 groups, keep 4, k=8, sigmoid, scale 2.5, tile 128
@@ -68,11 +68,7 @@ def check_ids_and_weights(ids, w, logits, bias, cfg):
     same = (ids == rid).all(1)
     for t in torch.nonzero(~same).flatten().tolist():
         assert valid_under_rounding(ids[t], b[t], cfg), (t, ids[t], rid[t])
-    picked = s.gather(1, ids.long())
-    ssum = torch.zeros(ids.shape[0])
-    for i in range(cfg.top_k):  # selection order
-        ssum = ssum + picked[:, i]
-    want = picked / (ssum[:, None] + 1e-20) * cfg.routed_scaling_factor
+    want = routing_weights_ref(s, ids, cfg.routed_scaling_factor)
     assert torch.equal(want[same], rw[same])  # (the reference's own weights where the picks agree)
     assert torch.allclose(w, want, rtol=2e-6 if cfg.score == "sigmoid" else 4e-6, atol=0)
 
