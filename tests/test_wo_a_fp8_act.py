@@ -9,7 +9,7 @@ from cute_kernels.testing import sass
 from cute_kernels.wo_a_decode_fp8 import SCALE_BLOCK, checkpoint_scales_fp32
 from cute_kernels.wo_a_fp8_act_sm90 import (MAX_T, TOK_N, WoAFp8ActSm90, plan, smem_bytes, wo_a_fp8_act,
                                             wo_a_fp8_act_reference)
-from references import mxfp8_quant_ref
+from references import mxfp8_dequant_ref, mxfp8_quant_ref
 
 V4_SHAPES = [(8, 8, 512, 1024), (16, 8, 512, 1024)]  # (G, H/G, Dv, R): V4-Flash, V4-Pro
 
@@ -33,8 +33,7 @@ def dequantized(q, qs, w8, ws):
     for byte 0xFF) and weights ``[G, R, Dg]`` (each 128 x 128 block times its scale)."""
     T = q.shape[0]
     G, R, Dg = w8.shape
-    a = q.double().cpu().reshape(T, -1, 32) * torch.exp2(qs.double().cpu() - 127)[..., None]
-    a = torch.where((qs.cpu() == 0xFF)[..., None], torch.full_like(a, float("nan")), a).reshape(T, G, Dg)
+    a = mxfp8_dequant_ref(q.cpu().view(torch.uint8).view(T, -1), qs.cpu()).double().view(T, G, Dg)
     w = (w8.double().cpu().view(G, R // SCALE_BLOCK, SCALE_BLOCK, Dg // SCALE_BLOCK, SCALE_BLOCK)
          * ws.double().cpu()[:, :, None, :, None]).view(G, R, Dg)
     return a, w
