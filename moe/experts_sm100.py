@@ -323,7 +323,8 @@ class MoeExpertGemmSm100:
         this tile (the weights are interleaved by 32); each thread holds one row of each. The
         gate subtile is stashed bf16-rounded; the up subtile completes the row's block:
         h = bf16(bf16(silu(g)) * u), one MXFP8 block and its swizzled scale byte."""
-        from moe.experts_tiled_sm90 import MX, mx_scale_index, silu_mul_mx_block
+        from cute_kernels.mx_scales import swizzled_scale_byte
+        from moe.experts_tiled_sm90 import MX, silu_mul_mx_block
 
         t2r, thr_t2r, tTR_tAcc = tmem_subtiles(tCtAcc, epi_tile, self.t2r_atom(epi_tile), tidx)
         tTR_cC = self.subtile_coords(thr_t2r, epi_tile)
@@ -349,7 +350,7 @@ class MoeExpertGemmSm100:
                 scale = silu_mul_mx_block(rG, rU, rQ, self.swiglu_limit)
                 fb = (n_tile * self.tile_n + n) // (2 * MX)  # output scale block = feature block
                 cute.autovec_copy(rQ, cute.zipped_divide(mQ, (1, MX))[(0, None), (r, fb)])
-                mSQ[mx_scale_index(r, fb, ncb)] = cutlass.Uint8(scale)
+                mSQ[swizzled_scale_byte(r, fb, ncb)] = cutlass.Uint8(scale)
 
 
 def _build(arch: str, *, E: int, N: int, K: int, tile_n: int = 128, silu_quant: bool = False,
@@ -372,6 +373,9 @@ KERNEL = jit.register(jit.KernelDef(
     build=_build,
     sources=(os.path.abspath(__file__),
              os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cute_kernels", "gemm", "sm100_gemm.py"),
+             os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cute_kernels", "mx_scales.py"),
+             # its fused epilogue's SiLU * up + MXFP8 block
+             os.path.join(os.path.dirname(os.path.abspath(__file__)), "experts_tiled_sm90.py"),
              os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cute_kernels", "tma_pipeline.py")),
     archs=("sm_100a",),
     # DeepSeek-like: gate/up (N = 2 I = 4096, K = 7168) and down (N = 7168, K = I = 2048)

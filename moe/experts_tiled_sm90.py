@@ -42,7 +42,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from cute_kernels import jit, mx_scales, warp_mma
-from cute_kernels.mx_scales import e8m0_to_f32, u32_as_f32
+from cute_kernels.mx_scales import e8m0_to_f32, swizzled_scale_byte, u32_as_f32
 from cute_kernels.warp_mma import ldmatrix_operands
 
 BM, BN = 128, 64
@@ -91,7 +91,7 @@ def store_silu_mul_mx_row(sH: cute.Tensor, srow: Int32, mQ: cute.Tensor, mSQ: cu
     scale = silu_mul_mx_block(rG, rU, rQ, limit)
     fb = n0 // (2 * MX)  # output scale block = feature block
     cute.autovec_copy(rQ, cute.zipped_divide(mQ, (1, MX))[(0, None), (row, fb)])
-    mSQ[mx_scale_index(row, fb, ncb)] = cutlass.Uint8(scale)
+    mSQ[swizzled_scale_byte(row, fb, ncb)] = cutlass.Uint8(scale)
 
 
 def check_swiglu_limit(op: str, swiglu_limit, silu_quant: bool) -> None:
@@ -102,12 +102,6 @@ def check_swiglu_limit(op: str, swiglu_limit, silu_quant: bool) -> None:
         raise ValueError(f"{op}: swiglu_limit={swiglu_limit!r} applies to the fused SiLU * up epilogue only")
     if not isinstance(swiglu_limit, (int, float)) or not (0 < float(swiglu_limit) < float("inf")):
         raise ValueError(f"{op}: swiglu_limit must be a finite float > 0 or None, got {swiglu_limit!r}")
-
-
-def mx_scale_index(r, fb, ncb):
-    """Byte of (row r, 32-wide block fb) in the tcgen05-swizzled scale layout with ncb column
-    atoms per 128-row block (the layout moe.quant writes)."""
-    return ((r // 128) * ncb + fb // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + fb % 4
 
 
 @cute.jit

@@ -85,6 +85,8 @@ from cutlass import Float32, Int32, Uint8, Uint16, Uint32
 
 from cute_kernels import jit
 from cute_kernels.arch import current_arch, dispatch
+from cute_kernels import mx_scales
+from cute_kernels.mx_scales import swizzled_scale_word
 from cute_kernels.validate import check_cuda, check_int32_indexable, check_tensor
 
 MX_BLOCK = 32
@@ -275,12 +277,7 @@ class MxQuant:
             for j in cutlass.range_constexpr(1, SF_ATOM_COLS):
                 word = word | ((cute.arch.shuffle_sync_down(scale, offset=j) & 0xFF) << (8 * j))
             if (lane % SF_ATOM_COLS == 0) & (skip == 0):
-                mS32[self.scale_word(r, c // SF_ATOM_COLS)] = Uint32(word)
-
-    @cute.jit
-    def scale_word(self, r: Int32, g: Int32) -> Int32:
-        """Index of row ``r``'s 32-bit word of column group ``g`` in the swizzled scale layout."""
-        return ((r // SF_ATOM_ROWS) * self.ncb + g) * SF_ATOM_ROWS + (r % 32) * 4 + (r // 32) % 4
+                mS32[swizzled_scale_word(r, c // SF_ATOM_COLS, self.ncb)] = Uint32(word)
 
     @cute.jit
     def routed_rows(self, gX, gQ, mXs, mS, mPos, num_tokens: Int32, out_rows: Int32, grid: Int32):
@@ -303,7 +300,7 @@ class MxQuant:
             if (p >= 0) & (p < out_rows):
                 if cutlass.const_expr(self.layout == "swizzled"):
                     word = self.blocks4(gX, gQ, mXs, src, p, c * SF_ATOM_COLS)
-                    mS32[self.scale_word(p, c)] = word
+                    mS32[swizzled_scale_word(p, c, self.ncb)] = word
                 else:
                     mS[p * self.nblk + c] = Uint8(self.block(gX, gQ, mXs, src, p, c))
 
@@ -422,7 +419,7 @@ def _build(arch: str, *, K: int, layout: str, routed: bool, topk: int = 1, zero_
 KERNEL = jit.register(jit.KernelDef(
     name="mxfp8_quant",
     build=_build,
-    sources=(os.path.abspath(__file__),),
+    sources=(os.path.abspath(__file__), os.path.abspath(mx_scales.__file__)),
     archs=("sm_90a", "sm_100a", "sm_103a"),
     aot_configs=tuple(
         {"K": 7168, "layout": lay, "routed": routed, "topk": 8 if routed else 1}

@@ -423,6 +423,23 @@ def test_swizzled_layout_formula_matches_the_package():
         assert torch.equal(swizzle_scales(sc), swizzle_scales_ref(sc))
 
 
+def test_kernels_scale_index_helpers_match_the_published_layout():
+    """cute_kernels.mx_scales' byte and word indices (the quantizer's and the fused epilogues'
+    stores), evaluated on Python ints, put every (row, block) where the published layout does."""
+    from cute_kernels.mx_scales import swizzled_scale_byte, swizzled_scale_word
+
+    for R, C in [(130, 7), (256, 224), (129, 9)]:
+        ncb = -(-C // 4)
+        sc = torch.arange(R * C, dtype=torch.int64).view(R, C) % 251 + 1
+        got = torch.zeros(scale_buffer_size(R, C * 32, "swizzled"), dtype=torch.int64)
+        for r in range(R):
+            for c in range(C):
+                b = swizzled_scale_byte(r, c, ncb)
+                assert b == swizzled_scale_word(r, c // 4, ncb) * 4 + c % 4
+                got[b] = sc[r, c]
+        assert torch.equal(got.to(torch.uint8), swizzle_scales_ref(sc.to(torch.uint8)))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["plain", "swizzled"])
 def test_boundary_blocks_bit_exact_on_gpu(layout):
