@@ -1,6 +1,6 @@
 """This project's kernels next to the libraries a serving engineer would pick instead (H200).
 
-    python bench/bench_peers.py [--out FILE]
+    python bench/bench_peers.py [--families mxfp8,router,...] [--out FILE]
 
 Per family, on the same inputs in the same process: the peer's result is checked against ours
 first (bit-exact where both follow the same rule, else within the stated tolerance -- a peer
@@ -516,15 +516,41 @@ def router_rows(fi):
     return rows
 
 
+#: family name -> (its rows' function, the peers it takes), in the table's order
+FAMILIES = {
+    "mxfp8": (mxfp8_rows, ("flashinfer",)),
+    "torchao": (torchao_rows, ("torchao",)),
+    "rms": (rms_rows, ("quack",)),
+    "norm": (norm_rows, ("quack", "liger")),
+    "softmax": (softmax_rows, ("quack",)),
+    "router": (router_rows, ("flashinfer",)),
+    "topk": (topk_rows, ("flashinfer",)),
+    "wo_a": (wo_a_rows, ()),
+    "deepgemm": (deepgemm_rows, ("deepgemm",)),
+}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--families", default=None, metavar="F,...",
+                    help=f"only these families (default: all of {', '.join(FAMILIES)})")
     args = ap.parse_args(argv)
-    fi, qk, lg, tao, dg = (_peer(p) for p in ("flashinfer", "quack", "liger", "torchao", "deepgemm"))
-    rows = (mxfp8_rows(fi) + torchao_rows(tao) + rms_rows(qk) + norm_rows(qk, lg) + softmax_rows(qk)
-            + router_rows(fi) + topk_rows(fi) + wo_a_rows() + deepgemm_rows(dg))
+    names = list(FAMILIES) if args.families is None else [f.strip() for f in args.families.split(",")]
+    unknown = sorted(set(names) - set(FAMILIES))
+    if unknown:
+        raise SystemExit(f"--families: unknown {unknown}; choose from {list(FAMILIES)}")
+    peers = {p: _peer(p) for p in {p for f in names for p in FAMILIES[f][1]}}
+    rows = []
+    for f in names:  # each family's rows printed as they come: a cut-short run still shows them
+        fn, needs = FAMILIES[f]
+        new = fn(*(peers[p] for p in needs))
+        for r in new:
+            print("| " + " | ".join(str(c) for c in r) + " |", flush=True)
+        rows += new
+    command = "python bench/bench_peers.py" + (f" --families {args.families}" if args.families else "")
     text = "\n".join([f"## Peers -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
-                      "Command: `python bench/bench_peers.py`", "",
+                      f"Command: `{command}`", "",
                       markdown_table(["family", "shape", "peer", "ours us", "peer us", "peer / ours", "ours of 4.3 TB/s",
                                       "note"], rows)])
     print(text)

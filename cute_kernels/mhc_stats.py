@@ -473,7 +473,7 @@ _WORKSPACES: dict = {}
 _RETIRED: list = []  # outgrown default workspaces: a captured graph may still hold their addresses
 
 
-def _default_workspace(n: int, T: int, device: torch.device, stream) -> MhcStatsWorkspace:
+def default_workspace(n: int, T: int, device: torch.device, stream) -> MhcStatsWorkspace:
     """A call without a workspace (the custom op's): one per (device, stream, n), reused by
     every such call on that stream (a call's split-K partials and counters serve one launch in
     flight; launches on one stream run in order). A larger T gets a workspace twice as large
@@ -602,7 +602,7 @@ def mhc_stats(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: tor
     if T == 0:
         return out
     if workspace is None:
-        workspace = _default_workspace(n, T, x.device, stream)
+        workspace = default_workspace(n, T, x.device, stream)
     if not isinstance(workspace, MhcStatsWorkspace):
         raise TypeError(f"{op}: workspace must be an MhcStatsWorkspace, got {type(workspace).__name__}")
     if workspace.n != n or workspace.max_tokens < T:

@@ -88,6 +88,21 @@ class CudaOp:
         return self._op(*args, **kwargs)
 
 
+def _like(x: Tensor) -> Tensor:
+    """A contiguous output of ``x``'s shape and dtype. The functional ops allocate their outputs
+    and call the entry point's ``out=`` form: the form whose eager hot path (a memoised tensor
+    entry with TVM-FFI on) skips the Python validation after a first validated call."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _wo_a_out(o: Tensor, w: Tensor) -> Tensor | None:
+    """WO-A's token-major ``y [T, G*R]`` bf16, or None for operands of the wrong rank (the
+    entry point names the error)."""
+    if o.dim() != 3 or w.dim() != 3:
+        return None
+    return o.new_empty(o.shape[0], w.shape[0] * w.shape[1], dtype=torch.bfloat16)
+
+
 def cuda_op(name: str, mutates=()):
     """Decorator: ``fn`` as the CUDA kernel of the custom op ``cute_kernels::<name>`` (a
     :class:`CudaOp`)."""
@@ -100,7 +115,7 @@ def cuda_op(name: str, mutates=()):
 def rms_norm(x: Tensor, eps: float, weight: Tensor | None = None, rotate: Tensor | None = None) -> Tensor:
     """RMSNorm of bf16/fp16 ``x [..., C]`` times ``weight [C]`` if given, in x's dtype; with
     ``rotate`` (FP32 ``[tokens, r/2, 2]`` cos / sin) RoPE on the last r features."""
-    return _norm.rms_norm(x, eps, weight, rotate=rotate)
+    return _norm.rms_norm(x, eps, weight, rotate=rotate, out=_like(x))
 
 
 rms_norm.register_kernel("cpu")(_norm.rms_norm_torch)
@@ -130,7 +145,8 @@ def _(x, eps, weight, rotate, out):
 @cuda_op("row_rms")
 def row_rms(x: Tensor, eps: float) -> Tensor:
     """``rsqrt(mean(x**2, -1) + eps)`` in FP32 of bf16/fp16 ``x [T, C]`` -> ``[T]``."""
-    return _rms.row_rms(x, eps)
+    out = x.new_empty(x.shape[0], dtype=torch.float32) if x.dim() == 2 else None
+    return _rms.row_rms(x, eps, out=out)
 
 
 row_rms.register_kernel("cpu")(_rms.row_rms_torch)
@@ -161,7 +177,7 @@ def _(x, eps, out):
 def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
     """Softmax over the last dim of ``scores [*lead, H, M]`` where ``mask [*lead, W >= M]``
     selects the keys (``-inf`` elsewhere); a row selecting nothing is zeros."""
-    return _ms.masked_softmax(scores, mask)
+    return _ms.masked_softmax(scores, mask, out=_like(scores))
 
 
 masked_softmax.register_kernel("cpu")(_ms.masked_softmax_torch)
@@ -192,7 +208,12 @@ def _(scores, mask, out):
 def mhc_stats(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, eps: float, sinkhorn_iters: int,
               hc_eps: float) -> Tensor:
     """mHC mappings ``[T, 2n + n*n]`` fp32 of ``x [T, n, C]`` (see :mod:`cute_kernels.mhc_stats`)."""
-    return _stats.mhc_stats(x, phi, alpha, bias, eps=eps, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps)
+    if x.dim() != 3:  # (the entry names the error)
+        return _stats.mhc_stats(x, phi, alpha, bias, eps=eps, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps)
+    T, n = x.shape[:2]
+    return _stats.mhc_stats(x, phi, alpha, bias, eps=eps, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
+                            workspace=_stats.default_workspace(n, T, x.device, None),
+                            out=x.new_empty(T, 2 * n + n * n, dtype=torch.float32))
 
 
 @mhc_stats.register_kernel("cpu")
@@ -228,7 +249,8 @@ def _post_mix_cpu(x, h, f):
 @cuda_op("mhc_pre_mix")
 def mhc_pre_mix(x: Tensor, h: Tensor) -> Tensor:
     """``u[t] = sum_i H_pre[t, i] X[t, i]`` (bf16) of ``x [T, n, C]`` and mappings ``h``."""
-    return _pre.mhc_pre_mix(x, h)
+    out = x.new_empty(x.shape[0], x.shape[2], dtype=torch.bfloat16) if x.dim() == 3 else None
+    return _pre.mhc_pre_mix(x, h, out=out)
 
 
 mhc_pre_mix.register_kernel("cpu")(_pre_mix_cpu)
@@ -257,7 +279,7 @@ def _(x, h, out):
 @cuda_op("mhc_post_mix")
 def mhc_post_mix(x: Tensor, h: Tensor, f: Tensor) -> Tensor:
     """``X'[t, i] = sum_j H_res[t, i, j] X[t, j] + H_post[t, i] F[t]`` (bf16)."""
-    return _post.mhc_post_mix(x, h, f)
+    return _post.mhc_post_mix(x, h, f, out=_like(x))
 
 
 mhc_post_mix.register_kernel("cpu")(_post_mix_cpu)
@@ -289,7 +311,7 @@ def _(x, h, f):
 def wo_a(o: Tensor, w: Tensor) -> Tensor:
     """Token-major ``y [T, G*R]`` bf16 of ``o [T, H, Dv]`` and ``w [G, R, (H/G) Dv]`` (the
     default route of :func:`cute_kernels.wo_a.wo_a`)."""
-    return _wo.wo_a(o, w)
+    return _wo.wo_a(o, w, out=_wo_a_out(o, w))
 
 
 wo_a.register_kernel("cpu")(_wo.wo_a_torch)
@@ -372,7 +394,7 @@ def _(q, w, k_cache, kv_offset, kv_len, pos, topk, max_keys, compress_ratio):
 def wo_a_fp8(o: Tensor, w: Tensor, scale: Tensor) -> Tensor:
     """Token-major ``y [T, G*R]`` bf16 of ``o`` and e4m3 ``w [G, R, Dg]`` with FP32 128 x 128
     block ``scale`` (:func:`cute_kernels.wo_a_decode_fp8.wo_a_fp8`)."""
-    return _wo8.wo_a_fp8(o, w, scale)
+    return _wo8.wo_a_fp8(o, w, scale, out=_wo_a_out(o, w))
 
 
 @wo_a_fp8.register_kernel("cpu")
@@ -390,7 +412,7 @@ def wo_a_fp8_act(q: Tensor, q_scales: Tensor, w: Tensor, w_scale: Tensor) -> Ten
     """Token-major ``y [T, G*R]`` bf16 of MXFP8 activations ``q [T, H, Dv]`` (e4m3) with UE8M0
     ``q_scales [T, H*Dv/32]`` and e4m3 ``w [G, R, Dg]`` with FP32 128 x 128 block ``w_scale``
     (:func:`cute_kernels.wo_a_fp8_act_sm90.wo_a_fp8_act`; Hopper, T <= 64)."""
-    return _wo8a.wo_a_fp8_act(q, q_scales, w, w_scale)
+    return _wo8a.wo_a_fp8_act(q, q_scales, w, w_scale, out=_wo_a_out(q, w))
 
 
 @wo_a_fp8_act.register_kernel("cpu")

@@ -43,7 +43,11 @@ def _quant_cpu(x: Tensor, layout: str) -> tuple[Tensor, Tensor]:
 def mxfp8_quantize(x: Tensor, layout: str) -> tuple[Tensor, Tensor]:
     """MXFP8 of bf16 ``x [R, K]``: (e4m3 ``[R, K]``, UE8M0 scales -- ``[R, K/32]`` for
     ``layout="plain"``, the expert GEMMs' flat swizzled buffer for ``"swizzled"``)."""
-    return _q.mxfp8_quantize(x, layout=layout)
+    if layout != "plain" or x.dim() != 2 or x.shape[1] % _q.MX_BLOCK:  # (the entry names the errors)
+        return _q.mxfp8_quantize(x, layout=layout)
+    R, K = x.shape  # outputs given: the entry's hot path after a first call (cute_kernels.ops._like)
+    return _q.mxfp8_quantize(x, layout=layout, q=x.new_empty(R, K, dtype=F8),
+                             scales=x.new_empty(R, K // _q.MX_BLOCK, dtype=torch.uint8))
 
 
 mxfp8_quantize.register_kernel("cpu")(_quant_cpu)
@@ -122,12 +126,32 @@ def moe_route(logits: Tensor, bias: Tensor | None, num_experts: int, n_group: in
     """The fused router (:mod:`moe.router`): ``(topk_ids [T, k] int32, topk_weights [T, k]
     fp32, expert_counts [E], expert_offsets [E + 1], sorted_token_ids [slots],
     tile_expert [tiles], total_rows [1], routed_row_pos [T k])``, capacities for this T."""
-    T = logits.shape[0]
     cfg = _rt.RouterConfig(num_experts=num_experts, n_group=n_group, topk_group=topk_group, top_k=top_k,
                            routed_scaling_factor=routed_scaling_factor, tile_m=tile_m, score=score)
-    r = _rt.MoeRouter(cfg, max_tokens=max(T, 1), device=logits.device)(logits, bias)
-    return (r.topk_ids.clone(), r.topk_weights.clone(), r.expert_counts, r.expert_offsets, r.sorted_token_ids,
-            r.tile_expert, r.total_rows, r.routed_row_pos.clone())
+    cfg.validate()
+    T = logits.shape[0] if logits.dim() == 2 else 0  # (route names a wrong rank)
+    slots, tiles = _rt.capacity(cfg, T)
+    E, k = num_experts, top_k
+    i32 = dict(dtype=torch.int32, device=logits.device)
+    out = _rt.RouterOutput(torch.empty(T, k, **i32), torch.empty(T, k, dtype=torch.float32, device=logits.device),
+                           torch.empty(E, **i32), torch.empty(E + 1, **i32), torch.empty(slots, **i32),
+                           torch.empty(tiles, **i32), torch.empty(1, **i32), torch.empty(T * k, **i32))
+    _rt.route(logits, bias, cfg, out=out, workspace=_route_workspace(logits.device, E))
+    return (out.topk_ids, out.topk_weights, out.expert_counts, out.expert_offsets, out.sorted_token_ids,
+            out.tile_expert, out.total_rows, out.routed_row_pos)
+
+
+#: the functional router's counters, one per (device, stream, E): the kernel leaves them zero,
+#: so launches in order on one stream share them
+_ROUTE_WORKSPACES: dict = {}
+
+
+def _route_workspace(device: torch.device, num_experts: int) -> Tensor:
+    key = (device, torch.cuda.current_stream(device).cuda_stream, num_experts)
+    ws = _ROUTE_WORKSPACES.get(key)
+    if ws is None:
+        ws = _ROUTE_WORKSPACES[key] = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
+    return ws
 
 
 moe_route.register_kernel("cpu")(_route_cpu)
@@ -195,7 +219,9 @@ def _(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, 
 def moe_finalize(y: Tensor, topk_weights: Tensor, routed_row_pos: Tensor, shared: Tensor | None) -> Tensor:
     """``bf16(sum_i w[t, i] y[pos[t, i]])`` (rounded products, summed in choice order), then
     ``+ shared`` with its own bf16 rounding when given (:mod:`moe.finalize`)."""
-    return _fin.moe_finalize(y, topk_weights, routed_row_pos, shared)
+    out = (y.new_empty(topk_weights.shape[0], y.shape[1], dtype=torch.bfloat16)
+           if y.dim() == 2 and topk_weights.dim() == 2 else None)
+    return _fin.moe_finalize(y, topk_weights, routed_row_pos, shared, out=out)
 
 
 @moe_finalize.register_kernel("cpu")

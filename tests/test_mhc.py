@@ -328,10 +328,10 @@ def test_default_workspace_is_reused_per_stream_and_grows():
     from cute_kernels import mhc_stats as ms
 
     dev = torch.device("cpu")
-    a = ms._default_workspace(4, 6, dev, 11)
-    assert ms._default_workspace(4, 6, dev, 11) is a and ms._default_workspace(4, 64, dev, 11) is a
-    b = ms._default_workspace(4, 100, dev, 11)
-    assert b is not a and b.max_tokens >= 128 and ms._default_workspace(4, 6, dev, 11) is b
+    a = ms.default_workspace(4, 6, dev, 11)
+    assert ms.default_workspace(4, 6, dev, 11) is a and ms.default_workspace(4, 64, dev, 11) is a
+    b = ms.default_workspace(4, 100, dev, 11)
+    assert b is not a and b.max_tokens >= 128 and ms.default_workspace(4, 6, dev, 11) is b
     assert any(r is a for r in ms._RETIRED)  # kept alive: a graph captured with it may replay
-    assert ms._default_workspace(4, 6, dev, 12) is not b
-    assert ms._default_workspace(2, 6, dev, 11).n == 2
+    assert ms.default_workspace(4, 6, dev, 12) is not b
+    assert ms.default_workspace(2, 6, dev, 11).n == 2

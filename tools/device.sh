@@ -18,7 +18,7 @@
 #   bash tools/device.sh bench-runtime [A..] the decode runtime at the reference lengths, synthetic
 #                                            acceptance 5.5 (further bench options A)
 #   bash tools/device.sh build               the AOT build for sm_90a + sm_100a and its demo
-#   bash tools/device.sh peers               the peer benchmark (bench/bench_peers.py): installs the
+#   bash tools/device.sh peers [A..]         the peer benchmark (bench/bench_peers.py): installs the
 #                                            wheels carried in .devcache/peers into /tmp/site (no deps)
 #                                            first -- carry .devcache/peers (13 MB) or .devcache/peers-
 #                                            flashinfer (62 MB, alone) without the DSL bundle, in
@@ -146,7 +146,7 @@ host-cost)
   # (further bench_host_cost options pass through, e.g. --only row_rms,mxfp8_quantize: the whole
   # bench compiles every entry point's TVM-FFI pointer variant and can outlast one call)
   timeout 400 python bench/bench_host_cost.py --calls 1000 --cache "$CUTE_KERNELS_CACHE_DIR" \
-    --out "$OUT/bench_host_cost.md" "$@" 2>&1 | tail -30
+    --out "$OUT/bench_host_cost.md" "$@" 2>&1 | tee "$OUT/bench_host_cost.log" | tail -30
   ;;
 norms-runtime-only)
   $PYT -m gpu tests/test_row_rms.py tests/test_caches.py 2>&1 | tee "$OUT/norms-runtime-only.log" | tail -20
@@ -177,7 +177,8 @@ peers)
   for w in .devcache/peers/*.whl .devcache/peers-flashinfer/*.whl; do
     [ -e "$w" ] && python -m pip install -q --no-deps --no-index --target /tmp/site "$w" 2>&1 | tail -1
   done
-  python bench/bench_peers.py --out "$OUT/bench_peers.md" 2>&1 | tail -30
+  # further options pass through (--families mxfp8,router); rows land in the log as they come
+  python bench/bench_peers.py --out "$OUT/bench_peers.md" "$@" 2>&1 | tee "$OUT/bench_peers.log" | tail -30
   ;;
 build)
   python -m cute_kernels build --arch sm_90a --arch sm_100a --demo 2>&1 | tail -20 | tee "$OUT/build.log"
