@@ -212,7 +212,8 @@ def mhc_stats(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, eps: float, s
         return _stats.mhc_stats(x, phi, alpha, bias, eps=eps, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps)
     T, n = x.shape[:2]
     return _stats.mhc_stats(x, phi, alpha, bias, eps=eps, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
-                            workspace=_stats.default_workspace(n, T, x.device, None),
+                            workspace=_stats.MhcStatsWorkspace(n, T, device=x.device),  # (no state kept:
+                            # nothing outlives a torch.compile CUDA-graph pool's recording)
                             out=x.new_empty(T, 2 * n + n * n, dtype=torch.float32))
 
 

@@ -136,22 +136,11 @@ def moe_route(logits: Tensor, bias: Tensor | None, num_experts: int, n_group: in
     out = _rt.RouterOutput(torch.empty(T, k, **i32), torch.empty(T, k, dtype=torch.float32, device=logits.device),
                            torch.empty(E, **i32), torch.empty(E + 1, **i32), torch.empty(slots, **i32),
                            torch.empty(tiles, **i32), torch.empty(1, **i32), torch.empty(T * k, **i32))
-    _rt.route(logits, bias, cfg, out=out, workspace=_route_workspace(logits.device, E))
+    # a fresh counter workspace per call (the kernel leaves it zero): a functional op keeps no
+    # state, so nothing it allocates outlives a torch.compile CUDA-graph pool's recording
+    _rt.route(logits, bias, cfg, out=out, workspace=torch.zeros(E + 1, **i32))
     return (out.topk_ids, out.topk_weights, out.expert_counts, out.expert_offsets, out.sorted_token_ids,
             out.tile_expert, out.total_rows, out.routed_row_pos)
-
-
-#: the functional router's counters, one per (device, stream, E): the kernel leaves them zero,
-#: so launches in order on one stream share them
-_ROUTE_WORKSPACES: dict = {}
-
-
-def _route_workspace(device: torch.device, num_experts: int) -> Tensor:
-    key = (device, torch.cuda.current_stream(device).cuda_stream, num_experts)
-    ws = _ROUTE_WORKSPACES.get(key)
-    if ws is None:
-        ws = _ROUTE_WORKSPACES[key] = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
-    return ws
 
 
 moe_route.register_kernel("cpu")(_route_cpu)

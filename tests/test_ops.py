@@ -90,7 +90,7 @@ def _cases():
 CASES = _cases()
 
 
-#: torch's SchemaCheckMode cannot compare float8 CPU tensors (it multiplies them): for these the
+#: torch's SchemaCheckMode cannot compare float8 tensors (it multiplies them): for these the
 #: schema test is replaced by a byte-for-byte check that no input changed
 FP8_INPUTS = {"mxfp8_gather_routed", "dequantize_fp8_blockwise", "moe_expert_gemm", "moe_expert_gate_up", "wo_a_fp8",
               "wo_a_fp8_act", "draft_head_scores_out"}
@@ -100,11 +100,8 @@ def _bytes(a):
     return a.contiguous().view(torch.uint8).clone() if isinstance(a, torch.Tensor) else a
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_opcheck_on_cpu(name):
-    """Schema (mutation annotations), fake implementation vs the real one (CPU kernel), AOT
-    dispatch -- torch.library.opcheck's own tests."""
-    op, args = getattr(ops, name).default, CASES[name]
+def _opcheck(name, args):
+    op = getattr(ops, name).default
     if name not in FP8_INPUTS:
         torch.library.opcheck(op, args)
         return
@@ -115,6 +112,30 @@ def test_opcheck_on_cpu(name):
     writes = [a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments]
     assert all(w or not isinstance(a, torch.Tensor) or torch.equal(_bytes(a), b)
                for a, b, w in zip(args, before, writes))  # only the declared outputs change
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_opcheck_on_cpu(name):
+    """Schema (mutation annotations), fake implementation vs the real one (CPU kernel), AOT
+    dispatch -- torch.library.opcheck's own tests."""
+    _opcheck(name, CASES[name])
+
+
+def _gpu_cases():
+    """The CPU cases where they meet the GPU kernels' shape rules; the others at the smallest
+    shapes the kernels take (WO-A: R and Dg multiples of 64; the indexer: heads a multiple of
+    32; the draft head: vocab a multiple of 8)."""
+    g = torch.Generator().manual_seed(6)
+    cases = dict(CASES)
+    o, w = _bf(7, 8, 64, g=g), _bf(2, 64, 256, g=g)
+    cases["wo_a"], cases["wo_a_out"] = (o, w), (o, w, torch.empty(7, 128).bfloat16())
+    off, kl, pos = torch.tensor([0, 0, 20, 20]).int(), torch.tensor([20, 20, 20, 20]).int(), torch.tensor([3, 9, 0, 19]).int()
+    cases["indexer_topk"] = (_bf(4, 32, 16, g=g), torch.rand(4, 32, generator=g), _bf(40, 16, g=g), off, kl, pos, 8,
+                             20, 1)
+    cases["draft_head_scores_out"] = (_bf(3, 64, g=g), torch.randn(104, 64, generator=g).to(torch.float8_e4m3fn),
+                                      torch.empty(4, 64, dtype=torch.float8_e4m3fn),
+                                      torch.empty(4, 104, dtype=torch.bfloat16))
+    return {n: tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args) for n, args in cases.items()}
 
 
 def test_every_public_op_is_registered():
@@ -219,8 +240,8 @@ def test_routed_quant_and_expert_gemm_cpu_against_dequantised_math():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_opcheck_on_gpu(name):
-    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in CASES[name])
-    torch.library.opcheck(getattr(ops, name).default, args)
+    """opcheck's tests with the CUDA kernels (the same byte check for float8 inputs as on the CPU)."""
+    _opcheck(name, _gpu_cases()[name])
 
 
 @pytest.mark.gpu
