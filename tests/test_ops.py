@@ -100,14 +100,24 @@ def _bytes(a):
     return a.contiguous().view(torch.uint8).clone() if isinstance(a, torch.Tensor) else a
 
 
-def _opcheck(name, args):
+#: ops whose CUDA outputs have regions the op leaves unwritten (the router's slots and tiles past
+#: the total, the routed rows past total_rows, the expert GEMMs' padding rows): fresh outputs
+#: differ there from call to call, so opcheck's eager-vs-AOT comparison cannot hold on the GPU;
+#: test_compiled_blocks_on_gpu_equal_eager_and_replay compiles all five and compares the block
+UNWRITTEN_REGIONS = {"moe_route", "mxfp8_quantize_routed", "mxfp8_gather_routed", "moe_expert_gemm",
+                     "moe_expert_gate_up"}
+
+
+def _opcheck(name, args, gpu=False):
     op = getattr(ops, name).default
+    utils = ["test_autograd_registration", "test_faketensor"]
+    if not (gpu and name in UNWRITTEN_REGIONS):
+        utils.append("test_aot_dispatch_dynamic")
     if name not in FP8_INPUTS:
-        torch.library.opcheck(op, args)
+        torch.library.opcheck(op, args, test_utils=["test_schema"] + utils)
         return
     before = [_bytes(a) for a in args]
-    torch.library.opcheck(op, args, test_utils=("test_autograd_registration", "test_faketensor",
-                                                "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(op, args, test_utils=utils)
     op(*args)
     writes = [a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments]
     assert all(w or not isinstance(a, torch.Tensor) or torch.equal(_bytes(a), b)
@@ -241,7 +251,7 @@ def test_routed_quant_and_expert_gemm_cpu_against_dequantised_math():
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_opcheck_on_gpu(name):
     """opcheck's tests with the CUDA kernels (the same byte check for float8 inputs as on the CPU)."""
-    _opcheck(name, _gpu_cases()[name])
+    _opcheck(name, _gpu_cases()[name], gpu=True)
 
 
 @pytest.mark.gpu
