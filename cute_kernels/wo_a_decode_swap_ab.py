@@ -58,17 +58,20 @@ def smem_bytes(tok_n: int, stages: int, bk: int = 64) -> int:
     return 1024 + stages * (BM + tok_n) * bk * 2 + tok_n * (BM + 1) * 4 + 2 * stages * 8
 
 
-def shared_storage(dtype, w_smem: cute.ComposedLayout, o_smem: cute.ComposedLayout, stages: int, tok_n: int):
+def shared_storage(dtype, w_smem: cute.ComposedLayout, o_smem: cute.ComposedLayout, stages: int, tok_n: int,
+                   extra: tuple = ()):
     """A swap-AB WO-A CTA's shared memory: the stage mbarriers, the swizzled weight and token
     stages of ``dtype``, the FP32 output tile (token-major; the odd pitch keeps the transposing
-    writes conflict-free) and the TMA pipeline over the stages: ``(sW, sO, sOut, pipe)``.
+    writes conflict-free) and the TMA pipeline over the stages: ``(sW, sO, sOut, pipe)``, then
+    one tensor per ``(dtype, layout)`` of ``extra`` (16-byte aligned, after the others).
     Called while a kernel is traced."""
     smem = cutlass.memory.SmemAllocator()
     mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((2 * stages,)), 8)
     sW = smem.allocate_tensor(dtype, w_smem.outer, 1024, swizzle=w_smem.inner)
     sO = smem.allocate_tensor(dtype, o_smem.outer, 1024, swizzle=o_smem.inner)
     sOut = smem.allocate_tensor(Float32, cute.make_layout((tok_n, BM + 1), stride=(BM + 1, 1)), 16)
-    return sW, sO, sOut, single_cta_tma_pipeline(mbar, stages, THREADS // 32, (dtype, w_smem), (dtype, o_smem))
+    pipe = single_cta_tma_pipeline(mbar, stages, THREADS // 32, (dtype, w_smem), (dtype, o_smem))
+    return (sW, sO, sOut, pipe, *(smem.allocate_tensor(t, layout, 16) for t, layout in extra))
 
 
 def group_operand_tiles(tma_w: cute.CopyAtom, mW: cute.Tensor, sW: cute.Tensor, tma_o: cute.CopyAtom,

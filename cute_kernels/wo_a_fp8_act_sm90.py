@@ -25,8 +25,9 @@ one elected thread issuing. A slice is four MX blocks and one weight-scale block
 block an ``m64n{tok_n}k32`` e4m3 wgmma writes a zeroed FP32 fragment, promoted into the
 accumulator as ``acc += frag * (ws * sa[t])`` (the promotion of
 :mod:`moe.experts_swap_ab_sm90`: two fragments alternate, so block kb's wgmma runs while
-block kb - 1 is promoted). A thread holds ``tok_n / 4`` token columns: per slice one 4-byte
-load of each column's four scale bytes and one FP32 weight scale for the whole CTA. The
+block kb - 1 is promoted). The CTA's scales are staged in shared memory once, behind the
+prologue's loads (a word of four block scales per token and K slice, one weight scale per K
+slice): per slice a thread reads one word for each of its ``tok_n / 4`` token columns. The
 epilogue transposes the tile through shared memory into token-major ``y [T, G*R]``.
 
 Numerics: the activations' e4m3 rounding (relative 2^-4 per element, before this kernel);
@@ -37,8 +38,7 @@ token's outputs NaN.
 
 Constraints: T <= ``tok_n`` (the host picks it from T), R % 128 == 0, Dg % 128 == 0, shared
 memory (:func:`smem_bytes`) <= 227 KB; Hopper only (Blackwell's block-scaled tcgen05 MMA takes
-MXFP8 operands directly: not built, ``docs/wo_a.md``). Status: compiled, its machine code and
-its accumulator layout checked on the CPU; its GPU tests are written, not yet run::
+MXFP8 operands directly: not built, ``docs/wo_a.md``)::
 
     pytest tests/test_wo_a_fp8_act.py
     python bench/bench_wo_a_v4.py --tokens 1,5,16,32,64
@@ -73,10 +73,13 @@ TOK_N = (16, 32, 64)
 MAX_T = TOK_N[-1]
 
 
-def smem_bytes(tok_n: int, stages: int) -> int:
+def smem_bytes(tok_n: int, stages: int, Dg: int = 4096) -> int:
     """Shared memory of one CTA: the swizzled weight and token stages (1 KB aligned), the
-    transposed FP32 output tile and the stage mbarriers."""
-    return 1024 + stages * (BM + tok_n) * BK + tok_n * (BM + 1) * 4 + 2 * stages * 8
+    transposed FP32 output tile, the stage mbarriers and the CTA's scales (a word of four
+    activation scale bytes per token and K slice, one weight scale per K slice)."""
+    kt = Dg // BK
+    return (1024 + stages * (BM + tok_n) * BK + tok_n * (BM + 1) * 4 + 2 * stages * 8
+            + 4 * tok_n * (kt + 1) + 4 * kt + 32)
 
 
 class WoAFp8ActSm90:
@@ -132,7 +135,11 @@ class WoAFp8ActSm90:
         g = nt // tiles_per_group
         rt = nt - g * tiles_per_group
 
-        sW, sQ, sOut, pipe = shared_storage(f8, w_smem, q_smem, STAGES, TN)
+        # the CTA's scales, staged once: a token's K-slice word at pitch KT + 1 (the columns a
+        # warp reads in one slice fall in distinct banks) and one weight scale per K slice
+        sW, sQ, sOut, pipe, sQs, sWs = shared_storage(
+            f8, w_smem, q_smem, STAGES, TN,
+            extra=((Uint32, cute.make_layout((TN, KT), stride=(KT + 1, 1))), (Float32, cute.make_layout((KT,)))))
 
         # This CTA's 64 weight rows of group g and the group's token rows, in 128-byte K slices.
         tWsW, tWgW, tQsQ, tQgQ = group_operand_tiles(tma_w, mW, sW, tma_q, mQ, sQ, (BM, BK), (TN, BK), rt, g)
@@ -143,21 +150,36 @@ class WoAFp8ActSm90:
                 load_k_slice(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ)
                 prod.advance()
 
+        # The scales, behind the prologue's loads: read from global memory inside the slice loop,
+        # each slice would wait on a dependent load (as wo_a_decode_fp8 stages its scales).
+        # Token rows past T get word 0; their tile rows are zero and never stored.
+        mQs32 = cute.recast_tensor(mQs, Uint32)
+        row_words = self.G * self.Dg // BK  # scale words per token row (one per K slice of a group)
+        q_word0 = g * (self.Dg // BK)  # group g's first word in a token's row
+        ws_row = (g * (self.R // SCALE_BLOCK) + rt * BM // SCALE_BLOCK) * (self.Dg // SCALE_BLOCK)
+        for i in cutlass.range_constexpr((TN * KT + THREADS - 1) // THREADS):
+            idx = tidx + i * THREADS
+            if idx < TN * KT:
+                t = idx // KT
+                word = Uint32(0)
+                if t < num_tokens:
+                    word = mQs32[t * row_words + q_word0 + idx - t * KT]
+                sQs[t, idx - t * KT] = word
+        for i in cutlass.range_constexpr((KT + THREADS - 1) // THREADS):
+            if tidx + i * THREADS < KT:
+                sWs[tidx + i * THREADS] = mWs[ws_row + tidx + i * THREADS]
+        cute.arch.barrier()
+
         tCrW, tCrQ, tCcC, acc = wgmma_fragments(tiled_mma, tidx, sW, sQ, (BM, TN))
         acc.fill(0.0)
         # Two block partials in flight: the wgmma of block kb runs while block kb - 1 is promoted.
         frags = [cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(2)]
         NV = cute.size(acc)  # (column pair, row + 8, TN / 8 column blocks) per thread
         NC = NV // 2  # token columns per thread: 2 per 8-column block
-        mQs32 = cute.recast_tensor(mQs, Uint32)
-        row_words = self.G * self.Dg // BK  # scale words per token row (one per K slice of a group)
-        q_word0 = g * (self.Dg // BK)  # group g's first word in a token's row
-        ws_row = (g * (self.R // SCALE_BLOCK) + rt * BM // SCALE_BLOCK) * (self.Dg // SCALE_BLOCK)
         rSa = cute.make_rmem_tensor(cute.make_layout((NC,)), Uint32)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)  # every block's wgmma: a fresh partial
         for kt in cutlass.range(KT, unroll=1):
-            self.k_slice(pipe, cons, tiled_mma, tCrW, tCrQ, tCcC, acc, frags, rSa, mQs32, mWs, row_words, q_word0,
-                         ws_row, kt, num_tokens, NV, NC)
+            self.k_slice(pipe, cons, tiled_mma, tCrW, tCrQ, tCcC, acc, frags, rSa, sQs, sWs, kt, NV, NC)
             cons.advance()
             if warp_idx == 0 and prod.count < KT:
                 load_k_slice(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ)
@@ -168,20 +190,15 @@ class WoAFp8ActSm90:
     @cute.jit
     def k_slice(self, pipe: pipeline.PipelineTmaAsync, cons: pipeline.PipelineState, tiled_mma: cute.TiledMma,
                 tCrW: cute.Tensor, tCrQ: cute.Tensor, tCcC: cute.Tensor, acc: cute.Tensor, frags: list,
-                rSa: cute.Tensor, mQs32: cute.Tensor, mWs: cute.Tensor, row_words: cutlass.Constexpr,
-                q_word0: Int32, ws_row: Int32, kt: Int32, num_tokens: Int32, NV: cutlass.Constexpr,
+                rSa: cute.Tensor, sQs: cute.Tensor, sWs: cute.Tensor, kt: Int32, NV: cutlass.Constexpr,
                 NC: cutlass.Constexpr):
         """acc += K slice ``kt`` (stage ``cons.index``): 4 MX blocks, each an e4m3 wgmma promoted
-        with the slice's weight scale and its token's block scale."""
+        with the slice's weight scale and its token's block scale (both from shared memory)."""
         # Flat fragment index i = (column pair, row + 8, column block): token column j of
-        # element i is (i // 4) * 2 + i % 2. Columns past T read no scale (their tile rows are zero).
+        # element i is (i // 4) * 2 + i % 2.
         for j in cutlass.range_constexpr(NC):
-            t = tCcC[(j // 2) * 4 + j % 2][1]
-            word = Uint32(0)
-            if t < num_tokens:
-                word = mQs32[t * row_words + q_word0 + kt]
-            rSa[j] = word
-        ws = mWs[ws_row + kt]
+            rSa[j] = sQs[tCcC[(j // 2) * 4 + j % 2][1], kt]
+        ws = sWs[kt]
         pipe.consumer_wait(cons)
         fp8_wgmma_blocks(tiled_mma, tCrW, tCrQ, cons.index, frags, BK // MX,
                          lambda frag, kb: self.promote(acc, frag, ws, rSa, kb, NV))
@@ -198,7 +215,7 @@ class WoAFp8ActSm90:
     @staticmethod
     def can_implement(T: int, G: int, R: int, Dg: int, tok_n: int, stages: int = 8) -> bool:
         return (1 <= T <= tok_n and tok_n in TOK_N and G >= 1 and R % SCALE_BLOCK == 0 and R > 0
-                and Dg % BK == 0 and Dg > 0 and 2 <= stages and smem_bytes(tok_n, stages) <= SMEM_PER_CTA)
+                and Dg % BK == 0 and Dg > 0 and 2 <= stages and smem_bytes(tok_n, stages, Dg) <= SMEM_PER_CTA)
 
 
 def plan(T: int) -> dict:
@@ -216,7 +233,7 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 8):
     if not WoAFp8ActSm90.can_implement(1, G, R, Dg, tok_n, stages):
         raise ValueError(f"wo_a_fp8_act: unsupported G={G}, R={R}, Dg={Dg}, tok_n={tok_n}, stages={stages} "
                          f"(R % 128, Dg % 128, tok_n in {TOK_N}, stages >= 2 within {SMEM_PER_CTA} B of shared "
-                         f"memory: {smem_bytes(tok_n, stages)} B)")
+                         f"memory: {smem_bytes(tok_n, stages, Dg)} B)")
     P = jit.fake_gmem_ptr
     f8 = cutlass.Float8E4M3FN
     args = (P(f8, 16), P(cutlass.Uint8, 4), P(f8, 16), P(Float32, 4), P(cutlass.BFloat16, 4), Int32(1),

@@ -109,12 +109,18 @@ def test_bad_arguments_are_refused_by_name(change, exc, words):
 def test_machine_code(tok_n, stages):
     """Per 128-byte K slice: four e4m3 x e4m3 wgmmas (m64 n{tok_n} k32) into FP32, each block's
     partial promoted with one FFMA per accumulator element; the weight and token tiles by TMA;
-    one 4-byte scale load per token column and one weight-scale load per slice; no spills."""
-    h = sass.sass_histogram("wo_a_fp8_act_sm90", "sm_90a", G=8, R=1024, Dg=4096, tok_n=tok_n, stages=stages)
+    the scales read from global memory only before the first wgmma (staged once: tok_n * 32
+    words and 32 weight scales over 128 threads), in the slice one shared load per token
+    column and one for the weight scale; no spills."""
+    text = sass.disassemble(sass.compile_cubin("wo_a_fp8_act_sm90", "sm_90a", G=8, R=1024, Dg=4096, tok_n=tok_n,
+                                               stages=stages))
+    h = sass.histogram(text)
     assert h[f"QGMMA.64x{tok_n}x32.F32.E4M3.E4M3"] == 4, h
     nv = 64 * tok_n // 128  # accumulator elements per thread
     assert h["FFMA"] == 4 * nv, h
-    assert h["LDG.E"] == nv // 2 + 1, h
+    assert h["LDG.E"] == tok_n * 32 // 128 + 1, h
+    assert text.rindex("LDG.E") < text.index("QGMMA"), "a global scale load inside the K-slice loop"
+    assert sass.count(h, "LDS") >= nv // 2 + 1, h
     assert sass.count(h, "UTMALDG") >= 2 and sass.count(h, "HMMA") == 0
     assert sass.local_memory_ops(h) == 0
 
