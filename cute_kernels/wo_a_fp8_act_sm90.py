@@ -25,9 +25,10 @@ one elected thread issuing. A slice is four MX blocks and one weight-scale block
 block an ``m64n{tok_n}k32`` e4m3 wgmma writes a zeroed FP32 fragment, promoted into the
 accumulator as ``acc += frag * (ws * sa[t])`` (the promotion of
 :mod:`moe.experts_swap_ab_sm90`: two fragments alternate, so block kb's wgmma runs while
-block kb - 1 is promoted). The CTA's scales are staged in shared memory once, behind the
-prologue's loads (a word of four block scales per token and K slice, one weight scale per K
-slice): per slice a thread reads one word for each of its ``tok_n / 4`` token columns. The
+block kb - 1 is promoted). The products ``ws * sa[t]`` of the CTA's weight scales and its
+tokens' block scales are decoded once into shared memory (FP32 per token and 32-wide block),
+behind the prologue's loads: a promotion is one shared load per token column and one FFMA per
+accumulator element. The
 epilogue transposes the tile through shared memory into token-major ``y [T, G*R]``.
 
 Numerics: the activations' e4m3 rounding (relative 2^-4 per element, before this kernel);
@@ -75,11 +76,11 @@ MAX_T = TOK_N[-1]
 
 def smem_bytes(tok_n: int, stages: int, Dg: int = 4096) -> int:
     """Shared memory of one CTA: the swizzled weight and token stages (1 KB aligned), the
-    transposed FP32 output tile, the stage mbarriers and the CTA's scales (a word of four
-    activation scale bytes per token and K slice, one weight scale per K slice)."""
+    transposed FP32 output tile, the stage mbarriers and the CTA's scale products (FP32 per
+    token and 32-wide K block)."""
     kt = Dg // BK
     return (1024 + stages * (BM + tok_n) * BK + tok_n * (BM + 1) * 4 + 2 * stages * 8
-            + 4 * tok_n * (kt + 1) + 4 * kt + 32)
+            + 4 * tok_n * (kt * (BK // MX) + 1) + 16)
 
 
 class WoAFp8ActSm90:
@@ -135,11 +136,12 @@ class WoAFp8ActSm90:
         g = nt // tiles_per_group
         rt = nt - g * tiles_per_group
 
-        # the CTA's scales, staged once: a token's K-slice word at pitch KT + 1 (the columns a
-        # warp reads in one slice fall in distinct banks) and one weight scale per K slice
-        sW, sQ, sOut, pipe, sQs, sWs = shared_storage(
-            f8, w_smem, q_smem, STAGES, TN,
-            extra=((Uint32, cute.make_layout((TN, KT), stride=(KT + 1, 1))), (Float32, cute.make_layout((KT,)))))
+        # the CTA's block scales, staged once as FP32 products ws * sa[t]: (token, 32-wide K block)
+        # at a row pitch of 4 KT + 1 floats (the columns a warp reads for one block fall in
+        # distinct banks)
+        KB = KT * (BK // MX)
+        sW, sQ, sOut, pipe, sS = shared_storage(
+            f8, w_smem, q_smem, STAGES, TN, extra=((Float32, cute.make_layout((TN, KB), stride=(KB + 1, 1))),))
 
         # This CTA's 64 weight rows of group g and the group's token rows, in 128-byte K slices.
         tWsW, tWgW, tQsQ, tQgQ = group_operand_tiles(tma_w, mW, sW, tma_q, mQ, sQ, (BM, BK), (TN, BK), rt, g)
@@ -150,9 +152,11 @@ class WoAFp8ActSm90:
                 load_k_slice(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ)
                 prod.advance()
 
-        # The scales, behind the prologue's loads: read from global memory inside the slice loop,
-        # each slice would wait on a dependent load (as wo_a_decode_fp8 stages its scales).
-        # Token rows past T get word 0; their tile rows are zero and never stored.
+        # The scales, behind the prologue's loads, decoded once: read from global memory inside
+        # the slice loop, each slice would wait on a dependent load (wo_a_decode_fp8 stages its
+        # scales too), and decoded there, each block of each column would cost its bit
+        # operations again in every CTA. A thread takes one word (four block scale bytes) of a
+        # token and K slice; token rows past T get 0 (their tile rows are zero, never stored).
         mQs32 = cute.recast_tensor(mQs, Uint32)
         row_words = self.G * self.Dg // BK  # scale words per token row (one per K slice of a group)
         q_word0 = g * (self.Dg // BK)  # group g's first word in a token's row
@@ -161,13 +165,13 @@ class WoAFp8ActSm90:
             idx = tidx + i * THREADS
             if idx < TN * KT:
                 t = idx // KT
+                kt = idx - t * KT
                 word = Uint32(0)
                 if t < num_tokens:
-                    word = mQs32[t * row_words + q_word0 + idx - t * KT]
-                sQs[t, idx - t * KT] = word
-        for i in cutlass.range_constexpr((KT + THREADS - 1) // THREADS):
-            if tidx + i * THREADS < KT:
-                sWs[tidx + i * THREADS] = mWs[ws_row + tidx + i * THREADS]
+                    word = mQs32[t * row_words + q_word0 + kt]
+                ws = mWs[ws_row + kt]
+                for b in cutlass.range_constexpr(BK // MX):
+                    sS[t, kt * (BK // MX) + b] = ws * e8m0_to_f32((word >> (8 * b)) & Uint32(0xFF))
         cute.arch.barrier()
 
         tCrW, tCrQ, tCcC, acc = wgmma_fragments(tiled_mma, tidx, sW, sQ, (BM, TN))
@@ -176,10 +180,9 @@ class WoAFp8ActSm90:
         frags = [cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(2)]
         NV = cute.size(acc)  # (column pair, row + 8, TN / 8 column blocks) per thread
         NC = NV // 2  # token columns per thread: 2 per 8-column block
-        rSa = cute.make_rmem_tensor(cute.make_layout((NC,)), Uint32)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)  # every block's wgmma: a fresh partial
         for kt in cutlass.range(KT, unroll=1):
-            self.k_slice(pipe, cons, tiled_mma, tCrW, tCrQ, tCcC, acc, frags, rSa, sQs, sWs, kt, NV, NC)
+            self.k_slice(pipe, cons, tiled_mma, tCrW, tCrQ, tCcC, acc, frags, sS, kt, NV)
             cons.advance()
             if warp_idx == 0 and prod.count < KT:
                 load_k_slice(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ)
@@ -190,27 +193,21 @@ class WoAFp8ActSm90:
     @cute.jit
     def k_slice(self, pipe: pipeline.PipelineTmaAsync, cons: pipeline.PipelineState, tiled_mma: cute.TiledMma,
                 tCrW: cute.Tensor, tCrQ: cute.Tensor, tCcC: cute.Tensor, acc: cute.Tensor, frags: list,
-                rSa: cute.Tensor, sQs: cute.Tensor, sWs: cute.Tensor, kt: Int32, NV: cutlass.Constexpr,
-                NC: cutlass.Constexpr):
+                sS: cute.Tensor, kt: Int32, NV: cutlass.Constexpr):
         """acc += K slice ``kt`` (stage ``cons.index``): 4 MX blocks, each an e4m3 wgmma promoted
-        with the slice's weight scale and its token's block scale (both from shared memory)."""
-        # Flat fragment index i = (column pair, row + 8, column block): token column j of
-        # element i is (i // 4) * 2 + i % 2.
-        for j in cutlass.range_constexpr(NC):
-            rSa[j] = sQs[tCcC[(j // 2) * 4 + j % 2][1], kt]
-        ws = sWs[kt]
+        with its staged scale products."""
         pipe.consumer_wait(cons)
         fp8_wgmma_blocks(tiled_mma, tCrW, tCrQ, cons.index, frags, BK // MX,
-                         lambda frag, kb: self.promote(acc, frag, ws, rSa, kb, NV))
+                         lambda frag, kb: self.promote(acc, frag, tCcC, sS, kt * (BK // MX) + kb, NV))
         pipe.consumer_release(cons)
 
     @cute.jit
-    def promote(self, acc: cute.Tensor, frag: cute.Tensor, ws: Float32, rSa: cute.Tensor, kb: cutlass.Constexpr,
+    def promote(self, acc: cute.Tensor, frag: cute.Tensor, tCcC: cute.Tensor, sS: cute.Tensor, kb: Int32,
                 NV: cutlass.Constexpr):
-        """acc += one 32-wide K block's FP32 partial times the weight scale and its token's scale."""
+        """acc += one 32-wide K block's FP32 partial times its token's ``ws * sa``: one FFMA
+        per element, one shared load per token column (elements of one column share it)."""
         for i in cutlass.range_constexpr(NV):
-            sa = e8m0_to_f32((rSa[(i // 4) * 2 + i % 2] >> (8 * kb)) & Uint32(0xFF))
-            acc[i] = acc[i] + frag[i] * (ws * sa)
+            acc[i] = acc[i] + frag[i] * sS[tCcC[i][1], kb]
 
     @staticmethod
     def can_implement(T: int, G: int, R: int, Dg: int, tok_n: int, stages: int = 8) -> bool:
