@@ -179,7 +179,6 @@ class WoAFp8ActSm90:
         # Two block partials in flight: the wgmma of block kb runs while block kb - 1 is promoted.
         frags = [cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(2)]
         NV = cute.size(acc)  # (column pair, row + 8, TN / 8 column blocks) per thread
-        NC = NV // 2  # token columns per thread: 2 per 8-column block
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)  # every block's wgmma: a fresh partial
         for kt in cutlass.range(KT, unroll=1):
             self.k_slice(pipe, cons, tiled_mma, tCrW, tCrQ, tCcC, acc, frags, sS, kt, NV)
