@@ -14,6 +14,10 @@ kernels). Each op has
 Functional ops return fresh tensors; ``*_out`` ops write a caller's ``out`` (declared as
 mutated) and return nothing -- the allocation-free form CUDA graphs want. The plain Python
 functions (``cute_kernels.row_rms.row_rms``, ...) stay the documented API; the ops call them.
+Under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), call a block once eagerly first:
+``wo_a``'s split decode kernel and ``wo_a_fp8`` keep a default workspace per device, created
+on first use, which must not be allocated inside the graph's memory pool (``mhc_stats`` and
+:mod:`moe.ops`' ``moe_route`` take a fresh one per call).
 
 Ops: ``rms_norm`` / ``rms_norm_out``, ``row_rms`` / ``row_rms_out``, ``masked_softmax`` / ``masked_softmax_out``, ``mhc_stats``,
 ``mhc_pre_mix`` / ``mhc_pre_mix_out``, ``mhc_post_mix`` / ``mhc_post_mix_`` (the residual
