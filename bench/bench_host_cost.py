@@ -93,6 +93,14 @@ def host_us(fn, calls: int, trials: int = 5) -> float:
     return statistics.median(per)
 
 
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    """A progress line with the seconds since the start (a run cut short shows where it was)."""
+    print(f"[{time.perf_counter() - _T0:6.1f} s] {msg}", flush=True)
+
+
 def cases():
     dev = "cuda"
     torch.manual_seed(0)  # the same inputs in the runtime-only child
@@ -267,7 +275,7 @@ def main(argv=None) -> int:
     rows, expect = [], {}
     add = None
     for name, entry, op, out in selected_cases(args.only):
-        print(f"{name}: checking, then timing", flush=True)  # a fatal CUDA error names its op
+        log(f"{name}: checking, then timing")  # a fatal CUDA error names its op
         if out is not None and not direct_equals_dsl(entry, out):
             raise SystemExit(f"{name}: the direct launch's output differs from the DSL call path's; not timing it")
         t_entry = host_us(entry, args.calls)
@@ -294,10 +302,10 @@ def main(argv=None) -> int:
                 if out is not None and not torch.equal(poisoned_output(entry, out), expect[name]):
                     raise SystemExit(f"{name}: the TVM-FFI launch's output differs from the direct launch's")
                 t = host_us(entry, args.calls)
-                print(f"{name}: {t:.1f} us (TVM-FFI)", flush=True)
+                log(f"{name}: {t:.1f} us (TVM-FFI)")
                 if op is not None:  # the custom op's kernel is the entry point: its hot path too
                     t_op = host_us(op, args.calls)
-                    print(f"{name}: {t_op:.1f} us (custom op, TVM-FFI)", flush=True)
+                    log(f"{name}: {t_op:.1f} us (custom op, TVM-FFI)")
             r.insert(2, f"{t:.1f}" if tvm_ffi else "n/a")
             r.insert(len(r) - 1, us_cell(t_op) if tvm_ffi else "n/a")
     finally:
@@ -310,6 +318,7 @@ def main(argv=None) -> int:
     exp = os.path.join(default_cache().root, "expect.pt")
     torch.save(expect, exp)
     env = dict(os.environ, CUTE_KERNELS_CACHE_DIR=default_cache().root)
+    log("the runtime-only child process: starting")
     child = subprocess.run([sys.executable, os.path.abspath(__file__), "--runtime-only-child", "--expect", exp,
                             "--calls", str(args.calls)] + (["--only", args.only] if args.only else []),
                            capture_output=True, text=True, env=env, timeout=1200)
