@@ -139,6 +139,9 @@ def moe_route(logits: Tensor, bias: Tensor | None, num_experts: int, n_group: in
     # a fresh counter workspace per call (the kernel leaves it zero): a functional op keeps no
     # state, so nothing it allocates outlives a torch.compile CUDA-graph pool's recording
     _rt.route(logits, bias, cfg, out=out, workspace=torch.zeros(E + 1, **i32))
+    if T == 0:  # (no launch) no rows: every count, offset and the total are zero, as on the CPU
+        for t in (out.expert_counts, out.expert_offsets, out.total_rows):
+            t.zero_()
     return (out.topk_ids, out.topk_weights, out.expert_counts, out.expert_offsets, out.sorted_token_ids,
             out.tile_expert, out.total_rows, out.routed_row_pos)
 
