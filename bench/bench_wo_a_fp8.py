@@ -6,10 +6,12 @@ Per shape and T, same run, CUDA-graph replay over rotating weight sets larger th
 kernel at :func:`cute_kernels.wo_a_decode_fp8.wo_a_fp8`'s plan, bf16 WO-A's default path
 (:func:`cute_kernels.wo_a.wo_a`) and cuBLAS ``bmm`` alone on the bf16 weights. Bandwidth: the
 FP8 call's bytes (e4m3 weights + scales + o + y) against 4.3 TB/s; the speed-ups are against
-the bf16 calls, which move twice the weight bytes. ``--variants``: one row each, ``bk/stages[/splits]``
-at the plan's tiles -- the K slice 128 (the plan) or 256 (two scale blocks, the bf16 kernel's
-bytes per slice); the depth ``plan``, ``x2`` (twice the plan's) or a number, lowered until it
-fits shared memory; the K splits ``plan`` (the default), ``x2`` or a number.
+the bf16 calls, which move twice the weight bytes. ``--variants``: one row each,
+``bk/stages[/splits[/widen]]`` at the plan's tiles -- the K slice 128 (the plan) or 256 (two
+scale blocks, the bf16 kernel's bytes per slice); the depth ``plan``, ``x2`` (twice the
+plan's) or a number, lowered until it fits shared memory; the K splits ``plan`` (the
+default), ``x2`` or a number; the weights' widening ``cvt`` (the default: conversion
+instructions) or ``bits`` (:mod:`cute_kernels.e4m3_widen`).
 """
 
 from __future__ import annotations
@@ -29,15 +31,16 @@ import cutlass  # noqa: E402
 from cute_kernels import jit  # noqa: E402
 from cute_kernels.wo_a import wo_a  # noqa: E402
 from cute_kernels.wo_a_decode import WoADecodeWorkspace  # noqa: E402
-from cute_kernels.wo_a_decode_fp8 import (SMEM_PER_CTA, WoADecodeFp8, plan, quantize_wo_a_fp8,  # noqa: E402
-                                          smem_bytes, wo_a_fp8_reference)
+from cute_kernels.wo_a_decode_fp8 import (SMEM_PER_CTA, WIDEN, WoADecodeFp8, plan,  # noqa: E402
+                                          quantize_wo_a_fp8, smem_bytes, wo_a_fp8_reference)
 
 TOKENS = [1, 5, 16, 32]
 
 
-def variant_config(d: dict, bk: int, depth: str, splits: str) -> dict:
-    """The plan ``d`` with the K slice ``bk``, the depth and the splits of a ``--variants`` entry."""
-    d = dict(d, **({"bk": bk} if bk != 128 else {}))
+def variant_config(d: dict, bk: int, depth: str, splits: str, widen: str = "cvt") -> dict:
+    """The plan ``d`` with the K slice ``bk``, the depth, the splits and the widening of a
+    ``--variants`` entry."""
+    d = dict(d, **({"bk": bk} if bk != 128 else {}), **({"widen": widen} if widen != "cvt" else {}))
     if depth != "plan":
         d["stages"] = 2 * d["stages"] if depth == "x2" else int(depth)
     if splits != "plan":
@@ -53,15 +56,17 @@ def main():
     ap.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in V4_SHAPES + SHAPES),
                     help="comma-separated GxRxDg (default: V4-Flash, V4-Pro, then the bf16 bench's: %(default)s)")
     ap.add_argument("--variants", default="128/plan",
-                    help="comma-separated bk/stages (bk: 128 or 256; stages: plan, x2 or a number; default "
-                         "%(default)s)")
+                    help="comma-separated bk/stages[/splits[/widen]] (bk: 128 or 256; stages, splits: plan, x2 or a "
+                         "number; widen: cvt or bits; default %(default)s)")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    variants = [(v.split("/") + ["plan", "plan"])[:3] for v in args.variants.split(",")]
+    variants = [(v.split("/") + ["plan", "plan", "cvt"])[:4] for v in args.variants.split(",")]
     for v in variants:
-        if v[0] not in ("128", "256") or not all(x in ("plan", "x2") or x.isdigit() for x in v[1:]):
-            ap.error(f"--variants: {'/'.join(v)!r} is not bk/stages[/splits] (e.g. 256/plan or 128/plan/x2)")
+        if (v[0] not in ("128", "256") or not all(x in ("plan", "x2") or x.isdigit() for x in v[1:3])
+                or v[3] not in WIDEN):
+            ap.error(f"--variants: {'/'.join(v)!r} is not bk/stages[/splits[/widen]] (e.g. 256/plan, 128/plan/x2 "
+                     f"or 128/plan/plan/bits)")
     rows = []
     for G, R, Dg in shapes:
         n = rotation_count(G * R * Dg * 2)  # sized by the bf16 set, the larger
@@ -75,9 +80,9 @@ def main():
             t16 = time_graph(lambda i: wo_a(o, ws[i], out=y), n, max(n, 8))
             t_bmm = time_graph(lambda i: bmm_only(o, ws[i]), n, max(n, 8))
             nbytes = G * R * Dg + qs[0][1].numel() * 4 + o.numel() * 2 + y.numel() * 2
-            for bk, depth, splits in variants:
+            for bk, depth, splits, widen in variants:
                 bk = int(bk)
-                d = variant_config(plan(T, G, R, Dg), bk, depth, splits)
+                d = variant_config(plan(T, G, R, Dg), bk, depth, splits, widen)
                 while smem_bytes(d["bm"], d["stages"], d["bn"], bk, Dg) > SMEM_PER_CTA:
                     d["stages"] -= 1
                 if not WoADecodeFp8.can_implement(T, G, R, Dg, d["splits"], d["bn"], bk):
@@ -93,7 +98,7 @@ def main():
 
                 t8, err = measure(call, y, ref, n)
                 rows.append([f"T={T} G={G} R={R} Dg={Dg} fp8 {d['bm']}x{d['bn']}, {d['splits']} split(s), "
-                             f"{d['stages']} stages, K slice {bk}",
+                             f"{d['stages']} stages, K slice {bk}, widen {widen}",
                              f"{t8 * 1e6:.2f}", f"{t16 * 1e6:.2f}",
                              f"{t_bmm * 1e6:.2f}", f"{t16 / t8:.2f}x", f"{t_bmm / t8:.2f}x",
                              f"{nbytes / t8 / 1e12:.2f}", f"{100 * nbytes / t8 / H200_COPY_BW:.0f}%", f"{err:.1e}"])

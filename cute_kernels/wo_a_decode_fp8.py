@@ -12,7 +12,10 @@ or 64) weight rows of one group -- inside one 128-row scale block -- and a 1/``s
 of K, streamed in ``bk``-wide K slices (128 or 256: one or two scale blocks along K, so a CTA
 has one scale per block of a slice) through a ``stages``-deep cp.async pipeline; the CTA's
 scales are staged in shared memory once, behind the prologue's loads. Each thread widens its
-own MMA fragments in registers (every e4m3 value is exact in bf16): both operands are read
+own MMA fragments in registers (every e4m3 value is exact in bf16) -- through the conversion
+instructions (``widen="cvt"``, the default) or by bit patterns (``"bits"``:
+:mod:`.e4m3_widen`, integer operations and a bf16 multiply, no conversion instruction; an
+opt-in compile option until measured against the default): both operands are read
 through one K permutation (:func:`k_permutation`) that makes a lane's values over four k-steps
 16 contiguous weight bytes and 16 contiguous o elements -- one 16-byte shared load each (two
 for o) -- so a slice needs no bf16 buffer and one barrier. The warps' ``mma.sync m16n8k16``
@@ -45,9 +48,10 @@ import torch
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Uint32
 
 from . import jit
+from .e4m3_widen import e4m3x2_to_bf16x2
 from .validate import check_cuda, check_tensor
 from .wo_a_decode import BN, BN_NARROW, SMEM_PER_CTA, VEC, WoADecode, WoADecodeWorkspace, plan as bf16_plan
 
@@ -55,6 +59,8 @@ from .wo_a_decode import BN, BN_NARROW, SMEM_PER_CTA, VEC, WoADecode, WoADecodeW
 SCALE_BLOCK = 128
 #: K slice widths: one scale block, or two (the bf16 kernel's 256 bytes per weight row)
 BKS = (128, 256)
+#: the weights' e4m3 -> bf16 routes in registers (:meth:`WoADecodeFp8.widen_fragment`)
+WIDEN = ("cvt", "bits")
 #: e4m3 elements per 16-byte cp.async
 VEC8 = 16
 MAX_T = 64
@@ -89,9 +95,9 @@ class WoADecodeFp8(WoADecode):
     split partials (``store_tile``) are the bf16 kernel's."""
 
     def __init__(self, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4, bn: int = BN,
-                 bk: int = 128):
+                 bk: int = 128, widen: str = "cvt"):
         super().__init__(G, R, Dg, bm, splits, False, stages, bn)
-        self.bk = bk
+        self.bk, self.widen = bk, widen
 
     @cute.jit
     def __call__(self, o_ptr: cute.Pointer, w_ptr: cute.Pointer, scale_ptr: cute.Pointer, y_ptr: cute.Pointer,
@@ -194,7 +200,7 @@ class WoADecodeFp8(WoADecode):
             cute.autovec_copy(tCsA[None, None, None, slot], rA)
             cute.autovec_copy(tCsB8[None, None, None, slot], rB8)
             tCrA.store(rA.load())
-            tCrB.store(rB8.load().to(Float32).to(bf16))  # exact: every e4m3 value is a bf16
+            self.widen_fragment(rB8, tCrB)
             for h in cutlass.range_constexpr(blocks):
                 scale = sScale[kt * blocks + h]
                 part.fill(0.0)
@@ -204,6 +210,25 @@ class WoADecodeFp8(WoADecode):
                     acc[i] = acc[i] + scale * part[i]  # the FP32 promotion: one scale per block
 
         self.store_tile(acc, tCcC, mY, mPart, mCount, sFlag, num_tokens)
+
+    def widen_fragment(self, rB8: cute.Tensor, tCrB: cute.Tensor):
+        """The thread's e4m3 weight fragment into its bf16 MMA fragment, exactly: through the
+        conversion instructions (``widen="cvt"``) or by bit patterns (``"bits"``,
+        :mod:`.e4m3_widen`: one word of four weights into two bf16x2 registers -- both
+        fragments have one layout, so word i holds elements 4i .. 4i + 3 of each). Called while
+        the kernel is traced."""
+        if self.widen == "cvt":
+            tCrB.store(rB8.load().to(Float32).to(cutlass.BFloat16))  # exact: every e4m3 value is a bf16
+            return
+        if str(rB8.layout) != str(tCrB.layout):
+            raise ValueError(f"wo_a_decode_fp8: widen='bits' needs one layout for the e4m3 and bf16 fragments, "
+                             f"got {rB8.layout} and {tCrB.layout}")
+        words = cute.recast_tensor(rB8, Uint32)
+        pairs = cute.recast_tensor(tCrB, Uint32)
+        for i in range(cute.size(words)):
+            w = words[i]
+            pairs[2 * i] = e4m3x2_to_bf16x2(w, 0)
+            pairs[2 * i + 1] = e4m3x2_to_bf16x2(w, 1)
 
     @cute.jit
     def issue_fp8(self, gOv: cute.Tensor, gWv: cute.Tensor, sAv: cute.Tensor, sW8v: cute.Tensor,
@@ -246,9 +271,13 @@ def aot_configs(shapes=AOT_SHAPES, num_sms: int = 132) -> tuple[dict, ...]:
 
 
 def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4, bn: int = BN,
-           bk: int = 128):
+           bk: int = 128, widen: str = "cvt"):
     """``bk``: the K slice, 128 (one scale block) or 256 (two: the bf16 kernel's bytes per
-    weight row and slice, half the slices)."""
+    weight row and slice, half the slices). ``widen``: the weights' e4m3 -> bf16 route,
+    ``"cvt"`` (conversion instructions) or ``"bits"`` (:mod:`.e4m3_widen`: integer operations
+    and a bf16 multiply; e4m3 NaN codes become +-480)."""
+    if widen not in WIDEN:
+        raise ValueError(f"wo_a_decode_fp8: widen={widen!r}, expected one of {WIDEN}")
     if bm not in (16, 32, 64) or not WoADecodeFp8.can_implement(1, G, R, Dg, splits, bn, bk):
         raise ValueError(f"wo_a_decode_fp8: unsupported G={G}, R={R}, Dg={Dg}, bm={bm}, bn={bn}, splits={splits}, "
                          f"bk={bk} (bm 16, 32 or 64, bn 32 or 64, bk 128 or 256 dividing Dg, R % 128, splits a power "
@@ -260,12 +289,12 @@ def _build(arch: str, *, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1,
     P = jit.fake_gmem_ptr
     args = (P(cutlass.BFloat16, 16), P(cutlass.Float8E4M3FN, 16), P(Float32, 4), P(cutlass.BFloat16, 4),
             P(Float32, 4), P(Int32, 4), Int32(1), jit.fake_stream())
-    return WoADecodeFp8(G, R, Dg, bm, splits, stages, bn, bk), args
+    return WoADecodeFp8(G, R, Dg, bm, splits, stages, bn, bk, widen), args
 
 
 def _build_tensors(arch: str, *, G: int, R: int, Dg: int, bm: int = 16, splits: int = 1, stages: int = 4,
-                   bn: int = BN, bk: int = 128):
-    op, _ = _build(arch, G=G, R=R, Dg=Dg, bm=bm, splits=splits, stages=stages, bn=bn, bk=bk)
+                   bn: int = BN, bk: int = 128, widen: str = "cvt"):
+    op, _ = _build(arch, G=G, R=R, Dg=Dg, bm=bm, splits=splits, stages=stages, bn=bn, bk=bk, widen=widen)
     sym, T = {}, jit.fake_tensor
     args = (T(cutlass.BFloat16, ("T", "H", "Dv"), 16, sym), T(cutlass.Float8E4M3FN, (G, R, Dg), 16, sym),
             T(Float32, (G, R // SCALE_BLOCK, Dg // SCALE_BLOCK), 4, sym), T(cutlass.BFloat16, ("T", G * R), 4, sym),
@@ -277,7 +306,7 @@ KERNEL = jit.register(jit.KernelDef(
     name="wo_a_decode_fp8",
     build=_build,
     sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f)
-                  for f in ("wo_a_decode_fp8.py", "wo_a_decode.py", "grid_sync.py", "warp_mma.py")),
+                  for f in ("wo_a_decode_fp8.py", "wo_a_decode.py", "grid_sync.py", "warp_mma.py", "e4m3_widen.py")),
     archs=("sm_90a", "sm_100a", "sm_103a"),
     aot_configs=lambda arch: aot_configs(),
     description="WO-A decode (T <= 64) with e4m3 weights and 128x128 block scales, token-major bf16 out",

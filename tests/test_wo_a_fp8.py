@@ -166,6 +166,70 @@ def test_machine_code(arch, bm, splits, bn, stages, bk):
         assert sass.count(h, "BAR.SYNC") == 1, h
 
 
+def test_bits_widening_model_is_exact_for_every_finite_code():
+    """:mod:`cute_kernels.e4m3_widen`'s sequence (its Python model: the prmt, the masks, the
+    multiply by 2^120) against torch's e4m3 -> bf16 conversion for all 256 codes in both byte
+    pairs of a word: equal bit patterns for the 254 finite codes (zeros, subnormals, 448), and
+    +-480 for the two NaN codes, as documented."""
+    from cute_kernels.e4m3_widen import e4m3_pairs_to_bf16_model
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    ref = codes.view(torch.float8_e4m3fn).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    for c in range(256):
+        other = (c * 37 + 11) % 256 if (c * 37 + 11) % 128 != 127 else 0x38
+        for pair in (0, 1):
+            word = (c | (other << 8)) << (16 * pair) | (0xFF7F if pair == 0 else 0x7FFF) << (16 * (1 - pair))
+            lo, hi = e4m3_pairs_to_bf16_model(word, pair)
+            assert hi == int(ref[other]), (c, pair)
+            if c & 0x7F == 0x7F:  # NaN -> +-480
+                assert lo == (0x43F0 | (c & 0x80) << 8), (c, pair, hex(lo))
+            else:
+                assert lo == int(ref[c]), (c, pair, hex(lo), hex(int(ref[c])))
+
+
+@pytest.mark.parametrize("bm, bn, bk", [(16, 32, 128), (64, 64, 128), (16, 32, 256)])
+def test_bits_widening_machine_code(bm, bn, bk):
+    """``widen="bits"``: no conversion instruction in the slice (no E4M3 unpack, no HADD2.F32);
+    per two weights a PRMT, a shift, two LOP3 and one bf16x2 multiply; no spills."""
+    h = sass.sass_histogram("wo_a_decode_fp8", "sm_90a", G=16, R=1024, Dg=2048, bm=bm, bn=bn, stages=4,
+                            widen="bits", **({"bk": bk} if bk != 128 else {}))
+    warp_n = bn // 4 if bm < 64 else bn // 2  # a warp's weight rows (test_machine_code's warp tiles)
+    pairs = warp_n * bk // 32 // 2  # a thread's weights per slice, in pairs
+    assert not any("E4M3" in m for m in h) and sass.count(h, "HADD2") == 0, h
+    assert sass.count(h, "HMUL2") == pairs and sass.count(h, "PRMT") >= pairs, h
+    assert sass.count(h, "LOP3") >= 2 * pairs, h
+    assert sass.local_memory_ops(h) == 0
+
+
+@pytest.mark.gpu
+def test_bits_widening_every_code_exact_on_gpu():
+    """Every finite e4m3 code through ``widen="bits"`` on the GPU: one-hot token rows pick single
+    weights (scale 1), so each output is one weight's bf16 value exactly."""
+    from cute_kernels import jit
+    from cute_kernels.wo_a_decode import WoADecodeWorkspace
+
+    G, HG, Dv, R, T = 8, 8, 128, 512, 16
+    Dg = HG * Dv
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    g, r, k = torch.meshgrid(torch.arange(G), torch.arange(R), torch.arange(Dg), indexing="ij")
+    w8 = finite[(g * 5 + r * 7 + k) % finite.numel()].view(torch.float8_e4m3fn).cuda()
+    scale = torch.ones(G, R // 128, Dg // 128, device="cuda")
+    cols = (torch.arange(T) * 67) % Dg
+    o = torch.zeros(T, G, Dg)
+    o[torch.arange(T), :, cols] = 1.0
+    o = o.bfloat16().view(T, G * HG, Dv).cuda()
+    fn = jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=G, R=R, Dg=Dg, bm=16, splits=1, bn=32, stages=6, widen="bits")
+    ws = WoADecodeWorkspace(G, R, max_splits=8)
+    out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
+    P = jit.gmem_ptr
+    fn(P(cutlass.BFloat16, o, 16), P(cutlass.Float8E4M3FN, w8, 16), P(cutlass.Float32, scale, 4),
+       P(cutlass.BFloat16, out, 4), P(cutlass.Float32, ws.partials, 4), P(cutlass.Int32, ws.counters, 4),
+       jit.i32(T), jit.cu_stream(None))
+    torch.cuda.synchronize()
+    want = w8.cpu().to(torch.bfloat16)[:, :, cols].permute(2, 0, 1).reshape(T, G * R)
+    assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
+
+
 # ----------------------------------------------- DeepSeek-V4: Dg = 4096, any T, UE8M0 ------
 V4_SHAPES = [(8, 8, 512, 1024), (16, 8, 512, 1024)]  # (G, H/G, Dv, R): V4-Flash, V4-Pro
 
@@ -302,18 +366,19 @@ def test_matches_reference_on_gpu(seed, G, HG, Dv, R, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bm, splits, bn, stages, bk", [(16, 1, 32, 6, 128), (16, 4, 64, 4, 128), (32, 2, 32, 3, 128),
-                                                       (32, 1, 64, 6, 128), (16, 1, 32, 4, 256), (32, 2, 64, 3, 256),
-                                                       (16, 1, 32, 12, 128)])
-def test_every_config_and_graph_replay(seed, bm, splits, bn, stages, bk):
-    """Each token tile, column tile, split count, depth and K slice: twice eagerly,
+@pytest.mark.parametrize("bm, splits, bn, stages, bk, widen", [
+    (16, 1, 32, 6, 128, "cvt"), (16, 4, 64, 4, 128, "cvt"), (32, 2, 32, 3, 128, "cvt"), (32, 1, 64, 6, 128, "cvt"),
+    (16, 1, 32, 4, 256, "cvt"), (32, 2, 64, 3, 256, "cvt"), (16, 1, 32, 12, 128, "cvt"),
+    (16, 1, 32, 6, 128, "bits"), (32, 2, 64, 3, 256, "bits"), (64, 1, 64, 4, 128, "bits")])
+def test_every_config_and_graph_replay(seed, bm, splits, bn, stages, bk, widen):
+    """Each token tile, column tile, split count, depth, K slice and widening: twice eagerly,
     then replayed in a graph with fresh inputs (the split counters re-zero themselves)."""
     from cute_kernels import jit
     from cute_kernels.wo_a_decode import WoADecodeWorkspace
 
     G, HG, Dv, R, T = 8, 8, 128, 512, (3 if bm == 16 else 29)
     fn = jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=G, R=R, Dg=HG * Dv, bm=bm, splits=splits, bn=bn,
-                        stages=stages, **({"bk": bk} if bk != 128 else {}))
+                        stages=stages, **({"bk": bk} if bk != 128 else {}), **({"widen": widen} if widen != "cvt" else {}))
     ws = WoADecodeWorkspace(G, R, max_splits=8)
     o, w8, scale = make(T, G, HG, Dv, R, "cuda")
     out = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)

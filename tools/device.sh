@@ -95,7 +95,7 @@ bench-wo-a-routes)
   ;;
 wo-a-fp8-variants)
   timeout 400 python bench/bench_wo_a_fp8.py --tokens 1,5,16,32,64 --shapes 8x1024x4096,16x1024x4096 \
-    --variants 128/plan,256/plan,256/x2,128/x2,128/plan/x2,256/plan/x2 --out "$OUT/bench_wo_a_fp8_variants.md" 2>&1 | tail -30
+    --variants 128/plan,128/plan/plan/bits,256/plan/plan/bits,128/x2/plan/bits --out "$OUT/bench_wo_a_fp8_variants.md" 2>&1 | tail -30
   ;;
 bench-runtime)
   python -m spec_decode.bench --model v4_flash_slice --acceptance-length 5.5 --out "$OUT/bench_runtime.md" "$@"
