@@ -45,7 +45,7 @@ def mxfp8_quantize(x: Tensor, layout: str) -> tuple[Tensor, Tensor]:
     ``layout="plain"``, the expert GEMMs' flat swizzled buffer for ``"swizzled"``)."""
     if layout != "plain" or x.dim() != 2 or x.shape[1] % _q.MX_BLOCK:  # (the entry names the errors)
         return _q.mxfp8_quantize(x, layout=layout)
-    R, K = x.shape  # outputs given: the entry's hot path after a first call (cute_kernels.ops._like)
+    R, K = x.shape  # outputs given: the entry point's eager hot path after a first validated call
     return _q.mxfp8_quantize(x, layout=layout, q=x.new_empty(R, K, dtype=F8),
                              scales=x.new_empty(R, K // _q.MX_BLOCK, dtype=torch.uint8))
 
