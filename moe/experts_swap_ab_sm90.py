@@ -21,7 +21,7 @@ a CTA-wide barrier per K slice. Here ("swap AB", as decode GEMV-like MoE kernels
   two fragments alternate so that block kb's wgmma runs while block kb - 1 is promoted. A
   thread holds 2 weight rows x ``tok_n / 4`` token columns, so its scales are 2 + ``tok_n / 4``
   4-byte loads per K slice (the swizzled scale layout keeps a row's 4 blocks of a slice in
-  one word).
+  one word), issued one slice ahead so that no promotion waits on a global load.
 
 Epilogue: the accumulator tile (bf16-rounded, the GEMM's output rounding) goes through shared
 memory so that a token's 64 output columns are stored contiguously; the fused variant computes
@@ -177,13 +177,21 @@ class MoeExpertSwapABSm90(RoutedGemmTensorEntry):
         cb = self.kb_pad // 4
         sw_atom = (e * self.n_pad + n0 // 128 * 128) // 128 * cb  # atom index of K slice 0
         sa_atom = (row0 // 128) * cb
+        # (rSw, rSa): the scale words of the slice being computed; (nSw, nSa): the next slice's,
+        # loaded one slice ahead -- read where a slice's promotion needs them, each slice would
+        # wait out a global load's latency
         rSw = cute.make_rmem_tensor(cute.make_layout((2,)), Uint32)
         rSa = cute.make_rmem_tensor(cute.make_layout((NC,)), Uint32)
+        nSw = cute.make_rmem_tensor(cute.make_layout((2,)), Uint32)
+        nSa = cute.make_rmem_tensor(cute.make_layout((NC,)), Uint32)
+        self.load_scale_words(rSw, rSa, mSW32, mSA32, tCcC, sw_atom, sa_atom, n0, 0, 0, NC)
 
         if cutlass.const_expr(not self.row_passes):
             for kt in cutlass.range(KT, unroll=1):
-                self.k_slice(pipe, cons, tiled_mma, tCrW, tCrA, tCcC, acc, frags, rSw, rSa, mSW32, mSA32, sw_atom,
-                             sa_atom, n0, 0, kt, NV, NC)
+                if kt + 1 < KT:
+                    self.load_scale_words(nSw, nSa, mSW32, mSA32, tCcC, sw_atom, sa_atom, n0, 0, kt + 1, NC)
+                self.k_slice(pipe, cons, tiled_mma, tCrW, tCrA, acc, frags, rSw, rSa, NV)
+                self.advance_scale_words(rSw, rSa, nSw, nSa, NC)
                 cons.advance()
                 if warp_idx == 0 and prod.count < KT:
                     self.load(pipe, prod, tma_w, tWgW, tWsW, tma_a, tAgA, tAsA, KT)
@@ -193,8 +201,12 @@ class MoeExpertSwapABSm90(RoutedGemmTensorEntry):
             n_pass = (live + TN - 1) // TN
             for p in cutlass.range(n_pass, unroll=1):
                 for kt in cutlass.range(KT, unroll=1):
-                    self.k_slice(pipe, cons, tiled_mma, tCrW, tCrA, tCcC, acc, frags, rSw, rSa, mSW32, mSA32,
-                                 sw_atom, sa_atom, n0, p * TN, kt, NV, NC)
+                    if kt + 1 < KT:  # the next slice: this pass's, or the next pass's first
+                        self.load_scale_words(nSw, nSa, mSW32, mSA32, tCcC, sw_atom, sa_atom, n0, p * TN, kt + 1, NC)
+                    elif p + 1 < n_pass:
+                        self.load_scale_words(nSw, nSa, mSW32, mSA32, tCcC, sw_atom, sa_atom, n0, (p + 1) * TN, 0, NC)
+                    self.k_slice(pipe, cons, tiled_mma, tCrW, tCrA, acc, frags, rSw, rSa, NV)
+                    self.advance_scale_words(rSw, rSa, nSw, nSa, NC)
                     cons.advance()
                     if warp_idx == 0 and prod.count < n_pass * KT:
                         self.load(pipe, prod, tma_w, tWgW, tWsW, tma_a, tAgA, tAsA, KT)
@@ -205,19 +217,33 @@ class MoeExpertSwapABSm90(RoutedGemmTensorEntry):
                 cute.arch.barrier()  # every thread has read sOut before the next pass rewrites it
 
     @cute.jit
-    def k_slice(self, pipe: pipeline.PipelineTmaAsync, cons: pipeline.PipelineState, tiled_mma: cute.TiledMma,
-                tCrW: cute.Tensor, tCrA: cute.Tensor, tCcC: cute.Tensor, acc: cute.Tensor, frags: list,
-                rSw: cute.Tensor, rSa: cute.Tensor, mSW32: cute.Tensor, mSA32: cute.Tensor, sw_atom: Int32,
-                sa_atom: Int32, n0: Int32, m0: Int32, kt: Int32, NV: cutlass.Constexpr, NC: cutlass.Constexpr):
-        """acc += one 128-wide K slice (stage cons.index) for token columns m0 .. m0 + tok_n of
-        the router tile: 4 MX blocks, each an FP8 wgmma promoted with its scales."""
-        # Flat fragment index i = (column pair, row + 8, column block): i = 2 r8 (+ 4 nb + cp).
+    def load_scale_words(self, rSw: cute.Tensor, rSa: cute.Tensor, mSW32: cute.Tensor, mSA32: cute.Tensor,
+                         tCcC: cute.Tensor, sw_atom: Int32, sa_atom: Int32, n0: Int32, m0: Int32, kt: Int32,
+                         NC: cutlass.Constexpr):
+        """K slice ``kt``'s scale words of the thread's 2 weight rows and its token columns m0 +
+        (flat fragment index i = (column pair, row + 8, column block): i = 2 r8 (+ 4 nb + cp))."""
         for r8 in cutlass.range_constexpr(2):
             nr = n0 % 128 + tCcC[2 * r8][0]
             rSw[r8] = mSW32[(sw_atom + kt) * 128 + (nr % 32) * 4 + nr // 32]
         for j in cutlass.range_constexpr(NC):
             m = m0 + tCcC[(j // 2) * 4 + j % 2][1]
             rSa[j] = mSA32[(sa_atom + kt) * 128 + (m % 32) * 4 + m // 32]
+
+    @cute.jit
+    def advance_scale_words(self, rSw: cute.Tensor, rSa: cute.Tensor, nSw: cute.Tensor, nSa: cute.Tensor,
+                            NC: cutlass.Constexpr):
+        """The next slice's words become the current ones (register moves)."""
+        for r8 in cutlass.range_constexpr(2):
+            rSw[r8] = nSw[r8]
+        for j in cutlass.range_constexpr(NC):
+            rSa[j] = nSa[j]
+
+    @cute.jit
+    def k_slice(self, pipe: pipeline.PipelineTmaAsync, cons: pipeline.PipelineState, tiled_mma: cute.TiledMma,
+                tCrW: cute.Tensor, tCrA: cute.Tensor, acc: cute.Tensor, frags: list, rSw: cute.Tensor,
+                rSa: cute.Tensor, NV: cutlass.Constexpr):
+        """acc += one 128-wide K slice (stage cons.index): 4 MX blocks, each an FP8 wgmma promoted
+        with its scales (the slice's words, loaded a slice ahead)."""
         pipe.consumer_wait(cons)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
         fp8_wgmma_blocks(tiled_mma, tCrW, tCrA, cons.index, frags, BK // MX,
