@@ -44,9 +44,11 @@
 #   bash tools/device.sh smoke               one call's first look after kernel / runtime changes:
 #                                            'attention', the mHC parts, the routed-input gather,
 #                                            the runtime's GPU tests at `small`
-#   bash tools/device.sh smoke-kernels       the recently changed kernels' GPU tests alone (router,
-#                                            rms_norm / row_rms, masked_softmax, attention, compressor,
-#                                            mHC parts, the routed-input gather)
+#   bash tools/device.sh smoke-kernels       the recently changed kernels' GPU tests alone (the list
+#                                            in the job: wo_a_fp8_act, wo_a_fp8's widen="bits", the MoE
+#                                            swap-AB experts, the custom ops)
+#   bash tools/device.sh smoke-benches       their benches (WO-A at V4's decode T, the FP8 widening
+#                                            routes, the V4-Flash MoE layer)
 #   bash tools/device.sh quick-bench         the runtime bench at v4_flash_slice (--quick, acceptance 5.5)
 #   bash tools/device.sh cache-out           the machine's compiled-kernel cache as $OUT/kernel-cache.tar.xz
 #   bash tools/device.sh cache-in [FILE]     unpack a carried cache (default .devcache/kernel-cache.tar.xz) into it
@@ -163,11 +165,21 @@ smoke)
   timeout 250 $PYT -m gpu tests/test_spec_decode.py -k "small or draft_head" 2>&1 | tee "$OUT/spec-small.log" | tail -15
   ;;
 smoke-kernels)
-  timeout 120 $PYT -m gpu tests/test_moe_router.py 2>&1 | tee "$OUT/router-tests.log" | tail -5
-  timeout 90 $PYT -m gpu tests/test_row_rms.py tests/test_masked_softmax.py 2>&1 | tee "$OUT/norm-tests.log" | tail -5
-  timeout 200 $PYT -m gpu tests/test_sink_attention.py tests/test_compressor_pool.py 2>&1 | tee "$OUT/attention-tests.log" | tail -10
-  timeout 90 $PYT -m gpu tests/test_mhc.py -k "parts" 2>&1 | tee "$OUT/mhc-parts.log" | tail -5
-  timeout 60 $PYT -m gpu tests/test_moe_quant.py -k "prequantized" 2>&1 | tee "$OUT/gather.log" | tail -5
+  # the kernels changed since their last GPU run: wo_a_fp8_act's staged scales, wo_a_decode_fp8's
+  # widen="bits", the MoE swap-AB kernel's scale words a slice ahead, the functional custom ops
+  timeout 90 $PYT -m gpu tests/test_wo_a_fp8_act.py 2>&1 | tee "$OUT/fp8-act-tests.log" | tail -5
+  timeout 120 $PYT -m gpu tests/test_wo_a_fp8.py -k "bits or every_config" 2>&1 | tee "$OUT/fp8-bits-tests.log" | tail -5
+  timeout 150 $PYT -m gpu tests/test_moe_experts.py 2>&1 | tee "$OUT/experts-tests.log" | tail -5
+  timeout 120 $PYT -m gpu tests/test_ops.py 2>&1 | tee "$OUT/ops-tests.log" | tail -5
+  ;;
+smoke-benches)
+  # their benches: WO-A at V4's decode T (the FP8-activation GEMM), the widening routes, the MoE layer
+  timeout 150 python bench/bench_wo_a_v4.py --tokens 1,5,16,32,64 --out "$OUT/bench_wo_a_v4.md" 2>&1 \
+    | tee "$OUT/bench_wo_a_v4.log" | tail -12
+  timeout 150 python bench/bench_wo_a_fp8.py --tokens 1,16,64 --shapes 8x1024x4096,16x1024x4096 \
+    --variants 128/plan,128/plan/plan/bits --out "$OUT/bench_wo_a_fp8_widen.md" 2>&1 | tee "$OUT/bench_wo_a_fp8.log" | tail -14
+  timeout 200 python bench/bench_moe_experts.py --model v4-flash --tokens 1,64,320 \
+    --out "$OUT/bench_moe_experts_v4-flash.md" 2>&1 | tee "$OUT/bench_moe_experts.log" | tail -12
   ;;
 quick-bench)
   timeout 560 python -m spec_decode.bench --model v4_flash_slice --acceptance-length 5.5 --quick \
