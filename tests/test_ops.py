@@ -258,28 +258,30 @@ def test_opcheck_on_gpu(name):
 @pytest.mark.parametrize("weights", ["bf16", "fp8"])
 def test_compiled_attention_output_block_on_gpu_replays_fresh_inputs(weights):
     """WO-A (bf16, or the checkpoint's FP8 format) -> WO-B at V4-Flash's WO-A shape, compiled
-    with fullgraph=True in the CUDA-graph mode: equal to eager, bit for bit, on every call with
-    new activations (the graph records, then replays). One eager call first: the kernels'
-    default workspaces are allocated outside the graph's memory pool (as before a capture)."""
+    with fullgraph=True in the CUDA-graph mode, on every call with new activations (the graph
+    records, then replays): WO-A's output equal to eager bit for bit, WO-B's (a GEMM the
+    compiler may lower differently) within two bf16 roundings. One eager call first: the
+    kernels' default workspaces are allocated outside the graph's memory pool (as before a
+    capture)."""
     from cute_kernels.wo_a_decode_fp8 import quantize_wo_a_fp8
 
     g = torch.Generator().manual_seed(7)
     wa = (_bf(8, 1024, 4096, g=g) / 64).cuda()
     wb = (_bf(512, 8 * 1024, g=g) / 90).cuda()
     w8, s8 = quantize_wo_a_fp8(wa)
-    if weights == "bf16":
-        def block(o):
-            return ops.wo_a(o, wa) @ wb.T
-    else:
-        def block(o):
-            return ops.wo_a_fp8(o, w8, s8) @ wb.T
+    def block(o):
+        y = ops.wo_a(o, wa) if weights == "bf16" else ops.wo_a_fp8(o, w8, s8)
+        return y, y @ wb.T
+
     o = _bf(6, 64, 512, g=g).cuda()
     block(o)
     f = torch.compile(block, fullgraph=True, mode="reduce-overhead")
     for _ in range(4):
         o.copy_(_bf(6, 64, 512, g=g))
-        want = block(o)
-        assert torch.equal(f(o), want)
+        y, z = block(o)
+        fy, fz = f(o)
+        assert torch.equal(fy, y)
+        assert ((fz.float() - z.float()).abs() <= 2 * 2.0 ** -8 * z.float().abs() + 1e-3).all()
 
 
 @pytest.mark.gpu
