@@ -168,7 +168,7 @@ smoke-kernels)
   # the kernels changed since their last GPU run: wo_a_fp8_act's staged scales, wo_a_decode_fp8's
   # widen="bits", the MoE swap-AB kernel's scale words a slice ahead, the functional custom ops
   timeout 90 $PYT -m gpu tests/test_wo_a_fp8_act.py 2>&1 | tee "$OUT/fp8-act-tests.log" | tail -5
-  timeout 120 $PYT -m gpu tests/test_wo_a_fp8.py -k "bits or every_config" 2>&1 | tee "$OUT/fp8-bits-tests.log" | tail -5
+  timeout 200 $PYT -m gpu tests/test_wo_a_fp8.py -k "bits or every_config" 2>&1 | tee "$OUT/fp8-bits-tests.log" | tail -5
   timeout 150 $PYT -m gpu tests/test_moe_experts.py 2>&1 | tee "$OUT/experts-tests.log" | tail -5
   timeout 120 $PYT -m gpu tests/test_ops.py 2>&1 | tee "$OUT/ops-tests.log" | tail -5
   ;;
