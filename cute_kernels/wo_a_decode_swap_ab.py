@@ -36,12 +36,10 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass.tensor_utils import LayoutEnum
-import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32
+from cutlass import Int32
 
 from . import jit
-from .tma_pipeline import single_cta_tma_pipeline, tma_tiles
+from .tma_pipeline import swap_ab_operands, swap_ab_shared_storage, tma_tiles
 from .warp_mma import wgmma_fragments
 from .wo_a_decode import MAX_T, SMEM_PER_CTA
 from .wo_a_sm90 import wo_a_layouts
@@ -56,22 +54,6 @@ def smem_bytes(tok_n: int, stages: int, bk: int = 64) -> int:
     """Shared memory of one CTA: the swizzled weight and token stages (1 KB aligned), the
     transposed FP32 output tile and the stage mbarriers."""
     return 1024 + stages * (BM + tok_n) * bk * 2 + tok_n * (BM + 1) * 4 + 2 * stages * 8
-
-
-def shared_storage(dtype, w_smem: cute.ComposedLayout, o_smem: cute.ComposedLayout, stages: int, tok_n: int,
-                   extra: tuple = ()):
-    """A swap-AB WO-A CTA's shared memory: the stage mbarriers, the swizzled weight and token
-    stages of ``dtype``, the FP32 output tile (token-major; the odd pitch keeps the transposing
-    writes conflict-free) and the TMA pipeline over the stages: ``(sW, sO, sOut, pipe)``, then
-    one tensor per ``(dtype, layout)`` of ``extra`` (16-byte aligned, after the others).
-    Called while a kernel is traced."""
-    smem = cutlass.memory.SmemAllocator()
-    mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((2 * stages,)), 8)
-    sW = smem.allocate_tensor(dtype, w_smem.outer, 1024, swizzle=w_smem.inner)
-    sO = smem.allocate_tensor(dtype, o_smem.outer, 1024, swizzle=o_smem.inner)
-    sOut = smem.allocate_tensor(Float32, cute.make_layout((tok_n, BM + 1), stride=(BM + 1, 1)), 16)
-    pipe = single_cta_tma_pipeline(mbar, stages, THREADS // 32, (dtype, w_smem), (dtype, o_smem))
-    return (sW, sO, sOut, pipe, *(smem.allocate_tensor(t, layout, 16) for t, layout in extra))
 
 
 def group_operand_tiles(tma_w: cute.CopyAtom, mW: cute.Tensor, sW: cute.Tensor, tma_o: cute.CopyAtom,
@@ -129,16 +111,8 @@ class WoADecodeSwapAB:
         mO = cute.make_tensor(o_ptr, cute.make_layout(so, stride=do))  # (T, Dg, G)
         mY = cute.make_tensor(y_ptr, cute.make_layout((num_tokens, G * R), stride=(G * R, 1)))
 
-        K_MAJOR = cute.nvgpu.OperandMajorMode.K
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(bf16, bf16, K_MAJOR, K_MAJOR, Float32, (1, 1, 1),
-                                                      tiler_mn=(BM, self.tok_n))
-        w_smem = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.tile, bf16, self.stages)
-        o_smem = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.tile, bf16, self.stages)
-        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        tma_w, tma_tensor_w = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mW, cute.slice_(w_smem, (None, None, 0)),
-                                                                     (BM, self.bk))
-        tma_o, tma_tensor_o = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mO, cute.slice_(o_smem, (None, None, 0)),
-                                                                     (self.tok_n, self.bk))
+        tiled_mma, w_smem, o_smem, tma_w, tma_tensor_w, tma_o, tma_tensor_o = swap_ab_operands(
+            bf16, mW, mO, self.tile, self.stages)
         self.kernel(tiled_mma, tma_w, tma_tensor_w, tma_o, tma_tensor_o, w_smem, o_smem, mY, num_tokens).launch(
             grid=[G * R // BM, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
@@ -161,7 +135,7 @@ class WoADecodeSwapAB:
         g = nt // tiles_per_group
         rt = nt - g * tiles_per_group
 
-        sW, sO, sOut, pipe = shared_storage(bf16, w_smem, o_smem, STAGES, TN)
+        sW, sO, sOut, pipe = swap_ab_shared_storage(bf16, w_smem, o_smem, STAGES, self.tile, THREADS // 32)
 
         # This CTA's 64 weight rows of group g and the group's token rows, in bk-wide K slices.
         tWsW, tWgW, tOsO, tOgO = group_operand_tiles(tma_w, mW, sW, tma_o, mO, sO, (BM, self.bk), (TN, self.bk), rt, g)

@@ -53,9 +53,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Uint32
-from cutlass.tensor_utils import LayoutEnum
 
 from . import jit
 from .arch import current_arch
@@ -65,7 +63,8 @@ from .warp_mma import fp8_wgmma_blocks, wgmma_fragments
 from .wo_a_decode import SMEM_PER_CTA
 from .wo_a_decode_fp8 import SCALE_BLOCK  # the weights' scale block (rows and K): the checkpoint format's
 # BM weight rows (output columns) per CTA -- wgmma M -- and THREADS: the shared schedule's
-from .wo_a_decode_swap_ab import BM, THREADS, group_operand_tiles, load_k_slice, shared_storage, store_token_major
+from .tma_pipeline import swap_ab_operands, swap_ab_shared_storage
+from .wo_a_decode_swap_ab import BM, THREADS, group_operand_tiles, load_k_slice, store_token_major
 from .wo_a_sm90 import wo_a_layouts
 
 BK = 128  # K elements (bytes) per pipeline stage: four MX blocks, one weight-scale block
@@ -102,16 +101,8 @@ class WoAFp8ActSm90:
         mWs = cute.make_tensor(ws_ptr, cute.make_layout((G * (R // SCALE_BLOCK) * (Dg // SCALE_BLOCK),)))
         mY = cute.make_tensor(y_ptr, cute.make_layout((num_tokens, G * R), stride=(G * R, 1)))
 
-        K_MAJOR = cute.nvgpu.OperandMajorMode.K
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(f8, f8, K_MAJOR, K_MAJOR, Float32, (1, 1, 1),
-                                                      tiler_mn=(BM, self.tok_n))
-        w_smem = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, self.tile, f8, self.stages)
-        q_smem = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, self.tile, f8, self.stages)
-        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        tma_w, tma_tensor_w = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mW, cute.slice_(w_smem, (None, None, 0)),
-                                                                     (BM, BK))
-        tma_q, tma_tensor_q = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mQ, cute.slice_(q_smem, (None, None, 0)),
-                                                                     (self.tok_n, BK))
+        tiled_mma, w_smem, q_smem, tma_w, tma_tensor_w, tma_q, tma_tensor_q = swap_ab_operands(
+            f8, mW, mQ, self.tile, self.stages)
         self.kernel(tiled_mma, tma_w, tma_tensor_w, tma_q, tma_tensor_q, w_smem, q_smem, mQs, mWs, mY,
                     num_tokens).launch(grid=[G * R // BM, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
@@ -140,8 +131,9 @@ class WoAFp8ActSm90:
         # at a row pitch of 4 KT + 1 floats (the columns a warp reads for one block fall in
         # distinct banks)
         KB = KT * (BK // MX)
-        sW, sQ, sOut, pipe, sS = shared_storage(
-            f8, w_smem, q_smem, STAGES, TN, extra=((Float32, cute.make_layout((TN, KB), stride=(KB + 1, 1))),))
+        sW, sQ, sOut, pipe, sS = swap_ab_shared_storage(
+            f8, w_smem, q_smem, STAGES, self.tile, THREADS // 32,
+            extra=((Float32, cute.make_layout((TN, KB), stride=(KB + 1, 1))),))
 
         # This CTA's 64 weight rows of group g and the group's token rows, in 128-byte K slices.
         tWsW, tWgW, tQsQ, tQgQ = group_operand_tiles(tma_w, mW, sW, tma_q, mQ, sQ, (BM, BK), (TN, BK), rt, g)

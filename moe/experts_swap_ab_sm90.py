@@ -47,13 +47,11 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Uint32
 
 from cute_kernels import jit
 from cute_kernels.mx_scales import e8m0_to_f32
-from cute_kernels.tma_pipeline import single_cta_tma_pipeline, tma_tiles
+from cute_kernels.tma_pipeline import swap_ab_operands, swap_ab_shared_storage, tma_tiles
 from cute_kernels.warp_mma import fp8_wgmma_blocks, wgmma_fragments
 
 from .experts_tiled_sm90 import (MX, RoutedGemmTensorEntry, check_swiglu_limit, routed_gemm_tensor_args,
@@ -100,16 +98,8 @@ class MoeExpertSwapABSm90(RoutedGemmTensorEntry):
         mSA, mSW, mOut, mQ, mSQ, mOffs, mCnt, mTile = routed_gemm_tensors(
             self, sfa_ptr, sfw_ptr, out_ptr, q_ptr, sq_ptr, offs_ptr, cnt_ptr, tile_ptr, rows, tiles)
 
-        K_MAJOR = cute.nvgpu.OperandMajorMode.K
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(f8, f8, K_MAJOR, K_MAJOR, Float32, (1, 1, 1),
-                                                      tiler_mn=(BM, self.tok_n))
-        w_smem = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, self.tile, f8, self.stages)
-        a_smem = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, self.tile, f8, self.stages)
-        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        tma_w, tma_tensor_w = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mW, cute.slice_(w_smem, (None, None, 0)),
-                                                                     (BM, BK))
-        tma_a, tma_tensor_a = cute.nvgpu.cpasync.make_tiled_tma_atom(op, mA, cute.slice_(a_smem, (None, None, 0)),
-                                                                     (self.tok_n, BK))
+        tiled_mma, w_smem, a_smem, tma_w, tma_tensor_w, tma_a, tma_tensor_a = swap_ab_operands(
+            f8, mW, mA, self.tile, self.stages)
         self.kernel(tiled_mma, tma_w, tma_tensor_w, tma_a, tma_tensor_a, w_smem, a_smem, mSA, mSW, mOut, mQ, mSQ,
                     mOffs, mCnt, mTile).launch(grid=[N // BM, tiles, 1], block=[THREADS, 1, 1], stream=stream)
 
@@ -141,12 +131,7 @@ class MoeExpertSwapABSm90(RoutedGemmTensorEntry):
         f8 = cutlass.Float8E4M3FN
         STAGES, TN = self.stages, self.tok_n
         KT = self.K // BK
-        smem = cutlass.memory.SmemAllocator()
-        mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((2 * STAGES,)), 8)
-        sW = smem.allocate_tensor(f8, w_smem.outer, 128, swizzle=w_smem.inner)
-        sA = smem.allocate_tensor(f8, a_smem.outer, 128, swizzle=a_smem.inner)
-        sOut = smem.allocate_tensor(Float32, cute.make_layout((TN, BM + 1), stride=(BM + 1, 1)), 16)
-        pipe = single_cta_tma_pipeline(mbar, STAGES, THREADS // 32, (f8, w_smem), (f8, a_smem))
+        sW, sA, sOut, pipe = swap_ab_shared_storage(f8, w_smem, a_smem, STAGES, self.tile, THREADS // 32, align=128)
 
         wrow0 = e * self.N + n0
         # All K slices of this CTA's 64 weight rows / of the router tile's first TN token rows
