@@ -61,7 +61,8 @@ def main():
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    variants = [(v.split("/") + ["plan", "plan", "cvt"])[:4] for v in args.variants.split(",")]
+    defaults = ["", "plan", "plan", "cvt"]  # what an entry leaves off: stages, splits, widen
+    variants = [(v.split("/") + defaults[len(v.split("/")):])[:4] for v in args.variants.split(",")]
     for v in variants:
         if (v[0] not in ("128", "256") or not all(x in ("plan", "x2") or x.isdigit() for x in v[1:3])
                 or v[3] not in WIDEN):

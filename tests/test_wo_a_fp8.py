@@ -202,9 +202,11 @@ def test_bits_widening_machine_code(bm, bn, bk):
 
 
 @pytest.mark.gpu
-def test_bits_widening_every_code_exact_on_gpu():
-    """Every finite e4m3 code through ``widen="bits"`` on the GPU: one-hot token rows pick single
-    weights (scale 1), so each output is one weight's bf16 value exactly."""
+@pytest.mark.parametrize("widen", ["cvt", "bits"])
+def test_widening_every_code_exact_on_gpu(widen):
+    """Every finite e4m3 code through each widening route on the GPU: one-hot token rows pick
+    single weights (scale 1), so each output is one weight's bf16 value exactly -- except that
+    the code -0 gives +0 (the accumulator sums it with the +0 products of the zero columns)."""
     from cute_kernels import jit
     from cute_kernels.wo_a_decode import WoADecodeWorkspace
 
@@ -212,13 +214,14 @@ def test_bits_widening_every_code_exact_on_gpu():
     Dg = HG * Dv
     finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
     g, r, k = torch.meshgrid(torch.arange(G), torch.arange(R), torch.arange(Dg), indexing="ij")
-    w8 = finite[(g * 5 + r * 7 + k) % finite.numel()].view(torch.float8_e4m3fn).cuda()
+    codes = finite[(g * 5 + r * 7 + k) % finite.numel()]
+    w8 = codes.view(torch.float8_e4m3fn).cuda()
     scale = torch.ones(G, R // 128, Dg // 128, device="cuda")
     cols = (torch.arange(T) * 67) % Dg
     o = torch.zeros(T, G, Dg)
     o[torch.arange(T), :, cols] = 1.0
     o = o.bfloat16().view(T, G * HG, Dv).cuda()
-    fn = jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=G, R=R, Dg=Dg, bm=16, splits=1, bn=32, stages=6, widen="bits")
+    fn = jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=G, R=R, Dg=Dg, bm=16, splits=1, bn=32, stages=6, widen=widen)
     ws = WoADecodeWorkspace(G, R, max_splits=8)
     out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
     P = jit.gmem_ptr
@@ -226,8 +229,14 @@ def test_bits_widening_every_code_exact_on_gpu():
        P(cutlass.BFloat16, out, 4), P(cutlass.Float32, ws.partials, 4), P(cutlass.Int32, ws.counters, 4),
        jit.i32(T), jit.cu_stream(None))
     torch.cuda.synchronize()
-    want = w8.cpu().to(torch.bfloat16)[:, :, cols].permute(2, 0, 1).reshape(T, G * R)
-    assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
+    picked = codes[:, :, cols].permute(2, 0, 1).reshape(T, G * R)
+    want = picked.view(torch.float8_e4m3fn).double().to(torch.bfloat16)  # exact: e4m3 is in bf16
+    want[picked == 0x80] = 0.0  # -0 sums to +0
+    got_bits, want_bits = out.cpu().view(torch.int16), want.view(torch.int16)
+    bad = (got_bits != want_bits).nonzero()
+    report = sorted({(int(picked[i, j]), int(got_bits[i, j]) & 0xFFFF, int(want_bits[i, j]) & 0xFFFF)
+                     for i, j in bad[:4096].tolist()})
+    assert bad.numel() == 0, f"{len(bad)} wrong outputs; (code, got bf16 bits, want): {report[:12]}"
 
 
 # ----------------------------------------------- DeepSeek-V4: Dg = 4096, any T, UE8M0 ------

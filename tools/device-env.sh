@@ -11,5 +11,9 @@ export CUTE_KERNELS_CACHE_DIR=${CUTE_KERNELS_CACHE_DIR:-/tmp/cute_kernels_cache}
 if [ -f .devcache/kernel-cache.tar.xz ] && [ ! -d "$CUTE_KERNELS_CACHE_DIR" ]; then
   mkdir -p "$(dirname "$CUTE_KERNELS_CACHE_DIR")"
   tar -xJf .devcache/kernel-cache.tar.xz -C "$(dirname "$CUTE_KERNELS_CACHE_DIR")" \
-    && mv -n "$(dirname "$CUTE_KERNELS_CACHE_DIR")/cute_kernels_cache" "$CUTE_KERNELS_CACHE_DIR" 2>/dev/null
+    || echo "device-env: the carried kernel cache did not unpack; kernels compile" >&2
+  # (the archive holds cute_kernels_cache/: move it only where the cache lives elsewhere)
+  src="$(dirname "$CUTE_KERNELS_CACHE_DIR")/cute_kernels_cache"
+  [ "$src" -ef "$CUTE_KERNELS_CACHE_DIR" ] || mv -n "$src" "$CUTE_KERNELS_CACHE_DIR" 2>/dev/null || true
 fi
+true
