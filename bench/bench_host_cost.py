@@ -5,9 +5,10 @@
 For each op: the Python entry point (``cute_kernels.*`` / ``moe.*``) and its custom op
 (``torch.ops.cute_kernels.*``), called eagerly ``--calls`` times back to back on warm caches
 (compiled once before), outputs preallocated where the API allows. Host time per call is the
-median over 5 trials of (wall time of the loop) / calls, measured while the stream is kept
-busy by a long sleep kernel enqueued first -- so the loop never waits on the GPU and what is
-timed is the host path: validation, cache lookup, argument packing, the launch call. The
+median over chunks of 200 calls (5 x calls / 200 of them) of (wall time of the chunk) / 200,
+each chunk timed while the stream is kept busy by a sleep kernel enqueued first -- so the loop
+never waits on the GPU (the chunk's launches fit the driver's launch queue) and what is timed
+is the host path: validation, cache lookup, argument packing, the launch call. The
 kernels' own GPU time is not in it. ``torch.add`` on a small tensor is the yardstick in the
 same run (goal: <= 5 us for single-kernel ops, never more than torch.add). The entry points
 are timed three ways: with :class:`cute_kernels.jit.DirectLaunch` resolving the arguments (the
@@ -78,17 +79,26 @@ from moe.router import V4_FLASH_ROUTER, MoeRouter  # noqa: E402
 ops = torch.ops.cute_kernels
 
 
+#: calls per timed chunk: each chunk runs behind its own sleep kernel, and a chunk's launches
+#: must fit the driver's launch queue (about 1024 pending launches), or the loop stalls until
+#: the sleep ends and times the GPU, not the host (an op that launches twice per call -- a
+#: zeroed workspace, then its kernel -- would stall within 1000 calls)
+CHUNK = 200
+
+
 def host_us(fn, calls: int, trials: int = 5) -> float:
-    """Median host microseconds per ``fn()`` with the GPU kept busy (see the module docstring)."""
+    """Median host microseconds per ``fn()`` with the GPU kept busy (see the module docstring):
+    ``trials`` x (``calls`` / :data:`CHUNK`) chunks of :data:`CHUNK` calls, each behind a sleep
+    kernel long enough to outlast it."""
     fn()
     torch.cuda.synchronize()
     per = []
-    for _ in range(trials):
-        torch.cuda._sleep(int(2e9))  # a long kernel ahead: the loop below never waits on the GPU
+    for _ in range(trials * max(1, calls // CHUNK)):
+        torch.cuda._sleep(int(5e7))  # ~25 ms ahead: the chunk below (< 125 us a call) never waits
         t = time.perf_counter()
-        for _ in range(calls):
+        for _ in range(CHUNK):
             fn()
-        per.append((time.perf_counter() - t) / calls * 1e6)
+        per.append((time.perf_counter() - t) / CHUNK * 1e6)
         torch.cuda.synchronize()
     return statistics.median(per)
 
