@@ -80,6 +80,38 @@ def load_k_slice(pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, 
 
 
 @cute.jit
+def load_prologue(pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, tma_w: cute.CopyAtom,
+                  tWgW: cute.Tensor, tWsW: cute.Tensor, tma_o: cute.CopyAtom, tOgO: cute.Tensor, tOsO: cute.Tensor,
+                  n: cutlass.Constexpr, stages: cutlass.Constexpr, pdl: cutlass.Constexpr, warp_idx: Int32):
+    """The pipeline's first ``n`` K slices of both tiles (warp 0 issues). ``pdl`` (a
+    programmatic dependent launch): the weight slices first -- the weights do not depend on the
+    kernel before this one -- then, in every thread, ``griddepcontrol`` lets this kernel's own
+    dependents launch and waits for the previous grid to complete and flush, and only then the
+    token slices (its output) go out; every later access of the kernel follows that wait."""
+    if cutlass.const_expr(pdl):
+        head = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+        if warp_idx == 0:
+            for _ in cutlass.range_constexpr(n):
+                pipe.producer_acquire(prod)
+                cute.copy(tma_w, tWgW[(None, prod.count)], tWsW[(None, prod.index)],
+                          tma_bar_ptr=pipe.producer_get_barrier(prod))
+                prod.advance()
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_wait()
+        if warp_idx == 0:
+            for _ in cutlass.range_constexpr(n):
+                cute.copy(tma_o, tOgO[(None, head.count)], tOsO[(None, head.index)],
+                          tma_bar_ptr=pipe.producer_get_barrier(head))
+                pipe.producer_commit(head)
+                head.advance()
+    else:
+        if warp_idx == 0:
+            for _ in cutlass.range_constexpr(n):
+                load_k_slice(pipe, prod, tma_w, tWgW, tWsW, tma_o, tOgO, tOsO)
+                prod.advance()
+
+
+@cute.jit
 def store_token_major(acc: cute.Tensor, tCcC: cute.Tensor, sOut: cute.Tensor, mY: cute.Tensor, col0: Int32,
                       num_tokens: Int32, tidx: Int32):
     """The epilogue: the FP32 accumulator of a (BM weight rows, tokens) tile transposed through
@@ -141,29 +173,7 @@ class WoADecodeSwapAB:
         tWsW, tWgW, tOsO, tOgO = group_operand_tiles(tma_w, mW, sW, tma_o, mO, sO, (BM, self.bk), (TN, self.bk), rt, g)
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-        if cutlass.const_expr(self.pdl):
-            # Weight slices first (independent of the previous kernel), then wait for its grid:
-            # o is its output, and this kernel's stores must follow its reads.
-            head = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-            if warp_idx == 0:
-                for _ in cutlass.range_constexpr(min(STAGES, KT)):
-                    pipe.producer_acquire(prod)
-                    cute.copy(tma_w, tWgW[(None, prod.count)], tWsW[(None, prod.index)],
-                              tma_bar_ptr=pipe.producer_get_barrier(prod))
-                    prod.advance()
-            cute.arch.griddepcontrol_launch_dependents()
-            cute.arch.griddepcontrol_wait()
-            if warp_idx == 0:
-                for _ in cutlass.range_constexpr(min(STAGES, KT)):
-                    cute.copy(tma_o, tOgO[(None, head.count)], tOsO[(None, head.index)],
-                              tma_bar_ptr=pipe.producer_get_barrier(head))
-                    pipe.producer_commit(head)
-                    head.advance()
-        else:
-            if warp_idx == 0:
-                for _ in cutlass.range_constexpr(min(STAGES, KT)):
-                    load_k_slice(pipe, prod, tma_w, tWgW, tWsW, tma_o, tOgO, tOsO)
-                    prod.advance()
+        load_prologue(pipe, prod, tma_w, tWgW, tWsW, tma_o, tOgO, tOsO, min(STAGES, KT), STAGES, self.pdl, warp_idx)
 
         tCrW, tCrO, tCcC, acc = wgmma_fragments(tiled_mma, tidx, sW, sO, (BM, TN))
         acc.fill(0.0)

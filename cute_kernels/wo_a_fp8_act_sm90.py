@@ -31,6 +31,11 @@ behind the prologue's loads: a promotion is one shared load per token column and
 accumulator element. The
 epilogue transposes the tile through shared memory into token-major ``y [T, G*R]``.
 
+``pdl`` (a programmatic dependent launch, e.g. behind the activations' quantization): the
+prologue's weight slices go out before ``griddepcontrol.wait``, the token slices and the scale
+loads after it (:func:`.wo_a_decode_swap_ab.load_prologue`), so the weights stream while the
+kernel before this one finishes.
+
 Numerics: the activations' e4m3 rounding (relative 2^-4 per element, before this kernel);
 products of e4m3 values are exact, the tensor core sums a block's 32 of them keeping about 14
 mantissa bits, ``ws * sa`` is exact (a power of two times an FP32), the promotion rounds in
@@ -64,7 +69,7 @@ from .wo_a_decode import SMEM_PER_CTA
 from .wo_a_decode_fp8 import SCALE_BLOCK  # the weights' scale block (rows and K): the checkpoint format's
 # BM weight rows (output columns) per CTA -- wgmma M -- and THREADS: the shared schedule's
 from .tma_pipeline import swap_ab_operands, swap_ab_shared_storage
-from .wo_a_decode_swap_ab import BM, THREADS, group_operand_tiles, load_k_slice, store_token_major
+from .wo_a_decode_swap_ab import BM, THREADS, group_operand_tiles, load_k_slice, load_prologue, store_token_major
 from .wo_a_sm90 import wo_a_layouts
 
 BK = 128  # K elements (bytes) per pipeline stage: four MX blocks, one weight-scale block
@@ -83,8 +88,8 @@ def smem_bytes(tok_n: int, stages: int, Dg: int = 4096) -> int:
 
 
 class WoAFp8ActSm90:
-    def __init__(self, G: int, R: int, Dg: int, tok_n: int, stages: int = 8):
-        self.G, self.R, self.Dg, self.tok_n, self.stages = G, R, Dg, tok_n, stages
+    def __init__(self, G: int, R: int, Dg: int, tok_n: int, stages: int = 8, pdl: bool = False):
+        self.G, self.R, self.Dg, self.tok_n, self.stages, self.pdl = G, R, Dg, tok_n, stages, pdl
         self.tile = (BM, tok_n, BK)
         self.k_tiles = Dg // BK
 
@@ -104,7 +109,8 @@ class WoAFp8ActSm90:
         tiled_mma, w_smem, q_smem, tma_w, tma_tensor_w, tma_q, tma_tensor_q = swap_ab_operands(
             f8, mW, mQ, self.tile, self.stages)
         self.kernel(tiled_mma, tma_w, tma_tensor_w, tma_q, tma_tensor_q, w_smem, q_smem, mQs, mWs, mY,
-                    num_tokens).launch(grid=[G * R // BM, 1, 1], block=[THREADS, 1, 1], stream=stream)
+                    num_tokens).launch(grid=[G * R // BM, 1, 1], block=[THREADS, 1, 1], stream=stream,
+                                       use_pdl=self.pdl)
 
     @cute.jit
     def tensor_call(self, mQ: cute.Tensor, mQs: cute.Tensor, mW: cute.Tensor, mWs: cute.Tensor, mY: cute.Tensor,
@@ -139,12 +145,10 @@ class WoAFp8ActSm90:
         tWsW, tWgW, tQsQ, tQgQ = group_operand_tiles(tma_w, mW, sW, tma_q, mQ, sQ, (BM, BK), (TN, BK), rt, g)
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-        if warp_idx == 0:
-            for _ in cutlass.range_constexpr(min(STAGES, KT)):
-                load_k_slice(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ)
-                prod.advance()
+        load_prologue(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ, min(STAGES, KT), STAGES, self.pdl, warp_idx)
 
-        # The scales, behind the prologue's loads, decoded once: read from global memory inside
+        # The scales, behind the prologue's loads (with pdl: after its grid-dependency wait -- the
+        # token scales are the previous kernel's output), decoded once: read from global memory inside
         # the slice loop, each slice would wait on a dependent load (wo_a_decode_fp8 stages its
         # scales too), and decoded there, each block of each column would cost its bit
         # operations again in every CTA. A thread takes one word (four block scale bytes) of a
@@ -216,8 +220,10 @@ def plan(T: int) -> dict:
     raise ValueError(f"wo_a_fp8_act: T={T} > {MAX_T} (a decode kernel; prefill takes wo_a_fp8)")
 
 
-def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 8):
-    """``tok_n``: the token tile (wgmma N; T <= tok_n). ``stages``: TMA pipeline depth."""
+def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 8, pdl: bool = False):
+    """``tok_n``: the token tile (wgmma N; T <= tok_n). ``stages``: TMA pipeline depth. ``pdl``:
+    a programmatic dependent launch (the first stages' weight slices go out before the wait
+    for the previous kernel, whose output the activations and their scales are)."""
     if not WoAFp8ActSm90.can_implement(1, G, R, Dg, tok_n, stages):
         raise ValueError(f"wo_a_fp8_act: unsupported G={G}, R={R}, Dg={Dg}, tok_n={tok_n}, stages={stages} "
                          f"(R % 128, Dg % 128, tok_n in {TOK_N}, stages >= 2 within {SMEM_PER_CTA} B of shared "
@@ -226,7 +232,7 @@ def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 8):
     f8 = cutlass.Float8E4M3FN
     args = (P(f8, 16), P(cutlass.Uint8, 4), P(f8, 16), P(Float32, 4), P(cutlass.BFloat16, 4), Int32(1),
             jit.fake_stream())
-    return WoAFp8ActSm90(G, R, Dg, tok_n, stages), args
+    return WoAFp8ActSm90(G, R, Dg, tok_n, stages, pdl), args
 
 
 def _build_tensors(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 8):
@@ -257,18 +263,23 @@ _TENSOR_FNS: dict = {}
 
 
 def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *,
-                 out: torch.Tensor | None = None, stream=None, arch: str | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, stream=None, arch: str | None = None,
+                 pdl: bool = False) -> torch.Tensor:
     """``y [T, G*R]`` (bf16, token-major) from MXFP8 activations ``q [T, H, Dv]`` (e4m3) with
     ``q_scales [T, H*Dv/32]`` (uint8 UE8M0, :func:`moe.quant.mxfp8_quantize`'s plain layout of
     ``o.view(T, H*Dv)``), e4m3 ``w [G, R, (H/G)*Dv]`` and FP32 ``w_scale [G, R/128, Dg/128]``;
     T <= 64. ``out``: a preallocated ``y`` (nothing allocated). Launched on ``stream`` (default:
-    torch's current stream)."""
-    default_call = stream is None and arch is None
+    torch's current stream). ``pdl``: launched as a programmatic dependent of the kernel before
+    it on the stream -- the weights start streaming while that kernel (e.g. the activations'
+    quantization) finishes; a separate compile, the same results."""
+    default_call = stream is None and arch is None and pdl is False
     if (out is not None and default_call and jit.TVM_FFI and isinstance(q, torch.Tensor)
             and isinstance(w, torch.Tensor)):  # the eager hot path (the C checks: dtypes, extents, strides, alignment)
         if jit.launch_tensor_entry(_TENSOR_FNS, (q.shape, w.shape, q.get_device()), q, q_scales, w, w_scale, out):
             return out
     op = "wo_a_fp8_act"
+    if not isinstance(pdl, bool):
+        raise TypeError(f"{op}: pdl must be a bool, got {pdl!r}")
     check_tensor(op, "q", q, dtype=torch.float8_e4m3fn, ndim=3, contiguous=True, align_bytes=16)
     check_tensor(op, "w", w, dtype=torch.float8_e4m3fn, ndim=3, contiguous=True, align_bytes=16)
     T, H, Dv = q.shape
@@ -288,7 +299,7 @@ def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_sca
     check_tensor(op, "out", out, dtype=torch.bfloat16, shape=(T, G * R), contiguous=True, align_bytes=4)
     check_cuda(op, ("q", q), ("q_scales", q_scales), ("w", w), ("w_scale", w_scale), ("out", out))
     a = check_arch_supported(op, arch or current_arch(q.device), ("sm_90a",))
-    fn = jit.get_kernel("wo_a_fp8_act_sm90", a, G=G, R=R, Dg=Dg, **plan(T))
+    fn = jit.get_kernel("wo_a_fp8_act_sm90", a, G=G, R=R, Dg=Dg, **plan(T), **({"pdl": True} if pdl else {}))
     P = jit.gmem_ptr
     fn(P(cutlass.Float8E4M3FN, q, 16), P(cutlass.Uint8, q_scales, 4), P(cutlass.Float8E4M3FN, w, 16),
        P(Float32, w_scale, 4), P(cutlass.BFloat16, out, 4), jit.i32(T), jit.cu_stream(stream))

@@ -63,6 +63,13 @@ loads issued first, eight 16-byte stores), the word stored whole. The prequantiz
 moves 32-byte blocks (two 16-byte loads and stores) and scale bytes. A grid-stride loop over a
 fixed grid keeps launches graph-capturable when the live row count is a device value.
 
+Programmatic dependent launch (``pdl=True``, a compile option): the kernel is launched as a
+programmatic dependent of the kernel before it on the stream, so its launch and CTA start
+overlap that kernel's tail. Every CTA waits for the previous grid to complete and flush
+(``griddepcontrol.wait``) before its first memory access -- everything the quantizer reads
+(``x``, the router's packing) may be that grid's output -- and signals its own dependents
+after its last store. Results are identical; only the launch differs.
+
 Constraints: K % 32 == 0 (the MX block; other K raise ``ValueError``), 16-byte aligned
 rows; T * K < 2**31. The same source compiles for sm_90a and sm_100a (no tensor cores).
 
@@ -111,8 +118,10 @@ class MxQuant:
     only gathers its blocks and scale bytes into the routed order and scale layout."""
 
     def __init__(self, K: int, layout: str, routed: bool, topk: int = 1, threads: int = 256,
-                 zero_padding: bool = True, prequantized: bool = False, by_row_pos: bool = False):
+                 zero_padding: bool = True, prequantized: bool = False, by_row_pos: bool = False,
+                 pdl: bool = False):
         self.K = K
+        self.pdl = pdl  # launched as a programmatic dependent (module docstring)
         # routed, padding unwritten: walk the T k routed rows through the router's
         # routed_row_pos (work proportional to the live rows) instead of every padded slot
         self.by_row_pos = by_row_pos
@@ -153,7 +162,7 @@ class MxQuant:
             work = num_tokens * self.topk * (self.ncb if self.layout == "swizzled" else self.nblk)
         grid = cutlass.min((work + self.threads - 1) // self.threads, max_ctas)
         self.kernel(mX, mXs, mQ, mS, mIds, mTotal, num_tokens, out_rows, grid).launch(
-            grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
+            grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.jit
     def tensor_call(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, max_ctas: Int32, stream: cuda.CUstream):
@@ -194,6 +203,8 @@ class MxQuant:
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mXs: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, mIds: cute.Tensor,
                mTotal: cute.Tensor, num_tokens: Int32, out_rows: Int32, grid: Int32):
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # before any access: x and the packing may be its output
         live_rows = num_tokens
         if cutlass.const_expr(self.routed):
             live_rows = cutlass.min(mTotal[0], out_rows)
@@ -206,6 +217,8 @@ class MxQuant:
             self.swizzled_blocks(gX, gQ, mXs, mS, mIds, live_rows, num_tokens, grid)
         else:
             self.plain_blocks(gX, gQ, mXs, mS, mIds, live_rows, num_tokens, grid)
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def padding_row(self, mIds: cute.Tensor, r: Int32, live_rows: Int32, sentinel: Int32) -> Int32:
@@ -403,7 +416,7 @@ class MxQuant:
 
 
 def _build(arch: str, *, K: int, layout: str, routed: bool, topk: int = 1, zero_padding: bool = True,
-           prequantized: bool = False, by_row_pos: bool = False):
+           prequantized: bool = False, by_row_pos: bool = False, pdl: bool = False):
     if not MxQuant.can_implement(K) or layout not in LAYOUTS or (prequantized and not routed) or (
             by_row_pos and (not routed or zero_padding)):
         raise ValueError(f"moe.quant: unsupported K={K}, layout={layout}, prequantized={prequantized} "
@@ -413,7 +426,7 @@ def _build(arch: str, *, K: int, layout: str, routed: bool, topk: int = 1, zero_
             jit.fake_gmem_ptr(Uint8, SCALE_ALIGN[layout]), jit.fake_gmem_ptr(Int32, 4), jit.fake_gmem_ptr(Int32, 4),
             Int32(1), Int32(1), Int32(1), jit.fake_stream())
     return MxQuant(K, layout, routed, topk, zero_padding=zero_padding, prequantized=prequantized,
-                   by_row_pos=by_row_pos), args
+                   by_row_pos=by_row_pos, pdl=pdl), args
 
 
 KERNEL = jit.register(jit.KernelDef(
@@ -529,6 +542,11 @@ def _check_row_pos(op: str, row_pos, T: int, topk, zero_padding) -> None:
                  align_bytes=4)
 
 
+def _check_pdl(op: str, pdl) -> None:
+    if not isinstance(pdl, bool):
+        raise TypeError(f"{op}: pdl must be a bool, got {pdl!r}")
+
+
 def _check_x(op: str, x: torch.Tensor) -> tuple[int, int]:
     check_tensor(op, "x", x, dtype=torch.bfloat16, ndim=2, contiguous=True, align_bytes=0)
     T, K = x.shape
@@ -575,7 +593,7 @@ def _check_routing(op: str, sorted_token_ids, total_rows, topk, zero_padding, K:
 
 
 def _launch(op, x, q, s, ids, total, T, out_rows, K, layout, routed, topk, stream, arch, max_ctas,
-            zero_padding=True, xs=None, row_pos=None):
+            zero_padding=True, xs=None, row_pos=None, pdl=False):
     if max_ctas is None:
         max_ctas = DEFAULT_MAX_CTAS
     if not isinstance(max_ctas, int) or max_ctas < 1:
@@ -588,6 +606,8 @@ def _launch(op, x, q, s, ids, total, T, out_rows, K, layout, routed, topk, strea
     if row_pos is not None:  # the routed rows only: the kernel reads routed_row_pos where it read the ids
         cfg["by_row_pos"] = True
         ids = row_pos
+    if pdl:  # in the compile key only when asked
+        cfg["pdl"] = True
     fn = jit.get_kernel("mxfp8_quant", a, K=K, layout=layout, routed=routed, topk=topk, zero_padding=zero_padding,
                         **cfg)
     fn(jit.gmem_ptr(cutlass.Float8E4M3FN if pre else cutlass.BFloat16, x, 16), jit.gmem_ptr(Uint8, xs if pre else s, 1),
@@ -597,21 +617,24 @@ def _launch(op, x, q, s, ids, total, T, out_rows, K, layout, routed, topk, strea
 
 def mxfp8_quantize(x: torch.Tensor, *, layout: str = "plain", q: torch.Tensor | None = None,
                    scales: torch.Tensor | None = None, stream=None, arch: str | None = None,
-                   max_ctas: int | None = None):
+                   max_ctas: int | None = None, pdl: bool = False):
     """Quantize bf16 ``x [T, K]`` to MXFP8. Returns ``(q [T, K] float8_e4m3fn, scales uint8)``.
 
     ``scales`` is ``[T, K/32]`` for ``layout='plain'`` and a flat buffer of
     :func:`scale_buffer_size` bytes for ``'swizzled'``. Pass ``q``/``scales`` to allocate nothing.
     ``max_ctas`` caps the grid (default 132 SMs x 8): on a side stream, a small cap leaves
-    SMs to the kernels it should overlap with.
+    SMs to the kernels it should overlap with. ``pdl``: launch as a programmatic dependent of
+    the previous kernel on the stream (module docstring; a separate compile).
     """
     if (scales is not None and q is not None and layout == "plain" and stream is None and arch is None
-            and max_ctas is None and jit.TVM_FFI and isinstance(x, torch.Tensor)):  # the eager hot path
+            and max_ctas is None and pdl is False and jit.TVM_FFI
+            and isinstance(x, torch.Tensor)):  # the eager hot path
         shape = x.shape  # (the C checks: dtypes, extents, strides, alignment, device)
         if (len(shape) == 2 and shape[0] and x.numel() < 2**31
                 and jit.launch_tensor_entry(_TENSOR_FNS, (shape[1], x.get_device()), x, q, scales, DEFAULT_MAX_CTAS)):
             return q, scales
     op = "mxfp8_quantize"
+    _check_pdl(op, pdl)
     if layout not in LAYOUTS:
         raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
     T, K = _check_x(op, x)
@@ -619,8 +642,9 @@ def mxfp8_quantize(x: torch.Tensor, *, layout: str = "plain", q: torch.Tensor | 
     check_cuda(op, ("x", x), ("q", q), ("scales", scales))
     if T == 0:
         return q, scales
-    _launch(op, x, q, scales, x, x, T, T, K, layout, False, 1, stream, arch, max_ctas)
-    if layout == "plain" and stream is None and arch is None and max_ctas is None and scales.dim() == 2:
+    _launch(op, x, q, scales, x, x, T, T, K, layout, False, 1, stream, arch, max_ctas, pdl=pdl)
+    if (layout == "plain" and stream is None and arch is None and max_ctas is None and pdl is False
+            and scales.dim() == 2):
         jit.remember_tensor_entry(_TENSOR_FNS, (K, x.get_device()), "mxfp8_quantize_tensors",
                                   current_arch(x.device), K=K)
     return q, scales
@@ -630,7 +654,7 @@ def mxfp8_quantize_routed(x: torch.Tensor, sorted_token_ids: torch.Tensor, total
                           layout: str = "swizzled", q: torch.Tensor | None = None,
                           scales: torch.Tensor | None = None, stream=None, arch: str | None = None,
                           max_ctas: int | None = None, zero_padding: bool = True,
-                          routed_row_pos: torch.Tensor | None = None):
+                          routed_row_pos: torch.Tensor | None = None, pdl: bool = False):
     """Gather ``x`` rows through the router's ``sorted_token_ids`` and quantize them in
     expert-sorted, tile-padded order. ``q`` is ``[capacity, K]`` with capacity =
     ``sorted_token_ids.numel()``; rows at or past ``total_rows[0]`` are not written.
@@ -641,12 +665,14 @@ def mxfp8_quantize_routed(x: torch.Tensor, sorted_token_ids: torch.Tensor, total
     With ``zero_padding=False``, passing the router's ``routed_row_pos`` (int32 ``[T topk]``)
     walks the ``T topk`` routed rows instead of every padded slot: the same bytes in the live
     rows, work proportional to them (``sorted_token_ids`` then only sizes the output).
+    ``pdl``: as in :func:`mxfp8_quantize`.
     """
-    default_call = stream is None and arch is None and max_ctas is None
+    default_call = stream is None and arch is None and max_ctas is None and pdl is False
     if default_call and _routed_hot_path(x, None, sorted_token_ids, total_rows, topk, layout, q, scales,
                                          zero_padding, routed_row_pos):
         return q, scales
     op = "mxfp8_quantize_routed"
+    _check_pdl(op, pdl)
     if layout not in LAYOUTS:
         raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
     T, K = _check_x(op, x)
@@ -658,7 +684,7 @@ def mxfp8_quantize_routed(x: torch.Tensor, sorted_token_ids: torch.Tensor, total
     if cap == 0:
         return q, scales
     _launch(op, x, q, scales, sorted_token_ids, total_rows, T, cap, K, layout, True, topk, stream, arch, max_ctas,
-            zero_padding, row_pos=routed_row_pos)
+            zero_padding, row_pos=routed_row_pos, pdl=pdl)
     if default_call and total_rows.numel() == 1:
         _remember_routed(x, None, sorted_token_ids, topk, layout, scales, zero_padding, routed_row_pos)
     return q, scales
@@ -668,19 +694,21 @@ def mxfp8_gather_routed(xq: torch.Tensor, xs: torch.Tensor, sorted_token_ids: to
                         topk: int, *, layout: str = "swizzled", q: torch.Tensor | None = None,
                         scales: torch.Tensor | None = None, stream=None, arch: str | None = None,
                         max_ctas: int | None = None, zero_padding: bool = True,
-                        routed_row_pos: torch.Tensor | None = None):
+                        routed_row_pos: torch.Tensor | None = None, pdl: bool = False):
     """:func:`mxfp8_quantize_routed` for tokens already quantized (:func:`mxfp8_quantize`,
     ``layout="plain"``: ``xq [T, K]`` e4m3, ``xs [T, K/32]`` uint8): the routed rows' 32-byte
     blocks and scale bytes gathered into the expert-sorted, tile-padded order and ``layout``.
     MXFP8 quantizes each row on its own, so ``mxfp8_gather_routed(*mxfp8_quantize(x), ...)``
     equals ``mxfp8_quantize_routed(x, ...)`` byte for byte. Why: the tokens can be quantized on
     a side stream while the router runs; what stays on the critical path after the router
-    reads a byte per element instead of two and computes nothing."""
-    default_call = stream is None and arch is None and max_ctas is None
+    reads a byte per element instead of two and computes nothing. ``pdl``: as in
+    :func:`mxfp8_quantize`."""
+    default_call = stream is None and arch is None and max_ctas is None and pdl is False
     if default_call and _routed_hot_path(xq, xs, sorted_token_ids, total_rows, topk, layout, q, scales,
                                          zero_padding, routed_row_pos):
         return q, scales
     op = "mxfp8_gather_routed"
+    _check_pdl(op, pdl)
     if layout not in LAYOUTS:
         raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
     check_tensor(op, "xq", xq, dtype=torch.float8_e4m3fn, ndim=2, contiguous=True, align_bytes=16)
@@ -698,7 +726,7 @@ def mxfp8_gather_routed(xq: torch.Tensor, xs: torch.Tensor, sorted_token_ids: to
     if cap == 0:
         return q, scales
     _launch(op, xq, q, scales, sorted_token_ids, total_rows, T, cap, K, layout, True, topk, stream, arch, max_ctas,
-            zero_padding, xs=xs, row_pos=routed_row_pos)
+            zero_padding, xs=xs, row_pos=routed_row_pos, pdl=pdl)
     if default_call and total_rows.numel() == 1:
         _remember_routed(xq, xs, sorted_token_ids, topk, layout, scales, zero_padding, routed_row_pos)
     return q, scales

@@ -290,6 +290,57 @@ def test_gather_of_prequantized_tokens_equals_routed_quantization(seed, layout, 
     assert torch.equal(outs[1][0][:total][live], qr)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["plain", "swizzled"])
+def test_programmatic_dependent_chain_in_a_graph(seed, layout):
+    """``pdl=True``: a CUDA graph of a torch copy into ``x``, the tokens' quantization and the
+    routed gather of its output, each of ours launched as a programmatic dependent of the kernel
+    before it (the gather reads what the quantization wrote one launch earlier). Every replay
+    takes fresh tokens and must give the bytes of the same chain launched without PDL -- a
+    launch that read before its producer finished would return the previous replay's bytes."""
+    E, k, tile, K, T = 256, 6, 128, 4096, 64
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(torch.int32)
+    _, _, sorted_ids, _, total = align_ref(ids, E, tile)
+    row_pos = torch.empty(T * k, dtype=torch.int32)
+    row_pos[sorted_ids[sorted_ids < T * k].long()] = torch.nonzero(sorted_ids < T * k).flatten().int()
+    sorted_ids, row_pos = sorted_ids.cuda(), row_pos.cuda()
+    total_t = torch.tensor([total], dtype=torch.int32, device="cuda")
+    src = torch.empty(T, K, dtype=torch.bfloat16, device="cuda")
+    x = torch.empty_like(src)
+    xq = torch.empty(T, K, dtype=torch.float8_e4m3fn, device="cuda")
+    xs = torch.empty(T, K // 32, dtype=torch.uint8, device="cuda")
+    q = torch.empty(total, K, dtype=torch.float8_e4m3fn, device="cuda")
+    s = torch.empty(scale_buffer_size(total, K, layout), dtype=torch.uint8, device="cuda")
+
+    def chain(pdl):
+        x.copy_(src)
+        mxfp8_quantize(x, q=xq, scales=xs, pdl=pdl)
+        mxfp8_gather_routed(xq, xs, sorted_ids, total_t, k, layout=layout, q=q, scales=s, zero_padding=False,
+                            routed_row_pos=row_pos, pdl=pdl)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain(True)  # compiles and loads outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            chain(True)
+    torch.cuda.current_stream().wait_stream(stream)
+    live = sorted_ids.cpu() < T * k
+    for _ in range(4):
+        src.copy_(make_x(T, K, "cuda"))
+        for t in (xq.view(torch.uint8), xs, q.view(torch.uint8), s):
+            t.fill_(0xAB)
+        g.replay()
+        torch.cuda.synchronize()
+        got = (q.view(torch.uint8).cpu()[live], xs.cpu().clone())
+        qr, _ = mxfp8_quant_ref(src.cpu()[sorted_ids.cpu()[live].long() // k])  # the definition
+        assert torch.equal(got[0], qr)
+        chain(False)
+        torch.cuda.synchronize()
+        assert torch.equal(got[0], q.view(torch.uint8).cpu()[live]) and torch.equal(got[1], xs.cpu())
+
+
 # -------------------------------------------------------------- validation (CPU) ------
 @pytest.mark.parametrize("kw, exc, words", [
     (dict(x=torch.randn(4, 64)), TypeError, "x must have dtype bfloat16"),
@@ -302,6 +353,18 @@ def test_gather_of_prequantized_tokens_equals_routed_quantization(seed, layout, 
 def test_bad_arguments(kw, exc, words):
     with pytest.raises(exc, match=words):
         mxfp8_quantize(**kw)
+
+
+def test_pdl_must_be_a_bool():
+    x = torch.randn(4, 64).bfloat16()
+    ids, total = torch.zeros(8, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(TypeError, match="mxfp8_quantize: pdl must be a bool"):
+        mxfp8_quantize(x, pdl=1)
+    with pytest.raises(TypeError, match="mxfp8_quantize_routed: pdl must be a bool"):
+        mxfp8_quantize_routed(x, ids, total, 2, pdl="yes")
+    with pytest.raises(TypeError, match="mxfp8_gather_routed: pdl must be a bool"):
+        mxfp8_gather_routed(torch.zeros(4, 64, dtype=torch.float8_e4m3fn), torch.zeros(4, 2, dtype=torch.uint8),
+                            ids, total, 2, pdl=None)
 
 
 def test_routed_bad_arguments():
@@ -385,6 +448,30 @@ def test_machine_code_of_the_prequantized_gather(arch):
     assert h["LDG.E.128"] == 8 and h["STG.E.128"] == 8
     assert sass.count(h, "F2FP") == 0
     assert sass.local_memory_ops(h) == 0
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("config", [dict(K=7168, layout="plain", routed=False, topk=1),
+                                    dict(K=4096, layout="swizzled", routed=True, topk=6, zero_padding=False,
+                                         prequantized=True, by_row_pos=True)])
+def test_machine_code_with_programmatic_dependent_launch(arch, config):
+    """``pdl=True``: the grid-dependency wait (``ACQBULK``) comes before the first global load
+    of every path, and the dependents' trigger (``PREEXIT``) after the last global store; the
+    default build has neither. The rest of the kernel is the same instruction for instruction
+    apart from the two (and the register allocation around them)."""
+    plain = sass.disassemble(sass.compile_cubin("mxfp8_quant", arch, **config))
+    pdl = sass.disassemble(sass.compile_cubin("mxfp8_quant", arch, pdl=True, **config))
+    assert "ACQBULK" not in plain and "PREEXIT" not in plain
+    ops = [line.split(";")[0].split("*/")[-1].split() for line in pdl.splitlines() if "*/" in line]
+    ops = [o[1] if o and o[0].startswith("@") else (o[0] if o else "") for o in ops]
+    loads = [i for i, o in enumerate(ops) if o.startswith(("LDG", "LD.", "ATOMG"))]
+    stores = [i for i, o in enumerate(ops) if o.startswith(("STG", "ST.", "RED"))]
+    assert ops.count("ACQBULK") == 1 and ops.count("PREEXIT") == 1
+    assert loads and ops.index("ACQBULK") < min(loads)
+    assert stores and ops.index("PREEXIT") > max(stores)
+    h_plain, h_pdl = sass.histogram(plain), sass.histogram(pdl)
+    for key in ("LDG.E.128", "STG.E.128", "STG.E", "STG.E.U8", "F2FP.SATFINITE.E4M3.F32.PACK_AB"):
+        assert h_plain[key] == h_pdl[key], key
 
 
 # --------------------------------------------------- the scale rule's edges (CPU) ------

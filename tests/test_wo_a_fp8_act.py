@@ -105,6 +105,12 @@ def test_bad_arguments_are_refused_by_name(change, exc, words):
         wo_a_fp8_act(kw["q"], kw["q_scales"], kw["w"], kw["w_scale"])
 
 
+def test_pdl_must_be_a_bool():
+    kw = _args()
+    with pytest.raises(TypeError, match="wo_a_fp8_act: pdl must be a bool"):
+        wo_a_fp8_act(kw["q"], kw["q_scales"], kw["w"], kw["w_scale"], pdl=1)
+
+
 @pytest.mark.parametrize("tok_n, stages", [(16, 8), (32, 8), (64, 6)])
 def test_machine_code(tok_n, stages):
     """Per 128-byte K slice: four e4m3 x e4m3 wgmmas (m64 n{tok_n} k32) into FP32, each block's
@@ -124,6 +130,29 @@ def test_machine_code(tok_n, stages):
     # per block one per token column (nv / 2 of them), and the epilogue's
     assert sass.count(h, "LDS") == 4 * (nv // 2) + 1, h
     assert sass.count(h, "UTMALDG") >= 2 and sass.count(h, "HMMA") == 0
+    assert sass.local_memory_ops(h) == 0
+
+
+@pytest.mark.parametrize("tok_n, stages", [(16, 8), (64, 6)])
+def test_machine_code_with_programmatic_dependent_launch(tok_n, stages):
+    """``pdl=True``: the prologue's weight slices (``stages`` TMA loads) go out before the one
+    grid-dependency wait (``ACQBULK``); the token slices, every scale load and every store come
+    after it; the dependents' trigger (``PREEXIT``) is issued once. The K-slice loop is the
+    default build's."""
+    text = sass.disassemble(sass.compile_cubin("wo_a_fp8_act_sm90", "sm_90a", G=8, R=1024, Dg=4096, tok_n=tok_n,
+                                               stages=stages, pdl=True))
+    ops = [line.split("*/", 1)[1].split(";")[0].split() for line in text.splitlines()
+           if line.strip().startswith("/*") and "*/" in line]
+    ops = [o[1] if o and o[0].startswith("@") else (o[0] if o else "") for o in ops]
+    wait = ops.index("ACQBULK")
+    assert ops.count("ACQBULK") == 1 and ops.count("PREEXIT") == 1
+    assert sum(o.startswith("UTMALDG") for o in ops[:wait]) == stages  # the weights alone
+    assert not any(o.startswith(("LDG", "STG", "LDS", "STS")) for o in ops[:wait])
+    default = sass.histogram(sass.disassemble(sass.compile_cubin(
+        "wo_a_fp8_act_sm90", "sm_90a", G=8, R=1024, Dg=4096, tok_n=tok_n, stages=stages)))
+    h = sass.histogram(text)
+    for key in (f"QGMMA.64x{tok_n}x32.F32.E4M3.E4M3", "FFMA", "LDG.E"):
+        assert h[key] == default[key], key
     assert sass.local_memory_ops(h) == 0
 
 
@@ -179,6 +208,49 @@ def test_graph_replay_with_fresh_inputs(seed):
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
+        ref, bound = error_bound(*dequantized(q, qs, w8, ws))
+        assert bool(((out.double().cpu() - ref).abs() <= bound).all()), f"replay {it}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 6, 64])
+def test_programmatic_dependent_chain_in_a_graph(seed, T):
+    """``pdl=True`` as the decode step would launch it: a graph of (a torch copy of fresh bf16
+    ``o``, its MXFP8 quantization and this kernel, both of ours programmatic dependents of the
+    kernel before them; the GEMM's weights stream before it waits for the quantization's
+    output). Every replay's activations equal the definition's quantization of that replay's
+    ``o`` and every output element is within the bound of their product."""
+    from moe.quant import mxfp8_quantize
+
+    G, HG, Dv, R = 8, 8, 512, 1024
+    _, _, w8, ws = make(T, G, HG, Dv, R, "cuda")
+    src = torch.empty(T, G * HG * Dv, dtype=torch.bfloat16, device="cuda")
+    o = torch.empty_like(src)
+    q = torch.empty(T, G * HG, Dv, dtype=torch.float8_e4m3fn, device="cuda")
+    qs = torch.empty(T, G * HG * Dv // 32, dtype=torch.uint8, device="cuda")
+    out = torch.empty(T, G * R, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        o.copy_(src)
+        mxfp8_quantize(o, q=q.view(T, -1), scales=qs, pdl=True)
+        wo_a_fp8_act(q, qs, w8, ws, out=out, pdl=True)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compiles and loads outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    for it in range(4):
+        src.copy_((torch.randn(T, G * HG * Dv) * 4).bfloat16())
+        q.view(torch.uint8).fill_(0xAB)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        qb, qsb = mxfp8_quant_ref(src.cpu())
+        assert torch.equal(q.view(torch.uint8).cpu().view(T, -1), qb) and torch.equal(qs.cpu(), qsb), f"replay {it}"
         ref, bound = error_bound(*dequantized(q, qs, w8, ws))
         assert bool(((out.double().cpu() - ref).abs() <= bound).all()), f"replay {it}"
 

@@ -45,10 +45,11 @@
 #                                            'attention', the mHC parts, the routed-input gather,
 #                                            the runtime's GPU tests at `small`
 #   bash tools/device.sh smoke-kernels       the recently changed kernels' GPU tests alone (the list
-#                                            in the job: wo_a_fp8_act, wo_a_fp8's widen="bits", the MoE
-#                                            swap-AB experts, the custom ops)
-#   bash tools/device.sh smoke-benches       their benches (WO-A at V4's decode T, the FP8 widening
-#                                            routes, the V4-Flash MoE layer)
+#                                            in the job: pdl=True of the MXFP8 quantizer and of
+#                                            wo_a_fp8_act, the WO-A swap-AB prologue)
+#   bash tools/device.sh smoke-benches       their benches (WO-A at V4's decode T with the FP8-activation
+#                                            path's PDL column, the FP8 widening routes, the V4-Flash
+#                                            MoE layer)
 #   bash tools/device.sh quick-bench         the runtime bench at v4_flash_slice (--quick, acceptance 5.5)
 #   bash tools/device.sh cache-out           the machine's compiled-kernel cache as $OUT/kernel-cache.tar.xz
 #   bash tools/device.sh cache-in [FILE]     unpack a carried cache (default .devcache/kernel-cache.tar.xz) into it
@@ -165,12 +166,11 @@ smoke)
   timeout 250 $PYT -m gpu tests/test_spec_decode.py -k "small or draft_head" 2>&1 | tee "$OUT/spec-small.log" | tail -15
   ;;
 smoke-kernels)
-  # the kernels changed since their last GPU run: wo_a_fp8_act's staged scales, wo_a_decode_fp8's
-  # widen="bits", the MoE swap-AB kernel's scale words a slice ahead, the functional custom ops
-  timeout 90 $PYT -m gpu tests/test_wo_a_fp8_act.py 2>&1 | tee "$OUT/fp8-act-tests.log" | tail -5
-  timeout 200 $PYT -m gpu tests/test_wo_a_fp8.py -k "bits or every_config" 2>&1 | tee "$OUT/fp8-bits-tests.log" | tail -5
-  timeout 150 $PYT -m gpu tests/test_moe_experts.py 2>&1 | tee "$OUT/experts-tests.log" | tail -5
-  timeout 120 $PYT -m gpu tests/test_ops.py 2>&1 | tee "$OUT/ops-tests.log" | tail -5
+  # the kernels changed since their last GPU run: the programmatic dependent launch (pdl=True) of
+  # the MXFP8 quantizer and of wo_a_fp8_act, the swap-AB prologue both WO-A swap-AB kernels share
+  timeout 150 $PYT -m gpu tests/test_moe_quant.py 2>&1 | tee "$OUT/quant-tests.log" | tail -5
+  timeout 120 $PYT -m gpu tests/test_wo_a_fp8_act.py 2>&1 | tee "$OUT/fp8-act-tests.log" | tail -5
+  timeout 200 $PYT -m gpu tests/test_wo_a.py -k "swap_ab or pdl" 2>&1 | tee "$OUT/swap-ab-tests.log" | tail -5
   ;;
 smoke-benches)
   # their benches: WO-A at V4's decode T (the FP8-activation GEMM), the widening routes, the MoE layer
