@@ -129,8 +129,8 @@ def router_inputs(cfg: RouterConfig, T: int, n: int = 16):
 
 def time_router(cfg: RouterConfig, T: int, logits: list, bias) -> float:
     """Seconds per call of our router over the rotating ``logits`` (CUDA-graph replay), its
-    output checked once against the composite first; the path is the one
-    ``moe.router.SINGLE_CTA_MAX_TOKENS`` picks for T."""
+    output checked once against the composite first; the path is the one the host's thresholds
+    (``moe.router.SINGLE_CTA_MAX_TOKENS``, ``CLUSTER_MAX_TOKENS``) pick for T."""
     slots, tiles = capacity(cfg, T)
     routers = [MoeRouter(cfg, max_tokens=T) for _ in logits]
     check_router(routers[0](logits[0], bias), *router_composite(logits[0], bias, cfg, slots, tiles)[:2], T,
@@ -154,25 +154,31 @@ def bench_router():
 
 
 def bench_router_paths():
-    """The router's two paths at decode T (the single-CTA path's range): the dispatch threshold
-    ``moe.router.SINGLE_CTA_MAX_TOKENS`` should sit where the grid path becomes the faster."""
+    """The router's three paths at decode T: the single-CTA path, the cluster path (T <= 64)
+    and the grid path, each forced through the host's thresholds
+    (``moe.router.SINGLE_CTA_MAX_TOKENS``, ``CLUSTER_MAX_TOKENS``), which should sit where the
+    next path becomes the faster; the last column is the path the thresholds pick today."""
     import moe.router as router_mod
 
-    rows, saved = [], router_mod.SINGLE_CTA_MAX_TOKENS
+    saved = router_mod.SINGLE_CTA_MAX_TOKENS, router_mod.CLUSTER_MAX_TOKENS
+    paths = {"single CTA": (router_mod.SINGLE_CTA_CAPACITY, 0), "cluster": (0, router_mod.CLUSTER_CTAS * 16),
+             "grid": (0, 0)}
+    rows = []
     try:
         for name, cfg in ROUTERS:
             for T in (4, 8, 12, 16, 24, 32, 48, 64):
                 logits, bias = router_inputs(cfg, T)
-                times = []
-                for threshold in (router_mod.SINGLE_CTA_CAPACITY, 0):  # single CTA, then the grid
-                    router_mod.SINGLE_CTA_MAX_TOKENS = threshold
-                    times.append(time_router(cfg, T, logits, bias))
-                rows.append([f"{name}: T={T}, E={cfg.num_experts}, k={cfg.top_k}", f"{times[0] * 1e6:.2f}",
-                             f"{times[1] * 1e6:.2f}", "single CTA" if times[0] <= times[1] else "grid",
-                             "single CTA" if T <= saved else "grid"])
+                times = {}
+                for path, (single, cluster) in paths.items():
+                    router_mod.SINGLE_CTA_MAX_TOKENS, router_mod.CLUSTER_MAX_TOKENS = single, cluster
+                    times[path] = time_router(cfg, T, logits, bias)
+                picked = ("single CTA" if T <= saved[0] else "cluster" if T <= saved[1] else "grid")
+                rows.append([f"{name}: T={T}, E={cfg.num_experts}, k={cfg.top_k}"]
+                            + [f"{times[p] * 1e6:.2f}" for p in paths] + [min(times, key=times.get), picked])
     finally:
-        router_mod.SINGLE_CTA_MAX_TOKENS = saved
-    return markdown_table(["router + align", "single-CTA path us", "grid path us", "faster", "dispatched to"], rows)
+        router_mod.SINGLE_CTA_MAX_TOKENS, router_mod.CLUSTER_MAX_TOKENS = saved
+    return markdown_table(["router + align", "single-CTA path us", "cluster path us", "grid path us", "fastest",
+                           "dispatched to"], rows)
 
 
 def bench_quant():

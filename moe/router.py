@@ -43,7 +43,7 @@ Kernel (one launch, no host sync): every warp routes whole tokens -- lane ``l`` 
 group with butterfly shuffles; each of the k picks is a warp arg-max: every lane's best
 candidate as an order-preserving unsigned key, one ``redux.sync`` maximum, and the lowest lane
 holding it (a ballot) wins -- its experts have the lower indices, so ties go to the lower
-index. Two paths build the packed layout:
+index. Three paths build the packed layout:
 
 * up to ``SINGLE_CTA_MAX_TOKENS`` = 16 tokens (a verify step of BS1-2) one CTA routes them all
   (its capacity is 64; above 16 the grid path's parallel routing wins) and keeps, per
@@ -53,6 +53,17 @@ index. Two paths build the packed layout:
   ``offset[e] + popc(mask[e] & (2^t - 1))`` -- its rank among the expert's rows, in row
   order, since a token picks an expert once. No count atomics in global memory, no grid
   handshake.
+* the cluster path (``CLUSTER_MAX_TOKENS``; T <= 64; not taken by default until it is measured
+  on a GPU): one thread-block cluster of ``CLUSTER_CTAS`` = 4 CTAs, each routing up to 16
+  tokens as the single-CTA path does (its token masks: one bit per warp, by shared-memory
+  ``atomicOr``). Each CTA then stores its mask words and picks into every CTA's shared memory
+  (``st.shared::cluster``; a first cluster barrier, arrived at on entry, guarantees all CTAs
+  run), and one cluster barrier (release / acquire) publishes them: every CTA holds all the
+  picks and masks, scans the counts itself and writes a quarter of the layout -- counts,
+  offsets, tile experts, the padding slots of each tile (those past its expert's rows, so no
+  ordering with the live rows is needed) and the routed rows (rank ``popc`` of the mask words
+  before the token). No global atomics, no grid-scope fence, no workspace; the ids and weights
+  go to global memory after the barrier, whose release would otherwise wait for them.
 * above that, a grid of CTAs counts with integer atomics in a workspace; the last CTA to finish
   (a release/acquire counter) builds the layout deterministically: a warp scan of padded counts,
   then rounds of 32 tokens per warp where a per-warp mask per expert (each pick one
@@ -61,7 +72,8 @@ index. Two paths build the packed layout:
   then zeroes the workspace, so graph replays need no host reset. ``workspace`` (int32, E+1
   entries) must be zero before the first launch.
 
-The path is a host-side choice from T (a compile configuration of its own).
+The path is a host-side choice from T (a compile configuration of its own;
+``bench/bench_moe.py --sections router-paths`` times the three at decode T).
 
 NaN: a NaN score (a NaN logit or bias) ranks above every number and ties among NaNs go to
 the lower index -- ``torch.sort``'s order, so the picks stay real experts and match the
@@ -107,6 +119,13 @@ SINGLE_CTA_CAPACITY = 64
 #: the grid path, whose CTAs route the tokens in parallel (``bench/bench_moe.py --sections
 #: router-paths`` times both at each T)
 SINGLE_CTA_MAX_TOKENS = 16
+#: The cluster path's CTAs: one thread-block cluster of this many CTAs routes up to 16 tokens
+#: each (one per warp), so it takes T <= 64 (module docstring)
+CLUSTER_CTAS = 4
+#: Above SINGLE_CTA_MAX_TOKENS and up to this many tokens (<= CLUSTER_CTAS * 16) the router
+#: takes the cluster path; 0: never. It stays 0 until the path's GPU tests and ``bench/bench_moe.py
+#: --sections router-paths`` have run on a GPU
+CLUSTER_MAX_TOKENS = 0
 #: expert score functions (RouterConfig.score)
 SCORES = ("sigmoid", "sqrtsoftplus")
 _NAME2CUTE = {"float32": Float32, "bfloat16": cutlass.BFloat16}
@@ -115,6 +134,18 @@ _NAME2CUTE = {"float32": Float32, "bfloat16": cutlass.BFloat16}
 @dsl_user_op
 def _f32_bits(x: Float32, *, loc=None, ip=None) -> Uint32:
     return Uint32(llvm.bitcast(Uint32.mlir_type, Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _store_to_cta(smem_ptr: cute.Pointer, rank: Int32, value: Uint32, *, loc=None, ip=None) -> None:
+    """``*smem_ptr = value`` in the shared memory of CTA ``rank`` of this cluster (the same
+    offset there): ``mapa`` + ``st.shared::cluster``."""
+    llvm.inline_asm(
+        None, [Int32(smem_ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip),
+               Uint32(value).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b32 a;\n\tmapa.shared::cluster.u32 a, $0, $1;\n\tst.shared::cluster.u32 [a], $2;\n\t}",
+        "r,r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip)
 
 
 @cute.jit
@@ -241,7 +272,7 @@ class RouterTopkAlign:
     """Compile-time configuration of the fused router kernel."""
 
     def __init__(self, cfg: RouterConfig, logits_dtype, has_bias: bool, threads: int = 512, max_ctas: int = 132,
-                 single_cta: bool = False):
+                 single_cta: bool = False, cluster: int = 0):
         self.E, self.G, self.TG, self.k = cfg.num_experts, cfg.n_group, cfg.topk_group, cfg.top_k
         self.tile = cfg.tile_m
         self.scale = float(cfg.routed_scaling_factor)
@@ -256,6 +287,7 @@ class RouterTopkAlign:
         self.L = 32 // self.G  # lanes per group
         self.log2E = max(1, math.ceil(math.log2(self.E + 1)))
         self.single_cta = single_cta  # T <= SINGLE_CTA_MAX_TOKENS: one CTA, counts and ids in shared memory
+        self.cluster = cluster  # > 0: the cluster path, this many CTAs of one cluster (T <= cluster * warps)
 
     @cute.jit
     def __call__(self, logits_ptr: cute.Pointer, bias_ptr: cute.Pointer, ids_ptr: cute.Pointer,
@@ -280,8 +312,13 @@ class RouterTopkAlign:
         grid = cutlass.min((num_tokens + self.warps - 1) // self.warps, self.max_ctas)
         if cutlass.const_expr(self.single_cta):
             grid = 1
-        self.kernel(mLogits, mBias, mIds, mW, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos, mTok,
-                    mTable, num_tokens, tiles_cap, vocab).launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
+        kernel = self.kernel(mLogits, mBias, mIds, mW, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos,
+                             mTok, mTable, num_tokens, tiles_cap, vocab)
+        if cutlass.const_expr(self.cluster > 0):  # one cluster: every CTA of it, whatever T
+            kernel.launch(grid=[self.cluster, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster, 1, 1),
+                          stream=stream)
+        else:
+            kernel.launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.jit
     def tensor_call(self, mLogits: cute.Tensor, mBias: cute.Tensor, mTok: cute.Tensor, mTable: cute.Tensor,
@@ -317,6 +354,18 @@ class RouterTopkAlign:
             sTokMask = smem.allocate_tensor(Uint32, cute.make_layout((2, E), stride=(E, 1)), 16)  # tokens 0-31, 32-63
             for e in cutlass.range(tidx, 2 * E, self.threads):
                 sTokMask[e] = Uint32(0)
+            cute.arch.barrier()
+        elif cutlass.const_expr(self.cluster > 0):
+            # every CTA of the cluster ends with all its picks and per-expert token masks (word c:
+            # CTA c's tokens, bit w: its warp w's token), gathered from the others' stores
+            cute.arch.cluster_arrive_relaxed()  # (its wait, before the first remote store: all CTAs running)
+            sIds = smem.allocate_tensor(Int32, cute.make_layout((self.cluster * W, k), stride=(k, 1)), 16)
+            sTokMask = smem.allocate_tensor(Uint32, cute.make_layout((self.cluster, E), stride=(E, 1)), 16)
+            sMyIds = smem.allocate_tensor(Int32, cute.make_layout((W, k), stride=(k, 1)), 16)
+            sMyW = smem.allocate_tensor(Float32, cute.make_layout((W, k), stride=(k, 1)), 16)
+            sMyMask = smem.allocate_tensor(Uint32, cute.make_layout((E,)), 16)
+            for e in cutlass.range(tidx, E, self.threads):
+                sMyMask[e] = Uint32(0)
             cute.arch.barrier()
         else:
             sCnt = smem.allocate_tensor(Int32, cute.make_layout((E,)), 16)
@@ -406,12 +455,21 @@ class RouterTopkAlign:
                 my_id = cutlass.select_(lane == i, bi, my_id)
                 my_s = cutlass.select_(lane == i, sw, my_s)
             if lane < k:
-                mIds[t, lane] = my_id
-                mW[t, lane] = my_s / (ssum + Float32(1e-20)) * Float32(self.scale)
+                weight = my_s / (ssum + Float32(1e-20)) * Float32(self.scale)
+                if cutlass.const_expr(self.cluster == 0):
+                    mIds[t, lane] = my_id
+                    mW[t, lane] = weight
                 if cutlass.const_expr(self.single_cta):
                     sIds[t, lane] = my_id
                     cute.arch.atomic_or((sTokMask.iterator + (t >> 5) * E + my_id).llvm_ptr,
                                         Uint32(1) << Uint32(t & 31), sem="relaxed", scope="cta")
+                elif cutlass.const_expr(self.cluster > 0):
+                    # (t = bidx * W + warp: one token per warp) ids and weights go to global memory
+                    # after the cluster barrier, whose release would otherwise wait for them
+                    sMyIds[warp, lane] = my_id
+                    sMyW[warp, lane] = weight
+                    cute.arch.atomic_or((sMyMask.iterator + my_id).llvm_ptr, Uint32(1) << Uint32(warp),
+                                        sem="relaxed", scope="cta")
                 else:
                     cute.arch.atomic_add((mWs.iterator + my_id).llvm_ptr, Int32(1), sem="relaxed", scope="gpu")
 
@@ -421,6 +479,28 @@ class RouterTopkAlign:
             cute.arch.barrier()
             self.align_single_cta(sIds, sTokMask, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mPos, sOff,
                                   num_tokens, tiles_cap)
+        elif cutlass.const_expr(self.cluster > 0):
+            cute.arch.barrier()  # this CTA's picks and masks are in
+            cute.arch.cluster_wait()  # every CTA of the cluster is running: its shared memory takes stores
+            for e in cutlass.range(tidx, E, self.threads):  # every word, zeros included: no remote init
+                for d in cutlass.range_constexpr(self.cluster):
+                    _store_to_cta(sTokMask.iterator + bidx * E + e, Int32(d), sMyMask[e])
+            for idx in cutlass.range(tidx, W * k, self.threads):
+                w = idx // k
+                if bidx * W + w < num_tokens:
+                    for d in cutlass.range_constexpr(self.cluster):
+                        _store_to_cta(sIds.iterator + bidx * W * k + idx, Int32(d), Uint32(sMyIds[w, idx - w * k]))
+            # release / acquire: every CTA's stores above are visible in every CTA after this
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            for idx in cutlass.range(tidx, W * k, self.threads):  # this CTA's tokens' ids and weights
+                w = idx // k
+                t = bidx * W + w
+                if t < num_tokens:
+                    mIds[t, idx - w * k] = sMyIds[w, idx - w * k]
+                    mW[t, idx - w * k] = sMyW[w, idx - w * k]
+            self.align_cluster(sIds, sTokMask, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mPos, sOff,
+                               num_tokens, tiles_cap, bidx)
         else:
             # The last CTA sees every CTA's ids / weights / count atomics (cute_kernels.grid_sync).
             if last_arrival(mWs.iterator + E, sFlag, grid):
@@ -447,7 +527,7 @@ class RouterTopkAlign:
         E, k, tile = self.E, self.k, self.tile
         tidx, _, _ = cute.arch.thread_idx()
         if cute.arch.warp_idx() == 0:
-            self.scan_padded_counts(sTokMask, True, sOff, mTotal)
+            self.scan_padded_counts(sTokMask, 2, sOff, mTotal)
         cute.arch.barrier()
         total = sOff[E]
         for e in cutlass.range(tidx, E, self.threads):
@@ -473,17 +553,20 @@ class RouterTopkAlign:
             mPos[r] = pos
 
     @cute.jit
-    def scan_padded_counts(self, counts, as_masks: cutlass.Constexpr, sOff, mTotal):
+    def scan_padded_counts(self, counts, mask_words: cutlass.Constexpr, sOff, mTotal):
         """Warp 0: ``sOff`` = exclusive scan of the tile-padded counts (lane l owns experts
         ``[l V, l V + V)``), ``sOff[E]`` and ``mTotal[0]`` the padded total. ``counts[e]`` is
-        the count, or (``as_masks``) ``counts[:, e]`` two words whose set bits are counted."""
+        the count, or (``mask_words`` > 0) ``counts[:mask_words, e]`` words whose set bits are
+        counted."""
         E, V, tile = self.E, self.V, self.tile
         lane = cute.arch.lane_idx()
         rLocal = cute.make_rmem_tensor(cute.make_layout((V,)), Int32)
         run = Int32(0)
         for j in cutlass.range_constexpr(V):
-            if cutlass.const_expr(as_masks):
-                c = Int32(cute.arch.popc(counts[0, lane * V + j])) + Int32(cute.arch.popc(counts[1, lane * V + j]))
+            if cutlass.const_expr(mask_words > 0):
+                c = Int32(0)
+                for w in cutlass.range_constexpr(mask_words):
+                    c += Int32(cute.arch.popc(counts[w, lane * V + j]))
             else:
                 c = counts[lane * V + j]
             rLocal[j] = run
@@ -515,6 +598,76 @@ class RouterTopkAlign:
                 mSorted[p] = sentinel
 
     @cute.jit
+    def tile_expert_of(self, sOff, j: Int32) -> Int32:
+        """The expert of M-tile ``j`` (below the padded total): the largest ``e`` with
+        ``sOff[e] <= j * tile`` (an empty expert never qualifies as the largest)."""
+        E = self.E
+        row = j * self.tile
+        lo, hi = Int32(0), Int32(E)
+        for _ in cutlass.range_constexpr(self.log2E):
+            mid = (lo + hi + 1) // 2
+            go = sOff[cutlass.min(mid, Int32(E))] <= row
+            lo = cutlass.select_(go & (mid < E), mid, lo)
+            hi = cutlass.select_(go & (mid < E), hi, mid - 1)
+        return lo
+
+    @cute.jit
+    def align_cluster(self, sIds, sTokMask, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mPos, sOff,
+                      num_tokens: Int32, tiles_cap: Int32, rank: Int32):
+        """The cluster path's padded, packed layout, a share of it in each CTA (``rank``): every
+        CTA holds all the picks ``sIds [T, k]`` and token masks ``sTokMask[c, e]`` (bit w: token
+        ``c W + w`` picked expert e) and scans the counts itself; the CTAs then split the
+        experts' counts and offsets, the M-tiles' experts, the padding slots (a warp per tile:
+        the slots of its expert's last tile past its rows) and the routed rows (each at its
+        expert's offset plus its rank among the expert's rows, ``popc`` of the masks before it).
+        Padding and live slots are disjoint, so no ordering between the CTAs is needed."""
+        E, k, tile, C, W = self.E, self.k, self.tile, self.cluster, self.warps
+        tidx, _, _ = cute.arch.thread_idx()
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        if warp == 0:
+            self.scan_padded_counts(sTokMask, C, sOff, mTotal)  # (every CTA writes the same total)
+        cute.arch.barrier()
+        total = sOff[E]
+        ntiles = total // tile
+        first, stride = rank * self.threads + tidx, C * self.threads
+        for e in cutlass.range(first, E, stride):
+            cnt = Int32(0)
+            for c in cutlass.range_constexpr(C):
+                cnt += Int32(cute.arch.popc(sTokMask[c, e]))
+            mCounts[e] = cnt
+            mOffsets[e] = sOff[e]
+        if first == 0:
+            mOffsets[E] = total
+        for j in cutlass.range(first, tiles_cap, stride):
+            e = Int32(-1)
+            if j < ntiles:
+                e = self.tile_expert_of(sOff, j)
+            mTileExpert[j] = e
+        sentinel = num_tokens * k
+        for j in cutlass.range(rank * W + warp, ntiles, C * W):
+            e = self.tile_expert_of(sOff, j)
+            rows_end = sOff[e]
+            for c in cutlass.range_constexpr(C):
+                rows_end += Int32(cute.arch.popc(sTokMask[c, e]))
+            for p in cutlass.range(j * tile + lane, j * tile + tile, 32):
+                if p >= rows_end:
+                    mSorted[p] = sentinel
+        for r in cutlass.range(first, num_tokens * k, stride):
+            t = r // k
+            e = sIds[t, r - t * k]
+            c_t = t // W  # the CTA that routed token t; its bit in that CTA's word: t - c_t W
+            below = (Uint32(1) << Uint32(t - c_t * W)) - Uint32(1)
+            before = Int32(0)  # the expert's rows of earlier tokens: whole earlier words, then t's own
+            for c in cutlass.range_constexpr(C):
+                word = sTokMask[c, e]
+                before += cutlass.select_(Int32(c) < c_t, Int32(cute.arch.popc(word)),
+                                          cutlass.select_(Int32(c) == c_t, Int32(cute.arch.popc(word & below)),
+                                                          Int32(0)))
+            pos = sOff[e] + before
+            mSorted[pos] = r
+            mPos[r] = pos
+
+    @cute.jit
     def align(self, mIds, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos, sOff, sCnt, sCursor, sMask,
               sPre, num_tokens: Int32, tiles_cap: Int32):
         """The grid path's padded, packed layout (last CTA) from every CTA's picks ``mIds [T, k]``
@@ -525,7 +678,7 @@ class RouterTopkAlign:
         if warp == 0:
             for j in cutlass.range_constexpr(V):
                 sCnt[lane * V + j] = mWs[lane * V + j]  # (each lane reads back its own experts)
-            self.scan_padded_counts(sCnt, False, sOff, mTotal)
+            self.scan_padded_counts(sCnt, 0, sOff, mTotal)
         cute.arch.barrier()
         total = sOff[E]
         for e in cutlass.range(tidx, E, self.threads):
@@ -540,15 +693,7 @@ class RouterTopkAlign:
         for j in cutlass.range(tidx, tiles_cap, self.threads):
             e = Int32(-1)
             if j < ntiles:
-                # largest e with sOff[e] <= j * tile (empty experts never qualify as largest)
-                row = j * tile
-                lo, hi = Int32(0), Int32(E)
-                for _ in cutlass.range_constexpr(self.log2E):
-                    mid = (lo + hi + 1) // 2
-                    go = sOff[cutlass.min(mid, Int32(E))] <= row
-                    lo = cutlass.select_(go & (mid < E), mid, lo)
-                    hi = cutlass.select_(go & (mid < E), hi, mid - 1)
-                e = lo
+                e = self.tile_expert_of(sOff, j)
             mTileExpert[j] = e
         self.fill_sentinels(mSorted, total, num_tokens * k)
         # Sentinels land before the scatter below overwrites the live slots.
@@ -598,15 +743,19 @@ class RouterTopkAlign:
 
 def _build(arch: str, *, num_experts: int, n_group: int, topk_group: int, top_k: int, routed_scaling_factor: float,
            tile_m: int, logits_dtype: str, has_bias: bool, score: str = "sigmoid", hash_routed: bool = False,
-           single_cta: bool = False):
+           single_cta: bool = False, cluster: int = 0):
+    """``single_cta``: the single-CTA path; ``cluster`` (CLUSTER_CTAS): the cluster path; neither:
+    the grid path."""
     cfg = RouterConfig(num_experts, n_group, topk_group, top_k, routed_scaling_factor, tile_m, score, hash_routed)
     cfg.validate()
+    if cluster not in (0, CLUSTER_CTAS) or (cluster and single_cta):
+        raise ValueError(f"router: cluster={cluster!r} must be 0 or {CLUSTER_CTAS}, and not with single_cta")
     cdt = _NAME2CUTE[logits_dtype]
     P = jit.fake_gmem_ptr
     args = (P(cdt, 16), P(Float32, 16), P(Int32, 4), P(Float32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 16),
             P(Int32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(1), Int32(1),
             Int32(1), Int32(1), jit.fake_stream())
-    return RouterTopkAlign(cfg, cdt, has_bias, single_cta=single_cta), args
+    return RouterTopkAlign(cfg, cdt, has_bias, single_cta=single_cta, cluster=cluster), args
 
 
 def _build_tensors(arch: str, **config):
@@ -740,11 +889,16 @@ class MoeRouter:
 
 def kernel_config(cfg: RouterConfig, logits_dtype: torch.dtype, has_bias: bool, T: int) -> dict:
     """The compile configuration of the router kernel for ``cfg`` and a call's logits dtype,
-    bias and token count."""
-    return dict(num_experts=cfg.num_experts, n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=cfg.top_k,
-                routed_scaling_factor=float(cfg.routed_scaling_factor), tile_m=cfg.tile_m,
-                logits_dtype=_LOGIT_DTYPES[logits_dtype], has_bias=has_bias, score=cfg.score,
-                hash_routed=cfg.hash_routed, single_cta=T <= min(SINGLE_CTA_MAX_TOKENS, SINGLE_CTA_CAPACITY))
+    bias and token count: the single-CTA path up to SINGLE_CTA_MAX_TOKENS, the cluster path up
+    to CLUSTER_MAX_TOKENS, else the grid path."""
+    single = T <= min(SINGLE_CTA_MAX_TOKENS, SINGLE_CTA_CAPACITY)
+    config = dict(num_experts=cfg.num_experts, n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=cfg.top_k,
+                  routed_scaling_factor=float(cfg.routed_scaling_factor), tile_m=cfg.tile_m,
+                  logits_dtype=_LOGIT_DTYPES[logits_dtype], has_bias=has_bias, score=cfg.score,
+                  hash_routed=cfg.hash_routed, single_cta=single)
+    if not single and T <= min(CLUSTER_MAX_TOKENS, CLUSTER_CTAS * 16):  # (in the key only when taken)
+        config["cluster"] = CLUSTER_CTAS
+    return config
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: RouterConfig, *, out: RouterOutput,

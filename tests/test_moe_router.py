@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+import moe.router as router_mod
 from cute_kernels.testing import sass
 from moe.router import (V4_FLASH_HASH_ROUTER, V4_FLASH_ROUTER, V4_PRO_HASH_ROUTER, V4_PRO_ROUTER, MoeRouter,
                         RouterConfig, capacity, route, topk_torch)
@@ -19,6 +20,22 @@ CONFIGS = [
     dataclasses.replace(V4_FLASH_ROUTER, n_group=4, topk_group=2, top_k=8),  # sqrt-softplus with groups
 ]
 CONFIG_IDS = ["dsv3", "E64g1", "E160g8", "v4flash", "v4pro", "sqrtsoftplus_g4"]
+
+
+@pytest.fixture(params=["default", "cluster"])
+def router_path(request, monkeypatch):
+    """The host's own choice of path for T, or the cluster path for every T it takes (T <= 64:
+    the single-CTA threshold set to 0, the cluster threshold to 64) -- its GPU coverage while it
+    is not a default. A test then skips T the cluster path does not take."""
+    if request.param == "cluster":
+        monkeypatch.setattr(router_mod, "SINGLE_CTA_MAX_TOKENS", 0)
+        monkeypatch.setattr(router_mod, "CLUSTER_MAX_TOKENS", router_mod.CLUSTER_CTAS * 16)
+    return request.param
+
+
+def needs_path(path: str, T: int) -> None:
+    if path == "cluster" and T > router_mod.CLUSTER_CTAS * 16:
+        pytest.skip("the cluster path takes T <= 64")
 
 
 def valid_under_rounding(picks, b, cfg, tol: float = 1e-6) -> bool:
@@ -127,7 +144,8 @@ def poison(r: MoeRouter):
 @pytest.mark.parametrize("T", [1, 5, 32, 33, 64, 65, 320, 4096])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_router_matches_reference(seed, cfg, T, dtype, with_bias):
+def test_router_matches_reference(seed, cfg, T, dtype, with_bias, router_path):
+    needs_path(router_path, T)
     r = MoeRouter(cfg, max_tokens=T)
     logits = (torch.randn(T, cfg.num_experts, device="cuda") * 4).to(dtype)
     bias = torch.randn(cfg.num_experts, device="cuda") * 0.5 if with_bias else None
@@ -161,7 +179,8 @@ def test_sqrtsoftplus_extreme_logits(seed, cfg):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [RouterConfig(), V4_FLASH_ROUTER], ids=["dsv3", "v4flash"])
 @pytest.mark.parametrize("T", [5, 65])  # the single-CTA path and the grid's
-def test_nan_logits_pick_real_experts(seed, cfg, T):
+def test_nan_logits_pick_real_experts(seed, cfg, T, router_path):
+    needs_path(router_path, T)
     """NaN logits (one in a row, several, a whole row) rank first, ties to the lower index
     (torch.sort's order, the reference's): every pick a real expert, the ids the reference's,
     a row's weights NaN exactly where it picked a NaN score; the layout stays consistent."""
@@ -192,7 +211,8 @@ def test_nan_logits_pick_real_experts(seed, cfg, T):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 64, 320])
-def test_ties_lower_index_wins(seed, T):
+def test_ties_lower_index_wins(seed, T, router_path):
+    needs_path(router_path, T)
     cfg = RouterConfig()
     # few distinct logit values -> many exact ties among experts and among groups
     logits = torch.randint(-2, 3, (T, 256), device="cuda").float()
@@ -208,7 +228,8 @@ def test_ties_lower_index_wins(seed, T):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [6, 65])  # the single-CTA path (masks re-zeroed in shared memory) and the grid's
-def test_graph_replay_with_changing_inputs(seed, T):
+def test_graph_replay_with_changing_inputs(seed, T, router_path):
+    needs_path(router_path, T)
     cfg = RouterConfig()
     r = MoeRouter(cfg, max_tokens=T)
     logits = torch.randn(T, 256, device="cuda")
@@ -237,7 +258,8 @@ def random_table(vocab, E, k, gen=None):
 @pytest.mark.parametrize("cfg", [V4_FLASH_HASH_ROUTER, V4_PRO_HASH_ROUTER], ids=["v4flash", "v4pro"])
 @pytest.mark.parametrize("T", [1, 5, 32, 33, 64, 65, 320, 1000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_hash_routing_matches_reference(seed, cfg, T, dtype):
+def test_hash_routing_matches_reference(seed, cfg, T, dtype, router_path):
+    needs_path(router_path, T)
     """Experts straight from the table (exactly), weights from the scores of those experts,
     and the padded packed layout; token ids past the vocabulary (and negative ones) are
     clamped into the table, never read out of bounds."""
@@ -260,7 +282,7 @@ def test_hash_routing_matches_reference(seed, cfg, T, dtype):
 
 
 @pytest.mark.gpu
-def test_hash_routing_graph_replay_with_changing_tokens(seed):
+def test_hash_routing_graph_replay_with_changing_tokens(seed, router_path):
     cfg, T, vocab = V4_FLASH_HASH_ROUTER, 64, 4096
     r = MoeRouter(cfg, max_tokens=T)
     table = random_table(vocab, cfg.num_experts, cfg.top_k)
@@ -419,3 +441,49 @@ def test_machine_code_single_cta(arch, cfg):
     assert sass.count(h, "MEMBAR") == 0
     assert sass.count(h, "VOTE") <= cfg.top_k
     assert sass.local_memory_ops(h) == 0
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("cfg", [RouterConfig(), V4_FLASH_ROUTER, V4_PRO_ROUTER, V4_FLASH_HASH_ROUTER],
+                         ids=["v3", "v4flash", "v4pro", "hash"])
+def test_machine_code_cluster(arch, cfg):
+    """The cluster path (17 <= T <= 64): token masks by shared-memory atomics, no global atomics;
+    two cluster barriers (all CTAs running before the first remote store; the gather's release
+    and acquire), the gather's remote stores -- a mask word and a pick to each of the four CTAs
+    -- between them, the one memory fence the release costs, and every global store (ids,
+    weights, layout) after the second; no spills."""
+    text = sass.disassemble(sass.compile_cubin(
+        "moe_router", arch, **dataclasses.asdict(cfg), logits_dtype="float32", has_bias=not cfg.hash_routed,
+        cluster=router_mod.CLUSTER_CTAS))
+    h = sass.histogram(text)
+    ops = [line.split("*/", 1)[1].split(";")[0].split() for line in text.splitlines()
+           if line.strip().startswith("/*") and "*/" in line]
+    ops = [o[1] if o and o[0].startswith("@") else (o[0] if o else "") for o in ops]
+    assert ops.count("UCGABAR_ARV") == 2 and ops.count("UCGABAR_WAIT") == 2
+    assert sass.count(h, "ATOMS") >= 1 and sass.count(h, "ATOMG") + sass.count(h, "RED") == 0
+    assert sass.count(h, "MEMBAR") == 1
+    waits = [i for i, o in enumerate(ops) if o == "UCGABAR_WAIT"]
+    remote = [i for i, o in enumerate(ops) if o == "ST.E"]
+    assert len(remote) == 2 * router_mod.CLUSTER_CTAS and waits[0] < min(remote) and max(remote) < waits[1]
+    assert min(i for i, o in enumerate(ops) if o.startswith("STG")) > waits[1]
+    assert sass.local_memory_ops(h) == 0
+
+
+def test_cluster_path_choice_and_config_checks(monkeypatch):
+    """The host takes the cluster path only between the two thresholds (never by default, while
+    CLUSTER_MAX_TOKENS is 0); a cluster size other than CLUSTER_CTAS, or with single_cta, is
+    refused by name."""
+    from moe.router import _build, kernel_config
+
+    cfg = V4_FLASH_ROUTER
+    assert all("cluster" not in kernel_config(cfg, torch.float32, True, T) for T in (1, 16, 17, 64, 65))
+    monkeypatch.setattr(router_mod, "CLUSTER_MAX_TOKENS", 64)
+    paths = {T: ("single" if kernel_config(cfg, torch.float32, True, T)["single_cta"] else
+                 "cluster" if "cluster" in kernel_config(cfg, torch.float32, True, T) else "grid")
+             for T in (1, 16, 17, 64, 65)}
+    assert paths == {1: "single", 16: "single", 17: "cluster", 64: "cluster", 65: "grid"}
+    kw = dict(dataclasses.asdict(cfg), logits_dtype="float32", has_bias=True)
+    with pytest.raises(ValueError, match="cluster=2"):
+        _build("sm_90a", **kw, cluster=2)
+    with pytest.raises(ValueError, match="not with single_cta"):
+        _build("sm_90a", **kw, cluster=4, single_cta=True)

@@ -46,9 +46,10 @@
 #                                            the runtime's GPU tests at `small`
 #   bash tools/device.sh smoke-kernels       the recently changed kernels' GPU tests alone (the list
 #                                            in the job: pdl=True of the MXFP8 quantizer and of
-#                                            wo_a_fp8_act, the WO-A swap-AB prologue)
+#                                            wo_a_fp8_act, the WO-A swap-AB prologue, the router's
+#                                            cluster path)
 #   bash tools/device.sh smoke-benches       their benches (WO-A at V4's decode T with the FP8-activation
-#                                            path's PDL column, the FP8 widening routes, the V4-Flash
+#                                            path's PDL column, the router's three paths, the V4-Flash
 #                                            MoE layer)
 #   bash tools/device.sh quick-bench         the runtime bench at v4_flash_slice (--quick, acceptance 5.5)
 #   bash tools/device.sh cache-out           the machine's compiled-kernel cache as $OUT/kernel-cache.tar.xz
@@ -171,13 +172,15 @@ smoke-kernels)
   timeout 150 $PYT -m gpu tests/test_moe_quant.py 2>&1 | tee "$OUT/quant-tests.log" | tail -5
   timeout 120 $PYT -m gpu tests/test_wo_a_fp8_act.py 2>&1 | tee "$OUT/fp8-act-tests.log" | tail -5
   timeout 200 $PYT -m gpu tests/test_wo_a.py -k "swap_ab or pdl" 2>&1 | tee "$OUT/swap-ab-tests.log" | tail -5
+  timeout 200 $PYT -m gpu tests/test_moe_router.py 2>&1 | tee "$OUT/router-tests.log" | tail -5
   ;;
 smoke-benches)
-  # their benches: WO-A at V4's decode T (the FP8-activation GEMM), the widening routes, the MoE layer
+  # their benches: WO-A at V4's decode T (the FP8-activation path with and without PDL), the
+  # router's paths at decode T, the MoE layer
   timeout 150 python bench/bench_wo_a_v4.py --tokens 1,5,16,32,64 --out "$OUT/bench_wo_a_v4.md" 2>&1 \
     | tee "$OUT/bench_wo_a_v4.log" | tail -12
-  timeout 150 python bench/bench_wo_a_fp8.py --tokens 1,16,64 --shapes 8x1024x4096,16x1024x4096 \
-    --variants 128/plan,128/plan/plan/bits --out "$OUT/bench_wo_a_fp8_widen.md" 2>&1 | tee "$OUT/bench_wo_a_fp8.log" | tail -14
+  timeout 200 python bench/bench_moe.py --sections router-paths --out "$OUT/bench_router_paths.md" 2>&1 \
+    | tee "$OUT/bench_router_paths.log" | tail -28
   timeout 200 python bench/bench_moe_experts.py --model v4-flash --tokens 1,64,320 \
     --out "$OUT/bench_moe_experts_v4-flash.md" 2>&1 | tee "$OUT/bench_moe_experts.log" | tail -12
   ;;
