@@ -462,8 +462,7 @@ def test_machine_code_with_programmatic_dependent_launch(arch, config):
     plain = sass.disassemble(sass.compile_cubin("mxfp8_quant", arch, **config))
     pdl = sass.disassemble(sass.compile_cubin("mxfp8_quant", arch, pdl=True, **config))
     assert "ACQBULK" not in plain and "PREEXIT" not in plain
-    ops = [line.split(";")[0].split("*/")[-1].split() for line in pdl.splitlines() if "*/" in line]
-    ops = [o[1] if o and o[0].startswith("@") else (o[0] if o else "") for o in ops]
+    ops = sass.opcodes(pdl)
     loads = [i for i, o in enumerate(ops) if o.startswith(("LDG", "LD.", "ATOMG"))]
     stores = [i for i, o in enumerate(ops) if o.startswith(("STG", "ST.", "RED"))]
     assert ops.count("ACQBULK") == 1 and ops.count("PREEXIT") == 1

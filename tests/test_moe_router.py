@@ -456,9 +456,7 @@ def test_machine_code_cluster(arch, cfg):
         "moe_router", arch, **dataclasses.asdict(cfg), logits_dtype="float32", has_bias=not cfg.hash_routed,
         cluster=router_mod.CLUSTER_CTAS))
     h = sass.histogram(text)
-    ops = [line.split("*/", 1)[1].split(";")[0].split() for line in text.splitlines()
-           if line.strip().startswith("/*") and "*/" in line]
-    ops = [o[1] if o and o[0].startswith("@") else (o[0] if o else "") for o in ops]
+    ops = sass.opcodes(text)
     assert ops.count("UCGABAR_ARV") == 2 and ops.count("UCGABAR_WAIT") == 2
     assert sass.count(h, "ATOMS") >= 1 and sass.count(h, "ATOMG") + sass.count(h, "RED") == 0
     assert sass.count(h, "MEMBAR") == 1

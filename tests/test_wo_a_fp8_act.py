@@ -141,9 +141,7 @@ def test_machine_code_with_programmatic_dependent_launch(tok_n, stages):
     default build's."""
     text = sass.disassemble(sass.compile_cubin("wo_a_fp8_act_sm90", "sm_90a", G=8, R=1024, Dg=4096, tok_n=tok_n,
                                                stages=stages, pdl=True))
-    ops = [line.split("*/", 1)[1].split(";")[0].split() for line in text.splitlines()
-           if line.strip().startswith("/*") and "*/" in line]
-    ops = [o[1] if o and o[0].startswith("@") else (o[0] if o else "") for o in ops]
+    ops = sass.opcodes(text)
     wait = ops.index("ACQBULK")
     assert ops.count("ACQBULK") == 1 and ops.count("PREEXIT") == 1
     assert sum(o.startswith("UTMALDG") for o in ops[:wait]) == stages  # the weights alone

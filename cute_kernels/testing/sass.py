@@ -62,6 +62,12 @@ def histogram(sass: str) -> Counter:
     return Counter(m.group(1) for m in _INSN.finditer(sass))
 
 
+def opcodes(sass: str) -> list[str]:
+    """The mnemonics in program order (a predicate like ``@P0`` dropped): for checks of where an
+    instruction stands relative to others (a wait before the first load, stores after a barrier)."""
+    return [m.group(1) for m in _INSN.finditer(sass)]
+
+
 def sass_histogram(name: str, arch: str, **config) -> Counter:
     return histogram(disassemble(compile_cubin(name, arch, **config)))
 
