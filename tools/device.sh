@@ -46,8 +46,8 @@
 #                                            the runtime's GPU tests at `small`
 #   bash tools/device.sh smoke-kernels       the recently changed kernels' GPU tests alone (the list
 #                                            in the job: pdl=True of the MXFP8 quantizer and of
-#                                            wo_a_fp8_act, the WO-A swap-AB prologue, the router's
-#                                            cluster path)
+#                                            wo_a_fp8_act, the router's cluster path; the bf16
+#                                            swap-AB kernel's prologue: gpu-tests 1)
 #   bash tools/device.sh smoke-benches       their benches (WO-A at V4's decode T with the FP8-activation
 #                                            path's PDL column, the router's three paths, the V4-Flash
 #                                            MoE layer)
@@ -169,10 +169,10 @@ smoke)
 smoke-kernels)
   # the kernels changed since their last GPU run: the programmatic dependent launch (pdl=True) of
   # the MXFP8 quantizer and of wo_a_fp8_act, the swap-AB prologue both WO-A swap-AB kernels share
-  timeout 150 $PYT -m gpu tests/test_moe_quant.py 2>&1 | tee "$OUT/quant-tests.log" | tail -5
-  timeout 120 $PYT -m gpu tests/test_wo_a_fp8_act.py 2>&1 | tee "$OUT/fp8-act-tests.log" | tail -5
-  timeout 200 $PYT -m gpu tests/test_wo_a.py -k "swap_ab or pdl" 2>&1 | tee "$OUT/swap-ab-tests.log" | tail -5
-  timeout 200 $PYT -m gpu tests/test_moe_router.py 2>&1 | tee "$OUT/router-tests.log" | tail -5
+  # (the bf16 swap-AB kernel's tests, on the shared prologue: shard 1, tests/test_wo_a.py)
+  timeout 130 $PYT -m gpu tests/test_moe_quant.py 2>&1 | tee "$OUT/quant-tests.log" | tail -5
+  timeout 110 $PYT -m gpu tests/test_wo_a_fp8_act.py 2>&1 | tee "$OUT/fp8-act-tests.log" | tail -5
+  timeout 330 $PYT -m gpu tests/test_moe_router.py 2>&1 | tee "$OUT/router-tests.log" | tail -5
   ;;
 smoke-benches)
   # their benches: WO-A at V4's decode T (the FP8-activation path with and without PDL), the
