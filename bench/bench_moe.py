@@ -161,7 +161,7 @@ def bench_router_paths():
     import moe.router as router_mod
 
     saved = router_mod.SINGLE_CTA_MAX_TOKENS, router_mod.CLUSTER_MAX_TOKENS
-    paths = {"single CTA": (router_mod.SINGLE_CTA_CAPACITY, 0), "cluster": (0, router_mod.CLUSTER_CTAS * 16),
+    paths = {"single CTA": (router_mod.SINGLE_CTA_CAPACITY, 0), "cluster": (0, router_mod.CLUSTER_CAPACITY),
              "grid": (0, 0)}
     rows = []
     try:

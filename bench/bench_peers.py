@@ -132,10 +132,10 @@ def mxfp8_rows(fi):
             n = rotation_count(nbytes)
             xs = [torch.randn(T, K, device="cuda").bfloat16() for _ in range(n)]
             t_ours = time_graph(lambda i: mxfp8_quantize(xs[i], layout=layout), n, max(n, 20))
-            t_ours_pdl = time_graph(lambda i: mxfp8_quantize(xs[i], layout=layout, pdl=True), n, max(n, 20))
             if isinstance(fi, str):
                 rows.append(row("MXFP8 quant", shape, "FlashInfer", t_ours, None, nbytes, fi))
                 continue
+            t_ours_pdl = time_graph(lambda i: mxfp8_quantize(xs[i], layout=layout, pdl=True), n, max(n, 20))
             q, s = mxfp8_quantize(xs[0], layout=layout)
             for backend, pdl in (("cuda", None), ("cute-dsl", None), ("cute-dsl", False)):
                 peer = f"FlashInfer ({backend}{', no PDL' if pdl is False else ''})"

@@ -91,6 +91,12 @@ def check_rotation(op: str, rotate, tokens: int, width: int) -> int:
     return 2 * rotate.shape[1]
 
 
+def check_bool(op: str, name: str, value) -> None:
+    """A flag argument (``pdl``, ``zero_padding``, ...) must be a real bool, not a truthy value."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be a bool, got {value!r}")
+
+
 def check_divisible(op: str, name: str, value: int, by: int, why: str = "") -> None:
     if value % by:
         raise ValueError(f"{op}: {name}={value} must be a multiple of {by}" + (f" ({why})" if why else ""))

@@ -63,7 +63,7 @@ from cutlass import Float32, Int32, Uint32
 from . import jit
 from .arch import current_arch
 from .mx_scales import e8m0_to_f32
-from .validate import check_arch_supported, check_cuda, check_tensor
+from .validate import check_arch_supported, check_bool, check_cuda, check_tensor
 from .warp_mma import fp8_wgmma_blocks, wgmma_fragments
 from .wo_a_decode import SMEM_PER_CTA
 from .wo_a_decode_fp8 import SCALE_BLOCK  # the weights' scale block (rows and K): the checkpoint format's
@@ -278,8 +278,7 @@ def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_sca
         if jit.launch_tensor_entry(_TENSOR_FNS, (q.shape, w.shape, q.get_device()), q, q_scales, w, w_scale, out):
             return out
     op = "wo_a_fp8_act"
-    if not isinstance(pdl, bool):
-        raise TypeError(f"{op}: pdl must be a bool, got {pdl!r}")
+    check_bool(op, "pdl", pdl)
     check_tensor(op, "q", q, dtype=torch.float8_e4m3fn, ndim=3, contiguous=True, align_bytes=16)
     check_tensor(op, "w", w, dtype=torch.float8_e4m3fn, ndim=3, contiguous=True, align_bytes=16)
     T, H, Dv = q.shape

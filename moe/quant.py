@@ -94,7 +94,7 @@ from cute_kernels import jit
 from cute_kernels.arch import current_arch, dispatch
 from cute_kernels import mx_scales
 from cute_kernels.mx_scales import swizzled_scale_word
-from cute_kernels.validate import check_cuda, check_int32_indexable, check_tensor
+from cute_kernels.validate import check_bool, check_cuda, check_int32_indexable, check_tensor
 
 MX_BLOCK = 32
 SF_ATOM_ROWS, SF_ATOM_COLS = 128, 4
@@ -542,11 +542,6 @@ def _check_row_pos(op: str, row_pos, T: int, topk, zero_padding) -> None:
                  align_bytes=4)
 
 
-def _check_pdl(op: str, pdl) -> None:
-    if not isinstance(pdl, bool):
-        raise TypeError(f"{op}: pdl must be a bool, got {pdl!r}")
-
-
 def _check_x(op: str, x: torch.Tensor) -> tuple[int, int]:
     check_tensor(op, "x", x, dtype=torch.bfloat16, ndim=2, contiguous=True, align_bytes=0)
     T, K = x.shape
@@ -581,8 +576,7 @@ def _check_routing(op: str, sorted_token_ids, total_rows, topk, zero_padding, K:
     returns the output rows (the capacity: ``sorted_token_ids.numel()``)."""
     if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
         raise ValueError(f"{op}: topk must be a positive int, got {topk!r}")
-    if not isinstance(zero_padding, bool):
-        raise TypeError(f"{op}: zero_padding must be a bool, got {zero_padding!r}")
+    check_bool(op, "zero_padding", zero_padding)
     check_tensor(op, "sorted_token_ids", sorted_token_ids, dtype=torch.int32, ndim=1, contiguous=True, align_bytes=4)
     check_tensor(op, "total_rows", total_rows, dtype=torch.int32, contiguous=True, align_bytes=4)
     if total_rows.numel() < 1:
@@ -634,7 +628,7 @@ def mxfp8_quantize(x: torch.Tensor, *, layout: str = "plain", q: torch.Tensor | 
                 and jit.launch_tensor_entry(_TENSOR_FNS, (shape[1], x.get_device()), x, q, scales, DEFAULT_MAX_CTAS)):
             return q, scales
     op = "mxfp8_quantize"
-    _check_pdl(op, pdl)
+    check_bool(op, "pdl", pdl)
     if layout not in LAYOUTS:
         raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
     T, K = _check_x(op, x)
@@ -672,7 +666,7 @@ def mxfp8_quantize_routed(x: torch.Tensor, sorted_token_ids: torch.Tensor, total
                                          zero_padding, routed_row_pos):
         return q, scales
     op = "mxfp8_quantize_routed"
-    _check_pdl(op, pdl)
+    check_bool(op, "pdl", pdl)
     if layout not in LAYOUTS:
         raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
     T, K = _check_x(op, x)
@@ -708,7 +702,7 @@ def mxfp8_gather_routed(xq: torch.Tensor, xs: torch.Tensor, sorted_token_ids: to
                                          zero_padding, routed_row_pos):
         return q, scales
     op = "mxfp8_gather_routed"
-    _check_pdl(op, pdl)
+    check_bool(op, "pdl", pdl)
     if layout not in LAYOUTS:
         raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
     check_tensor(op, "xq", xq, dtype=torch.float8_e4m3fn, ndim=2, contiguous=True, align_bytes=16)

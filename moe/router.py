@@ -122,7 +122,9 @@ SINGLE_CTA_MAX_TOKENS = 16
 #: The cluster path's CTAs: one thread-block cluster of this many CTAs routes up to 16 tokens
 #: each (one per warp), so it takes T <= 64 (module docstring)
 CLUSTER_CTAS = 4
-#: Above SINGLE_CTA_MAX_TOKENS and up to this many tokens (<= CLUSTER_CTAS * 16) the router
+#: ... and its capacity: a token per warp of each CTA's 16 (512 threads)
+CLUSTER_CAPACITY = CLUSTER_CTAS * 16
+#: Above SINGLE_CTA_MAX_TOKENS and up to this many tokens (<= CLUSTER_CAPACITY) the router
 #: takes the cluster path; 0: never. It stays 0 until the path's GPU tests and ``bench/bench_moe.py
 #: --sections router-paths`` have run on a GPU
 CLUSTER_MAX_TOKENS = 0
@@ -531,7 +533,7 @@ class RouterTopkAlign:
         cute.arch.barrier()
         total = sOff[E]
         for e in cutlass.range(tidx, E, self.threads):
-            mCounts[e] = Int32(cute.arch.popc(sTokMask[0, e])) + Int32(cute.arch.popc(sTokMask[1, e]))
+            mCounts[e] = self.masked_count(sTokMask, 2, e)
             mOffsets[e] = sOff[e]
             for j in cutlass.range(sOff[e] // tile, sOff[e + 1] // tile):  # the expert's M-tiles
                 mTileExpert[j] = e
@@ -564,9 +566,7 @@ class RouterTopkAlign:
         run = Int32(0)
         for j in cutlass.range_constexpr(V):
             if cutlass.const_expr(mask_words > 0):
-                c = Int32(0)
-                for w in cutlass.range_constexpr(mask_words):
-                    c += Int32(cute.arch.popc(counts[w, lane * V + j]))
+                c = self.masked_count(counts, mask_words, lane * V + j)
             else:
                 c = counts[lane * V + j]
             rLocal[j] = run
@@ -596,6 +596,14 @@ class RouterTopkAlign:
         else:
             for p in cutlass.range(tidx, total, self.threads):
                 mSorted[p] = sentinel
+
+    @cute.jit
+    def masked_count(self, masks, words: cutlass.Constexpr, e: Int32) -> Int32:
+        """Tokens that picked expert ``e``: the set bits of ``masks[0:words, e]``."""
+        c = Int32(0)
+        for w in cutlass.range_constexpr(words):
+            c += Int32(cute.arch.popc(masks[w, e]))
+        return c
 
     @cute.jit
     def tile_expert_of(self, sOff, j: Int32) -> Int32:
@@ -631,10 +639,7 @@ class RouterTopkAlign:
         ntiles = total // tile
         first, stride = rank * self.threads + tidx, C * self.threads
         for e in cutlass.range(first, E, stride):
-            cnt = Int32(0)
-            for c in cutlass.range_constexpr(C):
-                cnt += Int32(cute.arch.popc(sTokMask[c, e]))
-            mCounts[e] = cnt
+            mCounts[e] = self.masked_count(sTokMask, C, e)
             mOffsets[e] = sOff[e]
         if first == 0:
             mOffsets[E] = total
@@ -646,9 +651,7 @@ class RouterTopkAlign:
         sentinel = num_tokens * k
         for j in cutlass.range(rank * W + warp, ntiles, C * W):
             e = self.tile_expert_of(sOff, j)
-            rows_end = sOff[e]
-            for c in cutlass.range_constexpr(C):
-                rows_end += Int32(cute.arch.popc(sTokMask[c, e]))
+            rows_end = sOff[e] + self.masked_count(sTokMask, C, e)
             for p in cutlass.range(j * tile + lane, j * tile + tile, 32):
                 if p >= rows_end:
                     mSorted[p] = sentinel
@@ -896,7 +899,7 @@ def kernel_config(cfg: RouterConfig, logits_dtype: torch.dtype, has_bias: bool, 
                   routed_scaling_factor=float(cfg.routed_scaling_factor), tile_m=cfg.tile_m,
                   logits_dtype=_LOGIT_DTYPES[logits_dtype], has_bias=has_bias, score=cfg.score,
                   hash_routed=cfg.hash_routed, single_cta=single)
-    if not single and T <= min(CLUSTER_MAX_TOKENS, CLUSTER_CTAS * 16):  # (in the key only when taken)
+    if not single and T <= min(CLUSTER_MAX_TOKENS, CLUSTER_CAPACITY):  # (in the key only when taken)
         config["cluster"] = CLUSTER_CTAS
     return config
 

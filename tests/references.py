@@ -212,6 +212,15 @@ def align_ref(ids: torch.Tensor, E: int, tile: int):
     return counts, offsets, sorted_ids, tile_expert, total
 
 
+def routed_row_pos_ref(sorted_ids: torch.Tensor, rows: int) -> torch.Tensor:
+    """The router's ``routed_row_pos`` of a packing: for each of the ``rows`` (= T k) routed
+    rows, the slot of ``sorted_ids`` that holds it (padding slots, ``>= rows``, hold none)."""
+    live = sorted_ids < rows
+    pos = torch.empty(rows, dtype=torch.int32)
+    pos[sorted_ids[live].long()] = torch.nonzero(live).flatten().int()
+    return pos
+
+
 # ------------------------------------------------------------------------ WO-A ---------
 def wo_a_ref(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """y[t, g*R + r] = sum_d w[g, r, d] * o[t, g-th head group].flatten()[d], float64."""

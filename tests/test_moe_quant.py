@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from moe.quant import mxfp8_gather_routed, mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size
-from references import (align_ref, mxfp8_dequant_ref, mxfp8_quant_ref, swizzle_scales_ref, unswizzle_scales_ref)
+from references import (align_ref, mxfp8_dequant_ref, mxfp8_quant_ref, routed_row_pos_ref, swizzle_scales_ref,
+                        unswizzle_scales_ref)
 from cute_kernels.testing import sass
 
 
@@ -268,9 +269,7 @@ def test_gather_of_prequantized_tokens_equals_routed_quantization(seed, layout, 
     sorted_full, total_t = sorted_full.cuda(), torch.tensor([total], dtype=torch.int32, device="cuda")
     x = make_x(T, K, "cuda")
     xq, xs = mxfp8_quantize(x)
-    row_pos = torch.empty(T * k, dtype=torch.int32)
-    row_pos[sorted_ids[sorted_ids < T * k].long()] = torch.nonzero(sorted_ids < T * k).flatten().int()
-    row_pos = row_pos.cuda()
+    row_pos = routed_row_pos_ref(sorted_ids, T * k).cuda()
     outs = []
     for gather, by_pos in ((False, False), (True, False)) + (((False, True), (True, True)) if not zero_padding else ()):
         q = torch.full((cap, K), 0xAB, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
@@ -301,8 +300,7 @@ def test_programmatic_dependent_chain_in_a_graph(seed, layout):
     E, k, tile, K, T = 256, 6, 128, 4096, 64
     ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(torch.int32)
     _, _, sorted_ids, _, total = align_ref(ids, E, tile)
-    row_pos = torch.empty(T * k, dtype=torch.int32)
-    row_pos[sorted_ids[sorted_ids < T * k].long()] = torch.nonzero(sorted_ids < T * k).flatten().int()
+    row_pos = routed_row_pos_ref(sorted_ids, T * k)
     sorted_ids, row_pos = sorted_ids.cuda(), row_pos.cuda()
     total_t = torch.tensor([total], dtype=torch.int32, device="cuda")
     src = torch.empty(T, K, dtype=torch.bfloat16, device="cuda")

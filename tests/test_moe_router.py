@@ -29,12 +29,12 @@ def router_path(request, monkeypatch):
     is not a default. A test then skips T the cluster path does not take."""
     if request.param == "cluster":
         monkeypatch.setattr(router_mod, "SINGLE_CTA_MAX_TOKENS", 0)
-        monkeypatch.setattr(router_mod, "CLUSTER_MAX_TOKENS", router_mod.CLUSTER_CTAS * 16)
+        monkeypatch.setattr(router_mod, "CLUSTER_MAX_TOKENS", router_mod.CLUSTER_CAPACITY)
     return request.param
 
 
 def needs_path(path: str, T: int) -> None:
-    if path == "cluster" and T > router_mod.CLUSTER_CTAS * 16:
+    if path == "cluster" and T > router_mod.CLUSTER_CAPACITY:
         pytest.skip("the cluster path takes T <= 64")
 
 
