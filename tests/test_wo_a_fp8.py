@@ -221,7 +221,8 @@ def test_widening_every_code_exact_on_gpu(widen):
     o = torch.zeros(T, G, Dg)
     o[torch.arange(T), :, cols] = 1.0
     o = o.bfloat16().view(T, G * HG, Dv).cuda()
-    fn = jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=G, R=R, Dg=Dg, bm=16, splits=1, bn=32, stages=6, widen=widen)
+    fn = jit.get_kernel("wo_a_decode_fp8", "sm_90a", G=G, R=R, Dg=Dg, bm=16, splits=1, bn=32, stages=6,
+                        **({"widen": widen} if widen != "cvt" else {}))  # (cvt: the default build's key)
     ws = WoADecodeWorkspace(G, R, max_splits=8)
     out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
     P = jit.gmem_ptr
