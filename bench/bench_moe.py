@@ -154,31 +154,35 @@ def bench_router():
 
 
 def bench_router_paths():
-    """The router's three paths at decode T: the single-CTA path, the cluster path (T <= 64)
-    and the grid path, each forced through the host's thresholds
-    (``moe.router.SINGLE_CTA_MAX_TOKENS``, ``CLUSTER_MAX_TOKENS``), which should sit where the
-    next path becomes the faster; the last column is the path the thresholds pick today."""
+    """The router's paths at decode T: the single-CTA path, the cluster path (T <= 64) of each
+    size in ``moe.router.CLUSTER_SIZES`` and the grid path, each forced through the host's
+    thresholds (``SINGLE_CTA_MAX_TOKENS``, ``CLUSTER_MAX_TOKENS``, ``CLUSTER_CTAS``), which
+    should sit where the next path becomes the faster; the last column is the path the host
+    picks today."""
     import moe.router as router_mod
 
-    saved = router_mod.SINGLE_CTA_MAX_TOKENS, router_mod.CLUSTER_MAX_TOKENS
-    paths = {"single CTA": (router_mod.SINGLE_CTA_CAPACITY, 0), "cluster": (0, router_mod.CLUSTER_CAPACITY),
-             "grid": (0, 0)}
+    names = ("SINGLE_CTA_MAX_TOKENS", "CLUSTER_MAX_TOKENS", "CLUSTER_CTAS")
+    saved = tuple(getattr(router_mod, n) for n in names)
+    paths = {"single CTA": (router_mod.SINGLE_CTA_CAPACITY, 0, saved[2])}
+    paths.update({f"cluster of {c}": (0, router_mod.CLUSTER_CAPACITY, c) for c in router_mod.CLUSTER_SIZES})
+    paths["grid"] = (0, 0, saved[2])
     rows = []
     try:
         for name, cfg in ROUTERS:
             for T in (4, 8, 12, 16, 24, 32, 48, 64):
                 logits, bias = router_inputs(cfg, T)
                 times = {}
-                for path, (single, cluster) in paths.items():
-                    router_mod.SINGLE_CTA_MAX_TOKENS, router_mod.CLUSTER_MAX_TOKENS = single, cluster
+                for path, values in paths.items():
+                    for n, v in zip(names, values):
+                        setattr(router_mod, n, v)
                     times[path] = time_router(cfg, T, logits, bias)
-                picked = ("single CTA" if T <= saved[0] else "cluster" if T <= saved[1] else "grid")
+                picked = ("single CTA" if T <= saved[0] else f"cluster of {saved[2]}" if T <= saved[1] else "grid")
                 rows.append([f"{name}: T={T}, E={cfg.num_experts}, k={cfg.top_k}"]
                             + [f"{times[p] * 1e6:.2f}" for p in paths] + [min(times, key=times.get), picked])
     finally:
-        router_mod.SINGLE_CTA_MAX_TOKENS, router_mod.CLUSTER_MAX_TOKENS = saved
-    return markdown_table(["router + align", "single-CTA path us", "cluster path us", "grid path us", "fastest",
-                           "dispatched to"], rows)
+        for n, v in zip(names, saved):
+            setattr(router_mod, n, v)
+    return markdown_table(["router + align"] + [f"{p} us" for p in paths] + ["fastest", "dispatched to"], rows)
 
 
 def bench_quant():

@@ -82,8 +82,11 @@ def load_k_slice(pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, 
 @cute.jit
 def load_prologue(pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, tma_w: cute.CopyAtom,
                   tWgW: cute.Tensor, tWsW: cute.Tensor, tma_o: cute.CopyAtom, tOgO: cute.Tensor, tOsO: cute.Tensor,
-                  n: cutlass.Constexpr, stages: cutlass.Constexpr, pdl: cutlass.Constexpr, warp_idx: Int32):
-    """The pipeline's first ``n`` K slices of both tiles (warp 0 issues). ``pdl`` (a
+                  n: cutlass.Constexpr, stages: cutlass.Constexpr, pdl: cutlass.Constexpr,
+                  warp_idx: Int32) -> pipeline.PipelineState:
+    """The pipeline's first ``n`` K slices of both tiles (warp 0 issues); returns the producer
+    state ``n`` slices on from ``prod``, which the caller must take (``prod = load_prologue(...)``:
+    an advance inside this function's branches is not seen through the caller's object). ``pdl`` (a
     programmatic dependent launch): the weight slices first -- the weights do not depend on the
     kernel before this one -- then, in every thread, ``griddepcontrol`` lets this kernel's own
     dependents launch and waits for the previous grid to complete and flush, and only then the
@@ -109,6 +112,7 @@ def load_prologue(pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState,
             for _ in cutlass.range_constexpr(n):
                 load_k_slice(pipe, prod, tma_w, tWgW, tWsW, tma_o, tOgO, tOsO)
                 prod.advance()
+    return prod
 
 
 @cute.jit
@@ -173,7 +177,8 @@ class WoADecodeSwapAB:
         tWsW, tWgW, tOsO, tOgO = group_operand_tiles(tma_w, mW, sW, tma_o, mO, sO, (BM, self.bk), (TN, self.bk), rt, g)
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-        load_prologue(pipe, prod, tma_w, tWgW, tWsW, tma_o, tOgO, tOsO, min(STAGES, KT), STAGES, self.pdl, warp_idx)
+        prod = load_prologue(pipe, prod, tma_w, tWgW, tWsW, tma_o, tOgO, tOsO, min(STAGES, KT), STAGES, self.pdl,
+                             warp_idx)
 
         tCrW, tCrO, tCcC, acc = wgmma_fragments(tiled_mma, tidx, sW, sO, (BM, TN))
         acc.fill(0.0)

@@ -145,7 +145,8 @@ class WoAFp8ActSm90:
         tWsW, tWgW, tQsQ, tQgQ = group_operand_tiles(tma_w, mW, sW, tma_q, mQ, sQ, (BM, BK), (TN, BK), rt, g)
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-        load_prologue(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ, min(STAGES, KT), STAGES, self.pdl, warp_idx)
+        prod = load_prologue(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ, min(STAGES, KT), STAGES, self.pdl,
+                             warp_idx)
 
         # The scales, behind the prologue's loads (with pdl: after its grid-dependency wait -- the
         # token scales are the previous kernel's output), decoded once: read from global memory inside

@@ -53,13 +53,13 @@ index. Three paths build the packed layout:
   ``offset[e] + popc(mask[e] & (2^t - 1))`` -- its rank among the expert's rows, in row
   order, since a token picks an expert once. No count atomics in global memory, no grid
   handshake.
-* the cluster path (``CLUSTER_MAX_TOKENS``; T <= 64; not taken by default until it is measured
-  on a GPU): one thread-block cluster of ``CLUSTER_CTAS`` = 4 CTAs, each routing up to 16
-  tokens as the single-CTA path does (its token masks: one bit per warp, by shared-memory
-  ``atomicOr``). Each CTA then stores its mask words and picks into every CTA's shared memory
+* from there up to ``CLUSTER_MAX_TOKENS`` = 64 tokens (a verify step of BS4-12), the cluster
+  path: one thread-block cluster of ``CLUSTER_CTAS`` = 4 CTAs of 16 warps (or 8 CTAs of 8
+  warps: ``CLUSTER_SIZES``), each routing a token per warp as the single-CTA path does (its
+  token masks: one bit per warp, by shared-memory ``atomicOr``). Each CTA then stores its mask words and picks into every CTA's shared memory
   (``st.shared::cluster``; a first cluster barrier, arrived at on entry, guarantees all CTAs
   run), and one cluster barrier (release / acquire) publishes them: every CTA holds all the
-  picks and masks, scans the counts itself and writes a quarter of the layout -- counts,
+  picks and masks, scans the counts itself and writes its share of the layout -- counts,
   offsets, tile experts, the padding slots of each tile (those past its expert's rows, so no
   ordering with the live rows is needed) and the routed rows (rank ``popc`` of the mask words
   before the token). No global atomics, no grid-scope fence, no workspace; the ids and weights
@@ -119,15 +119,19 @@ SINGLE_CTA_CAPACITY = 64
 #: the grid path, whose CTAs route the tokens in parallel (``bench/bench_moe.py --sections
 #: router-paths`` times both at each T)
 SINGLE_CTA_MAX_TOKENS = 16
-#: The cluster path's CTAs: one thread-block cluster of this many CTAs routes up to 16 tokens
-#: each (one per warp), so it takes T <= 64 (module docstring)
+#: The cluster path's capacity: a token per warp of the cluster's CTAs (module docstring)
+CLUSTER_CAPACITY = 64
+#: The cluster sizes it is built for, each with CLUSTER_CAPACITY / size warps per CTA: 4 CTAs
+#: of 16 warps, or 8 CTAs of 8 warps (half the tokens per CTA to route, twice the CTAs to
+#: all-gather between; ``bench/bench_moe.py --sections router-paths`` times both)
+CLUSTER_SIZES = (4, 8)
+#: ... and the one the host takes
 CLUSTER_CTAS = 4
-#: ... and its capacity: a token per warp of each CTA's 16 (512 threads)
-CLUSTER_CAPACITY = CLUSTER_CTAS * 16
 #: Above SINGLE_CTA_MAX_TOKENS and up to this many tokens (<= CLUSTER_CAPACITY) the router
-#: takes the cluster path; 0: never. It stays 0 until the path's GPU tests and ``bench/bench_moe.py
-#: --sections router-paths`` have run on a GPU
-CLUSTER_MAX_TOKENS = 0
+#: takes the cluster path (0: never); above, the grid path. ``bench/bench_moe.py --sections
+#: router-paths`` times the three paths at each T: the cluster path is the fastest from T = 24
+#: to 64, the single-CTA path up to 16
+CLUSTER_MAX_TOKENS = 64
 #: expert score functions (RouterConfig.score)
 SCORES = ("sigmoid", "sqrtsoftplus")
 _NAME2CUTE = {"float32": Float32, "bfloat16": cutlass.BFloat16}
@@ -366,6 +370,7 @@ class RouterTopkAlign:
             sMyIds = smem.allocate_tensor(Int32, cute.make_layout((W, k), stride=(k, 1)), 16)
             sMyW = smem.allocate_tensor(Float32, cute.make_layout((W, k), stride=(k, 1)), 16)
             sMyMask = smem.allocate_tensor(Uint32, cute.make_layout((E,)), 16)
+            sCnt = smem.allocate_tensor(Int32, cute.make_layout((E,)), 16)  # the counts, from the masks
             for e in cutlass.range(tidx, E, self.threads):
                 sMyMask[e] = Uint32(0)
             cute.arch.barrier()
@@ -501,7 +506,7 @@ class RouterTopkAlign:
                 if t < num_tokens:
                     mIds[t, idx - w * k] = sMyIds[w, idx - w * k]
                     mW[t, idx - w * k] = sMyW[w, idx - w * k]
-            self.align_cluster(sIds, sTokMask, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mPos, sOff,
+            self.align_cluster(sIds, sTokMask, sCnt, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mPos, sOff,
                                num_tokens, tiles_cap, bidx)
         else:
             # The last CTA sees every CTA's ids / weights / count atomics (cute_kernels.grid_sync).
@@ -620,26 +625,30 @@ class RouterTopkAlign:
         return lo
 
     @cute.jit
-    def align_cluster(self, sIds, sTokMask, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mPos, sOff,
+    def align_cluster(self, sIds, sTokMask, sCnt, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mPos, sOff,
                       num_tokens: Int32, tiles_cap: Int32, rank: Int32):
         """The cluster path's padded, packed layout, a share of it in each CTA (``rank``): every
         CTA holds all the picks ``sIds [T, k]`` and token masks ``sTokMask[c, e]`` (bit w: token
-        ``c W + w`` picked expert e) and scans the counts itself; the CTAs then split the
-        experts' counts and offsets, the M-tiles' experts, the padding slots (a warp per tile:
-        the slots of its expert's last tile past its rows) and the routed rows (each at its
-        expert's offset plus its rank among the expert's rows, ``popc`` of the masks before it).
+        ``c W + w`` picked expert e), counts them (``sCnt``, the whole CTA) and scans the counts
+        itself (warp 0); the CTAs then split the experts' counts and offsets, the M-tiles'
+        experts, the padding slots (a warp per tile: the slots of its expert's last tile past its
+        rows) and the routed rows (each at its expert's offset plus its rank among the expert's
+        rows, ``popc`` of the masks before it).
         Padding and live slots are disjoint, so no ordering between the CTAs is needed."""
         E, k, tile, C, W = self.E, self.k, self.tile, self.cluster, self.warps
         tidx, _, _ = cute.arch.thread_idx()
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        for e in cutlass.range(tidx, E, self.threads):
+            sCnt[e] = self.masked_count(sTokMask, C, e)
+        cute.arch.barrier()
         if warp == 0:
-            self.scan_padded_counts(sTokMask, C, sOff, mTotal)  # (every CTA writes the same total)
+            self.scan_padded_counts(sCnt, 0, sOff, mTotal)  # (every CTA writes the same total)
         cute.arch.barrier()
         total = sOff[E]
         ntiles = total // tile
         first, stride = rank * self.threads + tidx, C * self.threads
         for e in cutlass.range(first, E, stride):
-            mCounts[e] = self.masked_count(sTokMask, C, e)
+            mCounts[e] = sCnt[e]
             mOffsets[e] = sOff[e]
         if first == 0:
             mOffsets[E] = total
@@ -651,7 +660,7 @@ class RouterTopkAlign:
         sentinel = num_tokens * k
         for j in cutlass.range(rank * W + warp, ntiles, C * W):
             e = self.tile_expert_of(sOff, j)
-            rows_end = sOff[e] + self.masked_count(sTokMask, C, e)
+            rows_end = sOff[e] + sCnt[e]
             for p in cutlass.range(j * tile + lane, j * tile + tile, 32):
                 if p >= rows_end:
                     mSorted[p] = sentinel
@@ -747,18 +756,20 @@ class RouterTopkAlign:
 def _build(arch: str, *, num_experts: int, n_group: int, topk_group: int, top_k: int, routed_scaling_factor: float,
            tile_m: int, logits_dtype: str, has_bias: bool, score: str = "sigmoid", hash_routed: bool = False,
            single_cta: bool = False, cluster: int = 0):
-    """``single_cta``: the single-CTA path; ``cluster`` (CLUSTER_CTAS): the cluster path; neither:
-    the grid path."""
+    """``single_cta``: the single-CTA path; ``cluster`` (one of CLUSTER_SIZES): the cluster path
+    of that many CTAs; neither: the grid path."""
     cfg = RouterConfig(num_experts, n_group, topk_group, top_k, routed_scaling_factor, tile_m, score, hash_routed)
     cfg.validate()
-    if cluster not in (0, CLUSTER_CTAS) or (cluster and single_cta):
-        raise ValueError(f"router: cluster={cluster!r} must be 0 or {CLUSTER_CTAS}, and not with single_cta")
+    if cluster not in (0, *CLUSTER_SIZES) or (cluster and single_cta):
+        raise ValueError(f"router: cluster={cluster!r} must be 0 or one of {CLUSTER_SIZES}, and not with "
+                         f"single_cta")
     cdt = _NAME2CUTE[logits_dtype]
     P = jit.fake_gmem_ptr
     args = (P(cdt, 16), P(Float32, 16), P(Int32, 4), P(Float32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 16),
             P(Int32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(1), Int32(1),
             Int32(1), Int32(1), jit.fake_stream())
-    return RouterTopkAlign(cfg, cdt, has_bias, single_cta=single_cta, cluster=cluster), args
+    threads = 32 * CLUSTER_CAPACITY // cluster if cluster else 512  # the cluster path: a token per warp
+    return RouterTopkAlign(cfg, cdt, has_bias, threads=threads, single_cta=single_cta, cluster=cluster), args
 
 
 def _build_tensors(arch: str, **config):
@@ -777,13 +788,11 @@ KERNEL = jit.register(jit.KernelDef(
     build=_build,
     sources=(os.path.abspath(__file__),),
     archs=("sm_90a", "sm_100a", "sm_103a"),
-    aot_configs=tuple(
-        dict(dataclasses.asdict(cfg), logits_dtype=dt, has_bias=True, single_cta=one)
-        for cfg in (RouterConfig(), V4_FLASH_ROUTER, V4_PRO_ROUTER) for dt in ("float32", "bfloat16")
-        for one in (False, True)
-    ) + tuple(dict(dataclasses.asdict(cfg), logits_dtype=dt, has_bias=False, single_cta=one)
-              for cfg in (V4_FLASH_HASH_ROUTER, V4_PRO_HASH_ROUTER) for dt in ("float32", "bfloat16")
-              for one in (False, True)),
+    aot_configs=tuple(  # each config's three paths: grid, single CTA, cluster
+        dict(dataclasses.asdict(cfg), logits_dtype=dt, has_bias=not cfg.hash_routed, **path)
+        for cfg in (RouterConfig(), V4_FLASH_ROUTER, V4_PRO_ROUTER, V4_FLASH_HASH_ROUTER, V4_PRO_HASH_ROUTER)
+        for dt in ("float32", "bfloat16")
+        for path in (dict(single_cta=False), dict(single_cta=True), dict(single_cta=False, cluster=CLUSTER_CTAS))),
     description="sigmoid / sqrt-softplus (grouped) top-k + moe_align_block_size in one launch",
 ))
 jit.register_tensor_entry(KERNEL, _build_tensors, aot_configs=KERNEL.aot_configs)
