@@ -231,6 +231,16 @@ class KernelCache:
         self._locks: dict[CacheKey, threading.Lock] = {}
         self._lock = threading.Lock()
         self.stats = CacheStats()
+        self._busy_done = 0.0  # wall seconds of finished misses
+        self._busy_since: dict[int, float] = {}  # thread -> start of its miss under way
+
+    def busy_seconds(self) -> float:
+        """Wall seconds this process has spent in the cache's misses -- disk loads, compiles and
+        the waits for them -- the ones under way included: what a watchdog for hung kernels
+        must not count (``tests/conftest.py``)."""
+        now = time.perf_counter()
+        with self._lock:
+            return self._busy_done + sum(now - t0 for t0 in self._busy_since.values())
 
     def clear(self) -> None:
         with self._lock:
@@ -253,6 +263,19 @@ class KernelCache:
             return fn
         with self._lock:
             klock = self._locks.setdefault(key, threading.Lock())
+            me = threading.get_ident()
+            outer = me not in self._busy_since  # (a build's own lookups count once)
+            if outer:
+                self._busy_since[me] = time.perf_counter()
+        try:
+            return self._get_missed(kdef, key, config, klock, artifact_cache, use_disk)
+        finally:
+            if outer:
+                with self._lock:
+                    self._busy_done += time.perf_counter() - self._busy_since.pop(me)
+
+    def _get_missed(self, kdef: KernelDef, key: CacheKey, config: dict, klock: threading.Lock, artifact_cache,
+                    use_disk: bool):
         with klock:
             fn = self._fns.get(key)
             if fn is not None:

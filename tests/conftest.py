@@ -21,6 +21,49 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+#: A GPU test running longer than this many seconds besides its kernel compiles and loads
+#: (``jit.CACHE.busy_seconds``) is taken for a hung kernel: every thread's stack is printed and
+#: the run exits (status 3), so a device job shows which test hung instead of running out its
+#: time limit in silence. CUTE_KERNELS_GPU_TEST_TIMEOUT_S changes it (0: never).
+GPU_TEST_TIMEOUT_S = float(os.environ.get("CUTE_KERNELS_GPU_TEST_TIMEOUT_S", "300"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    if not (HAS_CUDA and "gpu" in item.keywords and GPU_TEST_TIMEOUT_S > 0):
+        yield
+        return
+    import faulthandler
+    import sys
+    import threading
+    import time
+
+    from cute_kernels import jit
+
+    def hung():
+        capture = item.config.pluginmanager.getplugin("capturemanager")
+        if capture is not None:
+            capture.suspend_global_capture(in_=True)  # the stacks to the terminal, not the capture
+        print(f"\n{item.nodeid}: still running {GPU_TEST_TIMEOUT_S:.0f} s past its compiles -- taken for a "
+              f"hung kernel; every thread's stack:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(3)
+
+    def watch():
+        while not done.wait(1.0):
+            if time.perf_counter() - start - (jit.CACHE.busy_seconds() - busy0) > GPU_TEST_TIMEOUT_S:
+                hung()
+
+    done = threading.Event()
+    start, busy0 = time.perf_counter(), jit.CACHE.busy_seconds()
+    threading.Thread(target=watch, daemon=True, name="gpu-test-watchdog").start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
 @pytest.fixture
 def seed():
     """Fresh random inputs every run; the seed is printed so a failure can be replayed
