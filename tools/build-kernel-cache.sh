@@ -8,10 +8,15 @@
 # .devcache/kernel-cache-b.tar.xz`).
 #
 #   bash tools/build-kernel-cache.sh [extra `python -m cute_kernels build` arguments]
+#   KC_PACK_ONLY=1 bash tools/build-kernel-cache.sh   pack $KC_ROOT again (after adding entries to
+#                                                    it with `python -m cute_kernels build --kernel
+#                                                    NAME --config JSON --cache $KC_ROOT/cute_kernels_cache`)
 set -eu
 root=${KC_ROOT:-/tmp/kc}
-rm -rf "$root"
-python -m cute_kernels build --arch sm_90a --tensor-entries --cache "$root/cute_kernels_cache" "$@" | tail -1
+if [ -z "${KC_PACK_ONLY:-}" ]; then
+  rm -rf "$root"
+  python -m cute_kernels build --arch sm_90a --tensor-entries --cache "$root/cute_kernels_cache" "$@" | tail -1
+fi
 version=$(ls "$root/cute_kernels_cache")
 second="sink_attention compressor_pool indexer_scores indexer_scores_fp8 indexer_scores_sm90
   indexer_scores_token_group_sm90 indexer_topk mhc_stats mhc_pre_mix mhc_post_mix push_allreduce rms_norm row_rms
