@@ -52,6 +52,13 @@
 #                                            path's PDL column, the router's paths, the V4-Flash
 #                                            MoE layer)
 #   bash tools/device.sh quick-bench         the runtime bench at v4_flash_slice (--quick, acceptance 5.5)
+#   bash tools/device.sh h200 test|kernels|runtime
+#                                            what needs an H200 (run with needs_h200: the first is the
+#                                            one test that needs more than an H100's 80 GB): test --
+#                                            the bf16 V4-Flash slice tracked in FP32 (~100 GB);
+#                                            kernels -- WO-A at V4's decode T and the MXFP8
+#                                            quantization against 4.3 TB/s; runtime -- the decode
+#                                            runtime's bench at v4_flash_slice (--quick)
 #   bash tools/device.sh cache-out           the machine's compiled-kernel cache as $OUT/kernel-cache.tar.xz
 #   bash tools/device.sh cache-in [FILE]     unpack a carried cache (default .devcache/kernel-cache.tar.xz) into it
 #                                            (a call right after one that unpacked the DSL: see docs/device.md)
@@ -183,6 +190,22 @@ smoke-benches)
     | tee "$OUT/bench_router_paths.log" | tail -28
   timeout 200 python bench/bench_moe_experts.py --model v4-flash --tokens 1,64,320 \
     --out "$OUT/bench_moe_experts_v4-flash.md" 2>&1 | tee "$OUT/bench_moe_experts.log" | tail -12
+  ;;
+h200)
+  case "${1:-test}" in
+    test)
+      timeout 560 $PYT -m gpu "tests/test_spec_decode.py::test_fused_ops_track_fp32_on_gpu" 2>&1 \
+        | tee "$OUT/h200-test.log" | tail -8 ;;
+    kernels)
+      timeout 200 python bench/bench_wo_a_v4.py --tokens 1,5,16,32,64 --out "$OUT/bench_wo_a_v4.md" 2>&1 \
+        | tee "$OUT/bench_wo_a_v4.log" | tail -12
+      timeout 200 python bench/bench_moe.py --sections quant --out "$OUT/bench_quant.md" 2>&1 \
+        | tee "$OUT/bench_quant.log" | tail -14 ;;
+    runtime)
+      timeout 560 python -m spec_decode.bench --model v4_flash_slice --acceptance-length 5.5 --quick \
+        --out "$OUT/bench_runtime_quick.md" 2>&1 | tee "$OUT/bench_runtime_quick.log" | tail -45 ;;
+    *) echo "h200: test, kernels or runtime" >&2; exit 2 ;;
+  esac
   ;;
 quick-bench)
   timeout 560 python -m spec_decode.bench --model v4_flash_slice --acceptance-length 5.5 --quick \
