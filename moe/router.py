@@ -56,14 +56,15 @@ index. Three paths build the packed layout:
 * from there up to ``CLUSTER_MAX_TOKENS`` = 64 tokens (a verify step of BS4-12), the cluster
   path: one thread-block cluster of ``CLUSTER_CTAS`` = 4 CTAs of 16 warps (or 8 CTAs of 8
   warps: ``CLUSTER_SIZES``), each routing a token per warp as the single-CTA path does (its
-  token masks: one bit per warp, by shared-memory ``atomicOr``). Each CTA then stores its mask words and picks into every CTA's shared memory
-  (``st.shared::cluster``; a first cluster barrier, arrived at on entry, guarantees all CTAs
-  run), and one cluster barrier (release / acquire) publishes them: every CTA holds all the
-  picks and masks, scans the counts itself and writes its share of the layout -- counts,
-  offsets, tile experts, the padding slots of each tile (those past its expert's rows, so no
-  ordering with the live rows is needed) and the routed rows (rank ``popc`` of the mask words
-  before the token). No global atomics, no grid-scope fence, no workspace; the ids and weights
-  go to global memory after the barrier, whose release would otherwise wait for them.
+  token masks: one bit per warp, by shared-memory ``atomicOr``). Each CTA then stores its mask
+  words and picks into every CTA's shared memory (``st.shared::cluster``; a first cluster
+  barrier, arrived at on entry, guarantees all CTAs run), and one cluster barrier (release /
+  acquire) publishes them: every CTA holds all the picks and masks, counts and scans them
+  itself and writes its share of the layout -- counts, offsets, tile experts, the padding slots
+  of each tile (those past its expert's rows, so no ordering with the live rows is needed) and
+  the routed rows (rank ``popc`` of the mask words before the token). No global atomics, no
+  grid-scope fence, no workspace; the ids and weights go to global memory after the barrier,
+  whose release would otherwise wait for them.
 * above that, a grid of CTAs counts with integer atomics in a workspace; the last CTA to finish
   (a release/acquire counter) builds the layout deterministically: a warp scan of padded counts,
   then rounds of 32 tokens per warp where a per-warp mask per expert (each pick one
