@@ -102,3 +102,25 @@ def test_bench_cases_option():
         with pytest.raises(SystemExit), __import__("contextlib").redirect_stderr(err):
             run_cases(ap, ap.parse_args(["--cases", bad]))
         assert "--cases" in err.getvalue()
+
+
+def test_gpu_test_watchdog_names_a_hung_test(tmp_path):
+    """``tests/conftest.py``'s watchdog: a GPU test still running its limit past its compiles
+    ends the run with status 3 and every thread's stack, the test's own frame among them. Run
+    in a child pytest that loads the conftest as a plugin, with the GPU flag and a 1 s limit
+    set on it (no GPU needed: the test only sleeps)."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (tmp_path / "test_sleeps.py").write_text(
+        "import time, pytest\n\n@pytest.mark.gpu\ndef test_sleeps():\n    time.sleep(30)\n")
+    (tmp_path / "as_if_gpu.py").write_text(
+        "import pytest\n\n@pytest.hookimpl(tryfirst=True)\ndef pytest_collection_modifyitems(config, items):\n"
+        "    import conftest\n    conftest.HAS_CUDA, conftest.GPU_TEST_TIMEOUT_S = True, 1.0\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.path.join(root, "tests"), root,
+                                                        os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "-p",
+                        "as_if_gpu", "-W", "ignore::pytest.PytestUnknownMarkWarning", str(tmp_path / "test_sleeps.py")],
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert r.returncode == 3, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert "test_sleeps.py::test_sleeps: still running" in r.stderr and "in test_sleeps" in r.stderr
