@@ -9,9 +9,15 @@ divided by ``reps``.
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 import statistics
 
 import torch
+
+# A bench stopped by its job's time limit (``timeout`` sends SIGTERM) prints every thread's
+# stack first -- the shape whose kernel hung, where the process would otherwise end silently.
+faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
 
 H200_COPY_BW = 4.3e12  # bytes/s, measured copy bandwidth (device README)
 H200_BF16_FLOPS = 790e12  # dense bf16 FLOP/s, measured

@@ -612,6 +612,11 @@ def run_cases(ap: argparse.ArgumentParser, args) -> list[tuple[str, int, int, in
 
 
 def main(argv=None) -> int:
+    import faulthandler
+    import signal
+
+    # stopped by a job's time limit (SIGTERM): every thread's stack first, then the default exit
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     ap = parser()
     args = ap.parse_args(argv)
     if args.plot_from:
