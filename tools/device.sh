@@ -177,7 +177,9 @@ smoke)
 smoke-kernels)
   # the kernels changed since their last GPU run: the swap-AB prologue both WO-A swap-AB kernels
   # share (its producer state once not carried back: both hung), wo_a_fp8_act's programmatic
-  # dependent launch (pdl=True), the router's cluster path (4 and 8 CTAs)
+  # dependent launch (pdl=True), the router's cluster path (4 and 8 CTAs). The hang watchdog at
+  # 90 s (each of these tests runs for seconds besides its compiles): under each job's timeout
+  export CUTE_KERNELS_GPU_TEST_TIMEOUT_S=90
   timeout 150 $PYT -m gpu tests/test_wo_a.py -k "swap_ab_decode" 2>&1 | tee "$OUT/swap-ab-tests.log" | tail -5
   timeout 150 $PYT -m gpu tests/test_wo_a_fp8_act.py 2>&1 | tee "$OUT/fp8-act-tests.log" | tail -5
   timeout 280 $PYT -m gpu tests/test_moe_router.py 2>&1 | tee "$OUT/router-tests.log" | tail -5
