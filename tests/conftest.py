@@ -24,43 +24,83 @@ def pytest_collection_modifyitems(config, items):
 #: A GPU test running longer than this many seconds besides its kernel compiles and loads
 #: (``jit.CACHE.busy_seconds``) is taken for a hung kernel: every thread's stack is printed and
 #: the run exits (status 3), so a device job shows which test hung instead of running out its
-#: time limit in silence. CUTE_KERNELS_GPU_TEST_TIMEOUT_S changes it (0: never).
+#: time limit in silence. CUTE_KERNELS_GPU_TEST_TIMEOUT_S changes it (0: never). A run stopped
+#: by SIGTERM (a job's ``timeout``) during a GPU test prints the same, then exits (status 124).
 GPU_TEST_TIMEOUT_S = float(os.environ.get("CUTE_KERNELS_GPU_TEST_TIMEOUT_S", "300"))
+
+
+def _report_and_exit(item, why: str, status: int) -> None:
+    """Every thread's stack on the terminal (not pytest's capture), then the process ends."""
+    import faulthandler
+    import sys
+
+    capture = item.config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.suspend_global_capture(in_=True)
+    print(f"\n{item.nodeid}: {why}; every thread's stack:", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(status)
+
+
+_SIGTERM_READ_FD = None  # set once: the read end of the signal wakeup pipe
+_CURRENT_GPU_TEST = []  # the GPU test running now (at most one)
+
+
+def _watch_sigterm() -> None:
+    """Once, from the main thread: SIGTERM writes its number into a pipe (``set_wakeup_fd``,
+    written by the C-level handler even while the main thread waits inside a CUDA call), and a
+    thread reading it reports the GPU test under way."""
+    global _SIGTERM_READ_FD
+    import signal
+    import threading
+
+    if _SIGTERM_READ_FD is not None or threading.current_thread() is not threading.main_thread():
+        return
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # (the reader thread ends the run)
+    signal.set_wakeup_fd(w)
+    _SIGTERM_READ_FD = r
+
+    def reader():
+        while True:
+            data = os.read(r, 64)
+            if signal.SIGTERM in data:
+                if _CURRENT_GPU_TEST:
+                    _report_and_exit(_CURRENT_GPU_TEST[0], "stopped by SIGTERM (a job's time limit)", 124)
+                os._exit(124)
+
+    threading.Thread(target=reader, daemon=True, name="gpu-test-sigterm").start()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    if not (HAS_CUDA and "gpu" in item.keywords and GPU_TEST_TIMEOUT_S > 0):
+    if not (HAS_CUDA and "gpu" in item.keywords):
         yield
         return
-    import faulthandler
-    import sys
     import threading
     import time
 
     from cute_kernels import jit
 
-    def hung():
-        capture = item.config.pluginmanager.getplugin("capturemanager")
-        if capture is not None:
-            capture.suspend_global_capture(in_=True)  # the stacks to the terminal, not the capture
-        print(f"\n{item.nodeid}: still running {GPU_TEST_TIMEOUT_S:.0f} s past its compiles -- taken for a "
-              f"hung kernel; every thread's stack:", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
-        os._exit(3)
+    _watch_sigterm()
 
     def watch():
         while not done.wait(1.0):
             if time.perf_counter() - start - (jit.CACHE.busy_seconds() - busy0) > GPU_TEST_TIMEOUT_S:
-                hung()
+                _report_and_exit(item, f"still running {GPU_TEST_TIMEOUT_S:.0f} s past its compiles -- "
+                                       f"taken for a hung kernel", 3)
 
     done = threading.Event()
     start, busy0 = time.perf_counter(), jit.CACHE.busy_seconds()
-    threading.Thread(target=watch, daemon=True, name="gpu-test-watchdog").start()
+    if GPU_TEST_TIMEOUT_S > 0:
+        threading.Thread(target=watch, daemon=True, name="gpu-test-watchdog").start()
+    _CURRENT_GPU_TEST[:] = [item]
     try:
         yield
     finally:
+        _CURRENT_GPU_TEST.clear()
         done.set()
 
 

@@ -104,23 +104,37 @@ def test_bench_cases_option():
         assert "--cases" in err.getvalue()
 
 
-def test_gpu_test_watchdog_names_a_hung_test(tmp_path):
-    """``tests/conftest.py``'s watchdog: a GPU test still running its limit past its compiles
-    ends the run with status 3 and every thread's stack, the test's own frame among them. Run
-    in a child pytest that loads the conftest as a plugin, with the GPU flag and a 1 s limit
-    set on it (no GPU needed: the test only sleeps)."""
+@pytest.mark.parametrize("stop", ["watchdog", "sigterm"])
+def test_gpu_test_watchdog_names_a_hung_test(tmp_path, stop):
+    """``tests/conftest.py``'s hang reports: a GPU test still running its limit past its
+    compiles ends the run with status 3, and SIGTERM (a job's ``timeout``) during a GPU test
+    with status 124, each after every thread's stack, the test's own frame among them. Run in a
+    child pytest that loads the conftest as a plugin with the GPU flag set (no GPU needed: the
+    test only sleeps) and a limit of 1 s, or none and a SIGTERM once the test has started."""
     import os
+    import signal
+    import time
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    limit = 1.0 if stop == "watchdog" else 0.0
     (tmp_path / "test_sleeps.py").write_text(
-        "import time, pytest\n\n@pytest.mark.gpu\ndef test_sleeps():\n    time.sleep(30)\n")
+        "import pathlib, time, pytest\n\n@pytest.mark.gpu\ndef test_sleeps():\n"
+        "    pathlib.Path('started').touch()\n    time.sleep(30)\n")
     (tmp_path / "as_if_gpu.py").write_text(
         "import pytest\n\n@pytest.hookimpl(tryfirst=True)\ndef pytest_collection_modifyitems(config, items):\n"
-        "    import conftest\n    conftest.HAS_CUDA, conftest.GPU_TEST_TIMEOUT_S = True, 1.0\n")
+        f"    import conftest\n    conftest.HAS_CUDA, conftest.GPU_TEST_TIMEOUT_S = True, {limit}\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.path.join(root, "tests"), root,
                                                         os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "-p",
-                        "as_if_gpu", "-W", "ignore::pytest.PytestUnknownMarkWarning", str(tmp_path / "test_sleeps.py")],
-                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
-    assert r.returncode == 3, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
-    assert "test_sleeps.py::test_sleeps: still running" in r.stderr and "in test_sleeps" in r.stderr
+    p = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "-p",
+                          "as_if_gpu", "-W", "ignore::pytest.PytestUnknownMarkWarning",
+                          str(tmp_path / "test_sleeps.py")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
+    if stop == "sigterm":
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "started").exists() and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    want = {"watchdog": (3, "still running"), "sigterm": (124, "stopped by SIGTERM")}[stop]
+    assert p.returncode == want[0], (p.returncode, out[-2000:], err[-2000:])
+    assert f"test_sleeps.py::test_sleeps: {want[1]}" in err and "in test_sleeps" in err
