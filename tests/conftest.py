@@ -62,6 +62,9 @@ def _watch_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # (the reader thread ends the run)
     signal.set_wakeup_fd(w)
     _SIGTERM_READ_FD = r
+    # a forked child (no reader thread there) dies of SIGTERM as usual
+    os.register_at_fork(after_in_child=lambda: (signal.set_wakeup_fd(-1),
+                                                signal.signal(signal.SIGTERM, signal.SIG_DFL)))
 
     def reader():
         while True:
