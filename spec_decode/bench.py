@@ -612,11 +612,6 @@ def run_cases(ap: argparse.ArgumentParser, args) -> list[tuple[str, int, int, in
 
 
 def main(argv=None) -> int:
-    import faulthandler
-    import signal
-
-    # stopped by a job's time limit (SIGTERM): every thread's stack first, then the default exit
-    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     ap = parser()
     args = ap.parse_args(argv)
     if args.plot_from:
@@ -739,4 +734,9 @@ def step_bytes(m, batch: int, width: int, context: int, *, draft: bool = False, 
 
 
 if __name__ == "__main__":
+    import faulthandler
+    import signal
+
+    # stopped by a job's time limit (SIGTERM): every thread's stack first, then the default exit
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     raise SystemExit(main())
