@@ -620,8 +620,8 @@ def mxfp8_quantize(x: torch.Tensor, *, layout: str = "plain", q: torch.Tensor | 
     SMs to the kernels it should overlap with. ``pdl``: launch as a programmatic dependent of
     the previous kernel on the stream (module docstring; a separate compile).
     """
-    if (scales is not None and q is not None and layout == "plain" and stream is None and arch is None
-            and max_ctas is None and pdl is False and jit.TVM_FFI
+    default_call = stream is None and arch is None and max_ctas is None and pdl is False
+    if (scales is not None and q is not None and layout == "plain" and default_call and jit.TVM_FFI
             and isinstance(x, torch.Tensor)):  # the eager hot path
         shape = x.shape  # (the C checks: dtypes, extents, strides, alignment, device)
         if (len(shape) == 2 and shape[0] and x.numel() < 2**31
@@ -637,8 +637,7 @@ def mxfp8_quantize(x: torch.Tensor, *, layout: str = "plain", q: torch.Tensor | 
     if T == 0:
         return q, scales
     _launch(op, x, q, scales, x, x, T, T, K, layout, False, 1, stream, arch, max_ctas, pdl=pdl)
-    if (layout == "plain" and stream is None and arch is None and max_ctas is None and pdl is False
-            and scales.dim() == 2):
+    if layout == "plain" and default_call and scales.dim() == 2:
         jit.remember_tensor_entry(_TENSOR_FNS, (K, x.get_device()), "mxfp8_quantize_tensors",
                                   current_arch(x.device), K=K)
     return q, scales
