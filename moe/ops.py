@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from cute_kernels import jit
+from cute_kernels.arch import current_arch
 from cute_kernels.ops import cuda_op  # the core ops, the namespace's library and its op definition
 
 from . import experts as _ex
@@ -31,6 +33,17 @@ F8 = torch.float8_e4m3fn
 
 def _scale_shape(rows: int, K: int, layout: str) -> tuple[int, ...]:
     return (rows, K // _q.MX_BLOCK) if layout == "plain" else (_q.scale_buffer_size(rows, K, layout),)
+
+
+def _routed_outputs(x: Tensor, sorted_token_ids: Tensor, layout: str) -> dict:
+    """Fresh outputs for a routed quantisation where the arguments look valid (else none: the
+    entry point then allocates and names what is wrong): with the outputs given, the entry
+    point's eager hot path (its tensor entry) serves every call after the first."""
+    if (layout not in _q.LAYOUTS or x.dim() != 2 or sorted_token_ids.dim() != 1 or x.shape[1] % _q.MX_BLOCK
+            or not sorted_token_ids.shape[0]):
+        return {}
+    R, K = sorted_token_ids.shape[0], x.shape[1]
+    return dict(q=x.new_empty(R, K, dtype=F8), scales=x.new_empty(_scale_shape(R, K, layout), dtype=torch.uint8))
 
 
 def _quant_cpu(x: Tensor, layout: str) -> tuple[Tensor, Tensor]:
@@ -65,7 +78,8 @@ def mxfp8_quantize_routed(x: Tensor, sorted_token_ids: Tensor, total_rows: Tenso
     """Rows of ``x [T, K]`` gathered through the router's ``sorted_token_ids`` (routed row
     ``t * topk + i`` -> token ``t``; padding slots zero), quantised to MXFP8. Rows at or past
     ``total_rows[0]`` are unspecified."""
-    return _q.mxfp8_quantize_routed(x, sorted_token_ids, total_rows, topk, layout=layout)
+    return _q.mxfp8_quantize_routed(x, sorted_token_ids, total_rows, topk, layout=layout,
+                                    **_routed_outputs(x, sorted_token_ids, layout))
 
 
 @mxfp8_quantize_routed.register_kernel("cpu")
@@ -90,7 +104,8 @@ def mxfp8_gather_routed(xq: Tensor, xs: Tensor, sorted_token_ids: Tensor, total_
     """:func:`mxfp8_quantize_routed` of tokens already quantized (``mxfp8_quantize(x, "plain")``:
     ``xq [T, K]`` e4m3, ``xs [T, K/32]``): their blocks and scale bytes gathered into the
     routed order -- the same bytes. Rows at or past ``total_rows[0]`` are unspecified."""
-    return _q.mxfp8_gather_routed(xq, xs, sorted_token_ids, total_rows, topk, layout=layout)
+    return _q.mxfp8_gather_routed(xq, xs, sorted_token_ids, total_rows, topk, layout=layout,
+                                  **_routed_outputs(xq, sorted_token_ids, layout))
 
 
 @mxfp8_gather_routed.register_kernel("cpu")
@@ -119,29 +134,60 @@ def _route_cpu(logits, bias, num_experts, n_group, topk_group, top_k, routed_sca
     return (ids.int(), w, *_rt.align_torch(ids, cfg.num_experts, tile_m, *_rt.capacity(cfg, logits.shape[0])))
 
 
+#: the op's eager hot path: per (its scalar arguments, logits shape / dtype, bias or not, device)
+#: the layout's capacities and whether the grid path (the one that reads the zeroed counter
+#: workspace) serves, filled by a first validated call, and the router's tensor entries
+_ROUTE_PLAN: dict = {}
+_ROUTE_FNS: dict = {}
+
+
+def _route_outputs(logits: Tensor, T: int, E: int, k: int, slots: int, tiles: int) -> tuple[Tensor, ...]:
+    i32 = dict(dtype=torch.int32)
+    return (logits.new_empty(T, k, **i32), logits.new_empty(T, k, dtype=torch.float32), logits.new_empty(E, **i32),
+            logits.new_empty(E + 1, **i32), logits.new_empty(slots, **i32), logits.new_empty(tiles, **i32),
+            logits.new_empty(1, **i32), logits.new_empty(T * k, **i32))
+
+
 @cuda_op("moe_route")
 def moe_route(logits: Tensor, bias: Tensor | None, num_experts: int, n_group: int, topk_group: int, top_k: int,
               routed_scaling_factor: float, score: str, tile_m: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
                                                                                Tensor, Tensor, Tensor]:
     """The fused router (:mod:`moe.router`): ``(topk_ids [T, k] int32, topk_weights [T, k]
     fp32, expert_counts [E], expert_offsets [E + 1], sorted_token_ids [slots],
-    tile_expert [tiles], total_rows [1], routed_row_pos [T k])``, capacities for this T."""
+    tile_expert [tiles], total_rows [1], routed_row_pos [T k])``, capacities for this T.
+
+    After a first validated call per key, a call allocates its outputs and launches the
+    router's tensor entry (its C checks refuse what does not match; the validated path then
+    names it). Only the grid path (T above the cluster path's) reads the counter workspace, a
+    fresh zeroed one per call: a functional op keeps no state, so nothing it allocates outlives
+    a torch.compile CUDA-graph pool's recording; the other paths get an output as a stand-in,
+    never read."""
+    key = (num_experts, n_group, topk_group, top_k, routed_scaling_factor, score, tile_m, logits.shape, logits.dtype,
+           bias is None, logits.get_device())
+    plan = _ROUTE_PLAN.get(key)
+    if plan is not None:
+        slots, tiles, grid_path = plan
+        E, k, T = num_experts, top_k, logits.shape[0]
+        out = _route_outputs(logits, T, E, k, slots, tiles)
+        ws = logits.new_zeros(E + 1, dtype=torch.int32) if grid_path else out[3]
+        no_bias = logits.new_empty(E, dtype=torch.float32) if bias is None else bias  # (unread)
+        # (token ids and table: stand-ins of their shapes, unread without hash routing)
+        if jit.launch_tensor_entry(_ROUTE_FNS, key, logits, no_bias, out[7][:T], out[0], *out[:7], ws, out[7]):
+            return out
     cfg = _rt.RouterConfig(num_experts=num_experts, n_group=n_group, topk_group=topk_group, top_k=top_k,
                            routed_scaling_factor=routed_scaling_factor, tile_m=tile_m, score=score)
     cfg.validate()
     T = logits.shape[0] if logits.dim() == 2 else 0  # (route names a wrong rank)
     slots, tiles = _rt.capacity(cfg, T)
-    E, k = num_experts, top_k
-    i32 = dict(dtype=torch.int32, device=logits.device)
-    out = _rt.RouterOutput(torch.empty(T, k, **i32), torch.empty(T, k, dtype=torch.float32, device=logits.device),
-                           torch.empty(E, **i32), torch.empty(E + 1, **i32), torch.empty(slots, **i32),
-                           torch.empty(tiles, **i32), torch.empty(1, **i32), torch.empty(T * k, **i32))
-    # a fresh counter workspace per call (the kernel leaves it zero): a functional op keeps no
-    # state, so nothing it allocates outlives a torch.compile CUDA-graph pool's recording
-    _rt.route(logits, bias, cfg, out=out, workspace=torch.zeros(E + 1, **i32))
+    out = _rt.RouterOutput(*_route_outputs(logits, T, num_experts, top_k, slots, tiles))
+    _rt.route(logits, bias, cfg, out=out, workspace=logits.new_zeros(num_experts + 1, dtype=torch.int32))
     if T == 0:  # (no launch) no rows: every count, offset and the total are zero, as on the CPU
         for t in (out.expert_counts, out.expert_offsets, out.total_rows):
             t.zero_()
+    elif jit.TVM_FFI:
+        config = _rt.kernel_config(cfg, logits.dtype, bias is not None, T)
+        _ROUTE_PLAN[key] = (slots, tiles, not config["single_cta"] and "cluster" not in config)
+        jit.remember_tensor_entry(_ROUTE_FNS, key, "moe_router_tensors", current_arch(logits.device), **config)
     return (out.topk_ids, out.topk_weights, out.expert_counts, out.expert_offsets, out.sorted_token_ids,
             out.tile_expert, out.total_rows, out.routed_row_pos)
 

@@ -285,6 +285,52 @@ def test_compiled_attention_output_block_on_gpu_replays_fresh_inputs(weights):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T, with_bias", [(6, True), (24, True), (100, True), (6, False)],
+                         ids=["single-cta", "cluster", "grid", "single-cta-no-bias"])
+def test_router_and_routed_quant_ops_take_the_tensor_entries(seed, T, with_bias):
+    """With TVM-FFI on, ``moe_route``'s calls after its first launch the router's tensor entry
+    on fresh outputs (the grid path, T = 100, with a fresh zeroed counter workspace; the others
+    with an unread stand-in) and the routed quantisation ops take their entry points' hot path
+    on fresh outputs: on fresh inputs at every call, each output equals the entry points'
+    pointer launches (TVM-FFI off) -- the live rows; rows at or past the total are unspecified."""
+    pytest.importorskip("tvm_ffi")
+    from cute_kernels import jit
+    from moe import quant
+    from moe.router import V4_FLASH_ROUTER, MoeRouter
+
+    cfg, K = V4_FLASH_ROUTER, 4096
+    E, k = cfg.num_experts, cfg.top_k
+    ref = MoeRouter(cfg, max_tokens=128)
+    route_args = (E, cfg.n_group, cfg.topk_group, k, cfg.routed_scaling_factor, cfg.score, cfg.tile_m)
+    try:
+        for call in range(3):
+            logits, x = torch.randn(T, E, device="cuda"), torch.randn(T, K, device="cuda").bfloat16()
+            bias = 0.1 * torch.randn(E, device="cuda") if with_bias else None
+            jit.use_tvm_ffi(False)
+            r = ref(logits, bias)
+            want_q, want_s = quant.mxfp8_quantize_routed(x, r.sorted_token_ids, r.total_rows, k, layout="swizzled")
+            want_g = quant.mxfp8_gather_routed(*quant.mxfp8_quantize(x), r.sorted_token_ids, r.total_rows, k,
+                                               layout="plain")
+            jit.use_tvm_ffi()
+            ids, w, counts, offs, sid, tiles, total, pos = ops.moe_route(logits, bias, *route_args)
+            n = int(r.total_rows[0])
+            assert int(total[0]) == n, call
+            for got, want in ((ids, r.topk_ids[:T]), (w, r.topk_weights[:T]), (counts, r.expert_counts),
+                              (offs, r.expert_offsets), (sid[:n], r.sorted_token_ids[:n]),
+                              (tiles[:n // cfg.tile_m], r.tile_expert[:n // cfg.tile_m]), (pos, r.routed_row_pos[:T * k])):
+                assert torch.equal(got, want), call
+            q, s = ops.mxfp8_quantize_routed(x, sid, total, k, "swizzled")
+            assert torch.equal(q[:n].view(torch.uint8), want_q[:n].view(torch.uint8)), call
+            assert torch.equal(s[:n * K // 32], want_s[:n * K // 32]), call  # (whole 128-row atoms)
+            gq, gs = ops.mxfp8_gather_routed(*ops.mxfp8_quantize(x, "plain"), sid, total, k, "plain")
+            assert torch.equal(gq[:n].view(torch.uint8), want_g[0][:n].view(torch.uint8)), call
+            assert torch.equal(gs[:n], want_g[1][:n]), call
+        assert moe.ops._ROUTE_FNS, "moe_route memoised no tensor entry"
+    finally:
+        jit.use_tvm_ffi(False)
+
+
+@pytest.mark.gpu
 def test_compiled_blocks_on_gpu_equal_eager_and_replay():
     args = tuple(a.cuda() for a in _moe_inputs(g=torch.Generator().manual_seed(2)))
     eager = moe.ops.moe_block(*args, swiglu_limit=10.0)

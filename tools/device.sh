@@ -46,11 +46,12 @@
 #                                            the runtime's GPU tests at `small`
 #   bash tools/device.sh smoke-kernels       the recently changed kernels' GPU tests alone (the list
 #                                            in the job: both swap-AB WO-A kernels on their fixed
-#                                            shared prologue, wo_a_fp8_act's PDL build, the router's
-#                                            cluster path at both sizes)
-#   bash tools/device.sh smoke-benches       their benches (WO-A at V4's decode T with the FP8-activation
-#                                            path's PDL column, the router's paths, the V4-Flash
-#                                            MoE layer)
+#                                            shared prologue, wo_a_fp8_act's PDL build, the router
+#                                            and routed-quantisation ops' hot path, the router's
+#                                            8-CTA cluster path)
+#   bash tools/device.sh smoke-benches       the rest of the router's tests, then the benches (WO-A at
+#                                            V4's decode T with the FP8-activation path's PDL column,
+#                                            the router's paths, the V4-Flash MoE layer)
 #   bash tools/device.sh quick-bench         the runtime bench at v4_flash_slice (--quick, acceptance 5.5)
 #   bash tools/device.sh h200 test|kernels|runtime
 #                                            what needs an H200 (run with needs_h200: the first is the
@@ -177,21 +178,27 @@ smoke)
 smoke-kernels)
   # the kernels changed since their last GPU run: the swap-AB prologue both WO-A swap-AB kernels
   # share (its producer state once not carried back: both hung), wo_a_fp8_act's programmatic
-  # dependent launch (pdl=True), the router's cluster path (4 and 8 CTAs). The hang watchdog at
-  # 90 s (each of these tests runs for seconds besides its compiles): under each job's timeout
+  # dependent launch (pdl=True), the router and routed-quantisation custom ops' tensor-entry hot
+  # path, the router's cluster path of 8 CTAs (the full router suite: smoke-benches). The hang
+  # watchdog at 90 s (each of these tests runs for seconds besides its compiles): under each
+  # job's timeout
   export CUTE_KERNELS_GPU_TEST_TIMEOUT_S=90
-  timeout 150 $PYT -m gpu tests/test_wo_a.py -k "swap_ab_decode" 2>&1 | tee "$OUT/swap-ab-tests.log" | tail -5
-  timeout 150 $PYT -m gpu tests/test_wo_a_fp8_act.py 2>&1 | tee "$OUT/fp8-act-tests.log" | tail -5
-  timeout 280 $PYT -m gpu tests/test_moe_router.py 2>&1 | tee "$OUT/router-tests.log" | tail -5
+  timeout 130 $PYT -m gpu tests/test_wo_a.py -k "swap_ab_decode" 2>&1 | tee "$OUT/swap-ab-tests.log" | tail -5
+  timeout 130 $PYT -m gpu tests/test_wo_a_fp8_act.py 2>&1 | tee "$OUT/fp8-act-tests.log" | tail -5
+  timeout 130 $PYT -m gpu tests/test_ops.py -k "tensor_entries" 2>&1 | tee "$OUT/ops-tests.log" | tail -5
+  timeout 180 $PYT -m gpu tests/test_moe_router.py -k "cluster8" 2>&1 | tee "$OUT/router8-tests.log" | tail -5
   ;;
 smoke-benches)
-  # their benches: WO-A at V4's decode T (the FP8-activation path with and without PDL), the
-  # router's paths at decode T, the MoE layer
-  timeout 150 python bench/bench_wo_a_v4.py --tokens 1,5,16,32,64 --out "$OUT/bench_wo_a_v4.md" 2>&1 \
+  # the rest of the router's tests (default and 4-CTA cluster paths), then the benches: WO-A at
+  # V4's decode T (the FP8-activation path with and without PDL), the router's paths at decode
+  # T, the MoE layer
+  export CUTE_KERNELS_GPU_TEST_TIMEOUT_S=90
+  timeout 200 $PYT -m gpu tests/test_moe_router.py -k "not cluster8" 2>&1 | tee "$OUT/router-tests.log" | tail -5
+  timeout 130 python bench/bench_wo_a_v4.py --tokens 1,5,16,32,64 --out "$OUT/bench_wo_a_v4.md" 2>&1 \
     | tee "$OUT/bench_wo_a_v4.log" | tail -12
-  timeout 240 python bench/bench_moe.py --sections router-paths --out "$OUT/bench_router_paths.md" 2>&1 \
+  timeout 150 python bench/bench_moe.py --sections router-paths --out "$OUT/bench_router_paths.md" 2>&1 \
     | tee "$OUT/bench_router_paths.log" | tail -28
-  timeout 200 python bench/bench_moe_experts.py --model v4-flash --tokens 1,64,320 \
+  timeout 100 python bench/bench_moe_experts.py --model v4-flash --tokens 1,64,320 \
     --out "$OUT/bench_moe_experts_v4-flash.md" 2>&1 | tee "$OUT/bench_moe_experts.log" | tail -12
   ;;
 h200)
