@@ -182,9 +182,11 @@ def cases():
 
 
 def selected_cases(only: str | None):
-    """``cases()``, or those named in ``only`` (comma-separated; the torch.add yardstick always)."""
+    """``cases()``, or those named in ``only`` (comma-separated, a row's name or its first word;
+    the torch.add yardstick always)."""
     names = None if not only else {n.strip() for n in only.split(",")}
-    return [c for c in cases() if names is None or c[0] in names or c[0].startswith("torch.add")]
+    return [c for c in cases()
+            if names is None or c[0] in names or c[0].split(" ")[0] in names or c[0].startswith("torch.add")]
 
 
 def poison_value(out: torch.Tensor):

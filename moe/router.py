@@ -54,7 +54,7 @@ index. Three paths build the packed layout:
   order, since a token picks an expert once. No count atomics in global memory, no grid
   handshake.
 * from there up to ``CLUSTER_MAX_TOKENS`` = 64 tokens (a verify step of BS4-12), the cluster
-  path: one thread-block cluster of ``CLUSTER_CTAS`` = 4 CTAs of 16 warps (or 8 CTAs of 8
+  path: one thread-block cluster of ``CLUSTER_CTAS`` = 8 CTAs of 8 warps (or 4 CTAs of 16
   warps: ``CLUSTER_SIZES``), each routing a token per warp as the single-CTA path does (its
   token masks: one bit per warp, by shared-memory ``atomicOr``). Each CTA then stores its mask
   words and picks into every CTA's shared memory (``st.shared::cluster``; a first cluster
@@ -126,12 +126,12 @@ CLUSTER_CAPACITY = 64
 #: of 16 warps, or 8 CTAs of 8 warps (half the tokens per CTA to route, twice the CTAs to
 #: all-gather between; ``bench/bench_moe.py --sections router-paths`` times both)
 CLUSTER_SIZES = (4, 8)
-#: ... and the one the host takes
-CLUSTER_CTAS = 4
+#: ... and the one the host takes: 8, the faster of the two from T = 12 to 64 (the bench above)
+CLUSTER_CTAS = 8
 #: Above SINGLE_CTA_MAX_TOKENS and up to this many tokens (<= CLUSTER_CAPACITY) the router
 #: takes the cluster path (0: never); above, the grid path. ``bench/bench_moe.py --sections
-#: router-paths`` times the three paths at each T: the cluster path is the fastest from T = 24
-#: to 64, the single-CTA path up to 16
+#: router-paths`` times the paths at each T: the cluster path is the fastest from T = 24 to
+#: 64, the single-CTA path up to 12 and within 2% of it at 16
 CLUSTER_MAX_TOKENS = 64
 #: expert score functions (RouterConfig.score)
 SCORES = ("sigmoid", "sqrtsoftplus")

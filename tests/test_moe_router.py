@@ -22,7 +22,7 @@ CONFIGS = [
 CONFIG_IDS = ["dsv3", "E64g1", "E160g8", "v4flash", "v4pro", "sqrtsoftplus_g4"]
 
 
-@pytest.fixture(params=["default", "cluster", "cluster8"])
+@pytest.fixture(params=["default", "cluster4", "cluster8"])
 def router_path(request, monkeypatch):
     """The host's own choice of path for T, or the cluster path (of 4 or 8 CTAs) for every T it
     takes (T <= 64: the single-CTA threshold set to 0, the cluster threshold to 64). A test then
