@@ -6,12 +6,15 @@ The decode runtime's norms (sublayer, q, kv, per-head, compressor entries, final
 :mod:`cute_kernels.row_rms` statistic plus three PyTorch launches (rounding the statistic, the
 two multiplies); this is the same statistic kernel with the multiplies in its epilogue.
 
-Algorithm. One CTA per row, as :class:`cute_kernels.row_rms.RowRms` (whose row load and
-statistic it reuses): the row's 16-byte vectors stay in registers while the statistic is
-reduced, and its result is broadcast through shared memory; each thread then scales its own
-vectors and stores them -- ``x`` is read once. The weight's vectors (and the rotation's cos /
-sin) are loaded with the row, before the statistic's barriers, so that a short row -- decode
-has a few -- waits for one memory round trip, not two.
+Algorithm. One CTA per row, as :class:`cute_kernels.row_rms.RowRms` (whose statistic it
+reuses): the row's 16-byte vectors stay in registers while the statistic is reduced (one
+barrier); each thread then scales its own vectors and stores them -- ``x`` is read once. With
+a weight or a rotation, the row, the weight's vectors and the rotation's (cos, sin) are all
+issued at once as ``cp.async`` copies into shared memory, then one wait, then each thread
+reads back its own vectors: a short row -- decode has a few -- waits for one memory round
+trip, not two. (As register loads the weight's were issued by the compiler only after the
+row had arrived; the wait, which the row's reads depend on, keeps every copy ahead of it. Rows
+whose copies would take more than ``ASYNC_SMEM_BYTES`` of shared memory load into registers.)
 
 Numerics: the rounding points of ``spec_decode.model.rmsnorm`` in bf16 (or fp16) exactly:
 ``r = rsqrt(sum(x^2) / C + eps)`` in FP32 (the sum in :class:`RowRms`'s fixed order), rounded
@@ -48,6 +51,11 @@ from .row_rms import MAX_HIDDEN, NAME2CUTE, TORCH2CUTE, RowRms
 from .validate import check_cuda, check_int32_indexable, check_tensor
 
 
+#: shared memory the row, weight and (cos, sin) may take to be loaded through it (above: register
+#: loads; leaves a CTA's share of the SM for several rows at once)
+ASYNC_SMEM_BYTES = 64 * 1024
+
+
 class RmsNorm(RowRms):
     """Compile-time configuration: element type, row length, whether a weight multiplies, and
     how many trailing features are rotated (0: none)."""
@@ -58,6 +66,10 @@ class RmsNorm(RowRms):
             raise ValueError(f"RmsNorm: rope_dim={rope_dim} must be a multiple of {self.vec} in [0, {hidden}]")
         self.weighted, self.rope_dim = weighted, rope_dim
         self.rope_first_vec = (hidden - rope_dim) // self.vec  # the first vector of the rotated features
+        # a weight or a rotation: every load through shared memory, issued before the first use
+        # (the kernel's comment), where the row, the weight and the (cos, sin) fit
+        smem_bytes = hidden * dtype.width // 8 * (2 if weighted else 1) + 4 * rope_dim
+        self.async_loads = (weighted or rope_dim > 0) and smem_bytes <= ASYNC_SMEM_BYTES
 
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, w_ptr: cute.Pointer, cs_ptr: cute.Pointer, y_ptr: cute.Pointer,
@@ -107,21 +119,67 @@ class RmsNorm(RowRms):
                eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        tXrX = self.load_row(mX, row, tidx)
-        # The weight and the rotation's (cos, sin) are issued with the row, before the statistic:
-        # its barriers would otherwise hold their loads back to the epilogue, one more memory
-        # round trip on the critical path of a short row.
-        tWrW = tXrX
-        if const_expr(self.weighted):
-            tWrW = self.load_row(mW, 0, tidx)
-        tCrCS = cute.make_rmem_tensor(cute.make_layout((self.vec, self.iters)), Float32)  # vec / 2 (cos, sin) pairs
-        if const_expr(self.rope_dim > 0):
-            gCS = cute.zipped_divide(mCS[row // rows_per_token, None], (self.vec,))
+        cs_vec = 4  # FP32 per 16-byte copy: a row vector's vec / 2 (cos, sin) pairs are vec FP32
+        gCSv = cute.zipped_divide(mCS[row // rows_per_token, None], (cs_vec,))
+        gWv = cute.zipped_divide(mW[0, None], (self.vec,))
+        # (vec / 2 (cos, sin) pairs in order: column h holds the h-th 16-byte piece)
+        tCrCS = cute.make_rmem_tensor(cute.make_layout((cs_vec, self.vec // cs_vec, self.iters)), Float32)
+        tWrW = cute.make_rmem_tensor(cute.make_layout((self.vec, self.iters)), self.dtype)
+        if const_expr(self.async_loads):
+            # Everything the row needs is issued before any of it is used: the weight, the
+            # rotation's (cos, sin) and the row itself as cp.async copies into shared memory,
+            # one wait, then each thread reads back its own vectors. (With the weight as
+            # register loads beside the row's, the compiler issued them only after the row had
+            # arrived -- behind the instructions waiting for it -- one more memory round trip
+            # on the critical path of a short row; the wait orders them.)
+            smem = cutlass.memory.SmemAllocator()
+            atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
+            atom_cs = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
+            sX = smem.allocate_tensor(self.dtype, cute.make_layout((self.hidden,)), 16)
+            sW = smem.allocate_tensor(self.dtype, cute.make_layout((self.hidden if self.weighted else self.vec,)), 16)
+            sCS = smem.allocate_tensor(Float32, cute.make_layout((max(self.rope_dim, cs_vec),)), 16)
+            gXv = cute.zipped_divide(mX[row, None], (self.vec,))
+            sXv, sWv = cute.zipped_divide(sX, (self.vec,)), cute.zipped_divide(sW, (self.vec,))
+            sCSv = cute.zipped_divide(sCS, (cs_vec,))
             for i in cutlass.range_constexpr(self.iters):
                 v = tidx + i * self.threads
                 if v < self.n_vec:
-                    if v >= self.rope_first_vec:
-                        cute.autovec_copy(gCS[(None, v - self.rope_first_vec)], tCrCS[None, i])
+                    cute.copy(atom, gXv[(None, v)], sXv[(None, v)])
+                    if const_expr(self.weighted):
+                        cute.copy(atom, gWv[(None, v)], sWv[(None, v)])
+                    if const_expr(self.rope_dim > 0):
+                        if v >= self.rope_first_vec:
+                            for h in cutlass.range_constexpr(self.vec // cs_vec):
+                                c = (v - self.rope_first_vec) * (self.vec // cs_vec) + h
+                                cute.copy(atom_cs, gCSv[(None, c)], sCSv[(None, c)])
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            tXrX = cute.make_rmem_tensor(cute.make_layout((self.vec, self.iters)), self.dtype)
+            tXrX.fill(0.0)
+            for i in cutlass.range_constexpr(self.iters):
+                v = tidx + i * self.threads
+                if v < self.n_vec:
+                    cute.autovec_copy(sXv[(None, v)], tXrX[None, i])
+                    if const_expr(self.weighted):
+                        cute.autovec_copy(sWv[(None, v)], tWrW[None, i])
+                    if const_expr(self.rope_dim > 0):
+                        if v >= self.rope_first_vec:
+                            c0 = (v - self.rope_first_vec) * (self.vec // cs_vec)
+                            for h in cutlass.range_constexpr(self.vec // cs_vec):
+                                cute.autovec_copy(sCSv[(None, c0 + h)], tCrCS[None, h, i])
+        else:
+            # (rows too long for shared memory: register loads, the weight's after the row)
+            tXrX = self.load_row(mX, row, tidx)
+            if const_expr(self.weighted):
+                tWrW = self.load_row(mW, 0, tidx)
+            if const_expr(self.rope_dim > 0):
+                for i in cutlass.range_constexpr(self.iters):
+                    v = tidx + i * self.threads
+                    if v < self.n_vec:
+                        if v >= self.rope_first_vec:
+                            c0 = (v - self.rope_first_vec) * (self.vec // cs_vec)
+                            for h in cutlass.range_constexpr(self.vec // cs_vec):
+                                cute.autovec_copy(gCSv[(None, c0 + h)], tCrCS[None, h, i])
         r = self.row_rstd(tXrX, eps, tidx).to(self.dtype).to(Float32)  # the statistic in x's dtype
         gY = cute.zipped_divide(mY[row, None], (self.vec,))
         rY = cute.make_rmem_tensor(cute.make_layout((self.vec,)), self.dtype)
@@ -134,7 +192,7 @@ class RmsNorm(RowRms):
                 rY.store(y)
                 if const_expr(self.rope_dim > 0):
                     if v >= self.rope_first_vec:
-                        self.rotate(rY, tCrCS[None, i])
+                        self.rotate(rY, tCrCS[None, None, i])
                 cute.autovec_copy(rY, gY[(None, v)])
 
     @cute.jit

@@ -7,7 +7,8 @@ also the pattern the other kernels copy: config class -> ``@cute.jit __call__`` 
 Algorithm. One CTA per row. Thread ``i`` loads 16-byte vectors ``i, i+nt, i+2nt, ...``
 (8 bf16 each) into registers -- all loads are issued before the first use, so a thread keeps
 ``iters`` 16-byte requests in flight -- squares and sums in FP32, then a warp shuffle
-reduction and a cross-warp reduction through shared memory. Thread 0 writes
+reduction and a cross-warp reduction through shared memory (one barrier; every warp then sums
+the warps' partials itself, as quack's ``block_reduce`` does). Thread 0 writes
 ``rsqrt(sum / C + eps)`` in FP32.
 
 Numerics. Inputs are upcast exactly to FP32; the sum is FP32 in a fixed tree order (per
@@ -98,29 +99,27 @@ class RowRms:
     def row_rstd(self, tXrX: cute.Tensor, eps: Float32, tidx) -> Float32:
         """``rsqrt(sum / hidden + eps)`` of the row whose vectors the CTA's threads hold, in
         every thread: FP32 squares summed per thread, then a warp butterfly, then the warps'
-        partials through shared memory (a fixed order: deterministic)."""
+        partials through shared memory -- one barrier, after which every warp sums all the
+        partials with the same butterfly (a fixed order: deterministic, and the same value in
+        every thread: a butterfly's two lanes of a pair add the same two values). No second
+        barrier to broadcast one warp's total. Called once per kernel: a second call's
+        partials would overwrite ones another warp may still be reading."""
         x = tXrX.load().to(Float32)
         partial = (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         partial = cute.arch.warp_reduction_sum(partial)
 
         smem = cutlass.memory.SmemAllocator()
         sPartial = smem.allocate_tensor(Float32, cute.make_layout(self.warps), 4)
-        sRstd = smem.allocate_tensor(Float32, cute.make_layout(1), 4)
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         if lane == 0:
             sPartial[warp] = partial
-        # Every warp's partial must be in shared memory before warp 0 reads them.
+        # Every warp's partial must be in shared memory before any warp reads them.
         cute.arch.barrier()
-        if warp == 0:
-            total = Float32(0.0)
-            if lane < self.warps:
-                total = sPartial[lane]
-            total = cute.arch.warp_reduction_sum(total)
-            if lane == 0:
-                sRstd[0] = cute.math.rsqrt(total / Float32(self.hidden) + eps)
-        # warp 0's result, for every thread
-        cute.arch.barrier()
-        return sRstd[0]
+        total = Float32(0.0)
+        if lane < self.warps:
+            total = sPartial[lane]
+        total = cute.arch.warp_reduction_sum(total)
+        return cute.math.rsqrt(total / Float32(self.hidden) + eps)
 
     @staticmethod
     def compile(arch: str, hidden: int, dtype: str = "bfloat16"):
