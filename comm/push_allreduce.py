@@ -63,7 +63,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from cute_kernels import jit
-from moe.finalize import VEC, finalize_shared_vec
+from moe.finalize import VEC, finalize_shared_vec, stage_layout
 
 MAX_WORLD = 8
 WORLDS = (2, 4, 8)
@@ -120,6 +120,7 @@ class PushAllReduce:
         W = self.world
         smem = cutlass.memory.SmemAllocator()
         sCtl = smem.allocate_tensor(Int32, cute.make_layout((2,)), 4)  # [phase, failed]
+        sStage = smem.allocate_tensor(mIn.element_type, stage_layout(self.k if self.fused else 0, self.threads), 16)
         if tidx == 0:
             sCtl[0] = mPhase[b]
             sCtl[1] = 0
@@ -136,7 +137,7 @@ class PushAllReduce:
             c = v - t * self.nvec
             part = cute.make_rmem_tensor(cute.make_layout((VEC,)), mOut.element_type)
             if cutlass.const_expr(self.fused):
-                finalize_shared_vec(mIn, mW, mPos, mShared, t, c, self.k, True, part)
+                finalize_shared_vec(mIn, mW, mPos, mShared, t, c, self.k, True, part, sStage[None, None, tidx])
             else:
                 cute.autovec_copy(gIn[(0, None), (t, c)], part)
             for q in cutlass.range_constexpr(W):

@@ -16,8 +16,10 @@ the bf16 add) and the fused launch here are bit-identical, and so is the PyTorch
 the shared expert's output is ready, in the launch that adds it -- and :mod:`comm.push_allreduce`
 reuses :func:`finalize_shared_vec` so the same per-vector computation feeds its all-reduce.
 
-Kernel: one thread per 8 consecutive columns of one token: k 16-byte gathers of ``y`` rows,
-one 16-byte load of ``shared``, one 16-byte store. ``H % 8 == 0``; T is a runtime value.
+Kernel: one thread per 8 consecutive columns of one token: k 16-byte gathers of ``y`` rows and
+one 16-byte load of ``shared``, all issued at once as ``cp.async`` copies into the thread's
+shared-memory stage once the positions are in (two memory round trips), one 16-byte store.
+``H % 8 == 0``; T is a runtime value.
 
 Test / bench::
 
@@ -42,27 +44,51 @@ from cute_kernels.validate import check_cuda, check_int32_indexable, check_tenso
 VEC = 8  # bf16 per 16-byte vector
 
 
+def stage_layout(topk: int, threads: int):
+    """The shared-memory staging buffer of :func:`finalize_shared_vec` for a CTA: per thread its
+    ``topk`` routed vectors and the shared expert's, 16 bytes each, contiguous."""
+    return cute.make_layout((VEC, topk + 1, threads))
+
+
 @cute.jit
 def finalize_shared_vec(mY: cute.Tensor, mW: cute.Tensor, mPos: cute.Tensor, mShared: cute.Tensor, t: Int32,
                         c: Int32, topk: cutlass.Constexpr[int], add_shared: cutlass.Constexpr[bool],
-                        out: cute.Tensor):
-    """Fill the bf16 register vector ``out`` with columns ``[8c, 8c+8)`` of token ``t``."""
+                        out: cute.Tensor, sStage: cute.Tensor):
+    """Fill the bf16 register vector ``out`` with columns ``[8c, 8c+8)`` of token ``t``.
+    ``sStage``: this thread's ``(VEC, topk + 1)`` slice of a :func:`stage_layout` buffer.
+
+    Two memory round trips: the ``topk`` positions and weights into registers, then the
+    ``topk`` routed vectors and the shared expert's as ``cp.async`` copies into ``sStage``
+    issued at once, one wait, and the thread reads back its own vectors. (As register loads
+    inside or before the summation, the compiler issued the routed vectors a pair at a time,
+    each pair behind the products waiting for the one before; the wait, which the reads
+    depend on, keeps every copy ahead of it.)"""
+    atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), mY.element_type, num_bits_per_copy=128)
     gY = cute.zipped_divide(mY, (1, VEC))
+    rPos = cute.make_rmem_tensor(cute.make_layout((topk,)), Int32)
+    rW = cute.make_rmem_tensor(cute.make_layout((topk,)), Float32)
+    for i in cutlass.range_constexpr(topk):
+        rPos[i] = mPos[t * topk + i]
+        rW[i] = mW[t, i]
+    if cutlass.const_expr(add_shared):
+        cute.copy(atom, cute.zipped_divide(mShared, (1, VEC))[(0, None), (t, c)], sStage[None, topk])
+    for i in cutlass.range_constexpr(topk):
+        cute.copy(atom, gY[(0, None), (rPos[i], c)], sStage[None, i])
+    cute.arch.cp_async_commit_group()
+    cute.arch.cp_async_wait_group(0)
+    rY = cute.make_rmem_tensor(cute.make_layout((VEC,)), mY.element_type)
     acc = cute.make_rmem_tensor(cute.make_layout((VEC,)), Float32)
     acc.fill(0.0)
-    rY = cute.make_rmem_tensor(cute.make_layout((VEC,)), mY.element_type)
     for i in cutlass.range_constexpr(topk):
-        p = mPos[t * topk + i]
-        w = mW[t, i]
-        cute.autovec_copy(gY[(0, None), (p, c)], rY)
+        cute.autovec_copy(sStage[None, i], rY)
         for j in cutlass.range_constexpr(VEC):
             # rounded product, then rounded sum: no FMA contraction (bit-exact with the unfused path)
-            acc[j] = acc[j] + cute.math.mul(w, Float32(rY[j]), rounding=cute.math.RoundingMode.NEAREST_EVEN)
+            acc[j] = acc[j] + cute.math.mul(rW[i], Float32(rY[j]), rounding=cute.math.RoundingMode.NEAREST_EVEN)
     routed = cute.make_rmem_tensor(cute.make_layout((VEC,)), mY.element_type)
     routed.store(acc.load().to(mY.element_type))
     if cutlass.const_expr(add_shared):
         rS = cute.make_rmem_tensor(cute.make_layout((VEC,)), mShared.element_type)
-        cute.autovec_copy(cute.zipped_divide(mShared, (1, VEC))[(0, None), (t, c)], rS)
+        cute.autovec_copy(sStage[None, topk], rS)
         out.store((routed.load().to(Float32) + rS.load().to(Float32)).to(out.element_type))
     else:
         out.store(routed.load())
@@ -103,11 +129,13 @@ class FinalizeShared:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         v = bidx * self.threads + tidx
+        smem = cutlass.memory.SmemAllocator()
+        sStage = smem.allocate_tensor(mY.element_type, stage_layout(self.k, self.threads), 16)
         if v < total:
             t = v // self.nvec
             c = v - t * self.nvec
             out = cute.make_rmem_tensor(cute.make_layout((VEC,)), mOut.element_type)
-            finalize_shared_vec(mY, mW, mPos, mShared, t, c, self.k, self.add_shared, out)
+            finalize_shared_vec(mY, mW, mPos, mShared, t, c, self.k, self.add_shared, out, sStage[None, None, tidx])
             cute.autovec_copy(out, cute.zipped_divide(mOut, (1, VEC))[(0, None), (t, c)])
 
 

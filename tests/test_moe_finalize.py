@@ -74,5 +74,21 @@ def test_y_past_32_bit_offsets_is_refused():
 def test_machine_code_no_fma_contraction(arch):
     h = sass.sass_histogram("moe_finalize", arch, hidden=7168, topk=8, add_shared=True)
     assert sass.count(h, "FMUL") >= 64 and sass.count(h, "FFMA") == 0  # rounded products, then sums
-    assert h["LDG.E.128"] >= 9 and h["STG.E.128"] == 1
+    assert h["LDGSTS.E.128"] == 9 and h["STG.E.128"] == 1  # 8 routed rows + the shared row, 16 B each
     assert sass.local_memory_ops(h) == 0
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_machine_code_two_round_trips(arch):
+    """The routed rows and the shared row are all issued before the one wait, and every product
+    comes after it: the positions' round trip, then one for all the vectors (a load issued
+    behind products waiting for an earlier one would add a round trip per group)."""
+    import re
+
+    lines = [ln for ln in sass.disassemble(sass.compile_cubin("moe_finalize", arch, hidden=7168, topk=8,
+                                                              add_shared=True)).splitlines()
+             if re.search(r"/\*[0-9a-f]{4}\*/", ln)]
+    copies = [i for i, ln in enumerate(lines) if "LDGSTS" in ln]
+    waits = [i for i, ln in enumerate(lines) if "DEPBAR.LE" in ln]
+    muls = [i for i, ln in enumerate(lines) if re.search(r"\bFMUL\b", ln)]
+    assert len(copies) == 9 and len(waits) == 1 and max(copies) < waits[0] < min(muls)
