@@ -8,13 +8,13 @@ two multiplies); this is the same statistic kernel with the multiplies in its ep
 
 Algorithm. One CTA per row, as :class:`cute_kernels.row_rms.RowRms` (whose statistic it
 reuses): the row's 16-byte vectors stay in registers while the statistic is reduced (one
-barrier); each thread then scales its own vectors and stores them -- ``x`` is read once. With
-a weight or a rotation, the row, the weight's vectors and the rotation's (cos, sin) are all
+barrier); each thread then scales its own vectors and stores them -- ``x`` is read once. The
+row, the weight's vectors and the rotation's (cos, sin) are all
 issued at once as ``cp.async`` copies into shared memory, then one wait, then each thread
 reads back its own vectors: a short row -- decode has a few -- waits for one memory round
 trip, not two. (As register loads the weight's were issued by the compiler only after the
 row had arrived; the wait, which the row's reads depend on, keeps every copy ahead of it. Rows
-whose copies would take more than ``ASYNC_SMEM_BYTES`` of shared memory load into registers.)
+whose copies would take more than ``row_rms.ASYNC_SMEM_BYTES`` of shared memory load into registers.)
 
 Numerics: the rounding points of ``spec_decode.model.rmsnorm`` in bf16 (or fp16) exactly:
 ``r = rsqrt(sum(x^2) / C + eps)`` in FP32 (the sum in :class:`RowRms`'s fixed order), rounded
@@ -47,13 +47,8 @@ from cutlass import Float32, Int32, const_expr
 
 from . import jit
 from .arch import current_arch, dispatch
-from .row_rms import MAX_HIDDEN, NAME2CUTE, TORCH2CUTE, RowRms
+from .row_rms import ASYNC_SMEM_BYTES, MAX_HIDDEN, NAME2CUTE, TORCH2CUTE, RowRms
 from .validate import check_cuda, check_int32_indexable, check_tensor
-
-
-#: shared memory the row, weight and (cos, sin) may take to be loaded through it (above: register
-#: loads; leaves a CTA's share of the SM for several rows at once)
-ASYNC_SMEM_BYTES = 64 * 1024
 
 
 class RmsNorm(RowRms):
@@ -66,10 +61,10 @@ class RmsNorm(RowRms):
             raise ValueError(f"RmsNorm: rope_dim={rope_dim} must be a multiple of {self.vec} in [0, {hidden}]")
         self.weighted, self.rope_dim = weighted, rope_dim
         self.rope_first_vec = (hidden - rope_dim) // self.vec  # the first vector of the rotated features
-        # a weight or a rotation: every load through shared memory, issued before the first use
-        # (the kernel's comment), where the row, the weight and the (cos, sin) fit
+        # every load through shared memory, issued before the first use (the kernel's comment),
+        # where the row, the weight and the (cos, sin) fit
         smem_bytes = hidden * dtype.width // 8 * (2 if weighted else 1) + 4 * rope_dim
-        self.async_loads = (weighted or rope_dim > 0) and smem_bytes <= ASYNC_SMEM_BYTES
+        self.async_loads = smem_bytes <= ASYNC_SMEM_BYTES
 
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, w_ptr: cute.Pointer, cs_ptr: cute.Pointer, y_ptr: cute.Pointer,
@@ -138,13 +133,11 @@ class RmsNorm(RowRms):
             sX = smem.allocate_tensor(self.dtype, cute.make_layout((self.hidden,)), 16)
             sW = smem.allocate_tensor(self.dtype, cute.make_layout((self.hidden if self.weighted else self.vec,)), 16)
             sCS = smem.allocate_tensor(Float32, cute.make_layout((max(self.rope_dim, cs_vec),)), 16)
-            gXv = cute.zipped_divide(mX[row, None], (self.vec,))
-            sXv, sWv = cute.zipped_divide(sX, (self.vec,)), cute.zipped_divide(sW, (self.vec,))
-            sCSv = cute.zipped_divide(sCS, (cs_vec,))
+            sWv, sCSv = cute.zipped_divide(sW, (self.vec,)), cute.zipped_divide(sCS, (cs_vec,))
+            self.copy_row_async(mX, row, tidx, sX)
             for i in cutlass.range_constexpr(self.iters):
                 v = tidx + i * self.threads
                 if v < self.n_vec:
-                    cute.copy(atom, gXv[(None, v)], sXv[(None, v)])
                     if const_expr(self.weighted):
                         cute.copy(atom, gWv[(None, v)], sWv[(None, v)])
                     if const_expr(self.rope_dim > 0):
@@ -154,12 +147,10 @@ class RmsNorm(RowRms):
                                 cute.copy(atom_cs, gCSv[(None, c)], sCSv[(None, c)])
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
-            tXrX = cute.make_rmem_tensor(cute.make_layout((self.vec, self.iters)), self.dtype)
-            tXrX.fill(0.0)
+            tXrX = self.read_row(sX, tidx)
             for i in cutlass.range_constexpr(self.iters):
                 v = tidx + i * self.threads
                 if v < self.n_vec:
-                    cute.autovec_copy(sXv[(None, v)], tXrX[None, i])
                     if const_expr(self.weighted):
                         cute.autovec_copy(sWv[(None, v)], tWrW[None, i])
                     if const_expr(self.rope_dim > 0):

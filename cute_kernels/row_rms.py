@@ -5,8 +5,9 @@ also the pattern the other kernels copy: config class -> ``@cute.jit __call__`` 
 -> registry entry -> validated torch-facing function.
 
 Algorithm. One CTA per row. Thread ``i`` loads 16-byte vectors ``i, i+nt, i+2nt, ...``
-(8 bf16 each) into registers -- all loads are issued before the first use, so a thread keeps
-``iters`` 16-byte requests in flight -- squares and sums in FP32, then a warp shuffle
+(8 bf16 each) into registers -- as ``cp.async`` copies through shared memory, all issued
+before one wait, so a thread keeps ``iters`` 16-byte requests in flight (rows over 64 KiB:
+register loads) -- squares and sums in FP32, then a warp shuffle
 reduction and a cross-warp reduction through shared memory (one barrier; every warp then sums
 the warps' partials itself, as quack's ``block_reduce`` does). Thread 0 writes
 ``rsqrt(sum / C + eps)`` in FP32.
@@ -45,6 +46,9 @@ from .validate import check_cuda, check_int32_indexable, check_tensor
 TORCH2CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 NAME2CUTE = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 MAX_HIDDEN = 65536
+#: shared memory a row (and, in :mod:`cute_kernels.rms_norm`, its weight and rotation) may take
+#: to be loaded through it (``RowRms.load_row_async``; above: register loads)
+ASYNC_SMEM_BYTES = 64 * 1024
 
 
 class RowRms:
@@ -59,6 +63,8 @@ class RowRms:
         self.threads = min(1024, max(128, -(-self.n_vec // 8 + 31) // 32 * 32))
         self.iters = -(-self.n_vec // self.threads)
         self.warps = self.threads // 32
+        # the row through shared memory where it fits (load_row_async)
+        self.async_row = hidden * dtype.width // 8 <= ASYNC_SMEM_BYTES
 
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, rstd_ptr: cute.Pointer, num_tokens: Int32, eps: Float32,
@@ -76,7 +82,16 @@ class RowRms:
     def kernel(self, mX: cute.Tensor, mR: cute.Tensor, eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        rstd = self.row_rstd(self.load_row(mX, row, tidx), eps, tidx)
+        if cutlass.const_expr(self.async_row):
+            smem = cutlass.memory.SmemAllocator()
+            sX = smem.allocate_tensor(self.dtype, cute.make_layout((self.hidden,)), 16)
+            self.copy_row_async(mX, row, tidx, sX)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            tXrX = self.read_row(sX, tidx)
+        else:
+            tXrX = self.load_row(mX, row, tidx)
+        rstd = self.row_rstd(tXrX, eps, tidx)
         if tidx == 0:
             mR[row] = rstd
 
@@ -93,6 +108,35 @@ class RowRms:
             v = tidx + i * self.threads
             if v < self.n_vec:
                 cute.autovec_copy(gX[(None, v)], tXrX[None, i])
+        return tXrX
+
+    @cute.jit
+    def copy_row_async(self, mX: cute.Tensor, row, tidx, sX: cute.Tensor):
+        """Issue row ``row`` of ``mX`` as ``cp.async`` copies into ``sX [hidden]``, thread
+        ``tidx`` its vectors ``tidx, tidx + threads, ...`` (the caller commits and waits).
+
+        Why not :meth:`load_row`: the compiler, keeping a row kernel at 32 registers, issued
+        the last vectors' register loads only after the first had arrived -- behind the squares
+        waiting for it -- a second memory round trip on a short row. The reads back
+        (:meth:`read_row`) depend on the wait, and the wait on every copy."""
+        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
+        gXv, sXv = cute.zipped_divide(mX[row, None], (self.vec,)), cute.zipped_divide(sX, (self.vec,))
+        for i in cutlass.range_constexpr(self.iters):
+            v = tidx + i * self.threads
+            if v < self.n_vec:
+                cute.copy(atom, gXv[(None, v)], sXv[(None, v)])
+
+    @cute.jit
+    def read_row(self, sX: cute.Tensor, tidx) -> cute.Tensor:
+        """This thread's vectors of :meth:`copy_row_async`'s row (after the wait), as
+        :meth:`load_row` returns them."""
+        sXv = cute.zipped_divide(sX, (self.vec,))
+        tXrX = cute.make_rmem_tensor(cute.make_layout((self.vec, self.iters)), self.dtype)
+        tXrX.fill(0.0)
+        for i in cutlass.range_constexpr(self.iters):
+            v = tidx + i * self.threads
+            if v < self.n_vec:
+                cute.autovec_copy(sXv[(None, v)], tXrX[None, i])
         return tXrX
 
     @cute.jit

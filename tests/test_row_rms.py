@@ -177,11 +177,22 @@ def test_bad_arguments_raise_before_launch(make, exc, words):
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_machine_code_vectorised_no_spills(arch):
     hist = sass.sass_histogram("row_rms", arch, hidden=7168, dtype="bfloat16")
-    # 896 16-byte vectors over 128 threads: 7 LDG.E.128 per thread, nothing narrower.
-    assert hist["LDG.E.128"] == 7, hist
-    assert sass.count(hist, "LDG") == 7
+    # 896 16-byte vectors over 128 threads: 7 16-byte cp.async copies per thread, nothing narrower
+    assert hist["LDGSTS.E.128"] == 7, hist
+    assert sass.count(hist, "LDG") == 0  # (no register loads besides)
     assert sass.count(hist, "SHFL") >= 10  # two 5-step butterflies
+    assert sass.count(hist, "BAR.SYNC") == 1
     assert sass.local_memory_ops(hist) == 0
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_row_rms_issues_the_whole_row_before_its_first_square(arch):
+    """Every vector of the row is requested before the first square (its first FFMA): with
+    register loads the compiler once issued the last two only after the first had arrived."""
+    lines = sass.disassemble(sass.compile_cubin("row_rms", arch, hidden=7168, dtype="bfloat16")).splitlines()
+    loads = [i for i, ln in enumerate(lines) if re.search(r"\bLDG(STS)?\.", ln)]
+    first_ffma = next(i for i, ln in enumerate(lines) if "FFMA" in ln)
+    assert len(loads) == 7 and max(loads) < first_ffma
 
 
 # ------------------------------------------------------------------------- rms_norm -----
@@ -296,15 +307,14 @@ def test_rms_norm_rejects_bad_arguments(args, kwargs, words):
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("hidden, weighted", [(512, False), (4096, True)])
 def test_rms_norm_machine_code(arch, hidden, weighted):
-    """x read once in 16-byte vectors and written once in 16-byte vectors (and the weight in
-    16-byte vectors; with a weight both through cp.async), one barrier, no local memory."""
+    """x read once in 16-byte vectors (cp.async copies) and written once in 16-byte vectors
+    (and the weight's 16-byte vectors), one barrier, no local memory."""
     import cute_kernels.rms_norm  # noqa: F401 -- registers the kernel
 
     h = sass.sass_histogram("rms_norm", arch, hidden=hidden, weighted=weighted)
     n_vec = hidden // 8
     per_thread = -(-n_vec // 128)
-    loads = "LDGSTS.E.128" if weighted else "LDG.E.128"
-    assert sass.count(h, loads) == per_thread * (2 if weighted else 1)
+    assert sass.count(h, "LDGSTS.E.128") == per_thread * (2 if weighted else 1)
     assert sass.count(h, "STG.E.128") == per_thread
     assert sass.count(h, "BAR") == 1
     assert sass.local_memory_ops(h) == 0
