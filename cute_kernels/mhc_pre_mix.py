@@ -8,8 +8,9 @@ Rounding (matched bit for bit by ``tests/references.py::mhc_pre_mix_ref``)::
 Products are rounded on their own (``mul.rn``, never contracted into an FMA) and summed
 in stream order, so the PyTorch reference reproduces the kernel exactly.
 
-Kernel: one thread per 8 consecutive columns of one token: ``n`` 16-byte loads, one
-16-byte store; grid ``(ceil(C / 8 / 128), T)``. ``H`` is the fp32 ``[T, 2n + n*n]``
+Kernel: one thread per 8 consecutive columns of one token: ``n`` 16-byte loads (and the
+token's ``n`` weights), all issued at once as ``cp.async`` copies into the thread's
+shared-memory stage, then one wait; one 16-byte store; grid ``(ceil(C / 8 / 128), T)``. ``H`` is the fp32 ``[T, 2n + n*n]``
 output of :mod:`cute_kernels.mhc_stats` (its first ``n`` columns are ``H_pre``).
 Constraints: bf16 ``X [T, n, C]`` contiguous, ``C % 8 == 0``; ``(n, C)`` static, T runtime.
 
@@ -64,17 +65,32 @@ class MhcPreMix:
         tidx, _, _ = cute.arch.thread_idx()
         bx, t, _ = cute.arch.block_idx()
         v = bx * self.threads + tidx
+        # Each thread's n 16-byte vectors and the token's n mixing weights go through its own
+        # shared-memory stage as cp.async copies issued at once, then one wait: one memory
+        # round trip. (As register loads the compiler issued two streams, then the next ones
+        # behind the products waiting for those -- a round trip per pair.)
+        smem = cutlass.memory.SmemAllocator()
+        sX = smem.allocate_tensor(mX.element_type, cute.make_layout((VEC, self.n, self.threads)), 16)
+        sH = smem.allocate_tensor(Float32, cute.make_layout((self.n, self.threads)), 4)
         if v < self.nvec:
+            atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), mX.element_type, num_bits_per_copy=128)
+            atom_h = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
             gX = cute.zipped_divide(mX, (1, 1, VEC))
-            rX = cute.make_rmem_tensor(cute.make_layout((VEC, self.n)), mX.element_type)
+            gH = cute.zipped_divide(mH, (1, 1))
+            sHv = cute.zipped_divide(sH, (1, 1))
             for i in cutlass.range_constexpr(self.n):
-                cute.autovec_copy(gX[(0, 0, None), (t, i, v)], rX[None, i])
+                cute.copy(atom_h, gH[(None, None), (t, i)], sHv[(None, None), (i, tidx)])
+                cute.copy(atom, gX[(0, 0, None), (t, i, v)], sX[None, i, tidx])
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            rX = cute.make_rmem_tensor(cute.make_layout((VEC,)), mX.element_type)
             acc = cute.make_rmem_tensor(cute.make_layout((VEC,)), Float32)
             acc.fill(0.0)
             for i in cutlass.range_constexpr(self.n):
-                h = mH[t, i]
+                cute.autovec_copy(sX[None, i, tidx], rX)
+                h = sH[i, tidx]
                 for e in cutlass.range_constexpr(VEC):
-                    acc[e] = acc[e] + cute.math.mul(h, Float32(rX[e, i]), rounding=RN)
+                    acc[e] = acc[e] + cute.math.mul(h, Float32(rX[e]), rounding=RN)
             rU = cute.make_rmem_tensor(cute.make_layout((VEC,)), mU.element_type)
             rU.store(acc.load().to(mU.element_type))
             cute.autovec_copy(rU, cute.zipped_divide(mU, (1, VEC))[(0, None), (t, v)])

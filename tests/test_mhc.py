@@ -314,11 +314,26 @@ def test_machine_code(arch):
     # Sinkhorn's 20 iterations x 2n reciprocals live in post_res only (pre: the sigmoid's divide)
     assert sass.local_memory_ops(pre) == 0 and sass.count(pre, "HMMA") == 8 and sass.count(pre, "MUFU.RCP") < 8
     assert sass.local_memory_ops(rest) == 0 and sass.count(rest, "HMMA") >= 24 and sass.count(rest, "MUFU.RCP") >= 160
-    for name in ("mhc_pre_mix", "mhc_post_mix"):
+    for name, loads in (("mhc_pre_mix", "LDGSTS.E.128"), ("mhc_post_mix", "LDG.E.128")):
         h = sass.sass_histogram(name, arch, n=4, hidden=7168)
         assert sass.local_memory_ops(h) == 0
         assert sass.count(h, "FFMA") == 0  # rounded products: bit-exact with the reference
-        assert sass.count(h, "LDG.E.128") >= 4 and sass.count(h, "STG.E.128") >= 1
+        assert sass.count(h, loads) >= 4 and sass.count(h, "STG.E.128") >= 1
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_pre_mix_one_round_trip(arch):
+    """mhc_pre_mix requests the token's n stream vectors and n weights before its one wait, and
+    every product comes after it (as register loads the compiler issued them a pair at a time,
+    each pair behind the products of the one before)."""
+    import re
+
+    lines = [ln for ln in sass.disassemble(sass.compile_cubin("mhc_pre_mix", arch, n=4, hidden=7168)).splitlines()
+             if re.search(r"/\*[0-9a-f]{4}\*/", ln)]
+    copies = [i for i, ln in enumerate(lines) if "LDGSTS" in ln]
+    waits = [i for i, ln in enumerate(lines) if "DEPBAR.LE" in ln]
+    muls = [i for i, ln in enumerate(lines) if re.search(r"\bFMUL\b", ln)]
+    assert len(copies) == 8 and len(waits) == 1 and max(copies) < waits[0] < min(muls)
 
 
 def test_default_workspace_is_reused_per_stream_and_grows():
