@@ -45,13 +45,11 @@
 #                                            'attention', the mHC parts, the routed-input gather,
 #                                            the runtime's GPU tests at `small`
 #   bash tools/device.sh smoke-kernels       the recently changed kernels' GPU tests alone (the list
-#                                            in the job: both swap-AB WO-A kernels on their fixed
-#                                            shared prologue, wo_a_fp8_act's PDL build, the router
-#                                            and routed-quantisation ops' hot path, the router's
-#                                            8-CTA cluster path)
-#   bash tools/device.sh smoke-benches       the rest of the router's tests, then the benches (WO-A at
-#                                            V4's decode T with the FP8-activation path's PDL column,
-#                                            the router's paths, the V4-Flash MoE layer)
+#                                            in the job: rms_norm / row_rms, moe_finalize and the
+#                                            fused finalize + all-reduce, mhc_pre_mix, the tensor
+#                                            entries and custom ops)
+#   bash tools/device.sh smoke-benches       their benches (row_rms and the norms, the mHC mixes, the
+#                                            V4-Flash MoE layer's stage table)
 #   bash tools/device.sh quick-bench         the runtime bench at v4_flash_slice (--quick, acceptance 5.5)
 #   bash tools/device.sh h200 test|kernels|runtime
 #                                            what needs an H200 (run with needs_h200: the first is the
@@ -176,29 +174,22 @@ smoke)
   timeout 250 $PYT -m gpu tests/test_spec_decode.py -k "small or draft_head" 2>&1 | tee "$OUT/spec-small.log" | tail -15
   ;;
 smoke-kernels)
-  # the kernels changed since their last GPU run: the swap-AB prologue both WO-A swap-AB kernels
-  # share (its producer state once not carried back: both hung), wo_a_fp8_act's programmatic
-  # dependent launch (pdl=True), the router and routed-quantisation custom ops' tensor-entry hot
-  # path, the router's cluster path of 8 CTAs (the full router suite: smoke-benches). The hang
-  # watchdog at 90 s (each of these tests runs for seconds besides its compiles): under each
-  # job's timeout
+  # the kernels changed since their last GPU run: rms_norm / row_rms (every load as cp.async
+  # copies before one wait, one barrier), moe_finalize and the fused finalize + all-reduce (the
+  # routed rows staged in shared memory), mhc_pre_mix (one round trip). The hang watchdog at 90 s
+  # (each of these tests runs for seconds besides its compiles): under each job's timeout
   export CUTE_KERNELS_GPU_TEST_TIMEOUT_S=90
-  timeout 130 $PYT -m gpu tests/test_wo_a.py -k "swap_ab_decode" 2>&1 | tee "$OUT/swap-ab-tests.log" | tail -5
-  timeout 130 $PYT -m gpu tests/test_wo_a_fp8_act.py 2>&1 | tee "$OUT/fp8-act-tests.log" | tail -5
-  timeout 130 $PYT -m gpu tests/test_ops.py -k "tensor_entries" 2>&1 | tee "$OUT/ops-tests.log" | tail -5
-  timeout 180 $PYT -m gpu tests/test_moe_router.py -k "cluster8" 2>&1 | tee "$OUT/router8-tests.log" | tail -5
+  timeout 130 $PYT -m gpu tests/test_row_rms.py 2>&1 | tee "$OUT/row-rms-tests.log" | tail -5
+  timeout 100 $PYT -m gpu tests/test_moe_finalize.py tests/test_comm.py 2>&1 | tee "$OUT/finalize-tests.log" | tail -5
+  timeout 130 $PYT -m gpu tests/test_mhc.py 2>&1 | tee "$OUT/mhc-tests.log" | tail -5
+  timeout 120 $PYT -m gpu tests/test_tensor_entries.py tests/test_ops.py 2>&1 | tee "$OUT/entries-tests.log" | tail -5
   ;;
 smoke-benches)
-  # the rest of the router's tests (default and 4-CTA cluster paths), then the benches: WO-A at
-  # V4's decode T (the FP8-activation path with and without PDL), the router's paths at decode
-  # T, the MoE layer
-  export CUTE_KERNELS_GPU_TEST_TIMEOUT_S=90
-  timeout 200 $PYT -m gpu tests/test_moe_router.py -k "not cluster8" 2>&1 | tee "$OUT/router-tests.log" | tail -5
-  timeout 130 python bench/bench_wo_a_v4.py --tokens 1,5,16,32,64 --out "$OUT/bench_wo_a_v4.md" 2>&1 \
-    | tee "$OUT/bench_wo_a_v4.log" | tail -12
-  timeout 150 python bench/bench_moe.py --sections router-paths --out "$OUT/bench_router_paths.md" 2>&1 \
-    | tee "$OUT/bench_router_paths.log" | tail -28
-  timeout 100 python bench/bench_moe_experts.py --model v4-flash --tokens 1,64,320 \
+  # their benches against the last tables: row_rms and the norms (bench_row_rms; quack / Liger's
+  # RMSNorm need `peers`), the mHC mixes, the MoE layer's stage table (finalize)
+  timeout 120 python bench/bench_row_rms.py --out "$OUT/bench_row_rms.md" 2>&1 | tee "$OUT/bench_row_rms.log" | tail -14
+  timeout 150 python bench/bench_mhc.py --out "$OUT/bench_mhc.md" 2>&1 | tee "$OUT/bench_mhc.log" | tail -24
+  timeout 150 python bench/bench_moe_experts.py --model v4-flash --tokens 1,64,320 \
     --out "$OUT/bench_moe_experts_v4-flash.md" 2>&1 | tee "$OUT/bench_moe_experts.log" | tail -12
   ;;
 h200)
