@@ -326,14 +326,8 @@ def test_pre_mix_one_round_trip(arch):
     """mhc_pre_mix requests the token's n stream vectors and n weights before its one wait, and
     every product comes after it (as register loads the compiler issued them a pair at a time,
     each pair behind the products of the one before)."""
-    import re
-
-    lines = [ln for ln in sass.disassemble(sass.compile_cubin("mhc_pre_mix", arch, n=4, hidden=7168)).splitlines()
-             if re.search(r"/\*[0-9a-f]{4}\*/", ln)]
-    copies = [i for i, ln in enumerate(lines) if "LDGSTS" in ln]
-    waits = [i for i, ln in enumerate(lines) if "DEPBAR.LE" in ln]
-    muls = [i for i, ln in enumerate(lines) if re.search(r"\bFMUL\b", ln)]
-    assert len(copies) == 8 and len(waits) == 1 and max(copies) < waits[0] < min(muls)
+    text = sass.disassemble(sass.compile_cubin("mhc_pre_mix", arch, n=4, hidden=7168))
+    assert sass.global_loads_before(text, "FMUL") == (8, True)
 
 
 def test_default_workspace_is_reused_per_stream_and_grows():

@@ -1,7 +1,5 @@
 """row_rms: FP64 reference on the H200; argument validation and machine code on the CPU."""
 
-import re
-
 import pytest
 import torch
 
@@ -189,10 +187,8 @@ def test_machine_code_vectorised_no_spills(arch):
 def test_row_rms_issues_the_whole_row_before_its_first_square(arch):
     """Every vector of the row is requested before the first square (its first FFMA): with
     register loads the compiler once issued the last two only after the first had arrived."""
-    lines = sass.disassemble(sass.compile_cubin("row_rms", arch, hidden=7168, dtype="bfloat16")).splitlines()
-    loads = [i for i, ln in enumerate(lines) if re.search(r"\bLDG(STS)?\.", ln)]
-    first_ffma = next(i for i, ln in enumerate(lines) if "FFMA" in ln)
-    assert len(loads) == 7 and max(loads) < first_ffma
+    text = sass.disassemble(sass.compile_cubin("row_rms", arch, hidden=7168, dtype="bfloat16"))
+    assert sass.global_loads_before(text, "FFMA") == (7, True)
 
 
 # ------------------------------------------------------------------------- rms_norm -----
@@ -330,13 +326,10 @@ def test_rms_norm_issues_every_load_before_the_first_use(arch, cfg):
     the compiler's scheduling once produced for the weight's register loads."""
     import cute_kernels.rms_norm  # noqa: F401 -- registers the kernel
 
-    lines = sass.disassemble(sass.compile_cubin("rms_norm", arch, dtype="bfloat16", **cfg)).splitlines()
-    loads = [i for i, ln in enumerate(lines) if re.search(r"\bLDG(STS)?\.", ln)]  # (not LDGDEPBAR)
-    first_ffma = next(i for i, ln in enumerate(lines) if "FFMA" in ln)
-    n_vec = cfg["hidden"] // 8
-    per_thread = -(-n_vec // 128)
+    text = sass.disassemble(sass.compile_cubin("rms_norm", arch, dtype="bfloat16", **cfg))
+    per_thread = -(-cfg["hidden"] // 8 // 128)
     want = per_thread * 2 + (2 if cfg.get("rope_dim") else 0)  # x, w; (cos, sin): 8 FP32 = 2 x 16 B
-    assert len(loads) == want and max(loads) < first_ffma, (loads, first_ffma)
+    assert sass.global_loads_before(text, "FFMA") == (want, True)
 
 
 def _rope_table(tokens, r, device="cuda"):

@@ -68,6 +68,22 @@ def opcodes(sass: str) -> list[str]:
     return [m.group(1) for m in _INSN.finditer(sass)]
 
 
+def global_loads_before(sass: str, first_use: str) -> tuple[int, bool]:
+    """``(loads, all_before)``: the global loads (``LDG.*`` and ``cp.async``'s ``LDGSTS.*``) in
+    program order, and whether every one stands before the first ``first_use`` instruction
+    (``FFMA``: a row's first square; ``FMUL``: a weighted sum's first product) and, where the
+    kernel stages them through ``cp.async``, before its first wait (``DEPBAR``) too. For short
+    decode kernels: ptxas, holding such a kernel at few registers, has issued later register
+    loads only after earlier ones arrived -- one memory round trip more per group -- and the
+    loads the arithmetic depends on through a wait cannot move past it (docs/decode_latency.md)."""
+    ops = opcodes(sass)
+    loads = [i for i, o in enumerate(ops) if o.startswith(("LDG.", "LDGSTS."))]
+    use = next((i for i, o in enumerate(ops) if o == first_use or o.startswith(first_use + ".")), len(ops))
+    wait = next((i for i, o in enumerate(ops) if o.startswith("DEPBAR")), len(ops))
+    staged = any(ops[i].startswith("LDGSTS.") for i in loads)
+    return len(loads), all(i < use and (i < wait or not staged) for i in loads) and (wait < use or not staged)
+
+
 def sass_histogram(name: str, arch: str, **config) -> Counter:
     return histogram(disassemble(compile_cubin(name, arch, **config)))
 
