@@ -164,7 +164,7 @@ def moe_route(logits: Tensor, bias: Tensor | None, num_experts: int, n_group: in
     never read."""
     key = (num_experts, n_group, topk_group, top_k, routed_scaling_factor, score, tile_m, logits.shape, logits.dtype,
            bias is None, logits.get_device())
-    plan = _ROUTE_PLAN.get(key)
+    plan = _ROUTE_PLAN.get(key) if jit.TVM_FFI else None
     if plan is not None:
         slots, tiles, grid_path = plan
         E, k, T = num_experts, top_k, logits.shape[0]
