@@ -60,7 +60,8 @@ lanes holding one row's 4-column group pass their scale bytes down by shuffles a
 stores the word (no byte stores into the atoms). The routed-rows walk (``by_row_pos``) takes
 one thread per 32-bit scale word instead: four consecutive blocks of a row (sixteen 16-byte
 loads issued first, eight 16-byte stores), the word stored whole. The prequantized gather
-moves 32-byte blocks (two 16-byte loads and stores) and scale bytes. A grid-stride loop over a
+moves 32-byte blocks (two 16-byte loads and stores) and scale bytes; on the routed-rows walk a
+thread's four blocks and scale bytes are all loaded before its first store. A grid-stride loop over a
 fixed grid keeps launches graph-capturable when the live row count is a device value.
 
 Programmatic dependent launch (``pdl=True``, a compile option): the kernel is launched as a
@@ -336,11 +337,37 @@ class MxQuant:
         scale bytes as one little-endian word (the swizzled layout's)."""
         word = Uint32(0)
         if cutlass.const_expr(self.prequantized):
-            for j in cutlass.range_constexpr(SF_ATOM_COLS):
-                if c0 + j < self.nblk:
-                    word = word | (Uint32(self.block(gX, gQ, mXs, src, r, c0 + j)) << Uint32(8 * j))
+            word = self.gather_blocks4(gX, gQ, mXs, src, r, c0)
         else:
             word = self.quantize_blocks4(gX, gQ, src, r, c0)
+        return word
+
+    @cute.jit
+    def gather_blocks4(self, gX, gQ, mXs, src: Int32, r: Int32, c0: Int32) -> Uint32:
+        """Prequantized :meth:`blocks4`: the four blocks' bytes and scale bytes are all loaded
+        (under one branch) before the first store. (Block by block, each behind its own
+        branch, every block's loads waited for the store of the one before: a memory round
+        trip per block.)"""
+        full = self.nblk % SF_ATOM_COLS == 0  # (static) every group has its four blocks
+        tQrQ = cute.make_rmem_tensor(cute.make_layout((MX_BLOCK, SF_ATOM_COLS)), gQ.element_type)
+        cute.recast_tensor(tQrQ, Uint8).fill(0)
+        rS = cute.make_rmem_tensor(cute.make_layout((SF_ATOM_COLS,)), Int32)
+        rS.fill(0)
+        if src >= 0:
+            for j in cutlass.range_constexpr(SF_ATOM_COLS):
+                if cutlass.const_expr(full):
+                    cute.autovec_copy(gX[(0, None), (src, c0 + j)], tQrQ[None, j])
+                    rS[j] = Int32(mXs[src * self.nblk + c0 + j]) & 0xFF  # (the uint8 widens with its sign)
+                elif c0 + j < self.nblk:
+                    cute.autovec_copy(gX[(0, None), (src, c0 + j)], tQrQ[None, j])
+                    rS[j] = Int32(mXs[src * self.nblk + c0 + j]) & 0xFF
+        word = Uint32(0)
+        for j in cutlass.range_constexpr(SF_ATOM_COLS):
+            if cutlass.const_expr(full):
+                cute.autovec_copy(tQrQ[None, j], gQ[(0, None), (r, c0 + j)])
+            elif c0 + j < self.nblk:
+                cute.autovec_copy(tQrQ[None, j], gQ[(0, None), (r, c0 + j)])
+            word = word | (Uint32(rS[j]) << Uint32(8 * j))
         return word
 
     @cute.jit

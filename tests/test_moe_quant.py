@@ -437,13 +437,16 @@ def test_machine_code(arch, layout, routed, extra):
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_machine_code_of_the_prequantized_gather(arch):
     """A 32-byte block moves as two 16-byte loads and stores (four blocks per thread on the
-    swizzled routed-rows walk), with nothing to convert."""
+    swizzled routed-rows walk, all eight loads before the first store: one memory round trip
+    after the position's, not one per block), with nothing to convert."""
     h = sass.sass_histogram("mxfp8_quant", arch, K=4096, layout="swizzled", routed=True, topk=6,
                             zero_padding=False, prequantized=True)
     assert h["LDG.E.128"] == 2 and h["STG.E.128"] == 2
-    h = sass.sass_histogram("mxfp8_quant", arch, K=4096, layout="swizzled", routed=True, topk=6,
-                            zero_padding=False, prequantized=True, by_row_pos=True)
+    text = sass.disassemble(sass.compile_cubin("mxfp8_quant", arch, K=4096, layout="swizzled", routed=True, topk=6,
+                                               zero_padding=False, prequantized=True, by_row_pos=True))
+    h, ops = sass.histogram(text), sass.opcodes(text)
     assert h["LDG.E.128"] == 8 and h["STG.E.128"] == 8
+    assert max(i for i, o in enumerate(ops) if o == "LDG.E.128") < ops.index("STG.E.128")
     assert sass.count(h, "F2FP") == 0
     assert sass.local_memory_ops(h) == 0
 
