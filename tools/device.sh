@@ -46,8 +46,8 @@
 #                                            the runtime's GPU tests at `small`
 #   bash tools/device.sh smoke-kernels       the recently changed kernels' GPU tests alone (the list
 #                                            in the job: rms_norm / row_rms, moe_finalize and the
-#                                            fused finalize + all-reduce, mhc_pre_mix, the tensor
-#                                            entries and custom ops)
+#                                            fused finalize + all-reduce, the routed gather,
+#                                            mhc_pre_mix, the tensor entries and custom ops)
 #   bash tools/device.sh smoke-benches       their benches (row_rms and the norms, the mHC mixes, the
 #                                            V4-Flash MoE layer's stage table)
 #   bash tools/device.sh quick-bench         the runtime bench at v4_flash_slice (--quick, acceptance 5.5)
@@ -176,12 +176,14 @@ smoke)
 smoke-kernels)
   # the kernels changed since their last GPU run: rms_norm / row_rms (every load as cp.async
   # copies before one wait, one barrier), moe_finalize and the fused finalize + all-reduce (the
-  # routed rows staged in shared memory), mhc_pre_mix (one round trip). The hang watchdog at 90 s
+  # routed rows staged in shared memory), mhc_pre_mix (one round trip), the prequantized routed
+  # gather (a thread's blocks loaded before its stores). The hang watchdog at 90 s
   # (each of these tests runs for seconds besides its compiles): under each job's timeout
   export CUTE_KERNELS_GPU_TEST_TIMEOUT_S=90
-  timeout 130 $PYT -m gpu tests/test_row_rms.py 2>&1 | tee "$OUT/row-rms-tests.log" | tail -5
+  timeout 110 $PYT -m gpu tests/test_row_rms.py 2>&1 | tee "$OUT/row-rms-tests.log" | tail -5
   timeout 100 $PYT -m gpu tests/test_moe_finalize.py tests/test_comm.py 2>&1 | tee "$OUT/finalize-tests.log" | tail -5
-  timeout 130 $PYT -m gpu tests/test_mhc.py 2>&1 | tee "$OUT/mhc-tests.log" | tail -5
+  timeout 90 $PYT -m gpu tests/test_moe_quant.py 2>&1 | tee "$OUT/quant-tests.log" | tail -5
+  timeout 110 $PYT -m gpu tests/test_mhc.py 2>&1 | tee "$OUT/mhc-tests.log" | tail -5
   timeout 120 $PYT -m gpu tests/test_tensor_entries.py tests/test_ops.py 2>&1 | tee "$OUT/entries-tests.log" | tail -5
   ;;
 smoke-benches)
