@@ -49,7 +49,8 @@ the FP32 pipes. Each CTA writes FP32 partials ``[t, 0..m, split]`` to a workspac
 CTA of a token tile (an acq_rel counter, as in :mod:`moe.router`) loads the tile's partials
 a few columns per thread at once, sums them in split order -- so the result is
 deterministic -- and evaluates the mappings (sigmoids by (token, i) threads; Sinkhorn by
-one thread per token with the matrix in registers and approximate reciprocals). It
+one thread per token with the matrix in registers and approximate reciprocals), reading
+``alpha`` and the bias from shared memory, where every CTA's first chunk group copied them. It
 re-zeroes its counter, so a replayed CUDA graph needs no reset. ``splits`` (<= 64) is a
 runtime value chosen by the host: about two CTAs per SM at small T, one split when the token
 tiles alone fill the GPU.
@@ -186,6 +187,8 @@ class MhcStats:
         sSsq = smem.allocate_tensor(Float32, cute.make_layout((TT,)), 16)
         sP = smem.allocate_tensor(Float32, cute.make_layout((TT, m + 1), stride=(m + 1, 1)), 16)
         sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
+        sAlpha = smem.allocate_tensor(Float32, cute.make_layout((3,)), 16)
+        sBias = smem.allocate_tensor(Float32, cute.make_layout((self.width,)), 16)
 
         # cp.async (16 B per copy), STAGES-1 chunks in flight ahead of the MMAs.
         atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.BFloat16, num_bits_per_copy=128)
@@ -195,6 +198,16 @@ class MhcStats:
         sBv = cute.zipped_divide(sB, (1, VEC, 1))
         c_begin = split * chunks_per_split
         c_end = cutlass.min(c_begin + chunks_per_split, self.nchunks)
+        # The mappings' parameters (alpha, bias) go to shared memory with the first chunk, for the
+        # last CTA's epilogue: as global loads there, after the partials', they were one more
+        # memory round trip on the critical path (the compiler issues them after the sums).
+        atom4 = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+        if tidx < self.width:
+            cute.copy(atom4, cute.zipped_divide(mBias, (1,))[(None,), (tidx,)],
+                      cute.zipped_divide(sBias, (1,))[(None,), (tidx,)])
+        elif tidx < self.width + 3:
+            cute.copy(atom4, cute.zipped_divide(mAlpha, (1,))[(None,), (tidx - self.width,)],
+                      cute.zipped_divide(sAlpha, (1,))[(None,), (tidx - self.width,)])
         for s0 in cutlass.range_constexpr(S - 1):
             if c_begin + s0 < c_end:
                 self.issue(gXv, gBv, sXv, sBv, atom, c_begin + s0, s0, tok0, live)
@@ -260,7 +273,7 @@ class MhcStats:
 
         # The last CTA of the tile sees every split's partials (cute_kernels.grid_sync).
         if last_arrival(mCount.iterator + tile, sFlag, splits):
-            self.epilogue(mAlpha, mBias, mH, mPart, sP, tok0, live, splits, eps)
+            self.epilogue(sAlpha, sBias, mH, mPart, sP, tok0, live, splits, eps)
             if tidx == 0:
                 mCount[tile] = 0  # ready for the next launch (graph replay needs no host reset)
 
@@ -295,8 +308,11 @@ class MhcStats:
     @cute.jit
     def epilogue(self, mAlpha: cute.Tensor, mBias: cute.Tensor, mH: cute.Tensor, mPart: cute.Tensor,
                  sP: cute.Tensor, tok0: Int32, live: Int32, splits: Int32, eps: Float32):
+        """``mAlpha`` / ``mBias``: the parameters' shared-memory copies (their copies are this
+        thread's own cp.async group; the barrier below publishes them to the CTA)."""
         m, n, first = self.m, self.n, self.first
         tidx, _, _ = cute.arch.thread_idx()
+        cute.arch.cp_async_wait_group(0)
         # Split partials: thread -> (token, column); all of a thread's loads (up to
         # COLS_PER_THREAD x MAX_SPLITS floats, 16-byte vectors) are issued before the first
         # add, so the tile's partials stream in one latency round; summed in split order.

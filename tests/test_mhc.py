@@ -314,6 +314,9 @@ def test_machine_code(arch):
     # Sinkhorn's 20 iterations x 2n reciprocals live in post_res only (pre: the sigmoid's divide)
     assert sass.local_memory_ops(pre) == 0 and sass.count(pre, "HMMA") == 8 and sass.count(pre, "MUFU.RCP") < 8
     assert sass.local_memory_ops(rest) == 0 and sass.count(rest, "HMMA") >= 24 and sass.count(rest, "MUFU.RCP") >= 160
+    # the last CTA reads alpha and the bias from shared memory (staged with the first chunk): its
+    # only global loads are the partials' 16-byte vectors -- no round trip for the parameters after them
+    assert pre["LDG.E"] == 0 and rest["LDG.E"] == 0 and pre["LDG.E.128"] > 0
     for name, loads in (("mhc_pre_mix", "LDGSTS.E.128"), ("mhc_post_mix", "LDG.E.128")):
         h = sass.sass_histogram(name, arch, n=4, hidden=7168)
         assert sass.local_memory_ops(h) == 0
