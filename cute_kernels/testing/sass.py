@@ -73,8 +73,8 @@ def global_loads_before(sass: str, first_use: str) -> tuple[int, bool]:
     program order, and whether every one stands before the first ``first_use`` instruction
     (``FFMA``: a row's first square; ``FMUL``: a weighted sum's first product) and, where the
     kernel stages them through ``cp.async``, before its first wait (``DEPBAR``) too. For short
-    decode kernels: ptxas, holding such a kernel at few registers, has issued later register
-    loads only after earlier ones arrived -- one memory round trip more per group -- and the
+    decode kernels: ptxas, keeping register pressure low, has issued later register loads only
+    after earlier ones arrived -- one memory round trip more per group -- and the
     loads the arithmetic depends on through a wait cannot move past it (docs/decode_latency.md)."""
     ops = opcodes(sass)
     loads = [i for i, o in enumerate(ops) if o.startswith(("LDG.", "LDGSTS."))]
