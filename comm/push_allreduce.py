@@ -120,7 +120,9 @@ class PushAllReduce:
         W = self.world
         smem = cutlass.memory.SmemAllocator()
         sCtl = smem.allocate_tensor(Int32, cute.make_layout((2,)), 4)  # [phase, failed]
-        sStage = smem.allocate_tensor(mIn.element_type, stage_layout(self.k if self.fused else 0, self.threads), 16)
+        sStage = None  # the fused finalize's per-thread stage of its routed and shared rows
+        if cutlass.const_expr(self.fused):
+            sStage = smem.allocate_tensor(mIn.element_type, stage_layout(self.k, self.threads), 16)
         if tidx == 0:
             sCtl[0] = mPhase[b]
             sCtl[1] = 0
