@@ -586,6 +586,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft-head", default=EngineConfig.draft_head, choices=DRAFT_HEADS,
                     help="fused backend: the draft's LM head -- MXFP8 up to 16 rows and per-tensor e4m3 "
                          "above; MXFP8 up to 16 rows, bf16 above; bf16 throughout (default: %(default)s)")
+    ap.add_argument("--wo-a-pdl", action="store_true",
+                    help="fused backend: WO-A as a programmatic dependent launch of the attention before it "
+                         "in steps of <= 16 tokens (EngineConfig.wo_a_pdl; default: off)")
     ap.add_argument("--indexer-token-group", type=int, default=3, choices=(1, 2, 3, 4),
                     help="fused backend: consecutive tokens of a request scored per indexer CTA (default: "
                          "%(default)s)")
@@ -627,7 +630,7 @@ def main(argv=None) -> int:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     engine = dict(prefill_chunk=args.prefill_chunk, moe_row_tile=args.moe_row_tile or None,
                   indexer_token_group=args.indexer_token_group, draft_head=args.draft_head,
-                  acceptance_length=args.acceptance_length)
+                  acceptance_length=args.acceptance_length, wo_a_pdl=args.wo_a_pdl)
     if args.tp > 1:
         if not args.simulate_ranks:
             print("spec_decode.bench: --tp > 1 runs simulated ranks on this GPU: add --simulate-ranks (a real "

@@ -141,6 +141,11 @@ class EngineConfig:
     #: fused backend: score this many consecutive tokens of a request per CTA in the indexer
     #: (indexer_topk's token_group; 1 = one token per CTA)
     indexer_token_group: int = 3
+    #: fused backend: launch WO-A as a programmatic dependent of the attention kernel before it
+    #: in steps of <= 16 tokens (its decode kernels' ``pdl``: the first weight stages stream
+    #: while the attention finishes, before the kernel waits for its output). Off until measured
+    #: in the step graphs (``python -m spec_decode.bench --wo-a-pdl``)
+    wo_a_pdl: bool = False
     #: benchmarks: accept a number of drafts drawn on the device with this mean acceptance
     #: length (accepted drafts + 1, in [1, block_size + 1]) instead of the drafts' agreement
     #: with the target's greedy tokens -- every draft position accepted with one probability p

@@ -49,6 +49,7 @@ from cute_kernels.mhc_pre_mix import mhc_pre_mix
 from cute_kernels.mhc_stats import MhcStatsWorkspace, mhc_split_phi, mhc_stats
 from cute_kernels.rms_norm import rms_norm
 from cute_kernels.sink_attention import SinkAttentionWorkspace, sink_attention
+from cute_kernels.wo_a import DECODE_MAX_T as WO_A_DECODE_MAX_T
 from cute_kernels.wo_a import wo_a
 from cute_kernels.wo_a_decode import WoADecodeWorkspace
 from moe.experts import (expert_kernel_args, interleave_gate_up, moe_expert_gate_up, moe_expert_gemm,
@@ -97,10 +98,11 @@ class FusedOps(Ops):
 
     def __init__(self, target, max_tokens: int, max_len: int, moe_row_tile: int | None = 16,
                  indexer_token_group: int = 3, draft=None, release_bf16_experts: bool = False,
-                 _cpu_for_tests: bool = False):
+                 wo_a_pdl: bool = False, _cpu_for_tests: bool = False):
         """``release_bf16_experts``: delete each layer's bf16 routed-expert weights once their
         MXFP8 copies exist -- the fused MoE never reads them. For an engine that owns its
-        model; leave it off where the same model also runs the torch-bf16 ops."""
+        model; leave it off where the same model also runs the torch-bf16 ops. ``wo_a_pdl``:
+        :attr:`spec_decode.config.EngineConfig.wo_a_pdl`."""
         cfg = target.cfg
         on_cuda = torch.device(target.device).type == "cuda"
         if target.dtype != torch.bfloat16 or not (on_cuda or _cpu_for_tests):
@@ -112,6 +114,9 @@ class FusedOps(Ops):
         dev = target.device
         self.cfg, self.max_tokens, self.max_len = cfg, max_tokens, max_len
         self.moe_row_tile, self.indexer_token_group = moe_row_tile, indexer_token_group
+        if not isinstance(wo_a_pdl, bool):
+            raise TypeError(f"wo_a_pdl must be a bool, got {wo_a_pdl!r}")
+        self.wo_a_pdl = wo_a_pdl
         self.mhc_ws = MhcStatsWorkspace(cfg.mhc_n, max_tokens, device=dev)
         if self.split_mhc:  # H_post / H_res's stream and workspace (split_mhc)
             self.mhc_side = dedicated_stream(dev) if on_cuda else None
@@ -329,7 +334,10 @@ class FusedOps(Ops):
         ws = self._wo_ws.get(G)
         if ws is None:
             ws = self._wo_ws[G] = WoADecodeWorkspace(G, R, device=o.device)
-        return wo_a(o.reshape(B * S, H, hd).contiguous(), w.view(G, R, -1), workspace=ws).view(B, S, -1)
+        # (wo_a_pdl: the decode kernels' programmatic dependent launch, at their T only -- above,
+        # the route's cuBLAS ranges and engine tiles were measured without it)
+        pdl = dict(pdl=True) if self.wo_a_pdl and B * S <= WO_A_DECODE_MAX_T else {}
+        return wo_a(o.reshape(B * S, H, hd).contiguous(), w.view(G, R, -1), workspace=ws, **pdl).view(B, S, -1)
 
 
     # ------------------------------------------------------------------ MoE --------------

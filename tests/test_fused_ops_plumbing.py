@@ -78,8 +78,13 @@ def fake_compressor_pool(fresh, ring, pool, ape, norm_weight, rotate, pos, slot,
     compressor_pool_torch(fresh, ring, pool, ape, norm_weight, rotate, pos, slot, **kw)
 
 
-def fake_wo_a(o, w, workspace=None):
+WO_A_CALLS: list = []  # (tokens, the pdl keyword FusedOps passed or None)
+
+
+def fake_wo_a(o, w, workspace=None, **kw):
     assert w.dim() == 3 and workspace is not None  # FusedOps passes its own split-K workspace
+    assert set(kw) <= {"pdl"}
+    WO_A_CALLS.append((o.shape[0], kw.get("pdl")))
     T, H, hd = o.shape
     G = w.shape[0]
     return torch.einsum("tgd,grd->tgr", o.reshape(T, G, -1).float(), w.float()).reshape(T, -1).bfloat16()
@@ -314,6 +319,22 @@ def test_each_fused_family_matches_its_baseline(fakes):
     for li in (1, 2):  # hash-routed, then top-k
         z1, z2 = fops.moe(h, m.layers[li], CFG, toks), base.moe(h.float(), m32.layers[li], CFG, toks)
         assert (z1.float() - z2).norm() / z2.norm() < 0.1  # MXFP8 activations and weights, twice
+
+
+def test_wo_a_pdl_at_the_decode_kernels_steps_only(fakes):
+    """EngineConfig.wo_a_pdl: FusedOps passes ``pdl=True`` to WO-A for steps of up to 16 tokens
+    (its decode kernels'), nothing above; off by default; a non-bool is refused by name."""
+    m = TargetModel(CFG, seed=3, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    w = m.layers[1]["attn.wo_a.weight"]
+    for flag, T, want in ((False, 12, None), (True, 12, True), (True, 16, True), (True, 22, None)):
+        fops = fo.FusedOps(m, max_tokens=40, max_len=64, wo_a_pdl=flag, _cpu_for_tests=True)
+        WO_A_CALLS.clear()
+        o = torch.randn(1, T, CFG.heads, CFG.head_dim, generator=g).bfloat16()
+        fops.wo_a(o, w, CFG)
+        assert WO_A_CALLS == [(T, want)], (flag, T)
+    with pytest.raises(TypeError, match="wo_a_pdl"):
+        fo.FusedOps(m, max_tokens=12, max_len=64, wo_a_pdl=1, _cpu_for_tests=True)
 
 
 def test_moe_ignores_unwritten_padding_rows(fakes, monkeypatch):
