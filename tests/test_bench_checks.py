@@ -9,6 +9,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import bench_compressor  # noqa: E402
 import bench_peers  # noqa: E402
 import common  # noqa: E402
 
@@ -45,3 +46,23 @@ def test_overlap_fractions_and_median():
     assert common.overlap_fractions(spans, others) == [0.6, 0.5, 0.0]
     assert common.overlap_fractions([S(start=0, end=4)], [S(start=0, end=4), S(start=1, end=3)]) == [1.0]  # capped
     assert common.median([3.0, 1.0, 2.0]) == 2.0 and common.median([]) != common.median([])  # NaN when empty
+
+
+def test_compressor_bench_cases_close_the_windows_it_says():
+    """bench/bench_compressor.py's verify steps: at BS 1 one token closes a CSA and an HCA window;
+    at BS 64 every request closes at least one CSA window and three requests close an HCA
+    window -- the table's "tokens closing a window" -- and the fallback writes exactly those
+    entries (run on the CPU at the indexer's width)."""
+    from cute_kernels.compressor_pool import compressor_pool_torch
+
+    g = torch.Generator().manual_seed(0)
+    for B, ratio, overlap, want in ((1, 4, True, 1), (1, 128, False, 1), (64, 128, False, 3)):
+        (fresh, ring, pool, ape, w, rot, pos, slot), closing, nbytes = bench_compressor.make_inputs(
+            B, 128, ratio, overlap, g, device="cpu")
+        assert closing == want and nbytes > 0
+        compressor_pool_torch(fresh, ring, pool, ape, w, rot, pos, slot, ratio=ratio, overlap=overlap, eps=1e-6,
+                              tokens_per_request=bench_compressor.S)
+        assert int((pool.abs().sum(-1) > 0).sum()) == want
+    *_, pos, slot = bench_compressor.make_inputs(64, 128, 4, True, g, device="cpu")[0]
+    closes = ((pos + 1) % 4 == 0).view(64, -1).sum(1)
+    assert bool((closes >= 1).all())

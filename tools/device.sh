@@ -49,7 +49,7 @@
 #                                            fused finalize + all-reduce, the routed gather,
 #                                            mhc_pre_mix, the tensor entries and custom ops)
 #   bash tools/device.sh smoke-benches       their benches (row_rms and the norms, the mHC mixes, the
-#                                            V4-Flash MoE layer's stage table)
+#                                            KV compressors, the V4-Flash MoE layer's stage table)
 #   bash tools/device.sh quick-bench         the runtime bench at v4_flash_slice (--quick, acceptance 5.5)
 #   bash tools/device.sh h200 test|kernels|runtime
 #                                            what needs an H200 (run with needs_h200: the first is the
@@ -188,10 +188,13 @@ smoke-kernels)
   ;;
 smoke-benches)
   # their benches against the last tables: row_rms and the norms (bench_row_rms; quack / Liger's
-  # RMSNorm need `peers`), the mHC mixes, the MoE layer's stage table (finalize)
+  # RMSNorm need `peers`), the mHC mixes, the KV compressors (never timed alone before), the MoE
+  # layer's stage table (finalize, the routed gather)
   timeout 120 python bench/bench_row_rms.py --out "$OUT/bench_row_rms.md" 2>&1 | tee "$OUT/bench_row_rms.log" | tail -14
   timeout 150 python bench/bench_mhc.py --out "$OUT/bench_mhc.md" 2>&1 | tee "$OUT/bench_mhc.log" | tail -24
-  timeout 150 python bench/bench_moe_experts.py --model v4-flash --tokens 1,64,320 \
+  timeout 90 python bench/bench_compressor.py --out "$OUT/bench_compressor.md" 2>&1 \
+    | tee "$OUT/bench_compressor.log" | tail -10
+  timeout 140 python bench/bench_moe_experts.py --model v4-flash --tokens 1,64,320 \
     --out "$OUT/bench_moe_experts_v4-flash.md" 2>&1 | tee "$OUT/bench_moe_experts.log" | tail -12
   ;;
 h200)

@@ -1,0 +1,112 @@
+"""Benchmark compressor_pool (DeepSeek-V4's KV compressors in one launch) at a verify step's
+shapes; markdown for bench/RESULTS.md.
+
+    python bench/bench_compressor.py [--out FILE]
+
+Shapes: V4-Flash's compressors -- CSA (d = 512, ratio 4, overlapping windows of 8 rows), HCA
+(d = 512, ratio 128: windows of 128 rows) and the indexer's CSA compressor (d = 128) -- for a
+verify step of 6 tokens per request at BS 1 and 64, around position 4096: at BS 1 one token
+closes a window (CSA and HCA); at BS 64 request b starts at 4093 + b, so every request closes
+one or two CSA windows and three requests close an HCA window. The step's rows, the rings and
+the pools are rotated past L2.
+
+Ours: CUDA-graph replay (``bench/common.py``). The output (every pool entry written and the
+ring rows) is checked once against ``compressor_pool_torch``, the PyTorch fallback with the
+same rounding points (its per-token loop reads positions on the host: timed eagerly, with a
+synchronisation per call -- a yardstick, not what the base arm runs). Bytes: the window rows
+the closing tokens read, the step's rows read and written to the ring, the entries written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import H200_COPY_BW, gpu_warmup, markdown_table, rotation_count, time_graph  # noqa: E402
+
+from cute_kernels.compressor_pool import compressor_pool, compressor_pool_torch  # noqa: E402
+
+S, P0, ROPE = 6, 4093, 64
+#: (name, batch, d, ratio, overlapping windows)
+CASES = [("CSA kv, BS1", 1, 512, 4, True), ("HCA kv, BS1", 1, 512, 128, False),
+         ("indexer CSA, BS1", 1, 128, 4, True), ("CSA kv, BS64", 64, 512, 4, True),
+         ("HCA kv, BS64", 64, 512, 128, False)]
+
+
+def make_inputs(B: int, d: int, ratio: int, overlap: bool, g: torch.Generator, device: str = "cuda"):
+    """``(fresh, ring, pool, ape, norm_weight, rotate, pos, slot)``, the tokens closing a window,
+    and the bytes a call moves at least."""
+    coff = 2 if overlap else 1
+    ch, span = coff * d, (2 * ratio if overlap else ratio)
+    T = B * S
+    ring_rows, pool_rows = span + S + 2, (P0 + B + S) // ratio + 2
+    pos = torch.cat([P0 + b + torch.arange(S) for b in range(B)]).int()
+    slot = torch.arange(B).repeat_interleave(S).int()
+    fresh = torch.randn(T, 2 * ch, generator=g).bfloat16()
+    ring = torch.randn(B, ring_rows, 2 * ch, generator=g).bfloat16()
+    pool = torch.zeros(B, pool_rows, d).bfloat16()
+    ape = (torch.randn(ratio, ch, generator=g) * 0.1).bfloat16()
+    norm_w = (torch.randn(d, generator=g) * 0.1 + 1).bfloat16()
+    ang = ((pos + 1) // ratio * ratio).double()[:, None] / (10000.0 ** (torch.arange(0, ROPE, 2).double() / ROPE))
+    rot = torch.stack([ang.cos(), ang.sin()], -1).float()
+    closing = int(((pos + 1) % ratio == 0).sum())
+    tensors = [x.to(device) for x in (fresh, ring, pool, ape, norm_w, rot, pos, slot)]
+    nbytes = closing * span * 2 * ch * 2 + 2 * T * 2 * ch * 2 + closing * d * 2
+    return tensors, closing, nbytes
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    g = torch.Generator().manual_seed(0)
+    gpu_warmup()
+    table = []
+    for name, B, d, ratio, overlap in CASES:
+        (fresh, ring, pool, ape, norm_w, rot, pos, slot), closing, nbytes = make_inputs(B, d, ratio, overlap, g)
+        kw = dict(ratio=ratio, overlap=overlap, eps=1e-6, tokens_per_request=S)
+        ring_t, pool_t = ring.clone(), pool.clone()
+        compressor_pool(fresh, ring, pool, ape, norm_w, rot, pos, slot, **kw)
+        compressor_pool_torch(fresh, ring_t, pool_t, ape, norm_w, rot, pos, slot, **kw)
+        torch.cuda.synchronize()
+        err = ((pool.float() - pool_t.float()).norm() / pool_t.float().norm()).item()
+        if not (torch.equal(ring, ring_t) and err <= 1e-2):  # exp's and the FP32 sums' order apart
+            raise SystemExit(f"compressor_pool {name}: ring equal {torch.equal(ring, ring_t)}, pool relative "
+                             f"error {err:.3g} against the PyTorch fallback; not timing it")
+        n = rotation_count(nbytes + ring.numel() * 2)
+        sets = [(fresh, ring, pool)] + [(fresh.clone(), ring.clone(), pool.clone()) for _ in range(n - 1)]
+        t_ours = time_graph(lambda i: compressor_pool(sets[i][0], sets[i][1], sets[i][2], ape, norm_w, rot, pos, slot,
+                                                      **kw), n, max(n, 8))
+        walls = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            compressor_pool_torch(fresh, ring_t, pool_t, ape, norm_w, rot, pos, slot, **kw)
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t0)
+        t_torch = statistics.median(walls)
+        table.append([f"{name}: T={B * S}, d={d}, ratio {ratio}", str(closing), f"{t_ours * 1e6:.1f}",
+                      f"{t_torch * 1e6:.0f}", f"{t_torch / t_ours:.0f}x", f"{100 * nbytes / t_ours / H200_COPY_BW:.0f}%",
+                      f"{err:.1e}"])
+        sets = None
+        torch.cuda.empty_cache()
+    text = (f"## KV compressors (`bench/bench_compressor.py`) -- {torch.cuda.get_device_name()}, "
+            f"{datetime.date.today()}\n\nCommand: `python bench/bench_compressor.py`\n\n"
+            + markdown_table(["V4-Flash compressor, verify step", "tokens closing a window", "ours us",
+                              "PyTorch fallback us (eager, host loop)", "speedup", "% of 4.3 TB/s",
+                              "rel. diff vs fallback"], table) + "\n")
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
