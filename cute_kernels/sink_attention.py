@@ -44,7 +44,9 @@ rounding, coalesced stores. Several: each CTA writes its unnormalised ``O`` and 
 the workspace and the last CTA of the token's head group to arrive (acq_rel counter,
 :mod:`cute_kernels.grid_sync`, reset by that CTA: graph replays need no host reset) merges
 the splits in a fixed order -- deterministic -- ``sum_i O_i 2^(m_i - M) / sum_i l_i 2^(m_i - M)``,
-then rotates and stores as above. :func:`plan` picks the head group and the splits so a
+then rotates and stores as above: every split's ``(m, l)`` loaded at once, then split by split
+each thread's eight 16-byte partial vectors at once (a memory round trip per split). The token's
+(cos, sin) arrive in shared memory with ``q``. :func:`plan` picks the head group and the splits so a
 step's CTAs fill the SMs: 64 heads per CTA when tokens alone fill them (each key tile read
 once per token), else 16 heads and key splits (a small verify step).
 
@@ -162,6 +164,7 @@ class SinkAttention:
         sSum = smem.allocate_tensor(Float32, cute.make_layout((HT,)), 16)
         sCorr = smem.allocate_tensor(Float32, cute.make_layout((HT,)), 16)
         sFlag = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
+        sCS = smem.allocate_tensor(Float32, cute.make_layout((max(self.r, 2),)), 16)  # the token's (cos, sin)
         # V^T: the key tile read as (D, keys) -- the P V product's B operand, N-contiguous
         sVt = cute.make_tensor(sK.iterator, cute.make_layout((D, KEY_TILE, 2), stride=(1, self.pitch,
                                                                                         KEY_TILE * self.pitch)))
@@ -175,6 +178,13 @@ class SinkAttention:
         atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), bf16, num_bits_per_copy=128)
         row0 = t * heads + g * HT  # q / out row of this CTA's first head
         self.issue_q(mQ, sQ, atom, row0)
+        if const_expr(self.r > 0):
+            # the token's (cos, sin) with q: read by the epilogue from shared memory (as global
+            # loads there, they were issued after the output's sums -- one more round trip)
+            atom_cs = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=64)
+            if tidx < self.r // 2:
+                cute.copy(atom_cs, cute.zipped_divide(mCS, (1, 2))[(0, None), (t, tidx)],
+                          cute.zipped_divide(sCS, (2,))[(None, tidx)])
         if j0 < j1:
             self.issue_keys(mKV, mRows, sK, sRow, atom, t, j0, 0, num_rows, num_keys)
         cute.arch.cp_async_commit_group()
@@ -249,7 +259,7 @@ class SinkAttention:
             for h in cutlass.range(tidx, HT, THREADS):
                 sCorr[h] = Float32(1.0) / sSum[h]
             cute.arch.barrier()
-            self.store_out(sO, None, sCorr, mCS, mOut, t, row0, Int32(0), Int32(1))
+            self.store_out(sO, None, sCorr, sCS, mOut, t, row0, Int32(0), Int32(1))
         else:
             _, _, groups = cute.arch.grid_dim()
             tile = t * groups + g  # this token's head group: its counter, its splits' workspace rows
@@ -264,21 +274,29 @@ class SinkAttention:
             if last_arrival(mCount.iterator + tile, sFlag, splits):
                 # the splits' weights 2^(m_i - M) / L per head, over the scores' buffer
                 sW = cute.make_tensor(sS.iterator, cute.make_layout((MAX_SPLITS, HT), stride=(HT, 1)))
+                # (every split's (m, l) loaded at once -- a split past the count reads the last
+                # one's and is masked: no branch between the loads)
+                gML = cute.zipped_divide(mML, (1, 1, 2))
+                rML = cute.make_rmem_tensor(cute.make_layout((2, MAX_SPLITS)), Float32)
                 for h in cutlass.range(tidx, HT, THREADS):
+                    for i in cutlass.range_constexpr(MAX_SPLITS):
+                        cute.autovec_copy(gML[(0, 0, None), (unit0 + cutlass.min(Int32(i), splits - 1), h, 0)],
+                                          rML[None, i])
                     mx = neg_inf
-                    for i in cutlass.range(splits):
-                        mx = cutlass.max(mx, mML[unit0 + i, h, 0])
+                    for i in cutlass.range_constexpr(MAX_SPLITS):
+                        mx = cutlass.select_(i < splits, cutlass.max(mx, rML[0, i]), mx)
                     mx = cutlass.select_(mx == neg_inf, Float32(0.0), mx)
                     total = Float32(0.0)
-                    for i in cutlass.range(splits):
-                        w = cute.math.exp2(mML[unit0 + i, h, 0] - mx, fastmath=True)
-                        sW[i, h] = w
-                        total = total + mML[unit0 + i, h, 1] * w
+                    for i in cutlass.range_constexpr(MAX_SPLITS):
+                        w = cute.math.exp2(rML[0, i] - mx, fastmath=True)
+                        if i < splits:
+                            sW[i, h] = w
+                        total = cutlass.select_(i < splits, total + rML[1, i] * w, total)
                     inv = Float32(1.0) / total
                     for i in cutlass.range(splits):
                         sW[i, h] = sW[i, h] * inv
                 cute.arch.barrier()
-                self.store_out(None, mPart, sW, mCS, mOut, t, row0, unit0, splits)
+                self.store_out(None, mPart, sW, sCS, mOut, t, row0, unit0, splits)
                 if tidx == 0:
                     mCount[tile] = 0  # ready for the next launch
 
@@ -365,36 +383,64 @@ class SinkAttention:
             sCorr[h] = corr
 
     @cute.jit
-    def store_out(self, sO, mPart, sW: cute.Tensor, mCS: cute.Tensor, mOut: cute.Tensor, t: Int32,
+    def store_out(self, sO, mPart, sW: cute.Tensor, sCS: cute.Tensor, mOut: cute.Tensor, t: Int32,
                   row0: Int32, unit0: Int32, splits: Int32):
         """``out[row0 + h, d]`` (token t, head ``g * HT + h``) `` = bf16(rotate(sum_i w[i, h] O_i[h, d]))`` over adjacent pairs
         ``d, d + 1``: one split's tile in shared memory (``sO``, weight ``1 / l``), or the splits'
-        partials in the workspace (``mPart`` rows ``unit0 ..``, weights ``w``), in split order."""
+        partials in the workspace (``mPart`` rows ``unit0 ..``, weights ``w``), in split order;
+        ``sCS``: the token's (cos, sin), in shared memory."""
         tidx, _, _ = cute.arch.thread_idx()
-        HT, D, r = self.HT, self.D, self.r
-        half = D // 2
-        for idx in cutlass.range(tidx, HT * half, THREADS):
-            h = idx // half
-            d = 2 * (idx - h * half)
-            a = Float32(0.0)
-            b = Float32(0.0)
-            if const_expr(sO is not None):
+        HT, D = self.HT, self.D
+        if const_expr(sO is not None):
+            half = D // 2
+            for idx in cutlass.range(tidx, HT * half, THREADS):
+                h = idx // half
+                d = 2 * (idx - h * half)
                 w = sW[h]
-                a = sO[h, d] * w
-                b = sO[h, d + 1] * w
-            else:
+                self.store_pair(sO[h, d] * w, sO[h, d + 1] * w, sCS, mOut, row0 + h, d)
+        else:
+            # A thread per 4 consecutive columns, G of them (unrolled): a split's G vectors are
+            # all loaded before any is summed, one memory round trip per split. (Pair by pair in
+            # a loop, every split's two scalar loads waited behind the sums of the one before:
+            # a round trip per split and pair.) Summed per column over the splits in split order.
+            # (in chunks of at most 8 vectors: 64 registers; the merge runs with 16 heads, one chunk)
+            nv = D // 4
+            G = HT * nv // THREADS
+            GC = min(G, 8)
+            gP = cute.zipped_divide(mPart, (1, 1, 4))
+            acc = cute.make_rmem_tensor(cute.make_layout((4, GC)), Float32)
+            rP = cute.make_rmem_tensor(cute.make_layout((4, GC)), Float32)
+            for k0 in cutlass.range_constexpr(0, G, GC):
+                acc.fill(0.0)
                 for i in cutlass.range(splits):
-                    w = sW[i, h]
-                    a = a + mPart[unit0 + i, h, d] * w
-                    b = b + mPart[unit0 + i, h, d + 1] * w
-            if const_expr(r > 0):
-                if d >= D - r:
-                    j = d - (D - r)  # (cos, sin) of pair j / 2 at columns j, j + 1
-                    c = mCS[t, j]
-                    s = mCS[t, j + 1]
-                    a, b = a * c - b * s, a * s + b * c
-            mOut[row0 + h, d] = a.to(cutlass.BFloat16)
-            mOut[row0 + h, d + 1] = b.to(cutlass.BFloat16)
+                    for k in cutlass.range_constexpr(GC):
+                        q = tidx + (k0 + k) * THREADS
+                        h = q // nv
+                        cute.autovec_copy(gP[(0, 0, None), (unit0 + i, h, q - h * nv)], rP[None, k])
+                    for k in cutlass.range_constexpr(GC):
+                        w = sW[i, (tidx + (k0 + k) * THREADS) // nv]
+                        for e in cutlass.range_constexpr(4):
+                            acc[e, k] = acc[e, k] + rP[e, k] * w
+                for k in cutlass.range_constexpr(GC):
+                    q = tidx + (k0 + k) * THREADS
+                    h = q // nv
+                    d = (q - h * nv) * 4
+                    for p in cutlass.range_constexpr(2):
+                        self.store_pair(acc[2 * p, k], acc[2 * p + 1, k], sCS, mOut, row0 + h, d + 2 * p)
+
+    @cute.jit
+    def store_pair(self, a: Float32, b: Float32, sCS: cute.Tensor, mOut: cute.Tensor, row, d):
+        """Columns ``d, d + 1`` of output row ``row``: rotated by the token's (cos, sin) of their
+        pair when among the last ``r``, rounded once to bf16."""
+        D, r = self.D, self.r
+        if const_expr(r > 0):
+            if d >= D - r:
+                j = d - (D - r)  # (cos, sin) of pair j / 2 at columns j, j + 1
+                c = sCS[j]
+                s = sCS[j + 1]
+                a, b = a * c - b * s, a * s + b * c
+        mOut[row, d] = a.to(cutlass.BFloat16)
+        mOut[row, d + 1] = b.to(cutlass.BFloat16)
 
 
 def plan(tokens: int, heads: int, keys: int, sms: int = 132) -> tuple[int, int]:
@@ -439,8 +485,8 @@ def _build(arch: str, *, heads_per_cta: int, dim: int, rope_dim: int = 0):
     k = SinkAttention(heads_per_cta, dim, rope_dim)
     P = jit.fake_gmem_ptr
     bf16 = cutlass.BFloat16
-    return k, (P(bf16, 16), P(bf16, 16), P(Int32, 4), P(Float32, 4), P(Float32, 8), P(bf16, 4), P(Float32, 4),
-               P(Float32, 4), P(Int32, 4), Int32(1), Int32(16), Int32(1), Int32(1), Int32(1), Float32(1.0),
+    return k, (P(bf16, 16), P(bf16, 16), P(Int32, 4), P(Float32, 4), P(Float32, 8), P(bf16, 4), P(Float32, 16),
+               P(Float32, 8), P(Int32, 4), Int32(1), Int32(16), Int32(1), Int32(1), Int32(1), Float32(1.0),
                jit.fake_stream())
 
 
@@ -535,7 +581,7 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sink: 
     bf16 = cutlass.BFloat16
     fn(P(bf16, q, 16), P(bf16, kv, 16), P(Int32, rows, 4), P(Float32, sink, 4),
        P(Float32, rotate if rotate is not None else sink, 8 if rotate is not None else 4), P(bf16, out, 4),
-       P(Float32, workspace.partials, 4), P(Float32, workspace.ml, 4), P(Int32, workspace.counters, 4),
+       P(Float32, workspace.partials, 16), P(Float32, workspace.ml, 8), P(Int32, workspace.counters, 4),
        jit.i32(T), jit.i32(H), jit.i32(kv.shape[0]), jit.i32(rows.shape[1]), jit.i32(splits),
        jit.f32(scale * LOG2E), jit.cu_stream(stream))
     return out

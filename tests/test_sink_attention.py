@@ -238,3 +238,17 @@ def test_machine_code(arch, ht):
     assert sass.count(h, "LDSM.16.MT88") >= 1 and sass.count(h, "LDSM") >= 8
     assert sass.count(h, "LDGSTS") >= 2 and sass.count(h, "SHFL.BFLY") >= 2
     assert sass.local_memory_ops(h) == 0
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_split_merge_loads_each_split_at_once(arch):
+    """The last CTA's merge (16 heads, the plan's split configuration): every split's (m, l) is
+    loaded before the first exp2 of the weights, and a split's partial vectors (8 x 16 bytes a
+    thread) before their first product -- a memory round trip per split, not per column pair
+    and split (what the pair-by-pair loop compiled to)."""
+    ops = sass.opcodes(sass.disassemble(sass.compile_cubin("sink_attention", arch, heads_per_cta=16, dim=512,
+                                                            rope_dim=64)))
+    ml = "".join("L" if o == "LDG.E.64" else "X" if o.startswith("MUFU.EX2") else "" for o in ops)
+    assert ml.count("L") == 16 and "L" * 16 + "X" in ml
+    part = "".join("L" if o == "LDG.E.128" else "F" if o.startswith("FFMA") else "" for o in ops)
+    assert part.count("L") == 8 and "F" + "L" * 8 + "F" in part
