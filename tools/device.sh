@@ -46,10 +46,11 @@
 #                                            the runtime's GPU tests at `small`
 #   bash tools/device.sh smoke-kernels       the recently changed kernels' GPU tests alone (the list
 #                                            in the job: rms_norm / row_rms, moe_finalize and the
-#                                            fused finalize + all-reduce, the routed gather,
-#                                            mhc_pre_mix, the tensor entries and custom ops)
-#   bash tools/device.sh smoke-benches       their benches (row_rms and the norms, the mHC mixes, the
-#                                            KV compressors, the V4-Flash MoE layer's stage table)
+#                                            fused finalize + all-reduce, the routed gather, mHC,
+#                                            sink_attention, the tensor entries and custom ops)
+#   bash tools/device.sh smoke-benches       their benches (row_rms and the norms, decode attention, the
+#                                            mHC mixes, the KV compressors, the V4-Flash MoE layer's
+#                                            stage table)
 #   bash tools/device.sh quick-bench         the runtime bench at v4_flash_slice (--quick, acceptance 5.5)
 #   bash tools/device.sh h200 test|kernels|runtime
 #                                            what needs an H200 (run with needs_h200: the first is the
@@ -176,22 +177,25 @@ smoke)
 smoke-kernels)
   # the kernels changed since their last GPU run: rms_norm / row_rms (every load as cp.async
   # copies before one wait, one barrier), moe_finalize and the fused finalize + all-reduce (the
-  # routed rows staged in shared memory), mhc_pre_mix (one round trip), the prequantized routed
-  # gather (a thread's blocks loaded before its stores). The hang watchdog at 90 s
-  # (each of these tests runs for seconds besides its compiles): under each job's timeout
+  # routed rows staged in shared memory), the prequantized routed gather, mhc_pre_mix and
+  # mhc_stats' epilogue, sink_attention's split merge. The hang watchdog at 90 s (each of these
+  # tests runs for seconds besides its compiles): under each job's timeout
   export CUTE_KERNELS_GPU_TEST_TIMEOUT_S=90
-  timeout 110 $PYT -m gpu tests/test_row_rms.py 2>&1 | tee "$OUT/row-rms-tests.log" | tail -5
-  timeout 100 $PYT -m gpu tests/test_moe_finalize.py tests/test_comm.py 2>&1 | tee "$OUT/finalize-tests.log" | tail -5
-  timeout 90 $PYT -m gpu tests/test_moe_quant.py 2>&1 | tee "$OUT/quant-tests.log" | tail -5
-  timeout 110 $PYT -m gpu tests/test_mhc.py 2>&1 | tee "$OUT/mhc-tests.log" | tail -5
-  timeout 120 $PYT -m gpu tests/test_tensor_entries.py tests/test_ops.py 2>&1 | tee "$OUT/entries-tests.log" | tail -5
+  timeout 100 $PYT -m gpu tests/test_row_rms.py 2>&1 | tee "$OUT/row-rms-tests.log" | tail -5
+  timeout 90 $PYT -m gpu tests/test_moe_finalize.py tests/test_comm.py 2>&1 | tee "$OUT/finalize-tests.log" | tail -5
+  timeout 80 $PYT -m gpu tests/test_moe_quant.py 2>&1 | tee "$OUT/quant-tests.log" | tail -5
+  timeout 100 $PYT -m gpu tests/test_mhc.py 2>&1 | tee "$OUT/mhc-tests.log" | tail -5
+  timeout 90 $PYT -m gpu tests/test_sink_attention.py 2>&1 | tee "$OUT/attention-tests.log" | tail -5
+  timeout 100 $PYT -m gpu tests/test_tensor_entries.py tests/test_ops.py 2>&1 | tee "$OUT/entries-tests.log" | tail -5
   ;;
 smoke-benches)
   # their benches against the last tables: row_rms and the norms (bench_row_rms; quack / Liger's
   # RMSNorm need `peers`), the mHC mixes, the KV compressors (never timed alone before), the MoE
   # layer's stage table (finalize, the routed gather)
-  timeout 120 python bench/bench_row_rms.py --out "$OUT/bench_row_rms.md" 2>&1 | tee "$OUT/bench_row_rms.log" | tail -14
-  timeout 150 python bench/bench_mhc.py --out "$OUT/bench_mhc.md" 2>&1 | tee "$OUT/bench_mhc.log" | tail -24
+  timeout 100 python bench/bench_row_rms.py --out "$OUT/bench_row_rms.md" 2>&1 | tee "$OUT/bench_row_rms.log" | tail -14
+  timeout 80 python bench/bench_sink_attention.py --out "$OUT/bench_sink_attention.md" 2>&1 \
+    | tee "$OUT/bench_sink_attention.log" | tail -10
+  timeout 120 python bench/bench_mhc.py --out "$OUT/bench_mhc.md" 2>&1 | tee "$OUT/bench_mhc.log" | tail -24
   timeout 90 python bench/bench_compressor.py --out "$OUT/bench_compressor.md" 2>&1 \
     | tee "$OUT/bench_compressor.log" | tail -10
   timeout 140 python bench/bench_moe_experts.py --model v4-flash --tokens 1,64,320 \
