@@ -1,10 +1,31 @@
 # Source on the H200 device machine (repo root as cwd): unpack CuTe DSL from .devcache
 # (see ../shared/device/README.md) and put it and this checkout on PYTHONPATH.
-mkdir -p /tmp/site
-if [ ! -d /tmp/site/nvidia_cutlass_dsl ]; then
-  tar -xJf .devcache/cutedsl-4.8.1-cp312-cu13.tar.xz -C /tmp/site || return 1
+#
+# The bundle travels whole (.devcache/cutedsl-4.8.1-cp312-cu13.tar.xz) or in two parts
+# (.devcache/cutedsl-4.8.1.part00 / part01, `split -b 32M -d`), one per call: the whole bundle
+# leaves the working tree only a few KiB of a call's 64 MiB (counted in 4 KiB blocks). A part
+# carried in is kept in /tmp (the machine keeps /tmp while warm); with both there, they are
+# joined and unpacked. With one part only this returns 1 after keeping it (docs/device.md).
+SITE=${CUTE_KERNELS_DSL_SITE:-/tmp/site}
+mkdir -p "$SITE"
+if [ ! -d "$SITE/nvidia_cutlass_dsl" ]; then
+  if [ -f .devcache/cutedsl-4.8.1-cp312-cu13.tar.xz ]; then
+    tar -xJf .devcache/cutedsl-4.8.1-cp312-cu13.tar.xz -C "$SITE" || return 1
+  else
+    for part in .devcache/cutedsl-4.8.1.part*; do
+      [ -f "$part" ] && cp "$part" "$(dirname "$SITE")/"
+    done
+    parts=("$(dirname "$SITE")"/cutedsl-4.8.1.part0[01])
+    if [ -f "${parts[0]}" ] && [ -f "${parts[1]:-}" ]; then
+      cat "${parts[@]}" | tar -xJ -C "$SITE" || return 1
+      rm -f "${parts[@]}"
+    else
+      echo "device-env: a part of the DSL bundle is kept in $(dirname "$SITE"); carry the other next" >&2
+      return 1
+    fi
+  fi
 fi
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 export CUTE_KERNELS_CACHE_DIR=${CUTE_KERNELS_CACHE_DIR:-/tmp/cute_kernels_cache}
 # compiled kernels carried in (docs/device.md): a fresh machine loads them instead of compiling
