@@ -116,31 +116,29 @@ class RmsNorm(RowRms):
         row, _, _ = cute.arch.block_idx()
         cs_vec = 4  # FP32 per 16-byte copy: a row vector's vec / 2 (cos, sin) pairs are vec FP32
         gCSv = cute.zipped_divide(mCS[row // rows_per_token, None], (cs_vec,))
-        gWv = cute.zipped_divide(mW[0, None], (self.vec,))
         # (vec / 2 (cos, sin) pairs in order: column h holds the h-th 16-byte piece)
         tCrCS = cute.make_rmem_tensor(cute.make_layout((cs_vec, self.vec // cs_vec, self.iters)), Float32)
         tWrW = cute.make_rmem_tensor(cute.make_layout((self.vec, self.iters)), self.dtype)
         if const_expr(self.async_loads):
-            # Everything the row needs is issued before any of it is used: the weight, the
-            # rotation's (cos, sin) and the row itself as cp.async copies into shared memory,
-            # one wait, then each thread reads back its own vectors. (With the weight as
-            # register loads beside the row's, the compiler issued them only after the row had
-            # arrived -- behind the instructions waiting for it -- one more memory round trip
-            # on the critical path of a short row; the wait orders them.)
+            # Everything the row needs is issued before any of it is used: the row, the weight
+            # and the rotation's (cos, sin) as cp.async copies into shared memory, one wait,
+            # then each thread reads back its own vectors. (With the weight as register loads
+            # beside the row's, the compiler issued them only after the row had arrived --
+            # behind the instructions waiting for it -- one more memory round trip on the
+            # critical path of a short row; the wait orders them.)
             smem = cutlass.memory.SmemAllocator()
-            atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
             atom_cs = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
             sX = smem.allocate_tensor(self.dtype, cute.make_layout((self.hidden,)), 16)
             sW = smem.allocate_tensor(self.dtype, cute.make_layout((self.hidden if self.weighted else self.vec,)), 16)
             sCS = smem.allocate_tensor(Float32, cute.make_layout((max(self.rope_dim, cs_vec),)), 16)
-            sWv, sCSv = cute.zipped_divide(sW, (self.vec,)), cute.zipped_divide(sCS, (cs_vec,))
+            sCSv = cute.zipped_divide(sCS, (cs_vec,))
             self.copy_row_async(mX, row, tidx, sX)
-            for i in cutlass.range_constexpr(self.iters):
-                v = tidx + i * self.threads
-                if v < self.n_vec:
-                    if const_expr(self.weighted):
-                        cute.copy(atom, gWv[(None, v)], sWv[(None, v)])
-                    if const_expr(self.rope_dim > 0):
+            if const_expr(self.weighted):
+                self.copy_row_async(mW, 0, tidx, sW)
+            if const_expr(self.rope_dim > 0):
+                for i in cutlass.range_constexpr(self.iters):
+                    v = tidx + i * self.threads
+                    if v < self.n_vec:
                         if v >= self.rope_first_vec:
                             for h in cutlass.range_constexpr(self.vec // cs_vec):
                                 c = (v - self.rope_first_vec) * (self.vec // cs_vec) + h
@@ -148,29 +146,17 @@ class RmsNorm(RowRms):
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
             tXrX = self.read_row(sX, tidx)
-            for i in cutlass.range_constexpr(self.iters):
-                v = tidx + i * self.threads
-                if v < self.n_vec:
-                    if const_expr(self.weighted):
-                        cute.autovec_copy(sWv[(None, v)], tWrW[None, i])
-                    if const_expr(self.rope_dim > 0):
-                        if v >= self.rope_first_vec:
-                            c0 = (v - self.rope_first_vec) * (self.vec // cs_vec)
-                            for h in cutlass.range_constexpr(self.vec // cs_vec):
-                                cute.autovec_copy(sCSv[(None, c0 + h)], tCrCS[None, h, i])
+            if const_expr(self.weighted):
+                tWrW = self.read_row(sW, tidx)
+            if const_expr(self.rope_dim > 0):
+                self.rotation_vectors(sCSv, tidx, tCrCS)
         else:
             # (rows too long for shared memory: register loads, the weight's after the row)
             tXrX = self.load_row(mX, row, tidx)
             if const_expr(self.weighted):
                 tWrW = self.load_row(mW, 0, tidx)
             if const_expr(self.rope_dim > 0):
-                for i in cutlass.range_constexpr(self.iters):
-                    v = tidx + i * self.threads
-                    if v < self.n_vec:
-                        if v >= self.rope_first_vec:
-                            c0 = (v - self.rope_first_vec) * (self.vec // cs_vec)
-                            for h in cutlass.range_constexpr(self.vec // cs_vec):
-                                cute.autovec_copy(gCSv[(None, c0 + h)], tCrCS[None, h, i])
+                self.rotation_vectors(gCSv, tidx, tCrCS)
         r = self.row_rstd(tXrX, eps, tidx).to(self.dtype).to(Float32)  # the statistic in x's dtype
         gY = cute.zipped_divide(mY[row, None], (self.vec,))
         rY = cute.make_rmem_tensor(cute.make_layout((self.vec,)), self.dtype)
@@ -185,6 +171,19 @@ class RmsNorm(RowRms):
                     if v >= self.rope_first_vec:
                         self.rotate(rY, tCrCS[None, None, i])
                 cute.autovec_copy(rY, gY[(None, v)])
+
+    @cute.jit
+    def rotation_vectors(self, csv: cute.Tensor, tidx, tCrCS: cute.Tensor):
+        """The (cos, sin) of this thread's rotated vectors from ``csv`` (the token's row, global
+        or shared, as 16-byte pieces) into ``tCrCS [4, vec / 4, iters]``."""
+        cs_vec = 4
+        for i in cutlass.range_constexpr(self.iters):
+            v = tidx + i * self.threads
+            if v < self.n_vec:
+                if v >= self.rope_first_vec:
+                    c0 = (v - self.rope_first_vec) * (self.vec // cs_vec)
+                    for h in cutlass.range_constexpr(self.vec // cs_vec):
+                        cute.autovec_copy(csv[(None, c0 + h)], tCrCS[None, h, i])
 
     @cute.jit
     def rotate(self, rY: cute.Tensor, rCS: cute.Tensor):

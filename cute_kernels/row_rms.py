@@ -99,9 +99,15 @@ class RowRms:
     def load_row(self, mX: cute.Tensor, row, tidx) -> cute.Tensor:
         """Row ``row`` of ``mX`` into registers: thread ``tidx`` holds 16-byte vectors ``tidx,
         tidx + threads, ...`` as the ``(vec, iters)`` tensor (zeros past the row)."""
+        return self.own_vectors(mX[row, None], tidx)
+
+    @cute.jit
+    def own_vectors(self, src: cute.Tensor, tidx) -> cute.Tensor:
+        """Thread ``tidx``'s 16-byte vectors of the ``[hidden]`` row ``src`` (global or shared
+        memory) as :meth:`load_row` returns them."""
         # ((vec), (n_vec)): mode 0 is one 16-byte vector, contiguous and 16-byte aligned
         # because hidden % vec == 0 and the base pointer is 16-byte aligned.
-        gX = cute.zipped_divide(mX[row, None], (self.vec,))
+        gX = cute.zipped_divide(src, (self.vec,))
         tXrX = cute.make_rmem_tensor(cute.make_layout((self.vec, self.iters)), self.dtype)
         tXrX.fill(0.0)
         for i in cutlass.range_constexpr(self.iters):
@@ -130,14 +136,7 @@ class RowRms:
     def read_row(self, sX: cute.Tensor, tidx) -> cute.Tensor:
         """This thread's vectors of :meth:`copy_row_async`'s row (after the wait), as
         :meth:`load_row` returns them."""
-        sXv = cute.zipped_divide(sX, (self.vec,))
-        tXrX = cute.make_rmem_tensor(cute.make_layout((self.vec, self.iters)), self.dtype)
-        tXrX.fill(0.0)
-        for i in cutlass.range_constexpr(self.iters):
-            v = tidx + i * self.threads
-            if v < self.n_vec:
-                cute.autovec_copy(sXv[(None, v)], tXrX[None, i])
-        return tXrX
+        return self.own_vectors(sX, tidx)
 
     @cute.jit
     def row_rstd(self, tXrX: cute.Tensor, eps: Float32, tidx) -> Float32:
