@@ -35,6 +35,11 @@ def _scale_shape(rows: int, K: int, layout: str) -> tuple[int, ...]:
     return (rows, K // _q.MX_BLOCK) if layout == "plain" else (_q.scale_buffer_size(rows, K, layout),)
 
 
+def _quant_outputs(like: Tensor, rows: int, K: int, layout: str) -> tuple[Tensor, Tensor]:
+    """Fresh MXFP8 outputs on ``like``'s device: e4m3 ``[rows, K]`` and the ``layout``'s scales."""
+    return like.new_empty(rows, K, dtype=F8), like.new_empty(_scale_shape(rows, K, layout), dtype=torch.uint8)
+
+
 def _routed_outputs(x: Tensor, sorted_token_ids: Tensor, layout: str) -> dict:
     """Fresh outputs for a routed quantisation where the arguments look valid (else none: the
     entry point then allocates and names what is wrong): with the outputs given, the entry
@@ -42,8 +47,8 @@ def _routed_outputs(x: Tensor, sorted_token_ids: Tensor, layout: str) -> dict:
     if (layout not in _q.LAYOUTS or x.dim() != 2 or sorted_token_ids.dim() != 1 or x.shape[1] % _q.MX_BLOCK
             or not sorted_token_ids.shape[0]):
         return {}
-    R, K = sorted_token_ids.shape[0], x.shape[1]
-    return dict(q=x.new_empty(R, K, dtype=F8), scales=x.new_empty(_scale_shape(R, K, layout), dtype=torch.uint8))
+    q, scales = _quant_outputs(x, sorted_token_ids.shape[0], x.shape[1], layout)
+    return dict(q=q, scales=scales)
 
 
 def _quant_cpu(x: Tensor, layout: str) -> tuple[Tensor, Tensor]:
@@ -58,9 +63,8 @@ def mxfp8_quantize(x: Tensor, layout: str) -> tuple[Tensor, Tensor]:
     ``layout="plain"``, the expert GEMMs' flat swizzled buffer for ``"swizzled"``)."""
     if layout != "plain" or x.dim() != 2 or x.shape[1] % _q.MX_BLOCK:  # (the entry names the errors)
         return _q.mxfp8_quantize(x, layout=layout)
-    R, K = x.shape  # outputs given: the entry point's eager hot path after a first validated call
-    return _q.mxfp8_quantize(x, layout=layout, q=x.new_empty(R, K, dtype=F8),
-                             scales=x.new_empty(R, K // _q.MX_BLOCK, dtype=torch.uint8))
+    q, scales = _quant_outputs(x, *x.shape, layout)  # outputs given: the entry point's eager hot path
+    return _q.mxfp8_quantize(x, layout=layout, q=q, scales=scales)
 
 
 mxfp8_quantize.register_kernel("cpu")(_quant_cpu)
@@ -68,8 +72,7 @@ mxfp8_quantize.register_kernel("cpu")(_quant_cpu)
 
 @mxfp8_quantize.register_fake
 def _(x, layout):
-    R, K = x.shape
-    return x.new_empty(R, K, dtype=F8), x.new_empty(_scale_shape(R, K, layout), dtype=torch.uint8)
+    return _quant_outputs(x, *x.shape, layout)
 
 
 @cuda_op("mxfp8_quantize_routed")
@@ -94,8 +97,7 @@ def _(x, sorted_token_ids, total_rows, topk, layout):
 
 @mxfp8_quantize_routed.register_fake
 def _(x, sorted_token_ids, total_rows, topk, layout):
-    R, K = sorted_token_ids.shape[0], x.shape[1]
-    return x.new_empty(R, K, dtype=F8), x.new_empty(_scale_shape(R, K, layout), dtype=torch.uint8)
+    return _quant_outputs(x, sorted_token_ids.shape[0], x.shape[1], layout)
 
 
 @cuda_op("mxfp8_gather_routed")
@@ -122,8 +124,7 @@ def _(xq, xs, sorted_token_ids, total_rows, topk, layout):
 
 @mxfp8_gather_routed.register_fake
 def _(xq, xs, sorted_token_ids, total_rows, topk, layout):
-    R, K = sorted_token_ids.shape[0], xq.shape[1]
-    return xq.new_empty(R, K, dtype=F8), xq.new_empty(_scale_shape(R, K, layout), dtype=torch.uint8)
+    return _quant_outputs(xq, sorted_token_ids.shape[0], xq.shape[1], layout)
 
 
 # --------------------------------------------------------------------------- router ----
@@ -200,11 +201,7 @@ def _(logits, bias, num_experts, n_group, topk_group, top_k, routed_scaling_fact
     T, E = logits.shape
     cfg = _rt.RouterConfig(num_experts=E, n_group=n_group, topk_group=topk_group, top_k=top_k,
                            routed_scaling_factor=routed_scaling_factor, tile_m=tile_m, score=score)
-    slots, tiles = _rt.capacity(cfg, T)
-    i32 = dict(dtype=torch.int32)
-    return (logits.new_empty(T, top_k, **i32), logits.new_empty(T, top_k, dtype=torch.float32),
-            logits.new_empty(E, **i32), logits.new_empty(E + 1, **i32), logits.new_empty(slots, **i32),
-            logits.new_empty(tiles, **i32), logits.new_empty(1, **i32), logits.new_empty(T * top_k, **i32))
+    return _route_outputs(logits, T, E, top_k, *_rt.capacity(cfg, T))
 
 
 # ---------------------------------------------------------------------- expert GEMMs ----
@@ -248,8 +245,7 @@ def _(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, 
 
 @moe_expert_gate_up.register_fake
 def _(a_q, a_scales, w_q, w_scales, expert_offsets, expert_counts, tile_expert, routed_rows, swiglu_limit):
-    R, I = a_q.shape[0], w_q.shape[1] // 2
-    return a_q.new_empty(R, I, dtype=F8), a_q.new_empty(_scale_shape(R, I, "swizzled"), dtype=torch.uint8)
+    return _quant_outputs(a_q, a_q.shape[0], w_q.shape[1] // 2, "swizzled")
 
 
 # ------------------------------------------------------------------------- finalize ----
