@@ -31,21 +31,37 @@ Why the ring write cannot race the reads: a step of ``S <= ring_rows - W + 1`` t
 rows of positions ``>= p0``, which clobber positions ``< p0 + S - ring_rows <= p0 - W + 1``,
 older than any row a window of the step reads from the ring (the ``DecodeState`` sizing).
 
-Kernel: one CTA per token, ``min(128, d / 2)`` threads, each owning ``d / threads`` adjacent
-channels (whole RoPE pairs); tokens that close no window only store their ring row. Three
-passes over the window's rows per channel (max, sum, weighted sum; the rows stay in L1/L2),
-the squares' sum reduced by shuffles and shared memory.
+Kernel: a cluster of ``split = min(8, d / 64)`` CTAs per token (fewer where that does not divide
+``d / 64``), each owning ``d / split`` channels of the entry. Every CTA stores its share of the
+token's 16-byte ring vectors; in a cluster whose token closes a window:
+
+1. Thread ``(g, v)`` (row group ``g``, channel vector ``v``: 8 adjacent channels) loads, for
+   its rows ``i = g, g + G, ...`` of the window (at most 8), the gate, ``ape`` and kv vectors
+   (16 bytes each; a row before position 0, or past the window, loads the token's own row and
+   is masked) and the norm weight and rotation -- every load issued before the first use.
+2. Per channel: the window maximum of ``bf16(gate + ape)`` (a reduction over the row groups
+   through shared memory), then the exponentials' sum, then the weighted sum of
+   ``bf16(kv w)`` -- three such reductions, FP32, the rows' own order within a thread.
+3. The entry's sum of squares: each CTA's share, stored into every CTA of the cluster
+   (``st.shared::cluster``), one cluster barrier, summed in rank order (the same FP32 value in
+   every CTA); then the norm, the weight, RoPE and one 16-byte store per 8 channels.
+
+The window's rows are read once (a few microseconds for HCA's 128 rows x 1024 channels on one
+cluster, where one CTA walking each channel's rows alone took hundreds).
 
 Constraints: ``d % 64 == 0``, ``64 <= d <= 1024``; ``r`` even, ``r <= d``; ``m >= 1``,
-``W = 2m`` (CSA) or ``m``; bf16 rows, ``ape`` and norm weight; FP32 ``rotate [T, r/2, 2]``;
-int32 ``pos`` / ``slot`` ``[T]`` (a request's tokens consecutive, ``tokens_per_request`` each);
-``tokens_per_request <= ring_rows - W + 1``. Portable CUDA-core kernel (sm_90a, sm_100a).
+``W = 2m`` (CSA) or ``m``, ``W <= 8 G`` (``G = min(W, 512 / (d / 8 split))`` row groups:
+``W <= 512`` at ``d = 512``); bf16 rows, ``ape`` and norm weight (16-byte aligned); FP32
+``rotate [T, r/2, 2]``; int32 ``pos`` / ``slot`` ``[T]`` (a request's tokens consecutive,
+``tokens_per_request`` each); ``tokens_per_request <= ring_rows - W + 1``. CUDA-core kernel
+with thread-block clusters (sm_90a, sm_100a).
 
     pytest tests/test_compressor_pool.py
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -57,9 +73,12 @@ from cutlass import Float32, Int32, const_expr
 
 from . import jit
 from .arch import current_arch, dispatch
+from .cluster_smem import f32_bits, store_to_cta
 from .validate import check_cuda, check_int32_indexable, check_rotation, check_tensor
 
-VEC = 8
+VEC = 8  # channels per 16-byte vector
+MAX_THREADS = 512
+MAX_ROWS = 8  # window rows per thread
 
 
 class CompressorPool:
@@ -71,9 +90,15 @@ class CompressorPool:
         self.d, self.m, self.overlap, self.r = dim, ratio, overlap, rope_dim
         self.span = 2 * ratio if overlap else ratio
         self.ch = (2 if overlap else 1) * dim
-        self.threads = 128 if dim >= 256 else dim // 2
-        self.cpt = dim // self.threads  # adjacent channels per thread: whole RoPE pairs
-        self.warps = self.threads // 32
+        self.split = max(s for s in range(1, 9) if (dim // 64) % s == 0)  # CTAs of a token's cluster
+        self.dslice = dim // self.split  # channels per CTA
+        self.cvs = self.dslice // VEC  # channel vectors per CTA
+        self.groups = max(min(MAX_THREADS // self.cvs, self.span), max(1, 32 // self.cvs))  # row groups
+        self.rows = math.ceil(self.span / self.groups)  # window rows per thread
+        if self.rows > MAX_ROWS:
+            raise ValueError(f"compressor_pool: a window of {self.span} rows exceeds {MAX_ROWS * self.groups} "
+                             f"at dim={dim} ({self.groups} row groups of {MAX_ROWS} rows)")
+        self.threads = self.cvs * self.groups
 
     @cute.jit
     def __call__(self, fresh_ptr: cute.Pointer, ring_ptr: cute.Pointer, pool_ptr: cute.Pointer,
@@ -85,100 +110,191 @@ class CompressorPool:
         mRing = cute.make_tensor(ring_ptr, cute.make_layout((num_slots * ring_rows, 2 * ch), stride=(2 * ch, 1)))
         mPool = cute.make_tensor(pool_ptr, cute.make_layout((num_slots * pool_rows, d), stride=(d, 1)))
         mApe = cute.make_tensor(ape_ptr, cute.make_layout((self.m, ch), stride=(ch, 1)))
-        mW = cute.make_tensor(w_ptr, cute.make_layout((d,)))
+        mW = cute.make_tensor(w_ptr, cute.make_layout((1, d), stride=(d, 1)))
         mCS = cute.make_tensor(cs_ptr, cute.make_layout((num_tokens, max(self.r, 2)), stride=(max(self.r, 2), 1)))
         mPos = cute.make_tensor(pos_ptr, cute.make_layout((num_tokens,)))
         mSlot = cute.make_tensor(slot_ptr, cute.make_layout((num_tokens,)))
-        self.kernel(mFresh, mRing, mPool, mApe, mW, mCS, mPos, mSlot, per_request, num_slots, ring_rows, pool_rows,
-                    eps).launch(grid=[num_tokens, 1, 1], block=[self.threads, 1, 1], stream=stream)
+        kernel = self.kernel(mFresh, mRing, mPool, mApe, mW, mCS, mPos, mSlot, per_request, num_slots, ring_rows,
+                             pool_rows, eps)
+        if const_expr(self.split > 1):
+            kernel.launch(grid=[num_tokens * self.split, 1, 1], block=[self.threads, 1, 1],
+                          cluster=(self.split, 1, 1), stream=stream)
+        else:
+            kernel.launch(grid=[num_tokens, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mFresh: cute.Tensor, mRing: cute.Tensor, mPool: cute.Tensor, mApe: cute.Tensor,
                mW: cute.Tensor, mCS: cute.Tensor, mPos: cute.Tensor, mSlot: cute.Tensor, per_request: Int32,
                num_slots: Int32, ring_rows: Int32, pool_rows: Int32, eps: Float32):
-        d, ch, m, span, cpt, bf16 = self.d, self.ch, self.m, self.span, self.cpt, cutlass.BFloat16
+        ch, m = self.ch, self.m
         tidx, _, _ = cute.arch.thread_idx()
-        t, _, _ = cute.arch.block_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        t = bidx // self.split
+        rank = bidx % self.split  # this CTA's rank in the token's cluster
         p = mPos[t]
         slot = mSlot[t]
         first_t = (t // per_request) * per_request  # this request's first token of the step
         p0 = mPos[first_t]
+        # uniform over a cluster: every CTA of it has the same token
         if p >= 0 and slot >= 0 and slot < num_slots:
-            # this token's raw row into the ring (16-byte vectors)
+            # this CTA's share of the token's raw row into the ring (16-byte vectors)
             dst = slot * ring_rows + p % ring_rows
             gF = cute.zipped_divide(mFresh, (1, VEC))
             gR = cute.zipped_divide(mRing, (1, VEC))
-            for v in cutlass.range(tidx, 2 * ch // VEC, self.threads):
+            for v in cutlass.range(rank * self.threads + tidx, 2 * ch // VEC, self.split * self.threads):
                 cute.autovec_copy(gF[(0, None), (t, v)], gR[(0, None), (dst, v)])
-
             entry = (p + 1) // m - 1
             if (p + 1) % m == 0 and entry < pool_rows - 1:
-                smem = cutlass.memory.SmemAllocator()
-                sRed = smem.allocate_tensor(Float32, cute.make_layout((self.warps,)), 16)
-                c0 = tidx * cpt
-                x = cute.make_rmem_tensor(cute.make_layout((cpt,)), Float32)
-                for j in cutlass.range_constexpr(cpt):
-                    x[j] = self.pool_channel(mFresh, mRing, mApe, c0 + j, p, p0, first_t, slot, ring_rows)
-                # RMSNorm with the composite's rounding points
-                ss = Float32(0.0)
-                for j in cutlass.range_constexpr(cpt):
-                    ss = ss + x[j] * x[j]
-                for k in cutlass.range_constexpr(5):
-                    ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=1 << k)
-                if tidx % 32 == 0:
-                    sRed[tidx // 32] = ss
-                cute.arch.barrier()
-                total = Float32(0.0)
-                for k in cutlass.range_constexpr(self.warps):
-                    total = total + sRed[k]
-                r = cute.math.rsqrt(total / Float32(d) + eps).to(bf16).to(Float32)
-                y = cute.make_rmem_tensor(cute.make_layout((cpt,)), Float32)
-                for j in cutlass.range_constexpr(cpt):
-                    y[j] = ((x[j] * r).to(bf16).to(Float32) * mW[c0 + j].to(Float32)).to(bf16).to(Float32)
-                if const_expr(self.r > 0):
-                    for j in cutlass.range_constexpr(cpt // 2):
-                        c = c0 + 2 * j
-                        if c >= d - self.r:
-                            k = c - (d - self.r)  # (cos, sin) of this pair at k, k + 1
-                            cs, sn = mCS[t, k], mCS[t, k + 1]
-                            a, b = y[2 * j], y[2 * j + 1]
-                            y[2 * j] = a * cs - b * sn
-                            y[2 * j + 1] = a * sn + b * cs
-                row = slot * pool_rows + entry
-                for j in cutlass.range_constexpr(cpt):
-                    mPool[row, c0 + j] = y[j].to(bf16)
+                self.pool_entry(mFresh, mRing, mPool, mApe, mW, mCS, t, rank, p, p0, first_t, slot, ring_rows,
+                                slot * pool_rows + entry, eps)
 
     @cute.jit
-    def pool_channel(self, mFresh: cute.Tensor, mRing: cute.Tensor, mApe: cute.Tensor, c: Int32, p: Int32, p0: Int32,
-                     first_t: Int32, slot: Int32, ring_rows: Int32) -> Float32:
-        """Channel ``c`` of the entry closed at position ``p``: ``bf16(sum_i bf16(kv_i w_i))``
-        with ``w = bf16(softmax(bf16(gate + ape)))`` over the window's rows (module docstring)."""
-        m, span, ch, bf16 = self.m, self.span, self.ch, cutlass.BFloat16
+    def pool_entry(self, mFresh: cute.Tensor, mRing: cute.Tensor, mPool: cute.Tensor, mApe: cute.Tensor,
+                   mW: cute.Tensor, mCS: cute.Tensor, t: Int32, rank: Int32, p: Int32, p0: Int32, first_t: Int32,
+                   slot: Int32, ring_rows: Int32, row: Int32, eps: Float32):
+        """This CTA's channels of the entry closed at position ``p`` into pool row ``row``
+        (module docstring, steps 1-3)."""
+        d, ch, m, span, bf16 = self.d, self.ch, self.m, self.span, cutlass.BFloat16
+        tidx, _, _ = cute.arch.thread_idx()
+        v = tidx % self.cvs
+        grp = tidx // self.cvs
+        c0 = rank * self.dslice + v * VEC  # this thread's first channel of the entry
+        smem = cutlass.memory.SmemAllocator()
+        sRed = smem.allocate_tensor(Float32, cute.make_layout((self.groups, self.dslice), stride=(self.dslice, 1)), 16)
+        sTot = smem.allocate_tensor(Float32, cute.make_layout((self.dslice,)), 16)
+        sSS = smem.allocate_tensor(Float32, cute.make_layout((self.split,)), 16)
+        if const_expr(self.split > 1):
+            cute.arch.cluster_arrive_relaxed()  # (its wait, before the first remote store: all CTAs running)
+
+        # 1. every load at once: gate, ape and kv vectors of this thread's rows; weight; rotation
+        gF = cute.zipped_divide(mFresh, (1, VEC))
+        gR = cute.zipped_divide(mRing, (1, VEC))
+        gA = cute.zipped_divide(mApe, (1, VEC))
+        rG = cute.make_rmem_tensor(cute.make_layout((VEC, self.rows)), bf16)
+        rA = cute.make_rmem_tensor(cute.make_layout((VEC, self.rows)), bf16)
+        rK = cute.make_rmem_tensor(cute.make_layout((VEC, self.rows)), bf16)
+        for j in cutlass.range_constexpr(self.rows):
+            i = grp + j * self.groups
+            q = p - span + 1 + i
+            ok = i < span and q >= 0
+            i = cutlass.select_(ok, i, Int32(span - 1))  # masked rows read the token's own row
+            q = cutlass.select_(ok, q, p)
+            half = self.half(i)
+            col = (half + c0) // VEC
+            if q >= p0:
+                src = first_t + q - p0
+                cute.autovec_copy(gF[(0, None), (src, col + ch // VEC)], rG[None, j])
+                cute.autovec_copy(gF[(0, None), (src, col)], rK[None, j])
+            else:
+                src = slot * ring_rows + q % ring_rows
+                cute.autovec_copy(gR[(0, None), (src, col + ch // VEC)], rG[None, j])
+                cute.autovec_copy(gR[(0, None), (src, col)], rK[None, j])
+            cute.autovec_copy(gA[(0, None), (i % m, col)], rA[None, j])
+        rW = cute.make_rmem_tensor(cute.make_layout((VEC,)), bf16)
+        cute.autovec_copy(cute.zipped_divide(mW, (1, VEC))[(0, None), (0, c0 // VEC)], rW)
+        rCS = cute.make_rmem_tensor(cute.make_layout((VEC,)), Float32)
+        if const_expr(self.r > 0):
+            for e in cutlass.range_constexpr(VEC):
+                k = c0 + e - (d - self.r)  # pair (k & ~1, k | 1): (cos, sin)
+                if c0 + e >= d - self.r:
+                    rCS[e] = mCS[t, k]
+
+        # 2. softmax over the window per channel, then the weighted sum
         neg_inf = Float32(float("-inf"))
-        mx = neg_inf
-        for i in cutlass.range(span):
-            q = p - span + 1 + i
-            if q >= 0:
-                mx = cutlass.max(mx, self.gate(mFresh, mRing, mApe, c, i, q, p0, first_t, slot, ring_rows))
-        total = Float32(0.0)
-        for i in cutlass.range(span):
-            q = p - span + 1 + i
-            if q >= 0:
-                total = total + cute.math.exp(self.gate(mFresh, mRing, mApe, c, i, q, p0, first_t, slot, ring_rows) - mx)
-        acc = Float32(0.0)
-        for i in cutlass.range(span):
-            q = p - span + 1 + i
-            if q >= 0:
-                g = self.gate(mFresh, mRing, mApe, c, i, q, p0, first_t, slot, ring_rows)
-                w = (cute.math.exp(g - mx) / total).to(bf16).to(Float32)
-                half = self.half(i)
-                kv = Float32(0.0)
-                if q >= p0:
-                    kv = mFresh[first_t + q - p0, half + c].to(Float32)
+        g = cute.make_rmem_tensor(cute.make_layout((VEC, self.rows)), Float32)
+        acc = cute.make_rmem_tensor(cute.make_layout((VEC,)), Float32)
+        for e in cutlass.range_constexpr(VEC):
+            acc[e] = neg_inf
+            for j in cutlass.range_constexpr(self.rows):
+                i = grp + j * self.groups
+                ok = i < span and p - span + 1 + i >= 0
+                gv = (rG[e, j].to(Float32) + rA[e, j].to(Float32)).to(bf16).to(Float32)
+                g[e, j] = cutlass.select_(ok, gv, neg_inf)
+                acc[e] = cutlass.max(acc[e], g[e, j])
+        self.reduce_groups(sRed, sTot, acc, True)  # acc: the window maximum
+        for e in cutlass.range_constexpr(VEC):
+            mx = acc[e]
+            acc[e] = Float32(0.0)
+            for j in cutlass.range_constexpr(self.rows):
+                g[e, j] = cute.math.exp(g[e, j] - mx)  # masked rows: exp(-inf) = 0
+                acc[e] = acc[e] + g[e, j]
+        self.reduce_groups(sRed, sTot, acc, False)  # acc: the sum of the exponentials
+        for e in cutlass.range_constexpr(VEC):
+            total = acc[e]
+            acc[e] = Float32(0.0)
+            for j in cutlass.range_constexpr(self.rows):
+                i = grp + j * self.groups
+                ok = i < span and p - span + 1 + i >= 0
+                w = (g[e, j] / total).to(bf16).to(Float32)
+                term = (rK[e, j].to(Float32) * w).to(bf16).to(Float32)
+                acc[e] = acc[e] + cutlass.select_(ok, term, Float32(0.0))
+        self.reduce_groups(sRed, sTot, acc, False)  # acc: the weighted sum
+        for e in cutlass.range_constexpr(VEC):
+            acc[e] = acc[e].to(bf16).to(Float32)  # x
+
+        # 3. RMSNorm over the whole entry (the cluster's CTAs), weight, RoPE, store
+        if grp == 0:
+            ss = Float32(0.0)
+            for e in cutlass.range_constexpr(VEC):
+                ss = ss + acc[e] * acc[e]
+            sRed[0, v] = ss
+        cute.arch.barrier()
+        if const_expr(self.split > 1):
+            cute.arch.cluster_wait()  # every CTA of the cluster is running: its shared memory takes stores
+        if tidx == 0:
+            ss = Float32(0.0)
+            for k in cutlass.range(self.cvs):
+                ss = ss + sRed[0, k]
+            if const_expr(self.split > 1):
+                for dst in cutlass.range_constexpr(self.split):
+                    store_to_cta(sSS.iterator + rank, Int32(dst), f32_bits(ss))
+            else:
+                sSS[0] = ss
+        if const_expr(self.split > 1):
+            cute.arch.cluster_arrive()  # release: this CTA's stores; acquire: every CTA's
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.barrier()
+        if grp == 0:
+            total = Float32(0.0)
+            for k in cutlass.range_constexpr(self.split):
+                total = total + sSS[k]
+            rs = cute.math.rsqrt(total / Float32(d) + eps).to(bf16).to(Float32)
+            y = cute.make_rmem_tensor(cute.make_layout((VEC,)), Float32)
+            for e in cutlass.range_constexpr(VEC):
+                y[e] = ((acc[e] * rs).to(bf16).to(Float32) * rW[e].to(Float32)).to(bf16).to(Float32)
+            if const_expr(self.r > 0):
+                for e in cutlass.range_constexpr(0, VEC, 2):
+                    if c0 + e >= d - self.r:
+                        cs, sn = rCS[e], rCS[e + 1]
+                        a, b = y[e], y[e + 1]
+                        y[e] = a * cs - b * sn
+                        y[e + 1] = a * sn + b * cs
+            rY = cute.make_rmem_tensor(cute.make_layout((VEC,)), bf16)
+            rY.store(y.load().to(bf16))
+            cute.autovec_copy(rY, cute.zipped_divide(mPool, (1, VEC))[(0, None), (row, c0 // VEC)])
+
+    @cute.jit
+    def reduce_groups(self, sRed: cute.Tensor, sTot: cute.Tensor, acc: cute.Tensor, use_max: cutlass.Constexpr):
+        """``acc[e]`` <- the max (``use_max``) or the FP32 sum over the row groups of channel
+        ``c0 + e``'s values (in row-group order: every thread gets the same value)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        v = tidx % self.cvs
+        grp = tidx // self.cvs
+        for e in cutlass.range_constexpr(VEC):
+            sRed[grp, v * VEC + e] = acc[e]
+        cute.arch.barrier()
+        for c in cutlass.range(tidx, self.dslice, self.threads):
+            tot = sRed[0, c]
+            for k in cutlass.range_constexpr(1, self.groups):
+                if const_expr(use_max):
+                    tot = cutlass.max(tot, sRed[k, c])
                 else:
-                    kv = mRing[slot * ring_rows + q % ring_rows, half + c].to(Float32)
-                acc = acc + (kv * w).to(bf16).to(Float32)
-        return acc.to(bf16).to(Float32)
+                    tot = tot + sRed[k, c]
+            sTot[c] = tot
+        cute.arch.barrier()
+        for e in cutlass.range_constexpr(VEC):
+            acc[e] = sTot[v * VEC + e]
 
     @cute.jit
     def half(self, i: Int32) -> Int32:
@@ -189,24 +305,12 @@ class CompressorPool:
             h = cutlass.select_(i >= self.m, Int32(self.d), Int32(0))
         return h
 
-    @cute.jit
-    def gate(self, mFresh: cute.Tensor, mRing: cute.Tensor, mApe: cute.Tensor, c: Int32, i: Int32, q: Int32,
-             p0: Int32, first_t: Int32, slot: Int32, ring_rows: Int32) -> Float32:
-        """``bf16(gate + ape)`` of window row ``i`` (position ``q >= 0``), channel ``c``."""
-        half = self.half(i)
-        g = Float32(0.0)
-        if q >= p0:
-            g = mFresh[first_t + q - p0, self.ch + half + c].to(Float32)
-        else:
-            g = mRing[slot * ring_rows + q % ring_rows, self.ch + half + c].to(Float32)
-        return (g + mApe[i % self.m, half + c].to(Float32)).to(cutlass.BFloat16).to(Float32)
-
 
 def _build(arch: str, *, dim: int, ratio: int, overlap: bool, rope_dim: int = 0):
     k = CompressorPool(dim, ratio, overlap, rope_dim)
     P = jit.fake_gmem_ptr
     bf16 = cutlass.BFloat16
-    return k, (P(bf16, 16), P(bf16, 16), P(bf16, 2), P(bf16, 2), P(bf16, 2), P(Float32, 8), P(Int32, 4), P(Int32, 4),
+    return k, (P(bf16, 16), P(bf16, 16), P(bf16, 16), P(bf16, 16), P(bf16, 16), P(Float32, 8), P(Int32, 4), P(Int32, 4),
                Int32(1), Int32(1), Int32(1), Int32(8), Int32(2), Float32(1e-6), jit.fake_stream())
 
 
@@ -280,7 +384,7 @@ def compressor_pool(fresh: torch.Tensor, ring: torch.Tensor, pool: torch.Tensor,
     coff = 2 if overlap else 1
     if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
         raise ValueError(f"{op}: ratio must be a positive int, got {ratio!r}")
-    check_tensor(op, "norm_weight", norm_weight, dtype=torch.bfloat16, ndim=1, contiguous=True, align_bytes=2)
+    check_tensor(op, "norm_weight", norm_weight, dtype=torch.bfloat16, ndim=1, contiguous=True, align_bytes=16)
     d = norm_weight.shape[0]
     if d % 64 or not 64 <= d <= 1024:
         raise ValueError(f"{op}: norm_weight's width d={d} must be a multiple of 64 in [64, 1024]")
@@ -291,11 +395,11 @@ def compressor_pool(fresh: torch.Tensor, ring: torch.Tensor, pool: torch.Tensor,
     span = 2 * ratio if overlap else ratio
     if ring.shape[2] != two_ch or ring.shape[1] < span:
         raise ValueError(f"{op}: ring must be [slots, >= {span}, {two_ch}], got {list(ring.shape)}")
-    check_tensor(op, "pool", pool, dtype=torch.bfloat16, ndim=3, contiguous=True, align_bytes=2)
+    check_tensor(op, "pool", pool, dtype=torch.bfloat16, ndim=3, contiguous=True, align_bytes=16)
     if pool.shape[0] != ring.shape[0] or pool.shape[2] != d or pool.shape[1] < 1:
         raise ValueError(f"{op}: pool must be [{ring.shape[0]} (ring's slots), rows >= 1, {d}], got "
                          f"{list(pool.shape)}")
-    check_tensor(op, "ape", ape, dtype=torch.bfloat16, shape=(ratio, coff * d), contiguous=True, align_bytes=2)
+    check_tensor(op, "ape", ape, dtype=torch.bfloat16, shape=(ratio, coff * d), contiguous=True, align_bytes=16)
     for name, t in (("pos", pos), ("slot", slot)):
         check_tensor(op, name, t, dtype=torch.int32, shape=(T,), contiguous=True, align_bytes=4)
     if not isinstance(tokens_per_request, int) or tokens_per_request < 1 or T % tokens_per_request:
@@ -322,7 +426,7 @@ def compressor_pool(fresh: torch.Tensor, ring: torch.Tensor, pool: torch.Tensor,
     fn = jit.get_kernel(op, a, dim=d, ratio=ratio, overlap=bool(overlap), rope_dim=r)
     P = jit.gmem_ptr
     bf16 = cutlass.BFloat16
-    fn(P(bf16, fresh, 16), P(bf16, ring, 16), P(bf16, pool, 2), P(bf16, ape, 2), P(bf16, norm_weight, 2),
+    fn(P(bf16, fresh, 16), P(bf16, ring, 16), P(bf16, pool, 16), P(bf16, ape, 16), P(bf16, norm_weight, 16),
        P(Float32, rotate if rotate is not None else fresh, 8), P(Int32, pos, 4), P(Int32, slot, 4), jit.i32(T),
        jit.i32(tokens_per_request), jit.i32(ring.shape[0]), jit.i32(ring.shape[1]), jit.i32(pool.shape[1]),
        jit.f32(eps), jit.cu_stream(stream))

@@ -103,11 +103,10 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
 
 from cute_kernels import jit
 from cute_kernels.arch import current_arch, dispatch
+from cute_kernels.cluster_smem import f32_bits, store_to_cta
 from cute_kernels.grid_sync import last_arrival
 from cute_kernels.validate import check_cuda, check_tensor
 
@@ -138,28 +137,11 @@ SCORES = ("sigmoid", "sqrtsoftplus")
 _NAME2CUTE = {"float32": Float32, "bfloat16": cutlass.BFloat16}
 
 
-@dsl_user_op
-def _f32_bits(x: Float32, *, loc=None, ip=None) -> Uint32:
-    return Uint32(llvm.bitcast(Uint32.mlir_type, Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
-@dsl_user_op
-def _store_to_cta(smem_ptr: cute.Pointer, rank: Int32, value: Uint32, *, loc=None, ip=None) -> None:
-    """``*smem_ptr = value`` in the shared memory of CTA ``rank`` of this cluster (the same
-    offset there): ``mapa`` + ``st.shared::cluster``."""
-    llvm.inline_asm(
-        None, [Int32(smem_ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip),
-               Uint32(value).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b32 a;\n\tmapa.shared::cluster.u32 a, $0, $1;\n\tst.shared::cluster.u32 [a], $2;\n\t}",
-        "r,r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip)
-
-
 @cute.jit
 def ordered_key(x: Float32) -> Uint32:
     """An unsigned integer with the order of the float ``x`` (not NaN): negative values have
     every bit flipped, others the sign bit set; -0.0 maps to +0.0's key (they compare equal)."""
-    u = _f32_bits(x)
+    u = f32_bits(x)
     flip = cutlass.select_(Int32(u) < 0, Uint32(0xFFFFFFFF), Uint32(0x80000000))
     return cutlass.select_(x == Float32(0.0), Uint32(0x80000000), u ^ flip)
 
@@ -492,12 +474,12 @@ class RouterTopkAlign:
             cute.arch.cluster_wait()  # every CTA of the cluster is running: its shared memory takes stores
             for e in cutlass.range(tidx, E, self.threads):  # every word, zeros included: no remote init
                 for d in cutlass.range_constexpr(self.cluster):
-                    _store_to_cta(sTokMask.iterator + bidx * E + e, Int32(d), sMyMask[e])
+                    store_to_cta(sTokMask.iterator + bidx * E + e, Int32(d), sMyMask[e])
             for idx in cutlass.range(tidx, W * k, self.threads):
                 w = idx // k
                 if bidx * W + w < num_tokens:
                     for d in cutlass.range_constexpr(self.cluster):
-                        _store_to_cta(sIds.iterator + bidx * W * k + idx, Int32(d), Uint32(sMyIds[w, idx - w * k]))
+                        store_to_cta(sIds.iterator + bidx * W * k + idx, Int32(d), Uint32(sMyIds[w, idx - w * k]))
             # release / acquire: every CTA's stores above are visible in every CTA after this
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()

@@ -68,7 +68,11 @@ def check_against_definition(before_ring, fresh, ring, pool, ape, nw, cs, pos, s
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,m,overlap", [(512, 4, True), (128, 4, True), (512, 128, False), (64, 16, False)])
+# V4's three compressors; one CTA (d = 64); a window not a multiple of the row groups (100 rows
+# over 64 groups: a second row for some threads); four rows per thread (d = 1024); three CTAs of
+# 24 channel vectors (d = 576)
+@pytest.mark.parametrize("d,m,overlap", [(512, 4, True), (128, 4, True), (512, 128, False), (64, 16, False),
+                                         (256, 100, False), (1024, 128, False), (576, 4, True)])
 def test_matches_definition(seed, d, m, overlap):
     g = torch.Generator().manual_seed(seed)
     for trial in range(3):
@@ -134,6 +138,8 @@ def _args():
     ("ring", lambda a: a["ring"][:, :3].contiguous(), ValueError),
     ("pool", lambda a: a["pool"][:, :, :64].contiguous(), ValueError),
     ("ape", lambda a: a["ape"][:2].contiguous(), ValueError),
+    ("ape", lambda a: torch.cat([a["ape"].new_zeros(1), a["ape"].flatten()])[1:].view_as(a["ape"]), ValueError),
+    ("norm_weight", lambda a: torch.cat([a["norm_weight"][:1], a["norm_weight"]])[1:], ValueError),
     ("pos", lambda a: a["pos"].long(), TypeError),
     ("slot", lambda a: a["slot"][:5].contiguous(), ValueError),
     ("rotate", lambda a: a["rotate"][:, :, :1].contiguous(), ValueError),
@@ -154,7 +160,17 @@ def test_step_wider_than_the_ring_allows_and_cpu_tensors_raise():
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_machine_code(arch):
-    h = sass.sass_histogram("compressor_pool", arch, dim=512, ratio=4, overlap=True, rope_dim=64)
+@pytest.mark.parametrize("d,m,overlap,vectors", [(512, 128, False, 12), (512, 4, True, 7)])
+def test_machine_code(arch, d, m, overlap, vectors):
+    """A closing token's loads -- the window rows' gate / kv / ape vectors (16-byte ``LDG.E.128``,
+    both row sources per row), the norm weight, the rotation -- all stand before the first
+    arithmetic on them (the window maximum's ``FMNMX``): one memory round trip; the entry's
+    cluster barrier is there; nothing spills."""
+    text = sass.disassemble(sass.compile_cubin("compressor_pool", arch, dim=d, ratio=m, overlap=overlap,
+                                               rope_dim=64))
+    h = sass.histogram(text)
     assert sass.local_memory_ops(h) == 0
-    assert sass.count(h, "MUFU") >= 8 and sass.count(h, "SHFL.BFLY") >= 5
+    assert sass.count(h, "LDG.E.128") == vectors
+    loads, all_before = sass.global_loads_before(text, "FMNMX")
+    assert all_before, f"{loads} loads, not all before the first FMNMX"
+    assert sass.count(h, "UCGABAR_ARV") >= 1 and sass.count(h, "UCGABAR_WAIT") >= 1
