@@ -66,3 +66,41 @@ def test_compressor_bench_cases_close_the_windows_it_says():
     *_, pos, slot = bench_compressor.make_inputs(64, 128, 4, True, g, device="cpu")[0]
     closes = ((pos + 1) % 4 == 0).view(64, -1).sum(1)
     assert bool((closes >= 1).all())
+
+
+def test_compressor_bench_composite_is_the_runtime_step():
+    """bench/bench_compressor.py's baseline (the torch-bf16 arm's gathered composite) writes the
+    same entries and ring rows as the per-token fallback with the kernel's rounding points (both
+    on the CPU: the same PyTorch ops in the same order, so bit for bit), CSA and HCA, a request
+    whose windows begin before position 0 included -- a baseline that computed something else
+    would make the bench's speedup meaningless."""
+    from cute_kernels.compressor_pool import compressor_pool_torch
+
+    g = torch.Generator().manual_seed(1)
+    for B, d, ratio, overlap in ((1, 128, 4, True), (4, 128, 4, True), (4, 64, 128, False)):
+        (fresh, ring, pool, ape, w, rot, pos, slot), closing, _ = bench_compressor.make_inputs(
+            B, d, ratio, overlap, g, device="cpu")
+        ring_f, pool_f, ring_c, pool_c = ring.clone(), pool.clone(), ring.clone(), pool.clone()
+        compressor_pool_torch(fresh, ring_f, pool_f, ape, w, rot, pos, slot, ratio=ratio, overlap=overlap, eps=1e-6,
+                              tokens_per_request=bench_compressor.S)
+        bench_compressor.composite(fresh, ring_c, pool_c, ape, w, pos, slot, bench_compressor.INV_FREQ, B=B,
+                                   ratio=ratio, overlap=overlap, eps=1e-6)
+        assert closing >= 1 and torch.equal(ring_c, ring_f)
+        assert torch.equal(pool_c[:, :-1], pool_f[:, :-1])  # the composite also writes the last, unread row
+    # the windows before position 0: a step at positions 0..5 (CSA's first window lacks its previous one)
+    (fresh, ring, pool, ape, w, rot, pos, slot), _, _ = bench_compressor.make_inputs(1, 128, 4, True, g, device="cpu")
+    pos = torch.arange(bench_compressor.S, dtype=torch.int32)
+    rot = torch.view_as_real(rope_start(pos, 4)).reshape(pos.shape[0], -1, 2).contiguous()
+    ring_f, pool_f, ring_c, pool_c = ring.clone(), pool.clone(), ring.clone(), pool.clone()
+    compressor_pool_torch(fresh, ring_f, pool_f, ape, w, rot, pos, slot, ratio=4, overlap=True, eps=1e-6,
+                          tokens_per_request=bench_compressor.S)
+    bench_compressor.composite(fresh, ring_c, pool_c, ape, w, pos, slot, bench_compressor.INV_FREQ, B=1, ratio=4,
+                               overlap=True, eps=1e-6)
+    assert torch.isfinite(pool_f[0, 0].float()).all() and pool_f[0, 0].abs().sum() > 0
+    assert torch.equal(pool_c[:, :-1], pool_f[:, :-1]) and torch.equal(ring_c, ring_f)
+
+
+def rope_start(pos, ratio):
+    from spec_decode.model import rope_table
+
+    return rope_table(torch.div(pos + 1, ratio, rounding_mode="floor") * ratio - ratio, bench_compressor.INV_FREQ)
