@@ -317,7 +317,7 @@ def _build(arch: str, *, dim: int, ratio: int, overlap: bool, rope_dim: int = 0)
 KERNEL = jit.register(jit.KernelDef(
     name="compressor_pool",
     build=_build,
-    sources=(os.path.abspath(__file__),),
+    sources=(os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_smem.py")),
     archs=("sm_90a", "sm_100a", "sm_103a"),
     # DeepSeek-V4: CSA (m = 4, overlapping) main (d 512) and indexer (d 128) compressors, HCA (m' = 128)
     aot_configs=({"dim": 512, "ratio": 4, "overlap": True, "rope_dim": 64},

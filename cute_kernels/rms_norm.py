@@ -6,9 +6,10 @@ The decode runtime's norms (sublayer, q, kv, per-head, compressor entries, final
 :mod:`cute_kernels.row_rms` statistic plus three PyTorch launches (rounding the statistic, the
 two multiplies); this is the same statistic kernel with the multiplies in its epilogue.
 
-Algorithm. One CTA per row, as :class:`cute_kernels.row_rms.RowRms` (whose statistic it
-reuses): the row's 16-byte vectors stay in registers while the statistic is reduced (one
-barrier); each thread then scales its own vectors and stores them -- ``x`` is read once. The
+Algorithm. A row's threads as :class:`cute_kernels.row_rms.RowRms` (whose statistic it
+reuses: rows of up to 4096 elements share a CTA, longer ones have one each): the row's 16-byte
+vectors stay in registers while the statistic is reduced (at most one barrier); each thread
+then scales its own vectors and stores them -- ``x`` is read once. The
 row, the weight's vectors and the rotation's (cos, sin) are all
 issued at once as ``cp.async`` copies into shared memory, then one wait, then each thread
 reads back its own vectors: a short row -- decode has a few -- waits for one memory round
@@ -63,8 +64,9 @@ class RmsNorm(RowRms):
         self.rope_first_vec = (hidden - rope_dim) // self.vec  # the first vector of the rotated features
         # every load through shared memory, issued before the first use (the kernel's comment),
         # where the row, the weight and the (cos, sin) fit
-        smem_bytes = hidden * dtype.width // 8 * (2 if weighted else 1) + 4 * rope_dim
+        smem_bytes = self.rows_per_cta * (hidden * dtype.width // 8 * (2 if weighted else 1) + 4 * rope_dim)
         self.async_loads = smem_bytes <= ASYNC_SMEM_BYTES
+        assert self.async_loads or self.rows_per_cta == 1  # rows that share a CTA fit
 
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, w_ptr: cute.Pointer, cs_ptr: cute.Pointer, y_ptr: cute.Pointer,
@@ -76,8 +78,8 @@ class RmsNorm(RowRms):
         mW = cute.make_tensor(w_ptr, cute.make_layout((1, self.hidden), stride=(self.hidden, 1)))  # a row: load_row
         tokens = (num_rows + rows_per_token - 1) // rows_per_token
         mCS = cute.make_tensor(cs_ptr, cute.make_layout((tokens, max(self.rope_dim, 1)), stride=(self.rope_dim, 1)))
-        self.kernel(mX, mW, mCS, mY, rows_per_token, eps).launch(grid=[num_rows, 1, 1], block=[self.threads, 1, 1],
-                                                                 stream=stream)
+        self.kernel(mX, mW, mCS, mY, rows_per_token, eps).launch(grid=[self.ctas(num_rows), 1, 1],
+                                                                 block=[self.threads, 1, 1], stream=stream)
 
     # The tensor entries (``jit.get_tensor_kernel``), one per form: ``mX`` / ``mY`` ``[rows, C]``
     # or ``[T, H, C]`` (a token's heads), ``mW [C]``, ``mCS`` FP32 ``[rows or T, r / 2, 2]``. An
@@ -112,8 +114,8 @@ class RmsNorm(RowRms):
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mCS: cute.Tensor, mY: cute.Tensor, rows_per_token: Int32,
                eps: Float32):
-        tidx, _, _ = cute.arch.thread_idx()
-        row, _, _ = cute.arch.block_idx()
+        row, local, rt = self.row_of_thread()
+        live = row < mX.shape[0]  # the last CTA's rows past the end: no loads, no stores
         cs_vec = 4  # FP32 per 16-byte copy: a row vector's vec / 2 (cos, sin) pairs are vec FP32
         gCSv = cute.zipped_divide(mCS[row // rows_per_token, None], (cs_vec,))
         # (vec / 2 (cos, sin) pairs in order: column h holds the h-th 16-byte piece)
@@ -121,64 +123,68 @@ class RmsNorm(RowRms):
         tWrW = cute.make_rmem_tensor(cute.make_layout((self.vec, self.iters)), self.dtype)
         if const_expr(self.async_loads):
             # Everything the row needs is issued before any of it is used: the row, the weight
-            # and the rotation's (cos, sin) as cp.async copies into shared memory, one wait,
-            # then each thread reads back its own vectors. (With the weight as register loads
-            # beside the row's, the compiler issued them only after the row had arrived --
-            # behind the instructions waiting for it -- one more memory round trip on the
-            # critical path of a short row; the wait orders them.)
+            # and the rotation's (cos, sin) as cp.async copies into shared memory (each row of the
+            # CTA its own), one wait, then each thread reads back its own vectors. (With the
+            # weight as register loads beside the row's, the compiler issued them only after the
+            # row had arrived -- behind the instructions waiting for it -- one more memory round
+            # trip on the critical path of a short row; the wait orders them.)
             smem = cutlass.memory.SmemAllocator()
             atom_cs = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
-            sX = smem.allocate_tensor(self.dtype, cute.make_layout((self.hidden,)), 16)
-            sW = smem.allocate_tensor(self.dtype, cute.make_layout((self.hidden if self.weighted else self.vec,)), 16)
-            sCS = smem.allocate_tensor(Float32, cute.make_layout((max(self.rope_dim, cs_vec),)), 16)
-            sCSv = cute.zipped_divide(sCS, (cs_vec,))
-            self.copy_row_async(mX, row, tidx, sX)
-            if const_expr(self.weighted):
-                self.copy_row_async(mW, 0, tidx, sW)
-            if const_expr(self.rope_dim > 0):
-                for i in cutlass.range_constexpr(self.iters):
-                    v = tidx + i * self.threads
-                    if v < self.n_vec:
-                        if v >= self.rope_first_vec:
-                            for h in cutlass.range_constexpr(self.vec // cs_vec):
-                                c = (v - self.rope_first_vec) * (self.vec // cs_vec) + h
-                                cute.copy(atom_cs, gCSv[(None, c)], sCSv[(None, c)])
+            R, w_len, cs_len = self.rows_per_cta, self.hidden if self.weighted else self.vec, max(self.rope_dim, cs_vec)
+            sX = smem.allocate_tensor(self.dtype, cute.make_layout((R, self.hidden), stride=(self.hidden, 1)), 16)
+            sW = smem.allocate_tensor(self.dtype, cute.make_layout((R, w_len), stride=(w_len, 1)), 16)
+            sCS = smem.allocate_tensor(Float32, cute.make_layout((R, cs_len), stride=(cs_len, 1)), 16)
+            sCSv = cute.zipped_divide(sCS[local, None], (cs_vec,))
+            if live:
+                self.copy_row_async(mX, row, rt, sX[local, None])
+                if const_expr(self.weighted):
+                    self.copy_row_async(mW, 0, rt, sW[local, None])
+                if const_expr(self.rope_dim > 0):
+                    for i in cutlass.range_constexpr(self.iters):
+                        v = rt + i * self.row_threads
+                        if v < self.n_vec:
+                            if v >= self.rope_first_vec:
+                                for h in cutlass.range_constexpr(self.vec // cs_vec):
+                                    c = (v - self.rope_first_vec) * (self.vec // cs_vec) + h
+                                    cute.copy(atom_cs, gCSv[(None, c)], sCSv[(None, c)])
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
-            tXrX = self.read_row(sX, tidx)
+            tXrX = self.read_row(sX[local, None], rt)  # (a dead row's: never written, never stored)
             if const_expr(self.weighted):
-                tWrW = self.read_row(sW, tidx)
+                tWrW = self.read_row(sW[local, None], rt)
             if const_expr(self.rope_dim > 0):
-                self.rotation_vectors(sCSv, tidx, tCrCS)
+                self.rotation_vectors(sCSv, rt, tCrCS)
         else:
-            # (rows too long for shared memory: register loads, the weight's after the row)
-            tXrX = self.load_row(mX, row, tidx)
+            # (rows too long for shared memory -- a CTA each, always live: register loads, the
+            # weight's after the row)
+            tXrX = self.load_row(mX, row, rt)
             if const_expr(self.weighted):
-                tWrW = self.load_row(mW, 0, tidx)
+                tWrW = self.load_row(mW, 0, rt)
             if const_expr(self.rope_dim > 0):
-                self.rotation_vectors(gCSv, tidx, tCrCS)
-        r = self.row_rstd(tXrX, eps, tidx).to(self.dtype).to(Float32)  # the statistic in x's dtype
-        gY = cute.zipped_divide(mY[row, None], (self.vec,))
-        rY = cute.make_rmem_tensor(cute.make_layout((self.vec,)), self.dtype)
-        for i in cutlass.range_constexpr(self.iters):
-            v = tidx + i * self.threads
-            if v < self.n_vec:
-                y = (tXrX[None, i].load().to(Float32) * r).to(self.dtype)
-                if const_expr(self.weighted):
-                    y = (y.to(Float32) * tWrW[None, i].load().to(Float32)).to(self.dtype)
-                rY.store(y)
-                if const_expr(self.rope_dim > 0):
-                    if v >= self.rope_first_vec:
-                        self.rotate(rY, tCrCS[None, None, i])
-                cute.autovec_copy(rY, gY[(None, v)])
+                self.rotation_vectors(gCSv, rt, tCrCS)
+        r = self.row_rstd(tXrX, eps, local, rt).to(self.dtype).to(Float32)  # the statistic in x's dtype
+        if live:
+            gY = cute.zipped_divide(mY[row, None], (self.vec,))
+            rY = cute.make_rmem_tensor(cute.make_layout((self.vec,)), self.dtype)
+            for i in cutlass.range_constexpr(self.iters):
+                v = rt + i * self.row_threads
+                if v < self.n_vec:
+                    y = (tXrX[None, i].load().to(Float32) * r).to(self.dtype)
+                    if const_expr(self.weighted):
+                        y = (y.to(Float32) * tWrW[None, i].load().to(Float32)).to(self.dtype)
+                    rY.store(y)
+                    if const_expr(self.rope_dim > 0):
+                        if v >= self.rope_first_vec:
+                            self.rotate(rY, tCrCS[None, None, i])
+                    cute.autovec_copy(rY, gY[(None, v)])
 
     @cute.jit
     def rotation_vectors(self, csv: cute.Tensor, tidx, tCrCS: cute.Tensor):
-        """The (cos, sin) of this thread's rotated vectors from ``csv`` (the token's row, global
-        or shared, as 16-byte pieces) into ``tCrCS [4, vec / 4, iters]``."""
+        """The (cos, sin) of the row's thread ``tidx``'s rotated vectors from ``csv`` (the token's
+        row, global or shared, as 16-byte pieces) into ``tCrCS [4, vec / 4, iters]``."""
         cs_vec = 4
         for i in cutlass.range_constexpr(self.iters):
-            v = tidx + i * self.threads
+            v = tidx + i * self.row_threads
             if v < self.n_vec:
                 if v >= self.rope_first_vec:
                     c0 = (v - self.rope_first_vec) * (self.vec // cs_vec)

@@ -4,16 +4,18 @@ Used by mHC (``r`` over the flattened ``n*C`` residual streams) and by every RMS
 also the pattern the other kernels copy: config class -> ``@cute.jit __call__`` -> ``@cute.kernel``
 -> registry entry -> validated torch-facing function.
 
-Algorithm. One CTA per row. Thread ``i`` loads 16-byte vectors ``i, i+nt, i+2nt, ...``
-(8 bf16 each) into registers -- as ``cp.async`` copies through shared memory, all issued
-before one wait, so a thread keeps ``iters`` 16-byte requests in flight (rows over 64 KiB:
-register loads) -- squares and sums in FP32, then a warp shuffle
-reduction and a cross-warp reduction through shared memory (one barrier; every warp then sums
-the warps' partials itself, as quack's ``block_reduce`` does). Thread 0 writes
+Algorithm. ``nt`` threads per row, enough that each keeps at most 8 16-byte requests in
+flight: rows of up to 2048 / 4096 bf16 take one / two warps and share a CTA of four warps
+(four / two rows, as quack's ``threads_per_row``), longer rows a CTA each. Thread ``i`` of a
+row loads its 16-byte vectors ``i, i+nt, i+2nt, ...`` (8 bf16 each) -- as ``cp.async`` copies
+through shared memory, all issued before one wait (rows over 64 KiB: register loads) --
+squares and sums in FP32, then a warp shuffle reduction and, for a row of several warps, a
+cross-warp reduction through shared memory (one barrier; every warp then sums its row's
+partials itself, as quack's ``block_reduce`` does). The row's thread 0 writes
 ``rsqrt(sum / C + eps)`` in FP32.
 
 Numerics. Inputs are upcast exactly to FP32; the sum is FP32 in a fixed tree order (per
-thread, then butterfly, then warps), so the result is deterministic run to run; against an
+thread, then butterfly, then the row's warps), so the result is deterministic run to run; against an
 FP64 reference the relative error is O(sqrt(C) * 2^-24).
 
 Constraints. ``x`` is ``[T, C]`` bf16 or fp16, row-major and contiguous, 16-byte aligned,
@@ -59,19 +61,36 @@ class RowRms:
         self.hidden = hidden
         self.vec = 128 // dtype.width  # elements per 16-byte load
         self.n_vec = hidden // self.vec
-        # Enough threads that each keeps <= 8 loads in flight; at least 4 warps.
-        self.threads = min(1024, max(128, -(-self.n_vec // 8 + 31) // 32 * 32))
-        self.iters = -(-self.n_vec // self.threads)
+        # Threads per row: enough that each keeps <= 8 loads in flight. A row that needs at most
+        # two warps gets one or two and shares a CTA of 4 warps with other rows (rows of up to
+        # 4096 bf16: a CTA of their own would leave most of its threads idle, and the many small
+        # CTAs of a short-row batch would each pay their own launch and reduction); a longer row
+        # has the CTA to itself, at least 4 warps.
+        want = -(-self.n_vec // 8)
+        if want <= 64:
+            self.row_threads = 32 if want <= 32 else 64
+        else:
+            self.row_threads = min(1024, max(128, (want + 31) // 32 * 32))
+        self.rows_per_cta = max(1, 128 // self.row_threads)
+        self.threads = self.row_threads * self.rows_per_cta
+        self.iters = -(-self.n_vec // self.row_threads)
         self.warps = self.threads // 32
-        # the row through shared memory where it fits (load_row_async)
-        self.async_row = hidden * dtype.width // 8 <= ASYNC_SMEM_BYTES
+        self.row_warps = self.row_threads // 32
+        # the row through shared memory where it fits (copy_row_async); rows that share a CTA
+        # always fit (at most 4 rows of 2048 or 2 of 4096 elements)
+        self.async_row = self.rows_per_cta * hidden * dtype.width // 8 <= ASYNC_SMEM_BYTES
+        assert self.async_row or self.rows_per_cta == 1
 
     @cute.jit
     def __call__(self, x_ptr: cute.Pointer, rstd_ptr: cute.Pointer, num_tokens: Int32, eps: Float32,
                  stream: cuda.CUstream):
         mX = cute.make_tensor(x_ptr, cute.make_layout((num_tokens, self.hidden), stride=(self.hidden, 1)))
         mR = cute.make_tensor(rstd_ptr, cute.make_layout((num_tokens,)))
-        self.kernel(mX, mR, eps).launch(grid=[num_tokens, 1, 1], block=[self.threads, 1, 1], stream=stream)
+        self.kernel(mX, mR, eps).launch(grid=[self.ctas(num_tokens), 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    def ctas(self, num_rows):
+        """The grid: ``rows_per_cta`` rows a CTA."""
+        return (num_rows + self.rows_per_cta - 1) // self.rows_per_cta
 
     @cute.jit
     def tensor_call(self, mX: cute.Tensor, mR: cute.Tensor, eps: Float32, stream: cuda.CUstream):
@@ -80,25 +99,40 @@ class RowRms:
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mR: cute.Tensor, eps: Float32):
-        tidx, _, _ = cute.arch.thread_idx()
-        row, _, _ = cute.arch.block_idx()
+        row, local, rt = self.row_of_thread()
+        live = row < mX.shape[0]  # the last CTA's rows past the end: no loads, no store
         if cutlass.const_expr(self.async_row):
             smem = cutlass.memory.SmemAllocator()
-            sX = smem.allocate_tensor(self.dtype, cute.make_layout((self.hidden,)), 16)
-            self.copy_row_async(mX, row, tidx, sX)
+            sX = smem.allocate_tensor(self.dtype, cute.make_layout((self.rows_per_cta, self.hidden),
+                                                                   stride=(self.hidden, 1)), 16)
+            if live:
+                self.copy_row_async(mX, row, rt, sX[local, None])
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
-            tXrX = self.read_row(sX, tidx)
+            tXrX = self.read_row(sX[local, None], rt)  # (a dead row's: never written, never stored)
         else:
-            tXrX = self.load_row(mX, row, tidx)
-        rstd = self.row_rstd(tXrX, eps, tidx)
-        if tidx == 0:
+            tXrX = self.load_row(mX, row, rt)  # (rows this long have a CTA each: always live)
+        rstd = self.row_rstd(tXrX, eps, local, rt)
+        if rt == 0 and live:
             mR[row] = rstd
 
     @cute.jit
+    def row_of_thread(self):
+        """``(row, its index in the CTA, this thread's index in the row)``: ``rows_per_cta``
+        consecutive rows a CTA, ``row_threads`` consecutive threads a row."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        local = Int32(0)
+        rt = tidx
+        if cutlass.const_expr(self.rows_per_cta > 1):
+            local = tidx // self.row_threads
+            rt = tidx % self.row_threads
+        return bidx * self.rows_per_cta + local, local, rt
+
+    @cute.jit
     def load_row(self, mX: cute.Tensor, row, tidx) -> cute.Tensor:
-        """Row ``row`` of ``mX`` into registers: thread ``tidx`` holds 16-byte vectors ``tidx,
-        tidx + threads, ...`` as the ``(vec, iters)`` tensor (zeros past the row)."""
+        """Row ``row`` of ``mX`` into registers: the row's thread ``tidx`` holds 16-byte vectors
+        ``tidx, tidx + row_threads, ...`` as the ``(vec, iters)`` tensor (zeros past the row)."""
         return self.own_vectors(mX[row, None], tidx)
 
     @cute.jit
@@ -111,15 +145,15 @@ class RowRms:
         tXrX = cute.make_rmem_tensor(cute.make_layout((self.vec, self.iters)), self.dtype)
         tXrX.fill(0.0)
         for i in cutlass.range_constexpr(self.iters):
-            v = tidx + i * self.threads
+            v = tidx + i * self.row_threads
             if v < self.n_vec:
                 cute.autovec_copy(gX[(None, v)], tXrX[None, i])
         return tXrX
 
     @cute.jit
     def copy_row_async(self, mX: cute.Tensor, row, tidx, sX: cute.Tensor):
-        """Issue row ``row`` of ``mX`` as ``cp.async`` copies into ``sX [hidden]``, thread
-        ``tidx`` its vectors ``tidx, tidx + threads, ...`` (the caller commits and waits).
+        """Issue row ``row`` of ``mX`` as ``cp.async`` copies into ``sX [hidden]``, the row's
+        thread ``tidx`` its vectors ``tidx, tidx + row_threads, ...`` (the caller commits and waits).
 
         Why not :meth:`load_row`: the compiler, keeping a row kernel at 32 registers, issued
         the last vectors' register loads only after the first had arrived -- behind the squares
@@ -128,7 +162,7 @@ class RowRms:
         atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
         gXv, sXv = cute.zipped_divide(mX[row, None], (self.vec,)), cute.zipped_divide(sX, (self.vec,))
         for i in cutlass.range_constexpr(self.iters):
-            v = tidx + i * self.threads
+            v = tidx + i * self.row_threads
             if v < self.n_vec:
                 cute.copy(atom, gXv[(None, v)], sXv[(None, v)])
 
@@ -139,29 +173,30 @@ class RowRms:
         return self.own_vectors(sX, tidx)
 
     @cute.jit
-    def row_rstd(self, tXrX: cute.Tensor, eps: Float32, tidx) -> Float32:
-        """``rsqrt(sum / hidden + eps)`` of the row whose vectors the CTA's threads hold, in
-        every thread: FP32 squares summed per thread, then a warp butterfly, then the warps'
-        partials through shared memory -- one barrier, after which every warp sums all the
-        partials with the same butterfly (a fixed order: deterministic, and the same value in
-        every thread: a butterfly's two lanes of a pair add the same two values). No second
-        barrier to broadcast one warp's total. Called once per kernel: a second call's
-        partials would overwrite ones another warp may still be reading."""
+    def row_rstd(self, tXrX: cute.Tensor, eps: Float32, local, rt) -> Float32:
+        """``rsqrt(sum / hidden + eps)`` of the row (``local``-th of the CTA) whose vectors its
+        threads hold, in each of them: FP32 squares summed per thread, then a warp butterfly;
+        a row of several warps then adds its warps' partials through shared memory -- one
+        barrier, after which every warp sums its row's partials with the same butterfly (a
+        fixed order: deterministic, and the same value in every thread: a butterfly's two lanes
+        of a pair add the same two values). No second barrier to broadcast one warp's total.
+        Called once per kernel: a second call's partials would overwrite ones another warp may
+        still be reading. Every thread of the CTA calls it (the barrier), live row or not."""
         x = tXrX.load().to(Float32)
         partial = (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        partial = cute.arch.warp_reduction_sum(partial)
-
-        smem = cutlass.memory.SmemAllocator()
-        sPartial = smem.allocate_tensor(Float32, cute.make_layout(self.warps), 4)
-        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
-        if lane == 0:
-            sPartial[warp] = partial
-        # Every warp's partial must be in shared memory before any warp reads them.
-        cute.arch.barrier()
-        total = Float32(0.0)
-        if lane < self.warps:
-            total = sPartial[lane]
-        total = cute.arch.warp_reduction_sum(total)
+        total = cute.arch.warp_reduction_sum(partial)
+        if cutlass.const_expr(self.row_warps > 1):
+            smem = cutlass.memory.SmemAllocator()
+            sPartial = smem.allocate_tensor(Float32, cute.make_layout(self.warps), 4)
+            warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+            if lane == 0:
+                sPartial[warp] = total
+            # Every warp's partial must be in shared memory before any warp reads them.
+            cute.arch.barrier()
+            total = Float32(0.0)
+            if lane < self.row_warps:
+                total = sPartial[local * self.row_warps + lane]
+            total = cute.arch.warp_reduction_sum(total)
         return cute.math.rsqrt(total / Float32(self.hidden) + eps)
 
     @staticmethod

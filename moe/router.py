@@ -769,7 +769,9 @@ def _build_tensors(arch: str, **config):
 KERNEL = jit.register(jit.KernelDef(
     name="moe_router",
     build=_build,
-    sources=(os.path.abspath(__file__),),
+    sources=(os.path.abspath(__file__),
+             *(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cute_kernels", f)
+               for f in ("cluster_smem.py", "grid_sync.py"))),
     archs=("sm_90a", "sm_100a", "sm_103a"),
     aot_configs=tuple(  # each config's three paths: grid, single CTA, cluster
         dict(dataclasses.asdict(cfg), logits_dtype=dt, has_bias=not cfg.hash_routed, **path)

@@ -1,5 +1,6 @@
 """row_rms: FP64 reference on the H200; argument validation and machine code on the CPU."""
 
+import cutlass
 import pytest
 import torch
 
@@ -304,15 +305,17 @@ def test_rms_norm_rejects_bad_arguments(args, kwargs, words):
 @pytest.mark.parametrize("hidden, weighted", [(512, False), (4096, True)])
 def test_rms_norm_machine_code(arch, hidden, weighted):
     """x read once in 16-byte vectors (cp.async copies) and written once in 16-byte vectors
-    (and the weight's 16-byte vectors), one barrier, no local memory."""
+    (and the weight's 16-byte vectors); a row of one warp (512) needs no barrier, one of two
+    warps (4096) one; no local memory."""
     import cute_kernels.rms_norm  # noqa: F401 -- registers the kernel
+    from cute_kernels.row_rms import RowRms
 
     h = sass.sass_histogram("rms_norm", arch, hidden=hidden, weighted=weighted)
-    n_vec = hidden // 8
-    per_thread = -(-n_vec // 128)
+    per_thread = RowRms(cutlass.BFloat16, hidden).iters  # a row's vectors over its threads
+    assert per_thread == {512: 2, 4096: 8}[hidden]
     assert sass.count(h, "LDGSTS.E.128") == per_thread * (2 if weighted else 1)
     assert sass.count(h, "STG.E.128") == per_thread
-    assert sass.count(h, "BAR") == 1
+    assert sass.count(h, "BAR") == (0 if hidden <= 2048 else 1)
     assert sass.local_memory_ops(h) == 0
 
 
@@ -326,9 +329,12 @@ def test_rms_norm_issues_every_load_before_the_first_use(arch, cfg):
     the compiler's scheduling once produced for the weight's register loads."""
     import cute_kernels.rms_norm  # noqa: F401 -- registers the kernel
 
+    from cute_kernels.row_rms import RowRms
+
     text = sass.disassemble(sass.compile_cubin("rms_norm", arch, dtype="bfloat16", **cfg))
-    per_thread = -(-cfg["hidden"] // 8 // 128)
-    want = per_thread * 2 + (2 if cfg.get("rope_dim") else 0)  # x, w; (cos, sin): 8 FP32 = 2 x 16 B
+    per_thread = RowRms(cutlass.BFloat16, cfg["hidden"]).iters
+    # x, w; (cos, sin): 8 FP32 = 2 x 16 B, for the one vector of a thread that can be rotated
+    want = per_thread * 2 + (2 if cfg.get("rope_dim") else 0)
     assert sass.global_loads_before(text, "FFMA") == (want, True)
 
 
@@ -396,8 +402,36 @@ def test_rms_norm_rope_machine_code(arch):
     import cute_kernels.rms_norm  # noqa: F401
 
     h = sass.sass_histogram("rms_norm", arch, hidden=512, weighted=False, rope_dim=64)
-    assert sass.count(h, "LDGSTS.E.128") == 3 and sass.count(h, "STG.E.128") == 1
+    # a row of 64 vectors over one warp: two each, the second of them rotated for the last 8 lanes
+    assert sass.count(h, "LDGSTS.E.128") == 4 and sass.count(h, "STG.E.128") == 2
     assert sass.local_memory_ops(h) == 0
+
+
+@pytest.mark.parametrize("C", [8, 136, 512, 1024, 2048, 2056, 4096, 4104, 7168, 28672, 65536])
+def test_row_threads_cover_the_row_and_rows_share_a_cta(C):
+    """The row kernels' thread layout (RowRms): a row's threads cover its vectors with at most 8
+    each (``iters``) below 8192 threads' worth; rows of up to 4096 elements share a CTA of 4
+    warps (whole warps per row: the statistic needs no barrier for one warp), longer ones have
+    a CTA each of at least 4 warps; what goes through shared memory fits its budget."""
+    import cutlass
+
+    from cute_kernels.rms_norm import RmsNorm
+    from cute_kernels.row_rms import ASYNC_SMEM_BYTES, RowRms
+
+    k = RowRms(cutlass.BFloat16, C)
+    n_vec = C // 8
+    assert k.row_threads * k.iters >= n_vec > k.row_threads * (k.iters - 1)
+    assert k.iters <= 8 or k.row_threads == 1024
+    assert k.row_threads % 32 == 0 and k.threads == k.row_threads * k.rows_per_cta <= 1024
+    if C <= 4096:
+        assert k.threads == 128 and k.rows_per_cta == 128 // k.row_threads
+    else:
+        assert k.rows_per_cta == 1 and k.threads >= 128
+    for weighted in (False, True):
+        n = RmsNorm(cutlass.BFloat16, C, weighted, rope_dim=64 if C >= 64 else 0)
+        if n.async_loads:
+            assert n.rows_per_cta * (C * 2 * (1 + weighted) + 4 * n.rope_dim) <= ASYNC_SMEM_BYTES
+        assert n.async_loads or n.rows_per_cta == 1
 
 
 @pytest.mark.parametrize("rotated", [False, True])
