@@ -28,6 +28,11 @@ def pytest_collection_modifyitems(config, items):
 #: by SIGTERM (a job's ``timeout``) during a GPU test prints the same, then exits (status 124).
 GPU_TEST_TIMEOUT_S = float(os.environ.get("CUTE_KERNELS_GPU_TEST_TIMEOUT_S", "300"))
 
+#: Set (``CUTE_KERNELS_UNDER_SANITIZER=1``) by ``tools/device.sh sanitize``: compute-sanitizer's
+#: shadow memory shares the GPU, so the engine tests drop their largest batch and the recycled-
+#: memory fill stays small (on an 80 GB card the BS 64 engine beside the shadow ran out).
+UNDER_SANITIZER = os.environ.get("CUTE_KERNELS_UNDER_SANITIZER") == "1"
+
 
 def _report_and_exit(item, why: str, status: int) -> None:
     """Every thread's stack on the terminal (not pytest's capture), then the process ends."""
@@ -119,7 +124,7 @@ def seed():
 
 def _fill_cached_memory(byte: int) -> None:
     """Leave the caching allocator's free blocks filled with ``byte``: 128 MiB blocks (the large
-    pool; up to 16 GiB) and a few hundred 256 KiB blocks (the small pool), written and freed,
+    pool; up to 16 GiB, 2 GiB under the sanitizer) and a few hundred 256 KiB blocks (the small pool), written and freed,
     so a buffer allocated next and not initialised holds ``byte``s (0xFF: NaN in bf16, FP32
     and e4m3, a NaN UE8M0 scale). Blocks, not one segment: a long-lived allocation made from
     one (a cuBLAS workspace) keeps only its block from being released."""
@@ -129,7 +134,7 @@ def _fill_cached_memory(byte: int) -> None:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
-    n = min(int(free * 0.5), 16 << 30) // (128 << 20)
+    n = min(int(free * 0.5), (2 if UNDER_SANITIZER else 16) << 30) // (128 << 20)
     large = [torch.empty(128 << 20, dtype=torch.uint8, device="cuda").fill_(byte) for _ in range(n)]
     small = [torch.empty(256 << 10, dtype=torch.uint8, device="cuda").fill_(byte) for _ in range(400)]
     torch.cuda.synchronize()

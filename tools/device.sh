@@ -84,12 +84,14 @@ gpu-tests)
   ;;
 sanitize)
   # (no hang watchdog under the sanitizer: kernels run many times slower there)
-  CUTE_KERNELS_GPU_TEST_TIMEOUT_S=0 compute-sanitizer --tool memcheck --report-api-errors no $PYT -m gpu "$@" 2>&1 | tee "$OUT/sanitize.log" | tail -25
+  CUTE_KERNELS_GPU_TEST_TIMEOUT_S=0 CUTE_KERNELS_UNDER_SANITIZER=1 \
+    compute-sanitizer --tool memcheck --report-api-errors no $PYT -m gpu "$@" 2>&1 | tee "$OUT/sanitize.log" | tail -25
   exit "${PIPESTATUS[0]}"
   ;;
 sanitize-sync)
   tool=${1:-racecheck}
-  CUTE_KERNELS_GPU_TEST_TIMEOUT_S=0 compute-sanitizer --tool "$tool" --report-api-errors no $PYT -m gpu -x \
+  CUTE_KERNELS_GPU_TEST_TIMEOUT_S=0 CUTE_KERNELS_UNDER_SANITIZER=1 \
+    compute-sanitizer --tool "$tool" --report-api-errors no $PYT -m gpu -x \
     tests/test_moe_router.py "tests/test_mhc.py::test_stats_match_fp64" \
     tests/test_wo_a.py::test_decode_kernel_every_split_and_graph_replay "tests/test_comm.py::test_fused_finalize_shared_allreduce_bit_exact" \
     tests/test_sink_attention.py::test_deterministic_and_graph_replay "tests/test_mhc.py::test_stats_parts_bit_equal_to_all" \
