@@ -46,8 +46,8 @@ token's 16-byte ring vectors; in a cluster whose token closes a window:
    (``st.shared::cluster``), one cluster barrier, summed in rank order (the same FP32 value in
    every CTA); then the norm, the weight, RoPE and one 16-byte store per 8 channels.
 
-The window's rows are read once (a few microseconds for HCA's 128 rows x 1024 channels on one
-cluster, where one CTA walking each channel's rows alone took hundreds).
+The window's rows are read once, every thread's requests in flight together: the step costs a
+few memory round trips, not one per row and channel.
 
 Constraints: ``d % 64 == 0``, ``64 <= d <= 1024``; ``r`` even, ``r <= d``; ``m >= 1``,
 ``W = 2m`` (CSA) or ``m``, ``W <= 8 G`` (``G = min(W, 512 / (d / 8 split))`` row groups:
