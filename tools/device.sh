@@ -45,9 +45,8 @@
 #                                            'attention', the mHC parts, the routed-input gather,
 #                                            the runtime's GPU tests at `small`
 #   bash tools/device.sh smoke-kernels       the recently changed kernels' GPU tests alone (the list
-#                                            in the job: rms_norm / row_rms, moe_finalize and the
-#                                            fused finalize + all-reduce, the routed gather, mHC,
-#                                            sink_attention, the tensor entries and custom ops)
+#                                            in the job: rms_norm / row_rms with their tensor entries
+#                                            and custom ops, compressor_pool, mHC, the engine at small)
 #   bash tools/device.sh smoke-benches       their benches (row_rms and the norms, decode attention, the
 #                                            mHC mixes, the KV compressors, the V4-Flash MoE layer's
 #                                            stage table)
@@ -177,18 +176,17 @@ smoke)
   timeout 250 $PYT -m gpu tests/test_spec_decode.py -k "small or draft_head" 2>&1 | tee "$OUT/spec-small.log" | tail -15
   ;;
 smoke-kernels)
-  # the kernels changed since their last GPU run: rms_norm / row_rms (every load as cp.async
-  # copies before one wait, one barrier), moe_finalize and the fused finalize + all-reduce (the
-  # routed rows staged in shared memory), the prequantized routed gather, mhc_pre_mix and
-  # mhc_stats' epilogue, sink_attention's split merge. The hang watchdog at 90 s (each of these
-  # tests runs for seconds besides its compiles): under each job's timeout
+  # the kernels changed since their last GPU run: row_rms / rms_norm (rows of up to 4096 elements
+  # sharing a CTA), with the tensor entries and custom ops that launch them; compressor_pool (a
+  # cluster per closing token) and the engine that runs it. The hang watchdog at 90 s (each of
+  # these tests runs for seconds besides its compiles): under each job's timeout
   export CUTE_KERNELS_GPU_TEST_TIMEOUT_S=90
   timeout 100 $PYT -m gpu tests/test_row_rms.py 2>&1 | tee "$OUT/row-rms-tests.log" | tail -5
-  timeout 90 $PYT -m gpu tests/test_moe_finalize.py tests/test_comm.py 2>&1 | tee "$OUT/finalize-tests.log" | tail -5
-  timeout 80 $PYT -m gpu tests/test_moe_quant.py 2>&1 | tee "$OUT/quant-tests.log" | tail -5
-  timeout 100 $PYT -m gpu tests/test_mhc.py 2>&1 | tee "$OUT/mhc-tests.log" | tail -5
-  timeout 90 $PYT -m gpu tests/test_sink_attention.py 2>&1 | tee "$OUT/attention-tests.log" | tail -5
   timeout 100 $PYT -m gpu tests/test_tensor_entries.py tests/test_ops.py 2>&1 | tee "$OUT/entries-tests.log" | tail -5
+  timeout 60 $PYT -m gpu tests/test_compressor_pool.py 2>&1 | tee "$OUT/compressor-tests.log" | tail -5
+  timeout 100 $PYT -m gpu tests/test_mhc.py 2>&1 | tee "$OUT/mhc-tests.log" | tail -5
+  timeout 120 $PYT -m gpu tests/test_spec_decode.py -k "kernel_engine and small" 2>&1 \
+    | tee "$OUT/engine-tests.log" | tail -5
   ;;
 smoke-benches)
   # their benches against the last tables: row_rms and the norms (bench_row_rms; quack / Liger's
