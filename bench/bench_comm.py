@@ -20,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table, time_graph  # noqa: E402
+from common import emit, markdown_table, time_graph  # noqa: E402
 
 from comm.buffers import PushAllReduceGroup  # noqa: E402
 from moe.finalize import moe_finalize  # noqa: E402
@@ -90,9 +90,7 @@ def main():
                       "", "Command: `python bench/bench_comm.py`", "",
                       markdown_table(["group step", "fused us", "unfused us", "all-reduce alone us", "speedup",
                                       "launches/rank fused", "launches/rank unfused"], rows)])
-    print(text)
-    if args.out:
-        open(args.out, "w").write(text + "\n")
+    emit(text, args.out)
 
 
 if __name__ == "__main__":

@@ -23,14 +23,13 @@ rows the closing tokens read, the step's rows read and written to the ring, the 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import H200_COPY_BW, gpu_warmup, markdown_table, rotation_count, time_graph  # noqa: E402
+from common import H200_COPY_BW, gpu_warmup, markdown_table, report, rotation_count, time_graph  # noqa: E402
 
 from cute_kernels.compressor_pool import compressor_pool, compressor_pool_torch  # noqa: E402
 from spec_decode.model import compress_entries, rope_table  # noqa: E402
@@ -121,15 +120,10 @@ def main():
                       f"{diff:.1e}"])
         sets = None
         torch.cuda.empty_cache()
-    text = (f"## KV compressors (`bench/bench_compressor.py`) -- {torch.cuda.get_device_name()}, "
-            f"{datetime.date.today()}\n\nCommand: `python bench/bench_compressor.py`\n\n"
-            + markdown_table(["V4-Flash compressor, verify step", "tokens closing a window", "ours us",
-                              "torch composite us (the torch-bf16 arm's step)", "speedup", "% of 4.3 TB/s",
-                              "rel. diff vs composite"], table) + "\n")
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    report("KV compressors (`bench/bench_compressor.py`)", "python bench/bench_compressor.py",
+           markdown_table(["V4-Flash compressor, verify step", "tokens closing a window", "ours us",
+                           "torch composite us (the torch-bf16 arm's step)", "speedup", "% of 4.3 TB/s",
+                           "rel. diff vs composite"], table), out=args.out)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,13 @@ HBM; % of 4.3 TB/s is on the head's weight bytes.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import H200_COPY_BW, markdown_table, time_graph  # noqa: E402
+from common import H200_COPY_BW, markdown_table, report, time_graph  # noqa: E402
 
 from cute_kernels.draft_head_fp8 import draft_head_scores, quantize_head  # noqa: E402
 from spec_decode.fused_ops import MxDraftHead  # noqa: E402
@@ -64,11 +63,7 @@ def main(argv=None) -> int:
                      f"{agree_mx:.2f} / {agree_8:.2f}"])
     table = markdown_table(["shape", "bf16 us (baseline)", "MXFP8 us", "FP8 per-tensor us", "best vs bf16",
                             "bf16 % of 4.3 TB/s", "MXFP8 %", "FP8 %", "argmax = bf16's (MX / FP8)"], rows)
-    text = (f"## Draft LM head -- {torch.cuda.get_device_name()}, {datetime.date.today()}\n\n"
-            f"Command: `python bench/bench_draft_head.py --vocab {V} --hidden {C}`\n\n{table}\n")
-    print(text)
-    if args.out:
-        open(args.out, "w").write(text)
+    report("Draft LM head", f"python bench/bench_draft_head.py --vocab {V} --hidden {C}", table, out=args.out)
     return 0
 
 

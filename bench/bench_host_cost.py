@@ -34,7 +34,6 @@ fresh process with the DSL.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -59,7 +58,7 @@ import tempfile  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table  # noqa: E402
+from common import markdown_table, report  # noqa: E402
 
 import cute_kernels.ops  # noqa: E402,F401
 from cute_kernels import jit  # noqa: E402
@@ -343,21 +342,18 @@ def main(argv=None) -> int:
         t = ro.get(f"TVM-FFI:{r[0]}")
         r.insert(4, "n/a" if t is None else f"{t:.1f}")
     first = [("with the DSL", *import_and_first_call(env, False)), ("runtime-only", *import_and_first_call(env, True))]
-    text = "\n".join([f"## Eager host cost per call -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
-                      f"Command: `python bench/bench_host_cost.py --calls {args.calls}"
-                      + (f" --only '{args.only}'" if args.only else "") + "`", "",
-                      markdown_table(["op (decode shapes: T = 6)", "entry point us", "runtime-only entry point us",
-                                      "entry point, TVM-FFI us", "runtime-only, TVM-FFI us",
-                                      "entry point, DSL call path us", "custom op us", "custom op, TVM-FFI us",
-                                      "entry point vs torch.add"],
-                                     rows), "",
-                      f"Import of `cute_kernels.row_rms` (after torch) and its first call (artifact cache warm; "
-                      f"runtime-only: {linked} entries linked, runtime library {os.path.getsize(lib) >> 20} MiB):", "",
-                      markdown_table(["process", "import ms", "first call ms"],
-                                     [[p, f"{a:.0f}", f"{b:.1f}"] for p, a, b in first])])
-    print(text)
-    if args.out:
-        open(args.out, "w").write(text + "\n")
+    report("Eager host cost per call",
+           f"python bench/bench_host_cost.py --calls {args.calls}"
+           + (f" --only '{args.only}'" if args.only else ""),
+           markdown_table(["op (decode shapes: T = 6)", "entry point us", "runtime-only entry point us",
+                           "entry point, TVM-FFI us", "runtime-only, TVM-FFI us",
+                           "entry point, DSL call path us", "custom op us", "custom op, TVM-FFI us",
+                           "entry point vs torch.add"],
+                          rows), "",
+           f"Import of `cute_kernels.row_rms` (after torch) and its first call (artifact cache warm; "
+           f"runtime-only: {linked} entries linked, runtime library {os.path.getsize(lib) >> 20} MiB):", "",
+           markdown_table(["process", "import ms", "first call ms"],
+                          [[p, f"{a:.0f}", f"{b:.1f}"] for p, a, b in first]), out=args.out)
     return 0
 
 

@@ -21,14 +21,13 @@ replay, median of 20.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import H200_BF16_FLOPS, markdown_table, time_graph  # noqa: E402
+from common import H200_BF16_FLOPS, markdown_table, report, time_graph  # noqa: E402
 
 from cute_kernels.indexer_topk import IndexerWorkspace, indexer_topk  # noqa: E402
 
@@ -148,18 +147,12 @@ def main():
             torch.cuda.empty_cache()
     title = ("DeepSeek-V4 CSA indexer (compressed entries, scores + masking + top-k)" if args.model == "v4"
              else "Lightning indexer, raw keys (scores + masking + top-2048)")
-    text = "\n".join([f"## {title} -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
-                      f"Command: `python bench/bench_indexer.py --model {args.model}`", "",
-                      markdown_table(["shape (H_I=64, D_I=128; N entries per sequence)", "ours us (warp-MMA scores + select)",
-                                      "ours us (wgmma scores + select)",
-                                      "ours us (wgmma, groups of 3 tokens, token-major)",
-                                      "ours us (FP8 scores + select)",
-                                      "torch composite us", "speedup (best bf16)",
-                                      "score TFLOP/s (best)", "% of 790 TFLOP/s"], rows)]
-                     + ([""] + [f"Refused (a named ValueError before launch): {r}" for r in refused] if refused else []))
-    print(text)
-    if args.out:
-        open(args.out, "w").write(text + "\n")
+    table = markdown_table(["shape (H_I=64, D_I=128; N entries per sequence)", "ours us (warp-MMA scores + select)",
+                            "ours us (wgmma scores + select)", "ours us (wgmma, groups of 3 tokens, token-major)",
+                            "ours us (FP8 scores + select)", "torch composite us", "speedup (best bf16)",
+                            "score TFLOP/s (best)", "% of 790 TFLOP/s"], rows)
+    refusals = [""] + [f"Refused (a named ValueError before launch): {r}" for r in refused] if refused else []
+    report(title, f"python bench/bench_indexer.py --model {args.model}", table, *refusals, out=args.out)
 
 
 if __name__ == "__main__":

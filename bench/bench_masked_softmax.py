@@ -14,14 +14,13 @@ mask read once per token (its H heads share it in L2).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import H200_COPY_BW, markdown_table, rotation_count, time_graph  # noqa: E402
+from common import H200_COPY_BW, markdown_table, report, rotation_count, time_graph  # noqa: E402
 
 from cute_kernels.masked_softmax import masked_softmax  # noqa: E402
 
@@ -57,12 +56,7 @@ def main():
         torch.cuda.empty_cache()
     table = markdown_table(["scores R x S x H x M (bf16)", "ours us", "torch masked_fill_+softmax us", "speedup",
                             "ours TB/s", "% of 4.3 TB/s"], rows)
-    text = (f"## Masked softmax (latent attention core) -- {torch.cuda.get_device_name()}, "
-            f"{datetime.date.today()}\n\nCommand: `python bench/bench_masked_softmax.py`\n\n{table}\n")
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    report("Masked softmax (latent attention core)", "python bench/bench_masked_softmax.py", table, out=args.out)
 
 
 if __name__ == "__main__":

@@ -22,14 +22,13 @@ a torch-profiler trace; serial vs forked graph time gives the net saving.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (H200_COPY_BW, markdown_table, median, overlap_fractions,  # noqa: E402
+from common import (H200_COPY_BW, markdown_table, median, overlap_fractions, report,  # noqa: E402
                     profiled_graph_kernels, rotation_count, time_graph)
 
 from cute_kernels.mhc_post_mix import mhc_post_mix  # noqa: E402
@@ -188,16 +187,12 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ov = [profile_overlap(T, mc) for T in (5, 64) for mc in (None, 32)]
-    text = "\n".join([
-        f"## mHC statistics / mixes -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
-        "Command: `python bench/bench_mhc.py`", "", bench_stats(), "", bench_parts(), "", bench_mix(), "",
+    report(
+        "mHC statistics / mixes", "python bench/bench_mhc.py", bench_stats(), "", bench_parts(), "", bench_mix(), "",
         "Side-stream overlap (replayed graph, torch profiler; main stream: WO-B GEMM [T,16384]x[16384,7168]):", "",
         markdown_table(["shape", "stats max_ctas", "stats kernels profiled", "stats us (median)", "GEMM us (median)",
                         "stats time overlapped", "GEMM alone us", "serial graph us", "forked graph us",
-                        "saved us"], ov)])
-    print(text)
-    if args.out:
-        open(args.out, "w").write(text + "\n")
+                        "saved us"], ov), out=args.out)
 
 
 if __name__ == "__main__":

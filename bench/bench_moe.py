@@ -19,14 +19,13 @@ the token-order quantization is forked onto a side stream while the router runs.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (H200_COPY_BW, markdown_table, median, overlap_fractions,  # noqa: E402
+from common import (H200_COPY_BW, markdown_table, median, overlap_fractions, report,  # noqa: E402
                     profiled_graph_kernels, rotation_count, time_graph)
 
 from cute_kernels.profiling import copy_bandwidth  # noqa: E402
@@ -286,12 +285,8 @@ def main():
     wanted = [x.strip() for x in args.sections.split(",") if x.strip()]
     if not set(wanted) <= set(sections):
         ap.error(f"--sections: {args.sections!r}, expected a list of {', '.join(sections)}")
-    text = "\n".join([f"## MoE router + MXFP8 quantization -- {torch.cuda.get_device_name()}, {datetime.date.today()}",
-                      "", f"Command: `python bench/bench_moe.py --sections {args.sections}`", ""]
-                     + [part for w in wanted for part in (sections[w](), "")])
-    print(text)
-    if args.out:
-        open(args.out, "w").write(text + "\n")
+    report("MoE router + MXFP8 quantization", f"python bench/bench_moe.py --sections {args.sections}",
+           *[part for w in wanted for part in (sections[w](), "")], out=args.out)
 
 
 if __name__ == "__main__":

@@ -27,14 +27,13 @@ Weight bandwidth at decode T counts the bytes of the experts the router actually
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import H200_COPY_BW, markdown_table, profiled_graph_kernels, time_graph  # noqa: E402
+from common import H200_COPY_BW, markdown_table, profiled_graph_kernels, report, time_graph  # noqa: E402
 
 from moe.experts import (dequantize, expert_kernel_args, interleave_gate_up, moe_expert_gate_up,  # noqa: E402
                         moe_expert_gemm, mxfp4_expert_weights, quantize_expert_weights)
@@ -275,19 +274,15 @@ def main():
         stage_names = list(st)
         print(stage_rows[-1], flush=True)
     fmt = "MXFP4 checkpoint weights as MXFP8" if mxfp4 else "MXFP8 weights"
-    text = "\n".join([f"## MoE layer, {args.model} (E={E}, k={TOPK}, hidden {C}, I={I}, {fmt}) -- "
-                      f"{torch.cuda.get_device_name()}, {datetime.date.today()}", "",
-                      f"Command: `python bench/bench_moe_experts.py --model {args.model} --tokens {args.tokens}"
-                      f"{' --sweep' if args.sweep else ''}`", "",
-                      markdown_table(["shape", "ours us (layer graph, expert_kernel_args)", "ours us (tiled kernel, tile_k 256)",
-                                      "bf16 composite us", "speedup (best)",
-                                      "experts hit", "ours weight bytes/s as % of 4.3 TB/s (best)", "launches ours",
-                                      "launches composite", "finalize launches (ours: the fused finalize + shared add)"], rows),
-                      "", "Per stage, each alone as a replayed graph, us (c: = the composite's stage):", "",
-                      markdown_table(["shape"] + stage_names, stage_rows)])
-    print(text)
-    if args.out:
-        open(args.out, "w").write(text + "\n")
+    report(f"MoE layer, {args.model} (E={E}, k={TOPK}, hidden {C}, I={I}, {fmt})",
+           f"python bench/bench_moe_experts.py --model {args.model} --tokens {args.tokens}"
+           f"{' --sweep' if args.sweep else ''}",
+           markdown_table(["shape", "ours us (layer graph, expert_kernel_args)", "ours us (tiled kernel, tile_k 256)",
+                           "bf16 composite us", "speedup (best)",
+                           "experts hit", "ours weight bytes/s as % of 4.3 TB/s (best)", "launches ours",
+                           "launches composite", "finalize launches (ours: the fused finalize + shared add)"], rows),
+           "", "Per stage, each alone as a replayed graph, us (c: = the composite's stage):", "",
+           markdown_table(["shape"] + stage_names, stage_rows), out=args.out)
 
 
 if __name__ == "__main__":

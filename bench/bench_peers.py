@@ -41,7 +41,6 @@ the requantisation into it), a finalize peer (FlashInfer's runs inside its fused
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import os
 import sys
@@ -49,7 +48,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import H200_COPY_BW, markdown_table, rotation_count, time_graph  # noqa: E402
+from common import H200_COPY_BW, markdown_table, report, rotation_count, time_graph  # noqa: E402
 
 from cute_kernels.indexer_topk import IndexerWorkspace, indexer_select  # noqa: E402
 from cute_kernels.masked_softmax import masked_softmax  # noqa: E402
@@ -553,13 +552,9 @@ def main(argv=None) -> int:
             print("| " + " | ".join(str(c) for c in r) + " |", flush=True)
         rows += new
     command = "python bench/bench_peers.py" + (f" --families {args.families}" if args.families else "")
-    text = "\n".join([f"## Peers -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
-                      f"Command: `{command}`", "",
-                      markdown_table(["family", "shape", "peer", "ours us", "peer us", "peer / ours", "ours of 4.3 TB/s",
-                                      "note"], rows)])
-    print(text)
-    if args.out:
-        open(args.out, "w").write(text + "\n")
+    report("Peers", command,
+           markdown_table(["family", "shape", "peer", "ours us", "peer us", "peer / ours", "ours of 4.3 TB/s",
+                           "note"], rows), out=args.out)
     return 0
 
 

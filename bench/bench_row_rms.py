@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import H200_COPY_BW, markdown_table, rotation_count, time_graph  # noqa: E402
+from common import H200_COPY_BW, emit, markdown_table, rotation_count, time_graph  # noqa: E402
 
 from cute_kernels.rms_norm import rms_norm  # noqa: E402
 from cute_kernels.row_rms import row_rms  # noqa: E402
@@ -162,10 +162,7 @@ def main():
         ]),
     ]
     text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(text, args.out)
 
 
 if __name__ == "__main__":

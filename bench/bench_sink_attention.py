@@ -17,7 +17,6 @@ their rows in L2).
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
 import sys
@@ -25,7 +24,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import H200_COPY_BW, markdown_table, rotation_count, time_graphs_interleaved, gpu_warmup  # noqa: E402
+from common import (H200_COPY_BW, gpu_warmup, markdown_table, report, rotation_count,  # noqa: E402
+                    time_graphs_interleaved)
 
 from cute_kernels.sink_attention import SinkAttentionWorkspace, plan, sink_attention  # noqa: E402
 from spec_decode.model import sink_attention as sink_attention_composite  # noqa: E402
@@ -98,15 +98,10 @@ def main():
                       f"{100 * nbytes / t_ours / H200_COPY_BW:.0f}%", f"{err:.1e}"])
         qs = kvs = outs = None
         torch.cuda.empty_cache()
-    text = (f"## Decode attention with a sink (`bench/bench_sink_attention.py`) -- {torch.cuda.get_device_name()}, "
-            f"{datetime.date.today()}\n\nCommand: `python bench/bench_sink_attention.py`\n\n"
-            + markdown_table(["V4-Flash step (64 heads x 512)", "heads per CTA / splits", "ours us",
-                              "torch composite us", "speedup", "% of 4.3 TB/s (distinct rows + q + out)",
-                              "rel. diff vs composite"], table) + "\n")
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    report("Decode attention with a sink (`bench/bench_sink_attention.py`)", "python bench/bench_sink_attention.py",
+           markdown_table(["V4-Flash step (64 heads x 512)", "heads per CTA / splits", "ours us",
+                           "torch composite us", "speedup", "% of 4.3 TB/s (distinct rows + q + out)",
+                           "rel. diff vs composite"], table), out=args.out)
 
 
 if __name__ == "__main__":

@@ -23,15 +23,14 @@ prefill rows report TFLOP/s against 790.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (check_output, H200_BF16_FLOPS, H200_COPY_BW, gpu_warmup, markdown_table, rotation_count,  # noqa: E402
-                    time_graph, time_graphs_interleaved)
+from common import (check_output, H200_BF16_FLOPS, H200_COPY_BW, gpu_warmup, markdown_table, report,  # noqa: E402
+                    rotation_count, time_graph, time_graphs_interleaved)
 
 from cute_kernels.wo_a import route, wo_a  # noqa: E402
 from cute_kernels.wo_a_cublas import wo_a_cublas  # noqa: E402
@@ -152,16 +151,12 @@ def main():
                          f"{t_pdl * 1e6:.2f} ({t_ours / t_pdl:.2f}x, {lim(t_pdl)})"])
             print("| " + " | ".join(rows[-1]) + " |", flush=True)  # progress: a cut-off run keeps its rows
         ws = None
-    text = "\n".join([f"## WO-A token-major -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
-                      f"Command: `python bench/bench_wo_a.py --tokens {args.tokens}`", "",
-                      markdown_table(["shape", "ours us (default path)", "(a) bmm+transpose us", "(b) bmm alone us",
-                                      "(c) bmm into token-major y us", "CuTe path us", "vs (a)", "vs (b)", "vs (c)",
-                                      "CuTe path vs (b)", "TB/s", "TFLOP/s", "of limit", "engine us",
-                                      "mma decode us (% of 4.3 TB/s)", "wgmma decode us (%)",
-                                      "default path + PDL us (speed-up)"], rows)])
-    print(text)
-    if args.out:
-        open(args.out, "w").write(text + "\n")
+    report("WO-A token-major", f"python bench/bench_wo_a.py --tokens {args.tokens}",
+           markdown_table(["shape", "ours us (default path)", "(a) bmm+transpose us", "(b) bmm alone us",
+                           "(c) bmm into token-major y us", "CuTe path us", "vs (a)", "vs (b)", "vs (c)",
+                           "CuTe path vs (b)", "TB/s", "TFLOP/s", "of limit", "engine us",
+                           "mma decode us (% of 4.3 TB/s)", "wgmma decode us (%)",
+                           "default path + PDL us (speed-up)"], rows), out=args.out)
 
 
 if __name__ == "__main__":

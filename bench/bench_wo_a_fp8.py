@@ -17,7 +17,6 @@ instructions) or ``bits`` (:mod:`cute_kernels.e4m3_widen`).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_wo_a import SHAPES, V4_SHAPES, bmm_only  # noqa: E402
-from common import H200_COPY_BW, markdown_table, measure, rotation_count, time_graph  # noqa: E402
+from common import H200_COPY_BW, markdown_table, measure, report, rotation_count, time_graph  # noqa: E402
 
 import cutlass  # noqa: E402
 from cute_kernels import jit  # noqa: E402
@@ -105,14 +104,10 @@ def main():
                              f"{nbytes / t8 / 1e12:.2f}", f"{100 * nbytes / t8 / H200_COPY_BW:.0f}%", f"{err:.1e}"])
                 print("| " + " | ".join(rows[-1]) + " |", flush=True)
         ws = qs = None  # free this shape's weights before the next
-    text = "\n".join([f"## WO-A with FP8 weights -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
-                      f"Command: `python bench/bench_wo_a_fp8.py --tokens {args.tokens} "
-                      f"--shapes {args.shapes} --variants {args.variants}`", "",
-                      markdown_table(["shape", "fp8 us", "bf16 wo_a us", "bmm alone (bf16) us", "vs bf16 wo_a",
-                                      "vs bmm", "TB/s", "of 4.3 TB/s", "rel. err vs spec"], rows)])
-    print(text)
-    if args.out:
-        open(args.out, "w").write(text + "\n")
+    report("WO-A with FP8 weights", f"python bench/bench_wo_a_fp8.py --tokens {args.tokens} "
+           f"--shapes {args.shapes} --variants {args.variants}",
+           markdown_table(["shape", "fp8 us", "bf16 wo_a us", "bmm alone (bf16) us", "vs bf16 wo_a",
+                           "vs bmm", "TB/s", "of 4.3 TB/s", "rel. err vs spec"], rows), out=args.out)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ the two at that point (1.00: it took the faster one).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_wo_a import SHAPES, V4_SHAPES, tokens_out_ref, weight_sets  # noqa: E402
-from common import gpu_warmup, markdown_table, poisoned_error, time_graphs_interleaved  # noqa: E402
+from common import gpu_warmup, markdown_table, poisoned_error, report, time_graphs_interleaved  # noqa: E402
 
 from cute_kernels.wo_a import route, wo_a  # noqa: E402
 
@@ -61,13 +60,9 @@ def main():
                          f"{min(t_cute, t_cublas) / t_def:.2f}"])
             print("| " + " | ".join(rows[-1]) + " |", flush=True)
         ws = None
-    text = "\n".join([f"## WO-A routes -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
-                      f"Command: `python bench/bench_wo_a_routes.py --tokens {args.tokens} --shapes {args.shapes}`", "",
-                      markdown_table(["G", "R", "Dg", "T", "default route", "default us", "CuTe us", "cuBLAS us",
-                                      "best / default"], rows)])
-    print(text)
-    if args.out:
-        open(args.out, "w").write(text + "\n")
+    report("WO-A routes", f"python bench/bench_wo_a_routes.py --tokens {args.tokens} --shapes {args.shapes}",
+           markdown_table(["G", "R", "Dg", "T", "default route", "default us", "CuTe us", "cuBLAS us",
+                           "best / default"], rows), out=args.out)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (H200_BF16_FLOPS, H200_COPY_BW, gpu_warmup, markdown_table, poisoned_error,  # noqa: E402
+from common import (H200_BF16_FLOPS, H200_COPY_BW, emit, gpu_warmup, markdown_table, poisoned_error,  # noqa: E402
                     rotation_count, time_graphs_interleaved)
 
 from cute_kernels.wo_a import wo_a  # noqa: E402
@@ -191,9 +191,7 @@ def main():
                                       "FP8 vs best", "FP8 of limit", "FP8 act. ours us (quant + GEMM)",
                                       "FP8 act. ours us (quant + GEMM, PDL)", "FP8 act. GEMM alone us",
                                       "FP8 act. GEMM of limit"], rows)])
-    print(text)
-    if args.out:
-        open(args.out, "w").write(text + "\n")
+    emit(text, args.out)
 
 
 if __name__ == "__main__":

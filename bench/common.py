@@ -182,3 +182,21 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(out)
+
+
+def report(title: str, command: str, *parts: str, out: str | None = None) -> str:
+    """A bench's markdown for ``bench/RESULTS.md``: ``## title -- card, date``, the command,
+    then ``parts`` a blank line apart; printed, and written to ``out`` where given."""
+    import datetime
+
+    return emit("\n".join([f"## {title} -- {torch.cuda.get_device_name()}, {datetime.date.today()}", "",
+                           f"Command: `{command}`", "", *parts]), out)
+
+
+def emit(text: str, out: str | None) -> str:
+    """Print a bench's markdown and write it to ``out`` where given (one trailing newline)."""
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text.rstrip("\n") + "\n")
+    return text

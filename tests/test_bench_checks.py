@@ -104,3 +104,19 @@ def rope_start(pos, ratio):
     from spec_decode.model import rope_table
 
     return rope_table(torch.div(pos + 1, ratio, rounding_mode="floor") * ratio - ratio, bench_compressor.INV_FREQ)
+
+
+def test_report_heading_command_parts_and_file(tmp_path, monkeypatch, capsys):
+    """Every bench's markdown comes from common.report: the heading names the card and the date,
+    the command stands in backticks, the parts follow a blank line apart; printed, and the file
+    ends in exactly one newline."""
+    import datetime
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "CARD")
+    out = tmp_path / "t.md"
+    text = common.report("Title", "python bench/x.py --n 1", "| a |", "", "tail\n", out=str(out))
+    assert text == f"## Title -- CARD, {datetime.date.today()}\n\nCommand: `python bench/x.py --n 1`\n\n| a |\n\ntail\n"
+    assert capsys.readouterr().out == text + "\n"
+    assert out.read_text() == text
+    common.emit("x\n\n", str(out))
+    assert out.read_text() == "x\n"
