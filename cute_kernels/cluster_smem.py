@@ -1,11 +1,22 @@
 """Stores into the shared memory of another CTA of the same thread-block cluster (sm_90+).
 
 A cluster's CTAs can write each other's shared memory (``mapa`` maps a local shared-memory
-address to the same offset in CTA ``rank``; ``st.shared::cluster`` stores there). The writer
-must know the target CTA is running (a cluster barrier arrived at on entry and waited on before
-the first remote store), and the reader sees the stores after a cluster barrier whose arrive
-has release and whose wait has acquire semantics (``cute.arch.cluster_arrive`` /
-``cluster_wait``). Used by the router's cluster path and the KV compressor's split entries.
+address to the same offset in CTA ``rank``). The writer must know the target CTA is running: a
+cluster barrier arrived at on entry (``cute.arch.cluster_arrive_relaxed``) and waited on before
+the first remote store. Two ways to publish the stores to the reader:
+
+* :func:`store_to_cta` (``st.shared::cluster``): the reader sees them after a cluster barrier
+  whose arrive has release and whose wait has acquire semantics (``cute.arch.cluster_arrive`` /
+  ``cluster_wait``). On sm_90 that release is a GPU-scope memory barrier (``MEMBAR``): it waits
+  for every earlier store of the thread, global ones included.
+* :func:`store_async_to_cta` / :func:`store_async_to_cta_x4` (``st.async ...
+  mbarrier::complete_tx::bytes``, the exchange quack's cluster reductions use): each store
+  credits its bytes to the target CTA's mbarrier at the same offset; the reader arms its own
+  mbarrier with the bytes it expects (``cute.arch.mbarrier_arrive_and_expect_tx``; initialised
+  with one arrival and published by ``mbarrier_init_fence`` before the entry arrive) and waits
+  on it (``mbarrier_wait``, phase 0) -- no cluster barrier, no memory fence. Credits that come
+  before the arming leave the transaction count below zero, which the phase allows. A CTA that
+  waits for every byte sent to it cannot exit while stores to it are in flight.
 """
 
 import cutlass.cute as cute
@@ -30,3 +41,32 @@ def store_to_cta(smem_ptr: cute.Pointer, rank: Int32, value: Uint32, *, loc=None
         "{\n\t.reg .b32 a;\n\tmapa.shared::cluster.u32 a, $0, $1;\n\tst.shared::cluster.u32 [a], $2;\n\t}",
         "r,r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc, ip=ip)
+
+
+def _remote_async_store(vals, smem_ptr, rank, mbar_ptr, loc, ip):
+    vec = "" if len(vals) == 1 else f".v{len(vals)}"
+    src = f"${3}" if len(vals) == 1 else "{" + ", ".join(f"${i + 3}" for i in range(len(vals))) + "}"
+    llvm.inline_asm(
+        None, [Int32(smem_ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip),
+               Int32(mbar_ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip),
+               *[Uint32(v).ir_value(loc=loc, ip=ip) for v in vals]],
+        "{\n\t.reg .b32 a, m;\n\tmapa.shared::cluster.u32 a, $0, $2;\n\tmapa.shared::cluster.u32 m, $1, $2;\n\t"
+        f"st.async.shared::cluster.mbarrier::complete_tx::bytes{vec}.b32 [a], {src}, [m];\n\t}}",
+        "r,r,r" + ",r" * len(vals) + ",~{memory}", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def store_async_to_cta(smem_ptr: cute.Pointer, rank: Int32, value: Uint32, mbar_ptr: cute.Pointer, *, loc=None,
+                       ip=None) -> None:
+    """``*smem_ptr = value`` in the shared memory of CTA ``rank`` of this cluster, crediting 4
+    bytes to that CTA's mbarrier at ``mbar_ptr``'s offset (``st.async``; module docstring)."""
+    _remote_async_store([value], smem_ptr, rank, mbar_ptr, loc, ip)
+
+
+@dsl_user_op
+def store_async_to_cta_x4(smem_ptr: cute.Pointer, rank: Int32, v0: Uint32, v1: Uint32, v2: Uint32, v3: Uint32,
+                          mbar_ptr: cute.Pointer, *, loc=None, ip=None) -> None:
+    """:func:`store_async_to_cta` of four consecutive 32-bit words (one 16-byte ``st.async``;
+    ``smem_ptr`` 16-byte aligned), crediting 16 bytes."""
+    _remote_async_store([v0, v1, v2, v3], smem_ptr, rank, mbar_ptr, loc, ip)

@@ -43,8 +43,10 @@ token's 16-byte ring vectors; in a cluster whose token closes a window:
    through shared memory), then the exponentials' sum, then the weighted sum of
    ``bf16(kv w)`` -- three such reductions, FP32, the rows' own order within a thread.
 3. The entry's sum of squares: each CTA's share, stored into every CTA of the cluster
-   (``st.shared::cluster``), one cluster barrier, summed in rank order (the same FP32 value in
-   every CTA); then the norm, the weight, RoPE and one 16-byte store per 8 channels.
+   (``st.async``, counted by the receiving CTA's transaction mbarrier:
+   :mod:`cute_kernels.cluster_smem` -- no release barrier, whose memory fence would wait for
+   the ring stores), summed in rank order (the same FP32 value in every CTA); then the norm,
+   the weight, RoPE and one 16-byte store per 8 channels.
 
 The window's rows are read once, every thread's requests in flight together: the step costs a
 few memory round trips, not one per row and channel.
@@ -73,7 +75,7 @@ from cutlass import Float32, Int32, const_expr
 
 from . import jit
 from .arch import current_arch, dispatch
-from .cluster_smem import f32_bits, store_to_cta
+from .cluster_smem import f32_bits, store_async_to_cta
 from .validate import check_cuda, check_int32_indexable, check_rotation, check_tensor
 
 VEC = 8  # channels per 16-byte vector
@@ -164,6 +166,10 @@ class CompressorPool:
         sTot = smem.allocate_tensor(Float32, cute.make_layout((self.dslice,)), 16)
         sSS = smem.allocate_tensor(Float32, cute.make_layout((self.split,)), 16)
         if const_expr(self.split > 1):
+            mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((1,)), 8)  # counts the shares sent here
+            if tidx == 0:
+                cute.arch.mbarrier_init(mbar.iterator, 1)
+                cute.arch.mbarrier_init_fence()
             cute.arch.cluster_arrive_relaxed()  # (its wait, before the first remote store: all CTAs running)
 
         # 1. every load at once: gate, ape and kv vectors of this thread's rows; weight; rotation
@@ -174,9 +180,8 @@ class CompressorPool:
         rA = cute.make_rmem_tensor(cute.make_layout((VEC, self.rows)), bf16)
         rK = cute.make_rmem_tensor(cute.make_layout((VEC, self.rows)), bf16)
         for j in cutlass.range_constexpr(self.rows):
-            i = grp + j * self.groups
+            i, ok = self.window_row(grp, j, p)
             q = p - span + 1 + i
-            ok = i < span and q >= 0
             i = cutlass.select_(ok, i, Int32(span - 1))  # masked rows read the token's own row
             q = cutlass.select_(ok, q, p)
             half = self.half(i)
@@ -206,8 +211,7 @@ class CompressorPool:
         for e in cutlass.range_constexpr(VEC):
             acc[e] = neg_inf
             for j in cutlass.range_constexpr(self.rows):
-                i = grp + j * self.groups
-                ok = i < span and p - span + 1 + i >= 0
+                _, ok = self.window_row(grp, j, p)
                 gv = (rG[e, j].to(Float32) + rA[e, j].to(Float32)).to(bf16).to(Float32)
                 g[e, j] = cutlass.select_(ok, gv, neg_inf)
                 acc[e] = cutlass.max(acc[e], g[e, j])
@@ -223,8 +227,7 @@ class CompressorPool:
             total = acc[e]
             acc[e] = Float32(0.0)
             for j in cutlass.range_constexpr(self.rows):
-                i = grp + j * self.groups
-                ok = i < span and p - span + 1 + i >= 0
+                _, ok = self.window_row(grp, j, p)
                 w = (g[e, j] / total).to(bf16).to(Float32)
                 term = (rK[e, j].to(Float32) * w).to(bf16).to(Float32)
                 acc[e] = acc[e] + cutlass.select_(ok, term, Float32(0.0))
@@ -246,13 +249,13 @@ class CompressorPool:
             for k in cutlass.range(self.cvs):
                 ss = ss + sRed[0, k]
             if const_expr(self.split > 1):
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator, self.split * 4)  # a share from each CTA
                 for dst in cutlass.range_constexpr(self.split):
-                    store_to_cta(sSS.iterator + rank, Int32(dst), f32_bits(ss))
+                    store_async_to_cta(sSS.iterator + rank, Int32(dst), f32_bits(ss), mbar.iterator)
             else:
                 sSS[0] = ss
         if const_expr(self.split > 1):
-            cute.arch.cluster_arrive()  # release: this CTA's stores; acquire: every CTA's
-            cute.arch.cluster_wait()
+            cute.arch.mbarrier_wait(mbar.iterator, 0)  # every CTA's share is here
         else:
             cute.arch.barrier()
         if grp == 0:
@@ -273,6 +276,13 @@ class CompressorPool:
             rY = cute.make_rmem_tensor(cute.make_layout((VEC,)), bf16)
             rY.store(y.load().to(bf16))
             cute.autovec_copy(rY, cute.zipped_divide(mPool, (1, VEC))[(0, None), (row, c0 // VEC)])
+
+    @cute.jit
+    def window_row(self, grp: Int32, j: int, p: Int32):
+        """Thread row group ``grp``'s ``j``-th window row ``i`` for the entry closed at ``p``, and
+        whether it is a real row (inside the window and at a position >= 0)."""
+        i = grp + j * self.groups
+        return i, i < self.span and p - self.span + 1 + i >= 0
 
     @cute.jit
     def reduce_groups(self, sRed: cute.Tensor, sTot: cute.Tensor, acc: cute.Tensor, use_max: cutlass.Constexpr):

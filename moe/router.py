@@ -57,14 +57,15 @@ index. Three paths build the packed layout:
   path: one thread-block cluster of ``CLUSTER_CTAS`` = 8 CTAs of 8 warps (or 4 CTAs of 16
   warps: ``CLUSTER_SIZES``), each routing a token per warp as the single-CTA path does (its
   token masks: one bit per warp, by shared-memory ``atomicOr``). Each CTA then stores its mask
-  words and picks into every CTA's shared memory (``st.shared::cluster``; a first cluster
-  barrier, arrived at on entry, guarantees all CTAs run), and one cluster barrier (release /
-  acquire) publishes them: every CTA holds all the picks and masks, counts and scans them
-  itself and writes its share of the layout -- counts, offsets, tile experts, the padding slots
-  of each tile (those past its expert's rows, so no ordering with the live rows is needed) and
-  the routed rows (rank ``popc`` of the mask words before the token). No global atomics, no
-  grid-scope fence, no workspace; the ids and weights go to global memory after the barrier,
-  whose release would otherwise wait for them.
+  words and picks into every CTA's shared memory with ``st.async`` (a cluster barrier, arrived
+  at on entry, guarantees all CTAs run), each store crediting its bytes to the target CTA's
+  mbarrier, which expects ``(C E + T k) * 4`` bytes; one wait on it and every CTA holds all the
+  picks and masks (:mod:`cute_kernels.cluster_smem`: no release barrier, whose GPU-scope
+  memory fence on sm_90 would wait for the ids and weights going to global memory alongside).
+  Every CTA counts and scans them itself and writes its share of the layout -- counts,
+  offsets, tile experts, the padding slots of each tile (those past its expert's rows, so no
+  ordering with the live rows is needed) and the routed rows (rank ``popc`` of the mask words
+  before the token). No global atomics, no grid-scope fence, no workspace.
 * above that, a grid of CTAs counts with integer atomics in a workspace; the last CTA to finish
   (a release/acquire counter) builds the layout deterministically: a warp scan of padded counts,
   then rounds of 32 tokens per warp where a per-warp mask per expert (each pick one
@@ -106,7 +107,7 @@ from cutlass import Float32, Int32, Uint32
 
 from cute_kernels import jit
 from cute_kernels.arch import current_arch, dispatch
-from cute_kernels.cluster_smem import f32_bits, store_to_cta
+from cute_kernels.cluster_smem import f32_bits, store_async_to_cta, store_async_to_cta_x4
 from cute_kernels.grid_sync import last_arrival
 from cute_kernels.validate import check_cuda, check_tensor
 
@@ -347,13 +348,17 @@ class RouterTopkAlign:
         elif cutlass.const_expr(self.cluster > 0):
             # every CTA of the cluster ends with all its picks and per-expert token masks (word c:
             # CTA c's tokens, bit w: its warp w's token), gathered from the others' stores
-            cute.arch.cluster_arrive_relaxed()  # (its wait, before the first remote store: all CTAs running)
             sIds = smem.allocate_tensor(Int32, cute.make_layout((self.cluster * W, k), stride=(k, 1)), 16)
             sTokMask = smem.allocate_tensor(Uint32, cute.make_layout((self.cluster, E), stride=(E, 1)), 16)
             sMyIds = smem.allocate_tensor(Int32, cute.make_layout((W, k), stride=(k, 1)), 16)
             sMyW = smem.allocate_tensor(Float32, cute.make_layout((W, k), stride=(k, 1)), 16)
             sMyMask = smem.allocate_tensor(Uint32, cute.make_layout((E,)), 16)
             sCnt = smem.allocate_tensor(Int32, cute.make_layout((E,)), 16)  # the counts, from the masks
+            mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((1,)), 8)  # counts the bytes sent here
+            if tidx == 0:
+                cute.arch.mbarrier_init(mbar.iterator, 1)
+                cute.arch.mbarrier_init_fence()
+            cute.arch.cluster_arrive_relaxed()  # (its wait, before the first remote store: all CTAs running)
             for e in cutlass.range(tidx, E, self.threads):
                 sMyMask[e] = Uint32(0)
             cute.arch.barrier()
@@ -455,7 +460,7 @@ class RouterTopkAlign:
                                         Uint32(1) << Uint32(t & 31), sem="relaxed", scope="cta")
                 elif cutlass.const_expr(self.cluster > 0):
                     # (t = bidx * W + warp: one token per warp) ids and weights go to global memory
-                    # after the cluster barrier, whose release would otherwise wait for them
+                    # beside the exchange below
                     sMyIds[warp, lane] = my_id
                     sMyW[warp, lane] = weight
                     cute.arch.atomic_or((sMyMask.iterator + my_id).llvm_ptr, Uint32(1) << Uint32(warp),
@@ -472,23 +477,22 @@ class RouterTopkAlign:
         elif cutlass.const_expr(self.cluster > 0):
             cute.arch.barrier()  # this CTA's picks and masks are in
             cute.arch.cluster_wait()  # every CTA of the cluster is running: its shared memory takes stores
-            for e in cutlass.range(tidx, E, self.threads):  # every word, zeros included: no remote init
+            if tidx == 0:  # every CTA's mask words and its live tokens' picks come here
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator, (self.cluster * E + num_tokens * k) * 4)
+            for q in cutlass.range(tidx, E // 4, self.threads):  # every word, zeros included: no remote init
                 for d in cutlass.range_constexpr(self.cluster):
-                    store_to_cta(sTokMask.iterator + bidx * E + e, Int32(d), sMyMask[e])
+                    store_async_to_cta_x4(sTokMask.iterator + bidx * E + 4 * q, Int32(d), sMyMask[4 * q],
+                                          sMyMask[4 * q + 1], sMyMask[4 * q + 2], sMyMask[4 * q + 3], mbar.iterator)
             for idx in cutlass.range(tidx, W * k, self.threads):
-                w = idx // k
-                if bidx * W + w < num_tokens:
-                    for d in cutlass.range_constexpr(self.cluster):
-                        store_to_cta(sIds.iterator + bidx * W * k + idx, Int32(d), Uint32(sMyIds[w, idx - w * k]))
-            # release / acquire: every CTA's stores above are visible in every CTA after this
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-            for idx in cutlass.range(tidx, W * k, self.threads):  # this CTA's tokens' ids and weights
                 w = idx // k
                 t = bidx * W + w
                 if t < num_tokens:
-                    mIds[t, idx - w * k] = sMyIds[w, idx - w * k]
+                    for d in cutlass.range_constexpr(self.cluster):
+                        store_async_to_cta(sIds.iterator + bidx * W * k + idx, Int32(d), Uint32(sMyIds[w, idx - w * k]),
+                                           mbar.iterator)
+                    mIds[t, idx - w * k] = sMyIds[w, idx - w * k]  # this CTA's tokens' ids and weights
                     mW[t, idx - w * k] = sMyW[w, idx - w * k]
+            cute.arch.mbarrier_wait(mbar.iterator, 0)  # every CTA's stores are here
             self.align_cluster(sIds, sTokMask, sCnt, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mPos, sOff,
                                num_tokens, tiles_cap, bidx)
         else:

@@ -164,8 +164,9 @@ def test_step_wider_than_the_ring_allows_and_cpu_tensors_raise():
 def test_machine_code(arch, d, m, overlap, vectors):
     """A closing token's loads -- the window rows' gate / kv / ape vectors (16-byte ``LDG.E.128``,
     both row sources per row), the norm weight, the rotation -- all stand before the first
-    arithmetic on them (the window maximum's ``FMNMX``): one memory round trip; the entry's
-    cluster barrier is there; nothing spills."""
+    arithmetic on them (the window maximum's ``FMNMX``): one memory round trip; the entry's sum
+    of squares goes to each of the cluster's 8 CTAs by ``st.async`` (no release barrier, no
+    memory fence); nothing spills."""
     text = sass.disassemble(sass.compile_cubin("compressor_pool", arch, dim=d, ratio=m, overlap=overlap,
                                                rope_dim=64))
     h = sass.histogram(text)
@@ -173,4 +174,5 @@ def test_machine_code(arch, d, m, overlap, vectors):
     assert sass.count(h, "LDG.E.128") == vectors
     loads, all_before = sass.global_loads_before(text, "FMNMX")
     assert all_before, f"{loads} loads, not all before the first FMNMX"
-    assert sass.count(h, "UCGABAR_ARV") >= 1 and sass.count(h, "UCGABAR_WAIT") >= 1
+    assert sass.count(h, "UCGABAR_ARV") == 1 and sass.count(h, "UCGABAR_WAIT") == 1
+    assert sass.count(h, "MEMBAR") == 0 and h.get("STAS", 0) == 8 and sass.count(h, "SYNCS.ARRIVE") == 1

@@ -457,22 +457,27 @@ def test_machine_code_single_cta(arch, cfg):
 @pytest.mark.parametrize("ctas", router_mod.CLUSTER_SIZES)
 def test_machine_code_cluster(arch, cfg, ctas):
     """The cluster path (17 <= T <= 64): token masks by shared-memory atomics, no global atomics;
-    two cluster barriers (all CTAs running before the first remote store; the gather's release
-    and acquire), the gather's remote stores -- a mask word and a pick to each of the CTAs
-    (unrolled) -- between them, the one memory fence the release costs, and every global store
-    (ids, weights, layout) after the second; no spills."""
+    one cluster barrier (all CTAs running before the first remote store, its arrive before the
+    routing) and no memory fence: the exchange is ``st.async`` -- a 16-byte store of mask words
+    and a pick to each of the CTAs (unrolled) -- between that barrier's wait and the wait on the
+    CTA's own transaction mbarrier, armed once; the layout's global stores after that wait (only
+    the CTA's own ids and weights may go before it); no spills."""
     text = sass.disassemble(sass.compile_cubin(
         "moe_router", arch, **dataclasses.asdict(cfg), logits_dtype="float32", has_bias=not cfg.hash_routed,
         cluster=ctas))
     h = sass.histogram(text)
     ops = sass.opcodes(text)
-    assert ops.count("UCGABAR_ARV") == 2 and ops.count("UCGABAR_WAIT") == 2
+    assert ops.count("UCGABAR_ARV") == 1 and ops.count("UCGABAR_WAIT") == 1
+    assert ops.index("UCGABAR_ARV") < min(i for i, o in enumerate(ops) if o.startswith("LDG"))
     assert sass.count(h, "ATOMS") >= 1 and sass.count(h, "ATOMG") + sass.count(h, "RED") == 0
-    assert sass.count(h, "MEMBAR") == 1
-    waits = [i for i, o in enumerate(ops) if o == "UCGABAR_WAIT"]
-    remote = [i for i, o in enumerate(ops) if o == "ST.E"]
-    assert len(remote) == 2 * ctas and waits[0] < min(remote) and max(remote) < waits[1]
-    assert min(i for i, o in enumerate(ops) if o.startswith("STG")) > waits[1]
+    assert sass.count(h, "MEMBAR") == 0
+    assert ops.count("SYNCS.ARRIVE.TRANS64") == 1
+    wait = ops.index("UCGABAR_WAIT")
+    remote = [i for i, o in enumerate(ops) if o.startswith("STAS")]
+    assert ops.count("STAS.128") == ctas and ops.count("STAS") == ctas
+    done = min(i for i, o in enumerate(ops) if o.startswith("SYNCS.PHASECHK"))
+    assert wait < min(remote) and max(remote) < done
+    assert len([i for i, o in enumerate(ops) if o.startswith("STG") and i < done]) == 2  # ids, weights
     assert sass.local_memory_ops(h) == 0
 
 

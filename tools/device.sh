@@ -177,13 +177,15 @@ smoke)
   ;;
 smoke-kernels)
   # the kernels changed since their last GPU run: row_rms / rms_norm (rows of up to 4096 elements
-  # sharing a CTA), with the tensor entries and custom ops that launch them; compressor_pool (a
-  # cluster per closing token) and the engine that runs it. The hang watchdog at 90 s (each of
-  # these tests runs for seconds besides its compiles): under each job's timeout
+  # sharing a CTA), with the tensor entries and custom ops that launch them; compressor_pool and
+  # the router's cluster path (their cluster exchanges by st.async) and the engine that runs
+  # them. The hang watchdog at 90 s (each of these tests runs for seconds besides its compiles):
+  # under each job's timeout
   export CUTE_KERNELS_GPU_TEST_TIMEOUT_S=90
+  timeout 60 $PYT -m gpu tests/test_compressor_pool.py 2>&1 | tee "$OUT/compressor-tests.log" | tail -5
+  timeout 150 $PYT -m gpu tests/test_moe_router.py -k "cluster" 2>&1 | tee "$OUT/router-tests.log" | tail -5
   timeout 100 $PYT -m gpu tests/test_row_rms.py 2>&1 | tee "$OUT/row-rms-tests.log" | tail -5
   timeout 100 $PYT -m gpu tests/test_tensor_entries.py tests/test_ops.py 2>&1 | tee "$OUT/entries-tests.log" | tail -5
-  timeout 60 $PYT -m gpu tests/test_compressor_pool.py 2>&1 | tee "$OUT/compressor-tests.log" | tail -5
   timeout 100 $PYT -m gpu tests/test_mhc.py 2>&1 | tee "$OUT/mhc-tests.log" | tail -5
   timeout 120 $PYT -m gpu tests/test_spec_decode.py -k "kernel_engine and small" 2>&1 \
     | tee "$OUT/engine-tests.log" | tail -5
@@ -198,6 +200,8 @@ smoke-benches)
   timeout 120 python bench/bench_mhc.py --out "$OUT/bench_mhc.md" 2>&1 | tee "$OUT/bench_mhc.log" | tail -24
   timeout 90 python bench/bench_compressor.py --out "$OUT/bench_compressor.md" 2>&1 \
     | tee "$OUT/bench_compressor.log" | tail -10
+  timeout 90 python bench/bench_moe.py --sections router-paths --out "$OUT/bench_router_paths.md" 2>&1 \
+    | tee "$OUT/bench_router_paths.log" | tail -22
   timeout 140 python bench/bench_moe_experts.py --model v4-flash --tokens 1,64,320 \
     --out "$OUT/bench_moe_experts_v4-flash.md" 2>&1 | tee "$OUT/bench_moe_experts.log" | tail -12
   ;;
