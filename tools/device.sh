@@ -46,7 +46,7 @@
 #                                            the runtime's GPU tests at `small`
 #   bash tools/device.sh smoke-kernels       the recently changed kernels' GPU tests alone (the list
 #                                            in the job: rms_norm / row_rms with their tensor entries
-#                                            and custom ops, compressor_pool, mHC, the engine at small)
+#                                            and custom ops, compressor_pool, the router's cluster path, the engine at small)
 #   bash tools/device.sh smoke-benches       their benches (row_rms and the norms, decode attention, the
 #                                            mHC mixes, the KV compressors, the V4-Flash MoE layer's
 #                                            stage table)
@@ -186,7 +186,6 @@ smoke-kernels)
   timeout 150 $PYT -m gpu tests/test_moe_router.py -k "cluster" 2>&1 | tee "$OUT/router-tests.log" | tail -5
   timeout 100 $PYT -m gpu tests/test_row_rms.py 2>&1 | tee "$OUT/row-rms-tests.log" | tail -5
   timeout 100 $PYT -m gpu tests/test_tensor_entries.py tests/test_ops.py 2>&1 | tee "$OUT/entries-tests.log" | tail -5
-  timeout 100 $PYT -m gpu tests/test_mhc.py 2>&1 | tee "$OUT/mhc-tests.log" | tail -5
   timeout 120 $PYT -m gpu tests/test_spec_decode.py -k "kernel_engine and small" 2>&1 \
     | tee "$OUT/engine-tests.log" | tail -5
   ;;
