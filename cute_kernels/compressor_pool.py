@@ -215,14 +215,14 @@ class CompressorPool:
                 gv = (rG[e, j].to(Float32) + rA[e, j].to(Float32)).to(bf16).to(Float32)
                 g[e, j] = cutlass.select_(ok, gv, neg_inf)
                 acc[e] = cutlass.max(acc[e], g[e, j])
-        self.reduce_groups(sRed, sTot, acc, True)  # acc: the window maximum
+        self.reduce_groups(sRed, sTot, acc, grp, v, True)  # acc: the window maximum
         for e in cutlass.range_constexpr(VEC):
             mx = acc[e]
             acc[e] = Float32(0.0)
             for j in cutlass.range_constexpr(self.rows):
                 g[e, j] = cute.math.exp(g[e, j] - mx)  # masked rows: exp(-inf) = 0
                 acc[e] = acc[e] + g[e, j]
-        self.reduce_groups(sRed, sTot, acc, False)  # acc: the sum of the exponentials
+        self.reduce_groups(sRed, sTot, acc, grp, v, False)  # acc: the sum of the exponentials
         for e in cutlass.range_constexpr(VEC):
             total = acc[e]
             acc[e] = Float32(0.0)
@@ -231,7 +231,7 @@ class CompressorPool:
                 w = (g[e, j] / total).to(bf16).to(Float32)
                 term = (rK[e, j].to(Float32) * w).to(bf16).to(Float32)
                 acc[e] = acc[e] + cutlass.select_(ok, term, Float32(0.0))
-        self.reduce_groups(sRed, sTot, acc, False)  # acc: the weighted sum
+        self.reduce_groups(sRed, sTot, acc, grp, v, False)  # acc: the weighted sum
         for e in cutlass.range_constexpr(VEC):
             acc[e] = acc[e].to(bf16).to(Float32)  # x
 
@@ -285,12 +285,12 @@ class CompressorPool:
         return i, i < self.span and p - self.span + 1 + i >= 0
 
     @cute.jit
-    def reduce_groups(self, sRed: cute.Tensor, sTot: cute.Tensor, acc: cute.Tensor, use_max: cutlass.Constexpr):
+    def reduce_groups(self, sRed: cute.Tensor, sTot: cute.Tensor, acc: cute.Tensor, grp: Int32, v: Int32,
+                      use_max: cutlass.Constexpr):
         """``acc[e]`` <- the max (``use_max``) or the FP32 sum over the row groups of channel
-        ``c0 + e``'s values (in row-group order: every thread gets the same value)."""
+        ``c0 + e``'s values (thread ``(grp, v)``; in row-group order: every thread gets the same
+        value)."""
         tidx, _, _ = cute.arch.thread_idx()
-        v = tidx % self.cvs
-        grp = tidx // self.cvs
         for e in cutlass.range_constexpr(VEC):
             sRed[grp, v * VEC + e] = acc[e]
         cute.arch.barrier()
