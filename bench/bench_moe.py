@@ -178,6 +178,7 @@ def bench_router_paths():
                 picked = ("single CTA" if T <= saved[0] else f"cluster of {saved[2]}" if T <= saved[1] else "grid")
                 rows.append([f"{name}: T={T}, E={cfg.num_experts}, k={cfg.top_k}"]
                             + [f"{times[p] * 1e6:.2f}" for p in paths] + [min(times, key=times.get), picked])
+                print("| " + " | ".join(rows[-1]) + " |", flush=True)  # (a run cut short keeps its rows)
     finally:
         for n, v in zip(names, saved):
             setattr(router_mod, n, v)
