@@ -45,8 +45,8 @@ candidate as an order-preserving unsigned key, one ``redux.sync`` maximum, and t
 holding it (a ballot) wins -- its experts have the lower indices, so ties go to the lower
 index. Three paths build the packed layout:
 
-* up to ``SINGLE_CTA_MAX_TOKENS`` = 16 tokens (a verify step of BS1-2) one CTA routes them all
-  (its capacity is 64; above 16 the grid path's parallel routing wins) and keeps, per
+* up to ``SINGLE_CTA_MAX_TOKENS`` = 12 tokens (a verify step of BS1-2) one CTA routes them all
+  (its capacity is 64; above 12 the cluster path's parallel routing wins) and keeps, per
   expert, the mask of tokens that picked it in shared memory (``atomicOr`` into two 32-bit
   words, one bit per token). After one barrier the counts are popcounts, a warp scan gives
   the padded offsets, and routed row ``t*k + i`` of expert ``e`` lands at
@@ -117,9 +117,10 @@ _LOGIT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 #: a 64-bit mask per expert)
 SINGLE_CTA_CAPACITY = 64
 #: Up to this many tokens the router takes the single-CTA path (<= SINGLE_CTA_CAPACITY); above,
-#: the grid path, whose CTAs route the tokens in parallel (``bench/bench_moe.py --sections
-#: router-paths`` times both at each T)
-SINGLE_CTA_MAX_TOKENS = 16
+#: the cluster path, whose CTAs route the tokens in parallel (``bench/bench_moe.py --sections
+#: router-paths`` times the paths at each T: the single CTA is the faster up to 12 tokens, the
+#: cluster of 8 from 16)
+SINGLE_CTA_MAX_TOKENS = 12
 #: The cluster path's capacity: a token per warp of the cluster's CTAs (module docstring)
 CLUSTER_CAPACITY = 64
 #: The cluster sizes it is built for, each with CLUSTER_CAPACITY / size warps per CTA: 4 CTAs
@@ -130,8 +131,8 @@ CLUSTER_SIZES = (4, 8)
 CLUSTER_CTAS = 8
 #: Above SINGLE_CTA_MAX_TOKENS and up to this many tokens (<= CLUSTER_CAPACITY) the router
 #: takes the cluster path (0: never); above, the grid path. ``bench/bench_moe.py --sections
-#: router-paths`` times the paths at each T: the cluster path is the fastest from T = 24 to
-#: 64, the single-CTA path up to 12 and within 2% of it at 16
+#: router-paths`` times the paths at each T: the cluster path is the fastest from T = 16 to
+#: 64
 CLUSTER_MAX_TOKENS = 64
 #: expert score functions (RouterConfig.score)
 SCORES = ("sigmoid", "sqrtsoftplus")

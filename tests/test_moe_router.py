@@ -456,7 +456,7 @@ def test_machine_code_single_cta(arch, cfg):
                          ids=["v3", "v4flash", "v4pro", "hash"])
 @pytest.mark.parametrize("ctas", router_mod.CLUSTER_SIZES)
 def test_machine_code_cluster(arch, cfg, ctas):
-    """The cluster path (17 <= T <= 64): token masks by shared-memory atomics, no global atomics;
+    """The cluster path (13 <= T <= 64): token masks by shared-memory atomics, no global atomics;
     one cluster barrier (all CTAs running before the first remote store, its arrive before the
     routing) and no memory fence: the exchange is ``st.async`` -- a 16-byte store of mask words
     and a pick to each of the CTAs (unrolled) -- between that barrier's wait and the wait on the
@@ -490,8 +490,8 @@ def test_cluster_path_choice_and_config_checks(monkeypatch):
     cfg = V4_FLASH_ROUTER
     paths = {T: ("single" if kernel_config(cfg, torch.float32, True, T)["single_cta"] else
                  "cluster" if "cluster" in kernel_config(cfg, torch.float32, True, T) else "grid")
-             for T in (1, 16, 17, 64, 65)}
-    assert paths == {1: "single", 16: "single", 17: "cluster", 64: "cluster", 65: "grid"}
+             for T in (1, 12, 13, 64, 65)}
+    assert paths == {1: "single", 12: "single", 13: "cluster", 64: "cluster", 65: "grid"}
     monkeypatch.setattr(router_mod, "CLUSTER_MAX_TOKENS", 0)
     assert all("cluster" not in kernel_config(cfg, torch.float32, True, T) for T in (1, 16, 17, 64, 65))
     kw = dict(dataclasses.asdict(cfg), logits_dtype="float32", has_bias=True)
