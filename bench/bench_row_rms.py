@@ -1,6 +1,7 @@
 """Benchmark row_rms and rms_norm against PyTorch on the GPU; prints markdown tables for bench/RESULTS.md.
 
     python bench/bench_row_rms.py [--out FILE]
+    python bench/bench_row_rms.py --loads-per-thread 2,4,8   # rms_norm's row layouts alone
 
 Table 1: kernel time per call from CUDA-graph replay over rotating inputs (> L2), vs the
 PyTorch composite ``rsqrt(x.float().square().mean(-1) + eps)`` timed the same way, and
@@ -93,6 +94,48 @@ def bench_norm():
                            "vs row_rms + torch", "% of 4.3 TB/s"], rows)
 
 
+def bench_norm_variants(loads: list[int]):
+    """rms_norm at the decode shapes with each ``loads_per_thread`` (16-byte loads per thread,
+    which sets a row's threads; the entry point's is ``cute_kernels.row_rms.LOADS_PER_THREAD``),
+    each variant's output checked equal to the entry point's first."""
+    from cute_kernels import jit
+    from cute_kernels.arch import current_arch
+    from cute_kernels.rms_norm import RmsNorm
+    from cutlass import BFloat16, Float32
+
+    rows = []
+    for T, C, weighted in NORM_SHAPES:
+        nbytes = 2 * T * C * 2 + (C * 2 if weighted else 0)
+        n = rotation_count(nbytes)
+        xs = [torch.randn(T, C, device="cuda").bfloat16() for _ in range(n)]
+        outs = [torch.empty(T, C, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+        w = torch.randn(C, device="cuda").bfloat16() if weighted else None
+        want = rms_norm(xs[0], EPS, w)
+        times, shapes = [], []
+        for L in loads:
+            fn = jit.get_kernel("rms_norm", current_arch(), hidden=C, dtype="bfloat16", weighted=weighted,
+                                rope_dim=0, loads_per_thread=L)
+            op = RmsNorm(BFloat16, C, weighted, 0, L)
+            P = jit.gmem_ptr
+
+            def launch(i, fn=fn):
+                fn(P(BFloat16, xs[i], 16), P(BFloat16, w if w is not None else xs[i], 16), P(Float32, xs[i], 16),
+                   P(BFloat16, outs[i], 16), jit.i32(T), jit.i32(1), jit.f32(EPS), jit.cu_stream(None))
+
+            outs[0].fill_(float("nan"))
+            launch(0)
+            if not torch.equal(outs[0], want):
+                raise SystemExit(f"rms_norm {T}x{C} loads_per_thread={L}: output differs from the entry point's")
+            times.append(time_graph(launch, n, max(n, 20)))
+            shapes.append(f"{op.row_threads} x {op.rows_per_cta}")
+        best = min(range(len(loads)), key=times.__getitem__)
+        rows.append([f"{T}x{C}{'' if weighted else ' (no weight)'}"]
+                    + [f"{t * 1e6:.2f} ({s})" for t, s in zip(times, shapes)] + [str(loads[best])])
+        del xs, outs
+    return markdown_table(["rms_norm T x C (bf16)"] + [f"{L} loads / thread us (threads x rows a CTA)" for L in loads]
+                          + ["fastest"], rows)
+
+
 def bench_host():
     x = torch.randn(64, 7168, device="cuda").bfloat16()
     out = torch.empty(64, device="cuda")
@@ -142,10 +185,18 @@ def bench_artifact(arch):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--loads-per-thread", default=None,
+                    help="comma-separated loads per thread: only the rms_norm variants table (e.g. 2,4,8)")
     args = ap.parse_args()
     from cute_kernels.arch import current_arch
 
     arch = current_arch()
+    if args.loads_per_thread:
+        loads = [int(v) for v in args.loads_per_thread.split(",")]
+        emit("\n".join([f"## rms_norm variants -- {torch.cuda.get_device_name()} ({arch}), {datetime.date.today()}",
+                        "", f"Command: `python bench/bench_row_rms.py --loads-per-thread {args.loads_per_thread}`",
+                        "", bench_norm_variants(loads), ""]), args.out)
+        return
     lines = [f"## row_rms -- {torch.cuda.get_device_name()} ({arch}), {datetime.date.today()}",
              "", "Command: `python bench/bench_row_rms.py`", "", bench_kernel(), "", bench_norm(), ""]
     ours, ref = bench_host()

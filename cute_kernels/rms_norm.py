@@ -48,7 +48,7 @@ from cutlass import Float32, Int32, const_expr
 
 from . import jit
 from .arch import current_arch, dispatch
-from .row_rms import ASYNC_SMEM_BYTES, MAX_HIDDEN, NAME2CUTE, TORCH2CUTE, RowRms
+from .row_rms import ASYNC_SMEM_BYTES, LOADS_PER_THREAD, MAX_HIDDEN, NAME2CUTE, TORCH2CUTE, RowRms
 from .validate import check_cuda, check_int32_indexable, check_tensor
 
 
@@ -56,8 +56,9 @@ class RmsNorm(RowRms):
     """Compile-time configuration: element type, row length, whether a weight multiplies, and
     how many trailing features are rotated (0: none)."""
 
-    def __init__(self, dtype: type[cutlass.Numeric], hidden: int, weighted: bool, rope_dim: int = 0):
-        super().__init__(dtype, hidden)
+    def __init__(self, dtype: type[cutlass.Numeric], hidden: int, weighted: bool, rope_dim: int = 0,
+                 loads_per_thread: int = LOADS_PER_THREAD):
+        super().__init__(dtype, hidden, loads_per_thread)
         if rope_dim % self.vec or not 0 <= rope_dim <= hidden:
             raise ValueError(f"RmsNorm: rope_dim={rope_dim} must be a multiple of {self.vec} in [0, {hidden}]")
         self.weighted, self.rope_dim = weighted, rope_dim
@@ -203,12 +204,14 @@ class RmsNorm(RowRms):
             rY[2 * j + 1] = (a * sn + b * c).to(self.dtype)
 
 
-def _build(arch: str, *, hidden: int, dtype: str = "bfloat16", weighted: bool = True, rope_dim: int = 0):
+def _build(arch: str, *, hidden: int, dtype: str = "bfloat16", weighted: bool = True, rope_dim: int = 0,
+           loads_per_thread: int = LOADS_PER_THREAD):
+    """``loads_per_thread`` (a variant; the entry points take the default): see ``RowRms``."""
     if not RowRms.can_implement(hidden, dtype):
         raise ValueError(f"rms_norm: unsupported hidden={hidden}, dtype={dtype}")
     cdt = NAME2CUTE[dtype]
     P = jit.fake_gmem_ptr
-    return RmsNorm(cdt, hidden, weighted, rope_dim), (P(cdt, 16), P(cdt, 16), P(Float32, 16), P(cdt, 16), Int32(1),
+    return RmsNorm(cdt, hidden, weighted, rope_dim, loads_per_thread), (P(cdt, 16), P(cdt, 16), P(Float32, 16), P(cdt, 16), Int32(1),
                                                       Int32(1), Float32(1e-6), jit.fake_stream())
 
 

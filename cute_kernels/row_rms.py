@@ -51,22 +51,27 @@ MAX_HIDDEN = 65536
 #: shared memory a row (and, in :mod:`cute_kernels.rms_norm`, its weight and rotation) may take
 #: to be loaded through it (``RowRms.load_row_async``; above: register loads)
 ASYNC_SMEM_BYTES = 64 * 1024
+#: 16-byte loads each of a row's threads issues (at most): sets the threads per row
+#: (``bench/bench_row_rms.py --loads-per-thread`` times other values)
+LOADS_PER_THREAD = 8
 
 
 class RowRms:
     """Compile-time configuration: element type and the (static) row length."""
 
-    def __init__(self, dtype: type[cutlass.Numeric], hidden: int):
+    def __init__(self, dtype: type[cutlass.Numeric], hidden: int, loads_per_thread: int = LOADS_PER_THREAD):
+        if not isinstance(loads_per_thread, int) or not 1 <= loads_per_thread <= 64:
+            raise ValueError(f"RowRms: loads_per_thread={loads_per_thread!r} must be an int in [1, 64]")
         self.dtype = dtype
         self.hidden = hidden
         self.vec = 128 // dtype.width  # elements per 16-byte load
         self.n_vec = hidden // self.vec
-        # Threads per row: enough that each keeps <= 8 loads in flight. A row that needs at most
-        # two warps gets one or two and shares a CTA of 4 warps with other rows (rows of up to
+        # Threads per row: enough that each issues <= loads_per_thread loads. A row that needs at
+        # most two warps gets one or two and shares a CTA of 4 warps with other rows (rows of up to
         # 4096 bf16: a CTA of their own would leave most of its threads idle, and the many small
         # CTAs of a short-row batch would each pay their own launch and reduction); a longer row
         # has the CTA to itself, at least 4 warps.
-        want = -(-self.n_vec // 8)
+        want = -(-self.n_vec // loads_per_thread)
         if want <= 64:
             self.row_threads = 32 if want <= 32 else 64
         else:

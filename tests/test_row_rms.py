@@ -319,6 +319,23 @@ def test_rms_norm_machine_code(arch, hidden, weighted):
     assert sass.local_memory_ops(h) == 0
 
 
+@pytest.mark.parametrize("loads, layout", [(2, (256, 1)), (4, (128, 1)), (8, (64, 2)), (16, (32, 4))])
+def test_rms_norm_loads_per_thread_variants(loads, layout):
+    """The bench's row layouts (``loads_per_thread``): a 4096-element row over 256 / 128 / 64 / 32
+    threads (1, 1, 2, 4 rows a CTA), each thread issuing that many 16-byte loads of the row (and
+    of the weight) and storing as many; no local memory; a value outside [1, 64] is refused."""
+    import cute_kernels.rms_norm  # noqa: F401 -- registers the kernel
+    from cute_kernels.row_rms import RowRms
+
+    op = RowRms(cutlass.BFloat16, 4096, loads)
+    assert (op.row_threads, op.rows_per_cta) == layout and op.iters == loads
+    h = sass.sass_histogram("rms_norm", "sm_90a", hidden=4096, weighted=True, rope_dim=0, loads_per_thread=loads)
+    assert sass.count(h, "LDGSTS.E.128") == 2 * loads and sass.count(h, "STG.E.128") == loads
+    assert sass.local_memory_ops(h) == 0
+    with pytest.raises(ValueError, match="loads_per_thread"):
+        RowRms(cutlass.BFloat16, 4096, 0)
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("cfg", [dict(hidden=4096, weighted=True), dict(hidden=512, weighted=True, rope_dim=64),
                                  dict(hidden=7168, weighted=True)])

@@ -194,6 +194,9 @@ smoke-benches)
   # RMSNorm need `peers`), the mHC mixes, the KV compressors (never timed alone before), the MoE
   # layer's stage table (finalize, the routed gather)
   timeout 100 python bench/bench_row_rms.py --out "$OUT/bench_row_rms.md" 2>&1 | tee "$OUT/bench_row_rms.log" | tail -14
+  # rms_norm's row layouts (threads per row) at the decode shapes, where Liger's 8 warps a row led
+  timeout 90 python bench/bench_row_rms.py --loads-per-thread 2,4,8,16 --out "$OUT/bench_rms_norm_variants.md" 2>&1 \
+    | tee "$OUT/bench_rms_norm_variants.log" | tail -10
   timeout 80 python bench/bench_sink_attention.py --out "$OUT/bench_sink_attention.md" 2>&1 \
     | tee "$OUT/bench_sink_attention.log" | tail -10
   timeout 120 python bench/bench_mhc.py --out "$OUT/bench_mhc.md" 2>&1 | tee "$OUT/bench_mhc.log" | tail -24
