@@ -62,14 +62,19 @@ NORM_SHAPES = [(6, 4096, True), (6, 1024, True), (6, 512, True), (384, 512, Fals
                (24576, 512, False)]
 
 
+def norm_inputs(T: int, C: int, weighted: bool):
+    """``(bytes moved, rotation count, inputs, outputs, weight or None)`` of one norm shape."""
+    nbytes = 2 * T * C * 2 + (C * 2 if weighted else 0)
+    n = rotation_count(nbytes)
+    xs = [torch.randn(T, C, device="cuda").bfloat16() for _ in range(n)]
+    outs = [torch.empty(T, C, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+    return nbytes, n, xs, outs, torch.randn(C, device="cuda").bfloat16() if weighted else None
+
+
 def bench_norm():
     rows = []
     for T, C, weighted in NORM_SHAPES:
-        nbytes = 2 * T * C * 2 + (C * 2 if weighted else 0)
-        n = rotation_count(nbytes)
-        xs = [torch.randn(T, C, device="cuda").bfloat16() for _ in range(n)]
-        outs = [torch.empty(T, C, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
-        w = torch.randn(C, device="cuda").bfloat16() if weighted else None
+        nbytes, n, xs, outs, w = norm_inputs(T, C, weighted)
         reps = max(n, 20)
 
         def composite_row_rms(i):
@@ -105,11 +110,7 @@ def bench_norm_variants(loads: list[int]):
 
     rows = []
     for T, C, weighted in NORM_SHAPES:
-        nbytes = 2 * T * C * 2 + (C * 2 if weighted else 0)
-        n = rotation_count(nbytes)
-        xs = [torch.randn(T, C, device="cuda").bfloat16() for _ in range(n)]
-        outs = [torch.empty(T, C, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
-        w = torch.randn(C, device="cuda").bfloat16() if weighted else None
+        _, n, xs, outs, w = norm_inputs(T, C, weighted)
         want = rms_norm(xs[0], EPS, w)
         times, shapes = [], []
         for L in loads:
