@@ -3,20 +3,20 @@
 A cluster's CTAs can write each other's shared memory (``mapa`` maps a local shared-memory
 address to the same offset in CTA ``rank``). The writer must know the target CTA is running: a
 cluster barrier arrived at on entry (``cute.arch.cluster_arrive_relaxed``) and waited on before
-the first remote store. Two ways to publish the stores to the reader:
+the first remote store.
 
-* :func:`store_to_cta` (``st.shared::cluster``): the reader sees them after a cluster barrier
-  whose arrive has release and whose wait has acquire semantics (``cute.arch.cluster_arrive`` /
-  ``cluster_wait``). On sm_90 that release is a GPU-scope memory barrier (``MEMBAR``): it waits
-  for every earlier store of the thread, global ones included.
-* :func:`store_async_to_cta` / :func:`store_async_to_cta_x4` (``st.async ...
-  mbarrier::complete_tx::bytes``, the exchange quack's cluster reductions use): each store
-  credits its bytes to the target CTA's mbarrier at the same offset; the reader arms its own
-  mbarrier with the bytes it expects (``cute.arch.mbarrier_arrive_and_expect_tx``; initialised
-  with one arrival and published by ``mbarrier_init_fence`` before the entry arrive) and waits
-  on it (``mbarrier_wait``, phase 0) -- no cluster barrier, no memory fence. Credits that come
-  before the arming leave the transaction count below zero, which the phase allows. A CTA that
-  waits for every byte sent to it cannot exit while stores to it are in flight.
+:func:`store_async_to_cta` / :func:`store_async_to_cta_x4` (``st.async ...
+mbarrier::complete_tx::bytes``, the exchange quack's cluster reductions use) publish the stores
+without a second cluster barrier: each store credits its bytes to the target CTA's mbarrier at
+the same offset; the reader arms its own mbarrier with the bytes it expects
+(``cute.arch.mbarrier_arrive_and_expect_tx``; initialised with one arrival and published by
+``mbarrier_init_fence`` before the entry arrive) and waits on it (``mbarrier_wait``, phase 0).
+Credits that come before the arming leave the transaction count below zero, which the phase
+allows. A CTA that waits for every byte sent to it cannot exit while stores to it are in
+flight. The alternative, ``st.shared::cluster`` published by a release / acquire cluster
+barrier, pays on sm_90 a GPU-scope ``MEMBAR`` for the release, which waits for every earlier
+store of the thread, global ones included. Used by the router's cluster path and the KV
+compressor's split entries.
 """
 
 import cutlass.cute as cute
@@ -31,21 +31,12 @@ def f32_bits(x: Float32, *, loc=None, ip=None) -> Uint32:
     return Uint32(llvm.bitcast(Uint32.mlir_type, Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
-@dsl_user_op
-def store_to_cta(smem_ptr: cute.Pointer, rank: Int32, value: Uint32, *, loc=None, ip=None) -> None:
-    """``*smem_ptr = value`` in the shared memory of CTA ``rank`` of this cluster (the same
-    offset there): ``mapa`` + ``st.shared::cluster``."""
-    llvm.inline_asm(
-        None, [Int32(smem_ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip),
-               Uint32(value).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b32 a;\n\tmapa.shared::cluster.u32 a, $0, $1;\n\tst.shared::cluster.u32 [a], $2;\n\t}",
-        "r,r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip)
-
-
 def _remote_async_store(vals, smem_ptr, rank, mbar_ptr, loc, ip):
+    """``st.async`` of the 32-bit ``vals`` (one, or a ``.v2`` / ``.v4`` vector: operands $3...)
+    to ``smem_ptr`` in CTA ``rank``, crediting that CTA's mbarrier at ``mbar_ptr``'s offset."""
+    regs = [f"${i + 3}" for i in range(len(vals))]
     vec = "" if len(vals) == 1 else f".v{len(vals)}"
-    src = f"${3}" if len(vals) == 1 else "{" + ", ".join(f"${i + 3}" for i in range(len(vals))) + "}"
+    src = regs[0] if len(vals) == 1 else "{" + ", ".join(regs) + "}"
     llvm.inline_asm(
         None, [Int32(smem_ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip),
                Int32(mbar_ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip),
