@@ -619,8 +619,8 @@ class RouterTopkAlign:
         CTA holds all the picks ``sIds [T, k]`` and token masks ``sTokMask[c, e]`` (bit w: token
         ``c W + w`` picked expert e), counts them (``sCnt``, the whole CTA) and scans the counts
         itself (warp 0); the CTAs then split the experts' counts and offsets, the M-tiles'
-        experts, the padding slots (a warp per tile: the slots of its expert's last tile past its
-        rows) and the routed rows (each at its expert's offset plus its rank among the expert's
+        experts (each expert's tiles, from its offsets), the padding slots (a warp per expert:
+        the slots of its last tile past its rows) and the routed rows (each at its expert's offset plus its rank among the expert's
         rows, ``popc`` of the masks before it).
         Padding and live slots are disjoint, so no ordering between the CTAs is needed."""
         E, k, tile, C, W = self.E, self.k, self.tile, self.cluster, self.warps
@@ -640,18 +640,15 @@ class RouterTopkAlign:
             mOffsets[e] = sOff[e]
         if first == 0:
             mOffsets[E] = total
-        for j in cutlass.range(first, tiles_cap, stride):
-            e = Int32(-1)
-            if j < ntiles:
-                e = self.tile_expert_of(sOff, j)
-            mTileExpert[j] = e
+        for e in cutlass.range(first, E, stride):  # an expert's M-tiles, from its offsets: no search
+            for j in cutlass.range(sOff[e] // tile, sOff[e + 1] // tile):
+                mTileExpert[j] = e
+        for j in cutlass.range(ntiles + first, tiles_cap, stride):
+            mTileExpert[j] = Int32(-1)
         sentinel = num_tokens * k
-        for j in cutlass.range(rank * W + warp, ntiles, C * W):
-            e = self.tile_expert_of(sOff, j)
-            rows_end = sOff[e] + sCnt[e]
-            for p in cutlass.range(j * tile + lane, j * tile + tile, 32):
-                if p >= rows_end:
-                    mSorted[p] = sentinel
+        for e in cutlass.range(rank * W + warp, E, C * W):  # a warp an expert: its last tile's padding
+            for p in cutlass.range(sOff[e] + sCnt[e] + lane, sOff[e + 1], 32):
+                mSorted[p] = sentinel
         for r in cutlass.range(first, num_tokens * k, stride):
             t = r // k
             e = sIds[t, r - t * k]
