@@ -1,6 +1,6 @@
 """``python -m spec_decode run [--backend B] [--device D] [--model M] [--batch B] [--prompt-len N] [--new M] [--plain] [--tp N]``: decode demo.
 
-Tensor parallel: one process per rank, e.g. ``python -m torch.distributed.run --nproc-per-node 4
+Tensor parallel: one process per rank, e.g. ``python -m torch.distributed.run --standalone --nproc-per-node 4
 -m spec_decode run --tp 4 --backend fused --device cuda`` (gloo on CPUs with ``--device cpu
 --backend torch-bf16``); rank 0 prints.
 

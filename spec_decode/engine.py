@@ -598,7 +598,7 @@ def _init_process_group(config: EngineConfig):
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise ValueError(f"tp={config.tp}: start one process per rank with torchrun "
-                             f"(python -m torch.distributed.run --nproc-per-node {config.tp} ...) or initialise "
+                             f"(python -m torch.distributed.run --standalone --nproc-per-node {config.tp} ...) or initialise "
                              f"torch.distributed before building the engine")
         if cuda:
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast
