@@ -211,8 +211,8 @@ def _build(arch: str, *, hidden: int, dtype: str = "bfloat16", weighted: bool = 
         raise ValueError(f"rms_norm: unsupported hidden={hidden}, dtype={dtype}")
     cdt = NAME2CUTE[dtype]
     P = jit.fake_gmem_ptr
-    return RmsNorm(cdt, hidden, weighted, rope_dim, loads_per_thread), (P(cdt, 16), P(cdt, 16), P(Float32, 16), P(cdt, 16), Int32(1),
-                                                      Int32(1), Float32(1e-6), jit.fake_stream())
+    args = (P(cdt, 16), P(cdt, 16), P(Float32, 16), P(cdt, 16), Int32(1), Int32(1), Float32(1e-6), jit.fake_stream())
+    return RmsNorm(cdt, hidden, weighted, rope_dim, loads_per_thread), args
 
 
 def _build_tensors(arch: str, *, hidden: int, dtype: str = "bfloat16", weighted: bool = True, rope_dim: int = 0,

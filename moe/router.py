@@ -620,8 +620,8 @@ class RouterTopkAlign:
         ``c W + w`` picked expert e), counts them (``sCnt``, the whole CTA) and scans the counts
         itself (warp 0); the CTAs then split the experts' counts and offsets, the M-tiles'
         experts (each expert's tiles, from its offsets), the padding slots (a warp per expert:
-        the slots of its last tile past its rows) and the routed rows (each at its expert's offset plus its rank among the expert's
-        rows, ``popc`` of the masks before it).
+        the slots of its last tile past its rows) and the routed rows (each at its expert's
+        offset plus its rank among the expert's rows, ``popc`` of the masks before it).
         Padding and live slots are disjoint, so no ordering between the CTAs is needed."""
         E, k, tile, C, W = self.E, self.k, self.tile, self.cluster, self.warps
         tidx, _, _ = cute.arch.thread_idx()

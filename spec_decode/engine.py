@@ -597,9 +597,9 @@ def _init_process_group(config: EngineConfig):
     cuda = torch.device(config.device).type == "cuda"
     if not dist.is_initialized():
         if "RANK" not in os.environ:
-            raise ValueError(f"tp={config.tp}: start one process per rank with torchrun "
-                             f"(python -m torch.distributed.run --standalone --nproc-per-node {config.tp} ...) or initialise "
-                             f"torch.distributed before building the engine")
+            raise ValueError(f"tp={config.tp}: start one process per rank with torchrun (python -m "
+                             f"torch.distributed.run --standalone --nproc-per-node {config.tp} ...) or "
+                             f"initialise torch.distributed before building the engine")
         if cuda:
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast
         dist.init_process_group("nccl" if cuda else "gloo",
