@@ -276,7 +276,6 @@ class RouterTopkAlign:
         self.max_ctas = max_ctas
         self.V = self.E // 32  # experts per lane
         self.L = 32 // self.G  # lanes per group
-        self.log2E = max(1, math.ceil(math.log2(self.E + 1)))
         self.single_cta = single_cta  # T <= SINGLE_CTA_MAX_TOKENS: one CTA, counts and ids in shared memory
         self.cluster = cluster  # > 0: the cluster path, this many CTAs of one cluster (T <= cluster * warps)
 
@@ -519,7 +518,7 @@ class RouterTopkAlign:
         picks an expert at most once, so routed row ``t k + i`` of expert ``e`` has rank
         ``popc(mask_e & (2^t - 1))`` among that expert's rows, in row order: no ballots, no
         cross-warp prefix."""
-        E, k, tile = self.E, self.k, self.tile
+        E, k = self.E, self.k
         tidx, _, _ = cute.arch.thread_idx()
         if cute.arch.warp_idx() == 0:
             self.scan_padded_counts(sTokMask, 2, sOff, mTotal)
@@ -528,12 +527,10 @@ class RouterTopkAlign:
         for e in cutlass.range(tidx, E, self.threads):
             mCounts[e] = self.masked_count(sTokMask, 2, e)
             mOffsets[e] = sOff[e]
-            for j in cutlass.range(sOff[e] // tile, sOff[e + 1] // tile):  # the expert's M-tiles
-                mTileExpert[j] = e
+            self.write_expert_tiles(sOff, mTileExpert, e)
         if tidx == 0:
             mOffsets[E] = total
-        for j in cutlass.range(total // tile + tidx, tiles_cap, self.threads):
-            mTileExpert[j] = Int32(-1)
+        self.clear_tiles_past(total, mTileExpert, tiles_cap, tidx, self.threads)
         self.fill_sentinels(mSorted, total, num_tokens * k)
         cute.arch.barrier()  # sentinels land before the live slots are written
         for r in cutlass.range(tidx, num_tokens * k, self.threads):
@@ -599,18 +596,18 @@ class RouterTopkAlign:
         return c
 
     @cute.jit
-    def tile_expert_of(self, sOff, j: Int32) -> Int32:
-        """The expert of M-tile ``j`` (below the padded total): the largest ``e`` with
-        ``sOff[e] <= j * tile`` (an empty expert never qualifies as the largest)."""
-        E = self.E
-        row = j * self.tile
-        lo, hi = Int32(0), Int32(E)
-        for _ in cutlass.range_constexpr(self.log2E):
-            mid = (lo + hi + 1) // 2
-            go = sOff[cutlass.min(mid, Int32(E))] <= row
-            lo = cutlass.select_(go & (mid < E), mid, lo)
-            hi = cutlass.select_(go & (mid < E), hi, mid - 1)
-        return lo
+    def write_expert_tiles(self, sOff, mTileExpert, e: Int32):
+        """``tile_expert`` for expert ``e``'s M-tiles, from its padded offsets (none for an empty
+        expert): every path's tile table, one expert at a time, no search over the offsets."""
+        for j in cutlass.range(sOff[e] // self.tile, sOff[e + 1] // self.tile):
+            mTileExpert[j] = e
+
+    @cute.jit
+    def clear_tiles_past(self, total: Int32, mTileExpert, tiles_cap: Int32, first: Int32, stride: Int32):
+        """``tile_expert[j] = -1`` for the tiles past the padded ``total``: this thread's
+        ``first, first + stride, ...`` of them."""
+        for j in cutlass.range(total // self.tile + first, tiles_cap, stride):
+            mTileExpert[j] = Int32(-1)
 
     @cute.jit
     def align_cluster(self, sIds, sTokMask, sCnt, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mPos, sOff,
@@ -623,7 +620,7 @@ class RouterTopkAlign:
         the slots of its last tile past its rows) and the routed rows (each at its expert's
         offset plus its rank among the expert's rows, ``popc`` of the masks before it).
         Padding and live slots are disjoint, so no ordering between the CTAs is needed."""
-        E, k, tile, C, W = self.E, self.k, self.tile, self.cluster, self.warps
+        E, k, C, W = self.E, self.k, self.cluster, self.warps
         tidx, _, _ = cute.arch.thread_idx()
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         for e in cutlass.range(tidx, E, self.threads):
@@ -633,18 +630,14 @@ class RouterTopkAlign:
             self.scan_padded_counts(sCnt, 0, sOff, mTotal)  # (every CTA writes the same total)
         cute.arch.barrier()
         total = sOff[E]
-        ntiles = total // tile
         first, stride = rank * self.threads + tidx, C * self.threads
         for e in cutlass.range(first, E, stride):
             mCounts[e] = sCnt[e]
             mOffsets[e] = sOff[e]
+            self.write_expert_tiles(sOff, mTileExpert, e)
         if first == 0:
             mOffsets[E] = total
-        for e in cutlass.range(first, E, stride):  # an expert's M-tiles, from its offsets: no search
-            for j in cutlass.range(sOff[e] // tile, sOff[e + 1] // tile):
-                mTileExpert[j] = e
-        for j in cutlass.range(ntiles + first, tiles_cap, stride):
-            mTileExpert[j] = Int32(-1)
+        self.clear_tiles_past(total, mTileExpert, tiles_cap, first, stride)
         sentinel = num_tokens * k
         for e in cutlass.range(rank * W + warp, E, C * W):  # a warp an expert: its last tile's padding
             for p in cutlass.range(sOff[e] + sCnt[e] + lane, sOff[e + 1], 32):
@@ -669,7 +662,7 @@ class RouterTopkAlign:
               sPre, num_tokens: Int32, tiles_cap: Int32):
         """The grid path's padded, packed layout (last CTA) from every CTA's picks ``mIds [T, k]``
         and count atomics ``mWs``; zeroes ``mWs`` for the next launch."""
-        E, V, k, W, tile = self.E, self.V, self.k, self.warps, self.tile
+        E, V, k, W = self.E, self.V, self.k, self.warps
         tidx, _, _ = cute.arch.thread_idx()
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         if warp == 0:
@@ -681,17 +674,13 @@ class RouterTopkAlign:
         for e in cutlass.range(tidx, E, self.threads):
             mCounts[e] = sCnt[e]
             mOffsets[e] = sOff[e]
+            self.write_expert_tiles(sOff, mTileExpert, e)
             mWs[e] = 0  # ready for the next launch (graph replay needs no host reset)
             sCursor[e] = 0
         if tidx == 0:
             mOffsets[E] = total
             mWs[E] = 0
-        ntiles = total // tile
-        for j in cutlass.range(tidx, tiles_cap, self.threads):
-            e = Int32(-1)
-            if j < ntiles:
-                e = self.tile_expert_of(sOff, j)
-            mTileExpert[j] = e
+        self.clear_tiles_past(total, mTileExpert, tiles_cap, tidx, self.threads)
         self.fill_sentinels(mSorted, total, num_tokens * k)
         # Sentinels land before the scatter below overwrites the live slots.
         cute.arch.barrier()
