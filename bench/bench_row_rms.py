@@ -27,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import H200_COPY_BW, emit, markdown_table, rotation_count, time_graph  # noqa: E402
+from common import H200_COPY_BW, emit, markdown_table, report, rotation_count, time_graph  # noqa: E402
 
 from cute_kernels.rms_norm import rms_norm  # noqa: E402
 from cute_kernels.row_rms import row_rms  # noqa: E402
@@ -108,6 +108,7 @@ def bench_norm_variants(loads: list[int]):
     from cute_kernels.rms_norm import RmsNorm
     from cutlass import BFloat16, Float32
 
+    P = jit.gmem_ptr
     rows = []
     for T, C, weighted in NORM_SHAPES:
         _, n, xs, outs, w = norm_inputs(T, C, weighted)
@@ -116,8 +117,7 @@ def bench_norm_variants(loads: list[int]):
         for L in loads:
             fn = jit.get_kernel("rms_norm", current_arch(), hidden=C, dtype="bfloat16", weighted=weighted,
                                 rope_dim=0, loads_per_thread=L)
-            op = RmsNorm(BFloat16, C, weighted, 0, L)
-            P = jit.gmem_ptr
+            op = RmsNorm(BFloat16, C, weighted, 0, L)  # (its layout, for the table)
 
             def launch(i, fn=fn):
                 fn(P(BFloat16, xs[i], 16), P(BFloat16, w if w is not None else xs[i], 16), P(Float32, xs[i], 16),
@@ -194,9 +194,8 @@ def main():
     arch = current_arch()
     if args.loads_per_thread:
         loads = [int(v) for v in args.loads_per_thread.split(",")]
-        emit("\n".join([f"## rms_norm variants -- {torch.cuda.get_device_name()} ({arch}), {datetime.date.today()}",
-                        "", f"Command: `python bench/bench_row_rms.py --loads-per-thread {args.loads_per_thread}`",
-                        "", bench_norm_variants(loads), ""]), args.out)
+        report("rms_norm variants", f"python bench/bench_row_rms.py --loads-per-thread {args.loads_per_thread}",
+               bench_norm_variants(loads), "", out=args.out)
         return
     lines = [f"## row_rms -- {torch.cuda.get_device_name()} ({arch}), {datetime.date.today()}",
              "", "Command: `python bench/bench_row_rms.py`", "", bench_kernel(), "", bench_norm(), ""]

@@ -311,8 +311,8 @@ def test_simulated_tp4_graph_replays_with_fresh_inputs(backend, batch, replays):
     tokens at the same positions (the same kernels, the same FP32 rank-order sums: bit for
     bit) -- over a history an eager prefill wrote first (160 positions: full sliding windows,
     closed CSA and HCA compressor windows), so the graph reads the state the prefill left.
-    (Each replay's eager reference runs the four simulated ranks in turn: 1000 replays took
-    more than the 80 s of one GPU call.)"""
+    (Each replay's eager reference runs the four simulated ranks in turn, so replays are
+    costly: 200 at BS1, 50 elsewhere.)"""
     eng = _gpu_engine(backend, 4)
     K1 = eng.config.block_size + 1
     g = torch.Generator(device="cuda").manual_seed(0)
