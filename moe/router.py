@@ -41,7 +41,7 @@ capacities for a maximum T (:func:`capacity`), so a captured CUDA graph serves a
 Kernel (one launch, no host sync): every warp routes whole tokens -- lane ``l`` holds experts
 ``[l*V, (l+1)*V)`` with ``V = E/32``; group top-2 merges across the ``32/n_group`` lanes of a
 group with butterfly shuffles; each of the k picks is a warp arg-max: every lane's best
-candidate as an order-preserving unsigned key, one ``redux.sync`` maximum, and the lowest lane
+candidate (a pairwise tree over its V) as an order-preserving unsigned key, one ``redux.sync`` maximum, and the lowest lane
 holding it (a ballot) wins -- its experts have the lower indices, so ties go to the lower
 index. Three paths build the packed layout:
 
@@ -76,6 +76,12 @@ index. Three paths build the packed layout:
 
 The path is a host-side choice from T (a compile configuration of its own;
 ``bench/bench_moe.py --sections router-paths`` times the three at decode T).
+
+Programmatic dependent launch (``pdl=True``, a compile option of every path): the kernel
+signals its own dependents on entry and runs its set-up -- shared memory, the cluster's
+arrival, the bias -- while the kernel before it on the stream finishes; ``griddepcontrol.wait``
+then stands before its first read of the logits (or token ids) and its first global store.
+Results are identical; only the launch differs.
 
 NaN: a NaN score (a NaN logit or bias) ranks above every number and ties among NaNs go to
 the lower index -- ``torch.sort``'s order, so the picks stay real experts and match the
@@ -263,7 +269,7 @@ class RouterTopkAlign:
     """Compile-time configuration of the fused router kernel."""
 
     def __init__(self, cfg: RouterConfig, logits_dtype, has_bias: bool, threads: int = 512, max_ctas: int = 132,
-                 single_cta: bool = False, cluster: int = 0):
+                 single_cta: bool = False, cluster: int = 0, pdl: bool = False):
         self.E, self.G, self.TG, self.k = cfg.num_experts, cfg.n_group, cfg.topk_group, cfg.top_k
         self.tile = cfg.tile_m
         self.scale = float(cfg.routed_scaling_factor)
@@ -278,6 +284,7 @@ class RouterTopkAlign:
         self.L = 32 // self.G  # lanes per group
         self.single_cta = single_cta  # T <= SINGLE_CTA_MAX_TOKENS: one CTA, counts and ids in shared memory
         self.cluster = cluster  # > 0: the cluster path, this many CTAs of one cluster (T <= cluster * warps)
+        self.pdl = pdl  # a programmatic dependent launch: the set-up before the previous kernel completes
 
     @cute.jit
     def __call__(self, logits_ptr: cute.Pointer, bias_ptr: cute.Pointer, ids_ptr: cute.Pointer,
@@ -306,9 +313,9 @@ class RouterTopkAlign:
                              mTok, mTable, num_tokens, tiles_cap, vocab)
         if cutlass.const_expr(self.cluster > 0):  # one cluster: every CTA of it, whatever T
             kernel.launch(grid=[self.cluster, 1, 1], block=[self.threads, 1, 1], cluster=(self.cluster, 1, 1),
-                          stream=stream)
+                          stream=stream, use_pdl=self.pdl)
         else:
-            kernel.launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream)
+            kernel.launch(grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.jit
     def tensor_call(self, mLogits: cute.Tensor, mBias: cute.Tensor, mTok: cute.Tensor, mTable: cute.Tensor,
@@ -336,6 +343,10 @@ class RouterTopkAlign:
         warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         neg_inf = Float32(-math.inf)
 
+        if cutlass.const_expr(self.pdl):
+            # the next kernel on the stream may start its own set-up now (its reads of this
+            # kernel's outputs wait for this grid to complete)
+            cute.arch.griddepcontrol_launch_dependents()
         smem = cutlass.memory.SmemAllocator()
         sOff = smem.allocate_tensor(Int32, cute.make_layout((E + 1,)), 16)
         if cutlass.const_expr(self.single_cta):
@@ -375,6 +386,11 @@ class RouterTopkAlign:
         if cutlass.const_expr(self.has_bias):
             for j in cutlass.range_constexpr(V):
                 rBias[j] = mBias[lane * V + j]
+        if cutlass.const_expr(self.pdl):
+            # Everything above -- shared memory, the cluster's arrival, the bias (a weight: no
+            # kernel of the step writes it) -- ran while the previous kernel finished; the
+            # logits (and token ids), and every global store below, wait for its grid.
+            cute.arch.griddepcontrol_wait()
         gL = cute.zipped_divide(mLogits, (1, V))  # ((1, V), (T, 32))
         for t in cutlass.range(bidx * W + warp, num_tokens, grid * W):
             rL = cute.make_rmem_tensor(cute.make_layout((V,)), mLogits.element_type)
@@ -430,15 +446,10 @@ class RouterTopkAlign:
                         sv = cutlass.select_(bi == lane * V + j, rS[j], sv)
                     sw = cute.arch.shuffle_sync(sv, bi // V)
                 else:
-                    # The lane's best (strict >: the lower index wins a tie within the lane),
-                    # then the warp's: one redux of order-preserving keys, and the lowest lane
+                    # The lane's best (a tie within the lane to the lower index), then the
+                    # warp's: one redux of order-preserving keys, and the lowest lane
                     # holding the maximum (its experts have the lower indices) wins a tie.
-                    bv, bj, bs = neg_inf, Int32(0), Float32(0.0)
-                    for j in cutlass.range_constexpr(V):
-                        take = rCand[j] > bv
-                        bv = cutlass.select_(take, rCand[j], bv)
-                        bj = cutlass.select_(take, Int32(j), bj)
-                        bs = cutlass.select_(take, rS[j], bs)
+                    bv, bj, bs = self.lane_best(rCand, rS)
                     key = ordered_key(bv)
                     best = cute.arch.warp_redux_sync(key, "umax")
                     src = Int32(cute.arch.clz(cute.arch.brev(Uint32(cute.arch.vote_ballot_sync(key == best)))))
@@ -500,6 +511,26 @@ class RouterTopkAlign:
             if last_arrival(mWs.iterator + E, sFlag, grid):
                 self.align(mIds, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mWs, mPos, sOff, sCnt, sCursor,
                            sMask, sPre, num_tokens, tiles_cap)
+
+    def lane_best(self, rCand, rS):
+        """``(value, j, score)`` of the lane's best candidate ``rCand[j]`` (the lowest ``j``
+        among equal values) by a pairwise tree: ``log2 V`` dependent compare-selects instead of
+        ``V`` in a running maximum -- each pick of the top-k waits on it. (Plain Python, not
+        ``@cute.jit``: the tree unrolls as the kernel is traced.) A pair keeps its right
+        (higher-index) element only when strictly greater, and every left subtree holds lower
+        indices than its right one, so ties go to the lower index at every level."""
+        level = [(rCand[j], Int32(j), rS[j]) for j in range(self.V)]
+        while len(level) > 1:
+            merged = []
+            for a in range(0, len(level) - 1, 2):
+                (lv, lj, ls), (rv, rj, rs) = level[a], level[a + 1]
+                take = rv > lv
+                merged.append((cutlass.select_(take, rv, lv), cutlass.select_(take, rj, lj),
+                               cutlass.select_(take, rs, ls)))
+            if len(level) % 2:
+                merged.append(level[-1])
+            level = merged
+        return level[0]
 
     @cute.jit
     def score_of(self, x: Float32) -> Float32:
@@ -729,9 +760,11 @@ class RouterTopkAlign:
 
 def _build(arch: str, *, num_experts: int, n_group: int, topk_group: int, top_k: int, routed_scaling_factor: float,
            tile_m: int, logits_dtype: str, has_bias: bool, score: str = "sigmoid", hash_routed: bool = False,
-           single_cta: bool = False, cluster: int = 0):
+           single_cta: bool = False, cluster: int = 0, pdl: bool = False):
     """``single_cta``: the single-CTA path; ``cluster`` (one of CLUSTER_SIZES): the cluster path
-    of that many CTAs; neither: the grid path."""
+    of that many CTAs; neither: the grid path. ``pdl``: a programmatic dependent launch of any
+    path (the caller's promise: only the logits and token ids come from the kernels before it
+    on the stream)."""
     cfg = RouterConfig(num_experts, n_group, topk_group, top_k, routed_scaling_factor, tile_m, score, hash_routed)
     cfg.validate()
     if cluster not in (0, *CLUSTER_SIZES) or (cluster and single_cta):
@@ -743,7 +776,8 @@ def _build(arch: str, *, num_experts: int, n_group: int, topk_group: int, top_k:
             P(Int32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(1), Int32(1),
             Int32(1), Int32(1), jit.fake_stream())
     threads = 32 * CLUSTER_CAPACITY // cluster if cluster else 512  # the cluster path: a token per warp
-    return RouterTopkAlign(cfg, cdt, has_bias, threads=threads, single_cta=single_cta, cluster=cluster), args
+    return RouterTopkAlign(cfg, cdt, has_bias, threads=threads, single_cta=single_cta, cluster=cluster,
+                           pdl=pdl), args
 
 
 def _build_tensors(arch: str, **config):
@@ -764,11 +798,12 @@ KERNEL = jit.register(jit.KernelDef(
              *(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cute_kernels", f)
                for f in ("cluster_smem.py", "grid_sync.py"))),
     archs=("sm_90a", "sm_100a", "sm_103a"),
-    aot_configs=tuple(  # each config's three paths: grid, single CTA, cluster
-        dict(dataclasses.asdict(cfg), logits_dtype=dt, has_bias=not cfg.hash_routed, **path)
+    aot_configs=tuple(  # each config's three paths: grid, single CTA, cluster (V4's fp32 logits: also with PDL)
+        dict(dataclasses.asdict(cfg), logits_dtype=dt, has_bias=not cfg.hash_routed, **path, **pdl)
         for cfg in (RouterConfig(), V4_FLASH_ROUTER, V4_PRO_ROUTER, V4_FLASH_HASH_ROUTER, V4_PRO_HASH_ROUTER)
         for dt in ("float32", "bfloat16")
-        for path in (dict(single_cta=False), dict(single_cta=True), dict(single_cta=False, cluster=CLUSTER_CTAS))),
+        for path in (dict(single_cta=False), dict(single_cta=True), dict(single_cta=False, cluster=CLUSTER_CTAS))
+        for pdl in ([{}, dict(pdl=True)] if cfg in (V4_FLASH_ROUTER, V4_PRO_ROUTER) and dt == "float32" else [{}])),
     description="sigmoid / sqrt-softplus (grouped) top-k + moe_align_block_size in one launch",
 ))
 jit.register_tensor_entry(KERNEL, _build_tensors, aot_configs=KERNEL.aot_configs)
@@ -794,13 +829,18 @@ class MoeRouter:
     ``router(logits, bias)`` returns a :class:`RouterOutput` whose ``topk_ids`` /
     ``topk_weights`` are views of the first T rows. A hash-routed router
     (``cfg.hash_routed``) takes ``router(logits, token_ids=ids)`` after :meth:`set_hash_table`.
+    ``pdl=True`` launches every call as a programmatic dependent of the kernel before it on the
+    stream (:func:`route`).
     """
 
-    def __init__(self, cfg: RouterConfig = RouterConfig(), max_tokens: int = 512, device="cuda"):
+    def __init__(self, cfg: RouterConfig = RouterConfig(), max_tokens: int = 512, device="cuda", *,
+                 pdl: bool = False):
         cfg.validate()
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"router: max_tokens must be a positive int, got {max_tokens!r}")
-        self.cfg, self.max_tokens = cfg, max_tokens
+        if not isinstance(pdl, bool):
+            raise TypeError(f"router: pdl must be a bool, got {pdl!r}")
+        self.cfg, self.max_tokens, self.pdl = cfg, max_tokens, pdl
         slots, tiles = capacity(cfg, max_tokens)
         E, k = cfg.num_experts, cfg.top_k
         i32 = dict(dtype=torch.int32, device=device)
@@ -864,21 +904,21 @@ class MoeRouter:
                            self.sorted_token_ids, self.tile_expert, self.total_rows,
                            self.routed_row_pos[:Tv * self.cfg.top_k])
         route(logits, bias, self.cfg, out=out, workspace=self.workspace, token_ids=token_ids, tid2eid=self.tid2eid,
-              stream=stream, arch=arch)
+              stream=stream, arch=arch, pdl=self.pdl)
         if jit.TVM_FFI and stream is None and arch is None and T > 0:  # its tensor entry for the next calls
             key = (logits.shape, logits.dtype, bias is None, logits.get_device())
             fixed = (out.topk_ids, out.topk_weights, out.expert_counts, out.expert_offsets, out.sorted_token_ids,
                      out.tile_expert, out.total_rows, self.workspace, out.routed_row_pos)
             self._tensor_calls[key] = (out, fixed, self._no_tok[:T])
             jit.remember_tensor_entry(self._tensor_fns, key, "moe_router_tensors", current_arch(logits.device),
-                                      **kernel_config(self.cfg, logits.dtype, bias is not None, T))
+                                      **kernel_config(self.cfg, logits.dtype, bias is not None, T, self.pdl))
         return out
 
 
-def kernel_config(cfg: RouterConfig, logits_dtype: torch.dtype, has_bias: bool, T: int) -> dict:
+def kernel_config(cfg: RouterConfig, logits_dtype: torch.dtype, has_bias: bool, T: int, pdl: bool = False) -> dict:
     """The compile configuration of the router kernel for ``cfg`` and a call's logits dtype,
     bias and token count: the single-CTA path up to SINGLE_CTA_MAX_TOKENS, the cluster path up
-    to CLUSTER_MAX_TOKENS, else the grid path."""
+    to CLUSTER_MAX_TOKENS, else the grid path; ``pdl`` as :func:`route`'s."""
     single = T <= min(SINGLE_CTA_MAX_TOKENS, SINGLE_CTA_CAPACITY)
     config = dict(num_experts=cfg.num_experts, n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=cfg.top_k,
                   routed_scaling_factor=float(cfg.routed_scaling_factor), tile_m=cfg.tile_m,
@@ -886,16 +926,24 @@ def kernel_config(cfg: RouterConfig, logits_dtype: torch.dtype, has_bias: bool, 
                   hash_routed=cfg.hash_routed, single_cta=single)
     if not single and T <= min(CLUSTER_MAX_TOKENS, CLUSTER_CAPACITY):  # (in the key only when taken)
         config["cluster"] = CLUSTER_CTAS
+    if pdl:
+        config["pdl"] = True
     return config
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: RouterConfig, *, out: RouterOutput,
           workspace: torch.Tensor, token_ids: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None,
-          stream=None, arch: str | None = None) -> RouterOutput:
+          stream=None, arch: str | None = None, pdl: bool = False) -> RouterOutput:
     """Launch the fused router into ``out`` (validated; nothing allocated). Hash-routed configs
-    take ``token_ids`` (int32 ``[T]``) and the int32 table ``tid2eid [vocab, k]``."""
+    take ``token_ids`` (int32 ``[T]``) and the int32 table ``tid2eid [vocab, k]``. ``pdl``:
+    launch as a programmatic dependent of the previous kernel on the stream -- the kernel's
+    set-up (shared memory, its cluster's arrival, the bias) overlaps that kernel's end, and its
+    reads of ``logits`` / ``token_ids`` and all its stores wait for it; only those two inputs may
+    come from the kernels before it."""
     op = "moe_router"
     cfg.validate()
+    if not isinstance(pdl, bool):
+        raise TypeError(f"{op}: pdl must be a bool, got {pdl!r}")
     if cfg.hash_routed:
         if bias is not None:
             raise ValueError(f"{op}: a hash-routed router takes no bias (its experts come from tid2eid)")
@@ -945,7 +993,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, cfg: RouterConfig, *,
         return out
     a = arch if arch is not None else current_arch(logits.device)
     dispatch(op, ("portable",), arch=a)
-    fn = jit.get_kernel("moe_router", a, **kernel_config(cfg, logits.dtype, bias is not None, T))
+    fn = jit.get_kernel("moe_router", a, **kernel_config(cfg, logits.dtype, bias is not None, T, pdl))
     tok = token_ids if cfg.hash_routed else out.topk_ids  # unread without hash routing
     table = tid2eid if cfg.hash_routed else out.topk_ids
     P = jit.gmem_ptr

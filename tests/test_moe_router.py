@@ -257,6 +257,53 @@ def test_graph_replay_with_changing_inputs(seed, T, router_path):
         check_align(r, T, cfg)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [V4_FLASH_ROUTER, V4_PRO_ROUTER], ids=["v4flash", "v4pro"])
+@pytest.mark.parametrize("T", [6, 40, 200])  # the single-CTA path, the cluster's, the grid's
+def test_programmatic_dependent_chain_in_a_graph(seed, cfg, T):
+    """``pdl=True``: a CUDA graph of a torch copy into the logits, then two routers launched as
+    programmatic dependents (each triggers its dependents on entry, so the second one's set-up
+    runs beside the first). Every replay takes fresh logits and poisoned outputs; both routers
+    must give the reference's picks and layout and the bytes of a router launched without PDL
+    -- a read of the logits before the copy finished would route the previous replay's."""
+    E = cfg.num_experts
+    src = torch.empty(T, E, device="cuda")
+    logits = torch.empty_like(src)
+    bias = torch.randn(E, device="cuda") * 0.1
+    routers = [MoeRouter(cfg, max_tokens=T, pdl=True) for _ in range(2)]
+    plain = MoeRouter(cfg, max_tokens=T)
+
+    def chain():
+        logits.copy_(src)
+        for r in routers:
+            r(logits, bias)
+
+    src.normal_()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain()  # compiles and loads outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            chain()
+    torch.cuda.current_stream().wait_stream(s)
+    fields = ("topk_ids", "topk_weights", "expert_counts", "expert_offsets", "total_rows", "routed_row_pos")
+    for _ in range(4):
+        src.copy_(torch.randn(T, E, device="cuda") * 3)
+        for r in routers:
+            poison(r)
+        g.replay()
+        torch.cuda.synchronize()
+        want = plain(src, bias)
+        torch.cuda.synchronize()
+        check_ids_and_weights(want.topk_ids, want.topk_weights, src, bias, cfg)
+        for r in routers:
+            check_align(r, T, cfg)
+            for f in fields:
+                assert torch.equal(getattr(r, f)[:getattr(want, f).shape[0]].view(torch.int32),
+                                   getattr(want, f).view(torch.int32)), f
+
+
 def random_table(vocab, E, k, gen=None):
     """A tid2eid table: each row k distinct experts."""
     return torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(vocab)]).int()
@@ -479,6 +526,21 @@ def test_machine_code_cluster(arch, cfg, ctas):
     assert wait < min(remote) and max(remote) < done
     assert len([i for i, o in enumerate(ops) if o.startswith("STG") and i < done]) == 2  # ids, weights
     assert sass.local_memory_ops(h) == 0
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("path", [dict(single_cta=True), dict(cluster=8), {}], ids=["single", "cluster", "grid"])
+def test_machine_code_programmatic_dependent_launch(arch, path):
+    """``pdl``: each path signals its dependents on entry (``PREEXIT``) and waits for the
+    previous grid once (``ACQBULK``) -- after the set-up, before the logits' 16-byte loads and
+    every global store; without ``pdl`` neither instruction is there."""
+    kw = dict(dataclasses.asdict(V4_PRO_ROUTER), logits_dtype="float32", has_bias=True, **path)
+    assert not {"PREEXIT", "ACQBULK"} & set(sass.opcodes(sass.disassemble(sass.compile_cubin("moe_router", arch, **kw))))
+    ops = sass.opcodes(sass.disassemble(sass.compile_cubin("moe_router", arch, **kw, pdl=True)))
+    assert ops.count("PREEXIT") == 1 and ops.count("ACQBULK") == 1
+    wait = ops.index("ACQBULK")
+    assert ops.index("PREEXIT") < wait
+    assert min(i for i, o in enumerate(ops) if o == "LDG.E.128" or o.startswith(("STG", "ATOMG", "RED"))) > wait
 
 
 def test_cluster_path_choice_and_config_checks(monkeypatch):
