@@ -359,7 +359,8 @@ class FusedOps(Ops):
                 sh = self.shared_expert(x, L, P)
         elif self.prequantize_routed_input:
             xq = self.quantize_tokens(x)
-        logits = (x @ L["ffn.gate.weight"].T).float().contiguous()
+        # bf16 logits straight into the router, which widens them itself (exactly): no cast kernel
+        logits = x @ L["ffn.gate.weight"].T
         r = self.route(logits, L, P, cfg, tokens)
         # padding rows left unwritten (a padding row's GEMM output is never read back), the
         # routed rows walked through routed_row_pos: work proportional to the T k live rows
