@@ -18,7 +18,7 @@ distinct experts in ``[0, E)`` (:meth:`MoeRouter.set_hash_table` checks once, of
 a token id outside ``[0, vocab)`` is clamped into it in the kernel (never an out-of-bounds
 read; the host cannot check ids on the hot path without a sync). ``sqrt(softplus(x))`` is computed
 as ``sqrt(max(x, 0) + log1p(exp(-|x|)))``: no overflow for large ``x``, full relative
-precision for very negative ``x``.
+precision for very negative ``x`` (the ``log1p`` of an argument in [0, 1]: :func:`log1p_unit`).
 
 Ties (groups and experts): the lower index wins, everywhere -- the reference uses a stable
 descending sort, which implements the same rule. ``topk_ids[t]`` lists the experts in
