@@ -146,7 +146,7 @@ _NAME2CUTE = {"float32": Float32, "bfloat16": cutlass.BFloat16}
 
 
 #: 2 / (2 n + 1), n = 7 .. 0: log1p_unit's series, highest power first
-_ATANH2_COEFFS = tuple(2.0 / (2 * n + 1) for n in range(7, -1, -1))
+ATANH2_COEFFS = tuple(2.0 / (2 * n + 1) for n in range(7, -1, -1))
 
 
 def log1p_unit(y: Float32) -> Float32:
@@ -160,8 +160,8 @@ def log1p_unit(y: Float32) -> Float32:
     r = r + r * (Float32(1.0) - d * r)
     s = y * r
     z = s * s
-    p = Float32(_ATANH2_COEFFS[0])
-    for c in _ATANH2_COEFFS[1:]:
+    p = Float32(ATANH2_COEFFS[0])
+    for c in ATANH2_COEFFS[1:]:
         p = p * z + Float32(c)
     return s * p
 
