@@ -459,12 +459,6 @@ class RouterTopkAlign:
             my_id = Int32(0)
             my_s = Float32(0.0)
             ssum = Float32(0.0)
-            if cutlass.const_expr(not self.hash_routed):
-                # The keys are made once, not per pick; a picked one is cleared to 0 (below
-                # every candidate's).
-                rKey = cute.make_rmem_tensor(cute.make_layout((V,)), Uint32)
-                for j in cutlass.range_constexpr(V):
-                    rKey[j] = ordered_key(rCand[j])
             for i in cutlass.range_constexpr(k):
                 if cutlass.const_expr(self.hash_routed):
                     bi = cute.arch.shuffle_sync(my_tab, i)
@@ -473,16 +467,17 @@ class RouterTopkAlign:
                         sv = cutlass.select_(bi == lane * V + j, rS[j], sv)
                     sw = cute.arch.shuffle_sync(sv, bi // V)
                 else:
-                    # The lane's best key (a tie within the lane to the lower index), then the
-                    # warp's: one redux, and the lowest lane holding the maximum (its experts
-                    # have the lower indices) wins a tie.
-                    bk, bj, bs = self.lane_best(rKey, rS)
-                    best = cute.arch.warp_redux_sync(bk, "umax")
-                    src = Int32(cute.arch.clz(cute.arch.brev(Uint32(cute.arch.vote_ballot_sync(bk == best)))))
+                    # The lane's best (a tie within the lane to the lower index), then the
+                    # warp's: one redux of order-preserving keys, and the lowest lane
+                    # holding the maximum (its experts have the lower indices) wins a tie.
+                    bv, bj, bs = self.lane_best(rCand, rS)
+                    key = ordered_key(bv)
+                    best = cute.arch.warp_redux_sync(key, "umax")
+                    src = Int32(cute.arch.clz(cute.arch.brev(Uint32(cute.arch.vote_ballot_sync(key == best)))))
                     bi = cute.arch.shuffle_sync(lane * V + bj, src)
                     sw = cute.arch.shuffle_sync(bs, src)
                     for j in cutlass.range_constexpr(V):
-                        rKey[j] = cutlass.select_((lane == src) & (bj == j), Uint32(0), rKey[j])
+                        rCand[j] = cutlass.select_((lane == src) & (bj == j), neg_inf, rCand[j])
                 ssum = ssum + sw
                 my_id = cutlass.select_(lane == i, bi, my_id)
                 my_s = cutlass.select_(lane == i, sw, my_s)
@@ -539,8 +534,8 @@ class RouterTopkAlign:
                            sMask, sPre, num_tokens, tiles_cap)
 
     def lane_best(self, rCand, rS):
-        """``(key, j, score)`` of the lane's best candidate key ``rCand[j]`` (the lowest ``j``
-        among equal keys) by a pairwise tree: ``log2 V`` dependent compare-selects instead of
+        """``(value, j, score)`` of the lane's best candidate ``rCand[j]`` (the lowest ``j``
+        among equal values) by a pairwise tree: ``log2 V`` dependent compare-selects instead of
         ``V`` in a running maximum -- each pick of the top-k waits on it. (Plain Python, not
         ``@cute.jit``: the tree unrolls as the kernel is traced.) A pair keeps its right
         (higher-index) element only when strictly greater, and every left subtree holds lower
