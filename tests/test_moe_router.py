@@ -455,6 +455,29 @@ def test_sqrtsoftplus_reference_is_the_definition():
     assert s[0, 3] > 0
 
 
+@pytest.mark.parametrize("V", [1, 2, 3, 5, 8, 12, 16])
+def test_lane_best_is_the_lowest_index_of_the_maximum(monkeypatch, V):
+    """The lane's pick (``RouterTopkAlign.lane_best``, a pairwise tree unrolled as the kernel
+    is traced) run on plain Python numbers, its selects as Python's conditional: on random
+    values with many ties, and after clearing picks to -inf one at a time as the kernel does,
+    it returns the maximum and the lowest index holding it -- the rule the warp's tie-break
+    relies on -- at every lane width the configs use (V = E / 32)."""
+    import random
+
+    monkeypatch.setattr(router_mod.cutlass, "select_", lambda c, a, b: a if c else b)
+    monkeypatch.setattr(router_mod, "Int32", int)
+    op = router_mod.RouterTopkAlign.__new__(router_mod.RouterTopkAlign)
+    op.V = V
+    rng = random.Random(V)
+    for _ in range(200):
+        cand = [float(rng.randint(0, 3)) for _ in range(V)]
+        score = [rng.random() for _ in range(V)]
+        for _ in range(V):
+            v, j, sc = op.lane_best(cand, score)
+            assert v == max(cand) and j == cand.index(max(cand)) and sc == score[j], (cand, v, j)
+            cand[j] = float("-inf")
+
+
 def test_log1p_series_bound():
     """The kernel's ``log1p`` of ``y = exp(-|x|)`` in [0, 1] (``moe.router.log1p_unit``: ``2 atanh(s)``,
     ``s = y / (2 + y)``, by the odd series with ``ATANH2_COEFFS``) against float64's ``log1p``:
