@@ -122,6 +122,20 @@ def seed():
     return s
 
 
+def capture_after_warm_up(step) -> "torch.cuda.CUDAGraph":
+    """``step()`` once on a side stream (its kernels compile and load outside the capture),
+    then captured there into a CUDA graph; the current stream waits for the side stream."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    return g
+
+
 def _fill_cached_memory(byte: int) -> None:
     """Leave the caching allocator's free blocks filled with ``byte``: 128 MiB blocks (the large
     pool; up to 16 GiB, 2 GiB under the sanitizer) and a few hundred 256 KiB blocks (the small pool), written and freed,

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from moe.quant import mxfp8_gather_routed, mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size
+from conftest import capture_after_warm_up
 from references import (align_ref, mxfp8_dequant_ref, mxfp8_quant_ref, routed_row_pos_ref, swizzle_scales_ref,
                         unswizzle_scales_ref)
 from cute_kernels.testing import sass
@@ -316,14 +317,7 @@ def test_programmatic_dependent_chain_in_a_graph(seed, layout):
         mxfp8_gather_routed(xq, xs, sorted_ids, total_t, k, layout=layout, q=q, scales=s, zero_padding=False,
                             routed_row_pos=row_pos, pdl=pdl)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        chain(True)  # compiles and loads outside the capture
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=stream):
-            chain(True)
-    torch.cuda.current_stream().wait_stream(stream)
+    g = capture_after_warm_up(lambda: chain(True))
     live = sorted_ids.cpu() < T * k
     for _ in range(4):
         src.copy_(make_x(T, K, "cuda"))

@@ -9,6 +9,7 @@ import moe.router as router_mod
 from cute_kernels.testing import sass
 from moe.router import (V4_FLASH_HASH_ROUTER, V4_FLASH_ROUTER, V4_PRO_HASH_ROUTER, V4_PRO_ROUTER, MoeRouter,
                         RouterConfig, capacity, route, topk_torch)
+from conftest import capture_after_warm_up
 from references import align_ref, expert_scores_ref, grouped_topk_ref, hash_route_ref, routing_weights_ref
 
 CONFIGS = [
@@ -279,14 +280,7 @@ def test_programmatic_dependent_chain_in_a_graph(seed, cfg, T):
             r(logits, bias)
 
     src.normal_()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        chain()  # compiles and loads outside the capture
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            chain()
-    torch.cuda.current_stream().wait_stream(s)
+    g = capture_after_warm_up(chain)
     fields = ("topk_ids", "topk_weights", "expert_counts", "expert_offsets", "total_rows", "routed_row_pos")
     for _ in range(4):
         src.copy_(torch.randn(T, E, device="cuda") * 3)

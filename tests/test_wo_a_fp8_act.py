@@ -9,6 +9,7 @@ from cute_kernels.testing import sass
 from cute_kernels.wo_a_decode_fp8 import SCALE_BLOCK, checkpoint_scales_fp32
 from cute_kernels.wo_a_fp8_act_sm90 import (MAX_T, TOK_N, WoAFp8ActSm90, plan, smem_bytes, wo_a_fp8_act,
                                             wo_a_fp8_act_reference)
+from conftest import capture_after_warm_up
 from references import mxfp8_dequant_ref, mxfp8_quant_ref
 
 V4_SHAPES = [(8, 8, 512, 1024), (16, 8, 512, 1024)]  # (G, H/G, Dv, R): V4-Flash, V4-Pro
@@ -233,14 +234,7 @@ def test_programmatic_dependent_chain_in_a_graph(seed, T):
         mxfp8_quantize(o, q=q.view(T, -1), scales=qs, pdl=True)
         wo_a_fp8_act(q, qs, w8, ws, out=out, pdl=True)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # compiles and loads outside the capture
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
+    g = capture_after_warm_up(step)
     for it in range(4):
         src.copy_((torch.randn(T, G * HG * Dv) * 4).bfloat16())
         q.view(torch.uint8).fill_(0xAB)
