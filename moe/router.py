@@ -41,9 +41,9 @@ capacities for a maximum T (:func:`capacity`), so a captured CUDA graph serves a
 Kernel (one launch, no host sync): every warp routes whole tokens -- lane ``l`` holds experts
 ``[l*V, (l+1)*V)`` with ``V = E/32``; group top-2 merges across the ``32/n_group`` lanes of a
 group with butterfly shuffles; each of the k picks is a warp arg-max: every lane's best
-candidate (a pairwise tree over its V) as an order-preserving unsigned key, one ``redux.sync`` maximum, and the lowest lane
-holding it (a ballot) wins -- its experts have the lower indices, so ties go to the lower
-index. Three paths build the packed layout:
+candidate (a pairwise tree over its V) as an order-preserving unsigned key, one
+``redux.sync`` maximum, and the lowest lane holding it (a ballot) wins -- its experts have the
+lower indices, so ties go to the lower index. Three paths build the packed layout:
 
 * up to ``SINGLE_CTA_MAX_TOKENS`` = 12 tokens (a verify step of BS1-2) one CTA routes them all
   (its capacity is 64; above 12 the cluster path's parallel routing wins) and keeps, per

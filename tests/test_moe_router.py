@@ -585,7 +585,8 @@ def test_machine_code_programmatic_dependent_launch(arch, path):
     previous grid once (``ACQBULK``) -- after the set-up, before the logits' 16-byte loads and
     every global store; without ``pdl`` neither instruction is there."""
     kw = dict(dataclasses.asdict(V4_PRO_ROUTER), logits_dtype="float32", has_bias=True, **path)
-    assert not {"PREEXIT", "ACQBULK"} & set(sass.opcodes(sass.disassemble(sass.compile_cubin("moe_router", arch, **kw))))
+    plain = sass.opcodes(sass.disassemble(sass.compile_cubin("moe_router", arch, **kw)))
+    assert not {"PREEXIT", "ACQBULK"} & set(plain)
     ops = sass.opcodes(sass.disassemble(sass.compile_cubin("moe_router", arch, **kw, pdl=True)))
     assert ops.count("PREEXIT") == 1 and ops.count("ACQBULK") == 1
     wait = ops.index("ACQBULK")
