@@ -236,6 +236,40 @@ def capacity(cfg: RouterConfig, max_tokens: int) -> tuple[int, int]:
     return slots, slots // cfg.tile_m
 
 
+#: MoeRouter's one int32 buffer (:func:`buffer_layout`): these pieces first, their places fixed
+#: by E alone (the buffer entry computes them at compile time), then the rest, sized by max_tokens
+_BUFFER_HEAD = ("workspace", "expert_counts", "expert_offsets", "total_rows")
+
+
+def _round4(n: int) -> int:
+    return -(-n // 4) * 4
+
+
+def _buffer_head(E: int) -> dict[str, int]:
+    """Offsets (int32 elements) of the _BUFFER_HEAD pieces and of what follows them."""
+    at, head = 0, {}
+    for name, n in zip(_BUFFER_HEAD + ("sorted_token_ids",), (E + 1, E, E + 1, 1, 0)):
+        head[name] = at
+        at += _round4(n)
+    return head
+
+
+def buffer_layout(cfg: RouterConfig, max_tokens: int) -> tuple[dict[str, tuple[int, int]], int]:
+    """Where :class:`MoeRouter` keeps its outputs and workspace in one int32 buffer: ``(name ->
+    (offset, length) in int32 elements, total length)``; every piece starts on a 16-byte
+    boundary. One buffer lets its eager calls hand the kernel one tensor instead of nine."""
+    slots, tiles = capacity(cfg, max_tokens)
+    E, rows = cfg.num_experts, max_tokens * cfg.top_k
+    head = _buffer_head(E)
+    layout = {name: (head[name], n) for name, n in zip(_BUFFER_HEAD, (E + 1, E, E + 1, 1))}
+    at = head["sorted_token_ids"]
+    for name, n in (("sorted_token_ids", slots), ("tile_expert", tiles), ("topk_ids", rows),
+                    ("topk_weights", rows), ("routed_row_pos", rows)):
+        layout[name] = (at, n)
+        at += _round4(n)
+    return layout, at
+
+
 def topk_torch(logits: torch.Tensor, bias: torch.Tensor | None, cfg: RouterConfig,
                tid2eid: torch.Tensor | None = None, token_ids: torch.Tensor | None = None):
     """The router's selection in PyTorch ops (the ``base`` arm's separate kernels, the custom
@@ -351,6 +385,39 @@ class RouterTopkAlign:
                       mOffsets.iterator, mSorted.iterator, mTileExpert.iterator, mTotal.iterator, mWs.iterator,
                       mPos.iterator, mTok.iterator, mTable.iterator, mLogits.shape[0], mSorted.shape[0],
                       mTileExpert.shape[0], mTable.shape[0], stream)
+
+    @cute.jit
+    def buffer_call(self, mLogits: cute.Tensor, mBias: cute.Tensor, mBuf: cute.Tensor, sorted_cap: Int32,
+                    tiles_at: Int32, tiles_cap: Int32, ids_at: Int32, w_at: Int32, pos_at: Int32,
+                    stream: cuda.CUstream):
+        """The buffer entry of a scored router (:class:`MoeRouter`'s eager calls): ``mLogits
+        [T, E]``, ``mBias [E]`` (a stand-in without a bias) and the outputs and workspace in
+        one int32 buffer ``mBuf`` at :func:`buffer_layout`'s offsets (the head's fixed by E,
+        the rest passed)."""
+        b = mBuf.iterator
+        self.buffer_launch(mLogits, mBias.iterator, b + ids_at, b, b, 1, b, sorted_cap, tiles_at, tiles_cap, w_at,
+                           pos_at, stream)
+
+    @cute.jit
+    def hashed_buffer_call(self, mLogits: cute.Tensor, mTok: cute.Tensor, mTable: cute.Tensor, mBuf: cute.Tensor,
+                           sorted_cap: Int32, tiles_at: Int32, tiles_cap: Int32, ids_at: Int32, w_at: Int32,
+                           pos_at: Int32, stream: cuda.CUstream):
+        """:meth:`buffer_call` of a hash-routed router: ``mTok [T]`` and ``mTable [vocab, k]``
+        instead of the bias."""
+        b = mBuf.iterator
+        self.buffer_launch(mLogits, cute.recast_ptr(b, dtype=Float32), b + ids_at, mTok.iterator, mTable.iterator,
+                           mTable.shape[0], b, sorted_cap, tiles_at, tiles_cap, w_at, pos_at, stream)
+
+    @cute.jit
+    def buffer_launch(self, mLogits: cute.Tensor, bias_ptr: cute.Pointer, ids_ptr: cute.Pointer,
+                      tok_ptr: cute.Pointer, table_ptr: cute.Pointer, vocab: Int32, b: cute.Pointer,
+                      sorted_cap: Int32, tiles_at: Int32, tiles_cap: Int32, w_at: Int32, pos_at: Int32,
+                      stream: cuda.CUstream):
+        head = _buffer_head(self.E)
+        self.__call__(mLogits.iterator, bias_ptr, ids_ptr, cute.recast_ptr(b + w_at, dtype=Float32),
+                      b + head["expert_counts"], b + head["expert_offsets"], b + head["sorted_token_ids"],
+                      b + tiles_at, b + head["total_rows"], b + head["workspace"], b + pos_at, tok_ptr,
+                      table_ptr, mLogits.shape[0], sorted_cap, tiles_cap, vocab, stream)
 
     @cute.kernel
     def kernel(self, mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor,
@@ -830,6 +897,22 @@ KERNEL = jit.register(jit.KernelDef(
 jit.register_tensor_entry(KERNEL, _build_tensors, aot_configs=KERNEL.aot_configs)
 
 
+def _build_buffer_entry(arch: str, **config):
+    op, _ = _build(arch, **config)
+    E, k, cdt = config["num_experts"], config["top_k"], _NAME2CUTE[config["logits_dtype"]]
+    sym, T = {}, jit.fake_tensor
+    logits, buf, places = T(cdt, ("T", E), 16, sym), T(Int32, ("B",), 16, sym), (Int32(1),) * 6
+    if config.get("hash_routed"):
+        return op.hashed_buffer_call, (logits, T(Int32, ("T",), 4, sym), T(Int32, ("V", k), 4, sym), buf, *places,
+                                       jit.fake_env_stream())
+    return op.buffer_call, (logits, T(Float32, (E,), 16, sym), buf, *places, jit.fake_env_stream())
+
+
+jit.register_tensor_entry(KERNEL, _build_buffer_entry, "moe_router_buffer_tensors",
+                          "moe_router on MoeRouter's one output buffer, through TVM-FFI",
+                          aot_configs=KERNEL.aot_configs)
+
+
 @dataclasses.dataclass
 class RouterOutput:
     """Views of T live tokens into fixed-capacity buffers (see module docstring)."""
@@ -851,7 +934,9 @@ class MoeRouter:
     ``topk_weights`` are views of the first T rows. A hash-routed router
     (``cfg.hash_routed``) takes ``router(logits, token_ids=ids)`` after :meth:`set_hash_table`.
     ``pdl=True`` launches every call as a programmatic dependent of the kernel before it on the
-    stream (:func:`route`).
+    stream (:func:`route`). The outputs and the workspace are views of one int32 buffer
+    (:func:`buffer_layout`): with TVM-FFI on, a call after the first with the same logits shape
+    hands the kernel that buffer and the inputs -- three or four tensors instead of thirteen.
     """
 
     def __init__(self, cfg: RouterConfig = RouterConfig(), max_tokens: int = 512, device="cuda", *,
@@ -862,27 +947,30 @@ class MoeRouter:
         if not isinstance(pdl, bool):
             raise TypeError(f"router: pdl must be a bool, got {pdl!r}")
         self.cfg, self.max_tokens, self.pdl = cfg, max_tokens, pdl
-        slots, tiles = capacity(cfg, max_tokens)
         E, k = cfg.num_experts, cfg.top_k
-        i32 = dict(dtype=torch.int32, device=device)
-        self.topk_ids = torch.empty(max_tokens, k, **i32)
-        self.topk_weights = torch.empty(max_tokens, k, dtype=torch.float32, device=device)
-        self.expert_counts = torch.empty(E, **i32)
-        self.expert_offsets = torch.empty(E + 1, **i32)
-        self.sorted_token_ids = torch.empty(slots, **i32)
-        self.tile_expert = torch.empty(tiles, **i32)
-        self.total_rows = torch.empty(1, **i32)
-        self.routed_row_pos = torch.empty(max_tokens * k, **i32)
-        self.workspace = torch.zeros(E + 1, **i32)  # counts + done counter; the kernel re-zeroes it
+        layout, length = buffer_layout(cfg, max_tokens)
+        # every output and the workspace: views of one buffer (zeroed: the workspace must start so;
+        # the kernel re-zeroes it), which the eager hot path hands the kernel as one tensor
+        self.buffer = torch.zeros(length, dtype=torch.int32, device=device)
+        piece = {name: self.buffer[at:at + n] for name, (at, n) in layout.items()}
+        self.topk_ids = piece["topk_ids"].view(max_tokens, k)
+        self.topk_weights = piece["topk_weights"].view(torch.float32).view(max_tokens, k)
+        self.expert_counts = piece["expert_counts"]
+        self.expert_offsets = piece["expert_offsets"]
+        self.sorted_token_ids = piece["sorted_token_ids"]
+        self.tile_expert = piece["tile_expert"]
+        self.total_rows = piece["total_rows"]
+        self.routed_row_pos = piece["routed_row_pos"]
+        self.workspace = piece["workspace"]
         self.tid2eid: torch.Tensor | None = None
-        # the tensor entry's hot path (TVM-FFI on): per (logits shape, dtype, bias or not,
-        # device) the RouterOutput views and the output tensors, memoised by a validated call;
-        # stand-ins for the bias, token ids and table a call does not have (never read)
+        # the buffer entry's hot path (TVM-FFI on): per (logits shape, dtype, bias or not,
+        # device) the RouterOutput views, memoised by a validated call; the places of the
+        # buffer's pieces past its head (buffer_call); a stand-in for an absent bias (never read)
         self._tensor_calls: dict = {}
         self._tensor_fns: dict = {}
+        self._places = (layout["sorted_token_ids"][1], *layout["tile_expert"], layout["topk_ids"][0],
+                        layout["topk_weights"][0], layout["routed_row_pos"][0])
         self._no_bias = torch.zeros(E, dtype=torch.float32, device=device)
-        self._no_tok = torch.zeros(max_tokens, **i32)
-        self._no_table = torch.zeros(1, k, **i32)
 
     def set_hash_table(self, tid2eid: torch.Tensor) -> None:
         """The hash-routed layers' token-id -> experts table ``[vocab, k]`` (any integer dtype),
@@ -911,12 +999,13 @@ class MoeRouter:
             hit = self._tensor_calls.get(key)
             if hit is not None and (token_ids is None) != self.cfg.hash_routed and (
                     bias is None or not self.cfg.hash_routed):
-                out, fixed, tok = hit  # (the C checks: dtypes, extents, strides, alignment, device)
-                if jit.launch_tensor_entry(
-                        self._tensor_fns, key, logits, self._no_bias if bias is None else bias,
-                        tok if token_ids is None else token_ids,
-                        self.tid2eid if self.tid2eid is not None else self._no_table, *fixed):
-                    return out
+                # (the C checks: dtypes, extents, strides, alignment, device)
+                if self.cfg.hash_routed:
+                    args = (logits, token_ids, self.tid2eid, self.buffer)
+                else:
+                    args = (logits, self._no_bias if bias is None else bias, self.buffer)
+                if jit.launch_tensor_entry(self._tensor_fns, key, *args, *self._places):
+                    return hit
         T = logits.shape[0] if isinstance(logits, torch.Tensor) and logits.dim() == 2 else -1
         if T > self.max_tokens:
             raise ValueError(f"router: logits has {T} tokens, more than max_tokens={self.max_tokens}")
@@ -928,10 +1017,8 @@ class MoeRouter:
               stream=stream, arch=arch, pdl=self.pdl)
         if jit.TVM_FFI and stream is None and arch is None and T > 0:  # its tensor entry for the next calls
             key = (logits.shape, logits.dtype, bias is None, logits.get_device())
-            fixed = (out.topk_ids, out.topk_weights, out.expert_counts, out.expert_offsets, out.sorted_token_ids,
-                     out.tile_expert, out.total_rows, self.workspace, out.routed_row_pos)
-            self._tensor_calls[key] = (out, fixed, self._no_tok[:T])
-            jit.remember_tensor_entry(self._tensor_fns, key, "moe_router_tensors", current_arch(logits.device),
+            self._tensor_calls[key] = out
+            jit.remember_tensor_entry(self._tensor_fns, key, "moe_router_buffer_tensors", current_arch(logits.device),
                                       **kernel_config(self.cfg, logits.dtype, bias is not None, T, self.pdl))
         return out
 

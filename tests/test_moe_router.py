@@ -7,8 +7,8 @@ import torch
 
 import moe.router as router_mod
 from cute_kernels.testing import sass
-from moe.router import (V4_FLASH_HASH_ROUTER, V4_FLASH_ROUTER, V4_PRO_HASH_ROUTER, V4_PRO_ROUTER, MoeRouter,
-                        RouterConfig, capacity, route, topk_torch)
+from moe.router import (CLUSTER_CTAS, V4_FLASH_HASH_ROUTER, V4_FLASH_ROUTER, V4_PRO_HASH_ROUTER, V4_PRO_ROUTER,
+                        MoeRouter, RouterConfig, buffer_layout, capacity, route, topk_torch)
 from conftest import capture_after_warm_up
 from references import align_ref, expert_scores_ref, grouped_topk_ref, hash_route_ref, routing_weights_ref
 
@@ -395,6 +395,52 @@ def test_machine_code_hash_routed(arch):
     assert sass.count(h, "REDUX") + sass.count(h, "CREDUX") == 0
     assert sass.count(h0, "REDUX") + sass.count(h0, "CREDUX") >= V4_FLASH_ROUTER.top_k
     assert sass.local_memory_ops(h) == 0
+
+
+@pytest.mark.parametrize("cfg", [RouterConfig(tile_m=1), V4_FLASH_ROUTER, V4_PRO_HASH_ROUTER],
+                         ids=["dsv3-tile1", "v4flash", "v4pro-hash"])
+@pytest.mark.parametrize("max_tokens", [1, 7, 64, 513])
+def test_one_buffer_holds_every_output_apart(cfg, max_tokens):
+    """MoeRouter's outputs and workspace are views of one int32 buffer (its eager hot path
+    hands the kernel that one tensor): each piece as long as capacity() says, on a 16-byte
+    boundary, inside the buffer and overlapping no other; the workspace starts zeroed."""
+    layout, length = buffer_layout(cfg, max_tokens)
+    slots, tiles = capacity(cfg, max_tokens)
+    E, rows = cfg.num_experts, max_tokens * cfg.top_k
+    want = dict(workspace=E + 1, expert_counts=E, expert_offsets=E + 1, total_rows=1, sorted_token_ids=slots,
+                tile_expert=tiles, topk_ids=rows, topk_weights=rows, routed_row_pos=rows)
+    assert {name: n for name, (_, n) in layout.items()} == want
+    spans = sorted((at, at + n) for at, n in layout.values())
+    assert all(at % 4 == 0 for at, _ in spans) and spans[-1][1] <= length
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    router = MoeRouter(cfg, max_tokens=max_tokens, device="cpu")
+    for name, (at, n) in layout.items():
+        view = getattr(router, name)
+        assert view.numel() == n and view.is_contiguous(), name
+        assert view.untyped_storage().data_ptr() == router.buffer.untyped_storage().data_ptr(), name
+        assert view.data_ptr() == router.buffer.data_ptr() + 4 * at, name
+    assert router.topk_weights.dtype == torch.float32 and router.topk_ids.shape == (max_tokens, cfg.top_k)
+    assert not router.workspace.any()
+
+
+@pytest.mark.parametrize("cfg", [V4_FLASH_ROUTER, V4_PRO_HASH_ROUTER], ids=["v4flash", "v4pro-hash"])
+@pytest.mark.parametrize("path", [dict(single_cta=True), dict(cluster=CLUSTER_CTAS)], ids=["single", "cluster"])
+def test_buffer_entry_is_the_tensor_entrys_code(cfg, path):
+    """The buffer entry (MoeRouter's eager calls: the outputs as one tensor, placed by offsets)
+    compiles to the same sm_90a instructions as the tensor entry of nine output tensors, which
+    the GPU tests compare with the pointer launch bit for bit: the same loads and stores at the
+    same widths (the single CTA's 16-byte stores of ``sorted_token_ids`` too)."""
+    pytest.importorskip("tvm_ffi")
+    config = dict(dataclasses.asdict(cfg), logits_dtype="float32", has_bias=not cfg.hash_routed, **path)
+    h = sass.histogram(sass.disassemble(sass.compile_cubin("moe_router_buffer_tensors", "sm_90a", **config)))
+    h0 = sass.histogram(sass.disassemble(sass.compile_cubin("moe_router_tensors", "sm_90a", **config)))
+    memory = ("LDG", "STG", "LDS", "STS", "ATOM", "RED", "ST.", "LD.")
+    assert {k: v for k, v in h.items() if k.startswith(memory)} == {k: v for k, v in h0.items() if k.startswith(memory)}
+    assert sass.count(h, "STG.E.128") > 0 or "cluster" in path  # (the single CTA's 16-byte stores kept)
+    assert abs(sum(h.values()) - sum(h0.values())) <= 16
+    assert sass.local_memory_ops(h) == 0
+
+
 @pytest.mark.parametrize("kw, words", [
     (dict(num_experts=250), "divisible by n_group"),
     (dict(topk_group=9), "exceeds n_group"),
