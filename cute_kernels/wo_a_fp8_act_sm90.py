@@ -33,7 +33,8 @@ under this slice's first (its partials carried over in registers no wgmma writes
 order of additions: bit-equal outputs. The products ``ws * sa[t]`` of the CTA's weight
 scales and its tokens' block scales are decoded once into shared memory (FP32 per token and
 32-wide block), behind the prologue's loads: a promotion is one shared load per token column
-and one FFMA per accumulator element. The epilogue transposes the tile through shared memory into token-major ``y [T, G*R]``.
+and one FFMA per accumulator element. The epilogue transposes the tile through shared memory
+into token-major ``y [T, G*R]``.
 
 ``pdl`` (a programmatic dependent launch, e.g. behind the activations' quantization): the
 prologue's weight slices go out before ``griddepcontrol.wait``, the token slices and the scale
