@@ -707,6 +707,24 @@ class RouterTopkAlign:
                 mSorted[p] = sentinel
 
     @cute.jit
+    def fill_padding(self, mSorted, lo: Int32, hi: Int32, sentinel: Int32, lane: Int32):
+        """``mSorted[lo:hi] = sentinel`` by one warp, for one expert's padding (``hi`` a multiple
+        of ``tile``): with ``tile % 4 == 0``, up to three single slots to the first 16-byte
+        boundary, then 16-byte stores -- a tile of 128 slots in one round of the warp."""
+        if cutlass.const_expr(self.tile % 4 == 0):
+            head = cutlass.min((lo + 3) // 4 * 4, hi)
+            if lane < head - lo:
+                mSorted[lo + lane] = sentinel
+            gSorted4 = cute.zipped_divide(mSorted, (4,))
+            rSent = cute.make_rmem_tensor(cute.make_layout((4,)), Int32)
+            rSent.fill(sentinel)
+            for q in cutlass.range(head // 4 + lane, hi // 4, 32):
+                cute.autovec_copy(rSent, gSorted4[(None, q)])
+        else:
+            for p in cutlass.range(lo + lane, hi, 32):
+                mSorted[p] = sentinel
+
+    @cute.jit
     def masked_count(self, masks, words: cutlass.Constexpr, e: Int32) -> Int32:
         """Tokens that picked expert ``e``: the set bits of ``masks[0:words, e]``."""
         c = Int32(0)
@@ -759,8 +777,7 @@ class RouterTopkAlign:
         self.clear_tiles_past(total, mTileExpert, tiles_cap, first, stride)
         sentinel = num_tokens * k
         for e in cutlass.range(rank * W + warp, E, C * W):  # a warp an expert: its last tile's padding
-            for p in cutlass.range(sOff[e] + sCnt[e] + lane, sOff[e + 1], 32):
-                mSorted[p] = sentinel
+            self.fill_padding(mSorted, sOff[e] + sCnt[e], sOff[e + 1], sentinel, lane)
         for r in cutlass.range(first, num_tokens * k, stride):
             t = r // k
             e = sIds[t, r - t * k]
