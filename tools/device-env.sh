@@ -1,15 +1,18 @@
 # Source on the H200 device machine (repo root as cwd): unpack CuTe DSL from .devcache
 # (see ../shared/device/README.md) and put it and this checkout on PYTHONPATH.
 #
-# The bundle travels whole (.devcache/cutedsl-4.8.1-cp312-cu13.tar.xz) or in two parts
-# (.devcache/cutedsl-4.8.1.part00 / part01, `split -b 32M -d`), one per call: the whole bundle
-# leaves the working tree only a few KiB of a call's 64 MiB (counted in 4 KiB blocks). A part
+# The bundle travels recompressed with a 256 MiB dictionary (.devcache/cutedsl-4.8.1-cp312-
+# cu13.d256.tar.xz, 52.3 MiB: room beside it for the tree, the kernel caches and a small wheel
+# in one call), or as shipped (.devcache/cutedsl-4.8.1-cp312-cu13.tar.xz, 61.75 MiB), or in two
+# parts (.devcache/cutedsl-4.8.1.part00 / part01, `split -b 32M -d`), one per call. A part
 # carried in is kept in /tmp (the machine keeps /tmp while warm); with both there, they are
 # joined and unpacked. With one part only this returns 1 after keeping it (docs/device.md).
 SITE=${CUTE_KERNELS_DSL_SITE:-/tmp/site}
 mkdir -p "$SITE"
 if [ ! -d "$SITE/nvidia_cutlass_dsl" ]; then
-  if [ -f .devcache/cutedsl-4.8.1-cp312-cu13.tar.xz ]; then
+  if [ -f .devcache/cutedsl-4.8.1-cp312-cu13.d256.tar.xz ]; then
+    tar -xJf .devcache/cutedsl-4.8.1-cp312-cu13.d256.tar.xz -C "$SITE" || return 1
+  elif [ -f .devcache/cutedsl-4.8.1-cp312-cu13.tar.xz ]; then
     tar -xJf .devcache/cutedsl-4.8.1-cp312-cu13.tar.xz -C "$SITE" || return 1
   else
     for part in .devcache/cutedsl-4.8.1.part*; do
