@@ -413,6 +413,8 @@ class RouterTopkAlign:
                       tok_ptr: cute.Pointer, table_ptr: cute.Pointer, vocab: Int32, b: cute.Pointer,
                       sorted_cap: Int32, tiles_at: Int32, tiles_cap: Int32, w_at: Int32, pos_at: Int32,
                       stream: cuda.CUstream):
+        """The pointer launch on the buffer ``b``'s pieces: the head's at their fixed offsets,
+        the rest at the offsets passed."""
         head = _buffer_head(self.E)
         self.__call__(mLogits.iterator, bias_ptr, ids_ptr, cute.recast_ptr(b + w_at, dtype=Float32),
                       b + head["expert_counts"], b + head["expert_offsets"], b + head["sorted_token_ids"],
