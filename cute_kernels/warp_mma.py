@@ -54,13 +54,20 @@ def fp8_wgmma_blocks(tiled_mma: cute.TiledMma, tCrA: cute.Tensor, tCrB: cute.Ten
     reads of the same registers. Called while a kernel is traced (the loop unrolls there)."""
     for kb in range(blocks + 1):
         if kb < blocks:
-            cute.nvgpu.warpgroup.fence()
-            cute.gemm(tiled_mma, frags[kb % 2], tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)],
-                      frags[kb % 2])
-            cute.nvgpu.warpgroup.commit_group()
+            fp8_wgmma_block(tiled_mma, tCrA, tCrB, frags[kb % 2], kb, stage)
         if kb > 0:
             cute.nvgpu.warpgroup.wait_group(1 if kb < blocks else 0)
             promote(frags[(kb - 1) % 2], kb - 1)
+
+
+def fp8_wgmma_block(tiled_mma: cute.TiledMma, tCrA: cute.Tensor, tCrB: cute.Tensor, frag: cute.Tensor, kb: int,
+                    stage):
+    """The wgmma of K block ``kb`` of stage ``stage`` into ``frag`` as one commit group (a fresh
+    partial when the caller's tiled MMA has ACCUMULATE off); the fence orders it after earlier
+    register accesses of ``frag``. Called while a kernel is traced."""
+    cute.nvgpu.warpgroup.fence()
+    cute.gemm(tiled_mma, frag, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], frag)
+    cute.nvgpu.warpgroup.commit_group()
 
 
 @dsl_user_op

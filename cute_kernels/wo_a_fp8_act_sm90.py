@@ -69,7 +69,7 @@ from . import jit
 from .arch import current_arch
 from .mx_scales import e8m0_to_f32
 from .validate import check_arch_supported, check_bool, check_cuda, check_tensor
-from .warp_mma import fp8_wgmma_blocks, opaque_copy, wgmma_fragments
+from .warp_mma import fp8_wgmma_block, fp8_wgmma_blocks, opaque_copy, wgmma_fragments
 from .wo_a_decode import SMEM_PER_CTA
 from .wo_a_decode_fp8 import SCALE_BLOCK  # the weights' scale block (rows and K): the checkpoint format's
 # BM weight rows (output columns) per CTA -- wgmma M -- and THREADS: the shared schedule's
@@ -210,7 +210,7 @@ class WoAFp8ActSm90:
                 pipe.consumer_wait(cons)
                 for pair in cutlass.range_constexpr(2):
                     for b in cutlass.range_constexpr(2):
-                        self.issue_block(tiled_mma, tCrW, tCrQ, frags[2 * pair + b], 2 * pair + b, cons.index)
+                        fp8_wgmma_block(tiled_mma, tCrW, tCrQ, frags[2 * pair + b], 2 * pair + b, cons.index)
                     if cutlass.const_expr(pair == 1):
                         for b in cutlass.range_constexpr(2):
                             self.promote(acc, frags[b], tCcC, sS, kt * NB + b, NV)
@@ -241,15 +241,6 @@ class WoAFp8ActSm90:
         fp8_wgmma_blocks(tiled_mma, tCrW, tCrQ, cons.index, frags, BK // MX,
                          lambda frag, kb: self.promote(acc, frag, tCcC, sS, kt * (BK // MX) + kb, NV))
         pipe.consumer_release(cons)
-
-    @cute.jit
-    def issue_block(self, tiled_mma: cute.TiledMma, tCrW: cute.Tensor, tCrQ: cute.Tensor, frag: cute.Tensor,
-                    kb: cutlass.Constexpr, stage: Int32):
-        """The e4m3 wgmma of 32-wide block ``kb`` of stage ``stage`` into a fresh partial ``frag``
-        (the fence orders it after the promotion's reads of the same registers)."""
-        cute.nvgpu.warpgroup.fence()
-        cute.gemm(tiled_mma, frag, tCrW[(None, None, kb, stage)], tCrQ[(None, None, kb, stage)], frag)
-        cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
     def promote(self, acc: cute.Tensor, frag: cute.Tensor, tCcC: cute.Tensor, sS: cute.Tensor, kb: Int32,

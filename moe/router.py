@@ -245,13 +245,14 @@ def _round4(n: int) -> int:
     return -(-n // 4) * 4
 
 
-def _buffer_head(E: int) -> dict[str, int]:
-    """Offsets (int32 elements) of the _BUFFER_HEAD pieces and of what follows them."""
+def _buffer_head(E: int) -> tuple[dict[str, tuple[int, int]], int]:
+    """``(name -> (offset, length))`` in int32 elements of the _BUFFER_HEAD pieces, and the
+    offset of what follows them."""
     at, head = 0, {}
-    for name, n in zip(_BUFFER_HEAD + ("sorted_token_ids",), (E + 1, E, E + 1, 1, 0)):
-        head[name] = at
+    for name, n in zip(_BUFFER_HEAD, (E + 1, E, E + 1, 1)):
+        head[name] = (at, n)
         at += _round4(n)
-    return head
+    return head, at
 
 
 def buffer_layout(cfg: RouterConfig, max_tokens: int) -> tuple[dict[str, tuple[int, int]], int]:
@@ -259,10 +260,8 @@ def buffer_layout(cfg: RouterConfig, max_tokens: int) -> tuple[dict[str, tuple[i
     (offset, length) in int32 elements, total length)``; every piece starts on a 16-byte
     boundary. One buffer lets its eager calls hand the kernel one tensor instead of nine."""
     slots, tiles = capacity(cfg, max_tokens)
-    E, rows = cfg.num_experts, max_tokens * cfg.top_k
-    head = _buffer_head(E)
-    layout = {name: (head[name], n) for name, n in zip(_BUFFER_HEAD, (E + 1, E, E + 1, 1))}
-    at = head["sorted_token_ids"]
+    rows = max_tokens * cfg.top_k
+    layout, at = _buffer_head(cfg.num_experts)
     for name, n in (("sorted_token_ids", slots), ("tile_expert", tiles), ("topk_ids", rows),
                     ("topk_weights", rows), ("routed_row_pos", rows)):
         layout[name] = (at, n)
@@ -415,11 +414,12 @@ class RouterTopkAlign:
                       stream: cuda.CUstream):
         """The pointer launch on the buffer ``b``'s pieces: the head's at their fixed offsets,
         the rest at the offsets passed."""
-        head = _buffer_head(self.E)
+        head, sorted_at = _buffer_head(self.E)
+        at = {name: off for name, (off, _) in head.items()}
         self.__call__(mLogits.iterator, bias_ptr, ids_ptr, cute.recast_ptr(b + w_at, dtype=Float32),
-                      b + head["expert_counts"], b + head["expert_offsets"], b + head["sorted_token_ids"],
-                      b + tiles_at, b + head["total_rows"], b + head["workspace"], b + pos_at, tok_ptr,
-                      table_ptr, mLogits.shape[0], sorted_cap, tiles_cap, vocab, stream)
+                      b + at["expert_counts"], b + at["expert_offsets"], b + sorted_at, b + tiles_at,
+                      b + at["total_rows"], b + at["workspace"], b + pos_at, tok_ptr, table_ptr,
+                      mLogits.shape[0], sorted_cap, tiles_cap, vocab, stream)
 
     @cute.kernel
     def kernel(self, mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor,

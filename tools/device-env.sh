@@ -10,10 +10,12 @@
 SITE=${CUTE_KERNELS_DSL_SITE:-/tmp/site}
 mkdir -p "$SITE"
 if [ ! -d "$SITE/nvidia_cutlass_dsl" ]; then
-  if [ -f .devcache/cutedsl-4.8.1-cp312-cu13.d256.tar.xz ]; then
-    tar -xJf .devcache/cutedsl-4.8.1-cp312-cu13.d256.tar.xz -C "$SITE" || return 1
-  elif [ -f .devcache/cutedsl-4.8.1-cp312-cu13.tar.xz ]; then
-    tar -xJf .devcache/cutedsl-4.8.1-cp312-cu13.tar.xz -C "$SITE" || return 1
+  whole=""  # the recompressed bundle first, then the one as shipped
+  for f in .devcache/cutedsl-4.8.1-cp312-cu13.d256.tar.xz .devcache/cutedsl-4.8.1-cp312-cu13.tar.xz; do
+    [ -f "$f" ] && { whole=$f; break; }
+  done
+  if [ -n "$whole" ]; then
+    tar -xJf "$whole" -C "$SITE" || return 1
   else
     for part in .devcache/cutedsl-4.8.1.part*; do
       [ -f "$part" ] && cp "$part" "$(dirname "$SITE")/"
