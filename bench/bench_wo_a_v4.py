@@ -16,8 +16,7 @@ Per T, same run, CUDA-graph replay over rotating weight sets larger than L2, int
 * FP8 weights and MXFP8 activations (T <= 64, Hopper) -- ours:
   :func:`moe.quant.mxfp8_quantize` of ``o`` then :func:`cute_kernels.wo_a_fp8_act_sm90.wo_a_fp8_act`
   (timed together; together again with both launched as programmatic dependents, ``pdl=True``,
-  so the GEMM's weights stream while the quantization finishes; and the GEMM alone, also with
-  ``fragments=4``): the
+  so the GEMM's weights stream while the quantization finishes; and the GEMM alone): the
   like-for-like peer of ``_scaled_mm``'s quantised
   activations, numerically not the bf16-activation FP8 path's (each activation rounds to e4m3);
   checked against an FP32 einsum of the dequantised MXFP8 activations and weights.
@@ -134,7 +133,7 @@ def main():
                 f8_launches.append(lambda i: torch_scaled_mm(o, *fs[i % len(fs)], yb))
             f8 = time_graphs_interleaved(f8_launches, n, reps, trials=15)
             wbytes8 = G * R * Dg + G * R * Dg // 128 ** 2 * 4  # e4m3 weights and their FP32 block scales
-            act_cols = ["-", "-", "-", "-", "-"]
+            act_cols = ["-", "-", "-", "-"]
             if T <= FP8_ACT_MAX_T and torch.cuda.get_device_capability()[0] == 9:
                 q8 = torch.empty(T, G * 8, Dg // 8, dtype=torch.float8_e4m3fn, device="cuda")
                 qs = torch.empty(T, G * Dg // 32, dtype=torch.uint8, device="cuda")
@@ -148,26 +147,21 @@ def main():
                 try:  # (a newer kernel: a failure marks its cells, loudly, and keeps the other columns)
                     err = poisoned_error(lambda i: wo_a_fp8_act(q8, qs, w8, sc, out=y), y, ref_act)
                 except Exception as e:  # noqa: BLE001
-                    err, act_cols = None, [f"FAILED: {type(e).__name__}: {str(e)[:80]}", "-", "-", "-", "-"]
+                    err, act_cols = None, [f"FAILED: {type(e).__name__}: {str(e)[:80]}", "-", "-", "-"]
                 if err is not None and not err < 1e-2:
                     print(f"{model} T={T}: FP8-activation WO-A OUTPUT CHECK FAILED (rel. error {err:.2e})", flush=True)
-                    act_cols = [f"OUTPUT CHECK FAILED (rel. error {err:.1e}): not timed", "-", "-", "-", "-"]
+                    act_cols = [f"OUTPUT CHECK FAILED (rel. error {err:.1e}): not timed", "-", "-", "-"]
                 elif err is not None:
                     pdl_err = poisoned_error(lambda i: (quant(True), wo_a_fp8_act(q8, qs, w8, sc, out=y, pdl=True)),
                                              y, ref_act)
                     if not pdl_err < 1e-2:
                         raise SystemExit(f"{model} T={T}: FP8-activation WO-A with PDL: OUTPUT CHECK FAILED "
                                          f"(rel. error {pdl_err:.2e})")
-                    f4_err = poisoned_error(lambda i: wo_a_fp8_act(q8, qs, w8, sc, out=y, fragments=4), y, ref_act)
-                    if not f4_err < 1e-2:
-                        raise SystemExit(f"{model} T={T}: FP8-activation WO-A, 4 fragments: OUTPUT CHECK FAILED "
-                                         f"(rel. error {f4_err:.2e})")
-                    t_q, t_qp, t_g, t_g4 = time_graphs_interleaved(
+                    t_q, t_qp, t_g = time_graphs_interleaved(
                         [lambda i: (quant(), wo_a_fp8_act(q8, qs, *fs[i % len(fs)], out=y)),
                          lambda i: (quant(True), wo_a_fp8_act(q8, qs, *fs[i % len(fs)], out=y, pdl=True)),
-                         lambda i: wo_a_fp8_act(q8, qs, *fs[i % len(fs)], out=y),
-                         lambda i: wo_a_fp8_act(q8, qs, *fs[i % len(fs)], out=y, fragments=4)], n, reps, trials=15)
-                    act_cols = [f"{t_q * 1e6:.1f}", f"{t_qp * 1e6:.1f}", f"{t_g * 1e6:.1f}", f"{t_g4 * 1e6:.1f}",
+                         lambda i: wo_a_fp8_act(q8, qs, *fs[i % len(fs)], out=y)], n, reps, trials=15)
+                    act_cols = [f"{t_q * 1e6:.1f}", f"{t_qp * 1e6:.1f}", f"{t_g * 1e6:.1f}",
                                 f"{100 * (wbytes8 + T * G * Dg * 33 // 32 + T * G * R * 2) / t_g / H200_COPY_BW:.0f}%"
                                 " of 4.3 TB/s"]
             t_bf, best_bf = bf[0], min(bf[1], bf[2])
@@ -196,7 +190,7 @@ def main():
                                       "FP8 ours us", "torch dequant + bmm us", "_scaled_mm per group us",
                                       "FP8 vs best", "FP8 of limit", "FP8 act. ours us (quant + GEMM)",
                                       "FP8 act. ours us (quant + GEMM, PDL)", "FP8 act. GEMM alone us",
-                                      "FP8 act. GEMM alone, 4 fragments us", "FP8 act. GEMM of limit"], rows)])
+                                      "FP8 act. GEMM of limit"], rows)])
     emit(text, args.out)
 
 

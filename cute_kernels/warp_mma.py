@@ -2,14 +2,10 @@
 ``mma.sync`` kernels (mhc_stats, wo_a_decode, indexer_scores, the Hopper MoE tiled kernel),
 the wgmma kernels' per-thread fragments (indexer_scores_sm90*, wo_a_decode_swap_ab,
 moe.experts_swap_ab_sm90), the FP8 wgmma kernels' per-block promotion (moe.experts_swap_ab_sm90,
-wo_a_fp8_act_sm90) and the exact register copy that keeps a retired wgmma partial apart from
-its registers across a loop iteration (``opaque_copy``), and the quad reduction over an
-accumulator row's 4 threads."""
+wo_a_fp8_act_sm90), and the quad reduction over an accumulator row's 4 threads."""
 
 import cutlass.cute as cute
 from cutlass import Float32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 
 def ldmatrix_operands(tiled_mma: cute.TiledMma, dtype, tidx, sA: cute.Tensor, sB: cute.Tensor,
@@ -54,30 +50,10 @@ def fp8_wgmma_blocks(tiled_mma: cute.TiledMma, tCrA: cute.Tensor, tCrB: cute.Ten
     reads of the same registers. Called while a kernel is traced (the loop unrolls there)."""
     for kb in range(blocks + 1):
         if kb < blocks:
-            fp8_wgmma_block(tiled_mma, tCrA, tCrB, frags[kb % 2], kb, stage)
+            cute.nvgpu.warpgroup.fence()
+            cute.gemm(tiled_mma, frags[kb % 2], tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)],
+                      frags[kb % 2])
+            cute.nvgpu.warpgroup.commit_group()
         if kb > 0:
             cute.nvgpu.warpgroup.wait_group(1 if kb < blocks else 0)
             promote(frags[(kb - 1) % 2], kb - 1)
-
-
-def fp8_wgmma_block(tiled_mma: cute.TiledMma, tCrA: cute.Tensor, tCrB: cute.Tensor, frag: cute.Tensor, kb: int,
-                    stage):
-    """The wgmma of K block ``kb`` of stage ``stage`` into ``frag`` as one commit group (a fresh
-    partial when the caller's tiled MMA has ACCUMULATE off); the fence orders it after earlier
-    register accesses of ``frag``. Called while a kernel is traced."""
-    cute.nvgpu.warpgroup.fence()
-    cute.gemm(tiled_mma, frag, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], frag)
-    cute.nvgpu.warpgroup.commit_group()
-
-
-@dsl_user_op
-def opaque_copy(x: Float32, *, loc=None, ip=None) -> Float32:
-    """``x + (-0.0)`` -- ``x`` exactly, signed zeros and NaN included -- by an add that neither
-    LLVM nor ptxas reduces to a copy: a wgmma partial moved after the wait that retires it
-    into registers no wgmma writes. ptxas does not follow a wgmma's retirement around a loop's
-    back edge: a partial read in the next iteration straight from the wgmma's registers, or
-    through a plain ``mov`` (which it sees through), makes it inject a wait before the read
-    (warning C7517), serialising the wgmma issued just before."""
-    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "add.rn.f32 $0, $1, 0f80000000;",
-                                   "=f,f", has_side_effects=False, is_align_stack=False,
-                                   asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))

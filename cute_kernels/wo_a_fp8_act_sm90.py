@@ -25,16 +25,11 @@ one elected thread issuing. A slice is four MX blocks and one weight-scale block
 block an ``m64n{tok_n}k32`` e4m3 wgmma writes a zeroed FP32 fragment, promoted into the
 accumulator as ``acc += frag * (ws * sa[t])`` (the promotion of
 :mod:`moe.experts_swap_ab_sm90`: two fragments alternate, so block kb's wgmma runs while
-block kb - 1 is promoted, and a slice's last promotion waits for its last wgmma).
-``fragments=4`` keeps two pairs instead: a slice's blocks 0-1 and 2-3 each issue as a pair,
-and while one pair's wgmmas run the other pair is promoted -- the previous slice's second pair
-under this slice's first (its partials carried over in registers no wgmma writes,
-:func:`.warp_mma.opaque_copy`), this slice's first under its second. Same products, same
-order of additions: bit-equal outputs. The products ``ws * sa[t]`` of the CTA's weight
-scales and its tokens' block scales are decoded once into shared memory (FP32 per token and
-32-wide block), behind the prologue's loads: a promotion is one shared load per token column
-and one FFMA per accumulator element. The epilogue transposes the tile through shared memory
-into token-major ``y [T, G*R]``.
+block kb - 1 is promoted). The products ``ws * sa[t]`` of the CTA's weight scales and its
+tokens' block scales are decoded once into shared memory (FP32 per token and 32-wide block),
+behind the prologue's loads: a promotion is one shared load per token column and one FFMA per
+accumulator element. The
+epilogue transposes the tile through shared memory into token-major ``y [T, G*R]``.
 
 ``pdl`` (a programmatic dependent launch, e.g. behind the activations' quantization): the
 prologue's weight slices go out before ``griddepcontrol.wait``, the token slices and the scale
@@ -69,7 +64,7 @@ from . import jit
 from .arch import current_arch
 from .mx_scales import e8m0_to_f32
 from .validate import check_arch_supported, check_bool, check_cuda, check_tensor
-from .warp_mma import fp8_wgmma_block, fp8_wgmma_blocks, opaque_copy, wgmma_fragments
+from .warp_mma import fp8_wgmma_blocks, wgmma_fragments
 from .wo_a_decode import SMEM_PER_CTA
 from .wo_a_decode_fp8 import SCALE_BLOCK  # the weights' scale block (rows and K): the checkpoint format's
 # BM weight rows (output columns) per CTA -- wgmma M -- and THREADS: the shared schedule's
@@ -92,17 +87,9 @@ def smem_bytes(tok_n: int, stages: int, Dg: int = 4096) -> int:
             + 4 * tok_n * (kt * (BK // MX) + 1) + 16)
 
 
-#: FP32 block partials a thread keeps (``fragments``): 2 -- block kb's wgmma runs while block
-#: kb - 1 is promoted, drained at each K slice's end; 4 -- two pairs: two blocks' wgmmas run
-#: while the two before them are promoted, across the slices' ends too (module docstring)
-FRAGMENTS = (2, 4)
-
-
 class WoAFp8ActSm90:
-    def __init__(self, G: int, R: int, Dg: int, tok_n: int, stages: int = 8, pdl: bool = False,
-                 fragments: int = 2):
+    def __init__(self, G: int, R: int, Dg: int, tok_n: int, stages: int = 8, pdl: bool = False):
         self.G, self.R, self.Dg, self.tok_n, self.stages, self.pdl = G, R, Dg, tok_n, stages, pdl
-        self.fragments = fragments
         self.tile = (BM, tok_n, BK)
         self.k_tiles = Dg // BK
 
@@ -186,48 +173,16 @@ class WoAFp8ActSm90:
 
         tCrW, tCrQ, tCcC, acc = wgmma_fragments(tiled_mma, tidx, sW, sQ, (BM, TN))
         acc.fill(0.0)
-        frags = [cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(self.fragments)]
+        # Two block partials in flight: the wgmma of block kb runs while block kb - 1 is promoted.
+        frags = [cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(2)]
         NV = cute.size(acc)  # (column pair, row + 8, TN / 8 column blocks) per thread
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)  # every block's wgmma: a fresh partial
-        if cutlass.const_expr(self.fragments == 2):
-            # Two block partials: the wgmma of block kb runs while block kb - 1 is promoted.
-            for kt in cutlass.range(KT, unroll=1):
-                self.k_slice(pipe, cons, tiled_mma, tCrW, tCrQ, tCcC, acc, frags, sS, kt, NV)
-                cons.advance()
-                if warp_idx == 0 and prod.count < KT:
-                    load_k_slice(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ)
-                    prod.advance()
-        else:
-            # Two pairs of partials: a slice's blocks 0-1 go to pair 0, blocks 2-3 to pair 1. The
-            # wgmmas of one pair run while the other pair -- retired by the wait before -- is
-            # promoted: this slice's first pair, or the previous slice's second. Every wait
-            # retires all wgmmas in flight, so a promotion never reads registers a wgmma still
-            # writes (ptxas would serialise every wgmma of the kernel), and a slice's stage goes
-            # back at the slice's end as in the two-fragment loop.
-            NB = BK // MX
-            held = [cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(2)]
-            for kt in cutlass.range(KT, unroll=1):
-                pipe.consumer_wait(cons)
-                for pair in cutlass.range_constexpr(2):
-                    for b in cutlass.range_constexpr(2):
-                        fp8_wgmma_block(tiled_mma, tCrW, tCrQ, frags[2 * pair + b], 2 * pair + b, cons.index)
-                    if cutlass.const_expr(pair == 1):
-                        for b in cutlass.range_constexpr(2):
-                            self.promote(acc, frags[b], tCcC, sS, kt * NB + b, NV)
-                    elif kt > 0:
-                        for b in cutlass.range_constexpr(2):
-                            self.promote(acc, held[b], tCcC, sS, (kt - 1) * NB + 2 + b, NV)
-                    cute.nvgpu.warpgroup.wait_group(0)
-                for b in cutlass.range_constexpr(2):
-                    for i in cutlass.range_constexpr(NV):
-                        held[b][i] = opaque_copy(frags[2 + b][i])
-                pipe.consumer_release(cons)
-                cons.advance()
-                if warp_idx == 0 and prod.count < KT:
-                    load_k_slice(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ)
-                    prod.advance()
-            for b in cutlass.range_constexpr(2):  # the last slice's second pair
-                self.promote(acc, held[b], tCcC, sS, (KT - 1) * NB + 2 + b, NV)
+        for kt in cutlass.range(KT, unroll=1):
+            self.k_slice(pipe, cons, tiled_mma, tCrW, tCrQ, tCcC, acc, frags, sS, kt, NV)
+            cons.advance()
+            if warp_idx == 0 and prod.count < KT:
+                load_k_slice(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ)
+                prod.advance()
 
         store_token_major(acc, tCcC, sOut, mY, nt * BM, num_tokens, tidx)  # nt * BM = g * R + rt * 64
 
@@ -251,10 +206,9 @@ class WoAFp8ActSm90:
             acc[i] = acc[i] + frag[i] * sS[tCcC[i][1], kb]
 
     @staticmethod
-    def can_implement(T: int, G: int, R: int, Dg: int, tok_n: int, stages: int = 8, fragments: int = 2) -> bool:
+    def can_implement(T: int, G: int, R: int, Dg: int, tok_n: int, stages: int = 8) -> bool:
         return (1 <= T <= tok_n and tok_n in TOK_N and G >= 1 and R % SCALE_BLOCK == 0 and R > 0
-                and Dg % BK == 0 and Dg > 0 and 2 <= stages and smem_bytes(tok_n, stages, Dg) <= SMEM_PER_CTA
-                and fragments in FRAGMENTS)
+                and Dg % BK == 0 and Dg > 0 and 2 <= stages and smem_bytes(tok_n, stages, Dg) <= SMEM_PER_CTA)
 
 
 def plan(T: int) -> dict:
@@ -267,25 +221,23 @@ def plan(T: int) -> dict:
     raise ValueError(f"wo_a_fp8_act: T={T} > {MAX_T} (a decode kernel; prefill takes wo_a_fp8)")
 
 
-def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 8, pdl: bool = False,
-           fragments: int = 2):
+def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 8, pdl: bool = False):
     """``tok_n``: the token tile (wgmma N; T <= tok_n). ``stages``: TMA pipeline depth. ``pdl``:
     a programmatic dependent launch (the first stages' weight slices go out before the wait
-    for the previous kernel, whose output the activations and their scales are).
-    ``fragments``: one of FRAGMENTS."""
-    if not WoAFp8ActSm90.can_implement(1, G, R, Dg, tok_n, stages, fragments):
-        raise ValueError(f"wo_a_fp8_act: unsupported G={G}, R={R}, Dg={Dg}, tok_n={tok_n}, stages={stages}, "
-                         f"fragments={fragments} (R % 128, Dg % 128, tok_n in {TOK_N}, fragments in {FRAGMENTS}, "
-                         f"stages >= 2 within {SMEM_PER_CTA} B of shared memory: {smem_bytes(tok_n, stages, Dg)} B)")
+    for the previous kernel, whose output the activations and their scales are)."""
+    if not WoAFp8ActSm90.can_implement(1, G, R, Dg, tok_n, stages):
+        raise ValueError(f"wo_a_fp8_act: unsupported G={G}, R={R}, Dg={Dg}, tok_n={tok_n}, stages={stages} "
+                         f"(R % 128, Dg % 128, tok_n in {TOK_N}, stages >= 2 within {SMEM_PER_CTA} B of shared "
+                         f"memory: {smem_bytes(tok_n, stages, Dg)} B)")
     P = jit.fake_gmem_ptr
     f8 = cutlass.Float8E4M3FN
     args = (P(f8, 16), P(cutlass.Uint8, 4), P(f8, 16), P(Float32, 4), P(cutlass.BFloat16, 4), Int32(1),
             jit.fake_stream())
-    return WoAFp8ActSm90(G, R, Dg, tok_n, stages, pdl, fragments), args
+    return WoAFp8ActSm90(G, R, Dg, tok_n, stages, pdl), args
 
 
-def _build_tensors(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 8, fragments: int = 2):
-    op, _ = _build(arch, G=G, R=R, Dg=Dg, tok_n=tok_n, stages=stages, fragments=fragments)
+def _build_tensors(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 8):
+    op, _ = _build(arch, G=G, R=R, Dg=Dg, tok_n=tok_n, stages=stages)
     sym, T, f8 = {}, jit.fake_tensor, cutlass.Float8E4M3FN
     args = (T(f8, ("T", "H", "Dv"), 16, sym), T(cutlass.Uint8, ("T", G * Dg // MX), 4, sym), T(f8, (G, R, Dg), 16, sym),
             T(Float32, (G, R // SCALE_BLOCK, Dg // SCALE_BLOCK), 4, sym), T(cutlass.BFloat16, ("T", G * R), 4, sym),
@@ -313,24 +265,21 @@ _TENSOR_FNS: dict = {}
 
 def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *,
                  out: torch.Tensor | None = None, stream=None, arch: str | None = None,
-                 pdl: bool = False, fragments: int | None = None) -> torch.Tensor:
+                 pdl: bool = False) -> torch.Tensor:
     """``y [T, G*R]`` (bf16, token-major) from MXFP8 activations ``q [T, H, Dv]`` (e4m3) with
     ``q_scales [T, H*Dv/32]`` (uint8 UE8M0, :func:`moe.quant.mxfp8_quantize`'s plain layout of
     ``o.view(T, H*Dv)``), e4m3 ``w [G, R, (H/G)*Dv]`` and FP32 ``w_scale [G, R/128, Dg/128]``;
     T <= 64. ``out``: a preallocated ``y`` (nothing allocated). Launched on ``stream`` (default:
     torch's current stream). ``pdl``: launched as a programmatic dependent of the kernel before
     it on the stream -- the weights start streaming while that kernel (e.g. the activations'
-    quantization) finishes; a separate compile, the same results. ``fragments``: the block
-    partials in flight (one of FRAGMENTS; None: 2); a separate compile, the same results."""
-    default_call = stream is None and arch is None and pdl is False and fragments is None
+    quantization) finishes; a separate compile, the same results."""
+    default_call = stream is None and arch is None and pdl is False
     if (out is not None and default_call and jit.TVM_FFI and isinstance(q, torch.Tensor)
             and isinstance(w, torch.Tensor)):  # the eager hot path (the C checks: dtypes, extents, strides, alignment)
         if jit.launch_tensor_entry(_TENSOR_FNS, (q.shape, w.shape, q.get_device()), q, q_scales, w, w_scale, out):
             return out
     op = "wo_a_fp8_act"
     check_bool(op, "pdl", pdl)
-    if fragments is not None and (type(fragments) is not int or fragments not in FRAGMENTS):
-        raise ValueError(f"{op}: fragments must be one of {FRAGMENTS} or None, got {fragments!r}")
     check_tensor(op, "q", q, dtype=torch.float8_e4m3fn, ndim=3, contiguous=True, align_bytes=16)
     check_tensor(op, "w", w, dtype=torch.float8_e4m3fn, ndim=3, contiguous=True, align_bytes=16)
     T, H, Dv = q.shape
@@ -350,8 +299,7 @@ def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_sca
     check_tensor(op, "out", out, dtype=torch.bfloat16, shape=(T, G * R), contiguous=True, align_bytes=4)
     check_cuda(op, ("q", q), ("q_scales", q_scales), ("w", w), ("w_scale", w_scale), ("out", out))
     a = check_arch_supported(op, arch or current_arch(q.device), ("sm_90a",))
-    extra = {**({"pdl": True} if pdl else {}), **({"fragments": fragments} if fragments not in (None, 2) else {})}
-    fn = jit.get_kernel("wo_a_fp8_act_sm90", a, G=G, R=R, Dg=Dg, **plan(T), **extra)
+    fn = jit.get_kernel("wo_a_fp8_act_sm90", a, G=G, R=R, Dg=Dg, **plan(T), **({"pdl": True} if pdl else {}))
     P = jit.gmem_ptr
     fn(P(cutlass.Float8E4M3FN, q, 16), P(cutlass.Uint8, q_scales, 4), P(cutlass.Float8E4M3FN, w, 16),
        P(Float32, w_scale, 4), P(cutlass.BFloat16, out, 4), jit.i32(T), jit.cu_stream(stream))
