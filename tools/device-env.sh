@@ -1,9 +1,8 @@
 # Source on the H200 device machine (repo root as cwd): unpack CuTe DSL from .devcache
 # (see ../shared/device/README.md) and put it and this checkout on PYTHONPATH.
 #
-# The bundle travels recompressed with a 256 MiB dictionary (.devcache/cutedsl-4.8.1-cp312-
-# cu13.d256.tar.xz, 52.3 MiB: room beside it for the tree, the kernel caches and a small wheel
-# in one call), or as shipped (.devcache/cutedsl-4.8.1-cp312-cu13.tar.xz, 61.75 MiB), or in two
+# The bundle travels recompressed (.devcache/cutedsl-4.8.1-cp312-cu13.d256.tar.xz, 52.3 MiB,
+# docs/device.md), as shipped (cutedsl-4.8.1-cp312-cu13.tar.xz, 61.75 MiB), or in two
 # parts (.devcache/cutedsl-4.8.1.part00 / part01, `split -b 32M -d`), one per call. A part
 # carried in is kept in /tmp (the machine keeps /tmp while warm); with both there, they are
 # joined and unpacked. With one part only this returns 1 after keeping it (docs/device.md).
