@@ -85,11 +85,7 @@ def main(argv=None) -> int:
         f"({n / dt:.1f} tok/s, {args.backend} backend incl. prefill{tp}); median acceptance length "
         f"{eng.stats.median_acceptance:.1f}")
     say("first request:", out[0][:16], "...")
-    if args.tp > 1:
-        import torch.distributed as dist
-
-        dist.barrier()  # no rank tears the group down while a peer still uses it
-        dist.destroy_process_group()
+    eng.close()  # tp > 1: destroys the process group it set up (before the interpreter exits)
     return 0
 
 

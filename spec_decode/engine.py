@@ -102,6 +102,7 @@ class Engine:
             if config.allreduce not in (None, "custom_push", "nccl"):
                 raise ValueError(f"allreduce must be None, 'custom_push' or 'nccl', got {config.allreduce!r}")
             if not config.simulate_ranks:
+                self.owns_group = not _dist_initialized()
                 self.rank, config = _init_process_group(config)
                 self.config = config
         on_layer = None
@@ -395,6 +396,31 @@ class Engine:
         outs = [o[:m] for o, m in zip(self._outputs, per)]
         return outs, [len(o) == m for o, m in zip(outs, per)]
 
+    owns_group = False  #: whether this engine initialised torch.distributed (close() destroys it)
+
+    def close(self) -> None:
+        """Let go of torch.distributed (tp > 1 over processes; otherwise nothing to do): drop the
+        ops' references to the process group and, if this engine initialised the group, wait for
+        every rank and destroy it. A group still referenced when the interpreter exits is torn
+        down during finalisation, where gloo's worker threads abort the process. Idempotent; the
+        engine runs no further steps."""
+        ops = getattr(getattr(self, "step", None), "ops", None)
+        if ops is None or ops.group is None or isinstance(ops.group, ThreadAllReduce):
+            return
+        ops.group = ops.push = None
+        if self.owns_group:
+            import torch.distributed as dist
+
+            dist.barrier()  # no rank tears the group down while a peer still uses it
+            dist.destroy_process_group()
+            self.owns_group = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _check_collectives(self) -> None:
         """Raise comm.buffers.AllReduceTimeout if a push all-reduce gave up waiting for a peer
         during the last generate (a rank that never launched: its outputs are not to be used)."""
@@ -586,6 +612,12 @@ def acceptance_probability(length: float, block: int) -> float:
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def _dist_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _init_process_group(config: EngineConfig):

@@ -68,6 +68,8 @@ def _worker(rank, world, init, results, mode):
             return
         out = {"plain": eng.generate(PROMPTS, NEW, speculative=False), "spec": eng.generate(PROMPTS, NEW),
                "logits": _probe_logits(eng).tolist()}  # plain lists: the process may exit before the read
+        eng.close()  # the caller's group: released, not destroyed
+        out["closed"] = (eng.step.ops.group, dist.is_initialized())
         results.put((rank, out, None))
     except Exception:
         results.put((rank, traceback.format_exc(), None))
@@ -112,6 +114,7 @@ def test_tp_generates_the_tp1_tokens(world, tp1):
         assert isinstance(out, dict), out  # a traceback otherwise
         # every rank holds the same all-reduced logits: the same tokens
         assert out["plain"] == got[0][0]["plain"] and out["spec"] == got[0][0]["spec"]
+        assert out["closed"] == (None, True)
         diff = (torch.tensor(out["logits"]) - tp1["logits"]).abs().max().item()
         assert diff < 1e-5 * tp1["logits"].abs().max().item(), diff  # FP32 reduction order only
     assert got[0][0]["spec"] == got[0][0]["plain"]
