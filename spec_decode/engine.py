@@ -302,6 +302,8 @@ class Engine:
 
     def _check(self, input_ids, max_new_tokens) -> list[int]:
         """Validates a request batch; returns each request's max_new_tokens."""
+        if self.closed:
+            raise RuntimeError("this Engine was closed (Engine.close): its process group is released; build a new one")
         if not input_ids:
             raise ValueError("input_ids is empty")
         per = [max_new_tokens] * len(input_ids) if isinstance(max_new_tokens, int) else max_new_tokens
@@ -397,17 +399,19 @@ class Engine:
         return outs, [len(o) == m for o, m in zip(outs, per)]
 
     owns_group = False  #: whether this engine initialised torch.distributed (close() destroys it)
+    closed = False  #: close() released the process group: no further generate
 
     def close(self) -> None:
         """Let go of torch.distributed (tp > 1 over processes; otherwise nothing to do): drop the
         ops' references to the process group and, if this engine initialised the group, wait for
         every rank and destroy it. A group still referenced when the interpreter exits is torn
         down during finalisation, where gloo's worker threads abort the process. Idempotent; the
-        engine runs no further steps."""
+        engine runs no further steps (``generate`` raises)."""
         ops = getattr(getattr(self, "step", None), "ops", None)
         if ops is None or ops.group is None or isinstance(ops.group, ThreadAllReduce):
             return
         ops.group = ops.push = None
+        self.closed = True
         if self.owns_group:
             import torch.distributed as dist
 

@@ -69,7 +69,12 @@ def _worker(rank, world, init, results, mode):
         out = {"plain": eng.generate(PROMPTS, NEW, speculative=False), "spec": eng.generate(PROMPTS, NEW),
                "logits": _probe_logits(eng).tolist()}  # plain lists: the process may exit before the read
         eng.close()  # the caller's group: released, not destroyed
-        out["closed"] = (eng.step.ops.group, dist.is_initialized())
+        try:
+            eng.generate(PROMPTS, 1)
+            after = "generated"
+        except RuntimeError as e:
+            after = str(e)
+        out["closed"] = (eng.step.ops.group, dist.is_initialized(), "closed" in after)
         results.put((rank, out, None))
     except Exception:
         results.put((rank, traceback.format_exc(), None))
@@ -114,7 +119,7 @@ def test_tp_generates_the_tp1_tokens(world, tp1):
         assert isinstance(out, dict), out  # a traceback otherwise
         # every rank holds the same all-reduced logits: the same tokens
         assert out["plain"] == got[0][0]["plain"] and out["spec"] == got[0][0]["spec"]
-        assert out["closed"] == (None, True)
+        assert out["closed"] == (None, True, True)  # and a closed engine refuses to generate
         diff = (torch.tensor(out["logits"]) - tp1["logits"]).abs().max().item()
         assert diff < 1e-5 * tp1["logits"].abs().max().item(), diff  # FP32 reduction order only
     assert got[0][0]["spec"] == got[0][0]["plain"]
