@@ -102,8 +102,7 @@ class Engine:
             if config.allreduce not in (None, "custom_push", "nccl"):
                 raise ValueError(f"allreduce must be None, 'custom_push' or 'nccl', got {config.allreduce!r}")
             if not config.simulate_ranks:
-                self.owns_group = not _dist_initialized()
-                self.rank, config = _init_process_group(config)
+                self.rank, config, self.owns_group = _init_process_group(config)
                 self.config = config
         on_layer = None
         if config.backend in KERNEL_BACKENDS and config.weights is None:
@@ -417,7 +416,6 @@ class Engine:
 
             dist.barrier()  # no rank tears the group down while a peer still uses it
             dist.destroy_process_group()
-            self.owns_group = False
 
     def __enter__(self):
         return self
@@ -618,20 +616,16 @@ def acceptance_probability(length: float, block: int) -> float:
     return (lo + hi) / 2
 
 
-def _dist_initialized() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
 def _init_process_group(config: EngineConfig):
-    """-> (rank, config on this rank's device). Uses the process group set up by the caller,
-    or initialises one from torchrun's environment (gloo on CPUs, NCCL on GPUs, with NVLink
-    multicast off). The world must be ``config.tp`` ranks."""
+    """-> (rank, config on this rank's device, whether this call initialised the group). Uses
+    the process group set up by the caller, or initialises one from torchrun's environment
+    (gloo on CPUs, NCCL on GPUs, with NVLink multicast off). The world must be ``config.tp``
+    ranks."""
     import torch.distributed as dist
 
     cuda = torch.device(config.device).type == "cuda"
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         if "RANK" not in os.environ:
             raise ValueError(f"tp={config.tp}: start one process per rank with torchrun (python -m "
                              f"torch.distributed.run --standalone --nproc-per-node {config.tp} ...) or "
@@ -647,7 +641,7 @@ def _init_process_group(config: EngineConfig):
         local = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local)
         config = dataclasses.replace(config, device=f"cuda:{local}")
-    return rank, config
+    return rank, config, created
 
 
 def _to_device(values: list[int], dev) -> torch.Tensor:
