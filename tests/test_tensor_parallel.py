@@ -279,28 +279,53 @@ def test_fused_expert_parallel_partials_sum_to_the_whole_on_gpu(T):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [6, 70])
-def test_expert_parallel_fused_and_base_partials_bit_identical_on_gpu(T):
-    """Each of 4 expert-parallel ranks of SMALL: the fused MoE's partial (router kernel, finalize
-    + shared add in one launch) equals the base backend's (PyTorch top-k and alignment, then
-    the standalone finalize and the shared add) bit for bit -- the same rounding points
-    (finalize -> bf16, + shared -> bf16) -- on every layer, hash-routed ones included. The
-    all-reduce that follows is bit-exact to its unfused sequence (`tests/test_comm.py`)."""
+def test_expert_parallel_fused_and_base_partials_on_gpu(T):
+    """Each of 4 expert-parallel ranks of SMALL, every layer (hash-routed ones included), the
+    fused MoE's partial against the base backend's, in two parts:
+
+    * routers: the kernel's picks and packed layout equal PyTorch's top-k + alignment; the
+      weights differ in rounding only (the kernel's ``exp`` and series ``log1p`` against
+      torch's: each within 4e-6 relative of the FP64 definition, ``tests/test_moe_router.py``,
+      so within 8e-6 of each other);
+    * with the kernel router's outputs in both, the fused partial (finalize + shared add in one
+      launch, the routed input quantized beside the router) equals the base one (standalone
+      finalize -> bf16, + shared -> bf16, quantized after the router) bit for bit: the fusions
+      keep every rounding point. The all-reduce that follows is bit-exact to its unfused
+      sequence (`tests/test_comm.py`)."""
     from spec_decode.config import SMALL
     from spec_decode.fused_ops import BaseOps, FusedOps
     from spec_decode.step_model import RankView
+
+    class BaseOpsKernelRouter(BaseOps):
+        route = FusedOps.route  # every other change of the base arm kept
 
     torch.manual_seed(100 + T)
     t = TargetModel(SMALL, seed=1, dtype=torch.bfloat16, device="cuda")
     views = [RankView(t, Shard(SMALL, r, 4)) for r in range(4)]
     for v in views:
-        fused, base = FusedOps(v, max_tokens=256, max_len=256), BaseOps(v, max_tokens=256, max_len=256)
+        kw = dict(max_tokens=256, max_len=256)
+        fused, base, base_kr = FusedOps(v, **kw), BaseOps(v, **kw), BaseOpsKernelRouter(v, **kw)
         for li, L in enumerate(v.layers):
             h = torch.randn(T, SMALL.hidden, device="cuda").bfloat16()
             tok = torch.randint(0, SMALL.vocab, (T,), device="cuda")
+            where = (v.shard.rank, li)
+            logits = h @ L["ffn.gate.weight"].T
+            rk = fused.route(logits, L, fused._layer[id(L)], SMALL, tok)
+            rt = base.route(logits, L, base._layer[id(L)], SMALL, tok)
+            assert torch.equal(rk.topk_ids, rt.topk_ids), where
+            n = int(rt.total_rows)
+            assert int(rk.total_rows) == n, where
+            for name in ("expert_counts", "expert_offsets", "routed_row_pos"):
+                assert torch.equal(getattr(rk, name), getattr(rt, name)), (where, name)
+            assert torch.equal(rk.sorted_token_ids[:n], rt.sorted_token_ids[:n]), where
+            tiles = n // fused.router.cfg.tile_m
+            assert torch.equal(rk.tile_expert[:tiles], rt.tile_expert[:tiles]), where
+            assert torch.allclose(rk.topk_weights, rt.topk_weights, rtol=8e-6, atol=0), where
+
             got = fused.moe(h, L, SMALL, tok, v.shard.first_expert)
-            want = base.moe(h, L, SMALL, tok, v.shard.first_expert)
+            want = base_kr.moe(h, L, SMALL, tok, v.shard.first_expert)
             assert got.isfinite().all()
-            assert torch.equal(got, want), (v.shard.rank, li, float((got.float() - want.float()).abs().max()))
+            assert torch.equal(got, want), (where, float((got.float() - want.float()).abs().max()))
 
 
 def prompts_gpu(seed, n=40, vocab=512):
