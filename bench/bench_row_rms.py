@@ -1,7 +1,7 @@
 """Benchmark row_rms and rms_norm against PyTorch on the GPU; prints markdown tables for bench/RESULTS.md.
 
     python bench/bench_row_rms.py [--out FILE]
-    python bench/bench_row_rms.py --loads-per-thread 2,4,8   # rms_norm's row layouts alone
+    python bench/bench_row_rms.py --loads-per-thread 2,4,8   # rms_norm's and row_rms' row layouts alone
 
 Table 1: kernel time per call from CUDA-graph replay over rotating inputs (> L2), vs the
 PyTorch composite ``rsqrt(x.float().square().mean(-1) + eps)`` timed the same way, and
@@ -61,6 +61,9 @@ def bench_kernel():
 NORM_SHAPES = [(6, 4096, True), (6, 1024, True), (6, 512, True), (384, 512, False), (384, 4096, True),
                (24576, 512, False)]
 
+#: the variants table's further shapes: V4-Pro's hidden size (7168) at decode and prefill rows
+VARIANT_SHAPES = [(6, 7168, True), (384, 7168, True), (4096, 7168, True), (4096, 4096, True)]
+
 
 def norm_inputs(T: int, C: int, weighted: bool):
     """``(bytes moved, rotation count, inputs, outputs, weight or None)`` of one norm shape."""
@@ -101,8 +104,9 @@ def bench_norm():
 
 def bench_norm_variants(loads: list[int]):
     """rms_norm at the decode shapes with each ``loads_per_thread`` (16-byte loads per thread,
-    which sets a row's threads; the entry point's is ``cute_kernels.row_rms.LOADS_PER_THREAD``),
-    each variant's output checked equal to the entry point's first."""
+    which sets a row's threads; the entry point's is ``cute_kernels.rms_norm.LOADS_PER_THREAD``),
+    each variant's output checked against the entry point's first (within two bf16 ulps: the
+    variants sum a row in different orders, so a statistic may round the other way)."""
     from cute_kernels import jit
     from cute_kernels.arch import current_arch
     from cute_kernels.rms_norm import RmsNorm
@@ -110,7 +114,7 @@ def bench_norm_variants(loads: list[int]):
 
     P = jit.gmem_ptr
     rows = []
-    for T, C, weighted in NORM_SHAPES:
+    for T, C, weighted in NORM_SHAPES + VARIANT_SHAPES:
         _, n, xs, outs, w = norm_inputs(T, C, weighted)
         want = rms_norm(xs[0], EPS, w)
         times, shapes = [], []
@@ -125,7 +129,7 @@ def bench_norm_variants(loads: list[int]):
 
             outs[0].fill_(float("nan"))
             launch(0)
-            if not torch.equal(outs[0], want):
+            if not ((outs[0].float() - want.float()).abs() <= 2.0**-6 * want.float().abs()).all():
                 raise SystemExit(f"rms_norm {T}x{C} loads_per_thread={L}: output differs from the entry point's")
             times.append(time_graph(launch, n, max(n, 20)))
             shapes.append(f"{op.row_threads} x {op.rows_per_cta}")
@@ -134,6 +138,42 @@ def bench_norm_variants(loads: list[int]):
                     + [f"{t * 1e6:.2f} ({s})" for t, s in zip(times, shapes)] + [str(loads[best])])
         del xs, outs
     return markdown_table(["rms_norm T x C (bf16)"] + [f"{L} loads / thread us (threads x rows a CTA)" for L in loads]
+                          + ["fastest"], rows)
+
+
+def bench_stat_variants(loads: list[int]):
+    """row_rms (the statistic alone) at its shapes with each ``loads_per_thread``, each checked
+    against FP64 first."""
+    from cute_kernels import jit
+    from cute_kernels.arch import current_arch
+    from cute_kernels.row_rms import RowRms
+    from cutlass import BFloat16, Float32
+
+    P = jit.gmem_ptr
+    rows = []
+    for T, C in SHAPES:
+        n = rotation_count(T * C * 2 + T * 4)
+        xs = [torch.randn(T, C, device="cuda").bfloat16() for _ in range(n)]
+        outs = [torch.empty(T, device="cuda") for _ in range(n)]
+        want = torch.rsqrt(xs[0].double().square().mean(-1) + EPS)
+        times, shapes = [], []
+        for L in loads:
+            fn = jit.get_kernel("row_rms", current_arch(), hidden=C, dtype="bfloat16", loads_per_thread=L)
+            op = RowRms(BFloat16, C, L)
+
+            def launch(i, fn=fn):
+                fn(P(BFloat16, xs[i], 16), P(Float32, outs[i], 4), jit.i32(T), jit.f32(EPS), jit.cu_stream(None))
+
+            outs[0].fill_(float("nan"))
+            launch(0)
+            if not ((outs[0].double() - want).abs() <= 1e-5 * want).all():
+                raise SystemExit(f"row_rms {T}x{C} loads_per_thread={L}: output check failed")
+            times.append(time_graph(launch, n, max(n, 20)))
+            shapes.append(f"{op.row_threads} x {op.rows_per_cta}")
+        best = min(range(len(loads)), key=times.__getitem__)
+        rows.append([f"{T}x{C}"] + [f"{t * 1e6:.2f} ({s})" for t, s in zip(times, shapes)] + [str(loads[best])])
+        del xs, outs
+    return markdown_table(["row_rms T x C (bf16)"] + [f"{L} loads / thread us (threads x rows a CTA)" for L in loads]
                           + ["fastest"], rows)
 
 
@@ -187,15 +227,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--loads-per-thread", default=None,
-                    help="comma-separated loads per thread: only the rms_norm variants table (e.g. 2,4,8)")
+                    help="comma-separated loads per thread: only the rms_norm / row_rms variants tables (e.g. 2,4,8)")
     args = ap.parse_args()
     from cute_kernels.arch import current_arch
 
     arch = current_arch()
     if args.loads_per_thread:
         loads = [int(v) for v in args.loads_per_thread.split(",")]
-        report("rms_norm variants", f"python bench/bench_row_rms.py --loads-per-thread {args.loads_per_thread}",
-               bench_norm_variants(loads), "", out=args.out)
+        report("rms_norm and row_rms variants",
+               f"python bench/bench_row_rms.py --loads-per-thread {args.loads_per_thread}",
+               bench_norm_variants(loads), "", bench_stat_variants(loads), "", out=args.out)
         return
     lines = [f"## row_rms -- {torch.cuda.get_device_name()} ({arch}), {datetime.date.today()}",
              "", "Command: `python bench/bench_row_rms.py`", "", bench_kernel(), "", bench_norm(), ""]

@@ -4,9 +4,10 @@ Used by mHC (``r`` over the flattened ``n*C`` residual streams) and by every RMS
 also the pattern the other kernels copy: config class -> ``@cute.jit __call__`` -> ``@cute.kernel``
 -> registry entry -> validated torch-facing function.
 
-Algorithm. ``nt`` threads per row, enough that each keeps at most 8 16-byte requests in
-flight: rows of up to 2048 / 4096 bf16 take one / two warps and share a CTA of four warps
-(four / two rows, as quack's ``threads_per_row``), longer rows a CTA each. Thread ``i`` of a
+Algorithm. ``nt`` threads per row, enough that each issues at most ``LOADS_PER_THREAD`` (2)
+16-byte loads: rows of up to 512 / 1024 bf16 take one / two warps and share a CTA of four
+warps (four / two rows, as quack's ``threads_per_row``), longer rows a CTA each (4096: 256
+threads; at most 1024). Thread ``i`` of a
 row loads its 16-byte vectors ``i, i+nt, i+2nt, ...`` (8 bf16 each) -- as ``cp.async`` copies
 through shared memory, all issued before one wait (rows over 64 KiB: register loads) --
 squares and sums in FP32, then a warp shuffle reduction and, for a row of several warps, a
@@ -51,9 +52,11 @@ MAX_HIDDEN = 65536
 #: shared memory a row (and, in :mod:`cute_kernels.rms_norm`, its weight and rotation) may take
 #: to be loaded through it (``RowRms.load_row_async``; above: register loads)
 ASYNC_SMEM_BYTES = 64 * 1024
-#: 16-byte loads each of a row's threads issues (at most): sets the threads per row
+#: 16-byte loads each of a row's threads issues (at most): sets the threads per row. Two: a
+#: decode step's few rows are latency bound, and a short chain of loads per thread (a
+#: 4096-element row over 256 threads) beats fewer, longer ones
 #: (``bench/bench_row_rms.py --loads-per-thread`` times other values)
-LOADS_PER_THREAD = 8
+LOADS_PER_THREAD = 2
 
 
 class RowRms:
@@ -214,12 +217,13 @@ class RowRms:
         return dtype in NAME2CUTE and hidden % 8 == 0 and 8 <= hidden <= MAX_HIDDEN
 
 
-def _build(arch: str, *, hidden: int, dtype: str = "bfloat16"):
+def _build(arch: str, *, hidden: int, dtype: str = "bfloat16", loads_per_thread: int = LOADS_PER_THREAD):
+    """``loads_per_thread`` (a variant; the entry points take the default): see ``RowRms``."""
     if not RowRms.can_implement(hidden, dtype):
         raise ValueError(f"row_rms: unsupported hidden={hidden}, dtype={dtype}")
     cdt = NAME2CUTE[dtype]
     args = (jit.fake_gmem_ptr(cdt, 16), jit.fake_gmem_ptr(Float32, 4), Int32(1), Float32(1e-6), jit.fake_stream())
-    return RowRms(cdt, hidden), args
+    return RowRms(cdt, hidden, loads_per_thread), args
 
 
 def _build_tensors(arch: str, *, hidden: int, dtype: str = "bfloat16"):

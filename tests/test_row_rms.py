@@ -176,8 +176,8 @@ def test_bad_arguments_raise_before_launch(make, exc, words):
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_machine_code_vectorised_no_spills(arch):
     hist = sass.sass_histogram("row_rms", arch, hidden=7168, dtype="bfloat16")
-    # 896 16-byte vectors over 128 threads: 7 16-byte cp.async copies per thread, nothing narrower
-    assert hist["LDGSTS.E.128"] == 7, hist
+    # 896 16-byte vectors over 448 threads: 2 16-byte cp.async copies per thread, nothing narrower
+    assert hist["LDGSTS.E.128"] == 2, hist
     assert sass.count(hist, "LDG") == 0  # (no register loads besides)
     assert sass.count(hist, "SHFL") >= 10  # two 5-step butterflies
     assert sass.count(hist, "BAR.SYNC") == 1
@@ -189,7 +189,7 @@ def test_row_rms_issues_the_whole_row_before_its_first_square(arch):
     """Every vector of the row is requested before the first square (its first FFMA): with
     register loads the compiler once issued the last two only after the first had arrived."""
     text = sass.disassemble(sass.compile_cubin("row_rms", arch, hidden=7168, dtype="bfloat16"))
-    assert sass.global_loads_before(text, "FFMA") == (7, True)
+    assert sass.global_loads_before(text, "FFMA") == (2, True)  # 896 vectors over 448 threads
 
 
 # ------------------------------------------------------------------------- rms_norm -----
@@ -305,14 +305,14 @@ def test_rms_norm_rejects_bad_arguments(args, kwargs, words):
 @pytest.mark.parametrize("hidden, weighted", [(512, False), (4096, True)])
 def test_rms_norm_machine_code(arch, hidden, weighted):
     """x read once in 16-byte vectors (cp.async copies) and written once in 16-byte vectors
-    (and the weight's 16-byte vectors); a row of one warp (512) needs no barrier, one of two
+    (and the weight's 16-byte vectors); a row of one warp (512) needs no barrier, one of eight
     warps (4096) one; no local memory."""
-    import cute_kernels.rms_norm  # noqa: F401 -- registers the kernel
-    from cute_kernels.row_rms import RowRms
+    from cute_kernels.row_rms import LOADS_PER_THREAD, RowRms
 
     h = sass.sass_histogram("rms_norm", arch, hidden=hidden, weighted=weighted)
-    per_thread = RowRms(cutlass.BFloat16, hidden).iters  # a row's vectors over its threads
-    assert per_thread == {512: 2, 4096: 8}[hidden]
+    op = RowRms(cutlass.BFloat16, hidden, LOADS_PER_THREAD)
+    per_thread = op.iters  # a row's vectors over its threads
+    assert (per_thread, op.row_threads) == {512: (2, 32), 4096: (2, 256)}[hidden]
     assert sass.count(h, "LDGSTS.E.128") == per_thread * (2 if weighted else 1)
     assert sass.count(h, "STG.E.128") == per_thread
     assert sass.count(h, "BAR") == (0 if hidden <= 2048 else 1)
@@ -344,12 +344,10 @@ def test_rms_norm_issues_every_load_before_the_first_use(arch, cfg):
     arithmetic on the row (its first square, an FFMA): a load issued after it waits for the
     row's arrival -- one more memory round trip on the critical path of a short row, which
     the compiler's scheduling once produced for the weight's register loads."""
-    import cute_kernels.rms_norm  # noqa: F401 -- registers the kernel
-
-    from cute_kernels.row_rms import RowRms
+    from cute_kernels.row_rms import LOADS_PER_THREAD, RowRms
 
     text = sass.disassemble(sass.compile_cubin("rms_norm", arch, dtype="bfloat16", **cfg))
-    per_thread = RowRms(cutlass.BFloat16, cfg["hidden"]).iters
+    per_thread = RowRms(cutlass.BFloat16, cfg["hidden"], LOADS_PER_THREAD).iters
     # x, w; (cos, sin): 8 FP32 = 2 x 16 B, for the one vector of a thread that can be rotated
     want = per_thread * 2 + (2 if cfg.get("rope_dim") else 0)
     assert sass.global_loads_before(text, "FFMA") == (want, True)
@@ -426,21 +424,22 @@ def test_rms_norm_rope_machine_code(arch):
 
 @pytest.mark.parametrize("C", [8, 136, 512, 1024, 2048, 2056, 4096, 4104, 7168, 28672, 65536])
 def test_row_threads_cover_the_row_and_rows_share_a_cta(C):
-    """The row kernels' thread layout (RowRms): a row's threads cover its vectors with at most 8
-    each (``iters``) below 8192 threads' worth; rows of up to 4096 elements share a CTA of 4
-    warps (whole warps per row: the statistic needs no barrier for one warp), longer ones have
-    a CTA each of at least 4 warps; what goes through shared memory fits its budget."""
+    """The row kernels' thread layout (RowRms): a row's threads cover its vectors with at most
+    ``LOADS_PER_THREAD`` each (``iters``) up to 1024 threads a row; rows of up to two warps'
+    loads (1024 elements at two loads a thread) share a CTA of 4 warps (whole warps per row:
+    the statistic needs no barrier for one warp), longer ones have a CTA each of at least 4
+    warps; what goes through shared memory fits its budget."""
     import cutlass
 
     from cute_kernels.rms_norm import RmsNorm
-    from cute_kernels.row_rms import ASYNC_SMEM_BYTES, RowRms
+    from cute_kernels.row_rms import ASYNC_SMEM_BYTES, LOADS_PER_THREAD, RowRms
 
     k = RowRms(cutlass.BFloat16, C)
     n_vec = C // 8
     assert k.row_threads * k.iters >= n_vec > k.row_threads * (k.iters - 1)
-    assert k.iters <= 8 or k.row_threads == 1024
+    assert k.iters <= LOADS_PER_THREAD or k.row_threads == 1024
     assert k.row_threads % 32 == 0 and k.threads == k.row_threads * k.rows_per_cta <= 1024
-    if C <= 4096:
+    if n_vec <= 64 * LOADS_PER_THREAD:
         assert k.threads == 128 and k.rows_per_cta == 128 // k.row_threads
     else:
         assert k.rows_per_cta == 1 and k.threads >= 128
