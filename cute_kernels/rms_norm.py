@@ -7,7 +7,7 @@ The decode runtime's norms (sublayer, q, kv, per-head, compressor entries, final
 two multiplies); this is the same statistic kernel with the multiplies in its epilogue.
 
 Algorithm. A row's threads as :class:`cute_kernels.row_rms.RowRms` (whose statistic it
-reuses: rows of up to 4096 elements share a CTA, longer ones have one each): the row's 16-byte
+reuses: rows of up to 1024 elements share a CTA, longer ones have one each): the row's 16-byte
 vectors stay in registers while the statistic is reduced (at most one barrier); each thread
 then scales its own vectors and stores them -- ``x`` is read once. The
 row, the weight's vectors and the rotation's (cos, sin) are all

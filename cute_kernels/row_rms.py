@@ -71,9 +71,9 @@ class RowRms:
         self.n_vec = hidden // self.vec
         # Threads per row: enough that each issues <= loads_per_thread loads. A row that needs at
         # most two warps gets one or two and shares a CTA of 4 warps with other rows (rows of up to
-        # 4096 bf16: a CTA of their own would leave most of its threads idle, and the many small
-        # CTAs of a short-row batch would each pay their own launch and reduction); a longer row
-        # has the CTA to itself, at least 4 warps.
+        # 1024 bf16 at two loads a thread: a CTA of their own would leave most of its threads
+        # idle, and the many small CTAs of a short-row batch would each pay their own launch and
+        # reduction); a longer row has the CTA to itself, at least 4 warps.
         want = -(-self.n_vec // loads_per_thread)
         if want <= 64:
             self.row_threads = 32 if want <= 32 else 64
