@@ -589,6 +589,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--wo-a-pdl", action="store_true",
                     help="fused backend: WO-A as a programmatic dependent launch of the attention before it "
                          "in steps of <= 16 tokens (EngineConfig.wo_a_pdl; default: off)")
+    ap.add_argument("--router-pdl", action="store_true",
+                    help="fused backend: the MoE router as a programmatic dependent launch of the gate product "
+                         "before it (EngineConfig.router_pdl; default: off)")
     ap.add_argument("--indexer-token-group", type=int, default=3, choices=(1, 2, 3, 4),
                     help="fused backend: consecutive tokens of a request scored per indexer CTA (default: "
                          "%(default)s)")
@@ -630,7 +633,8 @@ def main(argv=None) -> int:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     engine = dict(prefill_chunk=args.prefill_chunk, moe_row_tile=args.moe_row_tile or None,
                   indexer_token_group=args.indexer_token_group, draft_head=args.draft_head,
-                  acceptance_length=args.acceptance_length, wo_a_pdl=args.wo_a_pdl)
+                  acceptance_length=args.acceptance_length, wo_a_pdl=args.wo_a_pdl,
+                  router_pdl=args.router_pdl)
     if args.tp > 1:
         if not args.simulate_ranks:
             print("spec_decode.bench: --tp > 1 runs simulated ranks on this GPU: add --simulate-ranks (a real "

@@ -146,6 +146,11 @@ class EngineConfig:
     #: while the attention finishes, before the kernel waits for its output). Off until measured
     #: in the step graphs (``python -m spec_decode.bench --wo-a-pdl``)
     wo_a_pdl: bool = False
+    #: fused backend: launch the MoE router as a programmatic dependent of the gate product
+    #: before it (``MoeRouter(pdl=True)``: its set-up overlaps the product's tail; it waits for
+    #: the product's grid to complete before it reads the logits). Off until measured in the
+    #: step graphs (``python -m spec_decode.bench --router-pdl``)
+    router_pdl: bool = False
     #: benchmarks: accept a number of drafts drawn on the device with this mean acceptance
     #: length (accepted drafts + 1, in [1, block_size + 1]) instead of the drafts' agreement
     #: with the target's greedy tokens -- every draft position accepted with one probability p

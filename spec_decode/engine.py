@@ -231,7 +231,7 @@ class Engine:
         return (FusedOps if cfg.backend == "fused" else BaseOps)(
             target, max_tokens=max_tokens, max_len=cfg.max_seq_len, moe_row_tile=cfg.moe_row_tile,
             indexer_token_group=cfg.indexer_token_group, draft=draft, release_bf16_experts=True,
-            **(dict(wo_a_pdl=True) if cfg.wo_a_pdl and cfg.backend == "fused" else {}))
+            **(dict(wo_a_pdl=cfg.wo_a_pdl, router_pdl=cfg.router_pdl) if cfg.backend == "fused" else {}))
 
     def _draft_step(self, tok, pos, slots, feats, n_commit):
         """The draft graph: commit the previous verify's accepted positions to the draft's

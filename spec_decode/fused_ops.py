@@ -98,11 +98,11 @@ class FusedOps(Ops):
 
     def __init__(self, target, max_tokens: int, max_len: int, moe_row_tile: int | None = 16,
                  indexer_token_group: int = 3, draft=None, release_bf16_experts: bool = False,
-                 wo_a_pdl: bool = False, _cpu_for_tests: bool = False):
+                 wo_a_pdl: bool = False, router_pdl: bool = False, _cpu_for_tests: bool = False):
         """``release_bf16_experts``: delete each layer's bf16 routed-expert weights once their
         MXFP8 copies exist -- the fused MoE never reads them. For an engine that owns its
-        model; leave it off where the same model also runs the torch-bf16 ops. ``wo_a_pdl``:
-        :attr:`spec_decode.config.EngineConfig.wo_a_pdl`."""
+        model; leave it off where the same model also runs the torch-bf16 ops. ``wo_a_pdl``,
+        ``router_pdl``: :attr:`spec_decode.config.EngineConfig.wo_a_pdl`, ``.router_pdl``."""
         cfg = target.cfg
         on_cuda = torch.device(target.device).type == "cuda"
         if target.dtype != torch.bfloat16 or not (on_cuda or _cpu_for_tests):
@@ -114,9 +114,10 @@ class FusedOps(Ops):
         dev = target.device
         self.cfg, self.max_tokens, self.max_len = cfg, max_tokens, max_len
         self.moe_row_tile, self.indexer_token_group = moe_row_tile, indexer_token_group
-        if not isinstance(wo_a_pdl, bool):
-            raise TypeError(f"wo_a_pdl must be a bool, got {wo_a_pdl!r}")
-        self.wo_a_pdl = wo_a_pdl
+        for name, flag in (("wo_a_pdl", wo_a_pdl), ("router_pdl", router_pdl)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        self.wo_a_pdl, self.router_pdl = wo_a_pdl, router_pdl
         self.mhc_ws = MhcStatsWorkspace(cfg.mhc_n, max_tokens, device=dev)
         if self.split_mhc:  # H_post / H_res's stream and workspace (split_mhc)
             self.mhc_side = dedicated_stream(dev) if on_cuda else None
@@ -127,7 +128,7 @@ class FusedOps(Ops):
         self.idx_ws = IndexerWorkspace(max_tokens, max_len // cfg.csa_ratio, device=dev)
         rc = RouterConfig(num_experts=cfg.experts, n_group=1, topk_group=1, top_k=cfg.top_k,
                           routed_scaling_factor=cfg.routed_scaling_factor, score="sqrtsoftplus")
-        self.router = MoeRouter(rc, max_tokens=max_tokens, device=dev)
+        self.router = MoeRouter(rc, max_tokens=max_tokens, device=dev, pdl=router_pdl)
         self._rc_hash = RouterConfig(num_experts=cfg.experts, n_group=1, topk_group=1, top_k=cfg.top_k,
                                      routed_scaling_factor=cfg.routed_scaling_factor, score="sqrtsoftplus",
                                      hash_routed=True)
@@ -172,7 +173,7 @@ class FusedOps(Ops):
                 P[f"{site}_alpha"] = L[f"hc_{site}_scale"].float().contiguous()
                 P[f"{site}_bias"] = L[f"hc_{site}_base"].float().contiguous()
             if "ffn.gate.tid2eid" in L:  # a hash-routed layer: its own router holds its table
-                P["router"] = MoeRouter(self._rc_hash, max_tokens=max_tokens, device=dev)
+                P["router"] = MoeRouter(self._rc_hash, max_tokens=max_tokens, device=dev, pdl=self.router_pdl)
                 P["router"].set_hash_table(L["ffn.gate.tid2eid"])
             else:
                 P["router"], P["router_bias"] = self.router, L["ffn.gate.bias"].float().contiguous()

@@ -91,8 +91,8 @@ def fake_wo_a(o, w, workspace=None, **kw):
 
 
 class FakeRouter:
-    def __init__(self, cfg, max_tokens, device=None):
-        self.cfg, self.tid2eid = cfg, None
+    def __init__(self, cfg, max_tokens, device=None, *, pdl=False):
+        self.cfg, self.tid2eid, self.pdl = cfg, None, pdl
 
     def set_hash_table(self, t):
         self.tid2eid = t
@@ -335,6 +335,21 @@ def test_wo_a_pdl_at_the_decode_kernels_steps_only(fakes):
         assert WO_A_CALLS == [(T, want)], (flag, T)
     with pytest.raises(TypeError, match="wo_a_pdl"):
         fo.FusedOps(m, max_tokens=12, max_len=64, wo_a_pdl=1, _cpu_for_tests=True)
+
+
+def test_router_pdl_reaches_every_router(fakes):
+    """EngineConfig.router_pdl: FusedOps builds its routers -- the shared top-k one and each
+    hash-routed layer's own -- with ``pdl`` as asked (off by default); a non-bool is refused
+    by name."""
+    m = TargetModel(CFG, seed=3, dtype=torch.bfloat16)
+    for flag in (False, True):
+        fops = fo.FusedOps(m, max_tokens=12, max_len=64, router_pdl=flag, _cpu_for_tests=True)
+        routers = [fops._layer[id(L)]["router"] for L in m.layers]
+        assert sum(r is not fops.router for r in routers) == CFG.n_hash_layers
+        assert all(r.pdl is flag for r in routers + [fops.router]), flag
+    assert fo.FusedOps(m, max_tokens=12, max_len=64, _cpu_for_tests=True).router.pdl is False
+    with pytest.raises(TypeError, match="router_pdl"):
+        fo.FusedOps(m, max_tokens=12, max_len=64, router_pdl=1, _cpu_for_tests=True)
 
 
 def test_moe_ignores_unwritten_padding_rows(fakes, monkeypatch):
