@@ -709,6 +709,24 @@ def test_kernel_engine_generates_in_graphs_on_gpu(model, backend):
 
 
 @pytest.mark.gpu
+def test_programmatic_dependent_launches_change_no_token_on_gpu():
+    """EngineConfig.wo_a_pdl and .router_pdl (WO-A's decode kernels and the routers launched as
+    programmatic dependents inside the step graphs): the same kernels, numerics and launch
+    order, so the fused engine generates exactly the tokens it generates without them (BS 1
+    and 3, speculative, captured graphs) -- a dependent that read its input before the kernel
+    before it finished would not."""
+    from spec_decode.config import SMALL
+
+    outs = []
+    for pdl in (False, True):
+        eng = Engine(EngineConfig(model=SMALL, device="cuda", dtype="bfloat16", backend="fused", max_seq_len=160,
+                                  wo_a_pdl=pdl, router_pdl=pdl))
+        outs.append([eng.generate(prompts(10 + B, B, vocab=SMALL.vocab, lo=40, hi=80), 16) for B in (1, 3)])
+        assert eng.verify_graphs.use_graphs and eng.draft_graphs.replays > 0
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["base", "fused"])
 def test_kernel_engine_does_not_read_uninitialised_memory(backend, generate_on_recycled_memory):
     """An engine built on recycled memory full of NaN bytes generates exactly the tokens of the
