@@ -88,7 +88,9 @@ CHUNK = 200
 def host_us(fn, calls: int, trials: int = 5) -> float:
     """Median host microseconds per ``fn()`` with the GPU kept busy (see the module docstring):
     ``trials`` x (``calls`` / :data:`CHUNK`) chunks of :data:`CHUNK` calls, each behind a sleep
-    kernel long enough to outlast it."""
+    kernel long enough to outlast it. Says so when a tensor entry refused calls (their time is
+    the validated launch's, not the hot path's)."""
+    refused = sum(jit.TENSOR_ENTRY_REFUSALS.values())
     fn()
     torch.cuda.synchronize()
     per = []
@@ -99,6 +101,10 @@ def host_us(fn, calls: int, trials: int = 5) -> float:
             fn()
         per.append((time.perf_counter() - t) / CHUNK * 1e6)
         torch.cuda.synchronize()
+    refused = sum(jit.TENSOR_ENTRY_REFUSALS.values()) - refused
+    if refused:
+        print(f"  (a tensor entry refused {refused} of these calls: {list(jit.TENSOR_ENTRY_REFUSALS)[-1]})",
+              flush=True)
     return statistics.median(per)
 
 

@@ -633,17 +633,24 @@ def register_tensor_entry(of: KernelDef, build: Callable[..., tuple[Any, tuple]]
                               description=description or f"{of.name} taking torch tensors through TVM-FFI"))
 
 
+#: calls whose tensor entry refused its arguments (the validated launch then served them),
+#: counted per memo key: a hot path that refuses every call is slow, not wrong -- the host-cost
+#: bench reports these
+TENSOR_ENTRY_REFUSALS: dict = {}
+
+
 def launch_tensor_entry(memo: dict, key, *args) -> bool:
     """The eager hot path of an entry point with a tensor entry: launch ``memo[key]`` (filled by
     :func:`remember_tensor_entry`) on ``args`` and return True; False when there is none or its
-    C checks refused the arguments (nothing launched) -- the caller then validates in Python,
-    which names the bad argument."""
+    C checks refused the arguments (nothing launched; counted in :data:`TENSOR_ENTRY_REFUSALS`)
+    -- the caller then validates in Python, which names the bad argument."""
     fn = memo.get(key)
     if fn is None:
         return False
     try:
         fn(*args)
     except (TypeError, ValueError, BufferError):  # raised converting or checking, before the launch
+        TENSOR_ENTRY_REFUSALS[key] = TENSOR_ENTRY_REFUSALS.get(key, 0) + 1
         return False
     return True
 

@@ -566,3 +566,28 @@ def test_an_entry_that_fails_to_build_leaves_the_validated_path(monkeypatch):
         jit.remember_tensor_entry(memo, "k", "row_rms_tensors", "sm_90a", hidden=7168)
     assert memo == {"k": None} and not jit.launch_tensor_entry(memo, "k", 1, 2)
     jit.remember_tensor_entry(memo, "k", "row_rms_tensors", "sm_90a", hidden=7168)  # marked: not retried
+
+
+def test_refused_calls_are_counted():
+    """A tensor entry whose C checks refuse the arguments (TypeError / ValueError / BufferError,
+    nothing launched) leaves the call to the validated path and counts it per key
+    (``jit.TENSOR_ENTRY_REFUSALS``, which the host-cost bench reports); an accepted call is not
+    counted, and any other error propagates (CPU)."""
+    calls = []
+
+    def entry(x):
+        if x < 0:
+            raise TypeError("refused")
+        if x == 0:
+            raise RuntimeError("launch failed")
+        calls.append(x)
+
+    key = ("refusal-test", 1)
+    memo = {key: entry}
+    before = jit.TENSOR_ENTRY_REFUSALS.get(key, 0)
+    assert jit.launch_tensor_entry(memo, key, 3) and calls == [3]
+    assert not jit.launch_tensor_entry(memo, key, -1) and not jit.launch_tensor_entry(memo, key, -2)
+    assert jit.TENSOR_ENTRY_REFUSALS[key] == before + 2 and calls == [3]
+    with pytest.raises(RuntimeError, match="launch failed"):
+        jit.launch_tensor_entry(memo, key, 0)
+    jit.TENSOR_ENTRY_REFUSALS.pop(key)
