@@ -1,6 +1,6 @@
 """Benchmark the MoE router and MXFP8 quantization against unfused PyTorch composites.
 
-    python bench/bench_moe.py [--sections router,router-paths,quant,overlap] [--out FILE]
+    python bench/bench_moe.py [--sections router,router-paths,router-after-gate,quant,overlap] [--out FILE]
 
 All times: CUDA-graph replay, per call, median of 30 replays, rotating inputs (> L2 for the
 quantization). The router composite is sync-free torch (sigmoid or sqrt-softplus scores,
@@ -9,7 +9,8 @@ searchsorted tile map): the separate top-k, padding and packing kernels of the u
 Routers: DeepSeek-V3 (E=256, 8 groups, k=8) and DeepSeek-V4-Flash / -Pro (E=256 / 384, no
 groups, k=6, sqrt-softplus); each row first checks that both pick the same experts with the
 same weights. ``router-paths`` times the router's single-CTA and grid paths at decode T (where
-the dispatch threshold belongs). The quantization baseline
+the dispatch threshold belongs); ``router-after-gate`` times it behind the gate product, as
+the decode step runs it, plainly and as a programmatic dependent. The quantization baseline
 is the same MX rule written in torch ops; the routed rows (decode T, swizzled scales) compare
 padding rows zeroed, left unwritten, and the routed rows alone (``routed_row_pos``, the decode
 runtime's call), their live rows checked equal first. A third table profiles a replayed graph in which
@@ -189,6 +190,40 @@ def bench_router_paths():
     return markdown_table(["router + align"] + [f"{p} us" for p in paths] + ["fastest", "dispatched to"], rows)
 
 
+#: the routers after their gate product: (name, router, hidden size)
+GATED_ROUTERS = (("V4-Flash", V4_FLASH_ROUTER, 4096), ("V4-Pro", V4_PRO_ROUTER, 7168))
+
+
+def bench_router_after_gate():
+    """The router as the decode step runs it: after the gate product ``logits = h @ W_g^T``
+    (bf16, cuBLAS), in one replayed graph, launched plainly or as a programmatic dependent of
+    the product (``MoeRouter(pdl=True)``, ``EngineConfig.router_pdl``); the product alone
+    beside. "router's share" is the pair's time less the product's. The router's output is
+    checked once against the composite on the product's logits."""
+    rows = []
+    for name, cfg, hidden in GATED_ROUTERS:
+        E = cfg.num_experts
+        w = (torch.randn(E, hidden, device="cuda") / hidden**0.5).bfloat16()
+        bias = torch.randn(E, device="cuda") * 0.1
+        for T in (6, 64, 384):  # a verify step of BS1 / ~BS11 / BS64
+            slots, tiles = capacity(cfg, T)
+            hs = [torch.randn(T, hidden, device="cuda").bfloat16() for _ in range(16)]
+            t_gate = time_graph(lambda i: hs[i] @ w.T, len(hs), 64)
+            times = []
+            for pdl in (False, True):
+                routers = [MoeRouter(cfg, max_tokens=T, pdl=pdl) for _ in hs]
+                logits = hs[0] @ w.T
+                check_router(routers[0](logits, bias), *router_composite(logits.float(), bias, cfg, slots, tiles)[:2],
+                             T, logits.float(), bias, cfg)
+                times.append(time_graph(lambda i: routers[i](hs[i] @ w.T, bias), len(hs), 64))
+            rows.append([f"{name}: T={T}, hidden {hidden}, E={E}", f"{t_gate * 1e6:.2f}", f"{times[0] * 1e6:.2f}",
+                         f"{times[1] * 1e6:.2f}", f"{(times[0] - t_gate) * 1e6:.2f}",
+                         f"{(times[1] - t_gate) * 1e6:.2f}"])
+            print("| " + " | ".join(rows[-1]) + " |", flush=True)  # (a run cut short keeps its rows)
+    return markdown_table(["gate product + router + align", "gate product us", "both us", "both, router PDL us",
+                           "router's share us", "router's share, PDL us"], rows)
+
+
 def bench_quant():
     rows = []
     K = 7168
@@ -281,11 +316,12 @@ def profile_overlap():
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", default="router,quant,overlap",
-                    help="comma-separated tables to run: router, router-paths, quant, overlap "
+                    help="comma-separated tables to run: router, router-paths, router-after-gate, quant, overlap "
                          "(default: %(default)s)")
     ap.add_argument("--out", default=None, help="also write the tables to this file (default: none)")
     args = ap.parse_args()
-    sections = {"router": bench_router, "router-paths": bench_router_paths, "quant": bench_quant,
+    sections = {"router": bench_router, "router-paths": bench_router_paths,
+                "router-after-gate": bench_router_after_gate, "quant": bench_quant,
                 "overlap": lambda: "Side-stream overlap (replayed graph, torch profiler):\n\n" + profile_overlap()}
     wanted = [x.strip() for x in args.sections.split(",") if x.strip()]
     if not set(wanted) <= set(sections):
