@@ -90,7 +90,7 @@ def host_us(fn, calls: int, trials: int = 5) -> float:
     ``trials`` x (``calls`` / :data:`CHUNK`) chunks of :data:`CHUNK` calls, each behind a sleep
     kernel long enough to outlast it. Says so when a tensor entry refused calls (their time is
     the validated launch's, not the hot path's)."""
-    refused = sum(jit.TENSOR_ENTRY_REFUSALS.values())
+    refused = dict(jit.TENSOR_ENTRY_REFUSALS)
     fn()
     torch.cuda.synchronize()
     per = []
@@ -101,10 +101,9 @@ def host_us(fn, calls: int, trials: int = 5) -> float:
             fn()
         per.append((time.perf_counter() - t) / CHUNK * 1e6)
         torch.cuda.synchronize()
-    refused = sum(jit.TENSOR_ENTRY_REFUSALS.values()) - refused
-    if refused:
-        print(f"  (a tensor entry refused {refused} of these calls: {list(jit.TENSOR_ENTRY_REFUSALS)[-1]})",
-              flush=True)
+    for key, n in jit.TENSOR_ENTRY_REFUSALS.items():
+        if n > refused.get(key, 0):
+            print(f"  (a tensor entry refused {n - refused.get(key, 0)} of these calls: {key})", flush=True)
     return statistics.median(per)
 
 

@@ -209,12 +209,12 @@ def bench_router_after_gate():
             slots, tiles = capacity(cfg, T)
             hs = [torch.randn(T, hidden, device="cuda").bfloat16() for _ in range(16)]
             t_gate = time_graph(lambda i: hs[i] @ w.T, len(hs), 64)
+            logits = (hs[0] @ w.T).float()  # (the router widens the bf16 logits exactly)
+            ids, wts = router_composite(logits, bias, cfg, slots, tiles)[:2]
             times = []
             for pdl in (False, True):
                 routers = [MoeRouter(cfg, max_tokens=T, pdl=pdl) for _ in hs]
-                logits = hs[0] @ w.T
-                check_router(routers[0](logits, bias), *router_composite(logits.float(), bias, cfg, slots, tiles)[:2],
-                             T, logits.float(), bias, cfg)
+                check_router(routers[0](hs[0] @ w.T, bias), ids, wts, T, logits, bias, cfg)
                 times.append(time_graph(lambda i: routers[i](hs[i] @ w.T, bias), len(hs), 64))
             rows.append([f"{name}: T={T}, hidden {hidden}, E={E}", f"{t_gate * 1e6:.2f}", f"{times[0] * 1e6:.2f}",
                          f"{times[1] * 1e6:.2f}", f"{(times[0] - t_gate) * 1e6:.2f}",

@@ -307,10 +307,10 @@ def test_rms_norm_machine_code(arch, hidden, weighted):
     """x read once in 16-byte vectors (cp.async copies) and written once in 16-byte vectors
     (and the weight's 16-byte vectors); a row of one warp (512) needs no barrier, one of eight
     warps (4096) one; no local memory."""
-    from cute_kernels.row_rms import LOADS_PER_THREAD, RowRms
+    from cute_kernels.row_rms import RowRms
 
     h = sass.sass_histogram("rms_norm", arch, hidden=hidden, weighted=weighted)
-    op = RowRms(cutlass.BFloat16, hidden, LOADS_PER_THREAD)
+    op = RowRms(cutlass.BFloat16, hidden)
     per_thread = op.iters  # a row's vectors over its threads
     assert (per_thread, op.row_threads) == {512: (2, 32), 4096: (2, 256)}[hidden]
     assert sass.count(h, "LDGSTS.E.128") == per_thread * (2 if weighted else 1)
@@ -359,10 +359,10 @@ def test_rms_norm_issues_every_load_before_the_first_use(arch, cfg):
     arithmetic on the row (its first square, an FFMA): a load issued after it waits for the
     row's arrival -- one more memory round trip on the critical path of a short row, which
     the compiler's scheduling once produced for the weight's register loads."""
-    from cute_kernels.row_rms import LOADS_PER_THREAD, RowRms
+    from cute_kernels.row_rms import RowRms
 
     text = sass.disassemble(sass.compile_cubin("rms_norm", arch, dtype="bfloat16", **cfg))
-    per_thread = RowRms(cutlass.BFloat16, cfg["hidden"], LOADS_PER_THREAD).iters
+    per_thread = RowRms(cutlass.BFloat16, cfg["hidden"]).iters
     # x, w; (cos, sin): 8 FP32 = 2 x 16 B, for the one vector of a thread that can be rotated
     want = per_thread * 2 + (2 if cfg.get("rope_dim") else 0)
     assert sass.global_loads_before(text, "FFMA") == (want, True)
