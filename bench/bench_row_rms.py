@@ -106,9 +106,7 @@ def bench_norm_variants(loads: list[int]):
     """rms_norm at the decode shapes with each ``loads_per_thread`` (16-byte loads per thread,
     which sets a row's threads; the entry point's is ``cute_kernels.rms_norm.LOADS_PER_THREAD``),
     each variant's output checked against the entry point's first (within two bf16 ulps: the
-    variants sum a row in different orders, so a statistic may round the other way). The last
-    column: the first layout with register loads instead of ``cp.async`` copies through shared
-    memory (``RmsNorm(register_loads=True)``; rows of a CTA each only)."""
+    variants sum a row in different orders, so a statistic may round the other way)."""
     from cute_kernels import jit
     from cute_kernels.arch import current_arch
     from cute_kernels.rms_norm import RmsNorm
@@ -120,13 +118,10 @@ def bench_norm_variants(loads: list[int]):
         _, n, xs, outs, w = norm_inputs(T, C, weighted)
         want = rms_norm(xs[0], EPS, w)
         times, shapes = [], []
-        variants = [(L, False) for L in loads]
-        if RmsNorm(BFloat16, C, weighted, 0, loads[0]).rows_per_cta == 1:
-            variants.append((loads[0], True))
-        for L, reg in variants:
+        for L in loads:
             fn = jit.get_kernel("rms_norm", current_arch(), hidden=C, dtype="bfloat16", weighted=weighted,
-                                rope_dim=0, loads_per_thread=L, **(dict(register_loads=True) if reg else {}))
-            op = RmsNorm(BFloat16, C, weighted, 0, L, reg)  # (its layout, for the table)
+                                rope_dim=0, loads_per_thread=L)
+            op = RmsNorm(BFloat16, C, weighted, 0, L)  # (its layout, for the table)
 
             def launch(i, fn=fn):
                 fn(P(BFloat16, xs[i], 16), P(BFloat16, w if w is not None else xs[i], 16), P(Float32, xs[i], 16),
@@ -138,13 +133,12 @@ def bench_norm_variants(loads: list[int]):
                 raise SystemExit(f"rms_norm {T}x{C} loads_per_thread={L}: output differs from the entry point's")
             times.append(time_graph(launch, n, max(n, 20)))
             shapes.append(f"{op.row_threads} x {op.rows_per_cta}")
-        best = min(range(len(times)), key=times.__getitem__)
-        cells = [f"{t * 1e6:.2f} ({s})" for t, s in zip(times, shapes)] + ["-"] * (len(loads) + 1 - len(times))
-        rows.append([f"{T}x{C}{'' if weighted else ' (no weight)'}"] + cells
-                    + [f"{variants[best][0]}{', register loads' if variants[best][1] else ''}"])
+        best = min(range(len(loads)), key=times.__getitem__)
+        rows.append([f"{T}x{C}{'' if weighted else ' (no weight)'}"]
+                    + [f"{t * 1e6:.2f} ({s})" for t, s in zip(times, shapes)] + [str(loads[best])])
         del xs, outs
     return markdown_table(["rms_norm T x C (bf16)"] + [f"{L} loads / thread us (threads x rows a CTA)" for L in loads]
-                          + [f"{loads[0]} loads / thread, register loads us", "fastest"], rows)
+                          + ["fastest"], rows)
 
 
 def bench_stat_variants(loads: list[int]):

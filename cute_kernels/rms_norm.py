@@ -54,11 +54,10 @@ from .validate import check_cuda, check_int32_indexable, check_tensor
 
 class RmsNorm(RowRms):
     """Compile-time configuration: element type, row length, whether a weight multiplies, and
-    how many trailing features are rotated (0: none). ``register_loads`` (a variant for the
-    bench; a row a CTA only): the register loads of rows too long for shared memory."""
+    how many trailing features are rotated (0: none)."""
 
     def __init__(self, dtype: type[cutlass.Numeric], hidden: int, weighted: bool, rope_dim: int = 0,
-                 loads_per_thread: int = LOADS_PER_THREAD, register_loads: bool = False):
+                 loads_per_thread: int = LOADS_PER_THREAD):
         super().__init__(dtype, hidden, loads_per_thread)
         if rope_dim % self.vec or not 0 <= rope_dim <= hidden:
             raise ValueError(f"RmsNorm: rope_dim={rope_dim} must be a multiple of {self.vec} in [0, {hidden}]")
@@ -67,9 +66,7 @@ class RmsNorm(RowRms):
         # every load through shared memory, issued before the first use (the kernel's comment),
         # where the row, the weight and the (cos, sin) fit
         smem_bytes = self.rows_per_cta * (hidden * dtype.width // 8 * (2 if weighted else 1) + 4 * rope_dim)
-        if register_loads and self.rows_per_cta != 1:
-            raise ValueError(f"RmsNorm: register_loads takes a row a CTA ({hidden} elements share a CTA)")
-        self.async_loads = smem_bytes <= ASYNC_SMEM_BYTES and not register_loads
+        self.async_loads = smem_bytes <= ASYNC_SMEM_BYTES
         assert self.async_loads or self.rows_per_cta == 1  # rows that share a CTA fit
 
     @cute.jit
@@ -208,15 +205,14 @@ class RmsNorm(RowRms):
 
 
 def _build(arch: str, *, hidden: int, dtype: str = "bfloat16", weighted: bool = True, rope_dim: int = 0,
-           loads_per_thread: int = LOADS_PER_THREAD, register_loads: bool = False):
-    """``loads_per_thread``, ``register_loads`` (variants; the entry points take the defaults):
-    see ``RowRms`` and ``RmsNorm``."""
+           loads_per_thread: int = LOADS_PER_THREAD):
+    """``loads_per_thread`` (a variant; the entry points take the default): see ``RowRms``."""
     if not RowRms.can_implement(hidden, dtype):
         raise ValueError(f"rms_norm: unsupported hidden={hidden}, dtype={dtype}")
     cdt = NAME2CUTE[dtype]
     P = jit.fake_gmem_ptr
     args = (P(cdt, 16), P(cdt, 16), P(Float32, 16), P(cdt, 16), Int32(1), Int32(1), Float32(1e-6), jit.fake_stream())
-    return RmsNorm(cdt, hidden, weighted, rope_dim, loads_per_thread, register_loads), args
+    return RmsNorm(cdt, hidden, weighted, rope_dim, loads_per_thread), args
 
 
 def _build_tensors(arch: str, *, hidden: int, dtype: str = "bfloat16", weighted: bool = True, rope_dim: int = 0,

@@ -336,21 +336,6 @@ def test_rms_norm_loads_per_thread_variants(loads, layout):
         RowRms(cutlass.BFloat16, 4096, 0)
 
 
-def test_rms_norm_register_loads_variant():
-    """The bench's register-load variant (a row a CTA): the row's and the weight's 16-byte
-    vectors as register loads, no cp.async copy, no local memory; refused where rows share a
-    CTA."""
-    import cute_kernels.rms_norm  # noqa: F401 -- registers the kernel
-    from cute_kernels.rms_norm import RmsNorm
-
-    h = sass.sass_histogram("rms_norm", "sm_90a", hidden=4096, weighted=True, rope_dim=0, register_loads=True)
-    per_thread = RmsNorm(cutlass.BFloat16, 4096, True, register_loads=True).iters
-    assert sass.count(h, "LDGSTS") == 0 and sass.count(h, "LDG.E.128") == 2 * per_thread
-    assert sass.count(h, "STG.E.128") == per_thread and sass.local_memory_ops(h) == 0
-    with pytest.raises(ValueError, match="register_loads"):
-        RmsNorm(cutlass.BFloat16, 512, True, register_loads=True)
-
-
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("cfg", [dict(hidden=4096, weighted=True), dict(hidden=512, weighted=True, rope_dim=64),
                                  dict(hidden=7168, weighted=True)])
