@@ -143,13 +143,13 @@ class EngineConfig:
     indexer_token_group: int = 3
     #: fused backend: launch WO-A as a programmatic dependent of the attention kernel before it
     #: in steps of <= 16 tokens (its decode kernels' ``pdl``: the first weight stages stream
-    #: while the attention finishes, before the kernel waits for its output). Off until measured
-    #: in the step graphs (``python -m spec_decode.bench --wo-a-pdl``)
+    #: while the attention finishes, before the kernel waits for its output). Off: no measurable
+    #: change in the step graphs (``python -m spec_decode.bench --wo-a-pdl``; docs/runtime.md)
     wo_a_pdl: bool = False
     #: fused backend: launch the MoE router as a programmatic dependent of the gate product
     #: before it (``MoeRouter(pdl=True)``: its set-up overlaps the product's tail; it waits for
-    #: the product's grid to complete before it reads the logits). Off until measured in the
-    #: step graphs (``python -m spec_decode.bench --router-pdl``)
+    #: the product's grid to complete before it reads the logits). Off: no measurable change in
+    #: the step graphs (``python -m spec_decode.bench --router-pdl``; docs/runtime.md)
     router_pdl: bool = False
     #: benchmarks: accept a number of drafts drawn on the device with this mean acceptance
     #: length (accepted drafts + 1, in [1, block_size + 1]) instead of the drafts' agreement

@@ -349,17 +349,25 @@ class Engine:
         return first
 
     @torch.no_grad()
+    def logits_given(self, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+        """Teacher forcing: this engine's FP32 logits ``[len(continuation), vocab]`` at each
+        position of ``continuation`` given the prompt and the continuation before it. One eager
+        forward per prefill chunk on the scratch slot (no request's state changes)."""
+        seq = list(prompt) + list(continuation[:-1])
+        self._check([seq], 1)
+        # only the continuation's rows (a 4096-token prompt's would be GBs), copied out of the
+        # logits buffer the next chunk's forward may reuse
+        first = len(prompt) - 1
+        rows = [logits[0, max(first - int(pos[0, 0]), 0):].to(torch.float32, copy=True)
+                for logits, _, pos in self._chunked_forward(seq, self.scratch_slot)]
+        return torch.cat(rows)
+
     def greedy_given(self, prompt: list[int], continuation: list[int]) -> list[int]:
-        """Teacher forcing: this engine's greedy token at each position of ``continuation``
-        given the prompt and the continuation before it (``[len(continuation)]`` ids). One
-        eager forward per prefill chunk on the scratch slot (no request's state changes).
+        """Teacher forcing: the argmax of :meth:`logits_given` at each position.
         ``spec_decode.bench`` feeds it another backend's output: the fraction of equal tokens
         is a per-step agreement that one early near-tie cannot collapse, unlike comparing two
         free-running greedy continuations."""
-        seq = list(prompt) + list(continuation[:-1])
-        self._check([seq], 1)
-        preds = [logits[0].argmax(-1) for logits, _, _ in self._chunked_forward(seq, self.scratch_slot)]
-        return torch.cat(preds)[len(prompt) - 1:].tolist()
+        return self.logits_given(prompt, continuation).argmax(-1).tolist()
 
     def generate(self, input_ids: list[list[int]], max_new_tokens: int | list[int],
                  speculative: bool = True, pipelined: bool | None = None) -> list[list[int]]:

@@ -445,3 +445,14 @@ def compressor_entry_ref(rows, ape, norm_weight, eps, overlap, cs=None):
         y[d - rr::2], y[d - rr + 1::2] = a * c - b * s, a * s + b * c
         mag[d - rr::2], mag[d - rr + 1::2] = ma * c.abs() + mb * s.abs(), ma * s.abs() + mb * c.abs()
     return y, mag
+
+
+def greedy_shortfall(ref: torch.Tensor, picks: torch.Tensor, noise) -> torch.Tensor:
+    """Per row of logits ``ref`` [N, V] (the yardstick) and the token ``picks`` [N] another
+    evaluation chose: how far the pick's logit falls below the row's maximum, in units of a
+    near-tie -- a quarter of the row's spread (std) or 8 x ``noise`` (the rms logit error of the
+    other evaluation, [N] or a number), whichever is larger. <= 1: the pick is the argmax or a
+    near-tie that rounding may flip; a state row read from the wrong position, or a lost
+    partial sum, picks tokens whole standard deviations down."""
+    short = ref.amax(-1) - torch.gather(ref, -1, picks[:, None])[:, 0]  # >= 0; 0 where equal
+    return short / torch.maximum(0.25 * ref.std(-1), 8 * torch.as_tensor(noise, device=ref.device))

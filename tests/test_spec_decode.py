@@ -16,6 +16,7 @@ from spec_decode.model import (History, TargetModel, entries_from_rows, rope_inv
 from spec_decode.step_model import DecodeState, Ops, StepModel
 
 from conftest import UNDER_SANITIZER
+from references import greedy_shortfall
 
 
 def prompts(seed, n, vocab=128, lo=1, hi=12):
@@ -671,12 +672,9 @@ def test_fused_ops_track_fp32_on_gpu(model, prefill, experts):
             b = base.forward(toks, pos, slots, st_b)[0]
         rel = float((a - b).norm() / b.norm())
         assert torch.isfinite(a).all() and rel < 0.125, f"S={S}: relative error {rel:.4f}"
-        short = b.amax(-1) - torch.gather(b, -1, a.argmax(-1, keepdim=True))[..., 0]  # >= 0; 0 where equal
-        spread = b.std(-1)
-        noise = (a - b).pow(2).mean(-1).sqrt()  # the row's rms error
-        tie = torch.maximum(0.25 * spread, 8 * noise)
-        assert bool((short <= tie).all()), \
-            f"S={S}: fused pick {float((short / spread).max()):.2f} std below the FP32 maximum (rel {rel:.4f})"
+        a, b = a.flatten(0, -2), b.flatten(0, -2)
+        short = greedy_shortfall(b, a.argmax(-1), (a - b).pow(2).mean(-1).sqrt())  # the row's rms error
+        assert float(short.max()) <= 1, f"S={S}: fused pick {float(short.max()):.2f} near-ties below the FP32 maximum"
         start = start + S
 
 

@@ -20,6 +20,8 @@ from spec_decode.config import TINY
 from spec_decode.model import TargetModel
 from spec_decode.step_model import Shard, check_tp, shard_model
 
+from references import greedy_shortfall
+
 PROMPTS = [[5, 9, 100, 3, 3, 17, 40], [1, 2], [77] * 11]
 NEW = 21
 #: the dying run: request 0 asks for 3 tokens (done after the first verify steps), the others
@@ -220,23 +222,32 @@ def _gpu_engine(backend, tp, **kw):
 @pytest.mark.parametrize("backend", ["torch-bf16", "base", "fused"])
 def test_simulated_tp4_on_gpu_agrees_with_tp1(backend):
     """TP4 on one GPU (simulated ranks, push all-reduce in the graphs) against TP1 of the same
-    weights: the same greedy token at >= 90% of teacher-forced positions (bf16: the ranks'
-    partial sums round differently), finite outputs, every rank's push launches completed."""
+    weights, teacher-forced through TP1's output: logits within 2^-5 of TP1's (norm-wise; the
+    ranks' bf16 partial sums round differently, a lost or doubled partial is tens of percent
+    off), and every TP4 pick TP1's argmax or a near-tie in TP1's logits (a random model's top
+    two logits are often closer than bf16's rounding); TP4's graph-generated tokens likewise
+    against its own eager logits. Finite outputs, every request as many tokens as asked."""
     ps = [prompts_gpu(s) for s in range(4)]
     one = _gpu_engine(backend, 1)
     out1 = one.generate(ps, 16)
+    ref = [one.logits_given(p, o) for p, o in zip(ps, out1)]
     del one
     four = _gpu_engine(backend, 4)
     out4 = four.generate(ps, 16)
-    agree = sum(a == b for p, o in zip(ps, out1) for a, b in zip(four.greedy_given(p, o), o))
-    print(f"TP4 ({backend}, simulated) vs TP1: {agree} / {sum(map(len, out1))} teacher-forced tokens equal")
-    assert agree >= 0.9 * sum(map(len, out1))
     assert [len(o) for o in out4] == [16] * 4
-    # TP4's graph-generated tokens against its own eager teacher-forced ones: the graphs and
-    # the prefill's state agree (a wrong graph path cannot hide behind the eager comparison)
-    own = sum(a == b for p, o in zip(ps, out4) for a, b in zip(four.greedy_given(p, o), o))
-    print(f"TP4 ({backend}, simulated): {own} / {sum(map(len, out4))} generated tokens equal its teacher-forced ones")
-    assert own >= 0.9 * sum(map(len, out4))
+    for r, (p, o1, o4) in enumerate(zip(ps, out1, out4)):
+        got = four.logits_given(p, o1)
+        rel = float((got - ref[r]).norm() / ref[r].norm())
+        noise = (got - ref[r]).pow(2).mean(-1).sqrt()
+        short = greedy_shortfall(ref[r], got.argmax(-1), noise)
+        print(f"TP4 ({backend}, simulated) vs TP1, request {r}: relative {rel:.2e}, "
+              f"{int((short > 0).sum())} / {len(o1)} picks differ")
+        assert torch.isfinite(got).all() and rel < 2 ** -5, (r, rel)
+        assert float(short.max()) <= 1, (r, float(short.max()))
+        # the graphs against the eager forward: a wrong graph path cannot hide behind it
+        own = four.logits_given(p, o4)
+        short = greedy_shortfall(own, torch.tensor(o4, device=own.device), noise)
+        assert float(short.max()) <= 1, (r, "graph vs eager", float(short.max()))
 
 
 @pytest.mark.gpu
