@@ -21,7 +21,10 @@ against ``fused``; ``torch-bf16`` is the bf16 PyTorch arm (bf16 experts: other f
   generated tokens equal to its tokens (free-running greedy continuations part at the first
   near-tie), and teacher-forced -- request 0 of each case: this backend's greedy token at each
   position given the first backend's prompt and output before it (the first backend's own
-  column compares its eager prefill forward with its graph-generated tokens);
+  column compares its eager prefill forward with its graph-generated tokens), and the two
+  backends' teacher-forced picks against each other (both eager over the same tokens: the
+  backends' numerics alone), where they differ counting the near-ties in the first backend's
+  logits (:func:`teacher_forced_comparison`);
 * at BS1, from a trace of 20 draft + verify replays: the graph medians, target start to next
   target start, the mHC statistics' overlap with other kernels, and where the median verify
   replay's time goes -- this project's CuTe kernels, cuBLAS GEMMs, other PyTorch kernels, and
@@ -219,6 +222,24 @@ def plot_sweep(csv_path: str, png_path: str, title: str = "") -> str:
     return f"wrote {csv_path} and {png_path}"
 
 
+#: positions of request 0 whose yardstick logits the table keeps (to judge differing picks)
+TEACHER_LOGIT_ROWS = 128
+
+
+def teacher_forced_comparison(yard: dict, other: dict) -> tuple[float, int, int]:
+    """Two backends' teacher-forced picks over the yardstick's tokens (both eager forwards of
+    the same sequence, so neither is judged against the other's graph path): the fraction
+    equal, and of the differing picks within the yardstick's kept logits, (how many, how many
+    of those are near-ties -- the other pick's logit within a quarter of the row's std of the
+    row's maximum, a gap rounding can close; a wrong kernel picks tokens whole stds down)."""
+    a, b = yard["teacher_picks"], other["teacher_picks"]
+    equal = sum(x == y for x, y in zip(a, b)) / max(len(a), 1)
+    lg = yard["teacher_logits"]
+    diff = [i for i in range(min(len(lg), len(b))) if a[i] != b[i]]
+    ties = sum(float(lg[i].max() - lg[i, b[i]]) <= 0.25 * float(lg[i].std()) for i in diff)
+    return equal, len(diff), ties
+
+
 def run_case(backend, model, batch, n_in, n_out, reference=None, **engine):
     """One (backend, case) run; ``engine``: further EngineConfig fields (prefill_chunk, ...).
     ``reference``: another backend's generated tokens for the same prompts (None: this run's
@@ -262,7 +283,10 @@ def run_case(backend, model, batch, n_in, n_out, reference=None, **engine):
         res["tokens"] = eng.generate(ids[:1], min(n_out, 128))
         eng.set_acceptance_length(cfg.acceptance_length)
     ref = (reference or res["tokens"])[0]
-    res["teacher_forced"] = sum(a == b for a, b in zip(eng.greedy_given(ids[0], ref), ref)) / len(ref)
+    res["teacher_picks"] = eng.greedy_given(ids[0], ref)
+    res["teacher_forced"] = sum(a == b for a, b in zip(res["teacher_picks"], ref)) / len(ref)
+    if reference is None:  # the yardstick's logits: where another backend's picks differ, how near a tie
+        res["teacher_logits"] = eng.logits_given(ids[0], ref[:TEACHER_LOGIT_ROWS]).cpu()
     del eng  # free the weights, state and graph pools before the next case
     gc.collect()
     torch.cuda.empty_cache()
@@ -527,6 +551,14 @@ def table_lines(backends: list[str], cases: list[tuple], results: dict) -> list[
             for b in backends) + " |")
         lines.append(f"| {name}: teacher-forced tokens equal to {backends[0]}'s (request 0) | " + " | ".join(
             cell(b, name, "teacher_forced", "{:.3f}") for b in backends) + " |")
+        yard = results.get((backends[0], name), {})
+        cmp = {b: teacher_forced_comparison(yard, results[(b, name)]) for b in backends
+               if "teacher_logits" in yard and "teacher_picks" in results.get((b, name), {})}
+        lines.append(f"| {name}: teacher-forced picks equal to {backends[0]}'s teacher-forced picks (request 0) | "
+                     + " | ".join(f"{cmp[b][0]:.3f}" if b in cmp else "n/a" for b in backends) + " |")
+        lines.append(f"| {name}: picks differing from {backends[0]}'s in the first {TEACHER_LOGIT_ROWS} positions: "
+                     f"near-ties / all | " + " | ".join(f"{cmp[b][2]} / {cmp[b][1]}" if b in cmp else "n/a"
+                                                        for b in backends) + " |")
     for fam in FAMILIES:
         lines.append(f"| launches / 20 cycles: {fam} | " + " | ".join(
             str(results.get((b, bs64), {}).get("launches", {}).get(fam, "n/a")) for b in backends) + " |")

@@ -348,26 +348,31 @@ class Engine:
             first.append(int(logits[0, -1].argmax()))
         return first
 
+    def _rows_given(self, prompt: list[int], continuation: list[int]):
+        """Teacher forcing: eager forwards over the prompt and the continuation but its last
+        token, one per prefill chunk on the scratch slot (no request's state changes), yielding
+        each chunk's logits rows at the continuation's positions (a view of a buffer the next
+        chunk's forward may reuse)."""
+        seq = list(prompt) + list(continuation[:-1])
+        self._check([seq], 1)
+        first = len(prompt) - 1
+        for logits, _, pos in self._chunked_forward(seq, self.scratch_slot):
+            yield logits[0, max(first - int(pos[0, 0]), 0):]
+
     @torch.no_grad()
     def logits_given(self, prompt: list[int], continuation: list[int]) -> torch.Tensor:
         """Teacher forcing: this engine's FP32 logits ``[len(continuation), vocab]`` at each
-        position of ``continuation`` given the prompt and the continuation before it. One eager
-        forward per prefill chunk on the scratch slot (no request's state changes)."""
-        seq = list(prompt) + list(continuation[:-1])
-        self._check([seq], 1)
-        # only the continuation's rows (a 4096-token prompt's would be GBs), copied out of the
-        # logits buffer the next chunk's forward may reuse
-        first = len(prompt) - 1
-        rows = [logits[0, max(first - int(pos[0, 0]), 0):].to(torch.float32, copy=True)
-                for logits, _, pos in self._chunked_forward(seq, self.scratch_slot)]
-        return torch.cat(rows)
+        position of ``continuation`` given the prompt and the continuation before it."""
+        return torch.cat([r.to(torch.float32, copy=True) for r in self._rows_given(prompt, continuation)])
 
+    @torch.no_grad()
     def greedy_given(self, prompt: list[int], continuation: list[int]) -> list[int]:
-        """Teacher forcing: the argmax of :meth:`logits_given` at each position.
+        """Teacher forcing: this engine's greedy token at each position of ``continuation``
+        (the argmax of :meth:`logits_given`, without keeping the logits).
         ``spec_decode.bench`` feeds it another backend's output: the fraction of equal tokens
         is a per-step agreement that one early near-tie cannot collapse, unlike comparing two
         free-running greedy continuations."""
-        return self.logits_given(prompt, continuation).argmax(-1).tolist()
+        return torch.cat([r.argmax(-1) for r in self._rows_given(prompt, continuation)]).tolist()
 
     def generate(self, input_ids: list[list[int]], max_new_tokens: int | list[int],
                  speculative: bool = True, pipelined: bool | None = None) -> list[list[int]]:

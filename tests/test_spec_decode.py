@@ -305,14 +305,16 @@ def test_presets_hold_every_layer_kind():
 
 @pytest.mark.parametrize("backend", ["reference", "torch-bf16"])
 def test_teacher_forced_greedy_reproduces_own_generation(backend):
-    """Engine.greedy_given fed an engine's own greedy output returns it (prefill chunks that
-    split the continuation), writes only the scratch slot, and refuses a sequence the state
+    """Engine.greedy_given (and logits_given's argmax) fed an engine's own greedy output returns
+    it (prefill chunks that split the continuation), writes only the scratch slot, and refuses a sequence the state
     cannot hold."""
     eng = Engine(EngineConfig(seed=3, max_seq_len=40, backend=backend, prefill_chunk=5, graph_batch_sizes=(1, 2)))
     ps = prompts(9, 2)
     out = eng.generate(ps, 12)
     win = eng.state.win[0][:eng.scratch_slot].clone()
     assert eng.greedy_given(ps[0], out[0]) == out[0]
+    lg = eng.logits_given(ps[0], out[0])
+    assert lg.dtype == torch.float32 and lg.shape == (12, eng.config.model.vocab) and lg.argmax(-1).tolist() == out[0]
     assert torch.equal(eng.state.win[0][:eng.scratch_slot], win)
     assert eng.greedy_given(ps[1], out[1][:1]) == out[1][:1]
     with pytest.raises(ValueError, match="state too small"):
@@ -339,16 +341,21 @@ def test_graph_runner_pads_with_the_scratch_slot():
 
 def test_bench_table_rows():
     """spec_decode.bench's table from fake results: numbers formatted alike (an int median
-    prints as 1.00), token agreement against the first backend, n/a and the error line for a
-    failed case."""
+    prints as 1.00), token agreement against the first backend (free-running, teacher-forced,
+    and the two backends' teacher-forced picks with their near-ties counted), n/a and the
+    error line for a failed case."""
     from spec_decode import bench
 
     cases = [("BS1 x", 1, 8, 4), ("BS64 x", 64, 8, 4)]
     ok = dict(hash="ab", decode_tps=10.0, full_tps=5.0, acceptance=1, verify_ms=2.0, draft_ms=0.5, verify_nodes=7,
               draft_nodes=3, launches={f: 2 for f in bench.FAMILIES})
-    results = {("torch-bf16", "BS1 x"): dict(ok, tokens=[[1, 2, 3, 4]], teacher_forced=1.0),
+    logits = torch.linspace(0, 9, 10).repeat(4, 1)  # yardstick rows: pick 3 at 0.2 above token 9, pick 4 far above
+    logits[0, 1] = logits[1, 2] = logits[2, 3] = 9.2
+    logits[3, 4] = 20.0
+    results = {("torch-bf16", "BS1 x"): dict(ok, tokens=[[1, 2, 3, 4]], teacher_forced=1.0,
+                                             teacher_picks=[1, 2, 3, 4], teacher_logits=logits),
                ("torch-bf16", "BS64 x"): dict(ok, tokens=[[1, 2], [3, 4]], teacher_forced=1.0),
-               ("fused", "BS1 x"): dict(ok, tokens=[[1, 2, 9, 9]], teacher_forced=0.75),
+               ("fused", "BS1 x"): dict(ok, tokens=[[1, 2, 9, 9]], teacher_forced=0.75, teacher_picks=[1, 2, 9, 9]),
                ("fused", "BS64 x"): {"error": "out of memory: boom"}}
     lines = bench.table_lines(["torch-bf16", "fused"], cases, results)
     text = "\n".join(lines)
@@ -356,6 +363,10 @@ def test_bench_table_rows():
     assert "| BS1 x: tokens equal to torch-bf16's | 1.000 | 0.500 |" in text
     assert "| BS64 x: tokens equal to torch-bf16's | 1.000 | n/a |" in text
     assert "| BS1 x: teacher-forced tokens equal to torch-bf16's (request 0) | 1.000 | 0.750 |" in text
+    # the two backends' teacher-forced picks: 2 of 4 equal; of the 2 differing, 1 a near-tie
+    assert "| BS1 x: teacher-forced picks equal to torch-bf16's teacher-forced picks (request 0) | 1.000 | 0.500 |" in text
+    assert "| BS1 x: picks differing from torch-bf16's in the first 128 positions: near-ties / all | 0 / 0 | 1 / 2 |" in text
+    assert "| BS64 x: teacher-forced picks equal to torch-bf16's teacher-forced picks (request 0) | n/a | n/a |" in text
     assert "| median verify graph ms (BS1) | 2.000 | 2.000 |" in text
     assert "fused: out of memory: boom" in text
     assert "| verify graph (BS1): of this card's measured copy bandwidth (not measured) | - | - |" in text
