@@ -889,21 +889,25 @@ def test_engine_config_at_33_to_64_tokens():
 
 
 def test_decode_plan():
-    from cute_kernels.wo_a_decode import plan
-    # 512 32-column tiles would be two waves: 256 64-column tiles, two co-resident per SM (4 stages)
-    assert plan(1, 16, 1024, 1024) == dict(bm=16, bn=64, splits=1, stages=4)
-    # up to 290 32-column tiles: one wave of 78 KB 6-stage CTAs, no K split
-    assert plan(5, 8, 512, 2048) == dict(bm=16, bn=32, splits=1, stages=6)
-    assert plan(1, 8, 1024, 1024) == dict(bm=16, bn=32, splits=1, stages=6)
-    assert plan(16, 16, 512, 2048) == dict(bm=16, bn=32, splits=1, stages=6)
-    # 32 rows: 32 columns only where 64-column tiles leave SMs idle; 6 stages where one wave
-    assert plan(20, 8, 512, 2048) == dict(bm=32, bn=32, splits=1, stages=4)
-    assert plan(32, 16, 512, 2048) == dict(bm=32, bn=64, splits=1, stages=6)
-    assert plan(32, 16, 1024, 1024) == dict(bm=32, bn=64, splits=1, stages=4)
-    assert plan(64, 8, 512, 2048) == dict(bm=64, bn=64, splits=2, stages=4)  # partial traffic bounds the split
-    assert plan(64, 16, 1024, 1024) == dict(bm=64, bn=64, splits=1, stages=4)
-    assert plan(1, 8, 512, 2048, num_sms=16) == dict(bm=16, bn=64, splits=1, stages=4)  # a small part
-    assert plan(1, 2, 512, 1024) == dict(bm=16, bn=32, splits=4, stages=3)  # 32 tiles: split, depth <= K slices + 1
+    """plan()'s properties at every decode T over V3- and V4-like shapes and SM counts (not its
+    tuned choices, which bench/bench_wo_a_fp8.py and docs/wo_a.md justify): a config the kernel
+    implements and shared memory holds; the smallest token tile covering T; K splits a power of
+    two dividing the K slices, only to fill one wave, their FP32 partials at most 1/4 of the
+    weight bytes; no deeper pipeline than the K slices need beyond the default depth."""
+    from cute_kernels.wo_a_decode import BK, SMEM_PER_CTA, STAGES, WoADecode, plan, smem_bytes
+
+    for G, R, Dg in ((2, 512, 1024), (8, 512, 2048), (16, 1024, 1024), (8, 1024, 4096), (16, 1024, 4096)):
+        for num_sms in (16, 78, 132, 148):
+            for T in range(1, 65):
+                c = plan(T, G, R, Dg, num_sms=num_sms)
+                where = (T, G, R, Dg, num_sms, c)
+                assert WoADecode.can_implement(T, G, R, Dg, c["splits"], c["bn"]), where
+                assert smem_bytes(c["bm"], c["stages"], c["bn"]) <= SMEM_PER_CTA, where
+                assert c["bm"] == min(b for b in (16, 32, 64) if b >= T), where
+                if c["splits"] > 1:
+                    assert G * R // c["bn"] * c["splits"] <= 1.1 * num_sms, where
+                    assert 16 * c["splits"] * T <= Dg, where
+                assert 2 <= c["stages"] <= max(STAGES, Dg // BK // c["splits"] + 1), where
 
 
 def test_decode_kernel_config_errors():
@@ -1017,16 +1021,20 @@ def test_swap_ab_decode_kernel_machine_code(cfg):
 
 
 def test_swap_ab_decode_plan_and_errors():
+    """plan()'s properties (not its tuned depths): at every decode T a config the kernel
+    implements within shared memory, the narrowest token tile covering T, 128-wide K slices
+    only where K divides by 128; errors name the bad argument."""
     from cute_kernels import jit
-    from cute_kernels.wo_a_decode_swap_ab import plan
+    from cute_kernels.wo_a_decode_swap_ab import TOK_N, WoADecodeSwapAB, plan
 
-    # one wave of 64-row tiles: 8 stages of 128 (6 for the 64-token tile)
-    assert plan(1, 8, 512, 2048) == dict(tok_n=8, stages=8, bk=128)
-    assert plan(32, 8, 512, 2048) == dict(tok_n=32, stages=8, bk=128)
-    assert plan(33, 16, 512, 2048) == dict(tok_n=64, stages=6, bk=128)
-    # 256 tiles: two CTAs per SM at 4 stages of 64
-    assert plan(5, 16, 1024, 1024) == dict(tok_n=8, stages=4, bk=64)
-    assert plan(16, 8, 512, 1024 + 64)["bk"] == 64  # K not a multiple of 128
+    for G, R, Dg in ((8, 512, 2048), (16, 1024, 1024), (8, 512, 1024 + 64), (8, 1024, 4096), (16, 1024, 4096)):
+        for num_sms in (78, 132):
+            for T in range(1, 65):
+                c = plan(T, G, R, Dg, num_sms=num_sms)
+                where = (T, G, R, Dg, num_sms, c)
+                assert WoADecodeSwapAB.can_implement(T, G, R, Dg, c["tok_n"], c["stages"], c["bk"]), where
+                assert c["tok_n"] == min(n for n in TOK_N if n >= T), where
+                assert c["bk"] == 64 or Dg % 128 == 0, where
     with pytest.raises(ValueError, match="T=65"):
         plan(65, 8, 512, 2048)
     with pytest.raises(ValueError, match="tok_n=24"):

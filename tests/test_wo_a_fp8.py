@@ -93,10 +93,18 @@ def test_bad_arguments(o, w, scale, words):
 
 
 def test_plan_and_config_errors():
+    """At every decode T of the AOT shapes (V4-Flash and -Pro first) the plan is a config the
+    FP8 kernel implements within shared memory, with the smallest token tile covering T;
+    errors name the bad argument."""
     from cute_kernels import jit
-    assert plan(5, 8, 512, 2048) == dict(bm=16, bn=32, splits=1, stages=6)
-    assert plan(20, 8, 512, 2048)["bm"] == 32
-    assert plan(40, 8, 1024, 4096)["bm"] == 64
+    from cute_kernels.wo_a_decode_fp8 import AOT_SHAPES, SMEM_PER_CTA, smem_bytes
+
+    for G, R, Dg in AOT_SHAPES:
+        for T in range(1, 65):
+            c = plan(T, G, R, Dg)
+            assert WoADecodeFp8.can_implement(T, G, R, Dg, c["splits"], c["bn"]), (T, G, R, Dg, c)
+            assert smem_bytes(c["bm"], c["stages"], c["bn"], Dg=Dg) <= SMEM_PER_CTA, (T, G, R, Dg, c)
+            assert c["bm"] == min(b for b in (16, 32, 64) if b >= T)
     assert WoADecodeFp8.can_implement(64, 8, 512, 2048) and not WoADecodeFp8.can_implement(65, 8, 512, 2048)
     assert not WoADecodeFp8.can_implement(1, 8, 192, 2048)  # R inside whole scale blocks
     with pytest.raises(ValueError, match="bm 16, 32 or 64"):
