@@ -364,8 +364,10 @@ def test_bench_table_rows():
     assert "| BS64 x: tokens equal to torch-bf16's | 1.000 | n/a |" in text
     assert "| BS1 x: teacher-forced tokens equal to torch-bf16's (request 0) | 1.000 | 0.750 |" in text
     # the two backends' teacher-forced picks: 2 of 4 equal; of the 2 differing, 1 a near-tie
-    assert "| BS1 x: teacher-forced picks equal to torch-bf16's teacher-forced picks (request 0) | 1.000 | 0.500 |" in text
-    assert "| BS1 x: picks differing from torch-bf16's in the first 128 positions: near-ties / all | 0 / 0 | 1 / 2 |" in text
+    assert ("| BS1 x: teacher-forced picks equal to torch-bf16's teacher-forced picks (request 0) | 1.000 | 0.500 |"
+            in text)
+    assert ("| BS1 x: picks differing from torch-bf16's in the first 128 positions: near-ties / all | 0 / 0 | 1 / 2 |"
+            in text)
     assert "| BS64 x: teacher-forced picks equal to torch-bf16's teacher-forced picks (request 0) | n/a | n/a |" in text
     assert "| median verify graph ms (BS1) | 2.000 | 2.000 |" in text
     assert "fused: out of memory: boom" in text
