@@ -102,6 +102,28 @@ def bench_norm():
                            "vs row_rms + torch", "% of 4.3 TB/s"], rows)
 
 
+def _variant_cells(loads: list[int], make, n: int, out0: torch.Tensor, ok, what: str) -> list[str]:
+    """One variants-table row's cells: per ``loads_per_thread`` L, ``make(L)`` gives ``(launch(i),
+    the kernel's RowRms layout)``; input 0's output (``out0``, NaN-poisoned first) must pass
+    ``ok()`` before the variant is timed over the ``n`` rotating inputs. Then the fastest L."""
+    times, shapes = [], []
+    for L in loads:
+        launch, op = make(L)
+        out0.fill_(float("nan"))
+        launch(0)
+        if not ok():
+            raise SystemExit(f"{what} loads_per_thread={L}: output check failed")
+        times.append(time_graph(launch, n, max(n, 20)))
+        shapes.append(f"{op.row_threads} x {op.rows_per_cta}")
+    best = min(range(len(loads)), key=times.__getitem__)
+    return [f"{t * 1e6:.2f} ({s})" for t, s in zip(times, shapes)] + [str(loads[best])]
+
+
+def _variant_table(kernel: str, loads: list[int], rows: list[list[str]]) -> str:
+    return markdown_table([f"{kernel} T x C (bf16)"] + [f"{L} loads / thread us (threads x rows a CTA)" for L in loads]
+                          + ["fastest"], rows)
+
+
 def bench_norm_variants(loads: list[int]):
     """rms_norm at the decode shapes with each ``loads_per_thread`` (16-byte loads per thread,
     which sets a row's threads; the entry point's is ``cute_kernels.rms_norm.LOADS_PER_THREAD``),
@@ -116,29 +138,24 @@ def bench_norm_variants(loads: list[int]):
     rows = []
     for T, C, weighted in NORM_SHAPES + VARIANT_SHAPES:
         _, n, xs, outs, w = norm_inputs(T, C, weighted)
-        want = rms_norm(xs[0], EPS, w)
-        times, shapes = [], []
-        for L in loads:
+        want = rms_norm(xs[0], EPS, w).float()
+
+        def make(L):
             fn = jit.get_kernel("rms_norm", current_arch(), hidden=C, dtype="bfloat16", weighted=weighted,
                                 rope_dim=0, loads_per_thread=L)
-            op = RmsNorm(BFloat16, C, weighted, 0, L)  # (its layout, for the table)
 
-            def launch(i, fn=fn):
+            def launch(i):
                 fn(P(BFloat16, xs[i], 16), P(BFloat16, w if w is not None else xs[i], 16), P(Float32, xs[i], 16),
                    P(BFloat16, outs[i], 16), jit.i32(T), jit.i32(1), jit.f32(EPS), jit.cu_stream(None))
+            return launch, RmsNorm(BFloat16, C, weighted, 0, L)
 
-            outs[0].fill_(float("nan"))
-            launch(0)
-            if not ((outs[0].float() - want.float()).abs() <= 2.0**-6 * want.float().abs()).all():
-                raise SystemExit(f"rms_norm {T}x{C} loads_per_thread={L}: output differs from the entry point's")
-            times.append(time_graph(launch, n, max(n, 20)))
-            shapes.append(f"{op.row_threads} x {op.rows_per_cta}")
-        best = min(range(len(loads)), key=times.__getitem__)
+        def ok():  # against the entry point's output
+            return bool(((outs[0].float() - want).abs() <= 2.0**-6 * want.abs()).all())
+
         rows.append([f"{T}x{C}{'' if weighted else ' (no weight)'}"]
-                    + [f"{t * 1e6:.2f} ({s})" for t, s in zip(times, shapes)] + [str(loads[best])])
+                    + _variant_cells(loads, make, n, outs[0], ok, f"rms_norm {T}x{C}"))
         del xs, outs
-    return markdown_table(["rms_norm T x C (bf16)"] + [f"{L} loads / thread us (threads x rows a CTA)" for L in loads]
-                          + ["fastest"], rows)
+    return _variant_table("rms_norm", loads, rows)
 
 
 def bench_stat_variants(loads: list[int]):
@@ -156,25 +173,20 @@ def bench_stat_variants(loads: list[int]):
         xs = [torch.randn(T, C, device="cuda").bfloat16() for _ in range(n)]
         outs = [torch.empty(T, device="cuda") for _ in range(n)]
         want = torch.rsqrt(xs[0].double().square().mean(-1) + EPS)
-        times, shapes = [], []
-        for L in loads:
+
+        def make(L):
             fn = jit.get_kernel("row_rms", current_arch(), hidden=C, dtype="bfloat16", loads_per_thread=L)
-            op = RowRms(BFloat16, C, L)
 
-            def launch(i, fn=fn):
+            def launch(i):
                 fn(P(BFloat16, xs[i], 16), P(Float32, outs[i], 4), jit.i32(T), jit.f32(EPS), jit.cu_stream(None))
+            return launch, RowRms(BFloat16, C, L)
 
-            outs[0].fill_(float("nan"))
-            launch(0)
-            if not ((outs[0].double() - want).abs() <= 1e-5 * want).all():
-                raise SystemExit(f"row_rms {T}x{C} loads_per_thread={L}: output check failed")
-            times.append(time_graph(launch, n, max(n, 20)))
-            shapes.append(f"{op.row_threads} x {op.rows_per_cta}")
-        best = min(range(len(loads)), key=times.__getitem__)
-        rows.append([f"{T}x{C}"] + [f"{t * 1e6:.2f} ({s})" for t, s in zip(times, shapes)] + [str(loads[best])])
+        def ok():  # against FP64
+            return bool(((outs[0].double() - want).abs() <= 1e-5 * want).all())
+
+        rows.append([f"{T}x{C}"] + _variant_cells(loads, make, n, outs[0], ok, f"row_rms {T}x{C}"))
         del xs, outs
-    return markdown_table(["row_rms T x C (bf16)"] + [f"{L} loads / thread us (threads x rows a CTA)" for L in loads]
-                          + ["fastest"], rows)
+    return _variant_table("row_rms", loads, rows)
 
 
 def bench_host():

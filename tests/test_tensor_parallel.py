@@ -224,9 +224,10 @@ def test_simulated_tp4_on_gpu_agrees_with_tp1(backend):
     """TP4 on one GPU (simulated ranks, push all-reduce in the graphs) against TP1 of the same
     weights, teacher-forced through TP1's output: logits within 2^-3 of TP1's (norm-wise, as
     the fused-vs-FP32 test: the ranks' bf16 partial sums round differently and a random model
-    amplifies it -- 5e-2 measured on an H100), and every TP4 pick TP1's argmax or a near-tie in TP1's logits (a random model's top
-    two logits are often closer than bf16's rounding); TP4's graph-generated tokens likewise
-    against its own eager logits. Finite outputs, every request as many tokens as asked."""
+    amplifies it), and every TP4 pick TP1's argmax or a near-tie in TP1's logits (a random
+    model's top two logits are often closer than bf16's rounding); TP4's graph-generated
+    tokens likewise against its own eager logits. Finite outputs, every request as many
+    tokens as asked."""
     ps = [prompts_gpu(s) for s in range(4)]
     one = _gpu_engine(backend, 1)
     out1 = one.generate(ps, 16)
