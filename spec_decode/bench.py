@@ -24,7 +24,9 @@ against ``fused``; ``torch-bf16`` is the bf16 PyTorch arm (bf16 experts: other f
   column compares its eager prefill forward with its graph-generated tokens), and the two
   backends' teacher-forced picks against each other (both eager over the same tokens: the
   backends' numerics alone), where they differ counting the near-ties in the first backend's
-  logits (:func:`teacher_forced_comparison`);
+  logits (:func:`teacher_forced_comparison`), and how far each backend's teacher-forced FP32
+  logits are from the first's (:func:`logit_difference`; ``python -m spec_decode.numerics``
+  says which ops' roundings differ);
 * at BS1, from a trace of 20 draft + verify replays: the graph medians, target start to next
   target start, the mHC statistics' overlap with other kernels, and where the median verify
   replay's time goes -- this project's CuTe kernels, cuBLAS GEMMs, other PyTorch kernels, and
@@ -240,6 +242,15 @@ def teacher_forced_comparison(yard: dict, other: dict) -> tuple[float, int, int]
     return equal, len(diff), ties
 
 
+def logit_difference(yard: dict, other: dict) -> tuple[float, float]:
+    """Median and largest over positions of ``|other - yard| / |yard|`` (norms of a position's
+    teacher-forced logits): the two backends' numbers on the same sequence."""
+    a, b = yard["teacher_logits"], other["teacher_logits"]
+    n = min(len(a), len(b))
+    rel = ((b[:n] - a[:n]).norm(dim=-1) / a[:n].norm(dim=-1).clamp_min(1e-30)).tolist()
+    return statistics.median(rel), max(rel)
+
+
 def run_case(backend, model, batch, n_in, n_out, reference=None, **engine):
     """One (backend, case) run; ``engine``: further EngineConfig fields (prefill_chunk, ...).
     ``reference``: another backend's generated tokens for the same prompts (None: this run's
@@ -285,8 +296,9 @@ def run_case(backend, model, batch, n_in, n_out, reference=None, **engine):
     ref = (reference or res["tokens"])[0]
     res["teacher_picks"] = eng.greedy_given(ids[0], ref)
     res["teacher_forced"] = sum(a == b for a, b in zip(res["teacher_picks"], ref)) / len(ref)
-    if reference is None:  # the yardstick's logits: where another backend's picks differ, how near a tie
-        res["teacher_logits"] = eng.logits_given(ids[0], ref[:TEACHER_LOGIT_ROWS]).cpu()
+    # FP32 logits over the yardstick's first positions: where another backend's picks differ, how
+    # near a tie; and how far each backend's logits are from the yardstick's
+    res["teacher_logits"] = eng.logits_given(ids[0], ref[:TEACHER_LOGIT_ROWS]).cpu()
     del eng  # free the weights, state and graph pools before the next case
     gc.collect()
     torch.cuda.empty_cache()
@@ -556,6 +568,11 @@ def table_lines(backends: list[str], cases: list[tuple], results: dict) -> list[
                if "teacher_logits" in yard and "teacher_picks" in results.get((b, name), {})}
         lines.append(f"| {name}: teacher-forced picks equal to {backends[0]}'s teacher-forced picks (request 0) | "
                      + " | ".join(f"{cmp[b][0]:.3f}" if b in cmp else "n/a" for b in backends) + " |")
+        lgd = {b: logit_difference(yard, results[(b, name)]) for b in backends
+               if "teacher_logits" in yard and "teacher_logits" in results.get((b, name), {})}
+        lines.append(f"| {name}: teacher-forced logits vs {backends[0]}'s, relative difference per position "
+                     f"(first {TEACHER_LOGIT_ROWS}): median / max | "
+                     + " | ".join(f"{lgd[b][0]:.1e} / {lgd[b][1]:.1e}" if b in lgd else "n/a" for b in backends) + " |")
         lines.append(f"| {name}: picks differing from {backends[0]}'s in the first {TEACHER_LOGIT_ROWS} positions: "
                      f"near-ties / all | " + " | ".join(f"{cmp[b][2]} / {cmp[b][1]}" if b in cmp else "n/a"
                                                         for b in backends) + " |")

@@ -494,17 +494,25 @@ def test_expert_parallel_partials_sum_to_the_whole(fakes):
 def test_numerics_probe_records_every_family(fakes):
     """spec_decode.numerics's probe over a verify step (CPU, the fakes): every op family it
     tabulates -- the norms with and without RoPE included -- is recorded, fused and base agree
-    (the same fakes), and each is near its FP32 composite."""
-    from spec_decode.numerics import FAMILIES, OpProbe
+    (the same fakes), and each is near its FP32 composite. The model is made as op_errors makes
+    it: both backends read one MXFP8 copy of the experts, the FP32 reference the bf16 ones."""
+    from spec_decode.model import EXPERT_OPERANDS
+    from spec_decode.numerics import FAMILIES, OpProbe, _share_experts
 
-    m, _ = _models()
-    probe = OpProbe(fo.FusedOps(m, max_tokens=26, max_len=64, _cpu_for_tests=True),
-                    fo.BaseOps(m, max_tokens=26, max_len=64, _cpu_for_tests=True), CFG)
+    m = TargetModel(CFG, seed=2, dtype=torch.bfloat16, on_layer=_share_experts)
+    fused, base = (cls(m, max_tokens=26, max_len=64, _cpu_for_tests=True) for cls in (fo.FusedOps, fo.BaseOps))
+    for L in m.layers:
+        assert fused._layer[id(L)]["gu_q"] is base._layer[id(L)]["gu_q"] is L[EXPERT_OPERANDS[0]]
+        assert L["ffn.experts.w1"].dtype == torch.bfloat16
+    probe = OpProbe(fused, base, CFG)
     st = DecodeState(CFG, 3, 64, 6, m.dtype, "cpu")
     sm = StepModel(m, probe)
     slots = torch.tensor([0, 1])
+    probe.prefill = True  # the chunk: fused vs base only
     sm.forward(torch.randint(0, CFG.vocab, (2, 13)), torch.arange(13)[None].expand(2, -1), slots, st)
-    probe.active = True
+    assert not any(probe.errors.values())
+    assert {"mhc_mappings", "wo_a", "moe", "indexer_topk"} <= {n for n, e in probe.prefill_errors.items() if e}
+    probe.prefill, probe.active = False, True
     sm.forward(torch.randint(0, CFG.vocab, (2, 6)), 13 + torch.arange(6)[None].expand(2, -1), slots, st)
     assert {n for n, e in probe.errors.items() if e} == {n for n, _ in FAMILIES}
     for name in ("rmsnorm", "rmsnorm_rope"):

@@ -343,8 +343,8 @@ def test_graph_runner_pads_with_the_scratch_slot():
 def test_bench_table_rows():
     """spec_decode.bench's table from fake results: numbers formatted alike (an int median
     prints as 1.00), token agreement against the first backend (free-running, teacher-forced,
-    and the two backends' teacher-forced picks with their near-ties counted), n/a and the
-    error line for a failed case."""
+    and the two backends' teacher-forced picks with their near-ties counted, their logits'
+    difference), n/a and the error line for a failed case."""
     from spec_decode import bench
 
     cases = [("BS1 x", 1, 8, 4), ("BS64 x", 64, 8, 4)]
@@ -356,7 +356,8 @@ def test_bench_table_rows():
     results = {("torch-bf16", "BS1 x"): dict(ok, tokens=[[1, 2, 3, 4]], teacher_forced=1.0,
                                              teacher_picks=[1, 2, 3, 4], teacher_logits=logits),
                ("torch-bf16", "BS64 x"): dict(ok, tokens=[[1, 2], [3, 4]], teacher_forced=1.0),
-               ("fused", "BS1 x"): dict(ok, tokens=[[1, 2, 9, 9]], teacher_forced=0.75, teacher_picks=[1, 2, 9, 9]),
+               ("fused", "BS1 x"): dict(ok, tokens=[[1, 2, 9, 9]], teacher_forced=0.75, teacher_picks=[1, 2, 9, 9],
+                                        teacher_logits=logits * torch.tensor([1.0, 1.0, 1.01, 1.02])[:, None]),
                ("fused", "BS64 x"): {"error": "out of memory: boom"}}
     lines = bench.table_lines(["torch-bf16", "fused"], cases, results)
     text = "\n".join(lines)
@@ -370,6 +371,11 @@ def test_bench_table_rows():
     assert ("| BS1 x: picks differing from torch-bf16's in the first 128 positions: near-ties / all | 0 / 0 | 1 / 2 |"
             in text)
     assert "| BS64 x: teacher-forced picks equal to torch-bf16's teacher-forced picks (request 0) | n/a | n/a |" in text
+    # logits 0, 0, 1% and 2% off by position: median 0.5%, largest 2%
+    assert ("| BS1 x: teacher-forced logits vs torch-bf16's, relative difference per position (first 128): "
+            "median / max | 0.0e+00 / 0.0e+00 | 5.0e-03 / 2.0e-02 |") in text
+    assert ("| BS64 x: teacher-forced logits vs torch-bf16's, relative difference per position (first 128): "
+            "median / max | n/a | n/a |") in text
     assert "| median verify graph ms (BS1) | 2.000 | 2.000 |" in text
     assert "fused: out of memory: boom" in text
     assert "| verify graph (BS1): of this card's measured copy bandwidth (not measured) | - | - |" in text
