@@ -44,12 +44,6 @@
 #   bash tools/device.sh smoke               one call's first look after kernel / runtime changes:
 #                                            'attention', the mHC parts, the routed-input gather,
 #                                            the runtime's GPU tests at `small`
-#   bash tools/device.sh smoke-kernels       the recently changed kernels' GPU tests alone (the list
-#                                            in the job: rms_norm / row_rms with their tensor entries
-#                                            and custom ops, compressor_pool, the router's cluster path, the engine at small)
-#   bash tools/device.sh smoke-benches       their benches (row_rms and the norms, decode attention, the
-#                                            mHC mixes, the KV compressors, the V4-Flash MoE layer's
-#                                            stage table)
 #   bash tools/device.sh quick-bench         the runtime bench at v4_flash_slice (--quick, acceptance 5.5)
 #   bash tools/device.sh h200 test|kernels|runtime
 #                                            what needs an H200 (run with needs_h200: the first is the
@@ -174,38 +168,6 @@ smoke)
   timeout 80 $PYT -m gpu tests/test_mhc.py -k "parts" 2>&1 | tee "$OUT/mhc-parts.log" | tail -5
   timeout 60 $PYT -m gpu tests/test_moe_quant.py -k "prequantized" 2>&1 | tee "$OUT/gather.log" | tail -5
   timeout 250 $PYT -m gpu tests/test_spec_decode.py -k "small or draft_head" 2>&1 | tee "$OUT/spec-small.log" | tail -15
-  ;;
-smoke-kernels)
-  # the kernels changed since their last GPU run: row_rms / rms_norm (rows of up to 4096 elements
-  # sharing a CTA), with the tensor entries and custom ops that launch them; compressor_pool and
-  # the router's cluster path (their cluster exchanges by st.async) and the engine that runs
-  # them. The hang watchdog at 90 s (each of these tests runs for seconds besides its compiles):
-  # under each job's timeout
-  export CUTE_KERNELS_GPU_TEST_TIMEOUT_S=90
-  timeout 60 $PYT -m gpu tests/test_compressor_pool.py 2>&1 | tee "$OUT/compressor-tests.log" | tail -5
-  timeout 150 $PYT -m gpu tests/test_moe_router.py -k "cluster" 2>&1 | tee "$OUT/router-tests.log" | tail -5
-  timeout 100 $PYT -m gpu tests/test_row_rms.py 2>&1 | tee "$OUT/row-rms-tests.log" | tail -5
-  timeout 100 $PYT -m gpu tests/test_tensor_entries.py tests/test_ops.py 2>&1 | tee "$OUT/entries-tests.log" | tail -5
-  timeout 120 $PYT -m gpu tests/test_spec_decode.py -k "kernel_engine and small" 2>&1 \
-    | tee "$OUT/engine-tests.log" | tail -5
-  ;;
-smoke-benches)
-  # their benches against the last tables: row_rms and the norms (bench_row_rms; quack / Liger's
-  # RMSNorm need `peers`), the mHC mixes, the KV compressors (never timed alone before), the MoE
-  # layer's stage table (finalize, the routed gather)
-  timeout 100 python bench/bench_row_rms.py --out "$OUT/bench_row_rms.md" 2>&1 | tee "$OUT/bench_row_rms.log" | tail -14
-  # rms_norm's row layouts (threads per row) at the decode shapes, where Liger's 8 warps a row led
-  timeout 90 python bench/bench_row_rms.py --loads-per-thread 2,4,8,16 --out "$OUT/bench_rms_norm_variants.md" 2>&1 \
-    | tee "$OUT/bench_rms_norm_variants.log" | tail -10
-  timeout 80 python bench/bench_sink_attention.py --out "$OUT/bench_sink_attention.md" 2>&1 \
-    | tee "$OUT/bench_sink_attention.log" | tail -10
-  timeout 120 python bench/bench_mhc.py --out "$OUT/bench_mhc.md" 2>&1 | tee "$OUT/bench_mhc.log" | tail -24
-  timeout 90 python bench/bench_compressor.py --out "$OUT/bench_compressor.md" 2>&1 \
-    | tee "$OUT/bench_compressor.log" | tail -10
-  timeout 90 python bench/bench_moe.py --sections router-paths --out "$OUT/bench_router_paths.md" 2>&1 \
-    | tee "$OUT/bench_router_paths.log" | tail -22
-  timeout 140 python bench/bench_moe_experts.py --model v4-flash --tokens 1,64,320 \
-    --out "$OUT/bench_moe_experts_v4-flash.md" 2>&1 | tee "$OUT/bench_moe_experts.log" | tail -12
   ;;
 h200)
   case "${1:-test}" in
