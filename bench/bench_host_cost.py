@@ -10,7 +10,10 @@ each chunk timed while the stream is kept busy by a sleep kernel enqueued first 
 never waits on the GPU (the chunk's launches fit the driver's launch queue) and what is timed
 is the host path: validation, cache lookup, argument packing, the launch call. The
 kernels' own GPU time is not in it. ``torch.add`` on a small tensor is the yardstick in the
-same run (goal: <= 5 us for single-kernel ops, never more than torch.add). The entry points
+same run (goal: <= 5 us for single-kernel ops, never more than torch.add): its own row, and
+for the TVM-FFI launches, timed chunk for chunk beside each op (the last column: the op's
+time over torch.add's in the same stretch of the run, so a host whose speed drifts -- this
+pool's do -- moves both alike). The entry points
 are timed three ways: with :class:`cute_kernels.jit.DirectLaunch` resolving the arguments (the
 default), through the DSL's own call path (``jit.DIRECT_LAUNCH = False``) and, where the
 ``apache-tvm-ffi`` package imports, compiled with the DSL's TVM-FFI calling convention
@@ -85,25 +88,40 @@ ops = torch.ops.cute_kernels
 CHUNK = 200
 
 
-def host_us(fn, calls: int, trials: int = 5) -> float:
+def _chunk_us(fn) -> float:
+    """Host microseconds per call of one chunk of :data:`CHUNK` ``fn()`` calls behind a sleep
+    kernel (the module docstring)."""
+    torch.cuda._sleep(int(5e7))  # ~25 ms ahead: the chunk below (< 125 us a call) never waits
+    t = time.perf_counter()
+    for _ in range(CHUNK):
+        fn()
+    per = (time.perf_counter() - t) / CHUNK * 1e6
+    torch.cuda.synchronize()
+    return per
+
+
+def host_us(fn, calls: int, trials: int = 5, yard=None):
     """Median host microseconds per ``fn()`` with the GPU kept busy (see the module docstring):
     ``trials`` x (``calls`` / :data:`CHUNK`) chunks of :data:`CHUNK` calls, each behind a sleep
-    kernel long enough to outlast it. Says so when a tensor entry refused calls (their time is
-    the validated launch's, not the hot path's)."""
+    kernel long enough to outlast it. With ``yard`` (the ``torch.add`` yardstick), its chunks
+    alternate with ``fn``'s and the result is the pair (``fn``'s median, ``yard``'s median):
+    a host whose speed drifts during the run moves both alike. Says so when a tensor entry
+    refused calls (their time is the validated launch's, not the hot path's)."""
     refused = dict(jit.TENSOR_ENTRY_REFUSALS)
     fn()
+    if yard is not None:
+        yard()
     torch.cuda.synchronize()
-    per = []
+    per, per_yard = [], []
     for _ in range(trials * max(1, calls // CHUNK)):
-        torch.cuda._sleep(int(5e7))  # ~25 ms ahead: the chunk below (< 125 us a call) never waits
-        t = time.perf_counter()
-        for _ in range(CHUNK):
-            fn()
-        per.append((time.perf_counter() - t) / CHUNK * 1e6)
-        torch.cuda.synchronize()
+        if yard is not None:
+            per_yard.append(_chunk_us(yard))
+        per.append(_chunk_us(fn))
     for key, n in jit.TENSOR_ENTRY_REFUSALS.items():
         if n > refused.get(key, 0):
             print(f"  (a tensor entry refused {n - refused.get(key, 0)} of these calls: {key})", flush=True)
+    if yard is not None:
+        return statistics.median(per), statistics.median(per_yard)
     return statistics.median(per)
 
 
@@ -243,10 +261,15 @@ def runtime_only_child(args) -> int:
                 jit.use_tvm_ffi(True)
             except ImportError:
                 break
-        for name, entry, _, out in selected_cases(args.only):
+        cases_ = selected_cases(args.only)
+        yard = cases_[0][1]  # torch.add
+        for name, entry, _, out in cases_:
             if out is not None and not torch.equal(poisoned_output(entry, out), want[name]):
                 raise SystemExit(f"{name}: the runtime-only ({mode}) launch's output differs from the DSL process's")
-            res[f"{mode}:{name}"] = host_us(entry, args.calls)
+            if mode == "TVM-FFI":  # beside torch.add, chunk for chunk
+                res[f"{mode}:{name}"], res[f"{mode} torch.add:{name}"] = host_us(entry, args.calls, yard=yard)
+            else:
+                res[f"{mode}:{name}"] = host_us(entry, args.calls)
             print(f"{name}: {res[f'{mode}:{name}']:.1f} us (runtime-only, {mode})", flush=True)
     print("RESULT " + json.dumps(res))
     return 0
@@ -306,18 +329,22 @@ def main(argv=None) -> int:
         print("| " + " | ".join(rows[-1]) + " |", flush=True)
     # TVM-FFI launches (jit.use_tvm_ffi): the same entry points, each output checked against the
     # direct launch's bytes first; n/a without the apache-tvm-ffi package
+    paired = {}  # op -> TVM-FFI time / torch.add's in the same chunks
     try:
         jit.use_tvm_ffi(True)
         tvm_ffi = True
     except ImportError:
         tvm_ffi = False
     try:
-        for r, (name, entry, op, out) in zip(rows, selected_cases(args.only)):
+        cases_ = selected_cases(args.only)
+        yard = cases_[0][1]  # torch.add
+        for r, (name, entry, op, out) in zip(rows, cases_):
             t = t_op = float("nan")
             if tvm_ffi:
                 if out is not None and not torch.equal(poisoned_output(entry, out), expect[name]):
                     raise SystemExit(f"{name}: the TVM-FFI launch's output differs from the direct launch's")
-                t = host_us(entry, args.calls)
+                t, t_add = host_us(entry, args.calls, yard=yard)  # beside torch.add, chunk for chunk
+                paired[name] = t / t_add
                 log(f"{name}: {t:.1f} us (TVM-FFI)")
                 if op is not None:  # the custom op's kernel is the entry point: its hot path too
                     t_op = host_us(op, args.calls)
@@ -346,6 +373,10 @@ def main(argv=None) -> int:
         r.insert(2, f"{ro[f'ctypes:{r[0]}']:.1f}")
         t = ro.get(f"TVM-FFI:{r[0]}")
         r.insert(4, "n/a" if t is None else f"{t:.1f}")
+        # TVM-FFI against torch.add timed chunk for chunk beside it, with the DSL / runtime-only
+        t_add = ro.get(f"TVM-FFI torch.add:{r[0]}")
+        r.append(" / ".join(["n/a" if r[0] not in paired else f"{paired[r[0]]:.2f}x",
+                             "n/a" if t is None else f"{t / t_add:.2f}x"]))
     first = [("with the DSL", *import_and_first_call(env, False)), ("runtime-only", *import_and_first_call(env, True))]
     report("Eager host cost per call",
            f"python bench/bench_host_cost.py --calls {args.calls}"
@@ -353,7 +384,8 @@ def main(argv=None) -> int:
            markdown_table(["op (decode shapes: T = 6)", "entry point us", "runtime-only entry point us",
                            "entry point, TVM-FFI us", "runtime-only, TVM-FFI us",
                            "entry point, DSL call path us", "custom op us", "custom op, TVM-FFI us",
-                           "entry point vs torch.add"],
+                           "entry point vs torch.add",
+                           "TVM-FFI vs torch.add beside it: with the DSL / runtime-only"],
                           rows), "",
            f"Import of `cute_kernels.row_rms` (after torch) and its first call (artifact cache warm; "
            f"runtime-only: {linked} entries linked, runtime library {os.path.getsize(lib) >> 20} MiB):", "",
