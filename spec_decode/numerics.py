@@ -21,9 +21,9 @@ families: mHC mappings (``mhc_stats``), pre / post mix, the indexer's top-k, the
 block (router, MXFP8 routed experts, finalize, shared expert): its FP32 reference uses the
 bf16 expert weights, so its row includes the experts' MXFP8 weight rounding. The last column
 re-runs the prefill chunk's calls with the base backend alone: at a chunk's sizes the arms
-take other kernels (WO-A's GEMM engine against cuBLAS; the MoE at wider tiles), and the
-benchmark's teacher-forced comparison runs each backend's eager prefill over the whole
-sequence, so its differences start there.
+take other kernels (WO-A's GEMM engine or cuBLAS range against ``bmm``; the MoE at wider
+tiles), and the benchmark's teacher-forced comparison runs each backend's eager prefill chunks
+over the whole sequence, so its differences start there.
 """
 
 from __future__ import annotations
@@ -130,9 +130,10 @@ class OpProbe:
 
     def mhc_mappings(self, X, L, site, cfg):
         H = self.fused.mhc_mappings(X, L, site, cfg)
-        if self._on and getattr(self.fused, "mhc_side", None) is not None:
+        if getattr(self.fused, "mhc_side", None) is not None:
             # H_post / H_res are the side stream's until the post-mix joins it: wait for them
-            # before reading them here (the forward itself reads them only after that join)
+            # before the copy below reads them (the forward itself reads them only after that
+            # join, and goes on with the copy)
             torch.cuda.current_stream().wait_stream(self.fused.mhc_side)
         a = H.clone()
         if self._on:
