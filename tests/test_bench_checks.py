@@ -120,3 +120,22 @@ def test_report_heading_command_parts_and_file(tmp_path, monkeypatch, capsys):
     assert out.read_text() == text
     common.emit("x\n\n", str(out))
     assert out.read_text() == "x\n"
+
+
+def test_host_cost_pairs_each_chunk_with_the_yardstick(monkeypatch):
+    """bench_host_cost.host_us with a yardstick: the op's and torch.add's chunks alternate
+    (yardstick first), each behind its own sleep kernel, and the pair of medians comes back;
+    without one, the op's median alone."""
+    import bench_host_cost as hc
+
+    calls, sleeps = [], []
+    monkeypatch.setattr(hc.torch.cuda, "_sleep", lambda cycles: sleeps.append(cycles))
+    monkeypatch.setattr(hc.torch.cuda, "synchronize", lambda: None)
+    op, add = (lambda: calls.append("op")), (lambda: calls.append("add"))
+    t_op, t_add = hc.host_us(op, calls=2 * hc.CHUNK, trials=1, yard=add)
+    assert calls[:2] == ["op", "add"]  # one warm-up call each
+    chunks = calls[2:]
+    assert chunks == (["add"] * hc.CHUNK + ["op"] * hc.CHUNK) * 2 and len(sleeps) == 4
+    assert t_op > 0 and t_add > 0
+    calls.clear()
+    assert isinstance(hc.host_us(op, calls=hc.CHUNK, trials=1), float) and calls == ["op"] * (1 + hc.CHUNK)
