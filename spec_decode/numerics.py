@@ -59,7 +59,7 @@ class _Upcast:
         return self.t[i].float()
 
 
-def _share_experts(L: dict) -> dict:
+def share_experts(L: dict) -> dict:
     """A model's ``on_layer`` for :func:`op_errors`: layer ``L``'s routed experts quantized once
     into the MXFP8 operands both kernel backends read (the same format, so one copy serves
     both), the bf16 experts moved to host memory, where only the FP32 reference reads them (a
@@ -236,11 +236,11 @@ def op_errors(model: str = "small", seed: int = 0, prefill: int = 300, device: s
     presets' top-512 / 1024 select among more than they keep from ``prefill`` > 4 x
     index_topk). Needs a GPU with room for the model's other weights and one MXFP8 copy of its
     experts (both backends read it), and host memory for the bf16 experts
-    (:func:`_share_experts`)."""
+    (:func:`share_experts`)."""
     from .fused_ops import BaseOps, FusedOps
 
     cfg = PRESETS[model]
-    target = TargetModel(cfg, seed=seed, dtype=torch.bfloat16, device=device, on_layer=_share_experts)
+    target = TargetModel(cfg, seed=seed, dtype=torch.bfloat16, device=device, on_layer=share_experts)
     width, max_len = 2 * prefill, prefill + 64  # the prefill chunk: 2 requests x prefill tokens
     fused = FusedOps(target, max_tokens=width, max_len=max_len)
     base = BaseOps(target, max_tokens=width, max_len=max_len)
@@ -257,6 +257,14 @@ def op_errors(model: str = "small", seed: int = 0, prefill: int = 300, device: s
         toks = torch.randint(0, cfg.vocab, (2, 6), device=device, generator=g)
         step.forward(toks, prefill + torch.arange(6, device=device)[None].expand(2, -1), slots, st)
     torch.cuda.synchronize()
+    return summarize(probe)
+
+
+def summarize(probe: OpProbe) -> dict:
+    """:func:`op_errors`' table from a probe's records: per family with verify-step records,
+    (calls, worst fused vs FP32, worst base vs FP32, largest fused vs base, the prefill
+    chunk's largest fused vs base or None) -- for the indexer the smallest overlaps, and the
+    fraction of prefill calls whose sets differ."""
     out = {}
     for name, _ in FAMILIES:
         e, p = probe.errors[name], probe.prefill_errors[name]
@@ -284,7 +292,8 @@ def table(model: str, errors: dict, prefill: int = 300) -> str:
         else:
             rows.append([label, str(calls), f"{f:.2e}", f"{b:.2e}", "bit-equal" if fb == 0 else f"{fb:.2e}",
                          "n/a" if pre is None else "bit-equal" if pre == 0 else f"{pre:.2e}"])
-    return "\n".join([f"## Per-op error against FP32, {model} -- {torch.cuda.get_device_name()}, "
+    card = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return "\n".join([f"## Per-op error against FP32, {model} -- {card}, "
                       f"{datetime.date.today()}", "",
                       f"Command: `python -m spec_decode.numerics --model {model}"
                       f"{'' if prefill == 300 else f' --prefill {prefill}'}`", "",

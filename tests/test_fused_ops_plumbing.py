@@ -497,9 +497,9 @@ def test_numerics_probe_records_every_family(fakes):
     (the same fakes), and each is near its FP32 composite. The model is made as op_errors makes
     it: both backends read one MXFP8 copy of the experts, the FP32 reference the bf16 ones."""
     from spec_decode.model import EXPERT_OPERANDS
-    from spec_decode.numerics import FAMILIES, OpProbe, _share_experts
+    from spec_decode.numerics import FAMILIES, OpProbe, share_experts, summarize, table
 
-    m = TargetModel(CFG, seed=2, dtype=torch.bfloat16, on_layer=_share_experts)
+    m = TargetModel(CFG, seed=2, dtype=torch.bfloat16, on_layer=share_experts)
     fused, base = (cls(m, max_tokens=26, max_len=64, _cpu_for_tests=True) for cls in (fo.FusedOps, fo.BaseOps))
     for L in m.layers:
         assert fused._layer[id(L)]["gu_q"] is base._layer[id(L)]["gu_q"] is L[EXPERT_OPERANDS[0]]
@@ -518,6 +518,14 @@ def test_numerics_probe_records_every_family(fakes):
     for name in ("rmsnorm", "rmsnorm_rope"):
         for f32, b32, fb in probe.errors[name]:
             assert fb == 0 and f32 < 2 ** -7 and b32 < 2 ** -7, (name, f32, b32, fb)
+    # the table: one row per family, the prefill column filled where the chunk called the family
+    summary = summarize(probe)
+    assert set(summary) == {n for n, _ in FAMILIES}
+    assert summary["wo_a"][0] == len(probe.errors["wo_a"]) and summary["wo_a"][4] is not None
+    assert summary["sink_attention"][4] is None or summary["sink_attention"][4] >= 0
+    text = table("tiny", summary, prefill=13)
+    assert "--prefill 13`" in text and "fused vs base, prefill chunk (2 x 13)" in text
+    assert len([ln for ln in text.splitlines() if ln.startswith("| ") and "---" not in ln]) == len(FAMILIES) + 1
 
 
 def test_row_attention_matches_gathered_keys(fakes):
