@@ -294,11 +294,13 @@ def run_case(backend, model, batch, n_in, n_out, reference=None, **engine):
         res["tokens"] = eng.generate(ids[:1], min(n_out, 128))
         eng.set_acceptance_length(cfg.acceptance_length)
     ref = (reference or res["tokens"])[0]
-    res["teacher_picks"] = eng.greedy_given(ids[0], ref)
-    res["teacher_forced"] = sum(a == b for a, b in zip(res["teacher_picks"], ref)) / len(ref)
     # FP32 logits over the yardstick's first positions: where another backend's picks differ, how
-    # near a tie; and how far each backend's logits are from the yardstick's
+    # near a tie; and how far each backend's logits are from the yardstick's. Their argmax is
+    # the teacher-forced picks there; a longer continuation takes a second, argmax-only pass.
     res["teacher_logits"] = eng.logits_given(ids[0], ref[:TEACHER_LOGIT_ROWS]).cpu()
+    res["teacher_picks"] = (res["teacher_logits"].argmax(-1).tolist() if len(ref) <= TEACHER_LOGIT_ROWS
+                            else eng.greedy_given(ids[0], ref))
+    res["teacher_forced"] = sum(a == b for a, b in zip(res["teacher_picks"], ref)) / len(ref)
     del eng  # free the weights, state and graph pools before the next case
     gc.collect()
     torch.cuda.empty_cache()
