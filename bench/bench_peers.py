@@ -1,13 +1,15 @@
 """This project's kernels next to the libraries a serving engineer would pick instead (H200).
 
-    python bench/bench_peers.py [--families mxfp8,router,...] [--out FILE]
+    python bench/bench_peers.py [--families mxfp8,router,...] [--peer-jit] [--out FILE]
 
 Per family, on the same inputs in the same process: the peer's result is checked against ours
 first (bit-exact where both follow the same rule, else within the stated tolerance -- a peer
 that disagrees is reported, not timed), then both are timed (CUDA-graph replay, inputs rotated
 past L2) and the table gives shape, ours, peer, ratio and % of 4.3 TB/s. A peer that does not
 import or run here (wheel missing, another torch, no sm_90 path, a JIT compiler it needs) is a
-row saying which and why.
+row saying which and why. FlashInfer's JIT builds (its top-k's CUDA module: nvcc and ninja,
+minutes at first use, more than the device's call allows) are off unless ``--peer-jit``
+(``FLASHINFER_DISABLE_JIT=1``): a peer that needs one is a "does not run" row.
 
 Families and peers (wheels: ``.devcache/peers`` and ``.devcache/peers-flashinfer``, see
 docs/device.md), in the table's order:
@@ -538,7 +540,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--families", default=None, metavar="F,...",
                     help=f"only these families (default: all of {', '.join(FAMILIES)})")
+    ap.add_argument("--peer-jit", action="store_true",
+                    help="let FlashInfer JIT-build the modules it lacks (nvcc; minutes at first use)")
     args = ap.parse_args(argv)
+    if not args.peer_jit:
+        os.environ.setdefault("FLASHINFER_DISABLE_JIT", "1")
     names = list(FAMILIES) if args.families is None else [f.strip() for f in args.families.split(",")]
     unknown = sorted(set(names) - set(FAMILIES))
     if unknown:

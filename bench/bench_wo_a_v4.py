@@ -1,6 +1,6 @@
 """Benchmark WO-A at DeepSeek-V4's shapes, bf16 and the checkpoint's FP8, against PyTorch.
 
-    python bench/bench_wo_a_v4.py [--tokens 1,5,16,32,64,128,320,1024,4096,16384] [--out FILE]
+    python bench/bench_wo_a_v4.py [--tokens 1,5,16,32,64,128,320,1024,4096,16384] [--kgroups 1|2] [--out FILE]
 
 Shapes: V4-Flash (G = 8 groups of 8 heads x 512, Dg = 4096, R = 1024) and V4-Pro (G = 16).
 Per T, same run, CUDA-graph replay over rotating weight sets larger than L2, interleaved:
@@ -95,7 +95,10 @@ def main():
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)),
                     help=f"comma-separated T values (default: {','.join(map(str, TOKENS))})")
     ap.add_argument("--out", default=None, help="also write the markdown table here (default: none)")
+    ap.add_argument("--kgroups", type=int, choices=(1, 2), default=None,
+                    help="the FP8-activation kernel's K groups (default: its plan's)")
     args = ap.parse_args()
+    kg = {} if args.kgroups is None else {"kgroups": args.kgroups}
     tokens = [int(t) for t in args.tokens.split(",")]
     gpu_warmup()
     rows = []
@@ -145,22 +148,22 @@ def main():
                 a = (q8.float().view(T, -1, 32) * torch.exp2(qs.float() - 127)[..., None]).view(T, G, Dg)
                 ref_act = torch.einsum("tgd,grd->tgr", a, w_deq).reshape(T, G * R)
                 try:  # (a newer kernel: a failure marks its cells, loudly, and keeps the other columns)
-                    err = poisoned_error(lambda i: wo_a_fp8_act(q8, qs, w8, sc, out=y), y, ref_act)
+                    err = poisoned_error(lambda i: wo_a_fp8_act(q8, qs, w8, sc, out=y, **kg), y, ref_act)
                 except Exception as e:  # noqa: BLE001
                     err, act_cols = None, [f"FAILED: {type(e).__name__}: {str(e)[:80]}", "-", "-", "-"]
                 if err is not None and not err < 1e-2:
                     print(f"{model} T={T}: FP8-activation WO-A OUTPUT CHECK FAILED (rel. error {err:.2e})", flush=True)
                     act_cols = [f"OUTPUT CHECK FAILED (rel. error {err:.1e}): not timed", "-", "-", "-"]
                 elif err is not None:
-                    pdl_err = poisoned_error(lambda i: (quant(True), wo_a_fp8_act(q8, qs, w8, sc, out=y, pdl=True)),
+                    pdl_err = poisoned_error(lambda i: (quant(True), wo_a_fp8_act(q8, qs, w8, sc, out=y, pdl=True, **kg)),
                                              y, ref_act)
                     if not pdl_err < 1e-2:
                         raise SystemExit(f"{model} T={T}: FP8-activation WO-A with PDL: OUTPUT CHECK FAILED "
                                          f"(rel. error {pdl_err:.2e})")
                     t_q, t_qp, t_g = time_graphs_interleaved(
-                        [lambda i: (quant(), wo_a_fp8_act(q8, qs, *fs[i % len(fs)], out=y)),
-                         lambda i: (quant(True), wo_a_fp8_act(q8, qs, *fs[i % len(fs)], out=y, pdl=True)),
-                         lambda i: wo_a_fp8_act(q8, qs, *fs[i % len(fs)], out=y)], n, reps, trials=15)
+                        [lambda i: (quant(), wo_a_fp8_act(q8, qs, *fs[i % len(fs)], out=y, **kg)),
+                         lambda i: (quant(True), wo_a_fp8_act(q8, qs, *fs[i % len(fs)], out=y, pdl=True, **kg)),
+                         lambda i: wo_a_fp8_act(q8, qs, *fs[i % len(fs)], out=y, **kg)], n, reps, trials=15)
                     act_cols = [f"{t_q * 1e6:.1f}", f"{t_qp * 1e6:.1f}", f"{t_g * 1e6:.1f}",
                                 f"{100 * (wbytes8 + T * G * Dg * 33 // 32 + T * G * R * 2) / t_g / H200_COPY_BW:.0f}%"
                                 " of 4.3 TB/s"]
@@ -184,7 +187,8 @@ def main():
     note = f" `torch._scaled_mm` with block-wise scales: n/a ({scaled_mm_error})." if scaled_mm_error else ""
     text = "\n".join([f"## WO-A at DeepSeek-V4 shapes, bf16 and FP8 -- {torch.cuda.get_device_name()}, "
                       f"{datetime.date.today()}", "",
-                      f"Command: `python bench/bench_wo_a_v4.py --tokens {args.tokens}`.{note}", "",
+                      f"Command: `python bench/bench_wo_a_v4.py --tokens {args.tokens}"
+                      + (f" --kgroups {args.kgroups}" if kg else "") + f"`.{note}", "",
                       markdown_table(["shape (Dg=4096, R=1024)", "bf16 ours us", "bmm group-major us",
                                       "bmm into token-major y us", "bf16 vs best", "bf16 of limit",
                                       "FP8 ours us", "torch dequant + bmm us", "_scaled_mm per group us",

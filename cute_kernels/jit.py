@@ -736,6 +736,13 @@ def use_tvm_ffi(enabled: bool = True) -> None:
     TVM_FFI = bool(enabled)
 
 
+#: ``CUTE_KERNELS_TVM_FFI=1`` in the environment: :func:`use_tvm_ffi` at import -- a serving
+#: process's eager calls take the tensor entries without a code change (``0`` / unset: off)
+TVM_FFI_ENV = "CUTE_KERNELS_TVM_FFI"
+if os.environ.get(TVM_FFI_ENV, "0") not in ("", "0"):
+    use_tvm_ffi()
+
+
 def iter_aot(reg: dict[str, KernelDef], names: Iterable[str] | None = None, arch: str = "sm_100a",
              tensor_entries: bool = False):
     """(KernelDef, config) pairs of the kernels ``reg`` (by name) that the AOT build compiles

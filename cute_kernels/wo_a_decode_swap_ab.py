@@ -83,22 +83,28 @@ def load_k_slice(pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, 
 def load_prologue(pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, tma_w: cute.CopyAtom,
                   tWgW: cute.Tensor, tWsW: cute.Tensor, tma_o: cute.CopyAtom, tOgO: cute.Tensor, tOsO: cute.Tensor,
                   n: cutlass.Constexpr, stages: cutlass.Constexpr, pdl: cutlass.Constexpr,
-                  warp_idx: Int32) -> pipeline.PipelineState:
+                  warp_idx: Int32, step: cutlass.Constexpr = 1) -> pipeline.PipelineState:
     """The pipeline's first ``n`` K slices of both tiles (warp 0 issues); returns the producer
     state ``n`` slices on from ``prod``, which the caller must take (``prod = load_prologue(...)``:
-    an advance inside this function's branches is not seen through the caller's object). ``pdl`` (a
+    an advance inside this function's branches is not seen through the caller's object).
+    ``step``: the producer owns every ``step``-th slice and stage from ``prod`` on (warpgroups
+    splitting K by turns, :mod:`.wo_a_fp8_act_sm90`); its ``n`` slices are ``prod.count``,
+    ``prod.count + step``, ... ``pdl`` (a
     programmatic dependent launch): the weight slices first -- the weights do not depend on the
     kernel before this one -- then, in every thread, ``griddepcontrol`` lets this kernel's own
     dependents launch and waits for the previous grid to complete and flush, and only then the
     token slices (its output) go out; every later access of the kernel follows that wait."""
     if cutlass.const_expr(pdl):
-        head = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+        if cutlass.const_expr(step == 1):
+            head = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+        else:
+            head = prod.clone()
         if warp_idx == 0:
             for _ in cutlass.range_constexpr(n):
                 pipe.producer_acquire(prod)
                 cute.copy(tma_w, tWgW[(None, prod.count)], tWsW[(None, prod.index)],
                           tma_bar_ptr=pipe.producer_get_barrier(prod))
-                prod.advance()
+                prod.advance(step)
         cute.arch.griddepcontrol_launch_dependents()
         cute.arch.griddepcontrol_wait()
         if warp_idx == 0:
@@ -106,12 +112,12 @@ def load_prologue(pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState,
                 cute.copy(tma_o, tOgO[(None, head.count)], tOsO[(None, head.index)],
                           tma_bar_ptr=pipe.producer_get_barrier(head))
                 pipe.producer_commit(head)
-                head.advance()
+                head.advance(step)
     else:
         if warp_idx == 0:
             for _ in cutlass.range_constexpr(n):
                 load_k_slice(pipe, prod, tma_w, tWgW, tWsW, tma_o, tOgO, tOsO)
-                prod.advance()
+                prod.advance(step)
     return prod
 
 

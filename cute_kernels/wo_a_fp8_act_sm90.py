@@ -31,6 +31,14 @@ behind the prologue's loads: a promotion is one shared load per token column and
 accumulator element. The
 epilogue transposes the tile through shared memory into token-major ``y [T, G*R]``.
 
+K groups (``kgroups`` = 2): the chain above -- a block's wgmma, its wait, its promotion -- is
+serial within a warpgroup and, at 128 blocks per CTA, takes longer than the CTA's weight bytes
+take to arrive. With two warpgroups the K slices go to them by turns (slice ``kt`` to
+warpgroup ``kt % 2``, into stage ``kt % stages`` of the one pipeline: each stage has one
+producer and one consuming warpgroup, whose first warp issues its own slices' loads), two
+independent chains share the SM's tensor cores, and the epilogue adds the second warpgroup's
+accumulator to the first's in shared memory before the store.
+
 ``pdl`` (a programmatic dependent launch, e.g. behind the activations' quantization): the
 prologue's weight slices go out before ``griddepcontrol.wait``, the token slices and the scale
 loads after it (:func:`.wo_a_decode_swap_ab.load_prologue`), so the weights stream while the
@@ -39,7 +47,8 @@ kernel before this one finishes.
 Numerics: the activations' e4m3 rounding (relative 2^-4 per element, before this kernel);
 products of e4m3 values are exact, the tensor core sums a block's 32 of them keeping about 14
 mantissa bits, ``ws * sa`` is exact (a power of two times an FP32), the promotion rounds in
-FP32, and ``y`` is rounded once to bf16. A NaN activation block (scale byte 0xFF) makes its
+FP32 (with K groups, each group's sum over its slices, then the two added), and ``y`` is
+rounded once to bf16. A NaN activation block (scale byte 0xFF) makes its
 token's outputs NaN.
 
 Constraints: T <= ``tok_n`` (the host picks it from T), R % 128 == 0, Dg % 128 == 0, shared
@@ -87,11 +96,16 @@ def smem_bytes(tok_n: int, stages: int, Dg: int = 4096) -> int:
             + 4 * tok_n * (kt * (BK // MX) + 1) + 16)
 
 
+KGROUPS = (1, 2)  # warpgroups splitting K by turns
+
+
 class WoAFp8ActSm90:
-    def __init__(self, G: int, R: int, Dg: int, tok_n: int, stages: int = 8, pdl: bool = False):
+    def __init__(self, G: int, R: int, Dg: int, tok_n: int, stages: int = 8, pdl: bool = False, kgroups: int = 1):
         self.G, self.R, self.Dg, self.tok_n, self.stages, self.pdl = G, R, Dg, tok_n, stages, pdl
         self.tile = (BM, tok_n, BK)
         self.k_tiles = Dg // BK
+        self.kgroups = kgroups
+        self.threads = THREADS * kgroups
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, qs_ptr: cute.Pointer, w_ptr: cute.Pointer, ws_ptr: cute.Pointer,
@@ -109,7 +123,7 @@ class WoAFp8ActSm90:
         tiled_mma, w_smem, q_smem, tma_w, tma_tensor_w, tma_q, tma_tensor_q = swap_ab_operands(
             f8, mW, mQ, self.tile, self.stages)
         self.kernel(tiled_mma, tma_w, tma_tensor_w, tma_q, tma_tensor_q, w_smem, q_smem, mQs, mWs, mY,
-                    num_tokens).launch(grid=[G * R // BM, 1, 1], block=[THREADS, 1, 1], stream=stream,
+                    num_tokens).launch(grid=[G * R // BM, 1, 1], block=[self.threads, 1, 1], stream=stream,
                                        use_pdl=self.pdl)
 
     @cute.jit
@@ -128,7 +142,9 @@ class WoAFp8ActSm90:
         nt, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         f8 = cutlass.Float8E4M3FN
-        STAGES, TN, KT = self.stages, self.tok_n, self.k_tiles
+        STAGES, TN, KT, KG = self.stages, self.tok_n, self.k_tiles, self.kgroups
+        wg = warp_idx // (THREADS // 32)  # this warpgroup: its K slices are wg, wg + KG, ...
+        wg_tidx = tidx - wg * THREADS
         tiles_per_group = self.R // BM
         g = nt // tiles_per_group
         rt = nt - g * tiles_per_group
@@ -143,10 +159,14 @@ class WoAFp8ActSm90:
 
         # This CTA's 64 weight rows of group g and the group's token rows, in 128-byte K slices.
         tWsW, tWgW, tQsQ, tQgQ = group_operand_tiles(tma_w, mW, sW, tma_q, mQ, sQ, (BM, BK), (TN, BK), rt, g)
-        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
-        prod = load_prologue(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ, min(STAGES, KT), STAGES, self.pdl,
-                             warp_idx)
+        if cutlass.const_expr(KG == 1):
+            prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        else:  # this warpgroup's first slice and stage, every KG-th on from there
+            prod = pipeline.PipelineState(STAGES, wg, wg, Int32(1))
+            cons = pipeline.PipelineState(STAGES, wg, wg, Int32(0))
+        prod = load_prologue(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ, min(STAGES, KT) // KG, STAGES,
+                             self.pdl, warp_idx - wg * (THREADS // 32), KG)
 
         # The scales, behind the prologue's loads (with pdl: after its grid-dependency wait -- the
         # token scales are the previous kernel's output), decoded once: read from global memory inside
@@ -158,8 +178,8 @@ class WoAFp8ActSm90:
         row_words = self.G * self.Dg // BK  # scale words per token row (one per K slice of a group)
         q_word0 = g * (self.Dg // BK)  # group g's first word in a token's row
         ws_row = (g * (self.R // SCALE_BLOCK) + rt * BM // SCALE_BLOCK) * (self.Dg // SCALE_BLOCK)
-        for i in cutlass.range_constexpr((TN * KT + THREADS - 1) // THREADS):
-            idx = tidx + i * THREADS
+        for i in cutlass.range_constexpr((TN * KT + self.threads - 1) // self.threads):
+            idx = tidx + i * self.threads
             if idx < TN * KT:
                 t = idx // KT
                 kt = idx - t * KT
@@ -171,20 +191,23 @@ class WoAFp8ActSm90:
                     sS[t, kt * (BK // MX) + b] = ws * e8m0_to_f32((word >> (8 * b)) & Uint32(0xFF))
         cute.arch.barrier()
 
-        tCrW, tCrQ, tCcC, acc = wgmma_fragments(tiled_mma, tidx, sW, sQ, (BM, TN))
+        tCrW, tCrQ, tCcC, acc = wgmma_fragments(tiled_mma, wg_tidx, sW, sQ, (BM, TN))
         acc.fill(0.0)
         # Two block partials in flight: the wgmma of block kb runs while block kb - 1 is promoted.
         frags = [cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(2)]
         NV = cute.size(acc)  # (column pair, row + 8, TN / 8 column blocks) per thread
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)  # every block's wgmma: a fresh partial
-        for kt in cutlass.range(KT, unroll=1):
-            self.k_slice(pipe, cons, tiled_mma, tCrW, tCrQ, tCcC, acc, frags, sS, kt, NV)
-            cons.advance()
-            if warp_idx == 0 and prod.count < KT:
+        for _ in cutlass.range(KT // KG, unroll=1):
+            self.k_slice(pipe, cons, tiled_mma, tCrW, tCrQ, tCcC, acc, frags, sS, cons.count, NV)
+            cons.advance(KG)
+            if warp_idx == wg * (THREADS // 32) and prod.count < KT:
                 load_k_slice(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ)
-                prod.advance()
+                prod.advance(KG)
 
-        store_token_major(acc, tCcC, sOut, mY, nt * BM, num_tokens, tidx)  # nt * BM = g * R + rt * 64
+        if cutlass.const_expr(KG == 1):
+            store_token_major(acc, tCcC, sOut, mY, nt * BM, num_tokens, tidx)  # nt * BM = g * R + rt * 64
+        else:
+            self.store_k_groups(acc, tCcC, sOut, mY, nt * BM, num_tokens, tidx, wg)
 
     @cute.jit
     def k_slice(self, pipe: pipeline.PipelineTmaAsync, cons: pipeline.PipelineState, tiled_mma: cute.TiledMma,
@@ -198,6 +221,28 @@ class WoAFp8ActSm90:
         pipe.consumer_release(cons)
 
     @cute.jit
+    def store_k_groups(self, acc: cute.Tensor, tCcC: cute.Tensor, sOut: cute.Tensor, mY: cute.Tensor, col0: Int32,
+                       num_tokens: Int32, tidx: Int32, wg: Int32):
+        """The epilogue with two K groups: the second warpgroup's accumulator into ``sOut``
+        (token-major, transposed), the first's added to it, then the sum rounded once to bf16
+        into columns ``col0 ..`` of ``mY`` by every thread (:func:`.wo_a_decode_swap_ab.store_token_major`'s
+        layout)."""
+        if wg == 1:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                r, c = tCcC[i]
+                sOut[c, r] = acc[i]
+        cute.arch.barrier()
+        if wg == 0:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                r, c = tCcC[i]
+                sOut[c, r] = sOut[c, r] + acc[i]
+        cute.arch.barrier()
+        for idx in cutlass.range(tidx, num_tokens * BM, self.threads):
+            c = idx // BM
+            r = idx - c * BM
+            mY[c, col0 + r] = sOut[c, r].to(cutlass.BFloat16)
+
+    @cute.jit
     def promote(self, acc: cute.Tensor, frag: cute.Tensor, tCcC: cute.Tensor, sS: cute.Tensor, kb: Int32,
                 NV: cutlass.Constexpr):
         """acc += one 32-wide K block's FP32 partial times its token's ``ws * sa``: one FFMA
@@ -206,38 +251,45 @@ class WoAFp8ActSm90:
             acc[i] = acc[i] + frag[i] * sS[tCcC[i][1], kb]
 
     @staticmethod
-    def can_implement(T: int, G: int, R: int, Dg: int, tok_n: int, stages: int = 8) -> bool:
+    def can_implement(T: int, G: int, R: int, Dg: int, tok_n: int, stages: int = 8, kgroups: int = 1) -> bool:
         return (1 <= T <= tok_n and tok_n in TOK_N and G >= 1 and R % SCALE_BLOCK == 0 and R > 0
-                and Dg % BK == 0 and Dg > 0 and 2 <= stages and smem_bytes(tok_n, stages, Dg) <= SMEM_PER_CTA)
+                and Dg % BK == 0 and Dg > 0 and 2 <= stages and smem_bytes(tok_n, stages, Dg) <= SMEM_PER_CTA
+                and kgroups in KGROUPS and stages % kgroups == 0 and (Dg // BK) % kgroups == 0
+                and stages // kgroups <= Dg // BK // kgroups)
 
 
 def plan(T: int) -> dict:
-    """The compile configuration ``{tok_n, stages}`` of a call with ``T`` tokens: the narrowest
-    token tile, 8 stages (6 for the 64-token tile) -- the bf16 swap-AB kernel's depth for
-    128-wide slices, here 8 KB of weights per stage."""
+    """The compile configuration ``{tok_n, stages, kgroups}`` of a call with ``T`` tokens: the
+    narrowest token tile, 8 stages (6 for the 64-token tile) -- the bf16 swap-AB kernel's depth
+    for 128-wide slices, here 8 KB of weights per stage -- and two K groups for the 32- and
+    64-token tiles, whose promotions (tok_n / 2 FFMAs per thread and block) make the chain
+    the longer one; the 16-token tile keeps one (``bench/bench_wo_a_v4.py --kgroups``)."""
     for tok_n in TOK_N:
         if T <= tok_n:
-            return {"tok_n": tok_n, "stages": 8 if tok_n <= 32 else 6}
+            return {"tok_n": tok_n, "stages": 8 if tok_n <= 32 else 6, "kgroups": 1 if tok_n == 16 else 2}
     raise ValueError(f"wo_a_fp8_act: T={T} > {MAX_T} (a decode kernel; prefill takes wo_a_fp8)")
 
 
-def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 8, pdl: bool = False):
+def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 8, pdl: bool = False,
+           kgroups: int = 1):
     """``tok_n``: the token tile (wgmma N; T <= tok_n). ``stages``: TMA pipeline depth. ``pdl``:
     a programmatic dependent launch (the first stages' weight slices go out before the wait
-    for the previous kernel, whose output the activations and their scales are)."""
-    if not WoAFp8ActSm90.can_implement(1, G, R, Dg, tok_n, stages):
-        raise ValueError(f"wo_a_fp8_act: unsupported G={G}, R={R}, Dg={Dg}, tok_n={tok_n}, stages={stages} "
-                         f"(R % 128, Dg % 128, tok_n in {TOK_N}, stages >= 2 within {SMEM_PER_CTA} B of shared "
-                         f"memory: {smem_bytes(tok_n, stages, Dg)} B)")
+    for the previous kernel, whose output the activations and their scales are). ``kgroups``:
+    warpgroups splitting K by turns (module docstring)."""
+    if not WoAFp8ActSm90.can_implement(1, G, R, Dg, tok_n, stages, kgroups):
+        raise ValueError(f"wo_a_fp8_act: unsupported G={G}, R={R}, Dg={Dg}, tok_n={tok_n}, stages={stages}, "
+                         f"kgroups={kgroups} (R % 128, Dg % 128, tok_n in {TOK_N}, stages >= 2 within "
+                         f"{SMEM_PER_CTA} B of shared memory: {smem_bytes(tok_n, stages, Dg)} B, kgroups in "
+                         f"{KGROUPS} dividing the stages and the K slices)")
     P = jit.fake_gmem_ptr
     f8 = cutlass.Float8E4M3FN
     args = (P(f8, 16), P(cutlass.Uint8, 4), P(f8, 16), P(Float32, 4), P(cutlass.BFloat16, 4), Int32(1),
             jit.fake_stream())
-    return WoAFp8ActSm90(G, R, Dg, tok_n, stages, pdl), args
+    return WoAFp8ActSm90(G, R, Dg, tok_n, stages, pdl, kgroups), args
 
 
-def _build_tensors(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 8):
-    op, _ = _build(arch, G=G, R=R, Dg=Dg, tok_n=tok_n, stages=stages)
+def _build_tensors(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 8, kgroups: int = 1):
+    op, _ = _build(arch, G=G, R=R, Dg=Dg, tok_n=tok_n, stages=stages, kgroups=kgroups)
     sym, T, f8 = {}, jit.fake_tensor, cutlass.Float8E4M3FN
     args = (T(f8, ("T", "H", "Dv"), 16, sym), T(cutlass.Uint8, ("T", G * Dg // MX), 4, sym), T(f8, (G, R, Dg), 16, sym),
             T(Float32, (G, R // SCALE_BLOCK, Dg // SCALE_BLOCK), 4, sym), T(cutlass.BFloat16, ("T", G * R), 4, sym),
@@ -265,21 +317,24 @@ _TENSOR_FNS: dict = {}
 
 def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *,
                  out: torch.Tensor | None = None, stream=None, arch: str | None = None,
-                 pdl: bool = False) -> torch.Tensor:
+                 pdl: bool = False, kgroups: int | None = None) -> torch.Tensor:
     """``y [T, G*R]`` (bf16, token-major) from MXFP8 activations ``q [T, H, Dv]`` (e4m3) with
     ``q_scales [T, H*Dv/32]`` (uint8 UE8M0, :func:`moe.quant.mxfp8_quantize`'s plain layout of
     ``o.view(T, H*Dv)``), e4m3 ``w [G, R, (H/G)*Dv]`` and FP32 ``w_scale [G, R/128, Dg/128]``;
     T <= 64. ``out``: a preallocated ``y`` (nothing allocated). Launched on ``stream`` (default:
     torch's current stream). ``pdl``: launched as a programmatic dependent of the kernel before
     it on the stream -- the weights start streaming while that kernel (e.g. the activations'
-    quantization) finishes; a separate compile, the same results."""
-    default_call = stream is None and arch is None and pdl is False
+    quantization) finishes; a separate compile, the same results. ``kgroups`` (1 or 2; None: the
+    plan's): warpgroups splitting K, a compile choice (module docstring) -- sums in another order."""
+    default_call = stream is None and arch is None and pdl is False and kgroups is None
     if (out is not None and default_call and jit.TVM_FFI and isinstance(q, torch.Tensor)
             and isinstance(w, torch.Tensor)):  # the eager hot path (the C checks: dtypes, extents, strides, alignment)
         if jit.launch_tensor_entry(_TENSOR_FNS, (q.shape, w.shape, q.get_device()), q, q_scales, w, w_scale, out):
             return out
     op = "wo_a_fp8_act"
     check_bool(op, "pdl", pdl)
+    if kgroups is not None and kgroups not in KGROUPS:
+        raise ValueError(f"{op}: kgroups={kgroups!r} must be None or one of {KGROUPS}")
     check_tensor(op, "q", q, dtype=torch.float8_e4m3fn, ndim=3, contiguous=True, align_bytes=16)
     check_tensor(op, "w", w, dtype=torch.float8_e4m3fn, ndim=3, contiguous=True, align_bytes=16)
     T, H, Dv = q.shape
@@ -299,7 +354,8 @@ def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_sca
     check_tensor(op, "out", out, dtype=torch.bfloat16, shape=(T, G * R), contiguous=True, align_bytes=4)
     check_cuda(op, ("q", q), ("q_scales", q_scales), ("w", w), ("w_scale", w_scale), ("out", out))
     a = check_arch_supported(op, arch or current_arch(q.device), ("sm_90a",))
-    fn = jit.get_kernel("wo_a_fp8_act_sm90", a, G=G, R=R, Dg=Dg, **plan(T), **({"pdl": True} if pdl else {}))
+    cfg = dict(plan(T), **({} if kgroups is None else {"kgroups": kgroups}))
+    fn = jit.get_kernel("wo_a_fp8_act_sm90", a, G=G, R=R, Dg=Dg, **cfg, **({"pdl": True} if pdl else {}))
     P = jit.gmem_ptr
     fn(P(cutlass.Float8E4M3FN, q, 16), P(cutlass.Uint8, q_scales, 4), P(cutlass.Float8E4M3FN, w, 16),
        P(Float32, w_scale, 4), P(cutlass.BFloat16, out, 4), jit.i32(T), jit.cu_stream(stream))

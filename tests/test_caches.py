@@ -705,6 +705,19 @@ def test_tvm_ffi_launch_mode_converts_plain_arguments(tmp_path):
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 
+@pytest.mark.parametrize("value, on", [("1", True), ("0", False), (None, False)])
+def test_tvm_ffi_mode_from_the_environment(value, on):
+    """``CUTE_KERNELS_TVM_FFI=1`` turns the TVM-FFI launches on at import (a serving process
+    changes no code); ``0`` or unset leaves the direct launch."""
+    pytest.importorskip("tvm_ffi")
+    env = {k: v for k, v in os.environ.items() if k != jit.TVM_FFI_ENV}
+    if value is not None:
+        env[jit.TVM_FFI_ENV] = value
+    res = subprocess.run([sys.executable, "-c", "from cute_kernels import jit; print(jit.TVM_FFI)"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == str(on), res.stderr[-2000:]
+
+
 def test_tvm_ffi_mode_needs_its_package(monkeypatch):
     import sys
 

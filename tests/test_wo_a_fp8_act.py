@@ -75,7 +75,7 @@ def test_plan_maps_every_decode_t_to_a_config_that_fits():
         assert cfg["tok_n"] in TOK_N and T <= cfg["tok_n"] and (cfg["tok_n"] == TOK_N[0] or T > cfg["tok_n"] // 2)
         for G, HG, Dv, R in V4_SHAPES:
             assert WoAFp8ActSm90.can_implement(T, G, R, HG * Dv, **cfg)
-        assert smem_bytes(**cfg) <= 227 * 1024
+        assert smem_bytes(cfg["tok_n"], cfg["stages"]) <= 227 * 1024
     with pytest.raises(ValueError, match="T=65"):
         plan(65)
 
@@ -112,25 +112,35 @@ def test_pdl_must_be_a_bool():
         wo_a_fp8_act(kw["q"], kw["q_scales"], kw["w"], kw["w_scale"], pdl=1)
 
 
+def test_kgroups_is_refused_by_name():
+    kw = _args()
+    with pytest.raises(ValueError, match="wo_a_fp8_act: kgroups=3"):
+        wo_a_fp8_act(kw["q"], kw["q_scales"], kw["w"], kw["w_scale"], kgroups=3)
+    assert not WoAFp8ActSm90.can_implement(1, 8, 1024, 4096, 64, stages=5, kgroups=2)  # stages split evenly
+
+
+@pytest.mark.parametrize("kgroups", [1, 2])
 @pytest.mark.parametrize("tok_n, stages", [(16, 8), (32, 8), (64, 6)])
-def test_machine_code(tok_n, stages):
+def test_machine_code(tok_n, stages, kgroups):
     """Per 128-byte K slice: four e4m3 x e4m3 wgmmas (m64 n{tok_n} k32) into FP32, each block's
-    partial promoted with one FFMA per accumulator element; the weight and token tiles by TMA;
-    the scales read from global memory only before the first wgmma (staged once: tok_n * 32
-    words, each with its weight scale, over 128 threads) and decoded there, in the slice one
-    shared load per token column and block and no decoding; no spills."""
+    partial promoted with one FFMA per accumulator element; the weight and token tiles by TMA
+    (each K group's first warp issues its ``stages / kgroups`` prologue slices, then one slice
+    per step); the scales read from global memory only before the first wgmma (staged once:
+    tok_n * 32 words, each with its weight scale, over 128 x kgroups threads) and decoded there,
+    in the slice one shared load per token column and block and no decoding; with two K
+    groups the epilogue reads the second group's sums back once per element; no spills."""
     text = sass.disassemble(sass.compile_cubin("wo_a_fp8_act_sm90", "sm_90a", G=8, R=1024, Dg=4096, tok_n=tok_n,
-                                               stages=stages))
+                                               stages=stages, kgroups=kgroups))
     h = sass.histogram(text)
     assert h[f"QGMMA.64x{tok_n}x32.F32.E4M3.E4M3"] == 4, h
     nv = 64 * tok_n // 128  # accumulator elements per thread
     assert h["FFMA"] == 4 * nv, h
-    # a thread's words all belong to one K slice (128 threads, 32 slices): one weight-scale load
-    assert h["LDG.E"] == tok_n * 32 // 128 + 1, h
+    # a thread's words all belong to one K slice (128 x kgroups threads, 32 slices): one weight-scale load
+    assert h["LDG.E"] == tok_n * 32 // (128 * kgroups) + 1, h
     assert text.rindex("LDG.E") < text.index("QGMMA"), "a global scale load inside the K-slice loop"
     # per block one per token column (nv / 2 of them), and the epilogue's
-    assert sass.count(h, "LDS") == 4 * (nv // 2) + 1, h
-    assert sass.count(h, "UTMALDG") >= 2 and sass.count(h, "HMMA") == 0
+    assert sass.count(h, "LDS") == 4 * (nv // 2) + 1 + (nv if kgroups == 2 else 0), h
+    assert sass.count(h, "UTMALDG") == 2 * (stages // kgroups) + 2 and sass.count(h, "HMMA") == 0
     assert sass.local_memory_ops(h) == 0
 
 
@@ -157,15 +167,16 @@ def test_machine_code_with_programmatic_dependent_launch(tok_n, stages):
 
 # ------------------------------------------------------------------------- GPU ------
 @pytest.mark.gpu
+@pytest.mark.parametrize("kgroups", [None, 1])
 @pytest.mark.parametrize("G, HG, Dv, R", V4_SHAPES)
 @pytest.mark.parametrize("T", [1, 5, 16, 17, 33, 64])
-def test_v4_per_element(seed, G, HG, Dv, R, T):
-    """V4-Flash / -Pro at every token tile (odd T among them): output poisoned, every element
-    within its rounding bound of the float64 product of the dequantised operands, and the
-    norm-wise error below what one dropped 32-block would cost."""
+def test_v4_per_element(seed, G, HG, Dv, R, T, kgroups):
+    """V4-Flash / -Pro at every token tile (odd T among them), the plan's K groups and one:
+    output poisoned, every element within its rounding bound of the float64 product of the
+    dequantised operands, and the norm-wise error below what one dropped 32-block would cost."""
     q, qs, w8, ws = make(T, G, HG, Dv, R, "cuda")
     out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
-    wo_a_fp8_act(q, qs, w8, ws, out=out)
+    wo_a_fp8_act(q, qs, w8, ws, out=out, kgroups=kgroups)
     torch.cuda.synchronize()
     ref, bound = error_bound(*dequantized(q, qs, w8, ws))
     err = (out.double().cpu() - ref).abs()
