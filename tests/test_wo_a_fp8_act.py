@@ -144,21 +144,22 @@ def test_machine_code(tok_n, stages, kgroups):
     assert sass.local_memory_ops(h) == 0
 
 
-@pytest.mark.parametrize("tok_n, stages", [(16, 8), (64, 6)])
-def test_machine_code_with_programmatic_dependent_launch(tok_n, stages):
-    """``pdl=True``: the prologue's weight slices (``stages`` TMA loads) go out before the one
+@pytest.mark.parametrize("tok_n, stages, kgroups", [(16, 8, 1), (64, 6, 1), (64, 6, 2)])
+def test_machine_code_with_programmatic_dependent_launch(tok_n, stages, kgroups):
+    """``pdl=True``: the prologue's weight slices (``stages / kgroups`` TMA loads: each K group's
+    first warp issues its own, one code path) go out before the one
     grid-dependency wait (``ACQBULK``); the token slices, every scale load and every store come
     after it; the dependents' trigger (``PREEXIT``) is issued once. The K-slice loop is the
     default build's."""
     text = sass.disassemble(sass.compile_cubin("wo_a_fp8_act_sm90", "sm_90a", G=8, R=1024, Dg=4096, tok_n=tok_n,
-                                               stages=stages, pdl=True))
+                                               stages=stages, pdl=True, kgroups=kgroups))
     ops = sass.opcodes(text)
     wait = ops.index("ACQBULK")
     assert ops.count("ACQBULK") == 1 and ops.count("PREEXIT") == 1
-    assert sum(o.startswith("UTMALDG") for o in ops[:wait]) == stages  # the weights alone
+    assert sum(o.startswith("UTMALDG") for o in ops[:wait]) == stages // kgroups  # the weights alone
     assert not any(o.startswith(("LDG", "STG", "LDS", "STS")) for o in ops[:wait])
     default = sass.histogram(sass.disassemble(sass.compile_cubin(
-        "wo_a_fp8_act_sm90", "sm_90a", G=8, R=1024, Dg=4096, tok_n=tok_n, stages=stages)))
+        "wo_a_fp8_act_sm90", "sm_90a", G=8, R=1024, Dg=4096, tok_n=tok_n, stages=stages, kgroups=kgroups)))
     h = sass.histogram(text)
     for key in (f"QGMMA.64x{tok_n}x32.F32.E4M3.E4M3", "FFMA", "LDG.E"):
         assert h[key] == default[key], key
