@@ -7,9 +7,11 @@ first (bit-exact where both follow the same rule, else within the stated toleran
 that disagrees is reported, not timed), then both are timed (CUDA-graph replay, inputs rotated
 past L2) and the table gives shape, ours, peer, ratio and % of 4.3 TB/s. A peer that does not
 import or run here (wheel missing, another torch, no sm_90 path, a JIT compiler it needs) is a
-row saying which and why. FlashInfer's JIT builds (its top-k's CUDA module: nvcc and ninja,
-minutes at first use, more than the device's call allows) are off unless ``--peer-jit``
-(``FLASHINFER_DISABLE_JIT=1``): a peer that needs one is a "does not run" row.
+row saying which and why. FlashInfer JIT-builds its CUDA modules with nvcc at first use: about
+a minute for the quantizer's and router's, and its top-k's was still building after 280 s on
+the device -- so the top-k family runs FlashInfer's ``top_k`` with its JIT off
+(``FLASHINFER_DISABLE_JIT``: a "does not run" row unless the module is built) unless
+``--peer-jit``.
 
 Families and peers (wheels: ``.devcache/peers`` and ``.devcache/peers-flashinfer``, see
 docs/device.md), in the table's order:
@@ -358,6 +360,25 @@ def rel_norm(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+#: bench_peers --peer-jit: FlashInfer may JIT-build its top-k module (module docstring)
+TOPK_PEER_JIT = False
+
+
+def flashinfer_top_k(fi, scores: torch.Tensor, k: int):
+    """FlashInfer's ``top_k`` (unsorted, ties to the lower index, graph-safe), its JIT build
+    off unless :data:`TOPK_PEER_JIT` (raises FlashInfer's missing-module error then)."""
+    saved = os.environ.get("FLASHINFER_DISABLE_JIT")
+    if not TOPK_PEER_JIT:
+        os.environ["FLASHINFER_DISABLE_JIT"] = "1"
+    try:
+        return fi.top_k(scores, k, sorted=False, tie_break=1, dsa_graph_safe=True)
+    finally:
+        if saved is None:
+            os.environ.pop("FLASHINFER_DISABLE_JIT", None)
+        else:
+            os.environ["FLASHINFER_DISABLE_JIT"] = saved
+
+
 def topk_rows(fi):
     """The indexer's top-k alone (``indexer_select``: a radix select over score rows, indices
     ascending, ties to the lower index) against FlashInfer's ``top_k`` (unsorted, ties to the
@@ -381,8 +402,7 @@ def topk_rows(fi):
         if isinstance(fi, str):
             rows.append(row("top-k select", shape, "FlashInfer", t_ours, None, nbytes, fi))
         else:
-            peers.insert(0, ("FlashInfer top_k", lambda i: fi.top_k(wss[i].scores, k, sorted=False, tie_break=1,
-                                                                    dsa_graph_safe=True)))
+            peers.insert(0, ("FlashInfer top_k", lambda i: flashinfer_top_k(fi, wss[i].scores, k)))
         for name, call in peers:
             try:
                 theirs = call(0)[1].long().sort(-1).values
@@ -541,10 +561,10 @@ def main(argv=None) -> int:
     ap.add_argument("--families", default=None, metavar="F,...",
                     help=f"only these families (default: all of {', '.join(FAMILIES)})")
     ap.add_argument("--peer-jit", action="store_true",
-                    help="let FlashInfer JIT-build the modules it lacks (nvcc; minutes at first use)")
+                    help="let FlashInfer JIT-build its top-k module (nvcc; minutes at first use)")
     args = ap.parse_args(argv)
-    if not args.peer_jit:
-        os.environ.setdefault("FLASHINFER_DISABLE_JIT", "1")
+    global TOPK_PEER_JIT
+    TOPK_PEER_JIT = args.peer_jit
     names = list(FAMILIES) if args.families is None else [f.strip() for f in args.families.split(",")]
     unknown = sorted(set(names) - set(FAMILIES))
     if unknown:

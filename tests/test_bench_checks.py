@@ -6,6 +6,7 @@ report."""
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
@@ -139,3 +140,29 @@ def test_host_cost_pairs_each_chunk_with_the_yardstick(monkeypatch):
     assert t_op > 0 and t_add > 0
     calls.clear()
     assert isinstance(hc.host_us(op, calls=hc.CHUNK, trials=1), float) and calls == ["op"] * (1 + hc.CHUNK)
+
+
+def test_flashinfer_top_k_runs_with_its_jit_off_unless_asked(monkeypatch):
+    """The top-k family calls FlashInfer's ``top_k`` with ``FLASHINFER_DISABLE_JIT`` set (its
+    module's build outlasts a device call) unless ``--peer-jit``, and leaves the environment
+    as it found it, also when the call raises."""
+    seen = []
+
+    class FakeFlashInfer:
+        @staticmethod
+        def top_k(scores, k, **kw):
+            seen.append(os.environ.get("FLASHINFER_DISABLE_JIT"))
+            if k < 0:
+                raise RuntimeError("missing module")
+            return kw
+
+    monkeypatch.delenv("FLASHINFER_DISABLE_JIT", raising=False)
+    monkeypatch.setattr(bench_peers, "TOPK_PEER_JIT", False)
+    assert bench_peers.flashinfer_top_k(FakeFlashInfer, None, 4) == dict(sorted=False, tie_break=1,
+                                                                           dsa_graph_safe=True)
+    with pytest.raises(RuntimeError):
+        bench_peers.flashinfer_top_k(FakeFlashInfer, None, -1)
+    assert "FLASHINFER_DISABLE_JIT" not in os.environ
+    monkeypatch.setattr(bench_peers, "TOPK_PEER_JIT", True)
+    bench_peers.flashinfer_top_k(FakeFlashInfer, None, 4)
+    assert seen == ["1", "1", None]
