@@ -1,6 +1,6 @@
 """Benchmark WO-A at DeepSeek-V4's shapes, bf16 and the checkpoint's FP8, against PyTorch.
 
-    python bench/bench_wo_a_v4.py [--tokens 1,5,16,32,64,128,320,1024,4096,16384] [--kgroups 1|2] [--out FILE]
+    python bench/bench_wo_a_v4.py [--tokens 1,5,...,16384] [--kgroups 1|2] [--stages N] [--out FILE]
 
 Shapes: V4-Flash (G = 8 groups of 8 heads x 512, Dg = 4096, R = 1024) and V4-Pro (G = 16).
 Per T, same run, CUDA-graph replay over rotating weight sets larger than L2, interleaved:
@@ -97,8 +97,10 @@ def main():
     ap.add_argument("--out", default=None, help="also write the markdown table here (default: none)")
     ap.add_argument("--kgroups", type=int, choices=(1, 2), default=None,
                     help="the FP8-activation kernel's K groups (default: its plan's)")
+    ap.add_argument("--stages", type=int, default=None,
+                    help="the FP8-activation kernel's pipeline depth (default: its plan's)")
     args = ap.parse_args()
-    kg = {} if args.kgroups is None else {"kgroups": args.kgroups}
+    kg = {k: v for k, v in (("kgroups", args.kgroups), ("stages", args.stages)) if v is not None}
     tokens = [int(t) for t in args.tokens.split(",")]
     gpu_warmup()
     rows = []
@@ -188,7 +190,7 @@ def main():
     text = "\n".join([f"## WO-A at DeepSeek-V4 shapes, bf16 and FP8 -- {torch.cuda.get_device_name()}, "
                       f"{datetime.date.today()}", "",
                       f"Command: `python bench/bench_wo_a_v4.py --tokens {args.tokens}"
-                      + (f" --kgroups {args.kgroups}" if kg else "") + f"`.{note}", "",
+                      + "".join(f" --{k} {v}" for k, v in kg.items()) + f"`.{note}", "",
                       markdown_table(["shape (Dg=4096, R=1024)", "bf16 ours us", "bmm group-major us",
                                       "bmm into token-major y us", "bf16 vs best", "bf16 of limit",
                                       "FP8 ours us", "torch dequant + bmm us", "_scaled_mm per group us",

@@ -254,8 +254,7 @@ class WoAFp8ActSm90:
     def can_implement(T: int, G: int, R: int, Dg: int, tok_n: int, stages: int = 8, kgroups: int = 1) -> bool:
         return (1 <= T <= tok_n and tok_n in TOK_N and G >= 1 and R % SCALE_BLOCK == 0 and R > 0
                 and Dg % BK == 0 and Dg > 0 and 2 <= stages and smem_bytes(tok_n, stages, Dg) <= SMEM_PER_CTA
-                and kgroups in KGROUPS and stages % kgroups == 0 and (Dg // BK) % kgroups == 0
-                and stages // kgroups <= Dg // BK // kgroups)
+                and kgroups in KGROUPS and stages % kgroups == 0 and (Dg // BK) % kgroups == 0)
 
 
 def plan(T: int) -> dict:
@@ -317,7 +316,7 @@ _TENSOR_FNS: dict = {}
 
 def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *,
                  out: torch.Tensor | None = None, stream=None, arch: str | None = None,
-                 pdl: bool = False, kgroups: int | None = None) -> torch.Tensor:
+                 pdl: bool = False, kgroups: int | None = None, stages: int | None = None) -> torch.Tensor:
     """``y [T, G*R]`` (bf16, token-major) from MXFP8 activations ``q [T, H, Dv]`` (e4m3) with
     ``q_scales [T, H*Dv/32]`` (uint8 UE8M0, :func:`moe.quant.mxfp8_quantize`'s plain layout of
     ``o.view(T, H*Dv)``), e4m3 ``w [G, R, (H/G)*Dv]`` and FP32 ``w_scale [G, R/128, Dg/128]``;
@@ -325,8 +324,10 @@ def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_sca
     torch's current stream). ``pdl``: launched as a programmatic dependent of the kernel before
     it on the stream -- the weights start streaming while that kernel (e.g. the activations'
     quantization) finishes; a separate compile, the same results. ``kgroups`` (1 or 2; None: the
-    plan's): warpgroups splitting K, a compile choice (module docstring) -- sums in another order."""
-    default_call = stream is None and arch is None and pdl is False and kgroups is None
+    plan's): warpgroups splitting K, a compile choice (module docstring) -- sums in another order.
+    ``stages`` (None: the plan's): the TMA pipeline's depth, a multiple of the K groups within
+    shared memory (:func:`smem_bytes`) -- the same results."""
+    default_call = stream is None and arch is None and pdl is False and kgroups is None and stages is None
     if (out is not None and default_call and jit.TVM_FFI and isinstance(q, torch.Tensor)
             and isinstance(w, torch.Tensor)):  # the eager hot path (the C checks: dtypes, extents, strides, alignment)
         if jit.launch_tensor_entry(_TENSOR_FNS, (q.shape, w.shape, q.get_device()), q, q_scales, w, w_scale, out):
@@ -335,6 +336,8 @@ def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_sca
     check_bool(op, "pdl", pdl)
     if kgroups is not None and kgroups not in KGROUPS:
         raise ValueError(f"{op}: kgroups={kgroups!r} must be None or one of {KGROUPS}")
+    if stages is not None and (not isinstance(stages, int) or isinstance(stages, bool)):
+        raise TypeError(f"{op}: stages must be None or an int, got {stages!r}")
     check_tensor(op, "q", q, dtype=torch.float8_e4m3fn, ndim=3, contiguous=True, align_bytes=16)
     check_tensor(op, "w", w, dtype=torch.float8_e4m3fn, ndim=3, contiguous=True, align_bytes=16)
     T, H, Dv = q.shape
@@ -345,6 +348,12 @@ def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_sca
         raise ValueError(f"{op}: T={T} tokens; this decode kernel takes 1..{MAX_T}")
     if R % SCALE_BLOCK or Dg % BK:
         raise ValueError(f"{op}: w of shape {list(w.shape)} needs R % {SCALE_BLOCK} == 0 and Dg % {BK} == 0")
+    cfg = dict(plan(T), **({} if kgroups is None else {"kgroups": kgroups}),
+               **({} if stages is None else {"stages": stages}))
+    if not WoAFp8ActSm90.can_implement(T, G, R, Dg, **cfg):
+        raise ValueError(f"{op}: stages={cfg['stages']} with kgroups={cfg['kgroups']} at T={T}: the depth must be "
+                         f">= 2, a multiple of the K groups and fit {SMEM_PER_CTA} B of shared memory "
+                         f"({smem_bytes(cfg['tok_n'], cfg['stages'], Dg)} B)")
     check_tensor(op, "q_scales", q_scales, dtype=torch.uint8, shape=(T, H * Dv // MX), contiguous=True,
                  align_bytes=4)
     check_tensor(op, "w_scale", w_scale, dtype=torch.float32, shape=(G, R // SCALE_BLOCK, Dg // SCALE_BLOCK),
@@ -354,7 +363,6 @@ def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_sca
     check_tensor(op, "out", out, dtype=torch.bfloat16, shape=(T, G * R), contiguous=True, align_bytes=4)
     check_cuda(op, ("q", q), ("q_scales", q_scales), ("w", w), ("w_scale", w_scale), ("out", out))
     a = check_arch_supported(op, arch or current_arch(q.device), ("sm_90a",))
-    cfg = dict(plan(T), **({} if kgroups is None else {"kgroups": kgroups}))
     fn = jit.get_kernel("wo_a_fp8_act_sm90", a, G=G, R=R, Dg=Dg, **cfg, **({"pdl": True} if pdl else {}))
     P = jit.gmem_ptr
     fn(P(cutlass.Float8E4M3FN, q, 16), P(cutlass.Uint8, q_scales, 4), P(cutlass.Float8E4M3FN, w, 16),

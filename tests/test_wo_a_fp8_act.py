@@ -112,15 +112,20 @@ def test_pdl_must_be_a_bool():
         wo_a_fp8_act(kw["q"], kw["q_scales"], kw["w"], kw["w_scale"], pdl=1)
 
 
-def test_kgroups_is_refused_by_name():
+def test_kgroups_and_stages_are_refused_by_name():
     kw = _args()
     with pytest.raises(ValueError, match="wo_a_fp8_act: kgroups=3"):
         wo_a_fp8_act(kw["q"], kw["q_scales"], kw["w"], kw["w_scale"], kgroups=3)
+    with pytest.raises(TypeError, match="wo_a_fp8_act: stages must be"):
+        wo_a_fp8_act(kw["q"], kw["q_scales"], kw["w"], kw["w_scale"], stages=4.0)
+    for bad in (dict(stages=5, kgroups=2), dict(stages=1, kgroups=1), dict(stages=40)):  # odd, too shallow, too big
+        with pytest.raises(ValueError, match="wo_a_fp8_act: stages="):
+            wo_a_fp8_act(kw["q"], kw["q_scales"], kw["w"], kw["w_scale"], **bad)
     assert not WoAFp8ActSm90.can_implement(1, 8, 1024, 4096, 64, stages=5, kgroups=2)  # stages split evenly
 
 
 @pytest.mark.parametrize("kgroups", [1, 2])
-@pytest.mark.parametrize("tok_n, stages", [(16, 8), (32, 8), (64, 6)])
+@pytest.mark.parametrize("tok_n, stages", [(16, 8), (32, 8), (64, 6), (16, 16), (64, 10)])
 def test_machine_code(tok_n, stages, kgroups):
     """Per 128-byte K slice: four e4m3 x e4m3 wgmmas (m64 n{tok_n} k32) into FP32, each block's
     partial promoted with one FFMA per accumulator element; the weight and token tiles by TMA
