@@ -31,11 +31,11 @@ behind the prologue's loads: a promotion is one shared load per token column and
 accumulator element. The
 epilogue transposes the tile through shared memory into token-major ``y [T, G*R]``.
 
-K groups (``kgroups`` = 2): the chain above -- a block's wgmma, its wait, its promotion -- is
-serial within a warpgroup and, at 128 blocks per CTA, takes longer than the CTA's weight bytes
-take to arrive. With two warpgroups the K slices go to them by turns (slice ``kt`` to
-warpgroup ``kt % 2``, into stage ``kt % stages`` of the one pipeline: each stage has one
-producer and one consuming warpgroup, whose first warp issues its own slices' loads), two
+K groups (``kgroups`` = 2, the plan's for the 32- and 64-token tiles): the chain above -- a
+block's wgmma, its wait, its promotion (tok_n / 2 FFMAs per thread) -- is serial within a
+warpgroup, 128 blocks per CTA. With two warpgroups the K slices go to them by turns (slice
+``kt`` to warpgroup ``kt % 2``, into stage ``kt % stages`` of the one pipeline: each stage has
+one producer and one consuming warpgroup, whose first warp issues its own slices' loads), two
 independent chains share the SM's tensor cores, and the epilogue adds the second warpgroup's
 accumulator to the first's in shared memory before the store.
 
