@@ -5,7 +5,9 @@
 Per family, on the same inputs in the same process: the peer's result is checked against ours
 first (bit-exact where both follow the same rule, else within the stated tolerance -- a peer
 that disagrees is reported, not timed), then both are timed (CUDA-graph replay, inputs rotated
-past L2) and the table gives shape, ours, peer, ratio and % of 4.3 TB/s. A peer that does not
+past L2; where ours writes rotated ``out`` buffers, a peer that allocates its outputs keeps
+them, :func:`kept_outputs`, so neither writes one L2-resident buffer) and the table gives
+shape, ours, peer, ratio and % of 4.3 TB/s. A peer that does not
 import or run here (wheel missing, another torch, no sm_90 path, a JIT compiler it needs) is a
 row saying which and why. FlashInfer JIT-builds its CUDA modules with nvcc at first use: about
 a minute for the quantizer's and router's, and its top-k's was still building after 280 s on
@@ -88,6 +90,21 @@ def _peer(name: str):
     except Exception as e:  # noqa: BLE001 -- any failure to load is a table row
         return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
     return f"unknown peer {name}"
+
+
+def kept_outputs(call):
+    """``call`` (``i -> result``) with every result kept alive while the graph is captured, so
+    each call of a peer that allocates its outputs writes fresh memory -- as ours does into its
+    rotated ``out`` buffers. (A result dropped inside the capture frees its block to the next
+    call's allocation: every replayed call would then write the same, L2-resident buffer.)"""
+    kept = []
+
+    def launch(i):
+        r = call(i)
+        kept.append(r)
+        return r
+
+    return launch
 
 
 def does_not_run(e: Exception) -> str:
@@ -190,7 +207,8 @@ def rms_rows(qk):
         if not ((rstd - ours).abs() <= 1e-5 * ours).all():
             rows.append(row("RMS statistic", f"{T}x{C}", "quack", t_ours, None, nbytes, "rstd differs: not timed"))
             continue
-        t_q = time_graph(lambda i: qk.rmsnorm_fwd(xs[i], None, eps=1e-6, store_rstd=True), n, max(n, 20))
+        t_q = time_graph(kept_outputs(lambda i: qk.rmsnorm_fwd(xs[i], None, eps=1e-6, store_rstd=True)), n,
+                         max(n, 20))
         rows.append(row("RMS statistic", f"{T}x{C}", "quack (also writes the normalised rows)", t_ours, t_q,
                         nbytes))
     return rows
@@ -231,7 +249,7 @@ def norm_rows(qk, lg):
                                 "not timed"))
                 continue
             rel = (diff / theirs.float().abs().clamp_min(1e-30)).max().item()
-            t_p = time_graph(lambda i: call(xs[i]), n, max(n, 20))
+            t_p = time_graph(kept_outputs(lambda i: call(xs[i])), n, max(n, 20))
             rows.append(row("RMSNorm (weighted)", f"{T}x{C}", name, t_ours, t_p, nbytes,
                             f"max relative difference {rel / 2.0 ** -8:.1f} u"))
     return rows
@@ -413,7 +431,7 @@ def topk_rows(fi):
             if not torch.equal(ours, theirs):
                 rows.append(row("top-k select", shape, name, t_ours, None, nbytes, "other indices: not timed"))
                 continue
-            rows.append(row("top-k select", shape, name, t_ours, time_graph(call, n, max(n, 20)), nbytes,
+            rows.append(row("top-k select", shape, name, t_ours, time_graph(kept_outputs(call), n, max(n, 20)), nbytes,
                             "same indices"))
     return rows
 
@@ -454,7 +472,7 @@ def softmax_rows(qk):
                             f"probabilities differ by more than {SOFTMAX_REL_BOUND / 2.0 ** -8:.0f} u: not timed"))
             continue
         rel = (diff / theirs.float().abs().clamp_min(1e-30)).max().item()
-        t_p = time_graph(lambda i: softmax_fwd(xs[i].view(R, M)), n, max(n, 20))
+        t_p = time_graph(kept_outputs(lambda i: softmax_fwd(xs[i].view(R, M))), n, max(n, 20))
         rows.append(row("softmax", shape, "quack", t_ours, t_p, nbytes, f"max relative difference {rel / 2.0 ** -8:.1f} u"))
     return rows
 
