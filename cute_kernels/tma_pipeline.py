@@ -55,17 +55,26 @@ def swap_ab_operands(dtype, mW: cute.Tensor, mO: cute.Tensor, tile: tuple, stage
 
 
 def swap_ab_shared_storage(dtype, w_smem: cute.ComposedLayout, o_smem: cute.ComposedLayout, stages: int,
-                           tile: tuple, consumer_warps: int, align: int = 1024, extra: tuple = ()):
+                           tile: tuple, consumer_warps: int, align: int = 1024, extra: tuple = (),
+                           out_in_stages: bool = False):
     """A swap-AB CTA's shared memory (``tile = (M, N, K slice)``): the stage mbarriers, the
     swizzled weight and token stages of ``dtype`` (``align``-byte aligned), the FP32 output tile
     ``(N, M + 1)`` (token-major; the odd pitch keeps the transposing writes conflict-free) and
     the TMA pipeline over the stages: ``(sW, sO, sOut, pipe)``, then one tensor per ``(dtype,
-    layout)`` of ``extra`` (16-byte aligned, after the others). Called while a kernel is traced."""
+    layout)`` of ``extra`` (16-byte aligned, after the others). ``out_in_stages``: the output
+    tile takes the weight stages' memory instead of its own -- the caller writes it only once
+    every stage has been read (a CTA barrier after the main loop) and no load is in flight.
+    Called while a kernel is traced."""
     bm, tok_n, _ = tile
     smem = cutlass.memory.SmemAllocator()
     mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((2 * stages,)), 8)
     sW = smem.allocate_tensor(dtype, w_smem.outer, align, swizzle=w_smem.inner)
     sO = smem.allocate_tensor(dtype, o_smem.outer, align, swizzle=o_smem.inner)
-    sOut = smem.allocate_tensor(Float32, cute.make_layout((tok_n, bm + 1), stride=(bm + 1, 1)), 16)
+    out_layout = cute.make_layout((tok_n, bm + 1), stride=(bm + 1, 1))
+    if out_in_stages:
+        assert cute.cosize(out_layout) * 4 <= cute.size_in_bytes(dtype, w_smem.outer), "the output tile outgrows the stages"
+        sOut = cute.make_tensor(cute.recast_ptr(sW.iterator, dtype=Float32), out_layout)
+    else:
+        sOut = smem.allocate_tensor(Float32, out_layout, 16)
     pipe = single_cta_tma_pipeline(mbar, stages, consumer_warps, (dtype, w_smem), (dtype, o_smem))
     return (sW, sO, sOut, pipe, *(smem.allocate_tensor(t, layout, 16) for t, layout in extra))

@@ -29,7 +29,8 @@ block kb - 1 is promoted). The products ``ws * sa[t]`` of the CTA's weight scale
 tokens' block scales are decoded once into shared memory (FP32 per token and 32-wide block),
 behind the prologue's loads: a promotion is one shared load per token column and one FFMA per
 accumulator element. The
-epilogue transposes the tile through shared memory into token-major ``y [T, G*R]``.
+epilogue transposes the tile through shared memory -- the weight stages', free once the main
+loop is done (a CTA barrier) -- into token-major ``y [T, G*R]``.
 
 K groups (``kgroups`` = 2, the plan's for the 32- and 64-token tiles): the chain above -- a
 block's wgmma, its wait, its promotion (tok_n / 2 FFMAs per thread) -- is serial within a
@@ -88,12 +89,16 @@ MAX_T = TOK_N[-1]
 
 
 def smem_bytes(tok_n: int, stages: int, Dg: int = 4096) -> int:
-    """Shared memory of one CTA: the swizzled weight and token stages (1 KB aligned), the
-    transposed FP32 output tile, the stage mbarriers and the CTA's scale products (FP32 per
-    token and 32-wide K block)."""
+    """Shared memory of one CTA: the swizzled weight and token stages (1 KB aligned; the
+    transposed FP32 output tile reuses the weight stages after the main loop), the stage
+    mbarriers and the CTA's scale products (FP32 per token and 32-wide K block)."""
     kt = Dg // BK
-    return (1024 + stages * (BM + tok_n) * BK + tok_n * (BM + 1) * 4 + 2 * stages * 8
-            + 4 * tok_n * (kt * (BK // MX) + 1) + 16)
+    return 1024 + stages * (BM + tok_n) * BK + 2 * stages * 8 + 4 * tok_n * (kt * (BK // MX) + 1) + 16
+
+
+def out_fits_stages(tok_n: int, stages: int) -> bool:
+    """The FP32 output tile ``(tok_n, BM + 1)`` fits in the weight stages it reuses."""
+    return tok_n * (BM + 1) * 4 <= stages * BM * BK
 
 
 KGROUPS = (1, 2)  # warpgroups splitting K by turns
@@ -155,7 +160,7 @@ class WoAFp8ActSm90:
         KB = KT * (BK // MX)
         sW, sQ, sOut, pipe, sS = swap_ab_shared_storage(
             f8, w_smem, q_smem, STAGES, self.tile, THREADS // 32,
-            extra=((Float32, cute.make_layout((TN, KB), stride=(KB + 1, 1))),))
+            extra=((Float32, cute.make_layout((TN, KB), stride=(KB + 1, 1))),), out_in_stages=True)
 
         # This CTA's 64 weight rows of group g and the group's token rows, in 128-byte K slices.
         tWsW, tWgW, tQsQ, tQgQ = group_operand_tiles(tma_w, mW, sW, tma_q, mQ, sQ, (BM, BK), (TN, BK), rt, g)
@@ -204,6 +209,9 @@ class WoAFp8ActSm90:
                 load_k_slice(pipe, prod, tma_w, tWgW, tWsW, tma_q, tQgQ, tQsQ)
                 prod.advance(KG)
 
+        # the output tile reuses the weight stages: every warp's last wgmma has read them (and no
+        # load is in flight: the producers issue none past slice KT - 1)
+        cute.arch.barrier()
         if cutlass.const_expr(KG == 1):
             store_token_major(acc, tCcC, sOut, mY, nt * BM, num_tokens, tidx)  # nt * BM = g * R + rt * 64
         else:
@@ -254,6 +262,7 @@ class WoAFp8ActSm90:
     def can_implement(T: int, G: int, R: int, Dg: int, tok_n: int, stages: int = 8, kgroups: int = 1) -> bool:
         return (1 <= T <= tok_n and tok_n in TOK_N and G >= 1 and R % SCALE_BLOCK == 0 and R > 0
                 and Dg % BK == 0 and Dg > 0 and 2 <= stages and smem_bytes(tok_n, stages, Dg) <= SMEM_PER_CTA
+                and out_fits_stages(tok_n, stages)
                 and kgroups in KGROUPS and stages % kgroups == 0 and (Dg // BK) % kgroups == 0)
 
 

@@ -112,6 +112,18 @@ def test_pdl_must_be_a_bool():
         wo_a_fp8_act(kw["q"], kw["q_scales"], kw["w"], kw["w_scale"], pdl=1)
 
 
+def test_output_tile_reuses_the_weight_stages():
+    """The FP32 output tile lives in the weight stages (read only after the main loop), so a
+    64-token CTA of 4 stages fits twice in an SM's 228 KB -- two CTAs per SM for V4-Pro's 256 --
+    and a depth whose weight stages cannot hold the tile is refused."""
+    from cute_kernels.wo_a_fp8_act_sm90 import out_fits_stages
+
+    assert 2 * (smem_bytes(64, 4) + 1024) <= 228 * 1024
+    assert out_fits_stages(64, 3) and not out_fits_stages(64, 2) and out_fits_stages(16, 1)
+    assert not WoAFp8ActSm90.can_implement(1, 16, 1024, 4096, 64, stages=2, kgroups=2)
+    assert WoAFp8ActSm90.can_implement(1, 16, 1024, 4096, 64, stages=4, kgroups=2)
+
+
 def test_kgroups_and_stages_are_refused_by_name():
     kw = _args()
     with pytest.raises(ValueError, match="wo_a_fp8_act: kgroups=3"):
