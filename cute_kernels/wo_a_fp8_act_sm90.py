@@ -14,8 +14,9 @@ Why a second FP8 WO-A kernel: :mod:`.wo_a_decode_fp8` keeps the activations in b
 widens every e4m3 weight to bf16 in registers before a bf16 MMA, and that instruction stream
 bounds it at about half the copy bandwidth (``docs/wo_a.md``). Here both operands go to the
 FP8 tensor cores as stored, and the activations round to e4m3 -- as DeepSeek's own inference
-quantises the inputs of its FP8 linears -- so it is a numerically different op, chosen by the
-caller, not a faster schedule of the same one.
+quantises the inputs of its FP8 linears, there with a scale per 128 columns, here per 32 (MX)
+-- so it is a numerically different op, chosen by the caller, not a faster schedule of the
+same one.
 
 Schedule (:mod:`.wo_a_decode_swap_ab`'s, on e4m3 operands): a CTA owns 64 weight rows of one
 group (wgmma **M**; inside one 128-row weight-scale block) and the group's ``tok_n`` token
