@@ -131,7 +131,15 @@ def store_token_major(acc: cute.Tensor, tCcC: cute.Tensor, sOut: cute.Tensor, mY
         r, c = tCcC[i]
         sOut[c, r] = acc[i]
     cute.arch.barrier()
-    for idx in cutlass.range(tidx, num_tokens * BM, THREADS):
+    store_tile_rows(sOut, mY, col0, num_tokens, tidx, THREADS)
+
+
+@cute.jit
+def store_tile_rows(sOut: cute.Tensor, mY: cute.Tensor, col0: Int32, num_tokens: Int32, tidx: Int32,
+                    threads: cutlass.Constexpr):
+    """The transposed tile's live token rows from ``sOut`` into columns ``col0 ..`` of ``mY``
+    by the CTA's ``threads`` threads, each element rounded once to bf16."""
+    for idx in cutlass.range(tidx, num_tokens * BM, threads):
         c = idx // BM
         r = idx - c * BM
         mY[c, col0 + r] = sOut[c, r].to(cutlass.BFloat16)  # the one bf16 rounding

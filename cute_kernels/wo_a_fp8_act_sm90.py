@@ -80,7 +80,8 @@ from .wo_a_decode import SMEM_PER_CTA
 from .wo_a_decode_fp8 import SCALE_BLOCK  # the weights' scale block (rows and K): the checkpoint format's
 # BM weight rows (output columns) per CTA -- wgmma M -- and THREADS: the shared schedule's
 from .tma_pipeline import swap_ab_operands, swap_ab_shared_storage
-from .wo_a_decode_swap_ab import BM, THREADS, group_operand_tiles, load_k_slice, load_prologue, store_token_major
+from .wo_a_decode_swap_ab import (BM, THREADS, group_operand_tiles, load_k_slice, load_prologue, store_tile_rows,
+                                  store_token_major)
 from .wo_a_sm90 import wo_a_layouts
 
 BK = 128  # K elements (bytes) per pipeline stage: four MX blocks, one weight-scale block
@@ -246,10 +247,7 @@ class WoAFp8ActSm90:
                 r, c = tCcC[i]
                 sOut[c, r] = sOut[c, r] + acc[i]
         cute.arch.barrier()
-        for idx in cutlass.range(tidx, num_tokens * BM, self.threads):
-            c = idx // BM
-            r = idx - c * BM
-            mY[c, col0 + r] = sOut[c, r].to(cutlass.BFloat16)
+        store_tile_rows(sOut, mY, col0, num_tokens, tidx, self.threads)
 
     @cute.jit
     def promote(self, acc: cute.Tensor, frag: cute.Tensor, tCcC: cute.Tensor, sS: cute.Tensor, kb: Int32,
