@@ -21,9 +21,10 @@ families: mHC mappings (``mhc_stats``), pre / post mix, the indexer's top-k, the
 block (router, MXFP8 routed experts, finalize, shared expert): its FP32 reference uses the
 bf16 expert weights, so its row includes the experts' MXFP8 weight rounding. The last column
 re-runs the prefill chunk's calls with the base backend alone: at a chunk's sizes the arms
-take other kernels (WO-A's GEMM engine or cuBLAS range against ``bmm``; the MoE at wider
+may take other kernels (WO-A's GEMM engine or cuBLAS range against ``bmm``; the MoE at wider
 tiles), and the benchmark's teacher-forced comparison runs each backend's eager prefill chunks
-over the whole sequence, so its differences start there.
+over the whole sequence -- the column says whether the arms differ at that chunk size
+(``--prefill``; the teacher-forced chunks are ``EngineConfig.prefill_chunk`` long).
 """
 
 from __future__ import annotations
