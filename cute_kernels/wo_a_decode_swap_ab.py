@@ -95,10 +95,7 @@ def load_prologue(pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState,
     dependents launch and waits for the previous grid to complete and flush, and only then the
     token slices (its output) go out; every later access of the kernel follows that wait."""
     if cutlass.const_expr(pdl):
-        if cutlass.const_expr(step == 1):
-            head = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-        else:
-            head = prod.clone()
+        head = prod.clone()  # (the token slices' producer state: the weights' first slice on)
         if warp_idx == 0:
             for _ in cutlass.range_constexpr(n):
                 pipe.producer_acquire(prod)
