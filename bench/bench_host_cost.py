@@ -211,6 +211,11 @@ def selected_cases(only: str | None):
             if names is None or c[0] in names or c[0].split(" ")[0] in names or c[0].startswith("torch.add")]
 
 
+def yardstick(cases_) -> object:
+    """The ``torch.add`` entry of ``cases_`` (:func:`selected_cases` always keeps it)."""
+    return next(entry for name, entry, _, _ in cases_ if name.startswith("torch.add"))
+
+
 def poison_value(out: torch.Tensor):
     """What a poisoned output holds: NaN, or a byte / integer no kernel writes here."""
     if out.dtype in (torch.uint8, torch.float8_e4m3fn):
@@ -262,7 +267,7 @@ def runtime_only_child(args) -> int:
             except ImportError:
                 break
         cases_ = selected_cases(args.only)
-        yard = cases_[0][1]  # torch.add
+        yard = yardstick(cases_)
         for name, entry, _, out in cases_:
             if out is not None and not torch.equal(poisoned_output(entry, out), want[name]):
                 raise SystemExit(f"{name}: the runtime-only ({mode}) launch's output differs from the DSL process's")
@@ -337,7 +342,7 @@ def main(argv=None) -> int:
         tvm_ffi = False
     try:
         cases_ = selected_cases(args.only)
-        yard = cases_[0][1]  # torch.add
+        yard = yardstick(cases_)
         for r, (name, entry, op, out) in zip(rows, cases_):
             t = t_op = float("nan")
             if tvm_ffi:
