@@ -31,7 +31,9 @@ docs/device.md), in the table's order:
   selected -- to 3 bf16 unit roundoffs (:data:`SOFTMAX_REL_BOUND`);
 * DeepSeek-V3 router (sigmoid, 8 groups, top-4 groups, top-8, bias): FlashInfer
   ``fused_topk_deepseek`` (top-k and weights only; ours also packs and pads the rows for the
-  expert GEMMs: the comparison is stated as such) -- same experts and weights to 1e-5;
+  expert GEMMs: the comparison is stated as such), and FlashInfer's top-k followed by the same
+  packing in PyTorch ops (``moe.router.align_torch``: like for like) -- same experts and
+  weights to 1e-5, the same packed layout;
 * the indexer's top-k select (``indexer_select``): FlashInfer ``top_k`` and ``torch.topk`` --
   the same index sets;
 * WO-A (bf16, V4-Flash): ``torch._grouped_mm`` (group-major output; ``bmm`` is in
@@ -64,7 +66,7 @@ from cute_kernels.row_rms import row_rms  # noqa: E402
 from moe.experts import expert_kernel_args, moe_expert_gemm, quantize_expert_weights  # noqa: E402
 from moe.quant import mxfp8_quantize, mxfp8_quantize_routed, scale_buffer_size  # noqa: E402
 from bench_moe import unexplained_picks  # noqa: E402
-from moe.router import V4_FLASH_ROUTER, MoeRouter, RouterConfig  # noqa: E402
+from moe.router import V4_FLASH_ROUTER, MoeRouter, RouterConfig, align_torch, capacity  # noqa: E402
 
 
 #: |ours - peer| <= NORM_REL_BOUND * |peer| per element for the weighted RMSNorm (norm_rows)
@@ -556,6 +558,31 @@ def router_rows(fi):
                                                                                    idx, launch_with_pdl=pdl), n, 64)
             rows.append(row("router (V3)", f"T={T} E=256 k=8", "FlashInfer (top-k only; ours also packs rows"
                             + ("" if pdl else "; no PDL") + ")", t_ours, t_fi, nbytes, ties))
+        # like for like: FlashInfer's top-k, then the same packed layout in PyTorch ops
+        # (align_torch, sync-free: the packing a user without a fused router would add)
+        slots, tiles = capacity(cfg, T)
+
+        def topk_and_pack(i):
+            fi.fused_moe.fused_topk_deepseek(logits[i], bias, 8, 4, 8, 2.5, vals, idx, launch_with_pdl=True)
+            return align_torch(idx, 256, cfg.tile_m, slots, tiles)
+
+        try:
+            packed = topk_and_pack(0)
+        except Exception as e:  # noqa: BLE001
+            rows.append(row("router (V3)", f"T={T} E=256 k=8", "FlashInfer top-k + packing in PyTorch ops", t_ours,
+                            None, nbytes, does_not_run(e)))
+            continue
+        total = int(r.total_rows[0])  # (ours leaves the slots past the total unwritten)
+        theirs_l = (*packed[:2], packed[2][:total], *packed[3:])
+        ours_l = (r.expert_counts, r.expert_offsets, r.sorted_token_ids[:total], r.tile_expert[:tiles], r.total_rows,
+                  r.routed_row_pos)
+        same = bool(agree.all()) and all(torch.equal(a, b) for a, b in zip(theirs_l, ours_l))
+        note = ("packed layout equal to ours" if same else
+                "packed layout not compared (experts differ at near-ties)" if not bool(agree.all()) else
+                "packed layout differs from ours: not timed")
+        rows.append(row("router (V3)", f"T={T} E=256 k=8", "FlashInfer top-k + packing in PyTorch ops", t_ours,
+                        None if note.endswith("not timed") else time_graph(kept_outputs(topk_and_pack), n, 64),
+                        nbytes, note))
     return rows
 
 
