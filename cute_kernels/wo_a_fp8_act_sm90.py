@@ -104,6 +104,7 @@ def out_fits_stages(tok_n: int, stages: int) -> bool:
 
 
 KGROUPS = (1, 2)  # warpgroups splitting K by turns
+SMEM_PER_SM = 228 * 1024  # sm_90's shared memory per SM (CTAs' blocks plus 1 KB each reserved)
 
 
 class WoAFp8ActSm90:
@@ -265,16 +266,33 @@ class WoAFp8ActSm90:
                 and kgroups in KGROUPS and stages % kgroups == 0 and (Dg // BK) % kgroups == 0)
 
 
-def plan(T: int) -> dict:
+def plan(T: int, G: int, R: int, Dg: int, num_sms: int = 132) -> dict:
     """The compile configuration ``{tok_n, stages, kgroups}`` of a call with ``T`` tokens: the
     narrowest token tile, 8 stages (6 for the 64-token tile) -- the bf16 swap-AB kernel's depth
     for 128-wide slices, here 8 KB of weights per stage -- and two K groups for the 32- and
     64-token tiles, whose promotions (tok_n / 2 FFMAs per thread and block) make the chain
-    the longer one; the 16-token tile keeps one (``bench/bench_wo_a_v4.py --kgroups``)."""
+    the longer one; the 16-token tile keeps one (``bench/bench_wo_a_v4.py --kgroups``). Where
+    the grid (``G * R / 64`` CTAs) is more than one wave at one CTA per SM (V4-Pro: 256), the
+    depth drops until two CTAs share an SM -- one wave at 6 stages for the 32-token tile and 4
+    for the 64-token one, where the deeper single-CTA pipeline ran two waves
+    (``bench_wo_a_v4.py --stages``)."""
     for tok_n in TOK_N:
         if T <= tok_n:
-            return {"tok_n": tok_n, "stages": 8 if tok_n <= 32 else 6, "kgroups": 1 if tok_n == 16 else 2}
+            kgroups = 1 if tok_n == 16 else 2
+            stages = 8 if tok_n <= 32 else 6
+            if G * R // BM > num_sms:
+                depth = stages
+                while depth - kgroups >= 4 and not two_ctas_fit(tok_n, depth, Dg):
+                    depth -= kgroups
+                if two_ctas_fit(tok_n, depth, Dg):
+                    stages = depth
+            return {"tok_n": tok_n, "stages": stages, "kgroups": kgroups}
     raise ValueError(f"wo_a_fp8_act: T={T} > {MAX_T} (a decode kernel; prefill takes wo_a_fp8)")
+
+
+def two_ctas_fit(tok_n: int, stages: int, Dg: int) -> bool:
+    """Two CTAs' shared memory (each with the 1 KB the runtime reserves) fit one SM's 228 KB."""
+    return 2 * (smem_bytes(tok_n, stages, Dg) + 1024) <= SMEM_PER_SM
 
 
 def _build(arch: str, *, G: int, R: int, Dg: int, tok_n: int, stages: int = 8, pdl: bool = False,
@@ -312,7 +330,8 @@ KERNEL = jit.register(jit.KernelDef(
                             "warp_mma.py", "mx_scales.py")),
     archs=("sm_90a",),
     # DeepSeek-V4-Flash / -Pro at every decode token tile
-    aot_configs=tuple({"G": G, "R": 1024, "Dg": 4096, **plan(T)} for G in (8, 16) for T in (16, 32, 64)),
+    aot_configs=tuple({"G": G, "R": 1024, "Dg": 4096, **plan(T, G, 1024, 4096)} for G in (8, 16)
+                      for T in (16, 32, 64)),
     description="WO-A decode (T <= 64), Hopper: FP8 weights and MXFP8 activations, e4m3 wgmma, token-major bf16 out",
 ))
 jit.register_tensor_entry(KERNEL, _build_tensors, aot_configs=KERNEL.aot_configs)
@@ -356,7 +375,7 @@ def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_sca
         raise ValueError(f"{op}: T={T} tokens; this decode kernel takes 1..{MAX_T}")
     if R % SCALE_BLOCK or Dg % BK:
         raise ValueError(f"{op}: w of shape {list(w.shape)} needs R % {SCALE_BLOCK} == 0 and Dg % {BK} == 0")
-    cfg = dict(plan(T), **({} if kgroups is None else {"kgroups": kgroups}),
+    cfg = dict(plan(T, G, R, Dg), **({} if kgroups is None else {"kgroups": kgroups}),
                **({} if stages is None else {"stages": stages}))
     if not WoAFp8ActSm90.can_implement(T, G, R, Dg, **cfg):
         raise ValueError(f"{op}: stages={cfg['stages']} with kgroups={cfg['kgroups']} at T={T}: the depth must be "
@@ -377,7 +396,7 @@ def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_sca
        P(Float32, w_scale, 4), P(cutlass.BFloat16, out, 4), jit.i32(T), jit.cu_stream(stream))
     if default_call:  # its tensor entry for the next calls of these shapes
         jit.remember_tensor_entry(_TENSOR_FNS, (q.shape, w.shape, q.get_device()), "wo_a_fp8_act_sm90_tensors", a,
-                                  G=G, R=R, Dg=Dg, **plan(T))
+                                  G=G, R=R, Dg=Dg, **plan(T, G, R, Dg))
     return out
 
 

@@ -70,14 +70,29 @@ def test_reference_is_the_definition(seed):
 
 
 def test_plan_maps_every_decode_t_to_a_config_that_fits():
-    for T in range(1, MAX_T + 1):
-        cfg = plan(T)
-        assert cfg["tok_n"] in TOK_N and T <= cfg["tok_n"] and (cfg["tok_n"] == TOK_N[0] or T > cfg["tok_n"] // 2)
-        for G, HG, Dv, R in V4_SHAPES:
+    for G, HG, Dv, R in V4_SHAPES:
+        for T in range(1, MAX_T + 1):
+            cfg = plan(T, G, R, HG * Dv)
+            assert cfg["tok_n"] in TOK_N and T <= cfg["tok_n"] and (cfg["tok_n"] == TOK_N[0] or T > cfg["tok_n"] // 2)
             assert WoAFp8ActSm90.can_implement(T, G, R, HG * Dv, **cfg)
-        assert smem_bytes(cfg["tok_n"], cfg["stages"]) <= 227 * 1024
+            assert smem_bytes(cfg["tok_n"], cfg["stages"]) <= 227 * 1024
     with pytest.raises(ValueError, match="T=65"):
-        plan(65)
+        plan(65, 8, 1024, 4096)
+
+
+def test_plan_keeps_a_grid_of_more_than_one_wave_at_two_ctas_per_sm():
+    """V4-Flash's 128 CTAs fit 132 SMs at one CTA each: the full depth. V4-Pro's 256 need two
+    per SM: the 32- and 64-token tiles drop to the deepest pipeline that fits twice (6 and 4
+    stages; the 16-token tile fits twice at 8)."""
+    from cute_kernels.wo_a_fp8_act_sm90 import two_ctas_fit
+
+    depth = {G: [plan(T, G, 1024, 4096)["stages"] for T in (16, 32, 64)] for G in (8, 16)}
+    assert depth == {8: [8, 8, 6], 16: [8, 6, 4]}
+    for T in (16, 32, 64):
+        cfg = plan(T, 16, 1024, 4096)
+        assert two_ctas_fit(cfg["tok_n"], cfg["stages"], 4096)
+        assert not two_ctas_fit(cfg["tok_n"], cfg["stages"] + cfg["kgroups"], 4096) or cfg["stages"] == 8
+    assert plan(64, 16, 1024, 4096, num_sms=264)["stages"] == 6  # one wave at one CTA per SM: full depth
 
 
 def _args(T=5, G=2, HG=2, Dv=128, R=256):
