@@ -37,14 +37,6 @@
 #                                            TVM-FFI launches when apache-tvm-ffi's wheel is carried,
 #                                            custom ops, runtime-only ctypes launchers) and the
 #                                            import / first-call times with and without the DSL
-#   bash tools/device.sh norms-runtime-only  the GPU tests of rms_norm, the runtime-only mode and the
-#                                            ctypes launcher, then the row_rms / rms_norm bench
-#   bash tools/device.sh attention           sink_attention and compressor_pool GPU tests, then the
-#                                            attention bench
-#   bash tools/device.sh smoke               one call's first look after kernel / runtime changes:
-#                                            'attention', the mHC parts, the routed-input gather,
-#                                            the runtime's GPU tests at `small`
-#   bash tools/device.sh quick-bench         the runtime bench at v4_flash_slice (--quick, acceptance 5.5)
 #   bash tools/device.sh h200 test|kernels|runtime
 #                                            what needs an H200 (run with needs_h200: the first is the
 #                                            one test that needs more than an H100's 80 GB): test --
@@ -155,20 +147,6 @@ host-cost)
   timeout 400 python bench/bench_host_cost.py --calls 1000 --cache "$CUTE_KERNELS_CACHE_DIR" \
     --out "$OUT/bench_host_cost.md" "$@" 2>&1 | tee "$OUT/bench_host_cost.log" | tail -30
   ;;
-norms-runtime-only)
-  $PYT -m gpu tests/test_row_rms.py tests/test_caches.py 2>&1 | tee "$OUT/norms-runtime-only.log" | tail -20
-  timeout 240 python bench/bench_row_rms.py --out "$OUT/bench_row_rms.md" 2>&1 | tail -25
-  ;;
-attention)
-  $PYT -m gpu tests/test_sink_attention.py tests/test_compressor_pool.py 2>&1 | tee "$OUT/attention-tests.log" | tail -20
-  timeout 240 python bench/bench_sink_attention.py --out "$OUT/bench_sink_attention.md" 2>&1 | tail -15
-  ;;
-smoke)
-  timeout 190 bash "$0" attention
-  timeout 80 $PYT -m gpu tests/test_mhc.py -k "parts" 2>&1 | tee "$OUT/mhc-parts.log" | tail -5
-  timeout 60 $PYT -m gpu tests/test_moe_quant.py -k "prequantized" 2>&1 | tee "$OUT/gather.log" | tail -5
-  timeout 250 $PYT -m gpu tests/test_spec_decode.py -k "small or draft_head" 2>&1 | tee "$OUT/spec-small.log" | tail -15
-  ;;
 h200)
   case "${1:-test}" in
     test)
@@ -184,10 +162,6 @@ h200)
         --out "$OUT/bench_runtime_quick.md" 2>&1 | tee "$OUT/bench_runtime_quick.log" | tail -45 ;;
     *) echo "h200: test, kernels or runtime" >&2; exit 2 ;;
   esac
-  ;;
-quick-bench)
-  timeout 560 python -m spec_decode.bench --model v4_flash_slice --acceptance-length 5.5 --quick \
-    --out "$OUT/bench_runtime_quick.md" 2>&1 | tail -45
   ;;
 peers)
   for w in .devcache/peers/*.whl .devcache/peers-flashinfer/*.whl; do
