@@ -130,10 +130,9 @@ SINGLE_CTA_MAX_TOKENS = 12
 #: The cluster path's capacity: a token per warp of the cluster's CTAs (module docstring)
 CLUSTER_CAPACITY = 64
 #: The cluster sizes it is built for, each with CLUSTER_CAPACITY / size warps per CTA: 4 CTAs
-#: of 16 warps, 8 of 8 or 16 of 4 (a non-portable cluster size, which sm_90 allows: half the
-#: tokens per CTA to route, twice the CTAs to all-gather between, at each step;
-#: ``bench/bench_moe.py --sections router-paths`` times them)
-CLUSTER_SIZES = (4, 8, 16)
+#: of 16 warps, or 8 CTAs of 8 warps (half the tokens per CTA to route, twice the CTAs to
+#: all-gather between; ``bench/bench_moe.py --sections router-paths`` times both)
+CLUSTER_SIZES = (4, 8)
 #: ... and the one the host takes: 8, the faster of the two from T = 12 to 64 (the bench above)
 CLUSTER_CTAS = 8
 #: Above SINGLE_CTA_MAX_TOKENS and up to this many tokens (<= CLUSTER_CAPACITY) the router
