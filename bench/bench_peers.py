@@ -90,7 +90,10 @@ def _peer(name: str):
             import liger_kernel.ops.rms_norm
             return liger_kernel.ops.rms_norm
     except Exception as e:  # noqa: BLE001 -- any failure to load is a table row
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        if e.__cause__ is not None:  # e.g. torch.ops.load_library's OSError: the loader's own message
+            why += f" ({str(e.__cause__).splitlines()[0][:160]})"
+        return why
     return f"unknown peer {name}"
 
 
