@@ -12,8 +12,8 @@ import or run here (wheel missing, another torch, no sm_90 path, a JIT compiler 
 row saying which and why. FlashInfer JIT-builds its CUDA modules with nvcc at first use: about
 a minute for the quantizer's and router's, and its top-k's was still building after 280 s on
 the device -- so the top-k family runs FlashInfer's ``top_k`` with its JIT off
-(``FLASHINFER_DISABLE_JIT``: a "does not run" row unless the module is built) unless
-``--peer-jit``.
+(``FLASHINFER_DISABLE_JIT``) unless ``--peer-jit``: it loads the module prebuilt by
+``tools/build-flashinfer-topk.sh``, else gives a "does not run" row.
 
 Families and peers (wheels: ``.devcache/peers`` and ``.devcache/peers-flashinfer``, see
 docs/device.md), in the table's order:
