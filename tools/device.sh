@@ -167,6 +167,9 @@ peers)
   for w in .devcache/peers/*.whl .devcache/peers-flashinfer/*.whl; do
     [ -e "$w" ] && python -m pip install -q --no-deps --no-index --target /tmp/site "$w" 2>&1 | tail -1
   done
+  # FlashInfer with its top-k module prebuilt (tools/build-flashinfer-topk.sh), over the wheel's
+  f=.devcache/peers-fi-aot/flashinfer-aot-topk.tar.xz
+  [ -e "$f" ] && rm -rf /tmp/site/flashinfer && tar -xJf "$f" -C /tmp/site
   # further options pass through (--families mxfp8,router); rows land in the log as they come
   python bench/bench_peers.py --out "$OUT/bench_peers.md" "$@" 2>&1 | tee "$OUT/bench_peers.log" | tail -30
   ;;
