@@ -72,7 +72,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Uint32
 
 from . import jit
-from .arch import current_arch
+from .arch import current_arch, num_sms
 from .mx_scales import e8m0_to_f32
 from .validate import check_arch_supported, check_bool, check_cuda, check_tensor
 from .warp_mma import fp8_wgmma_blocks, wgmma_fragments
@@ -375,7 +375,8 @@ def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_sca
         raise ValueError(f"{op}: T={T} tokens; this decode kernel takes 1..{MAX_T}")
     if R % SCALE_BLOCK or Dg % BK:
         raise ValueError(f"{op}: w of shape {list(w.shape)} needs R % {SCALE_BLOCK} == 0 and Dg % {BK} == 0")
-    cfg = dict(plan(T, G, R, Dg), **({} if kgroups is None else {"kgroups": kgroups}),
+    sms = num_sms(q.device) if q.is_cuda else 132  # (a CPU tensor is refused below, by name)
+    cfg = dict(plan(T, G, R, Dg, sms), **({} if kgroups is None else {"kgroups": kgroups}),
                **({} if stages is None else {"stages": stages}))
     if not WoAFp8ActSm90.can_implement(T, G, R, Dg, **cfg):
         raise ValueError(f"{op}: stages={cfg['stages']} with kgroups={cfg['kgroups']} at T={T}: the depth must be "
@@ -396,7 +397,7 @@ def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_sca
        P(Float32, w_scale, 4), P(cutlass.BFloat16, out, 4), jit.i32(T), jit.cu_stream(stream))
     if default_call:  # its tensor entry for the next calls of these shapes
         jit.remember_tensor_entry(_TENSOR_FNS, (q.shape, w.shape, q.get_device()), "wo_a_fp8_act_sm90_tensors", a,
-                                  G=G, R=R, Dg=Dg, **plan(T, G, R, Dg))
+                                  G=G, R=R, Dg=Dg, **plan(T, G, R, Dg, sms))
     return out
 
 
