@@ -83,6 +83,7 @@ def _peer(name: str):
         if name == "quack":  # the package re-exports a function named rmsnorm over its module
             return importlib.import_module("quack.rmsnorm")
         if name == "deepgemm":
+            _preload_cuda_libs("nvrtc", "cublasLt", "cublas")  # its _C.so links their CUDA 13 sonames
             return importlib.import_module("deep_gemm")
         if name == "torchao":
             return importlib.import_module("torchao.prototype.mx_formats.kernels")
@@ -95,6 +96,22 @@ def _peer(name: str):
             why += f" ({str(e.__cause__).splitlines()[0][:160]})"
         return why
     return f"unknown peer {name}"
+
+
+def _preload_cuda_libs(*names: str) -> None:
+    """Load ``lib{name}.so.13`` from the NVIDIA wheels beside torch (``nvidia/cu13/lib``), where
+    the dynamic loader does not look, so a peer library linking those sonames resolves them."""
+    import ctypes
+    import glob
+
+    for name in names:
+        for path in glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "**",
+                                           f"lib{name}.so.13"), recursive=True):
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                break
+            except OSError:
+                continue
 
 
 def kept_outputs(call):
