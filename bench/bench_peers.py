@@ -9,11 +9,9 @@ past L2; where ours writes rotated ``out`` buffers, a peer that allocates its ou
 them, :func:`kept_outputs`, so neither writes one L2-resident buffer) and the table gives
 shape, ours, peer, ratio and % of 4.3 TB/s. A peer that does not
 import or run here (wheel missing, another torch, no sm_90 path, a JIT compiler it needs) is a
-row saying which and why. FlashInfer JIT-builds its CUDA modules with nvcc at first use: about
-a minute for the quantizer's and router's, and its top-k's was still building after 280 s on
-the device -- so the top-k family runs FlashInfer's ``top_k`` with its JIT off
-(``FLASHINFER_DISABLE_JIT``) unless ``--peer-jit``: it loads the module prebuilt by
-``tools/build-flashinfer-topk.sh``, else gives a "does not run" row.
+row saying which and why. FlashInfer's ``top_k`` runs with its JIT off unless ``--peer-jit``
+(its nvcc build outlasts a device call): the module ``tools/build-flashinfer-topk.sh``
+prebuilds, else a "does not run" row.
 
 Families and peers (wheels: ``.devcache/peers`` and ``.devcache/peers-flashinfer``, see
 docs/device.md), in the table's order:
