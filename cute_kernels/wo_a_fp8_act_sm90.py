@@ -395,9 +395,9 @@ def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_sca
     P = jit.gmem_ptr
     fn(P(cutlass.Float8E4M3FN, q, 16), P(cutlass.Uint8, q_scales, 4), P(cutlass.Float8E4M3FN, w, 16),
        P(Float32, w_scale, 4), P(cutlass.BFloat16, out, 4), jit.i32(T), jit.cu_stream(stream))
-    if default_call:  # its tensor entry for the next calls of these shapes
+    if default_call:  # its tensor entry for the next calls of these shapes (cfg: the plan's, no overrides)
         jit.remember_tensor_entry(_TENSOR_FNS, (q.shape, w.shape, q.get_device()), "wo_a_fp8_act_sm90_tensors", a,
-                                  G=G, R=R, Dg=Dg, **plan(T, G, R, Dg, sms))
+                                  G=G, R=R, Dg=Dg, **cfg)
     return out
 
 
