@@ -149,21 +149,52 @@ _NAME2CUTE = {"float32": Float32, "bfloat16": cutlass.BFloat16}
 ATANH2_COEFFS = tuple(2.0 / (2 * n + 1) for n in range(7, -1, -1))
 
 
-def log1p_unit(y: Float32) -> Float32:
-    """``log(1 + y)`` for ``y`` in [0, 1] (and NaN): ``2 atanh(s)`` with ``s = y / (2 + y)`` in
+def log1p_unit(ys: list) -> list:
+    """``log(1 + y)`` of each ``y`` in [0, 1] (and NaN): ``2 atanh(s)`` with ``s = y / (2 + y)`` in
     [0, 1/3], by the odd series ``2 (s + s^3/3 + ... + s^15/15)`` -- the first term left out is
     below 2^-26 of the sum, and ``s`` comes from one Newton step on the approximate reciprocal,
     so the result is within a few ulp of FP32, in 12 instructions where the general ``log1p``
-    takes about thirty (it must cover every argument). (Plain Python: traced inline.)"""
-    d = Float32(2.0) + y
-    r = cute.arch.rcp_approx(d)
-    r = r + r * (Float32(1.0) - d * r)
-    s = y * r
-    z = s * s
-    p = Float32(ATANH2_COEFFS[0])
+    takes about thirty (it must cover every argument). Each step runs over the whole list before
+    the next, so the lane's independent chains interleave. (Plain Python: traced inline.)"""
+    d = [Float32(2.0) + y for y in ys]
+    r = [cute.arch.rcp_approx(v) for v in d]
+    r = [ri + ri * (Float32(1.0) - di * ri) for ri, di in zip(r, d)]
+    s = [y * ri for y, ri in zip(ys, r)]
+    z = [v * v for v in s]
+    p = [Float32(ATANH2_COEFFS[0])] * len(ys)
     for c in ATANH2_COEFFS[1:]:
-        p = p * z + Float32(c)
-    return s * p
+        p = [pi * zi + Float32(c) for pi, zi in zip(p, z)]
+    return [si * pi for si, pi in zip(s, p)]
+
+
+def sqrt_rn(xs: list) -> list:
+    """``sqrt(x)`` rounded to nearest of each ``x >= 0`` (and +inf, NaN) without a branch: the
+    fast path of ``sqrt.rn`` -- the reciprocal square root estimate, the product, one FMA
+    correction -- with inputs below 2^-100 scaled by 2^64 into its range first (exact: powers of
+    two). The compiler's ``sqrt.rn`` branches to a slow-path call for such inputs, and that
+    branch keeps one expert's score from overlapping the next's. (Plain Python: traced inline,
+    each step over the whole list.)"""
+    small = [x < Float32(2.0**-100) for x in xs]
+    xs = [cutlass.select_(m, x * Float32(2.0**64), x) for m, x in zip(small, xs)]
+    r = [cute.math.rsqrt(x, approx=True, ftz=True) for x in xs]
+    y = [x * ri for x, ri in zip(xs, r)]
+    y = [cute.math.fma(cute.math.fma(-yi, yi, x), ri * Float32(0.5), yi) for yi, x, ri in zip(y, xs, r)]
+    y = [cutlass.select_(m, yi * Float32(2.0**-32), yi) for m, yi in zip(small, y)]
+    return [cutlass.select_((x == Float32(0.0)) | (x == Float32(math.inf)), x, yi) for x, yi in zip(xs, y)]
+
+
+def rcp_rn_from_one(ds: list) -> list:
+    """``1 / d`` rounded to nearest of each ``d >= 1`` (and +inf, NaN) without a branch: the fast
+    path of ``rcp.rn`` (the estimate, one FMA residual, one FMA correction) with ``d >= 2^126``
+    scaled by 2^-64 into its range first (the result, below 2^-126, then rounds twice). As
+    :func:`sqrt_rn`: the compiler's slow-path branch would serialise the lane's scores. (Plain
+    Python: traced inline, each step over the whole list.)"""
+    big = [d >= Float32(2.0**126) for d in ds]
+    ds = [cutlass.select_(b, d * Float32(2.0**-64), d) for b, d in zip(big, ds)]
+    r = [cute.arch.rcp_approx(d) for d in ds]
+    r = [cute.math.fma(ri, -cute.math.fma(d, ri, Float32(-1.0)), ri) for ri, d in zip(r, ds)]
+    r = [cutlass.select_(b, ri * Float32(2.0**-64), ri) for b, ri in zip(big, r)]
+    return [cutlass.select_(d == Float32(math.inf), Float32(0.0), ri) for d, ri in zip(ds, r)]
 
 
 @cute.jit
@@ -487,8 +518,9 @@ class RouterTopkAlign:
             cute.autovec_copy(gL[(0, None), (t, lane)], rL)
             rS = cute.make_rmem_tensor(cute.make_layout((V,)), Float32)
             rCand = cute.make_rmem_tensor(cute.make_layout((V,)), Float32)
+            scores = self.scores_of([Float32(rL[j]) for j in range(V)])
             for j in cutlass.range_constexpr(V):
-                s = self.score_of(Float32(rL[j]))
+                s = scores[j]
                 rS[j] = s
                 c = s + rBias[j]
                 # a NaN candidate ranks above every number (torch.sort's order): +inf here, so
@@ -622,14 +654,16 @@ class RouterTopkAlign:
             level = merged
         return level[0]
 
-    @cute.jit
-    def score_of(self, x: Float32) -> Float32:
-        """The expert score of logit ``x`` (FP32)."""
+    def scores_of(self, xs: list) -> list:
+        """The expert scores of the lane's logits ``xs`` (FP32), each step over all of them before
+        the next: ``sqrt(softplus(x))`` with ``softplus(x) = max(x, 0) + log1p(exp(-|x|))`` (no
+        overflow, full relative precision for ``x << 0``), or ``sigmoid(x) = 1 / (1 + exp(-x))``;
+        the square root and reciprocal round to nearest, without branches (:func:`sqrt_rn`,
+        :func:`rcp_rn_from_one`). (Plain Python: traced inline.)"""
         if cutlass.const_expr(self.score == "sqrtsoftplus"):
-            # softplus(x) = max(x, 0) + log1p(exp(-|x|)): no overflow, exact-ish for x << 0
-            sp = cutlass.max(x, Float32(0.0)) + log1p_unit(cute.math.exp(-cute.math.absf(x)))
-            return cute.math.sqrt(sp)
-        return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
+            e = [cute.math.exp(-cute.math.absf(x)) for x in xs]
+            return sqrt_rn([cutlass.max(x, Float32(0.0)) + lg for x, lg in zip(xs, log1p_unit(e))])
+        return rcp_rn_from_one([Float32(1.0) + cute.math.exp(-x) for x in xs])
 
     @cute.jit
     def align_single_cta(self, sIds, sTokMask, mCounts, mOffsets, mSorted, mTileExpert, mTotal, mPos, sOff,
