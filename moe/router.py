@@ -745,8 +745,9 @@ class RouterTopkAlign:
     @cute.jit
     def fill_padding(self, mSorted, lo: Int32, hi: Int32, sentinel: Int32, lane: Int32):
         """``mSorted[lo:hi] = sentinel`` by one warp, for one expert's padding (``hi`` a multiple
-        of ``tile``): with ``tile % 4 == 0``, up to three single slots to the first 16-byte
-        boundary, then 16-byte stores -- a tile of 128 slots in one round of the warp."""
+        of ``tile``, ``hi - lo < tile``): with ``tile % 4 == 0``, up to three single slots to the
+        first 16-byte boundary, then 16-byte stores -- with ``tile <= 128`` at most 31 of them,
+        one per lane and no loop."""
         if cutlass.const_expr(self.tile % 4 == 0):
             head = cutlass.min((lo + 3) // 4 * 4, hi)
             if lane < head - lo:
@@ -754,8 +755,12 @@ class RouterTopkAlign:
             gSorted4 = cute.zipped_divide(mSorted, (4,))
             rSent = cute.make_rmem_tensor(cute.make_layout((4,)), Int32)
             rSent.fill(sentinel)
-            for q in cutlass.range(head // 4 + lane, hi // 4, 32):
-                cute.autovec_copy(rSent, gSorted4[(None, q)])
+            if cutlass.const_expr(self.tile <= 128):
+                if head // 4 + lane < hi // 4:
+                    cute.autovec_copy(rSent, gSorted4[(None, head // 4 + lane)])
+            else:
+                for q in cutlass.range(head // 4 + lane, hi // 4, 32):
+                    cute.autovec_copy(rSent, gSorted4[(None, q)])
         else:
             for p in cutlass.range(lo + lane, hi, 32):
                 mSorted[p] = sentinel
@@ -812,8 +817,10 @@ class RouterTopkAlign:
             mOffsets[E] = total
         self.clear_tiles_past(total, mTileExpert, tiles_cap, first, stride)
         sentinel = num_tokens * k
-        for e in cutlass.range(rank * W + warp, E, C * W):  # a warp an expert: its last tile's padding
-            self.fill_padding(mSorted, sOff[e] + sCnt[e], sOff[e + 1], sentinel, lane)
+        for j in cutlass.range_constexpr(-(-E // (C * W))):  # a warp an expert: its last tile's padding
+            e = rank * W + warp + j * C * W  # (unrolled: the experts' loads overlap)
+            if e < E:
+                self.fill_padding(mSorted, sOff[e] + sCnt[e], sOff[e + 1], sentinel, lane)
         for r in cutlass.range(first, num_tokens * k, stride):
             t = r // k
             e = sIds[t, r - t * k]
