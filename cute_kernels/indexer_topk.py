@@ -54,6 +54,8 @@ from .validate import check_cuda, check_tensor
 NEG_INF_KEY = 0x007FFFFF  # order-preserving key of -inf
 ITEMS = 16  # scores per thread per compaction chunk
 BINS = 2048
+#: the histogram holds four pad words per BINS / 32 bins (find_digit: a lane's bins, conflict-free)
+BINS_PADDED = BINS + 4 * 32
 
 
 @cute.jit
@@ -102,12 +104,12 @@ class IndexerTopk:
         row = mBits[t, None]
 
         smem = cutlass.memory.SmemAllocator()
-        sHist = smem.allocate_tensor(Int32, cute.make_layout((BINS,)), 16)
+        sHist = smem.allocate_tensor(Int32, cute.make_layout((BINS_PADDED,)), 16)
         sWarp = smem.allocate_tensor(Int32, cute.make_layout((self.warps,)), 16)
         sState = smem.allocate_tensor(Int32, cute.make_layout((4,)), 16)
 
         # ---- pass 0: top 11 bits; also counts the candidates (keys above -inf's) -------------
-        self.histogram(row, limit, sHist, Uint32(0), 21, 0x7FF, 32)
+        self.histogram(row, limit, sHist, Uint32(0), 21, 0x7FF, 32, 11)
         if warp == 0:
             self.find_digit(sHist, sState, Int32(self.k), 11, True)
         cute.arch.barrier()
@@ -115,12 +117,12 @@ class IndexerTopk:
         take_eq = Int32(0)
         if sState[2] > self.k:
             d0 = Uint32(sState[0])
-            self.histogram(row, limit, sHist, d0, 10, 0x7FF, 21)
+            self.histogram(row, limit, sHist, d0, 10, 0x7FF, 21, 11)
             if warp == 0:
                 self.find_digit(sHist, sState, sState[1], 11, False)
             cute.arch.barrier()
             d1 = (d0 << 11) | Uint32(sState[0])
-            self.histogram(row, limit, sHist, d1, 0, 0x3FF, 10)
+            self.histogram(row, limit, sHist, d1, 0, 0x3FF, 10, 10)
             if warp == 0:
                 self.find_digit(sHist, sState, sState[1], 10, False)
             cute.arch.barrier()
@@ -130,10 +132,11 @@ class IndexerTopk:
 
     @cute.jit
     def histogram(self, row: cute.Tensor, limit: Int32, sHist: cute.Tensor, prefix: Uint32, shift: int, dmask: int,
-                  pshift: int):
-        """Count digit ``(key >> shift) & dmask`` of the keys whose ``key >> pshift == prefix``."""
+                  pshift: int, bits: cutlass.Constexpr):
+        """Count digit ``(key >> shift) & dmask`` (``bits`` wide) of the keys whose ``key >> pshift
+        == prefix`` (bin ``d`` at :meth:`padded` ``d``)."""
         tidx, _, _ = cute.arch.thread_idx()
-        for b in cutlass.range(tidx, BINS, self.threads):
+        for b in cutlass.range(tidx, BINS_PADDED, self.threads):
             sHist[b] = 0
         cute.arch.barrier()
         # Same traversal as the compaction: 16 consecutive scores per thread, 16-byte loads,
@@ -151,30 +154,38 @@ class IndexerTopk:
                 if cutlass.const_expr(pshift < 32):
                     match = match and (key >> pshift) == prefix
                 if match:
-                    cute.arch.atomic_add((sHist.iterator + Int32((key >> shift) & Uint32(dmask))).llvm_ptr,
-                                         Int32(1))
+                    d = Int32((key >> shift) & Uint32(dmask))
+                    cute.arch.atomic_add((sHist.iterator + self.padded(d, bits)).llvm_ptr, Int32(1))
         cute.arch.barrier()
 
     @cute.jit
     def find_digit(self, sHist: cute.Tensor, sState: cute.Tensor, k_rem: Int32, bits: int, first: bool):
         """Warp 0: the digit holding the k_rem-th largest key -> sState[0], how many of that
         digit's keys are still to take -> sState[1]; on the first pass also the number of
-        candidates (keys above -inf's, digit > 3) -> sState[2]."""
+        candidates (keys above -inf's, digit > 3) -> sState[2]. Lane ``l`` sums its ``2^bits /
+        32`` consecutive bins, which the histogram's padding (:meth:`padded`) puts in 32
+        different banks across the lanes."""
         lane = cute.arch.lane_idx()
         nb = 1 << bits
         per = nb // 32
         top = nb - 1 - lane * per  # lane l owns bins top, top-1, ..., top-per+1 (descending)
-        c = Int32(0)
-        for j in cutlass.range(per, unroll_full=True):
-            c = c + sHist[top - j]
+        # the lane's bins in 16-byte loads (its lowest bin, top - per + 1, is a multiple of 4 and
+        # so is its padded place), summed; on the first pass also those above -inf's digit
+        sH4 = cute.zipped_divide(sHist, (4,))
+        low4 = self.padded(top - per + 1, bits) // 4
+        c, valid = Int32(0), Int32(0)
+        for v in cutlass.range_constexpr(per // 4):
+            r4 = cute.make_rmem_tensor(cute.make_layout((4,)), Int32)
+            cute.autovec_copy(sH4[None, low4 + v], r4)
+            for i in cutlass.range_constexpr(4):
+                c = c + r4[i]
+                if cutlass.const_expr(first):
+                    valid = valid + cutlass.select_(top - per + 1 + 4 * v + i > 3, r4[i], Int32(0))
         incl = c
         for sh in cutlass.range_constexpr(5):
             o = cute.arch.shuffle_sync_up(incl, offset=1 << sh)
             incl = incl + cutlass.select_(lane >= (1 << sh), o, Int32(0))
         if cutlass.const_expr(first):
-            valid = Int32(0)
-            for j in cutlass.range(per, unroll_full=True):
-                valid = valid + cutlass.select_(top - j > 3, sHist[top - j], Int32(0))
             valid = cute.arch.warp_reduction_sum(valid)
             if lane == 0:
                 sState[2] = valid
@@ -183,13 +194,24 @@ class IndexerTopk:
         if lane == below:
             run = incl - c
             found = Int32(0)
-            for j in cutlass.range(per, unroll_full=True):
-                h = sHist[top - j]
-                if found == 0 and run + h >= k_rem:
-                    sState[0] = top - j
-                    sState[1] = k_rem - run
-                    found = Int32(1)
-                run = run + h
+            for v in cutlass.range_constexpr(per // 4 - 1, -1, -1):  # its bins from the top down
+                r4 = cute.make_rmem_tensor(cute.make_layout((4,)), Int32)
+                cute.autovec_copy(sH4[None, low4 + v], r4)
+                for i in cutlass.range_constexpr(3, -1, -1):
+                    h = r4[i]
+                    if found == 0 and run + h >= k_rem:
+                        sState[0] = top - per + 1 + 4 * v + i
+                        sState[1] = k_rem - run
+                        found = Int32(1)
+                    run = run + h
+
+    @staticmethod
+    def padded(d, bits: int):
+        """Where bin ``d`` of a ``2^bits``-bin histogram lives: four pad words after every ``2^bits
+        / 32`` bins (a lane's share in :meth:`find_digit`), so the lanes' 16-byte loads of their
+        bins are ``2^bits / 32 + 4`` words apart: the eight lanes of each quarter-warp phase hit
+        eight different groups of four banks, where without the padding they all hit one."""
+        return d + ((d >> (bits - 5)) << 2)
 
     @cute.jit
     def compact(self, row: cute.Tensor, limit: Int32, thr: Uint32, take_eq: Int32, sWarp: cute.Tensor,
