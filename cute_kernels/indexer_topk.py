@@ -98,7 +98,7 @@ class IndexerTopk:
     def kernel(self, mScore: cute.Tensor, mLen: cute.Tensor, mPos: cute.Tensor, mIdx: cute.Tensor, s_max: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         t, _, _ = cute.arch.block_idx()
-        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
         limit = cutlass.min(cutlass.min(visible_entries(mPos[t], self.ratio), mLen[t]), s_max)  # -inf past it
         mBits = cute.recast_tensor(mScore, Uint32)
         row = mBits[t, None]

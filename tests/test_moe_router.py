@@ -556,13 +556,16 @@ def test_log1p_series_bound():
 def test_machine_code_sqrtsoftplus(arch, cfg):
     """The V4 routers: each lane's E/32 fp32 logits in 16-byte loads; per expert one exp and one
     square root on the special-function unit (log1p is a polynomial), and one NaN test of its
-    candidate (a NaN ranks first: not folded away); no spills."""
+    candidate (a NaN ranks first: not folded away); no spills. The scores have no slow-path call
+    (``sqrt.rn``'s would close each expert's chain before the next): the one call left is the
+    weights' division, once per token."""
     h = sass.sass_histogram("moe_router", arch, **dataclasses.asdict(cfg), logits_dtype="float32", has_bias=True)
     V = cfg.num_experts // 32
     assert h["LDG.E.128"] >= V // 4
     assert sass.count(h, "MUFU.EX2") >= V
     assert sass.count(h, "MUFU.SQRT") + sass.count(h, "MUFU.RSQ") >= V
     assert sass.count(h, "FSETP.NAN") >= V
+    assert sass.count(h, "CALL") <= 1
     assert sass.local_memory_ops(h) == 0
 
 
@@ -576,6 +579,7 @@ def test_machine_code(arch):
     assert sass.count(h, "REDUX") + sass.count(h, "CREDUX") >= 8  # one warp maximum per pick
     assert sass.count(h, "POPC") >= 8
     assert sass.count(h, "ATOMG") + sass.count(h, "RED") >= 2  # counts + last-CTA counter
+    assert sass.count(h, "CALL") <= 1  # the sigmoid's reciprocal without rcp.rn's slow-path call per expert
     assert sass.local_memory_ops(h) == 0
 
 
