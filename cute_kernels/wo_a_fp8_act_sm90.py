@@ -375,8 +375,9 @@ def wo_a_fp8_act(q: torch.Tensor, q_scales: torch.Tensor, w: torch.Tensor, w_sca
         raise ValueError(f"{op}: T={T} tokens; this decode kernel takes 1..{MAX_T}")
     if R % SCALE_BLOCK or Dg % BK:
         raise ValueError(f"{op}: w of shape {list(w.shape)} needs R % {SCALE_BLOCK} == 0 and Dg % {BK} == 0")
-    sms = num_sms(q.device) if q.is_cuda else 132  # (a CPU tensor is refused below, by name)
-    cfg = dict(plan(T, G, R, Dg, sms), **({} if kgroups is None else {"kgroups": kgroups}),
+    # (a CPU tensor is planned for plan's default part, then refused below, by name)
+    planned = plan(T, G, R, Dg, num_sms(q.device)) if q.is_cuda else plan(T, G, R, Dg)
+    cfg = dict(planned, **({} if kgroups is None else {"kgroups": kgroups}),
                **({} if stages is None else {"stages": stages}))
     if not WoAFp8ActSm90.can_implement(T, G, R, Dg, **cfg):
         raise ValueError(f"{op}: stages={cfg['stages']} with kgroups={cfg['kgroups']} at T={T}: the depth must be "
