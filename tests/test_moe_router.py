@@ -662,3 +662,77 @@ def test_cluster_path_choice_and_config_checks(monkeypatch):
         _build("sm_90a", **kw, cluster=2)
     with pytest.raises(ValueError, match="not with single_cta"):
         _build("sm_90a", **kw, cluster=4, single_cta=True)
+
+
+def _rounding_kernel():
+    """A kernel applying the router's branch-free ``sqrt_rn`` and ``rcp_rn_from_one`` to each
+    element (``mX`` -> ``mS``, ``mR``), traced from the router's own helpers."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+
+    @cute.kernel
+    def kernel(mX: cute.Tensor, mS: cute.Tensor, mR: cute.Tensor, n: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        i = bidx * 256 + tidx
+        if i < n:
+            x = mX[i]
+            mS[i] = router_mod.sqrt_rn([x])[0]
+            mR[i] = router_mod.rcp_rn_from_one([x])[0]
+
+    @cute.jit
+    def launch(mX: cute.Tensor, mS: cute.Tensor, mR: cute.Tensor, n: cutlass.Int32, stream: cuda.CUstream):
+        kernel(mX, mS, mR, n).launch(grid=[(n + 255) // 256, 1, 1], block=[256, 1, 1], stream=stream)
+
+    return launch
+
+
+def _rounding_inputs(n: int) -> torch.Tensor:
+    """Random bit patterns over every non-negative float32 (subnormals included), then the edges:
+    zero, the smallest subnormal, the helpers' scaling thresholds and their neighbours, 1, the
+    largest float, +inf and NaN."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    bits = torch.randint(0, 0x7F800000, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+    edges = [0.0, 2.0**-149, 2.0**-126, 2.0**-100, 1.0, 2.0**64, 2.0**126, 3.4028234663852886e38,
+             float("inf"), float("nan")]
+    e = torch.tensor(edges, dtype=torch.float32)
+    near = torch.cat([(e.view(torch.int32) + d).view(torch.float32) for d in (-1, 1)])
+    x = torch.cat([bits.view(torch.float32), e, near[torch.isfinite(near) & (near >= 0)]])
+    return x
+
+
+@pytest.mark.gpu
+def test_branch_free_sqrt_and_reciprocal_are_correctly_rounded():
+    """``moe.router.sqrt_rn`` and ``rcp_rn_from_one`` (the scores' square root and reciprocal
+    without the compiler's slow-path branch) against the definition: the float64 result rounded
+    to float32 -- the correctly rounded one (53 >= 2 * 24 + 2 bits: the double rounding is
+    innocuous for square roots and quotients). Bit for bit over 2^20 random non-negative floats
+    and the edges; the reciprocal on its domain ``d >= 1``, within one subnormal ulp where the
+    result is below 2^-126 (``d >= 2^126``: its second rounding), 0 at +inf, NaN at NaN."""
+    from cutlass.cute.runtime import from_dlpack
+
+    x = _rounding_inputs(1 << 20).cuda()
+    s = torch.full_like(x, float("nan"))  # poisoned
+    r = torch.full_like(x, float("nan"))
+    fn = _rounding_kernel()
+    stream = torch.cuda.current_stream()
+    import cuda.bindings.driver as cuda
+
+    fn(from_dlpack(x), from_dlpack(s), from_dlpack(r), x.numel(), cuda.CUstream(stream.cuda_stream))
+    torch.cuda.synchronize()
+    xd = x.cpu().double()
+    s_ref = torch.sqrt(xd).float()
+    s_got = s.cpu()
+    nan = torch.isnan(s_ref)
+    assert torch.equal(torch.isnan(s_got), nan)
+    assert torch.equal(s_got[~nan].view(torch.int32), s_ref[~nan].view(torch.int32))
+    dom = (xd >= 1) | torch.isnan(xd)
+    r_ref = (1.0 / xd[dom]).float()
+    r_got = r.cpu()[dom]
+    nan = torch.isnan(r_ref)
+    assert torch.equal(torch.isnan(r_got), nan)
+    exact = ~nan & (xd[dom] < 2.0**126)
+    assert torch.equal(r_got[exact].view(torch.int32), r_ref[exact].view(torch.int32))
+    tiny = ~nan & ~exact
+    assert (r_got[tiny].view(torch.int32) - r_ref[tiny].view(torch.int32)).abs().max() <= 1
