@@ -109,7 +109,7 @@ class IndexerTopk:
         sState = smem.allocate_tensor(Int32, cute.make_layout((4,)), 16)
 
         # ---- pass 0: top 11 bits; also counts the candidates (keys above -inf's) -------------
-        self.histogram(row, limit, sHist, Uint32(0), 21, 0x7FF, 32, 11)
+        self.histogram(row, limit, sHist, Uint32(0), 21, 11)
         if warp == 0:
             self.find_digit(sHist, sState, Int32(self.k), 11, True)
         cute.arch.barrier()
@@ -117,12 +117,12 @@ class IndexerTopk:
         take_eq = Int32(0)
         if sState[2] > self.k:
             d0 = Uint32(sState[0])
-            self.histogram(row, limit, sHist, d0, 10, 0x7FF, 21, 11)
+            self.histogram(row, limit, sHist, d0, 10, 11)
             if warp == 0:
                 self.find_digit(sHist, sState, sState[1], 11, False)
             cute.arch.barrier()
             d1 = (d0 << 11) | Uint32(sState[0])
-            self.histogram(row, limit, sHist, d1, 0, 0x3FF, 10, 10)
+            self.histogram(row, limit, sHist, d1, 0, 10)
             if warp == 0:
                 self.find_digit(sHist, sState, sState[1], 10, False)
             cute.arch.barrier()
@@ -131,10 +131,12 @@ class IndexerTopk:
         self.compact(row, limit, thr, take_eq, sWarp, mIdx, t)
 
     @cute.jit
-    def histogram(self, row: cute.Tensor, limit: Int32, sHist: cute.Tensor, prefix: Uint32, shift: int, dmask: int,
-                  pshift: int, bits: cutlass.Constexpr):
-        """Count digit ``(key >> shift) & dmask`` (``bits`` wide) of the keys whose ``key >> pshift
-        == prefix`` (bin ``d`` at :meth:`padded` ``d``)."""
+    def histogram(self, row: cute.Tensor, limit: Int32, sHist: cute.Tensor, prefix: Uint32, shift: cutlass.Constexpr,
+                  bits: cutlass.Constexpr):
+        """Count the ``bits``-wide digit at ``shift`` of the keys whose higher bits (``key >> (shift
+        + bits)``) equal ``prefix`` -- all keys when there are none (bin ``d`` at :meth:`padded`
+        ``d``)."""
+        dmask, pshift = (1 << bits) - 1, shift + bits
         tidx, _, _ = cute.arch.thread_idx()
         for b in cutlass.range(tidx, BINS_PADDED, self.threads):
             sHist[b] = 0
@@ -162,9 +164,9 @@ class IndexerTopk:
     def find_digit(self, sHist: cute.Tensor, sState: cute.Tensor, k_rem: Int32, bits: int, first: bool):
         """Warp 0: the digit holding the k_rem-th largest key -> sState[0], how many of that
         digit's keys are still to take -> sState[1]; on the first pass also the number of
-        candidates (keys above -inf's, digit > 3) -> sState[2]. Lane ``l`` sums its ``2^bits /
-        32`` consecutive bins, which the histogram's padding (:meth:`padded`) puts in 32
-        different banks across the lanes."""
+        candidates (keys above -inf's, digit > 3) -> sState[2]. Lane ``l`` reads its ``2^bits /
+        32`` consecutive bins in 16-byte loads, which the histogram's padding (:meth:`padded`)
+        keeps free of bank conflicts."""
         lane = cute.arch.lane_idx()
         nb = 1 << bits
         per = nb // 32

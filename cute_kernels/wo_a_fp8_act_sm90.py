@@ -73,6 +73,7 @@ from cutlass import Float32, Int32, Uint32
 
 from . import jit
 from .arch import current_arch, num_sms
+from .gemm.sm90_gemm import SMEM_PER_SM
 from .mx_scales import e8m0_to_f32
 from .validate import check_arch_supported, check_bool, check_cuda, check_tensor
 from .warp_mma import fp8_wgmma_blocks, wgmma_fragments
@@ -104,7 +105,6 @@ def out_fits_stages(tok_n: int, stages: int) -> bool:
 
 
 KGROUPS = (1, 2)  # warpgroups splitting K by turns
-SMEM_PER_SM = 228 * 1024  # sm_90's shared memory per SM (CTAs' blocks plus 1 KB each reserved)
 
 
 class WoAFp8ActSm90:
