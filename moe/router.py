@@ -154,8 +154,7 @@ def log1p_unit(ys: list) -> list:
     [0, 1/3], by the odd series ``2 (s + s^3/3 + ... + s^15/15)`` -- the first term left out is
     below 2^-26 of the sum, and ``s`` comes from one Newton step on the approximate reciprocal,
     so the result is within a few ulp of FP32, in 12 instructions where the general ``log1p``
-    takes about thirty (it must cover every argument). Each step runs over the whole list before
-    the next, so the lane's independent chains interleave. (Plain Python: traced inline.)"""
+    takes about thirty. (Traced inline, step by step over the list: the chains interleave.)"""
     d = [Float32(2.0) + y for y in ys]
     r = [cute.arch.rcp_approx(v) for v in d]
     r = [ri + ri * (Float32(1.0) - di * ri) for ri, di in zip(r, d)]
@@ -168,12 +167,11 @@ def log1p_unit(ys: list) -> list:
 
 
 def sqrt_rn(xs: list) -> list:
-    """``sqrt(x)`` rounded to nearest of each ``x >= 0`` (and +inf, NaN) without a branch: the
-    fast path of ``sqrt.rn`` -- the reciprocal square root estimate, the product, one FMA
-    correction -- with inputs below 2^-100 scaled by 2^64 into its range first (exact: powers of
-    two). The compiler's ``sqrt.rn`` branches to a slow-path call for such inputs, and that
-    branch keeps one expert's score from overlapping the next's. (Plain Python: traced inline,
-    each step over the whole list.)"""
+    """``sqrt(x)`` rounded to nearest of each ``x >= 0`` (and +inf, NaN) without a branch:
+    ``sqrt.rn``'s fast path (rsqrt estimate, product, one FMA correction), inputs below 2^-100
+    scaled by 2^64 into its range first. ``sqrt.rn`` branches to a slow-path call for those,
+    which keeps one expert's score from overlapping the next's. (Traced inline, step by step
+    over the list.)"""
     small = [x < Float32(2.0**-100) for x in xs]
     xs = [cutlass.select_(m, x * Float32(2.0**64), x) for m, x in zip(small, xs)]
     r = [cute.math.rsqrt(x, approx=True, ftz=True) for x in xs]
@@ -184,11 +182,9 @@ def sqrt_rn(xs: list) -> list:
 
 
 def rcp_rn_from_one(ds: list) -> list:
-    """``1 / d`` rounded to nearest of each ``d >= 1`` (and +inf, NaN) without a branch: the fast
-    path of ``rcp.rn`` (the estimate, one FMA residual, one FMA correction) with ``d >= 2^126``
-    scaled by 2^-64 into its range first (the result, below 2^-126, then rounds twice). As
-    :func:`sqrt_rn`: the compiler's slow-path branch would serialise the lane's scores. (Plain
-    Python: traced inline, each step over the whole list.)"""
+    """``1 / d`` rounded to nearest of each ``d >= 1`` (and +inf, NaN) without a branch, as
+    :func:`sqrt_rn`: ``rcp.rn``'s fast path (estimate, FMA residual, FMA correction), ``d >=
+    2^126`` scaled by 2^-64 first (its result, below 2^-126, then rounds twice)."""
     big = [d >= Float32(2.0**126) for d in ds]
     ds = [cutlass.select_(b, d * Float32(2.0**-64), d) for b, d in zip(big, ds)]
     r = [cute.arch.rcp_approx(d) for d in ds]
@@ -655,11 +651,10 @@ class RouterTopkAlign:
         return level[0]
 
     def scores_of(self, xs: list) -> list:
-        """The expert scores of the lane's logits ``xs`` (FP32), each step over all of them before
-        the next: ``sqrt(softplus(x))`` with ``softplus(x) = max(x, 0) + log1p(exp(-|x|))`` (no
-        overflow, full relative precision for ``x << 0``), or ``sigmoid(x) = 1 / (1 + exp(-x))``;
-        the square root and reciprocal round to nearest, without branches (:func:`sqrt_rn`,
-        :func:`rcp_rn_from_one`). (Plain Python: traced inline.)"""
+        """The expert scores of the lane's logits ``xs`` (FP32), step by step over all of them:
+        ``sqrt(max(x, 0) + log1p(exp(-|x|)))`` or ``1 / (1 + exp(-x))``, the root and reciprocal
+        correctly rounded without branches (:func:`sqrt_rn`, :func:`rcp_rn_from_one`). (Traced
+        inline.)"""
         if cutlass.const_expr(self.score == "sqrtsoftplus"):
             e = [cute.math.exp(-cute.math.absf(x)) for x in xs]
             return sqrt_rn([cutlass.max(x, Float32(0.0)) + lg for x, lg in zip(xs, log1p_unit(e))])

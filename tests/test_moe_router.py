@@ -665,8 +665,7 @@ def test_cluster_path_choice_and_config_checks(monkeypatch):
 
 
 def _rounding_kernel():
-    """A kernel applying the router's branch-free ``sqrt_rn`` and ``rcp_rn_from_one`` to each
-    element (``mX`` -> ``mS``, ``mR``), traced from the router's own helpers."""
+    """``mS[i] = sqrt_rn(mX[i])``, ``mR[i] = rcp_rn_from_one(mX[i])``: the router's own helpers."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -689,9 +688,8 @@ def _rounding_kernel():
 
 
 def _rounding_inputs(n: int) -> torch.Tensor:
-    """Random bit patterns over every non-negative float32 (subnormals included), then the edges:
-    zero, the smallest subnormal, the helpers' scaling thresholds and their neighbours, 1, the
-    largest float, +inf and NaN."""
+    """Random non-negative float32 bit patterns (subnormals included), then the edges and their
+    neighbours: 0, the smallest subnormal, the scaling thresholds, 1, the largest float, inf, NaN."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     bits = torch.randint(0, 0x7F800000, (n,), generator=g, dtype=torch.int64).to(torch.int32)
     edges = [0.0, 2.0**-149, 2.0**-126, 2.0**-100, 1.0, 2.0**64, 2.0**126, 3.4028234663852886e38,
@@ -704,12 +702,9 @@ def _rounding_inputs(n: int) -> torch.Tensor:
 
 @pytest.mark.gpu
 def test_branch_free_sqrt_and_reciprocal_are_correctly_rounded():
-    """``moe.router.sqrt_rn`` and ``rcp_rn_from_one`` (the scores' square root and reciprocal
-    without the compiler's slow-path branch) against the definition: the float64 result rounded
-    to float32 -- the correctly rounded one (53 >= 2 * 24 + 2 bits: the double rounding is
-    innocuous for square roots and quotients). Bit for bit over 2^20 random non-negative floats
-    and the edges; the reciprocal on its domain ``d >= 1``, within one subnormal ulp where the
-    result is below 2^-126 (``d >= 2^126``: its second rounding), 0 at +inf, NaN at NaN."""
+    """``sqrt_rn`` / ``rcp_rn_from_one`` against float64 rounded to float32 (correctly rounded:
+    53 >= 2 * 24 + 2 bits), bit for bit over 2^20 random floats and the edges; the reciprocal on
+    ``d >= 1``, within one subnormal ulp for ``d >= 2^126`` (its second rounding)."""
     from cutlass.cute.runtime import from_dlpack
 
     x = _rounding_inputs(1 << 20).cuda()
