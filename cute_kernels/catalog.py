@@ -35,6 +35,7 @@ MODULES = (
     "cute_kernels.indexer_scores_token_group_sm90",
     "cute_kernels.indexer_scores_sm100",
     "cute_kernels.indexer_topk",
+    "cute_kernels.indexer_topk_split",
     "cute_kernels.sink_attention",
     "cute_kernels.compressor_pool",
     "moe.quant",

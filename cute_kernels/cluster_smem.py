@@ -61,3 +61,18 @@ def store_async_to_cta_x4(smem_ptr: cute.Pointer, rank: Int32, v0: Uint32, v1: U
     """:func:`store_async_to_cta` of four consecutive 32-bit words (one 16-byte ``st.async``;
     ``smem_ptr`` 16-byte aligned), crediting 16 bytes."""
     _remote_async_store([v0, v1, v2, v3], smem_ptr, rank, mbar_ptr, loc, ip)
+
+
+@dsl_user_op
+def add_to_cta(smem_ptr: cute.Pointer, rank: Int32, value: Int32, *, loc=None, ip=None) -> None:
+    """``*smem_ptr += value`` in the shared memory of CTA ``rank`` of this cluster (a relaxed
+    ``red.shared::cluster``, no return value). Published by a release / acquire cluster barrier
+    (``cute.arch.cluster_arrive`` then ``cluster_wait``); for counts summed over the cluster's
+    CTAs, which a store cannot do."""
+    llvm.inline_asm(
+        None, [Int32(smem_ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip),
+               Int32(value).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b32 a;\n\tmapa.shared::cluster.u32 a, $0, $1;\n\t"
+        "red.relaxed.cluster.shared::cluster.add.u32 [a], $2;\n\t}",
+        "r,r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip)

@@ -319,19 +319,24 @@ class IndexerWorkspace:
 
 def indexer_select(workspace: IndexerWorkspace, kv_len: torch.Tensor, pos: torch.Tensor, *, topk: int = 2048,
                    max_keys: int | None = None, compress_ratio: int = 1, out: torch.Tensor | None = None,
-                   stream=None, arch: str | None = None) -> torch.Tensor:
+                   stream=None, arch: str | None = None, plan="auto") -> torch.Tensor:
     """The radix select alone, on score rows already in ``workspace.scores`` (``-inf`` =
     masked): int32 ``[T, topk]`` ascending, ``-1`` padded, over entries
     ``[0, min((pos + 1) // compress_ratio, kv_len, max_keys))`` of each row. :func:`indexer_topk`
-    is the scores kernel followed by this."""
-    if (out is not None and stream is None and arch is None and jit.TVM_FFI and isinstance(workspace, IndexerWorkspace)
+    is the scores kernel followed by this.
+
+    ``plan``: which kernel selects -- ``"auto"`` (default: the split kernel,
+    :mod:`cute_kernels.indexer_topk_split`, where :func:`~cute_kernels.indexer_topk_split.split_plan`
+    gives one), ``None`` (the streaming kernel) or a ``(cluster, items)`` of the split kernel
+    whose rows hold ``max_keys`` (``cluster * 512 * items >= max_keys``)."""
+    if (plan == "auto" and out is not None and stream is None and arch is None and jit.TVM_FFI and isinstance(workspace, IndexerWorkspace)
             and isinstance(kv_len, torch.Tensor)):  # the eager hot path
         bound = workspace.max_keys if max_keys is None else max_keys
         shape = kv_len.shape
         if (len(shape) == 1 and 0 < shape[0] <= workspace.max_tokens and isinstance(bound, int)
                 and 1 <= bound <= workspace.max_keys and jit.launch_tensor_entry(
-                    _TENSOR_FNS, (topk, compress_ratio, kv_len.get_device()), workspace.scores, kv_len, pos, out,
-                    bound)):
+                    _TENSOR_FNS, (topk, compress_ratio, kv_len.get_device(), indexer_topk_split.split_plan(
+                        shape[0], bound)), workspace.scores, kv_len, pos, out, bound)):
             return out
     op = "indexer_select"
     check_compress_ratio(op, compress_ratio)
@@ -347,6 +352,12 @@ def indexer_select(workspace: IndexerWorkspace, kv_len: torch.Tensor, pos: torch
         raise ValueError(f"{op}: max_keys must be an int in [1, {workspace.max_keys}], got {max_keys!r}")
     if T > workspace.max_tokens:
         raise ValueError(f"{op}: {T} tokens but the workspace holds {workspace.max_tokens}")
+    if not (plan == "auto" or plan is None or (
+            isinstance(plan, tuple) and len(plan) == 2 and plan[0] in indexer_topk_split.CLUSTERS
+            and plan[1] in indexer_topk_split.ITEMS and plan[0] * indexer_topk_split.THREADS * plan[1] >= max_keys)):
+        raise ValueError(f"{op}: plan must be 'auto', None or (cluster, items) with cluster in "
+                         f"{indexer_topk_split.CLUSTERS}, items in {indexer_topk_split.ITEMS} and cluster * "
+                         f"{indexer_topk_split.THREADS} * items >= max_keys = {max_keys}, got {plan!r}")
     if out is None:
         out = torch.empty(T, topk, dtype=torch.int32, device=kv_len.device)
     check_tensor(op, "out", out, dtype=torch.int32, shape=(T, topk), contiguous=True, align_bytes=4)
@@ -355,10 +366,16 @@ def indexer_select(workspace: IndexerWorkspace, kv_len: torch.Tensor, pos: torch
     dispatch(op, ("portable",), arch=a)
     if T == 0:
         return out
-    _select(workspace, kv_len, pos, out, T, topk, max_keys, compress_ratio, a, jit.cu_stream(stream))
-    if stream is None and arch is None:  # its tensor entry for the next calls
-        jit.remember_tensor_entry(_TENSOR_FNS, (topk, compress_ratio, kv_len.get_device()), "indexer_topk_tensors", a,
-                                  topk=topk, **_ratio_cfg(compress_ratio))
+    auto = plan == "auto"
+    plan = _select(workspace, kv_len, pos, out, T, topk, max_keys, compress_ratio, a, jit.cu_stream(stream), plan)
+    if auto and stream is None and arch is None:  # its tensor entry for the next calls
+        key = (topk, compress_ratio, kv_len.get_device(), plan)
+        if plan is None:
+            jit.remember_tensor_entry(_TENSOR_FNS, key, "indexer_topk_tensors", a, topk=topk,
+                                      **_ratio_cfg(compress_ratio))
+        else:
+            jit.remember_tensor_entry(_TENSOR_FNS, key, "indexer_topk_split_tensors", a, topk=topk,
+                                      cluster=plan[0], items=plan[1], **_ratio_cfg(compress_ratio))
     return out
 
 
@@ -367,11 +384,21 @@ def _ratio_cfg(compress_ratio: int) -> dict:
     return {"compress_ratio": compress_ratio} if compress_ratio != 1 else {}
 
 
-def _select(workspace, kv_len, pos, out, T, topk, max_keys, compress_ratio, arch, cs):
+def _select(workspace, kv_len, pos, out, T, topk, max_keys, compress_ratio, arch, cs, plan="auto"):
+    """Launch the select (``plan``: ``"auto"`` -- :func:`~cute_kernels.indexer_topk_split.split_plan`
+    --, None for the streaming kernel, or a ``(cluster, items)`` of the split one); returns the
+    plan taken."""
     P = jit.gmem_ptr
-    topk_fn = jit.get_kernel("indexer_topk", arch, topk=topk, **_ratio_cfg(compress_ratio))
+    if plan == "auto":
+        plan = indexer_topk_split.split_plan(T, max_keys)
+    if plan is None:
+        topk_fn = jit.get_kernel("indexer_topk", arch, topk=topk, **_ratio_cfg(compress_ratio))
+    else:
+        topk_fn = jit.get_kernel("indexer_topk_split", arch, topk=topk, cluster=plan[0], items=plan[1],
+                                 **_ratio_cfg(compress_ratio))
     topk_fn(P(Float32, workspace.scores, 16), P(Int32, kv_len, 4), P(Int32, pos, 4), P(Int32, out, 4), jit.i32(T),
             jit.i32(workspace.pitch), jit.i32(max_keys), cs)
+    return plan
 
 
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_offset: torch.Tensor,
@@ -497,3 +524,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
               P(Float32, workspace.scores, 16), jit.i32(T), jit.i32(R), jit.i32(pitch), cs)
     _select(workspace, kv_len, pos, out, T, topk, max_keys, compress_ratio, a, cs)
     return out
+
+
+# (at the end: the split select subclasses IndexerTopk; a module import, which either import order resolves)
+from . import indexer_topk_split  # noqa: E402

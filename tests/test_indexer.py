@@ -140,6 +140,64 @@ def test_select_on_given_rows(seed, T, S, topk, kind):
     select_ref_check(out.cpu(), x.cpu(), ln.tolist(), topk)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", [None, (1, 4), (1, 16), (2, 4), (2, 16), (4, 8), (8, 4), (8, 16)])
+@pytest.mark.parametrize("kind", ["randn", "rounded", "ties"])
+def test_select_plans(seed, plan, kind):
+    """The split select at every cluster size (and the streaming kernel) on the same rows, V4's
+    top-512 over compressed entries: rows that end inside any CTA's slice (the later CTAs hold no
+    key), ties across CTAs (the lowest indices win), a row with fewer candidates than k, a row
+    of one; a graph replayed on fresh rows."""
+    from cute_kernels.indexer_topk_split import THREADS
+    C, items = plan or (4, 8)
+    S, topk, T = min(C * THREADS * items, 12000), 512, 6
+    gen = torch.Generator().manual_seed(seed)
+    ln = torch.tensor([S, S - 3, int(torch.randint(topk + 1, S, (1,), generator=gen)), (S * 3) // (2 * C) + 1,
+                       topk // 2, 1], dtype=torch.int32, device="cuda")
+    pos = 4 * ln + 3  # compress_ratio 4: every entry of the row visible
+    ws = IndexerWorkspace(T, S)
+    out = torch.full((T, topk), -7, dtype=torch.int32, device="cuda")
+
+    def rows():
+        x = torch.randn(T, S, device="cuda")
+        return {"randn": x, "rounded": (x * 4).round(), "ties": torch.full_like(x, -2.5)}[kind]
+
+    x = rows()
+    ws.scores.fill_(float("nan"))  # poison past each row's limit: never read
+    ws.scores[:, :S].copy_(x)
+    indexer_select(ws, ln, pos, topk=topk, max_keys=S, compress_ratio=4, out=out, plan=plan)
+    torch.cuda.synchronize()
+    select_ref_check(out.cpu(), x.cpu(), ln.tolist(), topk)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        indexer_select(ws, ln, pos, topk=topk, max_keys=S, compress_ratio=4, out=out, plan=plan)
+    for _ in range(2):
+        x = rows()
+        ws.scores[:, :S].copy_(x)
+        out.fill_(-7)
+        g.replay()
+        torch.cuda.synchronize()
+        select_ref_check(out.cpu(), x.cpu(), ln.tolist(), topk)
+
+
+def test_split_plan_and_its_validation():
+    """split_plan: the row always fits the plan; small T spreads a row over more CTAs; rows
+    past 8 CTAs' registers take the streaming kernel; a plan that cannot hold the row is
+    refused by name before any launch."""
+    from cute_kernels.indexer_topk_split import THREADS, split_plan
+    for T in (1, 6, 12, 64, 384):
+        for N in (1, 300, 4096, 8192, 32768, 65536):
+            c, i = split_plan(T, N)
+            assert c * THREADS * i >= N
+    assert split_plan(6, 32768)[0] > split_plan(384, 32768)[0]
+    assert split_plan(1, 65537) is None
+    ws = IndexerWorkspace(2, 8192, device="cpu")
+    ln = torch.full((2,), 8192, dtype=torch.int32)
+    for bad in ((1, 8), (3, 16), (2, 5), "fast"):
+        with pytest.raises(ValueError, match="plan"):
+            indexer_select(ws, ln, ln, topk=512, plan=bad)
+
+
 def make_fp8(T, S, n_seq=1, H=64, D=128):
     """FP8 operands in DeepSeek's form: e4m3 q and keys, a positive scale per key row, the
     query heads' scales folded into w. Returns the FP8 tensors and the dequantised keys."""
@@ -518,3 +576,18 @@ def test_v4_machine_code(name, arch, cfg):
     for k in (512, 1024):
         h = sass.sass_histogram("indexer_topk", arch, topk=k, compress_ratio=4)
         assert sass.local_memory_ops(h) == 0 and sass.count(h, "ATOMS") >= 1
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("cluster, items", [(1, 16), (8, 8)])
+def test_split_select_machine_code(arch, cluster, items):
+    """The split select keeps its row in registers (no local memory; one set of 16-byte loads,
+    no reload per round), counts in shared memory, and with a cluster adds the counts into the
+    other CTAs' shared memory behind cluster barriers (none without one)."""
+    h = sass.sass_histogram("indexer_topk_split", arch, topk=512, compress_ratio=4, cluster=cluster, items=items)
+    assert sass.local_memory_ops(h) == 0
+    assert sass.count(h, "LDG.E.128") == items // 4
+    assert sass.count(h, "ATOMS") >= 3 * items  # three rounds of per-key counts
+    barriers = sass.count(h, "UCGABAR_ARV")
+    assert barriers == (5 if cluster > 1 else 0)  # entry, three rounds, the compaction's offsets
+    assert (sass.count(h, "ATOM.E.ADD") >= 3 * cluster) == (cluster > 1)  # red.shared::cluster

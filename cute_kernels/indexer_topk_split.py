@@ -1,0 +1,295 @@
+"""Indexer top-k with the row split over a thread-block cluster and held in registers.
+
+The same select as :mod:`cute_kernels.indexer_topk` (same output: the ``topk`` best key
+positions of each token in ascending order, ``-1`` padded, ties at the k-th score to the lower
+index) for rows short enough to sit in registers: the row of token ``t`` is cut into ``cluster``
+slices of ``threads * items`` scores, one per CTA of the token's cluster, and each thread loads
+its ``items`` consecutive scores once (16-byte loads) and keeps their order keys in registers
+through every pass -- the streaming kernel reads the row from global memory four times, one CTA
+per token. At decode T (6 tokens a sequence, a few sequences) that kernel runs on a handful of
+SMs, each waiting on its row's loads; here a token has up to 8 SMs and one round trip.
+
+Algorithm (per token; the CTAs of its cluster run the same steps on their slices):
+
+1. Zero the three round histograms, arrive at the cluster barrier (release), load the slice.
+2. Three counting rounds (11 + 11 + 10 bits of the order key, as the streaming kernel): each
+   CTA counts its keys that match the digits found so far into a local histogram, then adds
+   every non-zero bin into the round's histogram of every CTA of the cluster
+   (``red.shared::cluster``, :func:`cute_kernels.cluster_smem.add_to_cta`); a cluster barrier
+   (release / acquire) publishes the sums. Each CTA's warp 0 then finds the digit holding the
+   k-th largest key in its copy (:meth:`IndexerTopk.find_digit`) -- the same numbers in every
+   CTA, so the CTAs take the same branches and no result is sent. Rounds 1-2 run only when the
+   row has more than ``topk`` candidates (as in the streaming kernel).
+3. Compaction: each CTA counts its keys above the k-th (``> K*``) and equal to it, a block scan
+   gives each thread its offsets inside the CTA, and the CTA adds its totals into every CTA's
+   counters (into the "before" counters of the higher ranks): slices are in index order, so a
+   CTA's output starts after the keys of the lower ranks, and the ties taken are the lowest
+   indices of the row. Each CTA writes its selected indices at their ranks; the CTAs share the
+   ``-1`` padding.
+
+With ``cluster = 1`` it is the streaming kernel's select on a row held in registers (no cluster
+barriers). :func:`split_plan` picks ``(cluster, items)`` from the token count and the key bound
+(``None``: the row does not fit, the streaming kernel serves).
+
+Constraints: ``max_keys <= cluster * threads * items`` (the host checks), ``cluster`` in
+{1, 2, 4, 8} (a portable cluster), ``items`` in {4, 8, 16}; the score row pitch is a multiple of
+4. Numerics: integer counts of exact order keys -- no rounding. sm_90a and sm_100a (clusters and
+``red.shared::cluster`` are sm_90+).
+
+Tests / bench::
+
+    pytest tests/test_indexer.py -k split
+    python bench/bench_peers.py --families topk
+"""
+
+from __future__ import annotations
+
+import os
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint32
+
+from . import jit
+from .cluster_smem import add_to_cta
+from .indexer_scores import check_compress_ratio, visible_entries
+from .indexer_topk import BINS_PADDED, NEG_INF_KEY, IndexerTopk, order_key
+
+#: the cluster sizes and per-thread key counts built (``split_plan`` picks among them)
+CLUSTERS = (1, 2, 4, 8)
+ITEMS = (4, 8, 16)
+THREADS = 512
+#: a token's CTAs are spread until this many CTAs run (about half an H100 / H200's SMs: the
+#: cluster barriers' cost grows with the cluster, the loads' latency shrinks with the slice)
+SPREAD_CTAS = 66
+#: ... but a slice stays at least this many keys (below it the rounds' fixed cost dominates)
+MIN_SLICE = 2048
+
+
+def split_plan(num_tokens: int, max_keys: int) -> tuple[int, int] | None:
+    """``(cluster, items)`` for ``num_tokens`` rows of at most ``max_keys`` keys, or None when a
+    row does not fit ``8 * THREADS * 16`` keys (the streaming kernel then serves): the smallest
+    cluster that holds the row, doubled while the grid stays within :data:`SPREAD_CTAS` and the
+    slices within :data:`MIN_SLICE`; then the fewest items a thread that cover the slice."""
+    cluster = next((c for c in CLUSTERS if max_keys <= c * THREADS * ITEMS[-1]), None)
+    if cluster is None:
+        return None
+    while cluster < CLUSTERS[-1] and num_tokens * cluster * 2 <= SPREAD_CTAS and max_keys >= 2 * cluster * MIN_SLICE:
+        cluster *= 2
+    items = next(i for i in ITEMS if max_keys <= cluster * THREADS * i)
+    return cluster, items
+
+
+class IndexerTopkSplit(IndexerTopk):
+    def __init__(self, topk: int, compress_ratio: int = 1, cluster: int = 1, items: int = 16):
+        super().__init__(topk, compress_ratio, THREADS)
+        if cluster not in CLUSTERS or items not in ITEMS:
+            raise ValueError(f"indexer_topk_split: cluster must be one of {CLUSTERS} and items one of {ITEMS}, "
+                             f"got {cluster!r}, {items!r}")
+        self.cluster, self.items = cluster, items
+        self.slice = THREADS * items
+
+    @cute.jit
+    def __call__(self, score_ptr: cute.Pointer, len_ptr: cute.Pointer, pos_ptr: cute.Pointer, idx_ptr: cute.Pointer,
+                 num_tokens: Int32, s_pitch: Int32, s_max: Int32, stream: cuda.CUstream):
+        pitch = cute.assume(s_pitch, divby=4)
+        mScore = cute.make_tensor(score_ptr, cute.make_layout((num_tokens, pitch), stride=(pitch, 1)))
+        mLen = cute.make_tensor(len_ptr, cute.make_layout((num_tokens,)))
+        mPos = cute.make_tensor(pos_ptr, cute.make_layout((num_tokens,)))
+        mIdx = cute.make_tensor(idx_ptr, cute.make_layout((num_tokens, self.row_words), stride=(self.row_words, 1)))
+        kernel = self.kernel(mScore, mLen, mPos, mIdx, s_max)
+        if cutlass.const_expr(self.cluster > 1):
+            kernel.launch(grid=[num_tokens * self.cluster, 1, 1], block=[self.threads, 1, 1],
+                          cluster=(self.cluster, 1, 1), stream=stream)
+        else:
+            kernel.launch(grid=[num_tokens, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.jit
+    def tensor_call(self, mScore: cute.Tensor, mLen: cute.Tensor, mPos: cute.Tensor, mIdx: cute.Tensor, s_max: Int32,
+                    stream: cuda.CUstream):
+        """The tensor entry (as :meth:`IndexerTopk.tensor_call`; ``s_max`` within the plan's row)."""
+        self.__call__(mScore.iterator, mLen.iterator, mPos.iterator, mIdx.iterator, mLen.shape[0], mScore.shape[1],
+                      s_max, stream)
+
+    @cute.kernel
+    def kernel(self, mScore: cute.Tensor, mLen: cute.Tensor, mPos: cute.Tensor, mIdx: cute.Tensor, s_max: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.warp_idx()
+        C, I = self.cluster, self.items
+        t = bidx // C
+        rank = bidx - t * C  # the CTA's rank in its (1-D) cluster
+        limit = cutlass.min(cutlass.min(visible_entries(mPos[t], self.ratio), mLen[t]), s_max)
+
+        smem = cutlass.memory.SmemAllocator()
+        # the rounds' histograms (each CTA's copy of the cluster's sums), and with a cluster the
+        # local counts added into them
+        sSum = smem.allocate_tensor(Int32, cute.make_layout((3, BINS_PADDED), stride=(BINS_PADDED, 1)), 16)
+        sHist = smem.allocate_tensor(Int32, cute.make_layout((BINS_PADDED if C > 1 else 4,)), 16)
+        sWarp = smem.allocate_tensor(Int32, cute.make_layout((self.warps,)), 16)
+        sState = smem.allocate_tensor(Int32, cute.make_layout((4,)), 16)
+        sCnt = smem.allocate_tensor(Int32, cute.make_layout((4,)), 16)  # gt / eq before this CTA, gt / eq total
+
+        for b in cutlass.range(tidx, BINS_PADDED, self.threads):
+            for r in cutlass.range_constexpr(3):
+                sSum[r, b] = 0
+            if cutlass.const_expr(C > 1):
+                sHist[b] = 0
+        if tidx < 4:
+            sCnt[tidx] = 0
+        if cutlass.const_expr(C > 1):
+            cute.arch.cluster_arrive()  # (release: the zeroed sums before any CTA's adds)
+
+        # ---- the slice, once: order keys in registers (0 past the row: below every key) ------
+        first = rank * self.slice + tidx * I
+        gRow = cute.zipped_divide(cute.recast_tensor(mScore, Uint32)[t, None], (4,))
+        rB = cute.make_rmem_tensor(cute.make_layout((I,)), Uint32)
+        for v in cutlass.range_constexpr(I // 4):
+            if first + v * 4 < limit:
+                cute.autovec_copy(gRow[None, first // 4 + v], cute.zipped_divide(rB, (4,))[None, v])
+        rK = cute.make_rmem_tensor(cute.make_layout((I,)), Uint32)
+        for j in cutlass.range_constexpr(I):
+            rK[j] = Uint32(cutlass.select_(first + j < limit, order_key(rB[j]), Uint32(0)))
+        cute.arch.barrier()  # the CTA's zeroed counts
+        if cutlass.const_expr(C > 1):
+            cute.arch.cluster_wait()  # every CTA's zeroed sums
+
+        # ---- round 0: top 11 bits; also counts the candidates (keys above -inf's) ------------
+        self.count(rK, sHist, sSum, 0, Uint32(0), 21, 11)
+        if warp == 0:
+            self.find_digit(sSum[0, None], sState, Int32(self.k), 11, True)
+        cute.arch.barrier()
+        thr = Uint32(NEG_INF_KEY)  # K*: the k-th largest key (or -inf's when all are taken)
+        take_eq = Int32(0)
+        if sState[2] > self.k:  # the same in every CTA of the cluster (the same sums)
+            d0 = Uint32(sState[0])
+            self.count(rK, sHist, sSum, 1, d0, 10, 11)
+            if warp == 0:
+                self.find_digit(sSum[1, None], sState, sState[1], 11, False)
+            cute.arch.barrier()
+            d1 = (d0 << 11) | Uint32(sState[0])
+            self.count(rK, sHist, sSum, 2, d1, 0, 10)
+            if warp == 0:
+                self.find_digit(sSum[2, None], sState, sState[1], 10, False)
+            cute.arch.barrier()
+            thr = (d1 << 10) | Uint32(sState[0])
+            take_eq = sState[1]
+        self.compact_slice(rK, first, thr, take_eq, sWarp, sCnt, mIdx, t, rank)
+
+    @cute.jit
+    def count(self, rK: cute.Tensor, sHist: cute.Tensor, sSum: cute.Tensor, rnd: cutlass.Constexpr, prefix: Uint32,
+              shift: cutlass.Constexpr, bits: cutlass.Constexpr):
+        """Round ``rnd``: the ``bits``-wide digit at ``shift`` of the keys whose higher bits equal
+        ``prefix`` (all keys when there are none), summed over the cluster into ``sSum[rnd]`` of
+        every CTA (bin ``d`` at :meth:`IndexerTopk.padded` ``d``)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        C, pshift = self.cluster, shift + bits
+        sCount = sHist if cutlass.const_expr(C > 1) else sSum[rnd, None]
+        for j in cutlass.range_constexpr(self.items):
+            key = rK[j]
+            match = True
+            if cutlass.const_expr(pshift < 32):
+                match = (key >> pshift) == prefix
+            if match:
+                d = Int32((key >> shift) & Uint32((1 << bits) - 1))
+                cute.arch.atomic_add((sCount.iterator + self.padded(d, bits)).llvm_ptr, Int32(1))
+        cute.arch.barrier()
+        if cutlass.const_expr(C > 1):
+            # the non-zero bins into every CTA's sums (few: the keys match a prefix), the local
+            # counts zeroed for the next round; then the cluster barrier publishes the sums
+            for b in cutlass.range(tidx, 1 << bits, self.threads):
+                p = self.padded(b, bits)
+                h = sHist[p]
+                if h != 0:
+                    for dst in cutlass.range_constexpr(C):
+                        add_to_cta(sSum.iterator + rnd * BINS_PADDED + p, Int32(dst), h)
+                    sHist[p] = 0
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def compact_slice(self, rK: cute.Tensor, first: Int32, thr: Uint32, take_eq: Int32, sWarp: cute.Tensor,
+                      sCnt: cute.Tensor, mIdx: cute.Tensor, t: Int32, rank: Int32):
+        """Write, in index order, the row's keys > thr and its first take_eq keys == thr that lie
+        in this CTA's slice, after those of the lower ranks; the CTAs share the -1 padding."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+        C = self.cluster
+        n_gt, n_eq = Int32(0), Int32(0)
+        for j in cutlass.range_constexpr(self.items):
+            n_gt = n_gt + cutlass.select_(rK[j] > thr, Int32(1), Int32(0))
+            n_eq = n_eq + cutlass.select_(rK[j] == thr, Int32(1), Int32(0))
+        # Block exclusive scan of the packed (eq << 16 | gt) counts: a slice holds < 2^16 keys.
+        packed = (n_eq << 16) | n_gt
+        incl = packed
+        for sh in cutlass.range_constexpr(5):
+            o = cute.arch.shuffle_sync_up(incl, offset=1 << sh)
+            incl = incl + cutlass.select_(lane >= (1 << sh), o, Int32(0))
+        if lane == 31:
+            sWarp[warp] = incl
+        cute.arch.barrier()
+        before, total = Int32(0), Int32(0)
+        for w in cutlass.range_constexpr(self.warps):
+            x = sWarp[w]
+            before = before + cutlass.select_(w < warp, x, Int32(0))
+            total = total + x
+        gt_base, eq_base = Int32(0), Int32(0)
+        gt_all, eq_all = total & 0xFFFF, total >> 16
+        if cutlass.const_expr(C > 1):
+            if tidx == 0:
+                for dst in cutlass.range_constexpr(C):
+                    add_to_cta(sCnt.iterator + 2, Int32(dst), total & 0xFFFF)
+                    add_to_cta(sCnt.iterator + 3, Int32(dst), total >> 16)
+                    if rank < dst:
+                        add_to_cta(sCnt.iterator, Int32(dst), total & 0xFFFF)
+                        add_to_cta(sCnt.iterator + 1, Int32(dst), total >> 16)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()  # (after it no CTA touches another's shared memory)
+            gt_base, eq_base, gt_all, eq_all = sCnt[0], sCnt[1], sCnt[2], sCnt[3]
+        excl = before + incl - packed
+        gt_before = gt_base + (excl & 0xFFFF)
+        eq_before = eq_base + (excl >> 16)
+        for j in cutlass.range_constexpr(self.items):
+            is_gt = rK[j] > thr
+            is_eq = rK[j] == thr
+            if is_gt or (is_eq and eq_before < take_eq):
+                mIdx[t, gt_before + cutlass.min(eq_before, take_eq)] = first + j
+            gt_before = gt_before + cutlass.select_(is_gt, Int32(1), Int32(0))
+            eq_before = eq_before + cutlass.select_(is_eq, Int32(1), Int32(0))
+        n_sel = gt_all + cutlass.min(eq_all, take_eq)
+        for p in cutlass.range(n_sel + rank * self.threads + tidx, self.k, C * self.threads):
+            mIdx[t, p] = -1
+
+
+def _build(arch: str, *, topk: int, cluster: int, items: int, compress_ratio: int = 1):
+    if not IndexerTopk.can_implement(topk):
+        raise ValueError(f"indexer_topk_split: unsupported topk={topk}")
+    check_compress_ratio("indexer_topk_split", compress_ratio)
+    P = jit.fake_gmem_ptr
+    args = (P(Float32, 16), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(1), Int32(4), Int32(4), jit.fake_stream())
+    return IndexerTopkSplit(topk, compress_ratio, cluster, items), args
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+#: V4's CSA top-k (512 / 1024 of the compressed entries) at every plan
+_AOT = tuple({"topk": k, "compress_ratio": 4, "cluster": c, "items": i} for k in (512, 1024) for c in CLUSTERS
+             for i in ITEMS)
+KERNEL = jit.register(jit.KernelDef(
+    name="indexer_topk_split",
+    build=_build,
+    sources=tuple(os.path.join(_HERE, f) for f in ("indexer_topk_split.py", "indexer_topk.py", "cluster_smem.py")),
+    archs=("sm_90a", "sm_100a", "sm_103a"),
+    aot_configs=_AOT,
+    description="the indexer's top-k with the row in registers, split over a thread-block cluster",
+))
+
+
+def _build_tensors(arch: str, *, topk: int, cluster: int, items: int, compress_ratio: int = 1):
+    op, _ = _build(arch, topk=topk, cluster=cluster, items=items, compress_ratio=compress_ratio)
+    sym, T = {}, jit.fake_tensor
+    return op.tensor_call, (T(Float32, ("N", "P"), 16, sym), T(Int32, ("T",), 4, sym), T(Int32, ("T",), 4, sym),
+                            T(Int32, ("T", topk), 4, sym), Int32(1), jit.fake_env_stream())
+
+
+jit.register_tensor_entry(KERNEL, _build_tensors, aot_configs=_AOT)
