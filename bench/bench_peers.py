@@ -420,11 +420,14 @@ def flashinfer_top_k(fi, scores: torch.Tensor, k: int):
 def topk_rows(fi):
     """The indexer's top-k alone (``indexer_select``: a radix select over score rows, indices
     ascending, ties to the lower index) against FlashInfer's ``top_k`` (unsorted, ties to the
-    lower index, its graph-safe path) and ``torch.topk``, at the CSA indexer's top-512 and the
-    raw-key top-2048 over decode rows. Random FP32 scores have no ties: the selected index
-    sets must be equal."""
+    lower index, its graph-safe path) and ``torch.topk``, at V4's CSA top-512 / top-1024 over
+    compressed entries (16K / 128K tokens of context) and the raw-key top-2048, over decode
+    rows (T = 6: a block-5 verify step of one sequence). Random FP32 scores have no ties: the
+    selected index sets must be equal."""
     rows = []
-    for T, N, k in ((6, 4096, 512), (384, 4096, 512), (6, 32768, 2048), (384, 32768, 2048)):
+    for T, N, k in ((6, 4096, 512), (384, 4096, 512), (6, 32768, 512), (6, 32768, 1024), (64, 32768, 1024),
+                    (6, 32768, 2048), (384, 32768, 2048)):
+        ratio = 4 if k < 2048 else 1  # V4's compressed entries (the AOT configs) / raw keys
         shape = f"T={T} N={N} k={k}"
         nbytes = T * N * 4 + T * k * 4
         n = rotation_count(nbytes)
@@ -432,10 +435,11 @@ def topk_rows(fi):
         for w in wss:
             w.scores.copy_(torch.randn(T, N, device="cuda"))  # pitch == N: N % 4 == 0
         kv_len = torch.full((T,), N, dtype=torch.int32, device="cuda")
-        pos = torch.full((T,), N - 1, dtype=torch.int32, device="cuda")
+        pos = torch.full((T,), ratio * N - 1, dtype=torch.int32, device="cuda")  # every entry visible
         outs = [torch.empty(T, k, dtype=torch.int32, device="cuda") for _ in range(n)]
-        t_ours = time_graph(lambda i: indexer_select(wss[i], kv_len, pos, topk=k, out=outs[i]), n, max(n, 20))
-        ours = indexer_select(wss[0], kv_len, pos, topk=k).long()
+        t_ours = time_graph(lambda i: indexer_select(wss[i], kv_len, pos, topk=k, compress_ratio=ratio, out=outs[i]),
+                            n, max(n, 20))
+        ours = indexer_select(wss[0], kv_len, pos, topk=k, compress_ratio=ratio).long()
         peers = [("torch.topk", lambda i: torch.topk(wss[i].scores, k, dim=-1, sorted=False))]
         if isinstance(fi, str):
             rows.append(row("top-k select", shape, "FlashInfer", t_ours, None, nbytes, fi))

@@ -325,18 +325,19 @@ def indexer_select(workspace: IndexerWorkspace, kv_len: torch.Tensor, pos: torch
     ``[0, min((pos + 1) // compress_ratio, kv_len, max_keys))`` of each row. :func:`indexer_topk`
     is the scores kernel followed by this.
 
-    ``plan``: which kernel selects -- ``"auto"`` (default: the split kernel,
-    :mod:`cute_kernels.indexer_topk_split`, where :func:`~cute_kernels.indexer_topk_split.split_plan`
-    gives one), ``None`` (the streaming kernel) or a ``(cluster, items)`` of the split kernel
-    whose rows hold ``max_keys`` (``cluster * 512 * items >= max_keys``)."""
+    ``plan``: which kernel selects -- ``"auto"`` (default: with :data:`SPLIT_BY_DEFAULT` the split
+    kernel, :mod:`cute_kernels.indexer_topk_split`, where
+    :func:`~cute_kernels.indexer_topk_split.split_plan` gives one; else the streaming kernel),
+    ``None`` (the streaming kernel) or a ``(cluster, items)`` of the split kernel whose rows hold
+    ``max_keys`` (``cluster * 512 * items >= max_keys``)."""
     if (plan == "auto" and out is not None and stream is None and arch is None and jit.TVM_FFI and isinstance(workspace, IndexerWorkspace)
             and isinstance(kv_len, torch.Tensor)):  # the eager hot path
         bound = workspace.max_keys if max_keys is None else max_keys
         shape = kv_len.shape
         if (len(shape) == 1 and 0 < shape[0] <= workspace.max_tokens and isinstance(bound, int)
                 and 1 <= bound <= workspace.max_keys and jit.launch_tensor_entry(
-                    _TENSOR_FNS, (topk, compress_ratio, kv_len.get_device(), indexer_topk_split.split_plan(
-                        shape[0], bound)), workspace.scores, kv_len, pos, out, bound)):
+                    _TENSOR_FNS, (topk, compress_ratio, kv_len.get_device(), _auto_plan(shape[0], bound)),
+                    workspace.scores, kv_len, pos, out, bound)):
             return out
     op = "indexer_select"
     check_compress_ratio(op, compress_ratio)
@@ -384,13 +385,22 @@ def _ratio_cfg(compress_ratio: int) -> dict:
     return {"compress_ratio": compress_ratio} if compress_ratio != 1 else {}
 
 
+#: whether ``plan="auto"`` takes the split select where it fits (:func:`_auto_plan`); off until
+#: the split select has been timed against the streaming one on a GPU (docs/indexer_topk.md)
+SPLIT_BY_DEFAULT = False
+
+
+def _auto_plan(num_tokens: int, max_keys: int):
+    return indexer_topk_split.split_plan(num_tokens, max_keys) if SPLIT_BY_DEFAULT else None
+
+
 def _select(workspace, kv_len, pos, out, T, topk, max_keys, compress_ratio, arch, cs, plan="auto"):
     """Launch the select (``plan``: ``"auto"`` -- :func:`~cute_kernels.indexer_topk_split.split_plan`
     --, None for the streaming kernel, or a ``(cluster, items)`` of the split one); returns the
     plan taken."""
     P = jit.gmem_ptr
     if plan == "auto":
-        plan = indexer_topk_split.split_plan(T, max_keys)
+        plan = _auto_plan(T, max_keys)
     if plan is None:
         topk_fn = jit.get_kernel("indexer_topk", arch, topk=topk, **_ratio_cfg(compress_ratio))
     else:
