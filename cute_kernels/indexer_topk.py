@@ -49,23 +49,11 @@ from .indexer_scores_fp8 import IndexerScoresFp8
 from .indexer_scores_sm90 import IndexerScoresSm90
 from .indexer_scores_token_group_sm90 import IndexerScoresTokenGroupSm90
 from .indexer_scores_sm100 import IndexerScoresSm100
+from . import indexer_topk_split
+from .radix_select import BINS_PADDED, NEG_INF_KEY, find_digit, order_key, padded
 from .validate import check_cuda, check_tensor
 
-NEG_INF_KEY = 0x007FFFFF  # order-preserving key of -inf
 ITEMS = 16  # scores per thread per compaction chunk
-BINS = 2048
-#: the histogram holds four pad words per BINS / 32 bins (find_digit: a lane's bins, conflict-free)
-BINS_PADDED = BINS + 4 * 32
-
-
-@cute.jit
-def order_key(bits: Uint32) -> Uint32:
-    """Float bits -> uint32 whose unsigned order is the float order (NaN excluded upstream)."""
-    # select_ returns a signless value: re-type it, or `>>` and `>` on keys would be signed
-    # (positive scores' keys have the top bit set; the H200 run lost them in the digit passes).
-    # -0.0 ranks as +0.0 (they compare equal; ties then go to the lower index).
-    b = Uint32(cutlass.select_(bits == Uint32(0x80000000), Uint32(0), bits))
-    return Uint32(cutlass.select_((b >> 31) == Uint32(1), ~b, b | Uint32(0x80000000)))
 
 
 class IndexerTopk:
@@ -111,7 +99,7 @@ class IndexerTopk:
         # ---- pass 0: top 11 bits; also counts the candidates (keys above -inf's) -------------
         self.histogram(row, limit, sHist, Uint32(0), 21, 11)
         if warp == 0:
-            self.find_digit(sHist, sState, Int32(self.k), 11, True)
+            find_digit(sHist, sState, Int32(self.k), 11, True)
         cute.arch.barrier()
         thr = Uint32(NEG_INF_KEY)  # K*: the k-th largest key (or -inf's when all are taken)
         take_eq = Int32(0)
@@ -119,12 +107,12 @@ class IndexerTopk:
             d0 = Uint32(sState[0])
             self.histogram(row, limit, sHist, d0, 10, 11)
             if warp == 0:
-                self.find_digit(sHist, sState, sState[1], 11, False)
+                find_digit(sHist, sState, sState[1], 11, False)
             cute.arch.barrier()
             d1 = (d0 << 11) | Uint32(sState[0])
             self.histogram(row, limit, sHist, d1, 0, 10)
             if warp == 0:
-                self.find_digit(sHist, sState, sState[1], 10, False)
+                find_digit(sHist, sState, sState[1], 10, False)
             cute.arch.barrier()
             thr = (d1 << 10) | Uint32(sState[0])
             take_eq = sState[1]
@@ -157,63 +145,8 @@ class IndexerTopk:
                     match = match and (key >> pshift) == prefix
                 if match:
                     d = Int32((key >> shift) & Uint32(dmask))
-                    cute.arch.atomic_add((sHist.iterator + self.padded(d, bits)).llvm_ptr, Int32(1))
+                    cute.arch.atomic_add((sHist.iterator + padded(d, bits)).llvm_ptr, Int32(1))
         cute.arch.barrier()
-
-    @cute.jit
-    def find_digit(self, sHist: cute.Tensor, sState: cute.Tensor, k_rem: Int32, bits: int, first: bool):
-        """Warp 0: the digit holding the k_rem-th largest key -> sState[0], how many of that
-        digit's keys are still to take -> sState[1]; on the first pass also the number of
-        candidates (keys above -inf's, digit > 3) -> sState[2]. Lane ``l`` reads its ``2^bits /
-        32`` consecutive bins in 16-byte loads, which the histogram's padding (:meth:`padded`)
-        keeps free of bank conflicts."""
-        lane = cute.arch.lane_idx()
-        nb = 1 << bits
-        per = nb // 32
-        top = nb - 1 - lane * per  # lane l owns bins top, top-1, ..., top-per+1 (descending)
-        # the lane's bins in 16-byte loads (its lowest bin, top - per + 1, is a multiple of 4 and
-        # so is its padded place), summed; on the first pass also those above -inf's digit
-        sH4 = cute.zipped_divide(sHist, (4,))
-        low4 = self.padded(top - per + 1, bits) // 4
-        c, valid = Int32(0), Int32(0)
-        for v in cutlass.range_constexpr(per // 4):
-            r4 = cute.make_rmem_tensor(cute.make_layout((4,)), Int32)
-            cute.autovec_copy(sH4[None, low4 + v], r4)
-            for i in cutlass.range_constexpr(4):
-                c = c + r4[i]
-                if cutlass.const_expr(first):
-                    valid = valid + cutlass.select_(top - per + 1 + 4 * v + i > 3, r4[i], Int32(0))
-        incl = c
-        for sh in cutlass.range_constexpr(5):
-            o = cute.arch.shuffle_sync_up(incl, offset=1 << sh)
-            incl = incl + cutlass.select_(lane >= (1 << sh), o, Int32(0))
-        if cutlass.const_expr(first):
-            valid = cute.arch.warp_reduction_sum(valid)
-            if lane == 0:
-                sState[2] = valid
-        # incl is non-decreasing in the lane: the crossing lane is the count of lanes below k_rem
-        below = Int32(cute.arch.popc(cute.arch.vote_ballot_sync(incl < k_rem)))
-        if lane == below:
-            run = incl - c
-            found = Int32(0)
-            for v in cutlass.range_constexpr(per // 4 - 1, -1, -1):  # its bins from the top down
-                r4 = cute.make_rmem_tensor(cute.make_layout((4,)), Int32)
-                cute.autovec_copy(sH4[None, low4 + v], r4)
-                for i in cutlass.range_constexpr(3, -1, -1):
-                    h = r4[i]
-                    if found == 0 and run + h >= k_rem:
-                        sState[0] = top - per + 1 + 4 * v + i
-                        sState[1] = k_rem - run
-                        found = Int32(1)
-                    run = run + h
-
-    @staticmethod
-    def padded(d, bits: int):
-        """Where bin ``d`` of a ``2^bits``-bin histogram lives: four pad words after every ``2^bits
-        / 32`` bins (a lane's share in :meth:`find_digit`), so the lanes' 16-byte loads of their
-        bins are ``2^bits / 32 + 4`` words apart: the eight lanes of each quarter-warp phase hit
-        eight different groups of four banks, where without the padding they all hit one."""
-        return d + ((d >> (bits - 5)) << 2)
 
     @cute.jit
     def compact(self, row: cute.Tensor, limit: Int32, thr: Uint32, take_eq: Int32, sWarp: cute.Tensor,
@@ -286,7 +219,8 @@ def _build(arch: str, *, topk: int, compress_ratio: int = 1):
 KERNEL = jit.register(jit.KernelDef(
     name="indexer_topk",
     build=_build,
-    sources=(os.path.abspath(__file__),),
+    sources=tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f) for f in ("indexer_topk.py",
+                                                                                        "radix_select.py")),
     archs=("sm_90a", "sm_100a", "sm_103a"),
     aot_configs=({"topk": 2048}, {"topk": 512, "compress_ratio": 4}, {"topk": 1024, "compress_ratio": 4}),
     description="radix-select top-k of masked indexer scores, ascending indices, -1 padded",
@@ -535,6 +469,3 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, k_cache: torch.Tensor, kv_off
     _select(workspace, kv_len, pos, out, T, topk, max_keys, compress_ratio, a, cs)
     return out
 
-
-# (at the end: the split select subclasses IndexerTopk; a module import, which either import order resolves)
-from . import indexer_topk_split  # noqa: E402

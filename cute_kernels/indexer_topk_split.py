@@ -17,7 +17,7 @@ Algorithm (per token; the CTAs of its cluster run the same steps on their slices
    every non-zero bin into the round's histogram of every CTA of the cluster
    (``red.shared::cluster``, :func:`cute_kernels.cluster_smem.add_to_cta`); a cluster barrier
    (release / acquire) publishes the sums. Each CTA's warp 0 then finds the digit holding the
-   k-th largest key in its copy (:meth:`IndexerTopk.find_digit`) -- the same numbers in every
+   k-th largest key in its copy (:func:`cute_kernels.radix_select.find_digit`) -- the same numbers in every
    CTA, so the CTAs take the same branches and no result is sent. Rounds 1-2 run only when the
    row has more than ``topk`` candidates (as in the streaming kernel).
 3. Compaction: each CTA counts its keys above the k-th (``> K*``) and equal to it, a block scan
@@ -54,7 +54,7 @@ from cutlass import Float32, Int32, Uint32
 from . import jit
 from .cluster_smem import add_to_cta
 from .indexer_scores import check_compress_ratio, visible_entries
-from .indexer_topk import BINS_PADDED, NEG_INF_KEY, IndexerTopk, order_key
+from .radix_select import BINS_PADDED, NEG_INF_KEY, find_digit, order_key, padded
 
 #: the cluster sizes and per-thread key counts built (``split_plan`` picks among them)
 CLUSTERS = (1, 2, 4, 8)
@@ -81,9 +81,10 @@ def split_plan(num_tokens: int, max_keys: int) -> tuple[int, int] | None:
     return cluster, items
 
 
-class IndexerTopkSplit(IndexerTopk):
+class IndexerTopkSplit:
     def __init__(self, topk: int, compress_ratio: int = 1, cluster: int = 1, items: int = 16):
-        super().__init__(topk, compress_ratio, THREADS)
+        self.k, self.ratio, self.threads, self.warps = topk, compress_ratio, THREADS, THREADS // 32
+        self.row_words = topk
         if cluster not in CLUSTERS or items not in ITEMS:
             raise ValueError(f"indexer_topk_split: cluster must be one of {CLUSTERS} and items one of {ITEMS}, "
                              f"got {cluster!r}, {items!r}")
@@ -108,7 +109,8 @@ class IndexerTopkSplit(IndexerTopk):
     @cute.jit
     def tensor_call(self, mScore: cute.Tensor, mLen: cute.Tensor, mPos: cute.Tensor, mIdx: cute.Tensor, s_max: Int32,
                     stream: cuda.CUstream):
-        """The tensor entry (as :meth:`IndexerTopk.tensor_call`; ``s_max`` within the plan's row)."""
+        """The tensor entry (as the streaming kernel's: :func:`cute_kernels.indexer_topk.indexer_select`;
+        ``s_max`` within the plan's row)."""
         self.__call__(mScore.iterator, mLen.iterator, mPos.iterator, mIdx.iterator, mLen.shape[0], mScore.shape[1],
                       s_max, stream)
 
@@ -158,7 +160,7 @@ class IndexerTopkSplit(IndexerTopk):
         # ---- round 0: top 11 bits; also counts the candidates (keys above -inf's) ------------
         self.count(rK, sHist, sSum, 0, Uint32(0), 21, 11)
         if warp == 0:
-            self.find_digit(sSum[0, None], sState, Int32(self.k), 11, True)
+            find_digit(sSum[0, None], sState, Int32(self.k), 11, True)
         cute.arch.barrier()
         thr = Uint32(NEG_INF_KEY)  # K*: the k-th largest key (or -inf's when all are taken)
         take_eq = Int32(0)
@@ -166,12 +168,12 @@ class IndexerTopkSplit(IndexerTopk):
             d0 = Uint32(sState[0])
             self.count(rK, sHist, sSum, 1, d0, 10, 11)
             if warp == 0:
-                self.find_digit(sSum[1, None], sState, sState[1], 11, False)
+                find_digit(sSum[1, None], sState, sState[1], 11, False)
             cute.arch.barrier()
             d1 = (d0 << 11) | Uint32(sState[0])
             self.count(rK, sHist, sSum, 2, d1, 0, 10)
             if warp == 0:
-                self.find_digit(sSum[2, None], sState, sState[1], 10, False)
+                find_digit(sSum[2, None], sState, sState[1], 10, False)
             cute.arch.barrier()
             thr = (d1 << 10) | Uint32(sState[0])
             take_eq = sState[1]
@@ -182,7 +184,7 @@ class IndexerTopkSplit(IndexerTopk):
               shift: cutlass.Constexpr, bits: cutlass.Constexpr):
         """Round ``rnd``: the ``bits``-wide digit at ``shift`` of the keys whose higher bits equal
         ``prefix`` (all keys when there are none), summed over the cluster into ``sSum[rnd]`` of
-        every CTA (bin ``d`` at :meth:`IndexerTopk.padded` ``d``)."""
+        every CTA (bin ``d`` at :func:`~cute_kernels.radix_select.padded` ``d``)."""
         tidx, _, _ = cute.arch.thread_idx()
         C, pshift = self.cluster, shift + bits
         sCount = sHist if cutlass.const_expr(C > 1) else sSum[rnd, None]
@@ -193,13 +195,13 @@ class IndexerTopkSplit(IndexerTopk):
                 match = (key >> pshift) == prefix
             if match:
                 d = Int32((key >> shift) & Uint32((1 << bits) - 1))
-                cute.arch.atomic_add((sCount.iterator + self.padded(d, bits)).llvm_ptr, Int32(1))
+                cute.arch.atomic_add((sCount.iterator + padded(d, bits)).llvm_ptr, Int32(1))
         cute.arch.barrier()
         if cutlass.const_expr(C > 1):
             # the non-zero bins into every CTA's sums (few: the keys match a prefix), the local
             # counts zeroed for the next round; then the cluster barrier publishes the sums
             for b in cutlass.range(tidx, 1 << bits, self.threads):
-                p = self.padded(b, bits)
+                p = padded(b, bits)
                 h = sHist[p]
                 if h != 0:
                     for dst in cutlass.range_constexpr(C):
@@ -263,7 +265,7 @@ class IndexerTopkSplit(IndexerTopk):
 
 
 def _build(arch: str, *, topk: int, cluster: int, items: int, compress_ratio: int = 1):
-    if not IndexerTopk.can_implement(topk):
+    if not 1 <= topk <= 65535:
         raise ValueError(f"indexer_topk_split: unsupported topk={topk}")
     check_compress_ratio("indexer_topk_split", compress_ratio)
     P = jit.fake_gmem_ptr
@@ -278,7 +280,7 @@ _AOT = tuple({"topk": k, "compress_ratio": 4, "cluster": c, "items": i} for k in
 KERNEL = jit.register(jit.KernelDef(
     name="indexer_topk_split",
     build=_build,
-    sources=tuple(os.path.join(_HERE, f) for f in ("indexer_topk_split.py", "indexer_topk.py", "cluster_smem.py")),
+    sources=tuple(os.path.join(_HERE, f) for f in ("indexer_topk_split.py", "radix_select.py", "cluster_smem.py")),
     archs=("sm_90a", "sm_100a", "sm_103a"),
     aot_configs=_AOT,
     description="the indexer's top-k with the row in registers, split over a thread-block cluster",

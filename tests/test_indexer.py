@@ -277,22 +277,22 @@ def test_machine_code(arch):
 
 
 def test_select_histogram_padding():
-    """The radix select's histogram places (``IndexerTopk.padded``): one slot per bin inside the
+    """The radix select's histogram places (``radix_select.padded``): one slot per bin inside the
     padded buffer, each lane's share contiguous and 16-byte aligned, and the eight lanes of every
     quarter-warp phase of ``find_digit``'s 16-byte loads in eight different groups of four banks."""
-    from cute_kernels.indexer_topk import BINS_PADDED, IndexerTopk
+    from cute_kernels.radix_select import BINS_PADDED, padded
 
     for bits in (10, 11):
         nb, per = 1 << bits, (1 << bits) // 32
-        places = [IndexerTopk.padded(d, bits) for d in range(nb)]
+        places = [padded(d, bits) for d in range(nb)]
         assert len(set(places)) == nb and max(places) < BINS_PADDED
         for lane in range(32):
             low = nb - (lane + 1) * per
-            share = [IndexerTopk.padded(low + i, bits) for i in range(per)]
+            share = [padded(low + i, bits) for i in range(per)]
             assert share == list(range(share[0], share[0] + per)) and share[0] % 4 == 0
         for v in range(per // 4):
             for phase in range(4):
-                groups = {(IndexerTopk.padded(nb - (lane + 1) * per, bits) // 4 + v) % 8
+                groups = {(padded(nb - (lane + 1) * per, bits) // 4 + v) % 8
                           for lane in range(8 * phase, 8 * phase + 8)}
                 assert len(groups) == 8
 
