@@ -180,6 +180,66 @@ def test_select_plans(seed, plan, kind):
         select_ref_check(out.cpu(), x.cpu(), ln.tolist(), topk)
 
 
+def split_select_model(row: torch.Tensor, limit: int, topk: int, cluster: int, items: int) -> torch.Tensor:
+    """The split select's steps on the CPU, in the kernel's own layout (``IndexerTopkSplit``):
+    CTA ``r`` of the cluster holds keys ``[r * S, (r + 1) * S)`` (``S = 512 * items``), thread
+    ``i`` of it ``items`` consecutive ones; the digit rounds on the cluster's summed counts (the
+    k-th key and how many of its ties to take); each CTA's selected keys written after those of
+    the lower ranks and of its lower threads; the padding shared by rank."""
+    from cute_kernels.indexer_topk_split import THREADS
+    S = THREADS * items
+    bits = row.float().view(torch.int32).long() & 0xFFFFFFFF
+    bits = torch.where(bits == 0x80000000, 0, bits)  # -0.0 ranks as +0.0
+    keys = torch.where(bits >> 31 == 1, ~bits & 0xFFFFFFFF, bits | 0x80000000)
+    keys = torch.cat([keys, torch.zeros(cluster * S - keys.numel(), dtype=torch.long)])
+    keys[limit:] = 0  # past the row: below every key
+    thr, take_eq = 0x007FFFFF, 0
+    if int((keys > 0x007FFFFF).sum()) > topk:  # the rounds: 11 + 11 + 10 bits, counts over the cluster
+        prefix, k_rem = 0, topk
+        for shift, width in ((21, 11), (10, 11), (0, 10)):
+            match = (keys >> (shift + width)) == prefix if shift + width < 32 else torch.ones_like(keys, dtype=bool)
+            counts = torch.bincount((keys[match] >> shift) & ((1 << width) - 1), minlength=1 << width)
+            above = counts.flip(0).cumsum(0).flip(0)  # keys at this digit or above
+            d = int(torch.nonzero(above >= k_rem).max())
+            k_rem -= int(above[d]) - int(counts[d])
+            prefix = (prefix << width) | d
+        thr, take_eq = prefix, k_rem
+    out = torch.full((topk,), -7, dtype=torch.int32)
+    gt, eq = (keys > thr).view(cluster, THREADS, items), (keys == thr).view(cluster, THREADS, items)
+    cta_gt, cta_eq = gt.sum((1, 2)), eq.sum((1, 2))
+    for r in range(cluster):
+        gt_before = int(cta_gt[:r].sum()) + torch.cat([torch.zeros(1, dtype=torch.long), gt[r].sum(1).cumsum(0)])
+        eq_before = int(cta_eq[:r].sum()) + torch.cat([torch.zeros(1, dtype=torch.long), eq[r].sum(1).cumsum(0)])
+        for i in range(THREADS):
+            g, e = int(gt_before[i]), int(eq_before[i])
+            for j in range(items):
+                if gt[r, i, j] or (eq[r, i, j] and e < take_eq):
+                    out[g + min(e, take_eq)] = r * S + i * items + j
+                g, e = g + int(gt[r, i, j]), e + int(eq[r, i, j])
+    n_sel = int(cta_gt.sum()) + min(int(cta_eq.sum()), take_eq)
+    for r in range(cluster):  # rank r's threads: slots n_sel + r * 512 + i, then every cluster * 512
+        for i in range(THREADS):
+            out[n_sel + r * THREADS + i:: cluster * THREADS] = -1
+    return out
+
+
+@pytest.mark.parametrize("cluster, items", [(1, 4), (2, 4), (4, 8), (8, 4)])
+@pytest.mark.parametrize("kind", ["randn", "rounded", "ties", "short"])
+def test_split_select_model(cluster, items, kind):
+    """The split select's layout and offsets (:func:`split_select_model`) give the definition's
+    selection -- every strict winner and the lowest-index ties, ascending, ``-1`` after -- for
+    rows whose ties straddle the CTAs' slices and rows that end inside a slice."""
+    gen = torch.Generator().manual_seed(cluster * 131 + items)
+    S, topk = cluster * 512 * items, 512
+    x = torch.randn(S, generator=gen)
+    x = {"randn": x, "rounded": (x * 2).round(), "ties": torch.full_like(x, 0.75), "short": x}[kind]
+    for limit in (S, S - 5, (S * 2) // 3 + 1, topk + 1, topk // 3):
+        if kind == "short" and limit == S:
+            continue
+        out = split_select_model(x, limit, topk, cluster, items)
+        select_ref_check(out[None], x[None], [limit], topk)
+
+
 def test_split_plan_and_its_validation():
     """split_plan: the row always fits the plan; small T spreads a row over more CTAs; rows
     past 8 CTAs' registers take the streaming kernel; a plan that cannot hold the row is
