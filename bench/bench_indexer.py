@@ -1,6 +1,7 @@
 """Benchmark the lightning indexer: scores + fused masking + top-k vs the torch composite.
 
     python bench/bench_indexer.py [--model v4|v3] [--out FILE]
+    python bench/bench_indexer.py --select [--out FILE]
 
 ``--model v4`` (default): DeepSeek-V4's CSA indexer -- compressed entries (one per 4 tokens,
 ``compress_ratio=4``) of contexts {16K, 128K, 1M} tokens, top-512 (V4-Flash) and top-1024
@@ -16,6 +17,12 @@ scale of it; the count of selected entries exact). The FP8 column runs the e4m3 
 of a sequence per CTA (tokens reordered sequence-major, as the runtime lays them out). Key
 caches rotate (>= 80 MB in all) so no launch reads keys another left in L2. CUDA-graph
 replay, median of 20.
+
+``--select``: the top-k select alone on V4's score rows (random FP32, compressed entries of 16K /
+128K / 256K tokens of context, top-512 / 1024, T = 5 / 20 / 64 / 320) -- the streaming select
+against every plan of the split select (the row in registers over a cluster of 1-8 CTAs), each
+plan's output first checked equal to the streaming select's; ``split_plan``'s pick and the best
+plan marked. Score rows rotate past L2.
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import H200_BF16_FLOPS, markdown_table, report, time_graph  # noqa: E402
+from common import H200_BF16_FLOPS, markdown_table, report, rotation_count, time_graph  # noqa: E402
 
-from cute_kernels.indexer_topk import IndexerWorkspace, indexer_topk  # noqa: E402
+from cute_kernels.indexer_topk import IndexerWorkspace, indexer_select, indexer_topk  # noqa: E402
+from cute_kernels.indexer_topk_split import CLUSTERS, ITEMS, THREADS, split_plan  # noqa: E402
 
 H, D = 64, 128
 ROTATE_BYTES = 80 * 2**20  # > the H200's 60 MB L2
@@ -78,12 +86,53 @@ def check_selection(idx, scores, topk, what):
         raise SystemExit(f"{what}: a selected entry scores below the k-th")
 
 
+def select_main(out: str | None):
+    """The streaming select against the split select's plans (module docstring, ``--select``)."""
+    rows = []
+    for N, k in ((4096, 512), (32768, 512), (32768, 1024), (65536, 1024)):
+        for T in (5, 20, 64, 320):
+            n = rotation_count(T * N * 4)
+            wss = [IndexerWorkspace(T, N) for _ in range(n)]
+            for w in wss:
+                w.scores.copy_(torch.randn(T, N, device="cuda"))
+            ln = torch.full((T,), N, dtype=torch.int32, device="cuda")
+            pos = torch.full((T,), 4 * N + 3, dtype=torch.int32, device="cuda")  # every entry visible
+            outs = [torch.empty(T, k, dtype=torch.int32, device="cuda") for _ in range(n)]
+            plans = [None] + [(c, i) for c in CLUSTERS for i in ITEMS if N <= c * THREADS * i <= 4 * N]
+            kw = dict(topk=k, compress_ratio=4)
+            want = indexer_select(wss[0], ln, pos, plan=None, **kw).clone()
+            if not torch.equal(want.long(), torch.topk(wss[0].scores, k).indices.sort(-1).values):
+                raise SystemExit(f"T={T} N={N} k={k}: the streaming select differs from torch.topk")
+            times = {}
+            for plan in plans:
+                if not torch.equal(indexer_select(wss[0], ln, pos, plan=plan, **kw), want):
+                    raise SystemExit(f"T={T} N={N} k={k}: plan {plan} selects other entries")
+                times[plan] = time_graph(lambda i, plan=plan: indexer_select(wss[i], ln, pos, plan=plan, out=outs[i],
+                                                                             **kw), n, max(n, 20))
+            best = min((p for p in plans if p is not None), key=times.get)
+            auto = split_plan(T, N)
+            rows.append([f"T={T} N={N} k={k}", f"{times[None] * 1e6:.2f}",
+                         " ".join(f"{c}x{i}:{times[(c, i)] * 1e6:.2f}" for c, i in plans[1:]),
+                         f"{best[0]}x{best[1]}", f"{auto[0]}x{auto[1]}" if auto else "streaming",
+                         f"{times[None] / times[auto] if auto else 1.0:.2f}x"])
+            print(rows[-1], flush=True)
+    table = markdown_table(["shape (random FP32 rows, all visible)", "streaming us",
+                            "split us by plan (cluster x items)", "best plan", "split_plan's pick",
+                            "streaming / pick"], rows)
+    report("The indexer's top-k select: streaming against split", "python bench/bench_indexer.py --select", table,
+           out=out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=("v4", "v3"), default="v4",
                     help="v4: compressed entries, top-512 / top-1024; v3: raw keys, top-2048 (default: v4)")
+    ap.add_argument("--select", action="store_true",
+                    help="the top-k select alone: the streaming select against the split select's plans")
     ap.add_argument("--out", default=None, help="also write the markdown table here (default: none)")
     args = ap.parse_args()
+    if args.select:
+        return select_main(args.out)
     if args.model == "v4":  # (tokens of context, entries per sequence, block, k, model)
         ratio, block = 4, 5
         cases = [(ctx, ctx // 4, k, name) for ctx in (16384, 131072, 1048576)

@@ -27,6 +27,8 @@
 #                                            or their benches (WO-A bf16 / FP8, indexer, MoE layers)
 #   bash tools/device.sh v4 runtime [quick]  the V4 runtime's GPU tests (fused vs FP32, graphs at BS
 #                                            1..64), then its bench at v4_flash_slice (quick: --quick)
+#   bash tools/device.sh topk                the split top-k select's GPU tests, then the streaming select
+#                                            against its plans (bench_indexer.py --select)
 #   bash tools/device.sh numerics [MODEL]    per-op error of fused / base against FP32 (spec_decode.numerics;
 #                                            MODEL default small)
 #   bash tools/device.sh tp [MODEL]          simulated TP4 on one GPU: its GPU tests (and the push group's
@@ -118,6 +120,13 @@ v4)
         --out "$OUT/bench_runtime_v4.md" 2>&1 | tail -45 ;;
     *) echo "v4: tests, bench or runtime" >&2; exit 2 ;;
   esac
+  ;;
+topk)
+  # the indexer's two selects: the split select's GPU tests (every plan against the definition,
+  # graph replay), then the streaming select against every split plan
+  # (bench_indexer.py --select: what SPLIT_BY_DEFAULT and split_plan rest on)
+  $PYT -m gpu tests/test_indexer.py -k "plans or select_on_given or ties" 2>&1 | tee "$OUT/topk-tests.log" | tail -6
+  python bench/bench_indexer.py --select --out "$OUT/bench_select.md" 2>&1 | tail -20
   ;;
 numerics)
   python -m spec_decode.numerics --model "${1:-small}" --out "$OUT/numerics_${1:-small}.md" 2>&1 | tail -15
