@@ -20,9 +20,9 @@ replay, median of 20.
 
 ``--select``: the top-k select alone on V4's score rows (random FP32, compressed entries of 16K /
 128K / 256K tokens of context, top-512 / 1024, T = 5 / 20 / 64 / 320) -- the streaming select
-against every plan of the split select (the row in registers over a cluster of 1-8 CTAs), each
-plan's output first checked equal to the streaming select's; ``split_plan``'s pick and the best
-plan marked. Score rows rotate past L2.
+against every plan of the split select (the row in registers over a cluster of 1-8 CTAs; ``+a``:
+its counts exchanged by red.async and mbarriers), each plan's output first checked equal to the
+streaming select's; ``split_plan``'s pick and the best plan marked. Score rows rotate past L2.
 """
 
 from __future__ import annotations
@@ -86,6 +86,11 @@ def check_selection(idx, scores, topk, what):
         raise SystemExit(f"{what}: a selected entry scores below the k-th")
 
 
+def label(plan: tuple) -> str:
+    """``CxI`` for a split plan of C CTAs of I keys a thread; ``+a`` with its counts by red.async."""
+    return f"{plan[0]}x{plan[1]}" + ("+a" if len(plan) == 3 else "")
+
+
 def select_main(out: str | None):
     """The streaming select against the split select's plans (module docstring, ``--select``)."""
     rows = []
@@ -99,6 +104,7 @@ def select_main(out: str | None):
             pos = torch.full((T,), 4 * N + 3, dtype=torch.int32, device="cuda")  # every entry visible
             outs = [torch.empty(T, k, dtype=torch.int32, device="cuda") for _ in range(n)]
             plans = [None] + [(c, i) for c in CLUSTERS for i in ITEMS if N <= c * THREADS * i <= 4 * N]
+            plans += [(c, i, True) for c, i in plans[1:] if c > 1]  # the counts by red.async and mbarriers
             kw = dict(topk=k, compress_ratio=4)
             want = indexer_select(wss[0], ln, pos, plan=None, **kw).clone()
             if not torch.equal(want.long(), torch.topk(wss[0].scores, k).indices.sort(-1).values):
@@ -112,12 +118,12 @@ def select_main(out: str | None):
             best = min((p for p in plans if p is not None), key=times.get)
             auto = split_plan(T, N)
             rows.append([f"T={T} N={N} k={k}", f"{times[None] * 1e6:.2f}",
-                         " ".join(f"{c}x{i}:{times[(c, i)] * 1e6:.2f}" for c, i in plans[1:]),
-                         f"{best[0]}x{best[1]}", f"{auto[0]}x{auto[1]}" if auto else "streaming",
+                         " ".join(f"{label(p)}:{times[p] * 1e6:.2f}" for p in plans[1:]),
+                         label(best), label(auto) if auto else "streaming",
                          f"{times[None] / times[auto] if auto else 1.0:.2f}x"])
             print(rows[-1], flush=True)
     table = markdown_table(["shape (random FP32 rows, all visible)", "streaming us",
-                            "split us by plan (cluster x items)", "best plan", "split_plan's pick",
+                            "split us by plan (cluster x items, +a: async counts)", "best plan", "split_plan's pick",
                             "streaming / pick"], rows)
     report("The indexer's top-k select: streaming against split", "python bench/bench_indexer.py --select", table,
            out=out)

@@ -1,4 +1,4 @@
-"""Stores into the shared memory of another CTA of the same thread-block cluster (sm_90+).
+"""Stores and adds into the shared memory of another CTA of the same thread-block cluster (sm_90+).
 
 A cluster's CTAs can write each other's shared memory (``mapa`` maps a local shared-memory
 address to the same offset in CTA ``rank``). The writer must know the target CTA is running: a
@@ -17,6 +17,12 @@ flight. The alternative, ``st.shared::cluster`` published by a release / acquire
 barrier, pays on sm_90 a GPU-scope ``MEMBAR`` for the release, which waits for every earlier
 store of the thread, global ones included. Used by the router's cluster path and the KV
 compressor's split entries.
+
+Counts summed over the cluster (the split top-k select, :mod:`cute_kernels.indexer_topk_split`)
+need adds: :func:`add_to_cta` (``red.shared::cluster``, published by a release / acquire cluster
+barrier) or :func:`add_async_to_cta` (``red.async``, crediting the receiver's mbarrier like
+``st.async``), whose senders announce their bytes with :func:`arrive_expect_bytes_at_cta` -- the
+receiver need not know how many adds come.
 """
 
 import cutlass.cute as cute
@@ -74,5 +80,38 @@ def add_to_cta(smem_ptr: cute.Pointer, rank: Int32, value: Int32, *, loc=None, i
                Int32(value).ir_value(loc=loc, ip=ip)],
         "{\n\t.reg .b32 a;\n\tmapa.shared::cluster.u32 a, $0, $1;\n\t"
         "red.relaxed.cluster.shared::cluster.add.u32 [a], $2;\n\t}",
+        "r,r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip)
+
+
+@dsl_user_op
+def add_async_to_cta(smem_ptr: cute.Pointer, rank: Int32, value: Int32, mbar_ptr: cute.Pointer, *, loc=None,
+                     ip=None) -> None:
+    """``*smem_ptr += value`` in the shared memory of CTA ``rank``, crediting 4 bytes to that
+    CTA's mbarrier at ``mbar_ptr``'s offset (``red.async``: :func:`store_async_to_cta`'s
+    publication for an add). The number of adds a CTA receives need not be known to it: each
+    sender announces its bytes with :func:`arrive_expect_bytes_at_cta`."""
+    llvm.inline_asm(
+        None, [Int32(smem_ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip),
+               Int32(mbar_ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip),
+               Int32(value).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b32 a, m;\n\tmapa.shared::cluster.u32 a, $0, $2;\n\tmapa.shared::cluster.u32 m, $1, $2;\n\t"
+        "red.async.relaxed.cluster.shared::cluster.mbarrier::complete_tx::bytes.add.u32 [a], $3, [m];\n\t}",
+        "r,r,r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip)
+
+
+@dsl_user_op
+def arrive_expect_bytes_at_cta(mbar_ptr: cute.Pointer, rank: Int32, nbytes: Int32, *, loc=None, ip=None) -> None:
+    """One arrival on CTA ``rank``'s mbarrier at ``mbar_ptr``'s offset that also raises its
+    expected transaction bytes by ``nbytes`` (``mbarrier.arrive.expect_tx`` on a remote
+    mbarrier, relaxed): a sender's announcement of the bytes its async adds / stores credit
+    there. With the mbarrier initialised to the number of senders' arrivals, its phase completes
+    once every sender has arrived and every announced byte has landed, in whatever order."""
+    llvm.inline_asm(
+        None, [Int32(mbar_ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip),
+               Int32(nbytes).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b32 m;\n\tmapa.shared::cluster.u32 m, $0, $1;\n\t"
+        "mbarrier.arrive.expect_tx.relaxed.cluster.shared::cluster.b64 _, [m], $2;\n\t}",
         "r,r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc, ip=ip)

@@ -263,7 +263,8 @@ def indexer_select(workspace: IndexerWorkspace, kv_len: torch.Tensor, pos: torch
     kernel, :mod:`cute_kernels.indexer_topk_split`, where
     :func:`~cute_kernels.indexer_topk_split.split_plan` gives one; else the streaming kernel),
     ``None`` (the streaming kernel) or a ``(cluster, items)`` of the split kernel whose rows hold
-    ``max_keys`` (``cluster * 512 * items >= max_keys``)."""
+    ``max_keys`` (``cluster * 512 * items >= max_keys``), optionally ``(cluster, items, True)``:
+    its counts exchanged by ``red.async`` and mbarriers instead of cluster barriers."""
     if (plan == "auto" and out is not None and stream is None and arch is None and jit.TVM_FFI and isinstance(workspace, IndexerWorkspace)
             and isinstance(kv_len, torch.Tensor)):  # the eager hot path
         bound = workspace.max_keys if max_keys is None else max_keys
@@ -288,11 +289,13 @@ def indexer_select(workspace: IndexerWorkspace, kv_len: torch.Tensor, pos: torch
     if T > workspace.max_tokens:
         raise ValueError(f"{op}: {T} tokens but the workspace holds {workspace.max_tokens}")
     if not (plan == "auto" or plan is None or (
-            isinstance(plan, tuple) and len(plan) == 2 and plan[0] in indexer_topk_split.CLUSTERS
-            and plan[1] in indexer_topk_split.ITEMS and plan[0] * indexer_topk_split.THREADS * plan[1] >= max_keys)):
-        raise ValueError(f"{op}: plan must be 'auto', None or (cluster, items) with cluster in "
-                         f"{indexer_topk_split.CLUSTERS}, items in {indexer_topk_split.ITEMS} and cluster * "
-                         f"{indexer_topk_split.THREADS} * items >= max_keys = {max_keys}, got {plan!r}")
+            isinstance(plan, tuple) and len(plan) in (2, 3) and plan[0] in indexer_topk_split.CLUSTERS
+            and plan[1] in indexer_topk_split.ITEMS and plan[0] * indexer_topk_split.THREADS * plan[1] >= max_keys
+            and (len(plan) == 2 or isinstance(plan[2], bool)))):
+        raise ValueError(f"{op}: plan must be 'auto', None or (cluster, items[, async_counts]) with cluster in "
+                         f"{indexer_topk_split.CLUSTERS}, items in {indexer_topk_split.ITEMS}, cluster * "
+                         f"{indexer_topk_split.THREADS} * items >= max_keys = {max_keys} and a bool "
+                         f"async_counts, got {plan!r}")
     if out is None:
         out = torch.empty(T, topk, dtype=torch.int32, device=kv_len.device)
     check_tensor(op, "out", out, dtype=torch.int32, shape=(T, topk), contiguous=True, align_bytes=4)
@@ -310,8 +313,14 @@ def indexer_select(workspace: IndexerWorkspace, kv_len: torch.Tensor, pos: torch
                                       **_ratio_cfg(compress_ratio))
         else:
             jit.remember_tensor_entry(_TENSOR_FNS, key, "indexer_topk_split_tensors", a, topk=topk,
-                                      cluster=plan[0], items=plan[1], **_ratio_cfg(compress_ratio))
+                                      cluster=plan[0], items=plan[1], **_ratio_cfg(compress_ratio),
+                                      **_async_cfg(plan))
     return out
+
+
+def _async_cfg(plan: tuple) -> dict:
+    """The compile-config entry of a split plan's count exchange: none for cluster barriers."""
+    return {"async_counts": True} if len(plan) == 3 and plan[2] and plan[0] > 1 else {}
 
 
 def _ratio_cfg(compress_ratio: int) -> dict:
@@ -339,7 +348,7 @@ def _select(workspace, kv_len, pos, out, T, topk, max_keys, compress_ratio, arch
         topk_fn = jit.get_kernel("indexer_topk", arch, topk=topk, **_ratio_cfg(compress_ratio))
     else:
         topk_fn = jit.get_kernel("indexer_topk_split", arch, topk=topk, cluster=plan[0], items=plan[1],
-                                 **_ratio_cfg(compress_ratio))
+                                 **_ratio_cfg(compress_ratio), **_async_cfg(plan))
     topk_fn(P(Float32, workspace.scores, 16), P(Int32, kv_len, 4), P(Int32, pos, 4), P(Int32, out, 4), jit.i32(T),
             jit.i32(workspace.pitch), jit.i32(max_keys), cs)
     return plan

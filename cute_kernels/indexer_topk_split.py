@@ -27,6 +27,12 @@ Algorithm (per token; the CTAs of its cluster run the same steps on their slices
    indices of the row. Each CTA writes its selected indices at their ranks; the CTAs share the
    ``-1`` padding.
 
+``async_counts`` (with a cluster): the counts travel by ``red.async`` crediting each receiving
+CTA's mbarrier of the round (:func:`cute_kernels.cluster_smem.add_async_to_cta`; every warp
+announces its bytes to every CTA with a remote ``mbarrier.arrive.expect_tx``) and each CTA waits
+on its own mbarrier: one cluster barrier (entry) instead of five, whose release half is a
+GPU-scope ``MEMBAR`` on sm_90.
+
 With ``cluster = 1`` it is the streaming kernel's select on a row held in registers (no cluster
 barriers). :func:`split_plan` picks ``(cluster, items)`` from the token count and the key bound
 (``None``: the row does not fit, the streaming kernel serves).
@@ -52,7 +58,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 
 from . import jit
-from .cluster_smem import add_to_cta
+from .cluster_smem import add_async_to_cta, add_to_cta, arrive_expect_bytes_at_cta
 from .indexer_scores import check_compress_ratio, visible_entries
 from .radix_select import BINS_PADDED, NEG_INF_KEY, find_digit, order_key, padded
 
@@ -82,8 +88,12 @@ def split_plan(num_tokens: int, max_keys: int) -> tuple[int, int] | None:
 
 
 class IndexerTopkSplit:
-    def __init__(self, topk: int, compress_ratio: int = 1, cluster: int = 1, items: int = 16):
+    def __init__(self, topk: int, compress_ratio: int = 1, cluster: int = 1, items: int = 16,
+                 async_counts: bool = False):
         self.k, self.ratio, self.threads, self.warps = topk, compress_ratio, THREADS, THREADS // 32
+        # with a cluster: the counts sent by red.async, each CTA waiting on its own mbarrier,
+        # instead of a cluster barrier per round (whose release half is a GPU-scope MEMBAR)
+        self.async_counts = async_counts and cluster > 1
         self.row_words = topk
         if cluster not in CLUSTERS or items not in ITEMS:
             raise ValueError(f"indexer_topk_split: cluster must be one of {CLUSTERS} and items one of {ITEMS}, "
@@ -132,6 +142,13 @@ class IndexerTopkSplit:
         sWarp = smem.allocate_tensor(Int32, cute.make_layout((self.warps,)), 16)
         sState = smem.allocate_tensor(Int32, cute.make_layout((4,)), 16)
         sCnt = smem.allocate_tensor(Int32, cute.make_layout((4,)), 16)  # gt / eq before this CTA, gt / eq total
+        sMbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((4,)), 8)  # async_counts: rounds, compaction
+        if cutlass.const_expr(self.async_counts):
+            if tidx == 0:  # every warp of every CTA announces its bytes once a round; one thread the offsets
+                for r in cutlass.range_constexpr(3):
+                    cute.arch.mbarrier_init(sMbar.iterator + r, C * self.warps)
+                cute.arch.mbarrier_init(sMbar.iterator + 3, C)
+                cute.arch.mbarrier_init_fence()
 
         for b in cutlass.range(tidx, BINS_PADDED, self.threads):
             for r in cutlass.range_constexpr(3):
@@ -158,7 +175,7 @@ class IndexerTopkSplit:
             cute.arch.cluster_wait()  # every CTA's zeroed sums
 
         # ---- round 0: top 11 bits; also counts the candidates (keys above -inf's) ------------
-        self.count(rK, sHist, sSum, 0, Uint32(0), 21, 11)
+        self.count(rK, sHist, sSum, sMbar, 0, Uint32(0), 21, 11)
         if warp == 0:
             find_digit(sSum[0, None], sState, Int32(self.k), 11, True)
         cute.arch.barrier()
@@ -166,22 +183,22 @@ class IndexerTopkSplit:
         take_eq = Int32(0)
         if sState[2] > self.k:  # the same in every CTA of the cluster (the same sums)
             d0 = Uint32(sState[0])
-            self.count(rK, sHist, sSum, 1, d0, 10, 11)
+            self.count(rK, sHist, sSum, sMbar, 1, d0, 10, 11)
             if warp == 0:
                 find_digit(sSum[1, None], sState, sState[1], 11, False)
             cute.arch.barrier()
             d1 = (d0 << 11) | Uint32(sState[0])
-            self.count(rK, sHist, sSum, 2, d1, 0, 10)
+            self.count(rK, sHist, sSum, sMbar, 2, d1, 0, 10)
             if warp == 0:
                 find_digit(sSum[2, None], sState, sState[1], 10, False)
             cute.arch.barrier()
             thr = (d1 << 10) | Uint32(sState[0])
             take_eq = sState[1]
-        self.compact_slice(rK, first, thr, take_eq, sWarp, sCnt, mIdx, t, rank)
+        self.compact_slice(rK, first, thr, take_eq, sWarp, sCnt, sMbar, mIdx, t, rank)
 
     @cute.jit
-    def count(self, rK: cute.Tensor, sHist: cute.Tensor, sSum: cute.Tensor, rnd: cutlass.Constexpr, prefix: Uint32,
-              shift: cutlass.Constexpr, bits: cutlass.Constexpr):
+    def count(self, rK: cute.Tensor, sHist: cute.Tensor, sSum: cute.Tensor, sMbar: cute.Tensor, rnd: cutlass.Constexpr,
+              prefix: Uint32, shift: cutlass.Constexpr, bits: cutlass.Constexpr):
         """Round ``rnd``: the ``bits``-wide digit at ``shift`` of the keys whose higher bits equal
         ``prefix`` (all keys when there are none), summed over the cluster into ``sSum[rnd]`` of
         every CTA (bin ``d`` at :func:`~cute_kernels.radix_select.padded` ``d``)."""
@@ -197,7 +214,24 @@ class IndexerTopkSplit:
                 d = Int32((key >> shift) & Uint32((1 << bits) - 1))
                 cute.arch.atomic_add((sCount.iterator + padded(d, bits)).llvm_ptr, Int32(1))
         cute.arch.barrier()
-        if cutlass.const_expr(C > 1):
+        if cutlass.const_expr(self.async_counts):
+            # as below, by red.async crediting each CTA's mbarrier of the round; each warp
+            # announces its non-zero bins' bytes to every CTA, which waits for all of them
+            lane = cute.arch.lane_idx()
+            n_nz = Int32(0)
+            for it in cutlass.range_constexpr((1 << bits) // self.threads):
+                p = padded(tidx + it * self.threads, bits)
+                h = sHist[p]
+                n_nz = n_nz + Int32(cute.arch.popc(cute.arch.vote_ballot_sync(h != 0)))
+                if h != 0:
+                    for dst in cutlass.range_constexpr(C):
+                        add_async_to_cta(sSum.iterator + rnd * BINS_PADDED + p, Int32(dst), h, sMbar.iterator + rnd)
+                    sHist[p] = 0
+            if lane == 0:
+                for dst in cutlass.range_constexpr(C):
+                    arrive_expect_bytes_at_cta(sMbar.iterator + rnd, Int32(dst), n_nz * 4)
+            cute.arch.mbarrier_wait(sMbar.iterator + rnd, 0)
+        elif cutlass.const_expr(C > 1):
             # the non-zero bins into every CTA's sums (few: the keys match a prefix), the local
             # counts zeroed for the next round; then the cluster barrier publishes the sums
             for b in cutlass.range(tidx, 1 << bits, self.threads):
@@ -212,7 +246,7 @@ class IndexerTopkSplit:
 
     @cute.jit
     def compact_slice(self, rK: cute.Tensor, first: Int32, thr: Uint32, take_eq: Int32, sWarp: cute.Tensor,
-                      sCnt: cute.Tensor, mIdx: cute.Tensor, t: Int32, rank: Int32):
+                      sCnt: cute.Tensor, sMbar: cute.Tensor, mIdx: cute.Tensor, t: Int32, rank: Int32):
         """Write, in index order, the row's keys > thr and its first take_eq keys == thr that lie
         in this CTA's slice, after those of the lower ranks; the CTAs share the -1 padding."""
         tidx, _, _ = cute.arch.thread_idx()
@@ -238,7 +272,19 @@ class IndexerTopkSplit:
             total = total + x
         gt_base, eq_base = Int32(0), Int32(0)
         gt_all, eq_all = total & 0xFFFF, total >> 16
-        if cutlass.const_expr(C > 1):
+        if cutlass.const_expr(self.async_counts):
+            if tidx == 0:
+                for dst in cutlass.range_constexpr(C):
+                    add_async_to_cta(sCnt.iterator + 2, Int32(dst), total & 0xFFFF, sMbar.iterator + 3)
+                    add_async_to_cta(sCnt.iterator + 3, Int32(dst), total >> 16, sMbar.iterator + 3)
+                    if rank < dst:
+                        add_async_to_cta(sCnt.iterator, Int32(dst), total & 0xFFFF, sMbar.iterator + 3)
+                        add_async_to_cta(sCnt.iterator + 1, Int32(dst), total >> 16, sMbar.iterator + 3)
+                    arrive_expect_bytes_at_cta(sMbar.iterator + 3, Int32(dst),
+                                               cutlass.select_(rank < dst, Int32(16), Int32(8)))
+            cute.arch.mbarrier_wait(sMbar.iterator + 3, 0)  # every CTA's totals are here
+            gt_base, eq_base, gt_all, eq_all = sCnt[0], sCnt[1], sCnt[2], sCnt[3]
+        elif cutlass.const_expr(C > 1):
             if tidx == 0:
                 for dst in cutlass.range_constexpr(C):
                     add_to_cta(sCnt.iterator + 2, Int32(dst), total & 0xFFFF)
@@ -264,19 +310,20 @@ class IndexerTopkSplit:
             mIdx[t, p] = -1
 
 
-def _build(arch: str, *, topk: int, cluster: int, items: int, compress_ratio: int = 1):
+def _build(arch: str, *, topk: int, cluster: int, items: int, compress_ratio: int = 1, async_counts: bool = False):
     if not 1 <= topk <= 65535:
         raise ValueError(f"indexer_topk_split: unsupported topk={topk}")
     check_compress_ratio("indexer_topk_split", compress_ratio)
     P = jit.fake_gmem_ptr
     args = (P(Float32, 16), P(Int32, 4), P(Int32, 4), P(Int32, 4), Int32(1), Int32(4), Int32(4), jit.fake_stream())
-    return IndexerTopkSplit(topk, compress_ratio, cluster, items), args
+    return IndexerTopkSplit(topk, compress_ratio, cluster, items, async_counts), args
 
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-#: V4's CSA top-k (512 / 1024 of the compressed entries) at every plan
-_AOT = tuple({"topk": k, "compress_ratio": 4, "cluster": c, "items": i} for k in (512, 1024) for c in CLUSTERS
-             for i in ITEMS)
+#: V4's CSA top-k (512 / 1024 of the compressed entries) at every plan, with a cluster also with
+#: its counts by red.async (the two exchanges are compared by ``bench/bench_indexer.py --select``)
+_AOT = tuple({"topk": k, "compress_ratio": 4, "cluster": c, "items": i, **({"async_counts": True} if a else {})}
+             for k in (512, 1024) for c in CLUSTERS for i in ITEMS for a in ((False, True) if c > 1 else (False,)))
 KERNEL = jit.register(jit.KernelDef(
     name="indexer_topk_split",
     build=_build,
@@ -287,8 +334,10 @@ KERNEL = jit.register(jit.KernelDef(
 ))
 
 
-def _build_tensors(arch: str, *, topk: int, cluster: int, items: int, compress_ratio: int = 1):
-    op, _ = _build(arch, topk=topk, cluster=cluster, items=items, compress_ratio=compress_ratio)
+def _build_tensors(arch: str, *, topk: int, cluster: int, items: int, compress_ratio: int = 1,
+                   async_counts: bool = False):
+    op, _ = _build(arch, topk=topk, cluster=cluster, items=items, compress_ratio=compress_ratio,
+                   async_counts=async_counts)
     sym, T = {}, jit.fake_tensor
     return op.tensor_call, (T(Float32, ("N", "P"), 16, sym), T(Int32, ("T",), 4, sym), T(Int32, ("T",), 4, sym),
                             T(Int32, ("T", topk), 4, sym), Int32(1), jit.fake_env_stream())

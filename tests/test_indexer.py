@@ -141,15 +141,17 @@ def test_select_on_given_rows(seed, T, S, topk, kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan", [None, (1, 4), (1, 16), (2, 4), (2, 16), (4, 8), (8, 4), (8, 16)])
+@pytest.mark.parametrize("plan", [None, (1, 4), (1, 16), (2, 4), (2, 16), (4, 8), (8, 4), (8, 16), (2, 4, True),
+                                  (8, 16, True)])
 @pytest.mark.parametrize("kind", ["randn", "rounded", "ties"])
 def test_select_plans(seed, plan, kind):
     """The split select at every cluster size (and the streaming kernel) on the same rows, V4's
     top-512 over compressed entries: rows that end inside any CTA's slice (the later CTAs hold no
     key), ties across CTAs (the lowest indices win), a row with fewer candidates than k, a row
-    of one; a graph replayed on fresh rows."""
+    of one; a graph replayed on fresh rows. ``(C, items, True)``: the counts exchanged by
+    ``red.async`` and mbarriers."""
     from cute_kernels.indexer_topk_split import THREADS
-    C, items = plan or (4, 8)
+    C, items = (plan or (4, 8))[:2]
     S, topk, T = min(C * THREADS * items, 12000), 512, 6
     gen = torch.Generator().manual_seed(seed)
     ln = torch.tensor([S, S - 3, int(torch.randint(topk + 1, S, (1,), generator=gen)), (S * 3) // (2 * C) + 1,
@@ -253,7 +255,7 @@ def test_split_plan_and_its_validation():
     assert split_plan(1, 65537) is None
     ws = IndexerWorkspace(2, 8192, device="cpu")
     ln = torch.full((2,), 8192, dtype=torch.int32)
-    for bad in ((1, 8), (3, 16), (2, 5), "fast"):
+    for bad in ((1, 8), (3, 16), (2, 5), (2, 8, 1), "fast"):
         with pytest.raises(ValueError, match="plan"):
             indexer_select(ws, ln, ln, topk=512, plan=bad)
 
@@ -639,15 +641,22 @@ def test_v4_machine_code(name, arch, cfg):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("cluster, items", [(1, 16), (8, 8)])
-def test_split_select_machine_code(arch, cluster, items):
+@pytest.mark.parametrize("cluster, items, async_counts", [(1, 16, False), (8, 8, False), (8, 8, True)])
+def test_split_select_machine_code(arch, cluster, items, async_counts):
     """The split select keeps its row in registers (no local memory; one set of 16-byte loads,
     no reload per round), counts in shared memory, and with a cluster adds the counts into the
-    other CTAs' shared memory behind cluster barriers (none without one)."""
-    h = sass.sass_histogram("indexer_topk_split", arch, topk=512, compress_ratio=4, cluster=cluster, items=items)
+    other CTAs' shared memory behind cluster barriers (none without one) -- or, with
+    ``async_counts``, by ``red.async`` credited to mbarriers, with one cluster barrier (entry) and
+    one GPU-scope fence instead of five."""
+    h = sass.sass_histogram("indexer_topk_split", arch, topk=512, compress_ratio=4, cluster=cluster, items=items,
+                            async_counts=async_counts)
     assert sass.local_memory_ops(h) == 0
     assert sass.count(h, "LDG.E.128") == items // 4
     assert sass.count(h, "ATOMS") >= 3 * items  # three rounds of per-key counts
-    barriers = sass.count(h, "UCGABAR_ARV")
-    assert barriers == (5 if cluster > 1 else 0)  # entry, three rounds, the compaction's offsets
-    assert (sass.count(h, "ATOM.E.ADD") >= 3 * cluster) == (cluster > 1)  # red.shared::cluster
+    barriers, fences = sass.count(h, "UCGABAR_ARV"), sass.count(h, "MEMBAR.ALL.GPU")
+    if async_counts:
+        assert barriers == fences == 1 and sass.count(h, "REDAS.ADD") >= 3 * cluster
+        assert sass.count(h, "SYNCS.ARRIVE.TRANS64.RED") >= 4 * cluster  # every sender's announcement
+    else:
+        assert barriers == fences == (5 if cluster > 1 else 0)  # entry, three rounds, the compaction's offsets
+        assert (sass.count(h, "ATOM.E.ADD") >= 3 * cluster) == (cluster > 1)  # red.shared::cluster
