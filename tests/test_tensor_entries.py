@@ -35,6 +35,7 @@ ENTRIES = {"row_rms_tensors": dict(hidden=7168), "mhc_pre_mix_tensors": dict(n=4
            "moe_expert_gemm_tiled_sm90_tensors": dict(E=256, N=4096, K=2048, silu_quant=False, tile_k=256, stages=2,
                                                       ctas_per_sm=2),
            "indexer_topk_tensors": dict(topk=512, compress_ratio=4),
+           "indexer_topk_split_tensors": dict(topk=512, compress_ratio=4, cluster=8, items=8),
            "wo_a_fp8_act_sm90_tensors": dict(G=8, R=1024, Dg=4096, tok_n=16, stages=8)}
 
 
