@@ -16,7 +16,12 @@ digits found so far) find the exact k-th largest key ``K*`` and how many keys eq
 are taken. A last pass compacts in index order: chunks of 8192 scores (16 per thread,
 four 16-byte loads), a block-wide exclusive scan of per-thread counts, and each selected
 key written at its rank. With at most ``topk`` candidates the passes are skipped and every
-candidate is written.
+candidate is written. The shared steps (order keys, the padded histogram, the digit search)
+are :mod:`cute_kernels.radix_select`'s.
+
+A second select, :mod:`cute_kernels.indexer_topk_split`, holds the row in registers and
+splits it over a thread-block cluster (same output); ``indexer_select(..., plan=...)`` picks
+it, ``plan="auto"`` only with :data:`SPLIT_BY_DEFAULT` (docs/indexer_topk.md).
 
 Compressed entries (DeepSeek-V4's CSA indexer, ``compress_ratio = 4``, ``topk`` 512 / 1024):
 the same two launches over the compressed key pool, a query at ``pos`` seeing entries
@@ -28,7 +33,7 @@ multiple of 4 (the host pads it). Same source on sm_90a and sm_100a.
 Tests / bench::
 
     pytest tests/test_indexer.py
-    python bench/bench_indexer.py
+    python bench/bench_indexer.py [--select]
 """
 
 from __future__ import annotations
