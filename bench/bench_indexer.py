@@ -88,7 +88,7 @@ def check_selection(idx, scores, topk, what):
 
 def label(plan: tuple) -> str:
     """``CxI`` for a split plan of C CTAs of I keys a thread; ``+a`` with its counts by red.async."""
-    return f"{plan[0]}x{plan[1]}" + ("+a" if len(plan) == 3 else "")
+    return f"{plan[0]}x{plan[1]}" + ("+a" if len(plan) == 3 and plan[2] else "")
 
 
 def select_main(out: str | None):
@@ -117,6 +117,7 @@ def select_main(out: str | None):
                                                                              **kw), n, max(n, 20))
             best = min((p for p in plans if p is not None), key=times.get)
             auto = split_plan(T, N)
+            auto = auto if auto is None or auto[2] else auto[:2]  # (the key its time is under)
             rows.append([f"T={T} N={N} k={k}", f"{times[None] * 1e6:.2f}",
                          " ".join(f"{label(p)}:{times[p] * 1e6:.2f}" for p in plans[1:]),
                          label(best), label(auto) if auto else "streaming",

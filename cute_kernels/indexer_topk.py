@@ -20,8 +20,8 @@ candidate is written. The shared steps (order keys, the padded histogram, the di
 are :mod:`cute_kernels.radix_select`'s.
 
 A second select, :mod:`cute_kernels.indexer_topk_split`, holds the row in registers and
-splits it over a thread-block cluster (same output); ``indexer_select(..., plan=...)`` picks
-it, ``plan="auto"`` only with :data:`SPLIT_BY_DEFAULT` (docs/indexer_topk.md).
+splits it over a thread-block cluster (same output); ``plan="auto"`` (the default) takes it
+where :func:`~cute_kernels.indexer_topk_split.split_plan` gives a plan (docs/indexer_topk.md).
 
 Compressed entries (DeepSeek-V4's CSA indexer, ``compress_ratio = 4``, ``topk`` 512 / 1024):
 the same two launches over the compressed key pool, a query at ``pos`` seeing entries
@@ -264,9 +264,9 @@ def indexer_select(workspace: IndexerWorkspace, kv_len: torch.Tensor, pos: torch
     ``[0, min((pos + 1) // compress_ratio, kv_len, max_keys))`` of each row. :func:`indexer_topk`
     is the scores kernel followed by this.
 
-    ``plan``: which kernel selects -- ``"auto"`` (default: with :data:`SPLIT_BY_DEFAULT` the split
-    kernel, :mod:`cute_kernels.indexer_topk_split`, where
-    :func:`~cute_kernels.indexer_topk_split.split_plan` gives one; else the streaming kernel),
+    ``plan``: which kernel selects -- ``"auto"`` (default: the split kernel,
+    :mod:`cute_kernels.indexer_topk_split`, where :func:`~cute_kernels.indexer_topk_split.split_plan`
+    gives a plan -- rows up to 8192 keys, and longer rows at small T --, else the streaming kernel),
     ``None`` (the streaming kernel) or a ``(cluster, items)`` of the split kernel whose rows hold
     ``max_keys`` (``cluster * 512 * items >= max_keys``), optionally ``(cluster, items, True)``:
     its counts exchanged by ``red.async`` and mbarriers instead of cluster barriers."""
@@ -333,9 +333,9 @@ def _ratio_cfg(compress_ratio: int) -> dict:
     return {"compress_ratio": compress_ratio} if compress_ratio != 1 else {}
 
 
-#: whether ``plan="auto"`` takes the split select where it fits (:func:`_auto_plan`); off until
-#: the split select has been timed against the streaming one on a GPU (docs/indexer_topk.md)
-SPLIT_BY_DEFAULT = False
+#: whether ``plan="auto"`` takes the split select where :func:`~cute_kernels.indexer_topk_split.split_plan`
+#: gives a plan (False: always the streaming select); ``bench/bench_indexer.py --select`` times both
+SPLIT_BY_DEFAULT = True
 
 
 def _auto_plan(num_tokens: int, max_keys: int):

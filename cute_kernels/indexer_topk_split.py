@@ -34,8 +34,9 @@ on its own mbarrier: one cluster barrier (entry) instead of five, whose release 
 GPU-scope ``MEMBAR`` on sm_90.
 
 With ``cluster = 1`` it is the streaming kernel's select on a row held in registers (no cluster
-barriers). :func:`split_plan` picks ``(cluster, items)`` from the token count and the key bound
-(``None``: the row does not fit, the streaming kernel serves).
+barriers). :func:`split_plan` picks ``(cluster, items, async_counts)`` from the token count and
+the key bound (``None``: the streaming kernel serves -- rows past 8 CTAs, or grids of many
+clusters, where it is faster).
 
 Constraints: ``max_keys <= cluster * threads * items`` (the host checks), ``cluster`` in
 {1, 2, 4, 8} (a portable cluster), ``items`` in {4, 8, 16}; the score row pitch is a multiple of
@@ -66,25 +67,35 @@ from .radix_select import BINS_PADDED, NEG_INF_KEY, find_digit, order_key, padde
 CLUSTERS = (1, 2, 4, 8)
 ITEMS = (4, 8, 16)
 THREADS = 512
-#: a token's CTAs are spread until this many CTAs run (about half an H100 / H200's SMs: the
-#: cluster barriers' cost grows with the cluster, the loads' latency shrinks with the slice)
+#: rows up to this many keys take one CTA (no cluster): at 4096 keys it beat every cluster plan
+#: at T = 5..320 (``bench/bench_indexer.py --select``)
+ONE_CTA_KEYS = THREADS * ITEMS[-1]
+#: a longer row's cluster is doubled while the grid stays within this many CTAs ...
 SPREAD_CTAS = 66
-#: ... but a slice stays at least this many keys (below it the rounds' fixed cost dominates)
+#: ... and its slices at this many keys or more
 MIN_SLICE = 2048
+#: above this many CTAs (1.5 waves of 132 SMs, one CTA an SM) the streaming kernel serves: a
+#: cluster's CTAs wait on each other, and the grid's later waves on the first
+MAX_SPLIT_CTAS = 198
 
 
-def split_plan(num_tokens: int, max_keys: int) -> tuple[int, int] | None:
-    """``(cluster, items)`` for ``num_tokens`` rows of at most ``max_keys`` keys, or None when a
-    row does not fit ``8 * THREADS * 16`` keys (the streaming kernel then serves): the smallest
-    cluster that holds the row, doubled while the grid stays within :data:`SPREAD_CTAS` and the
-    slices within :data:`MIN_SLICE`; then the fewest items a thread that cover the slice."""
+def split_plan(num_tokens: int, max_keys: int) -> tuple[int, int, bool] | None:
+    """``(cluster, items, async_counts)`` for ``num_tokens`` rows of at most ``max_keys`` keys, or
+    None for the streaming kernel: one CTA a row up to :data:`ONE_CTA_KEYS` keys; beyond, the
+    smallest cluster that holds the row, doubled while the grid stays within
+    :data:`SPREAD_CTAS` and the slices within :data:`MIN_SLICE`, unless the grid would pass
+    :data:`MAX_SPLIT_CTAS` or the row 8 CTAs (then None); the fewest items a thread that cover
+    the slice; the counts by ``red.async`` with a cluster (faster than the cluster barriers at
+    every measured plan)."""
+    if max_keys <= ONE_CTA_KEYS:
+        return 1, next(i for i in ITEMS if max_keys <= THREADS * i), False
     cluster = next((c for c in CLUSTERS if max_keys <= c * THREADS * ITEMS[-1]), None)
-    if cluster is None:
+    if cluster is None or num_tokens * cluster > MAX_SPLIT_CTAS:
         return None
     while cluster < CLUSTERS[-1] and num_tokens * cluster * 2 <= SPREAD_CTAS and max_keys >= 2 * cluster * MIN_SLICE:
         cluster *= 2
     items = next(i for i in ITEMS if max_keys <= cluster * THREADS * i)
-    return cluster, items
+    return cluster, items, True
 
 
 class IndexerTopkSplit:

@@ -243,16 +243,22 @@ def test_split_select_model(cluster, items, kind):
 
 
 def test_split_plan_and_its_validation():
-    """split_plan: the row always fits the plan; small T spreads a row over more CTAs; rows
-    past 8 CTAs' registers take the streaming kernel; a plan that cannot hold the row is
-    refused by name before any launch."""
-    from cute_kernels.indexer_topk_split import THREADS, split_plan
-    for T in (1, 6, 12, 64, 384):
+    """split_plan: the row always fits the plan; rows up to 8192 keys take one CTA; longer
+    rows spread over more CTAs at small T (counts by red.async), the streaming kernel at large
+    T and past 8 CTAs' registers; a plan that cannot hold the row is refused by name before any
+    launch."""
+    from cute_kernels.indexer_topk_split import MAX_SPLIT_CTAS, THREADS, split_plan
+    for T in (1, 5, 6, 12, 20, 64, 384):
         for N in (1, 300, 4096, 8192, 32768, 65536):
-            c, i = split_plan(T, N)
-            assert c * THREADS * i >= N
-    assert split_plan(6, 32768)[0] > split_plan(384, 32768)[0]
-    assert split_plan(1, 65537) is None
+            plan = split_plan(T, N)
+            if plan is None:
+                assert N > 8192 and T * -(-N // (THREADS * 16)) > MAX_SPLIT_CTAS
+                continue
+            c, i, a = plan
+            assert c * THREADS * i >= N and a == (c > 1) and T * c <= max(T, MAX_SPLIT_CTAS)
+    assert split_plan(384, 4096) == (1, 8, False)
+    assert split_plan(5, 32768) == (8, 8, True) and split_plan(20, 32768) == (4, 16, True)
+    assert split_plan(64, 32768) is None and split_plan(1, 65537) is None
     ws = IndexerWorkspace(2, 8192, device="cpu")
     ln = torch.full((2,), 8192, dtype=torch.int32)
     for bad in ((1, 8), (3, 16), (2, 5), (2, 8, 1), "fast"):
