@@ -17,8 +17,8 @@ Algorithm (per token; the CTAs of its cluster run the same steps on their slices
    every non-zero bin into the round's histogram of every CTA of the cluster
    (``red.shared::cluster``, :func:`cute_kernels.cluster_smem.add_to_cta`); a cluster barrier
    (release / acquire) publishes the sums. Each CTA's warp 0 then finds the digit holding the
-   k-th largest key in its copy (:func:`cute_kernels.radix_select.find_digit`) -- the same numbers in every
-   CTA, so the CTAs take the same branches and no result is sent. Rounds 1-2 run only when the
+   k-th largest key in its copy (:func:`cute_kernels.radix_select.find_digit`) -- the same
+   numbers in every CTA, so the CTAs take the same branches and no result is sent. Rounds 1-2 run only when the
    row has more than ``topk`` candidates (as in the streaming kernel).
 3. Compaction: each CTA counts its keys above the k-th (``> K*``) and equal to it, a block scan
    gives each thread its offsets inside the CTA, and the CTA adds its totals into every CTA's
@@ -27,7 +27,7 @@ Algorithm (per token; the CTAs of its cluster run the same steps on their slices
    indices of the row. Each CTA writes its selected indices at their ranks; the CTAs share the
    ``-1`` padding.
 
-``async_counts`` (with a cluster): the counts travel by ``red.async`` crediting each receiving
+``async_counts`` (with a cluster; what :func:`split_plan` picks): the counts travel by ``red.async`` crediting each receiving
 CTA's mbarrier of the round (:func:`cute_kernels.cluster_smem.add_async_to_cta`; every warp
 announces its bytes to every CTA with a remote ``mbarrier.arrive.expect_tx``) and each CTA waits
 on its own mbarrier: one cluster barrier (entry) instead of five, whose release half is a
@@ -45,7 +45,8 @@ Constraints: ``max_keys <= cluster * threads * items`` (the host checks), ``clus
 
 Tests / bench::
 
-    pytest tests/test_indexer.py -k split
+    pytest tests/test_indexer.py -k "split or plans"
+    python bench/bench_indexer.py --select
     python bench/bench_peers.py --families topk
 """
 
