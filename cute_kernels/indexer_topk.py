@@ -55,7 +55,7 @@ from .indexer_scores_sm90 import IndexerScoresSm90
 from .indexer_scores_token_group_sm90 import IndexerScoresTokenGroupSm90
 from .indexer_scores_sm100 import IndexerScoresSm100
 from . import indexer_topk_split
-from .radix_select import BINS_PADDED, NEG_INF_KEY, find_digit, order_key, padded
+from .radix_select import BINS_PADDED, NEG_INF_KEY, block_exclusive_scan, find_digit, order_key, padded
 from .validate import check_cuda, check_tensor
 
 ITEMS = 16  # scores per thread per compaction chunk
@@ -127,8 +127,8 @@ class IndexerTopk:
     def histogram(self, row: cute.Tensor, limit: Int32, sHist: cute.Tensor, prefix: Uint32, shift: cutlass.Constexpr,
                   bits: cutlass.Constexpr):
         """Count the ``bits``-wide digit at ``shift`` of the keys whose higher bits (``key >> (shift
-        + bits)``) equal ``prefix`` -- all keys when there are none (bin ``d`` at :meth:`padded`
-        ``d``)."""
+        + bits)``) equal ``prefix`` -- all keys when there are none (bin ``d`` at
+        :func:`~cute_kernels.radix_select.padded` ``d``)."""
         dmask, pshift = (1 << bits) - 1, shift + bits
         tidx, _, _ = cute.arch.thread_idx()
         for b in cutlass.range(tidx, BINS_PADDED, self.threads):
@@ -158,7 +158,6 @@ class IndexerTopk:
                 mIdx: cute.Tensor, t: Int32):
         """Write, in index order, keys > thr and the first take_eq keys == thr; pad with -1."""
         tidx, _, _ = cute.arch.thread_idx()
-        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         CH = self.threads * ITEMS
         gRow = cute.zipped_divide(row, (4,))
         rB = cute.make_rmem_tensor(cute.make_layout((ITEMS,)), Uint32)
@@ -175,21 +174,8 @@ class IndexerTopk:
                 n_gt = n_gt + cutlass.select_(live and key > thr, Int32(1), Int32(0))
                 n_eq = n_eq + cutlass.select_(live and key == thr, Int32(1), Int32(0))
             # Block exclusive scan of the packed (eq << 16 | gt) counts: a chunk holds < 2^16.
-            packed = (n_eq << 16) | n_gt
-            incl = packed
-            for sh in cutlass.range_constexpr(5):
-                o = cute.arch.shuffle_sync_up(incl, offset=1 << sh)
-                incl = incl + cutlass.select_(lane >= (1 << sh), o, Int32(0))
-            if lane == 31:
-                sWarp[warp] = incl
-            cute.arch.barrier()
-            before, total = Int32(0), Int32(0)
-            for w in cutlass.range_constexpr(self.warps):
-                x = sWarp[w]
-                before = before + cutlass.select_(w < warp, x, Int32(0))
-                total = total + x
+            excl, total = block_exclusive_scan((n_eq << 16) | n_gt, sWarp, self.warps)
             cute.arch.barrier()  # sWarp is rewritten by the next chunk
-            excl = before + incl - packed
             gt_before = gt_run + (excl & 0xFFFF)
             eq_before = eq_run + (excl >> 16)
             for j in cutlass.range_constexpr(ITEMS):
@@ -270,8 +256,8 @@ def indexer_select(workspace: IndexerWorkspace, kv_len: torch.Tensor, pos: torch
     ``None`` (the streaming kernel) or a ``(cluster, items)`` of the split kernel whose rows hold
     ``max_keys`` (``cluster * 512 * items >= max_keys``), optionally ``(cluster, items, True)``:
     its counts exchanged by ``red.async`` and mbarriers instead of cluster barriers."""
-    if (plan == "auto" and out is not None and stream is None and arch is None and jit.TVM_FFI and isinstance(workspace, IndexerWorkspace)
-            and isinstance(kv_len, torch.Tensor)):  # the eager hot path
+    if (plan == "auto" and out is not None and stream is None and arch is None and jit.TVM_FFI
+            and isinstance(workspace, IndexerWorkspace) and isinstance(kv_len, torch.Tensor)):  # the eager hot path
         bound = workspace.max_keys if max_keys is None else max_keys
         shape = kv_len.shape
         if (len(shape) == 1 and 0 < shape[0] <= workspace.max_tokens and isinstance(bound, int)

@@ -27,8 +27,8 @@ Algorithm (per token; the CTAs of its cluster run the same steps on their slices
    indices of the row. Each CTA writes its selected indices at their ranks; the CTAs share the
    ``-1`` padding.
 
-``async_counts`` (with a cluster; what :func:`split_plan` picks): the counts travel by ``red.async`` crediting each receiving
-CTA's mbarrier of the round (:func:`cute_kernels.cluster_smem.add_async_to_cta`; every warp
+``async_counts`` (with a cluster; what :func:`split_plan` picks): the counts travel by
+``red.async`` crediting each receiving CTA's mbarrier of the round (:func:`cute_kernels.cluster_smem.add_async_to_cta`; every warp
 announces its bytes to every CTA with a remote ``mbarrier.arrive.expect_tx``) and each CTA waits
 on its own mbarrier: one cluster barrier (entry) instead of five, whose release half is a
 GPU-scope ``MEMBAR`` on sm_90.
@@ -52,6 +52,7 @@ Tests / bench::
 
 from __future__ import annotations
 
+import functools
 import os
 
 import cuda.bindings.driver as cuda
@@ -62,7 +63,7 @@ from cutlass import Float32, Int32, Uint32
 from . import jit
 from .cluster_smem import add_async_to_cta, add_to_cta, arrive_expect_bytes_at_cta
 from .indexer_scores import check_compress_ratio, visible_entries
-from .radix_select import BINS_PADDED, NEG_INF_KEY, find_digit, order_key, padded
+from .radix_select import BINS_PADDED, NEG_INF_KEY, block_exclusive_scan, find_digit, order_key, padded
 
 #: the cluster sizes and per-thread key counts built (``split_plan`` picks among them)
 CLUSTERS = (1, 2, 4, 8)
@@ -80,6 +81,7 @@ MIN_SLICE = 2048
 MAX_SPLIT_CTAS = 198
 
 
+@functools.lru_cache(maxsize=1024)  # (on indexer_select's eager hot path)
 def split_plan(num_tokens: int, max_keys: int) -> tuple[int, int, bool] | None:
     """``(cluster, items, async_counts)`` for ``num_tokens`` rows of at most ``max_keys`` keys, or
     None for the streaming kernel: one CTA a row up to :data:`ONE_CTA_KEYS` keys; beyond, the
@@ -262,26 +264,13 @@ class IndexerTopkSplit:
         """Write, in index order, the row's keys > thr and its first take_eq keys == thr that lie
         in this CTA's slice, after those of the lower ranks; the CTAs share the -1 padding."""
         tidx, _, _ = cute.arch.thread_idx()
-        warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
         C = self.cluster
         n_gt, n_eq = Int32(0), Int32(0)
         for j in cutlass.range_constexpr(self.items):
             n_gt = n_gt + cutlass.select_(rK[j] > thr, Int32(1), Int32(0))
             n_eq = n_eq + cutlass.select_(rK[j] == thr, Int32(1), Int32(0))
         # Block exclusive scan of the packed (eq << 16 | gt) counts: a slice holds < 2^16 keys.
-        packed = (n_eq << 16) | n_gt
-        incl = packed
-        for sh in cutlass.range_constexpr(5):
-            o = cute.arch.shuffle_sync_up(incl, offset=1 << sh)
-            incl = incl + cutlass.select_(lane >= (1 << sh), o, Int32(0))
-        if lane == 31:
-            sWarp[warp] = incl
-        cute.arch.barrier()
-        before, total = Int32(0), Int32(0)
-        for w in cutlass.range_constexpr(self.warps):
-            x = sWarp[w]
-            before = before + cutlass.select_(w < warp, x, Int32(0))
-            total = total + x
+        excl, total = block_exclusive_scan((n_eq << 16) | n_gt, sWarp, self.warps)
         gt_base, eq_base = Int32(0), Int32(0)
         gt_all, eq_all = total & 0xFFFF, total >> 16
         if cutlass.const_expr(self.async_counts):
@@ -307,7 +296,6 @@ class IndexerTopkSplit:
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()  # (after it no CTA touches another's shared memory)
             gt_base, eq_base, gt_all, eq_all = sCnt[0], sCnt[1], sCnt[2], sCnt[3]
-        excl = before + incl - packed
         gt_before = gt_base + (excl & 0xFFFF)
         eq_before = eq_base + (excl >> 16)
         for j in cutlass.range_constexpr(self.items):

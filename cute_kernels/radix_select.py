@@ -80,3 +80,25 @@ def padded(d, bits: int):
     bins are ``2^bits / 32 + 4`` words apart: the eight lanes of each quarter-warp phase hit
     eight different groups of four banks, where without the padding they all hit one."""
     return d + ((d >> (bits - 5)) << 2)
+
+
+@cute.jit
+def block_exclusive_scan(value: Int32, sWarp: cute.Tensor, warps: cutlass.Constexpr):
+    """``(exclusive, total)``: the sum of ``value`` over the CTA's threads below this one, and
+    over all of them (warp shuffles, then the warps' sums through ``sWarp``, one word a warp;
+    one CTA barrier -- the caller syncs before ``sWarp`` is written again). The selects scan
+    their packed ``eq << 16 | gt`` counts with it."""
+    warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+    incl = value
+    for sh in cutlass.range_constexpr(5):
+        o = cute.arch.shuffle_sync_up(incl, offset=1 << sh)
+        incl = incl + cutlass.select_(lane >= (1 << sh), o, Int32(0))
+    if lane == 31:
+        sWarp[warp] = incl
+    cute.arch.barrier()
+    before, total = Int32(0), Int32(0)
+    for w in cutlass.range_constexpr(warps):
+        x = sWarp[w]
+        before = before + cutlass.select_(w < warp, x, Int32(0))
+        total = total + x
+    return before + incl - value, total
