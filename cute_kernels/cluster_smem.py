@@ -37,20 +37,31 @@ def f32_bits(x: Float32, *, loc=None, ip=None) -> Uint32:
     return Uint32(llvm.bitcast(Uint32.mlir_type, Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
-def _remote_async_store(vals, smem_ptr, rank, mbar_ptr, loc, ip):
-    """``st.async`` of the 32-bit ``vals`` (one, or a ``.v2`` / ``.v4`` vector: operands $3...)
-    to ``smem_ptr`` in CTA ``rank``, crediting that CTA's mbarrier at ``mbar_ptr``'s offset."""
-    regs = [f"${i + 3}" for i in range(len(vals))]
-    vec = "" if len(vals) == 1 else f".v{len(vals)}"
-    src = regs[0] if len(vals) == 1 else "{" + ", ".join(regs) + "}"
+def _at_cta(instr: str, ptrs, rank, vals, vtype, loc, ip):
+    """One PTX instruction on the shared memory of CTA ``rank``: each of the shared-memory
+    pointers ``ptrs`` is mapped to that CTA (``mapa``) into ``p0``, ``p1``, ...; ``instr`` names
+    them and the 32-bit ``vals`` (of ``vtype``) as ``{v}`` -- one register, or a ``{..}``
+    vector of them."""
+    n = len(ptrs)
+    regs = [f"${n + 1 + i}" for i in range(len(vals))]
+    v = regs[0] if len(regs) == 1 else "{" + ", ".join(regs) + "}"
+    names = [f"p{i}" for i in range(n)]
+    asm = ("{\n\t.reg .b32 " + ", ".join(names) + ";\n\t"
+           + "".join(f"mapa.shared::cluster.u32 {p}, ${i}, ${n};\n\t" for i, p in enumerate(names))
+           + instr.format(v=v) + ";\n\t}")
     llvm.inline_asm(
-        None, [Int32(smem_ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip),
-               Int32(mbar_ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip),
-               *[Uint32(v).ir_value(loc=loc, ip=ip) for v in vals]],
-        "{\n\t.reg .b32 a, m;\n\tmapa.shared::cluster.u32 a, $0, $2;\n\tmapa.shared::cluster.u32 m, $1, $2;\n\t"
-        f"st.async.shared::cluster.mbarrier::complete_tx::bytes{vec}.b32 [a], {src}, [m];\n\t}}",
-        "r,r,r" + ",r" * len(vals) + ",~{memory}", has_side_effects=True, is_align_stack=False,
+        None, [*[Int32(p.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip) for p in ptrs],
+               Int32(rank).ir_value(loc=loc, ip=ip), *[vtype(x).ir_value(loc=loc, ip=ip) for x in vals]],
+        asm, ",".join(["r"] * (n + 1 + len(vals))) + ",~{memory}", has_side_effects=True, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+def _remote_async_store(vals, smem_ptr, rank, mbar_ptr, loc, ip):
+    """``st.async`` of the 32-bit ``vals`` (one, or a ``.v2`` / ``.v4`` vector) to ``smem_ptr`` in
+    CTA ``rank``, crediting that CTA's mbarrier at ``mbar_ptr``'s offset."""
+    vec = "" if len(vals) == 1 else f".v{len(vals)}"
+    _at_cta(f"st.async.shared::cluster.mbarrier::complete_tx::bytes{vec}.b32 [p0], {{v}}, [p1]", [smem_ptr, mbar_ptr],
+            rank, vals, Uint32, loc, ip)
 
 
 @dsl_user_op
@@ -75,13 +86,7 @@ def add_to_cta(smem_ptr: cute.Pointer, rank: Int32, value: Int32, *, loc=None, i
     ``red.shared::cluster``, no return value). Published by a release / acquire cluster barrier
     (``cute.arch.cluster_arrive`` then ``cluster_wait``); for counts summed over the cluster's
     CTAs, which a store cannot do."""
-    llvm.inline_asm(
-        None, [Int32(smem_ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip),
-               Int32(value).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b32 a;\n\tmapa.shared::cluster.u32 a, $0, $1;\n\t"
-        "red.relaxed.cluster.shared::cluster.add.u32 [a], $2;\n\t}",
-        "r,r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip)
+    _at_cta("red.relaxed.cluster.shared::cluster.add.u32 [p0], {v}", [smem_ptr], rank, [value], Int32, loc, ip)
 
 
 @dsl_user_op
@@ -91,14 +96,8 @@ def add_async_to_cta(smem_ptr: cute.Pointer, rank: Int32, value: Int32, mbar_ptr
     CTA's mbarrier at ``mbar_ptr``'s offset (``red.async``: :func:`store_async_to_cta`'s
     publication for an add). The number of adds a CTA receives need not be known to it: each
     sender announces its bytes with :func:`arrive_expect_bytes_at_cta`."""
-    llvm.inline_asm(
-        None, [Int32(smem_ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip),
-               Int32(mbar_ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip),
-               Int32(value).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b32 a, m;\n\tmapa.shared::cluster.u32 a, $0, $2;\n\tmapa.shared::cluster.u32 m, $1, $2;\n\t"
-        "red.async.relaxed.cluster.shared::cluster.mbarrier::complete_tx::bytes.add.u32 [a], $3, [m];\n\t}",
-        "r,r,r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip)
+    _at_cta("red.async.relaxed.cluster.shared::cluster.mbarrier::complete_tx::bytes.add.u32 [p0], {v}, [p1]",
+            [smem_ptr, mbar_ptr], rank, [value], Int32, loc, ip)
 
 
 @dsl_user_op
@@ -108,10 +107,5 @@ def arrive_expect_bytes_at_cta(mbar_ptr: cute.Pointer, rank: Int32, nbytes: Int3
     mbarrier, relaxed): a sender's announcement of the bytes its async adds / stores credit
     there. With the mbarrier initialised to the number of senders' arrivals, its phase completes
     once every sender has arrived and every announced byte has landed, in whatever order."""
-    llvm.inline_asm(
-        None, [Int32(mbar_ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip),
-               Int32(nbytes).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b32 m;\n\tmapa.shared::cluster.u32 m, $0, $1;\n\t"
-        "mbarrier.arrive.expect_tx.relaxed.cluster.shared::cluster.b64 _, [m], $2;\n\t}",
-        "r,r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip)
+    _at_cta("mbarrier.arrive.expect_tx.relaxed.cluster.shared::cluster.b64 _, [p0], {v}", [mbar_ptr], rank,
+            [nbytes], Int32, loc, ip)
