@@ -69,8 +69,8 @@ from .radix_select import BINS_PADDED, NEG_INF_KEY, block_exclusive_scan, find_d
 CLUSTERS = (1, 2, 4, 8)
 ITEMS = (4, 8, 16)
 THREADS = 512
-#: rows up to this many keys take one CTA (no cluster): at 4096 keys it beat every cluster plan
-#: at T = 5..320 (``bench/bench_indexer.py --select``)
+#: rows up to this many keys take one CTA, no cluster (``bench/bench_indexer.py --select`` times
+#: the alternatives; bench/RESULTS.md)
 ONE_CTA_KEYS = THREADS * ITEMS[-1]
 #: a longer row's cluster is doubled while the grid stays within this many CTAs ...
 SPREAD_CTAS = 66
@@ -88,8 +88,8 @@ def split_plan(num_tokens: int, max_keys: int) -> tuple[int, int, bool] | None:
     smallest cluster that holds the row, doubled while the grid stays within
     :data:`SPREAD_CTAS` and the slices within :data:`MIN_SLICE`, unless the grid would pass
     :data:`MAX_SPLIT_CTAS` or the row 8 CTAs (then None); the fewest items a thread that cover
-    the slice; the counts by ``red.async`` with a cluster (faster than the cluster barriers at
-    every measured plan)."""
+    the slice; the counts by ``red.async`` with a cluster (one fence instead of five; the
+    thresholds and the exchange from ``bench/bench_indexer.py --select``)."""
     if max_keys <= ONE_CTA_KEYS:
         return 1, next(i for i in ITEMS if max_keys <= THREADS * i), False
     cluster = next((c for c in CLUSTERS if max_keys <= c * THREADS * ITEMS[-1]), None)
