@@ -56,7 +56,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import H200_COPY_BW, markdown_table, report, rotation_count, time_graph  # noqa: E402
 
+from cute_kernels import indexer_topk  # noqa: E402
 from cute_kernels.indexer_topk import IndexerWorkspace, indexer_select  # noqa: E402
+from cute_kernels.indexer_topk_split import split_plan  # noqa: E402
 from cute_kernels.masked_softmax import masked_softmax  # noqa: E402
 from cute_kernels.wo_a import wo_a  # noqa: E402
 from cute_kernels.rms_norm import rms_norm  # noqa: E402
@@ -456,8 +458,18 @@ def topk_rows(fi):
                 rows.append(row("top-k select", shape, name, t_ours, None, nbytes, "other indices: not timed"))
                 continue
             rows.append(row("top-k select", shape, name, t_ours, time_graph(kept_outputs(call), n, max(n, 20)), nbytes,
-                            "same indices"))
+                            f"same indices; ours: {select_plan_name(T, N)}"))
     return rows
+
+
+def select_plan_name(T: int, N: int) -> str:
+    """The kernel ``indexer_select``'s default plan takes for T rows of N keys."""
+    plan = split_plan(T, N) if indexer_topk.SPLIT_BY_DEFAULT else None
+    if plan is None:
+        return "streaming select"
+    cluster, items, async_counts = plan
+    return (f"split select, {cluster} CTA{'s' if cluster > 1 else ''} x {items} items"
+            + (", red.async counts" if async_counts else ""))
 
 
 #: |ours - peer| <= SOFTMAX_REL_BOUND * |peer| per probability: each rounds an FP32 value once to
