@@ -1,7 +1,7 @@
 """Benchmark the lightning indexer: scores + fused masking + top-k vs the torch composite.
 
     python bench/bench_indexer.py [--model v4|v3] [--out FILE]
-    python bench/bench_indexer.py --select [--out FILE]
+    python bench/bench_indexer.py --select [--keys N,..] [--tokens T,..] [--out FILE]
 
 ``--model v4`` (default): DeepSeek-V4's CSA indexer -- compressed entries (one per 4 tokens,
 ``compress_ratio=4``) of contexts {16K, 128K, 1M} tokens, top-512 (V4-Flash) and top-1024
@@ -91,11 +91,18 @@ def label(plan: tuple) -> str:
     return f"{plan[0]}x{plan[1]}" + ("+a" if len(plan) == 3 and plan[2] else "")
 
 
-def select_main(out: str | None):
-    """The streaming select against the split select's plans (module docstring, ``--select``)."""
+SELECT_ROWS = ((4096, 512), (32768, 512), (32768, 1024), (65536, 1024))
+SELECT_TOKENS = (5, 20, 64, 320)
+
+
+def select_main(out: str | None, keys=None, tokens=SELECT_TOKENS):
+    """The streaming select against the split select's plans (module docstring, ``--select``);
+    ``keys``: only the rows of these N."""
     rows = []
-    for N, k in ((4096, 512), (32768, 512), (32768, 1024), (65536, 1024)):
-        for T in (5, 20, 64, 320):
+    for N, k in SELECT_ROWS:
+        if keys and N not in keys:
+            continue
+        for T in tokens:
             n = rotation_count(T * N * 4)
             wss = [IndexerWorkspace(T, N) for _ in range(n)]
             for w in wss:
@@ -136,10 +143,16 @@ def main():
                     help="v4: compressed entries, top-512 / top-1024; v3: raw keys, top-2048 (default: v4)")
     ap.add_argument("--select", action="store_true",
                     help="the top-k select alone: the streaming select against the split select's plans")
+    ap.add_argument("--keys", default=None,
+                    help="with --select: only the rows of these N (comma-separated; default: "
+                         + ", ".join(str(n) for n in sorted({n for n, _ in SELECT_ROWS})) + ")")
+    ap.add_argument("--tokens", default=",".join(map(str, SELECT_TOKENS)),
+                    help="with --select: the token counts T (default: %(default)s)")
     ap.add_argument("--out", default=None, help="also write the markdown table here (default: none)")
     args = ap.parse_args()
     if args.select:
-        return select_main(args.out)
+        return select_main(args.out, keys={int(n) for n in args.keys.split(",")} if args.keys else None,
+                           tokens=[int(t) for t in args.tokens.split(",")])
     if args.model == "v4":  # (tokens of context, entries per sequence, block, k, model)
         ratio, block = 4, 5
         cases = [(ctx, ctx // 4, k, name) for ctx in (16384, 131072, 1048576)

@@ -130,7 +130,8 @@ def kept_outputs(call):
 
 
 def does_not_run(e: Exception) -> str:
-    """A table row's note for a peer call that raised."""
+    """A table row's note for a peer call that raised (the whole message goes to stderr)."""
+    print(f"peer raised {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     return f"does not run: {type(e).__name__}: {str(e)[:80]}"
 
 

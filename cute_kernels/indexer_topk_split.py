@@ -39,7 +39,7 @@ the key bound (``None``: the streaming kernel serves -- rows past 8 CTAs, or gri
 clusters, where it is faster).
 
 Constraints: ``max_keys <= cluster * threads * items`` (the host checks), ``cluster`` in
-{1, 2, 4, 8} (a portable cluster), ``items`` in {4, 8, 16}; the score row pitch is a multiple of
+{1, 2, 4, 8} (a portable cluster), ``items`` in {4, 8, 16, 32}; the score row pitch is a multiple of
 4. Numerics: integer counts of exact order keys -- no rounding. sm_90a and sm_100a (clusters and
 ``red.shared::cluster`` are sm_90+).
 
@@ -67,17 +67,21 @@ from .radix_select import BINS_PADDED, NEG_INF_KEY, block_exclusive_scan, find_d
 
 #: the cluster sizes and per-thread key counts built (``split_plan`` picks among them)
 CLUSTERS = (1, 2, 4, 8)
-ITEMS = (4, 8, 16)
+ITEMS = (4, 8, 16, 32)
 THREADS = 512
+#: keys a thread in a plan of up to MAX_SPLIT_CTAS CTAs; 32 (127 registers, the most a thread of a
+#: 512-thread CTA may hold) halves a grid that would pass it
+BASE_ITEMS = 16
 #: rows up to this many keys take one CTA, no cluster (``bench/bench_indexer.py --select`` times
 #: the alternatives; bench/RESULTS.md)
-ONE_CTA_KEYS = THREADS * ITEMS[-1]
+ONE_CTA_KEYS = THREADS * BASE_ITEMS
 #: a longer row's cluster is doubled while the grid stays within this many CTAs ...
 SPREAD_CTAS = 66
 #: ... and its slices at this many keys or more
 MIN_SLICE = 2048
-#: above this many CTAs (1.5 waves of 132 SMs, one CTA an SM) the streaming kernel serves: a
-#: cluster's CTAs wait on each other, and the grid's later waves on the first
+#: above this many CTAs (1.5 waves of 132 SMs, one CTA an SM) a plan takes 32 keys a thread on
+#: half the CTAs, and past that too the streaming kernel serves: a cluster's CTAs wait on each
+#: other, and the grid's later waves on the first
 MAX_SPLIT_CTAS = 198
 
 
@@ -85,16 +89,21 @@ MAX_SPLIT_CTAS = 198
 def split_plan(num_tokens: int, max_keys: int) -> tuple[int, int, bool] | None:
     """``(cluster, items, async_counts)`` for ``num_tokens`` rows of at most ``max_keys`` keys, or
     None for the streaming kernel: one CTA a row up to :data:`ONE_CTA_KEYS` keys; beyond, the
-    smallest cluster that holds the row, doubled while the grid stays within
-    :data:`SPREAD_CTAS` and the slices within :data:`MIN_SLICE`, unless the grid would pass
-    :data:`MAX_SPLIT_CTAS` or the row 8 CTAs (then None); the fewest items a thread that cover
-    the slice; the counts by ``red.async`` with a cluster (one fence instead of five; the
-    thresholds and the exchange from ``bench/bench_indexer.py --select``)."""
+    smallest cluster that holds the row at :data:`BASE_ITEMS` keys a thread, doubled while the
+    grid stays within :data:`SPREAD_CTAS` and the slices within :data:`MIN_SLICE`, and the
+    fewest items a thread that cover the slice; where that grid would pass
+    :data:`MAX_SPLIT_CTAS` (or the row 8 CTAs), the smallest cluster that holds it at 32 keys a
+    thread, unless that grid too passes it (then None); the counts by ``red.async`` with a
+    cluster (one fence instead of five; the thresholds and the exchange from
+    ``bench/bench_indexer.py --select``)."""
     if max_keys <= ONE_CTA_KEYS:
         return 1, next(i for i in ITEMS if max_keys <= THREADS * i), False
-    cluster = next((c for c in CLUSTERS if max_keys <= c * THREADS * ITEMS[-1]), None)
+    cluster = next((c for c in CLUSTERS if max_keys <= c * THREADS * BASE_ITEMS), None)
     if cluster is None or num_tokens * cluster > MAX_SPLIT_CTAS:
-        return None
+        cluster = next((c for c in CLUSTERS if max_keys <= c * THREADS * ITEMS[-1]), None)
+        if cluster is None or num_tokens * cluster > MAX_SPLIT_CTAS:
+            return None
+        return cluster, ITEMS[-1], cluster > 1
     while cluster < CLUSTERS[-1] and num_tokens * cluster * 2 <= SPREAD_CTAS and max_keys >= 2 * cluster * MIN_SLICE:
         cluster *= 2
     items = next(i for i in ITEMS if max_keys <= cluster * THREADS * i)

@@ -141,8 +141,8 @@ def test_select_on_given_rows(seed, T, S, topk, kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan", [None, (1, 4), (1, 16), (2, 4), (2, 16), (4, 8), (8, 4), (8, 16), (2, 4, True),
-                                  (8, 16, True)])
+@pytest.mark.parametrize("plan", [None, (1, 4), (1, 16), (1, 32), (2, 4), (2, 16), (4, 8), (8, 4), (8, 16),
+                                  (2, 4, True), (8, 16, True), (2, 32, True)])
 @pytest.mark.parametrize("kind", ["randn", "rounded", "ties"])
 def test_select_plans(seed, plan, kind):
     """The split select at every cluster size (and the streaming kernel) on the same rows, V4's
@@ -152,7 +152,7 @@ def test_select_plans(seed, plan, kind):
     ``red.async`` and mbarriers."""
     from cute_kernels.indexer_topk_split import THREADS
     C, items = (plan or (4, 8))[:2]
-    S, topk, T = min(C * THREADS * items, 12000), 512, 6
+    S, topk, T = min(C * THREADS * items, 12000 if items < 32 else 24000), 512, 6
     gen = torch.Generator().manual_seed(seed)
     ln = torch.tensor([S, S - 3, int(torch.randint(topk + 1, S, (1,), generator=gen)), (S * 3) // (2 * C) + 1,
                        topk // 2, 1], dtype=torch.int32, device="cuda")
@@ -244,21 +244,23 @@ def test_split_select_model(cluster, items, kind):
 
 def test_split_plan_and_its_validation():
     """split_plan: the row always fits the plan; rows up to 8192 keys take one CTA; longer
-    rows spread over more CTAs at small T (counts by red.async), the streaming kernel at large
-    T and past 8 CTAs' registers; a plan that cannot hold the row is refused by name before any
-    launch."""
+    rows spread over more CTAs at small T (counts by red.async), over half as many holding 32
+    keys a thread where 16 would pass the grid limit, the streaming kernel at large T and past
+    8 CTAs' registers; a plan that cannot hold the row is refused by name before any launch."""
     from cute_kernels.indexer_topk_split import MAX_SPLIT_CTAS, THREADS, split_plan
-    for T in (1, 5, 6, 12, 20, 64, 384):
-        for N in (1, 300, 4096, 8192, 32768, 65536):
+    for T in (1, 5, 6, 12, 20, 64, 100, 384):
+        for N in (1, 300, 4096, 8192, 16384, 32768, 65536, 131072, 131073):
             plan = split_plan(T, N)
             if plan is None:
-                assert N > 8192 and T * -(-N // (THREADS * 16)) > MAX_SPLIT_CTAS
+                assert N > 8192 and T * -(-N // (THREADS * 32)) > MAX_SPLIT_CTAS or N > 8 * THREADS * 32
                 continue
             c, i, a = plan
             assert c * THREADS * i >= N and a == (c > 1) and T * c <= max(T, MAX_SPLIT_CTAS)
+            assert i < 32 or T * -(-N // (THREADS * 16)) > MAX_SPLIT_CTAS or N > 8 * THREADS * 16
     assert split_plan(384, 4096) == (1, 8, False)
     assert split_plan(5, 32768) == (8, 8, True) and split_plan(20, 32768) == (4, 16, True)
-    assert split_plan(64, 32768) is None and split_plan(1, 65537) is None
+    assert split_plan(64, 32768) == (2, 32, True) and split_plan(5, 131072) == (8, 32, True)
+    assert split_plan(64, 65536) is None and split_plan(320, 16384) is None and split_plan(1, 131073) is None
     ws = IndexerWorkspace(2, 8192, device="cpu")
     ln = torch.full((2,), 8192, dtype=torch.int32)
     for bad in ((1, 8), (3, 16), (2, 5), (2, 8, 1), "fast"):
@@ -647,7 +649,7 @@ def test_v4_machine_code(name, arch, cfg):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("cluster, items, async_counts", [(1, 16, False), (8, 8, False), (8, 8, True)])
+@pytest.mark.parametrize("cluster, items, async_counts", [(1, 16, False), (8, 8, False), (8, 8, True), (2, 32, True)])
 def test_split_select_machine_code(arch, cluster, items, async_counts):
     """The split select keeps its row in registers (no local memory; one set of 16-byte loads,
     no reload per round), counts in shared memory, and with a cluster adds the counts into the
