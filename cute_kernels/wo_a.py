@@ -145,12 +145,13 @@ SM90_CUBLAS_T: dict[tuple[int, int, int], tuple[tuple[int, int], ...]] = {
     (16, 512, 2048): ((16, 32), (480, 1440), (1536, 1664)),
     (16, 1024, 1024): ((16, 32), (256, 984), (1056, 1088)),
     (16, 1024, 2048): ((16, 32), (256, 872), (888, 984)),
-    # DeepSeek-V4 (Dg = 4096): 16 < T <= 32 from the H200's paired points of bench_wo_a_v4
-    # (cuBLAS 3-7% ahead at T = 32); above 64 from an H100's grid of 48 T per shape
+    # DeepSeek-V4 (Dg = 4096): T <= 32 from the paired points of bench_wo_a_v4 on the H200 and
+    # the H100 (cuBLAS level or 1-3% ahead of the decode kernels at T = 5..16 on both, 3-7% at
+    # T = 32); above 64 from an H100's grid of 48 T per shape
     # (bench/data/wo_a_cublas_sm90_v4_h100.csv.xz), capped at T = 2048 where the H200 measured this
     # project's engine ahead at T = 4096 / 16384 and the H100 cuBLAS (docs/wo_a.md)
-    (8, 1024, 4096): ((16, 32), (320, 640), (896, 2048)),
-    (16, 1024, 4096): ((16, 32), (256, 2048)),
+    (8, 1024, 4096): ((0, 32), (320, 640), (896, 2048)),
+    (16, 1024, 4096): ((0, 32), (256, 2048)),
 }
 
 

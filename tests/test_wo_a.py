@@ -70,13 +70,15 @@ V4_SHAPES = [(8, 8, 512, 1024), (16, 8, 512, 1024)]
 @pytest.mark.gpu
 @pytest.mark.parametrize("G, HG, Dv, R", V4_SHAPES)
 @pytest.mark.parametrize("T", [1, 5, 16, 17, 33, 64, 65, 200, 1000, 4097])
-def test_v4_shapes_every_route_per_element(seed, G, HG, Dv, R, T):
-    """V4-Flash / V4-Pro at decode and prefill T through the default route (decode kernels,
-    the engine, and cuBLAS at T = 1000, inside both shapes' cuBLAS ranges), output poisoned,
-    every element within its own rounding bound (bf16 output, FP32 sum over K = 4096)."""
+@pytest.mark.parametrize("backend", [None, "cute"])
+def test_v4_shapes_every_route_per_element(seed, G, HG, Dv, R, T, backend):
+    """V4-Flash / V4-Pro at decode and prefill T through the default route (cuBLAS at T <= 32
+    and T = 1000 on the H100 / H200, the engine elsewhere) and this project's kernels alone
+    (``backend="cute"``: the decode kernels at T <= 16), output poisoned, every element within
+    its own rounding bound (bf16 output, FP32 sum over K = 4096)."""
     o, w = make(T, G, HG, Dv, R, "cuda")
     out = torch.full((T, G * R), float("nan"), device="cuda", dtype=torch.bfloat16)
-    wo_a(o, w, out=out)
+    wo_a(o, w, out=out, backend=backend)
     torch.cuda.synchronize()
     err = (out.double().cpu() - wo_a_ref(o, w)).abs()
     bound = gemm_error_bound(o, w, HG * Dv)
@@ -1091,21 +1093,22 @@ def test_route_matches_the_configs_it_names():
 
 def test_default_route_rule():
     """The default rule, stated independently of route()'s code: on the 132-SM Hopper part, for
-    each measured shape cuBLAS inside its T ranges (16 < T <= 32 among them) and nowhere else;
-    decode kernels at T <= 16 (wgmma where 64-row weight tiles leave SMs idle, G=8 R=512, or
-    at G=16 R=1024 without PDL; warp MMAs otherwise); the engine elsewhere. Unmeasured shapes,
-    another SM count and Blackwell never take cuBLAS by default."""
+    each measured shape cuBLAS inside its T ranges (16 < T <= 32 among them; V4's shapes from
+    T = 1) and nowhere else; decode kernels at T <= 16 outside them (wgmma where 64-row weight
+    tiles leave SMs idle, G=8 R=512, or at G=16 R=1024 without PDL; warp MMAs otherwise); the
+    engine elsewhere. Unmeasured shapes, another SM count and Blackwell never take cuBLAS by
+    default."""
     from cute_kernels.wo_a import SM90_CUBLAS_T, route
 
     for ranges in SM90_CUBLAS_T.values():  # at most three sorted, disjoint, non-empty ranges
         assert 1 <= len(ranges) <= 3 and list(ranges) == sorted(ranges)
         assert all(0 <= lo < hi for lo, hi in ranges) and all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
     for (G, R, Dg), ranges in SM90_CUBLAS_T.items():
-        assert (16, 32) in ranges
+        assert ranges[0] == ((0, 32) if Dg == 4096 else (16, 32))
         for T in range(1, 4200, 7):
             name = route(T, G, R, Dg, "sm_90a")[0]
             assert (name == "wo_a_cublas") == any(lo < T <= hi for lo, hi in ranges), (G, R, Dg, T)
-            if T <= 16:
+            if T <= 16 and Dg != 4096:
                 wgmma = (G, R) in ((8, 512), (16, 1024))
                 assert name == ("wo_a_decode_swap_ab" if wgmma else "wo_a_decode"), (G, R, Dg, T)
             assert route(T, G, R, Dg, "sm_90a", backend="cute")[0] != "wo_a_cublas"
@@ -1247,8 +1250,9 @@ def test_v4_routes_compile_machine_code(arch, G, T):
     """DeepSeek-V4's WO-A (Dg = 4096, R = 1024) on both archs: the kernel and config the default
     route takes at a decode, the largest decode and a prefill T compile, with their tensor-core
     instruction and no local memory (the Blackwell proof without a Blackwell GPU)."""
-    name, cfg = route(T, G, 1024, 4096, arch)
+    name, cfg = route(T, G, 1024, 4096, arch, backend="cute")  # (the default: cuBLAS at T <= 32 on sm_90a)
     h = sass.sass_histogram(name, arch, **cfg)
     assert sass.count(h, _ROUTE_MMA[(name, arch)]) >= 1, (name, cfg)
     assert sass.local_memory_ops(h) == 0, (name, cfg)
-    assert (name, cfg) in [(n, c) for n, c in aot_routes(arch, shapes=((G, 1024, 4096),))]
+    if route(T, G, 1024, 4096, arch)[0] != "wo_a_cublas":
+        assert (name, cfg) in [(n, c) for n, c in aot_routes(arch, shapes=((G, 1024, 4096),))]
