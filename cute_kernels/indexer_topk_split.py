@@ -72,6 +72,10 @@ THREADS = 512
 #: keys a thread in a plan of up to MAX_SPLIT_CTAS CTAs; 32 (127 registers, the most a thread of a
 #: 512-thread CTA may hold) halves a grid that would pass it
 BASE_ITEMS = 16
+#: whether split_plan takes the 32-key plans (for grids the 16-key ones would take past
+#: MAX_SPLIT_CTAS): off until their GPU tests and ``bench/bench_indexer.py --select`` have run;
+#: ``plan=(cluster, 32[, True])`` runs them meanwhile
+WIDE_PLANS_BY_DEFAULT = False
 #: rows up to this many keys take one CTA, no cluster (``bench/bench_indexer.py --select`` times
 #: the alternatives; bench/RESULTS.md)
 ONE_CTA_KEYS = THREADS * BASE_ITEMS
@@ -93,7 +97,8 @@ def split_plan(num_tokens: int, max_keys: int) -> tuple[int, int, bool] | None:
     grid stays within :data:`SPREAD_CTAS` and the slices within :data:`MIN_SLICE`, and the
     fewest items a thread that cover the slice; where that grid would pass
     :data:`MAX_SPLIT_CTAS` (or the row 8 CTAs), the smallest cluster that holds it at 32 keys a
-    thread, unless that grid too passes it (then None); the counts by ``red.async`` with a
+    thread (with :data:`WIDE_PLANS_BY_DEFAULT`), unless that grid too passes it (then None); the
+    counts by ``red.async`` with a
     cluster (one fence instead of five; the thresholds and the exchange from
     ``bench/bench_indexer.py --select``)."""
     if max_keys <= ONE_CTA_KEYS:
@@ -101,7 +106,7 @@ def split_plan(num_tokens: int, max_keys: int) -> tuple[int, int, bool] | None:
     cluster = next((c for c in CLUSTERS if max_keys <= c * THREADS * BASE_ITEMS), None)
     if cluster is None or num_tokens * cluster > MAX_SPLIT_CTAS:
         cluster = next((c for c in CLUSTERS if max_keys <= c * THREADS * ITEMS[-1]), None)
-        if cluster is None or num_tokens * cluster > MAX_SPLIT_CTAS:
+        if cluster is None or num_tokens * cluster > MAX_SPLIT_CTAS or not WIDE_PLANS_BY_DEFAULT:
             return None
         return cluster, ITEMS[-1], cluster > 1
     while cluster < CLUSTERS[-1] and num_tokens * cluster * 2 <= SPREAD_CTAS and max_keys >= 2 * cluster * MIN_SLICE:
