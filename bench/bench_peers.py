@@ -13,8 +13,9 @@ row saying which and why. FlashInfer's ``top_k`` runs with its JIT off unless ``
 (its nvcc build outlasts a device call): the module ``tools/build-flashinfer-topk.sh``
 prebuilds, else a "does not run" row.
 
-Families and peers (wheels: ``.devcache/peers`` and ``.devcache/peers-flashinfer``, see
-docs/device.md), in the table's order:
+Families and peers (wheels: ``.devcache/peers``, ``.devcache/peers-flashinfer`` and, for
+DeepGEMM, ``.devcache/peers-dg``: ``bash tools/device.sh deepgemm``; see docs/device.md), in the
+table's order:
 
 * MXFP8 quantisation, plain and swizzled scales: FlashInfer ``mxfp8_quantize``, its "cuda" and
   "cute-dsl" backends (the same round-up scale rule: equal scales, e4m3 codes equal or one

@@ -17,6 +17,9 @@
 #                                            V4's shapes (which should be the default plan)
 #   bash tools/device.sh bench-runtime [A..] the decode runtime at the reference lengths, synthetic
 #                                            acceptance 5.5 (further bench options A)
+#   bash tools/device.sh deepgemm            the peer benchmark's DeepGEMM family with the wheels carried in
+#                                            .devcache/peers-dg (sgl-deep-gemm 0.2.0 + apache-tvm-ffi 0.1.11,
+#                                            in their own folder; with the DSL bundle, 8 MB)
 #   bash tools/device.sh build               the AOT build for sm_90a + sm_100a and its demo
 #   bash tools/device.sh peers [A..]         the peer benchmark (bench/bench_peers.py): installs the
 #                                            wheels carried in .devcache/peers into /tmp/site (no deps)
@@ -181,6 +184,14 @@ peers)
   [ -e "$f" ] && rm -rf /tmp/site/flashinfer && tar -xJf "$f" -C /tmp/site
   # further options pass through (--families mxfp8,router); rows land in the log as they come
   python bench/bench_peers.py --out "$OUT/bench_peers.md" "$@" 2>&1 | tee "$OUT/bench_peers.log" | tail -30
+  ;;
+deepgemm)
+  # sgl-deep-gemm 0.2.0 with the apache-tvm-ffi it pins, in a folder of their own (docs/device.md)
+  for w in .devcache/peers-dg/*.whl; do
+    [ -e "$w" ] && python -m pip install -q --no-deps --no-index --target /tmp/site-dg "$w" 2>&1 | tail -1
+  done
+  PYTHONPATH=/tmp/site-dg:$PYTHONPATH DG_JIT_CACHE_DIR=/tmp/dgcache \
+    python bench/bench_peers.py --families deepgemm --out "$OUT/bench_peers_dg.md" 2>&1 | tee "$OUT/bench_peers_dg.log" | tail -20
   ;;
 build)
   python -m cute_kernels build --arch sm_90a --arch sm_100a --demo 2>&1 | tail -20 | tee "$OUT/build.log"
