@@ -225,7 +225,7 @@ def split_select_model(row: torch.Tensor, limit: int, topk: int, cluster: int, i
     return out
 
 
-@pytest.mark.parametrize("cluster, items", [(1, 4), (2, 4), (4, 8), (8, 4)])
+@pytest.mark.parametrize("cluster, items", [(1, 4), (2, 4), (4, 8), (8, 4), (2, 32)])
 @pytest.mark.parametrize("kind", ["randn", "rounded", "ties", "short"])
 def test_split_select_model(cluster, items, kind):
     """The split select's layout and offsets (:func:`split_select_model`) give the definition's
