@@ -242,43 +242,38 @@ def test_split_select_model(cluster, items, kind):
         select_ref_check(out[None], x[None], [limit], topk)
 
 
-def test_split_plan_and_its_validation():
+@pytest.mark.parametrize("wide", [False, True])
+def test_split_plan_and_its_validation(monkeypatch, request, wide):
     """split_plan: the row always fits the plan; rows up to 8192 keys take one CTA; longer
     rows spread over more CTAs at small T (counts by red.async), over half as many holding 32
-    keys a thread where 16 would pass the grid limit, the streaming kernel at large T and past
-    8 CTAs' registers; a plan that cannot hold the row is refused by name before any launch."""
+    keys a thread where 16 would pass the grid limit (with ``WIDE_PLANS_BY_DEFAULT``), the
+    streaming kernel at large T and past 8 CTAs' registers; a plan that cannot hold the row is
+    refused by name before any launch."""
     from cute_kernels import indexer_topk_split
     from cute_kernels.indexer_topk_split import MAX_SPLIT_CTAS, THREADS, split_plan
-    saved = indexer_topk_split.WIDE_PLANS_BY_DEFAULT
-    assert split_plan(64, 32768) is None or saved  # (off until timed on a GPU)
-    indexer_topk_split.WIDE_PLANS_BY_DEFAULT = True
+    monkeypatch.setattr(indexer_topk_split, "WIDE_PLANS_BY_DEFAULT", wide)
     split_plan.cache_clear()
-    try:
-        check_split_plan_rule(split_plan, MAX_SPLIT_CTAS, THREADS)
-    finally:
-        indexer_topk_split.WIDE_PLANS_BY_DEFAULT = saved
-        split_plan.cache_clear()
+    request.addfinalizer(split_plan.cache_clear)  # (after monkeypatch restores the flag)
+    widest = 32 if wide else 16
+    for T in (1, 5, 6, 12, 20, 64, 100, 384):
+        for N in (1, 300, 4096, 8192, 16384, 32768, 65536, 131072, 131073):
+            plan = split_plan(T, N)
+            if plan is None:
+                assert N > 8 * THREADS * widest or N > 8192 and T * -(-N // (THREADS * widest)) > MAX_SPLIT_CTAS
+                continue
+            c, i, a = plan
+            assert c * THREADS * i >= N and a == (c > 1) and T * c <= max(T, MAX_SPLIT_CTAS)
+            assert i < 32 or wide and (T * -(-N // (THREADS * 16)) > MAX_SPLIT_CTAS or N > 8 * THREADS * 16)
+    assert split_plan(384, 4096) == (1, 8, False)
+    assert split_plan(5, 32768) == (8, 8, True) and split_plan(20, 32768) == (4, 16, True)
+    assert split_plan(64, 32768) == ((2, 32, True) if wide else None)
+    assert split_plan(5, 131072) == ((8, 32, True) if wide else None)
+    assert split_plan(64, 65536) is None and split_plan(320, 16384) is None and split_plan(1, 131073) is None
     ws = IndexerWorkspace(2, 8192, device="cpu")
     ln = torch.full((2,), 8192, dtype=torch.int32)
     for bad in ((1, 8), (3, 16), (2, 5), (2, 8, 1), (1, 64), "fast"):
         with pytest.raises(ValueError, match="plan"):
             indexer_select(ws, ln, ln, topk=512, plan=bad)
-
-
-def check_split_plan_rule(split_plan, MAX_SPLIT_CTAS, THREADS):
-    for T in (1, 5, 6, 12, 20, 64, 100, 384):
-        for N in (1, 300, 4096, 8192, 16384, 32768, 65536, 131072, 131073):
-            plan = split_plan(T, N)
-            if plan is None:
-                assert N > 8192 and T * -(-N // (THREADS * 32)) > MAX_SPLIT_CTAS or N > 8 * THREADS * 32
-                continue
-            c, i, a = plan
-            assert c * THREADS * i >= N and a == (c > 1) and T * c <= max(T, MAX_SPLIT_CTAS)
-            assert i < 32 or T * -(-N // (THREADS * 16)) > MAX_SPLIT_CTAS or N > 8 * THREADS * 16
-    assert split_plan(384, 4096) == (1, 8, False)
-    assert split_plan(5, 32768) == (8, 8, True) and split_plan(20, 32768) == (4, 16, True)
-    assert split_plan(64, 32768) == (2, 32, True) and split_plan(5, 131072) == (8, 32, True)
-    assert split_plan(64, 65536) is None and split_plan(320, 16384) is None and split_plan(1, 131073) is None
 
 
 def make_fp8(T, S, n_seq=1, H=64, D=128):
