@@ -84,8 +84,8 @@ SPREAD_CTAS = 66
 #: ... and its slices at this many keys or more
 MIN_SLICE = 2048
 #: above this many CTAs (1.5 waves of 132 SMs, one CTA an SM) a plan takes 32 keys a thread on
-#: half the CTAs, and past that too the streaming kernel serves: a cluster's CTAs wait on each
-#: other, and the grid's later waves on the first
+#: half the CTAs (WIDE_PLANS_BY_DEFAULT), and past that too the streaming kernel serves: a
+#: cluster's CTAs wait on each other, and the grid's later waves on the first
 MAX_SPLIT_CTAS = 198
 
 
@@ -98,9 +98,8 @@ def split_plan(num_tokens: int, max_keys: int) -> tuple[int, int, bool] | None:
     fewest items a thread that cover the slice; where that grid would pass
     :data:`MAX_SPLIT_CTAS` (or the row 8 CTAs), the smallest cluster that holds it at 32 keys a
     thread (with :data:`WIDE_PLANS_BY_DEFAULT`), unless that grid too passes it (then None); the
-    counts by ``red.async`` with a
-    cluster (one fence instead of five; the thresholds and the exchange from
-    ``bench/bench_indexer.py --select``)."""
+    counts by ``red.async`` with a cluster (one fence instead of five; the thresholds and the
+    exchange from ``bench/bench_indexer.py --select``)."""
     if max_keys <= ONE_CTA_KEYS:
         return 1, next(i for i in ITEMS if max_keys <= THREADS * i), False
     cluster = next((c for c in CLUSTERS if max_keys <= c * THREADS * BASE_ITEMS), None)
