@@ -565,7 +565,6 @@ def test_engine_two_ctas_per_sm_fit(tile):
     producer warp) at <= 128 registers, so two CTAs' 16 warps fit the SM's four 16K-register
     sub-partitions -- past either the launch would silently run one CTA per SM."""
     import cutlass.cute as cute
-    from cute_kernels import jit
 
     obj, args = catalog.kernels()["wo_a"].build("sm_90a", G=16, R=1024, Dg=1024, tile_m=tile[0], tile_n=tile[1],
                                              swap_ab=True, occupancy=2)
@@ -602,7 +601,6 @@ def test_hopper_cluster_variant_multicasts(cluster):
                             cluster_n=cluster[1])
     assert sass.count(h, "UTMALDG.3D.MULTICAST") >= 1 and sass.count(h, "HGMMA.64x256x16.F32.BF16") >= 1, h
     assert sass.local_memory_ops(h) == 0
-    from cute_kernels import jit
 
     k = catalog.kernels()["wo_a"]
     assert k.canonical_config(dict(G=16, R=1024, Dg=1024, tile_m=128, tile_n=256, cluster_m=1, cluster_n=1)) == \
@@ -1040,7 +1038,6 @@ def _aot_keys(arch):
 def _route_key(name, cfg):
     import json
 
-    from cute_kernels import jit
 
     return name, json.dumps(catalog.kernels()[name].canonical_config(cfg), sort_keys=True)
 
