@@ -82,10 +82,12 @@ def _cases():
     xx = bf(T + 1, n, C)  # two overlapping [T, n, C] views
     y, w, sh = bf(rows, C), torch.rand(T, k, device="cuda"), bf(T, C)
     pos = torch.randperm(rows, device="cuda")[:T * k].int()
-    # WO-A at V4-Flash (G = 8: the split-K warp-MMA decode kernel) and V4-Pro (G = 16: the
-    # wgmma one) shapes, o [T, H, 512]
-    wo = {G: (bf(T, 8 * G, 512), bf(G, 1024, 4096) / 64) for G in (8, 16)}
-    w8, s8 = quantize_wo_a_fp8(wo[8][1])  # the checkpoint's format: e4m3, 128 x 128 block scales
+    # bf16 WO-A where the default route takes a decode kernel (G = 8: the split-K warp-MMA one,
+    # G = 16: the wgmma one), o [T, H, 512], Dg = 2048 -- V4's Dg = 4096 takes cuBLAS at T <= 32
+    # on the H100 / H200, and cuBLAS has no tensor entry
+    wo = {G: (bf(T, 4 * G, 512), bf(G, 1024, 2048) / 64) for G in (8, 16)}
+    o4 = bf(T, 64, 512)  # FP8 WO-A at V4-Flash's shape (G = 8, Dg = 4096)
+    w8, s8 = quantize_wo_a_fp8(bf(8, 1024, 4096) / 64)  # the checkpoint's format: e4m3, 128 x 128 block scales
     # MXFP8 activations for wo_a_fp8_act: e4m3 values and UE8M0 block scales near 1
     q8 = torch.randn(T, 64, 512, device="cuda").to(torch.float8_e4m3fn)
     qs8 = torch.randint(120, 130, (T, 8 * 4096 // 32), device="cuda").to(torch.uint8)
@@ -95,7 +97,7 @@ def _cases():
     ipos = torch.tensor([11999, 9000, 70, 3, 2047, 2799], dtype=torch.int32, device="cuda")
 
     def fresh():
-        for t in (x, h, f, y, w, sh, rn, rw, sc, wo[8][0], wo[16][0], qh, kv, kw_, iws.scores, q8):
+        for t in (x, h, f, y, w, sh, rn, rw, sc, wo[8][0], wo[16][0], o4, qh, kv, kw_, iws.scores, q8):
             t.copy_(torch.randn_like(t.float()).to(t.dtype))
         qs8.copy_(torch.randint(120, 130, qs8.shape, device="cuda").to(torch.uint8))
         mask.copy_(torch.rand(T, 608, device="cuda") < 0.7)
@@ -108,12 +110,12 @@ def _cases():
                (lambda out, G=G: wo_a(wo[G][0], wo[G][1], out=out[:5]), ValueError, "out must have shape"),
                (lambda out, G=G: wo_a(wo[G][0].transpose(1, 2), wo[G][1], out=out), ValueError, "contiguous")])
              for G in (8, 16)]
-    cases.append(("wo_a_fp8", lambda out, **kw: wo_a_fp8(wo[8][0], w8, s8, out=out, **kw),
+    cases.append(("wo_a_fp8", lambda out, **kw: wo_a_fp8(o4, w8, s8, out=out, **kw),
                   torch.empty(T, 8 * 1024, device="cuda").bfloat16(),
-                  [(lambda out: wo_a_fp8(wo[8][0], w8, s8[:, :4], out=out), ValueError, "scale must have shape"),
-                   (lambda out: wo_a_fp8(wo[8][0], w8.view(torch.uint8), s8, out=out), TypeError,
+                  [(lambda out: wo_a_fp8(o4, w8, s8[:, :4], out=out), ValueError, "scale must have shape"),
+                   (lambda out: wo_a_fp8(o4, w8.view(torch.uint8), s8, out=out), TypeError,
                     "w must have dtype"),
-                   (lambda out: wo_a_fp8(wo[8][0], w8, s8, out=out[:5]), ValueError, "out must have shape")]))
+                   (lambda out: wo_a_fp8(o4, w8, s8, out=out[:5]), ValueError, "out must have shape")]))
     cases.append(("wo_a_fp8_act", lambda out, **kw: wo_a_fp8_act(q8, qs8, w8, s8, out=out, **kw),
                   torch.empty(T, 8 * 1024, device="cuda").bfloat16(),
                   [(lambda out: wo_a_fp8_act(q8, qs8[:, :512], w8, s8, out=out), ValueError,
@@ -519,7 +521,7 @@ def test_hot_paths_name_a_non_tensor_argument(monkeypatch):
     from cute_kernels.rms_norm import rms_norm
     from cute_kernels.row_rms import row_rms
     from cute_kernels.wo_a import wo_a
-    from cute_kernels.wo_a_decode_fp8 import quantize_wo_a_fp8, wo_a_fp8
+    from cute_kernels.wo_a_decode_fp8 import wo_a_fp8
     from cute_kernels.indexer_topk import IndexerWorkspace, indexer_select
     from moe.experts import moe_expert_gate_up, moe_expert_gemm
     from moe.finalize import moe_finalize
