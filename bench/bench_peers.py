@@ -57,9 +57,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import H200_COPY_BW, markdown_table, report, rotation_count, time_graph  # noqa: E402
 
-from cute_kernels import indexer_topk  # noqa: E402
-from cute_kernels.indexer_topk import IndexerWorkspace, indexer_select  # noqa: E402
-from cute_kernels.indexer_topk_split import split_plan  # noqa: E402
+from cute_kernels.indexer_topk import IndexerWorkspace, default_plan, indexer_select  # noqa: E402
 from cute_kernels.masked_softmax import masked_softmax  # noqa: E402
 from cute_kernels.wo_a import wo_a  # noqa: E402
 from cute_kernels.rms_norm import rms_norm  # noqa: E402
@@ -466,7 +464,7 @@ def topk_rows(fi):
 
 def select_plan_name(T: int, N: int) -> str:
     """The kernel ``indexer_select``'s default plan takes for T rows of N keys."""
-    plan = split_plan(T, N) if indexer_topk.SPLIT_BY_DEFAULT else None
+    plan = default_plan(T, N)
     if plan is None:
         return "streaming select"
     cluster, items, async_counts = plan

@@ -262,7 +262,7 @@ def indexer_select(workspace: IndexerWorkspace, kv_len: torch.Tensor, pos: torch
         shape = kv_len.shape
         if (len(shape) == 1 and 0 < shape[0] <= workspace.max_tokens and isinstance(bound, int)
                 and 1 <= bound <= workspace.max_keys and jit.launch_tensor_entry(
-                    _TENSOR_FNS, (topk, compress_ratio, kv_len.get_device(), _auto_plan(shape[0], bound)),
+                    _TENSOR_FNS, (topk, compress_ratio, kv_len.get_device(), default_plan(shape[0], bound)),
                     workspace.scores, kv_len, pos, out, bound)):
             return out
     op = "indexer_select"
@@ -324,7 +324,10 @@ def _ratio_cfg(compress_ratio: int) -> dict:
 SPLIT_BY_DEFAULT = True
 
 
-def _auto_plan(num_tokens: int, max_keys: int):
+def default_plan(num_tokens: int, max_keys: int):
+    """The plan ``plan="auto"`` takes for ``num_tokens`` rows of at most ``max_keys`` keys: the
+    split select's :func:`~cute_kernels.indexer_topk_split.split_plan` with :data:`SPLIT_BY_DEFAULT`,
+    else (or where it gives none) None, the streaming select."""
     return indexer_topk_split.split_plan(num_tokens, max_keys) if SPLIT_BY_DEFAULT else None
 
 
@@ -334,7 +337,7 @@ def _select(workspace, kv_len, pos, out, T, topk, max_keys, compress_ratio, arch
     plan taken."""
     P = jit.gmem_ptr
     if plan == "auto":
-        plan = _auto_plan(T, max_keys)
+        plan = default_plan(T, max_keys)
     if plan is None:
         topk_fn = jit.get_kernel("indexer_topk", arch, topk=topk, **_ratio_cfg(compress_ratio))
     else:

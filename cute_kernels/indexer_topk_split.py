@@ -104,8 +104,10 @@ def split_plan(num_tokens: int, max_keys: int) -> tuple[int, int, bool] | None:
         return 1, next(i for i in ITEMS if max_keys <= THREADS * i), False
     cluster = next((c for c in CLUSTERS if max_keys <= c * THREADS * BASE_ITEMS), None)
     if cluster is None or num_tokens * cluster > MAX_SPLIT_CTAS:
+        if not WIDE_PLANS_BY_DEFAULT:
+            return None
         cluster = next((c for c in CLUSTERS if max_keys <= c * THREADS * ITEMS[-1]), None)
-        if cluster is None or num_tokens * cluster > MAX_SPLIT_CTAS or not WIDE_PLANS_BY_DEFAULT:
+        if cluster is None or num_tokens * cluster > MAX_SPLIT_CTAS:
             return None
         return cluster, ITEMS[-1], cluster > 1
     while cluster < CLUSTERS[-1] and num_tokens * cluster * 2 <= SPREAD_CTAS and max_keys >= 2 * cluster * MIN_SLICE:
