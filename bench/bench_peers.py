@@ -42,7 +42,11 @@ table's order:
   :func:`deepgemm_rows`).
 
 Not covered yet: torchao's swizzled-scale path, a gate/up comparison (ours fuses SiLU * up and
-the requantisation into it), a finalize peer (FlashInfer's runs inside its fused MoE only).
+the requantisation into it), a finalize peer: FlashInfer's finalize runs inside its fused MoE
+only; SGLang's standalone ``moe_finalize_fuse_shared`` (a fork of that kernel with the
+shared-expert add: ``sglang/kernels/jit/csrc/moe/`` in the sglang 0.5.23 wheel, a TVM-FFI module
+compiled on first use) needs its module prebuilt for sm_90a here, as
+``tools/build-flashinfer-topk.sh`` does for FlashInfer's top-k -- not built yet.
 """
 
 from __future__ import annotations
