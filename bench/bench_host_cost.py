@@ -147,8 +147,8 @@ def cases():
     ws, H = MhcStatsWorkspace(n, T, device=dev), torch.empty(T, 24, device=dev)
     o, w = bf(T, 64, 512), bf(8, 1024, 4096) / 64  # V4-Flash's WO-A (FP8 below)
     # bf16 WO-A where the default route takes a decode kernel (V4's Dg = 4096 takes cuBLAS at T <= 32)
-    o2, w2, y2 = bf(T, 32, 512), bf(8, 1024, 2048) / 64, torch.empty(T, 8 * 1024, device=dev, dtype=torch.bfloat16)
-    y = torch.empty(T, 8 * 1024, device=dev, dtype=torch.bfloat16)
+    o2, w2 = bf(T, 32, 512), bf(8, 1024, 2048) / 64
+    y = torch.empty(T, 8 * 1024, device=dev, dtype=torch.bfloat16)  # (both WO-A rows' output: same shape)
     sc, mk = bf(T, 1, 64, 592), torch.rand(T, 1, 608, device=dev) < 0.3
     sm = torch.empty_like(sc)
     q, s = torch.empty(T, C, dtype=torch.float8_e4m3fn, device=dev), torch.empty(T, C // 32, dtype=torch.uint8,
@@ -185,7 +185,7 @@ def cases():
         ("mhc_post_mix", lambda: mhc_post_mix(x3, h, x2, out=xo), lambda: ops.mhc_post_mix(x3, h, x2), xo),
         ("masked_softmax", lambda: masked_softmax(sc, mk, out=sm), lambda: ops.masked_softmax(sc, mk), sm),
         ("masked_softmax (3-D)", lambda: masked_softmax(sc3, mk2, out=sm3), lambda: ops.masked_softmax(sc3, mk2), sm3),
-        ("wo_a (decode kernel, Dg 2048)", lambda: wo_a(o2, w2, out=y2), lambda: ops.wo_a_out(o2, w2, y2), y2),
+        ("wo_a (decode kernel, Dg 2048)", lambda: wo_a(o2, w2, out=y), lambda: ops.wo_a_out(o2, w2, y), y),
         ("mxfp8_quantize", lambda: mxfp8_quantize(x2, q=q, scales=s), lambda: ops.mxfp8_quantize(x2, "plain"), q),
         ("moe_finalize (+ shared)", lambda: moe_finalize(yr, wt, pos, sh, out=fo),
          lambda: ops.moe_finalize(yr, wt, pos, sh), fo),

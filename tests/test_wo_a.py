@@ -1038,7 +1038,6 @@ def _aot_keys(arch):
 def _route_key(name, cfg):
     import json
 
-
     return name, json.dumps(catalog.kernels()[name].canonical_config(cfg), sort_keys=True)
 
 
